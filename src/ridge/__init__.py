@@ -1,0 +1,8 @@
+"""ridge: an LLM inference engine that moves fewer bytes, and tells you which wall binds."""
+
+from ridge.engine.engine import CompletionOutput, LLMEngine, RequestOutput
+from ridge.llm import LLM
+from ridge.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

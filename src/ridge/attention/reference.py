@@ -1,0 +1,35 @@
+"""The reference backend: one sequence at a time, K/V repeated per query head, softmax in float32.
+
+Slow and plain on purpose: it is what the fast backends are checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ridge.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class ReferenceBackend(AttentionBackend):
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i in range(meta.num_decodes):
+            ctx = int(meta.decode_context_lens[i])
+            out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx)
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len)
+        return out
+
+    def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+        """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
+        k, v = self.gather(layer, block_table)
+        group = q.shape[1] // self.num_kv_heads
+        k = k[:, :context_len].repeat_interleave(group, dim=0).float()  # [heads, ctx, d]
+        v = v[:, :context_len].repeat_interleave(group, dim=0).float()
+        n = q.shape[0]
+        scores = torch.einsum("nhd,hcd->hnc", q.float(), k) * self.scale
+        query_pos = torch.arange(context_len - n, context_len).unsqueeze(1)
+        causal = torch.arange(context_len).unsqueeze(0) <= query_pos  # [n, ctx]
+        scores = scores.masked_fill(~causal.to(scores.device), float("-inf"))
+        return torch.einsum("hnc,hcd->nhd", scores.softmax(-1), v).to(q.dtype)

@@ -1,0 +1,116 @@
+"""EngineConfig and ModelConfig: validated once, in __post_init__, then passed explicitly."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot read size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model computes; architectures differ by these fields, not by code paths."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # qwen2
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before rotary
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def num_parameters(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        qkv = d * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_layer = qkv + self.num_heads * self.head_dim * d + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@cache
+def cpu_has_fast_bf16() -> bool:
+    """bf16 is faster than fp32 on CPUs with AMX or AVX512-BF16 (measured: docs/benchmarks.md)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """Runtime knobs, named as in vLLM where vLLM has the same knob."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
+    attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
+    num_threads: int | None = None
+    seed: int = 0
+    torch_dtype: torch.dtype = field(init=False)
+    kv_cache_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.torch_dtype = resolve_dtype(self.dtype, self.device)
+        self.kv_cache_bytes = parse_size(self.kv_cache_memory)
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.attention_backend not in ("paged", "reference"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")

@@ -1,0 +1,229 @@
+"""LLMEngine: add_request / step / abort over the scheduler, the model runner and the sampler."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ridge.config import EngineConfig
+from ridge.engine.runner import ModelRunner
+from ridge.engine.sampler import Sampler
+from ridge.engine.scheduler import Scheduler
+from ridge.engine.sequence import Sequence, Status
+from ridge.hub import resolve
+from ridge.kv.block_pool import BlockPool
+from ridge.models.loader import LoadedModel, load_model, open_gguf
+from ridge.sampling_params import SamplingParams
+from ridge.tokenizer import IncrementalDetokenizer, RidgeTokenizer, find_stop
+
+log = logging.getLogger("ridge")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        path = resolve(config.model)
+        reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
+        self.tokenizer = RidgeTokenizer.from_path(path, reader)
+        self.loaded: LoadedModel = load_model(path, config.torch_dtype, config.device, progress, reader)
+        cfg = self.loaded.config
+        per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {config.kv_cache_bytes} bytes holds no KV block ({per_block} bytes each)"
+            )
+        pool_tokens = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, pool_tokens,
+                                 cfg.max_position_embeddings)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(
+            self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
+            config.device,
+        )
+        self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
+                 num_blocks, config.block_size, num_blocks * per_block / 2**20)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the engine cannot serve; changes no state."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty (0 tokens)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leaves no room to generate; the maximum context "
+                f"length is {self.max_model_len} tokens (prompt + at least 1 new token)"
+            )
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            if not prompt:
+                raise ValueError("prompt: must not be empty (0 characters)")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        self.validate(ids)
+        request_id = request_id if request_id is not None else str(next(self._request_ids))
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seqs = []
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + i)
+            seqs.append(Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
+                token_ids=list(ids), params=params,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                generator=generator,
+            ))
+        self._requests[request_id] = _Request(request_id, text, ids, seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return an output for every request that progressed or finished."""
+        step = self.scheduler.schedule()
+        if step.empty:
+            return self._collect([])
+        logits, samplers = self.runner.execute(step)
+        for seq, n in zip(step.seqs, step.num_tokens, strict=True):
+            seq.num_computed += n
+        if samplers:
+            result = self.sampler(logits, samplers)
+            now = time.perf_counter()
+            for seq, token, logprobs in zip(samplers, result.tokens, result.logprobs, strict=True):
+                if seq.timings.first_token is None:
+                    seq.timings.first_token = now
+                self._append(seq, token, logprobs)
+        return self._collect(samplers)
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        may_stop = seq.num_outputs >= params.min_tokens
+        if may_stop and (token in (params.stop_token_ids or ())
+                         or (not params.ignore_eos and token in self.tokenizer.stop_token_ids)):
+            self.scheduler.finish(seq, "stop", token)
+            return
+        new_from = len(seq.output_text)
+        seq.output_text += seq.detokenizer.add(token)
+        if may_stop and params.stop_strings:
+            hit = find_stop(seq.output_text, new_from, params.stop_strings)
+            if hit is not None:
+                idx, stop = hit
+                seq.output_text = seq.output_text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+                self.scheduler.finish(seq, "stop", stop)
+                return
+        if seq.num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _collect(self, progressed: list[Sequence]) -> list[RequestOutput]:
+        ids = {s.request_id for s in progressed}
+        ids.update(r.request_id for r in self._requests.values() if r.finished)
+        outputs = [self._output(self._requests[i]) for i in ids if i in self._requests]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        return outputs
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.output_text,
+                token_ids=list(s.output_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            )
+            for s in request.seqs
+        ]
+        first = request.seqs[0].timings
+        metrics = first.summary()
+        metrics["num_preemptions"] = sum(s.num_preemptions for s in request.seqs)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, metrics)
+
+    def check_integrity(self) -> None:
+        """Assert the KV accounting holds; when idle, every block is free."""
+        self.scheduler.check_integrity()
+        if not self.has_unfinished:
+            assert self.pool.num_free == self.pool.num_blocks, (
+                f"{self.pool.num_blocks - self.pool.num_free} KV blocks leaked with no request running"
+            )
+        for seq in self.scheduler.running:
+            assert seq.status is Status.RUNNING

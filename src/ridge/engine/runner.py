@@ -1,0 +1,68 @@
+"""A scheduled step -> flat tensors -> model forward -> logits of the sequences that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from ridge.attention import BACKENDS, AttentionMetadata, PrefillChunk
+from ridge.engine.scheduler import ScheduledStep
+from ridge.engine.sequence import Sequence
+from ridge.models.transformer import DecoderModel
+
+
+class ModelRunner:
+    def __init__(
+        self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.backend = BACKENDS[backend_name](
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step; return logits [S, V] for the S sequences that reach their last token, and those."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[Sequence] = []
+        prefills: list[PrefillChunk] = []
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
+            start, end = seq.num_computed, seq.num_computed + n
+            table = seq.block_table
+            if i >= step.num_decodes:
+                prefills.append(
+                    PrefillChunk(len(input_ids), n, end, torch.tensor(table[: -(-end // bs)], device=self.device))
+                )
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end == len(seq.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(seq)
+
+        decodes = step.seqs[: step.num_decodes]
+        width = max((len(s.block_table) for s in decodes), default=1)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+        as_long = {"dtype": torch.long, "device": self.device}
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, **as_long),
+            num_decodes=step.num_decodes,
+            decode_block_tables=torch.tensor(tables, **as_long).view(len(decodes), width),
+            decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], **as_long),
+            prefills=prefills,
+        )
+        self.backend.prepare(meta)
+        logits = self.model(
+            torch.tensor(input_ids, **as_long),
+            torch.tensor(positions, **as_long),
+            self.backend,
+            meta,
+            torch.tensor(sample_rows, **as_long),
+        )
+        return logits, samplers

@@ -1,0 +1,90 @@
+"""One sequence's state: its tokens, how many of them are in the KV cache, its block table, its text."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ridge.sampling_params import SamplingParams
+from ridge.tokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def summary(self) -> dict[str, float | None]:
+        def span(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
+
+        return {
+            "queue_s": span(self.arrival, self.first_scheduled),
+            "ttft_s": span(self.arrival, self.first_token),
+            "decode_s": span(self.first_token, self.finished),
+            "e2e_s": span(self.arrival, self.finished),
+        }
+
+
+@dataclass(eq=False)
+class Sequence:
+    """token_ids = prompt + output. Tokens [0, num_computed) have K/V in the cache; the rest await a step.
+
+    A sequence samples its next token in the step that computes its last token.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    output_text: str = ""
+    streamed_chars: int = 0  # how much of output_text has been handed out as deltas
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_preemptions: int = 0
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V still has to be computed (1 for a decode, more while prefilling)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def stream_delta(self) -> str:
+        """Text not yet handed out; while running, hold back what could still become a stop string."""
+        hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop_strings), default=0)
+        end = max(self.streamed_chars, len(self.output_text) - hold)
+        delta = self.output_text[self.streamed_chars : end]
+        self.streamed_chars = end
+        return delta

@@ -1,0 +1,165 @@
+"""GGUF and safetensors files -> a DecoderModel with fused q/k/v and gate/up weights.
+
+Both formats are mapped onto ridge's parameter names; a name that maps to a fused parameter carries
+its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
+GGUF tensors are dequantized to the requested dtype (native block formats are a later layer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ridge.config import ModelConfig
+from ridge.models.registry import config_from_gguf, config_from_hf
+from ridge.models.transformer import DecoderModel
+
+# (source-name pattern, ridge name template, slot in a fused parameter or None)
+_GGUF_NAMES = [
+    (r"token_embd\.weight", "embed_tokens.weight", None),
+    (r"output_norm\.weight", "norm.weight", None),
+    (r"output\.weight", "lm_head.weight", None),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
+]
+_HF_NAMES = [
+    (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
+    (r"model\.norm\.weight", "norm.weight", None),
+    (r"lm_head\.weight", "lm_head.weight", None),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
+]
+
+
+def _map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
+    for pattern, template, slot in table:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups()), slot
+    raise ValueError(f"tensor {name!r} has no place in the model (unsupported architecture variant?)")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: DecoderModel
+    path: Path
+    weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
+
+
+def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Scalar and string metadata (arrays such as the vocabulary are left to the tokenizer)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] != GGUFValueType.ARRAY:
+            meta[key] = field.contents()
+    return meta
+
+
+def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo the row permutation llama.cpp's converter applies to llama q/k (interleaved -> halves rotary)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+    for t in tqdm(reader.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
+        data = dequantize(t.data, t.tensor_type)
+        data = data.reshape([int(n) for n in reversed(t.shape.tolist())])
+        if cfg.architecture == "llama" and re.search(r"attn_[qk]\.", t.name):
+            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+            data = _unpermute_rotary(data, heads)
+        yield t.name, data
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, reader: GGUFReader | None = None
+) -> LoadedModel:
+    if path.is_dir():
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+        tensors = _safetensors(path, progress)
+        table, fmt = _HF_NAMES, "safetensors"
+    else:
+        reader = reader or open_gguf(path)
+        names = {t.name for t in reader.tensors}
+        cfg = config_from_gguf(gguf_metadata(reader), names)
+        tensors = _gguf_tensors(reader, cfg, progress)
+        table = _GGUF_NAMES
+        kinds = sorted({t.tensor_type.name for t in reader.tensors} - {"F32", "F16", "BF16"})
+        fmt = f"gguf {'+'.join(kinds) or 'float'}"
+
+    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    state: dict[str, torch.Tensor] = {}
+    for name, array in tensors:
+        target, slot = _map_name(name, table)
+        if target == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        tensor = torch.from_numpy(np.array(array)) if isinstance(array, np.ndarray) else array
+        tensor = tensor.to(dtype=dtype)
+        if slot is None:
+            state[target] = tensor
+        else:
+            parts[target][slot] = tensor
+    for target, slots in parts.items():
+        state[target] = torch.cat([slots[i] for i in sorted(slots)], dim=0)
+
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"{path}: weights missing for {sorted(missing)[:5]}")
+    model.load_state_dict(state, assign=True, strict=True)
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(cfg, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """GGUFReader with the failures a user can act on named plainly."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors...
+        raise ValueError(f"{path}: not a readable GGUF file ({exc}); re-pull it or check the download") from exc
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{path}: truncated GGUF file (tensor {t.name} runs past the end of the file)")
+    return reader
+
+
+def _safetensors(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    for file in tqdm(files, desc="load", unit="file", disable=not progress, leave=False):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+

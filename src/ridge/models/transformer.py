@@ -1,0 +1,47 @@
+"""The decoder-only transformer that llama, qwen2 and qwen3 share; they differ only in ModelConfig."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.config import ModelConfig
+from ridge.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flat [T] tokens of every scheduled sequence -> float32 logits at `logits_indices` (all if None).
+
+        Only the positions that get sampled pay for the vocabulary projection, which for a small model
+        is a large share of all weights.
+        """
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, backend, meta)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
+        return torch.nn.functional.linear(x, self.output_weight).float()

@@ -1,0 +1,218 @@
+"""Tokenizer, chat template, incremental detokenizer and stop strings.
+
+A GGUF file carries its BPE vocabulary, merges and pre-tokenizer name; we rebuild the same
+`tokenizers` pipeline that the model's original tokenizer.json describes. An HF directory's
+tokenizer.json is loaded as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level_only])
+    if pre in ("llama-bpe", "llama3"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level_only])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    return gpt2  # "gpt2", "default" and unknown names: GPT-2's own split
+
+
+# Tokens that end a turn in the chat formats we know; generation stops on them as on EOS.
+_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
+
+# GGUF token types (llama.cpp's enum)
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TokenizerInfo:
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool
+    chat_template: str | None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.get_field(key)
+    return default if f is None else f.contents()
+
+
+def tokenizer_from_gguf(reader: GGUFReader) -> tuple[Tokenizer, TokenizerInfo]:
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported yet (only BPE 'gpt2' vocabularies)")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    info = TokenizerInfo(
+        bos_token_id=bos,
+        eos_token_id=eos,
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    info.stop_token_ids = _stop_ids(vocab, eos, eot)
+    return tok, info
+
+
+def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+
+    def token_id(value: Any) -> int | None:
+        if isinstance(value, dict):
+            value = value.get("content")
+        return tok.token_to_id(value) if isinstance(value, str) else None
+
+    bos, eos = token_id(cfg.get("bos_token")), token_id(cfg.get("eos_token"))
+    gen_eos = gen.get("eos_token_id")
+    extra = set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    info = TokenizerInfo(
+        bos_token_id=bos,
+        eos_token_id=eos,
+        add_bos=bool(cfg.get("add_bos_token", False)),
+        chat_template=cfg.get("chat_template"),
+    )
+    info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
+    return tok, info
+
+
+def _stop_ids(vocab: dict[str, int], eos: int | None, eot: int | None) -> frozenset[int]:
+    ids = {i for i in (eos, eot) if i is not None}
+    ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
+    return frozenset(ids)
+
+
+class RidgeTokenizer:
+    """Encode/decode plus the model's BOS rule and chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, info: TokenizerInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = _compile_template(info.chat_template) if info.chat_template else None
+
+    @classmethod
+    def from_path(cls, path: Path, reader: GGUFReader | None = None) -> RidgeTokenizer:
+        if path.is_dir():
+            return cls(*tokenizer_from_hf_dir(path))
+        return cls(*tokenizer_from_gguf(reader or GGUFReader(path)))
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.info.stop_token_ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.info.bos_token_id
+        # A template that already starts with BOS must not get a second one (llama.cpp warns about that).
+        if add_special_tokens and self.info.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("messages: this model has no chat template; pass a plain prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+        bos, eos = self.info.bos_token_id, self.info.eos_token_id
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token_text(bos) if bos is not None else "",
+            eos_token=self.token_text(eos) if eos is not None else "",
+            tools=None,
+        )
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template: {message}")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    A byte-level BPE token may hold part of a character; decoding it alone yields U+FFFD. We keep
+    a short window of tokens (from `prefix` to the end) and release text only once the window's
+    decoding no longer ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: RidgeTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decoding window
+        self._read = 0  # tokens before this index are already released
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+
+def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string that ends in text[new_from:] -> (its start index, the string).
+
+    Only matches that end inside the new text count; a stop spanning several tokens is found once
+    its last character arrives.
+    """
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, new_from - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
