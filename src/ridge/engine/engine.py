@@ -16,6 +16,7 @@ from ridge.engine.sampler import Sampler
 from ridge.engine.scheduler import Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.hub import resolve
+from ridge.kernels import onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.sampling_params import SamplingParams
@@ -66,6 +67,8 @@ class LLMEngine:
         self.tokenizer = RidgeTokenizer.from_path(path, reader)
         self.loaded: LoadedModel = load_model(path, config.torch_dtype, config.device, progress, reader)
         cfg = self.loaded.config
+        if config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
+            onednn_linear.pack_linears(self.loaded.model)
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:

@@ -19,6 +19,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -38,10 +39,12 @@ class DecoderModel(nn.Module):
         is a large share of all weights.
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, rope, backend, meta)
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
+        if self.output_projection is not None:
+            return self.output_projection(x).float()
         return torch.nn.functional.linear(x, self.output_weight).float()

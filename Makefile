@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - install into .venv, pull the default model, run the demo (streamed chat + throughput)
+#   make test  - install into .venv, pull the test models, run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench-latency bench-throughput models
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: here it resolves to the local CPU wheel, never the multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+models: $(STAMP)
+	$(VENV)/bin/ridge pull smollm2 qwen2.5-coder-0.5b
+
+run: $(STAMP)
+	$(VENV)/bin/ridge pull smollm2
+	$(VENV)/bin/ridge demo
+
+test: models
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+bench-latency: $(STAMP)
+	$(VENV)/bin/ridge bench latency --all-peers
+
+bench-throughput: $(STAMP)
+	$(VENV)/bin/ridge bench throughput --all-peers

