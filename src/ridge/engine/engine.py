@@ -13,7 +13,7 @@ import torch
 from ridge.config import EngineConfig
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler
-from ridge.engine.scheduler import Scheduler
+from ridge.engine.scheduler import ScheduledStep, Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.hub import resolve
 from ridge.kernels import onednn_linear
@@ -169,6 +169,22 @@ class LLMEngine:
                     seq.timings.first_token = now
                 self._append(seq, token, logprobs)
         return self._collect(samplers)
+
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits [T, V] at every position of token_ids (row i predicts token i + 1).
+
+        Runs as one prefill on blocks of its own, taken from and returned to the pool; no request state
+        changes. For reference checks and perplexity.
+        """
+        self.validate(token_ids)
+        blocks = self.pool.allocate(self.pool.blocks_for(len(token_ids)))
+        seq = Sequence(seq_id=-1, request_id="", index=0, prompt_len=len(token_ids), token_ids=list(token_ids),
+                       params=SamplingParams(), detokenizer=None, block_table=blocks)
+        try:
+            logits, _ = self.runner.execute(ScheduledStep([seq], [len(token_ids)], num_decodes=0), all_logits=True)
+        finally:
+            self.pool.release(blocks)
+        return logits
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         params = seq.params

@@ -23,8 +23,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; return logits [S, V] for the S sequences that reach their last token, and those."""
+    def execute(self, step: ScheduledStep, all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step; return logits [S, V] for the S sequences that reach their last token, and those.
+
+        all_logits: logits for every token of the step instead (scoring a prompt).
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -63,6 +66,6 @@ class ModelRunner:
             torch.tensor(positions, **as_long),
             self.backend,
             meta,
-            torch.tensor(sample_rows, **as_long),
+            None if all_logits else torch.tensor(sample_rows, **as_long),
         )
         return logits, samplers
