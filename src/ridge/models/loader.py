@@ -110,8 +110,8 @@ def load_model(
         table, fmt = _HF_NAMES, "safetensors"
     else:
         reader = reader or open_gguf(path)
-        names = {t.name for t in reader.tensors}
-        cfg = config_from_gguf(gguf_metadata(reader), names)
+        shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
+        cfg = config_from_gguf(gguf_metadata(reader), shapes)
         tensors = _gguf_tensors(reader, cfg, progress)
         table = _GGUF_NAMES
         kinds = sorted({t.tensor_type.name for t in reader.tensors} - {"F32", "F16", "BF16"})

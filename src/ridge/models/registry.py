@@ -69,7 +69,8 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(params.get("rope_theta", 10000.0))
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """tensor_shapes in PyTorch order (GGUF stores dimensions reversed)."""
     arch = check_supported(meta["general.architecture"])
 
     def key(name: str, default: Any = None) -> Any:
@@ -79,7 +80,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     hidden = key("embedding_length")
     fields: dict[str, Any] = {
         "architecture": arch,
-        "vocab_size": key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        "vocab_size": tensor_shapes["token_embd.weight"][0],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_layers": key("block_count"),
@@ -89,9 +90,9 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": key("context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes,
     }
     fields.update(ARCHITECTURES[arch])
     if arch == "llama":
-        fields["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     return ModelConfig(**fields)
