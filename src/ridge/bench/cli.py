@@ -151,7 +151,11 @@ def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) ->
             except RuntimeError as exc:
                 results.append(EngineResult(name, error=str(exc)))
                 continue
-        results.append(run_peer(name, python, job, timeout=args.peer_timeout))
+        result = run_peer(name, python, job, timeout=args.peer_timeout)
+        if name == "llamacpp" and result.error and result.error.startswith("exit -11"):
+            print("[bench] llama.cpp crashed (SIGSEGV); retrying without AMX/repacked weights", file=sys.stderr)
+            result = run_peer(name, python, {**job, "no_extra_bufts": True}, timeout=args.peer_timeout)
+        results.append(result)
     for name in PEERS:
         if name not in peers:
             results.append(EngineResult(name, error=f"not installed (../shared/peers/install.sh {name}, "

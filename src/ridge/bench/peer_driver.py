@@ -110,7 +110,22 @@ def vllm(job) -> dict:
 
 # ---- llama.cpp -----------------------------------------------------------------------------------------
 def llamacpp(job) -> dict:
+    import llama_cpp.llama_cpp as low_level
     from llama_cpp import Llama
+
+    note = "one request at a time; GGUF weights as they are"
+    if job.get("no_extra_bufts"):
+        # Builds with AMX enabled can crash in the AMX matmul on some VMs; without the extra buffer
+        # types (AMX and weight repacking) llama.cpp runs its plain CPU kernels.
+        default_params = low_level.llama_model_default_params
+
+        def plain_params():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        low_level.llama_model_default_params = plain_params
+        note += "; AMX/repacking off (this build crashed with them)"
 
     longest = max(len(r["prompt_ids"]) + r["max_tokens"] for r in job["requests"])
     llm = Llama(model_path=job["gguf"], n_ctx=max(longest + 8, 512), n_threads=job.get("threads") or os.cpu_count(),
@@ -124,13 +139,13 @@ def llamacpp(job) -> dict:
         return time.perf_counter() - t
 
     if job["mode"] == "latency":
-        return _latency(run_one, job)
+        return {**_latency(run_one, job), "note": note}
     reqs = job["requests"]
     run_one(reqs[0]["prompt_ids"], 2)
     start = time.perf_counter()
     for r in reqs:
         run_one(r["prompt_ids"], r["max_tokens"])
-    return {"elapsed_s": time.perf_counter() - start, "note": "one request at a time; GGUF weights as they are"}
+    return {"elapsed_s": time.perf_counter() - start, "note": note}
 
 
 ENGINES = {"hf": hf, "vllm": vllm, "llamacpp": llamacpp}
