@@ -148,7 +148,9 @@ def open_gguf(path: Path) -> GGUFReader:
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors...
-        raise ValueError(f"{path}: not a readable GGUF file ({exc}); re-pull it or check the download") from exc
+        raise ValueError(
+            f"{path}: not a readable GGUF file, truncated or corrupt ({exc}); re-pull it or check the download"
+        ) from exc
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:

@@ -1,0 +1,37 @@
+"""The command line, as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+RIDGE = [sys.executable, "-m", "ridge.cli"]
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([*RIDGE, *args], capture_output=True, text=True, check=check, timeout=600)
+
+
+def test_help_explains_every_command():
+    out = run("--help").stdout
+    for command in ("pull", "generate", "chat", "demo", "bench"):
+        assert command in out
+    assert "--kv-cache-memory" in run("generate", "--help").stdout
+    assert "--peer" in run("bench", "throughput", "--help").stdout
+
+
+def test_pull_unknown_model_lists_known(smollm2_path):
+    result = run("pull", "nope", check=False)
+    assert result.returncode == 2 and "smollm2" in result.stderr and "qwen2.5-coder-0.5b" in result.stderr
+
+
+def test_generate_json(smollm2_path):
+    result = run("generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0", "--max-tokens", "8",
+                 "--json", "--kv-cache-memory", "64MiB")
+    record = json.loads(result.stdout)
+    assert record["outputs"][0]["finish_reason"] in ("stop", "length")
+    assert len(record["outputs"][0]["token_ids"]) <= 8 and record["metrics"]["ttft_s"] > 0
+
+
+def test_generate_bad_value_is_a_clear_error(smollm2_path):
+    result = run("generate", "--prompt", "hi", "--top-p", "1.5", check=False)
+    assert result.returncode == 2 and "top_p" in result.stderr and "(0, 1]" in result.stderr

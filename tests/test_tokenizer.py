@@ -1,0 +1,63 @@
+"""The GGUF-built tokenizer against HF's own reading of the same file; detokenizer and stop strings."""
+
+import pytest
+
+from ridge.tokenizer import IncrementalDetokenizer, RidgeTokenizer, find_stop
+
+TEXTS = [
+    "Hello world! 12345 tokens,   spaces\n\n\ttabs",
+    "def f(x):\n    return x**2  # héllo 日本語 🙂",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "I'm here, you've said: 'don't' 3.14159",
+    "   leading and trailing   ",
+    "a\r\nb\n\n\nc",
+]
+
+
+@pytest.fixture(scope="module", params=["smollm2_path", "qwen_path"])
+def pair(request):
+    from transformers import AutoTokenizer
+
+    path = request.getfixturevalue(request.param)
+    return RidgeTokenizer.from_path(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_encode_decode_match_hf(pair):
+    ours, hf = pair
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text), text
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+
+
+def test_chat_template_matches_hf(pair):
+    ours, hf = pair
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == expected
+
+
+def test_end_of_turn_tokens_stop_generation(pair):
+    ours, _ = pair
+    im_end = ours.tokenizer.token_to_id("<|im_end|>")
+    assert im_end in ours.stop_token_ids
+
+
+def test_incremental_detokenizer_never_splits_a_character(smollm2_path):
+    tok = RidgeTokenizer.from_path(smollm2_path)
+    text = "naïve café — 日本語のテキスト 🙂🚀 done"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a token holding part of a character"
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids)
+
+
+def test_stop_string_spanning_tokens():
+    text = "the answer is ###END"
+    # the stop arrives split: "##" in one delta, "#END" in the next
+    assert find_stop("the answer is ##", 14, ("###END",)) is None
+    assert find_stop(text, 16, ("###END",)) == (14, "###END")
+    assert find_stop(text, 16, ("END", "###")) == (14, "###")  # the earliest match wins
