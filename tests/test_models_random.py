@@ -6,8 +6,9 @@ saved as safetensors, and loaded by both sides from the same files.
 
 import pytest
 import torch
-from conftest import random_prompts
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from conftest import random_prompts
 
 VOCAB = 320
 

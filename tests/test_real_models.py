@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import CHAT_PROMPTS, hf_greedy
 
+from conftest import CHAT_PROMPTS, hf_greedy
 from ridge import SamplingParams
 
 

@@ -1,8 +1,8 @@
 """The runtime must not change greedy output: batching, chunked prefill, preemption, backend, dtype path."""
 
 import pytest
-from conftest import CHAT_PROMPTS, random_prompts
 
+from conftest import CHAT_PROMPTS, random_prompts
 from ridge import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
