@@ -99,6 +99,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
+    cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     num_threads: int | None = None
     seed: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -54,6 +55,7 @@ class AttentionBackend(ABC):
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = head_dim**-0.5
+        self.decode_kernel: ModuleType | None = None  # kernels/cpu_ops.py, for backends that use it
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step work shared by all layers (masks); called once before the forward pass."""

@@ -13,15 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
-from ridge.kernels import cpu_attention
 
 
 class PagedBackend(AttentionBackend):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        on_cpu = self.k_cache[0].device.type == "cpu"
-        self.decode_kernel = cpu_attention.load() if on_cpu else None
-
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
         if meta.num_decodes and self.decode_kernel is None:

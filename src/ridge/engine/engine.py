@@ -16,7 +16,7 @@ from ridge.engine.sampler import Sampler
 from ridge.engine.scheduler import ScheduledStep, Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.hub import resolve
-from ridge.kernels import onednn_linear
+from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.sampling_params import SamplingParams
@@ -69,6 +69,8 @@ class LLMEngine:
         cfg = self.loaded.config
         if config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
             onednn_linear.pack_linears(self.loaded.model)
+        kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
+        self.loaded.model.use_kernels(kernels)
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
@@ -82,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
-            config.device,
+            config.device, decode_kernel=kernels,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self._requests: dict[str, _Request] = {}

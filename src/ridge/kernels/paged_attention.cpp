@@ -126,7 +126,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (CPU)");
-}

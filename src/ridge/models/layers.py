@@ -6,6 +6,8 @@ each op costs microseconds of overhead regardless of size, and a small model run
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,13 +17,24 @@ from ridge.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add before it (vLLM's (x, residual) convention)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: ModuleType | None = None  # fused CPU kernels, set by DecoderModel.use_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given a residual: residual += x (in place), return (norm(residual), residual)."""
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.ops.add_rms_norm_(residual, x, self.weight, self.eps), residual
+        residual += x
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,9 +102,13 @@ class GatedMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.ops is not None:
+            return self.down(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -103,6 +120,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, x, rope, backend, meta) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, backend, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (or the embeddings)."""
+        if residual is None:
+            residual, x = x, self.input_norm(x)
+        else:
+            x, residual = self.input_norm(x, residual)
+        x = self.attn(x, rope, backend, meta)
+        x, residual = self.post_attn_norm(x, residual)
+        return self.mlp(x), residual

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.config import ModelConfig
-from ridge.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from ridge.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class DecoderModel(nn.Module):
@@ -20,6 +22,12 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
+
+    def use_kernels(self, ops: ModuleType | None) -> None:
+        """Route norms and the MLP activation through fused kernels (None: plain torch ops)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | GatedMLP):
+                module.ops = ops
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -40,11 +48,12 @@ class DecoderModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, backend, meta)
+            x, residual = layer(x, residual, rope, backend, meta)
         if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x)
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm(x, residual)
         if self.output_projection is not None:
             return self.output_projection(x).float()
         return torch.nn.functional.linear(x, self.output_weight).float()

@@ -1,0 +1,35 @@
+"""ridge's hand-written CPU kernels, compiled on first use.
+
+- paged_attention.cpp: decode attention straight from the paged KV cache. torch has no paged attention
+  for the CPU; built from torch ops it gathers every sequence's blocks into a dense copy per layer and
+  step, moving three times the KV bytes the math needs.
+- fused_ops.cpp: residual add + RMSNorm, and silu(gate) * up, each one pass instead of 3-8 torch ops:
+  at batch 1 a small model's step is bounded by per-op overhead as much as by its weight reads.
+
+torch builds them with the system C++ compiler into its extension cache (~/.cache/torch_extensions):
+the first start on a machine pays about a minute, later ones nothing. Without a compiler, ridge keeps
+the pure-torch paths, which give the same results more slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("ridge")
+SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+
+
+@cache
+def load() -> ModuleType | None:
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+        return build(name="ridge_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                     extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no headers, a build error: fall back, loudly
+        log.warning("ridge: C++ CPU kernels unavailable (%s); using the torch paths", exc)
+        return None

@@ -1,0 +1,55 @@
+"""ridge's C++ CPU kernels against the torch ops they replace."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ridge.attention import AttentionMetadata, PagedBackend
+from ridge.kernels import cpu_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_gathered_sdpa(ops, dtype):
+    torch.manual_seed(0)
+    kv_heads, group, d, blocks, bs, batch = 2, 3, 64, 64, 16, 6
+    backend = PagedBackend(1, kv_heads, d, blocks, bs, dtype, "cpu")
+    backend.k_cache[0].normal_()
+    backend.v_cache[0].normal_()
+    lens = torch.tensor([1, 15, 16, 17, 100, 250])
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])
+    q = torch.randn(batch, kv_heads * group, d, dtype=dtype)
+    meta = AttentionMetadata(torch.zeros(batch, dtype=torch.long), batch, tables, lens, [])
+    backend.prepare(meta)
+    expected = backend.attend(0, q, meta)  # no kernel attached: gathered SDPA
+    got = ops.paged_decode(q, backend.k_cache[0], backend.v_cache[0], tables, lens, backend.scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - expected.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(ops, dtype):
+    x, residual = torch.randn(5, 576, dtype=dtype), torch.randn(5, 576, dtype=dtype)
+    weight = torch.randn(576, dtype=dtype)
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual.float(), (576,), None, 1e-5).to(dtype) * weight
+    got = ops.add_rms_norm_(residual, x, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.float() - expected.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(ops, dtype):
+    gate_up = torch.randn(4, 2 * 96, dtype=dtype)
+    gate, up = gate_up.split(96, dim=-1)
+    expected = F.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (ops.silu_mul(gate_up).float() - expected.float()).abs().max().item() < tol
