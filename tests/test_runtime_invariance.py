@@ -50,7 +50,7 @@ def test_reference_backend_agrees(make_llm, smollm2_path, prompts, alone):
 def test_cpu_kernels_agree_with_torch_ops(make_llm, smollm2_path, prompts, alone):
     """The C++ decode attention and fused norm / activation against the pure-torch paths, in float32."""
     plain = make_llm(smollm2_path, dtype="float32", cpu_kernels=False)
-    assert plain.engine.runner.backend.decode_kernel is None
+    assert plain.engine.runner.backend.ops is None
     assert tokens(plain.generate(prompts[:12], GREEDY)) == alone[:12]
 
 

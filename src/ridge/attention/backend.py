@@ -55,13 +55,16 @@ class AttentionBackend(ABC):
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = head_dim**-0.5
-        self.decode_kernel: ModuleType | None = None  # kernels/cpu_ops.py, for backends that use it
+        self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step work shared by all layers (masks); called once before the forward pass."""
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] -> the cache slots of those tokens."""
+        if self.ops is not None:
+            self.ops.cache_write_(self.k_cache[layer], self.v_cache[layer], k, v, slots)
+            return
         flat = (self.num_kv_heads, -1, self.head_dim)
         self.k_cache[layer].view(flat).index_copy_(1, slots, k.transpose(0, 1))
         self.v_cache[layer].view(flat).index_copy_(1, slots, v.transpose(0, 1))

@@ -18,7 +18,7 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata
 class PagedBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
-        if meta.num_decodes and self.decode_kernel is None:
+        if meta.num_decodes and self.ops is None:
             width = meta.decode_block_tables.shape[1] * self.block_size
             positions = torch.arange(width, device=device)
             # [1, B, 1, L]: broadcast over kv heads and the query group
@@ -54,8 +54,8 @@ class PagedBackend(AttentionBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
-        if self.decode_kernel is not None:
-            return self.decode_kernel.paged_decode(q, self.k_cache[layer], self.v_cache[layer],
+        if self.ops is not None:
+            return self.ops.paged_decode(q, self.k_cache[layer], self.v_cache[layer],
                                                    meta.decode_block_tables, meta.decode_context_lens, self.scale)
         b, heads, d = q.shape
         group = heads // self.num_kv_heads

@@ -84,7 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
-            config.device, decode_kernel=kernels,
+            config.device, cpu_ops=kernels,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self._requests: dict[str, _Request] = {}

@@ -15,7 +15,7 @@ from ridge.models.transformer import DecoderModel
 class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: str, decode_kernel: ModuleType | None = None,
+        device: str, cpu_ops: ModuleType | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -24,7 +24,7 @@ class ModelRunner:
         self.backend = BACKENDS[backend_name](
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
         )
-        self.backend.decode_kernel = decode_kernel
+        self.backend.ops = cpu_ops
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:

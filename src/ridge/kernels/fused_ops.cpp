@@ -6,6 +6,8 @@
 
 #include <math.h>
 
+#include <algorithm>
+
 // residual += x (rounded to the dtype, as torch's add would), then
 // out = weight * dtype(residual * rsqrt(mean(residual^2) + eps)), the HF RMSNorm formula.
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps) {
@@ -66,4 +68,56 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     });
   });
   return out;
+}
+
+// Rotate heads [0, rotated_heads) of x: [T, heads, d] in place: the two halves of a head are the real and
+// imaginary parts, turned by the angle pos * freq; table: [max_pos, d / 2, 2] = (cos, sin).
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x [T, heads, d], rows dense");
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat, "rotary_: float32 table");
+  positions = positions.contiguous();
+  const int64_t tokens = x.size(0), d = x.size(2), half = d / 2, row_stride = x.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* tab = table.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotary_", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cs = tab + pos[t] * half * 2;
+        for (int64_t h = 0; h < rotated_heads; ++h) {
+          scalar_t* head = base + t * row_stride + h * d;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = static_cast<float>(head[i]), b = static_cast<float>(head[i + half]);
+            const float c = cs[2 * i], s = cs[2 * i + 1];
+            head[i] = static_cast<scalar_t>(a * c - b * s);
+            head[i + half] = static_cast<scalar_t>(b * c + a * s);
+          }
+        }
+      }
+    });
+  });
+}
+
+// k, v: [T, kv_heads, d] (rows dense, any token stride) -> caches [kv_heads, blocks * block_size, d] at slots
+void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                  torch::Tensor slots) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "cache_write_: head rows must be dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache_write_: contiguous caches");
+  slots = slots.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t per_head = k_cache.numel() / heads;  // slots * d
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "cache_write_", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* ks = k.data_ptr<scalar_t>();
+    const scalar_t* vs = v.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = h * per_head + slot[t] * d;
+        std::copy_n(ks + t * k.stride(0) + h * k.stride(1), d, kc + dst);
+        std::copy_n(vs + t * v.stride(0) + h * v.stride(1), d, vc + dst);
+      }
+    }
+  });
 }

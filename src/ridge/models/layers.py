@@ -6,6 +6,7 @@ each op costs microseconds of overhead regardless of size, and a small model run
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -38,20 +39,36 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency.
-
-    The table is complex64 and indexed once per step; every layer shares the step's slice.
-    """
+    """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.ops: ModuleType | None = None
 
-    def tables(self, positions: torch.Tensor) -> torch.Tensor:
-        """[T] positions -> [T, 1, head_dim / 2] complex rotations."""
-        return self.freqs[positions].unsqueeze(1)
+    def step(self, positions: torch.Tensor) -> RopeStep:
+        return RopeStep(positions, self.freqs, self.ops)
+
+
+@dataclass
+class RopeStep:
+    """One step's rotary: the positions of its tokens, shared by every layer."""
+
+    positions: torch.Tensor
+    freqs: torch.Tensor  # complex64 [max_positions, head_dim / 2]
+    ops: ModuleType | None
+    _rotations: torch.Tensor | None = None
+
+    def apply_(self, x: torch.Tensor, heads: int) -> None:
+        """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place."""
+        if self.ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            self.ops.rotary_(x, self.positions, torch.view_as_real(self.freqs), heads)
+            return
+        if self._rotations is None:
+            self._rotations = self.freqs[self.positions].unsqueeze(1)
+        apply_rotary_(x[:, :heads], self._rotations)
 
 
 def apply_rotary_(x: torch.Tensor, rotations: torch.Tensor) -> None:
@@ -79,7 +96,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: torch.Tensor,
+        rope: RopeStep,
         backend: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -88,10 +105,10 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-            apply_rotary_(q, rope)
-            apply_rotary_(k, rope)
+            rope.apply_(q, self.num_heads)
+            rope.apply_(k, self.num_kv_heads)
         else:  # q and k sit side by side in qkv: rotate both in one go
-            apply_rotary_(qkv[:, : self.num_heads + self.num_kv_heads], rope)
+            rope.apply_(qkv, self.num_heads + self.num_kv_heads)
         out = backend.forward(self.layer_index, q, k, v, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 

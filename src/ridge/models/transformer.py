@@ -24,9 +24,9 @@ class DecoderModel(nn.Module):
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
 
     def use_kernels(self, ops: ModuleType | None) -> None:
-        """Route norms and the MLP activation through fused kernels (None: plain torch ops)."""
+        """Route norms, rotary and the MLP activation through fused kernels (None: plain torch ops)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | GatedMLP):
+            if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding):
                 module.ops = ops
 
     @property
@@ -47,7 +47,7 @@ class DecoderModel(nn.Module):
         is a large share of all weights.
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions)
+        rope = self.rotary.step(positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, backend, meta)
