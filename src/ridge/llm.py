@@ -58,9 +58,11 @@ class LLM:
         return [done[i] for i in order]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one prompt's first sample as they are decoded."""
+        """Yield text deltas of one prompt as they are decoded (one sample: params.n must be 1)."""
+        if params is not None and params.n != 1:
+            raise ValueError(f"n must be 1 when streaming, got {params.n}")
         request_id = self.engine.add_request(prompt, params)
-        seq = self.engine._requests[request_id].seqs[0]
+        seq = self.engine.sequences(request_id)[0]
         try:
             while not seq.finished:
                 self.engine.step()
@@ -69,8 +71,8 @@ class LLM:
             if delta := seq.stream_delta():
                 yield delta
         finally:
-            self.engine.abort(request_id)
-            while self.engine.has_unfinished and request_id in self.engine._requests:
+            if not seq.finished:  # the caller stopped early: free its blocks now
+                self.engine.abort(request_id)
                 self.engine.step()
 
     def chat(

@@ -114,9 +114,9 @@ def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult
         llm.generate(prompt, _greedy(n))
         return time.perf_counter() - start
 
-    from ridge.bench.peer_driver import _latency
+    from ridge.bench.peer_driver import measure_latency
 
-    figures = _latency(run_one, {"requests": [{"prompt_ids": ids, "max_tokens": args.output_len}],
+    figures = measure_latency(run_one, {"requests": [{"prompt_ids": ids, "max_tokens": args.output_len}],
                                  "repeats": args.repeats})
     llm.engine.check_integrity()
     return EngineResult("ridge", figures, note=llm.engine.loaded.weight_format)

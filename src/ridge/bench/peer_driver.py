@@ -17,7 +17,7 @@ import sys
 import time
 
 
-def _latency(run_one, job) -> dict:
+def measure_latency(run_one, job) -> dict:
     """run_one(ids, n) -> seconds for n new tokens. Prefill from n=1; decode from the difference."""
     req = job["requests"][0]
     ids, n = req["prompt_ids"], req["max_tokens"]
@@ -53,7 +53,7 @@ def hf(job) -> dict:
         return time.perf_counter() - start
 
     if job["mode"] == "latency":
-        return _latency(lambda ids, n: generate([ids], n), job)
+        return measure_latency(lambda ids, n: generate([ids], n), job)
     reqs, size = job["requests"], job.get("batch_size", 16)
     generate([reqs[0]["prompt_ids"]], 2)
     start = time.perf_counter()
@@ -99,7 +99,7 @@ def vllm(job) -> dict:
         return time.perf_counter() - t
 
     if job["mode"] == "latency":
-        return {**_latency(run_one, job), "startup_s": startup}
+        return {**measure_latency(run_one, job), "startup_s": startup}
     reqs = job["requests"]
     run_one(reqs[0]["prompt_ids"], 2)
     start = time.perf_counter()
@@ -139,7 +139,7 @@ def llamacpp(job) -> dict:
         return time.perf_counter() - t
 
     if job["mode"] == "latency":
-        return {**_latency(run_one, job), "note": note}
+        return {**measure_latency(run_one, job), "note": note}
     reqs = job["requests"]
     run_one(reqs[0]["prompt_ids"], 2)
     start = time.perf_counter()

@@ -142,6 +142,10 @@ class LLMEngine:
             self.scheduler.add(s)
         return request_id
 
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request (one per sample), e.g. to stream their text."""
+        return self._requests[request_id].seqs
+
     def abort(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is None:

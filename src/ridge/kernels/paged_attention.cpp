@@ -100,10 +100,14 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
                    const int64_t* lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
                    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t table_width, float scale) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks go round-robin to threads, not in contiguous runs: context lengths vary a lot between
+  // sequences, and a contiguous split left one core idle while the other finished the long ones.
+  const int64_t tasks = batch * kv_heads, workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
     std::vector<float> m(group), l(group), kf(head_dim);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t worker = first_worker; worker < last_worker; ++worker)
+    for (int64_t task = worker; task < tasks; task += workers) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t ctx = lens[b];
       for (int64_t g = 0; g < group; ++g) {
