@@ -32,8 +32,9 @@ def peers_dir() -> Path:
     return Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ridge-peers"))
 
 
-def find_peers(given: list[str], all_installed: bool) -> dict[str, str]:
-    """name -> python: HF always (its venv, else this interpreter), the others when given or --all-peers."""
+def find_peers(given: list[str], all_installed: bool, skip: list[str] | None = None) -> dict[str, str]:
+    """name -> python: HF always (its venv, else this interpreter), the others when given or --all-peers;
+    minus those in skip."""
     found: dict[str, str] = {}
     for item in given:
         name, _, python = item.partition("=")
@@ -46,7 +47,7 @@ def find_peers(given: list[str], all_installed: bool) -> dict[str, str]:
             found[name] = str(venv_python)
     if "hf" not in found:
         found["hf"] = sys.executable  # transformers is one of ridge's test dependencies
-    return found
+    return {name: python for name, python in found.items() if name not in (skip or [])}
 
 
 def run_peer(name: str, python: str, job: dict[str, Any], timeout: float) -> EngineResult:
@@ -142,7 +143,7 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> 
 
 def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> list[EngineResult]:
     results = []
-    peers = find_peers(args.peer or [], args.all_peers)
+    peers = find_peers(args.peer or [], args.all_peers, args.skip_peer)
     for name, python in peers.items():
         job = _peer_job(args, mode, requests, gguf, dtype)
         if name == "vllm":
@@ -157,7 +158,7 @@ def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) ->
             result = run_peer(name, python, {**job, "no_extra_bufts": True}, timeout=args.peer_timeout)
         results.append(result)
     for name in PEERS:
-        if name not in peers:
+        if name not in peers and name not in (args.skip_peer or []):
             results.append(EngineResult(name, error=f"not installed (../shared/peers/install.sh {name}, "
                                                     f"then --peer {name}=PYTHON or --all-peers)"))
     return results
@@ -277,7 +278,7 @@ def _plot(results: list[EngineResult], key: str, title: str, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([r.engine for r in ok], [r.figures[key] for r in ok], color=["#c44" if r.engine == "ridge" else "#888"
                                                                       for r in ok])
-    ax.set_ylabel(key.replace("_", " "))
+    ax.set_ylabel(key.replace("_tok_s", " tok/s").replace("_", " "))
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -295,6 +296,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
         p.add_argument("--all-peers", action="store_true",
                        help="every peer installed under $PEERS_DIR (default ~/.cache/ridge-peers)")
         p.add_argument("--no-peers", action="store_true", help="ridge alone")
+        p.add_argument("--skip-peer", action="append", metavar="NAME", help="leave this peer out (repeatable)")
         p.add_argument("--peer-timeout", type=float, default=3600, help="seconds per peer run")
         p.add_argument("--hf-batch-size", type=int, default=16, help="HF transformers' static batch size")
         p.add_argument("--repeats", type=int, default=3, help="repeats for medians (latency)")
