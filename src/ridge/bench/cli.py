@@ -32,9 +32,8 @@ def peers_dir() -> Path:
     return Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ridge-peers"))
 
 
-def find_peers(given: list[str], all_installed: bool, skip: list[str] | None = None) -> dict[str, str]:
-    """name -> python: HF always (its venv, else this interpreter), the others when given or --all-peers;
-    minus those in skip."""
+def find_peers(given: list[str], all_installed: bool) -> dict[str, str]:
+    """name -> python: HF always (its venv, else this interpreter), the others when given or --all-peers."""
     found: dict[str, str] = {}
     for item in given:
         name, _, python = item.partition("=")
@@ -47,7 +46,7 @@ def find_peers(given: list[str], all_installed: bool, skip: list[str] | None = N
             found[name] = str(venv_python)
     if "hf" not in found:
         found["hf"] = sys.executable  # transformers is one of ridge's test dependencies
-    return {name: python for name, python in found.items() if name not in (skip or [])}
+    return found
 
 
 def run_peer(name: str, python: str, job: dict[str, Any], timeout: float) -> EngineResult:
@@ -143,12 +142,13 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> 
 
 def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> list[EngineResult]:
     results = []
-    peers = find_peers(args.peer or [], args.all_peers, args.skip_peer)
+    found = find_peers(args.peer or [], args.all_peers)  # HF stays found: it exports the model vLLM reads
+    peers = {name: python for name, python in found.items() if name not in (args.skip_peer or [])}
     for name, python in peers.items():
         job = _peer_job(args, mode, requests, gguf, dtype)
         if name == "vllm":
             try:
-                job["hf_dir"] = str(hf_export_dir(gguf, dtype, peers["hf"]))
+                job["hf_dir"] = str(hf_export_dir(gguf, dtype, found["hf"]))
             except RuntimeError as exc:
                 results.append(EngineResult(name, error=str(exc)))
                 continue
