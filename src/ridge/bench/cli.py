@@ -190,14 +190,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
         return 0
     print(f"\nbatch-1 latency: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens, "
           f"median of {args.repeats}; machine read bandwidth {roof.read_gb_s:.1f} GB/s")
-    print(f"{'engine':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'ridge/peer':>11s}  note")
-    for r in results:
-        if r.error:
-            print(f"{r.engine:10s} {'-':>14s} {'-':>13s} {'-':>11s}  {r.error}")
-            continue
-        ratio = ridge_fig["decode_tok_s"] / r.figures["decode_tok_s"]
-        print(f"{r.engine:10s} {r.figures['prefill_tok_s']:14.0f} {r.figures['decode_tok_s']:13.1f} "
-              f"{ratio:10.2f}x  {r.note}")
+    _print_table(results, [("prefill tok/s", "prefill_tok_s", 14, ".0f"), ("decode tok/s", "decode_tok_s", 13, ".1f")],
+                 ratio_key="decode_tok_s")
     print(f"ridge decode reads {bytes_per_token / 1e6:.0f} MB of weights per token: "
           f"{ridge_fig['weight_gb_s']:.1f} GB/s = {100 * ridge_fig['roofline_fraction']:.0f}% of the measured "
           f"read bandwidth")
@@ -251,21 +245,26 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         return 0
     print(f"\nthroughput: {args.model}, {args.workload}, {len(requests)} requests, {prompt_tokens} prompt + "
           f"{output_tokens} output tokens (EOS ignored); machine: {roof.describe()}")
-    print(f"{'engine':10s} {'req/s':>7s} {'output tok/s':>13s} {'total tok/s':>12s} {'ridge/peer':>11s}  note")
-    for r in results:
-        if r.error:
-            print(f"{r.engine:10s} {'-':>7s} {'-':>13s} {'-':>12s} {'-':>11s}  {r.error}")
-            continue
-        f = r.figures
-        ratio = ridge_fig["output_tok_s"] / f["output_tok_s"]
-        print(f"{r.engine:10s} {f['requests_per_s']:7.2f} {f['output_tok_s']:13.1f} {f['total_tok_s']:12.1f} "
-              f"{ratio:10.2f}x  {r.note}")
+    _print_table(results, [("req/s", "requests_per_s", 7, ".2f"), ("output tok/s", "output_tok_s", 13, ".1f"),
+                           ("total tok/s", "total_tok_s", 12, ".1f")], ratio_key="output_tok_s")
     frac = 100 * ridge_fig["roofline_fraction"]
     print(f"ridge ran {ridge_fig['gflop_s']:.0f} GFLOP/s of weight matmuls = {frac:.0f}% "
           f"of the measured {dtype} matmul peak ({peak:.0f} GFLOP/s)")
     if args.plot:
         _plot(results, "output_tok_s", f"{args.model}: {len(requests)} {args.workload} requests", args.plot)
     return 0
+
+
+def _print_table(results: list[EngineResult], columns: list[tuple[str, str, int, str]], ratio_key: str) -> None:
+    """One row per engine: columns are (header, figure key, width, format); ridge's figure over each peer's."""
+    ridge = results[0].figures[ratio_key]
+    print(f"{'engine':10s} " + " ".join(f"{h:>{w}s}" for h, _, w, _ in columns) + f" {'ridge/peer':>11s}  note")
+    for r in results:
+        if r.error:
+            print(f"{r.engine:10s} " + " ".join(f"{'-':>{w}s}" for _, _, w, _ in columns) + f" {'-':>11s}  {r.error}")
+            continue
+        cells = " ".join(f"{r.figures[k]:{w}{fmt}}" for _, k, w, fmt in columns)
+        print(f"{r.engine:10s} {cells} {ridge / r.figures[ratio_key]:10.2f}x  {r.note}")
 
 
 def _plot(results: list[EngineResult], key: str, title: str, path: str) -> None:

@@ -88,6 +88,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self._requests: dict[str, _Request] = {}
+        self._aborted: set[str] = set()  # aborted since the last step: reported by the next one
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
@@ -153,6 +154,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
+        self._aborted.add(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -217,7 +219,8 @@ class LLMEngine:
 
     def _collect(self, progressed: list[Sequence]) -> list[RequestOutput]:
         ids = {s.request_id for s in progressed}
-        ids.update(r.request_id for r in self._requests.values() if r.finished)
+        ids |= self._aborted  # the only requests that can finish without a step touching them
+        self._aborted = set()
         outputs = [self._output(self._requests[i]) for i in ids if i in self._requests]
         for out in outputs:
             if out.finished:
