@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from ridge import LLM, SamplingParams, hub
+from ridge.config import EngineConfig
 from ridge.models.loader import open_gguf
 
 
@@ -87,3 +88,14 @@ def test_generation_stops_at_the_context_limit(make_llm, smollm2_path):
     llm = make_llm(smollm2_path, dtype="float32", max_model_len=40)
     out = llm.generate([7] * 30, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("block_size", 15, "block_size: must be an even number of tokens up to 256, got 15"),
+    ("block_size", 0, "block_size: must be at least 1"),
+    ("kv_cache_memory", "lots", "kv_cache_memory: cannot read size"),
+    ("max_num_seqs", 0, "max_num_seqs: must be at least 1"),
+])
+def test_bad_engine_args_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="smollm2", **{field: value})

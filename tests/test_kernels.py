@@ -15,22 +15,43 @@ def ops():
     return module
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_matches_gathered_sdpa(ops, dtype):
+def test_cache_write_and_gather_round_trip(ops):
+    """Tokens written at their slots (by the kernel and by the torch path) come back as plain rows."""
     torch.manual_seed(0)
-    kv_heads, group, d, blocks, bs, batch = 2, 3, 64, 64, 16, 6
+    kv_heads, d, blocks, bs, tokens = 2, 64, 8, 16, 40
+    slots = torch.randperm(blocks * bs)[:tokens]
+    k, v = torch.randn(tokens, kv_heads, d), torch.randn(tokens, kv_heads, d)
+    for kernel in (ops, None):
+        backend = PagedBackend(1, kv_heads, d, blocks, bs, torch.float32, "cpu")
+        backend.ops = kernel
+        backend.write(0, k, v, slots)
+        k_rows, v_rows = backend.gather(0, torch.arange(blocks))  # [H, blocks * bs, d]
+        assert torch.equal(k_rows[:, slots].transpose(0, 1), k)
+        assert torch.equal(v_rows[:, slots].transpose(0, 1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("kv_heads", "group", "d"), [(2, 3, 64), (2, 7, 64), (1, 6, 128), (4, 1, 64)])
+def test_paged_decode_matches_gathered_sdpa(ops, dtype, kv_heads, group, d):
+    """Lengths cover partial blocks, exact blocks and several 256-token partitions (merged by max)."""
+    torch.manual_seed(0)
+    blocks, bs = 96, 16
     backend = PagedBackend(1, kv_heads, d, blocks, bs, dtype, "cpu")
     backend.k_cache[0].normal_()
-    backend.v_cache[0].normal_()
-    lens = torch.tensor([1, 15, 16, 17, 100, 250])
+    backend.v_cache[0].normal_(std=2.0)
+    lens = torch.tensor([1, 15, 16, 17, 100, 257, 700])
+    batch = len(lens)
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])
-    q = torch.randn(batch, kv_heads * group, d, dtype=dtype)
+    q = torch.randn(batch, kv_heads * group, d, dtype=dtype) * 2
     meta = AttentionMetadata(torch.zeros(batch, dtype=torch.long), batch, tables, lens, [])
-    backend.prepare(meta)
-    expected = backend.attend(0, q, meta)  # no kernel attached: gathered SDPA
+    exact = PagedBackend(1, kv_heads, d, blocks, bs, torch.float32, "cpu")  # the same values, float32 math
+    exact.k_cache[0].copy_(backend.k_cache[0])
+    exact.v_cache[0].copy_(backend.v_cache[0])
+    exact.prepare(meta)
+    expected = exact.attend(0, q.float(), None, None, meta)  # no kernel attached: gathered SDPA
     got = ops.paged_decode(q, backend.k_cache[0], backend.v_cache[0], tables, lens, backend.scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 

@@ -112,6 +112,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.block_size % 2 or self.block_size > 256:  # pairs of tokens share a vector lane (attention/backend.py)
+            raise ValueError(f"block_size: must be an even number of tokens up to 256, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.attention_backend not in ("paged", "reference"):

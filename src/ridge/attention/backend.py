@@ -1,8 +1,12 @@
 """The attention backend interface: write this step's K/V into the paged cache, attend over it.
 
-The cache of one layer is [kv_heads, num_blocks, block_size, head_dim]: heads outermost, so that
-gathering a sequence's blocks yields [kv_heads, tokens, head_dim] as a view, ready for a batched
-matmul with no further copy. Slot s of the flat cache is (block s // block_size, offset s % block_size).
+Slot s of a layer's cache is (block s // block_size, offset s % block_size). Within a block, the layout
+is the one the CPU decode kernel reads fastest (kernels/paged_attention.cpp): values sit in pairs, one
+pair per 32-bit vector lane, so that every lane of a load belongs to a different token (K) or dim (V):
+  K: [kv_heads, num_blocks, head_dim / 2, block_size, 2]  (a block's tokens side by side per pair of dims)
+  V: [kv_heads, num_blocks, block_size / 2, head_dim, 2]  (token pairs interleaved per dim)
+This class is the only place, besides that kernel, that knows it: write() and gather() convert from and to
+plain [kv_heads, tokens, head_dim] rows for every other path.
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         device: str | torch.device,
     ) -> None:
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if block_size % 2 or head_dim % 2:
+            raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
+        k_shape = (num_kv_heads, num_blocks, head_dim // 2, block_size, 2)
+        v_shape = (num_kv_heads, num_blocks, block_size // 2, head_dim, 2)
+        self.k_cache = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = head_dim**-0.5
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
@@ -65,15 +72,18 @@ class AttentionBackend(ABC):
         if self.ops is not None:
             self.ops.cache_write_(self.k_cache[layer], self.v_cache[layer], k, v, slots)
             return
-        flat = (self.num_kv_heads, -1, self.head_dim)
-        self.k_cache[layer].view(flat).index_copy_(1, slots, k.transpose(0, 1))
-        self.v_cache[layer].view(flat).index_copy_(1, slots, v.transpose(0, 1))
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        # permuted views of the caches, indexed by (block, offset) first
+        k_slots = self.k_cache[layer].permute(1, 3, 0, 2, 4)  # [N, bs, H, d/2, 2]
+        k_slots.index_put_((blocks, offsets), k.unflatten(-1, (self.head_dim // 2, 2)))
+        v_slots = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/2, 2, H, d]
+        v_slots.index_put_((blocks, offsets // 2, offsets % 2), v)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim]."""
-        k = self.k_cache[layer][:, block_table]
-        v = self.v_cache[layer][:, block_table]
-        shape = (*k.shape[:-3], k.shape[-3] * k.shape[-2], self.head_dim)
+        """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim] (copies)."""
+        k = self.k_cache[layer][:, block_table].transpose(-3, -2)  # [H, ..., n, bs, d/2, 2]
+        v = self.v_cache[layer][:, block_table].transpose(-2, -1)  # [H, ..., n, bs/2, 2, d]
+        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
 
     def forward(
@@ -81,7 +91,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
         self.write(layer, k, v, meta.slot_mapping)
-        return self.attend(layer, q, meta)
+        return self.attend(layer, q, k, v, meta)
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention over the cache, which already holds this step's k, v (passed for backends that can
+        use them directly)."""

@@ -1,10 +1,12 @@
-"""The batched paged backend: all decodes of a step in one call, GQA by grouping.
+"""The batched paged backend: all decodes of a step in one call, GQA without repeating K/V.
 
-On the CPU, decodes run in a C++ kernel that reads K/V rows straight from their blocks
+On the CPU, decodes run in a C++ kernel that reads K/V straight from their blocks
 (kernels/paged_attention.cpp). Elsewhere (CUDA, or no compiler) they are gathered into a padded
-batch for one SDPA call. Query heads that share a K/V head are folded into the query-length axis
-([kv_heads, group * n, d]), so K/V are never repeated per query head. Prefill chunks go through
-SDPA one sequence at a time. Masks are built once per step in prepare() and shared by all layers.
+batch for one SDPA call, with the query heads that share a K/V head folded into the query-length axis
+([kv_heads, group * n, d]). Prefill chunks go through SDPA one sequence at a time with enable_gqa: a
+chunk that is its sequence's whole context attends to this step's k, v directly under is_causal
+(measured 2x faster on the CPU than an explicit mask); a chunk that continues a cached context reads
+the cache under a mask built once per step in prepare() and shared by all layers.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ class PagedBackend(AttentionBackend):
             meta.decode_mask = (positions < meta.decode_context_lens.unsqueeze(1))[None, :, None, :]
         meta.prefill_masks = []
         for chunk in meta.prefills:
+            if chunk.context_len == chunk.length:
+                meta.prefill_masks.append(None)  # no cached prefix: plain causal attention
+                continue
             width = chunk.block_table.shape[0] * self.block_size
             query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
             causal = torch.arange(width, device=device)[None, :] <= query_pos[:, None]  # [n, L]
             meta.prefill_masks.append(causal)
 
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        heads, d = q.shape[1], q.shape[2]
-        group = heads // self.num_kv_heads
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         b = meta.num_decodes
         decoded = self._decode(layer, q[:b], meta) if b else None
         if not meta.prefills:
@@ -41,15 +46,16 @@ class PagedBackend(AttentionBackend):
         if decoded is not None:
             out[:b] = decoded
         for chunk, mask in zip(meta.prefills, meta.prefill_masks, strict=True):
-            n = chunk.length
-            k, v = self.gather(layer, chunk.block_table)  # [H, L, d]
-            qp = q[chunk.start : chunk.start + n].view(n, self.num_kv_heads, group, d).permute(1, 2, 0, 3)
-            qp = qp.reshape(1, self.num_kv_heads, group * n, d)  # 4-D: SDPA's fused CPU kernel wants it
-            o = F.scaled_dot_product_attention(qp, k.unsqueeze(0), v.unsqueeze(0),
-                                               attn_mask=mask.repeat(group, 1), scale=self.scale)
-            out[chunk.start : chunk.start + n] = o.view(self.num_kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(
-                n, heads, d
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            if mask is None:
+                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
+            else:
+                keys, values = self.gather(layer, chunk.block_table)  # [H, L, d]
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
             )
+            out[rows] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

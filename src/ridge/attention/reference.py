@@ -11,7 +11,10 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class ReferenceBackend(AttentionBackend):
-    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Reads everything back from the cache (this step's k, v included): that is what it checks."""
         out = torch.empty_like(q)
         for i in range(meta.num_decodes):
             ctx = int(meta.decode_context_lens[i])

@@ -1,21 +1,28 @@
-// Decode attention straight from the paged KV cache (CPU).
+// Decode attention straight from the paged KV cache (CPU), and the cache writes that fill it.
 //
 // Why by hand: torch has no paged attention for the CPU. Composing one from torch ops means gathering
 // every sequence's K/V blocks into a padded dense copy per layer and step, then reading that copy
 // again: at batch 64 that moved three times the KV bytes the math needs, and the KV reads are the
 // second wall of batched decode after the weights. This kernel reads each K/V row once.
 //
-// Layout (ridge/attention/backend.py): K and V [kv_heads, num_blocks, block_size, head_dim].
-// One task per (sequence, kv head): its `group` query heads share every K/V row they read (GQA).
-// Softmax is online, one rescale per block. Built with -ffast-math so that the dot products (float
-// reductions) and expf vectorize; nothing here produces an infinity or NaN for that to break.
+// Layout (attention/backend.py): K [kv_heads, num_blocks, d / 2, bs, 2] and V [kv_heads, num_blocks,
+// bs / 2, d, 2]: each 32-bit lane holds a pair of bf16 values, two dims of one token (K) or one dim of two
+// tokens (V). One vector load then yields, after a shift and a mask, 16 tokens' values of two dims for
+// the scores, or 16 dims of two tokens for the weighted sum: every lane is a different token (or dim), so
+// no lane ever needs a horizontal sum. (With K rows stored whole, every score needed a 16-lane reduction;
+// the shuffles, not the memory, then set the speed.)
+//
+// Work is split flash-decoding style: one task per (sequence, kv head, partition of up to 256
+// tokens), so that a single long sequence still keeps every core busy. A task scores its partition,
+// takes a softmax against its own maximum and sums probability-weighted values; a second pass merges
+// the partitions of each (sequence, head) by their maxima. The `group` query heads that share a K/V
+// head (GQA) read every K/V row together. Built with -ffast-math so that the reductions vectorize;
+// nothing here produces an infinity or NaN for that to break.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -23,222 +30,341 @@
 
 namespace {
 
-// Rows are widened to float into a small buffer first; for bf16 that is a 16-bit shift, written so
-// the compiler vectorizes it (c10::BFloat16's own conversion goes through a call per element).
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+constexpr int64_t kPartitionTokens = 256;
+
+struct Dims {
+  int64_t heads, kv_heads, group, head_dim, num_blocks, block_size;
+  int64_t block_elems() const { return block_size * head_dim; }  // one block of one head, K or V
+};
+
+// One task's slice of work and where its partial result goes.
+struct Task {
+  int64_t seq, head, first_block, num_blocks, num_tokens;  // tokens in [first_block * bs, + num_tokens)
+};
+
+// Partial softmax state of one task: per query head, the running max, the sum of exp(score - max) and
+// the unnormalized weighted sum of values.
+struct Partial {
+  float* max;    // [group]
+  float* denom;  // [group]
+  float* acc;    // [group, d]
+};
+
+// s[t] = exp(s[t] - m) for t < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 live = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = ridge_vec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; t < n; ++t) {
+    s[t] = expf(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
 }
 
-template <>
-inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
-
-#if defined(__AVX512BF16__)
-// Horizontal sums of 16 vectors at once: out[t] = sum(v[t]). A transposing add tree (45 shuffles and
-// adds) instead of 16 separate horizontal sums (~10 ops each).
-inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per lane: the lane's totals of four vectors
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0b10001000),
-                                  _mm512_shuffle_f32x4(u[0], u[1], 0b11011101));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0b10001000),
-                                  _mm512_shuffle_f32x4(u[2], u[3], 0b11011101));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0b10001000), _mm512_shuffle_f32x4(w0, w1, 0b11011101));
-}
-
-// Scores of one block's tokens for `group` bf16 queries, with AVX512-BF16 pair dot products straight
-// on the bf16 cache (no widening); head_dim a multiple of 64. This path matters: at batch 64 and
-// 1k-token contexts, decode attention outweighs the weight matmuls. A full 16-token block is scored
-// whole (rows past n are finite: zeros or older values) and summed with one transposing add tree.
-inline void block_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k_block, int64_t n, int64_t group,
-                              int64_t head_dim, int64_t block_size, float scale, float* scores) {
-  const int64_t rows = block_size == 16 ? 16 : n;
+// exp(score - max) in place over each query head's `n` scores; records max and sum.
+void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t group, Partial out) {
   for (int64_t g = 0; g < group; ++g) {
-    const c10::BFloat16* qrow = q + g * head_dim;
-    __m512 acc[16];
-    for (int64_t t = 0; t < rows; ++t) {
-      const c10::BFloat16* krow = k_block + t * head_dim;
-      acc[t] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < head_dim; j += 32) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(krow + j);
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qrow + j);
-        acc[t] = _mm512_dpbf16_ps(acc[t], qv, kv);
+    float* s = scores + g * stride;
+    float m = -1e30f;  // finite on purpose: the kernel is built with -ffast-math (no infinities)
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    out.max[g] = m;
+    out.denom[g] = exp_shifted(s, n, m);
+  }
+}
+
+// Portable path for any dtype, block size and head_dim (float32, float16; bf16 without AVX512): the
+// same math, scalar.
+template <typename T>
+void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, const Task& task,
+                      const Dims& dims, float scale, float* scores, Partial out) {
+  const int64_t d = dims.head_dim, bs = dims.block_size, group = dims.group, n = task.num_tokens;
+  std::fill(scores, scores + group * kPartitionTokens, 0.f);
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const int64_t block = table[task.first_block + j];
+    const T* kb = k_cache + (task.head * dims.num_blocks + block) * dims.block_elems();
+    for (int64_t g = 0; g < group; ++g) {
+      const T* qg = q + g * d;
+      float* s = scores + g * kPartitionTokens + j * bs;
+      for (int64_t i = 0; i < d / 2; ++i) {
+        const float q0 = static_cast<float>(qg[2 * i]), q1 = static_cast<float>(qg[2 * i + 1]);
+        const T* pair = kb + i * bs * 2;
+        for (int64_t t = 0; t < bs; ++t)
+          s[t] += q0 * static_cast<float>(pair[2 * t]) + q1 * static_cast<float>(pair[2 * t + 1]);
       }
     }
-    if (block_size == 16) {
-      _mm512_storeu_ps(scores + g * block_size, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
-    } else {
-      for (int64_t t = 0; t < rows; ++t) scores[g * block_size + t] = _mm512_reduce_add_ps(acc[t]) * scale;
+  }
+  for (int64_t i = 0; i < group * kPartitionTokens; ++i) scores[i] *= scale;
+  softmax_partial(scores, kPartitionTokens, n, group, out);
+  std::fill(out.acc, out.acc + group * d, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t block = table[task.first_block + t / bs], offset = t % bs;
+    const T* row = v_cache + (task.head * dims.num_blocks + block) * dims.block_elems() + (offset / 2) * d * 2 +
+                   offset % 2;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * kPartitionTokens + t];
+      float* a = out.acc + g * d;
+      for (int64_t i = 0; i < d; ++i) a[i] += p * static_cast<float>(row[2 * i]);
     }
   }
 }
 
-inline __m512 load_bf16x16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+#if defined(__AVX512F__)
+// The two bf16 values in each 32-bit lane of v, as floats: a bf16 is the top half of a float32, so the
+// low one is the lane shifted up 16 bits and the high one the lane with its low 16 bits cleared.
+inline __m512 low_bf16(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 high_bf16(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
+
+// Scores of one K block (16 tokens) for G query heads (q already scaled, [G, d] floats), into
+// scores[g * kPartitionTokens + t]. Four accumulators per head (even/odd dim of a pair, even/odd pair)
+// keep independent FMA chains in flight; G is a template argument so that they stay in registers.
+// `ahead` and `v_here`: lines to prefetch, the block after next's K and this block's V (read by the value
+// pass); blocks sit at random addresses, out of the hardware prefetcher's sight, and a few prefetches per
+// step replace the burst of 64 per block that stalled on the core's fill buffers.
+template <int G>
+inline void score_block(const float* q, const uint16_t* kb, int64_t d, const char* ahead, const char* v_here,
+                        float* scores) {
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d / 2; i += 2) {  // i: a pair of dims; two pairs per step
+    if (ahead != nullptr) {  // d / 4 steps of two lines each cover the block's d / 2 lines of K and of V
+      const int64_t line = i * 64;
+      __builtin_prefetch(ahead + line, 0, 2);
+      __builtin_prefetch(ahead + line + 64, 0, 2);
+      __builtin_prefetch(v_here + line, 0, 2);
+      __builtin_prefetch(v_here + line + 64, 0, 2);
+    }
+    const __m512i k0 = _mm512_loadu_si512(kb + i * 32), k1 = _mm512_loadu_si512(kb + (i + 1) * 32);
+    const __m512 k0a = low_bf16(k0), k0b = high_bf16(k0), k1a = low_bf16(k1), k1b = high_bf16(k1);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * d + 2 * i;
+      acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(qg[0]), k0a, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(qg[1]), k0b, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(_mm512_set1_ps(qg[2]), k1a, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(_mm512_set1_ps(qg[3]), k1b, acc[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(scores + g * kPartitionTokens,
+                     _mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_add_ps(acc[g][2], acc[g][3])));
 }
 
-// acc[g][:] += sum_t p[g][t] * V[t][:] for one block; head_dim a multiple of 64. Up to 4 query heads x
-// 64 dims stay in 16 registers across the block's tokens: 16 independent FMA chains, each V row widened
-// once per (4 heads, 64 dims) tile.
-inline void block_values_bf16(const c10::BFloat16* v_block, const float* probs, int64_t n, int64_t group,
-                              int64_t head_dim, int64_t block_size, float* acc) {
-  for (int64_t j = 0; j < head_dim; j += 64) {
+// acc[g][c:c+64] = sum over the task's tokens of p[g][t] * V[t][c:c+64], for G query heads. A vector
+// holds 16 dims of a token pair: 4 vectors x G heads of accumulators in registers.
+template <int G>
+inline void sum_values(const uint16_t* v_cache, const int64_t* table, const Task& task, const Dims& dims,
+                       const float* probs, int64_t c, float* acc_out) {
+  const int64_t d = dims.head_dim, n = task.num_tokens;
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const uint16_t* vb = v_cache + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    const int64_t pairs = std::min<int64_t>(8, (n - j * 16 + 1) / 2);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const uint16_t* row = vb + (pair * d + c) * 2;
+      __m512 even[4], odd[4];
+      for (int v = 0; v < 4; ++v) {
+        const __m512i x = _mm512_loadu_si512(row + 32 * v);
+        even[v] = low_bf16(x);
+        odd[v] = high_bf16(x);
+      }
+      for (int g = 0; g < G; ++g) {
+        const float* p = probs + g * kPartitionTokens + j * 16 + 2 * pair;
+        const __m512 pe = _mm512_set1_ps(p[0]), po = _mm512_set1_ps(p[1]);
+        for (int v = 0; v < 4; ++v) acc[g][v] = _mm512_fmadd_ps(po, odd[v], _mm512_fmadd_ps(pe, even[v], acc[g][v]));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
+}
+
+// The fast path: bf16 cache, block size 16, head_dim a multiple of 64; float32 FMAs. (On this
+// project's Sapphire Rapids box AVX512-BF16's pair dot product issues one per two cycles, the float FMA
+// two per cycle: widening with one shift or mask per vector and using FMAs ran twice as fast.) Query
+// heads go in chunks of up to 4.
+void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+                           const Task& task, const Dims& dims, float* scores, Partial out) {
+  const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
+  const auto k_block = [&](int64_t j) {
+    return k_cache + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+  };
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const uint16_t* kb = k_block(j);
+    const char* ahead = reinterpret_cast<const char*>(j + 2 < task.num_blocks ? k_block(j + 2) : kb);
+    const char* v_here = reinterpret_cast<const char*>(v_cache + (kb - k_cache));
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int64_t gn = std::min<int64_t>(4, group - g0);
-      __m512 a[4][4];
-      for (int64_t gi = 0; gi < 4; ++gi)
-        for (int64_t c = 0; c < 4; ++c)
-          a[gi][c] = gi < gn ? _mm512_loadu_ps(acc + (g0 + gi) * head_dim + j + 16 * c) : _mm512_setzero_ps();
-      for (int64_t t = 0; t < n; ++t) {
-        const c10::BFloat16* row = v_block + t * head_dim + j;
-        const __m512 v0 = load_bf16x16(row), v1 = load_bf16x16(row + 16);
-        const __m512 v2 = load_bf16x16(row + 32), v3 = load_bf16x16(row + 48);
-        for (int64_t gi = 0; gi < 4; ++gi) {
-          if (gi >= gn) break;
-          const __m512 p = _mm512_set1_ps(probs[(g0 + gi) * block_size + t]);
-          a[gi][0] = _mm512_fmadd_ps(p, v0, a[gi][0]);
-          a[gi][1] = _mm512_fmadd_ps(p, v1, a[gi][1]);
-          a[gi][2] = _mm512_fmadd_ps(p, v2, a[gi][2]);
-          a[gi][3] = _mm512_fmadd_ps(p, v3, a[gi][3]);
-        }
+      const float* qg = q + g0 * d;
+      float* sg = scores + g0 * kPartitionTokens + j * 16;
+      const char* pf = g0 == 0 ? ahead : nullptr;
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: score_block<1>(qg, kb, d, pf, v_here, sg); break;
+        case 2: score_block<2>(qg, kb, d, pf, v_here, sg); break;
+        case 3: score_block<3>(qg, kb, d, pf, v_here, sg); break;
+        default: score_block<4>(qg, kb, d, pf, v_here, sg); break;
       }
-      for (int64_t gi = 0; gi < gn; ++gi)
-        for (int64_t c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (g0 + gi) * head_dim + j + 16 * c, a[gi][c]);
     }
   }
+  softmax_partial(scores, kPartitionTokens, n, group, out);
+  for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
+    std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + task.num_blocks * 16, 0.f);
+  for (int64_t c = 0; c < d; c += 64)
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const float* pg = scores + g0 * kPartitionTokens;
+      float* ag = out.acc + g0 * d;
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: sum_values<1>(v_cache, table, task, dims, pg, c, ag); break;
+        case 2: sum_values<2>(v_cache, table, task, dims, pg, c, ag); break;
+        case 3: sum_values<3>(v_cache, table, task, dims, pg, c, ag); break;
+        default: sum_values<4>(v_cache, table, task, dims, pg, c, ag); break;
+      }
+    }
 }
 #endif
 
-template <typename scalar_t>
-void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* tables,
-                   const int64_t* lens, scalar_t* out, int64_t batch, int64_t heads, int64_t kv_heads,
-                   int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t table_width, float scale) {
-  const int64_t group = heads / kv_heads;
-  // Tasks go round-robin to threads, not in contiguous runs: context lengths vary a lot between
-  // sequences, and a contiguous split left one core idle while the other finished the long ones.
-  const int64_t tasks = batch * kv_heads, workers = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
-    std::vector<float> m(group), l(group), kf(head_dim);
-    for (int64_t worker = first_worker; worker < last_worker; ++worker)
-    for (int64_t task = worker; task < tasks; task += workers) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const int64_t ctx = lens[b];
-      for (int64_t g = 0; g < group; ++g) {
-        widen(q + (b * heads + h * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
-        for (int64_t i = 0; i < head_dim; ++i) qf[g * head_dim + i] *= scale;
-        m[g] = -1e30f;  // finite on purpose: the kernel is built with -ffast-math (no infinities)
-        l[g] = 0.f;
+template <typename T>
+void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
+            const int64_t* lens, T* out, int64_t batch, const Dims& dims, float scale) {
+  const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
+  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(batch + 1);  // tasks of sequence b: [first_task[b], first_task[b + 1])
+  for (int64_t b = 0; b < batch; ++b) {
+    first_task[b] = tasks.size();
+    const int64_t blocks = (lens[b] + bs - 1) / bs;
+    for (int64_t h = 0; h < dims.kv_heads; ++h)
+      for (int64_t first = 0; first < blocks; first += part_blocks) {
+        const int64_t nb = std::min(part_blocks, blocks - first);
+        tasks.push_back({b, h, first, nb, std::min(nb * bs, lens[b] - first * bs)});
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t blocks = (ctx + block_size - 1) / block_size;
-      for (int64_t j = 0; j < blocks; ++j) {
-        const int64_t block = tables[b * table_width + j];
-        const int64_t n = std::min(block_size, ctx - j * block_size);
-        const int64_t base = ((h * num_blocks) + block) * block_size * head_dim;
-        if (j + 1 < blocks) {  // blocks sit at random addresses, out of the hardware prefetcher's sight
-          const int64_t next = ((h * num_blocks) + tables[b * table_width + j + 1]) * block_size * head_dim;
-          const char* kn = reinterpret_cast<const char*>(k_cache + next);
-          const char* vn = reinterpret_cast<const char*>(v_cache + next);
-          for (int64_t off = 0; off < block_size * head_dim * static_cast<int64_t>(sizeof(scalar_t)); off += 64) {
-            __builtin_prefetch(kn + off);
-            __builtin_prefetch(vn + off);
-          }
-        }
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (head_dim % 64 == 0 && block_size <= 16) {
-            block_scores_bf16(q + (b * heads + h * group) * head_dim, k_cache + base, n, group, head_dim,
-                              block_size, scale, scores.data());
-            goto softmax;
-          }
-        }
-#endif
-        for (int64_t t = 0; t < n; ++t) {
-          widen(k_cache + base + t * head_dim, kf.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float s = 0.f;
-            for (int64_t i = 0; i < head_dim; ++i) s += qg[i] * kf[i];
-            scores[g * block_size + t] = s;
-          }
-        }
-      softmax:
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * block_size;
-          float block_max = m[g];
-          for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
-          const float rescale = std::exp(m[g] - block_max);
-          float* ag = acc.data() + g * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) ag[i] *= rescale;
-          l[g] *= rescale;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = expf(sg[t] - block_max);  // expf, not std::exp: glibc's vector expf under -ffast-math
-            sum += sg[t];
-          }
-          l[g] += sum;
-          m[g] = block_max;
-        }
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (head_dim % 64 == 0 && block_size <= 16) {
-            block_values_bf16(v_cache + base, scores.data(), n, group, head_dim, block_size, acc.data());
+  }
+  first_task[batch] = tasks.size();
+  const int64_t num_tasks = tasks.size();
+  std::vector<float> maxes(num_tasks * group), denoms(num_tasks * group), accs(num_tasks * group * d);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  // Tasks go round-robin to threads, not in contiguous runs: a contiguous split can hand one thread all
+  // the partitions of the longest sequence.
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
+    std::vector<float> scores(group * kPartitionTokens);
+    std::vector<float> q_scaled(group * d);
+    for (int64_t worker = first_worker; worker < last_worker; ++worker)
+      for (int64_t i = worker; i < num_tasks; i += workers) {
+        const Task& task = tasks[i];
+        const T* qh = q + (task.seq * dims.heads + task.head * group) * d;
+        const int64_t* table = tables + task.seq * table_width;
+        Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d};
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bs == 16 && d % 64 == 0) {
+            for (int64_t x = 0; x < group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * scale;
+            attend_partition_bf16(q_scaled.data(), reinterpret_cast<const uint16_t*>(k_cache),
+                                  reinterpret_cast<const uint16_t*>(v_cache), table, task, dims, scores.data(),
+                                  partial);
             continue;
           }
         }
 #endif
-        for (int64_t t = 0; t < n; ++t) {
-          widen(v_cache + base + t * head_dim, kf.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * block_size + t];
-            float* ag = acc.data() + g * head_dim;
-            for (int64_t i = 0; i < head_dim; ++i) ag[i] += p * kf[i];
+        attend_partition(qh, k_cache, v_cache, table, task, dims, scale, scores.data(), partial);
+      }
+  });
+  // Merge each (sequence, kv head)'s partitions: rescale every partial to the overall max.
+  at::parallel_for(0, batch, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = first_task[b]; i < first_task[b + 1]; ++i) {
+        if (tasks[i].first_block != 0) continue;  // the first partition of a head merges that head's run
+        const int64_t h = tasks[i].head;
+        int64_t last = i + 1;
+        while (last < first_task[b + 1] && tasks[last].head == h) ++last;
+        for (int64_t g = 0; g < group; ++g) {
+          float m = -1e30f;
+          for (int64_t p = i; p < last; ++p) m = std::max(m, maxes[p * group + g]);
+          float denom = 0.f;
+          std::fill(merged.begin(), merged.end(), 0.f);
+          for (int64_t p = i; p < last; ++p) {
+            const float w = expf(maxes[p * group + g] - m);
+            denom += w * denoms[p * group + g];
+            const float* a = accs.data() + (p * group + g) * d;
+            for (int64_t x = 0; x < d; ++x) merged[x] += w * a[x];
           }
+          T* dst = out + (b * dims.heads + h * group + g) * d;
+          const float inv = 1.f / denom;
+          for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(merged[x] * inv);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out + (b * heads + h * group + g) * head_dim;
-        const float inv = 1.f / l[g];
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[g * head_dim + i] * inv);
-      }
-    }
   });
 }
 
 }  // namespace
 
-// q: [B, heads, d]; k_cache, v_cache: [kv_heads, num_blocks, block_size, d];
-// block_tables: [B, width] int64; context_lens: [B] int64 (the new token included) -> [B, heads, d]
+// q: [B, heads, d]; k_cache, v_cache: one layer's caches (layout above); block_tables: [B, width] int64;
+// context_lens: [B] int64 (the new token included) -> [B, heads, d]
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q [B, heads, d], cache [kv_heads, N, bs, d]");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5,
+              "paged_decode: q [B, heads, d]; K [kv_heads, N, d/2, bs, 2]; V [kv_heads, N, bs/2, d, 2]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: cache must be contiguous");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: cache must be contiguous");
   auto out = torch::empty_like(q);
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = v_cache.size(0), num_blocks = v_cache.size(1), block_size = v_cache.size(2);
+  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(3);
   TORCH_CHECK(heads % kv_heads == 0, "paged_decode: heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_cache.size(2) * 2 == head_dim, "paged_decode: q and cache disagree on head_dim");
+  TORCH_CHECK(block_size % 2 == 0 && block_size <= kPartitionTokens, "paged_decode: block size must be even, <= ",
+              kPartitionTokens);
+  const Dims dims{heads, kv_heads, heads / kv_heads, head_dim, num_blocks, block_size};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                            out.data_ptr<scalar_t>(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                            block_tables.size(1), static_cast<float>(scale));
+    decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                     block_tables.data_ptr<int64_t>(), block_tables.size(1), context_lens.data_ptr<int64_t>(),
+                     out.data_ptr<scalar_t>(), batch, dims, static_cast<float>(scale));
   });
   return out;
+}
+
+// k, v: [T, kv_heads, d] (rows dense) -> the caches' slots (slot = block * bs + offset), in the layout above.
+void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                  torch::Tensor slots) {
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "cache_write_: head rows must be dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache_write_: contiguous caches");
+  slots = slots.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t num_blocks = k_cache.size(1), bs = k_cache.size(3), block_elems = bs * d;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "cache_write_", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* ks = k.data_ptr<scalar_t>();
+    const scalar_t* vs = v.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t block = slot[t] / bs, offset = slot[t] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* krow = ks + t * k.stride(0) + h * k.stride(1);
+        const scalar_t* vrow = vs + t * v.stride(0) + h * v.stride(1);
+        scalar_t* kb = kc + (h * num_blocks + block) * block_elems + offset * 2;
+        scalar_t* vb = vc + (h * num_blocks + block) * block_elems + (offset / 2) * d * 2 + offset % 2;
+        for (int64_t i = 0; i < d / 2; ++i) {
+          kb[i * bs * 2] = krow[2 * i];
+          kb[i * bs * 2 + 1] = krow[2 * i + 1];
+        }
+        for (int64_t i = 0; i < d; ++i) vb[2 * i] = vrow[i];
+      }
+    }
+  });
 }
