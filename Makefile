@@ -1,12 +1,12 @@
 # Two commands do all set-up on a fresh machine:
-#   make run   - install into .venv, pull the default model, run the demo (streamed chat + throughput)
+#   make run   - install into .venv, pull the default model, serve it (OpenAI API on http://127.0.0.1:8000)
 #   make test  - install into .venv, pull the test models, run the test suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-latency bench-throughput models
+.PHONY: run demo test lint bench-latency bench-throughput models
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ models: $(STAMP)
 	$(VENV)/bin/ridge pull smollm2 qwen2.5-coder-0.5b
 
 run: $(STAMP)
+	$(VENV)/bin/ridge pull smollm2
+	$(VENV)/bin/ridge serve
+
+demo: $(STAMP)
 	$(VENV)/bin/ridge pull smollm2
 	$(VENV)/bin/ridge demo
 

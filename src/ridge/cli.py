@@ -1,4 +1,4 @@
-"""`ridge …` subcommands: pull, generate, chat, demo, bench."""
+"""`ridge …` subcommands: pull, generate, chat, demo, serve, bench."""
 
 from __future__ import annotations
 
@@ -71,6 +71,24 @@ def sampling_params(args: argparse.Namespace):
 
 
 # ---- commands ---------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ridge.config import EngineConfig
+    from ridge.engine.engine import LLMEngine
+    from ridge.serve.app import ServerConfig
+    from ridge.serve.server import make_server, run
+
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
+    config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes)
+    server = make_server(engine, config, args.host, args.port, args.max_waiting, args.grace,
+                         "info" if args.verbose else "warning")
+    print(f"ridge: serving {config.model_name} at {server.url}/v1 (max_model_len {engine.max_model_len})")
+    print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"""-d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'""")
+    print(f"  metrics: {server.url}/metrics   stop: Ctrl-C or SIGTERM", flush=True)
+    run(server)
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     names = list(hub.ALIASES) if args.all else args.names
     if not names:
@@ -207,6 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="requests in the throughput run")
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                       description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus), /version.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests allowed to wait for a slot; more get HTTP 429 (default: unbounded)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                   help="larger request bodies get HTTP 413 (default %(default)s)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before aborting them (default %(default)s)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     from ridge.bench.cli import add_bench_parser
 

@@ -41,10 +41,10 @@ class LLM:
         if len(param_list) != len(batch):
             raise ValueError(f"params: got {len(param_list)} SamplingParams for {len(batch)} prompts")
         encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
-        for prompt, ids in zip(batch, encoded, strict=True):
+        for prompt, ids, p in zip(batch, encoded, param_list, strict=True):
             if isinstance(prompt, str) and not prompt:
                 raise ValueError("prompt: must not be empty (0 characters)")
-            self.engine.validate(ids)
+            self.engine.validate(ids, p)
         order = [self.engine.add_request(ids, p) for ids, p in zip(encoded, param_list, strict=True)]
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
@@ -87,8 +87,7 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

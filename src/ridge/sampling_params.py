@@ -26,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n alternatives per generated token (the sampled one is always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +45,9 @@ class SamplingParams:
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
         need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"in [0, max_tokens={self.max_tokens}]")
         need(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]")
+        need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
+                                            for t, b in self.logit_bias.items()),
+             "logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         need(all(isinstance(s, str) and s for s in stops), "stop", "non-empty strings")
         self.stop_strings = tuple(stops)

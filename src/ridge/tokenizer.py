@@ -167,6 +167,10 @@ class RidgeTokenizer:
             tools=None,
         )
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
 
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:

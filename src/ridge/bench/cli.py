@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ridge.bench import roofline, workloads
+from ridge.bench.serve import add_serve_parser
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
 PEERS = ("hf", "vllm", "llamacpp")
@@ -318,4 +319,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="bar chart of output tok/s")
     common(p)
     p.set_defaults(func=cmd_throughput)
+
+    add_serve_parser(bsub)
 

@@ -47,6 +47,15 @@ class RequestOutput:
 
 
 @dataclass
+class StepStats:
+    """What the last step() did, for metrics."""
+
+    prefill_tokens: int = 0  # prompt (or recomputed) tokens whose K/V it computed
+    sampled_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt: str | None
@@ -89,14 +98,15 @@ class LLMEngine:
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self._requests: dict[str, _Request] = {}
         self._aborted: set[str] = set()  # aborted since the last step: reported by the next one
+        self.last_step = StepStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
                  num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
     # ---- requests -------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError for a prompt the engine cannot serve; changes no state."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError for a request the engine cannot serve; changes no state."""
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty (0 tokens)")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -108,6 +118,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params is not None and params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(
         self,
@@ -123,7 +137,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        self.validate(ids)
+        self.validate(ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -158,17 +172,20 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Work to step, or aborted requests whose final output the next step() still has to hand out."""
+        return self.scheduler.has_work or bool(self._aborted)
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that progressed or finished."""
         step = self.scheduler.schedule()
+        self.last_step = StepStats(sum(step.num_tokens[step.num_decodes:]), 0, step.num_preempted)
         if step.empty:
             return self._collect([])
         logits, samplers = self.runner.execute(step)
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             seq.num_computed += n
+        self.last_step.sampled_tokens = len(samplers)
         if samplers:
             result = self.sampler(logits, samplers)
             now = time.perf_counter()

@@ -30,6 +30,7 @@ class Sampler:
         raw = logits
         params = [s.params for s in seqs]
         logits = self._penalize(logits, seqs)
+        logits = self._bias(logits, seqs)
         logits = self._block_early_stop(logits, seqs)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -59,6 +60,17 @@ class Sampler:
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
         return logits - freq * counts - pres * (counts > 0)
+
+    def _bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """OpenAI's logit_bias: a per-request additive bias on chosen tokens."""
+        rows = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+        if not rows:
+            return logits
+        bias = torch.zeros_like(logits)
+        for i, token_bias in rows:
+            ids = torch.tensor(list(token_bias), dtype=torch.long, device=logits.device)
+            bias[i, ids] = torch.tensor(list(token_bias.values()), dtype=logits.dtype, device=logits.device)
+        return logits + bias
 
     def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Rows below min_tokens cannot pick EOS or their stop tokens yet."""

@@ -1,0 +1,223 @@
+"""`ridge bench serve`: an async load generator for any OpenAI-compatible server (ridge, vllm, llama.cpp).
+
+Requests go to /v1/completions as token ids (every server gets exactly the same prompts), streamed,
+with Poisson arrivals at --request-rate (or all at once) under an optional concurrency cap. Per request
+it records TTFT (first streamed text), the gaps between chunks (ITL), TPOT ((E2E - TTFT) / (tokens - 1))
+and E2E latency; goodput counts the requests per second that meet every --goodput SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from ridge.bench import workloads
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    max_tokens: int
+    ok: bool = False
+    error: str = ""
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def build_requests(args: argparse.Namespace) -> list[workloads.Request]:
+    from ridge.hub import resolve
+    from ridge.tokenizer import RidgeTokenizer
+
+    tokenizer = RidgeTokenizer.from_path(resolve(args.tokenizer or args.model))
+    if args.workload == "sharegpt":
+        return workloads.sharegpt(tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len)
+    if args.workload == "random":
+        return workloads.random_requests(tokenizer.vocab_size, args.num_prompts, args.input_len, args.output_len,
+                                         args.seed)
+    shared = workloads.random_requests(tokenizer.vocab_size, 1, args.prefix_len, 1, args.seed + 1)[0].prompt_ids
+    suffixes = workloads.random_requests(tokenizer.vocab_size, args.num_prompts, args.input_len, args.output_len,
+                                         args.seed)
+    return [workloads.Request(shared + r.prompt_ids, r.max_tokens) for r in suffixes]
+
+
+async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult) -> None:
+    start = time.perf_counter()
+    last = start
+    try:
+        async with http.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"].get("completion_tokens", result.output_tokens)
+                choices = chunk.get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+        result.e2e_s = time.perf_counter() - start
+        if result.output_tokens == 0:  # a server without usage in streams: count the chunks
+            result.output_tokens = len(result.itl_s) + (1 if result.ttft_s else 0)
+        result.ok = result.ttft_s > 0
+        if not result.ok:
+            result.error = "no text streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = repr(exc)
+
+
+async def run_load(base_url: str, model: str | None, requests: list[workloads.Request], request_rate: float,
+                   max_concurrency: int | None, ignore_eos: bool, seed: int, api_key: str | None = None,
+                   progress: bool = True) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    results = [RequestResult(len(r.prompt_ids), r.max_tokens) for r in requests]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/completions"
+    bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
+
+    async def send(http: httpx.AsyncClient, r: workloads.Request, result: RequestResult) -> None:
+        body = {"prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+        if model:
+            body["model"] = model
+        async with limit:
+            await _one(http, url, body, result)
+        bar.update(1)
+
+    timeout = httpx.Timeout(None, connect=30)
+    connections = httpx.Limits(max_connections=max_concurrency or len(requests) + 8)
+    async with httpx.AsyncClient(timeout=timeout, limits=connections, headers=headers) as http:
+        start = time.perf_counter()
+        tasks = []
+        for r, result in zip(requests, results, strict=True):
+            tasks.append(asyncio.create_task(send(http, r, result)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return results, duration
+
+
+def summarize(results: list[RequestResult], duration: float, goodput: dict[str, float]) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+
+    def stats(values: list[float]) -> dict[str, float]:
+        if not values:
+            return {"mean_ms": 0.0, "median_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
+        ordered = sorted(values)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+        return {"mean_ms": statistics.fmean(values) * 1e3, "median_ms": statistics.median(values) * 1e3,
+                "p90_ms": pct(0.90), "p99_ms": pct(0.99)}
+
+    def good(r: RequestResult) -> bool:
+        measured = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2el": r.e2e_s}
+        return all(measured[name] * 1e3 <= limit for name, limit in goodput.items())
+
+    output_tokens = sum(r.output_tokens for r in done)
+    prompt_tokens = sum(r.prompt_len for r in done)
+    return {
+        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration,
+        "total_output_tokens": output_tokens, "total_prompt_tokens": prompt_tokens,
+        "ttft": stats([r.ttft_s for r in done]), "tpot": stats([r.tpot_s for r in done if r.output_tokens > 1]),
+        "itl": stats([gap for r in done for gap in r.itl_s]), "e2el": stats([r.e2e_s for r in done]),
+        "goodput": sum(good(r) for r in done) / duration if goodput else None,
+        "goodput_slo_ms": goodput or None,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slo = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput: expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slo[name] = float(value)
+    return slo
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"completed {report['completed']}, failed {report['failed']} in {report['duration_s']:.1f} s")
+    print(f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_throughput']:.1f} "
+          f"tok/s, total {report['total_token_throughput']:.1f} tok/s")
+    if report["goodput"] is not None:
+        print(f"goodput {report['goodput']:.2f} req/s under {report['goodput_slo_ms']} (ms)")
+    print(f"{'':6s} {'mean':>9s} {'median':>9s} {'p90':>9s} {'p99':>9s}  (ms)")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        s = report[name]
+        print(f"{name:6s} {s['mean_ms']:9.1f} {s['median_ms']:9.1f} {s['p90_ms']:9.1f} {s['p99_ms']:9.1f}")
+    for error in report["errors"]:
+        print(f"error: {error}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    goodput = parse_goodput(args.goodput)
+    requests = build_requests(args)
+    rate = float(args.request_rate)
+    results, duration = asyncio.run(run_load(args.base_url, args.served_model_name, requests, rate,
+                                             args.max_concurrency, args.ignore_eos, args.seed, args.api_key))
+    report = {"base_url": args.base_url, "workload": args.workload, "num_prompts": len(requests),
+              "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+              **summarize(results, duration, goodput)}
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "requests": [asdict(r) for r in results]}, f, indent=1)
+        print(f"saved: {args.json}")
+    return 0 if report["completed"] else 1
+
+
+def add_serve_parser(bsub) -> None:
+    from ridge.hub import DEFAULT_MODEL
+
+    p = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (ridge, vllm, llama.cpp)",
+                        description="Stream completions to --base-url at a Poisson --request-rate and report "
+                                    "throughput, TTFT / TPOT / ITL / E2E latency percentiles and goodput.")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="the model whose tokenizer builds the prompts")
+    p.add_argument("--tokenizer", default=None, help="a different model file for the tokenizer")
+    p.add_argument("--served-model-name", default=None, help="the `model` field to send (default: none)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--workload", choices=["sharegpt", "random", "prefix"], default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: truncate prompts to this")
+    p.add_argument("--max-output-len", type=int, default=1024, help="sharegpt: cap reply lengths at this")
+    p.add_argument("--input-len", type=int, default=128, help="random / prefix: (suffix) prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="random / prefix: tokens to generate")
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens shared by every prompt")
+    p.add_argument("--request-rate", default="inf", help="requests per second (Poisson), or inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens per request")
+    p.add_argument("--goodput", nargs="*", metavar="SLO", help="SLOs as ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--json", default=None, metavar="OUT", help="save the report (and per-request data) here")
+    p.set_defaults(func=cmd_serve)

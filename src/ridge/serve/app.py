@@ -1,0 +1,417 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
+
+Every request is tokenized and checked here, in the event loop, before it reaches the engine thread;
+a bad one gets OpenAI's error envelope with a 4xx status and changes nothing. Responses are built
+from the engine's cumulative outputs; streams send the new text of each step as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import ridge
+from ridge.engine.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown
+from ridge.engine.engine import CompletionOutput, RequestOutput
+from ridge.sampling_params import SamplingParams
+from ridge.serve.metrics import EngineMetrics
+from ridge.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    SamplingFields,
+    TokenizeRequest,
+)
+from ridge.tokenizer import RidgeTokenizer
+
+log = logging.getLogger("ridge")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+
+
+def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig) -> FastAPI:
+    tokenizer: RidgeTokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+    app = FastAPI(title="ridge", version=ridge.__version__)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    # ---- errors: one envelope for all -----------------------------------------------------------
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return JSONResponse(RequestError(f"{param or 'body'}: {first.get('msg')}", param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("ridge: internal error")  # the traceback stays in the server's log
+        return JSONResponse(RequestError("internal server error", None, 500, "InternalServerError").body(),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        wanted = f"Bearer {config.api_key}"
+        if config.api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != wanted:
+            error = RequestError("invalid or missing API key (Authorization: Bearer ...)", None, 401,
+                                 "AuthenticationError")
+            return JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.model_name:
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{config.model_name}`.",
+                               "model", 404, "NotFoundError")
+
+    def admit(prompts: list[list[int]], fields: SamplingFields, requested: int | None,
+              logprobs: int | None, what: str) -> SamplingParams:
+        """Check every prompt and the sampling fields; return the params. Raises before queuing anything."""
+        longest = max(len(p) for p in prompts)
+        if requested is not None and longest + requested > max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{longest + requested} tokens ({longest} in the {what}, {requested} for the completion). "
+                "Please reduce the length of the prompt or completion.", what)
+        max_tokens = requested if requested is not None else max(1, max_model_len - longest)
+        params = fields.sampling_params(max_tokens, logprobs)
+        for ids in prompts:
+            try:
+                engine.engine.validate(ids, params)
+            except ValueError as exc:
+                message = str(exc)
+                raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
+        if engine.max_waiting is not None and engine.num_waiting + len(prompts) * params.n > engine.max_waiting:
+            raise RequestError(f"too many requests waiting ({engine.num_waiting}); the limit is "
+                               f"{engine.max_waiting}", None, 429, "RateLimitError")
+        return params
+
+    async def run(prompts: list[list[int]], params: SamplingParams, request_id: str
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output)."""
+        merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for out in engine.generate(ids, params, f"{request_id}-{i}"):
+                    merged.put_nowait((i, out))
+            except (Exception, asyncio.CancelledError) as exc:
+                merged.put_nowait(exc)
+                return
+            merged.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:  # a disconnect or an error: cancelling a pump aborts its request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def engine_errors(exc: Exception) -> RequestError:
+        if isinstance(exc, QueueFull):
+            return RequestError(str(exc), None, 429, "RateLimitError")
+        if isinstance(exc, ShuttingDown | EngineDead):
+            return RequestError(str(exc), None, 503, "ServiceUnavailableError")
+        if isinstance(exc, ValueError):
+            return RequestError(str(exc), str(exc).split(":")[0])
+        raise exc
+
+    async def collect(prompts: list[list[int]], params: SamplingParams, request_id: str
+                      ) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in run(prompts, params, request_id):
+                finals[i] = out
+        except (QueueFull, ShuttingDown, EngineDead, ValueError) as exc:
+            raise engine_errors(exc) from exc
+        return finals  # type: ignore[return-value]
+
+    def usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, int]:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    # ---- endpoints ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.healthy else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": ridge.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "ridge", "max_model_len": max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            ids = chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"tokens: token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                               "tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def chat_ids(messages, add_generation_prompt: bool) -> list[int]:
+        plain = ChatCompletionRequest(messages=messages).plain_messages()
+        try:
+            return tokenizer.encode_chat(plain, add_generation_prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        check_model(req.model)
+        prompts = _prompt_list(req.prompt)
+        ids_list = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        params = admit(ids_list, req, req.max_tokens, req.logprobs, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else "" for p in prompts]
+
+        def choice(i: int, c: CompletionOutput, text: str, new_ids: list[int], new_logprobs, offset: int):
+            return {"index": i * params.n + c.index, "text": text,
+                    "logprobs": _completion_logprobs(tokenizer, new_ids, new_logprobs, offset)
+                    if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason if c.finish_reason != "abort" else None,
+                    "stop_reason": c.stop_reason}
+
+        if not req.stream:
+            outputs = await collect(ids_list, params, request_id)
+            choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
+                       for i, o in enumerate(outputs) for c in o.outputs]
+            return {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name,
+                    "choices": choices, "usage": usage(ids_list, outputs)}
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name}
+            streams = _StreamState(params)
+            finals: dict[int, RequestOutput] = {}
+            async for i, out in _guard(run(ids_list, params, request_id)):
+                if isinstance(out, RequestError):
+                    yield sse(out.body())
+                    break
+                finals[i] = out
+                for c in out.outputs:
+                    update = streams.advance(i, c, echoes[i])
+                    if update is not None:
+                        text, new_ids, new_lps, offset = update
+                        yield sse({**head, "choices": [choice(i, c, text, new_ids, new_lps, offset)]})
+            if req.include_usage and len(finals) == len(ids_list):
+                yield sse({**head, "choices": [], "usage": usage(ids_list, list(finals.values()))})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        check_model(req.model)
+        ids = chat_ids(req.messages, req.add_generation_prompt)
+        top = req.top_logprobs or 0
+        params = admit([ids], req, req.requested_max_tokens(), top if req.logprobs else None, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def logprobs(new_ids: list[int], new_lps) -> dict[str, Any] | None:
+            return _chat_logprobs(tokenizer, new_ids, new_lps, top) if req.logprobs else None
+
+        if not req.stream:
+            (output,) = await collect([ids], params, request_id)
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason if c.finish_reason != "abort" else None,
+                        "stop_reason": c.stop_reason} for c in output.outputs]
+            return {"id": request_id, "object": "chat.completion", "created": created, "model": config.model_name,
+                    "choices": choices, "usage": usage([ids], [output])}
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": config.model_name}
+            for index in range(params.n):  # OpenAI opens every choice with the role
+                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            streams = _StreamState(params)
+            final: RequestOutput | None = None
+            async for _, out in _guard(run([ids], params, request_id)):
+                if isinstance(out, RequestError):
+                    yield sse(out.body())
+                    break
+                final = out
+                for c in out.outputs:
+                    update = streams.advance(0, c, "")
+                    if update is not None:
+                        text, new_ids, new_lps, _ = update
+                        delta = {"content": text} if text or not c.finish_reason else {}
+                        yield sse({**head, "choices": [{
+                            "index": c.index, "delta": delta, "logprobs": logprobs(new_ids, new_lps),
+                            "finish_reason": c.finish_reason if c.finish_reason != "abort" else None}]})
+            if req.include_usage and final is not None:
+                yield sse({**head, "choices": [], "usage": usage([ids], [final])})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _guard(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
+        """A stream's engine-side failure becomes an error event: its HTTP status has already been sent."""
+        try:
+            async for item in outputs:
+                yield item
+        except (QueueFull, ShuttingDown, EngineDead, ValueError) as exc:
+            yield -1, engine_errors(exc)
+
+    return app
+
+
+class _StreamState:
+    """Per choice: how much text and how many tokens were sent; text that may yet become a stop string
+    (a stop string's first characters) is held back until the choice finishes."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.hold = max((len(s) - 1 for s in params.stop_strings), default=0)
+        self.sent: dict[tuple[int, int], tuple[int, int, bool]] = {}  # (prompt, choice) -> (chars, tokens, done)
+
+    def advance(self, prompt: int, c: CompletionOutput, prefix: str):
+        """(new text, new token ids, their logprobs, text offset) to send for choice c, or None."""
+        chars, tokens, done = self.sent.get((prompt, c.index), (0, 0, False))
+        if done:
+            return None
+        finished = c.finish_reason is not None
+        text = prefix + c.text
+        end = len(text) if finished else max(chars, len(text) - self.hold)
+        new_text, new_ids = text[chars:end], c.token_ids[tokens:]
+        if not new_text and not new_ids and not finished:
+            return None
+        self.sent[(prompt, c.index)] = (end, len(c.token_ids), finished)
+        new_lps = c.logprobs[tokens:] if c.logprobs is not None else None
+        return new_text, new_ids, new_lps, chars
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise RequestError("prompt: must not be empty", "prompt")
+    return prompts
+
+
+def _completion_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
+                         offset: int) -> dict[str, Any]:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [tokenizer.token_text(t) for t in ids]
+    entries = logprobs or [{} for _ in ids]
+    offsets, position = [], offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.get(t) for t, e in zip(ids, entries, strict=True)],
+            "top_logprobs": [{tokenizer.token_text(k): v for k, v in e.items()} for e in entries],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
+                   top: int) -> dict[str, Any]:
+    def item(token_id: int, value: float) -> dict[str, Any]:
+        text = tokenizer.token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(ids, logprobs or [{} for _ in ids], strict=True):
+        alternatives = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**item(token_id, entry.get(token_id, float("nan"))),
+                        "top_logprobs": [item(k, v) for k, v in alternatives]})
+    return {"content": content}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over max_bytes gets 413 before the route reads it whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps(RequestError(f"request body: larger than the limit of {self.max_bytes} bytes", None,
+                                       413, "RequestTooLargeError").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,88 @@
+"""Prometheus metrics with vLLM's names under the `ridge:` prefix, updated from the engine thread.
+
+Each server owns its registry (no process-global state), so tests can run several side by side.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ridge.engine.engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"ridge:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"ridge:{name}", doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"ridge:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation included).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sequence.",
+                             LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
+        self.output_len = histogram("request_generation_tokens", "Tokens generated per finished request.",
+                                    TOKEN_BUCKETS)
+        self._model = model_name
+        self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (request, sample) -> (tokens, time)
+
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after every step."""
+        m = self._model
+        now = time.perf_counter()
+        self.running.labels(m).set(len(engine.scheduler.running))
+        self.waiting.labels(m).set(len(engine.scheduler.waiting))
+        self.kv_usage.labels(m).set(1 - engine.pool.num_free / engine.pool.num_blocks)
+        stats = engine.last_step
+        self.prompt_tokens.labels(m).inc(stats.prefill_tokens)
+        self.generation_tokens.labels(m).inc(stats.sampled_tokens)
+        self.preemptions.labels(m).inc(stats.preemptions)
+        for out in outputs:
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                seen, last = self._last_token.get(key, (0, None))
+                if len(c.token_ids) > seen:
+                    if last is None:
+                        if out.metrics.get("ttft_s") is not None and c.index == 0:
+                            self.ttft.labels(m).observe(out.metrics["ttft_s"])
+                    else:
+                        self.itl.labels(m).observe((now - last) / (len(c.token_ids) - seen))
+                    self._last_token[key] = (len(c.token_ids), now)
+            if out.finished:
+                self._finished(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        m = self._model
+        for c in out.outputs:
+            self._last_token.pop((out.request_id, c.index), None)
+            self.success.labels(m, c.finish_reason or "abort").inc()
+        for name, histogram in (("e2e_s", self.e2e), ("queue_s", self.queue)):
+            if out.metrics.get(name) is not None:
+                histogram.labels(m).observe(out.metrics[name])
+        self.prompt_len.labels(m).observe(len(out.prompt_token_ids))
+        self.output_len.labels(m).observe(sum(len(c.token_ids) for c in out.outputs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

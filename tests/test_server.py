@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server, through the real `openai` client and raw HTTP, on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import CHAT_PROMPTS
+from ridge import SamplingParams
+from ridge.config import EngineConfig
+from ridge.engine.engine import LLMEngine
+from ridge.serve.app import ServerConfig
+from ridge.serve.server import free_port, make_server, start_in_thread
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    engine = LLMEngine(EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="256MiB"),
+                       progress=False)
+    srv = make_server(engine, ServerConfig("smollm2", api_key=KEY, max_body_bytes=64 * 1024), port=free_port(),
+                      max_waiting=256, log_level="warning")
+    thread = start_in_thread(srv)
+    yield srv
+    srv.uvicorn.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _server_idle_and_whole(request):
+    """After each test, the server's engine drains and its KV accounting holds (every block free)."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    srv = request.getfixturevalue("server")
+    deadline = time.monotonic() + 30
+    while srv.engine.num_unfinished or srv.engine.engine.has_unfinished:
+        assert time.monotonic() < deadline, "the server did not drain"
+        time.sleep(0.02)
+    srv.engine.engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_chat_greedy_equals_llm_generate(client, smollm2):
+    for prompt in CHAT_PROMPTS[:4]:
+        messages = [{"role": "user", "content": prompt}]
+        expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+        got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=32)
+        assert got.choices[0].message.content == expected.text
+        assert got.choices[0].finish_reason == expected.finish_reason
+        assert got.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completions_prompt_forms_equal_llm_generate(client, smollm2):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    texts = ["The quick brown fox", "def fibonacci(n):"]
+    expected = [o.outputs[0].text for o in smollm2.generate(texts, params)]
+    got = client.completions.create(model="smollm2", prompt=texts, temperature=0, max_tokens=16,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    assert got.usage.completion_tokens == 32
+    ids = smollm2.tokenizer.encode(texts[0])
+    by_ids = client.completions.create(model="smollm2", prompt=ids, temperature=0, max_tokens=16,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == expected[0]
+    echoed = client.completions.create(model="smollm2", prompt=texts[0], temperature=0, max_tokens=16, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == texts[0] + expected[0]
+
+
+def test_streaming_equals_non_streaming(client):
+    messages = [{"role": "user", "content": CHAT_PROMPTS[1]}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=40)
+    stream = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=40,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+
+    prompt = "Once upon a time"
+    whole = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=24)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=prompt, temperature=0, max_tokens=24, stream=True) if c.choices)
+    assert text == whole.choices[0].text
+
+
+def test_n_samples_seeds_and_logprobs(client):
+    messages = [{"role": "user", "content": CHAT_PROMPTS[5]}]
+    out = client.chat.completions.create(model="smollm2", messages=messages, n=3, temperature=1.0, seed=7,
+                                         max_tokens=12, logprobs=True, top_logprobs=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    again = client.chat.completions.create(model="smollm2", messages=messages, n=3, temperature=1.0, seed=7,
+                                           max_tokens=12, logprobs=True, top_logprobs=3)
+    assert [c.message.content for c in out.choices] == [c.message.content for c in again.choices]
+    for choice in out.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == out.usage.completion_tokens // 3 or choice.finish_reason == "stop"
+        for entry in entries:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+    completion = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=5, temperature=0,
+                                           logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    # greedy: the chosen token is the most likely one
+    assert all(t in top and top[t] == max(top.values()) for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+
+
+def test_stop_strings_and_logit_bias(client, smollm2):
+    messages = [{"role": "user", "content": "List three primary colors, one per line."}]
+    out = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
+                                         stop=["\n"])
+    assert "\n" not in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=60, stop=["\n"], stream=True) if c.choices)
+    assert streamed == out.choices[0].message.content
+    first = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                      max_tokens=1, logprobs=0)
+    token_id = smollm2.tokenizer.encode(first.choices[0].logprobs.tokens[0], add_special_tokens=False)[0]
+    banned = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                       max_tokens=1, logit_bias={str(token_id): -100})
+    assert banned.choices[0].text != first.choices[0].text
+
+
+def test_models_tokenize_detokenize_version_metrics(server, smollm2):
+    models = httpx.get(server.url + "/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "smollm2"
+    assert models["data"][0]["max_model_len"] == server.engine.engine.max_model_len
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["tokens"] == smollm2.tokenizer.encode("Hello world") and ids["count"] == len(ids["tokens"])
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == smollm2.render_chat([{"role": "user", "content": "hi"}])
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text.endswith("Hello world")
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("ridge:num_requests_running", "ridge:num_requests_waiting", "ridge:kv_cache_usage_perc",
+                 "ridge:prompt_tokens_total", "ridge:generation_tokens_total", "ridge:num_preemptions_total",
+                 "ridge:time_to_first_token_seconds_bucket", "ridge:inter_token_latency_seconds_bucket",
+                 "ridge:e2e_request_latency_seconds_bucket", "ridge:request_queue_time_seconds_bucket",
+                 "ridge:request_prompt_tokens_bucket", "ridge:request_generation_tokens_bucket"):
+        assert name in metrics, name
+    success = [line for line in metrics.splitlines() if line.startswith("ridge:request_success_total")]
+    assert any('finished_reason="length"' in line and float(line.split()[-1]) > 0 for line in success)
+
+
+def _post(server, path: str, body, headers=AUTH, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None, text: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if text is not None:
+        assert text in error["message"], error
+
+
+CHAT = "/v1/chat/completions"
+OK_BODY = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({**OK_BODY, "temperature": -1}, "temperature"),
+    ({**OK_BODY, "top_p": 1.5}, "top_p"),
+    ({**OK_BODY, "max_tokens": 0}, "max_tokens"),
+    ({**OK_BODY, "n": 0}, "n"),
+    ({**OK_BODY, "logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({**OK_BODY, "top_logprobs": 50, "logprobs": True}, "logprobs"),
+    ({"max_tokens": 4}, "messages"),
+    ({**OK_BODY, "temperature": "hot"}, "temperature"),
+])
+def test_invalid_fields_get_400_naming_the_field(server, body, param):
+    _assert_error(_post(server, CHAT, body), 400, param)
+    assert _post(server, CHAT, OK_BODY).status_code == 200
+
+
+def test_context_overflow_and_empty_prompt(server):
+    long_prompt = "hello " * (server.engine.engine.max_model_len + 10)
+    _assert_error(_post(server, "/v1/completions", {"prompt": long_prompt, "max_tokens": 4}), 400,
+                  text="maximum context length")
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}), 400,
+                  text="maximum context length")
+    _assert_error(_post(server, "/v1/completions", {"prompt": "", "max_tokens": 4}), 400, "prompt")
+    assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4}).status_code == 200
+
+
+def test_unknown_model_oversized_body_and_auth(server):
+    _assert_error(_post(server, CHAT, {**OK_BODY, "model": "gpt-17"}), 404, "model")
+    huge = {**OK_BODY, "messages": [{"role": "user", "content": "x" * 100_000}]}
+    _assert_error(_post(server, CHAT, huge), 413)
+    _assert_error(_post(server, CHAT, OK_BODY, headers={}), 401)
+    _assert_error(_post(server, CHAT, OK_BODY, headers={"Authorization": "Bearer wrong"}), 401)
+    assert _post(server, CHAT, OK_BODY).status_code == 200
+
+
+def test_full_queue_gets_429(server):
+    server.engine.max_waiting = 0
+    try:
+        _assert_error(_post(server, CHAT, OK_BODY), 429)
+    finally:
+        server.engine.max_waiting = 256
+    assert _post(server, CHAT, OK_BODY).status_code == 200
+
+
+def test_internal_errors_do_not_leak(server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internals at /src/ridge/x.py line 12")
+
+    monkeypatch.setattr(server.engine.engine.tokenizer, "encode_chat", broken)
+    response = _post(server, CHAT, OK_BODY)
+    _assert_error(response, 500)
+    assert "secret" not in response.text
+    monkeypatch.undo()
+    assert _post(server, CHAT, OK_BODY).status_code == 200
+
+
+def test_health_reports_a_dead_engine(server):
+    server.engine.error = RuntimeError("simulated")
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        _assert_error(_post(server, CHAT, OK_BODY), 503)
+    finally:
+        server.engine.error = None
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_disconnected_streams_free_their_blocks(server):
+    pool = server.engine.engine.pool
+    body = {**OK_BODY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(4):
+            with http.stream("POST", server.url + CHAT, json=body, headers=AUTH) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                for _ in range(6):
+                    next(lines)
+            # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while pool.num_free != pool.num_blocks:
+        assert time.monotonic() < deadline, f"{pool.num_blocks - pool.num_free} blocks still held"
+        time.sleep(0.01)
+    assert _post(server, CHAT, OK_BODY).status_code == 200
+
+
+def test_64_concurrent_streams_all_complete(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> int:
+        stream = await client.completions.create(
+            model="smollm2", prompt=f"Story number {i}:", max_tokens=8 + i % 5, temperature=0.8, seed=i,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main() -> list[int]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(main()) == [8 + i % 5 for i in range(64)]
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ridge.cli", "serve", "--model", str(smollm2_path), "--port",
+                             str(port), "--kv-cache-memory", "128MiB", "--grace", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "Count:", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest[:-1]]
+        assert finish[-1] == "length", "the in-flight request was cut short"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bench_serve_load_generator(server):
+    """`ridge bench serve`'s client against this server: every request counted, the SLO arithmetic right."""
+    from ridge.bench import serve as bench_serve
+    from ridge.bench.workloads import random_requests
+
+    requests = random_requests(server.engine.engine.tokenizer.vocab_size, 12, 20, 6, seed=1)
+    results, duration = asyncio.run(bench_serve.run_load(
+        server.url, "smollm2", requests, request_rate=50.0, max_concurrency=4, ignore_eos=True, seed=0,
+        api_key=KEY, progress=False))
+    report = bench_serve.summarize(results, duration, {"ttft": 1e9, "tpot": 1e9})
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["total_output_tokens"] == 12 * 6
+    assert report["goodput"] == pytest.approx(report["request_throughput"])
+    assert 0 < report["ttft"]["median_ms"] <= report["ttft"]["p99_ms"] <= report["e2el"]["p99_ms"]
+    strict = bench_serve.summarize(results, duration, {"ttft": 0.0})
+    assert strict["goodput"] == 0
+    with pytest.raises(ValueError, match="--goodput"):
+        bench_serve.parse_goodput(["latency:5"])
