@@ -92,6 +92,15 @@ class AsyncEngine:
         busy = self.num_unfinished > 0
         return not busy or time.monotonic() - self.last_progress < self.stuck_after_s
 
+    def check_admission(self, count: int) -> None:
+        """Raise EngineDead, ShuttingDown or QueueFull if `count` more sequences cannot be taken now."""
+        if self.error is not None:
+            raise EngineDead(f"the engine stopped: {self.error!r}")
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
+        if self.max_waiting is not None and self.num_waiting + count > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting; the limit (--max-waiting) is {self.max_waiting}")
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
@@ -100,12 +109,7 @@ class AsyncEngine:
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
         """
-        if self.error is not None:
-            raise EngineDead(f"the engine stopped: {self.error!r}")
-        if not self.accepting:
-            raise ShuttingDown("the server is shutting down")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise QueueFull(f"{self.num_waiting} requests are waiting; the limit (--max-waiting) is {self.max_waiting}")
+        self.check_admission(1)
         self.engine.validate(prompt_ids, params)  # reads only the config and vocabulary: safe off-thread
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:

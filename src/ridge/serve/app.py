@@ -27,11 +27,13 @@ from ridge.sampling_params import SamplingParams
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     RequestError,
     SamplingFields,
     TokenizeRequest,
+    plain_messages,
 )
 from ridge.tokenizer import RidgeTokenizer
 
@@ -101,9 +103,10 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             except ValueError as exc:
                 message = str(exc)
                 raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
-        if engine.max_waiting is not None and engine.num_waiting + len(prompts) * params.n > engine.max_waiting:
-            raise RequestError(f"too many requests waiting ({engine.num_waiting}); the limit is "
-                               f"{engine.max_waiting}", None, 429, "RateLimitError")
+        try:  # here, not only in generate(): a stream's status line goes out before generate() runs
+            engine.check_admission(len(prompts) * params.n)
+        except (QueueFull, ShuttingDown, EngineDead) as exc:
+            raise engine_errors(exc) from exc
         return params
 
     async def run(prompts: list[list[int]], params: SamplingParams, request_id: str
@@ -202,10 +205,9 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                                "tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    def chat_ids(messages, add_generation_prompt: bool) -> list[int]:
-        plain = ChatCompletionRequest(messages=messages).plain_messages()
+    def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         try:
-            return tokenizer.encode_chat(plain, add_generation_prompt)
+            return tokenizer.encode_chat(plain_messages(messages), add_generation_prompt)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
 

@@ -104,15 +104,17 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, Any]]:
-        """Messages for the chat template; content given as parts keeps its text parts."""
-        out = []
-        for m in self.messages:
-            message = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                message["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
-            out.append(message)
-        return out
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template; content given as parts keeps its text parts."""
+    out = []
+    for m in messages:
+        message = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            message["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+        out.append(message)
+    return out
 
 
 class TokenizeRequest(BaseModel):
