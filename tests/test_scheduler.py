@@ -8,7 +8,7 @@ from ridge.sampling_params import SamplingParams
 
 def seq(i: int, prompt_len: int) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), index=0, prompt_len=prompt_len, token_ids=list(range(prompt_len)),
-                    params=SamplingParams(), detokenizer=None)
+                    params=SamplingParams(), text=None)
 
 
 def run(sched: Scheduler, step) -> None:

@@ -17,7 +17,6 @@ import pytest
 from conftest import CHAT_PROMPTS
 from ridge import SamplingParams
 from ridge.config import EngineConfig
-from ridge.engine.engine import LLMEngine
 from ridge.serve.app import ServerConfig
 from ridge.serve.server import free_port, make_server, start_in_thread
 
@@ -27,10 +26,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    engine = LLMEngine(EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="256MiB"),
-                       progress=False)
-    srv = make_server(engine, ServerConfig("smollm2", api_key=KEY, max_body_bytes=64 * 1024), port=free_port(),
-                      max_waiting=256, log_level="warning")
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="256MiB")
+    srv = make_server(config, ServerConfig("smollm2", api_key=KEY, max_body_bytes=64 * 1024), port=free_port(),
+                      max_waiting=256, log_level="warning", progress=False)
     thread = start_in_thread(srv)
     yield srv
     srv.uvicorn.should_exit = True
@@ -44,11 +42,14 @@ def _server_idle_and_whole(request):
     if "server" not in request.fixturenames:
         return
     srv = request.getfixturevalue("server")
+    if srv.engine.error is not None:
+        return
     deadline = time.monotonic() + 30
-    while srv.engine.num_unfinished or srv.engine.engine.has_unfinished:
+    while srv.engine.num_unfinished or not (state := srv.engine.state()).idle:
         assert time.monotonic() < deadline, "the server did not drain"
         time.sleep(0.02)
-    srv.engine.engine.check_integrity()
+    assert state.integrity_error is None, state.integrity_error
+    assert state.num_free_blocks == state.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +142,29 @@ def test_stop_strings_and_logit_bias(client, smollm2):
     assert banned.choices[0].text != first.choices[0].text
 
 
+def test_stop_strings_found_by_the_server_equal_the_engine_s(client, smollm2):
+    """The server finds stop strings in its own process; samples that stop at different steps, a stop string
+    kept in the output, and min_tokens must end exactly where the in-process engine ends them."""
+    prompt = "Write a short story about a cat. Once upon a time"
+    cases = [dict(stop=[" the", "."]), dict(stop=[" a"], include_stop_str_in_output=True),
+             dict(stop=["."], min_tokens=12)]
+    for case in cases:
+        params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=40, **case)
+        expected = smollm2.generate([prompt], params)[0].outputs
+        got = client.completions.create(model="smollm2", prompt=prompt, n=3, temperature=0.9, seed=11, max_tokens=40,
+                                        stop=case["stop"], extra_body={k: v for k, v in case.items() if k != "stop"})
+        choices = sorted(got.choices, key=lambda c: c.index)
+        assert [c.text for c in choices] == [e.text for e in expected], case
+        assert [c.finish_reason for c in choices] == [e.finish_reason for e in expected], case
+        assert [c.model_extra["stop_reason"] for c in choices] == [e.stop_reason for e in expected], case
+        assert got.usage.completion_tokens == sum(len(e.token_ids) for e in expected), case
+        assert any(e.finish_reason == "stop" for e in expected), f"{case}: no sample met a stop string"
+
+
 def test_models_tokenize_detokenize_version_metrics(server, smollm2):
     models = httpx.get(server.url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "smollm2"
-    assert models["data"][0]["max_model_len"] == server.engine.engine.max_model_len
+    assert models["data"][0]["max_model_len"] == server.engine.max_model_len
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert ids["tokens"] == smollm2.tokenizer.encode("Hello world") and ids["count"] == len(ids["tokens"])
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
@@ -199,7 +219,7 @@ def test_invalid_fields_get_400_naming_the_field(server, body, param):
 
 
 def test_context_overflow_and_empty_prompt(server):
-    long_prompt = "hello " * (server.engine.engine.max_model_len + 10)
+    long_prompt = "hello " * (server.engine.max_model_len + 10)
     _assert_error(_post(server, "/v1/completions", {"prompt": long_prompt, "max_tokens": 4}), 400,
                   text="maximum context length")
     _assert_error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}), 400,
@@ -230,7 +250,7 @@ def test_internal_errors_do_not_leak(server, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("secret internals at /src/ridge/x.py line 12")
 
-    monkeypatch.setattr(server.engine.engine.tokenizer, "encode_chat", broken)
+    monkeypatch.setattr(server.engine.tokenizer, "encode_chat", broken)
     response = _post(server, CHAT, OK_BODY)
     _assert_error(response, 500)
     assert "secret" not in response.text
@@ -248,8 +268,30 @@ def test_health_reports_a_dead_engine(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_killed_engine_process_makes_the_server_unhealthy(smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), dtype="bfloat16", kv_cache_memory="32MiB")
+    srv = make_server(config, ServerConfig("smollm2"), port=free_port(), log_level="warning", progress=False)
+    thread = start_in_thread(srv)
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        os.kill(srv.engine._process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health still says 200 with the engine process gone"
+            time.sleep(0.05)
+        _assert_error(_post(srv, CHAT, OK_BODY, headers={}), 503)
+    finally:
+        srv.uvicorn.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_an_engine_that_cannot_start_says_why(smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), kv_cache_memory="1KiB")
+    with pytest.raises(RuntimeError, match="kv_cache_memory"):
+        make_server(config, ServerConfig("smollm2"), port=free_port(), progress=False)
+
+
 def test_disconnected_streams_free_their_blocks(server):
-    pool = server.engine.engine.pool
     body = {**OK_BODY, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
         for _ in range(4):
@@ -260,8 +302,8 @@ def test_disconnected_streams_free_their_blocks(server):
                     next(lines)
             # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
-    while pool.num_free != pool.num_blocks:
-        assert time.monotonic() < deadline, f"{pool.num_blocks - pool.num_free} blocks still held"
+    while (state := server.engine.state()).num_free_blocks != state.num_blocks:
+        assert time.monotonic() < deadline, f"{state.num_blocks - state.num_free_blocks} blocks still held"
         time.sleep(0.01)
     assert _post(server, CHAT, OK_BODY).status_code == 200
 
@@ -320,7 +362,7 @@ def test_bench_serve_load_generator(server):
     from ridge.bench import serve as bench_serve
     from ridge.bench.workloads import random_requests
 
-    requests = random_requests(server.engine.engine.tokenizer.vocab_size, 12, 20, 6, seed=1)
+    requests = random_requests(server.engine.tokenizer.vocab_size, 12, 20, 6, seed=1)
     results, duration = asyncio.run(bench_serve.run_load(
         server.url, "smollm2", requests, request_rate=50.0, max_concurrency=4, ignore_eos=True, seed=0,
         api_key=KEY, progress=False))
@@ -333,3 +375,7 @@ def test_bench_serve_load_generator(server):
     assert strict["goodput"] == 0
     with pytest.raises(ValueError, match="--goodput"):
         bench_serve.parse_goodput(["latency:5"])
+    assert bench_serve.parse_targets(["ridge=http://a:1", "http://b:2/"]) == [("ridge", "http://a:1"),
+                                                                             ("b:2", "http://b:2/")]
+    with pytest.raises(ValueError, match="--base-url"):
+        bench_serve.parse_targets(["vllm=localhost:8000"])

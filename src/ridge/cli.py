@@ -73,15 +73,13 @@ def sampling_params(args: argparse.Namespace):
 # ---- commands ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from ridge.config import EngineConfig
-    from ridge.engine.engine import LLMEngine
     from ridge.serve.app import ServerConfig
     from ridge.serve.server import make_server, run
 
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes)
-    server = make_server(engine, config, args.host, args.port, args.max_waiting, args.grace,
-                         "info" if args.verbose else "warning")
-    print(f"ridge: serving {config.model_name} at {server.url}/v1 (max_model_len {engine.max_model_len})")
+    server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
+                         args.max_waiting, args.grace, "info" if args.verbose else "warning")
+    print(f"ridge: serving {config.model_name} at {server.url}/v1 (max_model_len {server.engine.max_model_len})")
     print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"""-d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'""")
     print(f"  metrics: {server.url}/metrics   stop: Ctrl-C or SIGTERM", flush=True)

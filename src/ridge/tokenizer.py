@@ -18,6 +18,8 @@ import jinja2.sandbox
 from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from ridge.sampling_params import SamplingParams
+
 # Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -220,3 +222,31 @@ def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> tuple[int, st
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
+
+
+class OutputText:
+    """One sample's text as its tokens arrive: detokenized incrementally and cut at the first stop string.
+
+    The engine keeps one per sequence when it detokenizes in-process (`LLM`); the server keeps one per
+    sample in its own process, so the engine's step loop never decodes text.
+    """
+
+    def __init__(self, tokenizer: RidgeTokenizer, params: SamplingParams) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self._params = params
+        self.text = ""
+
+    def add(self, token_id: int, num_outputs: int) -> str | None:
+        """Append the sample's num_outputs-th token; return the stop string it completes (the text is then
+        cut there), or None. Stop strings count only from min_tokens on."""
+        params = self._params
+        new_from = len(self.text)
+        self.text += self._detokenizer.add(token_id)
+        if num_outputs < params.min_tokens or not params.stop_strings:
+            return None
+        hit = find_stop(self.text, new_from, params.stop_strings)
+        if hit is None:
+            return None
+        idx, stop = hit
+        self.text = self.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
+        return stop

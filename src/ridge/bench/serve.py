@@ -179,30 +179,119 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"error: {error}")
 
 
+def parse_targets(items: list[str]) -> list[tuple[str, str]]:
+    """--base-url values, NAME=URL or URL, -> [(name, url)]; the name defaults to the URL's host:port."""
+    targets = []
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep:
+            name, url = item.split("://", 1)[-1].rstrip("/"), item
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url: expected URL or NAME=URL with an http(s) URL, got {item!r}")
+        targets.append((name, url))
+    return targets
+
+
+def run_offline(model: str, requests: list[workloads.Request], ignore_eos: bool) -> dict[str, Any]:
+    """The same requests through ridge's in-process engine (`ridge serve`'s defaults), all at once."""
+    from ridge import LLM, SamplingParams
+
+    llm = LLM(model)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos) for r in requests]
+    llm.generate(requests[0].prompt_ids, params[0])  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_ids for r in requests], params, use_tqdm=True)
+    duration = time.perf_counter() - start
+    llm.engine.check_integrity()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"duration_s": duration, "total_output_tokens": tokens, "output_throughput": tokens / duration,
+            "request_throughput": len(requests) / duration}
+
+
+def print_comparison(reports: list[dict[str, Any]], offline: dict[str, Any] | None) -> None:
+    """One row per server; ratios are the first server's figure over each row's."""
+    first = reports[0]
+    print(f"\n{'server':16s} {'out tok/s':>9s} {'goodput':>8s} {'TTFT p50/p99 ms':>17s} {'TPOT p50/p99 ms':>16s}"
+          f" {'tok/s ratio':>11s} {'goodput ratio':>13s}")
+    for r in reports:
+        ratio = first["output_throughput"] / r["output_throughput"] if r["output_throughput"] else float("nan")
+        good = (f"{first['goodput'] / r['goodput']:12.2f}x" if r["goodput"] else f"{'-':>13s}")
+        print(f"{r['name']:16s} {r['output_throughput']:9.1f} {r['goodput'] or 0:8.2f} "
+              f"{r['ttft']['median_ms']:8.0f}/{r['ttft']['p99_ms']:<8.0f} {r['tpot']['median_ms']:7.1f}/"
+              f"{r['tpot']['p99_ms']:<8.1f} {ratio:10.2f}x {good}")
+    if offline is not None:
+        print(f"{'ridge offline':16s} {offline['output_throughput']:9.1f}   (same requests in-process, all at once)")
+        for r in reports:
+            print(f"  {r['name']}: {r['output_throughput'] / offline['output_throughput']:.0%} of ridge offline")
+
+
+def plot_latencies(per_request: dict[str, list[dict[str, Any]]], title: str, path: str) -> None:
+    """CDFs of TTFT and TPOT, one line per server: where the tails part says more than the percentiles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name, results in per_request.items():
+        done = [r for r in results if r["ok"]]
+        ttft = sorted(r["ttft_s"] * 1e3 for r in done)
+        tpot = sorted(RequestResult(**r).tpot_s * 1e3 for r in done if r["output_tokens"] > 1)
+        for ax, values in ((axes[0], ttft), (axes[1], tpot)):
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+    for ax, label in ((axes[0], "TTFT (ms)"), (axes[1], "TPOT (ms)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
+    targets = parse_targets(args.base_url)
     requests = build_requests(args)
     rate = float(args.request_rate)
-    results, duration = asyncio.run(run_load(args.base_url, args.served_model_name, requests, rate,
-                                             args.max_concurrency, args.ignore_eos, args.seed, args.api_key))
-    report = {"base_url": args.base_url, "workload": args.workload, "num_prompts": len(requests),
-              "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-              **summarize(results, duration, goodput)}
-    print_report(report)
+    reports, per_request = [], {}
+    for name, url in targets:
+        print(f"== {name} ({url})")
+        results, duration = asyncio.run(run_load(url, args.served_model_name, requests, rate,
+                                                 args.max_concurrency, args.ignore_eos, args.seed, args.api_key))
+        report = {"name": name, "base_url": url, "workload": args.workload, "num_prompts": len(requests),
+                  "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+                  **summarize(results, duration, goodput)}
+        print_report(report)
+        reports.append(report)
+        per_request[name] = [asdict(r) for r in results]
+    offline = run_offline(args.model, requests, args.ignore_eos) if args.offline else None
+    if len(reports) > 1 or offline is not None:
+        print_comparison(reports, offline)
+    if args.plot:
+        plot_latencies(per_request, f"{args.workload}, {len(requests)} requests, rate {args.request_rate}", args.plot)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**report, "requests": [asdict(r) for r in results]}, f, indent=1)
+            json.dump({"runs": reports, "offline": offline, "requests": per_request}, f, indent=1)
         print(f"saved: {args.json}")
-    return 0 if report["completed"] else 1
+    return 0 if all(r["completed"] for r in reports) else 1
 
 
 def add_serve_parser(bsub) -> None:
     from ridge.hub import DEFAULT_MODEL
 
-    p = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (ridge, vllm, llama.cpp)",
-                        description="Stream completions to --base-url at a Poisson --request-rate and report "
-                                    "throughput, TTFT / TPOT / ITL / E2E latency percentiles and goodput.")
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p = bsub.add_parser("serve", help="load-test OpenAI-compatible servers (ridge, vllm, llama.cpp) side by side",
+                        description="Stream completions to each --base-url in turn, the same requests at the same "
+                                    "Poisson --request-rate, and report throughput, TTFT / TPOT / ITL / E2E latency "
+                                    "percentiles and goodput, then a comparison with ratios. A server with prefix "
+                                    "caching keeps the prompts of an earlier run: turn its cache off (vllm: "
+                                    "--no-enable-prefix-caching) or restart it between runs for a fair comparison.")
+    p.add_argument("--base-url", required=True, action="append", metavar="[NAME=]URL",
+                   help="a server, e.g. ridge=http://127.0.0.1:8000 (repeatable; ratios are over the first)")
+    p.add_argument("--offline", action="store_true",
+                   help="also run the same requests through ridge in-process (--model, default engine settings) "
+                        "and print each server's throughput as a fraction of that")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="the model whose tokenizer builds the prompts")
     p.add_argument("--tokenizer", default=None, help="a different model file for the tokenizer")
     p.add_argument("--served-model-name", default=None, help="the `model` field to send (default: none)")
@@ -220,4 +309,5 @@ def add_serve_parser(bsub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens per request")
     p.add_argument("--goodput", nargs="*", metavar="SLO", help="SLOs as ttft:MS tpot:MS e2el:MS")
     p.add_argument("--json", default=None, metavar="OUT", help="save the report (and per-request data) here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw TTFT and TPOT distributions per server here")
     p.set_defaults(func=cmd_serve)

@@ -20,7 +20,7 @@ from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.sampling_params import SamplingParams
-from ridge.tokenizer import IncrementalDetokenizer, RidgeTokenizer, find_stop
+from ridge.tokenizer import OutputText, RidgeTokenizer
 
 log = logging.getLogger("ridge")
 
@@ -55,6 +55,32 @@ class StepStats:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may ask of an engine; checked wherever the request arrives, the engine's process or not."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ValueError, naming the field and the limit, for a request the engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty (0 tokens)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leaves no room to generate; the maximum context "
+                f"length is {self.max_model_len} tokens (prompt + at least 1 new token)"
+            )
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params is not None and params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -68,8 +94,12 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    """detokenize=False leaves outputs' text empty and stop strings unchecked: the caller (the server's
+    process) does both from the token ids, off the step loop."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True, detokenize: bool = True) -> None:
         self.config = config
+        self.detokenize = detokenize
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         path = resolve(config.model)
         reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
@@ -89,6 +119,7 @@ class LLMEngine:
         pool_tokens = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, pool_tokens,
                                  cfg.max_position_embeddings)
+        self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
@@ -106,28 +137,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Raise ValueError for a request the engine cannot serve; changes no state."""
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty (0 tokens)")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leaves no room to generate; the maximum context "
-                f"length is {self.max_model_len} tokens (prompt + at least 1 new token)"
-            )
-        vocab = self.loaded.config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if params is not None and params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -149,9 +166,11 @@ class LLMEngine:
             seqs.append(Sequence(
                 seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
                 token_ids=list(ids), params=params,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                text=OutputText(self.tokenizer, params) if self.detokenize else None,
                 generator=generator,
             ))
+            if arrival_time is not None:  # the time the caller received it, before any queue in between
+                seqs[-1].timings.arrival = arrival_time
         self._requests[request_id] = _Request(request_id, text, ids, seqs)
         for s in seqs:
             self.scheduler.add(s)
@@ -161,12 +180,13 @@ class LLMEngine:
         """The live sequences of a request (one per sample), e.g. to stream their text."""
         return self._requests[request_id].seqs
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (or only its sample `index`) and free its KV blocks; unknown ids are ignored."""
         request = self._requests.get(request_id)
         if request is None:
             return
         for seq in request.seqs:
-            if not seq.finished:
+            if not seq.finished and index in (None, seq.index):
                 self.scheduler.finish(seq, "abort")
         self._aborted.add(request_id)
 
@@ -204,7 +224,7 @@ class LLMEngine:
         self.validate(token_ids)
         blocks = self.pool.allocate(self.pool.blocks_for(len(token_ids)))
         seq = Sequence(seq_id=-1, request_id="", index=0, prompt_len=len(token_ids), token_ids=list(token_ids),
-                       params=SamplingParams(), detokenizer=None, block_table=blocks)
+                       params=SamplingParams(), text=None, block_table=blocks)
         try:
             logits, _ = self.runner.execute(ScheduledStep([seq], [len(token_ids)], num_decodes=0), all_logits=True)
         finally:
@@ -222,15 +242,9 @@ class LLMEngine:
                          or (not params.ignore_eos and token in self.tokenizer.stop_token_ids)):
             self.scheduler.finish(seq, "stop", token)
             return
-        new_from = len(seq.output_text)
-        seq.output_text += seq.detokenizer.add(token)
-        if may_stop and params.stop_strings:
-            hit = find_stop(seq.output_text, new_from, params.stop_strings)
-            if hit is not None:
-                idx, stop = hit
-                seq.output_text = seq.output_text[: idx + len(stop) if params.include_stop_str_in_output else idx]
-                self.scheduler.finish(seq, "stop", stop)
-                return
+        if seq.text is not None and (stop := seq.text.add(token, seq.num_outputs)) is not None:
+            self.scheduler.finish(seq, "stop", stop)
+            return
         if seq.num_outputs >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 

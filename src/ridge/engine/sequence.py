@@ -9,7 +9,7 @@ from enum import Enum
 import torch
 
 from ridge.sampling_params import SamplingParams
-from ridge.tokenizer import IncrementalDetokenizer
+from ridge.tokenizer import OutputText
 
 
 class Status(Enum):
@@ -50,13 +50,12 @@ class Sequence:
     prompt_len: int
     token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    text: OutputText | None  # None when the engine does not detokenize (the server does it in its own process)
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
-    output_text: str = ""
-    streamed_chars: int = 0  # how much of output_text has been handed out as deltas
+    streamed_chars: int = 0  # how much of the text has been handed out as deltas
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -80,6 +79,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        return self.text.text if self.text is not None else ""
 
     def stream_delta(self) -> str:
         """Text not yet handed out; while running, hold back what could still become a stop string."""

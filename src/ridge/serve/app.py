@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
 
-Every request is tokenized and checked here, in the event loop, before it reaches the engine thread;
+Every request is tokenized and checked here, in the event loop, before it reaches the engine core;
 a bad one gets OpenAI's error envelope with a 4xx status and changes nothing. Responses are built
 from the engine's cumulative outputs; streams send the new text of each step as server-sent events.
 """
@@ -8,6 +8,7 @@ from the engine's cumulative outputs; streams send the new text of each step as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -48,10 +49,12 @@ class ServerConfig:
 
 
 def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig) -> FastAPI:
-    tokenizer: RidgeTokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer: RidgeTokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
     app = FastAPI(title="ridge", version=ridge.__version__)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
 
     # ---- errors: one envelope for all -----------------------------------------------------------
     @app.exception_handler(RequestError)
@@ -70,15 +73,6 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         log.exception("ridge: internal error")  # the traceback stays in the server's log
         return JSONResponse(RequestError("internal server error", None, 500, "InternalServerError").body(),
                             status_code=500)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        wanted = f"Bearer {config.api_key}"
-        if config.api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != wanted:
-            error = RequestError("invalid or missing API key (Authorization: Bearer ...)", None, 401,
-                                 "AuthenticationError")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
 
     # ---- helpers --------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
@@ -99,7 +93,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         params = fields.sampling_params(max_tokens, logprobs)
         for ids in prompts:
             try:
-                engine.engine.validate(ids, params)
+                engine.validate(ids, params)
             except ValueError as exc:
                 message = str(exc)
                 raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
@@ -112,6 +106,11 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     async def run(prompts: list[list[int]], params: SamplingParams, request_id: str
                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output)."""
+        if len(prompts) == 1:  # the common case, without a task and a queue in between
+            async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0")) as outputs:
+                async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
+                    yield 0, out
+            return
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]) -> None:
@@ -378,6 +377,33 @@ def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dic
     return {"content": content}
 
 
+class BearerAuth:
+    """ASGI middleware: /v1 routes need `Authorization: Bearer <api_key>`, else 401.
+
+    A plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which relays every streamed chunk through
+    an extra task and memory stream (measured: a tenth of the server process's time under load).
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.wanted = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and dict(scope.get("headers") or []).get(b"authorization") != self.wanted:
+            error = RequestError("invalid or missing API key (Authorization: Bearer ...)", None, 401,
+                                 "AuthenticationError")
+            await _send_json(send, 401, error.body())
+            return
+        await self.app(scope, receive, send)
+
+
+async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodyLimit:
     """ASGI middleware: a request body over max_bytes gets 413 before the route reads it whole."""
 
@@ -408,11 +434,8 @@ class BodyLimit:
             await self._reject(send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps(RequestError(f"request body: larger than the limit of {self.max_bytes} bytes", None,
-                                       413, "RequestTooLargeError").body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 413, RequestError(f"request body: larger than the limit of {self.max_bytes} bytes",
+                                                 None, 413, "RequestTooLargeError").body())
 
 
 class _TooLarge(Exception):

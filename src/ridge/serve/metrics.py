@@ -1,15 +1,14 @@
-"""Prometheus metrics with vLLM's names under the `ridge:` prefix, updated from the engine thread.
+"""Prometheus metrics with vLLM's names under the `ridge:` prefix, updated from each step's report.
 
 Each server owns its registry (no process-global state), so tests can run several side by side.
 """
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ridge.engine.engine import LLMEngine, RequestOutput
+from ridge.engine.engine import RequestOutput
+from ridge.engine.engine_core import StepReport
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -48,14 +47,14 @@ class EngineMetrics:
         self._model = model_name
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (request, sample) -> (tokens, time)
 
-    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Called by the engine thread after every step."""
+    def observe_step(self, report: StepReport, outputs: list[RequestOutput]) -> None:
+        """Called with every step's report from the engine core and the request outputs it produced."""
         m = self._model
-        now = time.perf_counter()
-        self.running.labels(m).set(len(engine.scheduler.running))
-        self.waiting.labels(m).set(len(engine.scheduler.waiting))
-        self.kv_usage.labels(m).set(1 - engine.pool.num_free / engine.pool.num_blocks)
-        stats = engine.last_step
+        now = report.time
+        self.running.labels(m).set(report.num_running)
+        self.waiting.labels(m).set(report.num_waiting)
+        self.kv_usage.labels(m).set(1 - report.num_free_blocks / report.num_blocks)
+        stats = report.stats
         self.prompt_tokens.labels(m).inc(stats.prefill_tokens)
         self.generation_tokens.labels(m).inc(stats.sampled_tokens)
         self.preemptions.labels(m).inc(stats.preemptions)

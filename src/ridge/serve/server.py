@@ -1,4 +1,4 @@
-"""Running the server: an engine thread, the FastAPI app, uvicorn, and a graceful SIGTERM.
+"""Running the server: an engine core process, the FastAPI app, uvicorn, and a graceful SIGTERM.
 
 On SIGTERM (or Ctrl-C) uvicorn stops accepting connections and waits up to `grace_s` for the requests
 in flight; those still running then are cancelled, which aborts them in the engine, and the process
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from ridge.config import EngineConfig
 from ridge.engine.async_engine import AsyncEngine
-from ridge.engine.engine import LLMEngine
 from ridge.serve.app import ServerConfig, build_app
 from ridge.serve.metrics import EngineMetrics
 
@@ -45,10 +45,14 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_server(engine: LLMEngine, server_config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-                max_waiting: int | None = None, grace_s: float = 30.0, log_level: str = "info") -> Server:
+def make_server(engine_config: EngineConfig, server_config: ServerConfig, host: str = "127.0.0.1",
+                port: int = 8000, max_waiting: int | None = None, grace_s: float = 30.0, log_level: str = "info",
+                progress: bool = True) -> Server:
+    """Start the engine core (loading the model) and build the server around it; run() serves."""
     metrics = EngineMetrics(server_config.model_name)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=metrics.observe_step)
+    async_engine = AsyncEngine(engine_config, max_waiting=max_waiting, on_step=metrics.observe_step,
+                               progress=progress)
+    async_engine.start()
     app = build_app(async_engine, metrics, server_config)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(grace_s), access_log=log_level == "debug")
@@ -57,7 +61,6 @@ def make_server(engine: LLMEngine, server_config: ServerConfig, host: str = "127
 
 def run(server: Server) -> None:
     """Serve until SIGTERM / Ctrl-C; returns once every request is finished or aborted."""
-    server.engine.start()
     # uvicorn re-raises the signal that stopped it once it is done, under the handlers it found installed:
     # with these no-ops there, a drained server returns normally and the process exits 0.
     previous = {}

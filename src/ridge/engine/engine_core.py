@@ -1,0 +1,174 @@
+"""The engine core: an LLMEngine stepping in a process of its own, driven over a pipe.
+
+The server's process (tokenizer, HTTP, detokenization, stop strings) and the step loop then never
+wait on one interpreter lock: the loop only schedules, runs the model and samples. Commands arrive
+as small dataclasses; each step answers with one StepReport carrying only what that step added to
+each sample (token ids, logprobs, finish), never the cumulative outputs.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from ridge.config import EngineConfig
+from ridge.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepStats
+from ridge.sampling_params import SamplingParams
+
+
+# ---- commands: server -> core --------------------------------------------------------------------
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+    index: int | None = None  # one sample only (it met a stop string the server found), or all of them
+
+
+@dataclass
+class QueryState:
+    """Asks for an EngineState (tests, and /health's idea of the KV pool)."""
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- answers: core -> server ---------------------------------------------------------------------
+@dataclass
+class Ready:
+    limits: RequestLimits
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class Failed:
+    """The core stopped on an error (while loading or stepping); it exits after sending this."""
+
+    message: str
+
+
+@dataclass
+class Rejected:
+    """A request the engine refused (the server checks the same limits first, so this is rare)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class SampleDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    metrics: dict[str, float | None]
+
+
+@dataclass
+class StepReport:
+    requests: list[RequestDelta]
+    stats: StepStats
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class EngineState:
+    idle: bool  # no request in the engine, and no aborted one still to report
+    num_free_blocks: int
+    num_blocks: int
+    integrity_error: str | None  # the KV accounting check's message, None when it holds
+
+
+def run_engine_core(config: EngineConfig, conn: Connection, progress: bool) -> None:
+    """The core process's main: load, report Ready (or Failed), then serve commands until Shutdown or
+    until the server's end of the pipe closes."""
+    # Ctrl-C reaches the whole process group; only the server decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        engine = LLMEngine(config, progress=progress, detokenize=False)
+    except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
+        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(Ready(engine.limits, engine.pool.num_blocks, engine.pool.block_size))
+    try:
+        _serve(engine, conn)
+    except (EOFError, OSError):  # the server is gone: nothing left to serve
+        return
+    except BaseException as exc:
+        conn.send(Failed(f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _serve(engine: LLMEngine, conn: Connection) -> None:
+    sent: dict[tuple[str, int], int] = {}  # (request, sample) -> output tokens already reported
+    while True:
+        # Block while idle; while busy, take whatever arrived since the last step and step again.
+        while conn.poll(None if not engine.has_unfinished else 0):
+            command = conn.recv()
+            if isinstance(command, Shutdown):
+                return
+            _apply(engine, conn, command)
+        if not engine.has_unfinished:
+            continue
+        outputs = engine.step()
+        conn.send(StepReport(
+            [_delta(out, sent) for out in outputs], engine.last_step, len(engine.scheduler.running),
+            len(engine.scheduler.waiting), engine.pool.num_free, engine.pool.num_blocks,
+        ))
+
+
+def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortRequest | QueryState) -> None:
+    if isinstance(command, AddRequest):
+        try:
+            engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time)
+        except ValueError as exc:
+            conn.send(Rejected(command.request_id, str(exc)))
+    elif isinstance(command, AbortRequest):
+        engine.abort(command.request_id, command.index)
+    elif isinstance(command, QueryState):
+        try:
+            engine.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "the KV accounting check failed"
+        conn.send(EngineState(not engine.has_unfinished, engine.pool.num_free, engine.pool.num_blocks, error))
+    else:
+        raise TypeError(f"unknown engine command {command!r}")
+
+
+def _delta(out: RequestOutput, sent: dict[tuple[str, int], int]) -> RequestDelta:
+    samples = []
+    for c in out.outputs:
+        key = (out.request_id, c.index)
+        start = sent.get(key, 0)
+        samples.append(SampleDelta(c.index, c.token_ids[start:], c.logprobs[start:] if c.logprobs is not None else None,
+                                   c.finish_reason, c.stop_reason))
+        if out.finished:
+            sent.pop(key, None)
+        else:
+            sent[key] = len(c.token_ids)
+    return RequestDelta(out.request_id, samples, out.finished, out.metrics)
