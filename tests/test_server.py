@@ -184,6 +184,29 @@ def test_models_tokenize_detokenize_version_metrics(server, smollm2):
     assert any('finished_reason="length"' in line and float(line.split()[-1]) > 0 for line in success)
 
 
+def test_prefix_cache_usage_salt_and_metrics(client, server):
+    system = "You are ridge's test assistant. Answer in one short sentence, politely and precisely. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4)
+    again = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    prompt_blocks = (first.usage.prompt_tokens - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.cached_tokens == prompt_blocks > 0
+    salted = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4,
+                                            extra_body={"cache_salt": "tenant-7"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    streamed = list(client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=4,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == prompt_blocks
+    _assert_error(_post(server, CHAT, {**OK_BODY, "cache_salt": ""}), 400, "cache_salt")
+    metrics = httpx.get(server.url + "/metrics").text
+    values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("ridge:prefix_cache")}
+    assert values["ridge:prefix_cache_hits_total"] >= 2 * prompt_blocks
+    assert values["ridge:prefix_cache_queries_total"] >= values["ridge:prefix_cache_hits_total"]
+    assert 0 < values["ridge:prefix_cache_hit_rate"] <= 1 and "ridge:prefix_cache_evictions_total" in values
+
+
 def _post(server, path: str, body, headers=AUTH, **kwargs) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
 
@@ -379,3 +402,24 @@ def test_bench_serve_load_generator(server):
                                                                              ("b:2", "http://b:2/")]
     with pytest.raises(ValueError, match="--base-url"):
         bench_serve.parse_targets(["vllm=localhost:8000"])
+
+
+def test_bench_multiturn_sessions_reuse_the_cache(server):
+    """A multiturn session's turns go one after another, so each finds the previous turn's prompt cached."""
+    from ridge.bench import serve as bench_serve
+    from ridge.bench.workloads import multiturn
+
+    requests = multiturn(server.engine.tokenizer, 2, max_turns=3, max_prompt_len=1024, max_output_len=8)
+    assert len({r.session for r in requests}) == 2 and len(requests) >= 4
+    for earlier, later in zip(requests, requests[1:], strict=False):
+        if earlier.session == later.session:
+            assert later.prompt_ids[: len(earlier.prompt_ids) - 8] == earlier.prompt_ids[:-8]
+    results, duration = asyncio.run(bench_serve.run_load(
+        server.url, "smollm2", requests, request_rate=float("inf"), max_concurrency=None, ignore_eos=True, seed=0,
+        api_key=KEY, progress=False))
+    report = bench_serve.summarize(results, duration, {})
+    assert report["completed"] == len(requests)
+    later_turns = [res for r, res, prev in zip(requests[1:], results[1:], requests, strict=False)
+                   if r.session == prev.session]
+    assert later_turns and all(res.cached_tokens >= 16 for res in later_turns)
+    assert 0 < report["prefix_cache_hit_rate"] < 1

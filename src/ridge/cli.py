@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--attention-backend", default="paged", choices=["paged", "reference"])
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (default on; --no-enable-prefix-caching)")
+    g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
+                   help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
+                        "fcfs = arrival order (default %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -36,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend, "num_threads": args.threads,
+        "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
     }
 
 

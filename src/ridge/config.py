@@ -101,6 +101,8 @@ class EngineConfig:
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
+    schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
     num_threads: int | None = None
     seed: int = 0
     torch_dtype: torch.dtype = field(init=False)
@@ -116,5 +118,7 @@ class EngineConfig:
             raise ValueError(f"block_size: must be an even number of tokens up to 256, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.attention_backend not in ("paged", "reference"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")

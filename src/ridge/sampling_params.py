@@ -27,6 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +49,8 @@ class SamplingParams:
         need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
                                             for t, b in self.logit_bias.items()),
              "logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
+             "a non-empty string or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         need(all(isinstance(s, str) and s for s in stops), "stop", "non-empty strings")
         self.stop_strings = tuple(stops)

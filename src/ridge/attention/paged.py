@@ -5,8 +5,9 @@ On the CPU, decodes run in a C++ kernel that reads K/V straight from their block
 batch for one SDPA call, with the query heads that share a K/V head folded into the query-length axis
 ([kv_heads, group * n, d]). Prefill chunks go through SDPA one sequence at a time with enable_gqa: a
 chunk that is its sequence's whole context attends to this step's k, v directly under is_causal
-(measured 2x faster on the CPU than an explicit mask); a chunk that continues a cached context reads
-the cache under a mask built once per step in prepare() and shared by all layers.
+(measured 2x faster on the CPU than an explicit mask); a chunk that continues a cached context (a
+prefix-cache hit, or a long prompt's later chunk) reads the blocks in place through the decode kernel
+in bf16 on the CPU, and otherwise gathers the cache under a mask built once per step in prepare().
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class PagedBackend(AttentionBackend):
             out[:b] = decoded
         for chunk, mask in zip(meta.prefills, meta.prefill_masks, strict=True):
             rows = slice(chunk.start, chunk.start + chunk.length)
+            if mask is not None and self.ops is not None and q.dtype == torch.bfloat16:
+                out[rows] = self._continue_in_place(layer, q[rows], chunk)
+                continue
             if mask is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
             else:
@@ -57,6 +61,16 @@ class PagedBackend(AttentionBackend):
             )
             out[rows] = o[0].transpose(0, 1)
         return out
+
+    def _continue_in_place(self, layer: int, q: torch.Tensor, chunk) -> torch.Tensor:
+        """A chunk after a cached context, through the decode kernel: each query token is a row that reads
+        the blocks in place up to its own position (its causal mask), with no gathered copy of the context.
+        Measured on a 1,000-token cached prefix + 72 new tokens: 10% faster than gather + masked SDPA in bf16
+        (the kernel's fast path; other dtypes keep SDPA)."""
+        n = chunk.length
+        tables = chunk.block_table.unsqueeze(0).expand(n, -1)
+        lens = torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=q.device)
+        return self.ops.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [B, heads, d], one new token per sequence -> [B, heads, d]."""

@@ -30,6 +30,7 @@ class RequestResult:
     ok: bool = False
     error: str = ""
     output_tokens: int = 0
+    cached_tokens: int = 0  # as the server's usage reports them (prompt_tokens_details.cached_tokens)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -46,13 +47,14 @@ def build_requests(args: argparse.Namespace) -> list[workloads.Request]:
     tokenizer = RidgeTokenizer.from_path(resolve(args.tokenizer or args.model))
     if args.workload == "sharegpt":
         return workloads.sharegpt(tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len)
+    if args.workload == "multiturn":  # --num-prompts conversations
+        return workloads.multiturn(tokenizer, args.num_prompts, args.max_turns, args.max_prompt_len,
+                                   args.max_output_len)
     if args.workload == "random":
         return workloads.random_requests(tokenizer.vocab_size, args.num_prompts, args.input_len, args.output_len,
                                          args.seed)
-    shared = workloads.random_requests(tokenizer.vocab_size, 1, args.prefix_len, 1, args.seed + 1)[0].prompt_ids
-    suffixes = workloads.random_requests(tokenizer.vocab_size, args.num_prompts, args.input_len, args.output_len,
-                                         args.seed)
-    return [workloads.Request(shared + r.prompt_ids, r.max_tokens) for r in suffixes]
+    return workloads.prefix_requests(tokenizer.vocab_size, args.num_prompts, args.prefix_len, args.input_len,
+                                     args.output_len, args.prefix_fraction, args.seed)
 
 
 async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any], result: RequestResult) -> None:
@@ -67,8 +69,9 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any], result: 
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"].get("completion_tokens", result.output_tokens)
+                if usage := chunk.get("usage"):
+                    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 choices = chunk.get("choices") or []
                 if not choices or not choices[0].get("text"):
                     continue
@@ -98,22 +101,29 @@ async def run_load(base_url: str, model: str | None, requests: list[workloads.Re
     url = base_url.rstrip("/") + "/v1/completions"
     bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
 
-    async def send(http: httpx.AsyncClient, r: workloads.Request, result: RequestResult) -> None:
-        body = {"prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-        if model:
-            body["model"] = model
-        async with limit:
-            await _one(http, url, body, result)
-        bar.update(1)
+    async def send(http: httpx.AsyncClient, chain: list[int]) -> None:
+        """A session's requests in order, each sent once the previous one is answered."""
+        for i in chain:
+            r = requests[i]
+            body = {"prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            if model:
+                body["model"] = model
+            async with limit:
+                await _one(http, url, body, results[i])
+            bar.update(1)
+
+    chains: dict[object, list[int]] = {}  # session -> its requests; a request without one is a session alone
+    for i, r in enumerate(requests):
+        chains.setdefault(("session", r.session) if r.session is not None else i, []).append(i)
 
     timeout = httpx.Timeout(None, connect=30)
     connections = httpx.Limits(max_connections=max_concurrency or len(requests) + 8)
     async with httpx.AsyncClient(timeout=timeout, limits=connections, headers=headers) as http:
         start = time.perf_counter()
         tasks = []
-        for r, result in zip(requests, results, strict=True):
-            tasks.append(asyncio.create_task(send(http, r, result)))
+        for chain in chains.values():  # the request rate paces the sessions' starts
+            tasks.append(asyncio.create_task(send(http, chain)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
@@ -142,11 +152,14 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict[str, 
 
     output_tokens = sum(r.output_tokens for r in done)
     prompt_tokens = sum(r.prompt_len for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
     return {
         "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
         "request_throughput": len(done) / duration, "output_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
         "total_output_tokens": output_tokens, "total_prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached_tokens,  # 0 from a server that does not report them
+        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "ttft": stats([r.ttft_s for r in done]), "tpot": stats([r.tpot_s for r in done if r.output_tokens > 1]),
         "itl": stats([gap for r in done for gap in r.itl_s]), "e2el": stats([r.e2e_s for r in done]),
         "goodput": sum(good(r) for r in done) / duration if goodput else None,
@@ -169,6 +182,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"completed {report['completed']}, failed {report['failed']} in {report['duration_s']:.1f} s")
     print(f"request throughput {report['request_throughput']:.2f} req/s, output {report['output_throughput']:.1f} "
           f"tok/s, total {report['total_token_throughput']:.1f} tok/s")
+    if report["cached_prompt_tokens"]:
+        print(f"prefix cache: {report['cached_prompt_tokens']} of {report['total_prompt_tokens']} prompt tokens "
+              f"cached ({report['prefix_cache_hit_rate']:.0%}, as the server reports)")
     if report["goodput"] is not None:
         print(f"goodput {report['goodput']:.2f} req/s under {report['goodput_slo_ms']} (ms)")
     print(f"{'':6s} {'mean':>9s} {'median':>9s} {'p90':>9s} {'p99':>9s}  (ms)")
@@ -296,13 +312,17 @@ def add_serve_parser(bsub) -> None:
     p.add_argument("--tokenizer", default=None, help="a different model file for the tokenizer")
     p.add_argument("--served-model-name", default=None, help="the `model` field to send (default: none)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=["sharegpt", "random", "prefix"], default="sharegpt")
+    p.add_argument("--workload", choices=["sharegpt", "random", "prefix", "multiturn"], default="sharegpt",
+                   help="multiturn: --num-prompts ShareGPT conversations, each replayed turn by turn")
+    p.add_argument("--max-turns", type=int, default=4, help="multiturn: turns per conversation at most")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: truncate prompts to this")
     p.add_argument("--max-output-len", type=int, default=1024, help="sharegpt: cap reply lengths at this")
     p.add_argument("--input-len", type=int, default=128, help="random / prefix: (suffix) prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="random / prefix: tokens to generate")
-    p.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens shared by every prompt")
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens of each prompt's prefix")
+    p.add_argument("--prefix-fraction", type=float, default=1.0,
+                   help="prefix: the fraction of prompts whose prefix is the shared one (default %(default)s)")
     p.add_argument("--request-rate", default="inf", help="requests per second (Poisson), or inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--seed", type=int, default=0)

@@ -16,6 +16,7 @@ from ridge.tokenizer import RidgeTokenizer
 class Request:
     prompt_ids: list[int]
     max_tokens: int
+    session: int | None = None  # requests of one session go one after another, each once the last is answered
 
 
 def iter_sharegpt(path: Path) -> Iterator[dict]:
@@ -57,8 +58,58 @@ def sharegpt(tokenizer: RidgeTokenizer, num_requests: int, max_prompt_len: int =
     return requests
 
 
+def multiturn(tokenizer: RidgeTokenizer, num_conversations: int, max_turns: int = 4, max_prompt_len: int = 2048,
+              max_output_len: int = 512, path: Path | None = None) -> list[Request]:
+    """ShareGPT conversations replayed turn by turn: turn k's prompt is the conversation so far (human and
+    recorded assistant turns, in the model's chat format) up to the k-th human message; its output length is
+    the recorded reply's. The history uses the recorded replies, not the served ones, so every server gets
+    the same prompts; each turn still starts with the previous turn's whole prompt, which a prefix cache reuses.
+    """
+    path = path or pull_dataset("sharegpt")
+    requests: list[Request] = []
+    sessions = 0
+    for record in iter_sharegpt(path):
+        turns = [t for t in record.get("conversations") or [] if t.get("from") in ("human", "gpt")]
+        pairs = [(turns[i]["value"], turns[i + 1]["value"]) for i in range(0, len(turns) - 1, 2)
+                 if turns[i]["from"] == "human" and turns[i + 1]["from"] == "gpt"][:max_turns]
+        if len(pairs) < 2:
+            continue
+        messages: list[dict[str, str]] = []
+        conversation = []
+        for human, gpt in pairs:
+            messages.append({"role": "user", "content": human})
+            prompt = tokenizer.encode_chat(messages)
+            reply_len = min(len(tokenizer.encode(gpt, add_special_tokens=False)), max_output_len)
+            if len(prompt) + reply_len > max_prompt_len or reply_len < 4:
+                break
+            conversation.append(Request(prompt, reply_len, sessions))
+            messages.append({"role": "assistant", "content": gpt})
+        if len(conversation) >= 2:
+            requests.extend(conversation)
+            sessions += 1
+            if sessions == num_conversations:
+                break
+    return requests
+
+
 def random_requests(vocab_size: int, num_requests: int, input_len: int, output_len: int,
                     seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     return [Request([rng.randrange(100, vocab_size - 100) for _ in range(input_len)], output_len)
             for _ in range(num_requests)]
+
+
+def prefix_requests(vocab_size: int, num_requests: int, prefix_len: int, input_len: int, output_len: int,
+                    share_fraction: float = 1.0, seed: int = 0) -> list[Request]:
+    """Prompts of prefix_len + input_len random tokens. A share_fraction of them (spread evenly) start with
+    one common prefix; the rest with a prefix of their own, so every prompt costs the same cold."""
+    if not 0 <= share_fraction <= 1:
+        raise ValueError(f"share fraction: must be in [0, 1], got {share_fraction}")
+    shared = random_requests(vocab_size, 1, prefix_len, 1, seed + 1)[0].prompt_ids
+    own = random_requests(vocab_size, num_requests, prefix_len, 1, seed + 2)
+    suffixes = random_requests(vocab_size, num_requests, input_len, output_len, seed)
+    sharing = round(share_fraction * num_requests)
+    rng = random.Random(seed + 3)
+    shares = set(rng.sample(range(num_requests), sharing))
+    return [Request((shared if i in shares else own[i].prompt_ids) + r.prompt_ids, r.max_tokens)
+            for i, r in enumerate(suffixes)]

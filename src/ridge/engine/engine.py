@@ -18,6 +18,7 @@ from ridge.engine.sequence import Sequence, Status
 from ridge.hub import resolve
 from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
+from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
@@ -44,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float | None] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -53,6 +55,9 @@ class StepStats:
     prefill_tokens: int = 0  # prompt (or recomputed) tokens whose K/V it computed
     sampled_tokens: int = 0
     preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found
+    prefix_cache_evictions: int = 0  # cached blocks dropped for room
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    # n > 1 with prefix caching: samples 1.. wait here until sample 0 has prefilled the prompt, then find
+    # every full prompt block in the cache and compute only the last, partial one
+    held: list[Sequence] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -120,8 +128,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, pool_tokens,
                                  cfg.max_position_embeddings)
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
-        self.pool = BlockPool(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.pool = BlockPool(num_blocks, config.block_size,
+                              PrefixCache() if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.schedule_policy)
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
             config.device, cpu_ops=kernels,
@@ -171,9 +181,13 @@ class LLMEngine:
             ))
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seqs[-1].timings.arrival = arrival_time
-        self._requests[request_id] = _Request(request_id, text, ids, seqs)
+        request = _Request(request_id, text, ids, seqs)
+        if self.pool.cache is not None and len(seqs) > 1 and len(ids) > self.config.block_size:
+            request.held = seqs[1:]
+        self._requests[request_id] = request
         for s in seqs:
-            self.scheduler.add(s)
+            if s not in request.held:
+                self.scheduler.add(s)
         return request_id
 
     def sequences(self, request_id: str) -> list[Sequence]:
@@ -198,13 +212,18 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that progressed or finished."""
+        cache = self.pool.cache.stats if self.pool.cache is not None else None
+        before = (cache.queries, cache.hits, cache.evictions) if cache else (0, 0, 0)
         step = self.scheduler.schedule()
         self.last_step = StepStats(sum(step.num_tokens[step.num_decodes:]), 0, step.num_preempted)
+        if cache:
+            self.last_step.prefix_cache_queries = cache.queries - before[0]
+            self.last_step.prefix_cache_hits = cache.hits - before[1]
         if step.empty:
             return self._collect([])
         logits, samplers = self.runner.execute(step)
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
-            seq.num_computed += n
+            self.scheduler.advance(seq, n)
         self.last_step.sampled_tokens = len(samplers)
         if samplers:
             result = self.sampler(logits, samplers)
@@ -212,8 +231,20 @@ class LLMEngine:
             for seq, token, logprobs in zip(samplers, result.tokens, result.logprobs, strict=True):
                 if seq.timings.first_token is None:
                     seq.timings.first_token = now
+                    self._release_held(seq)
                 self._append(seq, token, logprobs)
+        if cache:
+            self.last_step.prefix_cache_evictions = cache.evictions - before[2]
         return self._collect(samplers)
+
+    def _release_held(self, seq: Sequence) -> None:
+        """seq's prompt is in the cache now: its held siblings go to the front of the queue."""
+        request = self._requests[seq.request_id]
+        if seq.index == 0 and request.held:
+            for sibling in reversed(request.held):
+                if not sibling.finished:
+                    self.scheduler.waiting.appendleft(sibling)
+            request.held = []
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits [T, V] at every position of token_ids (row i predicts token i + 1).
@@ -275,7 +306,7 @@ class LLMEngine:
         metrics = first.summary()
         metrics["num_preemptions"] = sum(s.num_preemptions for s in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, metrics)
+                             request.finished, metrics, request.seqs[0].num_cached_tokens)
 
     def check_integrity(self) -> None:
         """Assert the KV accounting holds; when idle, every block is free."""

@@ -81,6 +81,7 @@ class RequestDelta:
     samples: list[SampleDelta]
     finished: bool
     metrics: dict[str, float | None]
+    num_cached_tokens: int
 
 
 @dataclass
@@ -171,4 +172,4 @@ def _delta(out: RequestOutput, sent: dict[tuple[str, int], int]) -> RequestDelta
             sent.pop(key, None)
         else:
             sent[key] = len(c.token_ids)
-    return RequestDelta(out.request_id, samples, out.finished, out.metrics)
+    return RequestDelta(out.request_id, samples, out.finished, out.metrics, out.num_cached_tokens)

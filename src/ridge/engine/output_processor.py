@@ -48,6 +48,7 @@ class RequestTracker:
         self._samples = [_Sample(i, OutputText(tokenizer, params), logprobs=[] if params.logprobs is not None else None)
                          for i in range(params.n)]
         self._metrics: dict[str, float | None] = {}
+        self._num_cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -59,13 +60,14 @@ class RequestTracker:
         stopped = [d.index for d in delta.samples if self._extend(self._samples[d.index], d)]
         self.started = self.started or any(s.token_ids for s in self._samples)
         self._metrics = dict(delta.metrics)
+        self._num_cached_tokens = delta.num_cached_tokens
         if self.finished and not delta.finished:  # finished here, by stop strings: the engine's clock never stopped
             self._metrics["e2e_s"] = time.perf_counter() - self.arrival_time
         return self.output(), stopped
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, None, self.prompt_ids, [s.output() for s in self._samples],
-                             self.finished, self._metrics)
+                             self.finished, self._metrics, self._num_cached_tokens)
 
     def _extend(self, sample: _Sample, delta: SampleDelta) -> bool:
         """Append delta's tokens to sample; True when a stop string finished it."""

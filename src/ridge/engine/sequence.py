@@ -55,12 +55,19 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching: the chained keys of the full blocks hashed so far (they depend on the tokens only, so
+    # they survive preemption), how many of the table's blocks were offered to the cache, and the prompt
+    # tokens the first admission found cached.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int = 0
     streamed_chars: int = 0  # how much of the text has been handed out as deltas
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     num_preemptions: int = 0
+    times_passed: int = 0  # steps in which a later arrival was admitted while this one waited (lpm)
     timings: Timings = field(default_factory=Timings)
 
     @property

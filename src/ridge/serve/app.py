@@ -157,11 +157,12 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             raise engine_errors(exc) from exc
         return finals  # type: ignore[return-value]
 
-    def usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, int]:
+    def usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prompts)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -35,6 +35,10 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation included).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.cache_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted to make room.")
+        self.cache_hit_rate = gauge("prefix_cache_hit_rate", "Hits over queries since the server started.")
         self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sequence.",
@@ -45,6 +49,7 @@ class EngineMetrics:
         self.output_len = histogram("request_generation_tokens", "Tokens generated per finished request.",
                                     TOKEN_BUCKETS)
         self._model = model_name
+        self._queries = self._hits = 0
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (request, sample) -> (tokens, time)
 
     def observe_step(self, report: StepReport, outputs: list[RequestOutput]) -> None:
@@ -58,6 +63,13 @@ class EngineMetrics:
         self.prompt_tokens.labels(m).inc(stats.prefill_tokens)
         self.generation_tokens.labels(m).inc(stats.sampled_tokens)
         self.preemptions.labels(m).inc(stats.preemptions)
+        self.cache_queries.labels(m).inc(stats.prefix_cache_queries)
+        self.cache_hits.labels(m).inc(stats.prefix_cache_hits)
+        self.cache_evictions.labels(m).inc(stats.prefix_cache_evictions)
+        self._queries += stats.prefix_cache_queries
+        self._hits += stats.prefix_cache_hits
+        if self._queries:
+            self.cache_hit_rate.labels(m).set(self._hits / self._queries)
         for out in outputs:
             for c in out.outputs:
                 key = (out.request_id, c.index)

@@ -52,6 +52,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -70,7 +71,7 @@ class SamplingFields(BaseModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, logit_bias=bias,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             )
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise RequestError(str(exc), str(exc).split()[0].rstrip(":")) from exc
