@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ridge import SamplingParams
 from ridge.engine.scheduler import Scheduler
@@ -227,3 +228,58 @@ def test_cache_salt_isolates_requests(engines):
     assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+# ---- beam search: forks are prompts whose blocks the cache already holds ------------------------------
+def _reference_beam_search(model, prompt: list[int], width: int, max_tokens: int, stop_ids: frozenset[int],
+                           length_penalty: float) -> list[int]:
+    """The same search written plainly over HF transformers' full-sequence logits (no cache of any kind)."""
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    done: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, total in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            logprobs = torch.log_softmax(logits, -1)
+            top = torch.topk(logprobs, 2 * width)
+            candidates += [(tokens + [t], total + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist(),
+                                                                        strict=True)]
+        best = sorted(candidates, key=lambda c: c[1], reverse=True)[:width]
+        done += [c for c in best if c[0][-1] in stop_ids]
+        live = [c for c in best if c[0][-1] not in stop_ids]
+        if not live:
+            break
+
+    def final(c: tuple[list[int], float]) -> float:
+        length = len(c[0]) - (1 if c[0][-1] in stop_ids else 0)
+        return c[1] / max(length, 1) ** length_penalty
+
+    return max(done + live, key=final)[0]
+
+
+def test_beam_search_matches_a_reference_over_hf_logits(engines, hf_smollm2):
+    from ridge import BeamSearchParams
+
+    on, off = engines
+    prompts = ["The three most important inventions are", "def add(a, b):", "Once upon a time, in a small village,"]
+    params = BeamSearchParams(beam_width=4, max_tokens=24, length_penalty=1.0)
+    hits_before = on.engine.pool.cache.stats.hits
+    outputs = on.beam_search(prompts, params)
+    assert on.engine.pool.cache.stats.hits - hits_before > 0, "beams did not share their parents' blocks"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = on.tokenizer.encode(prompt)
+        expected = _reference_beam_search(hf_smollm2, ids, 4, 24, on.tokenizer.stop_token_ids, 1.0)
+        best = out.sequences[0]
+        assert best.token_ids == expected, (on.tokenizer.decode(best.token_ids), on.tokenizer.decode(expected))
+        assert len(out.sequences) == 4 and [h.score for h in out.sequences] == sorted(
+            (h.score for h in out.sequences), reverse=True)
+        # its cumulative log-probability is what scoring the whole sequence in one pass gives
+        logprobs = torch.log_softmax(on.engine.prompt_logits(ids + best.token_ids), -1)
+        rescored = sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(best.token_ids))
+        assert best.cumulative_logprob == pytest.approx(rescored, abs=1e-3)
+    # without the cache every beam recomputes its whole prefix: the same hypotheses
+    plain = off.beam_search(prompts[1], params)[0]
+    assert [h.token_ids for h in plain.sequences] == [h.token_ids for h in outputs[1].sequences]
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0)

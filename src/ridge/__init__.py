@@ -1,8 +1,9 @@
 """ridge: an LLM inference engine that moves fewer bytes, and tells you which wall binds."""
 
+from ridge.engine.beam_search import BeamSearchParams
 from ridge.engine.engine import CompletionOutput, LLMEngine, RequestOutput
 from ridge.llm import LLM
 from ridge.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ridge.config import EngineConfig
+from ridge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ridge.engine.engine import LLMEngine, RequestOutput
 from ridge.sampling_params import SamplingParams
 
@@ -56,6 +57,13 @@ class LLM:
         for request_id, prompt in zip(order, batch, strict=True):
             done[request_id].prompt = prompt if isinstance(prompt, str) else None
         return [done[i] for i in order]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None
+                    ) -> list[BeamSearchOutput]:
+        """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
+        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
+        encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        return beam_search(self.engine, encoded, params or BeamSearchParams())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt as they are decoded (one sample: params.n must be 1)."""
