@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from conftest import CHAT_PROMPTS
-from ridge import SamplingParams
+from ridge import BeamSearchParams, SamplingParams
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
 from ridge.serve.server import free_port, make_server, start_in_thread
@@ -205,6 +205,33 @@ def test_prefix_cache_usage_salt_and_metrics(client, server):
     assert values["ridge:prefix_cache_hits_total"] >= 2 * prompt_blocks
     assert values["ridge:prefix_cache_queries_total"] >= values["ridge:prefix_cache_hits_total"]
     assert 0 < values["ridge:prefix_cache_hit_rate"] <= 1 and "ridge:prefix_cache_evictions_total" in values
+
+
+def test_beam_search_through_the_server_equals_llm_beam_search(client, server, smollm2):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    expected = smollm2.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8))
+    got = client.completions.create(model="smollm2", prompt=prompts, max_tokens=8, n=2,
+                                    extra_body={"use_beam_search": True, "beam_width": 3})
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    for i, result in enumerate(expected):
+        best = result.sequences[:2]
+        assert [c.text for c in got.choices[2 * i: 2 * i + 2]] == [h.text for h in best]
+        assert [c.finish_reason for c in got.choices[2 * i: 2 * i + 2]] == [
+            "stop" if h.finished else "length" for h in best]
+    assert got.usage.completion_tokens == sum(len(h.token_ids) for r in expected for h in r.sequences[:2])
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    (chat_expected,) = smollm2.beam_search([smollm2.tokenizer.encode_chat(messages)],
+                                           BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.5))
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=6, stream=True,
+                                                 extra_body={"use_beam_search": True, "beam_width": 2,
+                                                             "length_penalty": 0.5}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_expected.sequences[0].text
+
+    _assert_error(_post(server, CHAT, {**OK_BODY, "use_beam_search": True, "n": 3, "beam_width": 2}), 400, "n")
+    _assert_error(_post(server, CHAT, {**OK_BODY, "use_beam_search": True, "beam_width": 11}), 400, "beam_width")
+    _assert_error(_post(server, CHAT, {**OK_BODY, "use_beam_search": True, "stop": ["."]}), 400, "stop")
+    assert _post(server, CHAT, OK_BODY).status_code == 200
 
 
 def _post(server, path: str, body, headers=AUTH, **kwargs) -> httpx.Response:

@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--kv-cache-memory", default="2GiB", help="KV cache budget, e.g. 2GiB (default %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; long prompts are chunked to fit (default %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="sequences running at once (default %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")

@@ -95,7 +95,7 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048  # vLLM's CPU server default: most prompts prefill in one chunk
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
@@ -103,6 +103,11 @@ class EngineConfig:
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
+    # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
+    speculate: str | None = None
+    draft_model: str | None = None  # a model with the target's tokenizer; implies speculate="draft"
+    num_speculative_tokens: int = 4  # k, the most tokens drafted per step
+    speculation_policy: str = "adaptive"  # "adaptive": k (or off) per step from the break-even model; "fixed"
     num_threads: int | None = None
     seed: int = 0
     torch_dtype: torch.dtype = field(init=False)
@@ -120,5 +125,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
+        if self.draft_model is not None and self.speculate is None:
+            self.speculate = "draft"
+        if self.speculate not in (None, "ngram", "draft"):
+            raise ValueError(f"speculate: {self.speculate!r} is not one of ngram, draft")
+        if self.speculate == "draft" and self.draft_model is None:
+            raise ValueError("draft_model: speculate='draft' needs a draft model")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens: must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculation_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation_policy: {self.speculation_policy!r} is not one of adaptive, fixed")
         if self.attention_backend not in ("paged", "reference"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")

@@ -7,14 +7,17 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
 from ridge.config import EngineConfig
+from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler
 from ridge.engine.scheduler import ScheduledStep, Scheduler
 from ridge.engine.sequence import Sequence, Status
+from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.hub import resolve
 from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
@@ -58,6 +61,9 @@ class StepStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found
     prefix_cache_evictions: int = 0  # cached blocks dropped for room
+    spec_drafts: int = 0  # sequences whose drafts the target checked
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,12 +118,9 @@ class LLMEngine:
         path = resolve(config.model)
         reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
         self.tokenizer = RidgeTokenizer.from_path(path, reader)
-        self.loaded: LoadedModel = load_model(path, config.torch_dtype, config.device, progress, reader)
-        cfg = self.loaded.config
-        if config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
-            onednn_linear.pack_linears(self.loaded.model)
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        self.loaded.model.use_kernels(kernels)
+        self.loaded: LoadedModel = _load(path, config, kernels, progress, reader)
+        cfg = self.loaded.config
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
@@ -137,6 +140,8 @@ class LLMEngine:
             config.device, cpu_ops=kernels,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
+        self.drafter = self._make_drafter(num_blocks, kernels, progress)
+        self.speculation = SpeculationPolicy(config.num_speculative_tokens, config.speculation_policy == "adaptive")
         self._requests: dict[str, _Request] = {}
         self._aborted: set[str] = set()  # aborted since the last step: reported by the next one
         self.last_step = StepStats()
@@ -144,6 +149,27 @@ class LLMEngine:
         self._request_ids = itertools.count()
         log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
                  num_blocks, config.block_size, num_blocks * per_block / 2**20)
+
+    def _make_drafter(self, num_blocks: int, kernels: ModuleType | None, progress: bool) -> Drafter | None:
+        config = self.config
+        if config.speculate == "ngram":
+            return NgramDrafter()
+        if config.speculate != "draft":
+            return None
+        path = resolve(config.draft_model)
+        reader = open_gguf(path) if path.is_file() else None
+        tokenizer = RidgeTokenizer.from_path(path, reader)
+        if tokenizer.vocab_size != self.tokenizer.vocab_size:
+            raise ValueError(f"draft_model: its vocabulary ({tokenizer.vocab_size} tokens) differs from the "
+                             f"target's ({self.tokenizer.vocab_size}); a drafter must share the tokenizer")
+        draft = _load(path, config, kernels, progress, reader)
+        runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
+                             config.torch_dtype, config.device, cpu_ops=kernels)
+        sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
+        log.info("ridge: draft model %s, %s", path.name, draft.weight_format)
+        # as many blocks as the target's pool: a drafter never holds more tokens than its target
+        return DraftModelDrafter(runner, BlockPool(num_blocks, config.block_size), sampler,
+                                 config.max_num_batched_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -214,28 +240,87 @@ class LLMEngine:
         """Run one scheduled step; return an output for every request that progressed or finished."""
         cache = self.pool.cache.stats if self.pool.cache is not None else None
         before = (cache.queries, cache.hits, cache.evictions) if cache else (0, 0, 0)
+        self.last_step = StepStats()
+        if self.drafter is not None:
+            self._draft()
         step = self.scheduler.schedule()
-        self.last_step = StepStats(sum(step.num_tokens[step.num_decodes:]), 0, step.num_preempted)
+        chunks = zip(step.seqs[step.num_decodes:], step.num_tokens[step.num_decodes:], strict=True)
+        self.last_step.prefill_tokens = sum(n for s, n in chunks if not s.draft_ids)  # not decodes with drafts
+        self.last_step.preemptions = step.num_preempted
         if cache:
             self.last_step.prefix_cache_queries = cache.queries - before[0]
             self.last_step.prefix_cache_hits = cache.hits - before[1]
         if step.empty:
             return self._collect([])
+        started = time.perf_counter()
         logits, samplers = self.runner.execute(step)
+        self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
-            self.scheduler.advance(seq, n)
-        self.last_step.sampled_tokens = len(samplers)
-        if samplers:
-            result = self.sampler(logits, samplers)
+            self.scheduler.advance(seq, n - len(seq.draft_ids))  # the drafts' K/V counts once accepted
+        rows = list(itertools.accumulate((1 + len(s.draft_ids) for s in samplers), initial=0))
+        plain = [i for i, s in enumerate(samplers) if not s.draft_ids]
+        if plain:
+            result = self.sampler(logits[[rows[i] for i in plain]], [samplers[i] for i in plain])
             now = time.perf_counter()
-            for seq, token, logprobs in zip(samplers, result.tokens, result.logprobs, strict=True):
+            for i, token, logprobs in zip(plain, result.tokens, result.logprobs, strict=True):
+                seq = samplers[i]
                 if seq.timings.first_token is None:
                     seq.timings.first_token = now
                     self._release_held(seq)
                 self._append(seq, token, logprobs)
+        for i, seq in enumerate(samplers):
+            if seq.draft_ids:
+                self._verify(seq, logits[rows[i]:rows[i + 1]])
+        self.last_step.sampled_tokens = len(samplers)
+        if self.drafter is not None:
+            self.drafter.release_finished()
         if cache:
             self.last_step.prefix_cache_evictions = cache.evictions - before[2]
         return self._collect(samplers)
+
+    def _draft(self) -> None:
+        """Drafts for this step's decodes, k of them as the policy says (each within its request's limits)."""
+        decoding = [s for s in self.scheduler.running if s.num_pending == 1]
+        k = self.speculation.choose(len(decoding))
+        if k == 0:
+            return
+        seqs, room = [], []
+        for seq in decoding:
+            if speculable(seq.params) and seq.num_outputs >= seq.params.min_tokens:
+                # verifying j drafts can emit j + 1 tokens: stay within max_tokens and the context
+                fits = min(k, seq.params.max_tokens - seq.num_outputs - 1, self.max_model_len - len(seq.token_ids) - 1)
+                if fits > 0:
+                    seqs.append(seq)
+                    room.append(fits)
+        if not seqs:
+            return
+        started = time.perf_counter()
+        for seq, draft in zip(seqs, self.drafter.propose(seqs, room), strict=True):
+            seq.draft_ids, seq.draft_probs = draft.tokens, draft.probs
+        self.speculation.draft_cost.add(len(seqs), (time.perf_counter() - started) / k)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Check seq's drafts against the target's rows; append what is accepted and the target's next token."""
+        view = [seq] * logits.shape[0]
+        greedy = seq.params.greedy
+        target = self.sampler.bias(logits, view) if greedy else self.sampler.probabilities(logits, view)
+        drafted = len(seq.draft_ids)
+        emitted = verify(target, seq.draft_ids, seq.draft_probs, greedy, seq.generator)
+        accepted = len(emitted) - 1
+        seq.draft_ids, seq.draft_probs = [], None
+        seq.speculation.num_drafts += 1
+        seq.speculation.num_draft_tokens += drafted
+        seq.speculation.num_accepted_tokens += accepted
+        self.last_step.spec_drafts += 1
+        self.last_step.spec_draft_tokens += drafted
+        self.last_step.spec_accepted_tokens += accepted
+        self.speculation.observe_verification(drafted, accepted)
+        for token in emitted:
+            self._append(seq, token, None)
+            if seq.finished:
+                return
+        self.scheduler.advance(seq, accepted)  # after the append: the cache hashes the tokens of full blocks
+        self.scheduler.trim(seq)
 
     def _release_held(self, seq: Sequence) -> None:
         """seq's prompt is in the cache now: its held siblings go to the front of the queue."""
@@ -305,15 +390,30 @@ class LLMEngine:
         first = request.seqs[0].timings
         metrics = first.summary()
         metrics["num_preemptions"] = sum(s.num_preemptions for s in request.seqs)
+        if self.drafter is not None:
+            metrics["spec_draft_tokens"] = sum(s.speculation.num_draft_tokens for s in request.seqs)
+            metrics["spec_accepted_tokens"] = sum(s.speculation.num_accepted_tokens for s in request.seqs)
+            metrics["spec_drafts"] = sum(s.speculation.num_drafts for s in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, metrics, request.seqs[0].num_cached_tokens)
 
     def check_integrity(self) -> None:
         """Assert the KV accounting holds; when idle, every block is free."""
         self.scheduler.check_integrity()
+        if self.drafter is not None:
+            self.drafter.check_integrity(idle=not self.has_unfinished)
         if not self.has_unfinished:
             assert self.pool.num_free == self.pool.num_blocks, (
                 f"{self.pool.num_blocks - self.pool.num_free} KV blocks leaked with no request running"
             )
         for seq in self.scheduler.running:
             assert seq.status is Status.RUNNING
+
+
+def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader) -> LoadedModel:
+    """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
+    loaded = load_model(path, config.torch_dtype, config.device, progress, reader)
+    if config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
+        onednn_linear.pack_linears(loaded.model)
+    loaded.model.use_kernels(kernels)
+    return loaded

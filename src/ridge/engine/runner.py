@@ -28,7 +28,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; return logits [S, V] for the S sequences that reach their last token, and those.
+        """Run the step; return logits for the sequences that reach their last token, and those: one row
+        each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
+        draft tokens follow its own in the step, so row i scores draft i).
 
         all_logits: logits for every token of the step instead (scoring a prompt).
         """
@@ -46,11 +48,13 @@ class ModelRunner:
                 prefills.append(
                     PrefillChunk(len(input_ids), n, end, torch.tensor(table[: -(-end // bs)], device=self.device))
                 )
-            input_ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if end == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
+            if end == len(tokens):
+                rows = 1 + len(seq.draft_ids)
+                sample_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 samplers.append(seq)
 
         decodes = step.seqs[: step.num_decodes]

@@ -30,7 +30,7 @@ class Sampler:
         raw = logits
         params = [s.params for s in seqs]
         logits = self._penalize(logits, seqs)
-        logits = self._bias(logits, seqs)
+        logits = self.bias(logits, seqs)
         logits = self._block_early_stop(logits, seqs)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -61,7 +61,7 @@ class Sampler:
         logits = torch.where(seen, penalized, logits)
         return logits - freq * counts - pres * (counts > 0)
 
-    def _bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """OpenAI's logit_bias: a per-request additive bias on chosen tokens."""
         rows = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
         if not rows:
@@ -86,7 +86,12 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[B, V]: the distribution each (non-greedy) row samples from, after logit bias, temperature,
+        top-k, top-p and min-p. Speculative decoding compares the target's and the drafter's."""
+        return self._distribution(self.bias(logits, seqs), seqs)
+
+    def _distribution(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
         params = [s.params for s in seqs]
         temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
@@ -99,10 +104,14 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        probs = self._distribution(logits, seqs)
         noise = torch.empty_like(probs).exponential_()
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(device)
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(probs.device)
         return (probs / noise).max(dim=-1).indices
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:

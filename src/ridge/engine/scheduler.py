@@ -86,7 +86,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending + len(seq.draft_ids), budget)
+            del seq.draft_ids[max(n - seq.num_pending, 0):]  # drafts beyond the budget are dropped
             while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -94,7 +95,8 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                (decodes if seq.num_pending == 1 else prefills).append((seq, n))
+                # a decode with drafts to check is a multi-token chunk over its cached context
+                (decodes if n == 1 and seq.num_pending == 1 else prefills).append((seq, n))
                 budget -= n
 
         # New (or preempted) sequences, in queue order; none are admitted in a step that preempted.
@@ -192,9 +194,18 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = seq.num_registered = 0
+        seq.draft_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past seq's tokens (reserved for drafts that were rejected): they hold no
+        registered K/V, so nothing in them is lost."""
+        keep = self.pool.blocks_for(len(seq.token_ids))
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)

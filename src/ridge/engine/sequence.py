@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText
 
@@ -66,6 +67,11 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # Speculative decoding: tokens a drafter proposed for this step (the target checks them after the
+    # last token, in the same pass), the drafter's distribution over each, and the running counts.
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
     num_preemptions: int = 0
     times_passed: int = 0  # steps in which a later arrival was admitted while this one waited (lpm)
     timings: Timings = field(default_factory=Timings)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import ridge
 from ridge.engine.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown
+from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.engine import CompletionOutput, RequestOutput
 from ridge.sampling_params import SamplingParams
 from ridge.serve.metrics import EngineMetrics
@@ -103,9 +104,18 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             raise engine_errors(exc) from exc
         return params
 
-    async def run(prompts: list[list[int]], params: SamplingParams, request_id: str
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output)."""
+    async def run(prompts: list[list[int]], params: SamplingParams, request_id: str,
+                  beams: BeamSearchParams | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
+        A beam search yields each prompt's final output only, its params.n best beams as the choices."""
+        if beams is not None:
+            results = await beam_search_async(engine, prompts, beams, request_id)
+            for i, result in enumerate(results):
+                choices = [CompletionOutput(j, h.text, h.token_ids, "stop" if h.finished else "length",
+                                            cumulative_logprob=h.cumulative_logprob)
+                           for j, h in enumerate(result.sequences[:params.n])]
+                yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
+            return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
             async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0")) as outputs:
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
@@ -147,11 +157,11 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             return RequestError(str(exc), str(exc).split(":")[0])
         raise exc
 
-    async def collect(prompts: list[list[int]], params: SamplingParams, request_id: str
-                      ) -> list[RequestOutput]:
+    async def collect(prompts: list[list[int]], params: SamplingParams, request_id: str,
+                      beams: BeamSearchParams | None = None) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async for i, out in run(prompts, params, request_id):
+            async for i, out in run(prompts, params, request_id, beams):
                 finals[i] = out
         except (QueueFull, ShuttingDown, EngineDead, ValueError) as exc:
             raise engine_errors(exc) from exc
@@ -217,6 +227,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         prompts = _prompt_list(req.prompt)
         ids_list = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         params = admit(ids_list, req, req.max_tokens, req.logprobs, "prompt")
+        beams = req.beam_search_params(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else "" for p in prompts]
@@ -229,7 +240,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                     "stop_reason": c.stop_reason}
 
         if not req.stream:
-            outputs = await collect(ids_list, params, request_id)
+            outputs = await collect(ids_list, params, request_id, beams)
             choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
                        for i, o in enumerate(outputs) for c in o.outputs]
             return {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name,
@@ -239,7 +250,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             head = {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name}
             streams = _StreamState(params)
             finals: dict[int, RequestOutput] = {}
-            async for i, out in _guard(run(ids_list, params, request_id)):
+            async for i, out in _guard(run(ids_list, params, request_id, beams)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
@@ -261,6 +272,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         ids = chat_ids(req.messages, req.add_generation_prompt)
         top = req.top_logprobs or 0
         params = admit([ids], req, req.requested_max_tokens(), top if req.logprobs else None, "messages")
+        beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -268,7 +280,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             return _chat_logprobs(tokenizer, new_ids, new_lps, top) if req.logprobs else None
 
         if not req.stream:
-            (output,) = await collect([ids], params, request_id)
+            (output,) = await collect([ids], params, request_id, beams)
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs(c.token_ids, c.logprobs),
                         "finish_reason": c.finish_reason if c.finish_reason != "abort" else None,
@@ -284,7 +296,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                                                 "logprobs": None, "finish_reason": None}]})
             streams = _StreamState(params)
             final: RequestOutput | None = None
-            async for _, out in _guard(run([ids], params, request_id)):
+            async for _, out in _guard(run([ids], params, request_id, beams)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams
 
 
@@ -53,6 +54,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None  # default: n, the number of beams returned
+    length_penalty: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -75,6 +79,25 @@ class SamplingFields(BaseModel):
             )
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise RequestError(str(exc), str(exc).split()[0].rstrip(":")) from exc
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
+        """With use_beam_search, the search's settings (params are the already checked sampling fields);
+        fields a beam search does not honour are refused rather than ignored."""
+        if not self.use_beam_search:
+            return None
+        width = self.beam_width if self.beam_width is not None else params.n
+        if params.n > width:
+            raise RequestError(f"n: {params.n} beams asked for, but beam_width is {width}; n must be at most "
+                               "beam_width", "n")
+        for name, unsupported in (("stop", params.stop_strings), ("logprobs", params.logprobs is not None)):
+            if unsupported:
+                raise RequestError(f"{name}: not supported with use_beam_search", name)
+        try:
+            return BeamSearchParams(beam_width=width, max_tokens=params.max_tokens,
+                                    length_penalty=self.length_penalty, ignore_eos=params.ignore_eos,
+                                    cache_salt=params.cache_salt)
+        except ValueError as exc:  # BeamSearchParams messages start with the field's name
+            raise RequestError(str(exc), str(exc).split()[0]) from exc
 
     @property
     def include_usage(self) -> bool:

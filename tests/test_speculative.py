@@ -1,0 +1,191 @@
+"""Speculative decoding: exact acceptance (statistically), greedy identity with both drafters, the policy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS
+from ridge import SamplingParams
+from ridge.engine.speculative import LinearCost, SpeculationPolicy, expected_tokens, verify
+
+# ---- the acceptance rule, on a small Markov chain where the exact distribution is known -------------
+
+VOCAB = 5
+Z_999 = 3.0902  # the standard normal's 0.999 quantile
+
+
+def chi2_critical(df: int, z: float = Z_999) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (no scipy here)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _markov(seed: int, sharpness: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(VOCAB, VOCAB, generator=g) * sharpness).softmax(dim=-1)
+
+
+TARGET = _markov(1, 1.5)  # p(next | last token)
+DRAFTER = _markov(2, 1.5)  # q: a different chain, so that rejections are common
+
+
+def _always_accept(target, draft, draft_probs, greedy, generator):  # the deliberately wrong rule
+    return list(draft) + [int(torch.multinomial(target[len(draft)], 1, generator=generator))]
+
+
+def _first_two_tokens(rule, deterministic_draft: bool, draws: int, k: int = 2) -> torch.Tensor:
+    """Histogram [V, V] of the first two tokens generated after token 0 by speculative steps with `rule`."""
+    g = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for _ in range(draws):
+        out: list[int] = []
+        last = 0
+        while len(out) < 2:
+            draft, rows, context = [], [], last
+            for _ in range(k):
+                q = DRAFTER[context]
+                token = int(q.argmax()) if deterministic_draft else int(torch.multinomial(q, 1, generator=g))
+                draft.append(token)
+                rows.append(q)
+                context = token
+            target = TARGET[[last, *draft]]  # row i: the target's distribution after draft i - 1
+            emitted = rule(target, draft, None if deterministic_draft else torch.stack(rows), False, g)
+            out += emitted
+            last = emitted[-1]
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def _chi2(counts: torch.Tensor) -> float:
+    expected = TARGET[0].unsqueeze(1) * TARGET * counts.sum()  # p(x1 | 0) p(x2 | x1)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True], ids=["sampled-draft", "one-hot-draft"])
+def test_accepted_tokens_follow_the_target_distribution(deterministic_draft):
+    """Chi-square over the 25 cells of (x1, x2) against the target's exact joint distribution, at the
+    0.999 quantile: a correct rule fails this with probability 0.1% for a random seed (the seed is fixed,
+    so the test is deterministic). Always-accept emits the drafter's tokens and must fail it."""
+    draws = 6000
+    critical = chi2_critical(VOCAB * VOCAB - 1)
+    assert _chi2(_first_two_tokens(verify, deterministic_draft, draws)) < critical
+    assert _chi2(_first_two_tokens(_always_accept, deterministic_draft, draws)) > critical
+
+
+def test_greedy_verification_keeps_drafts_while_they_equal_the_argmax():
+    logits = torch.tensor([[0.0, 5, 0], [9, 0, 0], [0, 0, 3], [0, 7, 0]])
+    assert verify(logits, [1, 0, 1], None, greedy=True) == [1, 0, 2]  # third draft rejected, argmax instead
+    assert verify(logits, [1, 0, 2], None, greedy=True) == [1, 0, 2, 1]  # all accepted, plus the bonus
+    assert verify(logits[:1], [], None, greedy=True) == [1]
+
+
+# ---- the break-even model and the adaptive policy ----------------------------------------------------
+
+@pytest.mark.parametrize(("a", "tokens"), [(0.6, 2.31), (0.8, 3.36), (0.9, 4.10)])
+def test_expected_tokens_per_pass(a, tokens):
+    assert expected_tokens(a, 4) == pytest.approx(tokens, abs=0.005)  # (1 - a^5) / (1 - a)
+
+
+def _policy(fixed_s: float, per_token_s: float, acceptance: float) -> SpeculationPolicy:
+    policy = SpeculationPolicy(num_speculative_tokens=4)
+    for tokens in (1, 4, 16, 64, 256):
+        policy.target_cost.add(tokens, fixed_s + per_token_s * tokens)
+    for batch in (1, 4, 16, 64):
+        policy.draft_cost.add(batch, 0.1 * (fixed_s + per_token_s * batch))  # a drafter ~10% of the target
+    policy.observe_verification(100, round(100 * acceptance))
+    policy.accepted, policy.rejected = acceptance * 100, (1 - acceptance) * 100
+    return policy
+
+
+def test_adaptive_policy_speculates_when_memory_bound_and_not_when_compute_bound():
+    policy = _policy(fixed_s=0.050, per_token_s=0.0001, acceptance=0.8)  # weights dominate: verifying is free
+    assert policy.choose(1) >= 3
+    assert policy.predicted_speedup(4, 1) == pytest.approx(expected_tokens(0.8, 4) * 0.0501 / (0.0505 + 4 * 0.00501),
+                                                           rel=1e-3)
+    busy = _policy(fixed_s=0.001, per_token_s=0.001, acceptance=0.8)  # every token costs: large batch
+    assert busy.choose(64) == 0
+    assert LinearCost()(10) is None  # no measurements, no guess
+
+
+# ---- the engine: the same greedy tokens with speculation as without -----------------------------------
+
+PROMPTS = CHAT_PROMPTS + [
+    "Repeat exactly: red, green, blue, red, green, blue, red, green,",
+    "def square(x):\n    return x * x\n\ndef cube(x):\n    return x * x * x\n\ndef square(x):\n",
+    "Count: 1, 2, 3, 4, 5, 6, 7, 8,",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "a b c d e f g a b c d e f g a b c",
+    "Copy this sentence: the quick brown fox jumps over the lazy dog. Copy: the quick",
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm2):
+    return [o.outputs[0].token_ids for o in smollm2.generate(PROMPTS, GREEDY)]
+
+
+def _weaken(llm, seed: int = 0) -> None:
+    """Perturb the draft model so that it disagrees with the target now and then (rejections to verify)."""
+    g = torch.Generator().manual_seed(seed)
+    norm = llm.engine.drafter.runner.model.norm.weight
+    norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=g))
+
+
+@pytest.mark.parametrize(("drafter", "k", "policy"), [
+    ("ngram", 1, "fixed"), ("ngram", 5, "fixed"), ("ngram", 4, "adaptive"),
+    ("draft", 2, "fixed"), ("draft", 5, "fixed"),
+])
+def test_greedy_speculation_equals_plain_decoding(make_llm, smollm2_path, plain_outputs, drafter, k, policy):
+    kw = {"draft_model": str(smollm2_path)} if drafter == "draft" else {"speculate": "ngram"}
+    llm = make_llm(smollm2_path, dtype="float32", num_speculative_tokens=k, speculation_policy=policy, **kw)
+    if drafter == "draft":
+        _weaken(llm)
+    batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]  # batch 16
+    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS[-3:]]  # batch 1
+    assert batch == plain_outputs
+    assert alone == plain_outputs[-3:]
+    stats = llm.generate(PROMPTS[-6:], GREEDY)
+    drafted = sum(o.metrics["spec_draft_tokens"] for o in stats)
+    accepted = sum(o.metrics["spec_accepted_tokens"] for o in stats)
+    assert 0 < accepted < drafted  # it did speculate, and some drafts were rejected
+
+
+def test_speculation_under_preemption_and_prefix_caching(make_llm, smollm2_path, plain_outputs):
+    llm = make_llm(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=3,
+                   speculation_policy="fixed", kv_cache_memory=24 * 16 * 30 * 3 * 64 * 2 * 4)  # 24 blocks
+    _weaken(llm, seed=1)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == plain_outputs
+    assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+
+
+def test_sampled_speculation_with_aborts_leaks_nothing(make_llm, smollm2_path):
+    llm = make_llm(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
+                   speculation_policy="fixed")
+    _weaken(llm, seed=2)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7)
+    ids = [engine.add_request(p, params) for p in PROMPTS[:8]]
+    seqs = [s for i in ids for s in engine.sequences(i)]
+    finished = {}
+    for _ in itertools.repeat(None, 6):
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert any(s.speculation.num_drafts for s in seqs)
+    for request_id in ids[::2]:  # abort mid-speculation
+        engine.abort(request_id)
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        engine.check_integrity()
+    assert set(finished) == set(ids)
+    for request_id in ids[1::2]:
+        (choice,) = finished[request_id].outputs
+        assert choice.finish_reason in ("stop", "length") and 0 < len(choice.token_ids) <= 40
+        assert choice.finish_reason == "stop" or len(choice.token_ids) == 40
+    engine.check_integrity()
+    assert not engine.drafter.shadows
