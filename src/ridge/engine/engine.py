@@ -23,6 +23,7 @@ from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.loader import LoadedModel, load_model, open_gguf
+from ridge.quant.linear import quantize_model
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
 
@@ -56,7 +57,7 @@ class StepStats:
     """What the last step() did, for metrics."""
 
     prefill_tokens: int = 0  # prompt (or recomputed) tokens whose K/V it computed
-    sampled_tokens: int = 0
+    sampled_tokens: int = 0  # tokens appended to outputs (more than one per sequence when drafts are accepted)
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found
@@ -266,7 +267,8 @@ class LLMEngine:
             return self._collect([])
         started = time.perf_counter()
         logits, samplers = self.runner.execute(step)
-        if self.speculation is not None:
+        if self.speculation is not None and not self.last_step.prefill_tokens:
+            # decoding steps only: a prefill chunk's tokens cost less each than a decode's or a draft's
             self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             self.scheduler.advance(seq, n - len(seq.draft_ids))  # the drafts' K/V counts once accepted
@@ -284,7 +286,6 @@ class LLMEngine:
         for i, seq in enumerate(samplers):
             if seq.draft_ids:
                 self._verify(seq, logits[rows[i]:rows[i + 1]])
-        self.last_step.sampled_tokens = len(samplers)
         if self.drafter is not None:
             self.drafter.release_finished()
         if cache:
@@ -364,6 +365,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         params = seq.params
         seq.token_ids.append(token)
+        self.last_step.sampled_tokens += 1
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
@@ -427,7 +429,11 @@ class LLMEngine:
 def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader) -> LoadedModel:
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
     loaded = load_model(path, config.torch_dtype, config.device, progress, reader)
-    if config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
+    if config.quantization is not None:
+        quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype)
+        loaded.weight_format += f" -> {config.quantization}" + (
+            f" g{config.quantization_group_size}" if config.quantization == "int4" else "")
+    elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
         onednn_linear.pack_linears(loaded.model)
     loaded.model.use_kernels(kernels)
     return loaded

