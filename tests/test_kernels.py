@@ -55,6 +55,44 @@ def test_paged_decode_matches_gathered_sdpa(ops, dtype, kv_heads, group, d):
     assert (got.float() - expected.float()).abs().max().item() < tol
 
 
+def test_step_mixing_decodes_and_chunks_matches_gathered_sdpa(ops):
+    """One bf16 step with 3 decodes, two short chunks that continue a cached context (a verification's
+    drafts, a prefix hit's tail: read in place in the decodes' kernel call), a long continuation chunk
+    (masked SDPA) and a fresh prompt (causal SDPA); every row as the kernel-free float32 path computes it."""
+    from ridge.attention.backend import PrefillChunk
+
+    torch.manual_seed(1)
+    kv_heads, group, d, blocks, bs = 2, 3, 64, 64, 16
+    backend = PagedBackend(1, kv_heads, d, blocks, bs, torch.bfloat16, "cpu")
+    backend.ops = ops
+    backend.k_cache[0].normal_()
+    backend.v_cache[0].normal_()
+    exact = PagedBackend(1, kv_heads, d, blocks, bs, torch.float32, "cpu")
+    exact.k_cache[0].copy_(backend.k_cache[0])
+    exact.v_cache[0].copy_(backend.v_cache[0])
+    order = torch.randperm(blocks)
+
+    def table(tokens: int, first: int) -> torch.Tensor:
+        return order[first:first + (tokens + bs - 1) // bs]
+
+    decode_lens = torch.tensor([5, 40, 33])
+    decode_tables = torch.stack([torch.nn.functional.pad(table(n, 3 * i), (0, 3 - len(table(n, 3 * i))))
+                                 for i, n in enumerate(decode_lens.tolist())])
+    chunks = [PrefillChunk(3, 5, 37, table(37, 10)), PrefillChunk(8, 2, 17, table(17, 14)),
+              PrefillChunk(10, 70, 90, table(90, 20)), PrefillChunk(80, 6, 6, table(6, 30))]
+    tokens = 86
+    q = torch.randn(tokens, kv_heads * group, d).bfloat16()
+    k, v = torch.randn(tokens, kv_heads, d).bfloat16(), torch.randn(tokens, kv_heads, d).bfloat16()
+    got_meta = AttentionMetadata(torch.zeros(tokens, dtype=torch.long), 3, decode_tables, decode_lens, chunks)
+    backend.prepare(got_meta)
+    assert got_meta.kernel_rows is not None and len(got_meta.kernel_rows.context_lens) == 3 + 5 + 2
+    got = backend.attend(0, q, k, v, got_meta)
+    meta = AttentionMetadata(torch.zeros(tokens, dtype=torch.long), 3, decode_tables, decode_lens, chunks)
+    exact.prepare(meta)
+    expected = exact.attend(0, q.float(), k.float(), v.float(), meta)
+    assert (got.float() - expected).abs().max().item() < 3e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_torch(ops, dtype):
     x, residual = torch.randn(5, 576, dtype=dtype), torch.randn(5, 576, dtype=dtype)

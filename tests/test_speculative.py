@@ -110,6 +110,25 @@ def test_adaptive_policy_speculates_when_memory_bound_and_not_when_compute_bound
     assert LinearCost()(10) is None  # no measurements, no guess
 
 
+def test_adaptive_policy_cold_start_and_exploration():
+    """Before any fit, speculation is tried only where a verification stays a small step (a draft model's
+    first drafts for a large batch cost it the whole batch's prompts); once the model says no with a wide
+    margin, exploration re-measures plain steps only."""
+    fresh = SpeculationPolicy(num_speculative_tokens=4)
+    assert fresh.choose(1) == 0  # measure a plain step first
+    fresh.target_cost.add(1, 0.05)
+    assert fresh.choose(1) == 4
+    fresh.target_cost.add(64, 0.3)  # a second size: the fit exists, nothing measured about drafting yet
+    big = SpeculationPolicy(num_speculative_tokens=4)
+    big.target_cost.add(64, 0.3)
+    assert [big.choose(64) for _ in range(3 * big.explore_every)] == [0] * (3 * big.explore_every)
+    busy = _policy(fixed_s=0.001, per_token_s=0.001, acceptance=0.8)
+    assert [busy.choose(64) for _ in range(3 * busy.explore_every)] == [0] * (3 * busy.explore_every)
+    close = _policy(fixed_s=0.050, per_token_s=0.01, acceptance=0.8)  # just short of break-even at batch 16
+    choices = [close.choose(16) for _ in range(2 * close.explore_every)]
+    assert 0.9 <= close.last_speedup < 1.0 and choices.count(4) == 2
+
+
 # ---- the engine: the same greedy tokens with speculation as without -----------------------------------
 
 PROMPTS = CHAT_PROMPTS + [

@@ -33,8 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="quantize weights at load: int8 per output channel, int4 per group (RTN); default: as stored")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gguf: run a "
+                        "GGUF file's block formats as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
+                        "default: weights dequantized to --dtype")
     g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
                    help="int4: input columns per scale (default %(default)s)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")

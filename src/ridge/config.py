@@ -103,7 +103,9 @@ class EngineConfig:
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
-    quantization: str | None = None  # weight-only at load: "int8" (per channel) or "int4" (RTN, per group)
+    # weight-only: "int8" (per channel) or "int4" (RTN, per group) at load, or "gguf" (a GGUF file's block
+    # formats kept as they are); None: weights dequantized to dtype
+    quantization: str | None = None
     quantization_group_size: int = 64  # int4: input columns per scale
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None
@@ -127,8 +129,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization: {self.quantization!r} is not one of int8, int4")
+        if self.quantization not in (None, "int8", "int4", "gguf"):
+            raise ValueError(f"quantization: {self.quantization!r} is not one of int8, int4, gguf")
         if self.draft_model is not None and self.speculate is None:
             self.speculate = "draft"
         if self.speculate not in (None, "ngram", "draft"):

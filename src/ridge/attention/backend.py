@@ -37,8 +37,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor  # [num_decodes], the new token included
     prefills: list[PrefillChunk]
-    decode_mask: torch.Tensor | None = None  # filled by the backend's prepare()
-    prefill_masks: list[torch.Tensor] | None = None
+    # filled by the backend's prepare()
+    decode_mask: torch.Tensor | None = None
+    sdpa_chunks: list[tuple[PrefillChunk, torch.Tensor | None]] | None = None  # with its mask, None: causal
+    kernel_rows: KernelRows | None = None
+
+
+@dataclass
+class KernelRows:
+    """Query rows that read their context in place through the decode kernel, in one call per layer:
+    every decode, and each token of a short chunk that continues a cached context (its own causal prefix)."""
+
+    rows: torch.Tensor | None  # [R] indices into the step's flat tokens; None when they are 0..R-1
+    block_tables: torch.Tensor  # [R, max_blocks]
+    context_lens: torch.Tensor  # [R]
 
 
 class AttentionBackend(ABC):

@@ -7,7 +7,9 @@ batch for one SDPA call, with the query heads that share a K/V head folded into 
 chunk that is its sequence's whole context attends to this step's k, v directly under is_causal
 (measured 2x faster on the CPU than an explicit mask); a chunk that continues a cached context (a
 prefix-cache hit, or a long prompt's later chunk) gathers the cache under a mask built once per step in
-prepare(), or, when short and in bf16 on the CPU, reads the blocks in place through the decode kernel.
+prepare(), or, when short and in bf16 on the CPU, reads the blocks in place through the decode kernel,
+in the same call as the step's decodes: at batch 64 a speculative step verifies 64 short chunks, and a
+kernel call per chunk and layer cost more than the attention itself.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
 # longer one gathers the context for masked SDPA, whose matmuls run ~2x the kernel's FLOP rate on chunks of
@@ -31,32 +33,49 @@ class PagedBackend(AttentionBackend):
             positions = torch.arange(width, device=device)
             # [1, B, 1, L]: broadcast over kv heads and the query group
             meta.decode_mask = (positions < meta.decode_context_lens.unsqueeze(1))[None, :, None, :]
-        meta.prefill_masks = []
+        in_place = self.ops is not None and self.k_cache[0].dtype == torch.bfloat16  # the kernel's fast path
+        rows = [torch.arange(meta.num_decodes, device=device)]
+        tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
+        meta.sdpa_chunks = []
         for chunk in meta.prefills:
             if chunk.context_len == chunk.length:
-                meta.prefill_masks.append(None)  # no cached prefix: plain causal attention
-                continue
-            width = chunk.block_table.shape[0] * self.block_size
-            query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
-            causal = torch.arange(width, device=device)[None, :] <= query_pos[:, None]  # [n, L]
-            meta.prefill_masks.append(causal)
+                meta.sdpa_chunks.append((chunk, None))  # no cached prefix: plain causal attention
+            elif in_place and chunk.length <= IN_PLACE_MAX_CHUNK:
+                n = chunk.length
+                rows.append(torch.arange(chunk.start, chunk.start + n, device=device))
+                tables.append(chunk.block_table.unsqueeze(0).expand(n, -1))
+                lens.append(torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=device))
+            else:
+                width = chunk.block_table.shape[0] * self.block_size
+                query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
+                meta.sdpa_chunks.append((chunk, torch.arange(width, device=device)[None, :] <= query_pos[:, None]))
+        if self.ops is None or len(rows) == 1 and not meta.num_decodes:
+            return
+        width = max(t.shape[-1] for t in tables)
+        # padding with block 0 is safe: the kernel reads no further than a row's context length
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tables]
+        flat_rows = torch.cat(rows)
+        contiguous = bool((flat_rows == torch.arange(len(flat_rows), device=device)).all())
+        meta.kernel_rows = KernelRows(None if contiguous else flat_rows, torch.cat(padded), torch.cat(lens))
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        b = meta.num_decodes
-        decoded = self._decode(layer, q[:b], meta) if b else None
+        if self.ops is None:
+            decoded = self._decode(layer, q[:meta.num_decodes], meta) if meta.num_decodes else None
+        else:
+            decoded = self._kernel_rows(layer, q, meta.kernel_rows) if meta.kernel_rows is not None else None
         if not meta.prefills:
             return decoded
         out = torch.empty_like(q)
         if decoded is not None:
-            out[:b] = decoded
-        for chunk, mask in zip(meta.prefills, meta.prefill_masks, strict=True):
+            rows = meta.kernel_rows.rows if self.ops is not None else None
+            if rows is None:
+                out[:decoded.shape[0]] = decoded
+            else:
+                out[rows] = decoded
+        for chunk, mask in meta.sdpa_chunks:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            if (mask is not None and self.ops is not None and q.dtype == torch.bfloat16
-                    and chunk.length <= IN_PLACE_MAX_CHUNK):
-                out[rows] = self._continue_in_place(layer, q[rows], chunk)
-                continue
             if mask is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
             else:
@@ -68,20 +87,14 @@ class PagedBackend(AttentionBackend):
             out[rows] = o[0].transpose(0, 1)
         return out
 
-    def _continue_in_place(self, layer: int, q: torch.Tensor, chunk) -> torch.Tensor:
-        """A chunk after a cached context, through the decode kernel: each query token is a row that reads
-        the blocks in place up to its own position (its causal mask), with no gathered copy of the context.
-        For short chunks in bf16 (the kernel's fast path): a decode step's few new tokens after a prefix hit."""
-        n = chunk.length
-        tables = chunk.block_table.unsqueeze(0).expand(n, -1)
-        lens = torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=q.device)
-        return self.ops.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale)
+    def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows) -> torch.Tensor:
+        """The decode kernel over every in-place row; each reads the blocks up to its own context length."""
+        rows = q[:kernel.context_lens.shape[0]] if kernel.rows is None else q[kernel.rows]
+        return self.ops.paged_decode(rows, self.k_cache[layer], self.v_cache[layer], kernel.block_tables,
+                                     kernel.context_lens, self.scale)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
-        if self.ops is not None:
-            return self.ops.paged_decode(q, self.k_cache[layer], self.v_cache[layer],
-                                                   meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        """Without the kernel. q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
         b, heads, d = q.shape
         group = heads // self.num_kv_heads
         k, v = self.gather(layer, meta.decode_block_tables)  # [H, B, L, d]

@@ -100,13 +100,29 @@ def _greedy(n: int):
 
 
 def weight_bytes_per_token(llm) -> int:
-    """Bytes of weights one decode step must read: every layer plus the vocabulary projection.
+    """Bytes of weights one decode step must read: every layer plus the vocabulary projection, as held
+    (quantized layers count their codes and scales).
 
     The embedding table is only gathered (one row per token), so a tied table counts once, as the head.
     """
-    cfg = llm.engine.loaded.config
-    params = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    return params * llm.engine.config.torch_dtype.itemsize
+    import torch
+
+    from ridge.kernels.onednn_linear import PackedLinear
+    from ridge.quant.linear import QuantizedLinear
+
+    model = llm.engine.loaded.model
+    itemsize = llm.engine.config.torch_dtype.itemsize
+
+    def held(module: torch.nn.Module) -> int:
+        if isinstance(module, QuantizedLinear):
+            return module.weight_bytes
+        if isinstance(module, torch.nn.Linear | PackedLinear):
+            return module.in_features * module.out_features * itemsize
+        return sum(p.nbytes for p in module.parameters(recurse=False))
+
+    head = model.output_projection
+    total = sum(held(m) for m in model.layers.modules())
+    return total + (held(head) if head is not None else model.output_weight.nbytes)
 
 
 def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult:

@@ -37,6 +37,7 @@ class SpecRun:
     speedup: float | None = None
     predicted: float | None = None
     draft_cost: float | None = None  # c
+    spread: float | None = None  # standard deviation of decode tok/s over the rounds, relative
 
 
 def acceptance_from_length(mean_length: float, k: int) -> float:
@@ -70,42 +71,60 @@ def _run(llm, requests: list[workloads.Request], batch: int, mode: str) -> tuple
     return outputs, decode_s
 
 
-def measure(llm, requests: list[workloads.Request], batch_sizes: list[int], k: int, num_prompts: int
-            ) -> list[SpecRun]:
-    """Each batch size runs max(batch, num_prompts) requests, `batch` at a time."""
+def measure(llm, requests: list[workloads.Request], batch_sizes: list[int], k: int, num_prompts: int,
+            repeats: int = 1) -> list[SpecRun]:
+    """Each batch size runs max(batch, num_prompts) requests, `batch` at a time, in `repeats` rounds of
+    plain, fixed, adaptive (interleaved, so that a drift of the machine touches every mode alike); each
+    mode keeps its median round by decode speed."""
+    import statistics
+
     from tqdm import tqdm
 
     runs: list[SpecRun] = []
     _run(llm, requests[:1], 1, "fixed")  # warm-up: kernels, both models
-    with tqdm(total=len(batch_sizes) * len(MODES), desc="bench speculative", unit="run", file=sys.stderr) as bar:
+    with tqdm(total=len(batch_sizes) * len(MODES) * repeats, desc="bench speculative", unit="run",
+              file=sys.stderr) as bar:
         for batch in batch_sizes:
             chosen = (requests * batch)[:max(batch, num_prompts)]
+            rounds: dict[str, list[SpecRun]] = {mode: [] for mode in MODES}
             plain_tokens = None
-            for mode in MODES:
-                outputs, decode_s = _run(llm, chosen, batch, mode)
-                tokens = [o.outputs[0].token_ids for o in outputs]
-                if plain_tokens is None:
-                    plain_tokens = tokens
-                elif tokens != plain_tokens:
-                    raise AssertionError(f"batch {batch}, {mode}: greedy output differs from plain decoding")
-                decoded = sum(len(t) - 1 for t in tokens)
-                groups = [tokens[i:i + batch] for i in range(0, len(tokens), batch)]
-                steps = sum(max(len(t) for t in g) - 1 for g in groups)
-                run = SpecRun(batch, mode, decoded / decode_s, sum(len(t) for t in tokens), decode_s / max(steps, 1))
-                plain = run if mode == "plain" else next(r for r in runs if r.mode == "plain" and r.batch == batch)
-                drafts = sum(o.metrics.get("spec_drafts", 0) for o in outputs)
-                if mode != "plain" and drafts:
-                    accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
-                    run.mean_accepted_length = 1 + accepted / drafts
-                    run.step_s = llm.engine.speculation.draft_cost.mean()  # this run's: set_speculation starts afresh
-                    if mode == "fixed":
-                        run.acceptance = acceptance_from_length(run.mean_accepted_length, k)
-                        run.draft_cost = run.step_s / plain.step_s
-                        run.predicted = expected_tokens(run.acceptance, k) / (1 + run.draft_cost * k)
+            for _ in range(repeats):
+                for mode in MODES:
+                    run, tokens = _measure_once(llm, chosen, batch, mode, k)
+                    if plain_tokens is None:
+                        plain_tokens = tokens
+                    elif tokens != plain_tokens:
+                        raise AssertionError(f"batch {batch}, {mode}: greedy output differs from plain decoding")
+                    rounds[mode].append(run)
+                    bar.update(1)
+            chosen_runs = {mode: sorted(rs, key=lambda r: r.decode_tok_s)[(len(rs) - 1) // 2]
+                           for mode, rs in rounds.items()}
+            plain = chosen_runs["plain"]
+            for mode, run in chosen_runs.items():
                 run.speedup = run.decode_tok_s / plain.decode_tok_s
+                run.spread = (statistics.pstdev(r.decode_tok_s for r in rounds[mode]) / run.decode_tok_s
+                              if repeats > 1 else None)
+                if mode == "fixed" and run.mean_accepted_length is not None:
+                    run.acceptance = acceptance_from_length(run.mean_accepted_length, k)
+                    run.draft_cost = run.step_s / plain.step_s
+                    run.predicted = expected_tokens(run.acceptance, k) / (1 + run.draft_cost * k)
                 runs.append(run)
-                bar.update(1)
     return runs
+
+
+def _measure_once(llm, chosen: list[workloads.Request], batch: int, mode: str, k: int) -> tuple[SpecRun, list]:
+    outputs, decode_s = _run(llm, chosen, batch, mode)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    decoded = sum(len(t) - 1 for t in tokens)
+    groups = [tokens[i:i + batch] for i in range(0, len(tokens), batch)]
+    steps = sum(max(len(t) for t in g) - 1 for g in groups)
+    run = SpecRun(batch, mode, decoded / decode_s, sum(len(t) for t in tokens), decode_s / max(steps, 1))
+    drafts = sum(o.metrics.get("spec_drafts", 0) for o in outputs)
+    if mode != "plain" and drafts:
+        accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
+        run.mean_accepted_length = 1 + accepted / drafts
+        run.step_s = llm.engine.speculation.draft_cost.mean()  # this run's: set_speculation starts afresh
+    return run, tokens
 
 
 def report(args: argparse.Namespace, llm, runs: list[SpecRun], num_prompts: int) -> None:
@@ -117,14 +136,16 @@ def report(args: argparse.Namespace, llm, runs: list[SpecRun], num_prompts: int)
                           "runs": [asdict(r) for r in runs]}, indent=2))
         return
     print(f"\nspeculative decoding: {args.model}, {drafter}, k={k}, {args.spec_workload} prompts, "
-          f"up to {args.output_len} new tokens, greedy (outputs checked identical to plain)")
-    print(f"{'batch':>5s} {'mode':9s} {'decode tok/s':>12s} {'speedup':>8s} {'accept a':>9s} {'tokens/pass':>12s} "
-          f"{'c':>6s} {'predicted':>10s}")
+          f"up to {args.output_len} new tokens, greedy (outputs checked identical to plain), "
+          f"median of {args.repeats} interleaved rounds")
+    print(f"{'batch':>5s} {'mode':9s} {'decode tok/s':>12s} {'spread':>7s} {'speedup':>8s} {'accept a':>9s} "
+          f"{'tokens/pass':>12s} {'c':>6s} {'predicted':>10s}")
     def cell(value: float | None, width: int, spec: str, unit: str = "") -> str:
         return f"{'-':>{width}s}" if value is None else f"{format(value, spec) + unit:>{width}s}"
 
     for r in runs:
-        print(f"{r.batch:5d} {r.mode:9s} {r.decode_tok_s:12.2f} {cell(r.speedup, 8, '.2f', 'x')} "
+        print(f"{r.batch:5d} {r.mode:9s} {r.decode_tok_s:12.2f} {cell(r.spread and 100 * r.spread, 7, '.1f', '%')} "
+              f"{cell(r.speedup, 8, '.2f', 'x')} "
               f"{cell(r.acceptance, 9, '.2f')} {cell(r.mean_accepted_length, 12, '.2f')} "
               f"{cell(r.draft_cost, 6, '.3f')} {cell(r.predicted, 10, '.2f', 'x')}")
     print("predicted = E(a, k) / (1 + c k): a from the measured tokens per verification, c = one drafting pass "
@@ -157,6 +178,6 @@ def _plot(runs: list[SpecRun], path: str, title: str) -> None:
 
 def cmd_speculative(args: argparse.Namespace, llm) -> int:
     requests = _requests(args, llm.tokenizer)
-    runs = measure(llm, requests, args.batch_sizes, args.num_speculative_tokens, args.num_prompts)
+    runs = measure(llm, requests, args.batch_sizes, args.num_speculative_tokens, args.num_prompts, args.repeats)
     report(args, llm, runs, args.num_prompts)
     return 0

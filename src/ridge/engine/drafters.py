@@ -27,6 +27,10 @@ class Draft:
 
 
 class Drafter(ABC):
+    def catch_up(self, seqs: list[Sequence]) -> None:  # noqa: B027 - only drafters with state need it
+        """Bring the drafter's own state up to the sequences' tokens before drafting (a draft model computes
+        a new prompt's K/V here): kept apart from propose() so the policy can time drafting on its own."""
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[i] tokens to follow seqs[i] (fewer, or none, where it has no good guess)."""
@@ -82,6 +86,10 @@ class DraftModelDrafter(Drafter):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.shadows: dict[int, _Shadow] = {}  # by the target's seq_id
 
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        shadows = [self._catch_up(seq) for seq in seqs]
+        self._prefill([shadow for shadow in shadows if self._reserve(shadow, len(shadow.token_ids))])
+
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         drafts = {s.seq_id: Draft([], None) for s in seqs}
         active: list[tuple[Sequence, Sequence, int]] = []
@@ -89,7 +97,7 @@ class DraftModelDrafter(Drafter):
             shadow = self._catch_up(seq)
             if k > 0 and self._reserve(shadow, len(seq.token_ids) + k - 1):
                 active.append((seq, shadow, k))
-        self._prefill([shadow for _, shadow, _ in active])
+        self._prefill([shadow for _, shadow, _ in active])  # nothing left to do after catch_up()
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s, _, _ in active}
         for i in range(max((k for _, _, k in active), default=0)):
             batch = [(seq, shadow) for seq, shadow, k in active if k > i]

@@ -308,6 +308,7 @@ class LLMEngine:
                     room.append(fits)
         if not seqs:
             return
+        self.drafter.catch_up(seqs)
         started = time.perf_counter()
         for seq, draft in zip(seqs, self.drafter.propose(seqs, room), strict=True):
             seq.draft_ids, seq.draft_probs = draft.tokens, draft.probs
@@ -428,12 +429,13 @@ class LLMEngine:
 
 def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader) -> LoadedModel:
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
-    loaded = load_model(path, config.torch_dtype, config.device, progress, reader)
-    if config.quantization is not None:
+    native = config.quantization == "gguf"
+    loaded = load_model(path, config.torch_dtype, config.device, progress, reader, gguf_native=native, ops=kernels)
+    if config.quantization in ("int8", "int4"):
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization == "int4" else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
-        onednn_linear.pack_linears(loaded.model)
+        onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
     loaded.model.use_kernels(kernels)
     return loaded

@@ -141,7 +141,9 @@ class SpeculationPolicy:
 
     num_speculative_tokens: int
     adaptive: bool = True
-    explore_every: int = 32  # adaptive: one plain step in this many, so the target's cost fit sees B tokens
+    explore_every: int = 32  # adaptive: one step in this many does the other thing (see choose())
+    explore_above: float = 0.9  # ... speculation only where the predicted speedup is at least this
+    cold_start_tokens: int = 64  # before any fit: speculate only where a verification is this many tokens at most
     prior_acceptance: float = 0.6
     target_cost: LinearCost = field(default_factory=LinearCost)  # seconds of a decoding target pass by tokens
     draft_cost: LinearCost = field(default_factory=LinearCost)  # seconds of one drafter pass by batch
@@ -180,14 +182,22 @@ class SpeculationPolicy:
         if not self.adaptive or batch == 0:
             self.last_choice = k_max if batch else 0
             return self.last_choice
-        if self.steps % self.explore_every == 0:
+        explore = self.steps % self.explore_every == 0
+        if explore and self.last_choice:
             self.last_choice = 0  # a plain step now and then keeps the target's cost fit anchored at B tokens
             return 0
-        if self.target_cost(batch) is None:  # too few sizes measured for the model: measure the missing one
-            self.last_choice = k_max if batch in self.target_cost.by_size else 0
+        if self.target_cost(batch) is None:  # too few sizes measured for the model
+            # measure plain first; then speculation, where verifying k drafts per sequence stays a small step
+            small = batch * (k_max + 1) <= self.cold_start_tokens
+            self.last_choice = k_max if small and batch in self.target_cost.by_size else 0
             return self.last_choice
         speedups = {k: self.predicted_speedup(k, batch) or 0.0 for k in range(1, k_max + 1)}
         best = max(speedups, key=speedups.__getitem__)
         self.last_speedup = speedups[best]
+        if explore and self.last_speedup >= self.explore_above:
+            # near break-even, re-measure drafting, verification and acceptance now and then. Not further
+            # off: a draft model that sat out T steps first catches up on B * T tokens
+            self.last_choice = k_max
+            return k_max
         self.last_choice = best if speedups[best] > 1.0 else 0
         return self.last_choice

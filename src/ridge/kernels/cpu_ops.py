@@ -5,6 +5,8 @@
   step, moving three times the KV bytes the math needs.
 - fused_ops.cpp: residual add + RMSNorm, silu(gate) * up, rotary, each one pass instead of 3-8 torch ops:
   at batch 1 a small model's step is bounded by per-op overhead as much as by its weight reads.
+- quant_linear.cpp: linear layers over int8 codes with grouped scales (GGUF's 5-8-bit block formats):
+  torch's CPU kernels take one scale per output channel or 4-bit codes, nothing else.
 
 torch builds them with the system C++ compiler into its extension cache (~/.cache/torch_extensions):
 the first start on a machine pays about a minute, later ones nothing. Without a compiler, ridge keeps
@@ -20,7 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger("ridge")
-SOURCES = [Path(__file__).with_name(n) for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 
 

@@ -2,7 +2,8 @@
 
 Both formats are mapped onto ridge's parameter names; a name that maps to a fused parameter carries
 its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
-GGUF tensors are dequantized to the requested dtype (native block formats are a later layer).
+GGUF tensors are dequantized to the requested dtype, or, with gguf_native, kept as their blocks' codes
+and scales (quant/gguf_blocks.py) for layers that multiply by them in place (quant/linear.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,9 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.models.registry import config_from_gguf, config_from_hf
 from ridge.models.transformer import DecoderModel
+from ridge.quant import gguf_blocks
+from ridge.quant.linear import QuantizedEmbedding, QuantizedLinear, fused_linear
+from ridge.quant.rtn import QuantizedWeight
 
 # (source-name pattern, ridge name template, slot in a fused parameter or None)
 _GGUF_NAMES = [
@@ -86,25 +91,43 @@ def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     return meta
 
 
-def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo the row permutation llama.cpp's converter applies to llama q/k (interleaved -> halves rotary)."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
-def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, progress: bool) -> Iterator[tuple[str, np.ndarray]]:
+def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, progress: bool,
+                  native: bool) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     for t in tqdm(reader.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
-        data = dequantize(t.data, t.tensor_type)
-        data = data.reshape([int(n) for n in reversed(t.shape.tolist())])
+        shape = [int(n) for n in reversed(t.shape.tolist())]
+        if native and t.tensor_type.name not in _FLOAT_TYPES:
+            data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, tuple(shape), t.name)
+        else:
+            data = dequantize(t.data, t.tensor_type).reshape(shape)
         if cfg.architecture == "llama" and re.search(r"attn_[qk]\.", t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             data = _unpermute_rotary(data, heads)
         yield t.name, data
 
 
+def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndarray | QuantizedWeight:
+    """Undo the row permutation llama.cpp's converter applies to llama q/k (interleaved -> halves rotary)."""
+    rows = data.shape[0]
+    order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+    if isinstance(data, np.ndarray):
+        return data[order]
+    order = torch.from_numpy(order)
+    return QuantizedWeight(data.qweight[order], data.scales[order],
+                           None if data.minimums is None else data.minimums[order], data.bits, data.group_size)
+
+
 def load_model(
-    path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, reader: GGUFReader | None = None
+    path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, reader: GGUFReader | None = None,
+    gguf_native: bool = False, ops: ModuleType | None = None,
 ) -> LoadedModel:
+    """gguf_native: keep a GGUF file's quantized tensors as they are, multiplied by kernels (ops: ridge's C++
+    kernels, for the formats torch has none for)."""
     if path.is_dir():
+        if gguf_native:
+            raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
         cfg = config_from_hf(json.loads((path / "config.json").read_text()))
         tensors = _safetensors(path, progress)
         table, fmt = _HF_NAMES, "safetensors"
@@ -112,16 +135,20 @@ def load_model(
         reader = reader or open_gguf(path)
         shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
         cfg = config_from_gguf(gguf_metadata(reader), shapes)
-        tensors = _gguf_tensors(reader, cfg, progress)
+        tensors = _gguf_tensors(reader, cfg, progress, gguf_native)
         table = _GGUF_NAMES
-        kinds = sorted({t.tensor_type.name for t in reader.tensors} - {"F32", "F16", "BF16"})
-        fmt = f"gguf {'+'.join(kinds) or 'float'}"
+        kinds = sorted({t.tensor_type.name for t in reader.tensors} - _FLOAT_TYPES)
+        fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
     parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
     state: dict[str, torch.Tensor] = {}
     for name, array in tensors:
         target, slot = _map_name(name, table)
         if target == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if isinstance(array, QuantizedWeight):
+            quantized[target][slot or 0] = array
             continue
         tensor = torch.from_numpy(np.array(array)) if isinstance(array, np.ndarray) else array
         tensor = tensor.to(dtype=dtype)
@@ -134,6 +161,8 @@ def load_model(
 
     with torch.device("meta"):
         model = DecoderModel(cfg)
+    for target, slots in quantized.items():
+        _place_quantized(model, target, [slots[i] for i in sorted(slots)], state, dtype, ops)
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise ValueError(f"{path}: weights missing for {sorted(missing)[:5]}")
@@ -141,6 +170,24 @@ def load_model(
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model = model.to(device).eval().requires_grad_(False)
     return LoadedModel(cfg, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+
+
+def _place_quantized(model: DecoderModel, target: str, parts: list[QuantizedWeight], state: dict[str, torch.Tensor],
+                     dtype: torch.dtype, ops: ModuleType | None) -> None:
+    """Swap the module that `target` (a weight) belongs to for one that keeps it quantized."""
+    if target == "embed_tokens.weight":
+        model.embed_tokens = QuantizedEmbedding(parts[0], dtype)
+        if model.cfg.tie_word_embeddings:
+            model.output_projection = QuantizedLinear(parts[0], None, dtype, ops)
+        return
+    if target == "lm_head.weight":
+        model.lm_head = None
+        model.output_projection = QuantizedLinear(parts[0], None, dtype, ops)
+        return
+    path = target.removesuffix(".weight")
+    parent_path, _, name = path.rpartition(".")
+    bias = state.pop(f"{path}.bias", None)
+    setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, dtype, ops))
 
 
 def open_gguf(path: Path) -> GGUFReader:

@@ -1,73 +1,139 @@
 """Linear layers over quantized weights, and the swap that puts them into a model.
 
-On the CPU both formats run on torch's own weight-only kernels, the ones gpt-fast and torchao use:
-int8 through aten._weight_int8pack_mm (int8 [N, K] with per-channel scales, activations bf16/fp32) and
-int4 through aten._weight_int4pack_mm_for_cpu (a tiled, packed layout that torch converts to at load;
-the kernel dequantizes a tile in registers and multiplies it, so memory only streams the 4-bit codes).
-Elsewhere, or where a kernel refuses a shape, a layer multiplies by its dequantized matrix: the same
-numbers, the plain path's speed.
+On the CPU each format runs on a weight-only kernel that streams the codes and dequantizes in registers:
+- int8 per output channel: torch's aten._weight_int8pack_mm (the one gpt-fast and torchao use);
+- 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K): torch's aten._weight_int4pack_mm_for_cpu, on
+  a tiled layout that torch converts to at load;
+- int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
+  (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales.
+Elsewhere (no compiler, not the CPU), a layer multiplies by its dequantized matrix: the same numbers at
+the plain path's speed and memory.
 """
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_int4, quantize_int8
+from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_int4, quantize_int8
 
 log = logging.getLogger("ridge")
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequantize(weight).T + bias, computed by the format's kernel where one runs."""
+    """y = x @ dequantize(weight).T + bias, computed by the format's kernel where one runs.
+
+    The buffers are not persistent: they are a kernel's layout, not a checkpoint's."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 use_kernel: bool = True) -> None:
+                 ops: ModuleType | None = None, use_kernel: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
         self.dtype = dtype
         self.bias = bias
-        self.kernel = use_kernel and weight.qweight.device.type == "cpu"
-        if self.kernel and self.bits == 8:
-            self.register_buffer("qweight", weight.qweight.contiguous())
-            self.register_buffer("scales", weight.scales.to(dtype))
-        elif self.kernel:
+        on_cpu = use_kernel and weight.qweight.device.type == "cpu"
+        if on_cpu and weight.group_size is None:
+            self.kernel = "int8"
+            self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+        elif on_cpu and weight.bits == 4:
+            self.kernel = "int4"
             # the kernel packs rows by 16: pad with zero rows, whose outputs forward() drops
             pad = -self.out_features % 16
             codes = nn.functional.pad(weight.qweight.to(torch.int32), (0, 0, 0, pad)).contiguous()
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                                 persistent=False)
             # its zero point is the value of code 8: w = (q - 8) * scale + zero
             zeros = weight.minimums + 8 * weight.scales
             pairs = nn.functional.pad(torch.stack([weight.scales, zeros], dim=-1), (0, 0, 0, 0, 0, pad))
-            self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype))  # [groups, N, 2]
+            self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype),  # [G, N, 2]
+                                 persistent=False)
+        elif on_cpu and ops is not None:
+            self.kernel, self.ops = "grouped_int8", ops
+            self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
+            minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
+            self.register_buffer("minimums", minimums.float().contiguous(), persistent=False)
         else:
-            self.register_buffer("dense", dequantize(weight).to(dtype))
+            self.kernel = None
+            self.register_buffer("dense", dequantize(weight).to(dtype), persistent=False)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a forward pass streams from memory for the weight."""
-        n, k = self.out_features, self.in_features
-        if self.bits == 8:
-            return n * k + 2 * n
-        return n * k // 2 + n * (k // self.group_size) * 2 * 2
+        """Bytes a forward pass streams from memory for the weight (as held, padding aside)."""
+        if self.kernel is None:
+            return self.dense.nbytes
+        return sum(b.nbytes for b in self.buffers() if b is not self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.dtype)
-        if not self.kernel:
+        if self.kernel is None:
             out = x2 @ self.dense.T
-        elif self.bits == 8:
+        elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:
+        elif self.kernel == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
             out = out[:, :self.out_features]
+        else:
+            out = self.ops.grouped_int8_linear(x2, self.qweight, self.scales, self.minimums, self.group_size)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*lead, self.out_features)
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection (q|k|v, gate|up) whose parts come in different formats (a GGUF file may store v
+    at more bits than q and k): each part on its own kernel, outputs side by side."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = bias
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
+def fused_linear(parts: list[QuantizedWeight], bias: torch.Tensor | None, dtype: torch.dtype,
+                 ops: ModuleType | None) -> nn.Module:
+    """One QuantizedLinear over the stacked parts where their formats allow it, else a ConcatLinear."""
+    merged = concatenate(parts)
+    if merged is not None:
+        return QuantizedLinear(merged, bias, dtype, ops)
+    groups: list[list[QuantizedWeight]] = []
+    for part in parts:  # consecutive parts that stack, stacked
+        if groups and concatenate([*groups[-1], part]) is not None:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return ConcatLinear([QuantizedLinear(concatenate(g), None, dtype, ops) for g in groups], bias)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up from codes: a lookup reads a row per token, so it dequantizes those rows
+    and nothing else (a tied output projection shares the codes)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q
+        rows = QuantizedWeight(w.qweight[ids.reshape(-1)], w.scales[ids.reshape(-1)],
+                               None if w.minimums is None else w.minimums[ids.reshape(-1)], w.bits, w.group_size)
+        return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> QuantizedWeight:
@@ -83,10 +149,10 @@ def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: tor
     """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place
     (RTN). The embedding table stays as it is: a lookup reads one row per token, not the whole table."""
     model.output_projection = QuantizedLinear(quantize_weight(model.output_weight.data, method, group_size), None,
-                                              dtype, use_kernel)
+                                              dtype, use_kernel=use_kernel)
     for parent in list(model.layers.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 qw = quantize_weight(child.weight.data, method, group_size)
-                setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, use_kernel))
+                setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, use_kernel=use_kernel))
     return model

@@ -18,11 +18,15 @@ GROUP_SIZES = (32, 64, 128)
 
 @dataclass
 class QuantizedWeight:
-    qweight: torch.Tensor  # int8 [N, K] (int8) or uint8 in [0, 15] [N, K] (int4)
-    scales: torch.Tensor  # float32 [N] (int8) or [N, K / group_size] (int4)
-    minimums: torch.Tensor | None  # float32 [N, K / group_size] (int4), None for int8
+    """w[n, k] = qweight[n, k] * scale + minimum, one scale (and minimum) per output channel or per group of
+    `group_size` input columns. RTN makes int8 per channel and int4 per group; GGUF files bring 4- to 8-bit
+    codes per group (quant/gguf_blocks.py)."""
+
+    qweight: torch.Tensor  # uint8 in [0, 15] (4 bits), else int8; [N, K]
+    scales: torch.Tensor  # float32 [N] (per channel) or [N, K / group_size]
+    minimums: torch.Tensor | None  # like scales; None: zero
     bits: int
-    group_size: int | None
+    group_size: int | None  # None: per output channel
 
     @property
     def shape(self) -> torch.Size:
@@ -56,8 +60,22 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """float32 [N, K]: the matrix the quantized layer multiplies by."""
-    if qw.bits == 8:
+    if qw.group_size is None:
         return qw.qweight.float() * qw.scales[:, None]
     n, k = qw.shape
-    q = qw.qweight.float().view(n, k // qw.group_size, qw.group_size)
-    return (q * qw.scales[..., None] + qw.minimums[..., None]).view(n, k)
+    w = qw.qweight.float().view(n, k // qw.group_size, qw.group_size) * qw.scales[..., None]
+    if qw.minimums is not None:
+        w += qw.minimums[..., None]
+    return w.view(n, k)
+
+
+def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Stack weights along the output dimension (q|k|v, gate|up), or None where their formats differ."""
+    first = parts[0]
+    if any((p.bits > 4) != (first.bits > 4) or p.group_size != first.group_size for p in parts):
+        return None
+    minimums = None
+    if any(p.minimums is not None for p in parts):
+        minimums = torch.cat([torch.zeros_like(p.scales) if p.minimums is None else p.minimums for p in parts])
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), minimums,
+                           max(p.bits for p in parts), first.group_size)

@@ -1,0 +1,96 @@
+"""GGUF block formats run natively: unpacking against gguf's own dequantization, each format's kernel against
+dequantize-then-matmul, and whole models against their dequantized selves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from ridge.kernels import cpu_ops
+from ridge.quant import gguf_blocks
+from ridge.quant.linear import QuantizedLinear
+from ridge.quant.rtn import dequantize
+
+# where each format keeps its float16 block scales (d, and m or dmin), as llama.cpp lays the blocks out
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw blocks for a [rows, cols] tensor: every byte random (any bit pattern is a valid code or sub-block
+    scale), the float16 scales set to finite values of either sign."""
+    qtype = GGMLQuantizationType[kind]
+    values, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def cols_for(kind: str) -> int:
+    return 512 if kind.endswith("_K") else 96  # K-quants come in 256-value super-blocks
+
+
+@pytest.mark.parametrize("kind", gguf_blocks.SUPPORTED)
+def test_unpacked_codes_and_scales_equal_gguf_dequantize(kind):
+    rows, cols = 37, cols_for(kind)
+    blocks = random_blocks(kind, rows, cols, seed=len(kind))
+    qw = gguf_blocks.unpack(blocks, GGMLQuantizationType[kind], (rows, cols))
+    expected = gguf_dequantize(blocks, GGMLQuantizationType[kind]).reshape(rows, cols)
+    assert qw.bits == gguf_blocks.BITS[kind] and qw.group_size == gguf_blocks.GROUP_SIZES[kind]
+    low, high = (0, 15) if qw.bits == 4 else (-128, 127)
+    assert low <= int(qw.qweight.min()) and int(qw.qweight.max()) <= high
+    # float32 rounding of w = code * scale + minimum only
+    assert np.abs(dequantize(qw).numpy() - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", gguf_blocks.SUPPORTED)
+@pytest.mark.parametrize("tokens", [1, 5, 9, 40])  # the register path up to 8 rows, dequantized tiles beyond
+def test_native_kernel_equals_dequantize_then_matmul(ops, kind, dtype, tokens):
+    rows, cols = 67, cols_for(kind)
+    qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=tokens), GGMLQuantizationType[kind], (rows, cols))
+    layer = QuantizedLinear(qw, None, dtype, ops)
+    assert layer.kernel == ("int4" if qw.bits == 4 else "grouped_int8")
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    expected = x.float() @ dequantize(qw).T
+    got = layer(x).float()
+    # float32: summation order only; bf16: activations (and the int4 kernel's scales) carry 8 bits of mantissa
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+def test_unsupported_type_names_the_supported_ones():
+    blocks = np.zeros((4, GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][1]), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"blk.0.ffn_up.weight: GGUF type Q2_K has no native kernel.*Q4_0, Q4_1"):
+        gguf_blocks.unpack(blocks, GGMLQuantizationType.Q2_K, (4, 256), "blk.0.ffn_up.weight")
+
+
+def test_smollm2_native_matches_its_dequantized_weights(make_llm, smollm2_path):
+    """Q4_1 layers on torch's int4 kernel, the tied Q8_0 embedding table on ridge's grouped int8 kernel and
+    in the lookup: float32 logits equal the dequantized model's, and the weights stay as small as the file."""
+    native = make_llm(smollm2_path, dtype="float32", quantization="gguf")
+    plain = make_llm(smollm2_path, dtype="float32")
+    ids = native.tokenizer.encode("The capital of France is a city that")
+    got, expected = native.engine.prompt_logits(ids), plain.engine.prompt_logits(ids)
+    assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
+    assert torch.equal(got[-1].argmax(), expected[-1].argmax())
+    kernels = {m.kernel for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kernels == {"int4", "grouped_int8"}
+    model = native.engine.loaded.model
+    tensors = [*model.parameters(), *model.buffers(), *vars(model.embed_tokens.weight_q).values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+    assert sum(storages.values()) <= 1.25 * smollm2_path.stat().st_size  # the lookup shares the head's codes
