@@ -6,6 +6,7 @@ live engine is checked, so a leak fails the test that caused it.
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,24 @@ def make_llm() -> Callable[..., LLM]:
         return llm
 
     return make
+
+
+@pytest.fixture
+def make_llm_for_test(make_llm) -> Iterator[Callable[..., LLM]]:
+    """make_llm for engines only one test needs: checked and freed when it ends (every engine of the session
+    held at once does not fit in 24 GiB)."""
+    made: list[LLM] = []
+
+    def make(model: str | Path, **engine_args) -> LLM:
+        made.append(make_llm(model, **engine_args))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        llm.engine.check_integrity()
+        _ENGINES.remove(llm)
+    made.clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

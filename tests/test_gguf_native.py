@@ -79,11 +79,11 @@ def test_unsupported_type_names_the_supported_ones():
         gguf_blocks.unpack(blocks, GGMLQuantizationType.Q2_K, (4, 256), "blk.0.ffn_up.weight")
 
 
-def test_smollm2_native_matches_its_dequantized_weights(make_llm, smollm2_path):
+def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path):
     """Q4_1 layers on torch's int4 kernel, the tied Q8_0 embedding table on ridge's grouped int8 kernel and
     in the lookup: float32 logits equal the dequantized model's, and the weights stay as small as the file."""
-    native = make_llm(smollm2_path, dtype="float32", quantization="gguf")
-    plain = make_llm(smollm2_path, dtype="float32")
+    native = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf")
+    plain = make_llm_for_test(smollm2_path, dtype="float32")
     ids = native.tokenizer.encode("The capital of France is a city that")
     got, expected = native.engine.prompt_logits(ids), plain.engine.prompt_logits(ids)
     assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()

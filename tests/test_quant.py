@@ -49,10 +49,10 @@ def test_group_size_must_divide_the_dimension():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_smollm2_kernels_match_its_dequantized_weights(make_llm, smollm2_path, method):
+def test_quantized_smollm2_kernels_match_its_dequantized_weights(make_llm_for_test, smollm2_path, method):
     """The whole model: logits through the kernels equal logits through the same quantized weights
     dequantized (float32), and stay close to the unquantized model (RTN's own error)."""
-    llm = make_llm(smollm2_path, dtype="float32", quantization=method, quantization_group_size=64)
+    llm = make_llm_for_test(smollm2_path, dtype="float32", quantization=method, quantization_group_size=64)
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     fast = llm.engine.prompt_logits(ids)
     for module in llm.engine.loaded.model.modules():
