@@ -49,7 +49,7 @@ class PagedBackend(AttentionBackend):
                 width = chunk.block_table.shape[0] * self.block_size
                 query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
                 meta.sdpa_chunks.append((chunk, torch.arange(width, device=device)[None, :] <= query_pos[:, None]))
-        if self.ops is None or len(rows) == 1 and not meta.num_decodes:
+        if self.ops is None or (len(rows) == 1 and not meta.num_decodes):  # nothing for the kernel
             return
         width = max(t.shape[-1] for t in tables)
         # padding with block 0 is safe: the kernel reads no further than a row's context length

@@ -67,7 +67,7 @@ def unpack(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int],
     """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) -> its codes, scales and minimums."""
     if kind.name not in GROUP_SIZES:
         raise ValueError(f"{name}: GGUF type {kind.name} has no native kernel in ridge (supported: "
-                         f"{', '.join(SUPPORTED)}); load without --gguf-native to dequantize it")
+                         f"{', '.join(SUPPORTED)}); load without --quantization gguf to dequantize it")
     n, k = shape
     group = GROUP_SIZES[kind.name]
     block_values, block_bytes = GGML_QUANT_SIZES[kind]

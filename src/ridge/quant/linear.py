@@ -130,9 +130,9 @@ class QuantizedEmbedding(nn.Module):
         self.weight_q, self.dtype = weight, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight_q
-        rows = QuantizedWeight(w.qweight[ids.reshape(-1)], w.scales[ids.reshape(-1)],
-                               None if w.minimums is None else w.minimums[ids.reshape(-1)], w.bits, w.group_size)
+        w, flat = self.weight_q, ids.reshape(-1)
+        rows = QuantizedWeight(w.qweight[flat], w.scales[flat], None if w.minimums is None else w.minimums[flat],
+                               w.bits, w.group_size)
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
