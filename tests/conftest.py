@@ -1,7 +1,8 @@
 """Shared fixtures: real models (pulled on first use), their HF references, and the KV-leak check.
 
-Every engine a test builds goes through `make_llm`; after each test, the block accounting of every
-live engine is checked, so a leak fails the test that caused it.
+Every engine goes through `make_llm` (fixtures that share one across tests) or `make_llm_for_test` (an
+engine one test builds, freed when it ends: 24 GiB do not hold every engine of the session); after each
+test, the block accounting of every live engine is checked, so a leak fails the test that caused it.
 """
 
 from __future__ import annotations

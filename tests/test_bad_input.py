@@ -84,8 +84,8 @@ def test_bad_sampling_values_reach_the_user_as_value_errors():
             SamplingParams(**kwargs)
 
 
-def test_generation_stops_at_the_context_limit(make_llm, smollm2_path):
-    llm = make_llm(smollm2_path, dtype="float32", max_model_len=40)
+def test_generation_stops_at_the_context_limit(make_llm_for_test, smollm2_path):
+    llm = make_llm_for_test(smollm2_path, dtype="float32", max_model_len=40)
     out = llm.generate([7] * 30, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
 

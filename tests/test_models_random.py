@@ -57,9 +57,9 @@ def random_model(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["paged", "reference"])
-def test_logits_match_hf(random_model, make_llm, backend):
+def test_logits_match_hf(random_model, make_llm_for_test, backend):
     path, hf = random_model
-    llm = make_llm(path, dtype="float32", attention_backend=backend)
+    llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
     for ids in random_prompts(3, VOCAB, 5, 60, seed=1):
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():
@@ -68,11 +68,11 @@ def test_logits_match_hf(random_model, make_llm, backend):
         assert (ours - ref).abs().max().item() < 1e-4 * max(scale, 1.0), "logits differ beyond float32 noise"
 
 
-def test_greedy_tokens_match_hf(random_model, make_llm):
+def test_greedy_tokens_match_hf(random_model, make_llm_for_test):
     from ridge import SamplingParams
 
     path, hf = random_model
-    llm = make_llm(path, dtype="float32", max_num_batched_tokens=16)  # chunked prefill on the way
+    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=16)  # chunked prefill on the way
     prompts = random_prompts(4, VOCAB, 5, 40, seed=2)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):

@@ -198,9 +198,10 @@ def test_n_samples_share_the_prompt(engines):
     on.engine.check_integrity()
 
 
-def test_eviction_and_preemption_under_a_small_pool(make_llm, smollm2_path, engines):
+def test_eviction_and_preemption_under_a_small_pool(make_llm_for_test, smollm2_path, engines):
     _, off = engines
-    small = make_llm(smollm2_path, dtype="float32", kv_cache_memory="18MiB")  # 25 blocks of 16 tokens (float32)
+    # 25 blocks of 16 tokens (float32)
+    small = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="18MiB")
     cache = small.engine.pool.cache
     shared = _tokens(small, LONG)
     prompts = [shared + _tokens(small, f" Part {i}.") for i in range(8)]

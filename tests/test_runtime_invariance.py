@@ -28,37 +28,37 @@ def test_batch_of_32_equals_alone(smollm2, prompts, alone):
     assert tokens(smollm2.generate(prompts, GREEDY)) == alone
 
 
-def test_tiny_token_budget_chunks_prefill(make_llm, smollm2_path, prompts, alone):
-    llm = make_llm(smollm2_path, dtype="float32", max_num_batched_tokens=7)
+def test_tiny_token_budget_chunks_prefill(make_llm_for_test, smollm2_path, prompts, alone):
+    llm = make_llm_for_test(smollm2_path, dtype="float32", max_num_batched_tokens=7)
     assert tokens(llm.generate(prompts, GREEDY)) == alone
 
 
-def test_tiny_kv_pool_preempts_and_recomputes(make_llm, smollm2_path, prompts, alone):
+def test_tiny_kv_pool_preempts_and_recomputes(make_llm_for_test, smollm2_path, prompts, alone):
     # 24 blocks of 16 = 384 tokens: far less than 32 requests need at once
-    llm = make_llm(smollm2_path, dtype="float32", kv_cache_memory=24 * 16 * 30 * 2 * 3 * 64 * 4)
+    llm = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory=24 * 16 * 30 * 2 * 3 * 64 * 4)
     assert llm.engine.pool.num_blocks == 24
     outs = llm.generate(prompts, GREEDY)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
     assert tokens(outs) == alone
 
 
-def test_reference_backend_agrees(make_llm, smollm2_path, prompts, alone):
-    llm = make_llm(smollm2_path, dtype="float32", attention_backend="reference", max_num_batched_tokens=64)
+def test_reference_backend_agrees(make_llm_for_test, smollm2_path, prompts, alone):
+    llm = make_llm_for_test(smollm2_path, dtype="float32", attention_backend="reference", max_num_batched_tokens=64)
     assert tokens(llm.generate(prompts[:8], GREEDY)) == alone[:8]
 
 
-def test_cpu_kernels_agree_with_torch_ops(make_llm, smollm2_path, prompts, alone):
+def test_cpu_kernels_agree_with_torch_ops(make_llm_for_test, smollm2_path, prompts, alone):
     """The C++ decode attention and fused norm / activation against the pure-torch paths, in float32."""
-    plain = make_llm(smollm2_path, dtype="float32", cpu_kernels=False)
+    plain = make_llm_for_test(smollm2_path, dtype="float32", cpu_kernels=False)
     assert plain.engine.runner.backend.ops is None
     assert tokens(plain.generate(prompts[:12], GREEDY)) == alone[:12]
 
 
-def test_bf16_packed_linears_are_as_accurate_as_torch_bf16(smollm2, make_llm, smollm2_path, prompts):
+def test_bf16_packed_linears_are_as_accurate_as_torch_bf16(smollm2, make_llm_for_test, smollm2_path, prompts):
     """bf16 results differ with the kernel's summation order, so compare errors against float32 logits:
     the oneDNN-packed linears must be no less accurate than torch's own bf16 matmuls."""
-    packed = make_llm(smollm2_path, dtype="bfloat16")
-    plain = make_llm(smollm2_path, dtype="bfloat16", packed_linear=False, cpu_kernels=False)
+    packed = make_llm_for_test(smollm2_path, dtype="bfloat16")
+    plain = make_llm_for_test(smollm2_path, dtype="bfloat16", packed_linear=False, cpu_kernels=False)
     assert packed.engine.loaded.model.output_projection is not None
     assert plain.engine.loaded.model.output_projection is None
     for ids in prompts[:4]:

@@ -158,9 +158,9 @@ def _weaken(llm, seed: int = 0) -> None:
     ("ngram", 1, "fixed"), ("ngram", 5, "fixed"), ("ngram", 4, "adaptive"),
     ("draft", 2, "fixed"), ("draft", 5, "fixed"),
 ])
-def test_greedy_speculation_equals_plain_decoding(make_llm, smollm2_path, plain_outputs, drafter, k, policy):
+def test_greedy_speculation_equals_plain_decoding(make_llm_for_test, smollm2_path, plain_outputs, drafter, k, policy):
     kw = {"draft_model": str(smollm2_path)} if drafter == "draft" else {"speculate": "ngram"}
-    llm = make_llm(smollm2_path, dtype="float32", num_speculative_tokens=k, speculation_policy=policy, **kw)
+    llm = make_llm_for_test(smollm2_path, dtype="float32", num_speculative_tokens=k, speculation_policy=policy, **kw)
     if drafter == "draft":
         _weaken(llm)
     batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]  # batch 16
@@ -173,8 +173,8 @@ def test_greedy_speculation_equals_plain_decoding(make_llm, smollm2_path, plain_
     assert 0 < accepted < drafted  # it did speculate, and some drafts were rejected
 
 
-def test_speculation_under_preemption_and_prefix_caching(make_llm, smollm2_path, plain_outputs):
-    llm = make_llm(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=3,
+def test_speculation_under_preemption_and_prefix_caching(make_llm_for_test, smollm2_path, plain_outputs):
+    llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=3,
                    speculation_policy="fixed", kv_cache_memory=24 * 16 * 30 * 3 * 64 * 2 * 4)  # 24 blocks
     _weaken(llm, seed=1)
     outputs = llm.generate(PROMPTS, GREEDY)
@@ -182,8 +182,8 @@ def test_speculation_under_preemption_and_prefix_caching(make_llm, smollm2_path,
     assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
 
 
-def test_sampled_speculation_with_aborts_leaks_nothing(make_llm, smollm2_path):
-    llm = make_llm(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
+def test_sampled_speculation_with_aborts_leaks_nothing(make_llm_for_test, smollm2_path):
+    llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
                    speculation_policy="fixed")
     _weaken(llm, seed=2)
     engine = llm.engine
