@@ -50,9 +50,14 @@ def test_paged_decode_matches_gathered_sdpa(ops, dtype, kv_heads, group, d):
     exact.v_cache[0].copy_(backend.v_cache[0])
     exact.prepare(meta)
     expected = exact.attend(0, q.float(), None, None, meta)  # no kernel attached: gathered SDPA
-    got = ops.paged_decode(q, backend.k_cache[0], backend.v_cache[0], tables, lens, backend.scale)
+    got, lse = ops.paged_decode(q, backend.k_cache[0], backend.v_cache[0], tables, lens, backend.scale)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.float() - expected.float()).abs().max().item() < tol
+    keys, _ = exact.gather(0, tables)  # [H, B, L, d]
+    scores = torch.einsum("bhgd,hbld->bhgl", q.float().view(batch, kv_heads, group, d), keys) * exact.scale
+    scores = scores.masked_fill(torch.arange(keys.shape[2]) >= lens[:, None, None, None], float("-inf"))
+    expected_lse = torch.logsumexp(scores, dim=-1).reshape(batch, kv_heads * group)
+    assert (lse - expected_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 5e-2)
 
 
 def test_step_mixing_decodes_and_chunks_matches_gathered_sdpa(ops):

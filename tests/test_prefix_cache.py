@@ -174,15 +174,31 @@ def test_same_blocks_at_another_place_are_not_shared(engines):
         assert got.num_cached_tokens == 0
 
 
-def test_batch_with_a_common_system_prompt(engines):
+def test_batch_with_a_common_system_prompt(engines, monkeypatch):
+    """Ten requests over one ~300-token system prompt: their decodes share its blocks, and attend to them
+    once, together (cascade attention), as well as each on its own."""
+    from ridge.attention import cascade
+
     on, off = engines
-    system = _tokens(on, "You are a careful assistant. " + LONG)
-    prompts = [system + _tokens(on, f" Question {i}: what is {i} squared?") for i in range(6)]
+    shared_rows = []
+
+    def spy(*args, **kwargs):
+        prefixes, tables, lens = split(*args, **kwargs)
+        shared_rows.extend(len(p.rows) for p in prefixes)
+        return prefixes, tables, lens
+
+    split = cascade.split_shared_prefixes
+    monkeypatch.setattr(cascade, "split_shared_prefixes", spy)
+    system = _tokens(on, "You are a careful assistant. " + LONG * 4)
+    assert len(system) >= cascade.MIN_SHARED_TOKENS + 16
+    prompts = [system + _tokens(on, f" Question {i}: what is {i} squared?") for i in range(10)]
     expected = [o.outputs[0].token_ids for o in off.generate(prompts, _greedy(16))]
+    assert not shared_rows  # no cache, no shared blocks
     on.generate(prompts[:1], _greedy(1))  # warm the cache with the shared part
     got = on.generate(prompts, _greedy(16))
     assert [o.outputs[0].token_ids for o in got] == expected
     assert all(o.num_cached_tokens >= len(system) // 16 * 16 - 16 for o in got)
+    assert max(shared_rows) == 10
 
 
 def test_n_samples_share_the_prompt(engines):

@@ -12,10 +12,12 @@ plain [kv_heads, tokens, head_dim] rows for every other path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+
+from ridge.attention.cascade import SharedPrefix
 
 
 @dataclass
@@ -49,8 +51,9 @@ class KernelRows:
     every decode, and each token of a short chunk that continues a cached context (its own causal prefix)."""
 
     rows: torch.Tensor | None  # [R] indices into the step's flat tokens; None when they are 0..R-1
-    block_tables: torch.Tensor  # [R, max_blocks]
-    context_lens: torch.Tensor  # [R]
+    block_tables: torch.Tensor  # [R, max_blocks]; a row in a shared prefix: the blocks after it
+    context_lens: torch.Tensor  # [R]; a row in a shared prefix: the tokens after it
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)  # attended once per prefix (cascade)
 
 
 class AttentionBackend(ABC):
@@ -93,6 +96,8 @@ class AttentionBackend(ABC):
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim] (copies)."""
+        if self.ops is not None and block_table.dim() == 1:
+            return self.ops.cache_gather(self.k_cache[layer], self.v_cache[layer], block_table)
         k = self.k_cache[layer][:, block_table].transpose(-3, -2)  # [H, ..., n, bs, d/2, 2]
         v = self.v_cache[layer][:, block_table].transpose(-2, -1)  # [H, ..., n, bs/2, 2, d]
         shape = (*k.shape[:-4], k.shape[-4] * self.block_size, self.head_dim)

@@ -9,7 +9,9 @@ chunk that is its sequence's whole context attends to this step's k, v directly 
 prefix-cache hit, or a long prompt's later chunk) gathers the cache under a mask built once per step in
 prepare(), or, when short and in bf16 on the CPU, reads the blocks in place through the decode kernel,
 in the same call as the step's decodes: at batch 64 a speculative step verifies 64 short chunks, and a
-kernel call per chunk and layer cost more than the attention itself.
+kernel call per chunk and layer cost more than the attention itself. Kernel rows that share a long
+prefix (a prefix-cache hit's decodes, samples, a chunk's tokens) attend to it once, together, through
+torch's flash attention, and only their own suffixes through the kernel (attention/cascade.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ridge.attention import cascade
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
@@ -26,6 +29,8 @@ IN_PLACE_MAX_CHUNK = 64
 
 
 class PagedBackend(AttentionBackend):
+    cascade = True  # kernel rows that share a prefix attend to it once, together (attention/cascade.py)
+
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
         if meta.num_decodes and self.ops is None:
@@ -56,7 +61,11 @@ class PagedBackend(AttentionBackend):
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tables]
         flat_rows = torch.cat(rows)
         contiguous = bool((flat_rows == torch.arange(len(flat_rows), device=device)).all())
-        meta.kernel_rows = KernelRows(None if contiguous else flat_rows, torch.cat(padded), torch.cat(lens))
+        tables, lens = torch.cat(padded), torch.cat(lens)
+        prefixes = []
+        if self.cascade:
+            prefixes, tables, lens = cascade.split_shared_prefixes(tables, lens, self.block_size)
+        meta.kernel_rows = KernelRows(None if contiguous else flat_rows, tables, lens, prefixes)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -88,10 +97,17 @@ class PagedBackend(AttentionBackend):
         return out
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows) -> torch.Tensor:
-        """The decode kernel over every in-place row; each reads the blocks up to its own context length."""
+        """The decode kernel over every in-place row; each reads the blocks up to its own context length.
+        Rows in a shared prefix read only their suffix there; the prefix, attended once for all of them,
+        merges in."""
         rows = q[:kernel.context_lens.shape[0]] if kernel.rows is None else q[kernel.rows]
-        return self.ops.paged_decode(rows, self.k_cache[layer], self.v_cache[layer], kernel.block_tables,
-                                     kernel.context_lens, self.scale)
+        out, lse = self.ops.paged_decode(rows, self.k_cache[layer], self.v_cache[layer], kernel.block_tables,
+                                         kernel.context_lens, self.scale)
+        for prefix in kernel.shared_prefixes:
+            keys, values = self.gather(layer, prefix.block_ids)  # [kv_heads, P, d]
+            prefix_out, prefix_lse = cascade.attention_with_lse(rows[prefix.rows], keys, values, self.scale)
+            out[prefix.rows] = cascade.merge(prefix_out, prefix_lse, out[prefix.rows], lse[prefix.rows])
+        return out
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Without the kernel. q: [B, heads, d], one new token per sequence -> [B, heads, d]."""

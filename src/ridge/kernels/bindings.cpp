@@ -1,22 +1,25 @@
 // One extension module for ridge's hand-written CPU kernels (see cpu_ops.py for why each exists).
 #include <torch/extension.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
+std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor block_ids);
 void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                   torch::Tensor slots);
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                   torch::Tensor minimums, int64_t group);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache");
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache -> (out, logsumexp)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; return RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
   m.def("grouped_int8_linear", &grouped_int8_linear,
         "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns");
+  m.def("cache_gather", &cache_gather, "K, V of the given blocks as dense rows [kv_heads, n * bs, d]");
   m.def("cache_write_", &cache_write_, "copy k, v [T, kv_heads, d] into the paged caches at slots");
 }

@@ -237,7 +237,7 @@ void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16
 
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
-            const int64_t* lens, T* out, int64_t batch, const Dims& dims, float scale) {
+            const int64_t* lens, T* out, float* lse, int64_t batch, const Dims& dims, float scale) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
   const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
   std::vector<Task> tasks;
@@ -311,7 +311,9 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
             const float* a = accs.data() + (p * group + g) * d;
             for (int64_t x = 0; x < d; ++x) merged[x] += w * a[x];
           }
-          T* dst = out + (b * dims.heads + h * group + g) * d;
+          const int64_t row = b * dims.heads + h * group + g;
+          lse[row] = m + logf(denom);
+          T* dst = out + row * d;
           const float inv = 1.f / denom;
           for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(merged[x] * inv);
         }
@@ -322,8 +324,10 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 }  // namespace
 
 // q: [B, heads, d]; k_cache, v_cache: one layer's caches (layout above); block_tables: [B, width] int64;
-// context_lens: [B] int64 (the new token included) -> [B, heads, d]
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+// context_lens: [B] int64 (the new token included) -> (out [B, heads, d], lse [B, heads] float32), lse the
+// natural log of each query head's softmax denominator over its scaled scores, for merging this attention
+// with another over more keys (cascade attention over a shared prefix).
+std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5,
@@ -335,6 +339,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32));
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(3);
   TORCH_CHECK(heads % kv_heads == 0, "paged_decode: heads must be a multiple of kv_heads");
@@ -345,9 +350,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), block_tables.size(1), context_lens.data_ptr<int64_t>(),
-                     out.data_ptr<scalar_t>(), batch, dims, static_cast<float>(scale));
+                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims, static_cast<float>(scale));
   });
-  return out;
+  return {out, lse};
 }
 
 // k, v: [T, kv_heads, d] (rows dense) -> the caches' slots (slot = block * bs + offset), in the layout above.
@@ -379,4 +384,44 @@ void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k,
       }
     }
   });
+}
+
+// Blocks of one layer's caches -> dense K, V rows [kv_heads, n * bs, d], for attention that wants plain
+// rows (a long continuation chunk's SDPA, a shared prefix's cascade). One pass per block; torch's
+// index + permute + reshape made two full copies, one of them element by element, and cost more than
+// the attention it fed.
+std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor block_ids) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache_gather: contiguous caches");
+  block_ids = block_ids.contiguous();
+  const int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), d = k_cache.size(2) * 2;
+  const int64_t bs = k_cache.size(3), n = block_ids.size(0), block_elems = bs * d;
+  auto k = torch::empty({heads, n * bs, d}, k_cache.options());
+  auto v = torch::empty({heads, n * bs, d}, v_cache.options());
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= ids[i] && ids[i] < num_blocks, "cache_gather: block id ", ids[i], " out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(), "cache_gather", [&] {
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* ko = k.data_ptr<scalar_t>();
+    scalar_t* vo = v.data_ptr<scalar_t>();
+    at::parallel_for(0, heads * n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / n, j = task % n;
+        const scalar_t* kb = kc + (h * num_blocks + ids[j]) * block_elems;  // [d/2, bs, 2]
+        const scalar_t* vb = vc + (h * num_blocks + ids[j]) * block_elems;  // [bs/2, d, 2]
+        scalar_t* kd = ko + (h * n + j) * block_elems;  // [bs, d]
+        scalar_t* vd = vo + (h * n + j) * block_elems;
+        for (int64_t t = 0; t < bs; ++t)
+          for (int64_t i = 0; i < d / 2; ++i) {
+            kd[t * d + 2 * i] = kb[(i * bs + t) * 2];
+            kd[t * d + 2 * i + 1] = kb[(i * bs + t) * 2 + 1];
+          }
+        for (int64_t t = 0; t < bs; ++t)
+          for (int64_t c = 0; c < d; ++c) vd[t * d + c] = vb[((t / 2) * d + c) * 2 + t % 2];
+      }
+    });
+  });
+  return {k, v};
 }
