@@ -5,7 +5,7 @@ import torch
 
 from ridge.attention import AttentionMetadata, PagedBackend
 from ridge.attention.backend import PrefillChunk
-from ridge.attention.cascade import attention_with_lse, merge, split_shared_prefixes
+from ridge.attention.cascade import shared_prefix_attention, split_shared_prefixes, unfold
 from ridge.kernels import cpu_ops
 
 
@@ -45,19 +45,29 @@ def test_split_skips_small_groups_and_short_prefixes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_with_lse_merges_to_full_softmax(dtype):
-    """Attention over keys A then B, merged by log-sum-exp, equals attention over A and B at once."""
+def test_parts_merged_by_lse_equal_attention_over_all_keys(dtype):
+    """Attention over keys A (rows' own, as the kernel's out and lse) merged in place with attention over keys
+    B (a shared part, folded) equals attention over A and B at once; the merged lse is the joint one."""
+    ops = cpu_ops.load()
+    assert ops is not None, "the C++ kernels failed to build"
     torch.manual_seed(0)
     rows, kv_heads, group, d = 5, 2, 3, 64
-    q = torch.randn(rows, kv_heads * group, d, dtype=dtype)
+    heads = kv_heads * group
+    q = torch.randn(rows, heads, d, dtype=dtype)
     k, v = torch.randn(kv_heads, 70, d, dtype=dtype), torch.randn(kv_heads, 70, d, dtype=dtype)
-    out_a, lse_a = attention_with_lse(q, k[:, :40], v[:, :40], 0.125)
-    out_b, lse_b = attention_with_lse(q, k[:, 40:], v[:, 40:], 0.125)
-    expected, expected_lse = attention_with_lse(q.float(), k.float(), v.float(), 0.125)
+    own_out, own_lse = unfold(*shared_prefix_attention(q, k[:, :40], v[:, :40], 0.125), heads)
+    out = torch.zeros(rows + 2, heads, d, dtype=dtype)  # two rows the part is not for
+    lse = torch.zeros(rows + 2, heads)
+    targets = torch.tensor([6, 0, 2, 3, 5])
+    out[targets], lse[targets] = own_out, own_lse
+    ops.merge_attention_(out, lse, targets, *shared_prefix_attention(q, k[:, 40:], v[:, 40:], 0.125))
+    expected, expected_lse = unfold(*shared_prefix_attention(q.float(), k.float(), v.float(), 0.125), heads)
     scores = torch.einsum("rhgd,hld->rhgl", q.float().view(rows, kv_heads, group, d), k.float()) * 0.125
     torch.testing.assert_close(expected_lse, torch.logsumexp(scores, -1).reshape(rows, -1), rtol=0, atol=1e-4)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    assert (merge(out_a, lse_a, out_b, lse_b).float() - expected).abs().max().item() < tol
+    assert (out[targets].float() - expected).abs().max().item() < tol
+    assert (lse[targets] - expected_lse).abs().max().item() < (1e-4 if dtype == torch.float32 else 5e-2)
+    assert not out[[1, 4]].any() and not lse[[1, 4]].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,7 @@ vector FMAs, row by row. Split each row's attention in two: the shared prefix, a
 queries against one copy of its K/V (a matmul-shaped problem that torch's CPU flash attention runs on
 the matrix units, ~4x the kernel's FLOP rate in bf16), and each row's own suffix through the kernel.
 Softmax over the union of the keys is the two partial results weighted by their denominators, which is
-why both sides return the log-sum-exp of their scores.
+why both sides return the log-sum-exp of their scores; the C++ merge_attention_ combines them in place.
 """
 
 from __future__ import annotations
@@ -59,34 +59,36 @@ def split_shared_prefixes(
     return prefixes, tables, lens
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [R, heads, d] against every key of k, v: [kv_heads, P, d] -> (out [R, heads, d], lse [R, heads]).
-    The query heads that share a K/V head fold into the query-length axis: one attention per K/V head."""
+def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [R, heads, d] against every key of k, v: [kv_heads, P, d]. The query heads that share a K/V head
+    fold into the query-length axis, one attention per K/V head; results stay folded:
+    (out [kv_heads, R * group, d], lse [kv_heads, R * group]), row r's head h at [h // group, r * group +
+    h % group] (the layout the C++ merge reads)."""
     rows, heads, d = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads
     folded = q.view(rows, kv_heads, group, d).transpose(0, 1).reshape(1, kv_heads, rows * group, d)
     out, lse = _flash_with_lse(folded, k.unsqueeze(0), v.unsqueeze(0), scale)
-    out = out[0].view(kv_heads, rows, group, d).transpose(0, 1).reshape(rows, heads, d)
-    return out, lse[0].view(kv_heads, rows, group).transpose(0, 1).reshape(rows, heads)
+    return out[0], lse[0]
+
+
+def unfold(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded results of shared_prefix_attention as [R, heads, d] and [R, heads]."""
+    kv_heads, folded, d = out.shape
+    group = heads // kv_heads
+    rows = folded // group
+    return (out.view(kv_heads, rows, group, d).transpose(0, 1).reshape(rows, heads, d),
+            lse.view(kv_heads, rows, group).transpose(0, 1).reshape(rows, heads))
 
 
 def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, H, n, d] x [1, H, P, d]: torch's CPU flash attention, the one public-schema op that returns the
-    log-sum-exp; plain math where it is missing (other devices, other torch builds)."""
+    """[1, H, n, d] x [1, H, P, d]: torch's CPU flash attention, the one op that returns the log-sum-exp
+    (an underscored aten op: torch's public SDPA drops it); plain math where it is missing."""
     if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
         return out, lse
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     lse = torch.logsumexp(scores, dim=-1)
     return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
-
-
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over keys A and B from each half's result: the halves weighted by their share of
-    the joint denominator, exp(lse_a) / (exp(lse_a) + exp(lse_b)) = sigmoid(lse_a - lse_b)."""
-    weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
-    b = out_b.float()
-    return (b + weight_a * (out_a.float() - b)).to(out_b.dtype)

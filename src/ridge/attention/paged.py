@@ -105,8 +105,8 @@ class PagedBackend(AttentionBackend):
                                          kernel.context_lens, self.scale)
         for prefix in kernel.shared_prefixes:
             keys, values = self.gather(layer, prefix.block_ids)  # [kv_heads, P, d]
-            prefix_out, prefix_lse = cascade.attention_with_lse(rows[prefix.rows], keys, values, self.scale)
-            out[prefix.rows] = cascade.merge(prefix_out, prefix_lse, out[prefix.rows], lse[prefix.rows])
+            prefix_out, prefix_lse = cascade.shared_prefix_attention(rows[prefix.rows], keys, values, self.scale)
+            self.ops.merge_attention_(out, lse, prefix.rows, prefix_out, prefix_lse)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

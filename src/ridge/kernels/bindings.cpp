@@ -8,6 +8,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
 std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_ids);
+void merge_attention_(torch::Tensor out, torch::Tensor lse, torch::Tensor rows, torch::Tensor part,
+                      torch::Tensor part_lse);
 void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                   torch::Tensor slots);
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -21,5 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_int8_linear", &grouped_int8_linear,
         "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns");
   m.def("cache_gather", &cache_gather, "K, V of the given blocks as dense rows [kv_heads, n * bs, d]");
+  m.def("merge_attention_", &merge_attention_,
+        "merge another attention part (folded [kv_heads, R * group, d] + lse) into rows of out, in place");
   m.def("cache_write_", &cache_write_, "copy k, v [T, kv_heads, d] into the paged caches at slots");
 }

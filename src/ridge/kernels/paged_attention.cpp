@@ -425,3 +425,45 @@ std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, tor
   });
   return {k, v};
 }
+
+// Merges a second attention result over other keys into `out` (cascade attention: a shared prefix's part
+// into each row's suffix part), in place: the two softmaxes weighted by their share of the joint
+// denominator, sigmoid(lse_part - lse). out: [N, heads, d]; lse: [N, heads] float, updated to the joint
+// log-sum-exp; rows: [R] the rows of out the part is for; part: [kv_heads, R * group, d] and part_lse:
+// [kv_heads, R * group] float, in the folded layout the part was computed in (query heads sharing a K/V
+// head along the query axis), read as they are: no unfolding copy and no chain of small torch ops.
+void merge_attention_(torch::Tensor out, torch::Tensor lse, torch::Tensor rows, torch::Tensor part,
+                      torch::Tensor part_lse) {
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && lse.scalar_type() == torch::kFloat32,
+              "merge_attention_: contiguous out, float32 lse");
+  TORCH_CHECK(part.scalar_type() == out.scalar_type() && part.stride(2) == 1 &&
+              part_lse.scalar_type() == torch::kFloat32, "merge_attention_: part in out's dtype, dense rows");
+  rows = rows.contiguous();
+  const int64_t num_rows = rows.size(0), heads = out.size(1), d = out.size(2), kv_heads = part.size(0);
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(part.size(1) == num_rows * group && part.size(2) == d, "merge_attention_: part shape");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  float* total = lse.data_ptr<float>();
+  const float* plse = part_lse.data_ptr<float>();
+  const int64_t ps0 = part.stride(0), ps1 = part.stride(1), ls0 = part_lse.stride(0), ls1 = part_lse.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, out.scalar_type(), "merge_attention_", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* pp = part.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t folded = r * group + h % group, kv = h / group;
+          const float a = plse[kv * ls0 + folded * ls1], b = total[row[r] * heads + h];
+          const float diff = std::min(std::max(a - b, -80.f), 80.f);  // finite exps (-ffast-math)
+          const float w = 1.f / (1.f + expf(-diff));  // sigmoid(a - b)
+          total[row[r] * heads + h] = std::max(a, b) + log1pf(expf(-fabsf(diff)));
+          scalar_t* dst = o + (row[r] * heads + h) * d;
+          const scalar_t* src = pp + kv * ps0 + folded * ps1;
+          for (int64_t x = 0; x < d; ++x) {
+            const float mine = static_cast<float>(dst[x]);
+            dst[x] = static_cast<scalar_t>(mine + w * (static_cast<float>(src[x]) - mine));
+          }
+        }
+    });
+  });
+}
