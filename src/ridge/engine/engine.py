@@ -121,7 +121,7 @@ class LLMEngine:
         reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
         self.tokenizer = RidgeTokenizer.from_path(path, reader)
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        self.loaded: LoadedModel = _load(path, config, kernels, progress, reader)
+        self.loaded: LoadedModel = _load(path, config, kernels, progress, reader, self.tokenizer)
         cfg = self.loaded.config
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
@@ -165,7 +165,7 @@ class LLMEngine:
         if tokenizer.vocab_size != self.tokenizer.vocab_size:
             raise ValueError(f"draft_model: its vocabulary ({tokenizer.vocab_size} tokens) differs from the "
                              f"target's ({self.tokenizer.vocab_size}); a drafter must share the tokenizer")
-        draft = _load(path, config, kernels, progress, reader)
+        draft = _load(path, config, kernels, progress, reader, tokenizer)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
@@ -428,14 +428,14 @@ class LLMEngine:
             assert seq.status is Status.RUNNING
 
 
-def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader) -> LoadedModel:
+def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader,
+          tokenizer: RidgeTokenizer) -> LoadedModel:
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
     native = config.quantization == "gguf"
     loaded = load_model(path, config.torch_dtype, config.device, progress, reader, gguf_native=native, ops=kernels)
     if config.quantization in ("int8", "int4", "gptq"):
         hessians = None
         if config.quantization == "gptq":  # calibrated here, on the unquantized model
-            tokenizer = RidgeTokenizer.from_path(path, reader)
             windows = calibration_windows(tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
             hessians = input_hessians(loaded.model, windows, config.torch_dtype, config.device, progress)
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype,

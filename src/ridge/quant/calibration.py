@@ -29,8 +29,8 @@ def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int
     ids = tokenizer.encode(pull_dataset("shakespeare-calib", progress=False).read_text(encoding="utf-8"))
     windows = [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)][:num_windows]
     if len(windows) < num_windows:
-        raise ValueError(f"calibration: the text holds {len(windows)} windows of {window} tokens, "
-                         f"fewer than the {num_windows} asked")
+        raise ValueError(f"calibration_windows: the calibration text holds {len(windows)} windows of {window} "
+                         f"tokens, fewer than the {num_windows} asked")
     return windows
 
 
