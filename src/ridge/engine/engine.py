@@ -24,7 +24,7 @@ from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
-from ridge.quant.linear import quantize_model
+from ridge.quant.linear import CALIBRATED, METHODS, quantize_model
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
 
@@ -433,15 +433,15 @@ def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
     native = config.quantization == "gguf"
     loaded = load_model(path, config.torch_dtype, config.device, progress, reader, gguf_native=native, ops=kernels)
-    if config.quantization in ("int8", "int4", "gptq"):
+    if config.quantization in METHODS:
         hessians = None
-        if config.quantization == "gptq":  # calibrated here, on the unquantized model
+        if config.quantization in CALIBRATED:  # calibrated here, on the unquantized model
             windows = calibration_windows(tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
             hessians = input_hessians(loaded.model, windows, config.torch_dtype, config.device, progress)
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype,
-                       hessians=hessians)
+                       hessians=hessians, progress=progress)
         loaded.weight_format += f" -> {config.quantization}" + (
-            f" g{config.quantization_group_size}" if config.quantization != "int8" else "")
+            f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
         onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
     loaded.model.use_kernels(kernels)

@@ -1,4 +1,5 @@
-"""GGUF and safetensors files -> a DecoderModel with fused q/k/v and gate/up weights.
+"""GGUF and safetensors files (plain or quantized checkpoints) -> a DecoderModel with fused q/k/v and gate/up
+weights.
 
 Both formats are mapped onto ridge's parameter names; a name that maps to a fused parameter carries
 its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.models.registry import config_from_gguf, config_from_hf
 from ridge.models.transformer import DecoderModel
-from ridge.quant import gguf_blocks
+from ridge.quant import checkpoint, gguf_blocks
 from ridge.quant.linear import QuantizedEmbedding, QuantizedLinear, fused_linear
 from ridge.quant.rtn import QuantizedWeight
 
@@ -128,9 +129,13 @@ def load_model(
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
-        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-        tensors = _safetensors(path, progress)
+        hf_config = json.loads((path / "config.json").read_text())
+        cfg = config_from_hf(hf_config)
+        tensors: Iterator[tuple[str, Any]] = _safetensors(path, progress)
         table, fmt = _HF_NAMES, "safetensors"
+        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
+            tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
+            fmt += f" {hf_config['quantization_config']['quant_method']}"
     else:
         reader = reader or open_gguf(path)
         shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}

@@ -9,17 +9,19 @@ Columns go in blocks of `block_size` ("lazy batch updates"): inside a block the 
 block, and the rest of the matrix takes one matmul per block, which keeps the work matmul-shaped.
 
 Formats are those of RTN (quant/rtn.py), so the same kernels run the result: int8 symmetric per output
-channel, int4 asymmetric per group of input columns. Here a group's minimum is an integer zero point
-times its scale, as GPTQ checkpoints store it (qzeros). Group scales come from the weights before any
-update ("static groups"), so that with act-order (columns taken by decreasing H[j, j], the most
-sensitive first) a group is still a run of adjacent columns and g_idx stays column // group_size.
+channel, int4 asymmetric per group of input columns with an integer zero point, as GPTQ checkpoints store
+it (qzeros). A group's grid is fitted when the sweep reaches its first column, to the weights as the
+updates so far have left them: the updates move weights outside their original range, and a grid fitted
+before them clips (on SmolLM2 that made GPTQ worse than RTN). With act-order (columns taken by decreasing
+H[j, j], the most sensitive first) the grids come from the weights before any update ("static groups"), so
+that a group is still a run of adjacent columns and g_idx stays column // group_size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ridge.quant.rtn import QuantizedWeight, check_group_size
+from ridge.quant.rtn import QuantizedWeight, check_group_size, int4_grid, quantize_int8
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None,
@@ -34,7 +36,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         if group_size is None:
             raise ValueError("group_size: int4 needs one (32, 64 or 128)")
         check_group_size(k, group_size)
-    scales, zeros, low, high = _grid(w, bits, group_size)
+    scales, zeros, low, high = _grid(w, bits, group_size)  # act-order's static grids; int8's only grid
     h = hessian.detach().double().clone()
     if h.shape != (k, k):
         raise ValueError(f"hessian: shape {tuple(h.shape)} does not match the weight's {k} input columns")
@@ -48,6 +50,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     group_of = order // group_size if group_size else torch.zeros(k, dtype=torch.long)
     w = w[:, order]
     codes = torch.empty(n, k, dtype=torch.int16)
+    if group_size:
+        block_size = max(block_size // group_size, 1) * group_size  # a group starts and ends in one block
     for start in range(0, k, block_size):
         end = min(start + block_size, k)
         block = w[:, start:end].clone()
@@ -56,6 +60,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         for j in range(end - start):
             col = start + j
             g = group_of[col]
+            if group_size and not act_order and col % group_size == 0:
+                scales[:, g], zeros[:, g] = (t[:, 0] for t in int4_grid(block[:, j:j + group_size], group_size))
             s, z = (scales[:, g], zeros[:, g]) if group_size else (scales, zeros)
             q = torch.clamp(torch.round(block[:, j] / s) + z, low, high)
             codes[:, col] = q.to(torch.int16)
@@ -70,13 +76,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
 
 
 def _grid(w: torch.Tensor, bits: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Per channel (int8, symmetric: zero 0, codes in [-127, 127]) or per group (int4, asymmetric: an
-    integer zero point, codes in [0, 15]): (scales, zero points, lowest code, highest code)."""
+    """Per channel (int8, symmetric: zero 0, codes in [-127, 127]) or per group (int4, RTN's grid):
+    (scales, zero points, lowest code, highest code)."""
     if bits == 8:
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        scales = quantize_int8(w).scales
         return scales, torch.zeros_like(scales), -127, 127
-    n, k = w.shape
-    grouped = w.view(n, k // group_size, group_size)
-    low, high = grouped.amin(dim=2).clamp(max=0), grouped.amax(dim=2).clamp(min=0)  # the grid holds 0 exactly
-    scales = ((high - low) / 15).clamp(min=1e-12)
-    return scales, torch.round(-low / scales), 0, 15
+    return *int4_grid(w, group_size), 0, 15

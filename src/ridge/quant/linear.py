@@ -5,7 +5,10 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
 - 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K): torch's aten._weight_int4pack_mm_for_cpu, on
   a tiled layout that torch converts to at load;
 - int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
-  (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales.
+  (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales;
+- fp8 e4m3 per output channel: the codes are widened to the activation dtype per call and the scale
+  applied to the output. The CPU has no fp8 matmul; this halves weight memory against bfloat16, not
+  decode time (fp8 is here for its quality and its checkpoints, which GPUs run natively).
 Elsewhere (no compiler, not the CPU), a layer multiplies by its dequantized matrix: the same numbers at
 the plain path's speed and memory.
 """
@@ -17,15 +20,18 @@ from types import ModuleType
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.calibration import HEAD
+from ridge.quant.awq import apply_awq
 from ridge.quant.gptq import gptq_quantize
-from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_int4, quantize_int8
+from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_fp8, quantize_int4, quantize_int8
 
 log = logging.getLogger("ridge")
 
-FLOAT32_INT4_MAX_ROWS = 16  # float32 int4 inputs with more rows go through the dequantized weight
+METHODS = ("int8", "int4", "gptq", "awq", "fp8")  # quantize_model's methods
+CALIBRATED = ("gptq", "awq")  # methods that need X^T X statistics (quant/calibration.py)
+FLOAT32_KERNEL_MAX_ROWS = 16  # float32 int8 / int4 inputs with more rows go through the dequantized weight
 
 
 class QuantizedLinear(nn.Module):
@@ -40,12 +46,21 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = weight.bits, weight.group_size
         self.dtype = dtype
         self.bias = bias
-        self.unpacked: QuantizedWeight | None = None  # float32 int4: codes for many-row inputs (forward)
+        # float32: the codes again, for inputs of many rows. torch's float32 int4 and int8 kernels are
+        # built for decode: at 512 rows the int4 one ran 50x slower than in bf16 (1.4 s for a 576x3072
+        # layer). float32 is the reference-comparison dtype, not a speed one: past a few rows, multiply
+        # by the dequantized weight.
+        self.unpacked: QuantizedWeight | None = None
         on_cpu = use_kernel and weight.qweight.device.type == "cpu"
-        if on_cpu and weight.group_size is None:
+        if weight.qweight.dtype == torch.float8_e4m3fn:
+            self.kernel = "fp8"
+            self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+        elif on_cpu and weight.group_size is None:
             self.kernel = "int8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+            self.unpacked = weight if dtype == torch.float32 else None
         elif on_cpu and weight.bits == 4:
             self.kernel = "int4"
             # the kernel packs rows by 16: pad with zero rows, whose outputs forward() drops
@@ -58,11 +73,7 @@ class QuantizedLinear(nn.Module):
             pairs = nn.functional.pad(torch.stack([weight.scales, zeros], dim=-1), (0, 0, 0, 0, 0, pad))
             self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype),  # [G, N, 2]
                                  persistent=False)
-            if dtype == torch.float32:
-                # torch's float32 int4 kernel is built for decode: at 512 rows it ran 50x slower than in
-                # bf16 (1.4 s for a 576x3072 layer). float32 is the reference-comparison dtype, not a speed
-                # one: past a few rows, multiply by the dequantized weight, kept here as plain codes.
-                self.unpacked = weight
+            self.unpacked = weight if dtype == torch.float32 else None
         elif on_cpu and ops is not None:
             self.kernel, self.ops = "grouped_int8", ops
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
@@ -85,10 +96,12 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.dtype)
         if self.kernel is None:
             out = x2 @ self.dense.T
+        elif self.unpacked is not None and x2.shape[0] > FLOAT32_KERNEL_MAX_ROWS:
+            out = x2 @ dequantize(self.unpacked).T
+        elif self.kernel == "fp8":
+            out = (x2 @ self.qweight.to(self.dtype).T) * self.scales
         elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif self.kernel == "int4" and self.unpacked is not None and x2.shape[0] > FLOAT32_INT4_MAX_ROWS:
-            out = x2 @ dequantize(self.unpacked).T
         elif self.kernel == "int4":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
             out = out[:, :self.out_features]
@@ -150,30 +163,50 @@ class QuantizedEmbedding(nn.Module):
 
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
                     hessian: torch.Tensor | None = None) -> QuantizedWeight:
+    """One [out, in] matrix in `method`'s format. awq: the weight must already carry its AWQ scales
+    (quant/awq.py); what is left is int4 RTN."""
     if method == "int8":
         return quantize_int8(weight)
-    if method == "int4":
+    if method in ("int4", "awq"):
         return quantize_int4(weight, group_size)
+    if method == "fp8":
+        return quantize_fp8(weight)
     if method == "gptq":
         if hessian is None:
             raise ValueError("quantization: gptq needs calibration statistics (quant/calibration.py)")
-        return gptq_quantize(weight, hessian, 4, group_size)
-    raise ValueError(f"quantization: {method!r} is not one of int8, int4, gptq")
+        return gptq_quantize(weight, hessian, 4, group_size, act_order=True)  # better on every layer measured
+    raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
+
+
+def head_method(method: str) -> str:
+    """The vocabulary projection's format under `method`. The 4-bit methods keep it at int8 per channel,
+    as llama.cpp's Q4 files keep it at Q6_K / Q8_0 and GPTQ / AWQ checkpoints leave it unquantized: it
+    is the layer whose errors reach the logits directly, and on a small model it is a fifth of the
+    weights, too many bytes to leave at 16 bits."""
+    return "int8" if method in ("int4", "gptq", "awq") else method
 
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
-                   use_kernel: bool = True, hessians: dict[str, torch.Tensor] | None = None) -> DecoderModel:
-    """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place
-    (RTN; GPTQ with `hessians`, keyed as quant/calibration.py names the layers). The embedding table stays
+                   use_kernel: bool = True, hessians: dict[str, torch.Tensor] | None = None,
+                   progress: bool = False) -> DecoderModel:
+    """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place.
+    gptq and awq need `hessians`, keyed as quant/calibration.py names the layers. The embedding table stays
     as it is: a lookup reads one row per token, not the whole table."""
+    if method not in METHODS:
+        raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
+    if method in CALIBRATED and not hessians:
+        raise ValueError(f"quantization: {method} needs calibration statistics (quant/calibration.py)")
     hessians = hessians or {}
+    if method == "awq":
+        apply_awq(model, hessians, group_size, progress)
     model.output_projection = QuantizedLinear(
-        quantize_weight(model.output_weight.data, method, group_size, hessians.get(HEAD)), None, dtype,
+        quantize_weight(model.output_weight.data, head_method(method), group_size), None, dtype,
         use_kernel=use_kernel)
-    for parent_name, parent in list(model.layers.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                key = ".".join(part for part in ("layers", parent_name, name) if part)
-                qw = quantize_weight(child.weight.data, method, group_size, hessians.get(key))
-                setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, use_kernel=use_kernel))
+    for i, layer in enumerate(tqdm(model.layers, desc=method, unit="layer", disable=not progress)):
+        for parent_name, parent in list(layer.named_modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    key = ".".join(part for part in ("layers", str(i), parent_name, name) if part)
+                    qw = quantize_weight(child.weight.data, method, group_size, hessians.get(key))
+                    setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, use_kernel=use_kernel))
     return model

@@ -1,7 +1,9 @@
 """Weight-only quantization of a linear layer's [out, in] matrix by rounding to nearest (RTN).
 
 int8: symmetric, one scale per output channel: w ~ q * scale, q in [-127, 127].
-int4: asymmetric, per group of `group_size` input columns: w ~ q * scale + minimum, q in [0, 15].
+int4: asymmetric, per group of `group_size` input columns: w ~ (q - zero) * scale, q in [0, 15], with an
+      integer zero point (the grid holds 0 exactly), the form GPTQ / AWQ checkpoints store (qzeros).
+fp8: e4m3 codes, one scale per output channel: w ~ q * scale, |q| <= 448.
 GPTQ and AWQ choose the same formats with a smarter q (and, for AWQ, scaled columns); they reuse
 QuantizedWeight and dequantize() from here.
 """
@@ -12,8 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128)
+
+
+def _scale(value: torch.Tensor) -> torch.Tensor:
+    """Integer formats' scales are float16 numbers (held in float32), so that the checkpoint layouts,
+    which store float16 scales, hold them exactly (quant/checkpoint.py)."""
+    return value.clamp(min=1e-7).half().float()
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @dataclass
@@ -22,7 +30,7 @@ class QuantizedWeight:
     `group_size` input columns. RTN makes int8 per channel and int4 per group; GGUF files bring 4- to 8-bit
     codes per group (quant/gguf_blocks.py)."""
 
-    qweight: torch.Tensor  # uint8 in [0, 15] (4 bits), else int8; [N, K]
+    qweight: torch.Tensor  # uint8 in [0, 15] (4 bits), int8, or float8_e4m3fn (fp8); [N, K]
     scales: torch.Tensor  # float32 [N] (per channel) or [N, K / group_size]
     minimums: torch.Tensor | None  # like scales; None: zero
     bits: int
@@ -43,19 +51,45 @@ def check_group_size(in_features: int, group_size: int, where: str = "") -> None
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    scales = _scale(w.abs().amax(dim=1) / 127)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight(q, scales, None, 8, None)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+def int4_grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of input columns: (scales, integer zero points), both [N, K / group_size], from the
+    group's range widened to hold 0."""
     n, k = weight.shape
     check_group_size(k, group_size)
+    grouped = weight.float().view(n, k // group_size, group_size)
+    low, high = grouped.amin(dim=2).clamp(max=0), grouped.amax(dim=2).clamp(min=0)
+    scales = _scale((high - low) / 15)
+    return scales, torch.round(-low / scales).clamp(0, 15)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+    n, k = weight.shape
+    scales, zeros = int4_grid(weight, group_size)
     w = weight.float().view(n, k // group_size, group_size)
-    low, high = w.amin(dim=2), w.amax(dim=2)
-    scales = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-    return QuantizedWeight(q.view(n, k), scales, low, 4, group_size)
+    q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(q.view(n, k), scales, -zeros * scales, 4, group_size)
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return QuantizedWeight((w / scales[:, None]).to(torch.float8_e4m3fn), scales, None, 8, None)
+
+
+def zero_points(qw: QuantizedWeight) -> torch.Tensor:
+    """The integer zero points of an int4 weight made here (minimum = -zero * scale), for checkpoints."""
+    if qw.minimums is None:
+        return torch.zeros_like(qw.scales)
+    zeros = torch.round(-qw.minimums / qw.scales)
+    if not torch.allclose(-zeros * qw.scales, qw.minimums, rtol=1e-5, atol=1e-7):
+        raise ValueError("weight: its minimums are not integer zero points times the scale (a GGUF Q4_1 / Q4_K "
+                         "tensor?); GPTQ / AWQ checkpoints cannot store it")
+    return zeros
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
@@ -72,7 +106,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
 def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """Stack weights along the output dimension (q|k|v, gate|up), or None where their formats differ."""
     first = parts[0]
-    if any((p.bits > 4) != (first.bits > 4) or p.group_size != first.group_size for p in parts):
+    if any((p.bits > 4) != (first.bits > 4) or p.group_size != first.group_size
+           or p.qweight.is_floating_point() != first.qweight.is_floating_point() for p in parts):
         return None
     minimums = None
     if any(p.minimums is not None for p in parts):

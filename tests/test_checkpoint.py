@@ -1,0 +1,204 @@
+"""Quantized checkpoints: the GPTQ / AWQ / fp8 layouts ridge writes, decoded here independently of ridge's
+packing code (word by word, as the formats' specifications read), loaded back by ridge, and read by HF
+transformers where it can on this machine (fp8; its GPTQ / AWQ loaders need gptqmodel, which needs a
+newer torch than the CPU build here)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import random_prompts
+from ridge.quant import checkpoint
+from ridge.quant.export import quantize_to_dir
+from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_fp8, quantize_int4, quantize_int8
+from test_models_random import VOCAB, byte_tokenizer, hf_config
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _nibbles(words: torch.Tensor, bits: int) -> np.ndarray:
+    """uint32 words [..., W] -> codes [..., W, 32 / bits], field i = bits [bits i, bits (i + 1))."""
+    w = words.numpy().view(np.uint32).astype(np.uint64)
+    return np.stack([(w >> (bits * i)) & (2**bits - 1) for i in range(32 // bits)], axis=-1).astype(np.int64)
+
+
+def reference_gptq(t: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
+    codes = _nibbles(t["qweight"], bits)  # [K / per, N, per]: code of input row (word * per + field)
+    codes = codes.transpose(0, 2, 1).reshape(-1, codes.shape[1])  # [K, N]
+    zeros = (_nibbles(t["qzeros"], bits).reshape(t["qzeros"].shape[0], -1) + 1) % 2**bits  # stored zero - 1
+    g = t["g_idx"].long().numpy()
+    scales = t["scales"].float().numpy()
+    return torch.from_numpy((scales[g] * (codes - zeros[g])).T.copy()).float()  # [N, K]
+
+
+def reference_awq(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    def unpack(words: torch.Tensor) -> np.ndarray:
+        fields = _nibbles(words, 4)  # [R, N / 8, 8]: field i of word j is column 8 j + AWQ_ORDER[i]
+        out = np.empty_like(fields)
+        out[..., AWQ_ORDER] = fields
+        return out.reshape(fields.shape[0], -1)
+
+    codes, zeros = unpack(t["qweight"]), unpack(t["qzeros"])  # [K, N], [G, N]
+    rows = np.arange(codes.shape[0]) // group
+    return torch.from_numpy((t["scales"].float().numpy()[rows] * (codes - zeros[rows])).T.copy()).float()
+
+
+@pytest.mark.parametrize("shape", [(48, 128), (40, 320), (8, 64)])
+def test_gptq_layout_decodes_to_the_same_weights(shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    for qw, bits in ((quantize_int4(w, 32), 4), (quantize_int4(w, 64), 4), (quantize_int8(w), 8)):
+        tensors = checkpoint.pack_gptq(qw)
+        assert tensors["qweight"].shape == (shape[1] * bits // 32, shape[0])
+        assert tensors["qweight"].dtype == tensors["qzeros"].dtype == torch.int32
+        torch.testing.assert_close(reference_gptq(tensors, bits), dequantize(qw), rtol=0, atol=0)
+        config = checkpoint.quantization_config("gptq", bits, qw.group_size)
+        back = dict(checkpoint.read_quantized(iter((f"m.{k}", v) for k, v in tensors.items()), config))["m.weight"]
+        assert isinstance(back, QuantizedWeight) and torch.equal(dequantize(back), dequantize(qw))
+
+
+def test_awq_and_fp8_layouts_decode_to_the_same_weights():
+    torch.manual_seed(1)
+    w = torch.randn(40, 192)
+    qw = quantize_int4(w, 64)
+    tensors = checkpoint.pack_awq(qw)
+    assert tensors["qweight"].shape == (192, 5) and tensors["scales"].dtype == torch.float16
+    torch.testing.assert_close(reference_awq(tensors, 64), dequantize(qw), rtol=0, atol=0)
+    back = dict(checkpoint.read_quantized(iter((f"m.{k}", v) for k, v in tensors.items()),
+                                          checkpoint.quantization_config("awq", 4, 64)))["m.weight"]
+    assert torch.equal(dequantize(back), dequantize(qw))
+    fp8 = quantize_fp8(w)
+    tensors = checkpoint.pack_fp8(fp8)
+    assert tensors["weight"].dtype == torch.float8_e4m3fn
+    full = tensors["weight"].float() * tensors["weight_scale_inv"].repeat_interleave(checkpoint.FP8_BLOCK_COLUMNS, 1)
+    torch.testing.assert_close(full, dequantize(fp8), rtol=0, atol=0)
+    assert (dequantize(fp8) - w).abs().max() <= w.abs().max() / 16  # e4m3: 3 mantissa bits
+
+
+def test_act_order_groups_and_bad_checkpoints():
+    """A GPTQ checkpoint whose g_idx is not column // group (act-order without static groups) has no
+    kernel here: it loads as the dequantized matrix, equal to the specification's."""
+    torch.manual_seed(2)
+    qw = quantize_int4(torch.randn(16, 128), 32)
+    tensors = checkpoint.pack_gptq(qw)
+    tensors["g_idx"] = tensors["g_idx"][torch.randperm(128)]
+    back = dict(checkpoint.read_quantized(iter((f"m.{k}", v) for k, v in tensors.items()),
+                                          checkpoint.quantization_config("gptq", 4, 32)))["m.weight"]
+    assert isinstance(back, torch.Tensor)
+    torch.testing.assert_close(back, reference_gptq(tensors, 4), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="quant_method"):
+        list(checkpoint.read_quantized(iter([]), {"quant_method": "exl2"}))
+    with pytest.raises(ValueError, match="bits"):
+        list(checkpoint.read_quantized(iter([]), {"quant_method": "gptq", "bits": 3}))
+    with pytest.raises(ValueError, match="not all of"):
+        list(checkpoint.read_quantized(iter([("m.qweight", tensors["qweight"])]), {"quant_method": "gptq"}))
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory):
+    """A tiny random llama without GQA (so AWQ also folds o_proj's scales into v), saved as HF safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = hf_config("llama", False)
+    config.num_key_value_heads = config.num_attention_heads
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("llama-mha")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def _dequantized_hf(out, method: str, group_size: int):
+    """HF transformers' float model holding the checkpoint's weights as the specification decodes them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(out)
+    del config.quantization_config
+    tensors = load_file(str(out / "model.safetensors"))
+    state = {}
+    for name, t in tensors.items():
+        module, _, part = name.rpartition(".")
+        if part in ("qzeros", "scales", "g_idx", "weight_scale_inv"):
+            continue
+        if part == "qweight":
+            parts = {p: tensors[f"{module}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")
+                     if f"{module}.{p}" in tensors}
+            state[f"{module}.weight"] = (reference_awq(parts, group_size) if method == "awq"
+                                         else reference_gptq(parts, 4))
+        elif t.dtype == torch.float8_e4m3fn:
+            scales = tensors[f"{module}.weight_scale_inv"].repeat_interleave(checkpoint.FP8_BLOCK_COLUMNS, 1)
+            state[name] = t.float() * scales
+        else:
+            state[name] = t.float()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
+def test_quantize_writes_a_checkpoint_ridge_loads(method, random_llama, tmp_path, make_llm_for_test):
+    """`ridge quantize` -> a directory whose config and tensors follow the layouts; ridge's logits on it equal
+    HF transformers' on the same weights decoded by the specification (float32 noise)."""
+    bits, group = (8, None) if method == "fp8" else (4, 32)
+    out = tmp_path / method
+    report = quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False)
+    assert report.layers == 3 * 7  # q, k, v, o, gate, up, down per layer
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "fp8": "fp8"}[method]
+    reference = _dequantized_hf(out, method, group)
+    llm = make_llm_for_test(out, dtype="float32")
+    assert "safetensors " + config["quant_method"] in llm.engine.loaded.weight_format
+    for ids in random_prompts(2, VOCAB, 5, 40, seed=3):
+        with torch.inference_mode():
+            ref = reference(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="already holds a model"):
+        quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False)
+
+
+def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
+    """Scaling columns up and folding the inverse into norms / v / up rows leaves the float function as it
+    was, before any rounding."""
+    from ridge.quant.awq import apply_awq
+    from ridge.quant.calibration import calibration_windows, input_hessians
+
+    llm = make_llm_for_test(random_llama, dtype="float32")
+    ids = random_prompts(1, VOCAB, 30, 31, seed=4)[0]
+    before = llm.engine.prompt_logits(ids)
+    model = llm.engine.loaded.model
+    hessians = input_hessians(model, calibration_windows(llm.tokenizer, 2, 256), torch.float32, "cpu", False)
+    norm_before = model.layers[0].input_norm.weight.clone()
+    apply_awq(model, hessians, 32, progress=False)
+    assert not torch.equal(model.layers[0].input_norm.weight, norm_before)  # something was scaled
+    torch.testing.assert_close(llm.engine.prompt_logits(ids), before, rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_bad_arguments(random_llama, tmp_path):
+    for kwargs, match in (({"method": "hqq", "bits": 4, "group_size": 32}, "method"),
+                          ({"method": "awq", "bits": 8, "group_size": 32}, "bits"),
+                          ({"method": "rtn", "bits": 4, "group_size": 48}, "group_size"),
+                          ({"method": "rtn", "bits": 4, "group_size": 128}, "does not divide")):
+        with pytest.raises(ValueError, match=match):
+            quantize_to_dir(random_llama, out=tmp_path / "x", progress=False, **kwargs)
+
+
+def test_fp8_checkpoint_round_trip_through_hf(smollm2_path, tmp_path, make_llm_for_test):
+    """SmolLM2 -> `ridge quantize --method fp8` -> HF transformers loads the directory itself (its fp8
+    loader, which dequantizes on a CPU) and gives ridge's logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "fp8"
+    quantize_to_dir(smollm2_path, "fp8", 8, None, out, progress=False)
+    llm = make_llm_for_test(out, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf.float()  # its fp8 path keeps the checkpoint's float16 tensors as float16; widening them is exact
+    ids = llm.tokenizer.encode("The quality of mercy is not strained; it droppeth as the gentle rain")
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.prompt_logits(ids)
+    assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
