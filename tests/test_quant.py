@@ -13,7 +13,7 @@ SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960)]  # (tokens,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64), ("fp8", 32)])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_kernel_equals_dequantize_then_matmul(method, group_size, dtype, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
@@ -48,7 +48,7 @@ def test_group_size_must_divide_the_dimension():
         quantize_weight(torch.randn(8, 96), "int3", 32)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_smollm2_kernels_match_its_dequantized_weights(make_llm_for_test, smollm2_path, method):
     """The whole model: logits through the kernels equal logits through the same quantized weights
     dequantized (float32), and stay close to the unquantized model (RTN's own error)."""
