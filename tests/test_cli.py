@@ -35,3 +35,23 @@ def test_generate_json(smollm2_path):
 def test_generate_bad_value_is_a_clear_error(smollm2_path):
     result = run("generate", "--prompt", "hi", "--top-p", "1.5", check=False)
     assert result.returncode == 2 and "top_p" in result.stderr and "(0, 1]" in result.stderr
+
+
+def test_quantize_and_bench_quant(smollm2_path, tmp_path):
+    """`ridge quantize` writes a checkpoint that `generate` serves; `ridge bench quant` measures two formats
+    in one run and reports their bytes per step, tok/s and bandwidth fraction."""
+    out = tmp_path / "int8"
+    report = json.loads(run("quantize", "smollm2", "--method", "rtn", "--bits", "8", "--out", str(out),
+                            "--json").stdout)
+    assert report["layout"] == "gptq" and report["layers"] == 30 * 7 and (out / "config.json").exists()
+    result = run("generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
+                 "--json", "--kv-cache-memory", "64MiB")
+    assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
+    bad = run("quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x"), check=False)
+    assert bad.returncode == 2 and "bits" in bad.stderr
+    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "bfloat16,int4", "--output-len", "4",
+                           "--input-len", "16", "--batch", "2", "--repeats", "1", "--json").stdout)
+    rows = {row["name"]: row for row in bench["formats"]}
+    assert rows["int4"]["weight_bytes"] < rows["bfloat16"]["weight_bytes"] / 2
+    assert all(row["decode_tok_s"] > 0 and row["read_fraction"] > 0 and row["batch_tok_s"] > 0
+               for row in rows.values())

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ridge.bench import roofline, workloads
+from ridge.bench.quant import add_quant_parser
 from ridge.bench.serve import add_serve_parser
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
@@ -350,4 +351,5 @@ def add_bench_parser(sub, add_engine_args) -> None:
     p.set_defaults(func=cmd_throughput)
 
     add_serve_parser(bsub)
+    add_quant_parser(bsub)
 

@@ -92,9 +92,15 @@ class QuantizedLinear(nn.Module):
         return sum(b.nbytes for b in self.buffers() if b is not self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.kernel is None:
+        # a decode step calls this ~120 times: skip the reshapes, casts and slices that would be no-ops
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        if self.kernel == "int4" and (self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+            if out.shape[1] != self.out_features:
+                out = out[:, :self.out_features]
+        elif self.kernel is None:
             out = x2 @ self.dense.T
         elif self.unpacked is not None and x2.shape[0] > FLOAT32_KERNEL_MAX_ROWS:
             out = x2 @ dequantize(self.unpacked).T
@@ -102,14 +108,11 @@ class QuantizedLinear(nn.Module):
             out = (x2 @ self.qweight.to(self.dtype).T) * self.scales
         elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif self.kernel == "int4":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
-            out = out[:, :self.out_features]
         else:
             out = self.ops.grouped_int8_linear(x2, self.qweight, self.scales, self.minimums, self.group_size)
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*lead, self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 class ConcatLinear(nn.Module):

@@ -1,0 +1,167 @@
+"""`ridge bench quant`: the weight formats side by side in one run, batch-1 decode and batch-B throughput,
+each with the weight bytes a decode step reads and the fraction of the machine's read bandwidth that
+achieves; llama.cpp on the same GGUF file beside them when it is installed.
+
+Decode reads every weight once per step, so at batch 1 tok/s x bytes per step is the bandwidth a format
+draws: a format that reads fewer bytes at the same fraction of the bandwidth is faster by its size ratio.
+At batch B the same bytes serve B tokens, and what the kernels spend dequantizing starts to show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from ridge.bench import roofline, workloads
+
+# format -> (dtype, quantization)
+FORMATS: dict[str, tuple[str, str | None]] = {
+    "float32": ("float32", None), "bfloat16": ("bfloat16", None), "gguf": ("bfloat16", "gguf"),
+    "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"), "gptq": ("bfloat16", "gptq"),
+    "awq": ("bfloat16", "awq"), "fp8": ("bfloat16", "fp8"),
+}
+
+
+@dataclass
+class FormatResult:
+    name: str
+    weights: str = ""  # the loader's description
+    weight_bytes: int = 0  # read per decode step
+    decode_tok_s: float = 0.0  # batch 1
+    batch_tok_s: float = 0.0  # output tok/s at batch B
+    figures: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResult:
+    from ridge import LLM
+    from ridge.bench.cli import _greedy, ridge_latency, weight_bytes_per_token
+
+    dtype, quantization = FORMATS[name]
+    try:
+        llm = LLM(args.model, dtype=dtype, quantization=quantization, quantization_group_size=args.group_size,
+                  num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+    except ValueError as exc:  # e.g. gguf on a model directory
+        return FormatResult(name, error=str(exc))
+    result = FormatResult(name, llm.engine.loaded.weight_format, weight_bytes_per_token(llm))
+    result.figures = ridge_latency(args, llm, ids).figures
+    result.decode_tok_s = result.figures["decode_tok_s"]
+    requests = workloads.random_requests(llm.engine.loaded.config.vocab_size, args.batch, args.input_len,
+                                         args.output_len, seed=0)
+    llm.generate(requests[0].prompt_ids, _greedy(2))
+    start = time.perf_counter()
+    llm.generate([r.prompt_ids for r in requests], [_greedy(r.max_tokens) for r in requests])
+    result.batch_tok_s = sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
+    llm.engine.check_integrity()
+    del llm
+    gc.collect()
+    return result
+
+
+def cmd_quant(args: argparse.Namespace) -> int:
+    from ridge.bench.cli import _latency_prompt, find_peers, run_peer
+    from ridge.hub import resolve
+    from ridge.tokenizer import RidgeTokenizer
+
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
+    print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
+    roof = roofline.measure(dtypes=())
+    path = resolve(args.model)
+    ids = _latency_prompt(args, RidgeTokenizer.from_path(path))
+    results = []
+    for name in args.formats:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        results.append(_measure(args, name, ids))
+    peer = None
+    found = find_peers(args.peer or [], all_installed=False)
+    if "llamacpp" in found and path.suffix == ".gguf":
+        print("[bench] llama.cpp ...", file=sys.stderr, flush=True)
+        job = {"mode": "latency", "gguf": str(path), "dtype": "bfloat16", "repeats": args.repeats,
+               "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
+        peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
+    base = next((r for r in results if r.name == "bfloat16" and not r.error), None)
+    rows = []
+    for r in results:
+        row = {**asdict(r), "figures": r.figures}
+        if not r.error:
+            row["weight_gb_s"] = r.weight_bytes * r.decode_tok_s / 1e9
+            row["read_fraction"] = row["weight_gb_s"] / roof.read_gb_s
+            if base:
+                row["decode_vs_bf16"] = r.decode_tok_s / base.decode_tok_s
+                row["batch_vs_bf16"] = r.batch_tok_s / base.batch_tok_s
+        rows.append(row)
+    report = {"benchmark": "quant", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
+              "batch": args.batch, "machine": {"read_gb_s": roof.read_gb_s}, "formats": rows,
+              "llamacpp": None if peer is None else asdict(peer)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"\nweight formats: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens; batch 1 "
+          f"(median of {args.repeats}) and batch {args.batch}; read bandwidth {roof.read_gb_s:.1f} GB/s")
+    print(f"{'format':9s} {'MB/step':>8s} {'decode tok/s':>13s} {'vs bf16':>8s} {'GB/s':>6s} {'of bw':>6s} "
+          f"{'batch tok/s':>12s} {'vs bf16':>8s}  weights")
+    for row in rows:
+        if row["error"]:
+            print(f"{row['name']:9s} {'-':>8s}  {row['error']}")
+            continue
+        print(f"{row['name']:9s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
+              f"{row.get('decode_vs_bf16', 0):7.2f}x {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
+              f"{row['batch_tok_s']:12.1f} {row.get('batch_vs_bf16', 0):7.2f}x  {row['weights']}")
+    if peer is not None:
+        if peer.error:
+            print(f"llama.cpp: {peer.error}")
+        else:
+            gguf = next((r for r in results if r.name == "gguf" and not r.error), None)
+            theirs = peer.figures["decode_tok_s"]
+            ratio = f" (ridge gguf / llama.cpp = {gguf.decode_tok_s / theirs:.2f}x)" if gguf else ""
+            print(f"llama.cpp on the same file: decode {theirs:.1f} tok/s{ratio}")
+    if args.plot:
+        _plot([r for r in results if not r.error], args.plot, args.model)
+    return 0
+
+
+def _plot(results: list[FormatResult], path: str, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        ax.scatter(r.weight_bytes / 1e6, r.decode_tok_s, s=40)
+        ax.annotate(r.name, (r.weight_bytes / 1e6, r.decode_tok_s), textcoords="offset points", xytext=(5, 3))
+    ax.set_xlabel("weight MB read per decode step")
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_title(f"{model}: fewer bytes per step, more tokens per second")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def add_quant_parser(bsub) -> None:
+    p = bsub.add_parser("quant", help="weight formats side by side: batch-1 decode, batch-B throughput, GB/s",
+                        description="Load the model once per weight format and measure batch-1 decode tok/s and "
+                                    "output tok/s at --batch, with the weight bytes a step reads and the fraction "
+                                    "of the measured read bandwidth; llama.cpp on the same GGUF file with "
+                                    "--peer llamacpp=PYTHON.")
+    p.add_argument("model", nargs="?", default="smollm2", help="alias, .gguf file or HF directory")
+    p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "bfloat16", "gguf", "int8", "int4"],
+                   help=f"comma-separated, of {', '.join(FORMATS)} (default float32,bfloat16,gguf,int8,int4)")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int4 / gptq / awq groups")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32, help="requests decoded together (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="batch-1 repeats for the median")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--peer", action="append", metavar="llamacpp=PYTHON", help="llama.cpp's interpreter")
+    p.add_argument("--plot", default=None, metavar="PNG", help="decode tok/s against weight bytes")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_quant)
