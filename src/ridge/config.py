@@ -105,7 +105,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
     # weight-only, at load: "int8" (per channel), "int4" (RTN, per group), "gptq" / "awq" (int4 per group,
-    # calibrated at load on shakespeare-calib), "fp8" (e4m3 per channel), or "gguf" (a GGUF file's block
+    # calibrated at load on comedies + ShareGPT), "fp8" (e4m3 per channel), or "gguf" (a GGUF file's block
     # formats kept as they are); None: weights dequantized to dtype (a quantized checkpoint, as it is)
     quantization: str | None = None
     quantization_group_size: int = 64  # int4 / gptq / awq: input columns per scale
