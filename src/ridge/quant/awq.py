@@ -9,7 +9,9 @@ of the 4-bit grid. The division is folded into whatever produces the input, so i
                                                     feeds several heads' o_proj columns)
 The scales are s = a^alpha, normalised by sqrt(max(s) min(s)), where a is each input channel's activation
 magnitude and alpha is searched on a grid per layer (alpha = 0 is plain RTN, so AWQ never does worse than
-RTN on the calibration text).
+RTN on the calibration text). Then, as in the paper, each group's range is shrunk by the factor (of a
+grid, 1 included) that minimises its activation-weighted rounding error: a few large weights no longer
+stretch the grid of all the others.
 
 Two deliberate differences from the reference implementation, both so that the X^T X statistics GPTQ
 already collects (quant/calibration.py) are all AWQ needs: a is the RMS of each channel (sqrt(H_jj / T))
@@ -23,9 +25,10 @@ import torch
 from tqdm import tqdm
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.rtn import dequantize, quantize_int4
+from ridge.quant.rtn import QuantizedWeight, dequantize, int4_grid, quantize_int4
 
 ALPHA_GRID = 20  # alpha in {0, 1/20, ..., 19/20}, as in the paper
+CLIP_GRID = 20  # range shrink factors 1, 0.975, ..., 0.525
 
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -50,12 +53,33 @@ def awq_scales(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     return best_scales, best_error
 
 
+def clipped_int4(weight: torch.Tensor, group_size: int, importance: torch.Tensor,
+                 grid: int = CLIP_GRID) -> QuantizedWeight:
+    """int4 RTN per group with each group's range shrunk by the factor that minimises
+    sum_k importance_k (w_k - q_k)^2 over the group (importance: the inputs' mean squares, H's diagonal)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    weights = importance.float().view(1, k // group_size, group_size)
+    best_error = torch.full(w.shape[:2], float("inf"))
+    best_scales, best_zeros = int4_grid(weight, group_size)
+    for step in range(grid):
+        scales, zeros = int4_grid(weight * (1 - step / (2 * grid)), group_size)
+        q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+        error = (((q - zeros[..., None]) * scales[..., None] - w) ** 2 * weights).sum(dim=2)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scales, best_zeros = torch.where(better, scales, best_scales), torch.where(better, zeros, best_zeros)
+    q = (torch.round(w / best_scales[..., None]) + best_zeros[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantizedWeight(q.view(n, k), best_scales, -best_zeros * best_scales, 4, group_size)
+
+
 @torch.no_grad()
 def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size: int,
               progress: bool = True) -> None:
     """Scale every decoder layer's linear weights by their AWQ scales and fold the inverse into the
     producers of their inputs (in place; the float model computes the same function up to rounding).
-    Afterwards int4 RTN of the layers is AWQ. hessians: as quant/calibration.py keys them."""
+    hessians (keyed as quant/calibration.py keys them) are rescaled to the scaled inputs, in place: what is
+    left of AWQ is clipped_int4 of each weight with its hessian's diagonal."""
     cfg = model.cfg
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i, layer in enumerate(tqdm(model.layers, desc="awq", unit="layer", disable=not progress)):
@@ -75,7 +99,9 @@ def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size
 
 
 def _scale_columns(weight: torch.Tensor, hessian: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Search s for this weight and multiply its columns by it in place; returns s for the caller to fold."""
+    """Search s for this weight, multiply its columns by it and divide the inputs' hessian by s s^T, in
+    place; returns s for the caller to fold into the inputs' producer."""
     s, _ = awq_scales(weight, hessian, group_size)
     weight.mul_(s.to(weight.dtype))
+    hessian.div_(s.double()[:, None] * s.double()[None, :])
     return s

@@ -25,7 +25,7 @@ from ridge.config import ModelConfig
 from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
-from ridge.quant.awq import apply_awq
+from ridge.quant.awq import apply_awq, clipped_int4
 from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
@@ -89,6 +89,8 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
             return quantize_fp8(weight)
         if method == "gptq":
             return gptq_quantize(weight, hessians[key], bits, group_size, act_order=True)
+        if method == "awq":
+            return clipped_int4(weight, group_size, hessians[key].diagonal())
         return quantize_int4(weight, group_size) if bits == 4 else quantize_int8(weight)
 
     layout = METHODS[method][0]

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.awq import apply_awq
+from ridge.quant.awq import apply_awq, clipped_int4
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_fp8, quantize_int4, quantize_int8
 
@@ -166,12 +166,16 @@ class QuantizedEmbedding(nn.Module):
 
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
                     hessian: torch.Tensor | None = None) -> QuantizedWeight:
-    """One [out, in] matrix in `method`'s format. awq: the weight must already carry its AWQ scales
-    (quant/awq.py); what is left is int4 RTN."""
+    """One [out, in] matrix in `method`'s format. awq: the weight and hessian must already carry their AWQ
+    scales (quant/awq.py's apply_awq); what is left is int4 with each group's range clipped."""
     if method == "int8":
         return quantize_int8(weight)
-    if method in ("int4", "awq"):
+    if method == "int4":
         return quantize_int4(weight, group_size)
+    if method == "awq":
+        if hessian is None:
+            raise ValueError("quantization: awq needs calibration statistics (quant/calibration.py)")
+        return clipped_int4(weight, group_size, hessian.diagonal())
     if method == "fp8":
         return quantize_fp8(weight)
     if method == "gptq":
