@@ -84,24 +84,24 @@ def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i, layer in enumerate(tqdm(model.layers, desc="awq", unit="layer", disable=not progress)):
         attn, mlp = layer.attn, layer.mlp
-        s = _scale_columns(attn.qkv.weight, hessians[f"layers.{i}.attn.qkv"], group_size)
+        s = _scale_columns(attn.qkv.weight, hessians, f"layers.{i}.attn.qkv", group_size)
         layer.input_norm.weight.div_(s.to(layer.input_norm.weight.dtype))
         if cfg.num_heads == cfg.num_kv_heads:
-            s = _scale_columns(attn.o_proj.weight, hessians[f"layers.{i}.attn.o_proj"], group_size)
+            s = _scale_columns(attn.o_proj.weight, hessians, f"layers.{i}.attn.o_proj", group_size)
             v_rows = slice(q_size + kv_size, q_size + 2 * kv_size)
             attn.qkv.weight[v_rows].div_(s[:, None].to(attn.qkv.weight.dtype))
             if attn.qkv.bias is not None:
                 attn.qkv.bias[v_rows].div_(s.to(attn.qkv.bias.dtype))
-        s = _scale_columns(mlp.gate_up.weight, hessians[f"layers.{i}.mlp.gate_up"], group_size)
+        s = _scale_columns(mlp.gate_up.weight, hessians, f"layers.{i}.mlp.gate_up", group_size)
         layer.post_attn_norm.weight.div_(s.to(layer.post_attn_norm.weight.dtype))
-        s = _scale_columns(mlp.down.weight, hessians[f"layers.{i}.mlp.down"], group_size)
+        s = _scale_columns(mlp.down.weight, hessians, f"layers.{i}.mlp.down", group_size)
         mlp.gate_up.weight[cfg.intermediate_size:].div_(s[:, None].to(mlp.gate_up.weight.dtype))
 
 
-def _scale_columns(weight: torch.Tensor, hessian: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Search s for this weight, multiply its columns by it and divide the inputs' hessian by s s^T, in
-    place; returns s for the caller to fold into the inputs' producer."""
-    s, _ = awq_scales(weight, hessian, group_size)
+def _scale_columns(weight: torch.Tensor, hessians: dict[str, torch.Tensor], key: str, group_size: int) -> torch.Tensor:
+    """Search s for this weight, multiply its columns by it in place and replace its inputs' hessian by
+    H / (s s^T); returns s for the caller to fold into the inputs' producer."""
+    s, _ = awq_scales(weight, hessians[key], group_size)
     weight.mul_(s.to(weight.dtype))
-    hessian.div_(s.double()[:, None] * s.double()[None, :])
+    hessians[key] = hessians[key] / (s.double()[:, None] * s.double()[None, :])
     return s
