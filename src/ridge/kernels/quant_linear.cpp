@@ -4,7 +4,8 @@
 // has int8 kernels for one scale per output channel only, and int4 kernels; nothing for grouped scales.
 //
 // Few rows (decode): every weight is read once and dequantized in registers, 16 at a time, then
-// multiplied into up to kRowBlock activation rows; memory streams the codes and nothing else.
+// multiplied into up to kRowBlock activation rows, kChannelBlock output channels at a time; memory streams
+// the codes and nothing else.
 // Many rows (prefill, large batches): a tile of output channels is dequantized into a thread-local buffer
 // small enough for L2 and multiplied by torch's own matmul (oneDNN, AMX in bf16), so the dequantization
 // is paid once per tile and step, not once per row.
@@ -19,6 +20,7 @@
 namespace {
 
 constexpr int64_t kRowBlock = 4;
+constexpr int64_t kChannelBlock = 4;  // output channels per register block (decode path)
 constexpr int64_t kFewRows = 8;  // up to this many rows, the register path (measured against tiles: 4-16 even)
 constexpr int64_t kTileBytes = 1 << 19;
 
@@ -42,21 +44,35 @@ inline __m512 dequant16(const int8_t* codes, __m512 scale, __m512 minimum, bool 
   return has_minimum ? _mm512_fmadd_ps(c, scale, minimum) : _mm512_mul_ps(c, scale);
 }
 
-// out[m, n] for rows m0 .. m0 + rows of x (float32 [M, K]) and one output channel n.
+// out[m, n .. n + kChannels) for rows m0 .. m0 + rows of x (float32 [M, K]). Several channels at once: each
+// x vector loaded feeds kChannels FMAs, and the kChannels x rows accumulators are independent chains (one
+// channel alone is a chain of K / 16 dependent FMAs, which bounds a decode step by latency, not bytes).
+template <int64_t kChannels>
 void dot_rows(const float* x, int64_t k_dim, int64_t rows, const int8_t* codes, const float* scales,
               const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  __m512 acc[kRowBlock];
-  for (int64_t r = 0; r < kRowBlock; r++) acc[r] = _mm512_setzero_ps();
+  const int64_t groups = k_dim / group;
+  __m512 acc[kChannels][kRowBlock];
+  for (int64_t c = 0; c < kChannels; c++)
+    for (int64_t r = 0; r < kRowBlock; r++) acc[c][r] = _mm512_setzero_ps();
   const __m512 zero = _mm512_setzero_ps();
-  for (int64_t g = 0; g < k_dim / group; g++) {
-    const __m512 scale = _mm512_set1_ps(scales[g]);
-    const __m512 minimum = minimums ? _mm512_set1_ps(minimums[g]) : zero;
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 scale[kChannels], minimum[kChannels];
+    for (int64_t c = 0; c < kChannels; c++) {
+      scale[c] = _mm512_set1_ps(scales[c * groups + g]);
+      minimum[c] = minimums ? _mm512_set1_ps(minimums[c * groups + g]) : zero;
+    }
     for (int64_t j = g * group; j < (g + 1) * group; j += 16) {
-      const __m512 w = dequant16(codes + j, scale, minimum, minimums != nullptr);
-      for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * k_dim + j), acc[r]);
+      __m512 w[kChannels];
+      for (int64_t c = 0; c < kChannels; c++) w[c] = dequant16(codes + c * k_dim + j, scale[c], minimum[c],
+                                                             minimums != nullptr);
+      for (int64_t r = 0; r < rows; r++) {
+        const __m512 xv = _mm512_loadu_ps(x + r * k_dim + j);
+        for (int64_t c = 0; c < kChannels; c++) acc[c][r] = _mm512_fmadd_ps(w[c], xv, acc[c][r]);
+      }
     }
   }
-  for (int64_t r = 0; r < rows; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < kChannels; c++) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[c][r]);
 }
 #endif
 
@@ -85,11 +101,22 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
     torch::Tensor out = torch::empty({m_dim, n_dim}, xf.options());
     const float* xp = xf.data_ptr<float>();
     float* op = out.data_ptr<float>();
+    const int64_t blocks = n_dim / kChannelBlock;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < n_dim; n++)
-      for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock)
-        dot_rows(xp + m0 * k_dim, k_dim, std::min(kRowBlock, m_dim - m0), c + n * k_dim, s + n * groups,
-                 mn ? mn + n * groups : nullptr, group, op + m0 * n_dim + n, n_dim);
+    for (int64_t b = 0; b <= blocks; b++) {
+      const int64_t n = b * kChannelBlock;
+      for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, m_dim - m0);
+        if (b < blocks) {
+          dot_rows<kChannelBlock>(xp + m0 * k_dim, k_dim, rows, c + n * k_dim, s + n * groups,
+                                  mn ? mn + n * groups : nullptr, group, op + m0 * n_dim + n, n_dim);
+        } else {  // the last n_dim % kChannelBlock channels, one by one
+          for (int64_t t = n; t < n_dim; t++)
+            dot_rows<1>(xp + m0 * k_dim, k_dim, rows, c + t * k_dim, s + t * groups, mn ? mn + t * groups : nullptr,
+                        group, op + m0 * n_dim + t, n_dim);
+        }
+      }
+    }
     return out.to(x.scalar_type());
   }
 #endif
