@@ -11,10 +11,10 @@ block, and the rest of the matrix takes one matmul per block, which keeps the wo
 Formats are those of RTN (quant/rtn.py), so the same kernels run the result: int8 symmetric per output
 channel, int4 asymmetric per group of input columns with an integer zero point, as GPTQ checkpoints store
 it (qzeros). A group's grid is fitted when the sweep reaches its first column, to the weights as the
-updates so far have left them: the updates move weights outside their original range, and a grid fitted
-before them clips (on SmolLM2 that made GPTQ worse than RTN). With act-order (columns taken by decreasing
-H[j, j], the most sensitive first) the grids come from the weights before any update ("static groups"), so
-that a group is still a run of adjacent columns and g_idx stays column // group_size.
+updates so far have left them, as the reference implementation does. With act-order (columns taken by
+decreasing H[j, j], the most sensitive first) the grids come from the weights before any update ("static
+groups"), so that a group is still a run of adjacent columns and g_idx stays column // group_size. ridge
+runs act-order: on SmolLM2's layers its output error on held-out text was 1-40% below the plain order's.
 """
 
 from __future__ import annotations

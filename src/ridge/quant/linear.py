@@ -181,7 +181,7 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
     if method == "gptq":
         if hessian is None:
             raise ValueError("quantization: gptq needs calibration statistics (quant/calibration.py)")
-        return gptq_quantize(weight, hessian, 4, group_size, act_order=True)  # better on every layer measured
+        return gptq_quantize(weight, hessian, 4, group_size, act_order=True)  # see quant/gptq.py
     raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
 
 
