@@ -94,3 +94,16 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     tensors = [*model.parameters(), *model.buffers(), *vars(model.embed_tokens.weight_q).values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
     assert sum(storages.values()) <= 1.25 * smollm2_path.stat().st_size  # the lookup shares the head's codes
+
+
+def test_tiled_kernel_runs_under_inference_mode(ops):
+    """The many-row path writes the output from OpenMP worker threads, which must carry the caller's
+    inference mode (the engine runs in it; a batch of 32 sequences reaches the Q8_0 head as 32 rows)."""
+    qw = gguf_blocks.unpack(random_blocks("Q8_0", 67, cols_for("Q8_0"), seed=3), GGMLQuantizationType["Q8_0"],
+                            (67, cols_for("Q8_0")))
+    layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
+    x = torch.randn(40, cols_for("Q8_0"), dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x).float()
+    expected = x.float() @ dequantize(qw).T
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()

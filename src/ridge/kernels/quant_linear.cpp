@@ -125,8 +125,12 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   torch::Tensor out = torch::empty({m_dim, n_dim}, x.options());
   const int64_t tile = std::max<int64_t>(16, kTileBytes / (k_dim * 4) / 16 * 16);
   const int64_t tiles = (n_dim + tile - 1) / tile;
+  // OpenMP's worker threads do not inherit the caller's inference mode: without it, writing into the
+  // caller's (inference) output tensor from a worker fails
+  const bool inference = c10::InferenceMode::is_enabled();
 #pragma omp parallel
   {
+    c10::InferenceMode guard(inference);
     std::vector<float> buffer(tile * k_dim);
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tiles; t++) {
