@@ -13,7 +13,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 from ridge.bench import roofline, workloads
@@ -39,7 +38,7 @@ class FormatResult:
 
 def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResult:
     from ridge import LLM
-    from ridge.bench.cli import _greedy, ridge_latency, weight_bytes_per_token
+    from ridge.bench.cli import ridge_latency, ridge_throughput, weight_bytes_per_token
 
     dtype, quantization = FORMATS[name]
     try:
@@ -52,11 +51,8 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
     result.decode_tok_s = result.figures["decode_tok_s"]
     requests = workloads.random_requests(llm.engine.loaded.config.vocab_size, args.batch, args.input_len,
                                          args.output_len, seed=0)
-    llm.generate(requests[0].prompt_ids, _greedy(2))
-    start = time.perf_counter()
-    llm.generate([r.prompt_ids for r in requests], [_greedy(r.max_tokens) for r in requests])
-    result.batch_tok_s = sum(r.max_tokens for r in requests) / (time.perf_counter() - start)
-    llm.engine.check_integrity()
+    elapsed = ridge_throughput(args, requests, llm).figures["elapsed_s"]  # checks the KV blocks afterwards
+    result.batch_tok_s = sum(r.max_tokens for r in requests) / elapsed
     del llm
     gc.collect()
     return result
