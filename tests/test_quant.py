@@ -6,22 +6,33 @@ import pytest
 import torch
 
 from ridge.eval.perplexity import perplexity
+from ridge.kernels import cpu_ops
 from ridge.quant.linear import QuantizedLinear, quantize_weight
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
-SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960)]  # (tokens, in, out), odd sizes included
+# (tokens, in, out): odd sizes; from 16 tokens on, bf16 takes ridge's tiled kernels, whose int4 reading of
+# torch's layout has a last block of N % 64 channels (160: 32, 77 -> 80: 16) and whose tiles hold 4 MB
+# (40016 x 64: two tiles, the second ending in a 16-channel block)
+SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960), (33, 64, 77), (20, 64, 40016)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64), ("fp8", 32)])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-def test_kernel_equals_dequantize_then_matmul(method, group_size, dtype, m, k, n):
+def test_kernel_equals_dequantize_then_matmul(ops, method, group_size, dtype, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
     weight = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     qw = quantize_weight(weight, method, group_size)
-    layer = QuantizedLinear(qw, bias, dtype)
+    layer = QuantizedLinear(qw, bias, dtype, ops)
     assert layer.kernel
     expected = x.float() @ dequantize(qw).T + bias.float()
     got = layer(x).float()

@@ -1,4 +1,4 @@
-"""`ridge …` subcommands: pull, generate, chat, demo, serve, eval, quantize, bench."""
+"""`ridge …` subcommands: pull, generate, chat, demo, serve, eval, quantize, bench, plan, plot, doctor."""
 
 from __future__ import annotations
 
@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     from ridge.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
+
+    from ridge.plan.cli import add_plan_parsers
+
+    add_plan_parsers(sub, add_engine_args)
 
     args = parser.parse_args(argv)
     if getattr(args, "model_name", None):

@@ -439,7 +439,7 @@ def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool
             windows = calibration_windows(tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
             hessians = input_hessians(loaded.model, windows, config.torch_dtype, config.device, progress)
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype,
-                       hessians=hessians, progress=progress)
+                       hessians=hessians, progress=progress, ops=kernels)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):

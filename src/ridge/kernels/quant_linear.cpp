@@ -6,9 +6,11 @@
 // Few rows (decode): every weight is read once and dequantized in registers, 16 at a time, then
 // multiplied into up to kRowBlock activation rows, kChannelBlock output channels at a time; memory streams
 // the codes and nothing else.
-// Many rows (prefill, large batches): a tile of output channels is dequantized into a thread-local buffer
-// small enough for L2 and multiplied by torch's own matmul (oneDNN, AMX in bf16), so the dequantization
-// is paid once per tile and step, not once per row.
+// Many rows (prefill, large batches): a tile of output channels (a few MB) is dequantized by all threads
+// into a scratch in x's dtype and multiplied by torch's own matmul (oneDNN, AMX in bf16), so the
+// dequantization is paid once per weight and step, not once per row, and the tile is read back from cache.
+// The same tiling serves torch's int4 layout (int4pack_linear): torch's own int4 kernel dequantizes again
+// for every 4 rows and misses AMX, which made quantized models 3x slower than bf16 at batch 32.
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -22,7 +24,7 @@ namespace {
 constexpr int64_t kRowBlock = 4;
 constexpr int64_t kChannelBlock = 4;  // output channels per register block (decode path)
 constexpr int64_t kFewRows = 8;  // up to this many rows, the register path (measured against tiles: 4-16 even)
-constexpr int64_t kTileBytes = 1 << 19;
+constexpr int64_t kTileBytes = 1 << 22;  // a tile's dequantized bytes: fits L2 + L3 share, amortizes a matmul call
 
 void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
            const torch::Tensor& minimums, int64_t group) {
@@ -76,13 +78,111 @@ void dot_rows(const float* x, int64_t k_dim, int64_t rows, const int8_t* codes, 
 }
 #endif
 
-void dequantize_rows(const int8_t* codes, const float* scales, const float* minimums, int64_t rows, int64_t k_dim,
-                     int64_t group, float* out) {
+// The scratch that many-row calls dequantize a tile into. Per calling thread: the engine calls from one
+// thread, and a tile is dequantized and multiplied before the call returns, so nothing else can hold it.
+void* scratch(size_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  return buffer.data();
+}
+
+#if defined(__AVX512F__)
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store16(c10::BFloat16* out, __m512 v) { ridge_vec::store_bf16(out, v); }
+#endif
+
+// rows x K grouped codes -> out [rows, K] in T, all threads
+template <typename T>
+void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
+                        int64_t k_dim, int64_t group, T* out) {
   const int64_t groups = rows * (k_dim / group);  // rows are contiguous: groups follow one another
+#pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; g++) {
     const float scale = scales[g], minimum = minimums ? minimums[g] : 0.f;
-    for (int64_t j = g * group; j < (g + 1) * group; j++) out[j] = codes[j] * scale + minimum;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(scale), mn = _mm512_set1_ps(minimum);
+    for (int64_t j = g * group; j < (g + 1) * group; j += 16) store16(out + j, dequant16(codes + j, s, mn, true));
+#else
+    for (int64_t j = g * group; j < (g + 1) * group; j++) out[j] = static_cast<T>(codes[j] * scale + minimum);
+#endif
   }
+}
+
+// torch's CPU int4 layout (aten._convert_weight_to_int4pack_for_cpu), read back: channels in blocks of 64,
+// and the last N % 64 in one block; a block of width B starting at channel n holds its K x (B / 2) bytes
+// from byte n * K / 2 on, one row of bytes per input column k. In a 64-block byte j holds channel n + j
+// (low nibble) and n + 32 + j (high); in the last block, channels n + 2j (low) and n + 2j + 1 (high).
+// scales_and_zeros [K / group, N, 2] give w = (code - 8) * scale + zero. tests/test_gguf_native.py checks
+// this reading against torch's own kernel, so a change of layout in torch fails there, not silently.
+void dequantize_int4pack(const uint8_t* packed, const c10::BFloat16* scales_and_zeros, int64_t n_dim,
+                         int64_t k_dim, int64_t group, int64_t n0, int64_t rows, c10::BFloat16* out) {
+  const int64_t full = n_dim / 64 * 64;  // the channels in 64-blocks
+  // a thread takes whole blocks and walks down k: it reads the block's bytes in order (by k it would jump
+  // K * 32 bytes from one block to the next)
+#pragma omp parallel for schedule(static)
+  for (int64_t n = n0; n < n0 + rows; n += 64) {
+    const uint8_t* block = packed + n * k_dim / 2;
+#if defined(__AVX512F__)
+    if (n < full) {
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      __m512 scale[4], offset[4];
+      for (int64_t k = 0; k < k_dim; k++) {
+        if (k % group == 0) {
+          const c10::BFloat16* sz = scales_and_zeros + ((k / group) * n_dim + n) * 2;
+          for (int64_t q = 0; q < 4; q++) {
+            // 16 (scale, zero) bf16 pairs: as 32-bit words, the scale is the low half and the zero the high
+            const __m512i pairs = _mm512_loadu_si512(sz + 32 * q);
+            scale[q] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+            offset[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[q], zero);
+          }
+        }
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 32));
+        const __m256i nibbles[2] = {_mm256_and_si256(bytes, mask),
+                                    _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)};
+        c10::BFloat16* row = out + k * rows + (n - n0);
+        for (int64_t q = 0; q < 4; q++) {  // channels n + 16q .. n + 16q + 15
+          const __m128i codes = q % 2 ? _mm256_extracti128_si256(nibbles[q / 2], 1)
+                                      : _mm256_castsi256_si128(nibbles[q / 2]);
+          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+          store16(row + 16 * q, _mm512_fmadd_ps(c, scale[q], offset[q]));
+        }
+      }
+      continue;
+    }
+#endif
+    const int64_t width = n < full ? 64 : n_dim - full;  // channels in this block
+    for (int64_t k = 0; k < k_dim; k++) {
+      const c10::BFloat16* sz = scales_and_zeros + (k / group) * n_dim * 2;
+      for (int64_t j = 0; j < width; j++) {
+        const bool high = n < full ? j >= 32 : j % 2 == 1;
+        const uint8_t byte = block[k * (width / 2) + (n < full ? j % 32 : j / 2)];
+        const int code = high ? byte >> 4 : byte & 0x0F;
+        const float scale = sz[(n + j) * 2], zero = sz[(n + j) * 2 + 1];
+        out[k * rows + (n - n0) + j] = static_cast<c10::BFloat16>((code - 8) * scale + zero);
+      }
+    }
+  }
+}
+
+// out = x @ W.T, W dequantized a tile of output channels at a time into the scratch by `dequantize(n0,
+// rows, tile)`; the tile is W[n0:n0 + rows].T ([K, rows]) when k_major, else W[n0:n0 + rows] ([rows, K]).
+template <typename T, typename Dequantize>
+torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align, bool k_major, Dequantize dequantize) {
+  const int64_t m_dim = x.size(0), k_dim = x.size(1);
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty({m_dim, n_dim}, x.options());
+  const int64_t tile = std::max<int64_t>(align, kTileBytes / (k_dim * int64_t(sizeof(T))) / align * align);
+  T* buffer = static_cast<T*>(scratch(std::min(tile, n_dim) * k_dim * sizeof(T)));
+  for (int64_t n0 = 0; n0 < n_dim; n0 += tile) {
+    const int64_t rows = std::min(tile, n_dim - n0);
+    dequantize(n0, rows, buffer);
+    const torch::Tensor w = k_major ? torch::from_blob(buffer, {k_dim, rows}, x.options())
+                                    : torch::from_blob(buffer, {rows, k_dim}, x.options()).t();
+    if (rows == n_dim) return torch::mm(xc, w);
+    out.narrow(1, n0, rows).copy_(torch::mm(xc, w));
+  }
+  return out;
 }
 
 }  // namespace
@@ -120,26 +220,29 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
     return out.to(x.scalar_type());
   }
 #endif
-  // tiles of output channels, dequantized per thread and multiplied by torch's matmul in x's dtype
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor out = torch::empty({m_dim, n_dim}, x.options());
-  const int64_t tile = std::max<int64_t>(16, kTileBytes / (k_dim * 4) / 16 * 16);
-  const int64_t tiles = (n_dim + tile - 1) / tile;
-  // OpenMP's worker threads do not inherit the caller's inference mode: without it, writing into the
-  // caller's (inference) output tensor from a worker fails
-  const bool inference = c10::InferenceMode::is_enabled();
-#pragma omp parallel
-  {
-    c10::InferenceMode guard(inference);
-    std::vector<float> buffer(tile * k_dim);
-#pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < tiles; t++) {
-      const int64_t n0 = t * tile, rows = std::min(tile, n_dim - n0);
-      dequantize_rows(c + n0 * k_dim, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim, group,
-                      buffer.data());
-      const torch::Tensor w = torch::from_blob(buffer.data(), {rows, k_dim}, torch::kFloat).to(x.scalar_type());
-      out.narrow(1, n0, rows).copy_(torch::mm(xc, w.t()));
-    }
+  if (x.scalar_type() == torch::kBFloat16) {
+    return tiled_linear<c10::BFloat16>(x, n_dim, 1, false, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
+      dequantize_grouped(c + n0 * k_dim, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim, group, tile);
+    });
   }
-  return out;
+  return tiled_linear<float>(x, n_dim, 1, false, [&](int64_t n0, int64_t rows, float* tile) {
+    dequantize_grouped(c + n0 * k_dim, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim, group, tile);
+  });
+}
+
+torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group) {
+  const int64_t n_dim = scales_and_zeros.size(1), k_dim = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() * 2 == n_dim * k_dim,
+              "packed: torch's CPU int4 layout of an [N, K] weight");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == torch::kBFloat16 && scales_and_zeros.is_contiguous() &&
+                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) * group == k_dim,
+              "scales_and_zeros: contiguous bfloat16 [K / group, N, 2]");
+  TORCH_CHECK(n_dim % 16 == 0, "N: a multiple of 16 (torch's layout)");
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_and_zeros.data_ptr<c10::BFloat16>();
+  // tiles start on a 64-block, so that a tile never splits one
+  return tiled_linear<c10::BFloat16>(x, n_dim, 64, true, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
+    dequantize_int4pack(p, sz, n_dim, k_dim, group, n0, rows, tile);
+  });
 }

@@ -1,0 +1,248 @@
+"""The arithmetic of serving a model: parameters, bytes, FLOPs and the bounds they set.
+
+Conventions (stated once here, printed by `ridge plan`):
+- FLOPs count a multiply-accumulate as 2 FLOPs. Published prefill breakdowns often count MACs (half);
+  `Prefill.macs` gives that count beside ours.
+- Causal attention scores only the positions at or before each query: T^2 / 2 query-key pairs, not T^2.
+- Prefill computes logits for the last position only (what a server does; a perplexity run does all).
+- Decode reads every stored weight once per step, except the input embedding table of an untied model (a
+  lookup reads B rows); in an MoE layer it reads the experts that the batch's tokens route to.
+- Bytes are decimal (GB = 1e9); KV "per token" is the bytes one more token of context adds to a sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ridge.plan.specs import HardwareSpec, ModelSpec, dtype_bytes
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    embeddings: int  # the input table
+    output_head: int  # 0 when tied to the input table
+    attention: int  # all layers' attention projections (and biases)
+    ffn_stored: int  # all layers' FFNs / experts as stored (MoE routers included)
+    ffn_active: int  # what one token runs through
+    norms: int
+
+    @property
+    def stored(self) -> int:
+        return self.embeddings + self.output_head + self.attention + self.ffn_stored + self.norms
+
+    @property
+    def active(self) -> int:
+        return self.embeddings + self.output_head + self.attention + self.ffn_active + self.norms
+
+    @property
+    def head(self) -> int:
+        """The vocabulary projection's parameters (the input table itself when tied)."""
+        return self.output_head or self.embeddings
+
+
+def attention_params_per_layer(m: ModelSpec) -> int:
+    h = m.hidden_size
+    if m.is_mla:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_heads * qk if m.q_lora_rank
+             else h * m.num_heads * qk)
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # down-projection (+ its norm)
+        kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)  # up-projection to K, V
+        return q + kv + m.num_heads * m.v_head_dim * h
+    q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    bias = q_width + 2 * kv_width if m.qkv_bias else 0
+    return h * (q_width + 2 * kv_width) + q_width * h + bias
+
+
+def ffn_params(m: ModelSpec, width: int) -> int:
+    return (3 if m.gated_ffn else 2) * m.hidden_size * width
+
+
+def count_parameters(m: ModelSpec) -> ParameterCounts:
+    moe_layers = m.num_layers - m.first_dense_layers if m.is_moe else 0
+    dense_layers = m.num_layers - moe_layers
+    expert = ffn_params(m, m.moe_intermediate_size)
+    router = m.hidden_size * m.num_experts
+    ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
+        (m.num_experts + m.shared_experts) * expert + router)
+    ffn_active = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
+        (m.experts_per_token + m.shared_experts) * expert + router)
+    embeddings = m.vocab_size * m.hidden_size
+    return ParameterCounts(
+        embeddings=embeddings, output_head=0 if m.tie_word_embeddings else embeddings,
+        attention=m.num_layers * attention_params_per_layer(m), ffn_stored=ffn_stored, ffn_active=ffn_active,
+        norms=(2 * m.num_layers + 1) * m.hidden_size)
+
+
+def weight_bytes(m: ModelSpec, dtype: str) -> float:
+    """Every stored parameter at `dtype` (norms at 2 bytes: no format quantizes them)."""
+    p = count_parameters(m)
+    return (p.stored - p.norms) * dtype_bytes(dtype) + p.norms * 2
+
+
+# ---- KV cache
+
+
+def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
+    """What one token of context adds to the cache across all layers (a local layer's too, until its
+    window fills): K and V per KV head, or MLA's latent plus its shared rotary key."""
+    per_layer = (m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.num_kv_heads * m.head_dim)
+    return per_layer * m.num_layers * dtype_bytes(kv_dtype)
+
+
+def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
+    """The cache of one sequence of `tokens`: local layers keep their last sliding_window tokens only."""
+    per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_layers
+    local = m.local_layers
+    return per_layer_token * ((m.num_layers - local) * tokens + local * min(tokens, m.sliding_window or tokens))
+
+
+# ---- FLOPs
+
+
+def _attended_pairs(tokens: int, window: int) -> float:
+    """Query-key pairs a causal layer scores over a prompt: sum over positions of min(position + 1, window)."""
+    if not window or tokens <= window:
+        return tokens * (tokens + 1) / 2
+    return window * (window + 1) / 2 + (tokens - window) * window
+
+
+def _attention_dims(m: ModelSpec) -> tuple[int, int]:
+    """(query-key dot length, value length) per head, as the attention math runs them."""
+    if m.is_mla:
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return m.head_dim, m.head_dim
+
+
+@dataclass(frozen=True)
+class Prefill:
+    tokens: int
+    linear_flops: float  # projections and FFNs for every token, the vocabulary projection for the last
+    attention_flops: float  # QK^T and PV over the causal pairs
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def macs(self) -> float:
+        """The same work in multiply-accumulates, the unit many published breakdowns use."""
+        return self.flops / 2
+
+
+def prefill(m: ModelSpec, tokens: int) -> Prefill:
+    p = count_parameters(m)
+    per_token = p.attention + p.ffn_active  # biases and routers are rounding, counted as weights
+    qk, v = _attention_dims(m)
+    local = m.local_layers
+    pairs = ((m.num_layers - local) * _attended_pairs(tokens, 0)
+             + local * _attended_pairs(tokens, m.sliding_window))
+    return Prefill(tokens, linear_flops=2.0 * per_token * tokens + 2.0 * p.head,
+                   attention_flops=2.0 * m.num_heads * (qk + v) * pairs)
+
+
+def attention_crossover(m: ModelSpec) -> int | None:
+    """The prompt length from which the attention term outgrows the linear one (None: it never does, as
+    with sliding windows everywhere, or not below 100M tokens)."""
+    def attention_larger(t: int) -> bool:
+        f = prefill(m, t)
+        return f.attention_flops > f.linear_flops - 2.0 * count_parameters(m).head
+
+    low, high = 1, 100_000_000
+    if not attention_larger(high):
+        return None
+    while low < high:  # the first t where attention is larger
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if not attention_larger(mid) else (low, mid)
+    return low
+
+
+# ---- decode
+
+
+def experts_touched(m: ModelSpec, batch: int) -> float:
+    """Expected distinct routed experts a layer reads for `batch` tokens, routing taken as uniform."""
+    if not m.is_moe:
+        return 0.0
+    return m.num_experts * (1 - (1 - m.experts_per_token / m.num_experts) ** batch)
+
+
+def decode_weight_bytes(m: ModelSpec, dtype: str, batch: int = 1) -> float:
+    """Weight bytes one decode step of `batch` sequences reads."""
+    p = count_parameters(m)
+    read = p.stored - p.norms - (p.embeddings if p.output_head else 0)
+    if m.is_moe:
+        moe_layers = m.num_layers - m.first_dense_layers
+        unread = m.num_experts - experts_touched(m, batch)
+        read -= moe_layers * unread * ffn_params(m, m.moe_intermediate_size)
+    return read * dtype_bytes(dtype) + p.norms * 2
+
+
+def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
+    """FLOPs of one decode step: each of `batch` sequences adds a token at `context` tokens of context."""
+    p = count_parameters(m)
+    qk, v = _attention_dims(m)
+    local = m.local_layers
+    attended = (m.num_layers - local) * context + local * min(context, m.sliding_window or context)
+    per_sequence = 2.0 * (p.attention + p.ffn_active + p.head) + 2.0 * m.num_heads * (qk + v) * attended
+    return batch * per_sequence
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A phase's lower time bound: the larger of its bytes over bandwidth and its FLOPs over peak."""
+    bytes: float
+    flops: float
+    memory_s: float
+    compute_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def wall(self) -> str:
+        return "compute" if self.compute_s > self.memory_s else "bandwidth"
+
+
+def bound(bytes_: float, flops: float, hw: HardwareSpec, compute_dtype: str, gpus: int = 1) -> Bound:
+    """Ideal tensor parallelism over `gpus`: bandwidth and FLOP/s add up (communication not counted)."""
+    return Bound(bytes_, flops, bytes_ / (hw.bandwidth_gb_s * 1e9 * gpus), flops / (hw.flops(compute_dtype) * gpus))
+
+
+def compute_dtype(weight_dtype: str) -> str:
+    """The dtype the matmuls run in: fp8 / int8 weights on the tensor cores of that dtype where the
+    hardware has them (HardwareSpec.flops falls back), int4 dequantized to bf16, else the weights' own."""
+    return {"int4": "bf16", "fp4": "fp4", "fp32": "fp32"}.get(weight_dtype, weight_dtype)
+
+
+# ---- speculative decoding and cost
+
+
+def expected_tokens_per_pass(accept: float, k: int) -> float:
+    """Tokens a target pass yields when each of k drafted tokens is accepted with probability `accept`
+    independently, plus the target's own: (1 - a^(k+1)) / (1 - a) (Leviathan et al., 2023)."""
+    if not 0 <= accept < 1:
+        raise ValueError(f"accept: {accept} is outside [0, 1)")
+    if k < 1:
+        raise ValueError(f"k: {k} drafted tokens; at least 1")
+    return (1 - accept ** (k + 1)) / (1 - accept)
+
+
+def speculative_speedup(accept: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Tokens per unit time against plain decoding. draft_cost: a drafter step's time as a fraction of a
+    target step; verify_cost: a target pass over k + 1 tokens as a multiple of a one-token step (1 where
+    the step is bandwidth-bound, up to k + 1 where it is compute-bound)."""
+    if draft_cost < 0:
+        raise ValueError(f"draft cost: {draft_cost} is negative")
+    return expected_tokens_per_pass(accept, k) / (k * draft_cost + verify_cost)
+
+
+def cost_per_million_tokens(price_per_hour: float, tokens_per_second: float) -> float:
+    if tokens_per_second <= 0:
+        raise ValueError(f"throughput: {tokens_per_second} tok/s; must be positive")
+    return price_per_hour / (tokens_per_second * 3600) * 1e6

@@ -1,0 +1,218 @@
+"""`ridge plan`, `ridge plan spec`, `ridge plot roofline` and `ridge doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from ridge.plan.specs import BYTES_PER_VALUE, hardware_table, model_presets
+
+
+def _workload_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required,
+                   help="a preset (" + ", ".join(model_presets()) + "), a config.json (or its directory) or a "
+                        "GGUF file")
+    p.add_argument("--hardware", required=required,
+                   help="one of " + ", ".join(hardware_table()) + ", or this-machine (measured now)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens each sequence holds while decoding (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens for prefill / TTFT (default: --context)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
+    dtypes = list(BYTES_PER_VALUE)
+    p.add_argument("--dtype", default="bf16", choices=dtypes, help="weight dtype (default %(default)s)")
+    p.add_argument("--kv-dtype", default="bf16", choices=dtypes, help="KV-cache dtype (default %(default)s)")
+    p.add_argument("--gpus", type=int, default=1, help="devices, tensor-parallel (default %(default)s)")
+    p.add_argument("--price-per-hour", type=float, default=None, help="$ per hour for all --gpus (cost per token)")
+    p.add_argument("--memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory for weights + KV (default %(default)s)")
+    p.add_argument("--shared-prefix", type=float, default=0.0,
+                   help="fraction of prompt tokens shared across requests, for prefix caching (default 0)")
+    p.add_argument("--set", dest="model_set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a model field, e.g. --set num_kv_heads=4 (repeatable)")
+    p.add_argument("--hw-set", dest="hardware_set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a hardware field, e.g. --hw-set bandwidth_gb_s=2000 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a roofline with the workload's points")
+
+
+def _resolve(args: argparse.Namespace):
+    from ridge.plan.report import Workload
+    from ridge.plan.specs import override, resolve_hardware, resolve_model
+
+    model = override(resolve_model(args.model), args.model_set)
+    hw = override(resolve_hardware(args.hardware), args.hardware_set)
+    workload = Workload(context=args.context, prompt=args.prompt, batch=args.batch, dtype=args.dtype,
+                        kv_dtype=args.kv_dtype, gpus=args.gpus, price_per_hour=args.price_per_hour,
+                        memory_utilization=args.memory_utilization, shared_prefix=args.shared_prefix).validate()
+    return model, hw, workload
+
+
+def _plan_points(plan):
+    """The plan's prefill and decode points, and decode over batch sizes, at their bound's FLOP/s."""
+    from ridge.plan.advice import decode_step
+    from ridge.plan.plot import RooflinePoint
+
+    w = plan.workload
+    points = [RooflinePoint(f"prefill, {w.prompt_tokens:,}-token prompt ({plan.prefill.wall})",
+                            plan.prefill.intensity, plan.prefill.flops / plan.prefill.seconds),
+              RooflinePoint(f"decode, batch {w.batch} ({plan.decode.wall})", plan.decode.intensity,
+                            plan.decode.flops / plan.decode.seconds)]
+    curve, batch = [], 1
+    while batch <= max(plan.memory.max_batch, 1) and batch <= 4096:
+        step = decode_step(plan, batch)
+        curve.append(RooflinePoint(f"B={batch}", step.intensity, step.flops / step.seconds))
+        batch *= 2
+    return points, curve
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ridge.plan.arithmetic import compute_dtype
+    from ridge.plan.plot import plot_roofline
+    from ridge.plan.report import build_plan, render
+
+    model, hw, workload = _resolve(args)
+    plan = build_plan(model, hw, workload)
+    if args.plot:
+        points, curve = _plan_points(plan)
+        plot_roofline(hw, compute_dtype(workload.dtype), args.plot, points, curve,
+                      f"decode at {workload.context:,} tokens of context, by batch size",
+                      f"{model.name} on {hw.name}: {workload.dtype} weights, {workload.kv_dtype} KV")
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(render(plan))
+        if args.plot:
+            print(f"\nroofline plot: {args.plot}")
+    return 0
+
+
+def cmd_plan_spec(args: argparse.Namespace) -> int:
+    from ridge.plan.arithmetic import expected_tokens_per_pass
+    from ridge.plan.speculation import speculation_table
+
+    model, hw, workload = _resolve(args)
+    expected = expected_tokens_per_pass(args.accept, args.k)
+    rows = speculation_table(model, hw, args.accept, args.k, args.draft_cost, workload)
+    if args.json:
+        print(json.dumps({"accept": args.accept, "k": args.k, "draft_cost": args.draft_cost,
+                          "expected_tokens_per_pass": expected, "model": model.name, "hardware": hw.name,
+                          "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        return 0
+    print(f"speculative decoding, a = {args.accept}, k = {args.k}, drafter at {args.draft_cost:.0%} of a target step")
+    print(f"  expected tokens per target pass: (1 - a^(k+1)) / (1 - a) = {expected:.2f}")
+    print(f"  {model.name} on {hw.name}, context {workload.context:,}:")
+    print(f"  {'batch':>6} {'step':>10} {'verify':>10} {'speedup':>8}  verify pass")
+    for r in rows:
+        print(f"  {r.batch:>6} {r.step_seconds * 1e3:>8.2f}ms {r.verify_seconds * 1e3:>8.2f}ms {r.speedup:>7.2f}x"
+              f"  {r.wall}-bound{'' if r.fits else ' (KV does not fit)'}")
+    if rows[-1].speedup < 1:
+        print(f"  from batch {rows[-1].batch} the verification pass is compute-bound and speculation slows decoding")
+    return 0
+
+
+def cmd_plot_roofline(args: argparse.Namespace) -> int:
+    from ridge.plan.plot import plot_roofline
+    from ridge.plan.report import build_plan
+    from ridge.plan.specs import override, resolve_hardware
+
+    if args.model:
+        model, hw, workload = _resolve(args)
+        from ridge.plan.arithmetic import compute_dtype
+
+        plan = build_plan(model, hw, workload)
+        points, curve = _plan_points(plan)
+        plot_roofline(hw, compute_dtype(workload.dtype), args.out, points, curve,
+                      f"decode at {workload.context:,} tokens of context, by batch size",
+                      f"{model.name} on {hw.name}")
+    else:
+        hw = override(resolve_hardware(args.hardware), args.hardware_set)
+        plot_roofline(hw, args.dtype, args.out)
+    print(json.dumps({"plot": args.out}) if args.json else f"roofline plot: {args.out}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ridge import LLM, hub
+    from ridge.cli import engine_kwargs
+    from ridge.plan.doctor import render, run_doctor
+    from ridge.plan.plot import RooflinePoint, plot_roofline
+    from ridge.plan.specs import spec_from_gguf, spec_from_hf_config
+
+    path = hub.resolve(args.model)
+    spec = (spec_from_gguf(path) if path.suffix == ".gguf"
+            else spec_from_hf_config(json.loads((path / "config.json").read_text()), path.name))
+    llm = LLM(args.model, **engine_kwargs(args))
+    report = run_doctor(args.model, spec, llm, output_len=args.output_len, batch=args.batch)
+    if args.plot:
+        points = [RooflinePoint(f"{p.name}: {p.seconds * 1e3:.1f} ms ({p.wall})", p.intensity, p.flops / p.seconds,
+                                measured=True) for p in report.phases]
+        plot_roofline(report.hardware, report.compute_dtype, args.plot, points,
+                      title=f"ridge doctor: {args.model} on this machine (measured)")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print(render(report))
+        if args.plot:
+            print(f"  roofline plot: {args.plot}")
+    return 0
+
+
+def add_plan_parsers(sub, add_engine_args) -> None:
+    plan = sub.add_parser(
+        "plan", help="size a deployment: memory, FLOPs, bytes, the binding wall, recommendations",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Do the arithmetic of serving a model on some hardware: parameters, weight and KV bytes, whether "
+                    "it fits and the largest batch that does, prefill FLOPs (with the O(context^2) attention term) "
+                    "and decode bytes per token, each phase's arithmetic intensity against the hardware's ridge "
+                    "point, time bounds (TTFT, per-token latency, tok/s ceiling), cost per million tokens, and the "
+                    "techniques that relax the binding wall, ranked.\n\n"
+                    "  ridge plan --model qwen3-8b --hardware h100-sxm --context 40000\n"
+                    "  ridge plan --model llama-3-70b --hardware h100-sxm --dtype int8 --gpus 2 --batch 32\n"
+                    "  ridge plan spec --accept 0.8 --k 4 --draft-cost 0.05 --model qwen3-8b --hardware h100-sxm")
+    _workload_args(plan, required=False)
+    plan.set_defaults(func=lambda args: _require_and_run(plan, args, cmd_plan))
+    plan_sub = plan.add_subparsers(dest="plan_command")
+    s = plan_sub.add_parser("spec", help="speculative decoding: tokens per pass and speedup by batch size",
+                            description="Expected tokens per target pass (1 - a^(k+1)) / (1 - a) for acceptance a "
+                                        "and k drafted tokens, and the net speedup with a drafter costing c of a "
+                                        "target step, for batch sizes up to where verification turns compute-bound.")
+    s.add_argument("--accept", type=float, required=True, help="per-token acceptance probability a, in [0, 1)")
+    s.add_argument("--k", type=int, default=4, help="tokens drafted per pass (default %(default)s)")
+    s.add_argument("--draft-cost", type=float, default=0.05,
+                   help="drafter step time / target step time (default %(default)s)")
+    _workload_args(s, required=False)
+    s.set_defaults(model_default="qwen3-8b", hardware_default="h100-sxm", func=cmd_plan_spec_defaults)
+
+    plot = sub.add_parser("plot", help="pictures: the roofline of a machine, with a workload on it")
+    plot_sub = plot.add_subparsers(dest="plot_command", required=True)
+    r = plot_sub.add_parser("roofline", help="write a roofline PNG (a workload's points with --model)")
+    _workload_args(r, required=False)
+    r.add_argument("--out", default="roofline.png", help="PNG to write (default %(default)s)")
+    r.set_defaults(func=lambda args: _require_and_run(r, args, cmd_plot_roofline, need_model=False))
+
+    d = sub.add_parser("doctor", help="measure this machine, run ridge, report fractions of the roofline",
+                       description="Measure this machine's read bandwidth and matmul FLOP/s, run ridge on a short "
+                                   "latency workload (one request) and a short throughput one (--batch requests), "
+                                   "and report each phase's achieved GB/s and FLOP/s as fractions of the measured "
+                                   "ceilings, the binding wall, the time lost to overhead, and what to do about it.")
+    d.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default %(default)s)")
+    d.add_argument("--batch", type=int, default=16, help="requests in the throughput workload (default %(default)s)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.add_argument("--plot", default=None, metavar="PNG", help="write the measured points on the roofline")
+    add_engine_args(d)
+    d.set_defaults(func=cmd_doctor)
+
+
+def cmd_plan_spec_defaults(args: argparse.Namespace) -> int:
+    args.model = args.model or args.model_default
+    args.hardware = args.hardware or args.hardware_default
+    return cmd_plan_spec(args)
+
+
+def _require_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd, need_model: bool = True) -> int:
+    missing = [f"--{name}" for name in ("model", "hardware") if not getattr(args, name)
+               and (need_model or name == "hardware")]
+    if missing:
+        parser.error(f"{' and '.join(missing)} required")
+    return cmd(args)

@@ -1,0 +1,198 @@
+"""`ridge doctor`: measure this machine's ceilings, run ridge on a short latency and a short throughput
+workload, and say how close each phase came to the roofline, which wall binds, and where the rest went.
+
+Figures per phase: bytes moved and FLOPs done (from the model's shape, plan/arithmetic.py, and the weight
+bytes ridge actually holds), over the measured time; as fractions of the measured read bandwidth and
+matmul FLOP/s. The roofline bound of a phase is the larger of bytes / bandwidth and FLOPs / FLOP/s; the
+measured time above it is overhead. For batch-1 decode, a profile splits the step into the matmuls
+(whose own bandwidth is reported) and everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ridge.plan import arithmetic as a
+from ridge.plan.machine import hardware_from_roofline
+from ridge.plan.specs import HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class PhaseMeasurement:
+    name: str
+    seconds: float  # measured, per step (decode) or per prompt (prefill)
+    bytes: float
+    flops: float
+    bound_seconds: float  # roofline: max(bytes / bandwidth, FLOPs / FLOP/s)
+    bandwidth_fraction: float  # achieved bytes/s over the measured read bandwidth
+    compute_fraction: float  # achieved FLOP/s over the measured matmul FLOP/s
+    wall: str  # bandwidth, compute, or overhead (measured > 2x the bound)
+    overhead_seconds: float  # measured - bound
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Where a batch-1 decode step's time went, from a CPU profile of a few steps."""
+    step_seconds: float
+    matmul_seconds: float  # linear layers and the vocabulary projection
+    matmul_gb_s: float  # weight bytes / matmul time: how well the matmuls alone stream
+    other_seconds: float  # attention, norms, rotary, sampling, scheduling, Python
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    model: str
+    weight_format: str
+    hardware: HardwareSpec
+    compute_dtype: str
+    phases: list[PhaseMeasurement]
+    predicted_decode_seconds: float  # batch 1, from the measured bandwidth
+    measured_decode_seconds: float
+    breakdown: StepBreakdown | None
+    binding_wall: str
+    recommendation: str
+    notes: list[str] = field(default_factory=list)
+
+
+def _phase(name: str, seconds: float, bytes_: float, flops: float, hw: HardwareSpec, dtype: str) -> PhaseMeasurement:
+    memory_s, compute_s = bytes_ / (hw.bandwidth_gb_s * 1e9), flops / hw.flops(dtype)
+    bound = max(memory_s, compute_s)
+    wall = "overhead" if seconds > 2 * bound else ("compute" if compute_s > memory_s else "bandwidth")
+    return PhaseMeasurement(name, seconds, bytes_, flops, bound, bytes_ / seconds / (hw.bandwidth_gb_s * 1e9),
+                            flops / seconds / hw.flops(dtype), wall, seconds - bound)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """fn() timed `repeats` times after a warm-up. Each call must draw prompts of its own: a repeated
+    prompt would be served from the prefix cache, and its prefill not measured."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_share(llm, prompt: list[int], tokens: int, greedy) -> float:
+    """Fraction of batch-1 decode time spent in matmul ops: a profiled run of `tokens` tokens less one of a
+    single token (the prefill), so that the prompt's matmuls do not count."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # kineto's start / stop lines otherwise land on stderr
+    from torch.profiler import ProfilerActivity, profile
+
+    names = ("linear", "mm", "matmul", "_weight_int", "mkldnn")
+
+    def profiled(n: int) -> tuple[float, float]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            llm.generate(prompt, greedy(n))
+            wall = time.perf_counter() - start
+        matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if any(k in e.key for k in names)) / 1e6
+        return wall, matmul
+
+    prompt_wall, prompt_matmul = profiled(1)
+    prompt = prompt[1:] + prompt[:1]  # not the cached prompt: its prefill again, like the 1-token run's
+    wall, matmul = profiled(tokens)
+    return min(max((matmul - prompt_matmul) / (wall - prompt_wall), 0.0), 1.0)
+
+
+def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None, prompt_len: int = 128,
+               output_len: int = 32, batch: int = 16, repeats: int = 3, progress: bool = True) -> DoctorReport:
+    """`llm`: a ridge LLM on `model`; `spec`: its shape (for FLOPs and KV bytes)."""
+    from ridge import SamplingParams
+    from ridge.bench.cli import weight_bytes_per_token
+    from ridge.bench.roofline import measure
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[llm.engine.config.torch_dtype]
+    if hw is None:
+        hw = hardware_from_roofline(measure(dtypes=(llm.engine.config.torch_dtype,)))
+    weights = weight_bytes_per_token(llm)
+    kv_dtype = dtype_name
+    vocab = llm.engine.loaded.model.cfg.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(count: int) -> list[list[int]]:
+        return torch.randint(1, vocab, (count, prompt_len), generator=generator).tolist()
+
+    # latency: one request, prefill timed alone (1 token), decode from the rest
+    prefill_s = _median_seconds(lambda: llm.generate(prompts(1)[0], greedy(1)), repeats)
+    total_s = _median_seconds(lambda: llm.generate(prompts(1)[0], greedy(output_len)), repeats)
+    step_s = (total_s - prefill_s) / (output_len - 1)
+    fill = a.prefill(spec, prompt_len)
+    context = prompt_len + output_len // 2
+    phases = [
+        _phase("prefill, batch 1", prefill_s, weights + a.kv_bytes(spec, kv_dtype, prompt_len), fill.flops, hw,
+               dtype_name),
+        _phase("decode, batch 1", step_s, weights + a.kv_bytes(spec, kv_dtype, context),
+               a.decode_step_flops(spec, 1, context), hw, dtype_name),
+    ]
+    # throughput: `batch` requests decoded together; their prefill is timed on its own first
+    batch_prefill_s = _median_seconds(lambda: llm.generate(prompts(batch), greedy(1)), 1)
+    batch_total_s = _median_seconds(lambda: llm.generate(prompts(batch), greedy(output_len)), 1)
+    batch_step_s = (batch_total_s - batch_prefill_s) / (output_len - 1)
+    phases.append(_phase(f"decode, batch {batch}", batch_step_s, weights + batch * a.kv_bytes(spec, kv_dtype, context),
+                         a.decode_step_flops(spec, batch, context), hw, dtype_name))
+    phases.append(_phase(f"prefill, batch {batch}", batch_prefill_s,
+                         weights + batch * a.kv_bytes(spec, kv_dtype, prompt_len), batch * fill.flops, hw, dtype_name))
+    llm.engine.check_integrity()
+
+    share = _matmul_share(llm, prompts(1)[0], output_len, greedy)
+    matmul_s = step_s * share
+    breakdown = StepBreakdown(step_s, matmul_s, weights / matmul_s / 1e9 if matmul_s else 0.0, step_s - matmul_s)
+    predicted = phases[1].bound_seconds
+    decode = phases[1]
+    if decode.wall == "overhead":
+        binding = "overhead"
+        advice = (f"batch-1 decode runs {step_s / predicted:.1f}x its bandwidth bound ({predicted * 1e3:.1f} ms): "
+                  f"the matmuls take {matmul_s * 1e3:.1f} ms ({matmul_s / predicted:.1f}x the bound: kernels that "
+                  f"stream below the measured bandwidth) and {breakdown.other_seconds * 1e3:.1f} ms goes outside "
+                  "them (attention, small ops, Python). Fuse the small ops, batch more sequences (batch "
+                  f"{batch} reached {phases[2].bandwidth_fraction:.0%} of the bandwidth); shrinking the weights "
+                  "(--quantization) only cuts the matmul share")
+    else:
+        binding = decode.wall
+        advice = ("decode is at the bandwidth wall: move fewer bytes (weight quantization: --quantization int4 "
+                  "or gguf; a smaller KV dtype at long context), or batch more sequences per weight read"
+                  if binding == "bandwidth" else "decode is compute-bound: fewer FLOPs (smaller batch per replica, "
+                  "lower-precision matmuls)")
+    notes = [f"decode step bytes: {weights / 1e6:,.0f} MB of weights as held ({llm.engine.loaded.weight_format}) "
+             f"+ KV; FLOPs from the model's shape ({spec.source})",
+             "CPU: the matmul FLOP/s ceiling is torch's own large matmul, not a datasheet peak"]
+    return DoctorReport(model, llm.engine.loaded.weight_format, hw, dtype_name, phases, predicted, step_s,
+                        breakdown, binding, advice, notes)
+
+
+def render(report: DoctorReport) -> str:
+    hw = report.hardware
+    lines = [f"ridge doctor: {report.model} ({report.weight_format}) on this machine",
+             f"  ceilings measured: read {hw.bandwidth_gb_s:.1f} GB/s, matmul {report.compute_dtype} "
+             f"{hw.flops(report.compute_dtype) / 1e9:,.0f} GFLOP/s (ridge point "
+             f"{hw.ridge_point(report.compute_dtype):.0f} FLOP/B)", "",
+             f"  {'phase':<20} {'time':>10} {'GB/s':>7} {'of bw':>6} {'GFLOP/s':>8} {'of peak':>7} "
+             f"{'bound':>10} {'overhead':>9}  wall"]
+    for p in report.phases:
+        lines.append(f"  {p.name:<20} {p.seconds * 1e3:>8.2f}ms {p.bytes / p.seconds / 1e9:>7.1f} "
+                     f"{p.bandwidth_fraction:>6.0%} {p.flops / p.seconds / 1e9:>8.0f} {p.compute_fraction:>7.0%} "
+                     f"{p.bound_seconds * 1e3:>8.2f}ms {p.overhead_seconds * 1e3:>7.2f}ms  {p.wall}")
+    ratio = report.measured_decode_seconds / report.predicted_decode_seconds
+    lines += ["", f"  batch-1 decode: predicted {report.predicted_decode_seconds * 1e3:.2f} ms from the measured "
+                  f"bandwidth, measured {report.measured_decode_seconds * 1e3:.2f} ms ({ratio:.2f}x)"]
+    if report.breakdown:
+        b = report.breakdown
+        lines.append(f"  of the step: matmuls {b.matmul_seconds * 1e3:.2f} ms (weights streamed at {b.matmul_gb_s:.1f} "
+                     f"GB/s), everything else {b.other_seconds * 1e3:.2f} ms (attention, norms, sampling, scheduling)")
+    lines += ["", f"  binding wall: {report.binding_wall}", f"  recommendation: {report.recommendation}"]
+    lines += [f"  note: {n}" for n in report.notes]
+    return "\n".join(lines)

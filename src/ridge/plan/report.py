@@ -1,0 +1,193 @@
+"""`ridge plan`: a model on a machine under a workload, sized and bounded phase by phase.
+
+build_plan does the arithmetic (plan/arithmetic.py) for one workload and returns a Plan, a tree of small
+dataclasses that `--json` prints as it is; render() writes it for a terminal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ridge.plan import arithmetic as a
+from ridge.plan.advice import Advice, recommend
+from ridge.plan.specs import HardwareSpec, ModelSpec, Workload
+
+CONVENTIONS = ("FLOPs count a multiply-accumulate as 2 (MACs = FLOPs / 2); causal attention scores T^2/2 pairs; "
+               "prefill computes the last position's logits only; decode reads every stored weight once per "
+               "step except an untied input embedding table, and in MoE layers the experts the batch routes to; "
+               "GB = 1e9 bytes; bounds assume ideal kernels (no overhead) and, with --gpus, ideal tensor "
+               "parallelism (no communication).")
+# GPU kernels a decoder layer launches per step without CUDA graphs or fusion (norms, projections,
+# attention, activation, residuals), and what one launch costs: the floor below which a step is
+# overhead-bound whatever its bytes
+KERNELS_PER_LAYER, LAUNCH_SECONDS = 12, 5e-6
+
+
+@dataclass(frozen=True)
+class Parameters:
+    embeddings: int
+    output_head: int
+    attention: int
+    ffn_stored: int
+    ffn_active: int
+    norms: int
+    stored: int
+    active: int
+
+
+@dataclass(frozen=True)
+class Memory:
+    weight_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes_per_sequence: float  # at the workload's context
+    kv_bytes_total: float  # x batch
+    usable_bytes: float  # device memory x utilization x gpus
+    fits: bool
+    max_batch: int  # sequences at this context that fit after the weights
+
+
+@dataclass(frozen=True)
+class Phase:
+    bytes: float
+    flops: float
+    intensity: float  # FLOPs per byte
+    memory_seconds: float
+    compute_seconds: float
+    seconds: float  # the bound: the larger of the two
+    wall: str  # bandwidth, compute or overhead
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    hardware: HardwareSpec
+    workload: Workload
+    conventions: str
+    parameters: Parameters
+    memory: Memory
+    ridge_point: float  # the hardware's FLOPs per byte at the compute dtype
+    prefill: Phase
+    prefill_macs: float
+    prefill_attention_flops: float
+    attention_overtakes_at: int | None  # prompt length where attention FLOPs pass the linear ones
+    decode: Phase  # one step of `batch` sequences
+    decode_bytes_per_token: float
+    decode_tokens_per_second: float  # the ceiling, all sequences together
+    overhead_floor_seconds: float
+    cost_per_million_tokens: float | None
+    advice: list[Advice]
+
+    @property
+    def binding_wall(self) -> str:
+        """Capacity when the workload does not fit (nothing else matters until it does), else decode's wall."""
+        return "capacity" if not self.memory.fits else self.decode.wall
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "binding_wall": self.binding_wall}
+
+
+def _phase(bound: a.Bound, overhead_floor: float) -> Phase:
+    wall = "overhead" if bound.seconds < overhead_floor else bound.wall
+    return Phase(bound.bytes, bound.flops, bound.intensity, bound.memory_s, bound.compute_s, bound.seconds, wall)
+
+
+def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
+    model, workload = model.validate(), workload.validate()
+    counts = a.count_parameters(model)
+    compute = a.compute_dtype(workload.dtype)
+    weights = a.weight_bytes(model, workload.dtype)
+    kv_token = a.kv_bytes_per_token(model, workload.kv_dtype)
+    kv_sequence = a.kv_bytes(model, workload.kv_dtype, workload.context)
+    usable = hw.memory_gb * 1e9 * workload.memory_utilization * workload.gpus
+    memory = Memory(weights, kv_token, kv_sequence, kv_sequence * workload.batch, usable,
+                    fits=weights + kv_sequence * workload.batch <= usable,
+                    max_batch=max(int((usable - weights) // kv_sequence), 0))
+    floor = model.num_layers * KERNELS_PER_LAYER * LAUNCH_SECONDS if hw.name != "this-machine" else 0.0
+
+    fill = a.prefill(model, workload.prompt_tokens)
+    prompt_kv = a.kv_bytes(model, workload.kv_dtype, workload.prompt_tokens)
+    prefill_phase = _phase(a.bound(a.decode_weight_bytes(model, workload.dtype, workload.prompt_tokens) + prompt_kv,
+                                   fill.flops, hw, compute, workload.gpus), floor)
+
+    step_bytes = (a.decode_weight_bytes(model, workload.dtype, workload.batch)
+                  + workload.batch * kv_sequence)
+    step = a.bound(step_bytes, a.decode_step_flops(model, workload.batch, workload.context), hw, compute,
+                   workload.gpus)
+    decode_phase = _phase(step, floor)
+    step_seconds = max(step.seconds, floor)
+    tokens_per_second = workload.batch / step_seconds
+    cost = (a.cost_per_million_tokens(workload.price_per_hour, tokens_per_second)
+            if workload.price_per_hour is not None else None)
+    plan = Plan(
+        model=model, hardware=hw, workload=workload, conventions=CONVENTIONS,
+        parameters=Parameters(counts.embeddings, counts.output_head, counts.attention, counts.ffn_stored,
+                              counts.ffn_active, counts.norms, counts.stored, counts.active),
+        memory=memory, ridge_point=hw.ridge_point(compute), prefill=prefill_phase, prefill_macs=fill.macs,
+        prefill_attention_flops=fill.attention_flops, attention_overtakes_at=a.attention_crossover(model),
+        decode=decode_phase, decode_bytes_per_token=step_bytes / workload.batch,
+        decode_tokens_per_second=tokens_per_second, overhead_floor_seconds=floor,
+        cost_per_million_tokens=cost, advice=[])
+    return dataclasses.replace(plan, advice=recommend(plan))
+
+
+def _si(x: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def render(plan: Plan) -> str:
+    m, hw, w, p, mem = plan.model, plan.hardware, plan.workload, plan.parameters, plan.memory
+    gpus = f" x {w.gpus}" if w.gpus > 1 else ""
+    lines = [
+        f"{m.name} ({m.attention_kind}{', MoE' if m.is_moe else ''}) on {hw.name}{gpus}: weights {w.dtype}, "
+        f"KV {w.kv_dtype}, context {w.context:,}, batch {w.batch}",
+        f"  model: {m.source}",
+        f"  hardware: {hw.memory_gb:g} GB, {hw.bandwidth_gb_s:g} GB/s, "
+        + ", ".join(f"{k} {v:g} TFLOP/s" for k, v in hw.tflops.items()) + f"  ({hw.source})",
+        "",
+        "parameters",
+        f"  embeddings {_si(p.embeddings, '')}" + (f", output head {_si(p.output_head, '')}" if p.output_head
+                                                   else " (tied output head)"),
+        f"  attention {_si(p.attention, '')}, FFN {_si(p.ffn_stored, '')}"
+        + (f" stored / {_si(p.ffn_active, '')} active per token" if m.is_moe else ""),
+        f"  total {_si(p.stored, '')}" + (f" stored, {_si(p.active, '')} active per token" if m.is_moe else ""),
+        "",
+        "memory",
+        f"  weights {_si(mem.weight_bytes, 'B')} at {w.dtype}",
+        f"  KV {mem.kv_bytes_per_token:,.0f} B per token ({m.attention_kind}), {_si(mem.kv_bytes_per_sequence, 'B')} "
+        f"per sequence at {w.context:,} tokens, {_si(mem.kv_bytes_total, 'B')} for the batch",
+        f"  usable {_si(mem.usable_bytes, 'B')}: {'fits' if mem.fits else 'DOES NOT FIT'}; largest batch at this "
+        f"context: {mem.max_batch}",
+        "",
+        f"prefill ({w.prompt_tokens:,}-token prompt)",
+        f"  {_si(plan.prefill.flops, 'FLOP')} ({_si(plan.prefill_macs, 'MAC')}); attention "
+        f"{_si(plan.prefill_attention_flops, 'FLOP')}"
+        + (f"; attention outgrows the linear layers from {plan.attention_overtakes_at:,} tokens"
+           if plan.attention_overtakes_at else "; attention never outgrows the linear layers"),
+        f"  intensity {plan.prefill.intensity:,.0f} FLOP/B vs ridge point {plan.ridge_point:,.0f}: "
+        f"{plan.prefill.wall}-bound; TTFT >= {_seconds(plan.prefill.seconds)}",
+        "",
+        f"decode (batch {w.batch})",
+        f"  {_si(plan.decode_bytes_per_token, 'B')} read per token ({_si(plan.decode.bytes, 'B')} per step), "
+        f"intensity {plan.decode.intensity:,.1f} FLOP/B: {plan.decode.wall}-bound",
+        f"  per-token latency >= {_seconds(plan.decode.seconds)}; ceiling {plan.decode_tokens_per_second:,.0f} tok/s"
+        + (f" (overhead floor {_seconds(plan.overhead_floor_seconds)} per step without CUDA graphs)"
+           if plan.decode.wall == "overhead" else ""),
+    ]
+    if plan.cost_per_million_tokens is not None:
+        lines += ["", f"cost: ${plan.cost_per_million_tokens:.3f} per million output tokens at "
+                      f"${w.price_per_hour:g}/h and {plan.decode_tokens_per_second:,.0f} tok/s"]
+    lines += ["", f"binding wall: {plan.binding_wall}", "recommendations (the binding wall's first, then by gain)"]
+    for i, adv in enumerate(plan.advice, 1):
+        lines.append(f"  {i}. {adv.technique} [{adv.wall}]: {adv.why}")
+        if adv.trap:
+            lines.append(f"     trap: {adv.trap}")
+    lines += ["", "conventions: " + plan.conventions]
+    return "\n".join(lines)
