@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ridge demo
 
 test: models
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -181,8 +181,8 @@ def add_plan_parsers(sub, add_engine_args) -> None:
     s.add_argument("--k", type=int, default=4, help="tokens drafted per pass (default %(default)s)")
     s.add_argument("--draft-cost", type=float, default=0.05,
                    help="drafter step time / target step time (default %(default)s)")
-    _workload_args(s, required=False)
-    s.set_defaults(model_default="qwen3-8b", hardware_default="h100-sxm", func=cmd_plan_spec_defaults)
+    _workload_args(s, required=False)  # model and hardware default to qwen3-8b on h100-sxm
+    s.set_defaults(model="qwen3-8b", hardware="h100-sxm", func=cmd_plan_spec)
 
     plot = sub.add_parser("plot", help="pictures: the roofline of a machine, with a workload on it")
     plot_sub = plot.add_subparsers(dest="plot_command", required=True)
@@ -202,12 +202,6 @@ def add_plan_parsers(sub, add_engine_args) -> None:
     d.add_argument("--plot", default=None, metavar="PNG", help="write the measured points on the roofline")
     add_engine_args(d)
     d.set_defaults(func=cmd_doctor)
-
-
-def cmd_plan_spec_defaults(args: argparse.Namespace) -> int:
-    args.model = args.model or args.model_default
-    args.hardware = args.hardware or args.hardware_default
-    return cmd_plan_spec(args)
 
 
 def _require_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cmd, need_model: bool = True) -> int:

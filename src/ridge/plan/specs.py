@@ -217,6 +217,11 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["qkv_bias"] = True  # Qwen2 has q / k / v biases without saying so in its config
     if config.get("use_sliding_window") is False:
         fields.pop("sliding_window", None)
+    if fields.get("num_experts") and not fields.get("moe_intermediate_size"):
+        fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
+    if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
+        full = sum(kind == "full_attention" for kind in config["layer_types"])
+        fields["global_every"] = fields["num_layers"] // full if full else 0
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
     if fields.get("q_lora_rank") is None:
         fields.pop("q_lora_rank", None)

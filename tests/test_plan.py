@@ -1,0 +1,264 @@
+"""`ridge plan`'s arithmetic against worked numbers from the literature, each with its arithmetic.
+
+Bytes are decimal (GB = 1e9). Tolerances are the rounding of the quoted figure, not slack in the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ridge.cli import main
+from ridge.plan import arithmetic as a
+from ridge.plan.report import build_plan
+from ridge.plan.specs import (
+    HardwareSpec,
+    Workload,
+    hardware_table,
+    model_presets,
+    override,
+    resolve_hardware,
+    resolve_model,
+    spec_from_gguf,
+    spec_from_hf_config,
+)
+from ridge.plan.speculation import speculation_table
+
+PRESETS = model_presets()
+H100 = hardware_table()["h100-sxm"]
+
+
+def close(value: float, expected: float, rel: float) -> bool:
+    return abs(value - expected) <= rel * abs(expected)
+
+
+def test_qwen3_8b_has_8_19b_parameters_and_16_4_gb_in_bf16():
+    # embeddings 151936*4096 = 622.3M, untied head 622.3M; per layer: q 4096*4096 + k,v 2*4096*1024 + o 4096*4096
+    # = 41.9M, SwiGLU 3*4096*12288 = 151.0M; 36 layers -> 6.95B; total 8.19B; x 2 bytes = 16.4 GB
+    m = PRESETS["qwen3-8b"]
+    p = a.count_parameters(m)
+    assert p.embeddings == p.output_head == 151936 * 4096
+    assert p.attention == 36 * (4096 * 4096 * 2 + 2 * 4096 * 1024)
+    assert p.ffn_stored == p.ffn_active == 36 * 3 * 4096 * 12288
+    assert close(p.stored, 8.19e9, 0.001)
+    assert close(a.weight_bytes(m, "bf16"), 16.4e9, 0.003)
+
+
+def test_qwen3_8b_kv_is_2_36_8_128_2_bytes_per_token_5_9_gb_at_40k_147_gb_at_1m():
+    m = PRESETS["qwen3-8b"]
+    assert a.kv_bytes_per_token(m, "bf16") == 2 * 36 * 8 * 128 * 2 == 147_456
+    assert close(a.kv_bytes(m, "bf16", 40_000), 5.9e9, 0.001)  # 40,000 * 147,456 = 5.898e9
+    assert close(a.kv_bytes(m, "bf16", 1_000_000), 147e9, 0.004)  # 1e6 * 147,456 = 147.5e9
+    assert a.kv_bytes_per_token(m, "fp8") == 147_456 / 2  # quantized KV: one byte per value
+
+
+def test_h100_ridge_point_is_989_tflops_over_3_35_tb_s_295_flop_per_byte():
+    assert close(H100.ridge_point("bf16"), 295, 0.002)  # 989.4e12 / 3.35e12 = 295.3
+
+
+def test_qwen3_8b_decode_at_40k_on_h100_is_22_gb_6_6_ms_150_tok_s():
+    # the worked figure reads all 16.4 GB of weights + 5.9 GB of KV = 22.3 GB per token; / 3.35 TB/s = 6.65 ms;
+    # 1 / 6.65 ms = 150 tok/s
+    m = PRESETS["qwen3-8b"]
+    literature = a.weight_bytes(m, "bf16") + a.kv_bytes(m, "bf16", 40_000)
+    assert close(literature, 22.3e9, 0.005)
+    assert close(literature / (H100.bandwidth_gb_s * 1e9), 6.65e-3, 0.01)
+    assert close(1 / (literature / (H100.bandwidth_gb_s * 1e9)), 150, 0.01)
+    # ridge's own count leaves out the input embedding table (a lookup reads one row per token): 1.24 GB less
+    plan = build_plan(m, H100, Workload(context=40_000))
+    assert plan.decode_bytes_per_token == pytest.approx(literature - 151936 * 4096 * 2, rel=1e-6)
+    assert close(plan.decode.seconds, 6.28e-3, 0.01) and plan.decode.wall == "bandwidth"
+
+
+def test_70b_fp16_decode_is_42_ms_per_token_on_one_h100_and_21_ms_at_int8():
+    # Llama-3-70B: 70.6B parameters x 2 bytes = 141 GB / 3.35 TB/s = 42 ms; x 1 byte = 21 ms
+    m = PRESETS["llama-3-70b"]
+    assert close(a.count_parameters(m).stored, 70.6e9, 0.002)
+    seconds = {d: a.weight_bytes(m, d) / (H100.bandwidth_gb_s * 1e9) for d in ("bf16", "int8")}
+    assert close(seconds["bf16"], 42e-3, 0.01)
+    assert close(seconds["int8"], 21e-3, 0.01)
+
+
+def test_llama3_70b_kv_is_2_80_8_128_2_bytes_per_token():
+    assert a.kv_bytes_per_token(PRESETS["llama-3-70b"], "bf16") == 2 * 80 * 8 * 128 * 2 == 327_680
+
+
+def test_deepseek_v3_mla_caches_576_per_layer_2_bytes_61_layers():
+    # MLA caches the 512-wide latent + the 64-wide shared rotary key: (512 + 64) * 61 * 2 = 70,272 bytes
+    m = PRESETS["deepseek-v3"]
+    assert a.kv_bytes_per_token(m, "bf16") == 576 * 61 * 2 == 70_272
+    assert close(a.count_parameters(m).stored, 671e9, 0.002)  # the published 671B (MTP layer aside)
+    assert close(a.count_parameters(m).active, 37e9, 0.02)  # and 37B activated
+
+
+def test_qwen3_30b_a3b_stores_30_5b_and_activates_3_35b():
+    # per layer: attention 2048*4096*2 + 2*2048*512 = 18.9M; 128 experts * 3*2048*768 = 604M stored, 8 active
+    # = 37.7M; router 2048*128; 48 layers + 2 * 151936*2048 embeddings
+    p = a.count_parameters(PRESETS["qwen3-30b-a3b"])
+    assert close(p.stored, 30.5e9, 0.002)
+    assert close(p.active, 3.35e9, 0.002)
+
+
+def test_mixtral_stores_46_7b_and_activates_12_9b_and_reads_the_same_from_its_config():
+    p = a.count_parameters(PRESETS["mixtral-8x7b"])
+    assert close(p.stored, 46.7e9, 0.002) and close(p.active, 12.9e9, 0.002)
+    # its config.json names experts num_local_experts and gives them the dense intermediate_size
+    config = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    assert spec_from_hf_config(config, "mixtral-8x7b") == dataclasses.replace(PRESETS["mixtral-8x7b"],
+                                                                              source="config.json")
+
+
+@pytest.mark.parametrize(("accept", "expected"), [(0.6, 2.31), (0.8, 3.36), (0.9, 4.10)])
+def test_speculation_tokens_per_pass_is_1_minus_a_to_the_k_plus_1_over_1_minus_a(accept, expected):
+    # k = 4: (1 - 0.6^5) / 0.4 = 2.306; (1 - 0.8^5) / 0.2 = 3.362; (1 - 0.9^5) / 0.1 = 4.095
+    assert round(a.expected_tokens_per_pass(accept, 4), 2) == expected
+
+
+def test_speculation_pays_at_small_batch_and_stops_paying_once_verification_is_compute_bound():
+    rows = speculation_table(PRESETS["llama-3-8b"], H100, 0.6, 4, 0.1, Workload(context=128))
+    assert rows[0].wall == "bandwidth" and rows[0].speedup == pytest.approx(2.306 / 1.4, rel=0.01)
+    assert rows[-1].wall == "compute" and rows[-1].speedup < 1
+    assert all(r.batch == 2 ** i for i, r in enumerate(rows))
+
+
+def test_2_dollars_an_hour_at_2000_tok_s_is_28_cents_per_million_tokens():
+    # 2000 tok/s * 3600 s = 7.2M tokens per hour; $2 / 7.2 = $0.278 per million
+    assert round(a.cost_per_million_tokens(2.0, 2000), 2) == 0.28
+
+
+def test_a_13b_model_in_fp16_does_not_fit_a_24_gb_card():
+    # Llama-2-13B: 13.0B parameters * 2 bytes = 26 GB > 24 GB
+    plan = build_plan(PRESETS["llama-2-13b"], hardware_table()["rtx-4090"], Workload(context=1))
+    assert close(plan.memory.weight_bytes, 26e9, 0.003)
+    assert not plan.memory.fits and plan.memory.max_batch == 0 and plan.binding_wall == "capacity"
+    assert plan.advice[0].wall == "capacity"  # the binding wall's advice comes first
+
+
+def test_llama2_7b_kv_is_half_a_mebibyte_not_1_mb():
+    # computed from its config: 2 (K and V) * 32 layers * 32 KV heads (MHA) * 128 head_dim * 2 bytes = 524,288 B
+    # = 0.5 MiB per token; the widely copied "1 MB per token" is twice that.
+    m = spec_from_hf_config({"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+                             "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
+                             "model_type": "llama"}, "llama-2-7b")
+    assert a.kv_bytes_per_token(m, "bf16") == 2 * 32 * 32 * 128 * 2 == 524_288 == 2**19
+    assert m == dataclasses.replace(PRESETS["llama-2-7b"], source="config.json")
+
+
+def test_prefill_flops_and_macs_for_qwen3_8b_at_40k_tokens():
+    # linear: 2 FLOPs * 6.946B (attention + FFN) * 40,000 tokens = 555.7 TFLOP (+ the head for the last token);
+    # attention: QK^T and PV over 40,000 * 40,001 / 2 causal pairs, 32 heads x (128 + 128), 36 layers:
+    # 2 * 36 * 32 * 256 * 8.0e8 = 471.9 TFLOP. Total 1027.5 TFLOP = 513.8 T multiply-accumulates.
+    f = a.prefill(PRESETS["qwen3-8b"], 40_000)
+    assert close(f.linear_flops, 555.66e12, 0.001)
+    assert close(f.attention_flops, 2 * 36 * 32 * 256 * 40_000 * 40_001 / 2, 1e-9)
+    assert close(f.flops, 1027.5e12, 0.001)
+    assert f.macs == f.flops / 2 and close(f.macs, 513.8e12, 0.001)
+    # attention outgrows the linear layers where 2*36*32*256*T^2/2 = 2*6.946e9*T: T = 47,104 tokens
+    assert close(a.attention_crossover(PRESETS["qwen3-8b"]), 47_104, 0.001)
+
+
+def test_sliding_window_layers_cap_their_kv_at_the_window():
+    # Gemma 3 270M: 18 layers, 15 local (window 512) + 3 global; 2 * 1 KV head * 256 * 2 bytes = 1,024 B per layer
+    m = PRESETS["gemma3-270m"]
+    assert m.local_layers == 15
+    assert a.kv_bytes(m, "bf16", 10_000) == 1024 * (3 * 10_000 + 15 * 512)
+    assert a.kv_bytes(m, "bf16", 100) == a.kv_bytes_per_token(m, "bf16") * 100
+
+
+def test_moe_decode_reads_only_the_experts_the_batch_routes_to():
+    m = PRESETS["qwen3-30b-a3b"]
+    assert a.experts_touched(m, 1) == 8
+    one, many = a.decode_weight_bytes(m, "bf16", 1), a.decode_weight_bytes(m, "bf16", 4096)
+    assert close(one, 2 * (a.count_parameters(m).active - a.count_parameters(m).embeddings), 0.001)
+    assert close(many, a.weight_bytes(m, "bf16") - 2 * a.count_parameters(m).embeddings, 0.001)
+
+
+def test_smollm2_preset_matches_its_gguf_header(smollm2_path):
+    header = spec_from_gguf(smollm2_path)
+    preset = PRESETS["smollm2"]
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "tie_word_embeddings")
+    assert {f: getattr(header, f) for f in fields} == {f: getattr(preset, f) for f in fields}
+    assert resolve_model(str(smollm2_path)) == header
+
+
+def test_overrides_change_one_field_and_reject_unknown_ones():
+    m = override(PRESETS["qwen3-8b"], ["num_kv_heads=4", "tie_word_embeddings=true"])
+    assert m.num_kv_heads == 4 and m.tie_word_embeddings and a.kv_bytes_per_token(m, "bf16") == 147_456 / 2
+    hw = override(H100, ["bandwidth_gb_s=2000"])
+    assert isinstance(hw, HardwareSpec) and hw.ridge_point("bf16") == pytest.approx(989.4e12 / 2e12)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        override(PRESETS["qwen3-8b"], ["num_kv_heads=5"])  # does not divide 32 heads
+    with pytest.raises(ValueError, match="field one of"):
+        override(PRESETS["qwen3-8b"], ["layers=3"])
+
+
+def test_bad_input_names_the_field_and_lists_what_is_known():
+    with pytest.raises(ValueError, match="qwen3-8b.*deepseek-v3"):
+        resolve_model("no-such-model")
+    with pytest.raises(ValueError, match="h100-sxm.*this-machine"):
+        resolve_hardware("no-such-gpu")
+    for bad, field in [({"context": -1}, "context"), ({"batch": 0}, "batch"), ({"gpus": 0}, "gpus"),
+                       ({"dtype": "int3"}, "dtype")]:
+        with pytest.raises(ValueError, match=field):
+            Workload(**bad).validate()
+    for accept in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"accept.*\[0, 1\)"):
+            a.expected_tokens_per_pass(accept, 4)
+
+
+def test_cli_plan_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "roofline.png"
+    assert main(["plan", "--model", "qwen3-8b", "--hardware", "h100-sxm", "--context", "40000",
+                 "--price-per-hour", "2", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["kv_bytes_per_token"] == 147_456
+    assert out["decode"]["wall"] == "bandwidth" and out["prefill"]["wall"] == "compute"
+    tokens_per_second = out["decode_tokens_per_second"]
+    assert out["cost_per_million_tokens"] == pytest.approx(a.cost_per_million_tokens(2, tokens_per_second))
+    assert out["advice"] and png.stat().st_size > 10_000
+    assert main(["plan", "--model", "qwen3-8b", "--hardware", "h100-sxm"]) == 0
+    text = capsys.readouterr().out
+    assert "binding wall: bandwidth" in text and "MACs" in text  # the FLOP convention is printed
+
+
+def test_cli_plan_spec_and_errors(capsys):
+    assert main(["plan", "spec", "--accept", "0.8", "--k", "4", "--draft-cost", "0.05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["expected_tokens_per_pass"] == pytest.approx(3.3616)
+    assert main(["plan", "spec", "--accept", "1"]) == 2
+    assert "outside [0, 1)" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3-8b", "--hardware", "h100-sxm", "--batch", "0"]) == 2
+    assert "batch" in capsys.readouterr().err
+    assert main(["plan", "--model", "nope", "--hardware", "h100-sxm"]) == 2
+    assert "presets: qwen3-8b" in capsys.readouterr().err
+
+
+def test_plot_roofline_of_a_machine(tmp_path, capsys):
+    png = tmp_path / "r.png"
+    assert main(["plot", "roofline", "--hardware", "mi300x", "--out", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+def test_doctor_on_smollm2_reports_fractions_that_add_up(tmp_path, capsys):
+    png = tmp_path / "doctor.png"
+    assert main(["doctor", "--model", "smollm2", "--output-len", "8", "--batch", "4", "--json",
+                 "--plot", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    bandwidth = report["hardware"]["bandwidth_gb_s"] * 1e9
+    names = [p["name"] for p in report["phases"]]
+    assert names == ["prefill, batch 1", "decode, batch 1", "decode, batch 4", "prefill, batch 4"]
+    for p in report["phases"]:
+        assert p["bandwidth_fraction"] == pytest.approx(p["bytes"] / p["seconds"] / bandwidth)
+        assert p["overhead_seconds"] == pytest.approx(p["seconds"] - p["bound_seconds"])
+        assert p["bound_seconds"] >= p["bytes"] / bandwidth
+    decode = report["phases"][1]
+    assert report["predicted_decode_seconds"] == decode["bound_seconds"]
+    assert report["measured_decode_seconds"] == decode["seconds"]
+    b = report["breakdown"]
+    assert b["matmul_seconds"] + b["other_seconds"] == pytest.approx(b["step_seconds"])
+    assert report["binding_wall"] in ("bandwidth", "compute", "overhead") and report["recommendation"]
+    assert png.stat().st_size > 10_000
