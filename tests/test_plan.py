@@ -195,6 +195,21 @@ def test_overrides_change_one_field_and_reject_unknown_ones():
         override(PRESETS["qwen3-8b"], ["num_kv_heads=5"])  # does not divide 32 heads
     with pytest.raises(ValueError, match="field one of"):
         override(PRESETS["qwen3-8b"], ["layers=3"])
+    faster = override(H100, ["tflops.bf16=1979", "tflops.fp4=4000"])
+    assert faster.ridge_point("bf16") == pytest.approx(2 * H100.ridge_point("bf16"), rel=1e-3)
+    assert faster.tflops["fp4"] == 4000 and H100.tflops["bf16"] == 989.4  # the table itself is untouched
+
+
+def test_tpot_target_sizes_the_prefill_chunk_and_throughput_prices_the_tokens():
+    # Qwen3-8B, 8,192-token prompt on H100: prefill is compute-bound at ~0.14 s; a 50 ms TPOT leaves
+    # 50 ms - one decode step for prompt tokens at (prefill time / prompt tokens) each
+    w = Workload(context=8192, tpot_target=0.05, price_per_hour=2, throughput=2000)
+    plan = build_plan(PRESETS["qwen3-8b"], H100, w)
+    chunked = [adv for adv in plan.advice if adv.technique == "chunked prefill"]
+    per_token = plan.prefill.seconds / 8192
+    chunk = int((0.05 - plan.decode.seconds) / per_token)
+    assert len(chunked) == 1 and f"chunks of <= {chunk:,} tokens" in chunked[0].why
+    assert plan.cost_per_million_tokens == pytest.approx(0.2778, rel=1e-3)  # priced at 2,000 tok/s, not the ceiling
 
 
 def test_bad_input_names_the_field_and_lists_what_is_known():
@@ -203,7 +218,8 @@ def test_bad_input_names_the_field_and_lists_what_is_known():
     with pytest.raises(ValueError, match="h100-sxm.*this-machine"):
         resolve_hardware("no-such-gpu")
     for bad, field in [({"context": -1}, "context"), ({"batch": 0}, "batch"), ({"gpus": 0}, "gpus"),
-                       ({"dtype": "int3"}, "dtype")]:
+                       ({"dtype": "int3"}, "dtype"), ({"throughput": 0}, "throughput"),
+                       ({"tpot_target": -1}, "TPOT"), ({"shared_prefix": 1.5}, "shared prefix")]:
         with pytest.raises(ValueError, match=field):
             Workload(**bad).validate()
     for accept in (1.0, -0.1):

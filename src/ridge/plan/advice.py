@@ -29,24 +29,23 @@ class Advice:
 
 
 def _weight_quantization(plan: Plan) -> Advice | None:
-    w = plan.workload
-    if dtype_bytes(w.dtype) <= 0.5:
+    w, target = plan.workload, "int4"
+    if dtype_bytes(w.dtype) <= dtype_bytes(target):
         return None
-    target = "int4"
     ratio = dtype_bytes(w.dtype) / dtype_bytes(target)
-    weights_share = a.decode_weight_bytes(plan.model, w.dtype, w.batch) / plan.decode.bytes
-    if plan.decode.wall == "bandwidth":
-        gain = 1 / (1 - weights_share + weights_share / ratio)
-        return Advice(f"weight quantization ({w.dtype} -> int8 / {target})", "bandwidth", gain,
-                      f"weights are {weights_share:.0%} of the bytes a decode step reads; {target} cuts them "
-                      f"{ratio:.0f}x: up to {gain:.2f}x decode speed",
-                      "int4 costs quality on small models (measure perplexity: `ridge eval ppl`); dequantizing "
-                      "in the kernel must not make large batches compute-bound")
+    trap = ("int4 costs quality on small models (measure perplexity: `ridge eval ppl`); dequantizing in the "
+            "kernel must not make large batches compute-bound")
+    name = f"weight quantization ({w.dtype} -> int8 / {target})"
     if not plan.memory.fits:
-        return Advice(f"weight quantization ({w.dtype} -> int8 / {target})", "capacity", ratio,
-                      f"weights take {plan.memory.weight_bytes / 1e9:.1f} GB; {target} needs {ratio:.0f}x less",
-                      "quality: check perplexity before serving")
-    return None
+        freed = plan.memory.weight_bytes * (1 - 1 / ratio)
+        return Advice(name, "capacity", ratio, f"weights take {plan.memory.weight_bytes / 1e9:.1f} GB; {target} "
+                      f"frees {freed / 1e9:.1f} GB for KV", trap)
+    if plan.decode.wall != "bandwidth":
+        return None
+    weights_share = a.decode_weight_bytes(plan.model, w.dtype, w.batch) / plan.decode.bytes
+    gain = 1 / (1 - weights_share + weights_share / ratio)
+    return Advice(name, "bandwidth", gain, f"weights are {weights_share:.0%} of the bytes a decode step reads; "
+                  f"{target} cuts them {ratio:.0f}x: up to {gain:.2f}x decode speed", trap)
 
 
 def _kv_quantization(plan: Plan) -> Advice | None:
@@ -59,9 +58,11 @@ def _kv_quantization(plan: Plan) -> Advice | None:
         return None
     gain = 1 / (1 - kv_share + kv_share / ratio)
     wall = "capacity" if not mem.fits or kv_share > 0.5 else "bandwidth"
+    mha = (f"; this model is MHA: a GQA model with {plan.model.num_heads // 8} KV heads would hold 8x less"
+           if plan.model.attention_kind == "MHA" and plan.model.num_heads >= 8 else "")
     return Advice("KV-cache quantization (fp8 / int8)", wall, max(gain, ratio if wall == "capacity" else gain),
                   f"KV is {kv_share:.0%} of decode bytes at {w.context:,} tokens x {w.batch}; 8-bit KV halves it "
-                  f"and doubles the sequences that fit",
+                  f"and doubles the sequences that fit{mha}",
                   "per-head scales needed; long-context retrieval degrades first")
 
 
@@ -134,12 +135,25 @@ def _overhead(plan: Plan) -> Advice | None:
 
 def _prefill(plan: Plan) -> Advice | None:
     w = plan.workload
+    per_token = plan.prefill.seconds / w.prompt_tokens
+    if w.tpot_target is not None:
+        if plan.prefill.seconds <= w.tpot_target:
+            return None
+        chunk = max(int((w.tpot_target - plan.decode.seconds) / per_token), 0)
+        why = (f"one {w.prompt_tokens:,}-token prefill takes >= {plan.prefill.seconds * 1e3:.0f} ms, over the "
+               f"{w.tpot_target * 1e3:g} ms TPOT target: in chunks of <= {chunk:,} tokens beside the decode step "
+               "no running request waits longer" if chunk else
+               f"even one prompt token beside the {plan.decode.seconds * 1e3:.1f} ms decode step breaks the "
+               f"{w.tpot_target * 1e3:g} ms TPOT target: separate prefill from decode (disaggregation)")
+        return Advice("chunked prefill", "compute", plan.prefill.seconds / w.tpot_target, why,
+                      "smaller chunks re-read the weights more often: prefill throughput drops")
     if plan.prefill.seconds < 4 * plan.decode.seconds:
         return None
-    chunks = plan.prefill.seconds / plan.decode.seconds
-    return Advice("chunked prefill", "compute", min(chunks, 8.0),
+    steps = plan.prefill.seconds / plan.decode.seconds
+    return Advice("chunked prefill", "compute", min(steps, 8.0),
                   f"one {w.prompt_tokens:,}-token prefill takes >= {plan.prefill.seconds * 1e3:.0f} ms, "
-                  f"{chunks:.0f} decode steps: unchunked it stalls every running sequence's next token",
+                  f"{steps:.0f} decode steps: unchunked it stalls every running sequence's next token "
+                  "(--tpot-ms sizes the chunk)",
                   "smaller chunks re-read the weights more often; pick the chunk from the TPOT target")
 
 

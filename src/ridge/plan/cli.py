@@ -28,10 +28,14 @@ def _workload_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="fraction of device memory for weights + KV (default %(default)s)")
     p.add_argument("--shared-prefix", type=float, default=0.0,
                    help="fraction of prompt tokens shared across requests, for prefix caching (default 0)")
+    p.add_argument("--tpot-ms", type=float, default=None,
+                   help="time-per-output-token target: sizes chunked prefill so a prompt never stalls decode longer")
+    p.add_argument("--throughput", type=float, default=None,
+                   help="tok/s to price with --price-per-hour (default: the plan's decode ceiling)")
     p.add_argument("--set", dest="model_set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a model field, e.g. --set num_kv_heads=4 (repeatable)")
     p.add_argument("--hw-set", dest="hardware_set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a hardware field, e.g. --hw-set bandwidth_gb_s=2000 (repeatable)")
+                   help="override a hardware field, e.g. --hw-set bandwidth_gb_s=2000 or tflops.bf16=500 (repeatable)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a roofline with the workload's points")
 
@@ -44,7 +48,9 @@ def _resolve(args: argparse.Namespace):
     hw = override(resolve_hardware(args.hardware), args.hardware_set)
     workload = Workload(context=args.context, prompt=args.prompt, batch=args.batch, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, gpus=args.gpus, price_per_hour=args.price_per_hour,
-                        memory_utilization=args.memory_utilization, shared_prefix=args.shared_prefix).validate()
+                        memory_utilization=args.memory_utilization, shared_prefix=args.shared_prefix,
+                        tpot_target=args.tpot_ms / 1e3 if args.tpot_ms is not None else None,
+                        throughput=args.throughput).validate()
     return model, hw, workload
 
 

@@ -117,7 +117,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
     decode_phase = _phase(step, floor)
     step_seconds = max(step.seconds, floor)
     tokens_per_second = workload.batch / step_seconds
-    cost = (a.cost_per_million_tokens(workload.price_per_hour, tokens_per_second)
+    priced = workload.throughput or tokens_per_second
+    cost = (a.cost_per_million_tokens(workload.price_per_hour, priced)
             if workload.price_per_hour is not None else None)
     plan = Plan(
         model=model, hardware=hw, workload=workload, conventions=CONVENTIONS,
@@ -182,8 +183,10 @@ def render(plan: Plan) -> str:
            if plan.decode.wall == "overhead" else ""),
     ]
     if plan.cost_per_million_tokens is not None:
+        priced = w.throughput or plan.decode_tokens_per_second
         lines += ["", f"cost: ${plan.cost_per_million_tokens:.3f} per million output tokens at "
-                      f"${w.price_per_hour:g}/h and {plan.decode_tokens_per_second:,.0f} tok/s"]
+                      f"${w.price_per_hour:g}/h and {priced:,.0f} tok/s"
+                      + (" (the decode ceiling; --throughput to price a measured rate)" if not w.throughput else "")]
     lines += ["", f"binding wall: {plan.binding_wall}", "recommendations (the binding wall's first, then by gain)"]
     for i, adv in enumerate(plan.advice, 1):
         lines.append(f"  {i}. {adv.technique} [{adv.wall}]: {adv.why}")

@@ -120,6 +120,8 @@ class Workload:
     price_per_hour: float | None = None  # for all `gpus` together
     memory_utilization: float = 0.9  # of device memory for weights + KV (vLLM's default)
     shared_prefix: float = 0.0  # fraction of prompt tokens shared with earlier requests (prefix caching)
+    tpot_target: float | None = None  # seconds per output token a running request may take at most
+    throughput: float | None = None  # tok/s to price (default: the decode ceiling)
 
     def validate(self) -> Workload:
         if self.context <= 0:
@@ -136,6 +138,10 @@ class Workload:
             raise ValueError(f"memory utilization: {self.memory_utilization} is outside (0, 1]")
         if not 0 <= self.shared_prefix <= 1:
             raise ValueError(f"shared prefix: {self.shared_prefix} is outside [0, 1]")
+        if self.tpot_target is not None and self.tpot_target <= 0:
+            raise ValueError(f"TPOT target: {self.tpot_target} s; must be positive")
+        if self.throughput is not None and self.throughput <= 0:
+            raise ValueError(f"throughput: {self.throughput} tok/s; must be positive")
         dtype_bytes(self.dtype), dtype_bytes(self.kv_dtype)  # raise on an unknown dtype
         return self
 
@@ -291,23 +297,28 @@ def resolve_hardware(name: str, measure_this_machine=None) -> HardwareSpec:
 
 
 def override(spec, assignments: list[str]):
-    """`field=value` strings applied to a ModelSpec or HardwareSpec, each value parsed as its field's type."""
-    types = {f.name: f.type for f in dataclasses.fields(spec)}
+    """`field=value` strings applied to a ModelSpec or HardwareSpec, each value parsed as its field's type;
+    a hardware's FLOP/s per dtype as `tflops.DTYPE=value`."""
+    names = [f.name for f in dataclasses.fields(spec) if f.name != "name"]
+    settable = ", ".join(n if n != "tflops" else "tflops.DTYPE" for n in names)
     changes: dict = {}
     for item in assignments:
         key, sep, raw = item.partition("=")
-        if not sep or key not in types or key in ("name", "tflops"):
-            settable = ", ".join(k for k in types if k not in ("name", "tflops"))
+        field_name, _, dtype = key.partition(".")
+        if not sep or field_name not in names or (field_name == "tflops") != bool(dtype):
             raise ValueError(f"--set {item!r}: expected field=value with field one of {settable}")
-        current = getattr(spec, key)
+        current = getattr(spec, field_name)
         try:
-            if isinstance(current, bool):
+            if field_name == "tflops":
+                changes["tflops"] = {**changes.get("tflops", current), dtype: float(raw)}
+            elif isinstance(current, bool):
                 if raw.lower() not in ("true", "false", "1", "0"):
                     raise ValueError
                 changes[key] = raw.lower() in ("true", "1")
             else:
                 changes[key] = int(raw) if isinstance(current, int) else type(current)(raw)
         except ValueError:
-            raise ValueError(f"--set {item!r}: {key} takes a {type(current).__name__}") from None
+            kind = "number" if field_name == "tflops" else type(current).__name__
+            raise ValueError(f"--set {item!r}: {key} takes a {kind}") from None
     out = dataclasses.replace(spec, **changes)
     return out.validate() if isinstance(out, ModelSpec) else out
