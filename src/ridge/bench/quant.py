@@ -102,13 +102,16 @@ def cmd_quant(args: argparse.Namespace) -> int:
           f"(median of {args.repeats}) and batch {args.batch}; read bandwidth {roof.read_gb_s:.1f} GB/s")
     print(f"{'format':9s} {'MB/step':>8s} {'decode tok/s':>13s} {'vs bf16':>8s} {'GB/s':>6s} {'of bw':>6s} "
           f"{'batch tok/s':>12s} {'vs bf16':>8s}  weights")
+    def ratio(row: dict, key: str) -> str:  # "-" without a bfloat16 row to compare with
+        return f"{row[key]:7.2f}x" if key in row else f"{'-':>8s}"
+
     for row in rows:
         if row["error"]:
             print(f"{row['name']:9s} {'-':>8s}  {row['error']}")
             continue
         print(f"{row['name']:9s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
-              f"{row.get('decode_vs_bf16', 0):7.2f}x {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
-              f"{row['batch_tok_s']:12.1f} {row.get('batch_vs_bf16', 0):7.2f}x  {row['weights']}")
+              f"{ratio(row, 'decode_vs_bf16')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
+              f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_bf16')}  {row['weights']}")
     if peer is not None:
         if peer.error:
             print(f"llama.cpp: {peer.error}")
