@@ -253,6 +253,12 @@ def test_cli_plan_spec_and_errors(capsys):
     assert "presets: qwen3-8b" in capsys.readouterr().err
 
 
+def test_plan_on_this_machine_measures_it(capsys):
+    assert main(["plan", "--model", "smollm2", "--hardware", "this-machine", "--context", "512", "--json"]) == 0
+    hw = json.loads(capsys.readouterr().out)["hardware"]
+    assert hw["source"].startswith("measured here") and hw["bandwidth_gb_s"] > 0 and hw["tflops"]["bf16"] > 0
+
+
 def test_plot_roofline_of_a_machine(tmp_path, capsys):
     png = tmp_path / "r.png"
     assert main(["plot", "roofline", "--hardware", "mi300x", "--out", str(png)]) == 0

@@ -20,10 +20,10 @@ def physical_memory_gb() -> float:
 def hardware_from_roofline(roofline: Roofline, name: str = "this-machine"):
     from ridge.plan.specs import HardwareSpec
 
-    tflops = {_DTYPE_NAMES.get(k, k): v / 1e3 for k, v in roofline.matmul_gflop_s.items()}
+    tflops = {_DTYPE_NAMES.get(k, k): round(v / 1e3, 3) for k, v in roofline.matmul_gflop_s.items()}
     source = f"measured here: {roofline.describe()} ({torch.get_num_threads()} threads)"
-    return HardwareSpec(name=name, memory_gb=round(physical_memory_gb(), 1), bandwidth_gb_s=roofline.read_gb_s,
-                        tflops=tflops, source=source)
+    return HardwareSpec(name=name, memory_gb=round(physical_memory_gb(), 1),
+                        bandwidth_gb_s=round(roofline.read_gb_s, 1), tflops=tflops, source=source)
 
 
 def measure_this_machine():
