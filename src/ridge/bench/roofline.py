@@ -21,14 +21,19 @@ class Roofline:
         return f"read {self.read_gb_s:.1f} GB/s; matmul {flops}"
 
 
-def _best(fn, repeats: int) -> float:
+def timings(fn, repeats: int) -> list[float]:
+    """Seconds of `repeats` calls of fn(), after one warm-up call (kernels built, caches filled)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best(fn, repeats: int) -> float:
+    return min(timings(fn, repeats))
 
 
 def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:

@@ -161,8 +161,10 @@ def _attention_kernel(plan: Plan) -> Advice | None:
     t = plan.attention_overtakes_at
     if t is None or plan.workload.prompt_tokens < t / 2:
         return None
-    return Advice("FlashAttention-style fused attention", "compute", 1.5,
-                  f"attention is {plan.prefill_attention_flops / plan.prefill.flops:.0%} of prefill FLOPs at "
+    share = plan.prefill_attention_flops / plan.prefill.flops
+    # the gain is the share it addresses (its T^2 score traffic), not a FLOP saving: it moves no fewer FLOPs
+    return Advice("FlashAttention-style fused attention", "compute", 1 + share,
+                  f"attention is {share:.0%} of prefill FLOPs at "
                   f"{plan.workload.prompt_tokens:,} tokens (it overtakes the linear layers at {t:,})",
                   "an unfused kernel writes T^2 scores to memory and turns bandwidth-bound")
 
@@ -181,7 +183,8 @@ def _prefix_caching(plan: Plan) -> Advice | None:
 def _moe(plan: Plan) -> Advice | None:
     if plan.prefill.wall != "compute" or plan.model.is_moe:
         return None
-    return Advice("an MoE model of the same quality", "compute", 2.0,
+    # a different model, not a setting: ranked last (gain 1), named because compute binds
+    return Advice("an MoE model of the same quality", "compute", 1.0,
                   "compute binds prefill: a mixture of experts runs a fraction of its parameters per token",
                   "MoE stores every expert: memory and the decode bytes at large batch grow")
 

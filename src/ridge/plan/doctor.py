@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ridge.bench.roofline import timings
 from ridge.plan import arithmetic as a
 from ridge.plan.machine import hardware_from_roofline
 from ridge.plan.specs import HardwareSpec, ModelSpec
@@ -74,13 +75,7 @@ def _phase(name: str, seconds: float, bytes_: float, flops: float, hw: HardwareS
 def _median_seconds(fn, repeats: int) -> float:
     """fn() timed `repeats` times after a warm-up. Each call must draw prompts of its own: a repeated
     prompt would be served from the prefix cache, and its prefill not measured."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timings(fn, repeats))
 
 
 def _matmul_share(llm, prompt: list[int], tokens: int, greedy) -> float:
