@@ -9,11 +9,13 @@ import json
 from ridge.plan.specs import BYTES_PER_VALUE, hardware_table, model_presets
 
 
-def _workload_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required,
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """The model / hardware / workload flags; --model and --hardware are checked by the command that needs
+    them (plan spec and plot roofline have defaults or need less)."""
+    p.add_argument("--model",
                    help="a preset (" + ", ".join(model_presets()) + "), a config.json (or its directory) or a "
                         "GGUF file")
-    p.add_argument("--hardware", required=required,
+    p.add_argument("--hardware",
                    help="one of " + ", ".join(hardware_table()) + ", or this-machine (measured now)")
     p.add_argument("--context", type=int, default=4096,
                    help="tokens each sequence holds while decoding (default %(default)s)")
@@ -41,8 +43,7 @@ def _workload_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _resolve(args: argparse.Namespace):
-    from ridge.plan.report import Workload
-    from ridge.plan.specs import override, resolve_hardware, resolve_model
+    from ridge.plan.specs import Workload, override, resolve_hardware, resolve_model
 
     model = override(resolve_model(args.model), args.model_set)
     hw = override(resolve_hardware(args.hardware), args.hardware_set)
@@ -176,7 +177,7 @@ def add_plan_parsers(sub, add_engine_args) -> None:
                     "  ridge plan --model qwen3-8b --hardware h100-sxm --context 40000\n"
                     "  ridge plan --model llama-3-70b --hardware h100-sxm --dtype int8 --gpus 2 --batch 32\n"
                     "  ridge plan spec --accept 0.8 --k 4 --draft-cost 0.05 --model qwen3-8b --hardware h100-sxm")
-    _workload_args(plan, required=False)
+    _workload_args(plan)
     plan.set_defaults(func=lambda args: _require_and_run(plan, args, cmd_plan))
     plan_sub = plan.add_subparsers(dest="plan_command")
     s = plan_sub.add_parser("spec", help="speculative decoding: tokens per pass and speedup by batch size",
@@ -187,13 +188,13 @@ def add_plan_parsers(sub, add_engine_args) -> None:
     s.add_argument("--k", type=int, default=4, help="tokens drafted per pass (default %(default)s)")
     s.add_argument("--draft-cost", type=float, default=0.05,
                    help="drafter step time / target step time (default %(default)s)")
-    _workload_args(s, required=False)  # model and hardware default to qwen3-8b on h100-sxm
+    _workload_args(s)  # model and hardware default to qwen3-8b on h100-sxm
     s.set_defaults(model="qwen3-8b", hardware="h100-sxm", func=cmd_plan_spec)
 
     plot = sub.add_parser("plot", help="pictures: the roofline of a machine, with a workload on it")
     plot_sub = plot.add_subparsers(dest="plot_command", required=True)
     r = plot_sub.add_parser("roofline", help="write a roofline PNG (a workload's points with --model)")
-    _workload_args(r, required=False)
+    _workload_args(r)
     r.add_argument("--out", default="roofline.png", help="PNG to write (default %(default)s)")
     r.set_defaults(func=lambda args: _require_and_run(r, args, cmd_plot_roofline, need_model=False))
 
