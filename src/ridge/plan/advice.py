@@ -66,23 +66,19 @@ def _kv_quantization(plan: Plan) -> Advice | None:
                   "per-head scales needed; long-context retrieval degrades first")
 
 
-def decode_step(plan: Plan, batch: int) -> a.Bound:
-    """The plan's decode step bound at another batch size."""
-    w = plan.workload
-    return a.bound(a.decode_weight_bytes(plan.model, w.dtype, batch) + batch * plan.memory.kv_bytes_per_sequence,
-                   a.decode_step_flops(plan.model, batch, w.context), plan.hardware, a.compute_dtype(w.dtype), w.gpus)
-
-
 def _batching(plan: Plan) -> Advice | None:
     w, mem = plan.workload, plan.memory
     if plan.decode.wall != "bandwidth" or mem.max_batch <= w.batch:
         return None
+    def step(batch: int) -> a.Bound:
+        return a.step_bound(plan.model, plan.hardware, w, batch)
+
     target = w.batch  # doubled while the step stays bandwidth-bound and the batch fits
-    while target * 2 <= min(mem.max_batch, 4096) and decode_step(plan, target * 2).wall == "bandwidth":
+    while target * 2 <= min(mem.max_batch, 4096) and step(target * 2).wall == "bandwidth":
         target *= 2
     if target == w.batch:
         return None
-    tokens_per_second = target / max(decode_step(plan, target).seconds, plan.overhead_floor_seconds)
+    tokens_per_second = target / max(step(target).seconds, plan.overhead_floor_seconds)
     gain = tokens_per_second / plan.decode_tokens_per_second
     return Advice(f"continuous batching up to ~{target} sequences", "bandwidth", gain,
                   f"a step reads the weights once for the whole batch: throughput grows ~{gain:.1f}x until KV bytes "
@@ -91,16 +87,14 @@ def _batching(plan: Plan) -> Advice | None:
 
 
 def _speculation(plan: Plan) -> Advice | None:
-    from ridge.plan.speculation import target_pass
-
     w = plan.workload
     if plan.decode.wall == "compute":
         return Advice("no speculative decoding at this batch", "compute", 1.0,
                       "the step is already compute-bound: verifying k drafted tokens costs ~k x the compute",
                       "speculation pays at small batch only")
     accept, k, cost = 0.7, 4, 0.05
-    plain = target_pass(plan.model, plan.hardware, w, w.batch, 1).seconds
-    verify = target_pass(plan.model, plan.hardware, w, w.batch, k + 1).seconds
+    plain = plan.decode.seconds
+    verify = a.step_bound(plan.model, plan.hardware, w, w.batch, k + 1).seconds
     gain = a.speculative_speedup(accept, k, cost, verify / plain)
     if gain <= 1.05:
         return None

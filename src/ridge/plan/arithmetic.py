@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ridge.plan.specs import HardwareSpec, ModelSpec, dtype_bytes
+from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,16 @@ class Bound:
 def bound(bytes_: float, flops: float, hw: HardwareSpec, compute_dtype: str, gpus: int = 1) -> Bound:
     """Ideal tensor parallelism over `gpus`: bandwidth and FLOP/s add up (communication not counted)."""
     return Bound(bytes_, flops, bytes_ / (hw.bandwidth_gb_s * 1e9 * gpus), flops / (hw.flops(compute_dtype) * gpus))
+
+
+def step_bound(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: int, tokens: int = 1) -> Bound:
+    """A target pass of `batch` sequences, `tokens` new tokens each (1: a decode step; k + 1: speculative
+    verification), at the workload's context: weights read once, each sequence's KV once."""
+    w = workload
+    weights = decode_weight_bytes(model, w.dtype, batch * tokens)
+    kv = batch * kv_bytes(model, w.kv_dtype, w.context)
+    return bound(weights + kv, decode_step_flops(model, batch * tokens, w.context), hw, compute_dtype(w.dtype),
+                 w.gpus)
 
 
 def compute_dtype(weight_dtype: str) -> str:

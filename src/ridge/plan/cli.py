@@ -57,7 +57,7 @@ def _resolve(args: argparse.Namespace):
 
 def _plan_points(plan):
     """The plan's prefill and decode points, and decode over batch sizes, at their bound's FLOP/s."""
-    from ridge.plan.advice import decode_step
+    from ridge.plan.arithmetic import step_bound
     from ridge.plan.plot import RooflinePoint
 
     w = plan.workload
@@ -67,7 +67,7 @@ def _plan_points(plan):
                             plan.decode.flops / plan.decode.seconds)]
     curve, batch = [], 1
     while batch <= max(plan.memory.max_batch, 1) and batch <= 4096:
-        step = decode_step(plan, batch)
+        step = step_bound(plan.model, plan.hardware, w, batch)
         curve.append(RooflinePoint(f"B={batch}", step.intensity, step.flops / step.seconds))
         batch *= 2
     return points, curve

@@ -19,7 +19,7 @@ import torch
 
 from ridge.bench.roofline import timings
 from ridge.plan import arithmetic as a
-from ridge.plan.machine import hardware_from_roofline
+from ridge.plan.machine import DTYPE_NAMES, hardware_from_roofline
 from ridge.plan.specs import HardwareSpec, ModelSpec
 
 
@@ -65,11 +65,10 @@ class DoctorReport:
 
 
 def _phase(name: str, seconds: float, bytes_: float, flops: float, hw: HardwareSpec, dtype: str) -> PhaseMeasurement:
-    memory_s, compute_s = bytes_ / (hw.bandwidth_gb_s * 1e9), flops / hw.flops(dtype)
-    bound = max(memory_s, compute_s)
-    wall = "overhead" if seconds > 2 * bound else ("compute" if compute_s > memory_s else "bandwidth")
-    return PhaseMeasurement(name, seconds, bytes_, flops, bound, bytes_ / seconds / (hw.bandwidth_gb_s * 1e9),
-                            flops / seconds / hw.flops(dtype), wall, seconds - bound)
+    bound = a.bound(bytes_, flops, hw, dtype)
+    wall = "overhead" if seconds > 2 * bound.seconds else bound.wall
+    return PhaseMeasurement(name, seconds, bytes_, flops, bound.seconds, bytes_ / seconds / (hw.bandwidth_gb_s * 1e9),
+                            flops / seconds / hw.flops(dtype), wall, seconds - bound.seconds)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -110,7 +109,7 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
-    dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[llm.engine.config.torch_dtype]
+    dtype_name = DTYPE_NAMES[str(llm.engine.config.torch_dtype).removeprefix("torch.")]
     if hw is None:
         hw = hardware_from_roofline(measure(dtypes=(llm.engine.config.torch_dtype,)))
     weights = weight_bytes_per_token(llm)

@@ -10,7 +10,7 @@ import torch
 
 from ridge.bench.roofline import Roofline, measure
 
-_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}  # torch dtype name -> plan's
 
 
 def physical_memory_gb() -> float:
@@ -20,7 +20,7 @@ def physical_memory_gb() -> float:
 def hardware_from_roofline(roofline: Roofline, name: str = "this-machine"):
     from ridge.plan.specs import HardwareSpec
 
-    tflops = {_DTYPE_NAMES.get(k, k): round(v / 1e3, 3) for k, v in roofline.matmul_gflop_s.items()}
+    tflops = {DTYPE_NAMES.get(k, k): round(v / 1e3, 3) for k, v in roofline.matmul_gflop_s.items()}
     source = f"measured here: {roofline.describe()} ({torch.get_num_threads()} threads)"
     return HardwareSpec(name=name, memory_gb=round(physical_memory_gb(), 1),
                         bandwidth_gb_s=round(roofline.read_gb_s, 1), tflops=tflops, source=source)

@@ -110,10 +110,7 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
     prefill_phase = _phase(a.bound(a.decode_weight_bytes(model, workload.dtype, workload.prompt_tokens) + prompt_kv,
                                    fill.flops, hw, compute, workload.gpus), floor)
 
-    step_bytes = (a.decode_weight_bytes(model, workload.dtype, workload.batch)
-                  + workload.batch * kv_sequence)
-    step = a.bound(step_bytes, a.decode_step_flops(model, workload.batch, workload.context), hw, compute,
-                   workload.gpus)
+    step = a.step_bound(model, hw, workload, workload.batch)
     decode_phase = _phase(step, floor)
     step_seconds = max(step.seconds, floor)
     tokens_per_second = workload.batch / step_seconds
@@ -126,7 +123,7 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
                               counts.ffn_active, counts.norms, counts.stored, counts.active),
         memory=memory, ridge_point=hw.ridge_point(compute), prefill=prefill_phase, prefill_macs=fill.macs,
         prefill_attention_flops=fill.attention_flops, attention_overtakes_at=a.attention_crossover(model),
-        decode=decode_phase, decode_bytes_per_token=step_bytes / workload.batch,
+        decode=decode_phase, decode_bytes_per_token=step.bytes / workload.batch,
         decode_tokens_per_second=tokens_per_second, overhead_floor_seconds=floor,
         cost_per_million_tokens=cost, advice=[])
     return dataclasses.replace(plan, advice=recommend(plan))

@@ -24,15 +24,6 @@ class SpecRow:
     fits: bool  # the batch's KV fits beside the weights
 
 
-def target_pass(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: int, tokens: int) -> a.Bound:
-    """A target pass of `batch` sequences, `tokens` new tokens each, at the workload's context."""
-    w = workload
-    weights = a.decode_weight_bytes(model, w.dtype, batch * tokens)
-    kv = batch * a.kv_bytes(model, w.kv_dtype, w.context)
-    return a.bound(weights + kv, a.decode_step_flops(model, batch * tokens, w.context), hw, a.compute_dtype(w.dtype),
-                   w.gpus)
-
-
 def speculation_table(model: ModelSpec, hw: HardwareSpec, accept: float, k: int, draft_cost: float,
                       workload: Workload) -> list[SpecRow]:
     """Batches 1, 2, 4, ... until the verification pass is compute-bound and speculation no longer pays,
@@ -48,8 +39,8 @@ def speculation_table(model: ModelSpec, hw: HardwareSpec, accept: float, k: int,
     rows: list[SpecRow] = []
     batch = 1
     while batch <= 1 << 20:
-        plain = target_pass(model, hw, workload, batch, 1)
-        verify = target_pass(model, hw, workload, batch, k + 1)
+        plain = a.step_bound(model, hw, workload, batch)
+        verify = a.step_bound(model, hw, workload, batch, k + 1)
         speedup = expected * plain.seconds / (k * draft_cost * plain.seconds + verify.seconds)
         rows.append(SpecRow(batch, plain.seconds, verify.seconds, speedup, verify.wall, batch <= fits))
         if verify.wall == "compute" and (speedup < 1 or batch > fits):

@@ -69,6 +69,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
             # the tiled kernel's form of the same scales: one group spanning the row, in float32
             self.register_buffer("channel_scales", weight.scales.float()[:, None].contiguous(), persistent=False)
+            self.register_buffer("no_minimums", torch.empty(0), persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
         elif on_cpu and weight.bits == 4:
             self.kernel = "int4"
@@ -93,8 +94,6 @@ class QuantizedLinear(nn.Module):
             self.kernel = None
             self.register_buffer("dense", dequantize(weight).to(dtype), persistent=False)
 
-        self.register_buffer("no_minimums", torch.empty(0), persistent=False)
-
     @property
     def weight_bytes(self) -> int:
         """Bytes a forward pass streams from memory for the weight (as held, padding aside)."""
@@ -109,13 +108,11 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
-        if self.kernel == "int4" and many_rows:
-            out = self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size)
-            if out.shape[1] != self.out_features:
-                out = out[:, :self.out_features]
-        elif self.kernel == "int4" and (self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
-            if out.shape[1] != self.out_features:
+        if self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
+            out = (self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size)
+                   if many_rows else
+                   torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros))
+            if out.shape[1] != self.out_features:  # the rows padded to 16 at load
                 out = out[:, :self.out_features]
         elif self.kernel == "int8" and many_rows:
             out = self.tiled_ops.grouped_int8_linear(x2, self.qweight, self.channel_scales, self.no_minimums,
