@@ -8,12 +8,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run demo test lint bench-latency bench-throughput models
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: here it resolves to the local CPU wheel, never the multi-GB CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# HF transformers loads GPTQ / AWQ checkpoints through gptqmodel (the round-trip tests). Without its
+	# dependencies: its requirements pin torch >= 2.14.1, which resolves to the CUDA build; the CPU kernels
+	# HF uses run on this torch, and everything else it imports is listed here.
+	$(PY) -m pip install -q --no-deps gptqmodel==7.7.0 optimum==2.3.0 device-smi==0.5.7 logbar==0.4.15 \
+		tokenicer==0.0.14 pypcre==0.6.4 defuser==0.0.28 threadpoolctl==3.8.0
 	touch $(STAMP)
 
 models: $(STAMP)
