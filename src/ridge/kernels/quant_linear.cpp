@@ -40,42 +40,47 @@ void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tens
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
 }
 
-#if defined(__AVX512F__)
-inline __m512 dequant16(const int8_t* codes, __m512 scale, __m512 minimum, bool has_minimum) {
-  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  return has_minimum ? _mm512_fmadd_ps(c, scale, minimum) : _mm512_mul_ps(c, scale);
+#if defined(RIDGE_FVEC)
+using ridge_vec::fvec;
+using ridge_vec::kLanes;
+
+inline fvec dequant(const int8_t* codes, fvec scale, fvec minimum, bool has_minimum) {
+  const fvec c = ridge_vec::vload_i8(codes);
+  return has_minimum ? ridge_vec::vfmadd(c, scale, minimum) : ridge_vec::vmul(c, scale);
 }
 
 // out[m, n .. n + kChannels) for rows m0 .. m0 + rows of x (float32 [M, K]). Several channels at once: each
 // x vector loaded feeds kChannels FMAs, and the kChannels x rows accumulators are independent chains (one
-// channel alone is a chain of K / 16 dependent FMAs, which bounds a decode step by latency, not bytes).
+// channel alone is a chain of K / kLanes dependent FMAs, which bounds a decode step by latency, not bytes).
 template <int64_t kChannels>
 void dot_rows(const float* x, int64_t k_dim, int64_t rows, const int8_t* codes, const float* scales,
               const float* minimums, int64_t group, float* out, int64_t out_stride) {
   const int64_t groups = k_dim / group;
-  __m512 acc[kChannels][kRowBlock];
+  fvec acc[kChannels][kRowBlock];
   for (int64_t c = 0; c < kChannels; c++)
-    for (int64_t r = 0; r < kRowBlock; r++) acc[c][r] = _mm512_setzero_ps();
-  const __m512 zero = _mm512_setzero_ps();
+    for (int64_t r = 0; r < kRowBlock; r++) acc[c][r] = ridge_vec::vset1(0.f);
   for (int64_t g = 0; g < groups; g++) {
-    __m512 scale[kChannels], minimum[kChannels];
+    fvec scale[kChannels], minimum[kChannels];
     for (int64_t c = 0; c < kChannels; c++) {
-      scale[c] = _mm512_set1_ps(scales[c * groups + g]);
-      minimum[c] = minimums ? _mm512_set1_ps(minimums[c * groups + g]) : zero;
+      scale[c] = ridge_vec::vset1(scales[c * groups + g]);
+      minimum[c] = ridge_vec::vset1(minimums ? minimums[c * groups + g] : 0.f);
     }
-    for (int64_t j = g * group; j < (g + 1) * group; j += 16) {
-      __m512 w[kChannels];
-      for (int64_t c = 0; c < kChannels; c++) w[c] = dequant16(codes + c * k_dim + j, scale[c], minimum[c],
-                                                             minimums != nullptr);
+    for (int64_t j = g * group; j < (g + 1) * group; j += kLanes) {
+      fvec w[kChannels];
+      for (int64_t c = 0; c < kChannels; c++) w[c] = dequant(codes + c * k_dim + j, scale[c], minimum[c],
+                                                          minimums != nullptr);
       for (int64_t r = 0; r < rows; r++) {
-        const __m512 xv = _mm512_loadu_ps(x + r * k_dim + j);
-        for (int64_t c = 0; c < kChannels; c++) acc[c][r] = _mm512_fmadd_ps(w[c], xv, acc[c][r]);
+        const fvec xv = ridge_vec::vload(x + r * k_dim + j);
+        for (int64_t c = 0; c < kChannels; c++) acc[c][r] = ridge_vec::vfmadd(w[c], xv, acc[c][r]);
       }
     }
   }
   for (int64_t r = 0; r < rows; r++)
-    for (int64_t c = 0; c < kChannels; c++) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[c][r]);
+    for (int64_t c = 0; c < kChannels; c++) out[r * out_stride + c] = ridge_vec::vsum(acc[c][r]);
 }
+
+inline void store(float* out, fvec v) { ridge_vec::vstore(out, v); }
+inline void store(c10::BFloat16* out, fvec v) { ridge_vec::vstore_bf16(out, v); }
 #endif
 
 // The scratch that many-row calls dequantize a tile into. Per calling thread: the engine calls from one
@@ -86,11 +91,6 @@ void* scratch(size_t bytes) {
   return buffer.data();
 }
 
-#if defined(__AVX512F__)
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void store16(c10::BFloat16* out, __m512 v) { ridge_vec::store_bf16(out, v); }
-#endif
-
 // rows x K grouped codes -> out [rows, K] in T, all threads
 template <typename T>
 void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
@@ -99,64 +99,61 @@ void dequantize_grouped(const int8_t* codes, const float* scales, const float* m
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; g++) {
     const float scale = scales[g], minimum = minimums ? minimums[g] : 0.f;
-#if defined(__AVX512F__)
-    const __m512 s = _mm512_set1_ps(scale), mn = _mm512_set1_ps(minimum);
-    for (int64_t j = g * group; j < (g + 1) * group; j += 16) store16(out + j, dequant16(codes + j, s, mn, true));
+#if defined(RIDGE_FVEC)
+    const fvec s = ridge_vec::vset1(scale), mn = ridge_vec::vset1(minimum);
+    for (int64_t j = g * group; j < (g + 1) * group; j += kLanes) store(out + j, dequant(codes + j, s, mn, true));
 #else
     for (int64_t j = g * group; j < (g + 1) * group; j++) out[j] = static_cast<T>(codes[j] * scale + minimum);
 #endif
   }
 }
 
-// torch's CPU int4 layout (aten._convert_weight_to_int4pack_for_cpu), read back: channels in blocks of 64,
-// and the last N % 64 in one block; a block of width B starting at channel n holds its K x (B / 2) bytes
-// from byte n * K / 2 on, one row of bytes per input column k. In a 64-block byte j holds channel n + j
-// (low nibble) and n + 32 + j (high); in the last block, channels n + 2j (low) and n + 2j + 1 (high).
-// scales_and_zeros [K / group, N, 2] give w = (code - 8) * scale + zero. tests/test_gguf_native.py checks
-// this reading against torch's own kernel, so a change of layout in torch fails there, not silently.
+// torch's CPU int4 layout (aten._convert_weight_to_int4pack_for_cpu), read back: channels in blocks of
+// `width` (64 where torch's kernels run AVX512, 32 on AVX2: quant/linear.py asks torch which), and the last
+// N % width in one block; a block of B channels starting at channel n holds its K x (B / 2) bytes from byte
+// n * K / 2 on, one row of bytes per input column k. In a full block byte j holds channel n + j (low nibble)
+// and n + width / 2 + j (high); in the last block, channels n + 2j (low) and n + 2j + 1 (high).
+// scales_and_zeros [K / group, N, 2] give w = (code - 8) * scale + zero. tests/test_quant.py checks this
+// reading against torch's own kernel, so a change of layout in torch fails there, not silently.
 void dequantize_int4pack(const uint8_t* packed, const c10::BFloat16* scales_and_zeros, int64_t n_dim,
-                         int64_t k_dim, int64_t group, int64_t n0, int64_t rows, c10::BFloat16* out) {
-  const int64_t full = n_dim / 64 * 64;  // the channels in 64-blocks
+                         int64_t k_dim, int64_t group, int64_t width, int64_t n0, int64_t rows,
+                         c10::BFloat16* out) {
+  const int64_t full = n_dim / width * width;  // the channels in full blocks
+  const int64_t half = width / 2;
   // a thread takes whole blocks and walks down k: it reads the block's bytes in order (by k it would jump
-  // K * 32 bytes from one block to the next)
+  // K * half bytes from one block to the next)
 #pragma omp parallel for schedule(static)
-  for (int64_t n = n0; n < n0 + rows; n += 64) {
+  for (int64_t n = n0; n < n0 + rows; n += width) {
     const uint8_t* block = packed + n * k_dim / 2;
-#if defined(__AVX512F__)
-    if (n < full) {
-      const __m256i mask = _mm256_set1_epi8(0x0F);
-      __m512 scale[4], offset[4];
+#if defined(RIDGE_FVEC)
+    if (n < full && width % kLanes == 0 && width / kLanes <= 8) {
+      const int64_t vectors = width / kLanes;  // per row of the block
+      fvec scale[8], offset[8];
       for (int64_t k = 0; k < k_dim; k++) {
         if (k % group == 0) {
           const c10::BFloat16* sz = scales_and_zeros + ((k / group) * n_dim + n) * 2;
-          for (int64_t q = 0; q < 4; q++) {
-            // 16 (scale, zero) bf16 pairs: as 32-bit words, the scale is the low half and the zero the high
-            const __m512i pairs = _mm512_loadu_si512(sz + 32 * q);
-            scale[q] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-            offset[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale[q], zero);
+          for (int64_t q = 0; q < vectors; q++) {  // (scale, zero) pairs: the scale is the low half
+            fvec zero;
+            ridge_vec::vload_bf16_pairs(sz + 2 * kLanes * q, scale[q], zero);
+            offset[q] = ridge_vec::vfmadd(ridge_vec::vset1(-8.f), scale[q], zero);
           }
         }
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 32));
-        const __m256i nibbles[2] = {_mm256_and_si256(bytes, mask),
-                                    _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask)};
+        const uint8_t* bytes = block + k * half;
         c10::BFloat16* row = out + k * rows + (n - n0);
-        for (int64_t q = 0; q < 4; q++) {  // channels n + 16q .. n + 16q + 15
-          const __m128i codes = q % 2 ? _mm256_extracti128_si256(nibbles[q / 2], 1)
-                                      : _mm256_castsi256_si128(nibbles[q / 2]);
-          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
-          store16(row + 16 * q, _mm512_fmadd_ps(c, scale[q], offset[q]));
+        for (int64_t q = 0; q < vectors; q++) {  // channels n + kLanes q ..: low nibbles, then high
+          const int64_t j = kLanes * q;
+          store(row + j, ridge_vec::vfmadd(ridge_vec::vload_u4(bytes + j % half, j >= half), scale[q], offset[q]));
         }
       }
       continue;
     }
 #endif
-    const int64_t width = n < full ? 64 : n_dim - full;  // channels in this block
+    const int64_t channels = n < full ? width : n_dim - full;  // in this block
     for (int64_t k = 0; k < k_dim; k++) {
       const c10::BFloat16* sz = scales_and_zeros + (k / group) * n_dim * 2;
-      for (int64_t j = 0; j < width; j++) {
-        const bool high = n < full ? j >= 32 : j % 2 == 1;
-        const uint8_t byte = block[k * (width / 2) + (n < full ? j % 32 : j / 2)];
+      for (int64_t j = 0; j < channels; j++) {
+        const bool high = n < full ? j >= half : j % 2 == 1;
+        const uint8_t byte = block[k * (channels / 2) + (n < full ? j % half : j / 2)];
         const int code = high ? byte >> 4 : byte & 0x0F;
         const float scale = sz[(n + j) * 2], zero = sz[(n + j) * 2 + 1];
         out[k * rows + (n - n0) + j] = static_cast<c10::BFloat16>((code - 8) * scale + zero);
@@ -195,7 +192,7 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   const float* s = scales.data_ptr<float>();
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
   const int64_t groups = k_dim / group;
-#if defined(__AVX512F__)
+#if defined(RIDGE_FVEC)
   if (m_dim <= kFewRows) {
     const torch::Tensor xf = x.to(torch::kFloat).contiguous();
     torch::Tensor out = torch::empty({m_dim, n_dim}, xf.options());
@@ -230,7 +227,8 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   });
 }
 
-torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group) {
+torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
+                              int64_t block_width) {
   const int64_t n_dim = scales_and_zeros.size(1), k_dim = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() * 2 == n_dim * k_dim,
@@ -239,10 +237,11 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
                   scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) * group == k_dim,
               "scales_and_zeros: contiguous bfloat16 [K / group, N, 2]");
   TORCH_CHECK(n_dim % 16 == 0, "N: a multiple of 16 (torch's layout)");
+  TORCH_CHECK(block_width == 32 || block_width == 64, "block_width: torch's 32 or 64");
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const c10::BFloat16* sz = scales_and_zeros.data_ptr<c10::BFloat16>();
-  // tiles start on a 64-block, so that a tile never splits one
+  // tiles start on a multiple of 64, so that a tile never splits a block
   return tiled_linear<c10::BFloat16>(x, n_dim, 64, true, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
-    dequantize_int4pack(p, sz, n_dim, k_dim, group, n0, rows, tile);
+    dequantize_int4pack(p, sz, n_dim, k_dim, group, block_width, n0, rows, tile);
   });
 }

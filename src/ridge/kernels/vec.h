@@ -1,16 +1,21 @@
-// AVX512 helpers shared by ridge's CPU kernels: bf16 <-> float32 conversion and a vector exp.
+// Vector helpers shared by ridge's CPU kernels: bf16 <-> float32 conversion, a vector exp (AVX512), and
+// `fvec`, a float vector of the widest width the build targets (AVX512: 16 lanes, AVX2 + FMA: 8), for
+// kernels written once for both.
 //
 // By hand because the compiler vectorized neither: c10::BFloat16's conversions compile to scalar code,
 // and glibc's scalar expf was what limited the attention kernel (three calls per token and kv head
 // cost more than reading the token's K and V) and SiLU; -ffast-math did not bring in its vector variant.
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define RIDGE_FVEC 1
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace ridge_vec {
+
+#if defined(__AVX512F__)
 
 // 16 bf16 values -> floats: a bf16 is the top half of a float32.
 inline __m512 load_bf16(const void* p) {
@@ -56,5 +61,70 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+#endif  // __AVX512F__
+
+// fvec: kernels written once for 16 lanes (AVX512) and 8 (AVX2)
+#if defined(__AVX512F__)
+using fvec = __m512;
+constexpr int kLanes = 16;
+inline fvec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline fvec vset1(float x) { return _mm512_set1_ps(x); }
+inline fvec vfmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec vmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
+// kLanes int8 values -> floats
+inline fvec vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// kLanes 4-bit codes, the low (high = false) or high nibbles of kLanes bytes -> floats
+inline fvec vload_u4(const uint8_t* p, bool high) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (high) v = _mm512_srli_epi32(v, 4);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+}
+// kLanes 32-bit words, each two bf16 values: the low halves -> lo, the high halves -> hi
+inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
+  const __m512i w = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
+}
+inline void vstore_bf16(void* p, fvec v) { store_bf16(p, v); }
+#else
+using fvec = __m256;
+constexpr int kLanes = 8;
+inline fvec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline fvec vset1(float x) { return _mm256_set1_ps(x); }
+inline fvec vfmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec vmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(fvec v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline fvec vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline fvec vload_u4(const uint8_t* p, bool high) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (high) v = _mm256_srli_epi32(v, 4);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+}
+inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000))));
+}
+// floats -> bf16 bits, rounded to nearest even as c10::BFloat16 does (NaNs aside, which ridge never makes)
+inline void vstore_bf16(void* p, fvec v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  // packus works within 128-bit lanes: 16-bit results land in 64-bit words 0 and 2, gathered by the permute
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif  // fvec
 }  // namespace ridge_vec
-#endif
+#endif  // RIDGE_FVEC

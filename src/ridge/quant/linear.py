@@ -19,6 +19,7 @@ the plain path's speed and memory.
 from __future__ import annotations
 
 import logging
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -37,6 +38,16 @@ CALIBRATED = ("gptq", "awq")  # methods that need X^T X statistics (quant/calibr
 FLOAT32_KERNEL_MAX_ROWS = 16  # float32 int8 / int4 inputs with more rows go through the dequantized weight
 TILED_MIN_ROWS = 16  # bf16 int8 / int4 inputs with this many rows go through ridge's tiled kernels (measured
                      # crossover on a 1536 x 576 layer: int4 16 rows 0.17 ms either way, int8 0.18 vs 0.12 ms)
+
+
+@cache
+def int4pack_block_width() -> int:
+    """Output channels per block of torch's CPU int4 layout, which ridge's tiled kernel reads back: 64 where
+    torch's kernels run AVX512, 32 on AVX2 (torch picks at run time). Asked of torch itself: channel 32's
+    code lands in the first byte only when a block holds 64 channels."""
+    codes = torch.zeros(64, 64, dtype=torch.int32)
+    codes[32, 0] = 1
+    return 64 if torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)[0, 0].item() else 32
 
 
 class QuantizedLinear(nn.Module):
@@ -78,6 +89,7 @@ class QuantizedLinear(nn.Module):
             codes = nn.functional.pad(weight.qweight.to(torch.int32), (0, 0, 0, pad)).contiguous()
             self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
                                  persistent=False)
+            self.block_width = int4pack_block_width()
             # its zero point is the value of code 8: w = (q - 8) * scale + zero
             zeros = weight.minimums + 8 * weight.scales
             pairs = nn.functional.pad(torch.stack([weight.scales, zeros], dim=-1), (0, 0, 0, 0, 0, pad))
@@ -109,7 +121,8 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
         if self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
-            out = (self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size)
+            out = (self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size,
+                                                  self.block_width)
                    if many_rows else
                    torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros))
             if out.shape[1] != self.out_features:  # the rows padded to 16 at load
