@@ -20,7 +20,9 @@ def physical_memory_gb() -> float:
 def hardware_from_roofline(roofline: Roofline, name: str = "this-machine"):
     from ridge.plan.specs import HardwareSpec
 
-    tflops = {DTYPE_NAMES.get(k, k): round(v / 1e3, 3) for k, v in roofline.matmul_gflop_s.items()}
+    # 6 decimals: a dtype the CPU only emulates (bf16 without AVX512-BF16) can measure well under 1 GFLOP/s,
+    # which 3 decimals of TFLOP/s would round to zero
+    tflops = {DTYPE_NAMES.get(k, k): round(v / 1e3, 6) for k, v in roofline.matmul_gflop_s.items() if v > 0}
     source = f"measured here: {roofline.describe()} ({torch.get_num_threads()} threads)"
     return HardwareSpec(name=name, memory_gb=round(physical_memory_gb(), 1),
                         bandwidth_gb_s=round(roofline.read_gb_s, 1), tflops=tflops, source=source)
