@@ -8,6 +8,8 @@ batch 256 runs 1.16 TFLOP/s vs 0.93. fp32 gains nothing from packing, so only bf
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
@@ -20,7 +22,19 @@ def available(dtype: torch.dtype, device: str) -> bool:
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _packs_bf16()
     )
+
+
+@cache
+def _packs_bf16() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU
+    raises): asked by packing a small weight once."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
