@@ -126,9 +126,9 @@ void dequantize_int4pack(const uint8_t* packed, const c10::BFloat16* scales_and_
   for (int64_t n = n0; n < n0 + rows; n += width) {
     const uint8_t* block = packed + n * k_dim / 2;
 #if defined(RIDGE_FVEC)
-    if (n < full && width % kLanes == 0 && width / kLanes <= 8) {
-      const int64_t vectors = width / kLanes;  // per row of the block
-      fvec scale[8], offset[8];
+    if (n < full) {
+      const int64_t vectors = width / kLanes;  // per row of the block (width: 32 or 64, checked by the caller)
+      fvec scale[64 / kLanes], offset[64 / kLanes];
       for (int64_t k = 0; k < k_dim; k++) {
         if (k % group == 0) {
           const c10::BFloat16* sz = scales_and_zeros + ((k / group) * n_dim + n) * 2;
