@@ -49,7 +49,8 @@ def reference_awq(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
 def test_gptq_layout_decodes_to_the_same_weights(shape):
     torch.manual_seed(0)
     w = torch.randn(shape)
-    for qw, bits in ((quantize_int4(w, 32), 4), (quantize_int4(w, 64), 4), (quantize_int8(w), 8)):
+    int4 = [(quantize_int4(w, group, integer_zeros=True), 4) for group in (32, 64)]
+    for qw, bits in (*int4, (quantize_int8(w), 8)):
         tensors = checkpoint.pack_gptq(qw)
         assert tensors["qweight"].shape == (shape[1] * bits // 32, shape[0])
         assert tensors["qweight"].dtype == tensors["qzeros"].dtype == torch.int32
@@ -62,7 +63,7 @@ def test_gptq_layout_decodes_to_the_same_weights(shape):
 def test_awq_and_fp8_layouts_decode_to_the_same_weights():
     torch.manual_seed(1)
     w = torch.randn(40, 192)
-    qw = quantize_int4(w, 64)
+    qw = quantize_int4(w, 64, integer_zeros=True)
     tensors = checkpoint.pack_awq(qw)
     assert tensors["qweight"].shape == (192, 5) and tensors["scales"].dtype == torch.float16
     torch.testing.assert_close(reference_awq(tensors, 64), dequantize(qw), rtol=0, atol=0)
@@ -81,7 +82,7 @@ def test_act_order_groups_and_bad_checkpoints():
     """A GPTQ checkpoint whose g_idx is not column // group (act-order without static groups) has no
     kernel here: it loads as the dequantized matrix, equal to the specification's."""
     torch.manual_seed(2)
-    qw = quantize_int4(torch.randn(16, 128), 32)
+    qw = quantize_int4(torch.randn(16, 128), 32, integer_zeros=True)
     tensors = checkpoint.pack_gptq(qw)
     tensors["g_idx"] = tensors["g_idx"][torch.randperm(128)]
     back = dict(checkpoint.read_quantized(iter((f"m.{k}", v) for k, v in tensors.items()),
@@ -192,7 +193,7 @@ def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
     model = llm.engine.loaded.model
     hessians = input_hessians(model, calibration_windows(llm.tokenizer, 2, 256), torch.float32, "cpu", False)
     norm_before = model.layers[0].input_norm.weight.clone()
-    apply_awq(model, hessians, 32, progress=False)
+    apply_awq(model, hessians, 32, integer_zeros=False, progress=False)
     assert not torch.equal(model.layers[0].input_norm.weight, norm_before)  # something was scaled
     torch.testing.assert_close(llm.engine.prompt_logits(ids), before, rtol=1e-4, atol=1e-4)
 

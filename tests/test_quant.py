@@ -45,9 +45,33 @@ def test_rtn_error_bounds():
     w = torch.randn(64, 256) * 0.1
     q8 = quantize_int8(w)
     assert (dequantize(q8) - w).abs().max() <= q8.scales.max() / 2 + 1e-7  # within half a step
-    q4 = quantize_int4(w, 32)
-    assert (dequantize(q4) - w).abs().max() <= q4.scales.max() / 2 + 1e-6
-    assert q4.qweight.max() <= 15 and q8.qweight.abs().max() <= 127
+    for integer_zeros in (False, True):
+        q4 = quantize_int4(w, 32, integer_zeros)
+        # half a step, and the top of the range may miss by 15 times the scale's float16 rounding
+        assert (dequantize(q4) - w).abs().max() <= q4.scales.max() * (0.5 + 15 * 2**-11) + 1e-6
+        assert q4.qweight.max() <= 15
+    assert q8.qweight.abs().max() <= 127
+
+
+def test_int4_float_minimums_find_a_q4_1_grid_again():
+    """Weights already on a 16-level grid per 32 columns with a float minimum (a GGUF Q4_1 block, float16
+    scale and minimum) come back exactly from float-minimum int4 at group 32; integer zero points cannot
+    place the grid there and miss by up to half a step. And a checkpoint refuses float minimums."""
+    g = torch.Generator().manual_seed(7)
+    scales = (torch.rand(24, 4, generator=g) * 0.01 + 0.001).half().float()
+    minimums = (-torch.rand(24, 4, generator=g) * 0.1).half().float()
+    codes = torch.randint(0, 16, (24, 4, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # every block spans its whole grid, as Q4_1 blocks do
+    w = (codes * scales[..., None] + minimums[..., None]).view(24, 128)
+    float_form = quantize_int4(w, 32)
+    torch.testing.assert_close(dequantize(float_form), w, rtol=0, atol=1e-6)
+    integer_form = quantize_int4(w, 32, integer_zeros=True)
+    error = (dequantize(integer_form) - w).abs().amax(dim=1)
+    assert error.min() > 0.05 * scales.min() and error.max() <= integer_form.scales.max() / 2 + 1e-6
+    from ridge.quant.checkpoint import pack_gptq
+
+    with pytest.raises(ValueError, match="not integer zero points"):
+        pack_gptq(float_form)
 
 
 def test_group_size_must_divide_the_dimension():

@@ -41,8 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ShareGPT replies; fp8: e4m3 per output channel; gguf: run a GGUF file's block formats "
                         "as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights "
                         "dequantized to --dtype, a quantized checkpoint (ridge quantize) as it is")
-    g.add_argument("--quantization-group-size", type=int, default=64, choices=[32, 64, 128],
-                   help="int4 / gptq / awq: input columns per scale (default %(default)s)")
+    g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s, as "
+                        "GGUF's Q4 blocks)")
     g.add_argument("--calibration-windows", type=int, default=32,
                    help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")

@@ -108,7 +108,9 @@ class EngineConfig:
     # calibrated at load on comedies + ShareGPT), "fp8" (e4m3 per channel), or "gguf" (a GGUF file's block
     # formats kept as they are); None: weights dequantized to dtype (a quantized checkpoint, as it is)
     quantization: str | None = None
-    quantization_group_size: int = 64  # int4 / gptq / awq: input columns per scale
+    # int4 / gptq / awq: input columns per scale and minimum; 32 as GGUF's Q4 blocks: on a model that comes
+    # as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again (quant/rtn.py)
+    quantization_group_size: int = 32
     calibration_windows: int = 32  # gptq / awq: windows of 512 calibration tokens
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None

@@ -153,7 +153,8 @@ def add_quant_parser(bsub) -> None:
     p.add_argument("model", nargs="?", default="smollm2", help="alias, .gguf file or HF directory")
     p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "bfloat16", "gguf", "int8", "int4"],
                    help=f"comma-separated, of {', '.join(FORMATS)} (default float32,bfloat16,gguf,int8,int4)")
-    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int4 / gptq / awq groups")
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="requests decoded together (default %(default)s)")

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.rtn import QuantizedWeight, dequantize, int4_grid, quantize_int4
+from ridge.quant.rtn import QuantizedWeight, dequantize, int4_codes, int4_grid, quantize_int4
 
 ALPHA_GRID = 20  # alpha in {0, 1/20, ..., 19/20}, as in the paper
 CLIP_GRID = 20  # range shrink factors 1, 0.975, ..., 0.525
@@ -37,7 +37,7 @@ def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tens
     return float(((diff @ hessian) * diff).sum())
 
 
-def awq_scales(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
+def awq_scales(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, integer_zeros: bool,
                grid: int = ALPHA_GRID) -> tuple[torch.Tensor, float]:
     """The per-input-channel scales s [K] that minimise the layer's output error after int4 RTN of W diag(s),
     and that error."""
@@ -47,13 +47,13 @@ def awq_scales(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     for step in range(grid):
         scales = magnitude ** (step / grid)
         scales = scales / (scales.max() * scales.min()).sqrt()
-        error = output_error(w, dequantize(quantize_int4(w * scales, group_size)) / scales, h)
+        error = output_error(w, dequantize(quantize_int4(w * scales, group_size, integer_zeros)) / scales, h)
         if error < best_error:
             best_scales, best_error = scales, error
     return best_scales, best_error
 
 
-def clipped_int4(weight: torch.Tensor, group_size: int, importance: torch.Tensor,
+def clipped_int4(weight: torch.Tensor, group_size: int, importance: torch.Tensor, integer_zeros: bool,
                  grid: int = CLIP_GRID) -> QuantizedWeight:
     """int4 RTN per group with each group's range shrunk by the factor that minimises
     sum_k importance_k (w_k - q_k)^2 over the group (importance: the inputs' mean squares, H's diagonal)."""
@@ -61,20 +61,20 @@ def clipped_int4(weight: torch.Tensor, group_size: int, importance: torch.Tensor
     w = weight.float().view(n, k // group_size, group_size)
     weights = importance.float().view(1, k // group_size, group_size)
     best_error = torch.full(w.shape[:2], float("inf"))
-    best_scales, best_zeros = int4_grid(weight, group_size)
+    best_scales, best_zeros = int4_grid(weight, group_size, integer_zeros)
     for step in range(grid):
-        scales, zeros = int4_grid(weight * (1 - step / (2 * grid)), group_size)
-        q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+        scales, zeros = int4_grid(weight * (1 - step / (2 * grid)), group_size, integer_zeros)
+        q = int4_codes(w, scales, zeros)
         error = (((q - zeros[..., None]) * scales[..., None] - w) ** 2 * weights).sum(dim=2)
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_scales, best_zeros = torch.where(better, scales, best_scales), torch.where(better, zeros, best_zeros)
-    q = (torch.round(w / best_scales[..., None]) + best_zeros[..., None]).clamp(0, 15).to(torch.uint8)
+    q = int4_codes(w, best_scales, best_zeros).to(torch.uint8)
     return QuantizedWeight(q.view(n, k), best_scales, -best_zeros * best_scales, 4, group_size)
 
 
 @torch.no_grad()
-def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size: int,
+def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size: int, integer_zeros: bool,
               progress: bool = True) -> None:
     """Scale every decoder layer's linear weights by their AWQ scales and fold the inverse into the
     producers of their inputs (in place; the float model computes the same function up to rounding).
@@ -84,24 +84,25 @@ def apply_awq(model: DecoderModel, hessians: dict[str, torch.Tensor], group_size
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i, layer in enumerate(tqdm(model.layers, desc="awq", unit="layer", disable=not progress)):
         attn, mlp = layer.attn, layer.mlp
-        s = _scale_columns(attn.qkv.weight, hessians, f"layers.{i}.attn.qkv", group_size)
+        s = _scale_columns(attn.qkv.weight, hessians, f"layers.{i}.attn.qkv", group_size, integer_zeros)
         layer.input_norm.weight.div_(s.to(layer.input_norm.weight.dtype))
         if cfg.num_heads == cfg.num_kv_heads:
-            s = _scale_columns(attn.o_proj.weight, hessians, f"layers.{i}.attn.o_proj", group_size)
+            s = _scale_columns(attn.o_proj.weight, hessians, f"layers.{i}.attn.o_proj", group_size, integer_zeros)
             v_rows = slice(q_size + kv_size, q_size + 2 * kv_size)
             attn.qkv.weight[v_rows].div_(s[:, None].to(attn.qkv.weight.dtype))
             if attn.qkv.bias is not None:
                 attn.qkv.bias[v_rows].div_(s.to(attn.qkv.bias.dtype))
-        s = _scale_columns(mlp.gate_up.weight, hessians, f"layers.{i}.mlp.gate_up", group_size)
+        s = _scale_columns(mlp.gate_up.weight, hessians, f"layers.{i}.mlp.gate_up", group_size, integer_zeros)
         layer.post_attn_norm.weight.div_(s.to(layer.post_attn_norm.weight.dtype))
-        s = _scale_columns(mlp.down.weight, hessians, f"layers.{i}.mlp.down", group_size)
+        s = _scale_columns(mlp.down.weight, hessians, f"layers.{i}.mlp.down", group_size, integer_zeros)
         mlp.gate_up.weight[cfg.intermediate_size:].div_(s[:, None].to(mlp.gate_up.weight.dtype))
 
 
-def _scale_columns(weight: torch.Tensor, hessians: dict[str, torch.Tensor], key: str, group_size: int) -> torch.Tensor:
+def _scale_columns(weight: torch.Tensor, hessians: dict[str, torch.Tensor], key: str, group_size: int,
+                   integer_zeros: bool) -> torch.Tensor:
     """Search s for this weight, multiply its columns by it in place and replace its inputs' hessian by
     H / (s s^T); returns s for the caller to fold into the inputs' producer."""
-    s, _ = awq_scales(weight, hessians[key], group_size)
+    s, _ = awq_scales(weight, hessians[key], group_size, integer_zeros)
     weight.mul_(s.to(weight.dtype))
     hessians[key] = hessians[key] / (s.double()[:, None] * s.double()[None, :])
     return s

@@ -5,6 +5,8 @@ load like any quantized checkpoint.
 The model is quantized in float32 from the weights as loaded (a GGUF file's are dequantized first). Only
 the decoder layers' linear weights are quantized; embeddings, norms, biases and an untied vocabulary
 projection are written as float16, as GPTQ / AWQ checkpoints leave them (quantization_config.lm_head false).
+int4 zero points are integers (qzeros), where ridge's at-load int4 keeps float minimums (quant/rtn.py): a
+checkpoint's int4 is the less accurate of the two.
 """
 
 from __future__ import annotations
@@ -82,16 +84,16 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
         windows = calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW)
         hessians = input_hessians(model, windows, torch.float32, "cpu", progress)
     if method == "awq":
-        apply_awq(model, hessians, group_size, progress)
+        apply_awq(model, hessians, group_size, integer_zeros=True, progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if method == "fp8":
             return quantize_fp8(weight)
         if method == "gptq":
-            return gptq_quantize(weight, hessians[key], bits, group_size, act_order=True)
+            return gptq_quantize(weight, hessians[key], bits, group_size, act_order=True, integer_zeros=True)
         if method == "awq":
-            return clipped_int4(weight, group_size, hessians[key].diagonal())
-        return quantize_int4(weight, group_size) if bits == 4 else quantize_int8(weight)
+            return clipped_int4(weight, group_size, hessians[key].diagonal(), integer_zeros=True)
+        return quantize_int4(weight, group_size, integer_zeros=True) if bits == 4 else quantize_int8(weight)
 
     layout = METHODS[method][0]
     pack = {"gptq": checkpoint.pack_gptq, "awq": checkpoint.pack_awq, "fp8": checkpoint.pack_fp8}[layout]

@@ -197,7 +197,8 @@ class QuantizedEmbedding(nn.Module):
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
                     hessian: torch.Tensor | None = None) -> QuantizedWeight:
     """One [out, in] matrix in `method`'s format. awq: the weight and hessian must already carry their AWQ
-    scales (quant/awq.py's apply_awq); what is left is int4 with each group's range clipped."""
+    scales (quant/awq.py's apply_awq); what is left is int4 with each group's range clipped. int4 at load
+    has float minimums: no checkpoint constrains it (quant/rtn.py)."""
     if method == "int8":
         return quantize_int8(weight)
     if method == "int4":
@@ -205,7 +206,7 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
     if method == "awq":
         if hessian is None:
             raise ValueError("quantization: awq needs calibration statistics (quant/calibration.py)")
-        return clipped_int4(weight, group_size, hessian.diagonal())
+        return clipped_int4(weight, group_size, hessian.diagonal(), integer_zeros=False)
     if method == "fp8":
         return quantize_fp8(weight)
     if method == "gptq":
@@ -236,7 +237,7 @@ def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: tor
         raise ValueError(f"quantization: {method} needs calibration statistics (quant/calibration.py)")
     hessians = hessians or {}
     if method == "awq":
-        apply_awq(model, hessians, group_size, progress)
+        apply_awq(model, hessians, group_size, integer_zeros=False, progress=progress)
     model.output_projection = QuantizedLinear(
         quantize_weight(model.output_weight.data, head_method(method), group_size), None, dtype, ops,
         use_kernel=use_kernel)

@@ -1,8 +1,15 @@
 """Weight-only quantization of a linear layer's [out, in] matrix by rounding to nearest (RTN).
 
 int8: symmetric, one scale per output channel: w ~ q * scale, q in [-127, 127].
-int4: asymmetric, per group of `group_size` input columns: w ~ (q - zero) * scale, q in [0, 15], with an
-      integer zero point (the grid holds 0 exactly), the form GPTQ / AWQ checkpoints store (qzeros).
+int4: asymmetric, per group of `group_size` input columns: w ~ q * scale + minimum, q in [0, 15], in one
+      of two forms:
+      - a float minimum (llama.cpp's Q4_1 form): the grid spans the group's own range. What ridge
+        quantizes to at load (torch's int4 kernel takes a float zero per group).
+      - minimum = -zero * scale with an integer zero point: the range widened to hold 0, which lands on a
+        code. The only form GPTQ / AWQ checkpoints can store (qzeros), so `ridge quantize` writes it.
+      The float form costs nothing at run time and is the more accurate: on SmolLM2, whose file is Q4_1,
+      RTN at group 32 finds each block's own grid again (+0.06% perplexity) where the integer form, which
+      shifts every group by up to half a step, gave +24% (docs/benchmarks.md).
 fp8: e4m3 codes, one scale per output channel: w ~ q * scale, |q| <= 448.
 GPTQ and AWQ choose the same formats with a smarter q (and, for AWQ, scaled columns); they reuse
 QuantizedWeight and dequantize() from here.
@@ -56,22 +63,31 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q, scales, None, 8, None)
 
 
-def int4_grid(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group of input columns: (scales, integer zero points), both [N, K / group_size], from the
-    group's range widened to hold 0."""
+def int4_grid(weight: torch.Tensor, group_size: int, integer_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of input columns: (scales, zero points), both [N, K / group_size]; w ~ (q - zero) * scale.
+    integer_zeros: the range widened to hold 0 and the zero point rounded (checkpoints); else the group's
+    own range, with the zero point -minimum / scale as it falls."""
     n, k = weight.shape
     check_group_size(k, group_size)
     grouped = weight.float().view(n, k // group_size, group_size)
-    low, high = grouped.amin(dim=2).clamp(max=0), grouped.amax(dim=2).clamp(min=0)
+    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+    if integer_zeros:
+        low, high = low.clamp(max=0), high.clamp(min=0)
     scales = _scale((high - low) / 15)
-    return scales, torch.round(-low / scales).clamp(0, 15)
+    zeros = -low / scales
+    return scales, torch.round(zeros).clamp(0, 15) if integer_zeros else zeros
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+def int4_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The nearest of the 16 levels (q - zero) * scale to each weight (float codes in [0, 15]); w [..., G]
+    and its group's scales and zeros [...]."""
+    return torch.round(w / scales[..., None] + zeros[..., None]).clamp(0, 15)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, integer_zeros: bool = False) -> QuantizedWeight:
     n, k = weight.shape
-    scales, zeros = int4_grid(weight, group_size)
-    w = weight.float().view(n, k // group_size, group_size)
-    q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15).to(torch.uint8)
+    scales, zeros = int4_grid(weight, group_size, integer_zeros)
+    q = int4_codes(weight.float().view(n, k // group_size, group_size), scales, zeros).to(torch.uint8)
     return QuantizedWeight(q.view(n, k), scales, -zeros * scales, 4, group_size)
 
 
@@ -82,13 +98,14 @@ def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def zero_points(qw: QuantizedWeight) -> torch.Tensor:
-    """The integer zero points of an int4 weight made here (minimum = -zero * scale), for checkpoints."""
+    """The integer zero points of an int4 weight quantized with integer_zeros (minimum = -zero * scale), for
+    checkpoints."""
     if qw.minimums is None:
         return torch.zeros_like(qw.scales)
     zeros = torch.round(-qw.minimums / qw.scales)
     if not torch.allclose(-zeros * qw.scales, qw.minimums, rtol=1e-5, atol=1e-7):
         raise ValueError("weight: its minimums are not integer zero points times the scale (a GGUF Q4_1 / Q4_K "
-                         "tensor?); GPTQ / AWQ checkpoints cannot store it")
+                         "tensor, or int4 quantized with float minimums?); GPTQ / AWQ checkpoints cannot store it")
     return zeros
 
 
