@@ -41,7 +41,14 @@ def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     return x.numel() * 4 / _best(lambda: x.sum(), repeats) / 1e9
 
 
-def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3, probe: int = 512) -> float:
+    """Square matmuls of side n; where a probe of side `probe` shows that one would take over 4 s (a
+    dtype the CPU only emulates: bf16 on an AVX2 CPU ran under 1 GFLOP/s), the side stays at the probe's,
+    which is large enough to be compute-bound and keeps the measurement from taking minutes."""
+    a = torch.randn(probe, probe, dtype=dtype)
+    probe_seconds = _best(lambda: a @ a, 1)
+    if probe_seconds * (n / probe) ** 3 > 4.0:
+        return 2 * probe**3 / _best(lambda: a @ a, repeats) / 1e9
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / _best(lambda: a @ b, repeats) / 1e9
