@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# HF uses run on this torch, and everything else it imports is listed here.
 	$(PY) -m pip install -q --no-deps gptqmodel==7.7.0 optimum==2.3.0 device-smi==0.5.7 logbar==0.4.15 \
 		tokenicer==0.0.14 pypcre==0.6.4 defuser==0.0.28 threadpoolctl==3.8.0
+	# ridge's C++ CPU kernels, compiled here once rather than by the first engine (kernels/cpu_ops.py);
+	# without a compiler ridge warns and keeps its torch paths
+	$(PY) -c "from ridge.kernels import cpu_ops; cpu_ops.load()"
 	touch $(STAMP)
 
 models: $(STAMP)

@@ -181,6 +181,29 @@ def test_quantize_writes_a_checkpoint_ridge_loads(method, random_llama, tmp_path
         quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False)
 
 
+def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_test):
+    """The engine's own path: calibrate at load, quantize every linear layer and the head (float minimums,
+    no checkpoint). On this tiny random model int4 itself is far from the float model (~50% of the logits'
+    norm); calibrated on text, GPTQ and AWQ must stay within 1.2x of RTN's error on text (a layer given
+    another's statistics, or scales folded into the wrong producer, is far worse). Their gain over RTN on a
+    real model is test_gptq's."""
+    from ridge.quant.linear import QuantizedLinear
+
+    plain = make_llm_for_test(random_llama, dtype="float32")
+    ids = plain.tokenizer.encode("The quality of mercy is not strained; it droppeth as the gentle rain from heaven")
+    exact = plain.engine.prompt_logits(ids)
+    errors = {}
+    for method in ("int4", "gptq", "awq"):
+        llm = make_llm_for_test(random_llama, dtype="float32", quantization=method, quantization_group_size=32,
+                                calibration_windows=2)
+        model = llm.engine.loaded.model
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
+        assert isinstance(model.output_projection, QuantizedLinear)
+        assert llm.engine.loaded.weight_format.endswith(f"-> {method} g32")
+        errors[method] = float((llm.engine.prompt_logits(ids) - exact).norm() / exact.norm())
+    assert 0 < errors["gptq"] < 1.2 * errors["int4"] and 0 < errors["awq"] < 1.2 * errors["int4"], errors
+
+
 def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
     """Scaling columns up and folding the inverse into norms / v / up rows leaves the float function as it
     was, before any rounding."""

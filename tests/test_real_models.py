@@ -20,10 +20,10 @@ def test_smollm2_logits_match_hf(smollm2, hf_smollm2):
 
 def test_smollm2_greedy_chat_matches_hf(smollm2, hf_smollm2):
     prompts = [smollm2.render_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:10]]
-    outs = smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+    outs = smollm2.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     stop_ids = smollm2.tokenizer.stop_token_ids
     for ids, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, ids, 48, stop_ids)
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, ids, 32, stop_ids)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,9 @@ def test_qwen_coder_greedy_matches_hf(qwen, qwen_path):
     hf = AutoModelForCausalLM.from_pretrained(qwen_path.parent, gguf_file=qwen_path.name, dtype=torch.float32).eval()
     questions = ["Write a Python function that reverses a string.", "What does `git rebase` do?"]
     prompts = [qwen.render_chat([{"role": "user", "content": q}]) for q in questions]
-    outs = qwen.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+    outs = qwen.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     for ids, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 48, qwen.tokenizer.stop_token_ids)
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32, qwen.tokenizer.stop_token_ids)
     ours = qwen.engine.prompt_logits(prompts[0])
     with torch.inference_mode():
         ref = hf(torch.tensor([prompts[0]])).logits[0]

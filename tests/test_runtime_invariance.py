@@ -6,7 +6,7 @@ import torch
 from conftest import CHAT_PROMPTS, random_prompts
 from ridge import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_batch_of_32_equals_alone(smollm2, prompts, alone):
 
 def test_tiny_token_budget_chunks_prefill(make_llm_for_test, smollm2_path, prompts, alone):
     llm = make_llm_for_test(smollm2_path, dtype="float32", max_num_batched_tokens=7)
-    assert tokens(llm.generate(prompts, GREEDY)) == alone
+    assert tokens(llm.generate(prompts[::2], GREEDY)) == alone[::2]  # 16: 6 chats, 10 random of 3-200 tokens
 
 
 def test_tiny_kv_pool_preempts_and_recomputes(make_llm_for_test, smollm2_path, prompts, alone):

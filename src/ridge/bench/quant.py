@@ -5,6 +5,10 @@ achieves; llama.cpp on the same GGUF file beside them when it is installed.
 Decode reads every weight once per step, so at batch 1 tok/s x bytes per step is the bandwidth a format
 draws: a format that reads fewer bytes at the same fraction of the bandwidth is faster by its size ratio.
 At batch B the same bytes serve B tokens, and what the kernels spend dequantizing starts to show.
+
+The quantized formats compute in --dtype, by default the engine's own choice: bfloat16 where the CPU has
+bf16 arithmetic, float32 where it would emulate it (an AVX2 CPU runs bf16 matmuls many times slower than
+float32 ones, which would hide what the weight format saves).
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 from ridge.bench import roofline, workloads
 
-# format -> (dtype, quantization)
-FORMATS: dict[str, tuple[str, str | None]] = {
-    "float32": ("float32", None), "bfloat16": ("bfloat16", None), "gguf": ("bfloat16", "gguf"),
-    "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"), "gptq": ("bfloat16", "gptq"),
-    "awq": ("bfloat16", "awq"), "fp8": ("bfloat16", "fp8"),
+# format -> (dtype, quantization); a quantized format computes in --dtype (None here)
+FORMATS: dict[str, tuple[str | None, str | None]] = {
+    "float32": ("float32", None), "bfloat16": ("bfloat16", None), "gguf": (None, "gguf"),
+    "int8": (None, "int8"), "int4": (None, "int4"), "gptq": (None, "gptq"), "awq": (None, "awq"),
+    "fp8": (None, "fp8"),
 }
 
 
@@ -42,11 +46,14 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
 
     dtype, quantization = FORMATS[name]
     try:
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, quantization_group_size=args.group_size,
-                  num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
+        llm = LLM(args.model, dtype=dtype or args.dtype, quantization=quantization,
+                  quantization_group_size=args.group_size, num_threads=args.threads,
+                  kv_cache_memory=args.kv_cache_memory)
     except ValueError as exc:  # e.g. gguf on a model directory
         return FormatResult(name, error=str(exc))
-    result = FormatResult(name, llm.engine.loaded.weight_format, weight_bytes_per_token(llm))
+    computes_in = str(llm.engine.config.torch_dtype).removeprefix("torch.")
+    result = FormatResult(name, f"{llm.engine.loaded.weight_format}, computes in {computes_in}",
+                          weight_bytes_per_token(llm))
     result.figures = ridge_latency(args, llm, ids).figures
     result.decode_tok_s = result.figures["decode_tok_s"]
     requests = workloads.random_requests(llm.engine.loaded.config.vocab_size, args.batch, args.input_len,
@@ -81,7 +88,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
         job = {"mode": "latency", "gguf": str(path), "dtype": "bfloat16", "repeats": args.repeats,
                "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
         peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
-    base = next((r for r in results if r.name == "bfloat16" and not r.error), None)
+    base = next((r for r in results if r.name == args.baseline and not r.error), None)
     rows = []
     for r in results:
         row = {**asdict(r), "figures": r.figures}
@@ -89,29 +96,30 @@ def cmd_quant(args: argparse.Namespace) -> int:
             row["weight_gb_s"] = r.weight_bytes * r.decode_tok_s / 1e9
             row["read_fraction"] = row["weight_gb_s"] / roof.read_gb_s
             if base:
-                row["decode_vs_bf16"] = r.decode_tok_s / base.decode_tok_s
-                row["batch_vs_bf16"] = r.batch_tok_s / base.batch_tok_s
+                row["decode_vs_baseline"] = r.decode_tok_s / base.decode_tok_s
+                row["batch_vs_baseline"] = r.batch_tok_s / base.batch_tok_s
         rows.append(row)
     report = {"benchmark": "quant", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
-              "batch": args.batch, "machine": {"read_gb_s": roof.read_gb_s}, "formats": rows,
+              "batch": args.batch, "baseline": args.baseline, "machine": {"read_gb_s": roof.read_gb_s}, "formats": rows,
               "llamacpp": None if peer is None else asdict(peer)}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"\nweight formats: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens; batch 1 "
           f"(median of {args.repeats}) and batch {args.batch}; read bandwidth {roof.read_gb_s:.1f} GB/s")
-    print(f"{'format':9s} {'MB/step':>8s} {'decode tok/s':>13s} {'vs bf16':>8s} {'GB/s':>6s} {'of bw':>6s} "
-          f"{'batch tok/s':>12s} {'vs bf16':>8s}  weights")
-    def ratio(row: dict, key: str) -> str:  # "-" without a bfloat16 row to compare with
-        return f"{row[key]:7.2f}x" if key in row else f"{'-':>8s}"
+    versus = f"vs {args.baseline}"
+    print(f"{'format':9s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
+          f"{'batch tok/s':>12s} {versus:>11s}  weights")
+    def ratio(row: dict, key: str) -> str:  # "-" without a baseline row to compare with
+        return f"{row[key]:10.2f}x" if key in row else f"{'-':>11s}"
 
     for row in rows:
         if row["error"]:
             print(f"{row['name']:9s} {'-':>8s}  {row['error']}")
             continue
         print(f"{row['name']:9s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
-              f"{ratio(row, 'decode_vs_bf16')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
-              f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_bf16')}  {row['weights']}")
+              f"{ratio(row, 'decode_vs_baseline')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
+              f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_baseline')}  {row['weights']}")
     if peer is not None:
         if peer.error:
             print(f"llama.cpp: {peer.error}")
@@ -153,6 +161,11 @@ def add_quant_parser(bsub) -> None:
     p.add_argument("model", nargs="?", default="smollm2", help="alias, .gguf file or HF directory")
     p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "bfloat16", "gguf", "int8", "int4"],
                    help=f"comma-separated, of {', '.join(FORMATS)} (default float32,bfloat16,gguf,int8,int4)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="what the quantized formats compute in; auto: bfloat16 where the CPU has bf16 "
+                        "arithmetic (AVX512-BF16, AMX), else float32, as the engine chooses (default auto)")
+    p.add_argument("--baseline", default="bfloat16", choices=list(FORMATS),
+                   help="the format the others' speed is divided by (default %(default)s)")
     p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s)")
     p.add_argument("--input-len", type=int, default=128)

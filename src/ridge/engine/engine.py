@@ -7,9 +7,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 
 import torch
+from gguf import GGUFReader
 
 from ridge.config import EngineConfig
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
@@ -109,6 +111,15 @@ class _Request:
         return all(s.finished for s in self.seqs)
 
 
+@dataclass
+class DraftFile:
+    """A draft model's file, opened (its tokenizer read) before either model's weights load."""
+
+    path: Path
+    reader: GGUFReader | None
+    tokenizer: RidgeTokenizer
+
+
 class LLMEngine:
     """detokenize=False leaves outputs' text empty and stop strings unchecked: the caller (the server's
     process) does both from the token ids, off the step loop."""
@@ -120,6 +131,7 @@ class LLMEngine:
         path = resolve(config.model)
         reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
         self.tokenizer = RidgeTokenizer.from_path(path, reader)
+        draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
         self.loaded: LoadedModel = _load(path, config, kernels, progress, reader, self.tokenizer)
         cfg = self.loaded.config
@@ -142,7 +154,7 @@ class LLMEngine:
             config.device, cpu_ops=kernels,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
-        self.drafter = self._make_drafter(num_blocks, kernels, progress)
+        self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
         self.speculation: SpeculationPolicy | None = None
         self.set_speculation(config.speculation_policy if self.drafter is not None else None)
         self._requests: dict[str, _Request] = {}
@@ -153,23 +165,28 @@ class LLMEngine:
         log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
                  num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
-    def _make_drafter(self, num_blocks: int, kernels: ModuleType | None, progress: bool) -> Drafter | None:
-        config = self.config
-        if config.speculate == "ngram":
-            return NgramDrafter()
-        if config.speculate != "draft":
-            return None
-        path = resolve(config.draft_model)
+    def _open_draft_model(self) -> DraftFile:
+        """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
+        path = resolve(self.config.draft_model)
         reader = open_gguf(path) if path.is_file() else None
         tokenizer = RidgeTokenizer.from_path(path, reader)
         if tokenizer.vocab_size != self.tokenizer.vocab_size:
             raise ValueError(f"draft_model: its vocabulary ({tokenizer.vocab_size} tokens) differs from the "
                              f"target's ({self.tokenizer.vocab_size}); a drafter must share the tokenizer")
-        draft = _load(path, config, kernels, progress, reader, tokenizer)
+        return DraftFile(path, reader, tokenizer)
+
+    def _make_drafter(self, draft_model: DraftFile | None, num_blocks: int,
+                      kernels: ModuleType | None, progress: bool) -> Drafter | None:
+        config = self.config
+        if config.speculate == "ngram":
+            return NgramDrafter()
+        if draft_model is None:
+            return None
+        draft = _load(draft_model.path, config, kernels, progress, draft_model.reader, draft_model.tokenizer)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
-        log.info("ridge: draft model %s, %s", path.name, draft.weight_format)
+        log.info("ridge: draft model %s, %s", draft_model.path.name, draft.weight_format)
         # as many blocks as the target's pool: a drafter never holds more tokens than its target
         return DraftModelDrafter(runner, BlockPool(num_blocks, config.block_size), sampler,
                                  config.max_num_batched_tokens)

@@ -8,7 +8,8 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
   (large batches, prefill) ridge's kernels dequantize a tile of the weight once and multiply it by
   oneDNN's bf16 matmul instead (kernels/quant_linear.cpp; 2-2.6x faster at 32 rows);
 - int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
-  (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales;
+  (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales; in float32, every int8 and
+  4-bit format too (the 4-bit codes a byte each), as torch's two kernels are slow there;
 - fp8 e4m3 per output channel: the codes are widened to the activation dtype per call and the scale
   applied to the output. The CPU has no fp8 matmul; this halves weight memory against bfloat16, not
   decode time (fp8 is here for its quality and its checkpoints, which GPUs run natively).
@@ -62,15 +63,29 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size = weight.bits, weight.group_size
         self.dtype = dtype
         self.bias = bias
-        # float32: the codes again, for inputs of many rows. torch's float32 int4 and int8 kernels are
-        # built for decode: at 512 rows the int4 one ran 50x slower than in bf16 (1.4 s for a 576x3072
-        # layer). float32 is the reference-comparison dtype, not a speed one: past a few rows, multiply
-        # by the dequantized weight.
+        # float32 on torch's int4 / int8 kernels (ridge's not built): the codes again, for inputs of many
+        # rows. Those kernels are built for decode: at 512 rows the int4 one ran 50x slower than in bf16
+        # (1.4 s for a 576x3072 layer); past a few rows, multiply by the dequantized weight.
         self.unpacked: QuantizedWeight | None = None
         on_cpu = use_kernel and weight.qweight.device.type == "cpu"
         # ridge's tiled kernels for many bf16 rows (the grouped-int8 one needs K in 16s)
         self.tiled_ops = ops if on_cpu and dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
         if weight.qweight.dtype == torch.float8_e4m3fn:
+            self.kernel = "fp8"
+            self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+        elif on_cpu and ops is not None and dtype == torch.float32 and self.in_features % 16 == 0:
+            # torch's int8 / int4 kernels are built for bf16: in float32 they ran 1.6x / 7x slower than the
+            # dense float32 matmul at batch 1 (3072 x 576, AVX2), while ridge's grouped kernel, on the same
+            # codes a byte each (int4: 1.25 bytes a weight with its scales, not 0.75), ran 2.6x faster than it
+            self.kernel, self.ops = "grouped_int8", ops
+            self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
+            self.register_buffer("qweight", weight.qweight.to(torch.int8).contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.float().reshape(self.out_features, -1).contiguous(),
+                                 persistent=False)
+            minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
+            self.register_buffer("minimums", minimums.float().contiguous(), persistent=False)
+        elif weight.qweight.dtype == torch.float8_e4m3fn:
             self.kernel = "fp8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
