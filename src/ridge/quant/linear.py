@@ -70,14 +70,18 @@ class QuantizedLinear(nn.Module):
         on_cpu = use_kernel and weight.qweight.device.type == "cpu"
         # ridge's tiled kernels for many bf16 rows (the grouped-int8 one needs K in 16s)
         self.tiled_ops = ops if on_cpu and dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
+        # ridge's grouped kernel: for grouped int8 scales, which torch has no kernel for, and in float32 for
+        # every format, as torch's int8 / int4 kernels are built for bf16: in float32 they ran 1.6x / 7x
+        # slower than the dense float32 matmul at batch 1 (3072 x 576, AVX2), the grouped kernel, on the same
+        # codes a byte each (int4: 1.25 bytes a weight with its scales, not 0.75), 2.3x faster than it
+        grouped = on_cpu and ops is not None and (
+            (dtype == torch.float32 and self.in_features % 16 == 0)
+            or (weight.bits != 4 and weight.group_size is not None))  # GGUF Q5_0 / Q6_K / Q8_0 ... codes
         if weight.qweight.dtype == torch.float8_e4m3fn:
             self.kernel = "fp8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
-        elif on_cpu and ops is not None and dtype == torch.float32 and self.in_features % 16 == 0:
-            # torch's int8 / int4 kernels are built for bf16: in float32 they ran 1.6x / 7x slower than the
-            # dense float32 matmul at batch 1 (3072 x 576, AVX2), while ridge's grouped kernel, on the same
-            # codes a byte each (int4: 1.25 bytes a weight with its scales, not 0.75), ran 2.3x faster than it
+        elif grouped:
             self.kernel, self.ops = "grouped_int8", ops
             self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
             self.register_buffer("qweight", weight.qweight.to(torch.int8).contiguous(), persistent=False)
@@ -107,12 +111,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype),  # [G, N, 2]
                                  persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
-        elif on_cpu and ops is not None:
-            self.kernel, self.ops = "grouped_int8", ops
-            self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
-            self.register_buffer("scales", weight.scales.float().contiguous(), persistent=False)
-            minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
-            self.register_buffer("minimums", minimums.float().contiguous(), persistent=False)
         else:
             self.kernel = None
             self.register_buffer("dense", dequantize(weight).to(dtype), persistent=False)
