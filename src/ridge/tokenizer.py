@@ -15,9 +15,9 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.sampling_params import SamplingParams
 
 # Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
@@ -58,34 +58,29 @@ class TokenizerInfo:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.get_field(key)
-    return default if f is None else f.contents()
-
-
-def tokenizer_from_gguf(reader: GGUFReader) -> tuple[Tokenizer, TokenizerInfo]:
-    kind = _field(reader, "tokenizer.ggml.model")
+def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
+    kind = gguf.fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported yet (only BPE 'gpt2' vocabularies)")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    tokens: list[str] = gguf.fields.get("tokenizer.ggml.tokens")
+    types: list[int] = gguf.fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in gguf.fields.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    tok.pre_tokenizer = _pre_tokenizer(gguf.fields.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
-    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    bos, eos = gguf.fields.get("tokenizer.ggml.bos_token_id"), gguf.fields.get("tokenizer.ggml.eos_token_id")
     info = TokenizerInfo(
         bos_token_id=bos,
         eos_token_id=eos,
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos=bool(gguf.fields.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=gguf.fields.get("tokenizer.chat_template"),
     )
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eot = gguf.fields.get("tokenizer.ggml.eot_token_id")
     info.stop_token_ids = _stop_ids(vocab, eos, eot)
     return tok, info
 
@@ -131,10 +126,10 @@ class RidgeTokenizer:
         self._template = _compile_template(info.chat_template) if info.chat_template else None
 
     @classmethod
-    def from_path(cls, path: Path, reader: GGUFReader | None = None) -> RidgeTokenizer:
+    def from_path(cls, path: Path, gguf: GGUFFile | None = None) -> RidgeTokenizer:
         if path.is_dir():
             return cls(*tokenizer_from_hf_dir(path))
-        return cls(*tokenizer_from_gguf(reader or GGUFReader(path)))
+        return cls(*tokenizer_from_gguf(gguf or read_gguf(path)))
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from gguf import GGUFReader
 
 from ridge.config import EngineConfig
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
@@ -24,6 +23,7 @@ from ridge.hub import resolve
 from ridge.kernels import cpu_ops, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
+from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
 from ridge.quant.linear import CALIBRATED, METHODS, quantize_model
@@ -116,7 +116,7 @@ class DraftFile:
     """A draft model's file, opened (its tokenizer read) before either model's weights load."""
 
     path: Path
-    reader: GGUFReader | None
+    gguf: GGUFFile | None
     tokenizer: RidgeTokenizer
 
 
@@ -129,11 +129,11 @@ class LLMEngine:
         self.detokenize = detokenize
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         path = resolve(config.model)
-        reader = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
-        self.tokenizer = RidgeTokenizer.from_path(path, reader)
+        gguf = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
+        self.tokenizer = RidgeTokenizer.from_path(path, gguf)
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        self.loaded: LoadedModel = _load(path, config, kernels, progress, reader, self.tokenizer)
+        self.loaded: LoadedModel = _load(path, config, kernels, progress, gguf, self.tokenizer)
         cfg = self.loaded.config
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
@@ -168,12 +168,12 @@ class LLMEngine:
     def _open_draft_model(self) -> DraftFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
         path = resolve(self.config.draft_model)
-        reader = open_gguf(path) if path.is_file() else None
-        tokenizer = RidgeTokenizer.from_path(path, reader)
+        gguf = open_gguf(path) if path.is_file() else None
+        tokenizer = RidgeTokenizer.from_path(path, gguf)
         if tokenizer.vocab_size != self.tokenizer.vocab_size:
             raise ValueError(f"draft_model: its vocabulary ({tokenizer.vocab_size} tokens) differs from the "
                              f"target's ({self.tokenizer.vocab_size}); a drafter must share the tokenizer")
-        return DraftFile(path, reader, tokenizer)
+        return DraftFile(path, gguf, tokenizer)
 
     def _make_drafter(self, draft_model: DraftFile | None, num_blocks: int,
                       kernels: ModuleType | None, progress: bool) -> Drafter | None:
@@ -182,7 +182,7 @@ class LLMEngine:
             return NgramDrafter()
         if draft_model is None:
             return None
-        draft = _load(draft_model.path, config, kernels, progress, draft_model.reader, draft_model.tokenizer)
+        draft = _load(draft_model.path, config, kernels, progress, draft_model.gguf, draft_model.tokenizer)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
@@ -445,11 +445,11 @@ class LLMEngine:
             assert seq.status is Status.RUNNING
 
 
-def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, reader,
+def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, gguf: GGUFFile | None,
           tokenizer: RidgeTokenizer) -> LoadedModel:
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
     native = config.quantization == "gguf"
-    loaded = load_model(path, config.torch_dtype, config.device, progress, reader, gguf_native=native, ops=kernels)
+    loaded = load_model(path, config.torch_dtype, config.device, progress, gguf, gguf_native=native, ops=kernels)
     if config.quantization in METHODS:
         hessians = None
         if config.quantization in CALIBRATED:  # calibrated here, on the unquantized model

@@ -8,9 +8,11 @@
 - quant_linear.cpp: linear layers over int8 codes with grouped scales (GGUF's 5-8-bit block formats):
   torch's CPU kernels take one scale per output channel or 4-bit codes, nothing else.
 
-torch builds them with the system C++ compiler into its extension cache (~/.cache/torch_extensions):
-the first start on a machine pays about a minute, later ones nothing. Without a compiler, ridge keeps
-the pure-torch paths, which give the same results more slowly.
+torch builds them with the system C++ compiler, into a folder of $RIDGE_HOME/kernels named by the sources'
+location and contents, the flags and torch's version: the first start pays about a minute, later ones
+nothing, and two checkouts never rebuild each other's (in torch's one shared folder per extension name,
+each rebuilt it whenever the other had run). Without a compiler, ridge keeps the pure-torch paths, which
+give the same results more slowly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from ridge.hub import ridge_home
+
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp")]
@@ -30,15 +34,17 @@ HEADERS = [Path(__file__).with_name("vec.h")]
 @cache
 def load() -> ModuleType | None:
     try:
+        import torch
         from torch.utils.cpp_extension import load as build
 
-        # torch rebuilds when the sources or flags change, but does not look at headers: their hash goes
-        # into the flags
-        header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-                 f"-DRIDGE_HEADERS_{header_hash}"]
+        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+        key = hashlib.sha256(repr((str(Path(__file__).parent), flags, torch.__version__)).encode())
+        for source in SOURCES + HEADERS:  # torch looks at the sources' contents, not at headers'
+            key.update(source.read_bytes())
+        folder = ridge_home() / "kernels" / key.hexdigest()[:16]
+        folder.mkdir(parents=True, exist_ok=True)
         return build(name="ridge_cpu_ops", sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                     extra_ldflags=["-fopenmp"], verbose=False)
+                     extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler, no headers, a build error: fall back, loudly
         log.warning("ridge: C++ CPU kernels unavailable (%s); using the torch paths", exc)
         return None

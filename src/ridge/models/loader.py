@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
+from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.registry import config_from_gguf, config_from_hf
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
@@ -83,26 +83,16 @@ class LoadedModel:
     weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
 
 
-def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar and string metadata (arrays such as the vocabulary are left to the tokenizer)."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] != GGUFValueType.ARRAY:
-            meta[key] = field.contents()
-    return meta
-
-
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
-def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, progress: bool,
+def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
                   native: bool) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
-    for t in tqdm(reader.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
-        shape = [int(n) for n in reversed(t.shape.tolist())]
+    for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
         if native and t.tensor_type.name not in _FLOAT_TYPES:
-            data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, tuple(shape), t.name)
+            data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, t.shape, t.name)
         else:
-            data = dequantize(t.data, t.tensor_type).reshape(shape)
+            data = dequantize(t.data, t.tensor_type).reshape(t.shape)
         if cfg.architecture == "llama" and re.search(r"attn_[qk]\.", t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             data = _unpermute_rotary(data, heads)
@@ -121,7 +111,7 @@ def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndar
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, reader: GGUFReader | None = None,
+    path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
     gguf_native: bool = False, ops: ModuleType | None = None,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are, multiplied by kernels (ops: ridge's C++
@@ -137,12 +127,11 @@ def load_model(
             tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
             fmt += f" {hf_config['quantization_config']['quant_method']}"
     else:
-        reader = reader or open_gguf(path)
-        shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
-        cfg = config_from_gguf(gguf_metadata(reader), shapes)
-        tensors = _gguf_tensors(reader, cfg, progress, gguf_native)
+        gguf = gguf or open_gguf(path)
+        cfg = config_from_gguf(gguf.metadata, {t.name: t.shape for t in gguf.tensors})
+        tensors = _gguf_tensors(gguf, cfg, progress, gguf_native)
         table = _GGUF_NAMES
-        kinds = sorted({t.tensor_type.name for t in reader.tensors} - _FLOAT_TYPES)
+        kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
     parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -195,19 +184,14 @@ def _place_quantized(model: DecoderModel, target: str, parts: list[QuantizedWeig
     setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, dtype, ops))
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """GGUFReader with the failures a user can act on named plainly."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header and tensor table, with the failures a user can act on named plainly."""
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct errors, numpy errors...
+        return read_gguf(path)
+    except Exception as exc:  # a bad magic, a cut header (struct.error), an unknown type, a short tensor...
         raise ValueError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({exc}); re-pull it or check the download"
         ) from exc
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise ValueError(f"{path}: truncated GGUF file (tensor {t.name} runs past the end of the file)")
-    return reader
 
 
 def _safetensors(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -236,15 +236,12 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
 
 def spec_from_gguf(path: Path) -> ModelSpec:
     """A GGUF file's header (its `<arch>.*` keys), without reading the tensors."""
-    from gguf import GGUFReader
+    from ridge.models.gguf_file import read_gguf
 
-    reader = GGUFReader(str(path))
+    gguf = read_gguf(path)
 
     def value(key: str, default=None):
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
+        v = gguf.fields.get(key, default)
         return v[0] if isinstance(v, list) and len(v) == 1 else v
 
     arch = value("general.architecture")
@@ -253,7 +250,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
     tokens = value("tokenizer.ggml.tokens")
     vocab = int(value(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     kv = value(f"{arch}.attention.head_count_kv", heads)
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in gguf.tensors}
     return ModelSpec(
         name=path.stem, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
         num_heads=heads, num_kv_heads=int(kv), head_dim=int(value(f"{arch}.attention.key_length", hidden // heads)),
