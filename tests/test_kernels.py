@@ -117,3 +117,29 @@ def test_silu_mul_matches_torch(ops, dtype):
     expected = F.silu(gate) * up
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (ops.silu_mul(gate_up).float() - expected.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 32])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (75, 1536), (7, 13), (33, 577)])
+def test_dense_linear_matches_float64(ops, rows, n, k):
+    """float32 rows through the few-row kernel: odd channel counts and K not a multiple of the vector width."""
+    torch.manual_seed(rows)
+    x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    expected = x.double() @ w.double().T
+    # float32 sums of k products of unit normals: rounding grows with sqrt(k)
+    tol = 1e-6 * k
+    assert (ops.dense_linear(x, w).double() - expected).abs().max().item() < tol
+    assert (ops.dense_linear(x, w, bias).double() - (expected + bias.double())).abs().max().item() < tol
+
+
+def test_few_rows_linear_is_its_nn_linear(ops):
+    from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(96, 40)
+    fast = FewRowsLinear.wrap(plain.weight, plain.bias, ops)
+    assert fast.weight is plain.weight and isinstance(fast, torch.nn.Linear)
+    with torch.inference_mode():
+        for shape in [(1, 96), (3, 5, 96), (FEW_ROWS + 1, 96)]:  # the last through torch's matmul
+            x = torch.randn(shape)
+            assert torch.allclose(fast(x), plain(x), atol=1e-5)

@@ -279,7 +279,7 @@ def test_beam_search_matches_a_reference_over_hf_logits(engines, hf_smollm2):
     from ridge import BeamSearchParams
 
     on, off = engines
-    prompts = ["The three most important inventions are", "def add(a, b):", "Once upon a time, in a small village,"]
+    prompts = ["The three most important inventions are", "def add(a, b):"]
     params = BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=1.0)
     hits_before = on.engine.pool.cache.stats.hits
     outputs = on.beam_search(prompts, params)

@@ -163,13 +163,12 @@ def test_greedy_speculation_equals_plain_decoding(make_llm_for_test, smollm2_pat
     llm = make_llm_for_test(smollm2_path, dtype="float32", num_speculative_tokens=k, speculation_policy=policy, **kw)
     if drafter == "draft":
         _weaken(llm)
-    batch = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]  # batch 16
-    alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS[-3:]]  # batch 1
-    assert batch == plain_outputs
-    assert alone == plain_outputs[-3:]
-    stats = llm.generate(PROMPTS[-6:], GREEDY)
-    drafted = sum(o.metrics["spec_draft_tokens"] for o in stats)
-    accepted = sum(o.metrics["spec_accepted_tokens"] for o in stats)
+    batch = llm.generate(PROMPTS, GREEDY)  # batch 16
+    alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS[-2:]]  # batch 1
+    assert [o.outputs[0].token_ids for o in batch] == plain_outputs
+    assert [o.outputs[0].token_ids for o in alone] == plain_outputs[-2:]
+    drafted = sum(o.metrics["spec_draft_tokens"] for o in batch + alone)
+    accepted = sum(o.metrics["spec_accepted_tokens"] for o in batch + alone)
     assert 0 < accepted < drafted  # it did speculate, and some drafts were rejected
 
 

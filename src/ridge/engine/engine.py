@@ -20,7 +20,7 @@ from ridge.engine.scheduler import ScheduledStep, Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.hub import resolve
-from ridge.kernels import cpu_ops, onednn_linear
+from ridge.kernels import cpu_ops, dense_linear, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
@@ -461,5 +461,7 @@ def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
         onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
+    if kernels is not None:
+        dense_linear.use_kernel(loaded.model, kernels)  # float32 layers still dense
     loaded.model.use_kernels(kernels)
     return loaded

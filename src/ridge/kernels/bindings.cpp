@@ -14,6 +14,7 @@ void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k,
                   torch::Tensor slots);
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                   torch::Tensor minimums, int64_t group);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
                               int64_t block_width);
 
@@ -24,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
   m.def("grouped_int8_linear", &grouped_int8_linear,
         "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns");
+  m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,
         "x @ W.T for many rows of x, W in torch's CPU int4 layout, dequantized a tile at a time");
   m.def("cache_gather", &cache_gather, "K, V of the given blocks as dense rows [kv_heads, n * bs, d]");

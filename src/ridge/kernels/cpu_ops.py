@@ -5,6 +5,7 @@
   step, moving three times the KV bytes the math needs.
 - fused_ops.cpp: residual add + RMSNorm, silu(gate) * up, rotary, each one pass instead of 3-8 torch ops:
   at batch 1 a small model's step is bounded by per-op overhead as much as by its weight reads.
+- dense_linear.cpp: float32 linear layers at decode's few rows: torch's runs MKL's sgemv on one thread.
 - quant_linear.cpp: linear layers over int8 codes with grouped scales (GGUF's 5-8-bit block formats):
   torch's CPU kernels take one scale per output channel or 4-bit codes, nothing else.
 
@@ -27,7 +28,7 @@ from ridge.hub import ridge_home
 
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp")]
+           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 
 

@@ -1,0 +1,51 @@
+"""float32 linear layers whose few-row calls (decode) run on ridge's kernel (kernels/dense_linear.cpp).
+
+torch's float32 linear at decode's shapes is MKL's sgemv on one thread; on the 2-core AVX2 box the
+kernel, on both threads, ran 2.0-3.4x faster at one row and still 1.05-1.9x at 32 (docs/benchmarks.md).
+Past FEW_ROWS rows (prefill) torch's sgemm takes over.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ridge.models.transformer import DecoderModel
+
+FEW_ROWS = 32
+
+
+class FewRowsLinear(nn.Linear):
+    """An nn.Linear (same parameters, same results up to summation order) with a faster few-row path."""
+
+    ops: ModuleType
+
+    @classmethod
+    def wrap(cls, weight: nn.Parameter, bias: nn.Parameter | None, ops: ModuleType) -> FewRowsLinear:
+        """Around existing parameters, without a copy (a tied output projection shares the embeddings')."""
+        with torch.device("meta"):
+            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight, layer.bias, layer.ops = weight, bias, ops
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.shape[0] > FEW_ROWS or rows.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        out = self.ops.dense_linear(rows, self.weight, self.bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def use_kernel(model: DecoderModel, ops: ModuleType) -> DecoderModel:
+    """Swap every float32 nn.Linear of the decoder layers, and the output projection, in place (quantized
+    and packed layers are left as they are)."""
+    if model.output_projection is None and model.output_weight.dtype == torch.float32:
+        model.output_projection = FewRowsLinear.wrap(model.output_weight, None, ops)
+    for parent in list(model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                setattr(parent, name, FewRowsLinear.wrap(child.weight, child.bias, ops))
+    return model
