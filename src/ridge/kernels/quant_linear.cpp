@@ -25,6 +25,9 @@ namespace {
 constexpr int64_t kRowBlock = 4;
 constexpr int64_t kChannelBlock = 4;  // output channels a thread takes at a time (decode path)
 constexpr int64_t kFewRows = 8;  // up to this many rows, the register path (measured against tiles: 4-16 even)
+// in float32 the tiles' matmul is MKL's sgemm, slow at few rows (kernels/dense_linear.cpp): up to this many,
+// the register path (measured on the 2-core AVX2 box, 3072 x 576: 16 rows 2.5 -> 1.5 ms, 32 rows 4.0 -> 2.9 ms)
+constexpr int64_t kFewRowsFloat = 32;
 constexpr int64_t kTileBytes = 1 << 22;  // a tile's dequantized bytes: fits L2 + L3 share, amortizes a matmul call
 
 void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -223,7 +226,7 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
   const int64_t groups = k_dim / group;
 #if defined(RIDGE_FVEC)
-  if (m_dim <= kFewRows) {
+  if (m_dim <= (x.scalar_type() == torch::kFloat ? kFewRowsFloat : kFewRows)) {
     const torch::Tensor xf = x.to(torch::kFloat).contiguous();
     torch::Tensor out = torch::empty({m_dim, n_dim}, xf.options());
     const float* xp = xf.data_ptr<float>();
