@@ -62,21 +62,17 @@ torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   constexpr int64_t kChannelBlock = 16;  // channels a thread takes at a time
-  const int64_t blocks = (n_dim + kChannelBlock - 1) / kChannelBlock;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; b++) {
-    const int64_t n = b * kChannelBlock, n_end = std::min(n_dim, n + kChannelBlock);
-    for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
-      const float* xm = xp + m0 * k_dim;
-      float* om = op + m0 * n_dim;
-      switch (std::min(kRowBlock, m_dim - m0)) {  // accumulators: channels x rows <= 8 of 16 registers
-        case 1: dense_channels<4, 1>(xm, k_dim, n, n_end, wp, om, n_dim); break;
-        case 2: dense_channels<4, 2>(xm, k_dim, n, n_end, wp, om, n_dim); break;
-        case 3: dense_channels<2, 3>(xm, k_dim, n, n_end, wp, om, n_dim); break;
-        default: dense_channels<2, 4>(xm, k_dim, n, n_end, wp, om, n_dim); break;
-      }
+  for_channel_and_row_blocks(n_dim, m_dim, kChannelBlock, kRowBlock, [&](int64_t n, int64_t n_end, int64_t m0,
+                                                                         int64_t rows) {
+    const float* xm = xp + m0 * k_dim;
+    float* om = op + m0 * n_dim;
+    switch (rows) {  // accumulators: channels x rows <= 8 of 16 registers
+      case 1: dense_channels<4, 1>(xm, k_dim, n, n_end, wp, om, n_dim); break;
+      case 2: dense_channels<4, 2>(xm, k_dim, n, n_end, wp, om, n_dim); break;
+      case 3: dense_channels<2, 3>(xm, k_dim, n, n_end, wp, om, n_dim); break;
+      default: dense_channels<2, 4>(xm, k_dim, n, n_end, wp, om, n_dim); break;
     }
-  }
+  });
   if (bias.has_value()) out.add_(*bias);
   return out;
 }

@@ -235,23 +235,18 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
     for (size_t i = 0; i < xsum.size(); i++) xsum[i] = std::accumulate(xp + i * group, xp + (i + 1) * group, 0.f);
     const float* xs = xsum.data();
     float* op = out.data_ptr<float>();
-    // threads split the channels in blocks of kChannelBlock, each walks the rows kRowBlock at a time
-    const int64_t blocks = (n_dim + kChannelBlock - 1) / kChannelBlock;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-      const int64_t n = b * kChannelBlock, n_end = std::min(n_dim, n + kChannelBlock);
-      for (int64_t m0 = 0; m0 < m_dim; m0 += kRowBlock) {
-        const float* xm = xp + m0 * k_dim;
-        const float* sm = xs + m0 * groups;
-        float* om = op + m0 * n_dim;
-        switch (std::min(kRowBlock, m_dim - m0)) {  // registers: 2 x channels x rows + channels + 1 <= 16
-          case 1: dot_channels<4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-          case 2: dot_channels<2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-          case 3: dot_channels<2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-          default: dot_channels<1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        }
+    for_channel_and_row_blocks(n_dim, m_dim, kChannelBlock, kRowBlock, [&](int64_t n, int64_t n_end, int64_t m0,
+                                                                           int64_t rows) {
+      const float* xm = xp + m0 * k_dim;
+      const float* sm = xs + m0 * groups;
+      float* om = op + m0 * n_dim;
+      switch (rows) {  // registers: 2 x channels x rows + channels + 1 <= 16
+        case 1: dot_channels<4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 2: dot_channels<2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 3: dot_channels<2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        default: dot_channels<1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
       }
-    }
+    });
     return out.to(x.scalar_type());
   }
 #endif

@@ -1,11 +1,29 @@
-// Vector helpers shared by ridge's CPU kernels: bf16 <-> float32 conversion, a vector exp (AVX512), and
-// `fvec`, a float vector of the widest width the build targets (AVX512: 16 lanes, AVX2 + FMA: 8), for
-// kernels written once for both.
+// Vector helpers shared by ridge's CPU kernels: the few-row linear kernels' split of work, bf16 <-> float32
+// conversion, a vector exp (AVX512), and `fvec`, a float vector of the widest width the build targets (AVX512:
+// 16 lanes, AVX2 + FMA: 8), for kernels written once for both.
 //
 // By hand because the compiler vectorized neither: c10::BFloat16's conversions compile to scalar code,
 // and glibc's scalar expf was what limited the attention kernel (three calls per token and kv head
 // cost more than reading the token's K and V) and SiLU; -ffast-math did not bring in its vector variant.
 #pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+// The few-row linear kernels' split of work: threads take `channel_block` output channels at a time and
+// walk the rows `row_block` at a time, calling body(n, n_end, m0, rows) for each piece.
+template <typename Body>
+inline void for_channel_and_row_blocks(int64_t n_dim, int64_t m_dim, int64_t channel_block, int64_t row_block,
+                                       Body body) {
+  const int64_t blocks = (n_dim + channel_block - 1) / channel_block;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t n = b * channel_block, n_end = std::min(n_dim, n + channel_block);
+    for (int64_t m0 = 0; m0 < m_dim; m0 += row_block) body(n, n_end, m0, std::min(row_block, m_dim - m0));
+  }
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define RIDGE_FVEC 1
