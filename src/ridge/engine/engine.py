@@ -112,12 +112,19 @@ class _Request:
 
 
 @dataclass
-class DraftFile:
-    """A draft model's file, opened (its tokenizer read) before either model's weights load."""
+class ModelFile:
+    """A model's file or directory, opened: its GGUF header parsed once (for tokenizer and weights), its
+    tokenizer read, no weights loaded yet."""
 
     path: Path
     gguf: GGUFFile | None
     tokenizer: RidgeTokenizer
+
+    @classmethod
+    def open(cls, model: str) -> ModelFile:
+        path = resolve(model)
+        gguf = open_gguf(path) if path.is_file() else None
+        return cls(path, gguf, RidgeTokenizer.from_path(path, gguf))
 
 
 class LLMEngine:
@@ -128,12 +135,11 @@ class LLMEngine:
         self.config = config
         self.detokenize = detokenize
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        path = resolve(config.model)
-        gguf = open_gguf(path) if path.is_file() else None  # one parse serves tokenizer and weights
-        self.tokenizer = RidgeTokenizer.from_path(path, gguf)
+        target = ModelFile.open(config.model)
+        self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        self.loaded: LoadedModel = _load(path, config, kernels, progress, gguf, self.tokenizer)
+        self.loaded: LoadedModel = _load(target, config, kernels, progress)
         cfg = self.loaded.config
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
@@ -162,27 +168,25 @@ class LLMEngine:
         self.last_step = StepStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", path.name, self.loaded.weight_format,
+        log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", target.path.name, self.loaded.weight_format,
                  num_blocks, config.block_size, num_blocks * per_block / 2**20)
 
-    def _open_draft_model(self) -> DraftFile:
+    def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
-        path = resolve(self.config.draft_model)
-        gguf = open_gguf(path) if path.is_file() else None
-        tokenizer = RidgeTokenizer.from_path(path, gguf)
-        if tokenizer.vocab_size != self.tokenizer.vocab_size:
-            raise ValueError(f"draft_model: its vocabulary ({tokenizer.vocab_size} tokens) differs from the "
+        draft = ModelFile.open(self.config.draft_model)
+        if draft.tokenizer.vocab_size != self.tokenizer.vocab_size:
+            raise ValueError(f"draft_model: its vocabulary ({draft.tokenizer.vocab_size} tokens) differs from the "
                              f"target's ({self.tokenizer.vocab_size}); a drafter must share the tokenizer")
-        return DraftFile(path, gguf, tokenizer)
+        return draft
 
-    def _make_drafter(self, draft_model: DraftFile | None, num_blocks: int,
+    def _make_drafter(self, draft_model: ModelFile | None, num_blocks: int,
                       kernels: ModuleType | None, progress: bool) -> Drafter | None:
         config = self.config
         if config.speculate == "ngram":
             return NgramDrafter()
         if draft_model is None:
             return None
-        draft = _load(draft_model.path, config, kernels, progress, draft_model.gguf, draft_model.tokenizer)
+        draft = _load(draft_model, config, kernels, progress)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
@@ -445,15 +449,15 @@ class LLMEngine:
             assert seq.status is Status.RUNNING
 
 
-def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool, gguf: GGUFFile | None,
-          tokenizer: RidgeTokenizer) -> LoadedModel:
+def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool) -> LoadedModel:
     """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
     native = config.quantization == "gguf"
-    loaded = load_model(path, config.torch_dtype, config.device, progress, gguf, gguf_native=native, ops=kernels)
+    loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf, gguf_native=native,
+                        ops=kernels)
     if config.quantization in METHODS:
         hessians = None
         if config.quantization in CALIBRATED:  # calibrated here, on the unquantized model
-            windows = calibration_windows(tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
+            windows = calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
             hessians = input_hessians(loaded.model, windows, config.torch_dtype, config.device, progress)
         quantize_model(loaded.model, config.quantization, config.quantization_group_size, config.torch_dtype,
                        hessians=hessians, progress=progress, ops=kernels)
@@ -461,7 +465,7 @@ def _load(path, config: EngineConfig, kernels: ModuleType | None, progress: bool
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
         onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
-    if kernels is not None:
-        dense_linear.use_kernel(loaded.model, kernels)  # float32 layers still dense
+    if kernels is not None and config.torch_dtype == torch.float32:
+        dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense
     loaded.model.use_kernels(kernels)
     return loaded

@@ -33,19 +33,14 @@ class FewRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows.shape[0] > FEW_ROWS or rows.dtype != torch.float32:
+        if rows.shape[0] > FEW_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = self.ops.dense_linear(rows, self.weight, self.bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def use_kernel(model: DecoderModel, ops: ModuleType) -> DecoderModel:
-    """Swap every float32 nn.Linear of the decoder layers, and the output projection, in place (quantized
-    and packed layers are left as they are)."""
-    if model.output_projection is None and model.output_weight.dtype == torch.float32:
-        model.output_projection = FewRowsLinear.wrap(model.output_weight, None, ops)
-    for parent in list(model.layers.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, FewRowsLinear.wrap(child.weight, child.bias, ops))
+    """Swap every nn.Linear of a float32 model's decoder layers, and its output projection, in place
+    (quantized and packed layers are left as they are)."""
+    model.replace_linears(lambda weight, bias: FewRowsLinear.wrap(weight, bias, ops))
     return model

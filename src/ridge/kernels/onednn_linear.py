@@ -59,10 +59,5 @@ def pack_linears(model: DecoderModel) -> DecoderModel:
 
     The output projection gets its own packed copy, so a tied embedding table stays a plain tensor.
     """
-    if model.output_projection is None:
-        model.output_projection = PackedLinear(model.output_weight.data, None)
-    for parent in list(model.layers.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight.data, child.bias))
+    model.replace_linears(lambda weight, bias: PackedLinear(weight.data, bias))
     return model

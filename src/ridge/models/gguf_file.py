@@ -49,7 +49,6 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    path: Path
     fields: dict[str, Any]  # key -> int / float / bool / str, or a list of them
     tensors: list[GGUFTensor]
 
@@ -133,4 +132,4 @@ def read_gguf(path: Path) -> GGUFFile:
             raise ValueError(f"truncated GGUF file (tensor {name} runs past the end of the file)")
         data = np.frombuffer(buffer, dtype=dtype, count=n_bytes // np.dtype(dtype).itemsize, offset=start + offset)
         tensors.append(GGUFTensor(name, kind, shape, data.reshape(view_shape)))
-    return GGUFFile(path, fields, tensors)
+    return GGUFFile(fields, tensors)

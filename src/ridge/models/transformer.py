@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -28,6 +29,16 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding):
                 module.ops = ops
+
+    def replace_linears(self, replace: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        """Swap every plain nn.Linear of the decoder layers for replace(weight, bias), and give the model an
+        output projection replace(output weight, None) if it has none (a tied table stays the embedding's)."""
+        if self.output_projection is None:
+            self.output_projection = replace(self.output_weight, None)
+        for parent in list(self.layers.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, replace(child.weight, child.bias))
 
     @property
     def output_weight(self) -> torch.Tensor:
