@@ -38,22 +38,23 @@ def test_generate_bad_value_is_a_clear_error(smollm2_path):
 
 
 def test_quantize_and_bench_quant(smollm2_path, tmp_path):
-    """`ridge quantize` writes a checkpoint that `generate` serves; `ridge bench quant` measures two formats
-    in one run and reports their bytes per step, tok/s and bandwidth fraction."""
+    """`ridge quantize` writes a checkpoint that `generate` serves (here on int8 activations); `ridge bench
+    quant` measures two formats in one run and reports their bytes per step, tok/s and bandwidth fraction."""
     out = tmp_path / "int8"
     report = json.loads(run("quantize", "smollm2", "--method", "rtn", "--bits", "8", "--out", str(out),
                             "--json").stdout)
     assert report["layout"] == "gptq" and report["layers"] == 30 * 7 and (out / "config.json").exists()
     result = run("generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
-                 "--json", "--kv-cache-memory", "64MiB")
+                 "--json", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--int8-activations")
     assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
     bad = run("quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and "bits" in bad.stderr
-    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4", "--baseline", "float32",
+    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8", "--baseline", "float32",
                            "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
                            "--repeats", "1", "--json").stdout)
     rows = {row["name"]: row for row in bench["formats"]}
-    assert rows["int4"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
-    assert rows["float32"]["decode_vs_baseline"] == 1.0 and "computes in float32" in rows["int4"]["weights"]
+    assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
+    assert rows["float32"]["decode_vs_baseline"] == 1.0
+    assert "int8 activations, computes in float32" in rows["int4+a8"]["weights"]
     assert all(row["decode_tok_s"] > 0 and row["read_fraction"] > 0 and row["batch_tok_s"] > 0
                for row in rows.values())

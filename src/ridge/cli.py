@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "GGUF's Q4 blocks)")
     g.add_argument("--calibration-windows", type=int, default=32,
                    help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
+    g.add_argument("--int8-activations", action="store_true",
+                   help="quantized weights in float32: quantize each layer's input to int8 per 32 values and "
+                        "multiply integers, as llama.cpp does (AVX2 CPUs; ~2x faster decode matmuls, ~1%% error "
+                        "in a layer's output; default off: the dequantized model's numbers exactly)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
     g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
                    help="ngram = prompt lookup (no model); draft = --draft-model (default: off)")
@@ -65,7 +69,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": args.attention_backend, "num_threads": args.threads,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
         "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
-        "calibration_windows": args.calibration_windows,
+        "calibration_windows": args.calibration_windows, "int8_activations": args.int8_activations,
         "speculate": args.speculate, "draft_model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens, "speculation_policy": args.speculation_policy,
     }

@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field
 
 from ridge.bench import roofline, workloads
 
-# format -> (dtype, quantization); a quantized format computes in --dtype (None here)
-FORMATS: dict[str, tuple[str | None, str | None]] = {
-    "float32": ("float32", None), "bfloat16": ("bfloat16", None), "gguf": (None, "gguf"),
-    "int8": (None, "int8"), "int4": (None, "int4"), "gptq": (None, "gptq"), "awq": (None, "awq"),
-    "fp8": (None, "fp8"),
+# format -> the LLM arguments it sets; a quantized format computes in --dtype. "+a8": int8 activations
+# (EngineConfig.int8_activations), llama.cpp's arithmetic on CPUs
+FORMATS: dict[str, dict] = {
+    "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+    **{q: {"quantization": q} for q in ("gguf", "int8", "int4", "gptq", "awq", "fp8")},
+    **{f"{q}+a8": {"quantization": q, "int8_activations": True} for q in ("gguf", "int8", "int4", "gptq", "awq")},
 }
 
 
@@ -44,11 +45,9 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
     from ridge import LLM
     from ridge.bench.cli import ridge_latency, ridge_throughput, weight_bytes_per_token
 
-    dtype, quantization = FORMATS[name]
     try:
-        llm = LLM(args.model, dtype=dtype or args.dtype, quantization=quantization,
-                  quantization_group_size=args.group_size, num_threads=args.threads,
-                  kv_cache_memory=args.kv_cache_memory)
+        llm = LLM(args.model, **{"dtype": args.dtype, **FORMATS[name]}, quantization_group_size=args.group_size,
+                  num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     except ValueError as exc:  # e.g. gguf on a model directory
         return FormatResult(name, error=str(exc))
     computes_in = str(llm.engine.config.torch_dtype).removeprefix("torch.")
@@ -160,7 +159,8 @@ def add_quant_parser(bsub) -> None:
                                     "--peer llamacpp=PYTHON.")
     p.add_argument("model", nargs="?", default="smollm2", help="alias, .gguf file or HF directory")
     p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "bfloat16", "gguf", "int8", "int4"],
-                   help=f"comma-separated, of {', '.join(FORMATS)} (default float32,bfloat16,gguf,int8,int4)")
+                   help=f"comma-separated, of {', '.join(FORMATS)}; NAME+a8: with --int8-activations "
+                        "(default float32,bfloat16,gguf,int8,int4)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="what the quantized formats compute in; auto: bfloat16 where the CPU has bf16 "
                         "arithmetic (AVX512-BF16, AMX), else float32, as the engine chooses (default auto)")

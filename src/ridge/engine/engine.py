@@ -26,7 +26,7 @@ from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
 from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
-from ridge.quant.linear import CALIBRATED, METHODS, quantize_model
+from ridge.quant.linear import CALIBRATED, METHODS, quantize_model, use_int8_activations
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
 
@@ -465,6 +465,11 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
         onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
+    if config.int8_activations:
+        if kernels is None or not use_int8_activations(loaded.model):
+            raise ValueError("int8_activations: needs quantized weights (--quantization, or a quantized "
+                             "checkpoint) computing in float32, and ridge's CPU kernels built for AVX2")
+        loaded.weight_format += ", int8 activations"
     if kernels is not None and config.torch_dtype == torch.float32:
         dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense
     loaded.model.use_kernels(kernels)

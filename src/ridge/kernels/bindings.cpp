@@ -14,6 +14,9 @@ void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k,
                   torch::Tensor slots);
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                   torch::Tensor minimums, int64_t group);
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
+                              int64_t group, bool signed_codes);
+bool int8_dot_available();
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
                               int64_t block_width);
@@ -25,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
   m.def("grouped_int8_linear", &grouped_int8_linear,
         "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns");
+  m.def("int8_dot_linear", &int8_dot_linear,
+        "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
+  m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,

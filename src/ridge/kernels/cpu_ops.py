@@ -8,6 +8,8 @@
 - dense_linear.cpp: float32 linear layers at decode's few rows: torch's runs MKL's sgemv on one thread.
 - quant_linear.cpp: linear layers over int8 codes with grouped scales (GGUF's 5-8-bit block formats):
   torch's CPU kernels take one scale per output channel or 4-bit codes, nothing else.
+- int8_dot_linear.cpp: the same with the input quantized to int8 (opt-in, not exact): integer dot products,
+  llama.cpp's arithmetic, for CPUs where widening codes to float bounds the float kernel.
 
 torch builds them with the system C++ compiler, into a folder of $RIDGE_HOME/kernels named by the sources'
 location and contents, the flags and torch's version: the first start pays about a minute, later ones
@@ -28,7 +30,8 @@ from ridge.hub import ridge_home
 
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp")]
+           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp",
+                   "int8_dot_linear.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 
 
