@@ -73,7 +73,8 @@ def unpack(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int],
     block_values, block_bytes = GGML_QUANT_SIZES[kind]
     blocks = np.ascontiguousarray(data).reshape(-1, block_bytes)
     scales, minimums = _scales(kind, blocks)
-    values = dequantize(blocks, kind).reshape(-1, block_values // group, group)
+    # by rows, not blocks: gguf dequantizes in slices of rows, and a block per row made 20x more slices
+    values = dequantize(blocks.reshape(n, -1), kind).reshape(-1, block_values // group, group)
     shifted = values if minimums is None else values - minimums[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         codes = np.where(scales[..., None] != 0, np.rint(shifted / scales[..., None]), 0)
