@@ -51,7 +51,8 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert bad.returncode == 2 and "bits" in bad.stderr
     bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8", "--baseline", "float32",
                            "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
-                           "--repeats", "1", "--json").stdout)
+                           "--repeats", "1", "--json", "--plot", str(tmp_path / "formats.png")).stdout)
+    assert (tmp_path / "formats.png").stat().st_size > 0
     rows = {row["name"]: row for row in bench["formats"]}
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
     assert rows["float32"]["decode_vs_baseline"] == 1.0

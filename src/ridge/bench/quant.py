@@ -88,6 +88,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
                "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
         peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
     base = next((r for r in results if r.name == args.baseline and not r.error), None)
+    theirs = peer.figures["decode_tok_s"] if peer is not None and not peer.error else None
     rows = []
     for r in results:
         row = {**asdict(r), "figures": r.figures}
@@ -97,10 +98,14 @@ def cmd_quant(args: argparse.Namespace) -> int:
             if base:
                 row["decode_vs_baseline"] = r.decode_tok_s / base.decode_tok_s
                 row["batch_vs_baseline"] = r.batch_tok_s / base.batch_tok_s
+            if theirs and r.name.startswith("gguf"):  # the same file's blocks as llama.cpp runs them
+                row["decode_vs_llamacpp"] = r.decode_tok_s / theirs
         rows.append(row)
     report = {"benchmark": "quant", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
               "batch": args.batch, "baseline": args.baseline, "machine": {"read_gb_s": roof.read_gb_s}, "formats": rows,
               "llamacpp": None if peer is None else asdict(peer)}
+    if args.plot:
+        _plot([r for r in results if not r.error], args.plot, args.model, theirs)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -123,32 +128,36 @@ def cmd_quant(args: argparse.Namespace) -> int:
         if peer.error:
             print(f"llama.cpp: {peer.error}")
         else:
-            gguf = next((r for r in results if r.name == "gguf" and not r.error), None)
-            theirs = peer.figures["decode_tok_s"]
-            ratio = f" (ridge gguf / llama.cpp = {gguf.decode_tok_s / theirs:.2f}x)" if gguf else ""
-            print(f"llama.cpp on the same file: decode {theirs:.1f} tok/s{ratio}")
+            ratios = ", ".join(f"ridge {row['name']} / llama.cpp = {row['decode_vs_llamacpp']:.2f}x"
+                               for row in rows if "decode_vs_llamacpp" in row)
+            print(f"llama.cpp on the same file: decode {theirs:.1f} tok/s" + (f" ({ratios})" if ratios else ""))
     if args.plot:
-        _plot([r for r in results if not r.error], args.plot, args.model)
+        print(f"plot: {args.plot}")
     return 0
 
 
-def _plot(results: list[FormatResult], path: str, model: str) -> None:
+def _plot(results: list[FormatResult], path: str, model: str, llamacpp_tok_s: float | None) -> None:
+    """Batch-1 decode tok/s per format, one bar each, with the MB a step reads (llama.cpp's are not measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        ax.scatter(r.weight_bytes / 1e6, r.decode_tok_s, s=40)
-        ax.annotate(r.name, (r.weight_bytes / 1e6, r.decode_tok_s), textcoords="offset points", xytext=(5, 3))
-    ax.set_xlabel("weight MB read per decode step")
-    ax.set_ylabel("batch-1 decode tok/s")
-    ax.set_title(f"{model}: fewer bytes per step, more tokens per second")
-    ax.grid(alpha=0.3)
+    bars = [(r.name, r.decode_tok_s, f"{r.weight_bytes / 1e6:.0f} MB/step") for r in results]
+    if llamacpp_tok_s:
+        bars.append(("llama.cpp (same file)", llamacpp_tok_s, ""))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(bars) + 1.2))
+    names, speeds, notes = zip(*reversed(bars), strict=True)  # the first format on top
+    colors = ["grey" if n.startswith("llama.cpp") else "tab:blue" for n in names]
+    ax.barh(names, speeds, color=colors)
+    for y, (speed, note) in enumerate(zip(speeds, notes, strict=True)):
+        ax.annotate(f"{speed:.1f}  {note}", (speed, y), textcoords="offset points", xytext=(4, -3), fontsize=8)
+    ax.set_xlim(0, 1.3 * max(speeds))
+    ax.set_xlabel("batch-1 decode tok/s")
+    ax.set_title(f"{model}: weight formats, batch-1 decode")
+    ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
 
 
 def add_quant_parser(bsub) -> None:
@@ -175,6 +184,6 @@ def add_quant_parser(bsub) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--peer", action="append", metavar="llamacpp=PYTHON", help="llama.cpp's interpreter")
-    p.add_argument("--plot", default=None, metavar="PNG", help="decode tok/s against weight bytes")
+    p.add_argument("--plot", default=None, metavar="PNG", help="batch-1 decode tok/s, a bar per format")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_quant)
