@@ -106,13 +106,13 @@ def test_unsupported_type_names_the_supported_ones():
         gguf_blocks.unpack(blocks, GGMLQuantizationType.Q2_K, (4, 256), "blk.0.ffn_up.weight")
 
 
-def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path):
+def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path, smollm2):
     """In float32 every layer on ridge's grouped kernel (Q4_1 codes a byte each: torch's int4 kernel is 7x
     slower than a dense matmul in float32), the tied Q8_0 embedding table shared with the lookup: float32
     logits equal the dequantized model's, and the weights stay under twice the file (a quarter of float32);
     in bfloat16 the Q4_1 layers keep torch's packed layout, as small as the file."""
     native = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf")
-    plain = make_llm_for_test(smollm2_path, dtype="float32")
+    plain = smollm2  # the session's float32 engine over the dequantized file
     ids = native.tokenizer.encode("The capital of France is a city that")
     got, expected = native.engine.prompt_logits(ids), plain.engine.prompt_logits(ids)
     assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
@@ -126,7 +126,7 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     assert _weight_bytes(packed) <= 1.25 * smollm2_path.stat().st_size
 
 
-def test_smollm2_int8_activations_stay_near_the_exact_model(make_llm_for_test, smollm2_path):
+def test_smollm2_int8_activations_stay_near_the_exact_model(make_llm_for_test, smollm2_path, smollm2):
     """llama.cpp's arithmetic on the whole model: every quantized layer on the integer kernel, next-token
     distributions within a small KL divergence of the exact model's on average (measured 0.02-0.05 nats over
     three prompts, up to 0.4 at a single position: each layer's output is ~2% off on SmolLM2's outlier-heavy
@@ -135,7 +135,7 @@ def test_smollm2_int8_activations_stay_near_the_exact_model(make_llm_for_test, s
     fast = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf", int8_activations=True)
     layers = [m for m in fast.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.int8_activations for m in layers)
-    plain = make_llm_for_test(smollm2_path, dtype="float32")
+    plain = smollm2
     ids = plain.tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")
     exact, got = plain.engine.prompt_logits(ids).log_softmax(-1), fast.engine.prompt_logits(ids).log_softmax(-1)
     kl = (exact.exp() * (exact - got)).sum(-1)

@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
     g.add_argument("--int8-activations", action="store_true",
                    help="quantized weights in float32: quantize each layer's input to int8 per 32 values and "
-                        "multiply integers, as llama.cpp does (AVX2 CPUs; ~2x faster decode matmuls, ~1%% error "
+                        "multiply integers, as llama.cpp does (AVX2 CPUs; ~2x faster decode matmuls, 1-2%% error "
                         "in a layer's output; default off: the dequantized model's numbers exactly)")
     g = p.add_argument_group("speculative decoding (exact: the output distribution stays the target's)")
     g.add_argument("--speculate", default=None, choices=["ngram", "draft"],
