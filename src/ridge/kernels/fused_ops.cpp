@@ -35,7 +35,7 @@ void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_
     const __m512 gate = load_bf16(g + i);
     // 1 / (1 + e^-g) by a reciprocal estimate and one Newton step (~23 bits): a vector divide costs 16
     // cycles, as much as the rest of the row's arithmetic
-    const __m512 denom = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+    const __m512 denom = _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
     __m512 recip = _mm512_rcp14_ps(denom);
     recip = _mm512_mul_ps(recip, _mm512_fnmadd_ps(denom, recip, _mm512_set1_ps(2.f)));
     const __m512 act = round_bf16(_mm512_mul_ps(gate, recip));

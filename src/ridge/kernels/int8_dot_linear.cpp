@@ -20,27 +20,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
 #include "vec.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
+#if defined(RIDGE_FVEC)  // AVX2 + FMA, or AVX512
 
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float hmax(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
 
 constexpr int64_t kBlock = 32;  // input values per activation scale: one 256-bit vector of int8
 constexpr int64_t kRowBlock = 4;
@@ -62,7 +48,7 @@ void quantize_rows(const float* x, int64_t m_dim, int64_t k_dim, int8_t* qx, flo
       v[j] = _mm256_loadu_ps(xb + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
     }
-    const float a = hmax(amax);
+    const float a = ridge_vec::hmax8(amax);
     dx[i] = a / 127.f;
     const __m256 inv = _mm256_set1_ps(a > 0.f ? 127.f / a : 0.f);
     __m256i q[4];
@@ -148,7 +134,7 @@ void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_di
       float offset = 0.f;  // the minimums' share, from the float sums
       if (minimums)
         for (int64_t g = 0; g < groups; g++) offset += minimums[c * groups + g] * xsum[r * groups + g];
-      out[r * out_stride + c] = hsum(total[c][r]) + offset;
+      out[r * out_stride + c] = ridge_vec::hsum8(total[c][r]) + offset;
     }
 }
 
@@ -189,10 +175,10 @@ void dot_all(const int8_t* qx, const float* dx, const float* xsum, int64_t m_dim
 }
 
 }  // namespace
-#endif  // __AVX2__
+#endif  // RIDGE_FVEC
 
 bool int8_dot_available() {
-#if defined(__AVX2__)
+#if defined(RIDGE_FVEC)
   return true;
 #else
   return false;
@@ -213,21 +199,20 @@ torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tenso
   TORCH_CHECK(minimums.numel() == 0 || (minimums.sizes() == scales.sizes() && minimums.is_contiguous() &&
                                         minimums.scalar_type() == torch::kFloat),
               "minimums: empty, or like scales");
-#if defined(__AVX2__)
+#if defined(RIDGE_FVEC)
   const torch::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   std::vector<int8_t> qx(m_dim * k_dim);
   std::vector<float> dx(m_dim * k_dim / kBlock);
   quantize_rows(xp, m_dim, k_dim, qx.data(), dx.data());
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
-  std::vector<float> xsum(mn ? m_dim * (k_dim / group) : 0);
-  for (size_t i = 0; i < xsum.size(); i++) xsum[i] = std::accumulate(xp + i * group, xp + (i + 1) * group, 0.f);
+  const std::vector<float> xsum = group_sums(xp, mn ? m_dim * (k_dim / group) : 0, group);
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   (signed_codes ? dot_all<true> : dot_all<false>)(qx.data(), dx.data(), xsum.data(), m_dim, n_dim, k_dim,
                                                   codes.data_ptr<int8_t>(), scales.data_ptr<float>(), mn, group,
                                                   out.data_ptr<float>());
   return out;
 #else
-  TORCH_CHECK(false, "int8_dot_linear: built without AVX2");
+  TORCH_CHECK(false, "int8_dot_linear: built without AVX2 + FMA");
 #endif
 }

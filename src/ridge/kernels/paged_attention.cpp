@@ -51,26 +51,6 @@ struct Partial {
   float* acc;    // [group, d]
 };
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// exp(x) for 8 floats: vec.h's exp16 on AVX2, 2^n built in the exponent bits (no scalef)
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
-}
-#endif
-
 // s[t] = exp(s[t] - m) for t < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float m) {
   int64_t t = 0;
@@ -80,20 +60,21 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   __m512 total = _mm512_setzero_ps();
   for (; t < n; t += 16) {
     const __mmask16 live = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 e = ridge_vec::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
+    const __m512 e = ridge_vec::vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
     _mm512_mask_storeu_ps(s + t, live, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
   }
   sum = _mm512_reduce_add_ps(total);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 shift = _mm256_set1_ps(m);
-  __m256 total = _mm256_setzero_ps();
-  for (; t + 8 <= n; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    _mm256_storeu_ps(s + t, e);
-    total = _mm256_add_ps(total, e);
+#elif defined(RIDGE_FVEC)
+  using namespace ridge_vec;
+  const fvec shift = vset1(-m);
+  fvec total = vset1(0.f);
+  for (; t + kLanes <= n; t += kLanes) {
+    const fvec e = vexp(vadd(vload(s + t), shift));
+    vstore(s + t, e);
+    total = vadd(total, e);
   }
-  sum = ridge_vec::vsum(total);
+  sum = vsum(total);
 #endif
   for (; t < n; ++t) {
     s[t] = expf(s[t] - m);

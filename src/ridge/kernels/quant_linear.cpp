@@ -15,7 +15,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
 #include "vec.h"
@@ -236,8 +235,7 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
     torch::Tensor out = torch::empty({m_dim, n_dim}, xf.options());
     const float* xp = xf.data_ptr<float>();
     // the sum of each row over each group: the minimums' term, shared by every channel
-    std::vector<float> xsum(mn ? m_dim * groups : 0);
-    for (size_t i = 0; i < xsum.size(); i++) xsum[i] = std::accumulate(xp + i * group, xp + (i + 1) * group, 0.f);
+    const std::vector<float> xsum = group_sums(xp, mn ? m_dim * groups : 0, group);
     const float* xs = xsum.data();
     float* op = out.data_ptr<float>();
     for_channel_and_row_blocks(n_dim, m_dim, kChannelBlock, kRowBlock, [&](int64_t n, int64_t n_end, int64_t m0,

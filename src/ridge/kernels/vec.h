@@ -1,5 +1,5 @@
 // Vector helpers shared by ridge's CPU kernels: the few-row linear kernels' split of work, bf16 <-> float32
-// conversion, a vector exp (AVX512), and `fvec`, a float vector of the widest width the build targets (AVX512:
+// conversion, a vector exp, and `fvec`, a float vector of the widest width the build targets (AVX512:
 // 16 lanes, AVX2 + FMA: 8), for kernels written once for both.
 //
 // By hand because the compiler vectorized neither: c10::BFloat16's conversions compile to scalar code,
@@ -11,6 +11,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <vector>
+
+// The sum of each of `count` consecutive runs of `group` values of x: the grouped linear kernels' minimums
+// term, sum_g minimum[n, g] * (sum of x over group g), shares these among all output channels
+inline std::vector<float> group_sums(const float* x, int64_t count, int64_t group) {
+  std::vector<float> sums(count);
+  for (int64_t i = 0; i < count; i++) sums[i] = std::accumulate(x + i * group, x + (i + 1) * group, 0.f);
+  return sums;
+}
 
 // The few-row linear kernels' split of work: threads take `channel_block` output channels at a time and
 // walk the rows `row_block` at a time, calling body(n, n_end, m0, rows) for each piece.
@@ -32,6 +42,18 @@ inline void for_channel_and_row_blocks(int64_t n_dim, int64_t m_dim, int64_t cha
 #include <cstdint>
 
 namespace ridge_vec {
+
+// Horizontal sum and maximum of 8 floats (AVX2 registers, in either build)
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
 
 #if defined(__AVX512F__)
 
@@ -61,24 +83,6 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
-// exp(x) for 16 floats, x clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial
-// for e^r (Cephes' expf coefficients, ~1 ulp), scaled by 2^n.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
 #endif  // __AVX512F__
 
 // fvec: kernels written once for 16 lanes (AVX512) and 8 (AVX2)
@@ -90,6 +94,11 @@ inline void vstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
 inline fvec vset1(float x) { return _mm512_set1_ps(x); }
 inline fvec vfmadd(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec vmul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline fvec vadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+inline fvec vfnmadd(fvec a, fvec b, fvec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline fvec vclamp(fvec x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset1(lo)), vset1(hi)); }
+inline fvec vround(fvec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline fvec vscale_pow2(fvec y, fvec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n, n integral
 inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
 // kLanes int8 values -> floats
 inline fvec vload_i8(const int8_t* p) {
@@ -116,11 +125,15 @@ inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
 inline fvec vset1(float x) { return _mm256_set1_ps(x); }
 inline fvec vfmadd(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec vmul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
-inline float vsum(fvec v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+inline fvec vadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
+inline fvec vfnmadd(fvec a, fvec b, fvec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline fvec vclamp(fvec x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset1(lo)), vset1(hi)); }
+inline fvec vround(fvec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline fvec vscale_pow2(fvec y, fvec n) {  // y * 2^n, n integral in [-126, 127]: 2^n built in the exponent bits
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
+inline float vsum(fvec v) { return hsum8(v); }
 inline fvec vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -144,5 +157,21 @@ inline void vstore_bf16(void* p, fvec v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif  // fvec
+
+// exp(x) for kLanes floats, x clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for e^r (Cephes' expf coefficients, ~1 ulp), scaled by 2^n.
+inline fvec vexp(fvec x) {
+  x = vclamp(x, -87.f, 88.f);
+  const fvec n = vround(vmul(x, vset1(1.44269504f)));
+  fvec r = vfnmadd(n, vset1(0.693359375f), x);
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  fvec p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  return vscale_pow2(vadd(vfmadd(vmul(p, r), r, r), vset1(1.f)), n);
+}
 }  // namespace ridge_vec
 #endif  // RIDGE_FVEC
