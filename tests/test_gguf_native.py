@@ -66,6 +66,8 @@ def test_native_kernel_equals_dequantize_then_matmul(ops, kind, dtype, tokens):
     qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=tokens), GGMLQuantizationType[kind], (rows, cols))
     layer = QuantizedLinear(qw, None, dtype, ops)
     assert layer.kernel == ("int4" if qw.bits == 4 and dtype == torch.bfloat16 else "grouped_int8")
+    if layer.kernel == "grouped_int8":  # 4-bit codes two a byte, the others a byte each
+        assert layer.qweight.nbytes == rows * cols // (2 if qw.bits == 4 else 1)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     expected = x.float() @ dequantize(qw).T
     got = layer(x).float()
@@ -107,10 +109,11 @@ def test_unsupported_type_names_the_supported_ones():
 
 
 def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path, smollm2):
-    """In float32 every layer on ridge's grouped kernel (Q4_1 codes a byte each: torch's int4 kernel is 7x
+    """In float32 every layer on ridge's grouped kernel (Q4_1 codes two a byte: torch's int4 kernel is 7x
     slower than a dense matmul in float32), the tied Q8_0 embedding table shared with the lookup: float32
-    logits equal the dequantized model's, and the weights stay under twice the file (a quarter of float32);
-    in bfloat16 the Q4_1 layers keep torch's packed layout, as small as the file."""
+    logits equal the dequantized model's, and the weights stay within 1.2x the file (measured 1.16x: float32
+    scales and minimums where the file has float16 ones); in bfloat16 the Q4_1 layers keep torch's packed
+    layout."""
     native = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf")
     plain = smollm2  # the session's float32 engine over the dequantized file
     ids = native.tokenizer.encode("The capital of France is a city that")
@@ -119,7 +122,7 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     assert torch.equal(got[-1].argmax(), expected[-1].argmax())
     kernels = {m.kernel for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
     assert kernels == {"grouped_int8"}
-    assert _weight_bytes(native) <= 2 * smollm2_path.stat().st_size
+    assert _weight_bytes(native) <= 1.2 * smollm2_path.stat().st_size
     packed = make_llm_for_test(smollm2_path, dtype="bfloat16", quantization="gguf")
     kernels = {m.kernel for m in packed.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
     assert kernels == {"int4", "grouped_int8"}

@@ -16,7 +16,8 @@
 // AVX2 only (integer ops on 256 bits; AVX512 builds have them too). vpmaddubsw multiplies an unsigned byte by a
 // signed one and adds pairs into int16 with saturation: codes must be >= 0 for the unsigned operand, so signed
 // codes go in as |code| with their sign moved onto qx (vpsignb); |code| <= 128 and |qx| <= 127 keep each pair
-// sum within int16 (2 * 128 * 127 = 32512).
+// sum within int16 (2 * 128 * 127 = 32512). 4-bit codes come two a byte (vec.h's nibble order) and are
+// split into bytes in registers: half the bytes of a byte each, for one shift and two ands per 32 codes.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -58,11 +59,26 @@ void quantize_rows(const float* x, int64_t m_dim, int64_t k_dim, int8_t* qx, flo
   }
 }
 
+// How a weight's codes are held: int8 a byte each (signed, or all >= 0), or 4-bit two a byte (>= 0)
+enum class Codes { kSigned, kUnsigned, kNibbles };
+
+// The bytes of one code row
+template <Codes kForm>
+constexpr int64_t row_bytes(int64_t k_dim) { return kForm == Codes::kNibbles ? k_dim / 2 : k_dim; }
+
+// The 32 codes of a row's block b, a byte each
+template <Codes kForm>
+inline __m256i load_block(const int8_t* row, int64_t b) {
+  if constexpr (kForm == Codes::kNibbles) return ridge_vec::load_nibble_block(reinterpret_cast<const uint8_t*>(row), b);
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+}
+
 // The 8 int32 partial sums of one block's sum_k qx[k] * code[k] (lane j: values 4 j .. 4 j + 3)
-template <bool kSigned>
+template <Codes kForm>
 inline __m256i block_dot(__m256i codes, __m256i qx) {
-  const __m256i pairs = kSigned ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(qx, codes))
-                                : _mm256_maddubs_epi16(codes, qx);
+  const __m256i pairs = kForm == Codes::kSigned
+                            ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(qx, codes))
+                            : _mm256_maddubs_epi16(codes, qx);
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
@@ -76,15 +92,15 @@ inline __m256 block_scales(const float* scales, int64_t block, int64_t group) {
 // out[m, n .. n + kChannels) for kRows rows: per block and (channel, row) one integer dot, one conversion and
 // one FMA; groups of up to a block scale each block (dx times the group's scale), longer ones are summed in dx
 // units first and scaled once per group
-template <bool kSigned, int64_t kChannels, int64_t kRows>
+template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_dim, const int8_t* codes,
               const float* scales, const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t blocks = k_dim / kBlock, groups = k_dim / group;
+  const int64_t blocks = k_dim / kBlock, groups = k_dim / group, stride = row_bytes<kForm>(k_dim);
   const auto load_codes = [&](__m256i* w, int64_t b) {
     for (int64_t c = 0; c < kChannels; c++) {
-      const int8_t* p = codes + c * k_dim + b * kBlock;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kChannels * k_dim), _MM_HINT_T0);
-      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const int8_t* row = codes + c * stride;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kChannels * stride + row_bytes<kForm>(b * kBlock)), _MM_HINT_T0);
+      w[c] = load_block<kForm>(row, b);
     }
   };
   const auto load_x = [&](int64_t r, int64_t b) {
@@ -103,7 +119,7 @@ void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_di
         const __m256i q = load_x(r, b);
         const __m256 d = _mm256_set1_ps(dx[r * blocks + b]);
         for (int64_t c = 0; c < kChannels; c++)
-          total[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<kSigned>(w[c], q)), _mm256_mul_ps(d, s[c]),
+          total[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<kForm>(w[c], q)), _mm256_mul_ps(d, s[c]),
                                         total[c][r]);
       }
     }
@@ -120,7 +136,7 @@ void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_di
           const __m256i q = load_x(r, b);
           const __m256 d = _mm256_set1_ps(dx[r * blocks + b]);
           for (int64_t c = 0; c < kChannels; c++)
-            part[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<kSigned>(w[c], q)), d, part[c][r]);
+            part[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot<kForm>(w[c], q)), d, part[c][r]);
         }
       }
       for (int64_t c = 0; c < kChannels; c++) {
@@ -138,24 +154,24 @@ void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_di
     }
 }
 
-template <bool kSigned, int64_t kChannels, int64_t kRows>
+template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_channels(const int8_t* qx, const float* dx, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end,
                   const int8_t* codes, const float* scales, const float* minimums, int64_t group, float* out,
                   int64_t out_stride) {
-  const int64_t groups = k_dim / group;
+  const int64_t groups = k_dim / group, stride = row_bytes<kForm>(k_dim);
   for (; n < n_end; n += kChannels) {
     if (n + kChannels <= n_end) {
-      dot_rows<kSigned, kChannels, kRows>(qx, dx, xsum, k_dim, codes + n * k_dim, scales + n * groups,
-                                          minimums ? minimums + n * groups : nullptr, group, out + n, out_stride);
+      dot_rows<kForm, kChannels, kRows>(qx, dx, xsum, k_dim, codes + n * stride, scales + n * groups,
+                                        minimums ? minimums + n * groups : nullptr, group, out + n, out_stride);
     } else {
       for (int64_t t = n; t < n_end; t++)
-        dot_rows<kSigned, 1, kRows>(qx, dx, xsum, k_dim, codes + t * k_dim, scales + t * groups,
-                                    minimums ? minimums + t * groups : nullptr, group, out + t, out_stride);
+        dot_rows<kForm, 1, kRows>(qx, dx, xsum, k_dim, codes + t * stride, scales + t * groups,
+                                  minimums ? minimums + t * groups : nullptr, group, out + t, out_stride);
     }
   }
 }
 
-template <bool kSigned>
+template <Codes kForm>
 void dot_all(const int8_t* qx, const float* dx, const float* xsum, int64_t m_dim, int64_t n_dim, int64_t k_dim,
              const int8_t* codes, const float* scales, const float* minimums, int64_t group, float* out) {
   const int64_t blocks = k_dim / kBlock, groups = k_dim / group;
@@ -166,10 +182,10 @@ void dot_all(const int8_t* qx, const float* dx, const float* xsum, int64_t m_dim
     const float* xs = xsum + m0 * groups;
     float* o = out + m0 * n_dim;
     switch (rows) {  // registers: 2 x channels x rows + channels + 2 <= 16
-      case 1: dot_channels<kSigned, 4, 1>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
-      case 2: dot_channels<kSigned, 2, 2>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
-      case 3: dot_channels<kSigned, 2, 3>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
-      default: dot_channels<kSigned, 1, 4>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
+      case 1: dot_channels<kForm, 4, 1>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
+      case 2: dot_channels<kForm, 2, 2>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
+      case 3: dot_channels<kForm, 2, 3>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
+      default: dot_channels<kForm, 1, 4>(q, d, xs, k_dim, n, n_end, codes, scales, minimums, group, o, n_dim); break;
     }
   });
 }
@@ -187,10 +203,13 @@ bool int8_dot_available() {
 
 torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
                               int64_t group, bool signed_codes) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && codes.dim() == 2 && x.size(1) == codes.size(1),
-              "x: float32 [M, K], codes [N, K]");
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8");
-  const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = codes.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && codes.dim() == 2, "x: float32 [M, K], codes 2-d");
+  const bool packed = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK((codes.scalar_type() == torch::kInt8 || packed) && codes.is_contiguous(),
+              "codes: contiguous int8, or uint8 (4-bit codes two a byte)");
+  const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = x.size(1);
+  TORCH_CHECK(codes.size(1) * (packed ? 2 : 1) == k_dim, "codes: [N, K] int8 or [N, K / 2] uint8");
+  TORCH_CHECK(!(packed && signed_codes), "signed_codes: 4-bit codes two a byte are unsigned");
   TORCH_CHECK(k_dim % 32 == 0 && (group == 16 || (group % 32 == 0 && k_dim % group == 0)),
               "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.size(0) == n_dim &&
@@ -208,9 +227,9 @@ torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tenso
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = group_sums(xp, mn ? m_dim * (k_dim / group) : 0, group);
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
-  (signed_codes ? dot_all<true> : dot_all<false>)(qx.data(), dx.data(), xsum.data(), m_dim, n_dim, k_dim,
-                                                  codes.data_ptr<int8_t>(), scales.data_ptr<float>(), mn, group,
-                                                  out.data_ptr<float>());
+  const auto dot = packed ? dot_all<Codes::kNibbles> : signed_codes ? dot_all<Codes::kSigned> : dot_all<Codes::kUnsigned>;
+  dot(qx.data(), dx.data(), xsum.data(), m_dim, n_dim, k_dim, static_cast<const int8_t*>(codes.data_ptr()),
+      scales.data_ptr<float>(), mn, group, out.data_ptr<float>());
   return out;
 #else
   TORCH_CHECK(false, "int8_dot_linear: built without AVX2 + FMA");

@@ -1,7 +1,8 @@
-// Weight-only linear over int8 codes with a scale (and optionally a minimum) per group of G input columns:
+// Weight-only linear over integer codes with a scale (and optionally a minimum) per group of G input columns:
 //   y[m, n] = sum_k x[m, k] * (code[n, k] * scale[n, k / G] + minimum[n, k / G])
-// the layout that GGUF's 5-, 6- and 8-bit block formats (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) unpack to. torch
-// has int8 kernels for one scale per output channel only, and int4 kernels; nothing for grouped scales.
+// the layout that GGUF's block formats unpack to. torch has int8 kernels for one scale per output channel
+// only, and int4 kernels for bf16; nothing for grouped int8 scales. Codes come a byte each (int8 [N, K]) or,
+// 4-bit ones, two a byte (uint8 [N, K / 2], vec.h's nibble order): half the bytes to stream per step.
 //
 // Few rows (decode): every code is read once, widened to float in registers and multiplied into up to
 // kRowBlock activation rows; each group's sums are scaled once (dot_rows); memory streams the codes and
@@ -29,27 +30,45 @@ constexpr int64_t kFewRows = 8;  // up to this many rows, the register path (mea
 constexpr int64_t kFewRowsFloat = 32;
 constexpr int64_t kTileBytes = 1 << 22;  // a tile's dequantized bytes: fits L2 + L3 share, amortizes a matmul call
 
-void check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+// whether the codes are 4-bit ones two a byte
+bool check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
            const torch::Tensor& minimums, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1), "x [M, K] and codes [N, K]");
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: contiguous int8");
-  TORCH_CHECK(group % 16 == 0 && codes.size(1) % group == 0, "group: a multiple of 16 dividing K");
+  const bool packed = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) * (packed ? 2 : 1),
+              "x [M, K] and codes [N, K] (int8) or [N, K / 2] (uint8, 4-bit codes two a byte)");
+  TORCH_CHECK((codes.scalar_type() == torch::kInt8 || packed) && codes.is_contiguous(),
+              "codes: contiguous int8 or uint8");
+  const int64_t k_dim = x.size(1);
+  TORCH_CHECK(group % (packed ? 32 : 16) == 0 && k_dim % group == 0,
+              "group: a multiple of 16 (of 32 for 4-bit codes two a byte) dividing K");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) / group,
+                  scales.size(0) == codes.size(0) && scales.size(1) == k_dim / group,
               "scales: contiguous float32 [N, K / group]");
   TORCH_CHECK(minimums.numel() == 0 || (minimums.sizes() == scales.sizes() && minimums.is_contiguous() &&
                                         minimums.scalar_type() == torch::kFloat),
               "minimums: empty, or like scales");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+  return packed;
 }
+
+// A code row's bytes: K, or K / 2 for 4-bit codes two a byte
+template <bool kPacked>
+constexpr int64_t row_bytes(int64_t k_dim) { return kPacked ? k_dim / 2 : k_dim; }
 
 #if defined(RIDGE_FVEC)
 using ridge_vec::fvec;
 using ridge_vec::kLanes;
 
-inline fvec dequant(const int8_t* codes, fvec scale, fvec minimum, bool has_minimum) {
-  const fvec c = ridge_vec::vload_i8(codes);
-  return has_minimum ? ridge_vec::vfmadd(c, scale, minimum) : ridge_vec::vmul(c, scale);
+// Columns one step of a loop over codes covers: a 32-column block of 4-bit codes (both its halves come from the
+// same 16 bytes), else one vector
+template <bool kPacked>
+constexpr int64_t kStep = kPacked ? 32 : kLanes;
+
+// kLanes codes of a row from column j + h, as floats (j: a multiple of kStep; h: of kLanes, below kStep)
+template <bool kPacked>
+inline fvec load_codes(const int8_t* row, int64_t j, int64_t h) {
+  if constexpr (kPacked) return ridge_vec::vload_nibbles(reinterpret_cast<const uint8_t*>(row), j, h);
+  else return ridge_vec::vload_i8(row + j + h);
 }
 
 // out[m, n .. n + kChannels) for kRows rows of x (float32 [M, K]), in the factored form
@@ -59,10 +78,10 @@ inline fvec dequant(const int8_t* codes, fvec scale, fvec minimum, bool has_mini
 // instructions, and this machine class (2 cores, AVX2) is bound by them, not by memory: 1.6x faster at
 // batch 1 (3072 x 576, 287 -> 172 us). kChannels x kRows partial sums and as many totals stay in registers
 // (16 on AVX2): kRows and kChannels are compile-time, so the compiler spills none.
-template <int64_t kChannels, int64_t kRows>
+template <bool kPacked, int64_t kChannels, int64_t kRows>
 void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* codes, const float* scales,
               const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group;
+  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
   fvec total[kChannels][kRows];
   for (int64_t c = 0; c < kChannels; c++)
     for (int64_t r = 0; r < kRows; r++) total[c][r] = ridge_vec::vset1(0.f);
@@ -70,17 +89,20 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
     fvec part[kChannels][kRows];
     for (int64_t c = 0; c < kChannels; c++)
       for (int64_t r = 0; r < kRows; r++) part[c][r] = ridge_vec::vset1(0.f);
-    for (int64_t j = g * group; j < (g + 1) * group; j += kLanes) {
-      fvec w[kChannels];
-      for (int64_t c = 0; c < kChannels; c++) {
-        // the next channel block's codes, a block ahead: without it a weight larger than the caches (the
-        // vocabulary projection) streamed at a third of the rate of one that stays in them
-        if (j % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * k_dim + j), _MM_HINT_T0);
-        w[c] = ridge_vec::vload_i8(codes + c * k_dim + j);
-      }
-      for (int64_t r = 0; r < kRows; r++) {
-        const fvec xv = ridge_vec::vload(x + r * k_dim + j);
-        for (int64_t c = 0; c < kChannels; c++) part[c][r] = ridge_vec::vfmadd(w[c], xv, part[c][r]);
+    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kPacked>) {
+      // the next channel block's codes, a block ahead: without it a weight larger than the caches (the
+      // vocabulary projection) streamed at a third of the rate of one that stays in them
+      if (j % 64 == 0)
+        for (int64_t c = 0; c < kChannels; c++)
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * stride + row_bytes<kPacked>(j)),
+                       _MM_HINT_T0);
+      for (int64_t h = 0; h < kStep<kPacked>; h += kLanes) {
+        fvec w[kChannels];
+        for (int64_t c = 0; c < kChannels; c++) w[c] = load_codes<kPacked>(codes + c * stride, j, h);
+        for (int64_t r = 0; r < kRows; r++) {
+          const fvec xv = ridge_vec::vload(x + r * k_dim + j + h);
+          for (int64_t c = 0; c < kChannels; c++) part[c][r] = ridge_vec::vfmadd(w[c], xv, part[c][r]);
+        }
       }
     }
     for (int64_t c = 0; c < kChannels; c++) {
@@ -100,18 +122,19 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
 // Channels [n, n_end) for kRows rows: kChannels at a time (kChannels x kRows independent FMA chains; one
 // channel alone is a chain of K / kLanes dependent FMAs, which bounds a decode step by latency), the rest one
 // by one.
-template <int64_t kChannels, int64_t kRows>
+template <bool kPacked, int64_t kChannels, int64_t kRows>
 void dot_channels(const float* x, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end, const int8_t* codes,
                   const float* scales, const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group;
+  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
   for (; n < n_end; n += kChannels) {
     const float* mn = minimums ? minimums + n * groups : nullptr;
     if (n + kChannels <= n_end) {
-      dot_rows<kChannels, kRows>(x, xsum, k_dim, codes + n * k_dim, scales + n * groups, mn, group, out + n, out_stride);
+      dot_rows<kPacked, kChannels, kRows>(x, xsum, k_dim, codes + n * stride, scales + n * groups, mn, group,
+                                          out + n, out_stride);
     } else {
       for (int64_t t = n; t < n_end; t++)
-        dot_rows<1, kRows>(x, xsum, k_dim, codes + t * k_dim, scales + t * groups,
-                           minimums ? minimums + t * groups : nullptr, group, out + t, out_stride);
+        dot_rows<kPacked, 1, kRows>(x, xsum, k_dim, codes + t * stride, scales + t * groups,
+                                    minimums ? minimums + t * groups : nullptr, group, out + t, out_stride);
     }
   }
 }
@@ -128,8 +151,15 @@ void* scratch(size_t bytes) {
   return buffer.data();
 }
 
+// code j of rows that follow one another (4-bit ones: a group of 32 never straddles two rows)
+template <bool kPacked>
+inline int code_at(const int8_t* codes, int64_t j) {
+  if constexpr (kPacked) return (static_cast<uint8_t>(codes[j / 32 * 16 + j % 16]) >> (j % 32 >= 16 ? 4 : 0)) & 0x0F;
+  else return codes[j];
+}
+
 // rows x K grouped codes -> out [rows, K] in T, all threads
-template <typename T>
+template <bool kPacked, typename T>
 void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
                         int64_t k_dim, int64_t group, T* out) {
   const int64_t groups = rows * (k_dim / group);  // rows are contiguous: groups follow one another
@@ -138,9 +168,12 @@ void dequantize_grouped(const int8_t* codes, const float* scales, const float* m
     const float scale = scales[g], minimum = minimums ? minimums[g] : 0.f;
 #if defined(RIDGE_FVEC)
     const fvec s = ridge_vec::vset1(scale), mn = ridge_vec::vset1(minimum);
-    for (int64_t j = g * group; j < (g + 1) * group; j += kLanes) store(out + j, dequant(codes + j, s, mn, true));
+    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kPacked>)
+      for (int64_t h = 0; h < kStep<kPacked>; h += kLanes)
+        store(out + j + h, ridge_vec::vfmadd(load_codes<kPacked>(codes, j, h), s, mn));
 #else
-    for (int64_t j = g * group; j < (g + 1) * group; j++) out[j] = static_cast<T>(codes[j] * scale + minimum);
+    for (int64_t j = g * group; j < (g + 1) * group; j++)
+      out[j] = static_cast<T>(code_at<kPacked>(codes, j) * scale + minimum);
 #endif
   }
 }
@@ -219,16 +252,14 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
   return out;
 }
 
-}  // namespace
-
-torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  torch::Tensor minimums, int64_t group) {
-  check(x, codes, scales, minimums, group);
-  const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = codes.size(1);
-  const int8_t* c = codes.data_ptr<int8_t>();
+template <bool kPacked>
+torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                             const torch::Tensor& minimums, int64_t group) {
+  const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = x.size(1);
+  const int8_t* c = static_cast<const int8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
-  const int64_t groups = k_dim / group;
+  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
 #if defined(RIDGE_FVEC)
   if (m_dim <= (x.scalar_type() == torch::kFloat ? kFewRowsFloat : kFewRows)) {
     const torch::Tensor xf = x.to(torch::kFloat).contiguous();
@@ -244,23 +275,29 @@ torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::T
       const float* sm = xs + m0 * groups;
       float* om = op + m0 * n_dim;
       switch (rows) {  // registers: 2 x channels x rows + channels + 1 <= 16
-        case 1: dot_channels<4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        case 2: dot_channels<2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        case 3: dot_channels<2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        default: dot_channels<1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 1: dot_channels<kPacked, 4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 2: dot_channels<kPacked, 2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 3: dot_channels<kPacked, 2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        default: dot_channels<kPacked, 1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
       }
     });
     return out.to(x.scalar_type());
   }
 #endif
-  if (x.scalar_type() == torch::kBFloat16) {
-    return tiled_linear<c10::BFloat16>(x, n_dim, 1, false, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
-      dequantize_grouped(c + n0 * k_dim, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim, group, tile);
-    });
-  }
-  return tiled_linear<float>(x, n_dim, 1, false, [&](int64_t n0, int64_t rows, float* tile) {
-    dequantize_grouped(c + n0 * k_dim, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim, group, tile);
-  });
+  const auto tile = [&](int64_t n0, int64_t rows, auto* buffer) {
+    dequantize_grouped<kPacked>(c + n0 * stride, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim,
+                                group, buffer);
+  };
+  if (x.scalar_type() == torch::kBFloat16) return tiled_linear<c10::BFloat16>(x, n_dim, 1, false, tile);
+  return tiled_linear<float>(x, n_dim, 1, false, tile);
+}
+
+}  // namespace
+
+torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                  torch::Tensor minimums, int64_t group) {
+  return check(x, codes, scales, minimums, group) ? grouped_linear<true>(x, codes, scales, minimums, group)
+                                                  : grouped_linear<false>(x, codes, scales, minimums, group);
 }
 
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,

@@ -104,11 +104,11 @@ inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
 inline fvec vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// kLanes 4-bit codes, the low (high = false) or high nibbles of kLanes bytes -> floats
+// kLanes 4-bit codes, the low (high = false) or high nibbles of kLanes bytes -> floats (a byte widened to 32
+// bits and shifted right by 4 is its high nibble: no mask)
 inline fvec vload_u4(const uint8_t* p, bool high) {
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  if (high) v = _mm512_srli_epi32(v, 4);
-  return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
 }
 // kLanes 32-bit words, each two bf16 values: the low halves -> lo, the high halves -> hi
 inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
@@ -138,9 +138,8 @@ inline fvec vload_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline fvec vload_u4(const uint8_t* p, bool high) {
-  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if (high) v = _mm256_srli_epi32(v, 4);
-  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
 }
 inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -157,6 +156,19 @@ inline void vstore_bf16(void* p, fvec v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif  // fvec
+
+// 4-bit codes two a byte, as ridge holds 4-bit grouped weights in float32 (quant/linear.py's pack_nibbles):
+// a row of K codes is K / 2 bytes, 16 per 32 columns, byte i of a 32-column block holding column i in its
+// low nibble and column i + 16 in its high one (llama.cpp's Q4_0 order: a block's codes come out of one
+// 16-byte load in column order).
+// kLanes codes of a nibble row from column j + h -> floats: j a multiple of 32, h of kLanes below 32 (a constant
+// where the loop over h unrolls, so that the choice of nibble costs nothing)
+inline fvec vload_nibbles(const uint8_t* row, int64_t j, int64_t h) { return vload_u4(row + j / 2 + h % 16, h >= 16); }
+// the 32 codes of a nibble row's block b, in column order, a byte each
+inline __m256i load_nibble_block(const uint8_t* row, int64_t b) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+}
 
 // exp(x) for kLanes floats, x clamped to [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // polynomial for e^r (Cephes' expf coefficients, ~1 ulp), scaled by 2^n.

@@ -9,7 +9,7 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
   oneDNN's bf16 matmul instead (kernels/quant_linear.cpp; 2-2.6x faster at 32 rows);
 - int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
   (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales; in float32, every int8 and
-  4-bit format too (the 4-bit codes a byte each), as torch's two kernels are slow there;
+  4-bit format too (the 4-bit codes two a byte, pack_nibbles), as torch's two kernels are slow there;
 - on request (EngineConfig.int8_activations), the grouped kernel's layers quantize their input to int8 per 32
   values and multiply integers (kernels/int8_dot_linear.cpp, llama.cpp's arithmetic): ~2x faster at batch 1
   on AVX2, not exact (the kernel states its error bound). At every row count, so that a token's numbers do
@@ -56,6 +56,14 @@ def int4pack_block_width() -> int:
     return 64 if torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)[0, 0].item() else 32
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (K in 32s) -> uint8 [N, K / 2], two a byte in the order kernels/vec.h states: byte i of
+    each 32 columns holds column i (low nibble) and column i + 16 (high)."""
+    n, k = codes.shape
+    halves = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(weight).T + bias, computed by the format's kernel where one runs.
 
@@ -77,8 +85,9 @@ class QuantizedLinear(nn.Module):
         self.tiled_ops = ops if on_cpu and dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
         # ridge's grouped kernel: for grouped int8 scales, which torch has no kernel for, and in float32 for
         # every format, as torch's int8 / int4 kernels are built for bf16: in float32 they ran 1.6x / 7x
-        # slower than the dense float32 matmul at batch 1 (3072 x 576, AVX2), the grouped kernel, on the same
-        # codes a byte each (int4: 1.25 bytes a weight with its scales, not 0.75), 2.3x faster than it
+        # slower than the dense float32 matmul at batch 1 (3072 x 576, AVX2), the grouped kernel 2.3x faster than
+        # it. 4-bit codes go two a byte (0.75 bytes a weight with float32 scales and minimums): as fast as a byte
+        # each in the exact kernel, 1.1x faster in the integer one (SmolLM2 Q4_1 decode), and 1.16x the file
         grouped = on_cpu and ops is not None and (
             (dtype == torch.float32 and self.in_features % 16 == 0)
             or (weight.bits != 4 and weight.group_size is not None))  # GGUF Q5_0 / Q6_K / Q8_0 ... codes
@@ -89,8 +98,12 @@ class QuantizedLinear(nn.Module):
         elif grouped:
             self.kernel, self.ops = "grouped_int8", ops
             self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
-            self.register_buffer("qweight", weight.qweight.to(torch.int8).contiguous(), persistent=False)
-            self.signed_codes = bool((self.qweight < 0).any())  # the integer kernel's two forms
+            if weight.bits == 4 and self.group_size % 32 == 0:
+                codes, self.signed_codes = pack_nibbles(weight.qweight), False
+            else:
+                codes = weight.qweight.to(torch.int8).contiguous()
+                self.signed_codes = bool((codes < 0).any())  # the integer kernel's two forms
+            self.register_buffer("qweight", codes, persistent=False)
             self.int8_activations = False  # use_int8_activations
             self.register_buffer("scales", weight.scales.float().reshape(self.out_features, -1).contiguous(),
                                  persistent=False)
