@@ -81,11 +81,94 @@ def smollm2(make_llm, smollm2_path) -> LLM:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
+def hf_smollm2(smollm2_path, tmp_path_factory):
+    return hf_model_from_gguf(smollm2_path, tmp_path_factory.mktemp("hf"))
+
+
+def hf_model_from_gguf(path: Path, scratch: Path):
+    """HF transformers' model of a GGUF file, read by transformers' own GGUF loader from a copy of the file
+    without the tokenizer's arrays (weights_only_gguf): gguf's reader parses those entry by entry, three
+    times per load, which was 80 of the 110 s that loading Qwen's 151k-token vocabulary took."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
+    copy = weights_only_gguf(path, scratch / path.name)
+    return AutoModelForCausalLM.from_pretrained(copy.parent, gguf_file=copy.name, dtype=torch.float32).eval()
+
+
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+GGUF_STRING, GGUF_ARRAY, GGUF_UINT32 = 8, 9, 4
+
+
+def weights_only_gguf(src: Path, dst: Path) -> Path:
+    """A byte-for-byte copy of a GGUF file (v2/v3: header, key-values, tensor infos, aligned data) less its
+    tokenizer.ggml.* arrays, with `{arch}.vocab_size` added as their token count where the file lacks it
+    (transformers would count the tokens). The tensor infos and data are copied as they are, so the weights are the
+    file's own; the key-values are walked by the format's spec, not by ridge's reader."""
+    import struct
+
+    data = memoryview(src.read_bytes())
+    pos = 24  # magic, version, tensor count, key-value count
+
+    def take(fmt: str) -> int:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def skip_string() -> bytes:
+        nonlocal pos
+        length = take("<Q")
+        pos += length
+        return bytes(data[pos - length:pos])
+
+    def skip_value(kind: int) -> int:  # the array's length for arrays
+        if kind == GGUF_STRING:
+            skip_string()
+        elif kind == GGUF_ARRAY:
+            item, count = take("<I"), take("<Q")
+            for _ in range(count):
+                skip_value(item)
+            return count
+        else:
+            take(GGUF_SCALARS[kind])
+        return 0
+
+    magic, version, tensors, pairs = struct.unpack_from("<4sIQQ", data, 0)
+    assert magic == b"GGUF" and version in (2, 3), (magic, version)
+    kept, keys, tokens, arch, alignment = [], set(), 0, None, 32  # the format's default alignment
+    for _ in range(pairs):
+        start = pos
+        key = skip_string().decode()
+        kind = take("<I")
+        value_at = pos
+        count = skip_value(kind)
+        if key == "general.architecture":
+            arch = bytes(data[value_at + 8:pos]).decode()
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", data, value_at)[0]
+        if key.startswith("tokenizer.ggml.") and kind == GGUF_ARRAY:
+            tokens = count if key == "tokenizer.ggml.tokens" else tokens
+        else:
+            kept.append(bytes(data[start:pos]))
+            keys.add(key)
+    if tokens and f"{arch}.vocab_size" not in keys:
+        key = f"{arch}.vocab_size".encode()
+        kept.append(struct.pack("<Q", len(key)) + key + struct.pack("<II", GGUF_UINT32, tokens))
+    infos_start = pos
+    for _ in range(tensors):
+        skip_string()
+        dims = take("<I")
+        pos += 8 * dims + 4 + 8  # the dims, type and offset
+    infos = bytes(data[infos_start:pos])
+    data_start = -(-pos // alignment) * alignment
+    with dst.open("wb") as out:
+        out.write(struct.pack("<4sIQQ", magic, version, tensors, len(kept)))
+        for pair in kept:
+            out.write(pair)
+        out.write(infos)
+        out.write(b"\0" * (-out.tell() % alignment))
+        out.write(data[data_start:])
+    return dst
 
 
 @pytest.fixture(autouse=True)

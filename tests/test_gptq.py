@@ -82,10 +82,10 @@ def test_gptq_and_awq_beat_rtn_on_smollm2_layers_over_held_out_text(smollm2):
 
     model = smollm2.engine.loaded.model
     calibration = input_hessians(model, calibration_windows(smollm2.tokenizer, 4, CALIBRATION_WINDOW),
-                                 torch.float32, "cpu", progress=False)
+                                 torch.float32, "cpu", progress=False, only=SMOLLM2_LAYERS)
     held_out_ids = [smollm2.tokenizer.encode(held_out_text(source))[:CALIBRATION_WINDOW]
                     for source in ("shakespeare", "sharegpt")]
-    held_out = input_hessians(model, held_out_ids, torch.float32, "cpu", progress=False)
+    held_out = input_hessians(model, held_out_ids, torch.float32, "cpu", progress=False, only=SMOLLM2_LAYERS)
     errors = {"rtn": 0.0, "gptq": 0.0, "awq": 0.0}
     for key in SMOLLM2_LAYERS:
         weight, h = model.get_submodule(key).weight.detach().float(), calibration[key]

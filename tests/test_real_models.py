@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, hf_greedy
+from conftest import CHAT_PROMPTS, hf_greedy, hf_model_from_gguf
 from ridge import SamplingParams
 
 
@@ -31,10 +31,8 @@ def qwen(make_llm, qwen_path):
     return make_llm(qwen_path, dtype="float32")
 
 
-def test_qwen_coder_greedy_matches_hf(qwen, qwen_path):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(qwen_path.parent, gguf_file=qwen_path.name, dtype=torch.float32).eval()
+def test_qwen_coder_greedy_matches_hf(qwen, qwen_path, tmp_path):
+    hf = hf_model_from_gguf(qwen_path, tmp_path)
     questions = ["Write a Python function that reverses a string.", "What does `git rebase` do?"]
     prompts = [qwen.render_chat([{"role": "user", "content": q}]) for q in questions]
     outs = qwen.generate(prompts, SamplingParams(temperature=0, max_tokens=32))

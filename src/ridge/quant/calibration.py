@@ -9,6 +9,7 @@ quantized before it (GPTQ's sequential variant re-runs the model once per layer;
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from itertools import zip_longest
 
 import torch
@@ -60,8 +61,9 @@ def _first_replies(tokens: int) -> list[str]:
 
 
 def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype, device: str,
-                   progress: bool = True) -> dict[str, torch.Tensor]:
-    """{module name in model.layers, or HEAD: X^T X [in, in] float64} over every token of the windows."""
+                   progress: bool = True, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """{module name in model.layers, or HEAD: X^T X [in, in] float64} over every token of the windows; `only`:
+    those keys alone (the products, not the forward passes, are most of the time)."""
     hessians: dict[str, torch.Tensor] = {}
 
     def accumulate(name: str, x: torch.Tensor) -> None:
@@ -73,8 +75,10 @@ def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.d
             hessians[name] = product
 
     hooks = [module.register_forward_pre_hook(lambda _m, args, name=f"layers.{name}": accumulate(name, args[0]))
-             for name, module in model.layers.named_modules() if isinstance(module, nn.Linear)]
-    hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
+             for name, module in model.layers.named_modules()
+             if isinstance(module, nn.Linear) and (only is None or f"layers.{name}" in only)]
+    if only is None or HEAD in only:
+        hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
     block_size = 16
     longest = max(len(w) for w in windows)
     runner = ModelRunner(model, "reference", (longest + block_size - 1) // block_size, block_size, dtype, device)
