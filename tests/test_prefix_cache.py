@@ -250,15 +250,15 @@ def test_cache_salt_isolates_requests(engines):
 # ---- beam search: forks are prompts whose blocks the cache already holds ------------------------------
 def _reference_beam_search(model, prompt: list[int], width: int, max_tokens: int, stop_ids: frozenset[int],
                            length_penalty: float) -> list[int]:
-    """The same search written plainly over HF transformers' full-sequence logits (no cache of any kind)."""
+    """The same search written plainly over HF transformers' full-sequence logits (no cache of any kind; the
+    live beams, all of one length, in one batch)."""
     live: list[tuple[list[int], float]] = [([], 0.0)]
     done: list[tuple[list[int], float]] = []
     for _ in range(max_tokens):
         candidates = []
-        for tokens, total in live:
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
-            logprobs = torch.log_softmax(logits, -1)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens for tokens, _ in live])).logits[:, -1].float()
+        for (tokens, total), logprobs in zip(live, torch.log_softmax(logits, -1), strict=True):
             top = torch.topk(logprobs, 2 * width)
             candidates += [(tokens + [t], total + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist(),
                                                                         strict=True)]

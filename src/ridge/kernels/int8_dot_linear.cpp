@@ -17,7 +17,7 @@
 // signed one and adds pairs into int16 with saturation: codes must be >= 0 for the unsigned operand, so signed
 // codes go in as |code| with their sign moved onto qx (vpsignb); |code| <= 128 and |qx| <= 127 keep each pair
 // sum within int16 (2 * 128 * 127 = 32512). 4-bit codes come two a byte (vec.h's nibble order) and are
-// split into bytes in registers: half the bytes of a byte each, for one shift and two ands per 32 codes.
+// split into bytes in registers: half the bytes to stream, for a shift, an insert and a mask per 32 codes.
 #include <torch/extension.h>
 
 #include <algorithm>

@@ -60,11 +60,14 @@ class RopeStep:
     freqs: torch.Tensor  # complex64 [max_positions, head_dim / 2]
     ops: ModuleType | None
     _rotations: torch.Tensor | None = None
+    _table: torch.Tensor | None = None  # freqs as float pairs, for the kernel: made once a step, not per layer
 
     def apply_(self, x: torch.Tensor, heads: int) -> None:
         """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place."""
         if self.ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            self.ops.rotary_(x, self.positions, torch.view_as_real(self.freqs), heads)
+            if self._table is None:
+                self._table = torch.view_as_real(self.freqs)
+            self.ops.rotary_(x, self.positions, self._table, heads)
             return
         if self._rotations is None:
             self._rotations = self.freqs[self.positions].unsqueeze(1)
@@ -102,7 +105,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        # split_with_sizes: Tensor.split's Python wrapper cost as much as the split, 30 times a step
+        q, k, v = qkv.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
             rope.apply_(q, self.num_heads)
