@@ -297,7 +297,9 @@ class LLMEngine:
         rows = list(itertools.accumulate((1 + len(s.draft_ids) for s in samplers), initial=0))
         plain = [i for i, s in enumerate(samplers) if not s.draft_ids]
         if plain:
-            result = self.sampler(logits[[rows[i] for i in plain]], [samplers[i] for i in plain])
+            # every row plain (no drafts): the logits as they are, not a gathered copy
+            plain_logits = logits if len(plain) == logits.shape[0] else logits[[rows[i] for i in plain]]
+            result = self.sampler(plain_logits, [samplers[i] for i in plain])
             now = time.perf_counter()
             for i, token, logprobs in zip(plain, result.tokens, result.logprobs, strict=True):
                 seq = samplers[i]

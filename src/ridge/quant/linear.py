@@ -221,8 +221,9 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w, flat = self.weight_q, ids.reshape(-1)
-        rows = QuantizedWeight(w.qweight[flat], w.scales[flat], None if w.minimums is None else w.minimums[flat],
-                               w.bits, w.group_size)
+        # index_select, not w.qweight[flat]: advanced indexing cost ~30 us a tensor, three per decode step
+        rows = QuantizedWeight(w.qweight.index_select(0, flat), w.scales.index_select(0, flat),
+                               None if w.minimums is None else w.minimums.index_select(0, flat), w.bits, w.group_size)
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
