@@ -62,14 +62,13 @@ void quantize_rows(const float* x, int64_t m_dim, int64_t k_dim, int8_t* qx, flo
 // How a weight's codes are held: int8 a byte each (signed, or all >= 0), or 4-bit two a byte (>= 0)
 enum class Codes { kSigned, kUnsigned, kNibbles };
 
-// The bytes of one code row
 template <Codes kForm>
-constexpr int64_t row_bytes(int64_t k_dim) { return kForm == Codes::kNibbles ? k_dim / 2 : k_dim; }
+constexpr bool kPacked = kForm == Codes::kNibbles;  // two codes a byte
 
 // The 32 codes of a row's block b, a byte each
 template <Codes kForm>
 inline __m256i load_block(const int8_t* row, int64_t b) {
-  if constexpr (kForm == Codes::kNibbles) return ridge_vec::load_nibble_block(reinterpret_cast<const uint8_t*>(row), b);
+  if constexpr (kPacked<kForm>) return ridge_vec::load_nibble_block(reinterpret_cast<const uint8_t*>(row), b);
   else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
 }
 
@@ -95,11 +94,12 @@ inline __m256 block_scales(const float* scales, int64_t block, int64_t group) {
 template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_rows(const int8_t* qx, const float* dx, const float* xsum, int64_t k_dim, const int8_t* codes,
               const float* scales, const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t blocks = k_dim / kBlock, groups = k_dim / group, stride = row_bytes<kForm>(k_dim);
+  const int64_t blocks = k_dim / kBlock, groups = k_dim / group, stride = code_row_bytes(kPacked<kForm>, k_dim);
   const auto load_codes = [&](__m256i* w, int64_t b) {
     for (int64_t c = 0; c < kChannels; c++) {
       const int8_t* row = codes + c * stride;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kChannels * stride + row_bytes<kForm>(b * kBlock)), _MM_HINT_T0);
+      const int8_t* ahead = row + kChannels * stride + code_row_bytes(kPacked<kForm>, b * kBlock);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
       w[c] = load_block<kForm>(row, b);
     }
   };
@@ -158,7 +158,7 @@ template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_channels(const int8_t* qx, const float* dx, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end,
                   const int8_t* codes, const float* scales, const float* minimums, int64_t group, float* out,
                   int64_t out_stride) {
-  const int64_t groups = k_dim / group, stride = row_bytes<kForm>(k_dim);
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked<kForm>, k_dim);
   for (; n < n_end; n += kChannels) {
     if (n + kChannels <= n_end) {
       dot_rows<kForm, kChannels, kRows>(qx, dx, xsum, k_dim, codes + n * stride, scales + n * groups,
@@ -227,7 +227,9 @@ torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tenso
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
   const std::vector<float> xsum = group_sums(xp, mn ? m_dim * (k_dim / group) : 0, group);
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
-  const auto dot = packed ? dot_all<Codes::kNibbles> : signed_codes ? dot_all<Codes::kSigned> : dot_all<Codes::kUnsigned>;
+  const auto dot = packed         ? dot_all<Codes::kNibbles>
+                   : signed_codes ? dot_all<Codes::kSigned>
+                                  : dot_all<Codes::kUnsigned>;
   dot(qx.data(), dx.data(), xsum.data(), m_dim, n_dim, k_dim, static_cast<const int8_t*>(codes.data_ptr()),
       scales.data_ptr<float>(), mn, group, out.data_ptr<float>());
   return out;

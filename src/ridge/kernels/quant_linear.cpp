@@ -51,10 +51,6 @@ bool check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tens
   return packed;
 }
 
-// A code row's bytes: K, or K / 2 for 4-bit codes two a byte
-template <bool kPacked>
-constexpr int64_t row_bytes(int64_t k_dim) { return kPacked ? k_dim / 2 : k_dim; }
-
 #if defined(RIDGE_FVEC)
 using ridge_vec::fvec;
 using ridge_vec::kLanes;
@@ -81,7 +77,7 @@ inline fvec load_codes(const int8_t* row, int64_t j, int64_t h) {
 template <bool kPacked, int64_t kChannels, int64_t kRows>
 void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* codes, const float* scales,
               const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
   fvec total[kChannels][kRows];
   for (int64_t c = 0; c < kChannels; c++)
     for (int64_t r = 0; r < kRows; r++) total[c][r] = ridge_vec::vset1(0.f);
@@ -94,7 +90,7 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
       // vocabulary projection) streamed at a third of the rate of one that stays in them
       if (j % 64 == 0)
         for (int64_t c = 0; c < kChannels; c++)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * stride + row_bytes<kPacked>(j)),
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * stride + code_row_bytes(kPacked, j)),
                        _MM_HINT_T0);
       for (int64_t h = 0; h < kStep<kPacked>; h += kLanes) {
         fvec w[kChannels];
@@ -125,7 +121,7 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
 template <bool kPacked, int64_t kChannels, int64_t kRows>
 void dot_channels(const float* x, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end, const int8_t* codes,
                   const float* scales, const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
   for (; n < n_end; n += kChannels) {
     const float* mn = minimums ? minimums + n * groups : nullptr;
     if (n + kChannels <= n_end) {
@@ -151,13 +147,6 @@ void* scratch(size_t bytes) {
   return buffer.data();
 }
 
-// code j of rows that follow one another (4-bit ones: a group of 32 never straddles two rows)
-template <bool kPacked>
-inline int code_at(const int8_t* codes, int64_t j) {
-  if constexpr (kPacked) return (static_cast<uint8_t>(codes[j / 32 * 16 + j % 16]) >> (j % 32 >= 16 ? 4 : 0)) & 0x0F;
-  else return codes[j];
-}
-
 // rows x K grouped codes -> out [rows, K] in T, all threads
 template <bool kPacked, typename T>
 void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
@@ -173,7 +162,9 @@ void dequantize_grouped(const int8_t* codes, const float* scales, const float* m
         store(out + j + h, ridge_vec::vfmadd(load_codes<kPacked>(codes, j, h), s, mn));
 #else
     for (int64_t j = g * group; j < (g + 1) * group; j++)
-      out[j] = static_cast<T>(code_at<kPacked>(codes, j) * scale + minimum);
+      // rows follow one another, and a 32-column block never straddles two: j indexes them all
+      out[j] = static_cast<T>((kPacked ? nibble_at(reinterpret_cast<const uint8_t*>(codes), j) : codes[j]) * scale +
+                              minimum);
 #endif
   }
 }
@@ -259,7 +250,7 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int8_t* c = static_cast<const int8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
-  const int64_t groups = k_dim / group, stride = row_bytes<kPacked>(k_dim);
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
 #if defined(RIDGE_FVEC)
   if (m_dim <= (x.scalar_type() == torch::kFloat ? kFewRowsFloat : kFewRows)) {
     const torch::Tensor xf = x.to(torch::kFloat).contiguous();

@@ -22,6 +22,18 @@ inline std::vector<float> group_sums(const float* x, int64_t count, int64_t grou
   return sums;
 }
 
+// 4-bit codes two a byte, as ridge holds 4-bit grouped weights in float32 (quant/linear.py's pack_nibbles):
+// a row of K codes is K / 2 bytes, 16 per 32 columns, byte i of a 32-column block holding column i in its
+// low nibble and column i + 16 in its high one (llama.cpp's Q4_0 order: a block's codes come out of one
+// 16-byte load in column order). The vector readers of this order are below (vload_nibbles,
+// load_nibble_block); this is its scalar one.
+inline int nibble_at(const uint8_t* row, int64_t j) {
+  return (row[j / 32 * 16 + j % 16] >> (j % 32 >= 16 ? 4 : 0)) & 0x0F;
+}
+
+// The bytes of a row of K codes: K a byte each, K / 2 two a byte
+constexpr int64_t code_row_bytes(bool nibbles, int64_t k_dim) { return nibbles ? k_dim / 2 : k_dim; }
+
 // The few-row linear kernels' split of work: threads take `channel_block` output channels at a time and
 // walk the rows `row_block` at a time, calling body(n, n_end, m0, rows) for each piece.
 template <typename Body>
@@ -157,13 +169,11 @@ inline void vstore_bf16(void* p, fvec v) {
 }
 #endif  // fvec
 
-// 4-bit codes two a byte, as ridge holds 4-bit grouped weights in float32 (quant/linear.py's pack_nibbles):
-// a row of K codes is K / 2 bytes, 16 per 32 columns, byte i of a 32-column block holding column i in its
-// low nibble and column i + 16 in its high one (llama.cpp's Q4_0 order: a block's codes come out of one
-// 16-byte load in column order).
-// kLanes codes of a nibble row from column j + h -> floats: j a multiple of 32, h of kLanes below 32 (a constant
-// where the loop over h unrolls, so that the choice of nibble costs nothing)
-inline fvec vload_nibbles(const uint8_t* row, int64_t j, int64_t h) { return vload_u4(row + j / 2 + h % 16, h >= 16); }
+// kLanes codes of a nibble row (nibble_at's order) from column j + h -> floats: j a multiple of 32, h of kLanes
+// below 32 (a constant where the loop over h unrolls, so that the choice of nibble costs nothing)
+inline fvec vload_nibbles(const uint8_t* row, int64_t j, int64_t h) {
+  return vload_u4(row + j / 2 + h % 16, h >= 16);
+}
 // the 32 codes of a nibble row's block b, in column order, a byte each
 inline __m256i load_nibble_block(const uint8_t* row, int64_t b) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));

@@ -49,7 +49,8 @@ class RotaryEmbedding(nn.Module):
         self.ops: ModuleType | None = None
 
     def step(self, positions: torch.Tensor) -> RopeStep:
-        return RopeStep(positions, self.freqs, self.ops)
+        # the kernel's view of the table (float pairs): made once a step, not once per layer
+        return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops)
 
 
 @dataclass
@@ -58,16 +59,14 @@ class RopeStep:
 
     positions: torch.Tensor
     freqs: torch.Tensor  # complex64 [max_positions, head_dim / 2]
+    table: torch.Tensor  # freqs as float32 pairs [max_positions, head_dim / 2, 2], for the kernel
     ops: ModuleType | None
     _rotations: torch.Tensor | None = None
-    _table: torch.Tensor | None = None  # freqs as float pairs, for the kernel: made once a step, not per layer
 
     def apply_(self, x: torch.Tensor, heads: int) -> None:
         """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place."""
         if self.ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            if self._table is None:
-                self._table = torch.view_as_real(self.freqs)
-            self.ops.rotary_(x, self.positions, self._table, heads)
+            self.ops.rotary_(x, self.positions, self.table, heads)
             return
         if self._rotations is None:
             self._rotations = self.freqs[self.positions].unsqueeze(1)
