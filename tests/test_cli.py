@@ -49,7 +49,10 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
     bad = run("quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x"), check=False)
     assert bad.returncode == 2 and "bits" in bad.stderr
-    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8", "--baseline", "float32",
+    bad = run("bench", "quant", "smollm2", "--formats", "float32,fp8+a8", check=False)
+    assert bad.returncode != 0 and "fp8+a8 not among" in bad.stderr
+    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager",
+                           "--baseline", "float32",
                            "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
                            "--repeats", "1", "--json", "--plot", str(tmp_path / "formats.png")).stdout)
     assert (tmp_path / "formats.png").stat().st_size > 0
@@ -57,5 +60,6 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
     assert rows["float32"]["decode_vs_baseline"] == 1.0
     assert "int8 activations, computes in float32" in rows["int4+a8"]["weights"]
+    assert rows["int4+a8+eager"]["weight_bytes"] == rows["int4+a8"]["weight_bytes"]
     assert all(row["decode_tok_s"] > 0 and row["read_fraction"] > 0 and row["batch_tok_s"] > 0
                for row in rows.values())

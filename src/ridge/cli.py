@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--attention-backend", default="paged", choices=["paged", "reference"])
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the Python model (default: float32 decode steps run their layers "
+                        "in one C++ call, with the same outputs; vLLM's flag for its CUDA graphs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (default on; --no-enable-prefix-caching)")
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
@@ -67,6 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend, "num_threads": args.threads,
+        "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
         "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
         "calibration_windows": args.calibration_windows, "int8_activations": args.int8_activations,

@@ -21,13 +21,24 @@ from dataclasses import asdict, dataclass, field
 
 from ridge.bench import roofline, workloads
 
-# format -> the LLM arguments it sets; a quantized format computes in --dtype. "+a8": int8 activations
-# (EngineConfig.int8_activations), llama.cpp's arithmetic on CPUs
+# format -> the LLM arguments it sets; a quantized format computes in --dtype
 FORMATS: dict[str, dict] = {
     "float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
     **{q: {"quantization": q} for q in ("gguf", "int8", "int4", "gptq", "awq", "fp8")},
-    **{f"{q}+a8": {"quantization": q, "int8_activations": True} for q in ("gguf", "int8", "int4", "gptq", "awq")},
 }
+# NAME+MODIFIER...: "a8", int8 activations (EngineConfig.int8_activations), llama.cpp's arithmetic on CPUs, for
+# the quantized formats but fp8; "eager", every step through the Python model (EngineConfig.enforce_eager)
+MODIFIERS: dict[str, dict] = {"a8": {"int8_activations": True}, "eager": {"enforce_eager": True}}
+
+
+def format_args(name: str) -> dict | None:
+    """A format's LLM arguments, or None for a name that is not one."""
+    base, *modifiers = name.split("+")
+    if base not in FORMATS or any(m not in MODIFIERS for m in modifiers) or len(set(modifiers)) < len(modifiers):
+        return None
+    if "a8" in modifiers and base not in ("gguf", "int8", "int4", "gptq", "awq"):  # no integer kernel for the rest
+        return None
+    return {**FORMATS[base], **{k: v for m in modifiers for k, v in MODIFIERS[m].items()}}
 
 
 @dataclass
@@ -46,7 +57,7 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
     from ridge.bench.cli import ridge_latency, ridge_throughput, weight_bytes_per_token
 
     try:
-        llm = LLM(args.model, **{"dtype": args.dtype, **FORMATS[name]}, quantization_group_size=args.group_size,
+        llm = LLM(args.model, **{"dtype": args.dtype, **format_args(name)}, quantization_group_size=args.group_size,
                   num_threads=args.threads, kv_cache_memory=args.kv_cache_memory)
     except ValueError as exc:  # e.g. gguf on a model directory
         return FormatResult(name, error=str(exc))
@@ -69,9 +80,10 @@ def cmd_quant(args: argparse.Namespace) -> int:
     from ridge.hub import resolve
     from ridge.tokenizer import RidgeTokenizer
 
-    unknown = [f for f in args.formats if f not in FORMATS]
+    unknown = [f for f in [*args.formats, args.baseline] if format_args(f) is None]
     if unknown:
-        raise ValueError(f"formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
+        raise ValueError(f"formats: {', '.join(unknown)} not among {', '.join(FORMATS)}, each optionally "
+                         f"+a8 (quantized, not fp8) and +eager")
     print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
     roof = roofline.measure(dtypes=())
     path = resolve(args.model)
@@ -168,13 +180,13 @@ def add_quant_parser(bsub) -> None:
                                     "--peer llamacpp=PYTHON.")
     p.add_argument("model", nargs="?", default="smollm2", help="alias, .gguf file or HF directory")
     p.add_argument("--formats", type=lambda s: s.split(","), default=["float32", "bfloat16", "gguf", "int8", "int4"],
-                   help=f"comma-separated, of {', '.join(FORMATS)}; NAME+a8: with --int8-activations "
-                        "(default float32,bfloat16,gguf,int8,int4)")
+                   help=f"comma-separated, of {', '.join(FORMATS)}; NAME+a8: with --int8-activations (quantized, not "
+                        "fp8), NAME+eager: with --enforce-eager (default float32,bfloat16,gguf,int8,int4)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="what the quantized formats compute in; auto: bfloat16 where the CPU has bf16 "
                         "arithmetic (AVX512-BF16, AMX), else float32, as the engine chooses (default auto)")
-    p.add_argument("--baseline", default="bfloat16", choices=list(FORMATS),
-                   help="the format the others' speed is divided by (default %(default)s)")
+    p.add_argument("--baseline", default="bfloat16",
+                   help="the format the others' speed is divided by, one of --formats (default %(default)s)")
     p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s)")
     p.add_argument("--input-len", type=int, default=128)

@@ -157,7 +157,7 @@ class LLMEngine:
                                    config.schedule_policy)
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
-            config.device, cpu_ops=kernels,
+            config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -188,7 +188,8 @@ class LLMEngine:
             return None
         draft = _load(draft_model, config, kernels, progress)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
-                             config.torch_dtype, config.device, cpu_ops=kernels)
+                             config.torch_dtype, config.device, cpu_ops=kernels,
+                             enforce_eager=config.enforce_eager)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
         log.info("ridge: draft model %s, %s", draft_model.path.name, draft.weight_format)
         # as many blocks as the target's pool: a drafter never holds more tokens than its target

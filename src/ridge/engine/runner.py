@@ -9,13 +9,14 @@ import torch
 from ridge.attention import BACKENDS, AttentionMetadata, PrefillChunk
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
+from ridge.kernels import decode_stack
 from ridge.models.transformer import DecoderModel
 
 
 class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: str, cpu_ops: ModuleType | None = None,
+        device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -25,6 +26,8 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
         )
         self.backend.ops = cpu_ops
+        # decode steps' layers in one C++ call where the model's layers all have a kernel there
+        self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep, all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
@@ -69,11 +72,11 @@ class ModelRunner:
             prefills=prefills,
         )
         self.backend.prepare(meta)
+        ids, token_positions = torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long)
+        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
+            hidden = self.decode_stack(self.model.embed_tokens(ids), token_positions, meta)
+            return self.model.compute_logits(hidden), samplers
         logits = self.model(
-            torch.tensor(input_ids, **as_long),
-            torch.tensor(positions, **as_long),
-            self.backend,
-            meta,
-            None if all_logits else torch.tensor(sample_rows, **as_long),
+            ids, token_positions, self.backend, meta, None if all_logits else torch.tensor(sample_rows, **as_long)
         )
         return logits, samplers

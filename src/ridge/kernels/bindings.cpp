@@ -1,6 +1,8 @@
 // One extension module for ridge's hand-written CPU kernels (see cpu_ops.py for why each exists).
 #include <torch/extension.h>
 
+#include "decode_stack.h"
+
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
@@ -39,4 +41,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_attention_", &merge_attention_,
         "merge another attention part (folded [kv_heads, R * group, d] + lse) into rows of out, in place");
   m.def("cache_write_", &cache_write_, "copy k, v [T, kv_heads, d] into the paged caches at slots");
+
+  using namespace ridge_stack;
+  py::class_<LinearPart>(m, "LinearPart", "one kernel call's weights (decode_stack.h)")
+      .def(py::init<const std::string&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
+           py::arg("signed_codes"), py::arg("bias"));
+  py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
+      .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
+             return Linear{std::move(parts), std::move(bias)};
+           }),
+           py::arg("parts"), py::arg("bias"))
+      .def("__call__", &Linear::operator(), py::arg("x"));
+  py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> q_norm,
+                       c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
+                       torch::Tensor k_cache, torch::Tensor v_cache) {
+             return Layer{input_norm, post_attn_norm, q_norm, k_norm, qkv, o_proj, gate_up, down, k_cache, v_cache};
+           }),
+           py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
+           py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"));
+  py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
+      .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      // the GIL released: a server's event loop keeps answering while a step runs
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"));
 }

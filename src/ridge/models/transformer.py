@@ -65,6 +65,10 @@ class DecoderModel(nn.Module):
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
+        return self.compute_logits(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm's output [T, hidden] -> float32 logits [T, vocab]."""
         if self.output_projection is not None:
-            return self.output_projection(x).float()
-        return torch.nn.functional.linear(x, self.output_weight).float()
+            return self.output_projection(hidden).float()
+        return torch.nn.functional.linear(hidden, self.output_weight).float()

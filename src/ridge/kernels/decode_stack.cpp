@@ -1,0 +1,119 @@
+// A decode step's decoder layers in one call from Python.
+//
+// At batch 1 a small model's layer is ~10 kernel calls of a few microseconds each, and the Python around
+// them (module calls, argument unpacking, views) cost as much again: on SmolLM2-135M, 5.5 of an 18 ms step.
+// This runs the same kernels, in the same order, from C++: the outputs are bit-identical to the Python
+// path's (models/layers.py), which stays the reference and serves everything this does not (prefill,
+// speculative verification, shared prefixes, formats without a kernel here).
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "decode_stack.h"
+
+std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                      torch::Tensor block_tables, torch::Tensor context_lens,
+                                                      double scale);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
+void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                  torch::Tensor slots);
+torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                  torch::Tensor minimums, int64_t group);
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
+                              int64_t group, bool signed_codes);
+torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+
+namespace ridge_stack {
+
+LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales,
+                       torch::Tensor minimums, int64_t group, bool signed_codes,
+                       c10::optional<torch::Tensor> bias)
+    : weight(std::move(weight)), scales(std::move(scales)), minimums(std::move(minimums)), group(group),
+      signed_codes(signed_codes), bias(std::move(bias)) {
+  if (kernel == "grouped_int8") {
+    this->kernel = Kernel::kGrouped;
+  } else if (kernel == "int8_dot") {
+    this->kernel = Kernel::kInt8Dot;
+  } else if (kernel == "dense") {
+    this->kernel = Kernel::kDense;
+  } else {
+    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot or dense, not ", kernel);
+  }
+}
+
+torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
+  torch::Tensor out;
+  switch (kernel) {
+    case Kernel::kDense:  // dense_linear adds the bias itself, as FewRowsLinear has it do
+      return dense_linear(x, weight, bias);
+    case Kernel::kInt8Dot:
+      out = int8_dot_linear(x, weight, scales, minimums, group, signed_codes);
+      break;
+    case Kernel::kGrouped:
+      out = grouped_int8_linear(x, weight, scales, minimums, group);
+      break;
+  }
+  return bias.has_value() ? out.add_(*bias) : out;
+}
+
+torch::Tensor Linear::operator()(const torch::Tensor& x) const {
+  torch::Tensor out;
+  if (parts.size() == 1) {
+    out = parts[0](x);
+  } else {
+    std::vector<torch::Tensor> outs;
+    outs.reserve(parts.size());
+    for (const auto& part : parts) outs.push_back(part(x));
+    out = torch::cat(outs, -1);
+  }
+  return bias.has_value() ? out.add_(*bias) : out;
+}
+
+DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+    : layers(std::move(layers)), final_norm(std::move(final_norm)), rope_table(std::move(rope_table)),
+      heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale) {
+  TORCH_CHECK(this->rope_table.is_contiguous() && this->rope_table.scalar_type() == torch::kFloat,
+              "DecodeStack: rope_table float32 [max_positions, head_dim / 2, 2]");
+}
+
+// The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
+                                   torch::Tensor block_tables, torch::Tensor context_lens) const {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(positions.numel() == rows && slots.numel() == rows && block_tables.size(0) == rows &&
+                  context_lens.numel() == rows,
+              "DecodeStack: one position, slot, block table and context length per row");
+  torch::Tensor residual;
+  for (const Layer& layer : layers) {
+    torch::Tensor h;
+    if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
+      residual = x;
+      h = at::rms_norm(x, {x.size(1)}, layer.input_norm, eps);
+    } else {
+      h = add_rms_norm_(residual, x, layer.input_norm, eps);
+    }
+    auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
+    auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+    torch::Tensor q = split[0], k = split[1], v = split[2];
+    if (layer.q_norm.has_value()) {
+      q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
+      k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
+      rotary_(q, positions, rope_table, heads);
+      rotary_(k, positions, rope_table, kv_heads);
+    } else {  // q and k side by side in qkv: rotated in one go
+      rotary_(qkv, positions, rope_table, heads + kv_heads);
+    }
+    cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
+    auto attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale));
+    x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
+    h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
+    x = layer.down(silu_mul(layer.gate_up(h)));
+  }
+  return add_rms_norm_(residual, x, final_norm, eps);
+}
+
+}  // namespace ridge_stack

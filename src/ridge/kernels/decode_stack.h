@@ -1,0 +1,57 @@
+// The decoder stack's weights as decode_stack.cpp reads them; built once per engine from the model's
+// modules (kernels/decode_stack.py), holding references to the same tensors, not copies.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+namespace ridge_stack {
+
+// One kernel call's weights: a quantized layer's codes on the grouped kernel (exact, or with int8
+// activations), or a float32 layer's dense weight.
+struct LinearPart {
+  enum class Kernel { kGrouped, kInt8Dot, kDense };
+  Kernel kernel;
+  torch::Tensor weight, scales, minimums;  // scales and minimums unused by kDense
+  int64_t group;
+  bool signed_codes;
+  c10::optional<torch::Tensor> bias;
+
+  LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales, torch::Tensor minimums,
+             int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+// A fused projection (q|k|v, gate|up): its parts' outputs side by side, then the projection's bias.
+struct Linear {
+  std::vector<LinearPart> parts;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_attn_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
+  Linear qkv, o_proj, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // this layer's paged caches (attention/backend.py's layout)
+};
+
+struct DecodeStack {
+  std::vector<Layer> layers;
+  torch::Tensor final_norm;
+  torch::Tensor rope_table;  // float32 [max_positions, head_dim / 2, 2] = (cos, sin)
+  int64_t heads, kv_heads, head_dim;
+  double eps, scale;
+
+  DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, double eps, double scale);
+  // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
+  // writes each layer's k, v at slots and attends over block_tables up to context_lens (the token included).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
+                        torch::Tensor context_lens) const;
+};
+
+}  // namespace ridge_stack

@@ -1,0 +1,90 @@
+"""A decode step's decoder layers in one C++ call (kernels/decode_stack.cpp): the CPU's CUDA graph.
+
+At batch 1 a layer is ~10 kernel calls of a few microseconds each, and the Python between them cost as much
+again: on SmolLM2-135M (Q4_1, int8 activations, 2-core AVX2) the model's forward took 17.9 ms of which the
+kernels were 12.4. The C++ stack calls the same kernels in the same order, so its outputs are bit-identical
+to models/layers.py's; it is built once per engine from the model's modules (references, not copies) and
+serves the steps it can: decodes only (no prefill chunk, no draft verification), each row reading its own
+blocks (no shared prefix attended once), on the paged backend's kernels, float32, at most MAX_ROWS rows.
+Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
+`enforce_eager=True` (vLLM's name for running without captured graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.paged import PagedBackend
+from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
+from ridge.models.transformer import DecoderModel
+from ridge.quant.linear import ConcatLinear, QuantizedLinear
+
+log = logging.getLogger("ridge")
+
+MAX_ROWS = FEW_ROWS  # the dense layers' few-row kernel, which the Python path leaves past this many rows
+
+
+class DecodeStack:
+    def __init__(self, native: Any) -> None:
+        self.native = native
+
+    @staticmethod
+    def serves(meta: AttentionMetadata) -> bool:
+        kernel = meta.kernel_rows
+        return (not meta.prefills and 0 < meta.num_decodes <= MAX_ROWS
+                and meta.slot_mapping.shape[0] == meta.num_decodes  # no drafts scored
+                and kernel is not None and kernel.rows is None and not kernel.shared_prefixes)
+
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Embeddings [B, hidden] of a step that serves() -> the final norm's output [B, hidden]."""
+        kernel = meta.kernel_rows
+        return self.native.forward(embeddings, positions, meta.slot_mapping, kernel.block_tables,
+                                   kernel.context_lens)
+
+
+def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None) -> DecodeStack | None:
+    """The stack over model's layers and backend's caches, or None where the Python path must serve."""
+    cfg = model.cfg
+    if ops is None or type(backend) is not PagedBackend or backend.ops is None:
+        return None
+    if model.norm.weight.dtype != torch.float32 or backend.k_cache[0].dtype != torch.float32:
+        return None
+    layers = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.attn, layer.mlp
+        linears = [_linear(ops, m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+        if any(linear is None for linear in linears):
+            log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
+            return None
+        norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
+                                backend.k_cache[i], backend.v_cache[i]))
+    rope_table = torch.view_as_real(model.rotary.freqs)
+    return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
+                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale))
+
+
+def _linear(ops: ModuleType, module: nn.Module) -> Any | None:
+    """The C++ form of a projection module, or None for a form it has no kernel for."""
+    if isinstance(module, ConcatLinear):
+        parts = [_part(ops, p, None) for p in module.parts]
+        return None if any(p is None for p in parts) else ops.Linear(parts, module.bias)
+    part = _part(ops, module, module.bias)
+    return None if part is None else ops.Linear([part], None)
+
+
+def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any | None:
+    none = torch.empty(0)
+    if type(module) is FewRowsLinear:
+        return ops.LinearPart("dense", module.weight, none, none, 0, False, bias)
+    if type(module) is QuantizedLinear and module.kernel == "grouped_int8" and module.dtype == torch.float32:
+        kernel = "int8_dot" if module.int8_activations else "grouped_int8"
+        return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,
+                              module.signed_codes, bias)
+    return None

@@ -1,0 +1,90 @@
+"""The C++ decode stack (kernels/decode_stack.py) against the Python path it replaces: the same kernels in the
+same order, so the same bits; and the steps it leaves to the Python path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from ridge import SamplingParams
+from ridge.attention.backend import AttentionMetadata, KernelRows, PrefillChunk
+from ridge.attention.cascade import SharedPrefix
+from ridge.kernels import cpu_ops, decode_stack
+from ridge.kernels.dense_linear import FewRowsLinear
+from ridge.quant.linear import QuantizedLinear, fused_linear, use_int8_activations
+from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
+
+
+def projections(ops) -> dict[str, torch.nn.Module]:
+    """Each projection form the stack takes, with a bias where the form can carry one."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 96, generator=g)
+    bias = torch.randn(80, generator=g)
+    exact = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
+    integer = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
+    assert use_int8_activations(integer) == 1
+    # a 4-bit part beside an 8-bit one do not stack (a GGUF file's q|k in Q4_K, v in Q6_K): a ConcatLinear
+    mixed = fused_linear([quantize_int4(w[:48], 32), quantize_int8(w[48:])], bias, torch.float32, ops)
+    assert len(mixed.parts) == 2
+    return {"dense": FewRowsLinear.wrap(torch.nn.Parameter(w), torch.nn.Parameter(bias), ops), "int4": exact,
+            "int4+a8": integer, "int4|int8": mixed}
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_projections_equal_their_modules(ops, rows):
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        for name, module in projections(ops).items():
+            assert torch.equal(decode_stack._linear(ops, module)(x), module(x)), name
+
+
+def test_a_projection_without_a_kernel_there_leaves_the_model_to_python(ops):
+    fp8 = QuantizedLinear(quantize_fp8(torch.randn(32, 64)), None, torch.float32, ops)
+    assert fp8.kernel == "fp8"
+    assert decode_stack._linear(ops, fp8) is None
+
+
+def test_serves_only_plain_decode_steps():
+    def meta(decodes: int, tokens: int | None = None, prefills=(), rows=None, prefixes=()) -> AttentionMetadata:
+        tables, lens = torch.zeros(decodes, 2, dtype=torch.long), torch.full((decodes,), 5)
+        m = AttentionMetadata(torch.arange(tokens or decodes), decodes, tables, lens, list(prefills))
+        m.kernel_rows = KernelRows(rows, tables, lens, list(prefixes))
+        return m
+
+    serves = decode_stack.DecodeStack.serves
+    assert serves(meta(1)) and serves(meta(decode_stack.MAX_ROWS))
+    assert not serves(meta(decode_stack.MAX_ROWS + 1))  # past the dense layers' few-row kernel
+    assert not serves(meta(1, prefills=[PrefillChunk(1, 3, 3, torch.zeros(1, dtype=torch.long))]))
+    assert not serves(meta(2, tokens=5))  # drafts scored: more tokens than sequences
+    assert not serves(meta(2, rows=torch.tensor([1, 0])))
+    assert not serves(meta(2, prefixes=[SharedPrefix(torch.tensor([0]), torch.tensor([0, 1]))]))
+
+
+@pytest.mark.parametrize("args", [{}, {"quantization": "gguf", "int8_activations": True}], ids=["float32", "gguf+a8"])
+def test_smollm2_stack_equals_the_python_path(make_llm_for_test, smollm2_path, args):
+    """The same tokens and the same log-probabilities to the last bit, a batch of 6 at different lengths."""
+    stacked = make_llm_for_test(smollm2_path, dtype="float32", **args)
+    eager = make_llm_for_test(smollm2_path, dtype="float32", enforce_eager=True, **args)
+    assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
+    prompts = random_prompts(6, stacked.engine.loaded.config.vocab_size, 3, 40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_the_stack_is_off_where_its_kernels_do_not_serve(make_llm_for_test, smollm2_path):
+    reference = make_llm_for_test(smollm2_path, dtype="float32", attention_backend="reference")
+    assert reference.engine.runner.decode_stack is None
+    no_kernels = make_llm_for_test(smollm2_path, dtype="float32", cpu_kernels=False)
+    assert no_kernels.engine.runner.decode_stack is None
+    fp8 = make_llm_for_test(smollm2_path, dtype="float32", quantization="fp8")
+    assert fp8.engine.runner.decode_stack is None
