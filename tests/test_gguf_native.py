@@ -12,7 +12,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ridge.kernels import cpu_ops
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import QuantizedLinear, use_int8_activations
+from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, QuantizedLinear, use_int8_activations
 from ridge.quant.rtn import dequantize
 
 # where each format keeps its float16 block scales (d, and m or dmin), as llama.cpp lays the blocks out
@@ -100,6 +100,17 @@ def test_int8_activation_kernel_within_its_bound(ops, kind, tokens):
     error = (layer(x).double() - expected).abs()
     assert (error <= int8_activation_bound(x, w) + 1e-5 * expected.abs().max()).all()
     assert error.max() > 1e-4 * expected.abs().max()
+
+
+def test_int8_activations_leave_many_rows_to_the_exact_kernel(ops):
+    """Past INT8_ACTIVATIONS_MAX_ROWS rows (a prompt) the exact kernel is the faster: the same bits as a layer
+    without int8 activations; at that many rows and fewer, the integer kernel's numbers."""
+    qw = gguf_blocks.unpack(random_blocks("Q4_1", 40, 64, seed=0), GGMLQuantizationType.Q4_1, (40, 64))
+    exact, integer = QuantizedLinear(qw, None, torch.float32, ops), QuantizedLinear(qw, None, torch.float32, ops)
+    assert use_int8_activations(integer) == 1
+    x = torch.randn(INT8_ACTIVATIONS_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(integer(x), exact(x))
+    assert not torch.equal(integer(x[:-1]), exact(x[:-1]))
 
 
 def test_unsupported_type_names_the_supported_ones():

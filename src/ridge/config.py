@@ -117,7 +117,8 @@ class EngineConfig:
     calibration_windows: int = 32  # gptq / awq: windows of 512 calibration tokens
     # quantized linears (gguf, int8, int4, ... in float32) quantize their input to int8 per 32 values and
     # multiply integers, as llama.cpp does on CPUs: ~2x faster decode matmuls on AVX2, 1-2% error in each
-    # layer's output (kernels/int8_dot_linear.cpp). Off: the dequantized model's numbers exactly
+    # layer's output (kernels/int8_dot_linear.cpp); inputs of more than 32 rows (prompts) stay exact, as
+    # there the float kernel is the faster. Off: the dequantized model's numbers exactly
     int8_activations: bool = False
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None

@@ -124,16 +124,17 @@ def cmd_quant(args: argparse.Namespace) -> int:
     print(f"\nweight formats: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens; batch 1 "
           f"(median of {args.repeats}) and batch {args.batch}; read bandwidth {roof.read_gb_s:.1f} GB/s")
     versus = f"vs {args.baseline}"
-    print(f"{'format':9s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
+    width = max(9, *(len(row["name"]) for row in rows))
+    print(f"{'format':{width}s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
           f"{'batch tok/s':>12s} {versus:>11s}  weights")
     def ratio(row: dict, key: str) -> str:  # "-" without a baseline row to compare with
         return f"{row[key]:10.2f}x" if key in row else f"{'-':>11s}"
 
     for row in rows:
         if row["error"]:
-            print(f"{row['name']:9s} {'-':>8s}  {row['error']}")
+            print(f"{row['name']:{width}s} {'-':>8s}  {row['error']}")
             continue
-        print(f"{row['name']:9s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
+        print(f"{row['name']:{width}s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
               f"{ratio(row, 'decode_vs_baseline')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
               f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_baseline')}  {row['weights']}")
     if peer is not None:

@@ -23,11 +23,12 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.attention.paged import PagedBackend
 from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
 from ridge.models.transformer import DecoderModel
-from ridge.quant.linear import ConcatLinear, QuantizedLinear
+from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, ConcatLinear, QuantizedLinear
 
 log = logging.getLogger("ridge")
 
-MAX_ROWS = FEW_ROWS  # the dense layers' few-row kernel, which the Python path leaves past this many rows
+# the rows the Python path keeps on the kernels the stack calls: dense layers' few-row one, the integer one
+MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 
 class DecodeStack:

@@ -44,6 +44,10 @@ CALIBRATED = ("gptq", "awq")  # methods that need X^T X statistics (quant/calibr
 FLOAT32_KERNEL_MAX_ROWS = 16  # float32 int8 / int4 inputs with more rows go through the dequantized weight
 TILED_MIN_ROWS = 16  # bf16 int8 / int4 inputs with this many rows go through ridge's tiled kernels (measured
                      # crossover on a 1536 x 576 layer: int4 16 rows 0.17 ms either way, int8 0.18 vs 0.12 ms)
+# int8 activations up to this many rows; past it the exact grouped kernel, which ran as fast at 48 rows and 1.5x
+# faster at 512 (int4 g32, 3072 x 576 and 576 x 1536, AVX2): the integer kernel is built for decode's few rows,
+# as llama.cpp hands large batches to float BLAS. So prompts compute exactly, decodes on integers
+INT8_ACTIVATIONS_MAX_ROWS = 32
 
 
 @cache
@@ -167,7 +171,7 @@ class QuantizedLinear(nn.Module):
             out = (x2 @ self.qweight.to(self.dtype).T) * self.scales
         elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif self.int8_activations:
+        elif self.int8_activations and x2.shape[0] <= INT8_ACTIVATIONS_MAX_ROWS:
             out = self.ops.int8_dot_linear(x2, self.qweight, self.scales, self.minimums, self.group_size,
                                            self.signed_codes)
         else:
