@@ -2,26 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_stack.h"
-
-std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
-std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
-                                                     torch::Tensor block_ids);
-void merge_attention_(torch::Tensor out, torch::Tensor lse, torch::Tensor rows, torch::Tensor part,
-                      torch::Tensor part_lse);
-void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-                  torch::Tensor slots);
-torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  torch::Tensor minimums, int64_t group);
-torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
-                              int64_t group, bool signed_codes);
-bool int8_dot_available();
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
-                              int64_t block_width);
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache -> (out, logsumexp)");

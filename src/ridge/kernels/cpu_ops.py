@@ -34,7 +34,7 @@ log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp",
                    "int8_dot_linear.cpp", "decode_stack.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "ops.h")]
 
 
 @cache

@@ -10,20 +10,7 @@
 #include <vector>
 
 #include "decode_stack.h"
-
-std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                                      double scale);
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
-void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-                  torch::Tensor slots);
-torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  torch::Tensor minimums, int64_t group);
-torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
-                              int64_t group, bool signed_codes);
-torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+#include "ops.h"
 
 namespace ridge_stack {
 
