@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -11,6 +12,17 @@ from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
 from ridge.models.transformer import DecoderModel
+
+
+@dataclass
+class StepInputs:
+    """A scheduled step flattened for the model, its attention metadata prepared by the backend."""
+
+    input_ids: torch.Tensor  # [T]: every scheduled token of every sequence, drafts after their sequence's own
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows of the step whose logits get sampled
+    samplers: list[Sequence]  # the sequences those rows belong to, in order
 
 
 class ModelRunner:
@@ -37,6 +49,16 @@ class ModelRunner:
 
         all_logits: logits for every token of the step instead (scoring a prompt).
         """
+        inputs = self.prepare(step)
+        meta = inputs.meta
+        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
+            hidden = self.decode_stack(self.model.embed_tokens(inputs.input_ids), inputs.positions, meta)
+            return self.model.compute_logits(hidden), inputs.samplers
+        rows = None if all_logits else torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        return self.model(inputs.input_ids, inputs.positions, self.backend, meta, rows), inputs.samplers
+
+    def prepare(self, step: ScheduledStep) -> StepInputs:
+        """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -72,11 +94,5 @@ class ModelRunner:
             prefills=prefills,
         )
         self.backend.prepare(meta)
-        ids, token_positions = torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long)
-        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
-            hidden = self.decode_stack(self.model.embed_tokens(ids), token_positions, meta)
-            return self.model.compute_logits(hidden), samplers
-        logits = self.model(
-            ids, token_positions, self.backend, meta, None if all_logits else torch.tensor(sample_rows, **as_long)
-        )
-        return logits, samplers
+        return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
+                          sample_rows, samplers)

@@ -28,7 +28,7 @@ from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
 from ridge.quant.awq import apply_awq, clipped_int4
-from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
+from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians, quantize_layerwise
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
 from ridge.tokenizer import RidgeTokenizer
@@ -80,19 +80,24 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
                 check_group_size(module.in_features, group_size, f" of {name}")
     tokenizer = RidgeTokenizer.from_path(model_path)
     hessians: dict[str, torch.Tensor] = {}
-    if method in ("gptq", "awq"):
-        windows = calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW)
-        hessians = input_hessians(model, windows, torch.float32, "cpu", progress)
+    fitted: dict[str, QuantizedWeight] = {}
+    if method == "gptq":
+        fitted = quantize_layerwise(
+            model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
+            lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, integer_zeros=True),
+            torch.float32, "cpu", progress)
     if method == "awq":
+        hessians = input_hessians(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
+                                  torch.float32, "cpu", progress)
         apply_awq(model, hessians, group_size, integer_zeros=True, progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if method == "fp8":
             return quantize_fp8(weight)
         if method == "gptq":
-            return gptq_quantize(weight, hessians[key], bits, group_size, act_order=True, integer_zeros=True)
+            return fitted[key]
         if method == "awq":
-            return clipped_int4(weight, group_size, hessians[key].diagonal(), integer_zeros=True)
+            return clipped_int4(weight, group_size, hessians[key], integer_zeros=True)
         return quantize_int4(weight, group_size, integer_zeros=True) if bits == 4 else quantize_int8(weight)
 
     layout = METHODS[method][0]

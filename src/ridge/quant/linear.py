@@ -256,7 +256,7 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
     if method == "awq":
         if hessian is None:
             raise ValueError("quantization: awq needs calibration statistics (quant/calibration.py)")
-        return clipped_int4(weight, group_size, hessian.diagonal(), integer_zeros=False)
+        return clipped_int4(weight, group_size, hessian, integer_zeros=False)
     if method == "fp8":
         return quantize_fp8(weight)
     if method == "gptq":
@@ -276,16 +276,18 @@ def head_method(method: str) -> str:
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
                    use_kernel: bool = True, hessians: dict[str, torch.Tensor] | None = None,
-                   progress: bool = False, ops: ModuleType | None = None) -> DecoderModel:
+                   fitted: dict[str, QuantizedWeight] | None = None, progress: bool = False,
+                   ops: ModuleType | None = None) -> DecoderModel:
     """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place.
-    gptq and awq need `hessians`, keyed as quant/calibration.py names the layers; `ops`: ridge's CPU kernels
+    awq needs `hessians` and gptq the layers' weights as quant/calibration.py's quantize_layerwise `fitted`
+    them, both keyed as quant/calibration.py names the layers; `ops`: ridge's CPU kernels
     (kernels/cpu_ops.py), for the tiled many-row path. The embedding table stays
     as it is: a lookup reads one row per token, not the whole table."""
     if method not in METHODS:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
-    if method in CALIBRATED and not hessians:
-        raise ValueError(f"quantization: {method} needs calibration statistics (quant/calibration.py)")
-    hessians = hessians or {}
+    if (method == "awq" and not hessians) or (method == "gptq" and not fitted):
+        raise ValueError(f"quantization: {method} needs calibration (quant/calibration.py)")
+    hessians, fitted = hessians or {}, fitted or {}
     if method == "awq":
         apply_awq(model, hessians, group_size, integer_zeros=False, progress=progress)
     model.output_projection = QuantizedLinear(
@@ -296,6 +298,7 @@ def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: tor
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     key = ".".join(part for part in ("layers", str(i), parent_name, name) if part)
-                    qw = quantize_weight(child.weight.data, method, group_size, hessians.get(key))
+                    qw = fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size,
+                                                                           hessians.get(key))
                     setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, ops, use_kernel))
     return model
