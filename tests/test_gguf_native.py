@@ -3,6 +3,8 @@ dequantize-then-matmul, and whole models against their dequantized selves."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -104,13 +106,16 @@ def test_int8_activation_kernel_within_its_bound(ops, kind, tokens):
 
 def test_int8_activations_leave_many_rows_to_the_exact_kernel(ops):
     """Past INT8_ACTIVATIONS_MAX_ROWS rows (a prompt) the exact kernel is the faster: the same bits as a layer
-    without int8 activations; at that many rows and fewer, the integer kernel's numbers."""
+    without int8 activations; at that many rows and fewer, the integer kernel's numbers. `ridge eval ppl
+    --int8-activations` lifts the limit, to measure the integer arithmetic on its windows."""
     qw = gguf_blocks.unpack(random_blocks("Q4_1", 40, 64, seed=0), GGMLQuantizationType.Q4_1, (40, 64))
     exact, integer = QuantizedLinear(qw, None, torch.float32, ops), QuantizedLinear(qw, None, torch.float32, ops)
     assert use_int8_activations(integer) == 1
     x = torch.randn(INT8_ACTIVATIONS_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(integer(x), exact(x))
     assert not torch.equal(integer(x[:-1]), exact(x[:-1]))
+    assert use_int8_activations(integer, max_rows=sys.maxsize) == 1
+    assert not torch.equal(integer(x), exact(x))
 
 
 def test_unsupported_type_names_the_supported_ones():

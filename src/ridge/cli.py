@@ -228,8 +228,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from ridge import LLM
     from ridge.eval.perplexity import held_out_text, perplexity
+    from ridge.quant.linear import use_int8_activations
 
     llm = LLM(args.model, **engine_kwargs(args))
+    if args.int8_activations:  # decode's arithmetic at every row of a window, as llama-perplexity measures it
+        use_int8_activations(llm.engine.loaded.model, max_rows=sys.maxsize)
     results = []
     for source in args.source:
         ids = llm.tokenizer.encode(held_out_text(source))[: args.max_tokens]

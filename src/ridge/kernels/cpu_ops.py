@@ -14,10 +14,10 @@
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
 
 torch builds them with the system C++ compiler, into a folder of $RIDGE_HOME/kernels named by the sources'
-location and contents, the flags and torch's version: the first start pays about a minute, later ones
-nothing, and two checkouts never rebuild each other's (in torch's one shared folder per extension name,
-each rebuilt it whenever the other had run). Without a compiler, ridge keeps the pure-torch paths, which
-give the same results more slowly.
+location and contents, the flags, torch's version and the CPU's instruction sets: the first start pays
+about a minute, later ones nothing, and two checkouts never rebuild each other's (in torch's one shared
+folder per extension name, each rebuilt it whenever the other had run). Without a compiler, ridge keeps
+the pure-torch paths, which give the same results more slowly.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build
 
         flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
-        key = hashlib.sha256(repr((str(Path(__file__).parent), flags, torch.__version__)).encode())
+        # -march=native: a build is for this CPU's instruction sets (a home folder may move between machines)
+        key = hashlib.sha256(repr((str(Path(__file__).parent), flags, torch.__version__, _cpu_flags())).encode())
         for source in SOURCES + HEADERS:  # torch looks at the sources' contents, not at headers'
             key.update(source.read_bytes())
         folder = ridge_home() / "kernels" / key.hexdigest()[:16]
@@ -54,3 +55,12 @@ def load() -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers, a build error: fall back, loudly
         log.warning("ridge: C++ CPU kernels unavailable (%s); using the torch paths", exc)
         return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction-set flags as Linux lists them ('' elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""

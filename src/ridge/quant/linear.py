@@ -12,9 +12,9 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
   4-bit format too (the 4-bit codes two a byte, pack_nibbles), as torch's two kernels are slow there;
 - on request (EngineConfig.int8_activations), the grouped kernel's layers quantize their input to int8 per 32
   values and multiply integers (kernels/int8_dot_linear.cpp, llama.cpp's arithmetic): ~2x faster at batch 1
-  on AVX2, not exact (the kernel states its error bound). At every row count, so that a token's numbers do
-  not depend on the batch it came in (and `ridge eval ppl` measures what decode computes), though past ~64
-  rows the exact path's tiles and sgemm are faster (512 rows of 3072 x 576: 30 against 38 ms);
+  on AVX2, not exact (the kernel states its error bound). For inputs of up to INT8_ACTIVATIONS_MAX_ROWS rows
+  (decode steps); prompts past it compute exactly, as llama.cpp hands large batches to float BLAS, so
+  `ridge eval ppl`'s windows measure the exact arithmetic;
 - fp8 e4m3 per output channel: the codes are widened to the activation dtype per call and the scale
   applied to the output. The CPU has no fp8 matmul; this halves weight memory against bfloat16, not
   decode time (fp8 is here for its quality and its checkpoints, which GPUs run natively).
@@ -108,7 +108,8 @@ class QuantizedLinear(nn.Module):
                 codes = weight.qweight.to(torch.int8).contiguous()
                 self.signed_codes = bool((codes < 0).any())  # the integer kernel's two forms
             self.register_buffer("qweight", codes, persistent=False)
-            self.int8_activations = False  # use_int8_activations
+            self.int8_activations = False  # use_int8_activations, for inputs of up to int8_activation_max_rows
+            self.int8_activation_max_rows = INT8_ACTIVATIONS_MAX_ROWS
             self.register_buffer("scales", weight.scales.float().reshape(self.out_features, -1).contiguous(),
                                  persistent=False)
             minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
@@ -171,7 +172,7 @@ class QuantizedLinear(nn.Module):
             out = (x2 @ self.qweight.to(self.dtype).T) * self.scales
         elif self.kernel == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif self.int8_activations and x2.shape[0] <= INT8_ACTIVATIONS_MAX_ROWS:
+        elif self.int8_activations and x2.shape[0] <= self.int8_activation_max_rows:
             out = self.ops.int8_dot_linear(x2, self.qweight, self.scales, self.minimums, self.group_size,
                                            self.signed_codes)
         else:
@@ -231,15 +232,15 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
-def use_int8_activations(model: nn.Module) -> int:
-    """Put the model's grouped-kernel layers (float32, K in 32s, groups of 16 or 32s) on int8 activations;
-    returns how many layers that is."""
+def use_int8_activations(model: nn.Module, max_rows: int = INT8_ACTIVATIONS_MAX_ROWS) -> int:
+    """Put the model's grouped-kernel layers (float32, K in 32s, groups of 16 or 32s) on int8 activations for
+    inputs of up to max_rows rows; returns how many layers that is."""
     switched = 0
     for layer in model.modules():
         if (isinstance(layer, QuantizedLinear) and layer.kernel == "grouped_int8" and layer.dtype == torch.float32
                 and layer.in_features % 32 == 0 and (layer.group_size == 16 or layer.group_size % 32 == 0)
                 and layer.ops.int8_dot_available()):
-            layer.int8_activations = True
+            layer.int8_activations, layer.int8_activation_max_rows = True, max_rows
             switched += 1
     return switched
 
