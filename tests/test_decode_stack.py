@@ -10,9 +10,9 @@ from conftest import random_prompts
 from ridge import SamplingParams
 from ridge.attention.backend import AttentionMetadata, KernelRows, PrefillChunk
 from ridge.attention.cascade import SharedPrefix
-from ridge.kernels import cpu_ops, decode_stack
+from ridge.kernels import cpu_ops, decode_stack, onednn_linear
 from ridge.kernels.dense_linear import FewRowsLinear
-from ridge.quant.linear import QuantizedLinear, fused_linear, use_int8_activations
+from ridge.quant.linear import TILED_MIN_ROWS, QuantizedLinear, fused_linear, use_int8_activations
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
 
 
@@ -38,12 +38,30 @@ def projections(ops) -> dict[str, torch.nn.Module]:
             "int4+a8": integer, "int4|int8": mixed}
 
 
+def bf16_projections(ops) -> dict[str, torch.nn.Module]:
+    """The bfloat16 forms: torch's int4 layout (72 channels, padded to 80 in it), int8 per channel on ridge's
+    kernel, a plain and (where oneDNN packs bf16) a packed dense weight."""
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(72, 96, generator=g), torch.randn(72, generator=g).bfloat16()
+    int4 = QuantizedLinear(quantize_int4(w, 32), bias, torch.bfloat16, ops)
+    int8 = QuantizedLinear(quantize_int8(w), bias, torch.bfloat16, ops)
+    assert (int4.kernel, int8.kernel) == ("int4", "int8") and int4.qweight.numel() * 2 > w.numel()
+    linear = torch.nn.Linear(96, 72).bfloat16()
+    forms = {"int4": int4, "int8": int8, "linear": linear}
+    if onednn_linear.available(torch.bfloat16, "cpu"):
+        forms["onednn"] = onednn_linear.PackedLinear(linear.weight.data, linear.bias)
+    return forms
+
+
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_projections_equal_their_modules(ops, rows):
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         for name, module in projections(ops).items():
             assert torch.equal(decode_stack._linear(ops, module)(x), module(x)), name
+        for name, module in bf16_projections(ops).items():
+            if rows < TILED_MIN_ROWS:  # the most rows a bfloat16 stack takes
+                assert torch.equal(decode_stack._linear(ops, module)(x.bfloat16()), module(x.bfloat16())), name
 
 
 def test_a_projection_without_a_kernel_there_leaves_the_model_to_python(ops):
@@ -59,20 +77,24 @@ def test_serves_only_plain_decode_steps():
         m.kernel_rows = KernelRows(rows, tables, lens, list(prefixes))
         return m
 
-    serves = decode_stack.DecodeStack.serves
+    serves = decode_stack.DecodeStack(None).serves
     assert serves(meta(1)) and serves(meta(decode_stack.MAX_ROWS))
     assert not serves(meta(decode_stack.MAX_ROWS + 1))  # past the dense layers' few-row kernel
+    assert not decode_stack.DecodeStack(None, TILED_MIN_ROWS - 1).serves(meta(TILED_MIN_ROWS))  # bf16's limit
     assert not serves(meta(1, prefills=[PrefillChunk(1, 3, 3, torch.zeros(1, dtype=torch.long))]))
     assert not serves(meta(2, tokens=5))  # drafts scored: more tokens than sequences
     assert not serves(meta(2, rows=torch.tensor([1, 0])))
     assert not serves(meta(2, prefixes=[SharedPrefix(torch.tensor([0]), torch.tensor([0, 1]))]))
 
 
-@pytest.mark.parametrize("args", [{}, {"quantization": "gguf", "int8_activations": True}], ids=["float32", "gguf+a8"])
+@pytest.mark.parametrize("args", [{"dtype": "float32"},
+                                  {"dtype": "float32", "quantization": "gguf", "int8_activations": True},
+                                  {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "gguf"}],
+                         ids=["float32", "gguf+a8", "bfloat16", "bfloat16-gguf"])
 def test_smollm2_stack_equals_the_python_path(make_llm_for_test, smollm2_path, args):
     """The same tokens and the same log-probabilities to the last bit, a batch of 6 at different lengths."""
-    stacked = make_llm_for_test(smollm2_path, dtype="float32", **args)
-    eager = make_llm_for_test(smollm2_path, dtype="float32", enforce_eager=True, **args)
+    stacked = make_llm_for_test(smollm2_path, **args)
+    eager = make_llm_for_test(smollm2_path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
     prompts = random_prompts(6, stacked.engine.loaded.config.vocab_size, 3, 40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)

@@ -31,8 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="paged", choices=["paged", "reference"])
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="run every step through the Python model (default: float32 decode steps run their layers "
-                        "in one C++ call, with the same outputs; vLLM's flag for its CUDA graphs)")
+                   help="run every step through the Python model (default: float32 and bfloat16 decode steps run "
+                        "their layers in one C++ call, with the same outputs; vLLM's flag for its CUDA graphs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (default on; --no-enable-prefix-caching)")
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],

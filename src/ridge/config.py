@@ -101,8 +101,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
-    # every step through the Python model; off: float32 decode steps run their layers in one C++ call, with
-    # the same outputs (kernels/decode_stack.py). vLLM's name: it turns off captured CUDA graphs there
+    # every step through the Python model; off: float32 and bfloat16 decode steps run their layers in one C++
+    # call, with the same outputs (kernels/decode_stack.py). vLLM's name: it turns off captured CUDA graphs there
     enforce_eager: bool = False
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)

@@ -26,9 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace ridge_stack;
   py::class_<LinearPart>(m, "LinearPart", "one kernel call's weights (decode_stack.h)")
       .def(py::init<const std::string&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool,
-                    c10::optional<torch::Tensor>>(),
+                    c10::optional<torch::Tensor>, int64_t>(),
            py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
-           py::arg("signed_codes"), py::arg("bias"));
+           py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"));
   py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
       .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
              return Linear{std::move(parts), std::move(bias)};

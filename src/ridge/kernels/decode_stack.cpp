@@ -16,30 +16,59 @@ namespace ridge_stack {
 
 LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales,
                        torch::Tensor minimums, int64_t group, bool signed_codes,
-                       c10::optional<torch::Tensor> bias)
+                       c10::optional<torch::Tensor> bias, int64_t out_features)
     : weight(std::move(weight)), scales(std::move(scales)), minimums(std::move(minimums)), group(group),
-      signed_codes(signed_codes), bias(std::move(bias)) {
+      signed_codes(signed_codes), bias(std::move(bias)), out_features(out_features) {
   if (kernel == "grouped_int8") {
     this->kernel = Kernel::kGrouped;
   } else if (kernel == "int8_dot") {
     this->kernel = Kernel::kInt8Dot;
   } else if (kernel == "dense") {
     this->kernel = Kernel::kDense;
+  } else if (kernel == "linear") {
+    this->kernel = Kernel::kLinear;
+  } else if (kernel == "onednn") {
+    this->kernel = Kernel::kOneDnn;
+  } else if (kernel == "int4pack") {
+    this->kernel = Kernel::kInt4Pack;
   } else {
-    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot or dense, not ", kernel);
+    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot, dense, linear, onednn or int4pack, not ",
+                kernel);
   }
 }
+
+namespace {
+
+// torch's oneDNN linear over a packed weight (PackedLinear.forward's call), through the dispatcher: the op
+// is registered by torch's mkldnn library, not declared in ATen's headers
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                          c10::List<c10::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
 
 torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
   torch::Tensor out;
   switch (kernel) {
-    case Kernel::kDense:  // dense_linear adds the bias itself, as FewRowsLinear has it do
+    case Kernel::kDense:  // these take the bias themselves, as their modules have them do
       return dense_linear(x, weight, bias);
+    case Kernel::kLinear:
+      return at::linear(x, weight, bias);
+    case Kernel::kOneDnn:
+      return onednn_linear(x, weight, bias);
     case Kernel::kInt8Dot:
       out = int8_dot_linear(x, weight, scales, minimums, group, signed_codes);
       break;
     case Kernel::kGrouped:
       out = grouped_int8_linear(x, weight, scales, minimums, group);
+      break;
+    case Kernel::kInt4Pack:
+      out = at::_weight_int4pack_mm_for_cpu(x, weight, group, scales);
+      if (out.size(1) != out_features) out = out.narrow(1, 0, out_features).contiguous();
       break;
   }
   return bias.has_value() ? out.add_(*bias) : out;

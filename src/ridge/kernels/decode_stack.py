@@ -5,7 +5,8 @@ again: on SmolLM2-135M (Q4_1, int8 activations, 2-core AVX2) the model's forward
 kernels were 12.4. The C++ stack calls the same kernels in the same order, so its outputs are bit-identical
 to models/layers.py's; it is built once per engine from the model's modules (references, not copies) and
 serves the steps it can: decodes only (no prefill chunk, no draft verification), each row reading its own
-blocks (no shared prefix attended once), on the paged backend's kernels, float32, at most MAX_ROWS rows.
+blocks (no shared prefix attended once), on the paged backend's kernels, float32 or bfloat16, at most
+MAX_ROWS rows (in bfloat16 fewer than TILED_MIN_ROWS, where the 4-bit layers change kernel).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -22,8 +23,9 @@ from torch import nn
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.attention.paged import PagedBackend
 from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
+from ridge.kernels.onednn_linear import PackedLinear
 from ridge.models.transformer import DecoderModel
-from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, ConcatLinear, QuantizedLinear
+from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS, ConcatLinear, QuantizedLinear
 
 log = logging.getLogger("ridge")
 
@@ -32,13 +34,13 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 
 class DecodeStack:
-    def __init__(self, native: Any) -> None:
+    def __init__(self, native: Any, max_rows: int = MAX_ROWS) -> None:
         self.native = native
+        self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
 
-    @staticmethod
-    def serves(meta: AttentionMetadata) -> bool:
+    def serves(self, meta: AttentionMetadata) -> bool:
         kernel = meta.kernel_rows
-        return (not meta.prefills and 0 < meta.num_decodes <= MAX_ROWS
+        return (not meta.prefills and 0 < meta.num_decodes <= self.max_rows
                 and meta.slot_mapping.shape[0] == meta.num_decodes  # no drafts scored
                 and kernel is not None and kernel.rows is None and not kernel.shared_prefixes)
 
@@ -54,7 +56,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     cfg = model.cfg
     if ops is None or type(backend) is not PagedBackend or backend.ops is None:
         return None
-    if model.norm.weight.dtype != torch.float32 or backend.k_cache[0].dtype != torch.float32:
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or backend.k_cache[0].dtype != dtype:
         return None
     layers = []
     for i, layer in enumerate(model.layers):
@@ -68,7 +71,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 backend.k_cache[i], backend.v_cache[i]))
     rope_table = torch.view_as_real(model.rotary.freqs)
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
-                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale))
+                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale),
+                       MAX_ROWS if dtype == torch.float32 else min(MAX_ROWS, TILED_MIN_ROWS - 1))
 
 
 def _linear(ops: ModuleType, module: nn.Module) -> Any | None:
@@ -81,11 +85,25 @@ def _linear(ops: ModuleType, module: nn.Module) -> Any | None:
 
 
 def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any | None:
+    """The call module.forward makes at up to the stack's rows (a form whose kernel changes below that is
+    left out)."""
     none = torch.empty(0)
     if type(module) is FewRowsLinear:
-        return ops.LinearPart("dense", module.weight, none, none, 0, False, bias)
-    if type(module) is QuantizedLinear and module.kernel == "grouped_int8" and module.dtype == torch.float32:
+        return ops.LinearPart("dense", module.weight, none, none, 0, False, bias, 0)
+    if type(module) is nn.Linear:
+        return ops.LinearPart("linear", module.weight, none, none, 0, False, bias, 0)
+    if type(module) is PackedLinear:
+        return ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
+    if type(module) is not QuantizedLinear:
+        return None
+    if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,
-                              module.signed_codes, bias)
+                              module.signed_codes, bias, 0)
+    if module.kernel == "int8" and module.tiled_ops is not None:
+        return ops.LinearPart("grouped_int8", module.qweight, module.channel_scales, module.no_minimums,
+                              module.in_features, False, bias, 0)
+    if module.kernel == "int4" and module.unpacked is None:  # bfloat16: torch's kernel below TILED_MIN_ROWS
+        return ops.LinearPart("int4pack", module.qweight, module.scales_and_zeros, none, module.group_size, False,
+                              bias, module.out_features)
     return None
