@@ -54,7 +54,7 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager",
                            "--baseline", "float32",
                            "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
-                           "--repeats", "1", "--json", "--plot", str(tmp_path / "formats.png")).stdout)
+                           "--repeats", "1", "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png")).stdout)
     assert (tmp_path / "formats.png").stat().st_size > 0
     rows = {row["name"]: row for row in bench["formats"]}
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
@@ -63,3 +63,8 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert rows["int4+a8+eager"]["weight_bytes"] == rows["int4+a8"]["weight_bytes"]
     assert all(row["decode_tok_s"] > 0 and row["read_fraction"] > 0 and row["batch_tok_s"] > 0
                for row in rows.values())
+    # two rounds: each ratio is the median (here the mean) of the two rounds' own ratios
+    base, int4 = rows["float32"]["rounds"], rows["int4+a8"]["rounds"]
+    assert len(base) == len(int4) == 2
+    per_round = [i[1] / b[1] for i, b in zip(int4, base, strict=True)]
+    assert abs(rows["int4+a8"]["batch_vs_baseline"] - sum(per_round) / 2) < 1e-9

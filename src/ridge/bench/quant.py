@@ -6,6 +6,10 @@ Decode reads every weight once per step, so at batch 1 tok/s x bytes per step is
 draws: a format that reads fewer bytes at the same fraction of the bandwidth is faster by its size ratio.
 At batch B the same bytes serve B tokens, and what the kernels spend dequantizing starts to show.
 
+On a shared machine a format measured minutes after another may meet a different neighbour: --rounds R
+measures every format R times, in turn, and reports each figure's median over the rounds and each ratio as
+the median of the rounds' ratios (formats measured next to each other in time).
+
 The quantized formats compute in --dtype, by default the engine's own choice: bfloat16 where the CPU has
 bf16 arithmetic, float32 where it would emulate it (an AVX2 CPU runs bf16 matmuls many times slower than
 float32 ones, which would hide what the weight format saves).
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -50,6 +55,24 @@ class FormatResult:
     batch_tok_s: float = 0.0  # output tok/s at batch B
     figures: dict = field(default_factory=dict)
     error: str | None = None
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # (decode_tok_s, batch_tok_s) per round
+
+
+def _over_rounds(measured: list[FormatResult]) -> FormatResult:
+    """One format's rounds as one result: the medians, each round's figures kept."""
+    ok = [r for r in measured if not r.error]
+    if not ok:
+        return measured[0]
+    result = ok[0]
+    result.rounds = [(r.decode_tok_s, r.batch_tok_s) for r in ok]
+    result.decode_tok_s = statistics.median(d for d, _ in result.rounds)
+    result.batch_tok_s = statistics.median(b for _, b in result.rounds)
+    return result
+
+
+def _ratio(result: FormatResult, base: FormatResult, which: int) -> float:
+    """The median over the rounds of result's figure over base's in the same round (which: 0 decode, 1 batch)."""
+    return statistics.median(r[which] / b[which] for r, b in zip(result.rounds, base.rounds, strict=True))
 
 
 def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResult:
@@ -88,10 +111,12 @@ def cmd_quant(args: argparse.Namespace) -> int:
     roof = roofline.measure(dtypes=())
     path = resolve(args.model)
     ids = _latency_prompt(args, RidgeTokenizer.from_path(path))
-    results = []
-    for name in args.formats:
-        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
-        results.append(_measure(args, name, ids))
+    measured: dict[str, list[FormatResult]] = {name: [] for name in args.formats}
+    for k in range(args.rounds):
+        for name in args.formats:
+            print(f"[bench] {name} (round {k + 1} of {args.rounds}) ...", file=sys.stderr, flush=True)
+            measured[name].append(_measure(args, name, ids))
+    results = [_over_rounds(measured[name]) for name in args.formats]
     peer = None
     found = find_peers(args.peer or [], all_installed=False)
     if "llamacpp" in found and path.suffix == ".gguf":
@@ -108,8 +133,8 @@ def cmd_quant(args: argparse.Namespace) -> int:
             row["weight_gb_s"] = r.weight_bytes * r.decode_tok_s / 1e9
             row["read_fraction"] = row["weight_gb_s"] / roof.read_gb_s
             if base:
-                row["decode_vs_baseline"] = r.decode_tok_s / base.decode_tok_s
-                row["batch_vs_baseline"] = r.batch_tok_s / base.batch_tok_s
+                row["decode_vs_baseline"] = _ratio(r, base, 0)
+                row["batch_vs_baseline"] = _ratio(r, base, 1)
             if theirs and r.name.startswith("gguf"):  # the same file's blocks as llama.cpp runs them
                 row["decode_vs_llamacpp"] = r.decode_tok_s / theirs
         rows.append(row)
@@ -121,8 +146,9 @@ def cmd_quant(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    rounds = f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"\nweight formats: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens; batch 1 "
-          f"(median of {args.repeats}) and batch {args.batch}; read bandwidth {roof.read_gb_s:.1f} GB/s")
+          f"(median of {args.repeats}) and batch {args.batch}{rounds}; read bandwidth {roof.read_gb_s:.1f} GB/s")
     versus = f"vs {args.baseline}"
     width = max(9, *(len(row["name"]) for row in rows))
     print(f"{'format':{width}s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
@@ -194,6 +220,9 @@ def add_quant_parser(bsub) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=32, help="requests decoded together (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 repeats for the median")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every format this many times, in turn; figures and ratios are medians over the "
+                        "rounds (default %(default)s)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--peer", action="append", metavar="llamacpp=PYTHON", help="llama.cpp's interpreter")
