@@ -87,14 +87,12 @@ def test_serves_only_plain_decode_steps():
     assert not serves(meta(2, prefixes=[SharedPrefix(torch.tensor([0]), torch.tensor([0, 1]))]))
 
 
-@pytest.mark.parametrize("args", [{"dtype": "float32"},
-                                  {"dtype": "float32", "quantization": "gguf", "int8_activations": True},
-                                  {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "gguf"}],
-                         ids=["float32", "gguf+a8", "bfloat16", "bfloat16-gguf"])
+@pytest.mark.parametrize("args", [{}, {"quantization": "gguf", "int8_activations": True}], ids=["float32", "gguf+a8"])
 def test_smollm2_stack_equals_the_python_path(make_llm_for_test, smollm2_path, args):
-    """The same tokens and the same log-probabilities to the last bit, a batch of 6 at different lengths."""
-    stacked = make_llm_for_test(smollm2_path, **args)
-    eager = make_llm_for_test(smollm2_path, enforce_eager=True, **args)
+    """The same tokens and the same log-probabilities to the last bit, a batch of 6 at different lengths
+    (bfloat16: tests/test_models_random.py, on models small enough for CPUs that emulate bf16 matmuls)."""
+    stacked = make_llm_for_test(smollm2_path, dtype="float32", **args)
+    eager = make_llm_for_test(smollm2_path, dtype="float32", enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
     prompts = random_prompts(6, stacked.engine.loaded.config.vocab_size, 3, 40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)

@@ -81,16 +81,21 @@ def test_greedy_tokens_match_hf(random_model, make_llm_for_test):
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("args", [{}, {"quantization": "int4"}, {"quantization": "int8", "int8_activations": True}],
-                         ids=["float32", "int4", "int8+a8"])
+@pytest.mark.parametrize("args", [{"dtype": "float32"}, {"dtype": "float32", "quantization": "int4"},
+                                  {"dtype": "float32", "quantization": "int8", "int8_activations": True},
+                                  {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int4"},
+                                  {"dtype": "bfloat16", "quantization": "int8"}],
+                         ids=["float32", "int4", "int8+a8", "bfloat16", "bfloat16-int4", "bfloat16-int8"])
 def test_decode_stack_equals_the_python_path(random_model, make_llm_for_test, args):
     """Decode steps in one C++ call (kernels/decode_stack.py) against every step in Python: qwen2's biases,
-    qwen3's per-head norms and head_dim, tied heads; the same tokens and log-probabilities to the last bit."""
+    qwen3's per-head norms and head_dim, tied heads; in bfloat16 torch's int4 layout, int8 per channel on
+    ridge's kernel and dense layers (oneDNN-packed where the CPU has bf16 arithmetic); the same tokens and
+    log-probabilities to the last bit."""
     from ridge import SamplingParams
 
     path, _ = random_model
-    stacked = make_llm_for_test(path, dtype="float32", **args)
-    eager = make_llm_for_test(path, dtype="float32", enforce_eager=True, **args)
+    stacked = make_llm_for_test(path, **args)
+    eager = make_llm_for_test(path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None
     prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
