@@ -14,8 +14,8 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
 - on request (EngineConfig.int8_activations), the grouped kernel's layers quantize their input to int8 per 32
   values and multiply integers (kernels/int8_dot_linear.cpp, llama.cpp's arithmetic): ~2x faster at batch 1
   on AVX2, not exact (the kernel states its error bound). For inputs of up to INT8_ACTIVATIONS_MAX_ROWS rows
-  (decode steps); prompts past it compute exactly, as llama.cpp hands large batches to float BLAS, so
-  `ridge eval ppl`'s windows measure the exact arithmetic;
+  (decode steps); prompts past it compute exactly, as llama.cpp hands large batches to float BLAS
+  (`ridge eval ppl --int8-activations` lifts the limit, to score the integer arithmetic on its windows);
 - fp8 e4m3 per output channel: the codes are widened to the activation dtype per call and the scale
   applied to the output. The CPU has no fp8 matmul; this halves weight memory against bfloat16, not
   decode time (fp8 is here for its quality and its checkpoints, which GPUs run natively).
@@ -119,7 +119,7 @@ class QuantizedLinear(nn.Module):
             self.kernel = "int8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
-            # the tiled kernel's form of the same scales: one group spanning the row, in float32
+            # ridge's grouped kernel's form of the same scales: one group spanning the row, in float32
             self.register_buffer("channel_scales", weight.scales.float()[:, None].contiguous(), persistent=False)
             self.register_buffer("no_minimums", torch.empty(0), persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
@@ -146,7 +146,7 @@ class QuantizedLinear(nn.Module):
         """Bytes a forward pass streams from memory for the weight (as held, padding aside)."""
         if self.kernel is None:
             return self.dense.nbytes
-        # channel_scales: int8's scales again in the tiled kernel's form, read instead of `scales`
+        # channel_scales: int8's scales again in the grouped kernel's form, read instead of `scales`
         return sum(b.nbytes for name, b in self.named_buffers() if name != "channel_scales")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
