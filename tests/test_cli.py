@@ -51,6 +51,8 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert bad.returncode == 2 and "bits" in bad.stderr
     bad = run("bench", "quant", "smollm2", "--formats", "float32,fp8+a8", check=False)
     assert bad.returncode != 0 and "fp8+a8 not among" in bad.stderr
+    bad = run("bench", "quant", "smollm2", "--rounds", "0", check=False)
+    assert bad.returncode != 0 and "rounds: must be at least 1, got 0" in bad.stderr
     bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager",
                            "--baseline", "float32",
                            "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",

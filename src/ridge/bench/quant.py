@@ -103,6 +103,9 @@ def cmd_quant(args: argparse.Namespace) -> int:
     from ridge.hub import resolve
     from ridge.tokenizer import RidgeTokenizer
 
+    for name in ("rounds", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be at least 1, got {getattr(args, name)}")
     unknown = [f for f in [*args.formats, args.baseline] if format_args(f) is None]
     if unknown:
         raise ValueError(f"formats: {', '.join(unknown)} not among {', '.join(FORMATS)}, each optionally "
