@@ -30,17 +30,20 @@ def projections(ops) -> dict[str, torch.nn.Module]:
     bias = torch.randn(80, generator=g)
     exact = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
     integer = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
-    assert use_int8_activations(integer) == 1
+    assert use_int8_activations(integer) == 1  # AVX512-VNNI's matrix kernel where the CPU has it
+    avx2 = QuantizedLinear(quantize_int4(w[:72], 32), bias[:72], torch.float32, ops)
+    assert use_int8_activations(avx2) == 1 and avx2.kernel == "grouped_int8"  # 72 channels: not in 16s
     # a 4-bit part beside an 8-bit one do not stack (a GGUF file's q|k in Q4_K, v in Q6_K): a ConcatLinear
     mixed = fused_linear([quantize_int4(w[:48], 32), quantize_int8(w[48:])], bias, torch.float32, ops)
     assert len(mixed.parts) == 2
     return {"dense": FewRowsLinear.wrap(torch.nn.Parameter(w), torch.nn.Parameter(bias), ops), "int4": exact,
-            "int4+a8": integer, "int4|int8": mixed}
+            "int4+a8": integer, "int4+a8 avx2": avx2, "int4|int8": mixed}
 
 
 def bf16_projections(ops) -> dict[str, torch.nn.Module]:
     """The bfloat16 forms: torch's int4 layout (72 channels, padded to 80 in it), int8 per channel on ridge's
-    kernel, a plain and (where oneDNN packs bf16) a packed dense weight."""
+    kernel, a plain and (where oneDNN packs bf16) a packed dense weight; where the CPU has AVX512-VNNI, int4
+    and int8 on its integer matrix kernel."""
     g = torch.Generator().manual_seed(1)
     w, bias = torch.randn(72, 96, generator=g), torch.randn(72, generator=g).bfloat16()
     int4 = QuantizedLinear(quantize_int4(w, 32), bias, torch.bfloat16, ops)
@@ -50,6 +53,10 @@ def bf16_projections(ops) -> dict[str, torch.nn.Module]:
     forms = {"int4": int4, "int8": int8, "linear": linear}
     if onednn_linear.available(torch.bfloat16, "cpu"):
         forms["onednn"] = onednn_linear.PackedLinear(linear.weight.data, linear.bias)
+    if ops.vnni_available():
+        for name, qw in (("int4+a8", quantize_int4(w[:64], 32)), ("int8+a8", quantize_int8(w[:64]))):
+            forms[name] = QuantizedLinear(qw, bias[:64], torch.bfloat16, ops)
+            assert use_int8_activations(forms[name]) == 1 and forms[name].kernel == "vnni"
     return forms
 
 
@@ -60,7 +67,7 @@ def test_projections_equal_their_modules(ops, rows):
         for name, module in projections(ops).items():
             assert torch.equal(decode_stack._linear(ops, module)(x), module(x)), name
         for name, module in bf16_projections(ops).items():
-            if rows < TILED_MIN_ROWS:  # the most rows a bfloat16 stack takes
+            if rows < TILED_MIN_ROWS or name != "int4":  # torch's int4 layout changes kernel there
                 assert torch.equal(decode_stack._linear(ops, module)(x.bfloat16()), module(x.bfloat16())), name
 
 

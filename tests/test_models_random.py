@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from conftest import random_prompts
+from ridge.kernels import cpu_ops
 
 VOCAB = 320
 
@@ -84,19 +85,28 @@ def test_greedy_tokens_match_hf(random_model, make_llm_for_test):
 @pytest.mark.parametrize("args", [{"dtype": "float32"}, {"dtype": "float32", "quantization": "int4"},
                                   {"dtype": "float32", "quantization": "int8", "int8_activations": True},
                                   {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int4"},
-                                  {"dtype": "bfloat16", "quantization": "int8"}],
-                         ids=["float32", "int4", "int8+a8", "bfloat16", "bfloat16-int4", "bfloat16-int8"])
+                                  {"dtype": "bfloat16", "quantization": "int8"},
+                                  pytest.param({"dtype": "bfloat16", "quantization": "int4", "int8_activations": True},
+                                               marks=pytest.mark.skipif("avx512_vnni" not in cpu_ops.cpu_flags(),
+                                                                        reason="bf16 int8 activations: AVX512-VNNI"))],
+                         ids=["float32", "int4", "int8+a8", "bfloat16", "bfloat16-int4", "bfloat16-int8",
+                              "bfloat16-int4+a8"])
 def test_decode_stack_equals_the_python_path(random_model, make_llm_for_test, args):
     """Decode steps in one C++ call (kernels/decode_stack.py) against every step in Python: qwen2's biases,
     qwen3's per-head norms and head_dim, tied heads; in bfloat16 torch's int4 layout, int8 per channel on
-    ridge's kernel and dense layers (oneDNN-packed where the CPU has bf16 arithmetic); the same tokens and
-    log-probabilities to the last bit."""
+    ridge's kernel, dense layers (oneDNN-packed where the CPU has bf16 arithmetic) and the integer matrix
+    kernel (which lets the stack take batches up to MAX_ROWS, as no layer changes kernel below); the same
+    tokens and log-probabilities to the last bit."""
     from ridge import SamplingParams
+    from ridge.kernels.decode_stack import MAX_ROWS
+    from ridge.quant.linear import TILED_MIN_ROWS
 
     path, _ = random_model
     stacked = make_llm_for_test(path, **args)
     eager = make_llm_for_test(path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None
+    torch_int4 = args.get("quantization") == "int4" and args["dtype"] == "bfloat16" and "int8_activations" not in args
+    assert stacked.engine.runner.decode_stack.max_rows == (TILED_MIN_ROWS - 1 if torch_int4 else MAX_ROWS)
     prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):

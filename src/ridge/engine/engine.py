@@ -477,7 +477,8 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
     if config.int8_activations:
         if kernels is None or not use_int8_activations(loaded.model):
             raise ValueError("int8_activations: needs quantized weights (--quantization, or a quantized "
-                             "checkpoint) computing in float32, and ridge's CPU kernels built for AVX2")
+                             "checkpoint) and ridge's CPU kernels: built for AVX512-VNNI (float32 or bfloat16), "
+                             "or for AVX2 (float32)")
         loaded.weight_format += ", int8 activations"
     if kernels is not None and config.torch_dtype == torch.float32:
         dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense

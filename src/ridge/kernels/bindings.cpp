@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_linear", &int8_dot_linear,
         "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
+  m.def("vnni_linear", &vnni_linear,
+        "int8_dot_linear's arithmetic as a matrix kernel for AVX512-VNNI, over pack_vnni's layout");
+  m.def("vnni_available", &vnni_available, "whether vnni_linear was built (AVX512-VNNI)");
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,

@@ -10,6 +10,9 @@
   torch's CPU kernels take one scale per output channel or 4-bit codes, nothing else.
 - int8_dot_linear.cpp: the same with the input quantized to int8 (opt-in, not exact): integer dot products,
   llama.cpp's arithmetic, for CPUs where widening codes to float bounds the float kernel.
+- vnni_linear.cpp: the same arithmetic as a matrix kernel on AVX512-VNNI's integer dot products, for any
+  number of rows: at a batch of 32 bf16 matmul is bound by arithmetic, and only integer products let 4-bit
+  weights stay ahead of it.
 - decode_stack.cpp: a decode step's decoder layers in one call over the kernels above: at batch 1 the Python
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
 
@@ -33,7 +36,7 @@ from ridge.hub import ridge_home
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp",
-                   "int8_dot_linear.cpp", "decode_stack.cpp")]
+                   "int8_dot_linear.cpp", "vnni_linear.cpp", "decode_stack.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "ops.h")]
 
 
@@ -45,7 +48,7 @@ def load() -> ModuleType | None:
 
         flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
         # -march=native: a build is for this CPU's instruction sets (a home folder may move between machines)
-        key = hashlib.sha256(repr((str(Path(__file__).parent), flags, torch.__version__, _cpu_flags())).encode())
+        key = hashlib.sha256(repr((str(Path(__file__).parent), flags, torch.__version__, cpu_flags())).encode())
         for source in SOURCES + HEADERS:  # torch looks at the sources' contents, not at headers'
             key.update(source.read_bytes())
         folder = ridge_home() / "kernels" / key.hexdigest()[:16]
@@ -57,7 +60,7 @@ def load() -> ModuleType | None:
         return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's instruction-set flags as Linux lists them ('' elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:

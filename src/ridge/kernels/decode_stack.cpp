@@ -31,9 +31,11 @@ LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::T
     this->kernel = Kernel::kOneDnn;
   } else if (kernel == "int4pack") {
     this->kernel = Kernel::kInt4Pack;
+  } else if (kernel == "vnni") {
+    this->kernel = Kernel::kVnni;
   } else {
-    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot, dense, linear, onednn or int4pack, not ",
-                kernel);
+    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot, dense, linear, onednn, int4pack or vnni, "
+                "not ", kernel);
   }
 }
 
@@ -62,6 +64,9 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       return onednn_linear(x, weight, bias);
     case Kernel::kInt8Dot:
       out = int8_dot_linear(x, weight, scales, minimums, group, signed_codes);
+      break;
+    case Kernel::kVnni:
+      out = vnni_linear(x, weight, scales, minimums, group, signed_codes);
       break;
     case Kernel::kGrouped:
       out = grouped_int8_linear(x, weight, scales, minimums, group);

@@ -11,12 +11,13 @@ namespace ridge_stack {
 
 // One kernel call's weights, as the layer's Python module calls it (kernels/decode_stack.py):
 //   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations);
+//   vnni: the same with int8 activations in vnni_linear.cpp's layout;
 //   dense: a float32 weight on ridge's few-row kernel; linear: a plain weight on at::linear;
 //   onednn: a bf16 weight packed by oneDNN (kernels/onednn_linear.py);
 //   int4pack: torch's CPU int4 layout, `scales` its scales_and_zeros, output channels padded to 16 (out_features
 //   the real count).
 struct LinearPart {
-  enum class Kernel { kGrouped, kInt8Dot, kDense, kLinear, kOneDnn, kInt4Pack };
+  enum class Kernel { kGrouped, kInt8Dot, kVnni, kDense, kLinear, kOneDnn, kInt4Pack };
   Kernel kernel;
   torch::Tensor weight, scales, minimums;  // what a kernel does not use is empty
   int64_t group;

@@ -6,7 +6,7 @@ kernels were 12.4. The C++ stack calls the same kernels in the same order, so it
 to models/layers.py's; it is built once per engine from the model's modules (references, not copies) and
 serves the steps it can: decodes only (no prefill chunk, no draft verification), each row reading its own
 blocks (no shared prefix attended once), on the paged backend's kernels, float32 or bfloat16, at most
-MAX_ROWS rows (in bfloat16 fewer than TILED_MIN_ROWS, where the 4-bit layers change kernel).
+MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -70,9 +70,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i]))
     rope_table = torch.view_as_real(model.rotary.freqs)
+    # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (QuantizedLinear.forward)
+    int4pack = any(isinstance(m, QuantizedLinear) and m.kernel == "int4" for m in model.layers.modules())
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale),
-                       MAX_ROWS if dtype == torch.float32 else min(MAX_ROWS, TILED_MIN_ROWS - 1))
+                       min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS)
 
 
 def _linear(ops: ModuleType, module: nn.Module) -> Any | None:
@@ -96,6 +98,9 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
         return ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
     if type(module) is not QuantizedLinear:
         return None
+    if module.kernel == "vnni":
+        return ops.LinearPart("vnni", module.qweight, module.scales, module.minimums, module.group_size,
+                              module.signed_codes, bias, 0)
     if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,

@@ -25,3 +25,6 @@ bool int8_dot_available();
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
                               int64_t block_width);
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
+                          int64_t group, bool signed_codes);
+bool vnni_available();

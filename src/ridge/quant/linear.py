@@ -11,10 +11,13 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
 - int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
   (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales; in float32, every int8 and
   4-bit format too (the 4-bit codes two a byte, pack_nibbles), as torch's two kernels are slow there;
-- on request (EngineConfig.int8_activations), the grouped kernel's layers quantize their input to int8 per 32
-  values and multiply integers (kernels/int8_dot_linear.cpp, llama.cpp's arithmetic): ~2x faster at batch 1
-  on AVX2, not exact (the kernel states its error bound). For inputs of up to INT8_ACTIVATIONS_MAX_ROWS rows
-  (decode steps); prompts past it compute exactly, as llama.cpp hands large batches to float BLAS
+- on request (EngineConfig.int8_activations), layers quantize their input to int8 per 32 values and multiply
+  integers (llama.cpp's arithmetic), not exact (kernels/int8_dot_linear.cpp states the error bound). Where
+  the CPU has AVX512-VNNI, every int8 / 4-bit / GGUF layer in float32 or bfloat16 moves onto an integer
+  matrix kernel (kernels/vnni_linear.cpp, its own layout) at every row count: at batch 32 a bf16 matmul is
+  bound by arithmetic, and integer products are what keep 4-bit weights ahead of it. On AVX2 the grouped
+  kernel's float32 layers use an integer dot kernel (~2x faster at batch 1) for inputs of up to
+  INT8_ACTIVATIONS_MAX_ROWS rows; prompts past it compute exactly, that kernel being slower there
   (`ridge eval ppl --int8-activations` lifts the limit, to score the integer arithmetic on its windows);
 - fp8 e4m3 per output channel: the codes are widened to the activation dtype per call and the scale
   applied to the output. The CPU has no fp8 matmul; this halves weight memory against bfloat16, not
@@ -26,6 +29,7 @@ the plain path's speed and memory.
 from __future__ import annotations
 
 import logging
+import sys
 from functools import cache
 from types import ModuleType
 
@@ -69,6 +73,46 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: uint8 [N, K / 2] -> codes uint8 [N, K]."""
+    n, half = packed.shape
+    blocks = packed.view(n, half // 16, 1, 16)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(n, half * 2)
+
+
+def unpack_int4pack(packed: torch.Tensor, n: int, k: int, width: int) -> torch.Tensor:
+    """The codes uint8 [N, K] of torch's CPU int4 layout, as kernels/quant_linear.cpp's dequantize_int4pack
+    states it (full blocks of `width` channels: byte j of a column holds channel j low and j + width / 2
+    high; the last N % width channels: 2 j low, 2 j + 1 high)."""
+    flat, full = packed.reshape(-1), n // width * width
+    parts = []
+    if full:
+        block = flat[:full * k // 2].view(full // width, k, width // 2)
+        parts.append(torch.cat([block & 0x0F, block >> 4], dim=2).transpose(1, 2).reshape(full, k))
+    if n > full:
+        block = flat[full * k // 2:].view(k, (n - full) // 2)
+        parts.append(torch.stack([block & 0x0F, block >> 4], dim=2).reshape(k, n - full).T)
+    return torch.cat(parts).contiguous()
+
+
+def pack_vnni(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] (N in 16s, K in 32s) -> uint8 [N / 16, chunks, 64], kernels/vnni_linear.cpp's layout: byte
+    4 n + j of a chunk holds channel n's code at k0 + j and, 4-bit codes, at k0 + 4 + j in its high nibble.
+    Codes must be unsigned bytes already (signed int8 codes plus 128)."""
+    n, k = codes.shape
+    quads = codes.to(torch.uint8).view(n // 16, 16, k // 4, 4).transpose(1, 2)  # [N / 16, K / 4, 16, 4]
+    if bits == 4:
+        pairs = quads.reshape(n // 16, k // 8, 2, 16, 4)
+        quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    return quads.reshape(n // 16, -1, 64).contiguous()
+
+
+def vnni_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or minimums [N, G] -> float32 [N / 16, G, 16], kernels/vnni_linear.cpp's layout."""
+    n, g = values.shape
+    return values.float().view(n // 16, 16, g).transpose(1, 2).contiguous()
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(weight).T + bias, computed by the format's kernel where one runs.
 
@@ -86,6 +130,7 @@ class QuantizedLinear(nn.Module):
         # (1.4 s for a 576x3072 layer); past a few rows, multiply by the dequantized weight.
         self.unpacked: QuantizedWeight | None = None
         on_cpu = use_kernel and weight.qweight.device.type == "cpu"
+        self.ops = ops if on_cpu else None
         # ridge's tiled kernels for many bf16 rows (the grouped-int8 one needs K in 16s)
         self.tiled_ops = ops if on_cpu and dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
         # ridge's grouped kernel: for grouped int8 scales, which torch has no kernel for, and in float32 for
@@ -101,7 +146,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
         elif grouped:
-            self.kernel, self.ops = "grouped_int8", ops
+            self.kernel = "grouped_int8"
             self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
             if weight.bits == 4 and self.group_size % 32 == 0:
                 codes, self.signed_codes = pack_nibbles(weight.qweight), False
@@ -141,6 +186,38 @@ class QuantizedLinear(nn.Module):
             self.kernel = None
             self.register_buffer("dense", dequantize(weight).to(dtype), persistent=False)
 
+    def use_vnni(self) -> bool:
+        """Move the layer onto kernels/vnni_linear.cpp (int8 activations, at every row count: the integer
+        matrix kernel is the faster one at prompts' rows too, and llama.cpp's CPU backend quantizes a prompt's
+        activations as well) where ridge's kernels have it and its layout fits (N in 16s, K in 32s, groups of
+        16 or 32s); returns whether it did. The codes are repacked, not copied: the layer holds only the new layout."""
+        if self.ops is None or not self.ops.vnni_available() or self.out_features % 16 or self.in_features % 32:
+            return False
+        group = self.group_size or self.in_features
+        nibbles = self.qweight.dtype == torch.uint8  # grouped_int8's 4-bit codes two a byte
+        if self.kernel == "grouped_int8" and (group % 32 == 0 or (group == 16 and not nibbles)):
+            codes = unpack_nibbles(self.qweight) if nibbles else self.qweight
+            scales, minimums, signed = self.scales, self.minimums if self.minimums.numel() else None, self.signed_codes
+        elif self.kernel == "int8":  # one group spanning each row
+            codes, scales, minimums, signed, nibbles = self.qweight, self.channel_scales, None, True, False
+        elif self.kernel == "int4" and self.scales_and_zeros.shape[1] == self.out_features and group % 32 == 0:
+            codes, nibbles, signed = unpack_int4pack(self.qweight, self.out_features, self.in_features,
+                                                     self.block_width), True, False
+            scale, zero = self.scales_and_zeros.float().unbind(-1)  # [G, N] each: w = (code - 8) * scale + zero
+            scales, minimums = scale.T, (zero - 8 * scale).T
+        else:
+            return False
+        for name in ("scales_and_zeros", "channel_scales", "no_minimums"):
+            self._buffers.pop(name, None)
+        stored = codes.to(torch.int16) + 128 if signed else codes  # vpdpbusd's unsigned operand
+        self.register_buffer("qweight", pack_vnni(stored, 4 if nibbles else 8), persistent=False)
+        self.register_buffer("scales", vnni_groups(scales.reshape(self.out_features, -1)), persistent=False)
+        self.register_buffer("minimums", torch.empty(0) if minimums is None else
+                             vnni_groups(minimums.reshape(self.out_features, -1)), persistent=False)
+        self.kernel, self.group_size, self.signed_codes, self.unpacked = "vnni", group, signed, None
+        self.int8_activations, self.int8_activation_max_rows = True, sys.maxsize
+        return True
+
     @property
     def weight_bytes(self) -> int:
         """Bytes a forward pass streams from memory for the weight (as held, padding aside)."""
@@ -155,7 +232,10 @@ class QuantizedLinear(nn.Module):
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
-        if self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
+        if self.kernel == "vnni":
+            out = self.ops.vnni_linear(x2, self.qweight, self.scales, self.minimums, self.group_size,
+                                       self.signed_codes)
+        elif self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
             out = (self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size,
                                                   self.block_width)
                    if many_rows else
@@ -236,11 +316,15 @@ class QuantizedEmbedding(nn.Module):
 
 
 def use_int8_activations(model: nn.Module, max_rows: int = INT8_ACTIVATIONS_MAX_ROWS) -> int:
-    """Put the model's grouped-kernel layers (float32, K in 32s, groups of 16 or 32s) on int8 activations for
-    inputs of up to max_rows rows; returns how many layers that is."""
+    """Put the model's quantized layers on int8 activations; returns how many layers that is. Where the CPU
+    has AVX512-VNNI, every layer whose layout fits moves onto the integer matrix kernel, in float32 and
+    bfloat16, at every row count; elsewhere the grouped-kernel layers (float32, K in 32s, groups of 16 or 32s)
+    go onto the AVX2 integer kernel for inputs of up to max_rows rows."""
     switched = 0
     for layer in model.modules():
-        if (isinstance(layer, QuantizedLinear) and layer.kernel == "grouped_int8" and layer.dtype == torch.float32
+        if isinstance(layer, QuantizedLinear) and (layer.kernel == "vnni" or layer.use_vnni()):
+            switched += 1
+        elif (isinstance(layer, QuantizedLinear) and layer.kernel == "grouped_int8" and layer.dtype == torch.float32
                 and layer.in_features % 32 == 0 and (layer.group_size == 16 or layer.group_size % 32 == 0)
                 and layer.ops.int8_dot_available()):
             layer.int8_activations, layer.int8_activation_max_rows = True, max_rows

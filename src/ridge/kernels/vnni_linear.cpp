@@ -1,0 +1,266 @@
+// The grouped weight-only linear with int8 activations (int8_dot_linear.cpp's arithmetic) as a matrix-matrix
+// kernel for AVX512-VNNI: one vpdpbusd multiplies 64 code bytes by 64 activation bytes and adds them into 16
+// int32 sums, twice the multiply-adds of a bf16 dot product (vdpbf16ps) per instruction and 4x those of a
+// float FMA. At 32 rows a decode step is bound by arithmetic here, not by memory (bf16 matmul at 32 rows ran at
+// ~330 GFLOP/s on a 2-core Zen 4), so a kernel that dequantizes to floats can at best tie with bf16; integer
+// products are the only way for 4-bit weights to stay ahead once a batch fills the arithmetic units.
+//
+// Layout (quant/linear.py's pack_vnni): output channels in blocks of 16, a block's codes in chunks of 64
+// bytes walking down K; byte 4 n + j of a chunk is channel n's code at k0 + j, and for 4-bit codes its high
+// nibble the code at k0 + 4 + j (a chunk then covers 8 columns, else 4). Codes are unsigned bytes
+// (vpdpbusd's unsigned operand); signed int8 codes are stored plus 128, and each 32-value block's sum of the
+// activations times 128 starts its integer sum negative to take the offset back. Scales and minimums
+// [N / 16, K / group, 16]: a 16-channel block's values of one group are one vector.
+//
+//   x[m, 32 b .. 32 b + 32) ~ dx[m, b] * qx[m, ..],   qx in [-127, 127]   (as int8_dot_linear.cpp)
+//   y[m, n] = sum_s scale[n, g(s)] * dx[m, b(s)] * (sum_{k in s} qx[m, k] code[n, k])
+//             + sum_g minimum[n, g] * xsum[m, g]          (xsum: the float sum of x over group g)
+// over sub-blocks s of min(group, 32) columns: a 32-value block, or half of one for 16-column groups (Q6_K).
+//
+// The register tile is kRows activation rows x kVectors channel blocks: each code chunk is loaded and split
+// into nibbles once for kRows rows, each activation quad is broadcast from memory into the instruction.
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RIDGE_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // activation values per int8 scale
+constexpr int64_t kChannels = 16;  // output channels per vector, per layout block
+constexpr int64_t kChunk = 64;     // bytes per chunk of the layout
+
+#if defined(RIDGE_VNNI)
+
+// x quantized per row and 32-value block, with what the sums need beside the codes
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // dx [M, K / 32]
+  std::vector<int32_t> sum;  // [M, K / 16]: sum of q over each half block (signed codes' offset)
+  std::vector<float> group_sum;  // [M, K / group]: float sum of x over the group (minimums' term), or empty
+};
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else return ridge_vec::load_bf16(p);
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t group, bool group_sums) {
+  const int64_t blocks = k_dim / kBlock;
+  QuantizedRows rows{std::vector<int8_t>(m_dim * k_dim), std::vector<float>(m_dim * blocks),
+                     std::vector<int32_t>(2 * m_dim * blocks),
+                     std::vector<float>(group_sums ? m_dim * (k_dim / group) : 0)};
+#pragma omp parallel for schedule(static) if (m_dim * blocks >= 1024)
+  for (int64_t i = 0; i < m_dim * blocks; i++) {
+    const __m512 lo = load16(x + i * kBlock), hi = load16(x + i * kBlock + kChannels);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    rows.scale[i] = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock]), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock + kChannels]), _mm512_cvtepi32_epi8(qhi));
+    rows.sum[2 * i] = _mm512_reduce_add_epi32(qlo);
+    rows.sum[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
+  }
+  if (group_sums)  // in order, as the exact kernel's group_sums adds them
+    for (int64_t g = 0; g < m_dim * (k_dim / group); g++) {
+      float s = 0.f;
+      for (int64_t j = 0; j < group; j++) s += static_cast<float>(x[g * group + j]);
+      rows.group_sum[g] = s;
+    }
+  return rows;
+}
+
+// The layout's sizes for K columns
+struct Geometry {
+  bool nibbles;
+  int64_t k_dim, group;
+  int64_t sub_block() const { return std::min(group, kBlock); }  // columns per scale step
+  int64_t block_bytes() const { return nibbles ? k_dim * kChannels / 2 : k_dim * kChannels; }  // per 16 channels
+};
+
+// out[m0 .. m0 + kRows, 16 channel blocks cb .. cb + kVectors) for one register tile
+template <bool kNibbles, bool kSigned, int kRows, int kVectors, typename T>
+void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, const uint8_t* codes,
+          const float* scales, const float* minimums, T* out, int64_t n_dim) {
+  const int64_t k_dim = geo.k_dim, blocks = k_dim / kBlock, groups = k_dim / geo.group;
+  const int64_t sub = geo.sub_block(), subs = k_dim / sub, per_group = geo.group / sub;
+  const int64_t chunks = sub / (kNibbles ? 8 : 4);  // per sub-block
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const uint8_t* chunk[kVectors];
+  const float* block_scales[kVectors];
+  const float* block_minimums[kVectors];
+  for (int v = 0; v < kVectors; v++) {
+    chunk[v] = codes + (cb + v) * geo.block_bytes();
+    block_scales[v] = scales + (cb + v) * groups * kChannels;
+    block_minimums[v] = minimums ? minimums + (cb + v) * groups * kChannels : nullptr;
+  }
+  const int8_t* q[kRows];
+  for (int r = 0; r < kRows; r++) q[r] = x.q.data() + (m0 + r) * k_dim;
+  const auto quad = [&](int r, int64_t k) {  // 4 activation bytes broadcast to every lane
+    int32_t word;
+    std::memcpy(&word, q[r] + k, sizeof(word));
+    return _mm512_set1_epi32(word);
+  };
+  __m512 total[kRows][kVectors];
+  for (int r = 0; r < kRows; r++)
+    for (int v = 0; v < kVectors; v++) total[r][v] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < subs; sb++) {
+    const int64_t b = sb * sub / kBlock;  // the activations' block
+    __m512i part[kRows][kVectors];
+    for (int r = 0; r < kRows; r++) {
+      __m512i start = _mm512_setzero_si512();
+      if constexpr (kSigned) {  // -128 x the sum of the sub-block's activations
+        const int32_t* halves = &x.sum[2 * ((m0 + r) * blocks + b)];
+        const int32_t sum = sub == kBlock ? halves[0] + halves[1] : halves[sb % 2];
+        start = _mm512_set1_epi32(-128 * sum);
+      }
+      for (int v = 0; v < kVectors; v++) part[r][v] = start;
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+      const int64_t k = sb * sub + c * (kNibbles ? 8 : 4);
+      for (int v = 0; v < kVectors; v++) {
+        const __m512i bytes = _mm512_loadu_si512(chunk[v]);
+        _mm_prefetch(reinterpret_cast<const char*>(chunk[v] + 8 * kChunk), _MM_HINT_T0);
+        chunk[v] += kChunk;
+        if constexpr (kNibbles) {
+          const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], lo, quad(r, k));
+          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], hi, quad(r, k + 4));
+        } else {
+          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], bytes, quad(r, k));
+        }
+      }
+    }
+    const int64_t g = sb / per_group;
+    for (int v = 0; v < kVectors; v++) {
+      const __m512 s = _mm512_loadu_ps(block_scales[v] + g * kChannels);
+      for (int r = 0; r < kRows; r++) {
+        const __m512 ds = _mm512_mul_ps(s, _mm512_set1_ps(x.scale[(m0 + r) * blocks + b]));
+        total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), ds, total[r][v]);
+      }
+      if (minimums && (sb + 1) % per_group == 0) {
+        const __m512 mn = _mm512_loadu_ps(block_minimums[v] + g * kChannels);
+        for (int r = 0; r < kRows; r++)
+          total[r][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_sum[(m0 + r) * groups + g]), total[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; r++)
+    for (int v = 0; v < kVectors; v++) {
+      T* o = out + (m0 + r) * n_dim + (cb + v) * kChannels;
+      if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(o, total[r][v]);
+      else ridge_vec::store_bf16(o, total[r][v]);
+    }
+}
+
+// Rows m0 .. m0 + rows (up to kMaxRows) of channel blocks cb .. cb + vectors (up to 2)
+template <bool kNibbles, bool kSigned, typename T>
+void tile_any(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t rows, int64_t cb, int64_t vectors,
+              const uint8_t* codes, const float* scales, const float* minimums, T* out, int64_t n_dim) {
+#define RIDGE_TILE(R, V) tile<kNibbles, kSigned, R, V, T>(x, geo, m0, cb, codes, scales, minimums, out, n_dim)
+  if (vectors == 2) {
+    switch (rows) {  // registers: 2 x rows x vectors sums + 2 x vectors codes + 2 <= 32
+      case 1: RIDGE_TILE(1, 2); break;
+      case 2: RIDGE_TILE(2, 2); break;
+      case 3: RIDGE_TILE(3, 2); break;
+      case 4: RIDGE_TILE(4, 2); break;
+      case 5: RIDGE_TILE(5, 2); break;
+      default: RIDGE_TILE(6, 2); break;
+    }
+  } else {
+    switch (rows) {
+      case 1: RIDGE_TILE(1, 1); break;
+      case 2: RIDGE_TILE(2, 1); break;
+      case 3: RIDGE_TILE(3, 1); break;
+      case 4: RIDGE_TILE(4, 1); break;
+      case 5: RIDGE_TILE(5, 1); break;
+      default: RIDGE_TILE(6, 1); break;
+    }
+  }
+#undef RIDGE_TILE
+}
+
+constexpr int64_t kMaxRows = 6;
+
+template <bool kNibbles, bool kSigned, typename T>
+void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t n_dim, const uint8_t* codes,
+            const float* scales, const float* minimums, T* out) {
+  // a thread takes two channel blocks (32 channels) and walks all the rows: their codes stay in L1 / L2 while
+  // the rows go by, and the activations (M x K bytes) are shared by all from L2
+  const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < pairs; p++) {
+    const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
+    for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows)
+      tile_any<kNibbles, kSigned, T>(x, geo, m0, std::min(kMaxRows, m_dim - m0), cb, vectors, codes, scales,
+                                     minimums, out, n_dim);
+  }
+}
+
+#endif  // RIDGE_VNNI
+
+}  // namespace
+
+bool vnni_available() {
+#if defined(RIDGE_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
+                          int64_t group, bool signed_codes) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "x: float32 or bfloat16 [M, K]");
+  const int64_t m_dim = x.size(0), k_dim = x.size(1);
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(2) == kChunk,
+              "codes: contiguous uint8 [N / 16, chunks, 64] (quant/linear.py's pack_vnni)");
+  const bool nibbles = codes.size(1) * 8 == k_dim;
+  TORCH_CHECK(nibbles || codes.size(1) * 4 == k_dim, "codes: K / 8 chunks (4-bit codes) or K / 4 (8-bit) per block");
+  TORCH_CHECK(!(nibbles && signed_codes), "signed_codes: 4-bit codes are unsigned");
+  const int64_t n_dim = codes.size(0) * kChannels;
+  TORCH_CHECK(k_dim % kBlock == 0 && (group == 16 || group % kBlock == 0) && k_dim % group == 0,
+              "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
+  TORCH_CHECK(!(nibbles && group == 16), "group: 4-bit codes come in groups of 32s");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == torch::IntArrayRef({n_dim / kChannels, k_dim / group, kChannels}),
+              "scales: contiguous float32 [N / 16, K / group, 16]");
+  TORCH_CHECK(minimums.numel() == 0 || (minimums.sizes() == scales.sizes() && minimums.is_contiguous() &&
+                                        minimums.scalar_type() == torch::kFloat),
+              "minimums: empty, or like scales");
+#if defined(RIDGE_VNNI)
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
+  const Geometry geo{nibbles, k_dim, group};
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
+  const auto run = [&](auto* xp, auto* op) {
+    const QuantizedRows rows = quantize_rows(xp, m_dim, k_dim, group, mn != nullptr);
+    using T = std::remove_pointer_t<decltype(op)>;
+    if (nibbles) linear<true, false, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
+    else if (signed_codes) linear<false, true, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
+    else linear<false, false, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
+  };
+  if (xc.scalar_type() == torch::kFloat) run(xc.data_ptr<float>(), out.data_ptr<float>());
+  else run(xc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  return out;
+#else
+  TORCH_CHECK(false, "vnni_linear: built without AVX512-VNNI");
+#endif
+}
