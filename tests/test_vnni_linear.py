@@ -19,7 +19,6 @@ from ridge.quant.linear import (
     unpack_int4pack,
     unpack_nibbles,
     use_int8_activations,
-    vnni_groups,
 )
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
@@ -36,21 +35,26 @@ def ops():
 
 
 def test_pack_vnni_layout():
-    """Byte 4 n + j of chunk c in channel block b: channel 16 b + n's code at column 4 c + j (8-bit codes), or
-    at 8 c + j with 8 c + 4 + j in the high nibble (4-bit)."""
+    """Per 16 channels and max(group, 32) columns a record: float16 scales (then minimums) in `unit`s, padded
+    to 64 bytes, then chunk c's byte 4 n + j: channel n's code at column 4 c + j (8-bit codes), or at 8 c + j
+    with 8 c + 4 + j in the high nibble (4-bit)."""
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (32, 64), generator=g)
+    codes = torch.randint(0, 16, (32, 128), generator=g)
+    scales, minimums = torch.rand(32, 4, generator=g) * 1e-5, -torch.rand(32, 4, generator=g) * 1e-4
     for bits, step in ((8, 4), (4, 8)):
-        packed = pack_vnni(codes, bits)
-        assert packed.shape == (2, 64 // step, 64) and packed.dtype == torch.uint8
-        for b, c, n, j in ((0, 0, 0, 0), (1, 3, 5, 2), (1, 64 // step - 1, 15, 3), (0, 2, 9, 1)):
-            byte = int(packed[b, c, 4 * n + j])
-            if bits == 8:
-                assert byte == codes[16 * b + n, 4 * c + j]
-            else:
-                assert (byte & 0x0F, byte >> 4) == (codes[16 * b + n, 8 * c + j], codes[16 * b + n, 8 * c + 4 + j])
-    scales = torch.rand(32, 3, generator=g)
-    assert torch.equal(vnni_groups(scales)[1, 2], scales[16:, 2])
+        packed, unit = pack_vnni(codes, bits, scales, minimums, 32)
+        assert packed.shape == (2, 4, 64 + 32 * 64 // step) and packed.dtype == torch.uint8
+        assert 2**14 <= minimums.abs().max() / unit < 2**15  # the largest value in float16's top octave
+        header = packed[1, 2, :64].view(torch.float16).float() * unit
+        assert torch.allclose(header, torch.cat([scales[16:, 2], minimums[16:, 2]]), rtol=2**-11, atol=0)
+        for c, n, j in ((0, 0, 0), (3, 5, 2), (32 // step - 1, 15, 3), (2, 9, 1)):
+            byte, k = int(packed[1, 2, 64 + 64 * c + 4 * n + j]), 64 + step * c + j
+            expected = codes[16 + n, k] if bits == 8 else codes[16 + n, k] | codes[16 + n, k + 4] << 4
+            assert byte == expected
+    packed, _ = pack_vnni(codes, 8, scales[:, :2], None, 64)  # 64-column groups, scales alone: padded
+    assert packed.shape == (2, 2, 64 + 64 * 16)
+    packed, _ = pack_vnni(codes, 8, torch.rand(32, 8), None, 16)  # 16-column groups: two per record
+    assert packed.shape == (2, 4, 64 + 32 * 16)
 
 
 @pytest.mark.parametrize("n", [64, 80, 208])
@@ -96,11 +100,14 @@ def test_kernel_computes_its_stated_arithmetic(ops, rows, form, dtype):
         codes = torch.randint(0, 16, (n, k), generator=g)
     else:
         codes = torch.randint(-128, 128, (n, k), generator=g) if signed else torch.randint(0, 128, (n, k))
-    scales = torch.rand(n, k // group, generator=g) * 0.01
-    minimums = None if form == "signed" else -torch.rand(n, k // group, generator=g) * 0.1
+    # scales and minimums that float16 holds exactly (times the packing's power of two)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
+    minimums = None if form == "signed" else (-torch.rand(n, k // group, generator=g) * 0.1).half().float()
     stored = codes + 128 if signed else codes
-    got = ops.vnni_linear(x, pack_vnni(stored, 4 if form == "nibbles" else 8), vnni_groups(scales),
-                          torch.empty(0) if minimums is None else vnni_groups(minimums), group, signed)
+    bits = 4 if form == "nibbles" else 8
+    packed, unit = pack_vnni(stored, bits, scales, minimums, group)
+    weight = ops.VnniWeight(packed, group, bits == 4, signed, minimums is not None, unit)
+    got = ops.vnni_linear(x, weight)
     assert got.dtype == dtype and got.shape == (rows, n)
     expected, ties = stated_arithmetic(x, codes, scales, minimums, group)
     # float32: summation order; bfloat16 also the output's rounding, half a unit of its 8-bit mantissa
@@ -113,7 +120,7 @@ def test_kernel_computes_its_stated_arithmetic(ops, rows, form, dtype):
 def test_layers_move_onto_the_kernel_within_the_int8_bound(ops, kind):
     """Each GGUF format (Q6_K's 16-column groups too), torch's int4 layout (bfloat16) and int8 per channel: on the
     integer kernel after use_int8_activations, at every row count, within int8_dot_linear.cpp's bound of the
-    exact layer."""
+    exact layer (plus float16's rounding of scales that are not float16 already)."""
     rows, cols = 48, cols_for(kind)
     qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=1), GGMLQuantizationType[kind], (rows, cols))
     w = torch.randn(48, cols, generator=torch.Generator().manual_seed(2)) * 0.05
@@ -129,6 +136,7 @@ def test_layers_move_onto_the_kernel_within_the_int8_bound(ops, kind):
             expected = x.double() @ weight.double().T
             error = (layer(x).double() - expected).abs()
             rounding = 0 if layer.dtype == torch.float32 else 2**-8  # bfloat16's output rounding
-            assert (error <= int8_activation_bound(x.float(), weight) + rounding * expected.abs()
+            float16_scales = 2**-11 * x.abs().double() @ weight.abs().double().T  # Q4_K's d * sc, say
+            assert (error <= int8_activation_bound(x.float(), weight) + rounding * expected.abs() + float16_scales
                     + 1e-5 * expected.abs().max()).all()
             assert error.max() > 1e-4 * expected.abs().max()  # the integer path really ran

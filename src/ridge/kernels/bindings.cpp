@@ -14,8 +14,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_linear", &int8_dot_linear,
         "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
+  py::class_<VnniWeight>(m, "VnniWeight", "a weight in vnni_linear's layout (quant/linear.py's pack_vnni)")
+      .def(py::init([](torch::Tensor packed, int64_t group, bool nibbles, bool signed_codes, bool minimums,
+                       double unit) { return VnniWeight{packed, group, nibbles, signed_codes, minimums, unit}; }),
+           py::arg("packed"), py::arg("group"), py::arg("nibbles"), py::arg("signed_codes"), py::arg("minimums"),
+           py::arg("unit"))
+      .def_readonly("packed", &VnniWeight::packed);
   m.def("vnni_linear", &vnni_linear,
-        "int8_dot_linear's arithmetic as a matrix kernel for AVX512-VNNI, over pack_vnni's layout");
+        "int8_dot_linear's arithmetic as a matrix kernel for AVX512-VNNI, over pack_vnni's layout",
+        py::arg("x"), py::arg("weight"));
   m.def("vnni_available", &vnni_available, "whether vnni_linear was built (AVX512-VNNI)");
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
@@ -31,7 +38,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool,
                     c10::optional<torch::Tensor>, int64_t>(),
            py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
-           py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"));
+           py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"))
+      .def(py::init([](const VnniWeight& weight, c10::optional<torch::Tensor> bias) {
+             return LinearPart(weight, std::move(bias));
+           }),
+           py::arg("vnni"), py::arg("bias"));
   py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
       .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
              return Linear{std::move(parts), std::move(bias)};

@@ -31,13 +31,15 @@ LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::T
     this->kernel = Kernel::kOneDnn;
   } else if (kernel == "int4pack") {
     this->kernel = Kernel::kInt4Pack;
-  } else if (kernel == "vnni") {
-    this->kernel = Kernel::kVnni;
   } else {
-    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot, dense, linear, onednn, int4pack or vnni, "
-                "not ", kernel);
+    TORCH_CHECK(false, "LinearPart: kernel must be grouped_int8, int8_dot, dense, linear, onednn or int4pack, not ",
+                kernel);
   }
 }
+
+LinearPart::LinearPart(VnniWeight vnni, c10::optional<torch::Tensor> bias)
+    : kernel(Kernel::kVnni), group(vnni.group), signed_codes(vnni.signed_codes), bias(std::move(bias)),
+      out_features(0), vnni(std::move(vnni)) {}
 
 namespace {
 
@@ -66,7 +68,7 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       out = int8_dot_linear(x, weight, scales, minimums, group, signed_codes);
       break;
     case Kernel::kVnni:
-      out = vnni_linear(x, weight, scales, minimums, group, signed_codes);
+      out = vnni_linear(x, *vnni);
       break;
     case Kernel::kGrouped:
       out = grouped_int8_linear(x, weight, scales, minimums, group);

@@ -7,11 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
+
 namespace ridge_stack {
 
 // One kernel call's weights, as the layer's Python module calls it (kernels/decode_stack.py):
 //   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations);
-//   vnni: the same with int8 activations in vnni_linear.cpp's layout;
+//   vnni: the same with int8 activations in vnni_linear.cpp's layout (`vnni`, the rest empty);
 //   dense: a float32 weight on ridge's few-row kernel; linear: a plain weight on at::linear;
 //   onednn: a bf16 weight packed by oneDNN (kernels/onednn_linear.py);
 //   int4pack: torch's CPU int4 layout, `scales` its scales_and_zeros, output channels padded to 16 (out_features
@@ -25,8 +27,11 @@ struct LinearPart {
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
 
+  c10::optional<VnniWeight> vnni;  // the vnni kernel's weight
+
   LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales, torch::Tensor minimums,
              int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias, int64_t out_features);
+  LinearPart(VnniWeight vnni, c10::optional<torch::Tensor> bias);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 

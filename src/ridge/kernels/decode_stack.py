@@ -99,8 +99,7 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
     if type(module) is not QuantizedLinear:
         return None
     if module.kernel == "vnni":
-        return ops.LinearPart("vnni", module.qweight, module.scales, module.minimums, module.group_size,
-                              module.signed_codes, bias, 0)
+        return ops.LinearPart(module.vnni, bias)
     if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,

@@ -25,6 +25,12 @@ bool int8_dot_available();
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
                               int64_t block_width);
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
-                          int64_t group, bool signed_codes);
+// A weight in vnni_linear.cpp's layout (quant/linear.py's pack_vnni), with what its bytes do not say
+struct VnniWeight {
+  torch::Tensor packed;  // uint8 [N / 16, K / max(group, 32), record bytes]
+  int64_t group;
+  bool nibbles, signed_codes, minimums;  // 4-bit codes two a byte; int8 codes stored plus 128; minimums held
+  double unit;  // what the stored float16 scales and minimums count in
+};
+torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight);
 bool vnni_available();

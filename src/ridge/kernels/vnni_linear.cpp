@@ -5,12 +5,19 @@
 // ~330 GFLOP/s on a 2-core Zen 4), so a kernel that dequantizes to floats can at best tie with bf16; integer
 // products are the only way for 4-bit weights to stay ahead once a batch fills the arithmetic units.
 //
-// Layout (quant/linear.py's pack_vnni): output channels in blocks of 16, a block's codes in chunks of 64
-// bytes walking down K; byte 4 n + j of a chunk is channel n's code at k0 + j, and for 4-bit codes its high
-// nibble the code at k0 + 4 + j (a chunk then covers 8 columns, else 4). Codes are unsigned bytes
-// (vpdpbusd's unsigned operand); signed int8 codes are stored plus 128, and each 32-value block's sum of the
-// activations times 128 starts its integer sum negative to take the offset back. Scales and minimums
-// [N / 16, K / group, 16]: a 16-channel block's values of one group are one vector.
+// Layout (quant/linear.py's pack_vnni), llama.cpp's idea of a block that carries its own scales: output
+// channels in blocks of 16, each a run of records, one per unit of max(group, 32) columns. A record is
+//   a header: the unit's 16-channel scales as float16 (two groups' for 16-column groups), then as many
+//     minimums where the weight has them, zero-padded to 64 bytes;
+//   the unit's codes in chunks of 64 bytes: byte 4 n + j of a chunk is channel n's code at k0 + j, and for
+//     4-bit codes its high nibble the code at k0 + 4 + j (a chunk then covers 8 columns, else 4).
+// So a block's weights stream from one address upwards. Codes are unsigned bytes (vpdpbusd's unsigned
+// operand); signed int8 codes are stored plus 128, and each sub-block's sum of the activations times 128
+// starts its integer sum negative to take the offset back. The scales and minimums were multiplied by a
+// power of two (`unit` is its inverse) that puts the largest at float16's top octave, so that none is
+// subnormal; dx and the float sums carry `unit` back, at no cost in the loop. float16 keeps 11 bits of a
+// scale: GGUF's Q4_0 / Q4_1 / Q8_0 / Q5_0 scales are float16 already; Q4_K's d * sc move by up to 2^-12 of
+// themselves, well inside the int8 activations' own error.
 //
 //   x[m, 32 b .. 32 b + 32) ~ dx[m, b] * qx[m, ..],   qx in [-127, 127]   (as int8_dot_linear.cpp)
 //   y[m, n] = sum_s scale[n, g(s)] * dx[m, b(s)] * (sum_{k in s} qx[m, k] code[n, k])
@@ -27,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -38,6 +46,19 @@ namespace {
 constexpr int64_t kBlock = 32;     // activation values per int8 scale
 constexpr int64_t kChannels = 16;  // output channels per vector, per layout block
 constexpr int64_t kChunk = 64;     // bytes per chunk of the layout
+
+// The layout's sizes (pack_vnni's)
+struct Geometry {
+  bool nibbles, minimums;
+  int64_t k_dim, group;
+  int64_t unit() const { return std::max(group, kBlock); }  // columns per record
+  int64_t sub_block() const { return std::min(group, kBlock); }  // columns per scale step
+  int64_t header_bytes() const {
+    const int64_t values = kChannels * (unit() / group) * (minimums ? 2 : 1);
+    return (values * 2 + kChunk - 1) / kChunk * kChunk;
+  }
+  int64_t record_bytes() const { return header_bytes() + unit() * kChannels / (nibbles ? 2 : 1); }
+};
 
 #if defined(RIDGE_VNNI)
 
@@ -55,8 +76,9 @@ inline __m512 load16(const T* p) {
   else return ridge_vec::load_bf16(p);
 }
 
+// dx and the group sums in `unit`s of the stored scales and minimums
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t group, bool group_sums) {
+QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t group, bool group_sums, float unit) {
   const int64_t blocks = k_dim / kBlock;
   QuantizedRows rows{std::vector<int8_t>(m_dim * k_dim), std::vector<float>(m_dim * blocks),
                      std::vector<int32_t>(2 * m_dim * blocks),
@@ -65,7 +87,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
   for (int64_t i = 0; i < m_dim * blocks; i++) {
     const __m512 lo = load16(x + i * kBlock), hi = load16(x + i * kBlock + kChannels);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    rows.scale[i] = amax / 127.f;
+    rows.scale[i] = amax / 127.f * unit;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock]), _mm512_cvtepi32_epi8(qlo));
@@ -77,35 +99,26 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
     for (int64_t g = 0; g < m_dim * (k_dim / group); g++) {
       float s = 0.f;
       for (int64_t j = 0; j < group; j++) s += static_cast<float>(x[g * group + j]);
-      rows.group_sum[g] = s;
+      rows.group_sum[g] = s * unit;
     }
   return rows;
 }
 
-// The layout's sizes for K columns
-struct Geometry {
-  bool nibbles;
-  int64_t k_dim, group;
-  int64_t sub_block() const { return std::min(group, kBlock); }  // columns per scale step
-  int64_t block_bytes() const { return nibbles ? k_dim * kChannels / 2 : k_dim * kChannels; }  // per 16 channels
-};
+// 16 float16 values from p, as floats
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // out[m0 .. m0 + kRows, 16 channel blocks cb .. cb + kVectors) for one register tile
 template <bool kNibbles, bool kSigned, int kRows, int kVectors, typename T>
-void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, const uint8_t* codes,
-          const float* scales, const float* minimums, T* out, int64_t n_dim) {
+void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, const uint8_t* weights, T* out,
+          int64_t n_dim) {
   const int64_t k_dim = geo.k_dim, blocks = k_dim / kBlock, groups = k_dim / geo.group;
-  const int64_t sub = geo.sub_block(), subs = k_dim / sub, per_group = geo.group / sub;
+  const int64_t unit = geo.unit(), units = k_dim / unit, sub = geo.sub_block(), subs = unit / sub;
   const int64_t chunks = sub / (kNibbles ? 8 : 4);  // per sub-block
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes();
+  const int64_t unit_groups = unit / geo.group, minimums_at = kChannels * 2 * unit_groups;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const uint8_t* chunk[kVectors];
-  const float* block_scales[kVectors];
-  const float* block_minimums[kVectors];
-  for (int v = 0; v < kVectors; v++) {
-    chunk[v] = codes + (cb + v) * geo.block_bytes();
-    block_scales[v] = scales + (cb + v) * groups * kChannels;
-    block_minimums[v] = minimums ? minimums + (cb + v) * groups * kChannels : nullptr;
-  }
   const int8_t* q[kRows];
   for (int r = 0; r < kRows; r++) q[r] = x.q.data() + (m0 + r) * k_dim;
   const auto quad = [&](int r, int64_t k) {  // 4 activation bytes broadcast to every lane
@@ -116,45 +129,48 @@ void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, c
   __m512 total[kRows][kVectors];
   for (int r = 0; r < kRows; r++)
     for (int v = 0; v < kVectors; v++) total[r][v] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < subs; sb++) {
-    const int64_t b = sb * sub / kBlock;  // the activations' block
-    __m512i part[kRows][kVectors];
-    for (int r = 0; r < kRows; r++) {
-      __m512i start = _mm512_setzero_si512();
-      if constexpr (kSigned) {  // -128 x the sum of the sub-block's activations
-        const int32_t* halves = &x.sum[2 * ((m0 + r) * blocks + b)];
-        const int32_t sum = sub == kBlock ? halves[0] + halves[1] : halves[sb % 2];
-        start = _mm512_set1_epi32(-128 * sum);
+  for (int64_t u = 0; u < units; u++) {
+    const uint8_t* rec[kVectors];
+    for (int v = 0; v < kVectors; v++) rec[v] = weights + ((cb + v) * units + u) * record;
+    for (int64_t j = 0; j < subs; j++) {
+      const int64_t k0 = u * unit + j * sub, b = k0 / kBlock;  // b: the activations' block
+      __m512i part[kRows][kVectors];
+      for (int r = 0; r < kRows; r++) {
+        __m512i start = _mm512_setzero_si512();
+        if constexpr (kSigned) {  // -128 x the sum of the sub-block's activations
+          const int32_t* halves = &x.sum[2 * ((m0 + r) * blocks + b)];
+          start = _mm512_set1_epi32(-128 * (sub == kBlock ? halves[0] + halves[1] : halves[k0 / sub % 2]));
+        }
+        for (int v = 0; v < kVectors; v++) part[r][v] = start;
       }
-      for (int v = 0; v < kVectors; v++) part[r][v] = start;
-    }
-    for (int64_t c = 0; c < chunks; c++) {
-      const int64_t k = sb * sub + c * (kNibbles ? 8 : 4);
-      for (int v = 0; v < kVectors; v++) {
-        const __m512i bytes = _mm512_loadu_si512(chunk[v]);
-        _mm_prefetch(reinterpret_cast<const char*>(chunk[v] + 8 * kChunk), _MM_HINT_T0);
-        chunk[v] += kChunk;
-        if constexpr (kNibbles) {
-          const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
-          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], lo, quad(r, k));
-          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], hi, quad(r, k + 4));
-        } else {
-          for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], bytes, quad(r, k));
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t k = k0 + c * (kNibbles ? 8 : 4);
+        for (int v = 0; v < kVectors; v++) {
+          const uint8_t* chunk = rec[v] + header + (j * chunks + c) * kChunk;
+          _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
+          const __m512i bytes = _mm512_loadu_si512(chunk);
+          if constexpr (kNibbles) {
+            const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+            for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], lo, quad(r, k));
+            for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], hi, quad(r, k + 4));
+          } else {
+            for (int r = 0; r < kRows; r++) part[r][v] = _mm512_dpbusd_epi32(part[r][v], bytes, quad(r, k));
+          }
         }
       }
-    }
-    const int64_t g = sb / per_group;
-    for (int v = 0; v < kVectors; v++) {
-      const __m512 s = _mm512_loadu_ps(block_scales[v] + g * kChannels);
-      for (int r = 0; r < kRows; r++) {
-        const __m512 ds = _mm512_mul_ps(s, _mm512_set1_ps(x.scale[(m0 + r) * blocks + b]));
-        total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), ds, total[r][v]);
-      }
-      if (minimums && (sb + 1) % per_group == 0) {
-        const __m512 mn = _mm512_loadu_ps(block_minimums[v] + g * kChannels);
-        for (int r = 0; r < kRows; r++)
-          total[r][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_sum[(m0 + r) * groups + g]), total[r][v]);
+      const int64_t local = j * sub / geo.group, g = u * unit_groups + local;  // the group, in the unit and all
+      for (int v = 0; v < kVectors; v++) {
+        const __m512 s = load_halves(rec[v] + local * kChannels * 2);
+        for (int r = 0; r < kRows; r++) {
+          const __m512 ds = _mm512_mul_ps(s, _mm512_set1_ps(x.scale[(m0 + r) * blocks + b]));
+          total[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), ds, total[r][v]);
+        }
+        if (geo.minimums && (k0 + sub) % geo.group == 0) {
+          const __m512 mn = load_halves(rec[v] + minimums_at + local * kChannels * 2);
+          for (int r = 0; r < kRows; r++)
+            total[r][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.group_sum[(m0 + r) * groups + g]), total[r][v]);
+        }
       }
     }
   }
@@ -169,8 +185,8 @@ void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, c
 // Rows m0 .. m0 + rows (up to kMaxRows) of channel blocks cb .. cb + vectors (up to 2)
 template <bool kNibbles, bool kSigned, typename T>
 void tile_any(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t rows, int64_t cb, int64_t vectors,
-              const uint8_t* codes, const float* scales, const float* minimums, T* out, int64_t n_dim) {
-#define RIDGE_TILE(R, V) tile<kNibbles, kSigned, R, V, T>(x, geo, m0, cb, codes, scales, minimums, out, n_dim)
+              const uint8_t* weights, T* out, int64_t n_dim) {
+#define RIDGE_TILE(R, V) tile<kNibbles, kSigned, R, V, T>(x, geo, m0, cb, weights, out, n_dim)
   if (vectors == 2) {
     switch (rows) {  // registers: 2 x rows x vectors sums + 2 x vectors codes + 2 <= 32
       case 1: RIDGE_TILE(1, 2); break;
@@ -196,8 +212,8 @@ void tile_any(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t r
 constexpr int64_t kMaxRows = 6;
 
 template <bool kNibbles, bool kSigned, typename T>
-void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t n_dim, const uint8_t* codes,
-            const float* scales, const float* minimums, T* out) {
+void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t n_dim, const uint8_t* weights,
+            T* out) {
   // a thread takes two channel blocks (32 channels) and walks all the rows: their codes stay in L1 / L2 while
   // the rows go by, and the activations (M x K bytes) are shared by all from L2
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
@@ -205,8 +221,8 @@ void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t 
   for (int64_t p = 0; p < pairs; p++) {
     const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
     for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows)
-      tile_any<kNibbles, kSigned, T>(x, geo, m0, std::min(kMaxRows, m_dim - m0), cb, vectors, codes, scales,
-                                     minimums, out, n_dim);
+      tile_any<kNibbles, kSigned, T>(x, geo, m0, std::min(kMaxRows, m_dim - m0), cb, vectors, weights, out,
+                                     n_dim);
   }
 }
 
@@ -222,40 +238,30 @@ bool vnni_available() {
 #endif
 }
 
-torch::Tensor vnni_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
-                          int64_t group, bool signed_codes) {
+torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "x: float32 or bfloat16 [M, K]");
-  const int64_t m_dim = x.size(0), k_dim = x.size(1);
-  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.is_contiguous() && codes.dim() == 3 &&
-                  codes.size(2) == kChunk,
-              "codes: contiguous uint8 [N / 16, chunks, 64] (quant/linear.py's pack_vnni)");
-  const bool nibbles = codes.size(1) * 8 == k_dim;
-  TORCH_CHECK(nibbles || codes.size(1) * 4 == k_dim, "codes: K / 8 chunks (4-bit codes) or K / 4 (8-bit) per block");
-  TORCH_CHECK(!(nibbles && signed_codes), "signed_codes: 4-bit codes are unsigned");
-  const int64_t n_dim = codes.size(0) * kChannels;
+  const int64_t m_dim = x.size(0), k_dim = x.size(1), group = weight.group;
   TORCH_CHECK(k_dim % kBlock == 0 && (group == 16 || group % kBlock == 0) && k_dim % group == 0,
               "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
-  TORCH_CHECK(!(nibbles && group == 16), "group: 4-bit codes come in groups of 32s");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == torch::IntArrayRef({n_dim / kChannels, k_dim / group, kChannels}),
-              "scales: contiguous float32 [N / 16, K / group, 16]");
-  TORCH_CHECK(minimums.numel() == 0 || (minimums.sizes() == scales.sizes() && minimums.is_contiguous() &&
-                                        minimums.scalar_type() == torch::kFloat),
-              "minimums: empty, or like scales");
+  TORCH_CHECK(!(weight.nibbles && (group == 16 || weight.signed_codes)),
+              "4-bit codes: unsigned, in groups of 32s");
+  const Geometry geo{weight.nibbles, weight.minimums, k_dim, group};
+  const torch::Tensor& packed = weight.packed;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == k_dim / geo.unit() && packed.size(2) == geo.record_bytes(),
+              "packed: contiguous uint8 [N / 16, K / max(group, 32), record bytes] (quant/linear.py's pack_vnni)");
+  const int64_t n_dim = packed.size(0) * kChannels;
 #if defined(RIDGE_VNNI)
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
-  const Geometry geo{nibbles, k_dim, group};
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto run = [&](auto* xp, auto* op) {
-    const QuantizedRows rows = quantize_rows(xp, m_dim, k_dim, group, mn != nullptr);
+    const QuantizedRows rows = quantize_rows(xp, m_dim, k_dim, group, geo.minimums, static_cast<float>(weight.unit));
     using T = std::remove_pointer_t<decltype(op)>;
-    if (nibbles) linear<true, false, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
-    else if (signed_codes) linear<false, true, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
-    else linear<false, false, T>(rows, geo, m_dim, n_dim, c, s, mn, op);
+    if (geo.nibbles) linear<true, false, T>(rows, geo, m_dim, n_dim, w, op);
+    else if (weight.signed_codes) linear<false, true, T>(rows, geo, m_dim, n_dim, w, op);
+    else linear<false, false, T>(rows, geo, m_dim, n_dim, w, op);
   };
   if (xc.scalar_type() == torch::kFloat) run(xc.data_ptr<float>(), out.data_ptr<float>());
   else run(xc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());

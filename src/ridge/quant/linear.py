@@ -29,6 +29,7 @@ the plain path's speed and memory.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from functools import cache
 from types import ModuleType
@@ -95,22 +96,27 @@ def unpack_int4pack(packed: torch.Tensor, n: int, k: int, width: int) -> torch.T
     return torch.cat(parts).contiguous()
 
 
-def pack_vnni(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] (N in 16s, K in 32s) -> uint8 [N / 16, chunks, 64], kernels/vnni_linear.cpp's layout: byte
-    4 n + j of a chunk holds channel n's code at k0 + j and, 4-bit codes, at k0 + 4 + j in its high nibble.
-    Codes must be unsigned bytes already (signed int8 codes plus 128)."""
+def pack_vnni(codes: torch.Tensor, bits: int, scales: torch.Tensor, minimums: torch.Tensor | None,
+              group: int) -> tuple[torch.Tensor, float]:
+    """Codes [N, K] (N in 16s, K in 32s; unsigned bytes: signed int8 codes plus 128) with their scales and
+    minimums [N, K / group] -> (uint8 [N / 16, K / max(group, 32), record bytes], unit): kernels/vnni_linear.cpp's
+    records, each a header of float16 scales (and minimums), in `unit`s, padded to 64 bytes, then the codes in
+    64-byte chunks, byte 4 n + j holding channel n's code at k0 + j and, 4-bit codes, at k0 + 4 + j in its high
+    nibble."""
     n, k = codes.shape
-    quads = codes.to(torch.uint8).view(n // 16, 16, k // 4, 4).transpose(1, 2)  # [N / 16, K / 4, 16, 4]
+    blocks, span = n // 16, max(group, 32)
+    quads = codes.to(torch.uint8).view(blocks, 16, k // 4, 4).transpose(1, 2)  # [N / 16, K / 4, 16, 4]
     if bits == 4:
-        pairs = quads.reshape(n // 16, k // 8, 2, 16, 4)
+        pairs = quads.reshape(blocks, k // 8, 2, 16, 4)
         quads = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
-    return quads.reshape(n // 16, -1, 64).contiguous()
-
-
-def vnni_groups(values: torch.Tensor) -> torch.Tensor:
-    """Per-group scales or minimums [N, G] -> float32 [N / 16, G, 16], kernels/vnni_linear.cpp's layout."""
-    n, g = values.shape
-    return values.float().view(n // 16, 16, g).transpose(1, 2).contiguous()
+    chunks = quads.reshape(blocks, k // span, -1)
+    values = [scales] if minimums is None else [scales, minimums]
+    top = max(float(v.abs().max()) for v in values)
+    unit = 2.0 ** (math.frexp(top)[1] - 15) if top > 0 else 1.0  # the largest value lands in [2^14, 2^15)
+    header = torch.cat([(v.float() / unit).reshape(blocks, 16, k // span, -1).permute(0, 2, 3, 1).half()
+                        .reshape(blocks, k // span, -1).contiguous().view(torch.uint8) for v in values], dim=-1)
+    header = nn.functional.pad(header, (0, -header.shape[-1] % 64))
+    return torch.cat([header, chunks], dim=-1).contiguous(), unit
 
 
 class QuantizedLinear(nn.Module):
@@ -207,13 +213,13 @@ class QuantizedLinear(nn.Module):
             scales, minimums = scale.T, (zero - 8 * scale).T
         else:
             return False
-        for name in ("scales_and_zeros", "channel_scales", "no_minimums"):
+        for name in ("scales_and_zeros", "channel_scales", "no_minimums", "scales", "minimums"):
             self._buffers.pop(name, None)
         stored = codes.to(torch.int16) + 128 if signed else codes  # vpdpbusd's unsigned operand
-        self.register_buffer("qweight", pack_vnni(stored, 4 if nibbles else 8), persistent=False)
-        self.register_buffer("scales", vnni_groups(scales.reshape(self.out_features, -1)), persistent=False)
-        self.register_buffer("minimums", torch.empty(0) if minimums is None else
-                             vnni_groups(minimums.reshape(self.out_features, -1)), persistent=False)
+        packed, unit = pack_vnni(stored, 4 if nibbles else 8, scales.reshape(self.out_features, -1),
+                                 None if minimums is None else minimums.reshape(self.out_features, -1), group)
+        self.register_buffer("qweight", packed, persistent=False)  # the bytes; self.vnni refers to the same tensor
+        self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit)
         self.kernel, self.group_size, self.signed_codes, self.unpacked = "vnni", group, signed, None
         self.int8_activations, self.int8_activation_max_rows = True, sys.maxsize
         return True
@@ -233,8 +239,7 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
         if self.kernel == "vnni":
-            out = self.ops.vnni_linear(x2, self.qweight, self.scales, self.minimums, self.group_size,
-                                       self.signed_codes)
+            out = self.ops.vnni_linear(x2, self.vnni)
         elif self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
             out = (self.tiled_ops.int4pack_linear(x2, self.qweight, self.scales_and_zeros, self.group_size,
                                                   self.block_width)
