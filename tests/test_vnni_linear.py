@@ -140,3 +140,18 @@ def test_layers_move_onto_the_kernel_within_the_int8_bound(ops, kind):
             assert (error <= int8_activation_bound(x.float(), weight) + rounding * expected.abs() + float16_scales
                     + 1e-5 * expected.abs().max()).all()
             assert error.max() > 1e-4 * expected.abs().max()  # the integer path really ran
+
+
+@needs_vnni
+def test_a_row_gets_the_same_bits_in_any_batch(ops):
+    """Each row's sums run in the same order whatever tile it lands in (6, 5, .. 1 rows; one or two channel
+    blocks): a request's logits do not depend on what it is batched with, so prefix caching and speculative
+    verification see the numbers a lone decode step computes."""
+    qw = quantize_int4(torch.randn(80, 192, generator=torch.Generator().manual_seed(3)), 64)
+    layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
+    assert use_int8_activations(layer) == 1
+    x = torch.randn(13, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
+    batched = layer(x)
+    for i in (0, 5, 6, 12):
+        assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1])
+    assert torch.equal(layer(x[3:11]), batched[3:11])

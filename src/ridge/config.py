@@ -115,10 +115,11 @@ class EngineConfig:
     # as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again (quant/rtn.py)
     quantization_group_size: int = 32
     calibration_windows: int = 32  # gptq / awq: windows of 512 calibration tokens
-    # quantized linears (gguf, int8, int4, ... in float32) quantize their input to int8 per 32 values and
-    # multiply integers, as llama.cpp does on CPUs: ~2x faster decode matmuls on AVX2, 1-2% error in each
-    # layer's output (kernels/int8_dot_linear.cpp); inputs of more than 32 rows (prompts) stay exact, as
-    # there the float kernel is the faster. Off: the dequantized model's numbers exactly
+    # quantized linears (gguf, int8, int4, ...) quantize their input to int8 per 32 values and multiply
+    # integers, as llama.cpp does on CPUs, 1-2% error in each layer's output (kernels/int8_dot_linear.cpp).
+    # AVX512-VNNI: every such layer, float32 or bfloat16, at every row count (kernels/vnni_linear.cpp; at
+    # batch 32 ahead of bf16 matmuls); AVX2: float32 only, inputs of up to 32 rows (prompts stay exact, the
+    # float kernel being the faster there). Off: the dequantized model's numbers exactly
     int8_activations: bool = False
     # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
     speculate: str | None = None
