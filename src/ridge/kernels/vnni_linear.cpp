@@ -85,13 +85,13 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
                      std::vector<float>(group_sums ? m_dim * (k_dim / group) : 0)};
 #pragma omp parallel for schedule(static) if (m_dim * blocks >= 1024)
   for (int64_t i = 0; i < m_dim * blocks; i++) {
-    const __m512 lo = load16(x + i * kBlock), hi = load16(x + i * kBlock + kChannels);
+    const __m512 lo = load16(x + i * kBlock), hi = load16(x + i * kBlock + kBlock / 2);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     rows.scale[i] = amax / 127.f * unit;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock]), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock + kChannels]), _mm512_cvtepi32_epi8(qhi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&rows.q[i * kBlock + kBlock / 2]), _mm512_cvtepi32_epi8(qhi));
     rows.sum[2 * i] = _mm512_reduce_add_epi32(qlo);
     rows.sum[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
   }
