@@ -152,21 +152,23 @@ def _hf_loads(out):
                                                 quantization_config=config).eval()
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
-def test_quantize_writes_a_checkpoint_ridge_loads(method, random_llama, tmp_path, make_llm_for_test):
+@pytest.mark.parametrize(("method", "fp8"), [("rtn", False), ("gptq", False), ("awq", False), ("fp8", False),
+                                             ("gptq", True)], ids=["rtn", "gptq", "awq", "fp8", "gptq-fp8"])
+def test_quantize_writes_a_checkpoint_ridge_loads(method, fp8, random_llama, tmp_path, make_llm_for_test):
     """`ridge quantize` -> a directory whose config and tensors follow the layouts; ridge's logits on it equal
     HF transformers' on the same weights decoded by the specification (float32 noise), and those of HF
     transformers loading the directory itself (GPTQ / AWQ: float16 noise, see _hf_loads)."""
-    bits, group = (8, None) if method == "fp8" else (4, 32)
+    fp8 = fp8 or method == "fp8"
+    bits, group = (8, None) if fp8 else (4, 32)
     out = tmp_path / method
-    report = quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False)
+    report = quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False, fp8=fp8)
     assert report.layers == 3 * 7  # q, k, v, o, gate, up, down per layer
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["quant_method"] == {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "fp8": "fp8"}[method]
+    assert config["quant_method"] == ("fp8" if fp8 else {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}[method])
     reference = _dequantized_hf(out, method, group)
     llm = make_llm_for_test(out, dtype="float32")
     assert "safetensors " + config["quant_method"] in llm.engine.loaded.weight_format
-    hf = _hf_loads(out) if method != "fp8" else None
+    hf = _hf_loads(out) if not fp8 else None
     for ids in random_prompts(2, VOCAB, 5, 40, seed=3):
         with torch.inference_mode():
             ref = reference(torch.tensor([ids])).logits[0]
@@ -178,7 +180,7 @@ def test_quantize_writes_a_checkpoint_ridge_loads(method, random_llama, tmp_path
             # no argmax check: this random model's logits have near-ties that float16 noise may flip
             assert (ours - theirs).abs().max().item() < 5e-3 * theirs.abs().max().item()
     with pytest.raises(ValueError, match="already holds a model"):
-        quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False)
+        quantize_to_dir(random_llama, method, bits, group, out, num_windows=2, progress=False, fp8=fp8)
 
 
 def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_test):
@@ -254,7 +256,9 @@ def test_quantize_bad_arguments(random_llama, tmp_path):
     for kwargs, match in (({"method": "hqq", "bits": 4, "group_size": 32}, "method"),
                           ({"method": "awq", "bits": 8, "group_size": 32}, "bits"),
                           ({"method": "rtn", "bits": 4, "group_size": 48}, "group_size"),
-                          ({"method": "rtn", "bits": 4, "group_size": 128}, "does not divide")):
+                          ({"method": "rtn", "bits": 4, "group_size": 128}, "does not divide"),
+                          ({"method": "awq", "bits": 8, "group_size": None, "fp8": True}, "fp8"),
+                          ({"method": "gptq", "bits": 4, "group_size": 32, "fp8": True}, "bits")):
         with pytest.raises(ValueError, match=match):
             quantize_to_dir(random_llama, out=tmp_path / "x", progress=False, **kwargs)
 

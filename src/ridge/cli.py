@@ -255,8 +255,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from ridge.quant.export import quantize_to_dir
 
-    report = quantize_to_dir(hub.resolve(args.model), args.method, args.bits, args.group_size, Path(args.out),
-                             args.calibration_windows, progress=not args.json)
+    fp8 = args.fp8 or args.method == "fp8"
+    bits = args.bits if args.bits is not None else 8 if fp8 else 4
+    report = quantize_to_dir(hub.resolve(args.model), args.method, bits, args.group_size, Path(args.out),
+                             args.calibration_windows, progress=not args.json, fp8=fp8, damp=args.damp)
     if args.json:
         print(json.dumps({**asdict(report), "out": str(report.out)}))
     else:
@@ -349,11 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "fp8"],
                    help="rtn: round to nearest; gptq: second-order error compensation (act-order, static groups); "
                         "awq: activation-aware column scales; fp8: e4m3")
-    p.add_argument("--bits", type=int, default=4, choices=[4, 8],
+    p.add_argument("--bits", type=int, default=None, choices=[4, 8],
                    help="4: asymmetric per group of --group-size input columns; 8: per output channel "
-                        "(default %(default)s; fp8 is always 8)")
+                        "(default 4; 8 with fp8)")
+    p.add_argument("--fp8", action="store_true",
+                   help="rtn / gptq: e4m3 codes with a scale per output channel instead of integers (8 bits; "
+                        "--method fp8 is rtn --fp8); gptq --fp8 rounds onto the e4m3 grid with GPTQ's error "
+                        "compensation, as llm-compressor's GPTQ with its FP8 scheme does")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
                    help="4-bit: input columns per scale and zero point (default %(default)s)")
+    p.add_argument("--damp", type=float, default=None,
+                   help="gptq: the fraction of the mean Hessian diagonal added to it (default 0.01, 0.1 with --fp8; "
+                        "larger trusts the calibration text less)")
     p.add_argument("--out", required=True, help="directory to write (must not hold a model already)")
     p.add_argument("--calibration-windows", type=int, default=32,
                    help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")

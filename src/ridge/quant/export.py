@@ -53,21 +53,28 @@ class QuantizeReport:
     seconds: float
 
 
-def check_arguments(method: str, bits: int, group_size: int | None) -> None:
+def check_arguments(method: str, bits: int, group_size: int | None, fp8: bool = False) -> None:
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {', '.join(METHODS)}")
-    widths = METHODS[method][1]
+    if fp8 and method not in ("rtn", "gptq", "fp8"):
+        raise ValueError(f"fp8: e4m3 codes come from rtn or gptq rounding, not {method}")
+    widths = (8,) if fp8 else METHODS[method][1]
     if bits not in widths:
-        raise ValueError(f"bits: {method} writes {' or '.join(map(str, widths))}-bit weights, not {bits}")
+        raise ValueError(f"bits: {'fp8' if fp8 else method} writes {' or '.join(map(str, widths))}-bit weights, "
+                         f"not {bits}")
     if bits == 4 and group_size is None:
         raise ValueError("group_size: 4-bit weights need one (32, 64 or 128)")
 
 
 def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | None, out: Path,
-                    num_windows: int = 32, progress: bool = True) -> QuantizeReport:
+                    num_windows: int = 32, progress: bool = True, fp8: bool = False,
+                    damp: float | None = None) -> QuantizeReport:
     """Quantize every decoder-layer linear weight of the model at `model_path` and write the checkpoint to
-    `out` (created; an existing config.json there is refused). group_size is ignored at 8 bits (per channel)."""
-    check_arguments(method, bits, group_size)
+    `out` (created; an existing config.json there is refused). group_size is ignored at 8 bits (per channel).
+    fp8: e4m3 codes, rounded by `method` (rtn or gptq; method fp8 is rtn with fp8). damp: GPTQ's dampening
+    (None: quant/gptq.py's default for the format)."""
+    fp8 = fp8 or method == "fp8"
+    check_arguments(method, bits, group_size, fp8)
     group_size = group_size if bits == 4 else None
     if (out / "config.json").exists():
         raise ValueError(f"out: {out} already holds a model (config.json); choose an empty directory")
@@ -84,7 +91,8 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
     if method == "gptq":
         fitted = quantize_layerwise(
             model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
-            lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, integer_zeros=True),
+            lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, damp=damp, integer_zeros=True,
+                                             fp8=fp8),
             torch.float32, "cpu", progress)
     if method == "awq":
         hessians = input_hessians(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
@@ -92,15 +100,15 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
         apply_awq(model, hessians, group_size, integer_zeros=True, progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
-        if method == "fp8":
-            return quantize_fp8(weight)
         if method == "gptq":
             return fitted[key]
+        if fp8:
+            return quantize_fp8(weight)
         if method == "awq":
             return clipped_int4(weight, group_size, hessians[key], integer_zeros=True)
         return quantize_int4(weight, group_size, integer_zeros=True) if bits == 4 else quantize_int8(weight)
 
-    layout = METHODS[method][0]
+    layout = "fp8" if fp8 else METHODS[method][0]
     pack = {"gptq": checkpoint.pack_gptq, "awq": checkpoint.pack_awq, "fp8": checkpoint.pack_fp8}[layout]
     tensors: dict[str, torch.Tensor] = {}
     layers = 0

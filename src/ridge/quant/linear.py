@@ -359,12 +359,12 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
     raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
 
 
-def head_method(method: str) -> str:
-    """The vocabulary projection's format under `method`. The 4-bit methods keep it at int8 per channel,
-    as llama.cpp's Q4 files keep it at Q6_K / Q8_0 and GPTQ / AWQ checkpoints leave it unquantized: it
-    is the layer whose errors reach the logits directly, and on a small model it is a fifth of the
-    weights, too many bytes to leave at 16 bits."""
-    return "int8" if method in ("int4", "gptq", "awq") else method
+# The vocabulary projection's format under every method: int8 per channel. llama.cpp's Q4 files keep it at
+# Q6_K / Q8_0 and GPTQ / AWQ / fp8 checkpoints leave it unquantized, for it is the layer whose errors reach
+# the logits directly; but on a small model it is a fifth of the weights, too many bytes to leave at 16 bits.
+# At one byte a weight, int8 with a scale per row is the more accurate of the two 8-bit formats for it
+# (SmolLM2 under fp8: +1.6% perplexity with the head at int8, +2.4% with it at fp8; docs/benchmarks.md).
+HEAD_METHOD = "int8"
 
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
@@ -384,7 +384,7 @@ def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: tor
     if method == "awq":
         apply_awq(model, hessians, group_size, integer_zeros=False, progress=progress)
     model.output_projection = QuantizedLinear(
-        quantize_weight(model.output_weight.data, head_method(method), group_size), None, dtype, ops,
+        quantize_weight(model.output_weight.data, HEAD_METHOD, group_size), None, dtype, ops,
         use_kernel=use_kernel)
     for i, layer in enumerate(tqdm(model.layers, desc=method, unit="layer", disable=not progress)):
         for parent_name, parent in list(layer.named_modules()):
