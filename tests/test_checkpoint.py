@@ -237,18 +237,24 @@ def test_gptq_calibrates_each_layer_on_the_quantized_layers_before_it(random_lla
 
 def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
     """Scaling columns up and folding the inverse into norms / v / up rows leaves the float function as it
-    was, before any rounding."""
-    from ridge.quant.awq import apply_awq
-    from ridge.quant.calibration import calibration_windows, input_hessians
+    was, before any rounding; some layer's scales are not all ones."""
+    from ridge.quant.awq import scale_layer
+    from ridge.quant.calibration import calibration_windows, first_layer_inputs
 
     llm = make_llm_for_test(random_llama, dtype="float32")
     ids = random_prompts(1, VOCAB, 30, 31, seed=4)[0]
     before = llm.engine.prompt_logits(ids)
     model = llm.engine.loaded.model
-    hessians = input_hessians(model, calibration_windows(llm.tokenizer, 2, 256), torch.float32, "cpu", False)
-    norm_before = model.layers[0].input_norm.weight.clone()
-    apply_awq(model, hessians, 32, integer_zeros=False, progress=False)
-    assert not torch.equal(model.layers[0].input_norm.weight, norm_before)  # something was scaled
+    assert model.cfg.num_heads == model.cfg.num_kv_heads  # o_proj's scales folded into v's rows too
+    backend, inputs = first_layer_inputs(model, calibration_windows(llm.tokenizer, 2, 256), torch.float32, "cpu")
+    norms_before = [layer.input_norm.weight.clone() for layer in model.layers]
+    with torch.inference_mode():
+        for layer in model.layers:
+            scale_layer(layer, inputs, backend, 32, integer_zeros=False)
+            for w in inputs:
+                w.x, w.residual = layer(w.x, w.residual, w.rope, backend, w.meta)
+    assert any(not torch.equal(layer.input_norm.weight, norm)
+               for layer, norm in zip(model.layers, norms_before, strict=True))
     torch.testing.assert_close(llm.engine.prompt_logits(ids), before, rtol=1e-4, atol=1e-4)
 
 

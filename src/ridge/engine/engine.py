@@ -25,7 +25,8 @@ from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
-from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians, quantize_layerwise
+from ridge.quant.awq import scale_layer
+from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, quantize_layerwise
 from ridge.quant.linear import CALIBRATED, METHODS, quantize_model, quantize_weight, use_int8_activations
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
@@ -458,18 +459,17 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
     loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf, gguf_native=native,
                         ops=kernels)
     if config.quantization in METHODS:
-        hessians = fitted = None
-        group_size = config.quantization_group_size
-        if config.quantization in CALIBRATED:  # calibrated here, on the unquantized model
-            windows = calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
-            if config.quantization == "gptq":
-                fitted = quantize_layerwise(loaded.model, windows,
-                                            lambda _key, w, h: quantize_weight(w, "gptq", group_size, h),
-                                            config.torch_dtype, config.device, progress)
-            else:
-                hessians = input_hessians(loaded.model, windows, config.torch_dtype, config.device, progress)
-        quantize_model(loaded.model, config.quantization, group_size, config.torch_dtype,
-                       hessians=hessians, fitted=fitted, progress=progress, ops=kernels)
+        fitted = None
+        method, group_size = config.quantization, config.quantization_group_size
+        if method in CALIBRATED:  # calibrated here, one decoder layer at a time
+            fitted = quantize_layerwise(
+                loaded.model, calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW),
+                lambda _key, w, h: quantize_weight(w, method, group_size, h), config.torch_dtype, config.device,
+                progress, prepare=(lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size,
+                                                                              integer_zeros=False))
+                if method == "awq" else None)
+        quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, progress=progress,
+                       ops=kernels)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):

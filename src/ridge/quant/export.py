@@ -27,8 +27,8 @@ from ridge.config import ModelConfig
 from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
-from ridge.quant.awq import apply_awq, clipped_int4
-from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians, quantize_layerwise
+from ridge.quant.awq import clipped_int4, scale_layer
+from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, quantize_layerwise
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
 from ridge.tokenizer import RidgeTokenizer
@@ -86,7 +86,6 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
             if isinstance(module, torch.nn.Linear):
                 check_group_size(module.in_features, group_size, f" of {name}")
     tokenizer = RidgeTokenizer.from_path(model_path)
-    hessians: dict[str, torch.Tensor] = {}
     fitted: dict[str, QuantizedWeight] = {}
     if method == "gptq":
         fitted = quantize_layerwise(
@@ -94,18 +93,17 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
             lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, damp=damp, integer_zeros=True,
                                              fp8=fp8),
             torch.float32, "cpu", progress)
-    if method == "awq":
-        hessians = input_hessians(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
-                                  torch.float32, "cpu", progress)
-        apply_awq(model, hessians, group_size, integer_zeros=True, progress=progress)
+    if method == "awq":  # the scales folded into the norms and up rows, which _hf_tensors writes as they are now
+        fitted = quantize_layerwise(
+            model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
+            lambda _key, w, h: clipped_int4(w, group_size, h, integer_zeros=True), torch.float32, "cpu", progress,
+            prepare=lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size, integer_zeros=True))
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
-        if method == "gptq":
+        if key in fitted:
             return fitted[key]
         if fp8:
             return quantize_fp8(weight)
-        if method == "awq":
-            return clipped_int4(weight, group_size, hessians[key], integer_zeros=True)
         return quantize_int4(weight, group_size, integer_zeros=True) if bits == 4 else quantize_int8(weight)
 
     layout = "fp8" if fp8 else METHODS[method][0]

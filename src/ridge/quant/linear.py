@@ -39,7 +39,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ridge.models.transformer import DecoderModel
-from ridge.quant.awq import apply_awq, clipped_int4
+from ridge.quant.awq import clipped_int4
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, concatenate, dequantize, quantize_fp8, quantize_int4, quantize_int8
 
@@ -340,7 +340,7 @@ def use_int8_activations(model: nn.Module, max_rows: int = INT8_ACTIVATIONS_MAX_
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
                     hessian: torch.Tensor | None = None) -> QuantizedWeight:
     """One [out, in] matrix in `method`'s format. awq: the weight and hessian must already carry their AWQ
-    scales (quant/awq.py's apply_awq); what is left is int4 with each group's range clipped. int4 at load
+    scales (quant/awq.py's scale_layer); what is left is int4 with each group's range clipped. int4 at load
     has float minimums: no checkpoint constrains it (quant/rtn.py)."""
     if method == "int8":
         return quantize_int8(weight)
@@ -368,21 +368,18 @@ HEAD_METHOD = "int8"
 
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
-                   use_kernel: bool = True, hessians: dict[str, torch.Tensor] | None = None,
-                   fitted: dict[str, QuantizedWeight] | None = None, progress: bool = False,
-                   ops: ModuleType | None = None) -> DecoderModel:
+                   use_kernel: bool = True, fitted: dict[str, QuantizedWeight] | None = None,
+                   progress: bool = False, ops: ModuleType | None = None) -> DecoderModel:
     """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place.
-    awq needs `hessians` and gptq the layers' weights as quant/calibration.py's quantize_layerwise `fitted`
-    them, both keyed as quant/calibration.py names the layers; `ops`: ridge's CPU kernels
+    gptq and awq need the layers' weights as quant/calibration.py's quantize_layerwise `fitted` them (keyed
+    as it names the layers; for awq, the model already holds the scales folded in); `ops`: ridge's CPU kernels
     (kernels/cpu_ops.py), for the tiled many-row path. The embedding table stays
     as it is: a lookup reads one row per token, not the whole table."""
     if method not in METHODS:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
-    if (method == "awq" and not hessians) or (method == "gptq" and not fitted):
+    if method in CALIBRATED and not fitted:
         raise ValueError(f"quantization: {method} needs calibration (quant/calibration.py)")
-    hessians, fitted = hessians or {}, fitted or {}
-    if method == "awq":
-        apply_awq(model, hessians, group_size, integer_zeros=False, progress=progress)
+    fitted = fitted or {}
     model.output_projection = QuantizedLinear(
         quantize_weight(model.output_weight.data, HEAD_METHOD, group_size), None, dtype, ops,
         use_kernel=use_kernel)
@@ -391,7 +388,6 @@ def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: tor
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     key = ".".join(part for part in ("layers", str(i), parent_name, name) if part)
-                    qw = fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size,
-                                                                           hessians.get(key))
+                    qw = fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size)
                     setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, ops, use_kernel))
     return model
