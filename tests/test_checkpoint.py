@@ -206,10 +206,13 @@ def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_te
     assert 0 < errors["gptq"] < 1.2 * errors["int4"] and 0 < errors["awq"] < 1.2 * errors["int4"], errors
 
 
-def test_gptq_calibrates_each_layer_on_the_quantized_layers_before_it(random_llama, make_llm_for_test):
-    """quantize_layerwise, GPTQ's sequential order: layer 0 sees the float model's inputs; a later layer's
-    first linear (qkv) sees what the layers before it produce once quantized, the X^T X that one pass of
-    the quantized model takes, and not the float model's. The model is left holding the quantized weights."""
+@pytest.mark.parametrize("carry_quantized", [True, False], ids=["gptq-order", "awq-order"])
+def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama, make_llm_for_test,
+                                                                     carry_quantized: bool):
+    """quantize_layerwise: layer 0 sees the float model's inputs. In GPTQ's order a later layer's first
+    linear (qkv) sees what the layers before it produce once quantized, the X^T X that one pass of the
+    quantized model takes, and not the float model's; in AWQ's (carry_quantized=False) it sees the float
+    model's. Either way the model is left holding the quantized weights."""
     from ridge.quant.calibration import calibration_windows, input_hessians, quantize_layerwise
 
     llm = make_llm_for_test(random_llama, dtype="float32")
@@ -222,7 +225,8 @@ def test_gptq_calibrates_each_layer_on_the_quantized_layers_before_it(random_lla
         seen[key] = hessian
         return quantize_int4(weight, 32)
 
-    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False)
+    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False,
+                                carry_quantized=carry_quantized)
     assert set(fitted) == set(seen) == {key for key in float_hessians if key.startswith("layers.")}
     for key, qw in fitted.items():
         assert torch.equal(model.get_submodule(key).weight, dequantize(qw))
@@ -231,8 +235,10 @@ def test_gptq_calibrates_each_layer_on_the_quantized_layers_before_it(random_lla
         torch.testing.assert_close(seen[key], float_hessians[key], rtol=1e-6, atol=0)
     for i in range(1, len(model.layers)):
         key = f"layers.{i}.attn.qkv"
-        torch.testing.assert_close(seen[key], quantized_hessians[key], rtol=1e-6, atol=0)
-        assert not torch.allclose(seen[key], float_hessians[key], rtol=1e-3), key
+        expected, other = ((quantized_hessians, float_hessians) if carry_quantized
+                           else (float_hessians, quantized_hessians))
+        torch.testing.assert_close(seen[key], expected[key], rtol=1e-6, atol=0)
+        assert not torch.allclose(seen[key], other[key], rtol=1e-3), key
 
 
 def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):

@@ -467,7 +467,7 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
                 lambda _key, w, h: quantize_weight(w, method, group_size, h), config.torch_dtype, config.device,
                 progress, prepare=(lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size,
                                                                               integer_zeros=False))
-                if method == "awq" else None)
+                if method == "awq" else None, carry_quantized=method != "awq")
         quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, progress=progress,
                        ops=kernels)
         loaded.weight_format += f" -> {config.quantization}" + (

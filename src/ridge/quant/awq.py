@@ -12,8 +12,8 @@ the calibration tokens and alpha is searched on a grid for each group of linears
 is plain RTN). As in the reference, a group is judged by the output of the block it feeds: qkv by the
 attention's output, gate|up by the MLP's (the errors after softmax, SiLU and the product, not the linears'
 own), o_proj and down by their own, ||(W - Q(W s) / s) X||^2 = sum((D H) * D) from H = X^T X. As in AutoAWQ,
-the layers are walked in order, each searched on what the layers before it produce once quantized (GPTQ's
-walk, quant/calibration.py's quantize_layerwise). Then, as in the paper, each group's range is shrunk by
+the layers are walked in order, each searched on the full-precision model's activations (quant/calibration.py's
+quantize_layerwise with carry_quantized=False). Then, as in the paper, each group's range is shrunk by
 the factor (of a grid, 1 included) that minimises the error of the group's share of the layer's output: a
 few large weights no longer stretch the grid of all the others.
 
@@ -93,8 +93,8 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
                 integer_zeros: bool) -> None:
     """AWQ's scales for one decoder layer, searched as the reference searches them and folded in place: qkv's
     by the attention block's output, gate|up's by the MLP's output (the error after softmax, SiLU and the
-    product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as the
-    quantized layers before it produce them (quant/calibration.py's quantize_layerwise calls this)."""
+    product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
+    quant/calibration.py's quantize_layerwise, which calls this, carries them."""
     attn, mlp = layer.attn, layer.mlp
     windows = inputs[:SEARCH_WINDOWS]
     attn_in, attn_ref, mlp_in, mlp_ref = [], [], [], []

@@ -97,7 +97,8 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
         fitted = quantize_layerwise(
             model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
             lambda _key, w, h: clipped_int4(w, group_size, h, integer_zeros=True), torch.float32, "cpu", progress,
-            prepare=lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size, integer_zeros=True))
+            prepare=lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size, integer_zeros=True),
+            carry_quantized=False)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if key in fitted:
