@@ -164,7 +164,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
         hessians: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_pre_hook(lambda _m, args, key=key, sums=hessians: _accumulate(sums, key, args[0]))
                  for key, m in linears.items()]
-        full_precision = []
+        full_precision: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for w in states:  # the norms add into the residual stream in place (the first layer's is x): copies
                 out = layer(w.x.clone(), None if w.residual is None else w.residual.clone(), w.rope, backend, w.meta)
