@@ -25,8 +25,7 @@ from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
-from ridge.quant.awq import scale_layer
-from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, quantize_layerwise
+from ridge.quant.calibration import CALIBRATION_WINDOW, awq_layerwise, calibration_windows, quantize_layerwise
 from ridge.quant.linear import CALIBRATED, METHODS, quantize_model, quantize_weight, use_int8_activations
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
@@ -462,12 +461,14 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         fitted = None
         method, group_size = config.quantization, config.quantization_group_size
         if method in CALIBRATED:  # calibrated here, one decoder layer at a time
-            fitted = quantize_layerwise(
-                loaded.model, calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW),
-                lambda _key, w, h: quantize_weight(w, method, group_size, h), config.torch_dtype, config.device,
-                progress, prepare=(lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size,
-                                                                              integer_zeros=False))
-                if method == "awq" else None, carry_quantized=method != "awq")
+            windows = calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
+            if method == "awq":
+                fitted = awq_layerwise(loaded.model, windows, group_size, False, config.torch_dtype, config.device,
+                                       progress)
+            else:
+                fitted = quantize_layerwise(loaded.model, windows,
+                                            lambda _key, w, h: quantize_weight(w, method, group_size, h),
+                                            config.torch_dtype, config.device, progress)
         quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, progress=progress,
                        ops=kernels)
         loaded.weight_format += f" -> {config.quantization}" + (

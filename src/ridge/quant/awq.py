@@ -13,7 +13,7 @@ is plain RTN). As in the reference, a group is judged by the output of the block
 attention's output, gate|up by the MLP's (the errors after softmax, SiLU and the product, not the linears'
 own), o_proj and down by their own, ||(W - Q(W s) / s) X||^2 = sum((D H) * D) from H = X^T X. As in AutoAWQ,
 the layers are walked in order, each searched on the full-precision model's activations (quant/calibration.py's
-quantize_layerwise with carry_quantized=False). Then, as in the paper, each group's range is shrunk by
+awq_layerwise). Then, as in the paper, each group's range is shrunk by
 the factor (of a grid, 1 included) that minimises the error of the group's share of the layer's output: a
 few large weights no longer stretch the grid of all the others.
 
@@ -94,13 +94,15 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     """AWQ's scales for one decoder layer, searched as the reference searches them and folded in place: qkv's
     by the attention block's output, gate|up's by the MLP's output (the error after softmax, SiLU and the
     product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
-    quant/calibration.py's quantize_layerwise, which calls this, carries them."""
+    quant/calibration.py's awq_layerwise, which calls this, carries them."""
     attn, mlp = layer.attn, layer.mlp
     windows = inputs[:SEARCH_WINDOWS]
     attn_in, attn_ref, mlp_in, mlp_ref = [], [], [], []
+    scale_o_proj = attn.num_heads == attn.num_kv_heads  # with GQA a v row feeds several heads' o_proj columns
     inner: dict[str, list[torch.Tensor]] = {"o_proj": [], "down": []}  # those linears' inputs
-    hooks = [attn.o_proj.register_forward_pre_hook(lambda _m, args: inner["o_proj"].append(args[0])),
-             mlp.down.register_forward_pre_hook(lambda _m, args: inner["down"].append(args[0]))]
+    hooks = [mlp.down.register_forward_pre_hook(lambda _m, args: inner["down"].append(args[0]))]
+    if scale_o_proj:
+        hooks.append(attn.o_proj.register_forward_pre_hook(lambda _m, args: inner["o_proj"].append(args[0])))
     try:
         for w in windows:  # the norms add into the residual stream in place: copies
             if w.residual is None:
@@ -127,7 +129,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     s = _search_block(attn.qkv.weight, _rms(attn_in), group_size, integer_zeros, attn_error)
     layer.input_norm.weight.div_(s.to(layer.input_norm.weight.dtype))
     attn.qkv.weight.mul_(s.to(attn.qkv.weight.dtype))
-    if attn.num_heads == attn.num_kv_heads:  # with GQA a v row feeds several heads' o_proj columns
+    if scale_o_proj:
         s, _ = awq_scales(attn.o_proj.weight, _gram(inner["o_proj"]), group_size, integer_zeros)
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         v_rows = slice(q_size + kv_size, q_size + 2 * kv_size)

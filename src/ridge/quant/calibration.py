@@ -25,6 +25,7 @@ from ridge.engine.sequence import Sequence
 from ridge.hub import pull_dataset
 from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
+from ridge.quant.awq import clipped_int4, scale_layer
 from ridge.quant.rtn import QuantizedWeight, dequantize
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
@@ -183,3 +184,14 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
             for w, (x, residual) in zip(states, full_precision, strict=True):
                 w.x, w.residual = x, residual
     return fitted
+
+
+def awq_layerwise(model: DecoderModel, windows: list[list[int]], group_size: int, integer_zeros: bool,
+                  dtype: torch.dtype, device: str, progress: bool = True) -> dict[str, QuantizedWeight]:
+    """AWQ in its reference order: each layer's scales searched and folded in (quant/awq.py), its weights then
+    clipped to int4, the windows carried on in full precision. The model is left holding the scales folded
+    into its norms and rows, and the quantized weights."""
+    return quantize_layerwise(
+        model, windows, lambda _key, w, h: clipped_int4(w, group_size, h, integer_zeros), dtype, device, progress,
+        prepare=lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size, integer_zeros),
+        carry_quantized=False)

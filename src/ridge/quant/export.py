@@ -27,8 +27,7 @@ from ridge.config import ModelConfig
 from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
-from ridge.quant.awq import clipped_int4, scale_layer
-from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, quantize_layerwise
+from ridge.quant.calibration import CALIBRATION_WINDOW, awq_layerwise, calibration_windows, quantize_layerwise
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
 from ridge.tokenizer import RidgeTokenizer
@@ -94,11 +93,8 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
                                              fp8=fp8),
             torch.float32, "cpu", progress)
     if method == "awq":  # the scales folded into the norms and up rows, which _hf_tensors writes as they are now
-        fitted = quantize_layerwise(
-            model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
-            lambda _key, w, h: clipped_int4(w, group_size, h, integer_zeros=True), torch.float32, "cpu", progress,
-            prepare=lambda layer, inputs, backend: scale_layer(layer, inputs, backend, group_size, integer_zeros=True),
-            carry_quantized=False)
+        fitted = awq_layerwise(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW), group_size,
+                               True, torch.float32, "cpu", progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if key in fitted:
