@@ -85,9 +85,10 @@ def test_dead_inputs_and_bad_arguments():
 
 
 def test_awq_clip_minimises_each_groups_share_of_the_output():
-    """clipped_int4 picks, per group, the range shrink whose error on the group's partial products over the
-    tokens, sum_t ((w_g - q_g) . x_tg)^2 (computed here from X, not from the statistics), is the least of the
-    grid's; on inputs with loud channels some groups are better off clipped than at RTN's full range."""
+    """clipped_int4's error on each group's partial products over the tokens, sum_t ((w_g - q_g) . x_tg)^2
+    (computed here from X, not from the statistics), is at most the least of the shrink grid's, and the refits
+    of each group's grid to its codes take the total below the shrink search's alone; on inputs with loud
+    channels some groups are better off clipped than at RTN's full range."""
     from ridge.quant.awq import CLIP_GRID, clipped_int4
     from ridge.quant.rtn import int4_codes, int4_grid
 
@@ -100,16 +101,41 @@ def test_awq_clip_minimises_each_groups_share_of_the_output():
         d = (weight - approx).double().view(n, k // group, group)
         return torch.einsum("ngk,tgk->ntg", d, x.double().view(-1, k // group, group)).pow(2).sum(1)
 
-    chosen = group_errors(dequantize(clipped_int4(weight, group, (x.T @ x).double(), integer_zeros=False)))
+    def clipped(refits: int) -> torch.Tensor:
+        return group_errors(dequantize(clipped_int4(weight, group, (x.T @ x).double(), False, refits=refits)))
+
     candidates = []
     for step in range(CLIP_GRID):
         scales, zeros = int4_grid(weight * (1 - step / (2 * CLIP_GRID)), group, integer_zeros=False)
         q = int4_codes(weight.view(n, k // group, group), scales, zeros)
         candidates.append(group_errors(((q - zeros[..., None]) * scales[..., None]).view(n, k)))
     best = torch.stack(candidates).min(0).values
-    torch.testing.assert_close(chosen, best, rtol=1e-3, atol=0)
-    assert (chosen < 0.99 * candidates[0]).any()  # candidates[0]: RTN's full range
+    torch.testing.assert_close(clipped(0), best, rtol=1e-3, atol=0)
+    chosen = clipped(4)
+    assert (chosen <= best * (1 + 1e-3)).all()
+    assert chosen.sum() < 0.97 * best.sum(), (chosen.sum(), best.sum())
+    assert (best < 0.99 * candidates[0]).any()  # candidates[0]: RTN's full range
 
+
+@pytest.mark.parametrize("integer_zeros", [False, True])
+def test_awq_grid_fit_finds_the_grid_its_codes_came_from(integer_zeros: bool):
+    """Weights made of int4 codes on a known grid per group (codes 2 to 12: a range RTN would stretch to 16
+    levels); given those codes, the weighted least-squares fit gives the grid back (float16 scales, as
+    stored), whatever the inputs' correlations."""
+    from ridge.quant.awq import _fit_grid
+
+    torch.manual_seed(3)
+    n, k, group = 8, 96, 32
+    scales = (torch.rand(n, k // group) * 0.01 + 0.005).half().float()
+    zeros = torch.randint(3, 9, (n, k // group)).float() if integer_zeros else torch.rand(n, k // group) * 8
+    codes = torch.randint(2, 13, (n, k // group, group)).float()
+    w = (codes - zeros[..., None]) * scales[..., None]
+    x = _inputs(256, k)
+    h = (x.T @ x).view(k // group, group, k // group, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    start_zeros = zeros if integer_zeros else torch.full_like(zeros, 5.0)  # fitted alone: the scale
+    fitted_scales, fitted_zeros = _fit_grid(w, h, codes, torch.ones_like(scales), start_zeros, integer_zeros)
+    torch.testing.assert_close(fitted_scales, scales, rtol=1e-3, atol=0)
+    torch.testing.assert_close(fitted_zeros * fitted_scales, zeros * scales, rtol=0, atol=1e-4)
 
 
 SMOLLM2_LAYERS = [f"layers.{i}.{name}" for i in (0, 15, 29) for name in ("attn.qkv", "attn.o_proj", "mlp.gate_up",

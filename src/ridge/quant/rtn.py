@@ -24,10 +24,12 @@ import torch
 GROUP_SIZES = (32, 64, 128)
 
 
-def _scale(value: torch.Tensor) -> torch.Tensor:
+def storable_scale(value: torch.Tensor) -> torch.Tensor:
     """Integer formats' scales are float16 numbers (held in float32), so that the checkpoint layouts,
     which store float16 scales, hold them exactly (quant/checkpoint.py)."""
     return value.clamp(min=1e-7).half().float()
+
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -58,7 +60,7 @@ def check_group_size(in_features: int, group_size: int, where: str = "") -> None
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     w = weight.float()
-    scales = _scale(w.abs().amax(dim=1) / 127)
+    scales = storable_scale(w.abs().amax(dim=1) / 127)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return QuantizedWeight(q, scales, None, 8, None)
 
@@ -73,7 +75,7 @@ def int4_grid(weight: torch.Tensor, group_size: int, integer_zeros: bool) -> tup
     low, high = grouped.amin(dim=2), grouped.amax(dim=2)
     if integer_zeros:
         low, high = low.clamp(max=0), high.clamp(min=0)
-    scales = _scale((high - low) / 15)
+    scales = storable_scale((high - low) / 15)
     zeros = -low / scales
     return scales, torch.round(zeros).clamp(0, 15) if integer_zeros else zeros
 
