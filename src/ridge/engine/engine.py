@@ -463,8 +463,8 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         if method in CALIBRATED:  # calibrated here, one decoder layer at a time
             windows = calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
             if method == "awq":
-                fitted = awq_layerwise(loaded.model, windows, group_size, False, config.torch_dtype, config.device,
-                                       progress)
+                fitted = awq_layerwise(loaded.model, windows, group_size, integer_zeros=False, dtype=config.torch_dtype,
+                                       device=config.device, progress=progress)
             else:
                 fitted = quantize_layerwise(loaded.model, windows,
                                             lambda _key, w, h: quantize_weight(w, method, group_size, h),

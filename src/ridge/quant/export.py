@@ -94,7 +94,7 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
             torch.float32, "cpu", progress)
     if method == "awq":  # the scales folded into the norms and up rows, which _hf_tensors writes as they are now
         fitted = awq_layerwise(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW), group_size,
-                               True, torch.float32, "cpu", progress)
+                               integer_zeros=True, dtype=torch.float32, device="cpu", progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if key in fitted:
