@@ -89,7 +89,7 @@ def test_awq_clip_minimises_each_groups_share_of_the_output():
     (computed here from X, not from the statistics), is at most the least of the shrink grid's, and the refits
     of each group's grid to its codes take the total below the shrink search's alone; on inputs with loud
     channels some groups are better off clipped than at RTN's full range."""
-    from ridge.quant.awq import CLIP_GRID, clipped_int4
+    from ridge.quant.awq import CLIP_GRID, REFITS, clipped_int4
     from ridge.quant.rtn import int4_codes, int4_grid
 
     torch.manual_seed(2)
@@ -111,7 +111,7 @@ def test_awq_clip_minimises_each_groups_share_of_the_output():
         candidates.append(group_errors(((q - zeros[..., None]) * scales[..., None]).view(n, k)))
     best = torch.stack(candidates).min(0).values
     torch.testing.assert_close(clipped(0), best, rtol=1e-3, atol=0)
-    chosen = clipped(4)
+    chosen = clipped(REFITS)
     assert (chosen <= best * (1 + 1e-3)).all()
     assert chosen.sum() < 0.97 * best.sum(), (chosen.sum(), best.sum())
     assert (best < 0.99 * candidates[0]).any()  # candidates[0]: RTN's full range

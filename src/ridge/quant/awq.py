@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # calibration imports the engine's runner, which imports the 
 
 ALPHA_GRID = 20  # alpha in {0, 1/20, ..., 19/20}, as in the paper
 CLIP_GRID = 20  # range shrink factors 1, 0.975, ..., 0.525
-REFITS = 4  # rounds of fitting each group's grid to its codes after the shrink search
+REFITS = 8  # rounds of fitting each group's grid to its codes after the shrink (on Qwen2.5-Coder-0.5B's
+#             weights 8 took the error 1% below 4, 16 no lower)
 
 
 def output_error(weight: torch.Tensor, approx: torch.Tensor, hessian: torch.Tensor) -> float:
