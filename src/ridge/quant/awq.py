@@ -13,9 +13,9 @@ is plain RTN). As in the reference, a group is judged by the output of the block
 attention's output, gate|up by the MLP's (the errors after softmax, SiLU and the product, not the linears'
 own), o_proj and down by their own, ||(W - Q(W s) / s) X||^2 = sum((D H) * D) from H = X^T X. As in AutoAWQ,
 the layers are walked in order, each searched on the full-precision model's activations (quant/calibration.py's
-awq_layerwise). Then, as in the paper, each group's range is shrunk
-by the factor (of a grid, 1 included) that minimises the error of the group's share of the layer's output:
-a few large weights no longer stretch the grid of all the others.
+awq_layerwise). Then, as in the paper, each group's range is shrunk by the factor (of a grid, 1 included)
+that minimises the error of the group's share of the layer's output: a few large weights no longer stretch
+the grid of all the others.
 
 Two differences from the reference (docs/benchmarks.md has both measured on Qwen2.5-Coder-0.5B):
 - a is the RMS of each channel, not its mean |x| (the mean was no better);
@@ -111,15 +111,15 @@ def _fit_grid(w: torch.Tensor, blocks: torch.Tensor, codes: torch.Tensor, scales
     if integer_zeros:
         centred = codes - zeros[..., None]
         h_centred = h_codes - zeros[..., None] * h_one
-        fitted = (h_centred * w).sum(-1) / (h_centred * centred).sum(-1)
-        fitted = storable_scale(fitted.nan_to_num(1.0))
-        return torch.where(fitted.isfinite() & (fitted > 1e-7), fitted, scales), zeros
+        raw = (h_centred * w).sum(-1) / (h_centred * centred).sum(-1)
+        return torch.where(raw.isfinite() & (raw > 0), storable_scale(raw), scales), zeros
     qhq, qh1, one_h_one = (h_codes * codes).sum(-1), h_codes.sum(-1), h_one.sum(-1)
     qhw, one_hw = (h_codes * w).sum(-1), torch.einsum("gi,ngi->ng", h_one, w)
     det = qhq * one_h_one - qh1 * qh1
-    fitted = storable_scale(((one_h_one * qhw - qh1 * one_hw) / det).nan_to_num(1.0))
+    raw = (one_h_one * qhw - qh1 * one_hw) / det
+    fitted = storable_scale(raw)  # judged before this, which would lift a negative fit to float16's least
     minimums = (one_hw - fitted * qh1) / one_h_one  # the best minimum for the scale as stored (float16)
-    ok = (det > 1e-6 * qhq * one_h_one) & fitted.isfinite() & (fitted > 1e-7) & minimums.isfinite()
+    ok = (det > 1e-6 * qhq * one_h_one) & raw.isfinite() & (raw > 0) & minimums.isfinite()
     return torch.where(ok, fitted, scales), torch.where(ok, -minimums / fitted, zeros)
 
 
