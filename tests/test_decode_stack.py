@@ -42,17 +42,20 @@ def projections(ops) -> dict[str, torch.nn.Module]:
 
 def bf16_projections(ops) -> dict[str, torch.nn.Module]:
     """The bfloat16 forms: torch's int4 layout (72 channels, padded to 80 in it), int8 per channel on ridge's
-    kernel, a plain and (where oneDNN packs bf16) a packed dense weight; where the CPU has AVX512-VNNI, int4
-    and int8 on its integer matrix kernel."""
+    kernel, a plain and (where oneDNN packs bf16) a packed dense weight; where the CPU has AVX512-BF16, int4 on
+    the exact bf16 dot-product kernel; where it has AVX512-VNNI, int4 and int8 on its integer matrix kernel."""
     g = torch.Generator().manual_seed(1)
     w, bias = torch.randn(72, 96, generator=g), torch.randn(72, generator=g).bfloat16()
-    int4 = QuantizedLinear(quantize_int4(w, 32), bias, torch.bfloat16, ops)
+    int4 = QuantizedLinear(quantize_int4(w, 32), bias, torch.bfloat16, ops, bf16_dot=False)
     int8 = QuantizedLinear(quantize_int8(w), bias, torch.bfloat16, ops)
     assert (int4.kernel, int8.kernel) == ("int4", "int8") and int4.qweight.numel() * 2 > w.numel()
     linear = torch.nn.Linear(96, 72).bfloat16()
     forms = {"int4": int4, "int8": int8, "linear": linear}
     if onednn_linear.available(torch.bfloat16, "cpu"):
         forms["onednn"] = onednn_linear.PackedLinear(linear.weight.data, linear.bias)
+    if ops.bf16_dot_available():
+        forms["int4 bf16_dot"] = QuantizedLinear(quantize_int4(w[:64], 32), bias[:64], torch.bfloat16, ops)
+        assert forms["int4 bf16_dot"].kernel == "bf16_dot"
     if ops.vnni_available():
         for name, qw in (("int4+a8", quantize_int4(w[:64], 32)), ("int8+a8", quantize_int8(w[:64]))):
             forms[name] = QuantizedLinear(qw, bias[:64], torch.bfloat16, ops)

@@ -124,12 +124,12 @@ def test_unsupported_type_names_the_supported_ones():
         gguf_blocks.unpack(blocks, GGMLQuantizationType.Q2_K, (4, 256), "blk.0.ffn_up.weight")
 
 
-def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path, smollm2):
+def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smollm2_path, smollm2, ops):
     """In float32 every layer on ridge's grouped kernel (Q4_1 codes two a byte: torch's int4 kernel is 7x
     slower than a dense matmul in float32), the tied Q8_0 embedding table shared with the lookup: float32
     logits equal the dequantized model's, and the weights stay within 1.2x the file (measured 1.16x: float32
-    scales and minimums where the file has float16 ones); in bfloat16 the Q4_1 layers keep torch's packed
-    layout."""
+    scales and minimums where the file has float16 ones); in bfloat16 the Q4_1 layers go onto the exact bf16
+    dot-product kernel where the CPU has AVX512-BF16, else onto torch's packed layout."""
     native = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf")
     plain = smollm2  # the session's float32 engine over the dequantized file
     ids = native.tokenizer.encode("The capital of France is a city that")
@@ -141,7 +141,7 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     assert _weight_bytes(native) <= 1.2 * smollm2_path.stat().st_size
     packed = make_llm_for_test(smollm2_path, dtype="bfloat16", quantization="gguf")
     kernels = {m.kernel for m in packed.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
-    assert kernels == {"int4", "grouped_int8"}
+    assert kernels == {"bf16_dot" if ops.bf16_dot_available() else "int4", "grouped_int8"}
     assert _weight_bytes(packed) <= 1.25 * smollm2_path.stat().st_size
 
 

@@ -93,20 +93,20 @@ def test_greedy_tokens_match_hf(random_model, make_llm_for_test):
                               "bfloat16-int4+a8"])
 def test_decode_stack_equals_the_python_path(random_model, make_llm_for_test, args):
     """Decode steps in one C++ call (kernels/decode_stack.py) against every step in Python: qwen2's biases,
-    qwen3's per-head norms and head_dim, tied heads; in bfloat16 torch's int4 layout, int8 per channel on
-    ridge's kernel, dense layers (oneDNN-packed where the CPU has bf16 arithmetic) and the integer matrix
-    kernel (which lets the stack take batches up to MAX_ROWS, as no layer changes kernel below); the same
-    tokens and log-probabilities to the last bit."""
+    qwen3's per-head norms and head_dim, tied heads; in bfloat16 int4 on the exact bf16 dot-product kernel
+    (torch's int4 layout where the CPU lacks AVX512-BF16, which changes kernel at TILED_MIN_ROWS rows), int8 per
+    channel on ridge's kernel, dense layers (oneDNN-packed where the CPU has bf16 arithmetic) and the integer
+    matrix kernel; the same tokens and log-probabilities to the last bit."""
     from ridge import SamplingParams
     from ridge.kernels.decode_stack import MAX_ROWS
-    from ridge.quant.linear import TILED_MIN_ROWS
+    from ridge.quant.linear import TILED_MIN_ROWS, QuantizedLinear
 
     path, _ = random_model
     stacked = make_llm_for_test(path, **args)
     eager = make_llm_for_test(path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None
-    torch_int4 = args.get("quantization") == "int4" and args["dtype"] == "bfloat16" and "int8_activations" not in args
-    assert stacked.engine.runner.decode_stack.max_rows == (TILED_MIN_ROWS - 1 if torch_int4 else MAX_ROWS)
+    kernels = {m.kernel for m in stacked.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert stacked.engine.runner.decode_stack.max_rows == (TILED_MIN_ROWS - 1 if "int4" in kernels else MAX_ROWS)
     prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):

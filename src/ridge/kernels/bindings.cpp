@@ -24,6 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8_dot_linear's arithmetic as a matrix kernel for AVX512-VNNI, over pack_vnni's layout",
         py::arg("x"), py::arg("weight"));
   m.def("vnni_available", &vnni_available, "whether vnni_linear was built (AVX512-VNNI)");
+  m.def("bf16_dot_linear", &bf16_dot_linear,
+        "x @ W.T for bfloat16 x, W 4-bit codes in pack_vnni's layout: exact, on AVX512-BF16 dot products",
+        py::arg("x"), py::arg("weight"));
+  m.def("bf16_dot_available", &bf16_dot_available, "whether bf16_dot_linear was built (AVX512-BF16)");
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,
@@ -39,10 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<torch::Tensor>, int64_t>(),
            py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
            py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"))
-      .def(py::init([](const VnniWeight& weight, c10::optional<torch::Tensor> bias) {
-             return LinearPart(weight, std::move(bias));
+      .def(py::init([](const std::string& kernel, const VnniWeight& weight, c10::optional<torch::Tensor> bias) {
+             return LinearPart(kernel, weight, std::move(bias));
            }),
-           py::arg("vnni"), py::arg("bias"));
+           py::arg("kernel"), py::arg("vnni"), py::arg("bias"));
   py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
       .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
              return Linear{std::move(parts), std::move(bias)};

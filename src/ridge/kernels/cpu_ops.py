@@ -13,6 +13,8 @@
 - vnni_linear.cpp: the same arithmetic as a matrix kernel on AVX512-VNNI's integer dot products, for any
   number of rows: at a batch of 32 bf16 matmul is bound by arithmetic, and only integer products let 4-bit
   weights stay ahead of it.
+- bf16_dot_linear.cpp: 4-bit layers for bfloat16 inputs, exact, on AVX512-BF16 dot products over vnni_linear's
+  layout: the float kernels above spend ~3 instructions per 16 weights and were bound by them, not by memory.
 - decode_stack.cpp: a decode step's decoder layers in one call over the kernels above: at batch 1 the Python
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
 
@@ -36,8 +38,8 @@ from ridge.hub import ridge_home
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp",
-                   "int8_dot_linear.cpp", "vnni_linear.cpp", "decode_stack.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "ops.h")]
+                   "int8_dot_linear.cpp", "vnni_linear.cpp", "bf16_dot_linear.cpp", "decode_stack.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "ops.h", "vnni_layout.h")]
 
 
 @cache

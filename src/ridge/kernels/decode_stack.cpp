@@ -37,9 +37,13 @@ LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::T
   }
 }
 
-LinearPart::LinearPart(VnniWeight vnni, c10::optional<torch::Tensor> bias)
-    : kernel(Kernel::kVnni), group(vnni.group), signed_codes(vnni.signed_codes), bias(std::move(bias)),
-      out_features(0), vnni(std::move(vnni)) {}
+LinearPart::LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias)
+    : group(vnni.group), signed_codes(vnni.signed_codes), bias(std::move(bias)), out_features(0),
+      vnni(std::move(vnni)) {
+  TORCH_CHECK(kernel == "vnni" || kernel == "bf16_dot", "LinearPart: a pack_vnni weight's kernel is vnni or bf16_dot, not ",
+              kernel);
+  this->kernel = kernel == "vnni" ? Kernel::kVnni : Kernel::kBf16Dot;
+}
 
 namespace {
 
@@ -69,6 +73,9 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       break;
     case Kernel::kVnni:
       out = vnni_linear(x, *vnni);
+      break;
+    case Kernel::kBf16Dot:
+      out = bf16_dot_linear(x, *vnni);
       break;
     case Kernel::kGrouped:
       out = grouped_int8_linear(x, weight, scales, minimums, group);

@@ -14,12 +14,13 @@ namespace ridge_stack {
 // One kernel call's weights, as the layer's Python module calls it (kernels/decode_stack.py):
 //   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations);
 //   vnni: the same with int8 activations in vnni_linear.cpp's layout (`vnni`, the rest empty);
+//   bf16_dot: 4-bit codes in that layout, exact, bf16 activations (bf16_dot_linear.cpp);
 //   dense: a float32 weight on ridge's few-row kernel; linear: a plain weight on at::linear;
 //   onednn: a bf16 weight packed by oneDNN (kernels/onednn_linear.py);
 //   int4pack: torch's CPU int4 layout, `scales` its scales_and_zeros, output channels padded to 16 (out_features
 //   the real count).
 struct LinearPart {
-  enum class Kernel { kGrouped, kInt8Dot, kVnni, kDense, kLinear, kOneDnn, kInt4Pack };
+  enum class Kernel { kGrouped, kInt8Dot, kVnni, kBf16Dot, kDense, kLinear, kOneDnn, kInt4Pack };
   Kernel kernel;
   torch::Tensor weight, scales, minimums;  // what a kernel does not use is empty
   int64_t group;
@@ -27,11 +28,11 @@ struct LinearPart {
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
 
-  c10::optional<VnniWeight> vnni;  // the vnni kernel's weight
+  c10::optional<VnniWeight> vnni;  // the vnni and bf16_dot kernels' weight
 
   LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales, torch::Tensor minimums,
              int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias, int64_t out_features);
-  LinearPart(VnniWeight vnni, c10::optional<torch::Tensor> bias);
+  LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 

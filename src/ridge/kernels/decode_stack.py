@@ -98,8 +98,8 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
         return ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
     if type(module) is not QuantizedLinear:
         return None
-    if module.kernel == "vnni":
-        return ops.LinearPart(module.vnni, bias)
+    if module.kernel in ("vnni", "bf16_dot"):
+        return ops.LinearPart(module.kernel, module.vnni, bias)
     if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,

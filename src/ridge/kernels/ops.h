@@ -34,3 +34,5 @@ struct VnniWeight {
 };
 torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight);
 bool vnni_available();
+torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight);
+bool bf16_dot_available();

@@ -36,6 +36,7 @@
 
 #include "ops.h"
 #include "vec.h"
+#include "vnni_layout.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RIDGE_VNNI 1
@@ -43,22 +44,11 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;     // activation values per int8 scale
-constexpr int64_t kChannels = 16;  // output channels per vector, per layout block
-constexpr int64_t kChunk = 64;     // bytes per chunk of the layout
-
-// The layout's sizes (pack_vnni's)
-struct Geometry {
-  bool nibbles, minimums;
-  int64_t k_dim, group;
-  int64_t unit() const { return std::max(group, kBlock); }  // columns per record
-  int64_t sub_block() const { return std::min(group, kBlock); }  // columns per scale step
-  int64_t header_bytes() const {
-    const int64_t values = kChannels * (unit() / group) * (minimums ? 2 : 1);
-    return (values * 2 + kChunk - 1) / kChunk * kChunk;
-  }
-  int64_t record_bytes() const { return header_bytes() + unit() * kChannels / (nibbles ? 2 : 1); }
-};
+using ridge_vnni::Geometry;
+using ridge_vnni::kBlock;
+using ridge_vnni::kChannels;
+using ridge_vnni::kChunk;
+using ridge_vnni::load_halves;
 
 #if defined(RIDGE_VNNI)
 
@@ -102,11 +92,6 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
       rows.group_sum[g] = s * unit;
     }
   return rows;
-}
-
-// 16 float16 values from p, as floats
-inline __m512 load_halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // out[m0 .. m0 + kRows, 16 channel blocks cb .. cb + kVectors) for one register tile
@@ -252,15 +237,8 @@ torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
               "x: float32 or bfloat16 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), group = weight.group;
-  TORCH_CHECK(k_dim % kBlock == 0 && (group == 16 || group % kBlock == 0) && k_dim % group == 0,
-              "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
-  TORCH_CHECK(!(weight.nibbles && (group == 16 || weight.signed_codes)),
-              "4-bit codes: unsigned, in groups of 32s");
-  const Geometry geo{weight.nibbles, weight.minimums, k_dim, group};
+  const Geometry geo = ridge_vnni::geometry(weight, k_dim);
   const torch::Tensor& packed = weight.packed;
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(1) == k_dim / geo.unit() && packed.size(2) == geo.record_bytes(),
-              "packed: contiguous uint8 [N / 16, K / max(group, 32), record bytes] (quant/linear.py's pack_vnni)");
   const int64_t n_dim = packed.size(0) * kChannels;
 #if defined(RIDGE_VNNI)
   const torch::Tensor xc = x.contiguous();

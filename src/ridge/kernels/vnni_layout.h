@@ -1,0 +1,53 @@
+// The sizes of vnni_linear.cpp's weight layout (quant/linear.py's pack_vnni, described in vnni_linear.cpp), shared
+// by the kernels that read it: vnni_linear.cpp (int8 activations) and bf16_dot_linear.cpp (exact, bf16).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+#include "ops.h"
+
+namespace ridge_vnni {
+
+constexpr int64_t kBlock = 32;     // activation values per int8 scale; the fewest columns a record spans
+constexpr int64_t kChannels = 16;  // output channels per layout block (a vector of 16 float sums)
+constexpr int64_t kChunk = 64;     // bytes per chunk of codes
+
+struct Geometry {
+  bool nibbles, minimums;
+  int64_t k_dim, group;
+  int64_t unit() const { return std::max(group, kBlock); }  // columns per record
+  int64_t sub_block() const { return std::min(group, kBlock); }  // columns per scale step
+  int64_t header_bytes() const {
+    const int64_t values = kChannels * (unit() / group) * (minimums ? 2 : 1);
+    return (values * 2 + kChunk - 1) / kChunk * kChunk;
+  }
+  int64_t record_bytes() const { return header_bytes() + unit() * kChannels / (nibbles ? 2 : 1); }
+};
+
+// The geometry of `weight` for inputs of k_dim columns, its tensor checked against it
+inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
+  const int64_t group = weight.group;
+  TORCH_CHECK(k_dim % kBlock == 0 && (group == 16 || group % kBlock == 0) && k_dim % group == 0,
+              "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
+  TORCH_CHECK(!(weight.nibbles && (group == 16 || weight.signed_codes)), "4-bit codes: unsigned, in groups of 32s");
+  const Geometry geo{weight.nibbles, weight.minimums, k_dim, group};
+  const torch::Tensor& packed = weight.packed;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == k_dim / geo.unit() && packed.size(2) == geo.record_bytes(),
+              "packed: contiguous uint8 [N / 16, K / max(group, 32), record bytes] (quant/linear.py's pack_vnni)");
+  return geo;
+}
+
+#if defined(__AVX512F__)
+// 16 float16 values from p (a record's header), as floats
+inline __m512 load_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+}  // namespace ridge_vnni

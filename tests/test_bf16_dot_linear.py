@@ -1,0 +1,119 @@
+"""kernels/bf16_dot_linear.cpp: the exact 4-bit linear for bfloat16 activations on AVX512-BF16, over pack_vnni's
+layout: against dequantize-then-matmul in float64, on the layers that take it by default (RTN int4, GGUF's
+4-bit formats), and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_gguf_native import random_blocks
+
+from ridge.kernels import cpu_ops
+from ridge.quant import gguf_blocks
+from ridge.quant.linear import QuantizedLinear, pack_vnni, use_int8_activations
+from ridge.quant.rtn import dequantize, quantize_int4
+
+BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
+needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16: the kernel is not built here")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    assert module.bf16_dot_available() == BF16_DOT
+    return module
+
+
+def tolerance(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """bfloat16's rounding of the output (half a unit of its 8-bit mantissa, taken whole), plus float32's of sums
+    that carry each code as 128 + code: 2^-16 of the sum of |x| times |w| + 128 scale (`offsets`), ~2^-24 per
+    term over a few hundred terms."""
+    return 2**-8 * expected.abs() + 2**-16 * x.abs().double() @ (weight.abs() + offsets).double().T
+
+
+# rows: the register tiles (4 rows, then 1-3); 80 channels: five 16-blocks, the last on a one-vector tile
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 33])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("minimums", [True, False])
+@needs_bf16_dot
+def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums):
+    g = torch.Generator().manual_seed(rows * group)
+    n, k = 80, 256
+    x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 4).bfloat16()
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()  # float16 holds them exactly
+    mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
+    packed, unit = pack_vnni(codes, 4, scales, mins, group)
+    got = ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    weight = codes.double() * scales.double().repeat_interleave(group, 1)
+    if mins is not None:
+        weight += mins.double().repeat_interleave(group, 1)
+    expected = x.double() @ weight.T
+    offsets = 128 * scales.repeat_interleave(group, 1)
+    assert ((got.double() - expected).abs() <= tolerance(x, weight, offsets, expected)).all()
+
+
+@pytest.mark.parametrize("kind", [k for k in gguf_blocks.SUPPORTED if gguf_blocks.BITS[k] == 4])
+@needs_bf16_dot
+def test_bfloat16_4bit_layers_take_it_by_default(ops, kind):
+    """RTN int4 and GGUF's 4-bit formats in bfloat16 go onto the kernel at load where the layout fits (N in 16s,
+    K in 32s), and give the dequantized layer's outputs at every row count; torch's layout (bf16_dot=False, or a
+    shape that does not fit) stays as it was."""
+    rows, cols = 80, 512
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
+    gguf = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=2), GGMLQuantizationType[kind], (rows, cols))
+    for qw in (quantize_int4(w, 32), gguf):
+        layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
+        torch_layout = QuantizedLinear(qw, None, torch.bfloat16, ops, bf16_dot=False)
+        assert (layer.kernel, torch_layout.kernel) == ("bf16_dot", "int4")
+        assert layer.weight_bytes <= torch_layout.weight_bytes  # the same 0.625 bytes a weight, less its padding
+        weight = dequantize(qw).double()
+        offsets = 128 * qw.scales.double().abs().reshape(rows, -1).repeat_interleave(qw.group_size, 1)
+        for tokens in (1, 7, 40):
+            x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            expected = x.double() @ weight.T
+            # float16 scales: Q4_K's d * sc and RTN's float32 scales move by up to 2^-11 of themselves
+            float16_scales = 2**-11 * x.abs().double() @ weight.abs().T
+            bound = tolerance(x, weight, offsets, expected) + float16_scales
+            assert ((layer(x).double() - expected).abs() <= bound).all()
+    assert QuantizedLinear(quantize_int4(w[:72], 32), None, torch.bfloat16, ops).kernel == "int4"  # not in 16s
+
+
+@needs_bf16_dot
+def test_int8_activations_take_over_the_same_layout(ops):
+    """use_int8_activations moves a bf16_dot layer onto the integer kernel without repacking: same bytes."""
+    layer = QuantizedLinear(quantize_int4(torch.randn(64, 128), 32), None, torch.bfloat16, ops)
+    packed, x = layer.qweight, torch.randn(3, 128).bfloat16()
+    exact = layer(x)
+    assert use_int8_activations(layer) == 1 and layer.kernel == "vnni" and layer.qweight is packed
+    assert not torch.equal(layer(x), exact)  # the integer arithmetic really runs
+
+
+@needs_bf16_dot
+def test_a_row_gets_the_same_bits_in_any_batch(ops):
+    """Each row's sums run in the same order whatever tile it lands in (4, 3, 2 or 1 rows; one or two channel
+    blocks): a request's logits do not depend on what it is batched with."""
+    layer = QuantizedLinear(quantize_int4(torch.randn(80, 192, generator=torch.Generator().manual_seed(3)), 64),
+                            None, torch.bfloat16, ops)
+    assert layer.kernel == "bf16_dot"
+    x = torch.randn(13, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
+    batched = layer(x)
+    for i in (0, 5, 6, 12):
+        assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1])
+    assert torch.equal(layer(x[3:11]), batched[3:11])
+
+
+def test_refusals_name_what_it_takes(ops):
+    codes, scales = torch.randint(0, 16, (16, 64)), torch.rand(16, 2) * 0.01
+    packed, unit = pack_vnni(codes, 4, scales, None, 32)
+    weight = ops.VnniWeight(packed, 32, True, False, False, unit)
+    with pytest.raises(RuntimeError, match="x: bfloat16"):
+        ops.bf16_dot_linear(torch.randn(2, 64), weight)
+    eight_bit, unit = pack_vnni(codes, 8, scales, None, 32)
+    with pytest.raises(RuntimeError, match="4-bit codes"):
+        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(eight_bit, 32, False, False, False, unit))
+    with pytest.raises(RuntimeError, match="K: a multiple of 32"):
+        ops.bf16_dot_linear(torch.randn(2, 48).bfloat16(), weight)
