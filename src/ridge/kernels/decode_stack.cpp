@@ -40,8 +40,8 @@ LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::T
 LinearPart::LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias)
     : group(vnni.group), signed_codes(vnni.signed_codes), bias(std::move(bias)), out_features(0),
       vnni(std::move(vnni)) {
-  TORCH_CHECK(kernel == "vnni" || kernel == "bf16_dot", "LinearPart: a pack_vnni weight's kernel is vnni or bf16_dot, not ",
-              kernel);
+  TORCH_CHECK(kernel == "vnni" || kernel == "bf16_dot",
+              "LinearPart: a pack_vnni weight's kernel is vnni or bf16_dot, not ", kernel);
   this->kernel = kernel == "vnni" ? Kernel::kVnni : Kernel::kBf16Dot;
 }
 

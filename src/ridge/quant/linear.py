@@ -176,6 +176,15 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("channel_scales", weight.scales.float()[:, None].contiguous(), persistent=False)
             self.register_buffer("no_minimums", torch.empty(0), persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
+        elif (bf16_dot and on_cpu and ops is not None and dtype == torch.bfloat16 and weight.bits == 4
+              and ops.bf16_dot_available() and self.out_features % 16 == 0 and self.in_features % 32 == 0
+              and weight.group_size % 32 == 0):
+            # exact on AVX512-BF16 dot products (kernels/bf16_dot_linear.cpp), the weight's own scales in float16
+            # (torch's layout holds them in bf16). Against torch's kernel and ridge's tiles (SmolLM2's 30 layers'
+            # shapes streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-1.9x at 8-32 rows, even at
+            # 128-512 (prompts); at 32 rows 1.1x faster than the dense bf16 matmul (docs/benchmarks.md)
+            self.kernel = "bf16_dot"
+            self._hold_vnni(weight.qweight, False, weight.scales, weight.minimums, weight.group_size, nibbles=True)
         elif on_cpu and weight.bits == 4:
             self.kernel = "int4"
             # the kernel packs rows by 16: pad with zero rows, whose outputs forward() drops
@@ -190,8 +199,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales_and_zeros", pairs.transpose(0, 1).contiguous().to(dtype),  # [G, N, 2]
                                  persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
-            if bf16_dot:
-                self.use_bf16_dot()
         else:
             self.kernel = None
             self.register_buffer("dense", dequantize(weight).to(dtype), persistent=False)
@@ -207,18 +214,6 @@ class QuantizedLinear(nn.Module):
             return False
         self.kernel = "vnni"
         self.int8_activations, self.int8_activation_max_rows = True, sys.maxsize
-        return True
-
-    def use_bf16_dot(self) -> bool:
-        """Move a bfloat16 layer of 4-bit codes on torch's layout onto kernels/bf16_dot_linear.cpp (exact, on
-        AVX512-BF16 dot products, over vnni_linear.cpp's layout) where ridge's kernels have it and the layout
-        fits; returns whether it did. Measured against torch's kernel and ridge's tiles (SmolLM2's 30 layers'
-        shapes, weights streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-2x at 4-32, even at
-        128-512 (prompts); at 32 rows 1.1x faster than the dense bf16 matmul (docs/benchmarks.md)."""
-        if (self.ops is None or self.kernel != "int4" or self.dtype != torch.bfloat16
-                or not self.ops.bf16_dot_available() or not self._repack_vnni()):
-            return False
-        self.kernel = "bf16_dot"
         return True
 
     def _repack_vnni(self) -> bool:
@@ -242,13 +237,19 @@ class QuantizedLinear(nn.Module):
             return False
         for name in ("scales_and_zeros", "channel_scales", "no_minimums", "scales", "minimums"):
             self._buffers.pop(name, None)
+        self._hold_vnni(codes, signed, scales, minimums, group, nibbles)
+        return True
+
+    def _hold_vnni(self, codes: torch.Tensor, signed: bool, scales: torch.Tensor, minimums: torch.Tensor | None,
+                   group: int, nibbles: bool) -> None:
+        """Codes [N, K] (4-bit ones where nibbles) with their scales and minimums [N, K / group], as the layer's
+        only weight: pack_vnni's layout (self.qweight, self.vnni)."""
         stored = codes.to(torch.int16) + 128 if signed else codes  # vpdpbusd's unsigned operand
         packed, unit = pack_vnni(stored, 4 if nibbles else 8, scales.reshape(self.out_features, -1),
                                  None if minimums is None else minimums.reshape(self.out_features, -1), group)
         self.register_buffer("qweight", packed, persistent=False)  # the bytes; self.vnni refers to the same tensor
         self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit)
         self.group_size, self.signed_codes, self.unpacked = group, signed, None
-        return True
 
     @property
     def weight_bytes(self) -> int:
