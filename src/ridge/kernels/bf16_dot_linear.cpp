@@ -149,14 +149,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
-  // each row's sum over each group, in order as quant_linear.cpp's group_sums adds them
-  const int64_t groups = k_dim / group;
-  std::vector<float> xsum(m_dim * groups);
-  for (int64_t i = 0; i < m_dim * groups; i++) {
-    float s = 0.f;
-    for (int64_t j = 0; j < group; j++) s += static_cast<float>(xp[i * group + j]);
-    xsum[i] = s;
-  }
+  const std::vector<float> xsum = group_sums(xp, m_dim * (k_dim / group), group);  // the 128s' and minimums' term
   const uint8_t* w = weight.packed.data_ptr<uint8_t>();
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const float unit = static_cast<float>(weight.unit);

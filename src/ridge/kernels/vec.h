@@ -14,11 +14,15 @@
 #include <numeric>
 #include <vector>
 
-// The sum of each of `count` consecutive runs of `group` values of x: the grouped linear kernels' minimums
-// term, sum_g minimum[n, g] * (sum of x over group g), shares these among all output channels
-inline std::vector<float> group_sums(const float* x, int64_t count, int64_t group) {
+// The float sum of each of `count` consecutive runs of `group` values of x (float32 or bf16), in order: the
+// grouped linear kernels' minimums term, sum_g minimum[n, g] * (sum of x over group g), shares these among all
+// output channels
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t count, int64_t group) {
   std::vector<float> sums(count);
-  for (int64_t i = 0; i < count; i++) sums[i] = std::accumulate(x + i * group, x + (i + 1) * group, 0.f);
+  for (int64_t i = 0; i < count; i++)
+    sums[i] = std::accumulate(x + i * group, x + (i + 1) * group, 0.f,
+                              [](float sum, T value) { return sum + static_cast<float>(value); });
   return sums;
 }
 

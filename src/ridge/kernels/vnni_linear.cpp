@@ -68,11 +68,11 @@ inline __m512 load16(const T* p) {
 
 // dx and the group sums in `unit`s of the stored scales and minimums
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t group, bool group_sums, float unit) {
+QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t group, bool with_group_sums,
+                            float unit) {
   const int64_t blocks = k_dim / kBlock;
   QuantizedRows rows{std::vector<int8_t>(m_dim * k_dim), std::vector<float>(m_dim * blocks),
-                     std::vector<int32_t>(2 * m_dim * blocks),
-                     std::vector<float>(group_sums ? m_dim * (k_dim / group) : 0)};
+                     std::vector<int32_t>(2 * m_dim * blocks), {}};
 #pragma omp parallel for schedule(static) if (m_dim * blocks >= 1024)
   for (int64_t i = 0; i < m_dim * blocks; i++) {
     const __m512 lo = load16(x + i * kBlock), hi = load16(x + i * kBlock + kBlock / 2);
@@ -85,12 +85,10 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
     rows.sum[2 * i] = _mm512_reduce_add_epi32(qlo);
     rows.sum[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
   }
-  if (group_sums)  // in order, as the exact kernel's group_sums adds them
-    for (int64_t g = 0; g < m_dim * (k_dim / group); g++) {
-      float s = 0.f;
-      for (int64_t j = 0; j < group; j++) s += static_cast<float>(x[g * group + j]);
-      rows.group_sum[g] = s * unit;
-    }
+  if (with_group_sums) {  // in order, as the exact kernel adds them
+    rows.group_sum = group_sums(x, m_dim * (k_dim / group), group);
+    for (float& sum : rows.group_sum) sum *= unit;
+  }
   return rows;
 }
 
