@@ -1,6 +1,7 @@
 """kernels/bf16_dot_linear.cpp: the exact 4-bit linear for bfloat16 activations on AVX512-BF16, over pack_vnni's
 layout: against dequantize-then-matmul in float64, on the layers that take it by default (RTN int4, GGUF's
-4-bit formats), and its refusals."""
+4-bit formats), and its refusals; and the same layout's path for prompts (kernels/quant_linear.cpp's
+vnni_tiled_linear: tiles dequantized to bf16 on oneDNN's matmul)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from test_gguf_native import random_blocks
 
 from ridge.kernels import cpu_ops
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import QuantizedLinear, pack_vnni, use_int8_activations
+from ridge.quant.linear import BF16_DOT_TILED_MIN_ROWS, QuantizedLinear, pack_vnni, use_int8_activations
 from ridge.quant.rtn import dequantize, quantize_int4
 
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
@@ -95,7 +96,8 @@ def test_int8_activations_take_over_the_same_layout(ops):
 @needs_bf16_dot
 def test_a_row_gets_the_same_bits_in_any_batch(ops):
     """Each row's sums run in the same order whatever tile it lands in (4, 3, 2 or 1 rows; one or two channel
-    blocks): a request's logits do not depend on what it is batched with."""
+    blocks): a request's logits do not depend on what it is batched with (below BF16_DOT_TILED_MIN_ROWS rows,
+    above decode's max_num_seqs)."""
     layer = QuantizedLinear(quantize_int4(torch.randn(80, 192, generator=torch.Generator().manual_seed(3)), 64),
                             None, torch.bfloat16, ops)
     assert layer.kernel == "bf16_dot"
@@ -104,6 +106,41 @@ def test_a_row_gets_the_same_bits_in_any_batch(ops):
     for i in (0, 5, 6, 12):
         assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1])
     assert torch.equal(layer(x[3:11]), batched[3:11])
+
+
+# 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks
+@pytest.mark.parametrize(("n", "k", "group", "minimums"), [(1040, 2048, 32, True), (80, 256, 64, False),
+                                                          (80, 256, 128, True)])
+@needs_bf16_dot
+def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimums):
+    """vnni_tiled_linear dequantizes code * scale + minimum in float32 and rounds it to bf16 (as a bf16 model's
+    weights are) before oneDNN multiplies: it equals x @ that weight, up to bf16's rounding of the output and
+    float32's of the sums."""
+    g = torch.Generator().manual_seed(n + group)
+    x = torch.randn(5, k, generator=g).bfloat16()
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
+    mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
+    packed, unit = pack_vnni(codes, 4, scales, mins, group)
+    got = ops.vnni_tiled_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit))
+    weight = codes.float() * scales.repeat_interleave(group, 1)
+    if mins is not None:
+        weight += mins.repeat_interleave(group, 1)
+    rounded = weight.bfloat16().double()
+    expected = x.double() @ rounded.T
+    bound = 2**-8 * expected.abs() + 2**-20 * x.abs().double() @ rounded.abs().T
+    assert got.dtype == torch.bfloat16 and ((got.double() - expected).abs() <= bound).all()
+    # and the weight really is rounded: the exact kernel's sums differ somewhere
+    assert not torch.equal(got, ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit)))
+
+
+@needs_bf16_dot
+def test_prompts_take_the_tiles_from_the_threshold_on(ops):
+    layer = QuantizedLinear(quantize_int4(torch.randn(32, 64, generator=torch.Generator().manual_seed(5)), 32),
+                            None, torch.bfloat16, ops)
+    x = torch.randn(BF16_DOT_TILED_MIN_ROWS, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert torch.equal(layer(x), ops.vnni_tiled_linear(x, layer.vnni))
+    assert torch.equal(layer(x[1:]), ops.bf16_dot_linear(x[1:], layer.vnni))
 
 
 def test_refusals_name_what_it_takes(ops):
@@ -117,3 +154,7 @@ def test_refusals_name_what_it_takes(ops):
         ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(eight_bit, 32, False, False, False, unit))
     with pytest.raises(RuntimeError, match="K: a multiple of 32"):
         ops.bf16_dot_linear(torch.randn(2, 48).bfloat16(), weight)
+    with pytest.raises(RuntimeError, match="x: bfloat16"):
+        ops.vnni_tiled_linear(torch.randn(2, 64), weight)
+    with pytest.raises(RuntimeError, match="4-bit codes"):
+        ops.vnni_tiled_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(eight_bit, 32, False, False, False, unit))

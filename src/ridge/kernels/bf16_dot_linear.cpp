@@ -55,9 +55,6 @@ void tile(const c10::BFloat16* x, const float* xsum, const Geometry& geo, int64_
           const uint8_t* weights, float unit, c10::BFloat16* out, int64_t n_dim) {
   const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), magic = _mm512_set1_epi8(0x43);
-  const __m512i columns_apart = _mm512_broadcast_i32x4(
-      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
   const uint16_t* xr[kRows];
   for (int r = 0; r < kRows; r++) xr[r] = reinterpret_cast<const uint16_t*>(x) + (m0 + r) * k_dim;
   const auto pair = [&](int r, int64_t k) {  // 2 bf16 activations broadcast to every 32-bit lane
@@ -81,13 +78,9 @@ void tile(const c10::BFloat16* x, const float* xsum, const Geometry& geo, int64_
       for (int v = 0; v < kVectors; v++) {
         const uint8_t* chunk = rec[v] + header + c * kChunk;
         _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
-        const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart);
-        const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
-        w[v][0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(lo, magic));
-        w[v][1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(lo, magic));
-        w[v][2] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi8(hi, magic));
-        w[v][3] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi8(hi, magic));
+        __m512i codes[4];
+        ridge_vnni::unpack_bf16_pairs(chunk, codes);
+        for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
       }
       for (int r = 0; r < kRows; r++)
         for (int q = 0; q < 4; q++) {

@@ -28,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T for bfloat16 x, W 4-bit codes in pack_vnni's layout: exact, on AVX512-BF16 dot products",
         py::arg("x"), py::arg("weight"));
   m.def("bf16_dot_available", &bf16_dot_available, "whether bf16_dot_linear was built (AVX512-BF16)");
+  m.def("vnni_tiled_linear", &vnni_tiled_linear,
+        "x @ W.T for many bfloat16 rows, W (4-bit, pack_vnni's layout) dequantized to bf16 a tile at a time for "
+        "oneDNN's matmul", py::arg("x"), py::arg("weight"));
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,

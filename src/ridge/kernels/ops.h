@@ -36,3 +36,4 @@ torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight);
 bool vnni_available();
 torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight);
 bool bf16_dot_available();
+torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight);

@@ -11,14 +11,18 @@
 // into a scratch in x's dtype and multiplied by torch's own matmul (oneDNN, AMX in bf16), so the
 // dequantization is paid once per weight and step, not once per row, and the tile is read back from cache.
 // The same tiling serves torch's int4 layout (int4pack_linear): torch's own int4 kernel dequantizes again
-// for every 4 rows and misses AMX, which made quantized models 3x slower than bf16 at batch 32.
+// for every 4 rows and misses AMX, which made quantized models 3x slower than bf16 at batch 32; and pack_vnni's
+// 4-bit layout for prompts (vnni_tiled_linear): bf16_dot_linear.cpp, exact, ran SmolLM2's layers 1.18x slower than
+// oneDNN's bf16 matmul at 2048 rows, where both are bound by arithmetic and its per-group scaling is the extra.
 #include <torch/extension.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
+#include "vnni_layout.h"
 
 namespace {
 
@@ -243,6 +247,42 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
   return out;
 }
 
+#if defined(__AVX512BW__)
+// pack_vnni's 4-bit records of channels [n0, n0 + rows) (rows in 16s) -> tile [K, rows] in bf16, w = code * scale +
+// minimum rounded to bf16 (as a bf16 model's weights are), all threads. A vector of unpack_bf16_pairs holds 16
+// channels' values of one column in its even bf16 halves and of the next in its odd ones: a lane is a channel,
+// as a row of the k-major tile is.
+void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, int64_t n0, int64_t rows,
+                     c10::BFloat16* tile) {
+  using ridge_vnni::kChannels;
+  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / 8, blocks = rows / kChannels;
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes();
+  const uint8_t* packed = weight.packed.data_ptr<uint8_t>() + n0 / kChannels * groups * record;
+  const __m512 unit = _mm512_set1_ps(static_cast<float>(weight.unit));
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* rec = packed + (b * groups + g) * record;  // 4-bit groups are 32s: a record per group
+      const __m512 scale = _mm512_mul_ps(ridge_vnni::load_halves(rec), unit);
+      const __m512 minimum = geo.minimums ? _mm512_mul_ps(ridge_vnni::load_halves(rec + kChannels * 2), unit)
+                                          : _mm512_setzero_ps();
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, minimum);  // the values are 128 + code
+      for (int64_t c = 0; c < chunks; c++) {
+        __m512i pairs[4];
+        ridge_vnni::unpack_bf16_pairs(rec + header + c * ridge_vnni::kChunk, pairs);
+        c10::BFloat16* out = tile + (g * geo.group + c * 8) * rows + b * kChannels;
+        for (int q = 0; q < 4; q++) {
+          const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[q], 16));
+          const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs[q], high_halves));
+          ridge_vec::store_bf16(out + 2 * q * rows, _mm512_fmadd_ps(even, scale, offset));
+          ridge_vec::store_bf16(out + (2 * q + 1) * rows, _mm512_fmadd_ps(odd, scale, offset));
+        }
+      }
+    }
+}
+#endif
+
 template <bool kPacked>
 torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                              const torch::Tensor& minimums, int64_t group) {
@@ -308,4 +348,18 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   return tiled_linear<c10::BFloat16>(x, n_dim, 64, true, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
     dequantize_int4pack(p, sz, n_dim, k_dim, group, block_width, n0, rows, tile);
   });
+}
+
+torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
+  TORCH_CHECK(weight.nibbles, "vnni_tiled_linear: 4-bit codes");
+  const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, x.size(1));
+#if defined(__AVX512BW__)
+  return tiled_linear<c10::BFloat16>(x, weight.packed.size(0) * ridge_vnni::kChannels, ridge_vnni::kChannels, true,
+                                     [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
+                                       dequantize_vnni(weight, geo, n0, rows, tile);
+                                     });
+#else
+  TORCH_CHECK(false, "vnni_tiled_linear: built without AVX512BW");
+#endif
 }

@@ -50,4 +50,21 @@ inline __m512 load_halves(const uint8_t* p) {
 }
 #endif
 
+#if defined(__AVX512BW__)
+// A 4-bit chunk's 128 codes as bf16 values 128 + code (bf16_dot_linear.cpp says why and how), in four vectors:
+// 32-bit lane c of out[q] holds channel c's columns k0 + 2q and k0 + 2q + 1
+inline void unpack_bf16_pairs(const uint8_t* chunk, __m512i out[4]) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), magic = _mm512_set1_epi8(0x43);
+  const __m512i columns_apart = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart);
+  const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+  out[0] = _mm512_unpacklo_epi8(lo, magic);
+  out[1] = _mm512_unpackhi_epi8(lo, magic);
+  out[2] = _mm512_unpacklo_epi8(hi, magic);
+  out[3] = _mm512_unpackhi_epi8(hi, magic);
+}
+#endif
+
 }  // namespace ridge_vnni

@@ -5,8 +5,8 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
   than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
 - 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K): in bfloat16 on CPUs with AVX512-BF16, ridge's
   bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16 dot products over pack_vnni's layout) at every
-  row count; elsewhere torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts to at
-  load;
+  row count below BF16_DOT_TILED_MIN_ROWS (prompts past it: tiles dequantized to bf16, as below); elsewhere
+  torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts to at load;
   both torch kernels dequantize again for every few rows and do not reach AMX: from TILED_MIN_ROWS rows on
   (large batches, prefill) ridge's kernels dequantize a tile of the weight once and multiply it by
   oneDNN's bf16 matmul instead (kernels/quant_linear.cpp; 2-2.6x faster at 32 rows);
@@ -56,6 +56,11 @@ TILED_MIN_ROWS = 16  # bf16 int8 / int4 inputs with this many rows go through ri
 # faster at 512 (int4 g32, 3072 x 576 and 576 x 1536, AVX2): the integer kernel is built for decode's few rows,
 # as llama.cpp hands large batches to float BLAS. So prompts compute exactly, decodes on integers
 INT8_ACTIVATIONS_MAX_ROWS = 32
+# bf16_dot layers multiply inputs of this many rows (prompts) by tiles of the weight dequantized to bf16 on oneDNN's
+# matmul (kernels/quant_linear.cpp's vnni_tiled_linear): SmolLM2's 30 layers' shapes against oneDNN's packed bf16,
+# bf16_dot 1.07-1.13x at 256 rows, 1.12x at 512, 1.12-1.22x at 2048; the tiles 1.16-1.19x, 1.08-1.09x, 0.99-1.10x
+# (2-core Zen 4). Decode batches (max_num_seqs 128) stay below it, on the exact kernel
+BF16_DOT_TILED_MIN_ROWS = 512
 
 
 @cache
@@ -269,7 +274,8 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
         if self.kernel == "bf16_dot":
-            out = self.ops.bf16_dot_linear(x2, self.vnni)
+            out = (self.ops.bf16_dot_linear(x2, self.vnni) if x2.shape[0] < BF16_DOT_TILED_MIN_ROWS
+                   else self.ops.vnni_tiled_linear(x2, self.vnni))
         elif self.kernel == "vnni":
             out = self.ops.vnni_linear(x2, self.vnni)
         elif self.kernel == "int4" and (many_rows or self.unpacked is None or x2.shape[0] <= FLOAT32_KERNEL_MAX_ROWS):
