@@ -42,18 +42,17 @@ namespace {
 using ridge_vnni::Geometry;
 using ridge_vnni::kChannels;
 using ridge_vnni::kChunk;
+using ridge_vnni::kNibbleColumns;
 
 #if defined(RIDGE_BF16_DOT)
 
-constexpr int64_t kColumns = 8;  // per 4-bit chunk
-
 // out[m0 .. m0 + kRows, channel blocks cb .. cb + kVectors) for one register tile; xsum [M, K / group]. kSplit: the
-// chains of dot products per row and block (a dot product waits ~6 cycles on the previous one into the same
-// sums: with few rows, one chain each would wait on latency)
+// chains of dot products per row and block (a dot product waits several cycles on the previous one into the
+// same sums: with few rows, one chain each would wait on latency)
 template <int kRows, int kVectors, int kSplit>
 void tile(const c10::BFloat16* x, const float* xsum, const Geometry& geo, int64_t m0, int64_t cb,
           const uint8_t* weights, float unit, c10::BFloat16* out, int64_t n_dim) {
-  const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
+  const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kNibbleColumns;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2;
   const uint16_t* xr[kRows];
   for (int r = 0; r < kRows; r++) xr[r] = reinterpret_cast<const uint16_t*>(x) + (m0 + r) * k_dim;
@@ -73,7 +72,7 @@ void tile(const c10::BFloat16* x, const float* xsum, const Geometry& geo, int64_
       for (int r = 0; r < kRows; r++)
         for (int v = 0; v < kVectors; v++) part[s][r][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
-      const int64_t k = g * group + c * kColumns;
+      const int64_t k = g * group + c * kNibbleColumns;
       __m512bh w[kVectors][4];  // every channel's columns 0-1, 2-3, 4-5, 6-7
       for (int v = 0; v < kVectors; v++) {
         const uint8_t* chunk = rec[v] + header + c * kChunk;

@@ -255,7 +255,8 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
 void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, int64_t n0, int64_t rows,
                      c10::BFloat16* tile) {
   using ridge_vnni::kChannels;
-  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / 8, blocks = rows / kChannels;
+  using ridge_vnni::kNibbleColumns;
+  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / kNibbleColumns, blocks = rows / kChannels;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes();
   const uint8_t* packed = weight.packed.data_ptr<uint8_t>() + n0 / kChannels * groups * record;
   const __m512 unit = _mm512_set1_ps(static_cast<float>(weight.unit));
@@ -271,7 +272,7 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
       for (int64_t c = 0; c < chunks; c++) {
         __m512i pairs[4];
         ridge_vnni::unpack_bf16_pairs(rec + header + c * ridge_vnni::kChunk, pairs);
-        c10::BFloat16* out = tile + (g * geo.group + c * 8) * rows + b * kChannels;
+        c10::BFloat16* out = tile + (g * geo.group + c * kNibbleColumns) * rows + b * kChannels;
         for (int q = 0; q < 4; q++) {
           const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[q], 16));
           const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs[q], high_halves));

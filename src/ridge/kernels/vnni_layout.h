@@ -16,6 +16,7 @@ namespace ridge_vnni {
 constexpr int64_t kBlock = 32;     // activation values per int8 scale; the fewest columns a record spans
 constexpr int64_t kChannels = 16;  // output channels per layout block (a vector of 16 float sums)
 constexpr int64_t kChunk = 64;     // bytes per chunk of codes
+constexpr int64_t kNibbleColumns = 8;  // input columns per chunk of 4-bit codes (16 channels x 8 x 4 bits)
 
 struct Geometry {
   bool nibbles, minimums;
