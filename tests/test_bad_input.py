@@ -95,6 +95,7 @@ def test_generation_stops_at_the_context_limit(make_llm_for_test, smollm2_path):
     ("block_size", 0, "block_size: must be at least 1"),
     ("kv_cache_memory", "lots", "kv_cache_memory: cannot read size"),
     ("max_num_seqs", 0, "max_num_seqs: must be at least 1"),
+    ("calibration_windows", 0, "calibration_windows: must be at least 1, got 0"),
 ])
 def test_bad_engine_args_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -206,6 +206,23 @@ def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_te
     assert 0 < errors["gptq"] < 1.2 * errors["int4"] and 0 < errors["awq"] < 1.2 * errors["int4"], errors
 
 
+def test_each_method_calibrates_on_its_own_windows_unless_told(random_llama, make_llm_for_test, monkeypatch):
+    """GPTQ on 32 windows, AWQ on 64 (quant/calibration.py's DEFAULT_WINDOWS), `calibration_windows` over both;
+    the windows asked for are recorded, then 2 of them calibrate, to keep the test short."""
+    import ridge.engine.engine as engine_module
+
+    real, asked = engine_module.calibration_windows, []
+
+    def recording(tokenizer, num_windows, window):
+        asked.append(num_windows)
+        return real(tokenizer, 2, window)
+
+    monkeypatch.setattr(engine_module, "calibration_windows", recording)
+    for method, windows in (("gptq", None), ("awq", None), ("awq", 3)):
+        make_llm_for_test(random_llama, dtype="float32", quantization=method, calibration_windows=windows)
+    assert asked == [32, 64, 3]
+
+
 @pytest.mark.parametrize("carry_quantized", [True, False], ids=["gptq-order", "awq-order"])
 def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama, make_llm_for_test,
                                                                      carry_quantized: bool):

@@ -47,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s, as "
                         "GGUF's Q4 blocks)")
-    g.add_argument("--calibration-windows", type=int, default=32,
-                   help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
+    g.add_argument("--calibration-windows", type=int, default=None,
+                   help="gptq / awq: windows of 512 calibration tokens (default 32 for gptq, 64 for awq)")
     g.add_argument("--int8-activations", action="store_true",
                    help="quantized weights: quantize each layer's input to int8 per 32 values and multiply "
                         "integers, as llama.cpp does (AVX512-VNNI CPUs: float32 or bfloat16, faster at batch 1 "
@@ -364,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="gptq: the fraction of the mean Hessian diagonal added to it (default 0.01, 0.1 with --fp8; "
                         "larger trusts the calibration text less)")
     p.add_argument("--out", required=True, help="directory to write (must not hold a model already)")
-    p.add_argument("--calibration-windows", type=int, default=32,
-                   help="gptq / awq: windows of 512 calibration tokens (default %(default)s)")
+    p.add_argument("--calibration-windows", type=int, default=None,
+                   help="gptq / awq: windows of 512 calibration tokens (default 32 for gptq, 64 for awq)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (no progress bars)")
     p.set_defaults(func=cmd_quantize)
 

@@ -114,7 +114,8 @@ class EngineConfig:
     # int4 / gptq / awq: input columns per scale and minimum; 32 as GGUF's Q4 blocks: on a model that comes
     # as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again (quant/rtn.py)
     quantization_group_size: int = 32
-    calibration_windows: int = 32  # gptq / awq: windows of 512 calibration tokens
+    # gptq / awq: windows of 512 calibration tokens; None: the method's own (quant/calibration.py's DEFAULT_WINDOWS)
+    calibration_windows: int | None = None
     # quantized linears (gguf, int8, int4, ...) quantize their input to int8 per 32 values and multiply
     # integers, as llama.cpp does on CPUs, 1-2% error in each layer's output (kernels/int8_dot_linear.cpp).
     # AVX512-VNNI: every such layer, float32 or bfloat16, at every row count (kernels/vnni_linear.cpp; at
@@ -145,7 +146,7 @@ class EngineConfig:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
-        if self.calibration_windows < 1:
+        if self.calibration_windows is not None and self.calibration_windows < 1:
             raise ValueError(f"calibration_windows: must be at least 1, got {self.calibration_windows}")
         if self.draft_model is not None and self.speculate is None:
             self.speculate = "draft"

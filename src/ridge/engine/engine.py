@@ -25,7 +25,13 @@ from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
-from ridge.quant.calibration import CALIBRATION_WINDOW, awq_layerwise, calibration_windows, quantize_layerwise
+from ridge.quant.calibration import (
+    CALIBRATION_WINDOW,
+    awq_layerwise,
+    calibration_windows,
+    quantize_layerwise,
+    windows_for,
+)
 from ridge.quant.linear import CALIBRATED, METHODS, quantize_model, quantize_weight, use_int8_activations
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
@@ -461,7 +467,8 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         fitted = None
         method, group_size = config.quantization, config.quantization_group_size
         if method in CALIBRATED:  # calibrated here, one decoder layer at a time
-            windows = calibration_windows(model.tokenizer, config.calibration_windows, CALIBRATION_WINDOW)
+            windows = calibration_windows(model.tokenizer, windows_for(method, config.calibration_windows),
+                                          CALIBRATION_WINDOW)
             if method == "awq":
                 fitted = awq_layerwise(loaded.model, windows, group_size, integer_zeros=False, dtype=config.torch_dtype,
                                        device=config.device, progress=progress)

@@ -27,7 +27,13 @@ from ridge.config import ModelConfig
 from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
-from ridge.quant.calibration import CALIBRATION_WINDOW, awq_layerwise, calibration_windows, quantize_layerwise
+from ridge.quant.calibration import (
+    CALIBRATION_WINDOW,
+    awq_layerwise,
+    calibration_windows,
+    quantize_layerwise,
+    windows_for,
+)
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
 from ridge.tokenizer import RidgeTokenizer
@@ -66,12 +72,12 @@ def check_arguments(method: str, bits: int, group_size: int | None, fp8: bool = 
 
 
 def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | None, out: Path,
-                    num_windows: int = 32, progress: bool = True, fp8: bool = False,
+                    num_windows: int | None = None, progress: bool = True, fp8: bool = False,
                     damp: float | None = None) -> QuantizeReport:
     """Quantize every decoder-layer linear weight of the model at `model_path` and write the checkpoint to
     `out` (created; an existing config.json there is refused). group_size is ignored at 8 bits (per channel).
     fp8: e4m3 codes, rounded by `method` (rtn or gptq; method fp8 is rtn with fp8). damp: GPTQ's dampening
-    (None: quant/gptq.py's default for the format)."""
+    (None: quant/gptq.py's default for the format). num_windows: calibration windows (None: the method's own)."""
     fp8 = fp8 or method == "fp8"
     check_arguments(method, bits, group_size, fp8)
     group_size = group_size if bits == 4 else None
@@ -88,12 +94,13 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
     fitted: dict[str, QuantizedWeight] = {}
     if method == "gptq":
         fitted = quantize_layerwise(
-            model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW),
+            model, calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW),
             lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, damp=damp, integer_zeros=True,
                                              fp8=fp8),
             torch.float32, "cpu", progress)
     if method == "awq":  # the scales folded into the norms and up rows, which _hf_tensors writes as they are now
-        fitted = awq_layerwise(model, calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW), group_size,
+        fitted = awq_layerwise(model, calibration_windows(tokenizer, windows_for(method, num_windows),
+                                                          CALIBRATION_WINDOW), group_size,
                                integer_zeros=True, dtype=torch.float32, device="cpu", progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
