@@ -1,7 +1,7 @@
-"""kernels/bf16_dot_linear.cpp: the exact 4-bit linear for bfloat16 activations on AVX512-BF16, over pack_vnni's
-layout: against dequantize-then-matmul in float64, on the layers that take it by default (RTN int4, GGUF's
-4-bit formats), and its refusals; and the same layout's path for prompts (kernels/quant_linear.cpp's
-vnni_tiled_linear: tiles dequantized to bf16 on oneDNN's matmul)."""
+"""kernels/bf16_dot_linear.cpp: the exact 4- and 8-bit linear for bfloat16 activations on AVX512-BF16, over
+pack_vnni's layout: against dequantize-then-matmul in float64, on the layers that take it by default (RTN int4 and
+int8, GGUF's 4-bit formats and Q8_0), and its refusals; and the same layout's path for many rows
+(kernels/quant_linear.cpp's vnni_tiled_linear: tiles dequantized to bf16 on oneDNN's matmul)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from test_gguf_native import random_blocks
 
 from ridge.kernels import cpu_ops
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import BF16_DOT_TILED_MIN_ROWS, QuantizedLinear, pack_vnni, use_int8_activations
-from ridge.quant.rtn import dequantize, quantize_int4
+from ridge.quant.linear import (
+    BF16_DOT8_TILED_MIN_ROWS,
+    BF16_DOT_TILED_MIN_ROWS,
+    QuantizedLinear,
+    pack_vnni,
+    use_int8_activations,
+)
+from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
 needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16: the kernel is not built here")
@@ -29,31 +35,47 @@ def ops():
 
 def tolerance(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """bfloat16's rounding of the output (half a unit of its 8-bit mantissa, taken whole), plus float32's of sums
-    that carry each code as 128 + code: 2^-16 of the sum of |x| times |w| + 128 scale (`offsets`), ~2^-24 per
-    term over a few hundred terms."""
+    that carry each code with an excess (128 + code for 4-bit codes, 2176 + code for 8-bit ones as two nibbles,
+    2304 + code if signed): 2^-16 of the sum of |x| times |w| + excess * scale (`offsets`), ~2^-24 per term over a
+    few hundred terms."""
     return 2**-8 * expected.abs() + 2**-16 * x.abs().double() @ (weight.abs() + offsets).double().T
+
+
+# (bits, signed codes): 4-bit codes are unsigned; 8-bit ones either (signed: stored plus 128)
+CODES = {(4, False): (0, 16), (8, False): (0, 256), (8, True): (-128, 128)}
+
+
+def random_codes(bits: int, signed: bool, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] and what pack_vnni stores of them (unsigned bytes)."""
+    codes = torch.randint(*CODES[bits, signed], (n, k), generator=g)
+    return codes, codes + 128 if signed else codes
+
+
+def excess(bits: int, signed: bool) -> int:
+    return 128 if bits == 4 else 2176 + (128 if signed else 0)
 
 
 # rows: the register tiles (4 rows, then 1-3); 80 channels: five 16-blocks, the last on a one-vector tile
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 33])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 256])
 @pytest.mark.parametrize("minimums", [True, False])
+@pytest.mark.parametrize(("bits", "signed"), list(CODES))
 @needs_bf16_dot
-def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums):
-    g = torch.Generator().manual_seed(rows * group)
+def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums, bits, signed):
+    g = torch.Generator().manual_seed(rows * group + bits)
     n, k = 80, 256
     x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 4).bfloat16()
-    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes, stored = random_codes(bits, signed, n, k, g)
     scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()  # float16 holds them exactly
     mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
-    packed, unit = pack_vnni(codes, 4, scales, mins, group)
-    got = ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit))
+    packed, unit = pack_vnni(stored, bits, scales, mins, group)
+    got = ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, bits == 4, signed, minimums, unit))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     weight = codes.double() * scales.double().repeat_interleave(group, 1)
     if mins is not None:
         weight += mins.double().repeat_interleave(group, 1)
     expected = x.double() @ weight.T
-    offsets = 128 * scales.repeat_interleave(group, 1)
+    offsets = excess(bits, signed) * scales.repeat_interleave(group, 1)
     assert ((got.double() - expected).abs() <= tolerance(x, weight, offsets, expected)).all()
 
 
@@ -84,6 +106,34 @@ def test_bfloat16_4bit_layers_take_it_by_default(ops, kind):
 
 
 @needs_bf16_dot
+def test_bfloat16_8bit_layers_take_it_by_default(ops):
+    """int8 per channel and GGUF's Q8_0 in bfloat16 go onto the kernel at load (their two nibbles); Q6_K's 16-column
+    groups and a shape that does not fit stay on the grouped kernel. Each gives the dequantized layer's outputs at
+    every row count, on the kernel below BF16_DOT8_TILED_MIN_ROWS rows and on the tiles from there."""
+    rows, cols = 80, 512
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
+    q8_0 = gguf_blocks.unpack(random_blocks("Q8_0", rows, cols, seed=2), GGMLQuantizationType.Q8_0, (rows, cols))
+    for qw in (quantize_int8(w), q8_0):
+        layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
+        assert layer.kernel == "bf16_dot" and layer.tiled_min_rows == BF16_DOT8_TILED_MIN_ROWS
+        weight = dequantize(qw).double()
+        scales = qw.scales.double().abs().reshape(rows, -1).repeat_interleave(qw.group_size or cols, 1)
+        for tokens in (1, 7, BF16_DOT8_TILED_MIN_ROWS - 1, BF16_DOT8_TILED_MIN_ROWS):
+            x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            expected = x.double() @ weight.T
+            # float16 scales: float32 ones move by up to 2^-11 of themselves; the tiles round the weight to bf16
+            rounding = (2**-8 if tokens >= BF16_DOT8_TILED_MIN_ROWS else 2**-11) * x.abs().double() @ weight.abs().T
+            bound = tolerance(x, weight, 2304 * scales, expected) + rounding
+            assert ((layer(x).double() - expected).abs() <= bound).all()
+        x = torch.randn(BF16_DOT8_TILED_MIN_ROWS, cols).bfloat16()
+        assert torch.equal(layer(x), ops.vnni_tiled_linear(x, layer.vnni))
+        assert torch.equal(layer(x[1:]), ops.bf16_dot_linear(x[1:], layer.vnni))
+    q6_k = gguf_blocks.unpack(random_blocks("Q6_K", rows, 256, seed=3), GGMLQuantizationType.Q6_K, (rows, 256))
+    assert QuantizedLinear(q6_k, None, torch.bfloat16, ops).kernel == "grouped_int8"
+    assert QuantizedLinear(quantize_int8(w[:72]), None, torch.bfloat16, ops).kernel == "int8"  # not in 16s
+
+
+@needs_bf16_dot
 def test_int8_activations_take_over_the_same_layout(ops):
     """use_int8_activations moves a bf16_dot layer onto the integer kernel without repacking: same bytes."""
     layer = QuantizedLinear(quantize_int4(torch.randn(64, 128), 32), None, torch.bfloat16, ops)
@@ -110,19 +160,21 @@ def test_a_row_gets_the_same_bits_in_any_batch(ops):
 
 # 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks
 @pytest.mark.parametrize(("n", "k", "group", "minimums"), [(1040, 2048, 32, True), (80, 256, 64, False),
-                                                          (80, 256, 128, True)])
+                                                          (80, 256, 128, True), (80, 256, 256, False)])
+@pytest.mark.parametrize(("bits", "signed"), list(CODES))
 @needs_bf16_dot
-def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimums):
+def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimums, bits, signed):
     """vnni_tiled_linear dequantizes code * scale + minimum in float32 and rounds it to bf16 (as a bf16 model's
     weights are) before oneDNN multiplies: it equals x @ that weight, up to bf16's rounding of the output and
     float32's of the sums."""
-    g = torch.Generator().manual_seed(n + group)
+    g = torch.Generator().manual_seed(n + group + bits)
     x = torch.randn(5, k, generator=g).bfloat16()
-    codes = torch.randint(0, 16, (n, k), generator=g)
+    codes, stored = random_codes(bits, signed, n, k, g)
     scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
     mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
-    packed, unit = pack_vnni(codes, 4, scales, mins, group)
-    got = ops.vnni_tiled_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit))
+    packed, unit = pack_vnni(stored, bits, scales, mins, group)
+    vnni = ops.VnniWeight(packed, group, bits == 4, signed, minimums, unit)
+    got = ops.vnni_tiled_linear(x, vnni)
     weight = codes.float() * scales.repeat_interleave(group, 1)
     if mins is not None:
         weight += mins.repeat_interleave(group, 1)
@@ -131,7 +183,7 @@ def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimum
     bound = 2**-8 * expected.abs() + 2**-20 * x.abs().double() @ rounded.abs().T
     assert got.dtype == torch.bfloat16 and ((got.double() - expected).abs() <= bound).all()
     # and the weight really is rounded: the exact kernel's sums differ somewhere
-    assert not torch.equal(got, ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, True, False, minimums, unit)))
+    assert not torch.equal(got, ops.bf16_dot_linear(x, vnni))
 
 
 @needs_bf16_dot
@@ -149,12 +201,14 @@ def test_refusals_name_what_it_takes(ops):
     weight = ops.VnniWeight(packed, 32, True, False, False, unit)
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         ops.bf16_dot_linear(torch.randn(2, 64), weight)
-    eight_bit, unit = pack_vnni(codes, 8, scales, None, 32)
-    with pytest.raises(RuntimeError, match="4-bit codes"):
-        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(eight_bit, 32, False, False, False, unit))
+    sixteen_column_groups, unit = pack_vnni(codes, 8, torch.rand(16, 4) * 0.01, None, 16)  # Q6_K's
+    with pytest.raises(RuntimeError, match="groups of 32s"):
+        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(sixteen_column_groups, 16, False, False,
+                                                                          False, unit))
     with pytest.raises(RuntimeError, match="K: a multiple of 32"):
         ops.bf16_dot_linear(torch.randn(2, 48).bfloat16(), weight)
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         ops.vnni_tiled_linear(torch.randn(2, 64), weight)
-    with pytest.raises(RuntimeError, match="4-bit codes"):
-        ops.vnni_tiled_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(eight_bit, 32, False, False, False, unit))
+    with pytest.raises(RuntimeError, match="groups of 32s"):
+        ops.vnni_tiled_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(sixteen_column_groups, 16, False, False,
+                                                                            False, unit))

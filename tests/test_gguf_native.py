@@ -129,7 +129,8 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     slower than a dense matmul in float32), the tied Q8_0 embedding table shared with the lookup: float32
     logits equal the dequantized model's, and the weights stay within 1.2x the file (measured 1.16x: float32
     scales and minimums where the file has float16 ones); in bfloat16 the Q4_1 layers go onto the exact bf16
-    dot-product kernel where the CPU has AVX512-BF16, else onto torch's packed layout."""
+    dot-product kernel where the CPU has AVX512-BF16, else onto torch's packed layout; the Q8_0 head, tied to the
+    embedding table, stays on the grouped kernel, sharing the table's codes."""
     native = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf")
     plain = smollm2  # the session's float32 engine over the dequantized file
     ids = native.tokenizer.encode("The capital of France is a city that")

@@ -25,11 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"));
   m.def("vnni_available", &vnni_available, "whether vnni_linear was built (AVX512-VNNI)");
   m.def("bf16_dot_linear", &bf16_dot_linear,
-        "x @ W.T for bfloat16 x, W 4-bit codes in pack_vnni's layout: exact, on AVX512-BF16 dot products",
+        "x @ W.T for bfloat16 x, W 4- or 8-bit codes in pack_vnni's layout: exact, on AVX512-BF16 dot products",
         py::arg("x"), py::arg("weight"));
   m.def("bf16_dot_available", &bf16_dot_available, "whether bf16_dot_linear was built (AVX512-BF16)");
   m.def("vnni_tiled_linear", &vnni_tiled_linear,
-        "x @ W.T for many bfloat16 rows, W (4-bit, pack_vnni's layout) dequantized to bf16 a tile at a time for "
+        "x @ W.T for many bfloat16 rows, W (pack_vnni's layout) dequantized to bf16 a tile at a time for "
         "oneDNN's matmul", py::arg("x"), py::arg("weight"));
   m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
@@ -46,10 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<torch::Tensor>, int64_t>(),
            py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
            py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"))
-      .def(py::init([](const std::string& kernel, const VnniWeight& weight, c10::optional<torch::Tensor> bias) {
-             return LinearPart(kernel, weight, std::move(bias));
-           }),
-           py::arg("kernel"), py::arg("vnni"), py::arg("bias"));
+      .def(py::init([](const std::string& kernel, const VnniWeight& weight, c10::optional<torch::Tensor> bias,
+                       int64_t tiled_min_rows) { return LinearPart(kernel, weight, std::move(bias), tiled_min_rows); }),
+           py::arg("kernel"), py::arg("vnni"), py::arg("bias"), py::arg("tiled_min_rows"));
   py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
       .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
              return Linear{std::move(parts), std::move(bias)};

@@ -13,8 +13,9 @@
 - vnni_linear.cpp: the same arithmetic as a matrix kernel on AVX512-VNNI's integer dot products, for any
   number of rows: at a batch of 32 bf16 matmul is bound by arithmetic, and only integer products let 4-bit
   weights stay ahead of it.
-- bf16_dot_linear.cpp: 4-bit layers for bfloat16 inputs, exact, on AVX512-BF16 dot products over vnni_linear's
-  layout: the float kernels above spend ~3 instructions per 16 weights and were bound by them, not by memory.
+- bf16_dot_linear.cpp: 4- and 8-bit layers for bfloat16 inputs, exact, on AVX512-BF16 dot products over
+  vnni_linear's layout: the float kernels above spend ~3 instructions per 16 weights and were bound by them, not
+  by memory.
 - decode_stack.cpp: a decode step's decoder layers in one call over the kernels above: at batch 1 the Python
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
 

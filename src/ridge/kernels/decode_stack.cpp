@@ -37,9 +37,10 @@ LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::T
   }
 }
 
-LinearPart::LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias)
+LinearPart::LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias,
+                       int64_t tiled_min_rows)
     : group(vnni.group), signed_codes(vnni.signed_codes), bias(std::move(bias)), out_features(0),
-      vnni(std::move(vnni)) {
+      vnni(std::move(vnni)), tiled_min_rows(tiled_min_rows) {
   TORCH_CHECK(kernel == "vnni" || kernel == "bf16_dot",
               "LinearPart: a pack_vnni weight's kernel is vnni or bf16_dot, not ", kernel);
   this->kernel = kernel == "vnni" ? Kernel::kVnni : Kernel::kBf16Dot;
@@ -75,7 +76,7 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       out = vnni_linear(x, *vnni);
       break;
     case Kernel::kBf16Dot:
-      out = bf16_dot_linear(x, *vnni);
+      out = x.size(0) < tiled_min_rows ? bf16_dot_linear(x, *vnni) : vnni_tiled_linear(x, *vnni);
       break;
     case Kernel::kGrouped:
       out = grouped_int8_linear(x, weight, scales, minimums, group);

@@ -14,7 +14,8 @@ namespace ridge_stack {
 // One kernel call's weights, as the layer's Python module calls it (kernels/decode_stack.py):
 //   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations);
 //   vnni: the same with int8 activations in vnni_linear.cpp's layout (`vnni`, the rest empty);
-//   bf16_dot: 4-bit codes in that layout, exact, bf16 activations (bf16_dot_linear.cpp);
+//   bf16_dot: 4- or 8-bit codes in that layout, exact, bf16 activations (bf16_dot_linear.cpp), or from
+//   `tiled_min_rows` rows on the same weight dequantized to bf16 a tile at a time (quant_linear.cpp);
 //   dense: a float32 weight on ridge's few-row kernel; linear: a plain weight on at::linear;
 //   onednn: a bf16 weight packed by oneDNN (kernels/onednn_linear.py);
 //   int4pack: torch's CPU int4 layout, `scales` its scales_and_zeros, output channels padded to 16 (out_features
@@ -29,10 +30,11 @@ struct LinearPart {
   int64_t out_features;
 
   c10::optional<VnniWeight> vnni;  // the vnni and bf16_dot kernels' weight
+  int64_t tiled_min_rows = 0;      // bf16_dot's
 
   LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales, torch::Tensor minimums,
              int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias, int64_t out_features);
-  LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias);
+  LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias, int64_t tiled_min_rows);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 

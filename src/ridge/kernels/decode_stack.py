@@ -99,7 +99,7 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
     if type(module) is not QuantizedLinear:
         return None
     if module.kernel in ("vnni", "bf16_dot"):
-        return ops.LinearPart(module.kernel, module.vnni, bias)
+        return ops.LinearPart(module.kernel, module.vnni, bias, module.tiled_min_rows)
     if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,

@@ -12,8 +12,9 @@
 // dequantization is paid once per weight and step, not once per row, and the tile is read back from cache.
 // The same tiling serves torch's int4 layout (int4pack_linear): torch's own int4 kernel dequantizes again
 // for every 4 rows and misses AMX, which made quantized models 3x slower than bf16 at batch 32; and pack_vnni's
-// 4-bit layout for prompts (vnni_tiled_linear): bf16_dot_linear.cpp, exact, ran SmolLM2's layers 1.18x slower than
-// oneDNN's bf16 matmul at 2048 rows, where both are bound by arithmetic and its per-group scaling is the extra.
+// layout for many rows (vnni_tiled_linear): bf16_dot_linear.cpp, exact, ran SmolLM2's 4-bit layers 1.18x slower than
+// oneDNN's bf16 matmul at 2048 rows, where both are bound by arithmetic and its per-group scaling is the extra (8-bit
+// codes, twice its dot products per weight, from 32 rows).
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -248,31 +249,42 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
 }
 
 #if defined(__AVX512BW__)
-// pack_vnni's 4-bit records of channels [n0, n0 + rows) (rows in 16s) -> tile [K, rows] in bf16, w = code * scale +
-// minimum rounded to bf16 (as a bf16 model's weights are), all threads. A vector of unpack_bf16_pairs holds 16
-// channels' values of one column in its even bf16 halves and of the next in its odd ones: a lane is a channel,
-// as a row of the k-major tile is.
+// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s, groups of 32s) -> tile [K, rows] in bf16, w = code *
+// scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads. A lane is a channel, as a row of the
+// k-major tile is: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column in its even
+// bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its lane's bytes.
 void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, int64_t n0, int64_t rows,
                      c10::BFloat16* tile) {
   using ridge_vnni::kChannels;
-  using ridge_vnni::kNibbleColumns;
-  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / kNibbleColumns, blocks = rows / kChannels;
+  const int64_t columns = geo.nibbles ? ridge_vnni::kNibbleColumns : ridge_vnni::kByteColumns;
+  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / columns, blocks = rows / kChannels;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes();
   const uint8_t* packed = weight.packed.data_ptr<uint8_t>() + n0 / kChannels * groups * record;
   const __m512 unit = _mm512_set1_ps(static_cast<float>(weight.unit));
-  const __m512i high_halves = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)), low_byte = _mm512_set1_epi32(0xFF);
+  // what a stored value holds beyond the code: 4-bit values are bf16 128 + code; signed 8-bit codes are stored plus 128
+  const __m512 excess = _mm512_set1_ps(geo.nibbles ? 128.f : weight.signed_codes ? 128.f : 0.f);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < blocks; b++)
     for (int64_t g = 0; g < groups; g++) {
-      const uint8_t* rec = packed + (b * groups + g) * record;  // 4-bit groups are 32s: a record per group
+      const uint8_t* rec = packed + (b * groups + g) * record;  // a record per group of 32s
       const __m512 scale = _mm512_mul_ps(ridge_vnni::load_halves(rec), unit);
       const __m512 minimum = geo.minimums ? _mm512_mul_ps(ridge_vnni::load_halves(rec + kChannels * 2), unit)
                                           : _mm512_setzero_ps();
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), scale, minimum);  // the values are 128 + code
+      const __m512 offset = _mm512_fnmadd_ps(excess, scale, minimum);
       for (int64_t c = 0; c < chunks; c++) {
+        const uint8_t* chunk = rec + header + c * ridge_vnni::kChunk;
+        c10::BFloat16* out = tile + (g * geo.group + c * columns) * rows + b * kChannels;
+        if (!geo.nibbles) {
+          const __m512i bytes = _mm512_loadu_si512(chunk);
+          for (int j = 0; j < 4; j++) {  // column j: byte j of every lane
+            const __m512 stored = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * j), low_byte));
+            ridge_vec::store_bf16(out + j * rows, _mm512_fmadd_ps(stored, scale, offset));
+          }
+          continue;
+        }
         __m512i pairs[4];
-        ridge_vnni::unpack_bf16_pairs(rec + header + c * ridge_vnni::kChunk, pairs);
-        c10::BFloat16* out = tile + (g * geo.group + c * kNibbleColumns) * rows + b * kChannels;
+        ridge_vnni::unpack_bf16_pairs(chunk, pairs);
         for (int q = 0; q < 4; q++) {
           const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[q], 16));
           const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs[q], high_halves));
@@ -353,8 +365,8 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
 
 torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
-  TORCH_CHECK(weight.nibbles, "vnni_tiled_linear: 4-bit codes");
   const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, x.size(1));
+  TORCH_CHECK(weight.group % 32 == 0, "vnni_tiled_linear: groups of 32s (a record per group), not ", weight.group);
 #if defined(__AVX512BW__)
   return tiled_linear<c10::BFloat16>(x, weight.packed.size(0) * ridge_vnni::kChannels, ridge_vnni::kChannels, true,
                                      [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {

@@ -17,6 +17,7 @@ constexpr int64_t kBlock = 32;     // activation values per int8 scale; the fewe
 constexpr int64_t kChannels = 16;  // output channels per layout block (a vector of 16 float sums)
 constexpr int64_t kChunk = 64;     // bytes per chunk of codes
 constexpr int64_t kNibbleColumns = 8;  // input columns per chunk of 4-bit codes (16 channels x 8 x 4 bits)
+constexpr int64_t kByteColumns = 4;    // input columns per chunk of 8-bit codes (16 channels x 4 bytes)
 
 struct Geometry {
   bool nibbles, minimums;
@@ -53,7 +54,8 @@ inline __m512 load_halves(const uint8_t* p) {
 
 #if defined(__AVX512BW__)
 // A 4-bit chunk's 128 codes as bf16 values 128 + code (bf16_dot_linear.cpp says why and how), in four vectors:
-// 32-bit lane c of out[q] holds channel c's columns k0 + 2q and k0 + 2q + 1
+// 32-bit lane c of out[q] holds channel c's columns k0 + 2q and k0 + 2q + 1. An 8-bit chunk's 64 codes the same way,
+// as nibbles: out[q] holds the low nibbles of columns k0 + 2q and k0 + 2q + 1 for q < 2, their high ones at q + 2
 inline void unpack_bf16_pairs(const uint8_t* chunk, __m512i out[4]) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), magic = _mm512_set1_epi8(0x43);
   const __m512i columns_apart = _mm512_broadcast_i32x4(

@@ -172,7 +172,9 @@ def _place_quantized(model: DecoderModel, target: str, parts: list[QuantizedWeig
     if target == "embed_tokens.weight":
         model.embed_tokens = QuantizedEmbedding(parts[0], dtype)
         if model.cfg.tie_word_embeddings:
-            model.output_projection = QuantizedLinear(parts[0], None, dtype, ops)
+            # in the layout the lookup reads, sharing its codes: the bf16 dot-product kernel's own layout would be
+            # a second copy of the table
+            model.output_projection = QuantizedLinear(parts[0], None, dtype, ops, bf16_dot=False)
         return
     if target == "lm_head.weight":
         model.lm_head = None

@@ -1,16 +1,18 @@
 """Linear layers over quantized weights, and the swap that puts them into a model.
 
 On the CPU each format runs on a weight-only kernel that streams the codes and dequantizes in registers:
-- int8 per output channel: ridge's grouped kernel with one group a row where ridge's kernels are built (faster
-  than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
-- 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K): in bfloat16 on CPUs with AVX512-BF16, ridge's
-  bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16 dot products over pack_vnni's layout) at every
-  row count below BF16_DOT_TILED_MIN_ROWS (prompts past it: tiles dequantized to bf16, as below); elsewhere
-  torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts to at load;
+- in bfloat16 on CPUs with AVX512-BF16, 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K) and 8-bit ones
+  per channel or per group of 32s (RTN int8, GGUF Q5_0 / Q5_1 / Q5_K / Q8_0, but a table tied to the embedding):
+  ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16 dot products over pack_vnni's layout) below
+  BF16_DOT_TILED_MIN_ROWS / BF16_DOT8_TILED_MIN_ROWS rows (past them: tiles dequantized to bf16, as below);
+- int8 per output channel elsewhere: ridge's grouped kernel with one group a row where ridge's kernels are built
+  (faster than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
+- 4-bit codes per group elsewhere: torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts
+  to at load;
   both torch kernels dequantize again for every few rows and do not reach AMX: from TILED_MIN_ROWS rows on
   (large batches, prefill) ridge's kernels dequantize a tile of the weight once and multiply it by
   oneDNN's bf16 matmul instead (kernels/quant_linear.cpp; 2-2.6x faster at 32 rows);
-- int8 codes per group (GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0): ridge's grouped_int8_linear
+- int8 codes per group otherwise (GGUF Q6_K's 16-column groups, float32, ...): ridge's grouped_int8_linear
   (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales; in float32, every int8 and
   4-bit format too (the 4-bit codes two a byte, pack_nibbles), as torch's two kernels are slow there;
 - on request (EngineConfig.int8_activations), layers quantize their input to int8 per 32 values and multiply
@@ -61,6 +63,10 @@ INT8_ACTIVATIONS_MAX_ROWS = 32
 # bf16_dot 1.07-1.13x at 256 rows, 1.12x at 512, 1.12-1.22x at 2048; the tiles 1.16-1.19x, 1.08-1.09x, 0.99-1.10x
 # (2-core Zen 4). Decode batches (max_num_seqs 128) stay below it, on the exact kernel
 BF16_DOT_TILED_MIN_ROWS = 512
+# 8-bit codes take twice the dot products per weight of 4-bit ones: their tiles win from far fewer rows. int8 per
+# channel, bf16_dot against the tiles (2-core Zen 4): SmolLM2's 49152 x 576 head 4.5 / 5.5-7.5 ms at 16 rows, 8.6 /
+# 7.7 at 32, 17.1 / 14.1 at 64; its 3072 x 576 layers 0.51 / 0.50 ms at 32 rows, 1.02 / 0.75 at 64
+BF16_DOT8_TILED_MIN_ROWS = 32
 
 
 @cache
@@ -154,10 +160,25 @@ class QuantizedLinear(nn.Module):
         grouped = on_cpu and ops is not None and (
             (dtype == torch.float32 and self.in_features % 16 == 0)
             or (weight.bits != 4 and weight.group_size is not None))  # GGUF Q5_0 / Q6_K / Q8_0 ... codes
+        # exact on AVX512-BF16 dot products over pack_vnni's layout (kernels/bf16_dot_linear.cpp), the weight's own
+        # scales in float16: 4-bit codes per group (torch's layout holds them in bf16); 8-bit ones per channel or per
+        # group of 32s, as their two nibbles. Against torch's int4 kernel and ridge's tiles (SmolLM2's 30 layers' shapes
+        # streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-1.9x at 8-32 rows, even at 128-512 (prompts);
+        # at 32 rows 1.1x faster than the dense bf16 matmul. Int8 vocabulary projections against the grouped kernel's
+        # float path: 1.5x (SmolLM2) and 1.9x (Qwen2.5-0.5B) at 1 row, 1.3x at 4-8, even at 16 (docs/benchmarks.md)
+        bf16_dot_fits = (bf16_dot and on_cpu and ops is not None and dtype == torch.bfloat16
+                         and weight.qweight.dtype != torch.float8_e4m3fn and ops.bf16_dot_available()
+                         and self._vnni_shape_fits() and (weight.group_size or self.in_features) % 32 == 0)
         if weight.qweight.dtype == torch.float8_e4m3fn:
             self.kernel = "fp8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.to(dtype), persistent=False)
+        elif bf16_dot_fits:
+            self.kernel = "bf16_dot"
+            codes = weight.qweight if weight.bits == 4 else weight.qweight.to(torch.int8)
+            signed = weight.bits != 4 and bool((codes < 0).any())
+            self._hold_vnni(codes, signed, weight.scales, weight.minimums, weight.group_size or self.in_features,
+                            nibbles=weight.bits == 4)
         elif grouped:
             self.kernel = "grouped_int8"
             self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
@@ -181,14 +202,6 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("channel_scales", weight.scales.float()[:, None].contiguous(), persistent=False)
             self.register_buffer("no_minimums", torch.empty(0), persistent=False)
             self.unpacked = weight if dtype == torch.float32 else None
-        elif (bf16_dot and on_cpu and ops is not None and dtype == torch.bfloat16 and weight.bits == 4
-              and ops.bf16_dot_available() and self._vnni_shape_fits() and weight.group_size % 32 == 0):
-            # exact on AVX512-BF16 dot products (kernels/bf16_dot_linear.cpp), the weight's own scales in float16
-            # (torch's layout holds them in bf16). Against torch's kernel and ridge's tiles (SmolLM2's 30 layers'
-            # shapes streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-1.9x at 8-32 rows, even at
-            # 128-512 (prompts); at 32 rows 1.1x faster than the dense bf16 matmul (docs/benchmarks.md)
-            self.kernel = "bf16_dot"
-            self._hold_vnni(weight.qweight, False, weight.scales, weight.minimums, weight.group_size, nibbles=True)
         elif on_cpu and weight.bits == 4:
             self.kernel = "int4"
             # the kernel packs rows by 16: pad with zero rows, whose outputs forward() drops
@@ -258,6 +271,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", packed, persistent=False)  # the bytes; self.vnni refers to the same tensor
         self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit)
         self.group_size, self.signed_codes, self.unpacked = group, signed, None
+        # from this many rows on, bf16_dot layers multiply tiles of the weight dequantized to bf16 instead
+        self.tiled_min_rows = BF16_DOT_TILED_MIN_ROWS if nibbles else BF16_DOT8_TILED_MIN_ROWS
 
     @property
     def weight_bytes(self) -> int:
@@ -274,7 +289,7 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
         if self.kernel == "bf16_dot":
-            out = (self.ops.bf16_dot_linear(x2, self.vnni) if x2.shape[0] < BF16_DOT_TILED_MIN_ROWS
+            out = (self.ops.bf16_dot_linear(x2, self.vnni) if x2.shape[0] < self.tiled_min_rows
                    else self.ops.vnni_tiled_linear(x2, self.vnni))
         elif self.kernel == "vnni":
             out = self.ops.vnni_linear(x2, self.vnni)
