@@ -15,6 +15,7 @@ from ridge.quant import gguf_blocks
 from ridge.quant.linear import (
     BF16_DOT8_TILED_MIN_ROWS,
     BF16_DOT_TILED_MIN_ROWS,
+    QuantizedEmbedding,
     QuantizedLinear,
     pack_vnni,
     use_int8_activations,
@@ -131,6 +132,28 @@ def test_bfloat16_8bit_layers_take_it_by_default(ops):
     q6_k = gguf_blocks.unpack(random_blocks("Q6_K", rows, 256, seed=3), GGMLQuantizationType.Q6_K, (rows, 256))
     assert QuantizedLinear(q6_k, None, torch.bfloat16, ops).kernel == "grouped_int8"
     assert QuantizedLinear(quantize_int8(w[:72]), None, torch.bfloat16, ops).kernel == "int8"  # not in 16s
+
+
+@needs_bf16_dot
+def test_a_tied_table_is_looked_up_from_the_heads_layout(ops):
+    """A tied embedding table whose output projection holds pack_vnni's layout reads its rows from there, and
+    keeps no copy of its own: the dequantized rows (exactly for Q8_0, whose scales float16 holds; to float16's
+    rounding of RTN's float32 scales and minimums), bad rows refused by name."""
+    rows, cols = 96, 256
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
+    q8_0 = gguf_blocks.unpack(random_blocks("Q8_0", rows, cols, seed=2), GGMLQuantizationType.Q8_0, (rows, cols))
+    ids = torch.tensor([[0, 17, 95], [33, 64, 1]])
+    for qw, exact in ((quantize_int8(w), False), (q8_0, True), (quantize_int4(w, 64), False)):
+        head = QuantizedLinear(qw, None, torch.bfloat16, ops)
+        table = QuantizedEmbedding(qw, torch.bfloat16, head)
+        assert head.kernel == "bf16_dot" and table.weight_q is None
+        expected = dequantize(qw)[ids.reshape(-1)].view(2, 3, cols)
+        got = table(ids)
+        assert got.dtype == torch.bfloat16
+        bound = 2**-8 * expected.abs() + (0 if exact else 2**-10 * expected.abs().amax(-1, keepdim=True))
+        assert ((got.float() - expected).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="row 96 out of"):
+        table(torch.tensor([96]))
 
 
 @needs_bf16_dot

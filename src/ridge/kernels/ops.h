@@ -37,3 +37,5 @@ bool vnni_available();
 torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight);
 bool bf16_dot_available();
 torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight);
+// Rows (output channels) of a pack_vnni weight of K columns, dequantized to float32 [T, K]
+torch::Tensor vnni_rows(const VnniWeight& weight, torch::Tensor rows, int64_t k_dim);

@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -361,6 +362,47 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   return tiled_linear<c10::BFloat16>(x, n_dim, 64, true, [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
     dequantize_int4pack(p, sz, n_dim, k_dim, group, block_width, n0, rows, tile);
   });
+}
+
+torch::Tensor vnni_rows(const VnniWeight& weight, torch::Tensor rows, int64_t k_dim) {
+  const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, k_dim);
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.dim() == 1, "rows: int64 [T]");
+  const torch::Tensor ids = rows.contiguous();
+  const int64_t count = ids.size(0), unit = geo.unit(), units = k_dim / unit, group = geo.group;
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes(), per_unit = unit / group;
+  const int64_t channels = weight.packed.size(0) * ridge_vnni::kChannels;
+  const uint8_t* packed = weight.packed.data_ptr<uint8_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float offset = weight.signed_codes ? 128.f : 0.f, scale_unit = static_cast<float>(weight.unit);
+  torch::Tensor out = torch::empty({count, k_dim}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  const auto half_at = [](const uint8_t* p) {
+    c10::Half h;
+    std::memcpy(&h, p, 2);
+    return static_cast<float>(h);
+  };
+  for (int64_t t = 0; t < count; t++) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < channels, "vnni_rows: row ", id[t], " out of [0, ", channels, ")");
+    const int64_t block = id[t] / ridge_vnni::kChannels, lane = id[t] % ridge_vnni::kChannels;
+    for (int64_t u = 0; u < units; u++) {
+      const uint8_t* rec = packed + (block * units + u) * record;
+      for (int64_t i = 0; i < unit; i++) {  // the record's layout, as pack_vnni and vnni_linear.cpp state it
+        const int64_t g = i / group;
+        const float scale = half_at(rec + (g * ridge_vnni::kChannels + lane) * 2) * scale_unit;
+        const float minimum =
+            geo.minimums ? half_at(rec + ((per_unit + g) * ridge_vnni::kChannels + lane) * 2) * scale_unit : 0.f;
+        int code;
+        if (geo.nibbles) {
+          const uint8_t byte = rec[header + (i / 8) * ridge_vnni::kChunk + lane * 4 + i % 4];
+          code = i % 8 < 4 ? byte & 0x0F : byte >> 4;
+        } else {
+          code = rec[header + (i / 4) * ridge_vnni::kChunk + lane * 4 + i % 4];
+        }
+        o[t * k_dim + u * unit + i] = (static_cast<float>(code) - offset) * scale + minimum;
+      }
+    }
+  }
+  return out;
 }
 
 torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight) {

@@ -170,11 +170,10 @@ def _place_quantized(model: DecoderModel, target: str, parts: list[QuantizedWeig
                      dtype: torch.dtype, ops: ModuleType | None) -> None:
     """Swap the module that `target` (a weight) belongs to for one that keeps it quantized."""
     if target == "embed_tokens.weight":
-        model.embed_tokens = QuantizedEmbedding(parts[0], dtype)
-        if model.cfg.tie_word_embeddings:
-            # in the layout the lookup reads, sharing its codes: the bf16 dot-product kernel's own layout would be
-            # a second copy of the table
-            model.output_projection = QuantizedLinear(parts[0], None, dtype, ops, bf16_dot=False)
+        tied = QuantizedLinear(parts[0], None, dtype, ops) if model.cfg.tie_word_embeddings else None
+        model.embed_tokens = QuantizedEmbedding(parts[0], dtype, tied)  # one copy of a tied table
+        if tied is not None:
+            model.output_projection = tied
         return
     if target == "lm_head.weight":
         model.lm_head = None
