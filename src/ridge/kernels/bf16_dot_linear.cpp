@@ -179,12 +179,15 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   const int64_t n_dim = weight.packed.size(0) * kChannels;
 #if defined(RIDGE_BF16_DOT)
   const torch::Tensor xc = x.contiguous();
-  const torch::Tensor x16 = weight.nibbles ? torch::Tensor() : xc * 16;  // exact: a power of two
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+  // x times 16 for 8-bit codes' high nibbles (exact: a power of two), in a plain buffer: a torch op per call cost
+  // more than the multiplies on decode's few rows
+  std::vector<c10::BFloat16> x16(weight.nibbles ? 0 : m_dim * k_dim);
+  for (size_t i = 0; i < x16.size(); i++) x16[i] = static_cast<float>(xp[i]) * 16.f;
   const std::vector<float> xsum = group_sums(xp, m_dim * (k_dim / group), group);  // the excess's and minimums' term
   const float excess = weight.nibbles ? 128.f : 2176.f + (weight.signed_codes ? 128.f : 0.f);
-  const Call call{xp, weight.nibbles ? nullptr : x16.data_ptr<c10::BFloat16>(), xsum.data(), geo, excess,
+  const Call call{xp, weight.nibbles ? nullptr : x16.data(), xsum.data(), geo, excess,
                   weight.packed.data_ptr<uint8_t>(), static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(),
                   n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()

@@ -92,16 +92,17 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
                 check_group_size(module.in_features, group_size, f" of {name}")
     tokenizer = RidgeTokenizer.from_path(model_path)
     fitted: dict[str, QuantizedWeight] = {}
+    if method in ("gptq", "awq"):
+        windows = calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW)
     if method == "gptq":
         fitted = quantize_layerwise(
-            model, calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW),
+            model, windows,
             lambda _key, w, h: gptq_quantize(w, h, bits, group_size, act_order=True, damp=damp, integer_zeros=True,
                                              fp8=fp8),
             torch.float32, "cpu", progress)
     if method == "awq":  # the scales folded into the norms and up rows, which _hf_tensors writes as they are now
-        fitted = awq_layerwise(model, calibration_windows(tokenizer, windows_for(method, num_windows),
-                                                          CALIBRATION_WINDOW), group_size,
-                               integer_zeros=True, dtype=torch.float32, device="cpu", progress=progress)
+        fitted = awq_layerwise(model, windows, group_size, integer_zeros=True, dtype=torch.float32, device="cpu",
+                               progress=progress)
 
     def quantize(weight: torch.Tensor, key: str) -> QuantizedWeight:
         if key in fitted:
