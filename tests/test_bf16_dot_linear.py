@@ -13,7 +13,6 @@ from test_gguf_native import random_blocks
 from ridge.kernels import cpu_ops
 from ridge.quant import gguf_blocks
 from ridge.quant.linear import (
-    BF16_DOT8_TILED_MIN_ROWS,
     BF16_DOT_TILED_MIN_ROWS,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -23,6 +22,7 @@ from ridge.quant.linear import (
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
+PANEL_MIN_ROWS = 8  # bf16_dot_linear.cpp's kPanelMinRows: 8-bit codes converted once to bf16 from this many rows
 needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16: the kernel is not built here")
 
 
@@ -56,8 +56,9 @@ def excess(bits: int, signed: bool) -> int:
     return 128 if bits == 4 else 2176 + (128 if signed else 0)
 
 
-# rows: the register tiles (4 rows, then 1-3); 80 channels: five 16-blocks, the last on a one-vector tile
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 33])
+# rows: the register tiles (4 rows, then 1-3); 8-bit codes on the panel from 8 (PANEL_MIN_ROWS); 80 channels: five
+# 16-blocks, the last on a one-vector tile
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, PANEL_MIN_ROWS, 33])
 @pytest.mark.parametrize("group", [32, 64, 256])
 @pytest.mark.parametrize("minimums", [True, False])
 @pytest.mark.parametrize(("bits", "signed"), list(CODES))
@@ -110,23 +111,24 @@ def test_bfloat16_4bit_layers_take_it_by_default(ops, kind):
 def test_bfloat16_8bit_layers_take_it_by_default(ops):
     """int8 per channel and GGUF's Q8_0 in bfloat16 go onto the kernel at load (their two nibbles); Q6_K's 16-column
     groups and a shape that does not fit stay on the grouped kernel. Each gives the dequantized layer's outputs at
-    every row count, on the kernel below BF16_DOT8_TILED_MIN_ROWS rows and on the tiles from there."""
+    every row count: on the kernel's nibbles below PANEL_MIN_ROWS rows, on its panel from there, on the tiles from
+    BF16_DOT_TILED_MIN_ROWS."""
     rows, cols = 80, 512
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
     q8_0 = gguf_blocks.unpack(random_blocks("Q8_0", rows, cols, seed=2), GGMLQuantizationType.Q8_0, (rows, cols))
     for qw in (quantize_int8(w), q8_0):
         layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
-        assert layer.kernel == "bf16_dot" and layer.tiled_min_rows == BF16_DOT8_TILED_MIN_ROWS
+        assert layer.kernel == "bf16_dot"
         weight = dequantize(qw).double()
         scales = qw.scales.double().abs().reshape(rows, -1).repeat_interleave(qw.group_size or cols, 1)
-        for tokens in (1, 7, BF16_DOT8_TILED_MIN_ROWS - 1, BF16_DOT8_TILED_MIN_ROWS):
+        for tokens in (1, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 33, BF16_DOT_TILED_MIN_ROWS - 1, BF16_DOT_TILED_MIN_ROWS):
             x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).bfloat16()
             expected = x.double() @ weight.T
             # float16 scales: float32 ones move by up to 2^-11 of themselves; the tiles round the weight to bf16
-            rounding = (2**-8 if tokens >= BF16_DOT8_TILED_MIN_ROWS else 2**-11) * x.abs().double() @ weight.abs().T
+            rounding = (2**-8 if tokens >= BF16_DOT_TILED_MIN_ROWS else 2**-11) * x.abs().double() @ weight.abs().T
             bound = tolerance(x, weight, 2304 * scales, expected) + rounding
             assert ((layer(x).double() - expected).abs() <= bound).all()
-        x = torch.randn(BF16_DOT8_TILED_MIN_ROWS, cols).bfloat16()
+        x = torch.randn(BF16_DOT_TILED_MIN_ROWS, cols).bfloat16()
         assert torch.equal(layer(x), ops.vnni_tiled_linear(x, layer.vnni))
         assert torch.equal(layer(x[1:]), ops.bf16_dot_linear(x[1:], layer.vnni))
     q6_k = gguf_blocks.unpack(random_blocks("Q6_K", rows, 256, seed=3), GGMLQuantizationType.Q6_K, (rows, 256))
@@ -170,15 +172,16 @@ def test_int8_activations_take_over_the_same_layout(ops):
 def test_a_row_gets_the_same_bits_in_any_batch(ops):
     """Each row's sums run in the same order whatever tile it lands in (4, 3, 2 or 1 rows; one or two channel
     blocks): a request's logits do not depend on what it is batched with (below BF16_DOT_TILED_MIN_ROWS rows,
-    above decode's max_num_seqs)."""
-    layer = QuantizedLinear(quantize_int4(torch.randn(80, 192, generator=torch.Generator().manual_seed(3)), 64),
-                            None, torch.bfloat16, ops)
-    assert layer.kernel == "bf16_dot"
+    above decode's max_num_seqs). 8-bit codes change their arithmetic at PANEL_MIN_ROWS (two nibbles, then one exact
+    bf16 value): from there on, the same bits in any batch."""
+    w = torch.randn(80, 192, generator=torch.Generator().manual_seed(3))
     x = torch.randn(13, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
-    batched = layer(x)
-    for i in (0, 5, 6, 12):
-        assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1])
-    assert torch.equal(layer(x[3:11]), batched[3:11])
+    for qw in (quantize_int4(w, 64), quantize_int8(w)):
+        layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
+        assert layer.kernel == "bf16_dot"
+        batched, alone = layer(x), torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        assert torch.equal(layer(x[3:11]), batched[3:11])
+        assert torch.equal(alone, batched) == (qw.bits == 4)
 
 
 # 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks

@@ -20,6 +20,11 @@
 // same arithmetic per byte streamed. Against the grouped kernel's float path (quant_linear.cpp), on the int8
 // vocabulary projections streamed from memory (2-core Zen 4): 1.5x faster at 1 row on SmolLM2's, 1.9x on
 // Qwen2.5-0.5B's (31-34 GB/s against 17-20), 1.3x at 4-8 rows, even at 16.
+// With more rows, where the arithmetic binds, the doubled dot products cost: from kPanelMinRows rows a thread first
+// converts its channel blocks' bytes to exact bf16 values into a panel (fill_panel), once for all rows, and its tiles
+// then take one dot product per weight. At 32 rows (a decode batch) the int8 heads of SmolLM2 and Qwen2.5-0.5B ran
+// 1.5x faster than on the nibbles and than dequantized tiles on oneDNN (5.5 / 26.7 ms against 8.5 / 40.7 and 7.4 /
+// 39.1), within 1.03-1.12x of oneDNN's packed bf16 weights (5.3 / 23.8).
 //
 // Lanes: a chunk holds channel 4 L + i's codes at bytes 16 L + 4 i + (0..3) (vnni_linear.cpp's layout, 4-bit:
 // columns k0..k0+3 in the low nibbles, k0+4..k0+7 in the high ones). One byte shuffle within each 128-bit lane
@@ -57,24 +62,64 @@ using ridge_vnni::kNibbleColumns;
 
 #if defined(RIDGE_BF16_DOT)
 
+// Where a tile's bf16 weight pairs come from
+enum class Source {
+  kNibbles,      // 4-bit codes, each chunk unpacked as 128 + code
+  kByteNibbles,  // 8-bit codes, each chunk unpacked as two nibbles (few rows)
+  kBytePanel,    // 8-bit codes, converted once per call into a panel of exact bf16 pairs (many rows; fill_panel)
+};
+
+// The stored bytes of channel blocks cb .. cb + vectors over all K columns as exact bf16 pairs (0 .. 255 has 8
+// significant bits, as many as bf16 holds): lane c of panel[v * K / 2 + k / 2] holds channel 16 (cb + v) + c's
+// columns k and k + 1. A byte becomes a float by a convert, whose high half is then its bf16: ~10 instructions per
+// chunk, once per call, where the nibble unpack is repeated for every 4 rows and doubles the dot products
+void fill_panel(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t vectors, __m512i* panel) {
+  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / kByteColumns;
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes();
+  const __m512i low_byte = _mm512_set1_epi32(0xFF);
+  // word 2 i: the high half of lane i of the first source (column k's float), word 2 i + 1: of the second's
+  alignas(64) int32_t high_halves[16];
+  for (int i = 0; i < 16; i++) high_halves[i] = (2 * i + 1) | (32 + 2 * i + 1) << 16;
+  const __m512i pick = _mm512_load_si512(high_halves);
+  for (int64_t v = 0; v < vectors; v++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* rec = weights + ((cb + v) * groups + g) * record;
+      __m512i* out = panel + v * (geo.k_dim / 2) + g * geo.group / 2;
+      for (int64_t c = 0; c < chunks; c++) {
+        const __m512i bytes = _mm512_loadu_si512(rec + header + c * kChunk);
+        __m512i column[kByteColumns];
+        for (int j = 0; j < kByteColumns; j++)
+          column[j] = _mm512_castps_si512(
+              _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * j), low_byte)));
+        for (int q = 0; q < 2; q++)
+          _mm512_store_si512(out + 2 * c + q, _mm512_permutex2var_epi16(column[2 * q], pick, column[2 * q + 1]));
+      }
+    }
+}
+
 // out[m0 .. m0 + kRows, channel blocks cb .. cb + kVectors) for one register tile; xsum [M, K / group]; x16: x
-// times 16 for 8-bit codes' high nibbles. kSplit: the chains of dot products per row and block (a dot product waits
-// several cycles on the previous one into the same sums: with few rows, one chain each would wait on latency)
-template <bool kNibbles, int kRows, int kVectors, int kSplit>
+// times 16 for 8-bit codes' high nibbles; panel: fill_panel's for blocks cb .. cb + kVectors. kSplit: the chains of
+// dot products per row and block (a dot product waits several cycles on the previous one into the same sums: with
+// few rows, one chain each would wait on latency)
+template <Source kSource, int kRows, int kVectors, int kSplit>
 void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, const Geometry& geo, float excess,
-          int64_t m0, int64_t cb, const uint8_t* weights, float unit, c10::BFloat16* out, int64_t n_dim) {
+          int64_t m0, int64_t cb, const uint8_t* weights, const __m512i* panel, float unit, c10::BFloat16* out,
+          int64_t n_dim) {
+  constexpr bool kNibbles = kSource == Source::kNibbles, kPanel = kSource == Source::kBytePanel;
   constexpr int64_t kColumns = kNibbles ? kNibbleColumns : kByteColumns;
+  constexpr int kPairs = kPanel ? 2 : 4;  // weight pair vectors per chunk
   const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2;
   const uint16_t* xr[kRows];
   const uint16_t* xr16[kRows];
   for (int r = 0; r < kRows; r++) {
     xr[r] = reinterpret_cast<const uint16_t*>(x) + (m0 + r) * k_dim;
-    xr16[r] = kNibbles ? nullptr : reinterpret_cast<const uint16_t*>(x16) + (m0 + r) * k_dim;
+    xr16[r] = kSource != Source::kByteNibbles ? nullptr : reinterpret_cast<const uint16_t*>(x16) + (m0 + r) * k_dim;
   }
   // the 2 bf16 activations vector q of a chunk at column k multiplies, broadcast to every 32-bit lane
   const auto pair = [&](int r, int64_t k, int q) {
-    const uint16_t* at = kNibbles ? xr[r] + k + 2 * q : (q < 2 ? xr[r] : xr16[r]) + k + 2 * (q % 2);
+    const uint16_t* at =
+        kSource != Source::kByteNibbles ? xr[r] + k + 2 * q : (q < 2 ? xr[r] : xr16[r]) + k + 2 * (q % 2);
     int32_t word;
     std::memcpy(&word, at, sizeof(word));
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(word));
@@ -91,8 +136,13 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
         for (int v = 0; v < kVectors; v++) part[s][r][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
       const int64_t k = g * group + c * kColumns;
-      __m512bh w[kVectors][4];  // every channel's columns 0-1, 2-3, 4-5, 6-7
+      __m512bh w[kVectors][kPairs];  // every channel's columns 0-1, 2-3 (, 4-5, 6-7)
       for (int v = 0; v < kVectors; v++) {
+        if constexpr (kPanel) {
+          for (int q = 0; q < kPairs; q++)
+            w[v][q] = reinterpret_cast<__m512bh>(_mm512_load_si512(panel + v * (k_dim / 2) + k / 2 + q));
+          continue;
+        }
         const uint8_t* chunk = rec[v] + header + c * kChunk;
         _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
         __m512i codes[4];
@@ -100,7 +150,7 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
         for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
       }
       for (int r = 0; r < kRows; r++)
-        for (int q = 0; q < 4; q++) {
+        for (int q = 0; q < kPairs; q++) {
           const __m512bh xq = pair(r, k, q);
           for (int v = 0; v < kVectors; v++) {
             __m512& sums = part[q % kSplit][r][v];
@@ -126,7 +176,13 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
                             _mm512_mul_ps(total[r][v], _mm512_set1_ps(unit)));
 }
 
-constexpr int64_t kMaxRows = 4;  // registers: (kSplit + 1) x rows x vectors sums, 4 x vectors codes, constants
+// registers: (kSplit + 1) x rows x vectors sums, pairs x vectors codes, constants. (6 and 8 rows for the panel's
+// tiles, measured at 32-512 rows on int8 heads: no faster, 8 spills)
+constexpr int64_t kMaxRows = 4;
+// 8-bit codes from this many rows go through fill_panel. Nibbles / panel in ms (2-core Zen 4), int8 heads 49152 x 576
+// and 151936 x 896, then layers in groups of 32 4864 x 896 and 1536 x 576: 4 rows 1.52 / 1.49, 6.4 / 9.2; 8 rows
+// 2.36 / 2.21, 11.5 / 11.9, 0.34 / 0.28, 0.072 / 0.055; 16 rows 4.5 / 3.5, 21.3 / 16.5, 0.67 / 0.47, 0.14 / 0.09
+constexpr int64_t kPanelMinRows = 8;
 
 // What a call's tiles share
 struct Call {
@@ -140,22 +196,24 @@ struct Call {
   int64_t n_dim;
 };
 
-template <bool kNibbles, int kRows>
-void tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors) {
+template <Source kSource, int kRows>
+void tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel) {
   constexpr int kSplit = kRows <= 2 ? 2 : 1;
   if (vectors == 2)
-    tile<kNibbles, kRows, 2, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.unit, a.out, a.n_dim);
+    tile<kSource, kRows, 2, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out,
+                                    a.n_dim);
   else
-    tile<kNibbles, kRows, 1, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.unit, a.out, a.n_dim);
+    tile<kSource, kRows, 1, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out,
+                                    a.n_dim);
 }
 
-template <bool kNibbles>
-void tiles(const Call& a, int64_t m_dim, int64_t m0, int64_t cb, int64_t vectors) {
+template <Source kSource>
+void tiles(const Call& a, int64_t m_dim, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel) {
   switch (std::min(kMaxRows, m_dim - m0)) {
-    case 1: tile_any<kNibbles, 1>(a, m0, cb, vectors); break;
-    case 2: tile_any<kNibbles, 2>(a, m0, cb, vectors); break;
-    case 3: tile_any<kNibbles, 3>(a, m0, cb, vectors); break;
-    default: tile_any<kNibbles, 4>(a, m0, cb, vectors); break;
+    case 1: tile_any<kSource, 1>(a, m0, cb, vectors, panel); break;
+    case 2: tile_any<kSource, 2>(a, m0, cb, vectors, panel); break;
+    case 3: tile_any<kSource, 3>(a, m0, cb, vectors, panel); break;
+    default: tile_any<kSource, 4>(a, m0, cb, vectors, panel); break;
   }
 }
 
@@ -181,23 +239,36 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+  const Source source = weight.nibbles           ? Source::kNibbles
+                        : m_dim >= kPanelMinRows ? Source::kBytePanel
+                                                 : Source::kByteNibbles;
   // x times 16 for 8-bit codes' high nibbles (exact: a power of two), in a plain buffer: a torch op per call cost
   // more than the multiplies on decode's few rows
-  std::vector<c10::BFloat16> x16(weight.nibbles ? 0 : m_dim * k_dim);
+  std::vector<c10::BFloat16> x16(source == Source::kByteNibbles ? m_dim * k_dim : 0);
   for (size_t i = 0; i < x16.size(); i++) x16[i] = static_cast<float>(xp[i]) * 16.f;
   const std::vector<float> xsum = group_sums(xp, m_dim * (k_dim / group), group);  // the excess's and minimums' term
-  const float excess = weight.nibbles ? 128.f : 2176.f + (weight.signed_codes ? 128.f : 0.f);
-  const Call call{xp, weight.nibbles ? nullptr : x16.data(), xsum.data(), geo, excess,
-                  weight.packed.data_ptr<uint8_t>(), static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(),
-                  n_dim};
+  const float signed_excess = weight.signed_codes ? 128.f : 0.f;
+  const float excess = source == Source::kNibbles       ? 128.f
+                       : source == Source::kByteNibbles ? 2176.f + signed_excess
+                                                        : signed_excess;
+  const Call call{xp, x16.empty() ? nullptr : x16.data(), xsum.data(), geo, excess, weight.packed.data_ptr<uint8_t>(),
+                  static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(), n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < pairs; p++) {
-    const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
-    for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
-      if (geo.nibbles) tiles<true>(call, m_dim, m0, cb, vectors);
-      else tiles<false>(call, m_dim, m0, cb, vectors);
+#pragma omp parallel
+  {
+    std::vector<__m512i> panel(source == Source::kBytePanel ? 2 * k_dim / 2 : 0);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+      const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
+      if (source == Source::kBytePanel) fill_panel(geo, call.weights, cb, vectors, panel.data());
+      for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+        switch (source) {
+          case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
+          case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
+          case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel.data()); break;
+        }
+      }
     }
   }
   return out;

@@ -25,7 +25,13 @@ from ridge.attention.paged import PagedBackend
 from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
 from ridge.kernels.onednn_linear import PackedLinear
 from ridge.models.transformer import DecoderModel
-from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS, ConcatLinear, QuantizedLinear
+from ridge.quant.linear import (
+    BF16_DOT_TILED_MIN_ROWS,
+    INT8_ACTIVATIONS_MAX_ROWS,
+    TILED_MIN_ROWS,
+    ConcatLinear,
+    QuantizedLinear,
+)
 
 log = logging.getLogger("ridge")
 
@@ -99,7 +105,7 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
     if type(module) is not QuantizedLinear:
         return None
     if module.kernel in ("vnni", "bf16_dot"):
-        return ops.LinearPart(module.kernel, module.vnni, bias, module.tiled_min_rows)
+        return ops.LinearPart(module.kernel, module.vnni, bias, BF16_DOT_TILED_MIN_ROWS)
     if module.kernel == "grouped_int8":
         kernel = "int8_dot" if module.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,

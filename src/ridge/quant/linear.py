@@ -4,8 +4,7 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
 - in bfloat16 on CPUs with AVX512-BF16, 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K) and 8-bit ones
   per channel or per group of 32s (RTN int8, GGUF Q5_0 / Q5_1 / Q5_K / Q8_0; a tied embedding table then reads its
   rows from the head's layout): ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16 dot products
-  over pack_vnni's layout) below BF16_DOT_TILED_MIN_ROWS / BF16_DOT8_TILED_MIN_ROWS rows (past them: tiles
-  dequantized to bf16, as below);
+  over pack_vnni's layout) below BF16_DOT_TILED_MIN_ROWS rows (past them: tiles dequantized to bf16, as below);
 - int8 per output channel elsewhere: ridge's grouped kernel with one group a row where ridge's kernels are built
   (faster than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
 - 4-bit codes per group elsewhere: torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts
@@ -62,12 +61,10 @@ INT8_ACTIVATIONS_MAX_ROWS = 32
 # bf16_dot layers multiply inputs of this many rows (prompts) by tiles of the weight dequantized to bf16 on oneDNN's
 # matmul (kernels/quant_linear.cpp's vnni_tiled_linear): SmolLM2's 30 layers' shapes against oneDNN's packed bf16,
 # bf16_dot 1.07-1.13x at 256 rows, 1.12x at 512, 1.12-1.22x at 2048; the tiles 1.16-1.19x, 1.08-1.09x, 0.99-1.10x
-# (2-core Zen 4). Decode batches (max_num_seqs 128) stay below it, on the exact kernel
+# (2-core Zen 4). 8-bit codes in groups of 32 (4864 x 896, 576 x 1536): bf16_dot 1.13-1.19x at 512 rows, 1.13-1.21x
+# at 2048; the tiles 1.05-1.13x, 1.04-1.12x; per channel (the int8 heads) both about 1.05x at 512. Decode batches
+# (max_num_seqs 128) stay below it, on the exact kernel
 BF16_DOT_TILED_MIN_ROWS = 512
-# 8-bit codes take twice the dot products per weight of 4-bit ones: their tiles win from far fewer rows. int8 per
-# channel, bf16_dot against the tiles (2-core Zen 4): SmolLM2's 49152 x 576 head 4.5 / 5.5-7.5 ms at 16 rows, 8.6 /
-# 7.7 at 32, 17.1 / 14.1 at 64; its 3072 x 576 layers 0.51 / 0.50 ms at 32 rows, 1.02 / 0.75 at 64
-BF16_DOT8_TILED_MIN_ROWS = 32
 
 
 @cache
@@ -272,8 +269,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", packed, persistent=False)  # the bytes; self.vnni refers to the same tensor
         self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit)
         self.group_size, self.signed_codes, self.unpacked = group, signed, None
-        # from this many rows on, bf16_dot layers multiply tiles of the weight dequantized to bf16 instead
-        self.tiled_min_rows = BF16_DOT_TILED_MIN_ROWS if nibbles else BF16_DOT8_TILED_MIN_ROWS
 
     @property
     def weight_bytes(self) -> int:
@@ -290,7 +285,7 @@ class QuantizedLinear(nn.Module):
             x2 = x2.to(self.dtype)
         many_rows = self.tiled_ops is not None and x2.shape[0] >= TILED_MIN_ROWS
         if self.kernel == "bf16_dot":
-            out = (self.ops.bf16_dot_linear(x2, self.vnni) if x2.shape[0] < self.tiled_min_rows
+            out = (self.ops.bf16_dot_linear(x2, self.vnni) if x2.shape[0] < BF16_DOT_TILED_MIN_ROWS
                    else self.ops.vnni_tiled_linear(x2, self.vnni))
         elif self.kernel == "vnni":
             out = self.ops.vnni_linear(x2, self.vnni)
