@@ -56,12 +56,15 @@ def excess(bits: int, signed: bool) -> int:
     return 128 if bits == 4 else 2176 + (128 if signed else 0)
 
 
+# (bits, signed codes, group): groups of 32s, and 8-bit codes in Q6_K's groups of 16 (two a record)
+LAYOUTS = [(bits, signed, group) for bits, signed in CODES for group in (16, 32, 64, 256) if bits == 8 or group > 16]
+
+
 # rows: the register tiles (4 rows, then 1-3); 8-bit codes on the panel from 8 (PANEL_MIN_ROWS); 80 channels: five
 # 16-blocks, the last on a one-vector tile
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, PANEL_MIN_ROWS, 33])
-@pytest.mark.parametrize("group", [32, 64, 256])
 @pytest.mark.parametrize("minimums", [True, False])
-@pytest.mark.parametrize(("bits", "signed"), list(CODES))
+@pytest.mark.parametrize(("bits", "signed", "group"), LAYOUTS)
 @needs_bf16_dot
 def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums, bits, signed):
     g = torch.Generator().manual_seed(rows * group + bits)
@@ -109,14 +112,15 @@ def test_bfloat16_4bit_layers_take_it_by_default(ops, kind):
 
 @needs_bf16_dot
 def test_bfloat16_8bit_layers_take_it_by_default(ops):
-    """int8 per channel and GGUF's Q8_0 in bfloat16 go onto the kernel at load (their two nibbles); Q6_K's 16-column
-    groups and a shape that does not fit stay on the grouped kernel. Each gives the dequantized layer's outputs at
-    every row count: on the kernel's nibbles below PANEL_MIN_ROWS rows, on its panel from there, on the tiles from
+    """int8 per channel and GGUF's Q8_0 and Q6_K (16-column groups) in bfloat16 go onto the kernel at load; a shape
+    that does not fit stays on the grouped kernel. Each gives the dequantized layer's outputs at every row count: on
+    the kernel's nibbles below PANEL_MIN_ROWS rows, on its panel from there, on the tiles from
     BF16_DOT_TILED_MIN_ROWS."""
     rows, cols = 80, 512
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
-    q8_0 = gguf_blocks.unpack(random_blocks("Q8_0", rows, cols, seed=2), GGMLQuantizationType.Q8_0, (rows, cols))
-    for qw in (quantize_int8(w), q8_0):
+    q8_0, q6_k = (gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=2), GGMLQuantizationType[kind], (rows, cols))
+                  for kind in ("Q8_0", "Q6_K"))
+    for qw in (quantize_int8(w), q8_0, q6_k):
         layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
         assert layer.kernel == "bf16_dot"
         weight = dequantize(qw).double()
@@ -131,8 +135,6 @@ def test_bfloat16_8bit_layers_take_it_by_default(ops):
         x = torch.randn(BF16_DOT_TILED_MIN_ROWS, cols).bfloat16()
         assert torch.equal(layer(x), ops.vnni_tiled_linear(x, layer.vnni))
         assert torch.equal(layer(x[1:]), ops.bf16_dot_linear(x[1:], layer.vnni))
-    q6_k = gguf_blocks.unpack(random_blocks("Q6_K", rows, 256, seed=3), GGMLQuantizationType.Q6_K, (rows, 256))
-    assert QuantizedLinear(q6_k, None, torch.bfloat16, ops).kernel == "grouped_int8"
     assert QuantizedLinear(quantize_int8(w[:72]), None, torch.bfloat16, ops).kernel == "int8"  # not in 16s
 
 
@@ -184,10 +186,13 @@ def test_a_row_gets_the_same_bits_in_any_batch(ops):
         assert torch.equal(alone, batched) == (qw.bits == 4)
 
 
-# 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks
-@pytest.mark.parametrize(("n", "k", "group", "minimums"), [(1040, 2048, 32, True), (80, 256, 64, False),
-                                                          (80, 256, 128, True), (80, 256, 256, False)])
-@pytest.mark.parametrize(("bits", "signed"), list(CODES))
+# 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks;
+# 16-column groups for 8-bit codes only
+TILED = [(1040, 2048, 32, True), (80, 256, 64, False), (80, 256, 128, True), (80, 256, 256, False), (80, 256, 16, True)]
+
+
+@pytest.mark.parametrize(("n", "k", "group", "minimums", "bits", "signed"),
+                         [(*shape, *codes) for shape in TILED for codes in CODES if codes[0] == 8 or shape[2] > 16])
 @needs_bf16_dot
 def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimums, bits, signed):
     """vnni_tiled_linear dequantizes code * scale + minimum in float32 and rounds it to bf16 (as a bf16 model's
@@ -227,14 +232,14 @@ def test_refusals_name_what_it_takes(ops):
     weight = ops.VnniWeight(packed, 32, True, False, False, unit)
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         ops.bf16_dot_linear(torch.randn(2, 64), weight)
-    sixteen_column_groups, unit = pack_vnni(codes, 8, torch.rand(16, 4) * 0.01, None, 16)  # Q6_K's
-    with pytest.raises(RuntimeError, match="groups of 32s"):
-        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(sixteen_column_groups, 16, False, False,
+    four_bit_sixteens, unit = pack_vnni(codes, 4, torch.rand(16, 4) * 0.01, None, 16)
+    with pytest.raises(RuntimeError, match="4-bit codes: unsigned, in groups of 32s"):
+        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(four_bit_sixteens, 16, True, False,
                                                                           False, unit))
     with pytest.raises(RuntimeError, match="K: a multiple of 32"):
         ops.bf16_dot_linear(torch.randn(2, 48).bfloat16(), weight)
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         ops.vnni_tiled_linear(torch.randn(2, 64), weight)
-    with pytest.raises(RuntimeError, match="groups of 32s"):
-        ops.vnni_tiled_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(sixteen_column_groups, 16, False, False,
+    with pytest.raises(RuntimeError, match="4-bit codes: unsigned, in groups of 32s"):
+        ops.vnni_tiled_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(four_bit_sixteens, 16, True, False,
                                                                             False, unit))

@@ -74,7 +74,7 @@ enum class Source {
 // columns k and k + 1. A byte becomes a float by a convert, whose high half is then its bf16: ~10 instructions per
 // chunk, once per call, where the nibble unpack is repeated for every 4 rows and doubles the dot products
 void fill_panel(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t vectors, __m512i* panel) {
-  const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / kByteColumns;
+  const int64_t units = geo.k_dim / geo.unit(), chunks = geo.unit() / kByteColumns;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes();
   const __m512i low_byte = _mm512_set1_epi32(0xFF);
   // word 2 i: the high half of lane i of the first source (column k's float), word 2 i + 1: of the second's
@@ -82,9 +82,9 @@ void fill_panel(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t
   for (int i = 0; i < 16; i++) high_halves[i] = (2 * i + 1) | (32 + 2 * i + 1) << 16;
   const __m512i pick = _mm512_load_si512(high_halves);
   for (int64_t v = 0; v < vectors; v++)
-    for (int64_t g = 0; g < groups; g++) {
-      const uint8_t* rec = weights + ((cb + v) * groups + g) * record;
-      __m512i* out = panel + v * (geo.k_dim / 2) + g * geo.group / 2;
+    for (int64_t u = 0; u < units; u++) {
+      const uint8_t* rec = weights + ((cb + v) * units + u) * record;
+      __m512i* out = panel + v * (geo.k_dim / 2) + u * geo.unit() / 2;
       for (int64_t c = 0; c < chunks; c++) {
         const __m512i bytes = _mm512_loadu_si512(rec + header + c * kChunk);
         __m512i column[kByteColumns];
@@ -108,8 +108,10 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
   constexpr bool kNibbles = kSource == Source::kNibbles, kPanel = kSource == Source::kBytePanel;
   constexpr int64_t kColumns = kNibbles ? kNibbleColumns : kByteColumns;
   constexpr int kPairs = kPanel ? 2 : 4;  // weight pair vectors per chunk
+  // a record per unit of max(group, 32) columns: one group, or two of Q6_K's 16-column ones (8-bit codes)
   const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
-  const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2;
+  const int64_t units = k_dim / geo.unit(), unit_groups = geo.unit() / group;
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2 * unit_groups;
   const uint16_t* xr[kRows];
   const uint16_t* xr16[kRows];
   for (int r = 0; r < kRows; r++) {
@@ -127,49 +129,52 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
   __m512 total[kRows][kVectors];
   for (int r = 0; r < kRows; r++)
     for (int v = 0; v < kVectors; v++) total[r][v] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {  // a record per group: 4-bit groups are 32s
-    const uint8_t* rec[kVectors];
-    for (int v = 0; v < kVectors; v++) rec[v] = weights + ((cb + v) * groups + g) * record;
-    __m512 part[kSplit][kRows][kVectors];
-    for (int s = 0; s < kSplit; s++)
-      for (int r = 0; r < kRows; r++)
-        for (int v = 0; v < kVectors; v++) part[s][r][v] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; c++) {
-      const int64_t k = g * group + c * kColumns;
-      __m512bh w[kVectors][kPairs];  // every channel's columns 0-1, 2-3 (, 4-5, 6-7)
-      for (int v = 0; v < kVectors; v++) {
-        if constexpr (kPanel) {
-          for (int q = 0; q < kPairs; q++)
-            w[v][q] = reinterpret_cast<__m512bh>(_mm512_load_si512(panel + v * (k_dim / 2) + k / 2 + q));
-          continue;
-        }
-        const uint8_t* chunk = rec[v] + header + c * kChunk;
-        _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
-        __m512i codes[4];
-        ridge_vnni::unpack_bf16_pairs(chunk, codes);
-        for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
-      }
-      for (int r = 0; r < kRows; r++)
-        for (int q = 0; q < kPairs; q++) {
-          const __m512bh xq = pair(r, k, q);
-          for (int v = 0; v < kVectors; v++) {
-            __m512& sums = part[q % kSplit][r][v];
-            sums = _mm512_dpbf16_ps(sums, w[v][q], xq);
+  for (int64_t u = 0; u < units; u++)
+    for (int64_t sub = 0; sub < unit_groups; sub++) {
+      const int64_t g = u * unit_groups + sub, s_at = sub * kChannels * 2;  // the group, its values in the header
+      const uint8_t* rec[kVectors];
+      for (int v = 0; v < kVectors; v++) rec[v] = weights + ((cb + v) * units + u) * record;
+      __m512 part[kSplit][kRows][kVectors];
+      for (int s = 0; s < kSplit; s++)
+        for (int r = 0; r < kRows; r++)
+          for (int v = 0; v < kVectors; v++) part[s][r][v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t k = g * group + c * kColumns;
+        __m512bh w[kVectors][kPairs];  // every channel's columns 0-1, 2-3 (, 4-5, 6-7)
+        for (int v = 0; v < kVectors; v++) {
+          if constexpr (kPanel) {
+            for (int q = 0; q < kPairs; q++)
+              w[v][q] = reinterpret_cast<__m512bh>(_mm512_load_si512(panel + v * (k_dim / 2) + k / 2 + q));
+            continue;
           }
+          const uint8_t* chunk = rec[v] + header + (sub * chunks + c) * kChunk;
+          _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
+          __m512i codes[4];
+          ridge_vnni::unpack_bf16_pairs(chunk, codes);
+          for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
         }
-    }
-    for (int v = 0; v < kVectors; v++) {
-      const __m512 scale = ridge_vnni::load_halves(rec[v]);
-      const __m512 minimum = geo.minimums ? ridge_vnni::load_halves(rec[v] + minimums_at) : _mm512_setzero_ps();
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(excess), scale, minimum);
-      for (int r = 0; r < kRows; r++) {
-        __m512 sums = part[0][r][v];
-        for (int s = 1; s < kSplit; s++) sums = _mm512_add_ps(sums, part[s][r][v]);
-        const __m512 xs = _mm512_set1_ps(xsum[(m0 + r) * groups + g]);
-        total[r][v] = _mm512_fmadd_ps(offset, xs, _mm512_fmadd_ps(sums, scale, total[r][v]));
+        for (int r = 0; r < kRows; r++)
+          for (int q = 0; q < kPairs; q++) {
+            const __m512bh xq = pair(r, k, q);
+            for (int v = 0; v < kVectors; v++) {
+              __m512& sums = part[q % kSplit][r][v];
+              sums = _mm512_dpbf16_ps(sums, w[v][q], xq);
+            }
+          }
+      }
+      for (int v = 0; v < kVectors; v++) {
+        const __m512 scale = ridge_vnni::load_halves(rec[v] + s_at);
+        const __m512 minimum =
+            geo.minimums ? ridge_vnni::load_halves(rec[v] + minimums_at + s_at) : _mm512_setzero_ps();
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(excess), scale, minimum);
+        for (int r = 0; r < kRows; r++) {
+          __m512 sums = part[0][r][v];
+          for (int s = 1; s < kSplit; s++) sums = _mm512_add_ps(sums, part[s][r][v]);
+          const __m512 xs = _mm512_set1_ps(xsum[(m0 + r) * groups + g]);
+          total[r][v] = _mm512_fmadd_ps(offset, xs, _mm512_fmadd_ps(sums, scale, total[r][v]));
+        }
       }
     }
-  }
   for (int r = 0; r < kRows; r++)
     for (int v = 0; v < kVectors; v++)
       ridge_vec::store_bf16(out + (m0 + r) * n_dim + (cb + v) * kChannels,
@@ -233,7 +238,6 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), group = weight.group;
   const Geometry geo = ridge_vnni::geometry(weight, k_dim);
-  TORCH_CHECK(group % 32 == 0, "bf16_dot_linear: groups of 32s (a record per group), not ", group);
   const int64_t n_dim = weight.packed.size(0) * kChannels;
 #if defined(RIDGE_BF16_DOT)
   const torch::Tensor xc = x.contiguous();

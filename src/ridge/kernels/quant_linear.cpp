@@ -250,7 +250,7 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
 }
 
 #if defined(__AVX512BW__)
-// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s, groups of 32s) -> tile [K, rows] in bf16, w = code *
+// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s; groups of 16, or of 32s) -> tile [K, rows] in bf16, w = code *
 // scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads. A lane is a channel, as a row of the
 // k-major tile is: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column in its even
 // bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its lane's bytes.
@@ -259,8 +259,9 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
   using ridge_vnni::kChannels;
   const int64_t columns = geo.nibbles ? ridge_vnni::kNibbleColumns : ridge_vnni::kByteColumns;
   const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / columns, blocks = rows / kChannels;
-  const int64_t header = geo.header_bytes(), record = geo.record_bytes();
-  const uint8_t* packed = weight.packed.data_ptr<uint8_t>() + n0 / kChannels * groups * record;
+  const int64_t units = geo.k_dim / geo.unit(), unit_groups = geo.unit() / geo.group;
+  const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2 * unit_groups;
+  const uint8_t* packed = weight.packed.data_ptr<uint8_t>() + n0 / kChannels * units * record;
   const __m512 unit = _mm512_set1_ps(static_cast<float>(weight.unit));
   const __m512i high_halves = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)), low_byte = _mm512_set1_epi32(0xFF);
   // what a stored value holds beyond the code: 4-bit values are bf16 128 + code; signed 8-bit codes are stored plus 128
@@ -268,13 +269,15 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < blocks; b++)
     for (int64_t g = 0; g < groups; g++) {
-      const uint8_t* rec = packed + (b * groups + g) * record;  // a record per group of 32s
-      const __m512 scale = _mm512_mul_ps(ridge_vnni::load_halves(rec), unit);
-      const __m512 minimum = geo.minimums ? _mm512_mul_ps(ridge_vnni::load_halves(rec + kChannels * 2), unit)
+      // a record per unit of max(group, 32) columns: one group, or two 16-column ones
+      const uint8_t* rec = packed + (b * units + g / unit_groups) * record;
+      const int64_t s_at = g % unit_groups * kChannels * 2;  // the group's values in the header
+      const __m512 scale = _mm512_mul_ps(ridge_vnni::load_halves(rec + s_at), unit);
+      const __m512 minimum = geo.minimums ? _mm512_mul_ps(ridge_vnni::load_halves(rec + minimums_at + s_at), unit)
                                           : _mm512_setzero_ps();
       const __m512 offset = _mm512_fnmadd_ps(excess, scale, minimum);
       for (int64_t c = 0; c < chunks; c++) {
-        const uint8_t* chunk = rec + header + c * ridge_vnni::kChunk;
+        const uint8_t* chunk = rec + header + (g % unit_groups * chunks + c) * ridge_vnni::kChunk;
         c10::BFloat16* out = tile + (g * geo.group + c * columns) * rows + b * kChannels;
         if (!geo.nibbles) {
           const __m512i bytes = _mm512_loadu_si512(chunk);
@@ -408,7 +411,6 @@ torch::Tensor vnni_rows(const VnniWeight& weight, torch::Tensor rows, int64_t k_
 torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: bfloat16 [M, K]");
   const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, x.size(1));
-  TORCH_CHECK(weight.group % 32 == 0, "vnni_tiled_linear: groups of 32s (a record per group), not ", weight.group);
 #if defined(__AVX512BW__)
   return tiled_linear<c10::BFloat16>(x, weight.packed.size(0) * ridge_vnni::kChannels, ridge_vnni::kChannels, true,
                                      [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {

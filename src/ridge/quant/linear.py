@@ -2,9 +2,10 @@
 
 On the CPU each format runs on a weight-only kernel that streams the codes and dequantizes in registers:
 - in bfloat16 on CPUs with AVX512-BF16, 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K) and 8-bit ones
-  per channel or per group of 32s (RTN int8, GGUF Q5_0 / Q5_1 / Q5_K / Q8_0; a tied embedding table then reads its
-  rows from the head's layout): ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16 dot products
-  over pack_vnni's layout) below BF16_DOT_TILED_MIN_ROWS rows (past them: tiles dequantized to bf16, as below);
+  per channel, per group of 32s or of 16 (RTN int8, GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0; a tied embedding table
+  then reads its rows from the head's layout): ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16
+  dot products over pack_vnni's layout) below BF16_DOT_TILED_MIN_ROWS rows (past them: tiles dequantized to bf16,
+  as below);
 - int8 per output channel elsewhere: ridge's grouped kernel with one group a row where ridge's kernels are built
   (faster than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
 - 4-bit codes per group elsewhere: torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts
@@ -12,7 +13,7 @@ On the CPU each format runs on a weight-only kernel that streams the codes and d
   both torch kernels dequantize again for every few rows and do not reach AMX: from TILED_MIN_ROWS rows on
   (large batches, prefill) ridge's kernels dequantize a tile of the weight once and multiply it by
   oneDNN's bf16 matmul instead (kernels/quant_linear.cpp; 2-2.6x faster at 32 rows);
-- int8 codes per group otherwise (GGUF Q6_K's 16-column groups, float32, ...): ridge's grouped_int8_linear
+- int8 codes per group otherwise (float32, a shape pack_vnni's layout does not take, ...): ridge's grouped_int8_linear
   (kernels/quant_linear.cpp), as torch has no kernel for grouped int8 scales; in float32, every int8 and
   4-bit format too (the 4-bit codes two a byte, pack_nibbles), as torch's two kernels are slow there;
 - on request (EngineConfig.int8_activations), layers quantize their input to int8 per 32 values and multiply
@@ -160,13 +161,16 @@ class QuantizedLinear(nn.Module):
             or (weight.bits != 4 and weight.group_size is not None))  # GGUF Q5_0 / Q6_K / Q8_0 ... codes
         # exact on AVX512-BF16 dot products over pack_vnni's layout (kernels/bf16_dot_linear.cpp), the weight's own
         # scales in float16: 4-bit codes per group (torch's layout holds them in bf16); 8-bit ones per channel or per
-        # group of 32s, as their two nibbles. Against torch's int4 kernel and ridge's tiles (SmolLM2's 30 layers' shapes
+        # group of 32s or of 16 (Q6_K: 1.35x the grouped kernel at 1 row, 1.8x at 4, 1.14x at 32 on Qwen2.5-0.5B's
+        # 896 x 4864, in 0.9x its bytes). Against torch's int4 kernel and ridge's tiles (SmolLM2's 30 layers' shapes
         # streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-1.9x at 8-32 rows, even at 128-512 (prompts);
         # at 32 rows 1.1x faster than the dense bf16 matmul. Int8 vocabulary projections against the grouped kernel's
         # float path: 1.5x (SmolLM2) and 1.9x (Qwen2.5-0.5B) at 1 row, 1.3x at 4-8, even at 16 (docs/benchmarks.md)
+        layout_group = weight.group_size or self.in_features
         bf16_dot_fits = (bf16_dot and on_cpu and ops is not None and dtype == torch.bfloat16
                          and weight.qweight.dtype != torch.float8_e4m3fn and ops.bf16_dot_available()
-                         and self._vnni_shape_fits() and (weight.group_size or self.in_features) % 32 == 0)
+                         and self._vnni_shape_fits()
+                         and (layout_group % 32 == 0 or (layout_group == 16 and weight.bits != 4)))
         if weight.qweight.dtype == torch.float8_e4m3fn:
             self.kernel = "fp8"
             self.register_buffer("qweight", weight.qweight.contiguous(), persistent=False)
