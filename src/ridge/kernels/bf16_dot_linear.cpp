@@ -110,7 +110,8 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
   constexpr int kPairs = kPanel ? 2 : 4;  // weight pair vectors per chunk
   // a record per unit of max(group, 32) columns: one group, or two of Q6_K's 16-column ones (8-bit codes)
   const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
-  const int64_t units = k_dim / geo.unit(), unit_groups = geo.unit() / group;
+  // (4-bit codes: one group a record, known here, so that the loop over a record's groups compiles away)
+  const int64_t units = k_dim / geo.unit(), unit_groups = kNibbles ? 1 : geo.unit() / group;
   const int64_t header = geo.header_bytes(), record = geo.record_bytes(), minimums_at = kChannels * 2 * unit_groups;
   const uint16_t* xr[kRows];
   const uint16_t* xr16[kRows];
@@ -259,19 +260,20 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
                   static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(), n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
-#pragma omp parallel
-  {
-    std::vector<__m512i> panel(source == Source::kBytePanel ? 2 * k_dim / 2 : 0);
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
-      const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
-      if (source == Source::kBytePanel) fill_panel(geo, call.weights, cb, vectors, panel.data());
-      for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
-        switch (source) {
-          case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
-          case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
-          case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel.data()); break;
-        }
+  // a panel of two blocks' K / 2 pair vectors for each thread, taken before the parallel loop (one region, one barrier
+  // at its end: a decode step makes ~120 of these calls)
+  const int64_t panel_vectors = source == Source::kBytePanel ? k_dim : 0;
+  std::vector<__m512i> panels(panel_vectors * omp_get_max_threads());
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < pairs; p++) {
+    const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
+    __m512i* panel = panels.data() + panel_vectors * omp_get_thread_num();
+    if (source == Source::kBytePanel) fill_panel(geo, call.weights, cb, vectors, panel);
+    for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+      switch (source) {
+        case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
+        case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
+        case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel); break;
       }
     }
   }
