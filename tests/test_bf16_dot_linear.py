@@ -36,14 +36,15 @@ def ops():
 
 def tolerance(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """bfloat16's rounding of the output (half a unit of its 8-bit mantissa, taken whole), plus float32's of sums
-    that carry each code with an excess (128 + code for 4-bit codes, 2176 + code for 8-bit ones as two nibbles,
-    2304 + code if signed): 2^-16 of the sum of |x| times |w| + excess * scale (`offsets`), ~2^-24 per term over a
-    few hundred terms."""
+    that carry each code with an excess (128 + code for 4-bit codes and 7-bit ones, 192 + code if signed; 2176 +
+    code for 8-bit ones as two nibbles, 2304 + code if signed): 2^-16 of the sum of |x| times |w| + excess * scale
+    (`offsets`), ~2^-24 per term over a few hundred terms."""
     return 2**-8 * expected.abs() + 2**-16 * x.abs().double() @ (weight.abs() + offsets).double().T
 
 
-# (bits, signed codes): 4-bit codes are unsigned; 8-bit ones either (signed: stored plus 128)
-CODES = {(4, False): (0, 16), (8, False): (0, 256), (8, True): (-128, 128)}
+# (bits, signed codes): 4-bit codes are unsigned; 8-bit ones either (signed: stored plus 128); 7: 8-bit codes of at
+# most 7 bits (GGUF's 5- and 6-bit formats: VnniWeight's seven_bit, each code one bf16)
+CODES = {(4, False): (0, 16), (8, False): (0, 256), (8, True): (-128, 128), (7, False): (0, 128), (7, True): (-64, 64)}
 
 
 def random_codes(bits: int, signed: bool, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +54,18 @@ def random_codes(bits: int, signed: bool, n: int, k: int, g: torch.Generator) ->
 
 
 def excess(bits: int, signed: bool) -> int:
-    return 128 if bits == 4 else 2176 + (128 if signed else 0)
+    return 128 if bits == 4 else (128 if bits == 7 else 2176) + (64 if bits == 7 else 128) * signed
+
+
+def vnni_weight(ops, codes: torch.Tensor, bits: int, signed: bool, scales: torch.Tensor,
+                minimums: torch.Tensor | None, group: int):
+    """pack_vnni's layout of codes as `bits` (CODES) says, as the kernel takes it."""
+    packed, unit = pack_vnni(codes, 4 if bits == 4 else 8, scales, minimums, group)
+    return ops.VnniWeight(packed, group, bits == 4, signed, minimums is not None, unit, seven_bit=bits == 7)
 
 
 # (bits, signed codes, group): groups of 32s, and 8-bit codes in Q6_K's groups of 16 (two a record)
-LAYOUTS = [(bits, signed, group) for bits, signed in CODES for group in (16, 32, 64, 256) if bits == 8 or group > 16]
+LAYOUTS = [(bits, signed, group) for bits, signed in CODES for group in (16, 32, 64, 256) if bits != 4 or group > 16]
 
 
 # rows: the register tiles (4 rows, then 1-3); 8-bit codes on the panel from 8 (PANEL_MIN_ROWS); 80 channels: five
@@ -73,8 +81,7 @@ def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums, bits, 
     codes, stored = random_codes(bits, signed, n, k, g)
     scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()  # float16 holds them exactly
     mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
-    packed, unit = pack_vnni(stored, bits, scales, mins, group)
-    got = ops.bf16_dot_linear(x, ops.VnniWeight(packed, group, bits == 4, signed, minimums, unit))
+    got = ops.bf16_dot_linear(x, vnni_weight(ops, stored, bits, signed, scales, mins, group))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     weight = codes.double() * scales.double().repeat_interleave(group, 1)
     if mins is not None:
@@ -112,17 +119,17 @@ def test_bfloat16_4bit_layers_take_it_by_default(ops, kind):
 
 @needs_bf16_dot
 def test_bfloat16_8bit_layers_take_it_by_default(ops):
-    """int8 per channel and GGUF's Q8_0 and Q6_K (16-column groups) in bfloat16 go onto the kernel at load; a shape
-    that does not fit stays on the grouped kernel. Each gives the dequantized layer's outputs at every row count: on
-    the kernel's nibbles below PANEL_MIN_ROWS rows, on its panel from there, on the tiles from
-    BF16_DOT_TILED_MIN_ROWS."""
+    """int8 per channel and GGUF's Q8_0, Q5_0, Q5_K and Q6_K (16-column groups) in bfloat16 go onto the kernel at
+    load, the 5- and 6-bit codes as seven_bit; a shape that does not fit stays on the grouped kernel. Each gives the
+    dequantized layer's outputs at every row count: full 8-bit codes on the kernel's nibbles below PANEL_MIN_ROWS
+    rows and on its panel from there, 7-bit ones each a bf16, all on the tiles from BF16_DOT_TILED_MIN_ROWS."""
     rows, cols = 80, 512
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
-    q8_0, q6_k = (gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=2), GGMLQuantizationType[kind], (rows, cols))
-                  for kind in ("Q8_0", "Q6_K"))
-    for qw in (quantize_int8(w), q8_0, q6_k):
+    gguf = {kind: gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=2), GGMLQuantizationType[kind], (rows, cols))
+            for kind in ("Q8_0", "Q5_0", "Q5_K", "Q6_K")}
+    for qw in (quantize_int8(w), *gguf.values()):
         layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
-        assert layer.kernel == "bf16_dot"
+        assert layer.kernel == "bf16_dot" and layer.vnni.seven_bit == (qw.bits in (5, 6))
         weight = dequantize(qw).double()
         scales = qw.scales.double().abs().reshape(rows, -1).repeat_interleave(qw.group_size or cols, 1)
         for tokens in (1, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 33, BF16_DOT_TILED_MIN_ROWS - 1, BF16_DOT_TILED_MIN_ROWS):
@@ -174,16 +181,17 @@ def test_int8_activations_take_over_the_same_layout(ops):
 def test_a_row_gets_the_same_bits_in_any_batch(ops):
     """Each row's sums run in the same order whatever tile it lands in (4, 3, 2 or 1 rows; one or two channel
     blocks): a request's logits do not depend on what it is batched with (below BF16_DOT_TILED_MIN_ROWS rows,
-    above decode's max_num_seqs). 8-bit codes change their arithmetic at PANEL_MIN_ROWS (two nibbles, then one exact
-    bf16 value): from there on, the same bits in any batch."""
-    w = torch.randn(80, 192, generator=torch.Generator().manual_seed(3))
-    x = torch.randn(13, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
-    for qw in (quantize_int4(w, 64), quantize_int8(w)):
+    above decode's max_num_seqs). Full 8-bit codes change their arithmetic at PANEL_MIN_ROWS (two nibbles, then one
+    exact bf16 value): from there on, the same bits in any batch."""
+    w = torch.randn(80, 256, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    q6_k = gguf_blocks.unpack(random_blocks("Q6_K", 80, 256, seed=5), GGMLQuantizationType.Q6_K, (80, 256))
+    for qw in (quantize_int4(w, 64), quantize_int8(w), q6_k):
         layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
         assert layer.kernel == "bf16_dot"
         batched, alone = layer(x), torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         assert torch.equal(layer(x[3:11]), batched[3:11])
-        assert torch.equal(alone, batched) == (qw.bits == 4)
+        assert torch.equal(alone, batched) == (qw.bits != 8)
 
 
 # 1040 channels at K = 2048: two of the 4 MiB tiles (1024 channels, then 16); 80 at K = 256: one tile of 5 blocks;
@@ -192,7 +200,7 @@ TILED = [(1040, 2048, 32, True), (80, 256, 64, False), (80, 256, 128, True), (80
 
 
 @pytest.mark.parametrize(("n", "k", "group", "minimums", "bits", "signed"),
-                         [(*shape, *codes) for shape in TILED for codes in CODES if codes[0] == 8 or shape[2] > 16])
+                         [(*shape, *codes) for shape in TILED for codes in CODES if codes[0] != 4 or shape[2] > 16])
 @needs_bf16_dot
 def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimums, bits, signed):
     """vnni_tiled_linear dequantizes code * scale + minimum in float32 and rounds it to bf16 (as a bf16 model's
@@ -203,8 +211,7 @@ def test_prompt_tiles_equal_the_weight_rounded_to_bf16(ops, n, k, group, minimum
     codes, stored = random_codes(bits, signed, n, k, g)
     scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
     mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
-    packed, unit = pack_vnni(stored, bits, scales, mins, group)
-    vnni = ops.VnniWeight(packed, group, bits == 4, signed, minimums, unit)
+    vnni = vnni_weight(ops, stored, bits, signed, scales, mins, group)
     got = ops.vnni_tiled_linear(x, vnni)
     weight = codes.float() * scales.repeat_interleave(group, 1)
     if mins is not None:
@@ -238,6 +245,8 @@ def test_refusals_name_what_it_takes(ops):
                                                                           False, unit))
     with pytest.raises(RuntimeError, match="K: a multiple of 32"):
         ops.bf16_dot_linear(torch.randn(2, 48).bfloat16(), weight)
+    with pytest.raises(RuntimeError, match="seven_bit: 8-bit codes of at most 7 bits"):
+        ops.bf16_dot_linear(torch.randn(2, 64).bfloat16(), ops.VnniWeight(packed, 32, True, False, False, unit, True))
     with pytest.raises(RuntimeError, match="x: bfloat16"):
         ops.vnni_tiled_linear(torch.randn(2, 64), weight)
     with pytest.raises(RuntimeError, match="4-bit codes: unsigned, in groups of 32s"):

@@ -66,6 +66,7 @@ using ridge_vnni::kNibbleColumns;
 enum class Source {
   kNibbles,      // 4-bit codes, each chunk unpacked as 128 + code
   kByteNibbles,  // 8-bit codes, each chunk unpacked as two nibbles (few rows)
+  kSevenBit,     // 8-bit codes of at most 7 bits (VnniWeight::seven_bit), each chunk unpacked as 128 + code
   kBytePanel,    // 8-bit codes, converted once per call into a panel of exact bf16 pairs (many rows; fill_panel)
 };
 
@@ -97,17 +98,18 @@ void fill_panel(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t
     }
 }
 
-// out[m0 .. m0 + kRows, channel blocks cb .. cb + kVectors) for one register tile; xsum [M, K / group]; x16: x
-// times 16 for 8-bit codes' high nibbles; panel: fill_panel's for blocks cb .. cb + kVectors. kSplit: the chains of
-// dot products per row and block (a dot product waits several cycles on the previous one into the same sums: with
-// few rows, one chain each would wait on latency)
+// out[m0 .. m0 + kRows, channel blocks cb .. cb + kVectors) for one register tile, the arguments as Call holds them;
+// panel: fill_panel's for blocks cb .. cb + kVectors. kSplit: the chains of dot products per row and block (a dot
+// product waits several cycles on the previous one into the same sums: with few rows, one chain each would wait on
+// latency)
 template <Source kSource, int kRows, int kVectors, int kSplit>
 void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, const Geometry& geo, float excess,
-          int64_t m0, int64_t cb, const uint8_t* weights, const __m512i* panel, float unit, c10::BFloat16* out,
-          int64_t n_dim) {
+          int64_t m0, int64_t cb, const uint8_t* weights, uint8_t seven_bit_low, const __m512i* panel, float unit,
+          c10::BFloat16* out, int64_t n_dim) {
   constexpr bool kNibbles = kSource == Source::kNibbles, kPanel = kSource == Source::kBytePanel;
   constexpr int64_t kColumns = kNibbles ? kNibbleColumns : kByteColumns;
-  constexpr int kPairs = kPanel ? 2 : 4;  // weight pair vectors per chunk
+  constexpr int kPairs = kPanel || kSource == Source::kSevenBit ? 2 : 4;  // weight pair vectors per chunk
+  const __m512i low = _mm512_set1_epi8(static_cast<char>(seven_bit_low));
   // a record per unit of max(group, 32) columns: one group, or two of Q6_K's 16-column ones (8-bit codes)
   const int64_t k_dim = geo.k_dim, group = geo.group, groups = k_dim / group, chunks = group / kColumns;
   // (4-bit codes: one group a record, known here, so that the loop over a record's groups compiles away)
@@ -150,6 +152,12 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
           }
           const uint8_t* chunk = rec[v] + header + (sub * chunks + c) * kChunk;
           _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
+          if constexpr (kSource == Source::kSevenBit) {
+            __m512i codes[2];
+            ridge_vnni::unpack_bf16_seven_bit(chunk, low, codes);
+            for (int q = 0; q < 2; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
+            continue;
+          }
           __m512i codes[4];
           ridge_vnni::unpack_bf16_pairs(chunk, codes);
           for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
@@ -192,11 +200,12 @@ constexpr int64_t kPanelMinRows = 8;
 
 // What a call's tiles share
 struct Call {
-  const c10::BFloat16 *x, *x16;
-  const float* xsum;
+  const c10::BFloat16 *x, *x16;  // x16: x times 16, for 8-bit codes' high nibbles
+  const float* xsum;             // [M, K / group]
   Geometry geo;
   float excess;  // what the sums hold beyond sum x code, per unit of x's group sum
   const uint8_t* weights;
+  uint8_t seven_bit_low;  // kSevenBit: what is taken from each stored byte to bring it into 0 .. 127
   float unit;
   c10::BFloat16* out;
   int64_t n_dim;
@@ -206,11 +215,11 @@ template <Source kSource, int kRows>
 void tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel) {
   constexpr int kSplit = kRows <= 2 ? 2 : 1;
   if (vectors == 2)
-    tile<kSource, kRows, 2, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out,
-                                    a.n_dim);
+    tile<kSource, kRows, 2, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.seven_bit_low, panel,
+                                    a.unit, a.out, a.n_dim);
   else
-    tile<kSource, kRows, 1, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out,
-                                    a.n_dim);
+    tile<kSource, kRows, 1, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.seven_bit_low, panel,
+                                    a.unit, a.out, a.n_dim);
 }
 
 template <Source kSource>
@@ -245,6 +254,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
   const Source source = weight.nibbles           ? Source::kNibbles
+                        : weight.seven_bit       ? Source::kSevenBit
                         : m_dim >= kPanelMinRows ? Source::kBytePanel
                                                  : Source::kByteNibbles;
   // x times 16 for 8-bit codes' high nibbles (exact: a power of two), in a plain buffer: a torch op per call cost
@@ -253,11 +263,16 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   for (size_t i = 0; i < x16.size(); i++) x16[i] = static_cast<float>(xp[i]) * 16.f;
   const std::vector<float> xsum = group_sums(xp, m_dim * (k_dim / group), group);  // the excess's and minimums' term
   const float signed_excess = weight.signed_codes ? 128.f : 0.f;
+  const uint8_t seven_bit_low = weight.signed_codes ? 64 : 0;  // signed codes -64 .. 63 are stored as 64 .. 191
   const float excess = source == Source::kNibbles       ? 128.f
                        : source == Source::kByteNibbles ? 2176.f + signed_excess
+                       : source == Source::kSevenBit    ? 128.f - seven_bit_low + signed_excess
                                                         : signed_excess;
-  const Call call{xp, x16.empty() ? nullptr : x16.data(), xsum.data(), geo, excess, weight.packed.data_ptr<uint8_t>(),
-                  static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(), n_dim};
+  const Call call{xp,         x16.empty() ? nullptr : x16.data(),
+                  xsum.data(), geo,
+                  excess,     weight.packed.data_ptr<uint8_t>(),
+                  seven_bit_low, static_cast<float>(weight.unit),
+                  out.data_ptr<c10::BFloat16>(), n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
   // a panel of two blocks' K / 2 pair vectors for each thread, taken before the parallel loop (one region, one barrier
@@ -273,6 +288,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
       switch (source) {
         case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
         case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
+        case Source::kSevenBit: tiles<Source::kSevenBit>(call, m_dim, m0, cb, vectors, nullptr); break;
         case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel); break;
       }
     }

@@ -16,10 +16,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
   py::class_<VnniWeight>(m, "VnniWeight", "a weight in vnni_linear's layout (quant/linear.py's pack_vnni)")
       .def(py::init([](torch::Tensor packed, int64_t group, bool nibbles, bool signed_codes, bool minimums,
-                       double unit) { return VnniWeight{packed, group, nibbles, signed_codes, minimums, unit}; }),
+                       double unit, bool seven_bit) {
+             return VnniWeight{packed, group, nibbles, signed_codes, minimums, unit, seven_bit};
+           }),
            py::arg("packed"), py::arg("group"), py::arg("nibbles"), py::arg("signed_codes"), py::arg("minimums"),
-           py::arg("unit"))
-      .def_readonly("packed", &VnniWeight::packed);
+           py::arg("unit"), py::arg("seven_bit") = false)
+      .def_readonly("packed", &VnniWeight::packed)
+      .def_readonly("seven_bit", &VnniWeight::seven_bit);
   m.def("vnni_linear", &vnni_linear,
         "int8_dot_linear's arithmetic as a matrix kernel for AVX512-VNNI, over pack_vnni's layout",
         py::arg("x"), py::arg("weight"));

@@ -31,6 +31,9 @@ struct VnniWeight {
   int64_t group;
   bool nibbles, signed_codes, minimums;  // 4-bit codes two a byte; int8 codes stored plus 128; minimums held
   double unit;  // what the stored float16 scales and minimums count in
+  // 8-bit codes of at most 7 bits: 0 .. 127, or -64 .. 63 if signed (GGUF's 5- and 6-bit formats), which bf16
+  // holds as 128 + code exactly, as 4-bit codes (bf16_dot_linear.cpp)
+  bool seven_bit = false;
 };
 torch::Tensor vnni_linear(torch::Tensor x, const VnniWeight& weight);
 bool vnni_available();

@@ -37,6 +37,7 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
   TORCH_CHECK(k_dim % kBlock == 0 && (group == 16 || group % kBlock == 0) && k_dim % group == 0,
               "K: a multiple of 32; group: 16, or a multiple of 32 dividing K");
   TORCH_CHECK(!(weight.nibbles && (group == 16 || weight.signed_codes)), "4-bit codes: unsigned, in groups of 32s");
+  TORCH_CHECK(!(weight.nibbles && weight.seven_bit), "seven_bit: 8-bit codes of at most 7 bits, not 4-bit ones");
   const Geometry geo{weight.nibbles, weight.minimums, k_dim, group};
   const torch::Tensor& packed = weight.packed;
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
@@ -67,6 +68,17 @@ inline void unpack_bf16_pairs(const uint8_t* chunk, __m512i out[4]) {
   out[1] = _mm512_unpackhi_epi8(lo, magic);
   out[2] = _mm512_unpacklo_epi8(hi, magic);
   out[3] = _mm512_unpackhi_epi8(hi, magic);
+}
+
+// An 8-bit chunk's 64 codes of at most 7 bits (stored bytes less `low`, 0 or 64, in 0 .. 127) as bf16 values
+// 128 + byte - low, with the same shuffle: out[0] holds columns k0 and k0 + 1, out[1] k0 + 2 and k0 + 3
+inline void unpack_bf16_seven_bit(const uint8_t* chunk, const __m512i& low, __m512i out[2]) {
+  const __m512i magic = _mm512_set1_epi8(0x43);
+  const __m512i columns_apart = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m512i bytes = _mm512_sub_epi8(_mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart), low);
+  out[0] = _mm512_unpacklo_epi8(bytes, magic);
+  out[1] = _mm512_unpackhi_epi8(bytes, magic);
 }
 #endif
 

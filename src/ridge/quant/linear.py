@@ -271,7 +271,10 @@ class QuantizedLinear(nn.Module):
         packed, unit = pack_vnni(stored, 4 if nibbles else 8, scales.reshape(self.out_features, -1),
                                  None if minimums is None else minimums.reshape(self.out_features, -1), group)
         self.register_buffer("qweight", packed, persistent=False)  # the bytes; self.vnni refers to the same tensor
-        self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit)
+        # GGUF's 5- and 6-bit codes fit 7 bits: bf16_dot_linear takes each as one bf16, not as two nibbles
+        low, high = (-64, 63) if signed else (0, 127)
+        seven_bit = not nibbles and low <= int(codes.min()) and int(codes.max()) <= high
+        self.vnni = self.ops.VnniWeight(packed, group, nibbles, signed, minimums is not None, unit, seven_bit)
         self.group_size, self.signed_codes, self.unpacked = group, signed, None
 
     @property
