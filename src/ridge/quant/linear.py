@@ -161,11 +161,12 @@ class QuantizedLinear(nn.Module):
             or (weight.bits != 4 and weight.group_size is not None))  # GGUF Q5_0 / Q6_K / Q8_0 ... codes
         # exact on AVX512-BF16 dot products over pack_vnni's layout (kernels/bf16_dot_linear.cpp), the weight's own
         # scales in float16: 4-bit codes per group (torch's layout holds them in bf16); 8-bit ones per channel or per
-        # group of 32s or of 16 (Q6_K: 1.35x the grouped kernel at 1 row, 1.8x at 4, 1.14x at 32 on Qwen2.5-0.5B's
-        # 896 x 4864, in 0.9x its bytes). Against torch's int4 kernel and ridge's tiles (SmolLM2's 30 layers' shapes
+        # group of 32s or of 16 (Q6_K). Against torch's int4 kernel and ridge's tiles (SmolLM2's 30 layers' shapes
         # streamed from memory, 2-core Zen 4): 1.4x faster at 1 row, 1.5-1.9x at 8-32 rows, even at 128-512 (prompts);
         # at 32 rows 1.1x faster than the dense bf16 matmul. Int8 vocabulary projections against the grouped kernel's
-        # float path: 1.5x (SmolLM2) and 1.9x (Qwen2.5-0.5B) at 1 row, 1.3x at 4-8, even at 16 (docs/benchmarks.md)
+        # float path: 1.5x (SmolLM2) and 1.9x (Qwen2.5-0.5B) at 1 row, 1.3x at 4-8, even at 16; Q6_K (its codes each
+        # one bf16, seven_bit): 1.45x at 1 row, 2.6x at 4, 1.39x at 32 on Qwen's 896 x 4864 in 0.9x the bytes
+        # (docs/benchmarks.md)
         layout_group = weight.group_size or self.in_features
         bf16_dot_fits = (bf16_dot and on_cpu and ops is not None and dtype == torch.bfloat16
                          and weight.qweight.dtype != torch.float8_e4m3fn and ops.bf16_dot_available()
