@@ -273,11 +273,8 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
                        : source == Source::kByteNibbles ? 2176.f + signed_excess
                        : source == Source::kSevenBit    ? 128.f - seven_bit_low + signed_excess
                                                         : signed_excess;
-  const Call call{xp,         x16.empty() ? nullptr : x16.data(),
-                  xsum.data(), geo,
-                  excess,     weight.packed.data_ptr<uint8_t>(),
-                  seven_bit_low, static_cast<float>(weight.unit),
-                  out.data_ptr<c10::BFloat16>(), n_dim};
+  const Call call{xp, x16.empty() ? nullptr : x16.data(), xsum.data(), geo, excess, weight.packed.data_ptr<uint8_t>(),
+                  seven_bit_low, static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(), n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
   // a panel of two blocks' K / 2 pair vectors for each thread, taken before the parallel loop (one region, one barrier

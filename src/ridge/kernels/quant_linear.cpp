@@ -250,10 +250,11 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
 }
 
 #if defined(__AVX512BW__)
-// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s; groups of 16, or of 32s) -> tile [K, rows] in bf16, w = code *
-// scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads. A lane is a channel, as a row of the
-// k-major tile is: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column in its even
-// bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its lane's bytes.
+// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s; groups of 16, or of 32s) -> tile [K, rows] in bf16,
+// w = code * scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads. A lane is a channel, as a
+// row of the k-major tile is: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column
+// in its even bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its
+// lane's bytes.
 void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, int64_t n0, int64_t rows,
                      c10::BFloat16* tile) {
   using ridge_vnni::kChannels;

@@ -54,14 +54,21 @@ inline __m512 load_halves(const uint8_t* p) {
 #endif
 
 #if defined(__AVX512BW__)
+// A chunk's 64 bytes with channel 4 L + i's (bytes 16 L + 4 i + (0..3)) first two moved to bytes 16 L + 2 i + (0, 1)
+// and its last two to 16 L + 8 + 2 i + (0, 1): unpacking the low and the high 8 bytes of each 128-bit lane then puts
+// a channel's bytes into one 32-bit lane (bf16_dot_linear.cpp's lanes)
+inline __m512i load_columns_apart(const uint8_t* chunk) {
+  const __m512i columns_apart = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  return _mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart);
+}
+
 // A 4-bit chunk's 128 codes as bf16 values 128 + code (bf16_dot_linear.cpp says why and how), in four vectors:
 // 32-bit lane c of out[q] holds channel c's columns k0 + 2q and k0 + 2q + 1. An 8-bit chunk's 64 codes the same way,
 // as nibbles: out[q] holds the low nibbles of columns k0 + 2q and k0 + 2q + 1 for q < 2, their high ones at q + 2
 inline void unpack_bf16_pairs(const uint8_t* chunk, __m512i out[4]) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), magic = _mm512_set1_epi8(0x43);
-  const __m512i columns_apart = _mm512_broadcast_i32x4(
-      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-  const __m512i bytes = _mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart);
+  const __m512i bytes = load_columns_apart(chunk);
   const __m512i lo = _mm512_and_si512(bytes, low_nibbles);
   const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
   out[0] = _mm512_unpacklo_epi8(lo, magic);
@@ -74,9 +81,7 @@ inline void unpack_bf16_pairs(const uint8_t* chunk, __m512i out[4]) {
 // 128 + byte - low, with the same shuffle: out[0] holds columns k0 and k0 + 1, out[1] k0 + 2 and k0 + 3
 inline void unpack_bf16_seven_bit(const uint8_t* chunk, const __m512i& low, __m512i out[2]) {
   const __m512i magic = _mm512_set1_epi8(0x43);
-  const __m512i columns_apart = _mm512_broadcast_i32x4(
-      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-  const __m512i bytes = _mm512_sub_epi8(_mm512_shuffle_epi8(_mm512_loadu_si512(chunk), columns_apart), low);
+  const __m512i bytes = _mm512_sub_epi8(load_columns_apart(chunk), low);
   out[0] = _mm512_unpacklo_epi8(bytes, magic);
   out[1] = _mm512_unpackhi_epi8(bytes, magic);
 }
