@@ -270,15 +270,15 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < blocks; b++)
     for (int64_t g = 0; g < groups; g++) {
-      // a record per unit of max(group, 32) columns: one group, or two 16-column ones
+      // a record per unit of max(group, 32) columns: one group, or two 16-column ones (sub: which)
+      const int64_t sub = g % unit_groups, s_at = sub * kChannels * 2;  // s_at: the group's values in the header
       const uint8_t* rec = packed + (b * units + g / unit_groups) * record;
-      const int64_t s_at = g % unit_groups * kChannels * 2;  // the group's values in the header
       const __m512 scale = _mm512_mul_ps(ridge_vnni::load_halves(rec + s_at), unit);
       const __m512 minimum = geo.minimums ? _mm512_mul_ps(ridge_vnni::load_halves(rec + minimums_at + s_at), unit)
                                           : _mm512_setzero_ps();
       const __m512 offset = _mm512_fnmadd_ps(excess, scale, minimum);
       for (int64_t c = 0; c < chunks; c++) {
-        const uint8_t* chunk = rec + header + (g % unit_groups * chunks + c) * ridge_vnni::kChunk;
+        const uint8_t* chunk = rec + header + (sub * chunks + c) * ridge_vnni::kChunk;
         c10::BFloat16* out = tile + (g * geo.group + c * columns) * rows + b * kChannels;
         if (!geo.nibbles) {
           const __m512i bytes = _mm512_loadu_si512(chunk);
