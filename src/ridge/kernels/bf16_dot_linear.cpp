@@ -281,6 +281,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   // a panel of two blocks' K / 2 pair vectors for each thread, taken before the parallel loop (one region, one barrier
   // at its end: a decode step makes ~120 of these calls)
   const int64_t panel_vectors = source == Source::kBytePanel ? k_dim : 0;
+  const int64_t row_tiles = (m_dim + kMaxRows - 1) / kMaxRows;
   // (not a std::vector: fill_panel writes every vector, zeroing them first would be a second pass)
   const std::unique_ptr<__m512i[]> panels(panel_vectors ? new __m512i[panel_vectors * omp_get_max_threads()] : nullptr);
 #pragma omp parallel for schedule(static)
@@ -288,7 +289,9 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
     const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
     __m512i* panel = panels.get() + panel_vectors * omp_get_thread_num();
     if (source == Source::kBytePanel) fill_panel(geo, call.weights, cb, vectors, panel);
+    ridge_vnni::NextPairPrefetch next_pair(geo, call.weights, cb, channel_blocks, row_tiles);
     for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+      next_pair.before_tile();
       switch (source) {
         case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
         case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;

@@ -213,9 +213,12 @@ void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t 
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < pairs; p++) {
     const int64_t cb = 2 * p, vectors = std::min<int64_t>(2, channel_blocks - cb);
-    for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows)
+    ridge_vnni::NextPairPrefetch next_pair(geo, weights, cb, channel_blocks, (m_dim + kMaxRows - 1) / kMaxRows);
+    for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+      next_pair.before_tile();
       tile_any<kNibbles, kSigned, T>(x, geo, m0, std::min(kMaxRows, m_dim - m0), cb, vectors, weights, out,
                                      n_dim);
+    }
   }
 }
 
