@@ -41,6 +41,8 @@ def split_shared_prefixes(
     A row's last token never falls in its prefix, so every suffix holds at least one key; that keeps both
     halves of a row's softmax non-empty."""
     prefixes: list[SharedPrefix] = []
+    if block_tables.shape[0] < min_rows:  # no group can be large enough (a step's torch.unique costs ~25 us)
+        return prefixes, block_tables, context_lens
     _, group_of, counts = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
     tables, lens = block_tables, context_lens
     for group in (counts >= min_rows).nonzero().flatten().tolist():

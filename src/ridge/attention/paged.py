@@ -38,6 +38,9 @@ class PagedBackend(AttentionBackend):
             positions = torch.arange(width, device=device)
             # [1, B, 1, L]: broadcast over kv heads and the query group
             meta.decode_mask = (positions < meta.decode_context_lens.unsqueeze(1))[None, :, None, :]
+        if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: tables and lengths as they are
+            self._set_kernel_rows(meta, None, meta.decode_block_tables, meta.decode_context_lens)
+            return
         in_place = self.ops is not None and self.k_cache[0].dtype == torch.bfloat16  # the kernel's fast path
         rows = [torch.arange(meta.num_decodes, device=device)]
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
@@ -61,11 +64,14 @@ class PagedBackend(AttentionBackend):
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tables]
         flat_rows = torch.cat(rows)
         contiguous = bool((flat_rows == torch.arange(len(flat_rows), device=device)).all())
-        tables, lens = torch.cat(padded), torch.cat(lens)
+        self._set_kernel_rows(meta, None if contiguous else flat_rows, torch.cat(padded), torch.cat(lens))
+
+    def _set_kernel_rows(self, meta: AttentionMetadata, rows: torch.Tensor | None, tables: torch.Tensor,
+                         lens: torch.Tensor) -> None:
         prefixes = []
         if self.cascade:
             prefixes, tables, lens = cascade.split_shared_prefixes(tables, lens, self.block_size)
-        meta.kernel_rows = KernelRows(None if contiguous else flat_rows, tables, lens, prefixes)
+        meta.kernel_rows = KernelRows(rows, tables, lens, prefixes)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
