@@ -38,7 +38,7 @@ class PagedBackend(AttentionBackend):
             positions = torch.arange(width, device=device)
             # [1, B, 1, L]: broadcast over kv heads and the query group
             meta.decode_mask = (positions < meta.decode_context_lens.unsqueeze(1))[None, :, None, :]
-        if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: tables and lengths as they are
+        if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: their tables as they are
             self._set_kernel_rows(meta, None, meta.decode_block_tables, meta.decode_context_lens)
             return
         in_place = self.ops is not None and self.k_cache[0].dtype == torch.bfloat16  # the kernel's fast path
