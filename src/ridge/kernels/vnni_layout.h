@@ -50,8 +50,8 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
 // A kernel's thread walks its pairs in order and each pair's rows in tiles of a few: the first tile (or
 // bf16_dot_linear.cpp's fill_panel) waited on memory with the arithmetic idle, and the later ones ran from cache
 // with the memory idle. With this the next pair streams in while the rows go by (Qwen2.5-0.5B at 32 rows, 2-core
-// Zen 4: its int8 head 28-30 -> 25-26 ms, Q8_0 31-32 -> 28 ms, the layers 3-10% faster; docs/benchmarks.md).
-// With one row tile there is nothing to overlap, and the tile's own prefetch runs ahead.
+// Zen 4: its int8 head 27.6-29.4 -> 24.6-25.2 ms, Q8_0 31.2-31.8 -> 27.8-28.5 ms, the layers 2-15% faster;
+// docs/benchmarks.md). With one row tile there is nothing to overlap, and the tile's own prefetch runs ahead.
 class NextPairPrefetch {
  public:
   NextPairPrefetch(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t channel_blocks, int64_t row_tiles) {
@@ -62,7 +62,7 @@ class NextPairPrefetch {
   }
   void before_tile() {
     for (const int64_t end = std::min(lines_, line_ + per_tile_); line_ < end; line_++)
-      _mm_prefetch(reinterpret_cast<const char*>(next_ + kChunk * line_), _MM_HINT_T1);
+      __builtin_prefetch(next_ + kChunk * line_, 0, 2);  // a read, into L2 (x86: prefetcht1)
   }
 
  private:
