@@ -55,10 +55,10 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
 class NextPairPrefetch {
  public:
   NextPairPrefetch(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t channel_blocks, int64_t row_tiles) {
-    const int64_t block_bytes = record_bytes_per_block(geo);
+    const int64_t block_bytes = geo.record_bytes() * (geo.k_dim / geo.unit());
     next_ = weights + (cb + 2) * block_bytes;
     lines_ = row_tiles > 1 ? std::clamp<int64_t>(channel_blocks - cb - 2, 0, 2) * block_bytes / kChunk : 0;
-    per_tile_ = row_tiles > 1 ? (lines_ + row_tiles - 1) / row_tiles : 0;
+    per_tile_ = lines_ ? (lines_ + row_tiles - 1) / row_tiles : 0;
   }
   void before_tile() {
     for (const int64_t end = std::min(lines_, line_ + per_tile_); line_ < end; line_++)
@@ -66,7 +66,6 @@ class NextPairPrefetch {
   }
 
  private:
-  static int64_t record_bytes_per_block(const Geometry& geo) { return geo.record_bytes() * (geo.k_dim / geo.unit()); }
   const uint8_t* next_;
   int64_t lines_, per_tile_, line_ = 0;
 };
