@@ -111,7 +111,7 @@ void fill_panel(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t
 template <Source kSource, int kRows, int kVectors, int kSplit>
 void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, const Geometry& geo, float excess,
           int64_t m0, int64_t cb, const uint8_t* weights, uint8_t seven_bit_low, const __m512i* panel, float unit,
-          c10::BFloat16* out, int64_t n_dim) {
+          c10::BFloat16* out, int64_t n_dim, int64_t ahead) {
   constexpr bool kNibbles = kSource == Source::kNibbles, kPanel = kSource == Source::kBytePanel;
   constexpr int64_t kColumns = kNibbles ? kNibbleColumns : kByteColumns;
   constexpr int kPairs = kPanel || kSource == Source::kSevenBit ? 2 : 4;  // weight pair vectors per chunk
@@ -142,7 +142,10 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
     for (int64_t sub = 0; sub < unit_groups; sub++) {
       const int64_t g = u * unit_groups + sub, s_at = sub * kChannels * 2;  // the group, its values in the header
       const uint8_t* rec[kVectors];
-      for (int v = 0; v < kVectors; v++) rec[v] = weights + ((cb + v) * units + u) * record;
+      for (int v = 0; v < kVectors; v++) {
+        rec[v] = weights + ((cb + v) * units + u) * record;
+        if (sub == 0) ridge_vnni::prefetch_ahead(rec[v], ahead, header);
+      }
       __m512 part[kSplit][kRows][kVectors];
       for (int s = 0; s < kSplit; s++)
         for (int r = 0; r < kRows; r++)
@@ -158,6 +161,7 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
           }
           const uint8_t* chunk = rec[v] + header + (sub * chunks + c) * kChunk;
           _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
+          ridge_vnni::prefetch_ahead(chunk, ahead);
           if constexpr (kSource == Source::kSevenBit) {
             __m512i codes[2];
             ridge_vnni::unpack_bf16_seven_bit(chunk, low, codes);
@@ -218,23 +222,24 @@ struct Call {
 };
 
 template <Source kSource, int kRows>
-void tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel) {
+void tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel, int64_t ahead) {
   constexpr int kSplit = kRows <= 2 ? 2 : 1;
   if (vectors == 2)
     tile<kSource, kRows, 2, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.seven_bit_low, panel,
-                                    a.unit, a.out, a.n_dim);
+                                    a.unit, a.out, a.n_dim, ahead);
   else
     tile<kSource, kRows, 1, kSplit>(a.x, a.x16, a.xsum, a.geo, a.excess, m0, cb, a.weights, a.seven_bit_low, panel,
-                                    a.unit, a.out, a.n_dim);
+                                    a.unit, a.out, a.n_dim, ahead);
 }
 
 template <Source kSource>
-void tiles(const Call& a, int64_t m_dim, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel) {
+void tiles(const Call& a, int64_t m_dim, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel,
+           int64_t ahead) {
   switch (std::min(kMaxRows, m_dim - m0)) {
-    case 1: tile_any<kSource, 1>(a, m0, cb, vectors, panel); break;
-    case 2: tile_any<kSource, 2>(a, m0, cb, vectors, panel); break;
-    case 3: tile_any<kSource, 3>(a, m0, cb, vectors, panel); break;
-    default: tile_any<kSource, 4>(a, m0, cb, vectors, panel); break;
+    case 1: tile_any<kSource, 1>(a, m0, cb, vectors, panel, ahead); break;
+    case 2: tile_any<kSource, 2>(a, m0, cb, vectors, panel, ahead); break;
+    case 3: tile_any<kSource, 3>(a, m0, cb, vectors, panel, ahead); break;
+    default: tile_any<kSource, 4>(a, m0, cb, vectors, panel, ahead); break;
   }
 }
 
@@ -292,11 +297,12 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
     ridge_vnni::NextPairPrefetch next_pair(geo, call.weights, cb, channel_blocks, row_tiles);
     for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
       next_pair.before_tile();
+      const int64_t ahead = next_pair.ahead();
       switch (source) {
-        case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
-        case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr); break;
-        case Source::kSevenBit: tiles<Source::kSevenBit>(call, m_dim, m0, cb, vectors, nullptr); break;
-        case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel); break;
+        case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr, ahead); break;
+        case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr, ahead); break;
+        case Source::kSevenBit: tiles<Source::kSevenBit>(call, m_dim, m0, cb, vectors, nullptr, ahead); break;
+        case Source::kBytePanel: tiles<Source::kBytePanel>(call, m_dim, m0, cb, vectors, panel, ahead); break;
       }
     }
   }

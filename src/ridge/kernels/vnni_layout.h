@@ -46,29 +46,47 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
   return geo;
 }
 
-// The bytes of the channel-block pair after the one at cb, into L2, a slice before each of this pair's row tiles.
-// A kernel's thread walks its pairs in order and each pair's rows in tiles of a few: the first tile (or
-// bf16_dot_linear.cpp's fill_panel) waited on memory with the arithmetic idle, and the later ones ran from cache
-// with the memory idle. With this the next pair streams in while the rows go by (Qwen2.5-0.5B at 32 rows, 2-core
-// Zen 4: its int8 head 27.6-29.4 -> 24.6-25.2 ms, Q8_0 31.2-31.8 -> 27.8-28.5 ms, the layers 2-15% faster;
-// docs/benchmarks.md). With one row tile there is nothing to overlap, and the tile's own prefetch runs ahead.
+// The bytes of the channel-block pair after the one at cb, into L2, while a thread works on this pair. A kernel's
+// thread walks its pairs in order:
+// - over several row tiles, a slice before each tile (before_tile): the first tile (or bf16_dot_linear.cpp's
+//   fill_panel) waited on memory with the arithmetic idle, and the later ones ran from cache with the memory idle
+//   (Qwen2.5-0.5B at 32 rows, 2-core Zen 4: its int8 head 27.6-29.4 -> 24.6-25.2 ms, Q8_0 31.2-31.8 -> 27.8-28.5
+//   ms, the layers 2-15% faster; docs/benchmarks.md);
+// - in one row tile (decode's few rows), along the tile: each line it reads is prefetched `ahead()` bytes on, the
+//   same line of the next pair. The tile reads its two blocks' records side by side, two streams a few kB long
+//   each, and the hardware's prefetcher did not keep up with them: a scratch loop of plain loads over that pattern
+//   read 10 GB/s on one core against 25 over one stream, 22 with these prefetches. The layers of SmolLM2's int4
+//   stack went from 4.3-4.8 to 3.1-3.9 ms a step (docs/benchmarks.md).
 class NextPairPrefetch {
  public:
   NextPairPrefetch(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t channel_blocks, int64_t row_tiles) {
     const int64_t block_bytes = geo.record_bytes() * (geo.k_dim / geo.unit());
+    const int64_t next_blocks = std::clamp<int64_t>(channel_blocks - cb - 2, 0, 2);
     next_ = weights + (cb + 2) * block_bytes;
-    lines_ = row_tiles > 1 ? std::clamp<int64_t>(channel_blocks - cb - 2, 0, 2) * block_bytes / kChunk : 0;
-    per_tile_ = lines_ ? (lines_ + row_tiles - 1) / row_tiles : 0;
+    if (row_tiles > 1) {
+      lines_ = next_blocks * block_bytes / kChunk;
+      per_tile_ = (lines_ + row_tiles - 1) / row_tiles;
+    } else if (next_blocks == 2) {  // (a lone last block: no pair after it to read ahead into)
+      ahead_ = 2 * block_bytes;
+    }
   }
   void before_tile() {
     for (const int64_t end = std::min(lines_, line_ + per_tile_); line_ < end; line_++)
       __builtin_prefetch(next_ + kChunk * line_, 0, 2);  // a read, into L2 (x86: prefetcht1)
   }
+  // what a one-row-tile call adds to the address of each line it reads (0: nothing to prefetch)
+  int64_t ahead() const { return ahead_; }
 
  private:
   const uint8_t* next_;
-  int64_t lines_, per_tile_, line_ = 0;
+  int64_t lines_ = 0, per_tile_ = 0, line_ = 0, ahead_ = 0;
 };
+
+// The line `ahead` bytes past p into L2 (NextPairPrefetch::ahead), the lines of a record's header from its start
+inline void prefetch_ahead(const uint8_t* p, int64_t ahead, int64_t bytes = kChunk) {
+  if (ahead)
+    for (int64_t at = 0; at < bytes; at += kChunk) __builtin_prefetch(p + ahead + at, 0, 2);
+}
 
 #if defined(__AVX512F__)
 // 16 float16 values from p (a record's header), as floats

@@ -95,7 +95,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m_dim, int64_t k_dim, int64_t gr
 // out[m0 .. m0 + kRows, 16 channel blocks cb .. cb + kVectors) for one register tile
 template <bool kNibbles, bool kSigned, int kRows, int kVectors, typename T>
 void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, const uint8_t* weights, T* out,
-          int64_t n_dim) {
+          int64_t n_dim, int64_t ahead) {
   const int64_t k_dim = geo.k_dim, blocks = k_dim / kBlock, groups = k_dim / geo.group;
   const int64_t unit = geo.unit(), units = k_dim / unit, sub = geo.sub_block(), subs = unit / sub;
   const int64_t chunks = sub / (kNibbles ? 8 : 4);  // per sub-block
@@ -117,7 +117,10 @@ void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, c
   const bool halves = sub < kBlock;
   for (int64_t u = 0; u < units; u++) {
     const uint8_t* rec[kVectors];
-    for (int v = 0; v < kVectors; v++) rec[v] = weights + ((cb + v) * units + u) * record;
+    for (int v = 0; v < kVectors; v++) {
+      rec[v] = weights + ((cb + v) * units + u) * record;
+      ridge_vnni::prefetch_ahead(rec[v], ahead, header);
+    }
     for (int64_t j = 0; j < subs; j++) {
       const int64_t k0 = u * unit + j * sub, b = halves ? u : u * subs + j;  // b: the activations' block
       const int64_t local = halves ? j : 0, g = u * unit_groups + local;  // the group, in the unit and all
@@ -138,6 +141,7 @@ void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, c
         for (int v = 0; v < kVectors; v++) {
           const uint8_t* chunk = rec[v] + header + (j * chunks + c) * kChunk;
           _mm_prefetch(reinterpret_cast<const char*>(chunk + 8 * kChunk), _MM_HINT_T0);
+          ridge_vnni::prefetch_ahead(chunk, ahead);
           const __m512i bytes = _mm512_loadu_si512(chunk);
           if constexpr (kNibbles) {
             first[v] = _mm512_and_si512(bytes, low_nibbles);
@@ -180,8 +184,8 @@ void tile(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t cb, c
 // Rows m0 .. m0 + rows (up to kMaxRows) of channel blocks cb .. cb + vectors (up to 2)
 template <bool kNibbles, bool kSigned, typename T>
 void tile_any(const QuantizedRows& x, const Geometry& geo, int64_t m0, int64_t rows, int64_t cb, int64_t vectors,
-              const uint8_t* weights, T* out, int64_t n_dim) {
-#define RIDGE_TILE(R, V) tile<kNibbles, kSigned, R, V, T>(x, geo, m0, cb, weights, out, n_dim)
+              const uint8_t* weights, T* out, int64_t n_dim, int64_t ahead) {
+#define RIDGE_TILE(R, V) tile<kNibbles, kSigned, R, V, T>(x, geo, m0, cb, weights, out, n_dim, ahead)
   // registers: 2 x rows x vectors sums, 2 x vectors codes, a broadcast and the mask; 4 rows measured 5-8%
   // faster than 6 (3072 x 576 and 576 x 1536, 32 and 512 rows), whose 24 sums left the compiler spilling
   if (vectors == 2) {
@@ -217,7 +221,7 @@ void linear(const QuantizedRows& x, const Geometry& geo, int64_t m_dim, int64_t 
     for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
       next_pair.before_tile();
       tile_any<kNibbles, kSigned, T>(x, geo, m0, std::min(kMaxRows, m_dim - m0), cb, vectors, weights, out,
-                                     n_dim);
+                                     n_dim, next_pair.ahead());
     }
   }
 }
