@@ -244,7 +244,8 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
     const torch::Tensor w = k_major ? torch::from_blob(buffer, {k_dim, rows}, x.options())
                                     : torch::from_blob(buffer, {rows, k_dim}, x.options()).t();
     if (rows == n_dim) return torch::mm(xc, w);
-    out.narrow(1, n0, rows).copy_(torch::mm(xc, w));
+    torch::Tensor part = out.narrow(1, n0, rows);  // written in place (the matmul takes its row stride), not copied
+    torch::mm_out(part, xc, w);
   }
   return out;
 }
