@@ -295,9 +295,9 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
     __m512i* panel = panels.get() + panel_vectors * omp_get_thread_num();
     if (source == Source::kBytePanel) fill_panel(geo, call.weights, cb, vectors, panel);
     ridge_vnni::NextPairPrefetch next_pair(geo, call.weights, cb, channel_blocks, row_tiles);
+    const int64_t ahead = next_pair.ahead();
     for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
       next_pair.before_tile();
-      const int64_t ahead = next_pair.ahead();
       switch (source) {
         case Source::kNibbles: tiles<Source::kNibbles>(call, m_dim, m0, cb, vectors, nullptr, ahead); break;
         case Source::kByteNibbles: tiles<Source::kByteNibbles>(call, m_dim, m0, cb, vectors, nullptr, ahead); break;
