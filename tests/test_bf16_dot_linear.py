@@ -1,7 +1,8 @@
 """kernels/bf16_dot_linear.cpp: the exact 4- and 8-bit linear for bfloat16 activations on AVX512-BF16, over
 pack_vnni's layout: against dequantize-then-matmul in float64, on the layers that take it by default (RTN int4 and
-int8, GGUF's 4-bit formats and Q8_0), and its refusals; and the same layout's path for many rows
-(kernels/quant_linear.cpp's vnni_tiled_linear: tiles dequantized to bf16 on oneDNN's matmul)."""
+int8, GGUF's 4-bit formats and Q8_0), and its refusals; and the same layout's paths for many rows
+(kernels/quant_linear.cpp: tiles dequantized to bf16 on oneDNN's matmul, vnni_tiled_linear, or the whole weight
+into a scratch in oneDNN's packed form, vnni_dequantize_onednn_)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from test_gguf_native import random_blocks
+from torch import nn
 
-from ridge.kernels import cpu_ops
+from ridge.kernels import cpu_ops, onednn_linear
 from ridge.quant import gguf_blocks
 from ridge.quant.linear import (
     BF16_DOT_TILED_MIN_ROWS,
     QuantizedEmbedding,
     QuantizedLinear,
     pack_vnni,
+    share_prompt_scratch,
     use_int8_activations,
 )
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
@@ -231,6 +234,61 @@ def test_prompts_take_the_tiles_from_the_threshold_on(ops):
     x = torch.randn(BF16_DOT_TILED_MIN_ROWS, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
     assert torch.equal(layer(x), ops.vnni_tiled_linear(x, layer.vnni))
     assert torch.equal(layer(x[1:]), ops.bf16_dot_linear(x[1:], layer.vnni))
+
+
+def random_vnni(ops, n: int, k: int, group: int, minimums: bool, bits: int, signed: bool):
+    """A random weight in pack_vnni's layout."""
+    g = torch.Generator().manual_seed(n + group + bits)
+    codes, stored = random_codes(bits, signed, n, k, g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01).half().float()
+    mins = (-torch.rand(n, k // group, generator=g) * 0.1).half().float() if minimums else None
+    return vnni_weight(ops, stored, bits, signed, scales, mins, group)
+
+
+def tiles_weight(ops, vnni, k: int) -> torch.Tensor:
+    """The bf16 weight [N, K] that vnni_tiled_linear multiplies by (test_prompt_tiles_equal_the_weight_rounded_to_bf16
+    bounds it), read out exactly: an identity matrix's rows times it."""
+    return ops.vnni_tiled_linear(torch.eye(k, dtype=torch.bfloat16), vnni).T.contiguous()
+
+
+# channels in 64s (oneDNN's blocks): 1024 x 2048, 16 blocks; 192 x 256, 3
+SCRATCH = [(1024, 2048, 32, True), (192, 256, 64, False), (192, 256, 256, True), (192, 256, 16, False)]
+
+
+@pytest.mark.parametrize(("n", "k", "group", "minimums", "bits", "signed"),
+                         [(*shape, *codes) for shape in SCRATCH for codes in CODES if codes[0] != 4 or shape[2] > 16])
+@needs_bf16_dot
+def test_prompt_scratch_holds_the_weight_as_onednn_packs_it(ops, n, k, group, minimums, bits, signed):
+    """vnni_dequantize_onednn_ writes the plain tiles' bf16 weight into the scratch byte for byte as oneDNN's own
+    packing of that weight lays it out (the scratch's earlier contents, the probe's, overwritten)."""
+    vnni = random_vnni(ops, n, k, group, minimums, bits, signed)
+    scratch = onednn_linear.prompt_scratch(n, k, ops)
+    assert scratch is not None  # oneDNN packs bf16 this way on AVX512-BF16 CPUs
+    ops.vnni_dequantize_onednn_(scratch, vnni)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(tiles_weight(ops, vnni, k), 1)
+    assert torch.equal(ops.onednn_bytes(scratch, 2 * n * k), ops.onednn_bytes(onednn, 2 * n * k))
+
+
+@needs_bf16_dot
+def test_prompts_multiply_on_the_shared_scratch(ops):
+    """share_prompt_scratch gives layers of one shape one scratch, none to a shape outside oneDNN's 64-channel
+    blocks; a prompt's rows then multiply by the plain tiles' bf16 weight, each layer by its own though the scratch
+    is shared."""
+    layers = nn.Sequential(*(QuantizedLinear(quantize_int4(torch.randn(n, 256, generator=torch.Generator().manual_seed(
+        seed)), 32), None, torch.bfloat16, ops) for n, seed in ((192, 1), (192, 2), (128, 3), (80, 4))))
+    assert share_prompt_scratch(layers, ops) == 2 * (192 + 128) * 256
+    scratches = [layer.prompt_scratch for layer in layers]
+    assert scratches[0] is scratches[1] and scratches[2] is not None and scratches[3] is None
+    x = torch.randn(BF16_DOT_TILED_MIN_ROWS, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
+    for layer in (*layers, layers[0]):  # the first again, after the second has filled the scratch
+        rounded = tiles_weight(ops, layer.vnni, 256).double()
+        expected = x.double() @ rounded.T
+        bound = 2**-8 * expected.abs() + 2**-20 * x.abs().double() @ rounded.abs().T
+        assert ((layer(x).double() - expected).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="packed: a tensor of layout mkldnn"):
+        ops.vnni_dequantize_onednn_(torch.empty(192, 256, dtype=torch.bfloat16), layers[0].vnni)
+    with pytest.raises(RuntimeError, match="as many channels as the weight"):
+        ops.vnni_dequantize_onednn_(scratches[2], layers[0].vnni)
 
 
 def test_refusals_name_what_it_takes(ops):

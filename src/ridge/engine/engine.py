@@ -32,7 +32,14 @@ from ridge.quant.calibration import (
     quantize_layerwise,
     windows_for,
 )
-from ridge.quant.linear import CALIBRATED, METHODS, quantize_model, quantize_weight, use_int8_activations
+from ridge.quant.linear import (
+    CALIBRATED,
+    METHODS,
+    quantize_model,
+    quantize_weight,
+    share_prompt_scratch,
+    use_int8_activations,
+)
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import OutputText, RidgeTokenizer
 
@@ -490,5 +497,7 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         loaded.weight_format += ", int8 activations"
     if kernels is not None and config.torch_dtype == torch.float32:
         dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense
+    if kernels is not None and onednn_linear.available(config.torch_dtype, config.device):
+        share_prompt_scratch(loaded.model, kernels)
     loaded.model.use_kernels(kernels)
     return loaded

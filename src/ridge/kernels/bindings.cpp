@@ -34,6 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_tiled_linear", &vnni_tiled_linear,
         "x @ W.T for many bfloat16 rows, W (pack_vnni's layout) dequantized to bf16 a tile at a time for "
         "oneDNN's matmul", py::arg("x"), py::arg("weight"));
+  m.def("vnni_dequantize_onednn_", &vnni_dequantize_onednn_,
+        "W (pack_vnni's layout) dequantized to bf16 into a weight in oneDNN's packed form, in place: a prompt's "
+        "matmul on it reads what oneDNN's fastest bf16 kernels read", py::arg("packed"), py::arg("weight"));
+  m.def("onednn_bytes", &onednn_bytes, "the first nbytes bytes of a tensor of layout mkldnn, as uint8",
+        py::arg("packed"), py::arg("nbytes"));
   m.def("vnni_rows", &vnni_rows,
         "rows (output channels) of a pack_vnni weight dequantized to float32 [T, K]: a tied table's lookup",
         py::arg("weight"), py::arg("rows"), py::arg("k_dim"));

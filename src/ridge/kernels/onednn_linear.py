@@ -9,6 +9,7 @@ batch 256 runs 1.16 TFLOP/s vs 0.93. fp32 gains nothing from packing, so only bf
 from __future__ import annotations
 
 from functools import cache
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -61,3 +62,27 @@ def pack_linears(model: DecoderModel) -> DecoderModel:
     """
     model.replace_linears(lambda weight, bias: PackedLinear(weight.data, bias))
     return model
+
+
+# A prompt scratch holds a whole weight in bf16; a larger weight (a vocabulary projection at a prompt's rows, a 7B
+# model's MLP) keeps ridge's plain tiles (kernels/quant_linear.cpp), which write their outputs in place where a
+# packed matmul's, tile by tile, would have to be copied.
+PROMPT_SCRATCH_MAX_BYTES = 64 << 20
+CHANNEL_BLOCK = 64  # the channels per block of the packed layout ridge writes (quant_linear.cpp's OnednnPairs)
+
+
+def prompt_scratch(out_features: int, in_features: int, ops: ModuleType) -> torch.Tensor | None:
+    """An [out, in] bf16 weight in oneDNN's packed form for quantized layers of that shape to dequantize into
+    before a prompt's matmul (ops.vnni_dequantize_onednn_), or None where that does not fit or oneDNN packs the
+    shape otherwise than ridge writes it. Which: a random weight packed by oneDNN is compared, byte for byte, with
+    the same weight in ridge's layout, channels in blocks of 64 and each block's columns in pairs."""
+    if out_features % CHANNEL_BLOCK or in_features % 2 or 2 * out_features * in_features > PROMPT_SCRATCH_MAX_BYTES:
+        return None
+    probe = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, 1)  # the batch-size hint PackedLinear packs with
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != probe.nbytes:
+        return None
+    ridge_layout = probe.view(out_features // CHANNEL_BLOCK, CHANNEL_BLOCK, in_features // 2, 2).transpose(1, 2)
+    onednn_layout = ops.onednn_bytes(packed, nbytes).view(torch.bfloat16).view(ridge_layout.shape)
+    return packed if torch.equal(onednn_layout, ridge_layout) else None

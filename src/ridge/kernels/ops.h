@@ -40,5 +40,9 @@ bool vnni_available();
 torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight);
 bool bf16_dot_available();
 torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight);
+// A pack_vnni weight dequantized into `packed`, a bf16 [N, K] weight in oneDNN's packed form (layout mkldnn), in place
+void vnni_dequantize_onednn_(torch::Tensor packed, const VnniWeight& weight);
+// The first nbytes bytes of a tensor of layout mkldnn, as a uint8 tensor that keeps it alive
+torch::Tensor onednn_bytes(torch::Tensor packed, int64_t nbytes);
 // Rows (output channels) of a pack_vnni weight of K columns, dequantized to float32 [T, K]
 torch::Tensor vnni_rows(const VnniWeight& weight, torch::Tensor rows, int64_t k_dim);

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
 #include "ops.h"
 #include "vec.h"
 #include "vnni_layout.h"
@@ -251,13 +253,44 @@ torch::Tensor tiled_linear(const torch::Tensor& x, int64_t n_dim, int64_t align,
 }
 
 #if defined(__AVX512BW__)
-// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s; groups of 16, or of 32s) -> tile [K, rows] in bf16,
-// w = code * scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads. A lane is a channel, as a
-// row of the k-major tile is: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column
-// in its even bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its
-// lane's bytes.
+// Where dequantize_vnni puts two input columns k, k + 1 (k even) of a block of 16 channels (b: the block's index from
+// the first one dequantized), a lane a channel. Both layouts take a pair of columns at a time, as both kinds of
+// chunk hold them: for 4-bit codes a vector of unpack_bf16_pairs holds 16 channels' values of one column in its even
+// bf16 halves and of the next in its odd ones; an 8-bit chunk holds each channel's 4 columns in its lane's bytes.
+//
+// A k-major tile [K, rows] for torch's matmul.
+struct KMajorTile {
+  c10::BFloat16* tile;
+  int64_t rows;
+  void store_pair(int64_t b, int64_t k, __m512 first, __m512 second) const {
+    c10::BFloat16* at = tile + k * rows + b * ridge_vnni::kChannels;
+    ridge_vec::store_bf16(at, first);
+    ridge_vec::store_bf16(at + rows, second);
+  }
+};
+
+// oneDNN's bf16 weight layout for its AVX512 matmuls (what torch's mkldnn._reorder_linear_weight makes of an [N, K]
+// weight; kernels/onednn_linear.py checks it against that before using it): channels in blocks of 64 and, within a
+// block, the columns in pairs, each pair as 64 channels x 2 values. A pair of columns of 16 channels is then 64
+// contiguous bytes, a channel's two values side by side.
+struct OnednnPairs {
+  c10::BFloat16* weight;
+  int64_t k_dim;
+  void store_pair(int64_t b, int64_t k, __m512 first, __m512 second) const {
+    constexpr int64_t kBlock = 64, kBlocksPer = kBlock / ridge_vnni::kChannels;
+    const __m512i low = _mm512_cvtepu16_epi32(ridge_vec::to_bf16(first));
+    const __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32(ridge_vec::to_bf16(second)), 16);
+    c10::BFloat16* at = weight + ((b / kBlocksPer) * (k_dim / 2) + k / 2) * (2 * kBlock) +
+                        (b % kBlocksPer) * (2 * ridge_vnni::kChannels);
+    _mm512_storeu_si512(at, _mm512_or_si512(low, high));
+  }
+};
+
+// pack_vnni's records of channels [n0, n0 + rows) (rows in 16s; groups of 16, or of 32s) -> `out`'s layout in bf16,
+// w = code * scale + minimum rounded to bf16 (as a bf16 model's weights are), all threads.
+template <typename Layout>
 void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, int64_t n0, int64_t rows,
-                     c10::BFloat16* tile) {
+                     const Layout& out) {
   using ridge_vnni::kChannels;
   const int64_t columns = geo.nibbles ? ridge_vnni::kNibbleColumns : ridge_vnni::kByteColumns;
   const int64_t groups = geo.k_dim / geo.group, chunks = geo.group / columns, blocks = rows / kChannels;
@@ -280,13 +313,16 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
       const __m512 offset = _mm512_fnmadd_ps(excess, scale, minimum);
       for (int64_t c = 0; c < chunks; c++) {
         const uint8_t* chunk = rec + header + (sub * chunks + c) * ridge_vnni::kChunk;
-        c10::BFloat16* out = tile + (g * geo.group + c * columns) * rows + b * kChannels;
+        const int64_t k = g * geo.group + c * columns;
         if (!geo.nibbles) {
           const __m512i bytes = _mm512_loadu_si512(chunk);
+          __m512 values[4];
           for (int j = 0; j < 4; j++) {  // column j: byte j of every lane
             const __m512 stored = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(bytes, 8 * j), low_byte));
-            ridge_vec::store_bf16(out + j * rows, _mm512_fmadd_ps(stored, scale, offset));
+            values[j] = _mm512_fmadd_ps(stored, scale, offset);
           }
+          out.store_pair(b, k, values[0], values[1]);
+          out.store_pair(b, k + 2, values[2], values[3]);
           continue;
         }
         __m512i pairs[4];
@@ -294,8 +330,7 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
         for (int q = 0; q < 4; q++) {
           const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[q], 16));
           const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs[q], high_halves));
-          ridge_vec::store_bf16(out + 2 * q * rows, _mm512_fmadd_ps(even, scale, offset));
-          ridge_vec::store_bf16(out + (2 * q + 1) * rows, _mm512_fmadd_ps(odd, scale, offset));
+          out.store_pair(b, k + 2 * q, _mm512_fmadd_ps(even, scale, offset), _mm512_fmadd_ps(odd, scale, offset));
         }
       }
     }
@@ -416,9 +451,37 @@ torch::Tensor vnni_tiled_linear(torch::Tensor x, const VnniWeight& weight) {
 #if defined(__AVX512BW__)
   return tiled_linear<c10::BFloat16>(x, weight.packed.size(0) * ridge_vnni::kChannels, ridge_vnni::kChannels, true,
                                      [&](int64_t n0, int64_t rows, c10::BFloat16* tile) {
-                                       dequantize_vnni(weight, geo, n0, rows, tile);
+                                       dequantize_vnni(weight, geo, n0, rows, KMajorTile{tile, rows});
                                      });
 #else
   TORCH_CHECK(false, "vnni_tiled_linear: built without AVX512BW");
+#endif
+}
+
+// The bytes of a weight torch holds in oneDNN's packed form (a tensor of layout mkldnn, which has no data_ptr): torch's
+// C shim for compiled models reads them out of it, a stable interface where the ATen function behind it is not.
+static void* onednn_data(const torch::Tensor& packed) {
+  TORCH_CHECK(packed.is_mkldnn(), "packed: a tensor of layout mkldnn (torch.ops.mkldnn._reorder_linear_weight)");
+  void* data = nullptr;
+  // AtenTensorHandle is the shim's name for at::Tensor*
+  const auto handle = reinterpret_cast<AtenTensorHandle>(const_cast<torch::Tensor*>(&packed));
+  TORCH_CHECK(aoti_torch_get_data_ptr(handle, &data) == AOTI_TORCH_SUCCESS && data, "packed: its bytes unreadable");
+  return data;
+}
+
+torch::Tensor onednn_bytes(torch::Tensor packed, int64_t nbytes) {
+  return torch::from_blob(onednn_data(packed), {nbytes}, [packed](void*) {}, torch::kByte);
+}
+
+void vnni_dequantize_onednn_(torch::Tensor packed, const VnniWeight& weight) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2, "packed: bfloat16 [N, K]");
+  const int64_t n_dim = packed.size(0), k_dim = packed.size(1);
+  const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, k_dim);
+  TORCH_CHECK(weight.packed.size(0) * ridge_vnni::kChannels == n_dim && n_dim % 64 == 0,
+              "packed: as many channels as the weight, a multiple of 64");
+#if defined(__AVX512BW__)
+  dequantize_vnni(weight, geo, 0, n_dim, OnednnPairs{static_cast<c10::BFloat16*>(onednn_data(packed)), k_dim});
+#else
+  TORCH_CHECK(false, "vnni_dequantize_onednn_: built without AVX512BW");
 #endif
 }
