@@ -14,7 +14,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ridge.kernels import cpu_ops
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import INT8_ACTIVATIONS_MAX_ROWS, QuantizedLinear, use_int8_activations
+from ridge.quant.linear import (
+    BF16_DOT_TILED_MIN_ROWS,
+    INT8_ACTIVATIONS_MAX_ROWS,
+    QuantizedLinear,
+    use_int8_activations,
+)
 from ridge.quant.rtn import dequantize
 
 # where each format keeps its float16 block scales (d, and m or dmin), as llama.cpp lays the blocks out
@@ -164,6 +169,44 @@ def test_qwen_native_bfloat16_stays_near_the_dequantized_model(make_llm_for_test
     kl = (exact.exp() * (exact - got)).sum(-1)
     assert kl.mean() < 0.01
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+class CountingOps:
+    """ridge's kernels, counting the calls that dequantize into a prompt scratch."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.scratch_fills = ops, 0
+
+    def vnni_dequantize_onednn_(self, *args):
+        self.scratch_fills += 1
+        return self.ops.vnni_dequantize_onednn_(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.ops, name)
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_ops.cpu_flags(), reason="no AVX512-BF16: the layers are not bf16_dot")
+def test_a_long_prompt_multiplies_on_the_packed_scratch(make_llm_for_test, smollm2_path, ops):
+    """A prompt of BF16_DOT_TILED_MIN_ROWS tokens or more runs every decoder layer's linears on its weight
+    dequantized into oneDNN's packed layout (share_prompt_scratch), one scratch fill a linear; its logits equal those
+    through the plain tiles to bfloat16's rounding, every argmax the same (measured: identical)."""
+    llm = make_llm_for_test(smollm2_path, dtype="bfloat16", quantization="gguf")
+    linears = [m for m in llm.engine.loaded.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.prompt_scratch is not None for m in linears)
+    assert llm.engine.loaded.model.output_projection.prompt_scratch is None
+    counting = CountingOps(ops)
+    for m in linears:
+        m.ops = counting
+    ids = (llm.tokenizer.encode("Now is the winter of our discontent made glorious summer by this sun of York. ")
+           * 40)[:BF16_DOT_TILED_MIN_ROWS + 20]
+    packed = llm.engine.prompt_logits(ids).float()
+    assert counting.scratch_fills == len(linears)
+    for m in linears:
+        m.prompt_scratch = None
+    tiles = llm.engine.prompt_logits(ids).float()
+    assert counting.scratch_fills == len(linears)
+    assert (packed - tiles).abs().max() <= 2**-6 * tiles.abs().max()
+    assert torch.equal(packed.argmax(-1), tiles.argmax(-1))
 
 
 def test_smollm2_int8_activations_stay_near_the_exact_model(make_llm_for_test, smollm2_path, smollm2):

@@ -497,7 +497,9 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         loaded.weight_format += ", int8 activations"
     if kernels is not None and config.torch_dtype == torch.float32:
         dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense
-    if kernels is not None and onednn_linear.available(config.torch_dtype, config.device):
-        share_prompt_scratch(loaded.model, kernels)
+    packs = kernels is not None and onednn_linear.available(config.torch_dtype, config.device)
+    if packs and (scratch_bytes := share_prompt_scratch(loaded.model.layers, kernels)):
+        log.info("ridge: prompts multiply quantized weights on oneDNN's packed layout (%.0f MiB of scratch)",
+                 scratch_bytes / 2**20)
     loaded.model.use_kernels(kernels)
     return loaded

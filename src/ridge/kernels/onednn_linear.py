@@ -64,9 +64,9 @@ def pack_linears(model: DecoderModel) -> DecoderModel:
     return model
 
 
-# A prompt scratch holds a whole weight in bf16; a larger weight (a vocabulary projection at a prompt's rows, a 7B
-# model's MLP) keeps ridge's plain tiles (kernels/quant_linear.cpp), which write their outputs in place where a
-# packed matmul's, tile by tile, would have to be copied.
+# A prompt scratch holds a whole weight in bf16; a larger weight (a 7B model's MLP) keeps ridge's plain tiles
+# (kernels/quant_linear.cpp), which write their outputs in place where a packed matmul's, tile by tile, would have
+# to be copied.
 PROMPT_SCRATCH_MAX_BYTES = 64 << 20
 CHANNEL_BLOCK = 64  # the channels per block of the packed layout ridge writes (quant_linear.cpp's OnednnPairs)
 

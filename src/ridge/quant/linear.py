@@ -395,13 +395,14 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)
 
 
-def share_prompt_scratch(model: nn.Module, ops: ModuleType) -> int:
-    """Give each layer of model on bf16 dot products a scratch in oneDNN's packed bf16 form, one per shape, shared
-    by the layers of that shape (they run one at a time), into which its weight is dequantized at a prompt's rows.
-    At 2,048 rows, Qwen2.5-0.5B's four shapes multiplied 1.09-1.11x faster on it than on plain tiles, the time of
-    the bf16 model's packed weights. Returns the scratch bytes."""
+def share_prompt_scratch(layers: nn.Module, ops: ModuleType) -> int:
+    """Give each linear of the decoder layers on bf16 dot products a scratch in oneDNN's packed bf16 form, one per
+    shape, shared by the linears of that shape (they run one at a time), into which its weight is dequantized at a
+    prompt's rows. At 2,048 rows Qwen2.5-0.5B's four shapes multiplied 1.06-1.10x faster on it than on plain tiles,
+    near the bf16 model's packed weights (docs/benchmarks.md). The output projection is not among them: it sees a
+    prompt's rows only where the prompt is scored, and its scratch would be the largest. Returns the scratch bytes."""
     scratches: dict[tuple[int, int], torch.Tensor | None] = {}
-    for module in model.modules():
+    for module in layers.modules():
         if isinstance(module, QuantizedLinear) and module.kernel == "bf16_dot":
             shape = (module.vnni.packed.shape[0] * 16, module.in_features)
             if shape not in scratches:
