@@ -404,7 +404,7 @@ def share_prompt_scratch(layers: nn.Module, ops: ModuleType) -> int:
     scratches: dict[tuple[int, int], torch.Tensor | None] = {}
     for module in layers.modules():
         if isinstance(module, QuantizedLinear) and module.kernel == "bf16_dot":
-            shape = (module.vnni.packed.shape[0] * 16, module.in_features)
+            shape = (module.out_features, module.in_features)
             if shape not in scratches:
                 scratches[shape] = onednn_linear.prompt_scratch(*shape, ops)
             module.prompt_scratch = scratches[shape]
