@@ -172,8 +172,10 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
           ridge_vnni::unpack_bf16_pairs(chunk, codes);
           for (int q = 0; q < 4; q++) w[v][q] = reinterpret_cast<__m512bh>(codes[q]);
         }
-        for (int r = 0; r < kRows; r++)
-          for (int q = 0; q < kPairs; q++) {
+        // pair by pair, each pair's weights used by every row before the next pair's (each sum takes its pairs in
+        // the same order either way): the panel's tiles then hold 2 weight vectors live, not 4
+        for (int q = 0; q < kPairs; q++)
+          for (int r = 0; r < kRows; r++) {
             const __m512bh xq = pair(r, k, q);
             for (int v = 0; v < kVectors; v++) {
               __m512& sums = part[q % kSplit][r][v];
