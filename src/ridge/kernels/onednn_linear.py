@@ -68,7 +68,7 @@ def pack_linears(model: DecoderModel) -> DecoderModel:
 # (kernels/quant_linear.cpp), which write their outputs in place where a packed matmul's, tile by tile, would have
 # to be copied.
 PROMPT_SCRATCH_MAX_BYTES = 64 << 20
-CHANNEL_BLOCK = 64  # the channels per block of the packed layout ridge writes (quant_linear.cpp's OnednnPairs)
+CHANNEL_BLOCK = 64  # the channels per block of the packed layout ridge writes (quant_linear.cpp's kOnednnBlock)
 
 
 def prompt_scratch(out_features: int, in_features: int, ops: ModuleType) -> torch.Tensor | None:

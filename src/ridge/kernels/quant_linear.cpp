@@ -37,6 +37,7 @@ constexpr int64_t kFewRows = 8;  // up to this many rows, the register path (mea
 // the register path (measured on the 2-core AVX2 box, 3072 x 576: 16 rows 2.5 -> 1.5 ms, 32 rows 4.0 -> 2.9 ms)
 constexpr int64_t kFewRowsFloat = 32;
 constexpr int64_t kTileBytes = 1 << 22;  // a tile's dequantized bytes: fits L2 + L3 share, amortizes a matmul call
+constexpr int64_t kOnednnBlock = 64;  // output channels per block of oneDNN's packed bf16 layout (OnednnPairs)
 
 // whether the codes are 4-bit ones two a byte
 bool check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
@@ -277,10 +278,10 @@ struct OnednnPairs {
   c10::BFloat16* weight;
   int64_t k_dim;
   void store_pair(int64_t b, int64_t k, __m512 first, __m512 second) const {
-    constexpr int64_t kBlock = 64, kBlocksPer = kBlock / ridge_vnni::kChannels;
+    constexpr int64_t kBlocksPer = kOnednnBlock / ridge_vnni::kChannels;
     const __m512i low = _mm512_cvtepu16_epi32(ridge_vec::to_bf16(first));
     const __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32(ridge_vec::to_bf16(second)), 16);
-    c10::BFloat16* at = weight + ((b / kBlocksPer) * (k_dim / 2) + k / 2) * (2 * kBlock) +
+    c10::BFloat16* at = weight + ((b / kBlocksPer) * (k_dim / 2) + k / 2) * (2 * kOnednnBlock) +
                         (b % kBlocksPer) * (2 * ridge_vnni::kChannels);
     _mm512_storeu_si512(at, _mm512_or_si512(low, high));
   }
@@ -477,7 +478,7 @@ void vnni_dequantize_onednn_(torch::Tensor packed, const VnniWeight& weight) {
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2, "packed: bfloat16 [N, K]");
   const int64_t n_dim = packed.size(0), k_dim = packed.size(1);
   const ridge_vnni::Geometry geo = ridge_vnni::geometry(weight, k_dim);
-  TORCH_CHECK(weight.packed.size(0) * ridge_vnni::kChannels == n_dim && n_dim % 64 == 0,
+  TORCH_CHECK(weight.packed.size(0) * ridge_vnni::kChannels == n_dim && n_dim % kOnednnBlock == 0,
               "packed: as many channels as the weight, a multiple of 64");
 #if defined(__AVX512BW__)
   dequantize_vnni(weight, geo, 0, n_dim, OnednnPairs{static_cast<c10::BFloat16*>(onednn_data(packed)), k_dim});
