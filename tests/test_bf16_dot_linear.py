@@ -26,6 +26,7 @@ from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
 PANEL_MIN_ROWS = 8  # bf16_dot_linear.cpp's kPanelMinRows: 8-bit codes converted once to bf16 from this many rows
+SEVEN_BIT_PANEL_MIN_ROWS = 24  # its kSevenBitPanelMinRows: 7-bit codes too from this many
 needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16: the kernel is not built here")
 
 
@@ -71,13 +72,21 @@ def vnni_weight(ops, codes: torch.Tensor, bits: int, signed: bool, scales: torch
 LAYOUTS = [(bits, signed, group) for bits, signed in CODES for group in (16, 32, 64, 256) if bits != 4 or group > 16]
 
 
-# rows: the register tiles (4 rows, then 1-3); 8-bit codes on the panel from 8 (PANEL_MIN_ROWS); 80 channels: five
-# 16-blocks, the last on a one-vector tile
+def on_panel(bits: int, rows: int) -> bool:
+    """Whether the kernel multiplies `rows` rows of codes of `bits` (CODES) on a panel."""
+    return bits != 4 and rows >= (SEVEN_BIT_PANEL_MIN_ROWS if bits == 7 else PANEL_MIN_ROWS)
+
+
+# rows: the register tiles (4 rows, then 1-3); 8-bit codes on the panel from 8 (PANEL_MIN_ROWS), 7-bit ones from 24;
+# 80 channels: five 16-blocks, the last on a one-vector tile; 256 columns: one group a row at group 256
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, PANEL_MIN_ROWS, 33])
 @pytest.mark.parametrize("minimums", [True, False])
 @pytest.mark.parametrize(("bits", "signed", "group"), LAYOUTS)
 @needs_bf16_dot
 def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums, bits, signed):
+    """The exact paths give the dequantized layer's outputs up to float32's rounding of the sums; a panel of grouped
+    codes (whose groups the tiles would otherwise scale one by one) gives x @ the weight rounded to bf16, as the
+    prompts' tiles and a bf16 model do."""
     g = torch.Generator().manual_seed(rows * group + bits)
     n, k = 80, 256
     x = (torch.randn(rows, k, generator=g) * torch.rand(k, generator=g) * 4).bfloat16()
@@ -89,6 +98,14 @@ def test_kernel_equals_dequantize_then_matmul(ops, rows, group, minimums, bits, 
     weight = codes.double() * scales.double().repeat_interleave(group, 1)
     if mins is not None:
         weight += mins.double().repeat_interleave(group, 1)
+    if on_panel(bits, rows) and group < k:
+        rounded = (codes.float() * scales.repeat_interleave(group, 1)
+                   + (mins.repeat_interleave(group, 1) if mins is not None else 0)).bfloat16().double()
+        expected = x.double() @ rounded.T
+        bound = 2**-8 * expected.abs() + 2**-20 * x.abs().double() @ rounded.abs().T
+        assert ((got.double() - expected).abs() <= bound).all()
+        assert not torch.equal(rounded, weight)  # the rounding is real: the case is not the exact one
+        return
     expected = x.double() @ weight.T
     offsets = EXCESS[bits, signed] * scales.repeat_interleave(group, 1)
     assert ((got.double() - expected).abs() <= tolerance(x, weight, offsets, expected)).all()
@@ -125,7 +142,8 @@ def test_bfloat16_8bit_layers_take_it_by_default(ops):
     """int8 per channel and GGUF's Q8_0, Q5_0, Q5_K and Q6_K (16-column groups) in bfloat16 go onto the kernel at
     load, the 5- and 6-bit codes as seven_bit; a shape that does not fit stays on the grouped kernel. Each gives the
     dequantized layer's outputs at every row count: full 8-bit codes on the kernel's nibbles below PANEL_MIN_ROWS
-    rows and on its panel from there, 7-bit ones each a bf16, all on the tiles from BF16_DOT_TILED_MIN_ROWS."""
+    rows and on its panel from there, 7-bit ones each a bf16 below SEVEN_BIT_PANEL_MIN_ROWS, all on the tiles from
+    BF16_DOT_TILED_MIN_ROWS; a panel of grouped codes and the tiles hold the weight rounded to bf16."""
     rows, cols = 80, 512
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.05
     gguf = {kind: gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=2), GGMLQuantizationType[kind], (rows, cols))
@@ -138,8 +156,11 @@ def test_bfloat16_8bit_layers_take_it_by_default(ops):
         for tokens in (1, PANEL_MIN_ROWS - 1, PANEL_MIN_ROWS, 33, BF16_DOT_TILED_MIN_ROWS - 1, BF16_DOT_TILED_MIN_ROWS):
             x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).bfloat16()
             expected = x.double() @ weight.T
-            # float16 scales: float32 ones move by up to 2^-11 of themselves; the tiles round the weight to bf16
-            rounding = (2**-8 if tokens >= BF16_DOT_TILED_MIN_ROWS else 2**-11) * x.abs().double() @ weight.abs().T
+            # float16 scales: float32 ones move by up to 2^-11 of themselves; the tiles and a panel of grouped codes
+            # round the weight to bf16
+            rounds = tokens >= BF16_DOT_TILED_MIN_ROWS or (
+                qw.group_size is not None and on_panel(7 if qw.bits in (5, 6) else 8, tokens))
+            rounding = (2**-8 if rounds else 2**-11) * x.abs().double() @ weight.abs().T
             bound = tolerance(x, weight, 2304 * scales, expected) + rounding
             assert ((layer(x).double() - expected).abs() <= bound).all()
         x = torch.randn(BF16_DOT_TILED_MIN_ROWS, cols).bfloat16()

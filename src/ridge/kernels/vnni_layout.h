@@ -48,8 +48,8 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
 
 // The bytes of the channel-block pair after the one at cb, into L2, while a thread works on this pair. A kernel's
 // thread walks its pairs in order:
-// - over several row tiles, a slice before each tile (before_tile): the first tile (or bf16_dot_linear.cpp's
-//   fill_panel) waited on memory with the arithmetic idle, and the later ones ran from cache with the memory idle
+// - over several row tiles, a slice before each tile (before_tile): the first tile (or bf16_dot_linear.cpp's panel
+//   fill) waited on memory with the arithmetic idle, and the later ones ran from cache with the memory idle
 //   (Qwen2.5-0.5B at 32 rows, 2-core Zen 4: its int8 head 27.6-29.4 -> 24.6-25.2 ms, Q8_0 31.2-31.8 -> 27.8-28.5
 //   ms, the layers 2-15% faster; docs/benchmarks.md);
 // - in one row tile (decode's few rows), along the tile: each line it reads is prefetched `ahead()` bytes on, the
