@@ -3,10 +3,12 @@
 On the CPU each format runs on a weight-only kernel that streams the codes and dequantizes in registers:
 - in bfloat16 on CPUs with AVX512-BF16, 4-bit codes per group (RTN int4, GGUF Q4_0 / Q4_1 / Q4_K) and 8-bit ones
   per channel, per group of 32s or of 16 (RTN int8, GGUF Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0; a tied embedding table
-  then reads its rows from the head's layout): ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, exact, on bf16
-  dot products over pack_vnni's layout) below BF16_DOT_TILED_MIN_ROWS rows; past them (prompts) the weight is
-  dequantized to bf16 in oneDNN's packed form, a scratch shared by the layers of its shape (share_prompt_scratch),
-  and multiplied on oneDNN's kernels as a bf16 model's packed weights are (else in tiles, as below);
+  then reads its rows from the head's layout): ridge's bf16_dot_linear (kernels/bf16_dot_linear.cpp, on bf16 dot
+  products over pack_vnni's layout; exact, but for a decode batch's rows of 8-bit codes in groups, GGUF's, which
+  multiply the weight rounded to bf16 as a bf16 model's) below BF16_DOT_TILED_MIN_ROWS rows; past them (prompts)
+  the weight is dequantized to bf16 in oneDNN's packed form, a scratch shared by the layers of its shape
+  (share_prompt_scratch), and multiplied on oneDNN's kernels as a bf16 model's packed weights are (else in tiles,
+  as below);
 - int8 per output channel elsewhere: ridge's grouped kernel with one group a row where ridge's kernels are built
   (faster than torch's at every row count measured), else torch's aten._weight_int8pack_mm (gpt-fast's, torchao's);
 - 4-bit codes per group elsewhere: torch's aten._weight_int4pack_mm_for_cpu, on a tiled layout that torch converts
