@@ -253,9 +253,8 @@ void panel_tile(const int32_t* x_pairs, const float* xsum, const Geometry& geo, 
 }
 
 // out[m0 .. m0 + kRows, channel blocks cb .. cb + kVectors) for one register tile, the arguments as Call holds them.
-// kSplit: the chains of dot products per row and block (a dot
-// product waits several cycles on the previous one into the same sums: with few rows, one chain each would wait on
-// latency)
+// kSplit: the chains of dot products per row and block (a dot product waits several cycles on the previous one into
+// the same sums: with few rows, one chain each would wait on latency)
 template <Source kSource, int kRows, int kVectors, int kSplit>
 void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, const Geometry& geo, float excess,
           int64_t m0, int64_t cb, const uint8_t* weights, uint8_t seven_bit_low, float unit, c10::BFloat16* out,
@@ -343,8 +342,8 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* x16, const float* xsum, c
                             _mm512_mul_ps(total[r][v], _mm512_set1_ps(unit)));
 }
 
-// group_sums (vec.h) for bf16 values in groups of 16s, 16 at a time: at 32 rows of Qwen2.5-0.5B's 4864 columns the
-// scalar sums took ~5% of a layer's call
+// group_sums (vec.h) for bf16 values in groups of 16s, 16 at a time, not one float add after another (a decode
+// batch's 32 rows of Qwen2.5-0.5B's 4864 columns are 155k values a call)
 std::vector<float> bf16_group_sums(const c10::BFloat16* x, int64_t count, int64_t group) {
   std::vector<float> sums(count);
   for (int64_t i = 0; i < count; i++) {
@@ -360,7 +359,7 @@ std::vector<float> bf16_group_sums(const c10::BFloat16* x, int64_t count, int64_
 struct Call {
   const c10::BFloat16 *x, *x16;  // x16: x times 16, for 8-bit codes' high nibbles
   const float* xsum;             // [M, K / group]
-  const int32_t* x_pairs;        // panels: pack_x_pairs'
+  const int32_t* x_pairs;        // panels: x as pack_x_pairs lays it out
   Geometry geo;
   float excess;  // what the sums hold beyond sum x code, per unit of x's group sum
   const uint8_t* weights;
@@ -392,15 +391,15 @@ void tiles(const Call& a, int64_t m_dim, int64_t m0, int64_t cb, int64_t vectors
 }
 
 template <class Fill, int kRows>
-void panel_tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel,
-                    Fill* next, int64_t quota) {
-  constexpr PanelValues kValues = Fill::kValues;
+void panel_tile_any(const Call& a, int64_t m0, int64_t cb, int64_t vectors, const __m512i* panel, Fill* next,
+                    int64_t quota) {
+  const int32_t* x_pairs = a.x_pairs + m0 * (a.geo.k_dim / 2);
   if (vectors == 2)
-    panel_tile<Fill, kRows, 2>(a.x_pairs + m0 * (a.geo.k_dim / 2), a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out, a.n_dim,
-                                  next, quota);
+    panel_tile<Fill, kRows, 2>(x_pairs, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out, a.n_dim, next,
+                               quota);
   else
-    panel_tile<Fill, kRows, 1>(a.x_pairs + m0 * (a.geo.k_dim / 2), a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out, a.n_dim,
-                                  next, quota);
+    panel_tile<Fill, kRows, 1>(x_pairs, a.xsum, a.geo, a.excess, m0, cb, a.weights, panel, a.unit, a.out, a.n_dim, next,
+                               quota);
 }
 
 // A thread's channel-block pairs begin .. end on panels: each pair's tiles fill the next pair's panel as they go (a
@@ -455,7 +454,7 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
   const torch::Tensor xc = x.contiguous();
   torch::Tensor out = torch::empty({m_dim, n_dim}, xc.options());
   const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
-  // 8-bit codes from kPanelMinRows rows on a panel, 7-bit ones too
+  // 8-bit codes from kPanelMinRows rows on a panel, 7-bit ones from kSevenBitPanelMinRows
   const bool on_panel = !weight.nibbles && m_dim >= (weight.seven_bit ? kSevenBitPanelMinRows : kPanelMinRows);
   const Source source = weight.nibbles     ? Source::kNibbles
                         : weight.seven_bit ? Source::kSevenBit
@@ -476,9 +475,11 @@ torch::Tensor bf16_dot_linear(torch::Tensor x, const VnniWeight& weight) {
                        : source == Source::kByteNibbles ? 2176.f + signed_excess
                                                         : 128.f - seven_bit_low + signed_excess;
   // (not a std::vector: pack_x_pairs writes every word)
-  const std::unique_ptr<int32_t[]> x_pairs(on_panel ? new int32_t[(m_dim + kPanelRows - 1) / kPanelRows * kPanelRows * (k_dim / 2)] : nullptr);
-  const Call call{xp, x16.empty() ? nullptr : x16.data(), xsum.data(), x_pairs.get(), geo, excess, weight.packed.data_ptr<uint8_t>(),
-                  seven_bit_low, static_cast<float>(weight.unit), out.data_ptr<c10::BFloat16>(), n_dim};
+  const int64_t x_pair_words = (m_dim + kPanelRows - 1) / kPanelRows * kPanelRows * (k_dim / 2);
+  const std::unique_ptr<int32_t[]> x_pairs(on_panel ? new int32_t[x_pair_words] : nullptr);
+  const Call call{xp, x16.empty() ? nullptr : x16.data(), xsum.data(), x_pairs.get(), geo, excess,
+                  weight.packed.data_ptr<uint8_t>(), seven_bit_low, static_cast<float>(weight.unit),
+                  out.data_ptr<c10::BFloat16>(), n_dim};
   // a thread takes two channel blocks and walks all the rows, as vnni_linear.cpp's linear()
   const int64_t channel_blocks = n_dim / kChannels, pairs = (channel_blocks + 1) / 2;
   if (on_panel) {
