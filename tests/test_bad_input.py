@@ -90,13 +90,15 @@ def test_generation_stops_at_the_context_limit(make_llm_for_test, smollm2_path):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 10
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("block_size", 15, "block_size: must be an even number of tokens up to 256, got 15"),
-    ("block_size", 0, "block_size: must be at least 1"),
-    ("kv_cache_memory", "lots", "kv_cache_memory: cannot read size"),
-    ("max_num_seqs", 0, "max_num_seqs: must be at least 1"),
-    ("calibration_windows", 0, "calibration_windows: must be at least 1, got 0"),
+@pytest.mark.parametrize(("args", "message"), [
+    ({"block_size": 15}, "block_size: must be an even number of tokens up to 256, got 15"),
+    ({"block_size": 0}, "block_size: must be at least 1"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory: cannot read size"),
+    ({"max_num_seqs": 0}, "max_num_seqs: must be at least 1"),
+    ({"quantization": "gptq", "calibration_windows": 0}, "calibration_windows: must be at least 1, got 0"),
+    ({"quantization": "fp8", "calibration_windows": -1},
+     r"calibration_windows: must be at least 0 \(plain RTN\), got -1"),
 ])
-def test_bad_engine_args_name_the_field(field, value, message):
+def test_bad_engine_args_name_the_field(args, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="smollm2", **{field: value})
+        EngineConfig(model="smollm2", **args)

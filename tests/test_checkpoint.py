@@ -207,20 +207,28 @@ def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_te
 
 
 def test_each_method_calibrates_on_its_own_windows_unless_told(random_llama, make_llm_for_test, monkeypatch):
-    """GPTQ on 32 windows, AWQ on 64 (quant/calibration.py's DEFAULT_WINDOWS), `calibration_windows` over both;
-    the windows asked for are recorded, then 2 of them calibrate, to keep the test short."""
+    """GPTQ on 32 windows, AWQ on 64, int8 and fp8 on 8 (quant/calibration.py's DEFAULT_WINDOWS), int4 on none,
+    `calibration_windows` over each; the windows asked for are recorded, then 2 of them calibrate, to keep the
+    test short. int8 on 0 windows is plain RTN: each row's scale from its largest weight."""
     import ridge.engine.engine as engine_module
 
     real, asked = engine_module.calibration_windows, []
 
-    def recording(tokenizer, num_windows, window):
+    def recording(tokenizer, num_windows, window, progress=False):
         asked.append(num_windows)
-        return real(tokenizer, 2, window)
+        return real(tokenizer, 2, window, progress)
 
     monkeypatch.setattr(engine_module, "calibration_windows", recording)
-    for method, windows in (("gptq", None), ("awq", None), ("awq", 3)):
+    for method, windows in (("gptq", None), ("awq", None), ("awq", 3), ("int8", None), ("fp8", None), ("int4", None),
+                            ("fp8", 5)):
         make_llm_for_test(random_llama, dtype="float32", quantization=method, calibration_windows=windows)
-    assert asked == [32, 64, 3]
+    assert asked == [32, 64, 3, 8, 8, 5]
+    plain = make_llm_for_test(random_llama, dtype="float32")
+    rtn = make_llm_for_test(random_llama, dtype="float32", quantization="int8", calibration_windows=0)
+    assert asked == [32, 64, 3, 8, 8, 5]
+    down = dequantize(quantize_int8(plain.engine.loaded.model.layers[0].mlp.down.weight))
+    x = torch.randn(3, down.shape[1])
+    torch.testing.assert_close(rtn.engine.loaded.model.layers[0].mlp.down(x), x @ down.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("carry_quantized", [True, False], ids=["gptq-order", "awq-order"])

@@ -8,7 +8,7 @@ import torch
 from ridge.eval.perplexity import perplexity
 from ridge.kernels import cpu_ops
 from ridge.quant.linear import QuantizedLinear, quantize_weight
-from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
+from ridge.quant.rtn import FP8_STRETCHES, INT8_STRETCHES, dequantize, quantize_fp8, quantize_int4, quantize_int8
 
 # (tokens, in, out): odd sizes; from 16 tokens on, bf16 takes ridge's tiled kernels, whose int4 reading of
 # torch's layout has a last block of N % 64 channels (160: 32, 77 -> 80: 16) and whose tiles hold 4 MB
@@ -72,6 +72,33 @@ def test_int4_float_minimums_find_a_q4_1_grid_again():
 
     with pytest.raises(ValueError, match="not integer zero points"):
         pack_gptq(float_form)
+
+
+@pytest.mark.parametrize(("method", "widest"), [("int8", INT8_STRETCHES[-1]), ("fp8", FP8_STRETCHES[-1])])
+def test_importance_weighted_scales_spare_the_loud_columns(method: str, widest: float):
+    """Three input columns with mean squares 1e4 times the others' (real layers have such: quant/rtn.py): the
+    scales chosen by importance cut the importance-weighted error, the layer's output error on such inputs,
+    far below RTN's. No weight is clipped (scales from RTN's to `widest` times it), every code is still the
+    nearest one, and on flat importance the error is RTN's."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 512) * 0.05
+    loud = torch.rand(512) + 0.5
+    loud[[3, 100, 400]] = 1e4
+    flat = torch.rand(512) + 0.5
+    quantize = quantize_int8 if method == "int8" else quantize_fp8
+
+    def error(qw, importance: torch.Tensor) -> float:
+        return float(((w - dequantize(qw)).square() * importance).sum())
+
+    rtn, weighted = quantize(w), quantize(w, loud)
+    assert error(weighted, loud) < 0.3 * error(rtn, loud)
+    ratio = weighted.scales / rtn.scales
+    assert ratio.min() >= 1 - 1e-3 and ratio.max() <= widest * (1 + 1e-3) and (ratio > 1.01).float().mean() > 0.5
+    if method == "int8":
+        assert torch.equal(weighted.qweight.float(), torch.round(w / weighted.scales[:, None]).clamp(-127, 127))
+    else:
+        assert torch.equal(weighted.qweight.float(), (w / weighted.scales[:, None]).to(torch.float8_e4m3fn).float())
+    assert error(quantize(w, flat), flat) <= 1.02 * error(rtn, flat)
 
 
 def test_group_size_must_divide_the_dimension():

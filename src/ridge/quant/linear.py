@@ -431,12 +431,13 @@ def use_int8_activations(model: nn.Module, max_rows: int = INT8_ACTIVATIONS_MAX_
 
 
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
-                    hessian: torch.Tensor | None = None) -> QuantizedWeight:
+                    hessian: torch.Tensor | None = None, importance: torch.Tensor | None = None) -> QuantizedWeight:
     """One [out, in] matrix in `method`'s format. awq: the weight and hessian must already carry their AWQ
     scales (quant/awq.py's scale_layer); what is left is int4 with each group's range clipped. int4 at load
-    has float minimums: no checkpoint constrains it (quant/rtn.py)."""
+    has float minimums: no checkpoint constrains it (quant/rtn.py). int8 / fp8: `importance`, if given, the
+    mean x^2 of each input column, by which each row's scale is chosen (quant/rtn.py)."""
     if method == "int8":
-        return quantize_int8(weight)
+        return quantize_int8(weight, importance)
     if method == "int4":
         return quantize_int4(weight, group_size)
     if method == "awq":
@@ -444,7 +445,7 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
             raise ValueError("quantization: awq needs calibration statistics (quant/calibration.py)")
         return clipped_int4(weight, group_size, hessian, integer_zeros=False)
     if method == "fp8":
-        return quantize_fp8(weight)
+        return quantize_fp8(weight, importance)
     if method == "gptq":
         if hessian is None:
             raise ValueError("quantization: gptq needs calibration statistics (quant/calibration.py)")
@@ -458,29 +459,33 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
 # At one byte a weight, int8 with a scale per row is the more accurate of the two 8-bit formats for it
 # (SmolLM2 under fp8: +1.6% perplexity with the head at int8, +2.4% with it at fp8; docs/benchmarks.md).
 HEAD_METHOD = "int8"
+HEAD = "output_projection"  # the vocabulary projection's key among the layers' (its input: the final norm's output)
 
 
 def quantize_model(model: DecoderModel, method: str, group_size: int, dtype: torch.dtype,
                    use_kernel: bool = True, fitted: dict[str, QuantizedWeight] | None = None,
-                   progress: bool = False, ops: ModuleType | None = None) -> DecoderModel:
+                   importance: dict[str, torch.Tensor] | None = None, progress: bool = False,
+                   ops: ModuleType | None = None) -> DecoderModel:
     """Swap every nn.Linear of the decoder layers, and the output projection, for a QuantizedLinear in place.
     gptq and awq need the layers' weights as quant/calibration.py's quantize_layerwise `fitted` them (keyed
-    as it names the layers; for awq, the model already holds the scales folded in); `ops`: ridge's CPU kernels
-    (kernels/cpu_ops.py), for the tiled many-row path. The embedding table stays
-    as it is: a lookup reads one row per token, not the whole table."""
+    as it names the layers; for awq, the model already holds the scales folded in); `importance`, keyed the
+    same way (and HEAD), quant/calibration.py's input_importance: the int8 and fp8 weights' rows, and the
+    head's, get the scales it weighs best; `ops`: ridge's CPU kernels (kernels/cpu_ops.py), for the tiled
+    many-row path. The embedding table stays as it is: a lookup reads one row per token, not the whole table."""
     if method not in METHODS:
         raise ValueError(f"quantization: {method!r} is not one of {', '.join(METHODS)}")
     if method in CALIBRATED and not fitted:
         raise ValueError(f"quantization: {method} needs calibration (quant/calibration.py)")
-    fitted = fitted or {}
+    fitted, importance = fitted or {}, importance or {}
     model.output_projection = QuantizedLinear(
-        quantize_weight(model.output_weight.data, HEAD_METHOD, group_size), None, dtype, ops,
-        use_kernel=use_kernel)
+        quantize_weight(model.output_weight.data, HEAD_METHOD, group_size, importance=importance.get(HEAD)), None,
+        dtype, ops, use_kernel=use_kernel)
     for i, layer in enumerate(tqdm(model.layers, desc=method, unit="layer", disable=not progress)):
         for parent_name, parent in list(layer.named_modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     key = ".".join(part for part in ("layers", str(i), parent_name, name) if part)
-                    qw = fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size)
+                    qw = fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size,
+                                                                           importance=importance.get(key))
                     setattr(parent, name, QuantizedLinear(qw, child.bias, dtype, ops, use_kernel))
     return model
