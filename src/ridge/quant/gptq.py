@@ -25,7 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-from ridge.quant.rtn import FP8_MAX, QuantizedWeight, check_group_size, int4_grid, quantize_fp8, quantize_int8
+from ridge.quant.rtn import (
+    QuantizedWeight,
+    check_group_size,
+    int4_grid,
+    nearest_fp8,
+    nearest_int8,
+    quantize_fp8,
+    quantize_int8,
+)
 
 # Dampening: this fraction of the mean of H's diagonal is added to it before the inverse. The larger, the
 # less GPTQ trusts the calibration's input correlations (1/damp -> 0: plain RTN). Integer codes take the
@@ -104,12 +112,9 @@ def _grid(w: torch.Tensor, bits: int, group_size: int | None, integer_zeros: boo
     """Per channel (int8 and fp8, symmetric: zero 0) or per group (int4, RTN's grid): (scales, zero points,
     a function from a column's weights / scale + zero to its codes, as float32)."""
     if fp8:
-        return quantize_fp8(w).scales, torch.zeros(w.shape[0]), _round_fp8
+        return quantize_fp8(w).scales, torch.zeros(w.shape[0]), nearest_fp8
     if bits == 8:
         scales = quantize_int8(w).scales
-        return scales, torch.zeros_like(scales), lambda u: torch.round(u).clamp(-127, 127)
+        return scales, torch.zeros_like(scales), nearest_int8
     return *int4_grid(w, group_size, integer_zeros), lambda u: torch.round(u).clamp(0, 15)
 
-
-def _round_fp8(u: torch.Tensor) -> torch.Tensor:
-    return u.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()

@@ -63,20 +63,22 @@ def check_group_size(in_features: int, group_size: int, where: str = "") -> None
                          f"choose one that does (of {', '.join(str(g) for g in GROUP_SIZES if in_features % g == 0)})")
 
 
-def _int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.round(w / scales[:, None]).clamp(-127, 127)
+def nearest_int8(u: torch.Tensor) -> torch.Tensor:
+    """The nearest int8 code to each weight / scale, as float32."""
+    return torch.round(u).clamp(-127, 127)
 
 
-def _fp8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+def nearest_fp8(u: torch.Tensor) -> torch.Tensor:
+    """The nearest e4m3 number to each weight / scale, as float32."""
+    return u.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
 
 
 def quantize_int8(weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedWeight:
     w = weight.float()
     scales = storable_scale(w.abs().amax(dim=1) / 127)
     if importance is not None:
-        scales = importance_weighted_scales(w, importance, scales, INT8_STRETCHES, _int8_codes, uniform_steps=True)
-    return QuantizedWeight(_int8_codes(w, scales).to(torch.int8), scales, None, 8, None)
+        scales = importance_weighted_scales(w, importance, scales, INT8_STRETCHES, nearest_int8, uniform_steps=True)
+    return QuantizedWeight(nearest_int8(w / scales[:, None]).to(torch.int8), scales, None, 8, None)
 
 
 def int4_grid(weight: torch.Tensor, group_size: int, integer_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +113,7 @@ def quantize_fp8(weight: torch.Tensor, importance: torch.Tensor | None = None) -
     w = weight.float()
     scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
     if importance is not None:
-        scales = importance_weighted_scales(w, importance, scales, FP8_STRETCHES, _fp8_codes, uniform_steps=False)
+        scales = importance_weighted_scales(w, importance, scales, FP8_STRETCHES, nearest_fp8, uniform_steps=False)
     return QuantizedWeight((w / scales[:, None]).to(torch.float8_e4m3fn), scales, None, 8, None)
 
 
@@ -127,7 +129,7 @@ SEARCH_ROWS = 1024  # rows searched together: [1024, 128] float32 is half a mega
 
 
 def importance_weighted_scales(w: torch.Tensor, importance: torch.Tensor, base: torch.Tensor,
-                               stretches: list[float], codes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                               stretches: list[float], codes: Callable[[torch.Tensor], torch.Tensor],
                                uniform_steps: bool) -> torch.Tensor:
     """Each row's scale among base * stretch with the least sum_j importance_j (w_j - q_j * scale)^2, the
     error of the layer's output on inputs whose column j has mean square importance_j.
@@ -146,7 +148,7 @@ def importance_weighted_scales(w: torch.Tensor, importance: torch.Tensor, base: 
         best_scales, best_error = row_base, torch.full_like(row_base, float("inf"))
         for stretch in stretches:
             scales = storable_scale(row_base * stretch) if uniform_steps else row_base * stretch
-            error = torch.addcmul(w_top, codes(w_top, scales), scales[:, None], value=-1).square_() @ a_top
+            error = torch.addcmul(w_top, codes(w_top / scales[:, None]), scales[:, None], value=-1).square_() @ a_top
             if rest:
                 error += rest * scales.square()
             better = error < best_error
