@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -176,6 +177,24 @@ def _no_leaked_blocks() -> Iterator[None]:
     yield
     for llm in _ENGINES:
         llm.engine.check_integrity()
+
+
+@pytest.fixture(autouse=True)
+def _server_idle_and_whole(request):
+    """After each test of a module with a `server` fixture, its engine drains and its KV accounting holds
+    (every block free)."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    srv = request.getfixturevalue("server")
+    if srv.engine.error is not None:
+        return
+    deadline = time.monotonic() + 30
+    while srv.engine.num_unfinished or not (state := srv.engine.state()).idle:
+        assert time.monotonic() < deadline, "the server did not drain"
+        time.sleep(0.02)
+    assert state.integrity_error is None, state.integrity_error
+    assert state.num_free_blocks == state.num_blocks
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:

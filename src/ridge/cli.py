@@ -117,18 +117,21 @@ def sampling_params(args: argparse.Namespace):
 # ---- commands ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from ridge.config import EngineConfig
+    from ridge.engine.async_engine import Supervision
     from ridge.serve.app import ServerConfig
     from ridge.serve.server import make_server, run
 
-    config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes)
+    config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
+                          args.max_request_tokens, args.metrics_no_auth)
+    supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
-                         args.max_waiting, args.grace, "info" if args.verbose else "warning")
+                         args.max_waiting, args.grace, "info" if args.verbose else "warning",
+                         max_queued_tokens=args.max_queued_tokens, supervision=supervision)
     print(f"ridge: serving {config.model_name} at {server.url}/v1 (max_model_len {server.engine.max_model_len})")
     print(f"  curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"""-d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 64}}'""")
     print(f"  metrics: {server.url}/metrics   stop: Ctrl-C or SIGTERM", flush=True)
-    run(server)
-    return 0
+    return run(server)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -316,13 +319,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="requests allowed to wait for a slot; more get HTTP 429 (default: unbounded)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
+                        "--metrics-no-auth); others get HTTP 401")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
+    g = p.add_argument_group("limits (over one: HTTP 400 naming the field, or 429 for the server-wide queue)")
+    g.add_argument("--max-n", type=int, default=128, help="samples per request, n (default %(default)s, OpenAI's)")
+    g.add_argument("--max-request-tokens", type=int, default=2**18,
+                   help="a request's work: its prompt tokens + n x max_tokens (default %(default)s)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="sequences allowed to wait for a first token; more get HTTP 429 (default: unbounded)")
+    g.add_argument("--max-queued-tokens", type=int, default=2**22,
+                   help="the work (prompt + n x max_tokens) of all unfinished requests together; more gets "
+                        "HTTP 429 (default %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="larger request bodies get HTTP 413 (default %(default)s)")
-    p.add_argument("--grace", type=float, default=30.0,
-                   help="seconds SIGTERM waits for running requests before aborting them (default %(default)s)")
+    g = p.add_argument_group("lifetime")
+    g.add_argument("--grace", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before aborting them (default %(default)s); "
+                        "the server exits a few seconds after, in every case")
+    g.add_argument("--engine-restarts", type=int, default=3,
+                   help="restart an engine process that dies or stops stepping up to this many times in 10 "
+                        "minutes; its requests in flight get an error, new ones 503 with Retry-After until it "
+                        "is back. Past that the server exits 1. (default %(default)s; 0: exit at once)")
+    g.add_argument("--engine-stuck-after", type=float, default=60.0,
+                   help="seconds without a finished step, with work waiting, after which the engine counts as "
+                        "stuck and is restarted (default %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -48,12 +48,17 @@ class LLM:
             self.engine.validate(ids, p)
         order = [self.engine.add_request(ids, p) for ids, p in zip(encoded, param_list, strict=True)]
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished:
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished:
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # a failed step, Ctrl-C: the batch's other requests give their blocks back
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         for request_id, prompt in zip(order, batch, strict=True):
             done[request_id].prompt = prompt if isinstance(prompt, str) else None
         return [done[i] for i in order]

@@ -1,10 +1,18 @@
-"""SamplingParams: vLLM's names and defaults, each field checked against its limit on construction."""
+"""SamplingParams: vLLM's names and defaults, each field checked against its limit on construction.
+
+Numbers are checked for their type too (a bool is not an int) and floats for being finite: the step
+computes in float32, where a request's 1e308 or Infinity would turn into NaNs inside the batch.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0  # past this a float32 softmax over logits of a few tens is uniform to the last bit
+PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: a factor on logits; outside it, float32 logits overflow
+SEED_RANGE = (-(2**63), 2**63 - 1)  # sample i is seeded with seed + i: within torch.Generator's [-2**63, 2**64)
 
 
 @dataclass
@@ -35,18 +43,31 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
-        need(self.temperature >= 0, "temperature", ">= 0")
-        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(self.top_k == -1 or self.top_k >= 0, "top_k", "-1, 0 (off) or >= 1")
-        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
-        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        need(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"in [0, max_tokens={self.max_tokens}]")
-        need(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]")
-        need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and -100 <= b <= 100
+        def number(name: str, lo: float, hi: float, limit: str) -> None:
+            value = getattr(self, name)
+            need(_is_real(value) and math.isfinite(value) and lo <= value <= hi, name, limit)
+
+        need(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
+        number("temperature", 0.0, MAX_TEMPERATURE, f"a number in [0, {MAX_TEMPERATURE:g}] (0: greedy)")
+        number("top_p", 0.0, 1.0, "a number in (0, 1]")
+        need(self.top_p > 0, "top_p", "a number in (0, 1]")
+        need(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k",
+             "an integer: -1, 0 (off) or >= 1")
+        number("min_p", 0.0, 1.0, "a number in [0, 1]")
+        lo, hi = PENALTY_RANGE
+        number("repetition_penalty", lo, hi, f"a number in [{lo:g}, {hi:g}] (1: off)")
+        number("presence_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        number("frequency_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        need(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
+             "an integer in [-2**63, 2**63 - 1] or None")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"an integer in [0, max_tokens={self.max_tokens}]")
+        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"an integer in [0, {MAX_LOGPROBS}]")
+        need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "a list of token ids >= 0")
+        need(self.logit_bias is None or all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
                                             for t, b in self.logit_bias.items()),
              "logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
@@ -60,3 +81,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

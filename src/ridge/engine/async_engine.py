@@ -3,7 +3,8 @@
 The core (engine_core.py) only schedules, runs the model and samples. This side tokenizes (in the
 callers), detokenizes and finds stop strings (output_processor.py), and hands each request its
 outputs as an async iterator. Commands go down one pipe; a reader thread takes the core's step
-reports off it and delivers each request's output to its asyncio queue.
+reports off it and delivers each request's output to its asyncio queue. A supervisor thread restarts
+a core that dies or stops stepping (Supervision); the requests it held end with EngineDead.
 
 Two processes rather than two threads: with one interpreter lock, every HTTP chunk the server wrote
 stalled the step loop between its tensor ops; measured, the server reached 63% of the offline
@@ -13,13 +14,18 @@ throughput that way.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import math
 import multiprocessing
+import multiprocessing.process
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
 from ridge.engine.engine import RequestLimits, RequestOutput
@@ -32,6 +38,7 @@ from ridge.engine.engine_core import (
     Ready,
     Rejected,
     Shutdown,
+    StepFailed,
     StepReport,
     run_engine_core,
 )
@@ -44,15 +51,48 @@ log = logging.getLogger("ridge")
 
 
 class EngineDead(RuntimeError):
-    """The engine core stopped on an error; no request can be served any more."""
+    """The engine core stopped (an error, a killed or stuck process); the request was not completed."""
+
+
+class EngineRestarting(EngineDead):
+    """The engine core is being restarted; new requests may be retried in about `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while running a step of this request; the request ended, the engine serves on."""
 
 
 class QueueFull(RuntimeError):
-    """More requests are waiting than the server admits (--max-waiting)."""
+    """More requests (or more work) are waiting than the server admits (--max-waiting, --max-queued-tokens)."""
 
 
 class ShuttingDown(RuntimeError):
     """The server is draining and accepts no new requests."""
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How the server keeps an engine core alive: a core that dies, or has work but reports no step for
+    `stuck_after_s`, is killed and started again, at most `max_restarts` times in any `window_s`; past
+    that the engine is dead for good and `on_give_up` is called (the server then exits non-zero, for its
+    supervisor -- systemd, Kubernetes -- to act)."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+    stuck_after_s: float = 60.0
+
+
+@dataclass
+class _Core:
+    """One incarnation of the engine core process and its pipe."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    generation: int
 
 
 class AsyncEngine:
@@ -61,65 +101,145 @@ class AsyncEngine:
         config: EngineConfig,
         max_waiting: int | None = None,
         on_step: Callable[[StepReport, list[RequestOutput]], None] | None = None,
-        stuck_after_s: float = 60.0,
+        supervision: Supervision = Supervision(),
         progress: bool = True,
+        max_queued_tokens: int | None = None,
+        on_give_up: Callable[[str], None] | None = None,
+        grace_s: float = 30.0,
     ) -> None:
         self.config = config
         self.max_waiting = max_waiting
-        self.stuck_after_s = stuck_after_s
+        self.max_queued_tokens = max_queued_tokens
+        self.supervision = supervision
+        self.grace_s = grace_s
         self._on_step = on_step
+        self._on_give_up = on_give_up
         self._progress = progress
-        # request id -> (its tracker, its event loop, its output queue); guarded by _lock, since callers
-        # (the event loop) add and remove entries while the reader thread delivers to them
-        self._requests: dict[str, tuple[RequestTracker, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> its entry; guarded by _lock, since callers (the event loop) add and remove entries
+        # while the reader thread delivers to them
+        self._requests: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # the event loop and the reader thread both send commands
         self._states: queue.SimpleQueue[EngineState] = queue.SimpleQueue()
+        self._died = threading.Event()  # a reader saw its core die (or the supervisor found it stuck)
+        self._restarts: collections.deque[float] = collections.deque()
         self.error: BaseException | None = None
+        self.status = "starting"  # ok, restarting, dead
         self.accepting = True
         self.last_progress = time.monotonic()
+        self.load_time_s = 0.0
         self._stopping = False
 
     # ---- lifetime -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the core process and wait until its model is loaded (its progress bar shows meanwhile)."""
+        """Start the core process and wait until its model is loaded (its progress bar shows meanwhile);
+        then supervise it from a thread of its own."""
+        self.tokenizer = RidgeTokenizer.from_path(resolve(self.config.model))
+        self._core = self._launch(0)
+        self.status = "ok"
+        self._supervisor = threading.Thread(target=self._supervise, name="ridge-engine-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _launch(self, generation: int) -> _Core:
+        """A new core process, loaded and reporting Ready, with its reader thread running."""
         context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
-        self._conn, core_end = context.Pipe()
-        self._process = context.Process(target=run_engine_core, args=(self.config, core_end, self._progress),
-                                        name="ridge-engine-core", daemon=True)
-        self._process.start()
+        conn, core_end = context.Pipe()
+        process = context.Process(target=run_engine_core, args=(self.config, core_end, self._progress, self.grace_s),
+                                  name="ridge-engine-core", daemon=True)
+        started = time.monotonic()
+        process.start()
         core_end.close()
-        self.tokenizer = RidgeTokenizer.from_path(resolve(self.config.model))  # while the core loads
         try:
-            ready = self._conn.recv()
+            ready = conn.recv()
         except EOFError:
-            ready = Failed(f"the engine process exited with code {self._process.exitcode}")
+            ready = Failed(f"the engine process exited with code {process.exitcode}")
         if isinstance(ready, Failed):
-            self._process.join(timeout=10)
+            process.join(timeout=10)
             raise RuntimeError(f"the engine failed to start: {ready.message}")
         assert isinstance(ready, Ready), ready
+        self.load_time_s = time.monotonic() - started
         self.limits: RequestLimits = ready.limits
         self.num_blocks = ready.num_blocks
-        self._reader = threading.Thread(target=self._read, name="ridge-engine-reader", daemon=True)
-        self._reader.start()
+        core = _Core(process, conn, generation)
+        threading.Thread(target=self._read, args=(core,), name="ridge-engine-reader", daemon=True).start()
+        return core
 
     def stop(self) -> None:
         """Stop the core process (requests still running are not finished); idempotent."""
         if self._stopping:
             return
         self._stopping = True
+        self._died.set()  # wakes the supervisor, which sees _stopping and returns
+        core = self._core
         with contextlib.suppress(OSError, ValueError):
             self._send(Shutdown())
-        self._process.join(timeout=10)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(timeout=5)
-        self._reader.join(timeout=5)
-        self._conn.close()
+        core.process.join(timeout=5)
+        if core.process.is_alive():  # busy inside a long step, or wedged
+            core.process.kill()
+            core.process.join(timeout=5)
+        core.conn.close()
 
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    @property
+    def pid(self) -> int | None:
+        return self._core.process.pid
+
+    # ---- supervision ----------------------------------------------------------------------------
+    @property
+    def stuck(self) -> bool:
+        """The core has work but has reported no step for stuck_after_s."""
+        return bool(self.num_unfinished) and time.monotonic() - self.last_progress > self.supervision.stuck_after_s
+
+    def _supervise(self) -> None:
+        while not self._stopping:
+            if not self._died.wait(timeout=0.5):
+                if self.status == "ok" and self.stuck:
+                    log.error("ridge: the engine has reported no step for %.0f s with work to do; killing it",
+                              time.monotonic() - self.last_progress)
+                    self._core.process.kill()  # its reader sees the pipe close and reports the death
+                continue
+            if self._stopping:
+                return
+            self._died.clear()
+            self._restart()
+
+    def _restart(self) -> None:
+        reason = str(self.error)
+        old = self._core
+        old.process.join(timeout=5)
+        if old.process.is_alive():
+            old.process.kill()
+            old.process.join(timeout=5)
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.supervision.window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.supervision.max_restarts:
+            self._give_up(f"{reason}; {len(self._restarts)} restarts in the last "
+                          f"{self.supervision.window_s:.0f} s already (--engine-restarts)")
+            return
+        self._restarts.append(now)
+        self.status = "restarting"
+        log.warning("ridge: restarting the engine (%s)", reason)
+        try:
+            core = self._launch(old.generation + 1)
+        except Exception as exc:  # noqa: BLE001 - whatever stops a load ends the supervision
+            self._give_up(f"{reason}; the restart failed: {exc}")
+            return
+        self._core = core
+        self.last_progress = time.monotonic()
+        self.error = None
+        self.status = "ok"
+        self._fail_generation(old.generation)  # any request that slipped into the old pipe as it died
+        log.warning("ridge: the engine is back after %.1f s", self.load_time_s)
+
+    def _give_up(self, message: str) -> None:
+        self.status = "dead"
+        log.error("ridge: the engine is dead: %s", message)
+        if self._on_give_up is not None:
+            self._on_give_up(message)
 
     # ---- admission ------------------------------------------------------------------------------
     @property
@@ -131,26 +251,39 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Sequences admitted that have no token yet: queued here, in the pipe, or in the core."""
         with self._lock:
-            return sum(t.params.n for t, _, _ in self._requests.values() if not t.started)
+            return sum(e.tracker.params.n for e in self._requests.values() if not e.tracker.started)
+
+    @property
+    def queued_tokens(self) -> int:
+        """The work admitted and not finished: prompt + n x max_tokens of every request in flight."""
+        with self._lock:
+            return sum(e.work for e in self._requests.values())
 
     @property
     def healthy(self) -> bool:
-        """False once the core has died, or when it has work but has not reported a step for a while."""
-        if self.error is not None or not self._process.is_alive():
-            return False
-        return not self.num_unfinished or time.monotonic() - self.last_progress < self.stuck_after_s
+        """False while the core is dead or restarting, and when it has work but reports no step."""
+        return self.status == "ok" and self.error is None and self._core.process.is_alive() and not self.stuck
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(prompt_ids, params)
 
-    def check_admission(self, count: int) -> None:
-        """Raise EngineDead, ShuttingDown or QueueFull if `count` more sequences cannot be taken now."""
-        if self.error is not None:
+    def check_admission(self, count: int, work: int = 0) -> None:
+        """Raise EngineDead (or EngineRestarting), ShuttingDown or QueueFull if `count` more sequences
+        carrying `work` tokens cannot be taken now."""
+        if self.status == "restarting" or (self.status == "ok" and self.error is not None):
+            raise EngineRestarting(f"the engine is restarting ({self.error}); retry shortly",
+                                   max(1, math.ceil(self.load_time_s)))
+        if self.status != "ok":
             raise EngineDead(f"the engine stopped: {self.error}")
+        if self.stuck:
+            raise EngineDead(f"the engine has reported no step for {time.monotonic() - self.last_progress:.0f} s")
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         if self.max_waiting is not None and self.num_waiting + count > self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting; the limit (--max-waiting) is {self.max_waiting}")
+        if self.max_queued_tokens is not None and (queued := self.queued_tokens) + work > self.max_queued_tokens:
+            raise QueueFull(f"{queued} tokens of work are queued and this request adds {work}; the limit "
+                            f"(--max-queued-tokens) is {self.max_queued_tokens}")
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(
@@ -160,8 +293,10 @@ class AsyncEngine:
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
+        A core that dies meanwhile raises EngineDead; a step that fails on this request, RequestFailed.
         """
-        self.check_admission(params.n)
+        work = len(prompt_ids) + params.n * params.max_tokens
+        self.check_admission(params.n, work)
         self.validate(prompt_ids, params)
         tracker = RequestTracker(request_id, prompt_ids, params, self.tokenizer, time.perf_counter())
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -170,13 +305,18 @@ class AsyncEngine:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             if not self._requests:  # the stuck clock starts with the work
                 self.last_progress = time.monotonic()
-            self._requests[request_id] = (tracker, asyncio.get_running_loop(), outputs)
+            core = self._core
+            self._requests[request_id] = _Entry(tracker, asyncio.get_running_loop(), outputs, work, core.generation)
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt_ids, params, tracker.arrival_time))
+            try:
+                self._send(AddRequest(request_id, prompt_ids, params, tracker.arrival_time), core)
+            except (OSError, ValueError) as exc:  # the core died as this request arrived
+                raise EngineDead(f"the engine stopped: {exc}") from exc
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the core has forgotten it (failed step) or is gone: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -185,7 +325,7 @@ class AsyncEngine:
                 self._requests.pop(request_id, None)
             if not finished and self.error is None:
                 with contextlib.suppress(OSError, ValueError):
-                    self._send(AbortRequest(request_id))
+                    self._send(AbortRequest(request_id), core)
 
     def abort_all(self) -> None:
         with self._lock:
@@ -193,36 +333,27 @@ class AsyncEngine:
         for request_id in ids:
             self._send(AbortRequest(request_id))
 
-    async def drain(self, grace_s: float) -> None:
-        """Stop accepting; let running requests finish for up to grace_s, then abort the rest."""
-        self.accepting = False
-        deadline = time.monotonic() + grace_s
-        while self.num_unfinished and time.monotonic() < deadline and self.error is None:
-            await asyncio.sleep(0.05)
-        if self.num_unfinished and self.error is None:
-            log.warning("ridge: aborting %d requests still running after the %.0f s grace period",
-                        self.num_unfinished, grace_s)
-            self.abort_all()
-            while self.num_unfinished and self.error is None:
-                await asyncio.sleep(0.01)
-
     def state(self, timeout_s: float = 30.0) -> EngineState:
         """The core's KV pool and integrity check, as of now (blocking; for tests and diagnostics)."""
         self._send(QueryState())
         return self._states.get(timeout=timeout_s)
 
     # ---- the reader thread ----------------------------------------------------------------------
-    def _send(self, command: object) -> None:
+    def _send(self, command: object, core: _Core | None = None) -> None:
+        """Send to the current core, or to `core` only if it is still the current one."""
         with self._send_lock:
-            self._conn.send(command)
+            current = self._core
+            if core is not None and core is not current:
+                raise OSError("the engine was restarted since")
+            current.conn.send(command)
 
-    def _read(self) -> None:
+    def _read(self, core: _Core) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = core.conn.recv()
             except (EOFError, OSError):
                 if not self._stopping:
-                    self._fail(f"the engine process exited with code {self._process.exitcode}")
+                    self._fail(f"the engine process exited with code {core.process.exitcode}")
                 return
             if isinstance(message, StepReport):
                 self._on_report(message)
@@ -230,6 +361,10 @@ class AsyncEngine:
                 self._states.put(message)
             elif isinstance(message, Rejected):
                 self._deliver(message.request_id, ValueError(message.message))
+            elif isinstance(message, StepFailed):
+                log.error("ridge: a step failed, ending %d requests: %s", len(message.request_ids), message.message)
+                for request_id in message.request_ids:
+                    self._deliver(request_id, RequestFailed(f"the engine failed on this request: {message.message}"))
             elif isinstance(message, Failed):
                 log.error("ridge: the engine stopped: %s", message.message)
                 self._fail(message.message)
@@ -244,7 +379,7 @@ class AsyncEngine:
                 entry = self._requests.get(delta.request_id)
             if entry is None:  # its caller left (and sent an abort); nothing to hand back
                 continue
-            tracker, loop, queue_ = entry
+            tracker = entry.tracker
             if tracker.finished:  # finished here by a stop string; the engine's late tokens are dropped
                 continue
             output, stopped = tracker.apply(delta)
@@ -252,7 +387,7 @@ class AsyncEngine:
                 for index in ([None] if output.finished else stopped):
                     self._send(AbortRequest(delta.request_id, index))
             outputs.append(output)
-            deliveries.setdefault(loop, []).append((queue_, output))
+            deliveries.setdefault(entry.loop, []).append((entry.outputs, output))
         for loop, items in deliveries.items():  # one wake-up of each event loop per step, not one per request
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(_put_all, items)
@@ -260,20 +395,38 @@ class AsyncEngine:
             self._on_step(report, outputs)
 
     def _fail(self, message: str) -> None:
+        """The core is gone: every request in flight ends with EngineDead, and the supervisor acts."""
         self.error = EngineDead(message)
         with self._lock:
             ids = list(self._requests)
         for request_id in ids:
-            self._deliver(request_id, EngineDead(f"the engine stopped: {message}"))
+            self._deliver(request_id, EngineDead(f"the engine stopped: {message}; this request was not completed"))
+        self._died.set()
+
+    def _fail_generation(self, generation: int) -> None:
+        with self._lock:
+            ids = [i for i, e in self._requests.items() if e.generation <= generation]
+        for request_id in ids:
+            self._deliver(request_id, EngineDead("the engine restarted; this request was not completed"))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             entry = self._requests.get(request_id)
         if entry is None:
             return
-        _, loop, outputs = entry
         with contextlib.suppress(RuntimeError):  # the caller's event loop is closed
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            entry.loop.call_soon_threadsafe(entry.outputs.put_nowait, item)
+
+
+@dataclass
+class _Entry:
+    """A request in flight, as the server's side holds it."""
+
+    tracker: RequestTracker
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    work: int  # prompt + n x max_tokens: what it may still cost the engine
+    generation: int  # the core incarnation it was sent to
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

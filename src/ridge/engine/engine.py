@@ -69,6 +69,14 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class StepError(RuntimeError):
+    """A step raised; the requests it was running (`request_ids`) have ended, the engine can go on."""
+
+    def __init__(self, request_ids: list[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids, self.message = request_ids, message
+
+
 @dataclass
 class StepStats:
     """What the last step() did, for metrics."""
@@ -104,10 +112,14 @@ class RequestLimits:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if params is not None and params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if params is None:
+            return
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k: {params.top_k} is more than the vocabulary's {vocab} tokens; -1 or 0 means all")
 
 
 @dataclass
@@ -179,6 +191,7 @@ class LLMEngine:
         self.set_speculation(config.speculation_policy if self.drafter is not None else None)
         self._requests: dict[str, _Request] = {}
         self._aborted: set[str] = set()  # aborted since the last step: reported by the next one
+        self._scheduled: ScheduledStep | None = None  # the batch of the step running now
         self.last_step = StepStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -287,13 +300,34 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for every request that progressed or finished."""
+        """Run one scheduled step; return an output for every request that progressed or finished.
+
+        A step that raises ends the requests it was running (their blocks freed, their outputs never
+        reported) and raises StepError naming them; every other request is untouched and the engine can
+        step on. A failure before the step's batch was chosen ends every running request.
+        """
+        self._scheduled = None
+        try:
+            return self._step()
+        except Exception as exc:
+            seqs = self._scheduled.seqs if self._scheduled is not None else list(self.scheduler.running)
+            request_ids = sorted({s.request_id for s in seqs if s.request_id in self._requests})
+            for request_id in request_ids:
+                for seq in self._requests.pop(request_id).seqs:
+                    if not seq.finished:
+                        self.scheduler.finish(seq, "abort")
+            self._aborted -= set(request_ids)
+            if self.drafter is not None:
+                self.drafter.release_finished()
+            raise StepError(request_ids, f"{type(exc).__name__}: {exc}") from exc
+
+    def _step(self) -> list[RequestOutput]:
         cache = self.pool.cache.stats if self.pool.cache is not None else None
         before = (cache.queries, cache.hits, cache.evictions) if cache else (0, 0, 0)
         self.last_step = StepStats()
         if self.speculation is not None:
             self._draft()
-        step = self.scheduler.schedule()
+        step = self._scheduled = self.scheduler.schedule()
         chunks = zip(step.seqs[step.num_decodes:], step.num_tokens[step.num_decodes:], strict=True)
         self.last_step.prefill_tokens = sum(n for s, n in chunks if not s.draft_ids)  # not decodes with drafts
         self.last_step.preemptions = step.num_preempted

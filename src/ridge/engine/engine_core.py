@@ -8,13 +8,16 @@ each sample (token ids, logprobs, finish), never the cumulative outputs.
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
-from ridge.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepStats
+from ridge.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepError, StepStats
 from ridge.sampling_params import SamplingParams
 
 
@@ -55,6 +58,14 @@ class Ready:
 class Failed:
     """The core stopped on an error (while loading or stepping); it exits after sending this."""
 
+    message: str
+
+
+@dataclass
+class StepFailed:
+    """A step raised: these requests ended without an output (their blocks are free); the core steps on."""
+
+    request_ids: list[str]
     message: str
 
 
@@ -103,12 +114,14 @@ class EngineState:
     integrity_error: str | None  # the KV accounting check's message, None when it holds
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, progress: bool) -> None:
+def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grace_s: float = 30.0) -> None:
     """The core process's main: load, report Ready (or Failed), then serve commands until Shutdown or
     until the server's end of the pipe closes."""
-    # Ctrl-C reaches the whole process group; only the server decides when the engine stops.
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group; the server drains its requests
+    # for grace_s and then sends Shutdown. A SIGTERM still ends this process a little after that, so that
+    # a core stuck inside a step cannot outlive its server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _exit_after(grace_s + 5.0))
     try:
         engine = LLMEngine(config, progress=progress, detokenize=False)
     except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
@@ -135,11 +148,23 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             _apply(engine, conn, command)
         if not engine.has_unfinished:
             continue
-        outputs = engine.step()
+        try:
+            outputs = engine.step()
+        except StepError as exc:
+            traceback.print_exc()
+            conn.send(StepFailed(exc.request_ids, exc.message))
+            engine.check_integrity()  # if the failed step broke the KV accounting, the server restarts the core
+            continue
         conn.send(StepReport(
             [_delta(out, sent) for out in outputs], engine.last_step, len(engine.scheduler.running),
             len(engine.scheduler.waiting), engine.pool.num_free, engine.pool.num_blocks,
         ))
+
+
+def _exit_after(delay_s: float) -> None:
+    timer = threading.Timer(delay_s, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
 
 
 def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortRequest | QueryState) -> None:

@@ -95,7 +95,9 @@ class Sampler:
         device = logits.device
         params = [s.params for s in seqs]
         temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        logits = logits / temperature
+        # From each row's maximum, so that a tiny temperature sends the others to -inf, never the top to
+        # +inf (inf - inf is NaN); clamped to float32's smallest normal, which a 1e-39 would fall under.
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature.clamp(min=torch.finfo(torch.float32).tiny)
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         if bool((top_k > 0).any() or (top_p < 1).any()):

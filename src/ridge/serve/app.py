@@ -13,19 +13,28 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 import ridge
-from ridge.engine.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown
+from ridge.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineRestarting,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+)
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.engine import CompletionOutput, RequestOutput
 from ridge.sampling_params import SamplingParams
+from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, document_errors
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.protocol import (
     ChatCompletionRequest,
@@ -40,34 +49,59 @@ from ridge.serve.protocol import (
 from ridge.tokenizer import RidgeTokenizer
 
 log = logging.getLogger("ridge")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer; nobody reads it
 
 
 @dataclass
 class ServerConfig:
+    """What the server admits. Each limit is checked before the engine sees a request; a request over
+    one gets a 400 (429 for the server-wide queue) naming the field and the limit."""
+
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
+    max_n: int = 128  # samples per request (OpenAI's limit)
+    max_request_tokens: int = 2**18  # a request's work: prompt tokens + n x max_tokens, over all its prompts
+    metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
 
 
 def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig) -> FastAPI:
     tokenizer: RidgeTokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
     app = FastAPI(title="ridge", version=ridge.__version__)
+    app.add_middleware(JsonOnly)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
+    if config.api_key:  # outermost: nothing but /health (and /metrics, if asked) answers without the key
+        open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
+        app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=open_paths)
+    document_errors(app)
 
     # ---- errors: one envelope for all -----------------------------------------------------------
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is the character where parsing stopped
+            error = (first.get("ctx") or {}).get("error", "")
+            return JSONResponse(RequestError(f"body: not valid JSON ({error} at character {first['loc'][-1]})",
+                                             None).body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return JSONResponse(RequestError(f"{param or 'body'}: {first.get('msg')}", param).body(), status_code=400)
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return JSONResponse(RequestError(f"{param or 'body'}: {message}", param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (no such route, wrong method, a body that is not UTF-8 or nests too deep)."""
+        names = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+        message = "body: not valid JSON (not UTF-8, or nested too deeply)" if exc.status_code == 400 else exc.detail
+        return JSONResponse(RequestError(str(message), None, exc.status_code,
+                                         names.get(exc.status_code, "HTTPError")).body(),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:
@@ -84,6 +118,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     def admit(prompts: list[list[int]], fields: SamplingFields, requested: int | None,
               logprobs: int | None, what: str) -> SamplingParams:
         """Check every prompt and the sampling fields; return the params. Raises before queuing anything."""
+        if isinstance(fields.n, int) and fields.n > config.max_n:
+            raise RequestError(f"n: {fields.n} samples asked for; the limit is {config.max_n} (--max-n)", "n")
         longest = max(len(p) for p in prompts)
         if requested is not None and longest + requested > max_model_len:
             raise RequestError(
@@ -98,8 +134,14 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             except ValueError as exc:
                 message = str(exc)
                 raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
+        work = sum(len(p) for p in prompts) + len(prompts) * params.n * max_tokens
+        if work > config.max_request_tokens:
+            raise RequestError(
+                f"max_tokens: this request's work is {work} tokens (prompt + n x max_tokens = "
+                f"{sum(len(p) for p in prompts)} + {len(prompts) * params.n} x {max_tokens}); the limit is "
+                f"{config.max_request_tokens} (--max-request-tokens). Lower n or max_tokens.", "max_tokens")
         try:  # here, not only in generate(): a stream's status line goes out before generate() runs
-            engine.check_admission(len(prompts) * params.n)
+            engine.check_admission(len(prompts) * params.n, work)
         except (QueueFull, ShuttingDown, EngineDead) as exc:
             raise engine_errors(exc) from exc
         return params
@@ -119,7 +161,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         if len(prompts) == 1:  # the common case, without a task and a queue in between
             async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0")) as outputs:
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
-                    yield 0, out
+                    yield 0, _unless_aborted(out)
             return
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
@@ -142,7 +184,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield item
+                    yield item[0], _unless_aborted(item[1])
         finally:
             for task in tasks:  # a disconnect or an error: cancelling a pump aborts its request
                 task.cancel()
@@ -151,8 +193,13 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     def engine_errors(exc: Exception) -> RequestError:
         if isinstance(exc, QueueFull):
             return RequestError(str(exc), None, 429, "RateLimitError")
+        if isinstance(exc, EngineRestarting):
+            return RequestError(str(exc), None, 503, "ServiceUnavailableError",
+                                {"Retry-After": str(exc.retry_after_s)})
         if isinstance(exc, ShuttingDown | EngineDead):
             return RequestError(str(exc), None, 503, "ServiceUnavailableError")
+        if isinstance(exc, RequestFailed):
+            return RequestError(str(exc), None, 500, "InternalServerError")
         if isinstance(exc, ValueError):
             return RequestError(str(exc), str(exc).split(":")[0])
         raise exc
@@ -163,7 +210,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         try:
             async for i, out in run(prompts, params, request_id, beams):
                 finals[i] = out
-        except (QueueFull, ShuttingDown, EngineDead, ValueError) as exc:
+        except (QueueFull, ShuttingDown, EngineDead, RequestFailed, ValueError) as exc:
             raise engine_errors(exc) from exc
         return finals  # type: ignore[return-value]
 
@@ -188,7 +235,15 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.healthy else 503)
+        """200 while the engine serves; 503 with its state (restarting, stuck, dead) otherwise."""
+        if engine.healthy:
+            return JSONResponse({"status": "ok"})
+        status = "stuck" if engine.status == "ok" and engine.stuck else engine.status
+        if status == "ok":  # its process just died; the supervisor is about to restart it
+            status = "restarting"
+        headers = {"Retry-After": str(max(1, round(engine.load_time_s)))} if status == "restarting" else None
+        return JSONResponse({"status": status, "message": str(engine.error) if engine.error else None},
+                            status_code=503, headers=headers)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -230,7 +285,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             raise RequestError(str(exc), "messages") from exc
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         check_model(req.model)
         prompts = _prompt_list(req.prompt)
         ids_list = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
@@ -244,11 +299,13 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             return {"index": i * params.n + c.index, "text": text,
                     "logprobs": _completion_logprobs(tokenizer, new_ids, new_logprobs, offset)
                     if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason if c.finish_reason != "abort" else None,
+                    "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason}
 
         if not req.stream:
-            outputs = await collect(ids_list, params, request_id, beams)
+            outputs = await until_disconnected(request, collect(ids_list, params, request_id, beams))
+            if outputs is None:
+                return Response(status_code=CLIENT_CLOSED)
             choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
                        for i, o in enumerate(outputs) for c in o.outputs]
             return {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name,
@@ -275,23 +332,26 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         check_model(req.model)
+        top = req.logprobs_asked()
         ids = chat_ids(req.messages, req.add_generation_prompt)
-        top = req.top_logprobs or 0
-        params = admit([ids], req, req.requested_max_tokens(), top if req.logprobs else None, "messages")
+        params = admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
         def logprobs(new_ids: list[int], new_lps) -> dict[str, Any] | None:
-            return _chat_logprobs(tokenizer, new_ids, new_lps, top) if req.logprobs else None
+            return _chat_logprobs(tokenizer, new_ids, new_lps, top) if top is not None else None
 
         if not req.stream:
-            (output,) = await collect([ids], params, request_id, beams)
+            outputs = await until_disconnected(request, collect([ids], params, request_id, beams))
+            if outputs is None:
+                return Response(status_code=CLIENT_CLOSED)
+            (output,) = outputs
             choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason if c.finish_reason != "abort" else None,
+                        "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for c in output.outputs]
             return {"id": request_id, "object": "chat.completion", "created": created, "model": config.model_name,
                     "choices": choices, "usage": usage([ids], [output])}
@@ -316,7 +376,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                         delta = {"content": text} if text or not c.finish_reason else {}
                         yield sse({**head, "choices": [{
                             "index": c.index, "delta": delta, "logprobs": logprobs(new_ids, new_lps),
-                            "finish_reason": c.finish_reason if c.finish_reason != "abort" else None}]})
+                            "finish_reason": c.finish_reason}]})
             if req.include_usage and final is not None:
                 yield sse({**head, "choices": [], "usage": usage([ids], [final])})
             yield "data: [DONE]\n\n"
@@ -328,10 +388,18 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         try:
             async for item in outputs:
                 yield item
-        except (QueueFull, ShuttingDown, EngineDead, ValueError) as exc:
+        except (QueueFull, ShuttingDown, EngineDead, RequestFailed, ValueError) as exc:
             yield -1, engine_errors(exc)
 
     return app
+
+
+def _unless_aborted(out: RequestOutput) -> RequestOutput:
+    """A request the server itself aborted (its client is still there: the server is shutting down) ends
+    with an error, never as a reply cut short."""
+    if any(c.finish_reason == "abort" for c in out.outputs):
+        raise ShuttingDown("the server is shutting down; this request was stopped before it finished")
+    return out
 
 
 class _StreamState:
@@ -398,66 +466,27 @@ def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dic
     return {"content": content}
 
 
-class BearerAuth:
-    """ASGI middleware: /v1 routes need `Authorization: Bearer <api_key>`, else 401.
-
-    A plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which relays every streamed chunk through
-    an extra task and memory stream (measured: a tenth of the server process's time under load).
-    """
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.wanted = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
-                and dict(scope.get("headers") or []).get(b"authorization") != self.wanted:
-            error = RequestError("invalid or missing API key (Authorization: Bearer ...)", None, 401,
-                                 "AuthenticationError")
-            await _send_json(send, 401, error.body())
-            return
-        await self.app(scope, receive, send)
-
-
-async def _send_json(send, status: int, payload: dict[str, Any]) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnects first: then `work` is cancelled, which aborts its
+    requests in the engine. Streams notice a disconnect by themselves; a plain response would not."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over max_bytes gets 413 before the route reads it whole."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
-            return
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send) -> None:
-        await _send_json(send, 413, RequestError(f"request body: larger than the limit of {self.max_bytes} bytes",
-                                                 None, 413, "RequestTooLargeError").body())
-
-
-class _TooLarge(Exception):
-    pass
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

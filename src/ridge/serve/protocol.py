@@ -1,14 +1,16 @@
 """OpenAI request bodies (with vLLM's extra sampling fields) and the error every endpoint raises.
 
 Field limits live in SamplingParams; this module only maps names (max_completion_tokens, top_logprobs,
-logit_bias keyed by strings) and reports a bad field as a RequestError naming it.
+logit_bias keyed by strings) and reports a bad field as a RequestError naming it. Bodies are read
+strictly: a bool is not a number, a number not a string, and every string must be valid Unicode (JSON's
+escapes can spell a lone surrogate, which no tokenizer can encode).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams
@@ -18,24 +20,57 @@ class RequestError(Exception):
     """An error the client caused (or may retry), rendered as OpenAI's envelope with an HTTP status."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "BadRequestError") -> None:  # noqa: A002 - OpenAI's field name
+                 type: str = "BadRequestError",  # noqa: A002 - OpenAI's field name
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
-class StreamOptions(BaseModel):
+def valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(valid_unicode)]
+
+
+def check_unicode(value: Any, where: str) -> None:
+    """Every string inside a free-form value (a message's extra fields) must be valid Unicode."""
+    if isinstance(value, str):
+        try:
+            valid_unicode(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, where)
+            check_unicode(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{where}.{i}")
+
+
+class Body(BaseModel):
+    """A request body: strict types; unknown fields are ignored (OpenAI's clients send many)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """The sampling fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -45,15 +80,15 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = None
     min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     use_beam_search: bool = False
     beam_width: int | None = None  # default: n, the number of beams returned
     length_penalty: float = 1.0
@@ -105,17 +140,39 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(Body):
+    """One part of a message's content. Only text parts can be read: the others are refused by name
+    (plain_messages), never dropped."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Text
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs a `text` string")
+        check_unicode(self.model_extra, "content part")
+        return self
+
+
+class ChatMessage(Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls, ...: passed to the chat template
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _extras_are_unicode(self) -> ChatMessage:
+        check_unicode(self.model_extra, "message")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -128,27 +185,36 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """Top alternatives per token, or None without logprobs; top_logprobs alone is refused, as vLLM does."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs: needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template; content given as parts keeps its text parts."""
+    """Messages for the chat template; content given as parts becomes the text of its parts."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         message = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
-            message["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise RequestError(f"messages.{i}.content.{j}.type: {part.type!r} parts are not supported; "
+                                       "this server reads text parts only", f"messages.{i}.content.{j}.type")
+            message["content"] = "".join(part.text or "" for part in m.content)
         out.append(message)
     return out
 
 
-class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+class TokenizeRequest(Body):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(Body):
+    model: Text | None = None
+    tokens: list[StrictInt]
