@@ -1,0 +1,144 @@
+"""Property-based fuzzing of the HTTP API: whatever a client sends, the answer is never a 5xx, every error
+is OpenAI's envelope, and the engine ends alive with every KV block back in the pool.
+
+Bodies are drawn by hypothesis: each endpoint's real fields, each either a plausible value or a hostile
+one (huge and negative integers, NaN and infinities, bools where numbers go, lone surrogates, deep and
+odd structures), plus unknown fields. The server's limits are small (max_tokens and n) so that the
+requests that do run finish fast: the fuzzing is of the refusals, not of the model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ridge.config import EngineConfig
+from ridge.serve.app import ServerConfig
+from ridge.serve.server import free_port, make_server, start_in_thread
+
+KEY = "fuzz-key"
+
+hostile_text = st.lists(st.sampled_from(["a", " ", "\n", "é", "😀", "\ud800", "\udfff", "\x00", "<|im_end|>"]),
+                        max_size=8).map("".join)
+extreme_number = st.one_of(
+    st.sampled_from([2**63, 2**64, 2**70, -(2**63) - 1, 49152, 10**9, -1, 0, 1e-39, 1e308, -0.0]),
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**80), 2**80),
+)
+hostile_scalar = st.one_of(extreme_number, st.none(), st.booleans(), hostile_text)
+hostile_structure = st.recursive(hostile_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(hostile_text, inner, max_size=4)), max_leaves=12)
+hostile = st.one_of(extreme_number, extreme_number, hostile_scalar, hostile_structure)
+
+
+ok_text = st.lists(st.sampled_from(["a", " ", "\n", "é", "😀", "the", "<|im_end|>"]), min_size=1,
+                   max_size=8).map("".join)
+ok_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
+ok_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]),
+     "content": st.one_of(ok_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": ok_text}),
+                                            min_size=1, max_size=2))})
+# each endpoint's fields, with values it accepts (the limits of the fixture's server: n <= 3, small work)
+sampling = {
+    "max_tokens": st.integers(1, 4), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 49152), "min_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**63 - 10), "stop": st.lists(ok_text, max_size=2), "stop_token_ids": ok_ids,
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=2),
+    "repetition_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2), "min_tokens": st.integers(0, 1), "ignore_eos": st.booleans(),
+    "stream": st.booleans(), "model": st.just("smollm2"),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "cache_salt": ok_text,
+}
+endpoints = {
+    "/v1/completions": {**sampling, "prompt": st.one_of(ok_text, ok_ids, st.lists(ok_ids, min_size=1, max_size=2)),
+                        "echo": st.booleans(), "logprobs": st.integers(0, 20)},
+    "/v1/chat/completions": {**sampling, "messages": st.lists(ok_message, min_size=1, max_size=3),
+                             "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
+                             "max_completion_tokens": st.integers(1, 4)},
+    "/tokenize": {"prompt": ok_text, "add_special_tokens": st.booleans()},
+    "/detokenize": {"tokens": ok_ids},
+}
+required = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/detokenize": "tokens"}
+
+
+@st.composite
+def requests(draw) -> tuple[str, dict]:
+    """An endpoint and a body: its required field and some others, with accepted values, then one to all of
+    them (and unknown fields) made hostile. A body with one hostile value is otherwise valid: it carries
+    that value past the first checks into the sampling parameters, the engine and its step."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"] * 3 + ["/tokenize", "/detokenize"]))
+    fields = endpoints[path]
+    chosen = set(draw(st.lists(st.sampled_from(sorted(fields)), unique=True, max_size=len(fields))))
+    if path in required and draw(st.integers(0, 9)):
+        chosen.add(required[path])
+    body = {name: draw(fields[name]) for name in sorted(chosen)}
+    names = sorted(fields) + ["unknown_field"]
+    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 1, 3]))):
+        name = names[draw(st.integers(0, len(names) - 1))]
+        body[name] = draw(corrupted(draw(fields[name]) if name in fields else None))
+    return path, body
+
+
+def corrupted(value) -> st.SearchStrategy:
+    """A hostile stand-in for `value`, most often of its own kind (so that it gets past the type checks):
+    extreme numbers for numbers, lone surrogates in strings, one element corrupted deep in a list or a dict."""
+    if isinstance(value, bool):
+        return st.one_of(st.integers(-1, 2), hostile)
+    if isinstance(value, int | float):
+        return st.one_of(extreme_number, extreme_number, hostile)
+    if isinstance(value, str):
+        return st.one_of(st.just(value + "\ud800"), hostile_text, hostile)
+    if isinstance(value, list) and value:
+        return st.integers(0, len(value) - 1).flatmap(
+            lambda i: corrupted(value[i]).map(lambda bad: value[:i] + [bad] + value[i + 1:]))
+    if isinstance(value, dict) and value:
+        return st.sampled_from(sorted(value)).flatmap(
+            lambda key: corrupted(value[key]).map(lambda bad: {**value, key: bad}))
+    return hostile
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="32MiB")
+    srv = make_server(config, ServerConfig("smollm2", api_key=KEY, max_n=3, max_request_tokens=256),
+                      port=free_port(), log_level="critical", progress=False, max_queued_tokens=4096)
+    thread = start_in_thread(srv)
+    yield srv
+    srv.uvicorn.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_no_body_gets_a_5xx_and_the_engine_survives(server):
+    seen: dict[int, int] = {}
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+    @settings(max_examples=800, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(requests())
+    def one(request: tuple[str, dict]) -> None:
+        path, body = request
+        # json.dumps writes what Python's json module (and so the server) reads back: NaN, Infinity, \ud800
+        response = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (path, body, response.text)
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, response.text
+            assert error["code"] == response.status_code and error["message"]
+        elif body.get("stream") is True and path.startswith("/v1/"):
+            events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]", response.text
+            assert all('"error"' not in e for e in events), (path, body, response.text)
+
+    one()
+    http.close()
+    print("statuses:", dict(sorted(seen.items())))
+    assert seen.get(200, 0) >= 30 and sum(v for k, v in seen.items() if 400 <= k < 500) >= 100, seen
+    assert server.engine.healthy
+    # the engine still serves after all of that (the module fixture then checks that every block is free)
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
