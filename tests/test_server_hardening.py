@@ -353,3 +353,15 @@ def test_a_step_error_in_the_offline_api_leaves_no_request_behind(make_llm_for_t
     assert len(out[0].outputs[0].token_ids) == 4
     llm.engine.check_integrity()
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_a_streamed_event_stays_on_one_line_whatever_its_text():
+    """Tokens can decode to U+0085 or U+2028, which JSON leaves raw and str.splitlines() (httpx's
+    aiter_lines) splits on: found by `ridge bench soak` as a stream cut mid-event."""
+    from ridge.serve.app import sse
+
+    text = "a\x85b\u2028c\u2029d\x0be\x0cf\x1cg\x1dh\x1ei\nj\rk é😀"
+    event = sse({"choices": [{"text": text}]})
+    line = event.removesuffix("\n\n")
+    assert line.splitlines() == [line]
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text

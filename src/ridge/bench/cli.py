@@ -16,6 +16,7 @@ from typing import Any
 from ridge.bench import roofline, workloads
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.serve import add_serve_parser
+from ridge.bench.soak import add_soak_parser
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
 PEERS = ("hf", "vllm", "llamacpp")
@@ -351,5 +352,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
     p.set_defaults(func=cmd_throughput)
 
     add_serve_parser(bsub)
+    add_soak_parser(bsub)
     add_quant_parser(bsub)
 

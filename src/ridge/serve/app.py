@@ -229,9 +229,6 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                                      "mean_accepted_length": 1 + accepted / drafts}
         return result
 
-    def sse(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
@@ -400,6 +397,16 @@ def _unless_aborted(out: RequestOutput) -> RequestOutput:
     if any(c.finish_reason == "abort" for c in out.outputs):
         raise ShuttingDown("the server is shutting down; this request was stopped before it finished")
     return out
+
+
+# Characters that JSON leaves raw but that str.splitlines() -- and so clients that split an event stream
+# with it, httpx's aiter_lines among them -- takes for line ends: escaped, an event stays on one line.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event, on one line whatever the text holds."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 class _StreamState:
