@@ -82,6 +82,19 @@ def requests(draw) -> tuple[str, dict]:
     return path, body
 
 
+@st.composite
+def engine_requests(draw) -> tuple[str, dict]:
+    """A valid generation request but for one field, made hostile of its own kind: the bodies that carry a
+    bad value furthest (into SamplingParams, the scheduler and the step), where a mixed body would most
+    often be refused for another of its fields first."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    fields = endpoints[path]
+    body = {required[path]: draw(fields[required[path]]), "max_tokens": 2}
+    name = draw(st.sampled_from(sorted(fields)))
+    body[name] = draw(corrupted(draw(fields[name])))
+    return path, body
+
+
 def corrupted(value) -> st.SearchStrategy:
     """A hostile stand-in for `value`, most often of its own kind (so that it gets past the type checks):
     extreme numbers for numbers, lone surrogates in strings, one element corrupted deep in a list or a dict."""
@@ -117,7 +130,7 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
 
     @settings(max_examples=800, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(requests())
+    @given(st.one_of(requests(), engine_requests()))
     def one(request: tuple[str, dict]) -> None:
         path, body = request
         # json.dumps writes what Python's json module (and so the server) reads back: NaN, Infinity, \ud800
@@ -137,7 +150,7 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
     http.close()
     print("statuses:", dict(sorted(seen.items())))
     assert seen.get(200, 0) >= 30 and sum(v for k, v in seen.items() if 400 <= k < 500) >= 100, seen
-    assert server.engine.healthy
+    assert server.engine.health().status == "ok"
     # the engine still serves after all of that (the module fixture then checks that every block is free)
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                     headers={"Authorization": f"Bearer {KEY}"}, timeout=60)

@@ -33,6 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the Python model (default: float32 and bfloat16 decode steps run "
                         "their layers in one C++ call, with the same outputs; vLLM's flag for its CUDA graphs)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="compute each row of a step as it would be alone, so that greedy outputs do not depend on "
+                        "what else is batched, on chunking or on preemption (bfloat16 matmuls and attention paths "
+                        "otherwise differ in the last bits; docs/notes/batch-invariance.md): every attention row "
+                        "through the paged kernel, float32 linears on ridge's kernel; dense weights only")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of prompt prefixes seen before (default on; --no-enable-prefix-caching)")
     g.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"],
@@ -74,7 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
         "attention_backend": args.attention_backend, "num_threads": args.threads,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,
         "enable_prefix_caching": args.enable_prefix_caching, "schedule_policy": args.schedule_policy,
         "quantization": args.quantization, "quantization_group_size": args.quantization_group_size,
         "calibration_windows": args.calibration_windows, "int8_activations": args.int8_activations,

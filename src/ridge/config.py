@@ -105,6 +105,9 @@ class EngineConfig:
     # call, with the same outputs (kernels/decode_stack.py). vLLM's name: it turns off captured CUDA graphs there
     enforce_eager: bool = False
     attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
+    # each row of a step computed as it would be alone, so greedy outputs do not depend on the batch, its
+    # chunking or preemption (kernels/batch_invariance.py); CPU kernels, paged attention, dense weights
+    batch_invariant: bool = False
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
     schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
     # weight-only, at load: "int8" (per channel), "int4" (RTN, per group), "gptq" / "awq" (int4 per group,
@@ -165,3 +168,12 @@ class EngineConfig:
             raise ValueError(f"speculation_policy: {self.speculation_policy!r} is not one of adaptive, fixed")
         if self.attention_backend not in ("paged", "reference"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")
+        if self.batch_invariant:
+            needs = {"device": (self.device, "cpu"), "attention_backend": (self.attention_backend, "paged"),
+                     "cpu_kernels": (self.cpu_kernels, True)}
+            for name, (value, wanted) in needs.items():
+                if value != wanted:
+                    raise ValueError(f"batch_invariant: needs {name}={wanted!r}, got {value!r} (its rows are computed "
+                                     "by ridge's CPU kernels)")
+            if self.int8_activations:
+                raise ValueError("batch_invariant: int8_activations changes kernel with the row count; turn one off")

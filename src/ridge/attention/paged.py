@@ -30,9 +30,16 @@ IN_PLACE_MAX_CHUNK = 64
 
 class PagedBackend(AttentionBackend):
     cascade = True  # kernel rows that share a prefix attend to it once, together (attention/cascade.py)
+    # every query row through the decode kernel, its context read in place: a row's attention then depends on
+    # its own query and context alone, not on the step's other rows, its chunking or a shared prefix
+    # (kernels/batch_invariance.py)
+    batch_invariant = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
+        if self.batch_invariant:
+            self._all_kernel_rows(meta)
+            return
         if meta.num_decodes and self.ops is None:
             width = meta.decode_block_tables.shape[1] * self.block_size
             positions = torch.arange(width, device=device)
@@ -65,6 +72,19 @@ class PagedBackend(AttentionBackend):
         flat_rows = torch.cat(rows)
         contiguous = bool((flat_rows == torch.arange(len(flat_rows), device=device)).all())
         self._set_kernel_rows(meta, None if contiguous else flat_rows, torch.cat(padded), torch.cat(lens))
+
+    def _all_kernel_rows(self, meta: AttentionMetadata) -> None:
+        """Every token of the step a kernel row: the decodes, then each chunk's tokens, in the flat order."""
+        device = meta.slot_mapping.device
+        tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
+        for chunk in meta.prefills:
+            n = chunk.length
+            tables.append(chunk.block_table.unsqueeze(0).expand(n, -1))
+            lens.append(torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=device))
+        width = max(t.shape[-1] for t in tables)
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tables]
+        meta.sdpa_chunks = []
+        meta.kernel_rows = KernelRows(None, torch.cat(padded), torch.cat(lens))
 
     def _set_kernel_rows(self, meta: AttentionMetadata, rows: torch.Tensor | None, tables: torch.Tensor,
                          lens: torch.Tensor) -> None:

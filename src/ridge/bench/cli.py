@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ridge.bench import roofline, workloads
+from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
@@ -354,4 +355,5 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_serve_parser(bsub)
     add_soak_parser(bsub)
     add_quant_parser(bsub)
+    add_invariance_parser(bsub, add_engine_args)
 

@@ -86,6 +86,16 @@ class Supervision:
     stuck_after_s: float = 60.0
 
 
+@dataclass(frozen=True)
+class Health:
+    """The engine's state as /health reports it: ok, starting, restarting, stuck or dead; while it
+    (re)starts, the seconds after which a client may retry."""
+
+    status: str
+    message: str | None = None
+    retry_after_s: int | None = None
+
+
 @dataclass
 class _Core:
     """One incarnation of the engine core process and its pipe."""
@@ -124,7 +134,7 @@ class AsyncEngine:
         self._died = threading.Event()  # a reader saw its core die (or the supervisor found it stuck)
         self._restarts: collections.deque[float] = collections.deque()
         self.error: BaseException | None = None
-        self.status = "starting"  # ok, restarting, dead
+        self._phase = "starting"  # ok, restarting, dead: the supervisor's view; health() is the public one
         self.accepting = True
         self.last_progress = time.monotonic()
         self.load_time_s = 0.0
@@ -136,7 +146,7 @@ class AsyncEngine:
         then supervise it from a thread of its own."""
         self.tokenizer = RidgeTokenizer.from_path(resolve(self.config.model))
         self._core = self._launch(0)
-        self.status = "ok"
+        self._phase = "ok"
         self._supervisor = threading.Thread(target=self._supervise, name="ridge-engine-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -196,7 +206,7 @@ class AsyncEngine:
     def _supervise(self) -> None:
         while not self._stopping:
             if not self._died.wait(timeout=0.5):
-                if self.status == "ok" and self.stuck:
+                if self._phase == "ok" and self.stuck:
                     log.error("ridge: the engine has reported no step for %.0f s with work to do; killing it",
                               time.monotonic() - self.last_progress)
                     self._core.process.kill()  # its reader sees the pipe close and reports the death
@@ -221,7 +231,7 @@ class AsyncEngine:
                           f"{self.supervision.window_s:.0f} s already (--engine-restarts)")
             return
         self._restarts.append(now)
-        self.status = "restarting"
+        self._phase = "restarting"
         log.warning("ridge: restarting the engine (%s)", reason)
         try:
             core = self._launch(old.generation + 1)
@@ -231,12 +241,12 @@ class AsyncEngine:
         self._core = core
         self.last_progress = time.monotonic()
         self.error = None
-        self.status = "ok"
+        self._phase = "ok"
         self._fail_generation(old.generation)  # any request that slipped into the old pipe as it died
         log.warning("ridge: the engine is back after %.1f s", self.load_time_s)
 
     def _give_up(self, message: str) -> None:
-        self.status = "dead"
+        self._phase = "dead"
         log.error("ridge: the engine is dead: %s", message)
         if self._on_give_up is not None:
             self._on_give_up(message)
@@ -259,10 +269,19 @@ class AsyncEngine:
         with self._lock:
             return sum(e.work for e in self._requests.values())
 
-    @property
-    def healthy(self) -> bool:
-        """False while the core is dead or restarting, and when it has work but reports no step."""
-        return self.status == "ok" and self.error is None and self._core.process.is_alive() and not self.stuck
+    def health(self) -> Health:
+        """What the core is doing now; /health and admission both read it."""
+        if self._phase == "dead":
+            return Health("dead", f"the engine stopped: {self.error}")
+        if self._phase == "starting":
+            return Health("starting", "the engine is loading its model", max(1, math.ceil(self.load_time_s)))
+        if self._phase == "restarting" or self.error is not None or not self._core.process.is_alive():
+            # a core seen dying is restarted by the supervisor within half a second
+            reason = self.error or f"the engine process exited with code {self._core.process.exitcode}"
+            return Health("restarting", f"the engine is restarting ({reason})", max(1, math.ceil(self.load_time_s)))
+        if self.stuck:
+            return Health("stuck", f"the engine has reported no step for {time.monotonic() - self.last_progress:.0f} s")
+        return Health("ok")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(prompt_ids, params)
@@ -270,13 +289,11 @@ class AsyncEngine:
     def check_admission(self, count: int, work: int = 0) -> None:
         """Raise EngineDead (or EngineRestarting), ShuttingDown or QueueFull if `count` more sequences
         carrying `work` tokens cannot be taken now."""
-        if self.status == "restarting" or (self.status == "ok" and self.error is not None):
-            raise EngineRestarting(f"the engine is restarting ({self.error}); retry shortly",
-                                   max(1, math.ceil(self.load_time_s)))
-        if self.status != "ok":
-            raise EngineDead(f"the engine stopped: {self.error}")
-        if self.stuck:
-            raise EngineDead(f"the engine has reported no step for {time.monotonic() - self.last_progress:.0f} s")
+        health = self.health()
+        if health.retry_after_s is not None:
+            raise EngineRestarting(f"{health.message}; retry shortly", health.retry_after_s)
+        if health.status != "ok":
+            raise EngineDead(health.message)
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         if self.max_waiting is not None and self.num_waiting + count > self.max_waiting:
@@ -328,14 +345,20 @@ class AsyncEngine:
                     self._send(AbortRequest(request_id), core)
 
     def abort_all(self) -> None:
+        """Abort every request in flight (at shutdown); a request the core no longer holds needs none."""
+        core = self._core
         with self._lock:
-            ids = list(self._requests)
-        for request_id in ids:
-            self._send(AbortRequest(request_id))
+            ids = [i for i, e in self._requests.items() if e.generation == core.generation]
+        with contextlib.suppress(OSError, ValueError):  # the core is gone: its requests are ended already
+            for request_id in ids:
+                self._send(AbortRequest(request_id), core)
 
     def state(self, timeout_s: float = 30.0) -> EngineState:
         """The core's KV pool and integrity check, as of now (blocking; for tests and diagnostics)."""
-        self._send(QueryState())
+        try:
+            self._send(QueryState())
+        except (OSError, ValueError) as exc:
+            raise EngineDead(f"the engine stopped: {exc}") from exc
         return self._states.get(timeout=timeout_s)
 
     # ---- the reader thread ----------------------------------------------------------------------
@@ -356,7 +379,7 @@ class AsyncEngine:
                     self._fail(f"the engine process exited with code {core.process.exitcode}")
                 return
             if isinstance(message, StepReport):
-                self._on_report(message)
+                self._on_report(message, core)
             elif isinstance(message, EngineState):
                 self._states.put(message)
             elif isinstance(message, Rejected):
@@ -370,7 +393,7 @@ class AsyncEngine:
                 self._fail(message.message)
                 return
 
-    def _on_report(self, report: StepReport) -> None:
+    def _on_report(self, report: StepReport, core: _Core) -> None:
         self.last_progress = time.monotonic()
         outputs = []
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
@@ -384,8 +407,9 @@ class AsyncEngine:
                 continue
             output, stopped = tracker.apply(delta)
             if stopped and not delta.finished:
-                for index in ([None] if output.finished else stopped):
-                    self._send(AbortRequest(delta.request_id, index))
+                with contextlib.suppress(OSError, ValueError):  # the core died after sending this report
+                    for index in ([None] if output.finished else stopped):
+                        self._send(AbortRequest(delta.request_id, index), core)
             outputs.append(output)
             deliveries.setdefault(entry.loop, []).append((entry.outputs, output))
         for loop, items in deliveries.items():  # one wake-up of each event loop per step, not one per request

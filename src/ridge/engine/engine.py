@@ -20,7 +20,7 @@ from ridge.engine.scheduler import ScheduledStep, Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.hub import resolve
-from ridge.kernels import cpu_ops, dense_linear, onednn_linear
+from ridge.kernels import batch_invariance, cpu_ops, dense_linear, onednn_linear
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.prefix_cache import PrefixCache
 from ridge.models.gguf_file import GGUFFile
@@ -165,6 +165,9 @@ class LLMEngine:
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
+        if config.batch_invariant and kernels is None:
+            raise ValueError("batch_invariant: needs ridge's CPU kernels, which did not build here (see the warning "
+                             "above)")
         self.loaded: LoadedModel = _load(target, config, kernels, progress)
         cfg = self.loaded.config
         per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
@@ -184,6 +187,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
             config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
+            batch_invariant=config.batch_invariant,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -525,7 +529,8 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
-        onednn_linear.pack_linears(loaded.model)  # natively quantized layers are left as they are
+        # natively quantized layers are left as they are; batch invariance keeps oneDNN off its single-row path
+        onednn_linear.pack_linears(loaded.model, min_rows=2 if config.batch_invariant else 1)
     if config.int8_activations:
         if kernels is None or not use_int8_activations(loaded.model):
             raise ValueError("int8_activations: needs quantized weights (--quantization, or a quantized "
@@ -533,10 +538,13 @@ def _load(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, pr
                              "or for AVX2 (float32)")
         loaded.weight_format += ", int8 activations"
     if kernels is not None and config.torch_dtype == torch.float32:
-        dense_linear.use_kernel(loaded.model, kernels)  # the layers still dense
+        dense_linear.use_kernel(loaded.model, kernels, every_row=config.batch_invariant)  # the layers still dense
     packs = kernels is not None and onednn_linear.available(config.torch_dtype, config.device)
     if packs and (scratch_bytes := share_prompt_scratch(loaded.model.layers, kernels)):
         log.info("ridge: prompts multiply quantized weights on oneDNN's packed layout (%.0f MiB of scratch)",
                  scratch_bytes / 2**20)
     loaded.model.use_kernels(kernels)
+    if config.batch_invariant:
+        batch_invariance.verify(loaded.model, config.torch_dtype)
+        loaded.weight_format += ", batch invariant"
     return loaded

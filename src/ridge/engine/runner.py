@@ -28,7 +28,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False,
+        device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -38,6 +38,7 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
         )
         self.backend.ops = cpu_ops
+        self.backend.batch_invariant = batch_invariant
         # decode steps' layers in one C++ call where the model's layers all have a kernel there
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
 

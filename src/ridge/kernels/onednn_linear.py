@@ -39,28 +39,37 @@ def _packs_bf16() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for nn.Linear holding a oneDNN-packed weight (opaque; not a regular tensor)."""
+    """Drop-in for nn.Linear holding a oneDNN-packed weight (opaque; not a regular tensor).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    min_rows: calls with fewer rows are padded to this many. oneDNN multiplies a single row on another
+    path than several, whose sums for a row differ in the last bits (measured: layers of 1,536 inputs) while
+    every count from two up agrees; batch invariance pads single rows to two (kernels/batch_invariance.py).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 1) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # batch-size hint 1: the packing chosen for decode was also the fastest at batch 64-256
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
         self.bias = bias
+        self.min_rows = min_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                                 "none", [], "")
-        return out.view(*lead, self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        if count < self.min_rows:
+            rows = torch.cat([rows, rows.new_zeros(self.min_rows - count, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out[:count].view(*lead, self.out_features)
 
 
-def pack_linears(model: DecoderModel) -> DecoderModel:
+def pack_linears(model: DecoderModel, min_rows: int = 1) -> DecoderModel:
     """Swap every nn.Linear of the decoder layers and the output projection for a PackedLinear, in place.
 
     The output projection gets its own packed copy, so a tied embedding table stays a plain tensor.
     """
-    model.replace_linears(lambda weight, bias: PackedLinear(weight.data, bias))
+    model.replace_linears(lambda weight, bias: PackedLinear(weight.data, bias, min_rows))
     return model
 
 

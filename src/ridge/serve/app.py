@@ -232,15 +232,12 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     # ---- endpoints ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine serves; 503 with its state (restarting, stuck, dead) otherwise."""
-        if engine.healthy:
+        """200 while the engine serves; 503 with its state (starting, restarting, stuck, dead) otherwise."""
+        health = engine.health()
+        if health.status == "ok":
             return JSONResponse({"status": "ok"})
-        status = "stuck" if engine.status == "ok" and engine.stuck else engine.status
-        if status == "ok":  # its process just died; the supervisor is about to restart it
-            status = "restarting"
-        headers = {"Retry-After": str(max(1, round(engine.load_time_s)))} if status == "restarting" else None
-        return JSONResponse({"status": status, "message": str(engine.error) if engine.error else None},
-                            status_code=503, headers=headers)
+        headers = {"Retry-After": str(health.retry_after_s)} if health.retry_after_s is not None else None
+        return JSONResponse({"status": health.status, "message": health.message}, status_code=503, headers=headers)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

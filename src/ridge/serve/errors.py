@@ -1,12 +1,13 @@
 """What the server refuses before a route runs, and how every refusal is documented.
 
 Plain ASGI middleware, not Starlette's BaseHTTPMiddleware, which relays every streamed chunk through an
-extra task and memory stream (measured: a tenth of the server process's time under load). Each answers
-in OpenAI's error envelope, as the routes do.
+extra task and memory stream (docs/notes/server-hardening.md). Each answers in OpenAI's error envelope,
+as the routes do.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any
 
@@ -24,7 +25,7 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths \
-                and dict(scope.get("headers") or []).get(b"authorization") != self.wanted:
+                and not hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.wanted):
             error = RequestError("invalid or missing API key (Authorization: Bearer ...)", None, 401,
                                  "AuthenticationError")
             await send_json(send, 401, error.body())
