@@ -10,6 +10,7 @@ requests that do run finish fast: the fuzzing is of the refusals, not of the mod
 from __future__ import annotations
 
 import json
+from math import inf, nan
 
 import httpx
 import pytest
@@ -90,8 +91,13 @@ def engine_requests(draw) -> tuple[str, dict]:
     path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
     fields = endpoints[path]
     body = {required[path]: draw(fields[required[path]]), "max_tokens": 2}
-    name = draw(st.sampled_from(sorted(fields)))
-    body[name] = draw(corrupted(draw(fields[name])))
+    name = draw(st.sampled_from(sorted(set(fields) - {required[path], "model", "stream", "stream_options"})))
+    value = draw(fields[name])
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        body[name] = draw(corrupted(value))
+    else:  # past int64, past the field's range, not finite
+        body[name] = draw(st.sampled_from([2**63, 2**64, 2**70, -(2**63) - 1, 10**9, -(10**9), 49153] if
+                                          isinstance(value, int) else [nan, inf, -inf, 1e308, -1e308, 1e-39]))
     return path, body
 
 

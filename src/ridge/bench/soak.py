@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from tqdm import tqdm
 @dataclass
 class Sample:
     t: float
-    rss_mib: float
+    rss_mib: float  # the server and its children
+    server_rss_mib: float  # the server's process alone (the rest is the engine core's)
     kv_usage: float
     completed: int
 
@@ -46,23 +48,27 @@ class SoakReport:
     duration_s: float = 0.0
     rss_start_mib: float = 0.0
     rss_end_mib: float = 0.0
+    server_rss_start_mib: float = 0.0
+    server_rss_end_mib: float = 0.0
     kv_usage_end: float | None = None
     samples: list[Sample] = field(default_factory=list)
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process and its children (the server and its engine core), from /proc."""
-    total, stack = 0, [pid]
+def rss_mib(pid: int) -> tuple[float, float]:
+    """Resident memory of a process and of it with its children (the server and its engine core), from /proc."""
+    own, total, stack = 0, 0, [pid]
     while stack:
         p = stack.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+            kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+            total += kib
+            own = kib if p == pid else own
             for task in Path(f"/proc/{p}/task").iterdir():
                 stack += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration, ValueError):
             continue
-    return total / 1024
+    return own / 1024, total / 1024
 
 
 async def kv_usage(http: httpx.AsyncClient) -> float:
@@ -143,8 +149,9 @@ async def soak(base_url: str, pid: int | None, vocab: int, args: argparse.Namesp
 
     async def watch(http: httpx.AsyncClient) -> None:
         while True:
-            report.samples.append(Sample(time.perf_counter() - start, rss_mib(pid) if pid else 0.0,
-                                         await kv_usage(http), report.completed))
+            server, total = rss_mib(pid) if pid else (0.0, 0.0)
+            report.samples.append(Sample(time.perf_counter() - start, total, server, await kv_usage(http),
+                                         report.completed))
             await asyncio.sleep(args.sample_every)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None, connect=30),
@@ -161,6 +168,9 @@ async def soak(base_url: str, pid: int | None, vocab: int, args: argparse.Namesp
     rss = [s.rss_mib for s in report.samples]
     tenth = max(1, len(rss) // 10)
     report.rss_start_mib, report.rss_end_mib = statistics.median(rss[:tenth]), statistics.median(rss[-tenth:])
+    server = [s.server_rss_mib for s in report.samples]
+    report.server_rss_start_mib = statistics.median(server[:tenth])
+    report.server_rss_end_mib = statistics.median(server[-tenth:])
     repeated = [texts for texts in greedy.values()]
     report.greedy_prompts_repeated = len(repeated)
     report.greedy_prompts_diverged = sum(len(texts) > 1 for texts in repeated)
@@ -175,7 +185,10 @@ def plot(report: SoakReport, path: str, title: str) -> None:
 
     t = [s.t / 60 for s in report.samples]
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    top.plot(t, [s.rss_mib for s in report.samples])
+    top.plot(t, [s.rss_mib for s in report.samples], label="server + engine core")
+    top.plot(t, [s.rss_mib - s.server_rss_mib for s in report.samples], label="engine core")
+    top.plot(t, [s.server_rss_mib for s in report.samples], label="server")
+    top.legend(loc="center right")
     top.set_ylabel("RSS, server + engine (MiB)")
     middle.plot(t, [100 * s.kv_usage for s in report.samples], color="tab:orange")
     middle.set_ylabel("KV cache in use (%)")
@@ -199,7 +212,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if base_url is None:
         port = free_port()
         command = [sys.executable, "-m", "ridge.cli", "serve", "--model", args.model, "--port", str(port),
-                   "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype]
+                   "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype, *shlex.split(args.server_args)]
         log = open(args.server_log, "w")  # noqa: SIM115 - the server's whole life
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         print(f"ridge serve on port {port}, its log in {args.server_log}")
@@ -224,7 +237,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     print(f"{report.requests} requests in {report.duration_s / 60:.1f} min: {report.completed} completed, "
           f"{report.aborted} abandoned by the client, {report.failed} failed {report.errors or ''}")
     print(f"RSS (server + engine): {report.rss_start_mib:.0f} MiB over the first tenth, {report.rss_end_mib:.0f} MiB "
-          f"over the last ({growth:+.0f} MiB); KV cache in use at the end: {100 * (report.kv_usage_end or 0):.1f}%")
+          f"over the last ({growth:+.0f} MiB), of which the server's process {report.server_rss_start_mib:.0f} -> "
+          f"{report.server_rss_end_mib:.0f} MiB; KV cache in use at the end: {100 * (report.kv_usage_end or 0):.1f}%")
     print(f"greedy answers to repeated prompts: {report.greedy_prompts_diverged} of "
           f"{report.greedy_prompts_repeated} prompts got more than one distinct answer")
     if args.plot:
@@ -251,6 +265,8 @@ def add_soak_parser(bsub) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--dtype", default="bfloat16", help="the started server's dtype (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="64MiB", help="the started server's pool (default %(default)s)")
+    p.add_argument("--server-args", default="",
+                   help="more flags for the started server, as one string: --server-args=\"--batch-invariant\"")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--abort-fraction", type=float, default=0.1, help="requests the client abandons midway")

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepError, StepStats
+from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from ridge.sampling_params import SamplingParams
 
 
@@ -122,6 +123,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
     # a core stuck inside a step cannot outlive its server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _exit_after(grace_s + 5.0))
+    bound_onednn_caches()
     try:
         engine = LLMEngine(config, progress=progress, detokenize=False)
     except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
@@ -139,6 +141,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:
     sent: dict[tuple[str, int], int] = {}  # (request, sample) -> output tokens already reported
+    heap = HeapTrimmer()
     while True:
         # Block while idle; while busy, take whatever arrived since the last step and step again.
         while conn.poll(None if not engine.has_unfinished else 0):
@@ -159,6 +162,7 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             [_delta(out, sent) for out in outputs], engine.last_step, len(engine.scheduler.running),
             len(engine.scheduler.waiting), engine.pool.num_free, engine.pool.num_blocks,
         ))
+        heap.after_step(idle=not engine.has_unfinished)
 
 
 def _exit_after(delay_s: float) -> None:

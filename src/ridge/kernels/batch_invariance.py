@@ -11,9 +11,11 @@ Batch invariant, ridge computes every row by one path whose reduction order is f
   partitions of 256 tokens start at position 0 whatever the batch (attention/paged.py);
 - float32 linears: ridge's dense kernel (kernels/dense_linear.py) for every call, 32 rows at a time, where
   otherwise MKL's sgemm takes prompts and gives a row another result at every row count past one;
-- the rest as it is, once the probe below has found it row-invariant on this CPU: bfloat16's oneDNN linears,
-  the norms (fused or torch's). A kernel it finds otherwise (quantized layers change kernel with the row
-  count) is refused by name at load, not used.
+- bfloat16 linears on oneDNN, padded to two rows when called with one: oneDNN multiplies a single row on
+  another path, and every count from two up agrees (kernels/onednn_linear.py);
+- the rest as it is. A probe at load (verify) checks all of these on this CPU, each distinct linear kernel, the
+  norms and the output projection, and refuses by name what still differs (quantized layers, which change
+  kernel with the row count) rather than serve outputs that are not invariant.
 
 What it costs is measured by `ridge bench invariance` (docs/benchmarks.md).
 """
@@ -52,8 +54,8 @@ def verify(model: DecoderModel, dtype: torch.dtype) -> None:
         if rows is not None:
             raise ValueError(
                 f"batch_invariant: {name} gives a row another result in a batch of {rows} rows than alone on this "
-                f"CPU ({dtype}), so outputs could not be batch invariant; quantized layers change kernel with the "
-                "row count: serve dense float32 or bfloat16 weights, or leave batch_invariant off")
+                f"CPU ({dtype}), so outputs would not be batch invariant (quantized layers change kernel with the "
+                "row count; float32 dense weights run on ridge's own kernel); or leave batch_invariant off")
 
 
 def _row_functions(model: DecoderModel) -> Iterator[tuple[str, Callable[[torch.Tensor], torch.Tensor], int]]:

@@ -59,7 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"))
       .def(py::init([](const std::string& kernel, const VnniWeight& weight, c10::optional<torch::Tensor> bias,
                        int64_t tiled_min_rows) { return LinearPart(kernel, weight, std::move(bias), tiled_min_rows); }),
-           py::arg("kernel"), py::arg("vnni"), py::arg("bias"), py::arg("tiled_min_rows"));
+           py::arg("kernel"), py::arg("vnni"), py::arg("bias"), py::arg("tiled_min_rows"))
+      .def_readwrite("min_rows", &LinearPart::min_rows);
   py::class_<Linear>(m, "Linear", "a projection: its parts' outputs side by side, plus a bias")
       .def(py::init([](std::vector<LinearPart> parts, c10::optional<torch::Tensor> bias) {
              return Linear{std::move(parts), std::move(bias)};

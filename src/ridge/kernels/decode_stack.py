@@ -100,8 +100,10 @@ def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any 
         return ops.LinearPart("dense", module.weight, none, none, 0, False, bias, 0)
     if type(module) is nn.Linear:
         return ops.LinearPart("linear", module.weight, none, none, 0, False, bias, 0)
-    if type(module) is PackedLinear and module.min_rows == 1:  # the stack calls oneDNN with the step's rows as they are
-        return ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
+    if type(module) is PackedLinear:
+        part = ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
+        part.min_rows = module.min_rows
+        return part
     if type(module) is not QuantizedLinear:
         return None
     if module.kernel in ("vnni", "bf16_dot"):

@@ -1,0 +1,48 @@
+"""--batch-invariant: a greedy output under load (batched, chunked, preempted, prefix-cached) equals the same
+prompt's output alone, token for token, in float32 and in bfloat16; and the probe that guards it can fail."""
+
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS, random_prompts
+from ridge import SamplingParams
+from ridge.config import EngineConfig
+from ridge.kernels.batch_invariance import PROBE_ROWS, first_variant_batch, verify
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_the_probe_finds_the_row_count_a_result_changes_at():
+    x = torch.randn(max(PROBE_ROWS), 8)
+    assert first_variant_batch(lambda rows: rows * 2, x) is None
+    assert first_variant_batch(lambda rows: rows.sum(1, keepdim=True) + (rows.shape[0] > 16) * 1e-3, x) == 17
+
+
+def test_the_default_float32_path_is_refused_by_the_probe(smollm2):
+    """Without batch invariance, float32 prompts go to MKL's sgemm, whose rows differ from the kernel's."""
+    with pytest.raises(ValueError, match=r"batch_invariant: layers\.0\.attn\.qkv \(FewRowsLinear\).* 33 rows"):
+        verify(smollm2.engine.loaded.model, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_under_load_equals_alone(make_llm_for_test, smollm2_path, dtype):
+    # a pool of 16 blocks of 16 tokens for 16 requests of up to 230 tokens, and steps of 48 tokens: prompts are
+    # chunked, sequences preempted and recomputed, and the chats share the template's system prompt (prefix hits)
+    bytes_per_block = 16 * 30 * 2 * 3 * 64 * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    llm = make_llm_for_test(smollm2_path, dtype=dtype, batch_invariant=True, kv_cache_memory=16 * bytes_per_block,
+                            max_num_batched_tokens=48)
+    assert llm.engine.pool.num_blocks == 16 and llm.engine.runner.backend.batch_invariant
+    assert llm.engine.runner.decode_stack is not None  # decode steps keep the C++ stack, padded as the Python path
+    chats = [llm.render_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:8]]
+    prompts = chats + random_prompts(8, llm.engine.loaded.config.vocab_size, 3, 200, seed=5)
+    under_load = llm.generate(prompts, GREEDY)
+    assert sum(o.metrics["num_preemptions"] for o in under_load) > 0, "the pool was meant to force preemption"
+    alone = [llm.generate(p, GREEDY)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in under_load] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize(("field", "value"), [("attention_backend", "reference"), ("cpu_kernels", False),
+                                               ("int8_activations", True)])
+def test_what_it_cannot_serve_is_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"batch_invariant: .*{field}"):
+        EngineConfig(model="smollm2", batch_invariant=True, **{field: value})
