@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test lint bench-latency bench-throughput models
+.PHONY: run demo test test-fast lint bench-latency bench-throughput models
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ demo: $(STAMP)
 
 test: models
 	$(PY) -m pytest -q --durations=15
+
+# the tests that need no model file and take under a few seconds each (tests/conftest.py marks them): a minute
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "unit and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

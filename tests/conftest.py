@@ -36,6 +36,32 @@ CHAT_PROMPTS = [
 ]
 
 
+MODEL_FIXTURES = {"smollm2_path", "qwen_path"}  # every test that runs a real model reaches one of these
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `unit` every test that reaches no model fixture, by name or as a parameter naming one: `make
+    test-fast` runs those (less the `slow` ones) alone. _unit_tests_load_no_model holds them to it."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()
+        wanted = set(getattr(item, "fixturenames", ())) | {p for p in params if isinstance(p, str)}
+        if not MODEL_FIXTURES & wanted:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_load_no_model(request, monkeypatch) -> None:
+    """A `unit` test that asks for a pulled model by its alias fails here, not in a fast run without models."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(alias: str) -> Path:
+        raise AssertionError(f"a unit test reached the model {alias!r}: take it from the smollm2_path or qwen_path "
+                             "fixture, so that the test is not counted as unit")
+
+    monkeypatch.setattr(hub, "alias_path", refuse)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return hub.pull("smollm2", progress=False)

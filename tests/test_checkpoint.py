@@ -15,6 +15,8 @@ from ridge.quant.export import quantize_to_dir
 from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_fp8, quantize_int4, quantize_int8
 from test_models_random import VOCAB, byte_tokenizer, hf_config
 
+pytestmark = pytest.mark.slow  # 34 s: calibrated quantization of random models, HF loading the checkpoints
+
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 

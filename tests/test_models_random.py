@@ -82,6 +82,7 @@ def test_greedy_tokens_match_hf(random_model, make_llm_for_test):
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
 
 
+@pytest.mark.slow  # 28 s: each kernel on each architecture
 @pytest.mark.parametrize("args", [{"dtype": "float32"}, {"dtype": "float32", "quantization": "int4"},
                                   {"dtype": "float32", "quantization": "int8", "int8_activations": True},
                                   {"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int4"},

@@ -265,7 +265,7 @@ def test_plot_roofline_of_a_machine(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
-def test_doctor_on_smollm2_reports_fractions_that_add_up(tmp_path, capsys):
+def test_doctor_on_smollm2_reports_fractions_that_add_up(smollm2_path, tmp_path, capsys):
     png = tmp_path / "doctor.png"
     assert main(["doctor", "--model", "smollm2", "--output-len", "8", "--batch", "4", "--json",
                  "--plot", str(png)]) == 0
