@@ -442,3 +442,15 @@ def test_bench_multiturn_sessions_reuse_the_cache(server):
                    if r.session == prev.session]
     assert later_turns and all(res.cached_tokens >= 16 for res in later_turns)
     assert 0 < report["prefix_cache_hit_rate"] < 1
+
+
+def test_bench_serve_command(server, smollm2_path, tmp_path):
+    """`ridge bench serve` as a user runs it, against this server: the report saved, every request served."""
+    from ridge.cli import main
+
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--base-url", f"ridge={server.url}", "--model", str(smollm2_path), "--api-key", KEY,
+                 "--served-model-name", "smollm2", "--workload", "random", "--num-prompts", "6", "--input-len", "16",
+                 "--output-len", "4", "--json", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["completed"] == 6 and run["failed"] == 0 and run["total_output_tokens"] == 6 * 4, run

@@ -1,0 +1,68 @@
+"""Each command a user runs, on SmolLM2 at tiny sizes, in this process: it runs to the end and reports
+figures that make sense. (Their numbers are docs/benchmarks.md's; here only that they work.)"""
+
+import io
+import json
+
+import pytest
+
+from ridge.cli import main
+
+TINY = ["--dtype", "float32", "--kv-cache-memory", "32MiB"]
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_latency(smollm2_path, capsys):
+    report = run_json(capsys, "bench", "latency", "--model", str(smollm2_path), *TINY, "--no-peers",
+                      "--input-len", "16", "--output-len", "8", "--repeats", "1", "--json")
+    (ridge,) = [r for r in report["results"] if r["engine"] == "ridge"]
+    assert ridge["error"] is None and ridge["figures"]["decode_tok_s"] > 0
+    assert 0 < ridge["figures"]["roofline_fraction"] < 2, ridge["figures"]  # of the measured read bandwidth
+
+
+def test_bench_throughput(smollm2_path, capsys):
+    report = run_json(capsys, "bench", "throughput", "--model", str(smollm2_path), *TINY, "--no-peers",
+                      "--workload", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--json")
+    (ridge,) = report["results"]
+    assert report["output_tokens"] == 32 and ridge["figures"]["output_tok_s"] > 0
+    assert 0 < ridge["figures"]["roofline_fraction"] < 2, ridge["figures"]
+
+
+def test_bench_invariance(smollm2_path, capsys):
+    report = run_json(capsys, "bench", "invariance", "--model", str(smollm2_path), "--dtype", "bfloat16",
+                      "--kv-cache-memory", "8MiB", "--num-prompts", "3", "--output-len", "8", "--json")
+    default, invariant = report["results"]
+    assert (default["mode"], invariant["mode"]) == ("default", "batch invariant")
+    assert invariant["differ"] == 0 and invariant["output_tok_s"] > 0 and invariant["alone_tok_s"] > 0
+
+
+def test_eval_perplexity(smollm2_path, capsys):
+    report = run_json(capsys, "eval", "ppl", "--model", str(smollm2_path), *TINY, "--source", "shakespeare",
+                      "--window", "64", "--stride", "32", "--max-tokens", "192", "--json")
+    (result,) = report["results"]
+    assert result["source"] == "shakespeare" and result["tokens"] == 191
+    assert 1 < result["ppl"] < 200, result  # SmolLM2 on Shakespeare: ~24 at this window; uniform would be 49,152
+
+
+def test_demo(smollm2_path, capsys):
+    assert main(["demo", "--model", str(smollm2_path), *TINY, "--max-tokens", "8", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tok/s" in out, out
+
+
+def test_chat_answers_then_ends_at_eof(smollm2_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2+2?\n"))
+    assert main(["chat", "--model", str(smollm2_path), *TINY, "--temperature", "0", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip(), "no answer printed"
+
+
+@pytest.mark.parametrize("command", [["bench", "latency"], ["bench", "throughput"], ["bench", "invariance"],
+                                     ["eval", "ppl"], ["demo"], ["chat"]])
+def test_help_names_the_flags(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
