@@ -91,7 +91,7 @@ def hf_export_dir(gguf: Path, dtype: str, python: str) -> Path:
 # ---- ridge ------------------------------------------------------------------------------------------------
 def _ridge(args: argparse.Namespace):
     from ridge import LLM
-    from ridge.cli import engine_kwargs
+    from ridge.flags import engine_kwargs
 
     return LLM(args.model, **engine_kwargs(args))
 

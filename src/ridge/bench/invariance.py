@@ -37,7 +37,7 @@ class ModeResult:
 def run_mode(args: argparse.Namespace, batch_invariant: bool, peak_gflop_s: float) -> ModeResult:
     from ridge import LLM, SamplingParams
     from ridge.bench import workloads
-    from ridge.cli import engine_kwargs
+    from ridge.flags import engine_kwargs
 
     mode = "batch invariant" if batch_invariant else "default"
     llm = LLM(args.model, **{**engine_kwargs(args), "batch_invariant": batch_invariant})

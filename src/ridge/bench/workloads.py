@@ -5,10 +5,10 @@ from __future__ import annotations
 import gzip
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ridge.datasets import iter_sharegpt
 from ridge.hub import pull_dataset
 from ridge.tokenizer import RidgeTokenizer
 
@@ -18,23 +18,6 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     session: int | None = None  # requests of one session go one after another, each once the last is answered
-
-
-def iter_sharegpt(path: Path) -> Iterator[dict]:
-    """Conversations one by one; the file is cut off mid-record, so stop at the first broken one."""
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield record
 
 
 def sharegpt(tokenizer: RidgeTokenizer, num_requests: int, max_prompt_len: int = 1024,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ridge.bench.workloads import iter_sharegpt
+from ridge.datasets import iter_sharegpt
 from ridge.hub import pull_dataset
 
 SOURCES = ("shakespeare", "sharegpt")

@@ -141,7 +141,7 @@ def cmd_plot_roofline(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from ridge import LLM, hub
-    from ridge.cli import engine_kwargs
+    from ridge.flags import engine_kwargs
     from ridge.plan.doctor import render, run_doctor
     from ridge.plan.plot import RooflinePoint, plot_roofline
     from ridge.plan.specs import spec_from_gguf, spec_from_hf_config

@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
-from ridge.bench.workloads import iter_sharegpt
+from ridge.datasets import iter_sharegpt
 from ridge.engine.runner import ModelRunner
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
