@@ -5,8 +5,17 @@ import torch
 
 from ridge.attention import AttentionMetadata, PagedBackend
 from ridge.attention.backend import PrefillChunk
-from ridge.attention.cascade import shared_prefix_attention, split_shared_prefixes, unfold
+from ridge.attention.cascade import shared_prefix_attention, split_shared_prefixes
 from ridge.kernels import cpu_ops
+
+
+def unfold(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded results of shared_prefix_attention as [R, heads, d] and [R, heads]."""
+    kv_heads, folded, d = out.shape
+    group = heads // kv_heads
+    rows = folded // group
+    return (out.view(kv_heads, rows, group, d).transpose(0, 1).reshape(rows, heads, d),
+            lse.view(kv_heads, rows, group).transpose(0, 1).reshape(rows, heads))
 
 
 def test_split_groups_rows_by_their_common_leading_blocks():

@@ -75,15 +75,6 @@ def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0], lse[0]
 
 
-def unfold(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The folded results of shared_prefix_attention as [R, heads, d] and [R, heads]."""
-    kv_heads, folded, d = out.shape
-    group = heads // kv_heads
-    rows = folded // group
-    return (out.view(kv_heads, rows, group, d).transpose(0, 1).reshape(rows, heads, d),
-            lse.view(kv_heads, rows, group).transpose(0, 1).reshape(rows, heads))
-
-
 def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, H, n, d] x [1, H, P, d]: torch's CPU flash attention, the one op that returns the log-sum-exp

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ridge.bench import workloads
-from ridge.engine.speculative import expected_tokens
+from ridge.engine.speculative import SpeculationStats, expected_tokens
 
 MODES = ("plain", "fixed", "adaptive")
 
@@ -121,8 +121,8 @@ def _measure_once(llm, chosen: list[workloads.Request], batch: int, mode: str, k
     run = SpecRun(batch, mode, decoded / decode_s, sum(len(t) for t in tokens), decode_s / max(steps, 1))
     drafts = sum(o.metrics.get("spec_drafts", 0) for o in outputs)
     if mode != "plain" and drafts:
-        accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
-        run.mean_accepted_length = 1 + accepted / drafts
+        run.mean_accepted_length = SpeculationStats(
+            drafts, num_accepted_tokens=sum(o.metrics["spec_accepted_tokens"] for o in outputs)).mean_accepted_length
         run.step_s = llm.engine.speculation.draft_cost.mean()  # this run's: set_speculation starts afresh
     return run, tokens
 

@@ -49,10 +49,6 @@ class PrefixCache:
     def num_parked(self) -> int:
         return len(self._parked)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._block_of)
-
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `keys` (a chain, first block first)."""
         blocks = []

@@ -33,6 +33,7 @@ from ridge.engine.async_engine import (
 )
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.engine import CompletionOutput, RequestOutput
+from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
 from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, document_errors
 from ridge.serve.metrics import EngineMetrics
@@ -222,11 +223,12 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                   "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
         drafts = sum(o.metrics.get("spec_drafts") or 0 for o in outputs)
         if drafts:  # speculative decoding ran for this request: what the drafter achieved on it
-            drafted = sum(o.metrics["spec_draft_tokens"] for o in outputs)
-            accepted = sum(o.metrics["spec_accepted_tokens"] for o in outputs)
-            result["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": drafted,
-                                     "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafted,
-                                     "mean_accepted_length": 1 + accepted / drafts}
+            spec = SpeculationStats(drafts, sum(o.metrics["spec_draft_tokens"] for o in outputs),
+                                    sum(o.metrics["spec_accepted_tokens"] for o in outputs))
+            result["spec_decode"] = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                                     "num_accepted_tokens": spec.num_accepted_tokens,
+                                     "acceptance_rate": spec.acceptance_rate,
+                                     "mean_accepted_length": spec.mean_accepted_length}
         return result
 
     # ---- endpoints ------------------------------------------------------------------------------
