@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 # A shared prefix goes through the cascade only when it saves more than the extra calls cost: at least
-# this many rows over at least this many tokens (measured crossover on SmolLM2 shapes, bf16, 2 cores,
-# between 4 rows x 256 tokens and 8 rows x 256 tokens).
+# this many rows over at least this many tokens (the crossover: docs/notes/kernel-choices.md).
 MIN_SHARED_ROWS = 8
 MIN_SHARED_TOKENS = 256
 

@@ -5,7 +5,7 @@ On the CPU, decodes run in a C++ kernel that reads K/V straight from their block
 batch for one SDPA call, with the query heads that share a K/V head folded into the query-length axis
 ([kv_heads, group * n, d]). Prefill chunks go through SDPA one sequence at a time with enable_gqa: a
 chunk that is its sequence's whole context attends to this step's k, v directly under is_causal
-(measured 2x faster on the CPU than an explicit mask); a chunk that continues a cached context (a
+(twice as fast on the CPU as an explicit mask); a chunk that continues a cached context (a
 prefix-cache hit, or a long prompt's later chunk) gathers the cache under a mask built once per step in
 prepare(), or, when short and in bf16 on the CPU, reads the blocks in place through the decode kernel,
 in the same call as the step's decodes: at batch 64 a speculative step verifies 64 short chunks, and a
@@ -23,8 +23,8 @@ from ridge.attention import cascade
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
-# longer one gathers the context for masked SDPA, whose matmuls run ~2x the kernel's FLOP rate on chunks of
-# 160-1,000 tokens (measured in bf16 on 1,000-token contexts; the two are even near 64).
+# longer one gathers the context for masked SDPA, whose matmuls run faster on long chunks
+# (docs/notes/kernel-choices.md).
 IN_PLACE_MAX_CHUNK = 64
 
 

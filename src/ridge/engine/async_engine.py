@@ -6,9 +6,8 @@ outputs as an async iterator. Commands go down one pipe; a reader thread takes t
 reports off it and delivers each request's output to its asyncio queue. A supervisor thread restarts
 a core that dies or stops stepping (Supervision); the requests it held end with EngineDead.
 
-Two processes rather than two threads: with one interpreter lock, every HTTP chunk the server wrote
-stalled the step loop between its tensor ops; measured, the server reached 63% of the offline
-throughput that way.
+Two processes rather than two threads: with one interpreter lock, every HTTP chunk the server writes
+stalls the step loop between its tensor ops (docs/notes/kernel-choices.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A decode step's decoder layers in one C++ call (kernels/decode_stack.cpp): the CPU's CUDA graph.
 
-At batch 1 a layer is ~10 kernel calls of a few microseconds each, and the Python between them cost as much
-again: on SmolLM2-135M (Q4_1, int8 activations, 2-core AVX2) the model's forward took 17.9 ms of which the
-kernels were 12.4. The C++ stack calls the same kernels in the same order, so its outputs are bit-identical
-to models/layers.py's; it is built once per engine from the model's modules (references, not copies) and
-serves the steps it can: decodes only (no prefill chunk, no draft verification), each row reading its own
-blocks (no shared prefix attended once), on the paged backend's kernels, float32 or bfloat16, at most
-MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there).
+At batch 1 a layer is ~10 kernel calls of a few microseconds each, and the Python between them costs nearly
+as much again (docs/notes/kernel-choices.md). The C++ stack calls the same kernels in the same order, so its
+outputs are bit-identical to models/layers.py's; it is built once per engine from the model's modules
+(references, not copies) and serves the steps it can: decodes only (no prefill chunk, no draft verification),
+each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels, float32 or
+bfloat16, at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change
+kernel there).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """

@@ -1,9 +1,8 @@
 """bf16 linear layers on oneDNN with prepacked weights (CPU).
 
 torch's plain bf16 matmul re-lays out the weight on every call; oneDNN's packed format is what its
-AMX / AVX512-BF16 kernels read directly. Measured on the 2-core Sapphire Rapids box
-(docs/benchmarks.md): a 576x3072 layer at batch 1 reads 20 GB/s packed vs 12 GB/s plain, and at
-batch 256 runs 1.16 TFLOP/s vs 0.93. fp32 gains nothing from packing, so only bf16 is packed.
+AMX / AVX512-BF16 kernels read directly, faster at decode's one row and at prompts' hundreds
+(docs/notes/kernel-choices.md). fp32 gains nothing from packing, so only bf16 is packed.
 """
 
 from __future__ import annotations
