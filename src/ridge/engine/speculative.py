@@ -69,7 +69,8 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens per target pass when each draft token is accepted with probability `acceptance`."""
+    """Tokens a target pass yields when each of k drafted tokens is accepted with probability `acceptance`
+    independently, plus the target's own: (1 - a^(k+1)) / (1 - a) (Leviathan et al., 2023)."""
     if acceptance >= 1:
         return k + 1.0
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridge.engine.speculative import expected_tokens
 from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, dtype_bytes
 
 
@@ -234,13 +235,13 @@ def compute_dtype(weight_dtype: str) -> str:
 
 
 def expected_tokens_per_pass(accept: float, k: int) -> float:
-    """Tokens a target pass yields when each of k drafted tokens is accepted with probability `accept`
-    independently, plus the target's own: (1 - a^(k+1)) / (1 - a) (Leviathan et al., 2023)."""
+    """engine/speculative.py's expected_tokens (the engine's adaptive k uses the same), for a plan's inputs:
+    refused by name outside [0, 1) and below one drafted token."""
     if not 0 <= accept < 1:
         raise ValueError(f"accept: {accept} is outside [0, 1)")
     if k < 1:
         raise ValueError(f"k: {k} drafted tokens; at least 1")
-    return (1 - accept ** (k + 1)) / (1 - accept)
+    return expected_tokens(accept, k)
 
 
 def speculative_speedup(accept: float, k: int, draft_cost: float, verify_cost: float = 1.0) -> float:
