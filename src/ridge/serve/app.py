@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 
 import ridge
 from ridge.engine.async_engine import (
@@ -35,7 +33,7 @@ from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.engine import CompletionOutput, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
-from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, document_errors
+from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, answer_errors_in_the_envelope, document_errors
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.protocol import (
     ChatCompletionRequest,
@@ -76,39 +74,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     if config.api_key:  # outermost: nothing but /health (and /metrics, if asked) answers without the key
         open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
         app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=open_paths)
+    answer_errors_in_the_envelope(app)
     document_errors(app)
-
-    # ---- errors: one envelope for all -----------------------------------------------------------
-    @app.exception_handler(RequestError)
-    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        if first.get("type") == "json_invalid":  # its loc is the character where parsing stopped
-            error = (first.get("ctx") or {}).get("error", "")
-            return JSONResponse(RequestError(f"body: not valid JSON ({error} at character {first['loc'][-1]})",
-                                             None).body(), status_code=400)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = str(first.get("msg")).removeprefix("Value error, ")
-        return JSONResponse(RequestError(f"{param or 'body'}: {message}", param).body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own errors (no such route, wrong method, a body that is not UTF-8 or nests too deep)."""
-        names = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
-        message = "body: not valid JSON (not UTF-8, or nested too deeply)" if exc.status_code == 400 else exc.detail
-        return JSONResponse(RequestError(str(message), None, exc.status_code,
-                                         names.get(exc.status_code, "HTTPError")).body(),
-                            status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("ridge: internal error")  # the traceback stays in the server's log
-        return JSONResponse(RequestError("internal server error", None, 500, "InternalServerError").body(),
-                            status_code=500)
 
     # ---- helpers --------------------------------------------------------------------------------
     def check_model(name: str | None) -> None:

@@ -1,20 +1,26 @@
-"""What the server refuses before a route runs, and how every refusal is documented.
+"""How the server refuses: before a route runs (auth, content type, size), in OpenAI's error envelope
+whatever raised, and as the OpenAPI schema documents it.
 
 Plain ASGI middleware, not Starlette's BaseHTTPMiddleware, which relays every streamed chunk through an
-extra task and memory stream (docs/notes/server-hardening.md). Each answers in OpenAI's error envelope,
-as the routes do.
+extra task and memory stream (docs/notes/server-hardening.md).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from ridge.serve.protocol import RequestError
+
+log = logging.getLogger("ridge")
 
 
 class BearerAuth:
@@ -143,3 +149,40 @@ def document_errors(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def answer_errors_in_the_envelope(app: FastAPI) -> None:
+    """Every error a route or Starlette raises answers in OpenAI's envelope: ridge's RequestError as it is,
+    pydantic's validation errors as a 400 naming the field, Starlette's own (404, 405, a body that is not
+    UTF-8) with their status, anything else as a 500 whose traceback stays in the log."""
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is the character where parsing stopped
+            error = (first.get("ctx") or {}).get("error", "")
+            return JSONResponse(RequestError(f"body: not valid JSON ({error} at character {first['loc'][-1]})",
+                                             None).body(), status_code=400)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return JSONResponse(RequestError(f"{param or 'body'}: {message}", param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (no such route, wrong method, a body that is not UTF-8 or nests too deep)."""
+        names = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+        message = "body: not valid JSON (not UTF-8, or nested too deeply)" if exc.status_code == 400 else exc.detail
+        return JSONResponse(RequestError(str(message), None, exc.status_code,
+                                         names.get(exc.status_code, "HTTPError")).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("ridge: internal error")  # the traceback stays in the server's log
+        return JSONResponse(RequestError("internal server error", None, 500, "InternalServerError").body(),
+                            status_code=500)
