@@ -66,3 +66,8 @@ def test_help_names_the_flags(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
     assert exit_info.value.code == 0 and "--model" in capsys.readouterr().out
+
+
+def test_bench_invariance_refuses_the_flag_it_sets_itself(smollm2_path, capsys):
+    assert main(["bench", "invariance", "--model", str(smollm2_path), "--batch-invariant"]) == 2
+    assert "--batch-invariant: `bench invariance` runs" in capsys.readouterr().err

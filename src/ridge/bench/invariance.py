@@ -79,6 +79,9 @@ def cmd_invariance(args: argparse.Namespace) -> int:
     from ridge.bench import roofline
     from ridge.config import resolve_dtype
 
+    if args.batch_invariant:
+        raise ValueError("--batch-invariant: `bench invariance` runs the default mode and the batch-invariant one "
+                         "itself, side by side; leave the flag out")
     dtype = resolve_dtype(args.dtype, args.device)
     print(f"[bench] measuring this machine's {str(dtype).removeprefix('torch.')} matmul throughput ...",
           file=sys.stderr)

@@ -3,13 +3,13 @@
 Two kinds of native memory grow with the variety of a server's steps, not with its requests, and neither is
 Python's:
 - oneDNN compiles a matmul for every (shape, row count) it meets; torch's glue (ideep) keeps up to 1,024 of
-  them in an LRU cache and oneDNN up to 1,024 more of its own (about 0.5 MiB each for SmolLM2's bf16
-  layers), so a server whose prompts chunk into ever new row counts fills both;
+  them in an LRU cache and oneDNN up to 1,024 more of its own, so a server whose prompts chunk into ever new
+  row counts fills both;
 - glibc's malloc raises its mmap threshold to the largest block freed, after which large activations come
   from the heap, and the free pages between them stay resident.
-Measured (docs/notes/server-hardening.md): +435 MiB over a 2,000-request soak, all of it in the core. The core
-caps both caches at COMPILED_MATMULS (set before oneDNN's first use, unless the user set them) and hands free
-heap pages back to the system every TRIM_EVERY_S of stepping and whenever it goes idle.
+The core caps both caches at COMPILED_MATMULS (set before oneDNN's first use, unless the user set them) and hands
+free heap pages back to the system every TRIM_EVERY_S of stepping and whenever it goes idle. The soaks that found
+and fixed this, and what a compile and a trim cost: docs/notes/server-hardening.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import ctypes.util
 import os
 import time
 
-# Compiling a matmul for a new row count takes ~0.5 ms; a step of SmolLM2 meets 4-5 shapes. 128 keep the
-# recent row counts of every shape in a few tens of MiB.
+# enough for the recent row counts of every shape a step meets, in a few tens of MiB
 COMPILED_MATMULS = 128
 TRIM_EVERY_S = 30.0
 
@@ -32,8 +31,8 @@ def bound_onednn_caches() -> None:
 
 
 class HeapTrimmer:
-    """malloc_trim(0) at most every TRIM_EVERY_S while busy, and once each time the core goes idle (~10-20 ms
-    on a few hundred MiB of heap). A no-op where the C library has no malloc_trim (musl, macOS)."""
+    """malloc_trim(0) at most every TRIM_EVERY_S while busy, and once each time the core goes idle. A no-op
+    where the C library has no malloc_trim (musl, macOS)."""
 
     def __init__(self) -> None:
         libc_name = ctypes.util.find_library("c")

@@ -41,8 +41,8 @@ class PackedLinear(nn.Module):
     """Drop-in for nn.Linear holding a oneDNN-packed weight (opaque; not a regular tensor).
 
     min_rows: calls with fewer rows are padded to this many. oneDNN multiplies a single row on another
-    path than several, whose sums for a row differ in the last bits (measured: layers of 1,536 inputs) while
-    every count from two up agrees; batch invariance pads single rows to two (kernels/batch_invariance.py).
+    path than several, whose sums for a row can differ in the last bits while every count from two up
+    agrees; batch invariance pads single rows to two (kernels/batch_invariance.py, docs/notes/batch-invariance.md).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 1) -> None:
@@ -57,10 +57,11 @@ class PackedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        if count < self.min_rows:
+        padded = count < self.min_rows
+        if padded:
             rows = torch.cat([rows, rows.new_zeros(self.min_rows - count, self.in_features)])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out[:count].view(*lead, self.out_features)
+        return (out[:count] if padded else out).view(*lead, self.out_features)
 
 
 def pack_linears(model: DecoderModel, min_rows: int = 1) -> DecoderModel:
