@@ -82,7 +82,7 @@ def test_abort_frees_blocks(smollm2, chat):
     engine.abort(rid)
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == rid]
-    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    assert aborted and aborted[0].samples[0].finish_reason == "abort"
     assert engine.pool.num_free == engine.pool.num_blocks
 
 

@@ -212,7 +212,7 @@ def test_each_method_calibrates_on_its_own_windows_unless_told(random_llama, mak
     """GPTQ on 32 windows, AWQ on 64, int8 and fp8 on 8 (quant/calibration.py's DEFAULT_WINDOWS), int4 on none,
     `calibration_windows` over each; the windows asked for are recorded, then 2 of them calibrate, to keep the
     test short. int8 on 0 windows is plain RTN: each row's scale from its largest weight."""
-    import ridge.engine.engine as engine_module
+    import ridge.engine.loading as engine_module
 
     real, asked = engine_module.calibration_windows, []
 

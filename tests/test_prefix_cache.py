@@ -9,22 +9,23 @@ from ridge import SamplingParams
 from ridge.engine.scheduler import Scheduler
 from ridge.engine.sequence import Sequence
 from ridge.kv.block_pool import BlockPool, NoFreeBlocks
+from ridge.kv.manager import KVManager
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 
 
 def _seq(i: int, tokens: list[int], salt: str | None = None) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), index=0, prompt_len=len(tokens), token_ids=list(tokens),
-                    params=SamplingParams(cache_salt=salt), text=None)
+                    params=SamplingParams(cache_salt=salt))
 
 
 def _prefill(sched: Scheduler, seq: Sequence) -> int:
     """Admit seq and compute its whole prompt; return how many tokens were computed (not taken from the cache)."""
-    sched.add(seq)
+    sched.add([seq])
     computed = 0
     while seq.num_pending:
         step = sched.schedule()
         for s, n in zip(step.seqs, step.num_tokens, strict=True):
-            sched.advance(s, n)
+            sched.kv.commit(s, n)
             if s is seq:
                 computed += n
     return computed
@@ -72,7 +73,7 @@ def test_eviction_never_takes_a_held_block():
 def test_a_hit_always_leaves_the_last_token_to_compute(prompt_len, expect_cached):
     """21 tokens: 5 full blocks cached; 20 (ends on a block boundary): the block holding the last token is
     recomputed; 4: nothing to reuse."""
-    sched = Scheduler(BlockPool(32, 4, PrefixCache()), max_num_batched_tokens=64, max_num_seqs=8)
+    sched = Scheduler(KVManager(32, 4, enable_prefix_caching=True), max_num_batched_tokens=64, max_num_seqs=8)
     tokens = list(range(100, 100 + prompt_len))
     first = _seq(0, tokens)
     assert _prefill(sched, first) == prompt_len
@@ -86,7 +87,7 @@ def test_a_hit_always_leaves_the_last_token_to_compute(prompt_len, expect_cached
 
 
 def test_a_different_salt_shares_nothing():
-    sched = Scheduler(BlockPool(32, 4, PrefixCache()), max_num_batched_tokens=64, max_num_seqs=8)
+    sched = Scheduler(KVManager(32, 4, enable_prefix_caching=True), max_num_batched_tokens=64, max_num_seqs=8)
     tokens = list(range(40))
     for i, salt in enumerate(["a", "b", "a", None]):
         seq = _seq(i, tokens, salt)
@@ -99,28 +100,29 @@ def test_a_different_salt_shares_nothing():
 def test_lpm_admits_the_longest_cached_prefix_first_with_a_bounded_wait():
     from ridge.engine import scheduler as scheduler_module
 
-    sched = Scheduler(BlockPool(64, 4, PrefixCache()), max_num_batched_tokens=24, max_num_seqs=8, policy="lpm")
+    sched = Scheduler(KVManager(64, 4, enable_prefix_caching=True), max_num_batched_tokens=24, max_num_seqs=8,
+                      policy="lpm")
     cached = list(range(200, 220))
     warm = _seq(0, cached)
     _prefill(sched, warm)
     sched.finish(warm, "stop")
     cold, hit = _seq(1, list(range(300, 320))), _seq(2, cached + [1, 2])
-    sched.add(cold)
-    sched.add(hit)
+    sched.add([cold])
+    sched.add([hit])
     step = sched.schedule()
     assert step.seqs[0] is hit and hit.num_cached_tokens == 20  # 5 of its 22 tokens' blocks were cached
     assert cold.times_passed == (0 if cold in step.seqs else 1)
     for s, n in zip(step.seqs, step.num_tokens, strict=True):
-        sched.advance(s, n)
+        sched.kv.commit(s, n)
     # a cold sequence that has waited too long goes before any cached one
     starving, another_hit = _seq(3, list(range(400, 420))), _seq(4, cached + [5])
     starving.times_passed = scheduler_module.STARVATION_LIMIT
-    sched.add(another_hit)
-    sched.add(starving)
+    sched.add([another_hit])
+    sched.add([starving])
     sched._rank_waiting()
     assert list(sched.waiting).index(starving) < list(sched.waiting).index(another_hit)
     with pytest.raises(ValueError, match="schedule_policy"):
-        Scheduler(BlockPool(4, 4), 8, 8, policy="sjf")
+        Scheduler(KVManager(4, 4), 8, 8, policy="sjf")
 
 
 # ---- the engine: cache on equals cache off -----------------------------------------------------------

@@ -13,7 +13,7 @@ EOS = 3
 def seq(params: SamplingParams, prompt=(0,), outputs=()) -> Sequence:
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     return Sequence(seq_id=0, request_id="r", index=0, prompt_len=len(prompt), token_ids=[*prompt, *outputs],
-                    params=params, text=None, generator=gen)
+                    params=params, generator=gen)
 
 
 def frequencies(logits_row, params, n=20000) -> torch.Tensor:

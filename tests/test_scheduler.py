@@ -2,13 +2,13 @@
 
 from ridge.engine.scheduler import Scheduler
 from ridge.engine.sequence import Sequence, Status
-from ridge.kv.block_pool import BlockPool
+from ridge.kv.manager import KVManager
 from ridge.sampling_params import SamplingParams
 
 
 def seq(i: int, prompt_len: int) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), index=0, prompt_len=prompt_len, token_ids=list(range(prompt_len)),
-                    params=SamplingParams(), text=None)
+                    params=SamplingParams())
 
 
 def run(sched: Scheduler, step) -> None:
@@ -20,10 +20,10 @@ def run(sched: Scheduler, step) -> None:
 
 
 def test_long_prompt_is_chunked_and_decodes_go_first():
-    sched = Scheduler(BlockPool(64, 4), max_num_batched_tokens=8, max_num_seqs=8)
+    sched = Scheduler(KVManager(64, 4), max_num_batched_tokens=8, max_num_seqs=8)
     a, b = seq(0, 3), seq(1, 20)
-    sched.add(a)
-    sched.add(b)
+    sched.add([a])
+    sched.add([b])
     step = sched.schedule()
     assert step.num_tokens == [3, 5] and step.seqs == [a, b]  # a's prompt whole, b's first chunk
     run(sched, step)
@@ -34,21 +34,21 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
 
 
 def test_max_num_seqs_caps_admission():
-    sched = Scheduler(BlockPool(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
+    sched = Scheduler(KVManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
     for i in range(3):
-        sched.add(seq(i, 4))
+        sched.add([seq(i, 4)])
     step = sched.schedule()
     assert len(step.seqs) == 2 and len(sched.waiting) == 1
 
 
 def test_preemption_frees_blocks_and_requeues_newest_first():
-    pool = BlockPool(4, 4)  # 16 tokens in all
-    sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=8)
+    kv = KVManager(4, 4)  # 16 tokens in all
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
     old, new = seq(0, 8), seq(1, 8)
-    sched.add(old)
-    sched.add(new)
+    sched.add([old])
+    sched.add([new])
     run(sched, sched.schedule())  # both prompts in: all 4 blocks used, both sampled one token
-    assert pool.num_free == 0
+    assert kv.num_free == 0
     step = sched.schedule()  # each decode needs a fifth block: the newest is preempted
     assert step.num_preempted == 1 and step.seqs == [old]
     assert new.status is Status.WAITING and new.num_computed == 0 and not new.block_table
@@ -57,13 +57,68 @@ def test_preemption_frees_blocks_and_requeues_newest_first():
 
 
 def test_finish_returns_blocks_from_anywhere():
-    pool = BlockPool(8, 4)
-    sched = Scheduler(pool, max_num_batched_tokens=64, max_num_seqs=8)
+    kv = KVManager(8, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
     a, b = seq(0, 6), seq(1, 6)
-    sched.add(a)
-    sched.add(b)
+    sched.add([a])
+    sched.add([b])
     sched.schedule()
     sched.finish(a, "abort")
     sched.finish(b, "stop")
-    assert pool.num_free == 8 and not sched.has_work
+    assert kv.num_free == 8 and not sched.has_work
     sched.check_integrity()
+
+
+def test_update_appends_checks_token_stops_and_settles_drafts():
+    from ridge.engine.scheduler import Sampled, StopRule
+
+    kv = KVManager(16, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, stops=StopRule(frozenset({99}), 12))
+    eos, long = seq(0, 4), seq(1, 4)
+    eos.params = SamplingParams(max_tokens=50)
+    sched.add([eos])
+    sched.add([long])
+    step = sched.schedule()
+    assert sched.update(step, [Sampled(eos, [99]), Sampled(long, [5])]) == 2
+    assert eos.finished and eos.finish_reason == "stop" and eos.stop_reason == 99 and not eos.block_table
+    assert long.num_computed == 4 and long.token_ids[-1] == 5 and long.timings.first_token is not None
+    long.draft_ids = [6, 7, 8]  # drafts checked in the next pass: 2 accepted, then the target's own token
+    step = sched.schedule()
+    assert step.num_tokens == [4]
+    sched.update(step, [Sampled(long, [6, 7, 9])])
+    assert long.token_ids[4:] == [5, 6, 7, 9] and long.num_computed == 7 and long.draft_ids == []
+    assert len(long.block_table) == 2  # the rejected draft's block went back
+    sched.check_integrity()
+    long.draft_ids = [1, 2, 3, 4]
+    step = sched.schedule()
+    assert sched.update(step, [Sampled(long, [1, 2, 3, 4, 5])]) == 4  # the 4th reaches max_model_len (12)
+    assert long.finished and long.finish_reason == "length" and len(long.token_ids) == 12
+    assert kv.num_free == 16 and not sched.has_work
+
+
+def test_held_siblings_wait_for_the_first_sample_and_never_strand():
+    from ridge.engine.scheduler import Sampled
+
+    kv = KVManager(32, 4, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    samples = [seq(i, 10) for i in range(3)]
+    sched.add(samples)
+    step = sched.schedule()
+    assert step.seqs == [samples[0]]  # the siblings wait until the prompt is cached
+    sched.update(step, [Sampled(samples[0], [1])])
+    step = sched.schedule()
+    assert samples[1] in step.seqs and samples[2] in step.seqs
+    assert samples[1].num_cached_tokens == 8  # two full prompt blocks found cached
+    for s in samples:
+        sched.finish(s, "abort")
+    # a first sample that ends before its first token releases its siblings, which then run or end normally
+    again = [seq(i, 10) for i in range(10, 13)]
+    sched.add(again)
+    sched.schedule()
+    sched.finish(again[0], "abort")
+    assert list(sched.waiting) == again[1:]
+    sched.finish(again[1], "abort")
+    sched.finish(again[2], "abort")
+    assert not sched.has_work and not sched.held
+    sched.check_integrity()
+    kv.check_idle()

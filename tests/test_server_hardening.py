@@ -296,7 +296,7 @@ def test_a_failing_step_ends_its_requests_and_the_core_serves_on(smollm2_path, m
     from ridge.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="16MiB"),
-                       progress=False, detokenize=False)
+                       progress=False)
     real = engine.sampler.__call__
 
     def flaky(logits, seqs):
@@ -333,7 +333,7 @@ def test_a_failing_step_ends_its_requests_and_the_core_serves_on(smollm2_path, m
 
 def test_a_step_error_in_the_offline_api_leaves_no_request_behind(make_llm_for_test, smollm2_path, monkeypatch):
     from ridge import SamplingParams
-    from ridge.engine.engine import StepError
+    from ridge.engine.outputs import StepError
 
     llm = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="16MiB")
     real = llm.engine.runner.execute

@@ -1,7 +1,8 @@
 """ridge: an LLM inference engine that moves fewer bytes, and tells you which wall binds."""
 
 from ridge.engine.beam_search import BeamSearchParams
-from ridge.engine.engine import CompletionOutput, LLMEngine, RequestOutput
+from ridge.engine.engine import LLMEngine
+from ridge.engine.outputs import CompletionOutput, RequestOutput
 from ridge.llm import LLM
 from ridge.sampling_params import SamplingParams
 

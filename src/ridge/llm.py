@@ -9,7 +9,9 @@ from tqdm import tqdm
 
 from ridge.config import EngineConfig
 from ridge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from ridge.engine.engine import LLMEngine, RequestOutput
+from ridge.engine.engine import LLMEngine
+from ridge.engine.output_processor import OutputProcessor
+from ridge.engine.outputs import OutputKind, RequestOutput
 from ridge.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -25,6 +27,7 @@ class LLM:
     def __init__(self, model: str, progress: bool = True, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
         self.tokenizer = self.engine.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
 
     def generate(
         self,
@@ -34,34 +37,46 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs come back in prompt order.
 
-        Every prompt is validated before any is queued, so a bad one leaves the engine untouched.
+        A bad prompt raises ValueError naming the field, and the prompts queued before it are withdrawn.
         A list of ints is one tokenized prompt; a list of lists or strings is a batch.
         """
         batch = _as_batch(prompts)
         param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(param_list) != len(batch):
             raise ValueError(f"params: got {len(param_list)} SamplingParams for {len(batch)} prompts")
-        encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
-        for prompt, ids, p in zip(batch, encoded, param_list, strict=True):
-            if isinstance(prompt, str) and not prompt:
-                raise ValueError("prompt: must not be empty (0 characters)")
-            self.engine.validate(ids, p)
-        order = [self.engine.add_request(ids, p) for ids, p in zip(encoded, param_list, strict=True)]
+        order: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
+            for prompt, p in zip(batch, param_list, strict=True):
+                order.append(self._add(prompt, p, OutputKind.FINAL))
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished:
-                    for out in self.engine.step():
-                        if out.finished:
-                            done[out.request_id] = out
-                            bar.update(1)
-        except BaseException:  # a failed step, Ctrl-C: the batch's other requests give their blocks back
-            for request_id in order:
-                self.engine.abort(request_id)
+                    for out in self._step():
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # a bad prompt, a failed step, Ctrl-C: the batch's other requests give their blocks back
+            self._abandon(order)
             raise
-        for request_id, prompt in zip(order, batch, strict=True):
-            done[request_id].prompt = prompt if isinstance(prompt, str) else None
         return [done[i] for i in order]
+
+    def _add(self, prompt: Prompt, params: SamplingParams, kind: OutputKind) -> str:
+        """Validate and queue one prompt (the engine checks it); its outputs come from the processor."""
+        ids = self.tokenizer.encode_prompt(prompt)
+        request_id = self.engine.add_request(ids, params)
+        self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, kind)
+        return request_id
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step through the output processor; samples a stop string finished are aborted at once."""
+        outputs, stopped = self.processor.process(self.engine.step())
+        for request_id, index in stopped:
+            self.engine.abort(request_id, index)
+        return outputs
+
+    def _abandon(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+            self.processor.trackers.pop(request_id, None)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None
                     ) -> list[BeamSearchOutput]:
@@ -74,18 +89,18 @@ class LLM:
         """Yield text deltas of one prompt as they are decoded (one sample: params.n must be 1)."""
         if params is not None and params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
-        request_id = self.engine.add_request(prompt, params)
-        seq = self.engine.sequences(request_id)[0]
+        request_id = self._add(prompt, params or SamplingParams(), OutputKind.DELTA)
+        finished = False
         try:
-            while not seq.finished:
-                self.engine.step()
-                if delta := seq.stream_delta():
-                    yield delta
-            if delta := seq.stream_delta():
-                yield delta
+            while not finished:
+                for out in self._step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        if out.outputs and out.outputs[0].text:
+                            yield out.outputs[0].text
         finally:
-            if not seq.finished:  # the caller stopped early: free its blocks now
-                self.engine.abort(request_id)
+            if not finished:  # the caller stopped early: free its blocks now
+                self._abandon([request_id])
                 self.engine.step()
 
     def chat(

@@ -146,6 +146,14 @@ class RidgeTokenizer:
             ids = [bos, *ids]
         return ids
 
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: a text encoded (an empty one refused, BOS or not), or ids as given."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty (0 characters)")
+            return self.encode(prompt)
+        return list(prompt)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -44,6 +44,20 @@ class AttentionMetadata:
     sdpa_chunks: list[tuple[PrefillChunk, torch.Tensor | None]] | None = None  # with its mask, None: causal
     kernel_rows: KernelRows | None = None
 
+    @classmethod
+    def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int,
+                     device: torch.device | str = "cpu") -> AttentionMetadata:
+        """One sequence's tokens 0..num_tokens-1 in one chunk over an empty cache: scoring a text."""
+        table = torch.tensor(block_table, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        return cls(
+            slot_mapping=table[positions // block_size] * block_size + positions % block_size,
+            num_decodes=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
+            decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
+            prefills=[PrefillChunk(0, num_tokens, num_tokens, table[: -(-num_tokens // block_size)])],
+        )
+
 
 @dataclass
 class KernelRows:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
-from ridge.engine.engine import RequestLimits, RequestOutput
 from ridge.engine.engine_core import (
     AbortRequest,
     AddRequest,
@@ -41,7 +40,9 @@ from ridge.engine.engine_core import (
     StepReport,
     run_engine_core,
 )
+from ridge.engine.limits import RequestLimits
 from ridge.engine.output_processor import RequestTracker
+from ridge.engine.outputs import OutputKind, RequestOutput
 from ridge.hub import resolve
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
@@ -303,9 +304,10 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it progresses; the last has finished=True.
+        """Outputs of one request: its whole output once it finishes (FINAL), or each step's news, the last
+        with finished=True (DELTA).
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
@@ -314,7 +316,7 @@ class AsyncEngine:
         work = len(prompt_ids) + params.n * params.max_tokens
         self.check_admission(params.n, work)
         self.validate(prompt_ids, params)
-        tracker = RequestTracker(request_id, prompt_ids, params, self.tokenizer, time.perf_counter())
+        tracker = RequestTracker(request_id, None, prompt_ids, params, self.tokenizer, kind)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if request_id in self._requests:
@@ -394,7 +396,7 @@ class AsyncEngine:
 
     def _on_report(self, report: StepReport, core: _Core) -> None:
         self.last_progress = time.monotonic()
-        outputs = []
+        finished = []
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for delta in report.requests:
             with self._lock:
@@ -407,15 +409,17 @@ class AsyncEngine:
             output, stopped = tracker.apply(delta)
             if stopped and not delta.finished:
                 with contextlib.suppress(OSError, ValueError):  # the core died after sending this report
-                    for index in ([None] if output.finished else stopped):
+                    for index in ([None] if tracker.finished else stopped):
                         self._send(AbortRequest(delta.request_id, index), core)
-            outputs.append(output)
-            deliveries.setdefault(entry.loop, []).append((entry.outputs, output))
+            if output is not None:
+                deliveries.setdefault(entry.loop, []).append((entry.outputs, output))
+            if tracker.finished:
+                finished.append(tracker.whole_output())
         for loop, items in deliveries.items():  # one wake-up of each event loop per step, not one per request
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(_put_all, items)
         if self._on_step is not None:
-            self._on_step(report, outputs)
+            self._on_step(report, finished)
 
     def _fail(self, message: str) -> None:
         """The core is gone: every request in flight ends with EngineDead, and the supervisor acts."""

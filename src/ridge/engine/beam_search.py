@@ -123,9 +123,9 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchP
         order = [engine.add_request(ids, search.step_params) for ids in batch]
         got: dict[str, dict[int, float]] = {}
         while engine.has_unfinished:
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = out.outputs[0].logprobs[0]
+            for delta in engine.step():  # max_tokens=1: the one delta of a request carries its one token
+                if delta.finished:
+                    got[delta.request_id] = delta.samples[0].logprobs[0]
         search.take([got[i] for i in order])
     return search.results(engine.tokenizer.decode)
 

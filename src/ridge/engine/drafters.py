@@ -17,7 +17,7 @@ from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
-from ridge.kv.block_pool import BlockPool
+from ridge.kv.manager import KVManager
 
 
 @dataclass
@@ -81,21 +81,22 @@ class DraftModelDrafter(Drafter):
     chunks of max_num_batched_tokens) is computed again. Drafting pass i then feeds draft i - 1.
     """
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, sampler: Sampler, max_num_batched_tokens: int) -> None:
-        self.runner, self.pool, self.sampler = runner, pool, sampler
+    def __init__(self, runner: ModelRunner, kv: KVManager, sampler: Sampler, max_num_batched_tokens: int) -> None:
+        self.runner, self.kv, self.sampler = runner, kv, sampler
         self.max_num_batched_tokens = max_num_batched_tokens
         self.shadows: dict[int, _Shadow] = {}  # by the target's seq_id
 
     def catch_up(self, seqs: list[Sequence]) -> None:
         shadows = [self._catch_up(seq) for seq in seqs]
-        self._prefill([shadow for shadow in shadows if self._reserve(shadow, len(shadow.token_ids))])
+        self._prefill([shadow for shadow in shadows if self.kv.reserve(shadow, len(shadow.token_ids))])
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         drafts = {s.seq_id: Draft([], None) for s in seqs}
         active: list[tuple[Sequence, Sequence, int]] = []
         for seq, k in zip(seqs, num_tokens, strict=True):
             shadow = self._catch_up(seq)
-            if k > 0 and self._reserve(shadow, len(seq.token_ids) + k - 1):
+            # a sequence the pool has no room for decodes without a draft this step
+            if k > 0 and self.kv.reserve(shadow, len(seq.token_ids) + k - 1):
                 active.append((seq, shadow, k))
         self._prefill([shadow for _, shadow, _ in active])  # nothing left to do after catch_up()
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s, _, _ in active}
@@ -133,7 +134,7 @@ class DraftModelDrafter(Drafter):
         step = ScheduledStep(shadows, counts, num_decodes=sum(n == 1 for n in counts))
         logits, samplers = self.runner.execute(step)
         for shadow, n in zip(shadows, counts, strict=True):
-            shadow.num_computed += n
+            self.kv.commit(shadow, n)
         return logits, samplers
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -151,33 +152,26 @@ class DraftModelDrafter(Drafter):
     def _catch_up(self, seq: Sequence) -> Sequence:
         if seq.seq_id not in self.shadows:
             copy = Sequence(seq_id=seq.seq_id, request_id=seq.request_id, index=seq.index,
-                            prompt_len=seq.prompt_len, token_ids=[], params=seq.params, text=None)
+                            prompt_len=seq.prompt_len, token_ids=[], params=seq.params)
             self.shadows[seq.seq_id] = _Shadow(seq, copy)
         shadow = self.shadows[seq.seq_id]
         mine, theirs = shadow.seq.token_ids, seq.token_ids
         # the target's tokens only grow, so the first `agreed` still match; compare the drafts after them
         end = min(len(mine), len(theirs))
         agree = next((i for i in range(shadow.agreed, end) if mine[i] != theirs[i]), end)
-        shadow.seq.num_computed = min(shadow.seq.num_computed, agree, len(theirs) - 1)  # the last feeds pass 1
+        self.kv.rewind(shadow.seq, min(agree, len(theirs) - 1))  # the last feeds pass 1
         shadow.seq.token_ids = list(theirs)
         shadow.agreed = len(theirs)
         return shadow.seq
 
-    def _reserve(self, shadow: Sequence, tokens: int) -> bool:
-        need = self.pool.blocks_for(tokens) - len(shadow.block_table)
-        if need > self.pool.num_free:
-            return False  # this sequence decodes without a draft this step
-        if need > 0:
-            shadow.block_table.extend(self.pool.allocate(need))
-        return True
-
     def release_finished(self) -> None:
         for seq_id, shadow in list(self.shadows.items()):
             if shadow.target.finished:
-                self.pool.release(shadow.seq.block_table)
+                self.kv.free(shadow.seq)
                 del self.shadows[seq_id]
 
     def check_integrity(self, idle: bool) -> None:
-        self.pool.check_integrity([shadow.seq.block_table for shadow in self.shadows.values()])
+        self.kv.check_integrity(shadow.seq for shadow in self.shadows.values())
         if idle:
-            assert not self.shadows and self.pool.num_free == self.pool.num_blocks, "the drafter leaked KV blocks"
+            assert not self.shadows, "the drafter holds sequences with no request in flight"
+            self.kv.check_idle()

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
-from ridge.engine.engine import LLMEngine, RequestLimits, RequestOutput, StepError, StepStats
+from ridge.engine.engine import LLMEngine
+from ridge.engine.limits import RequestLimits
 from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
+from ridge.engine.outputs import RequestDelta, StepError, StepStats
 from ridge.sampling_params import SamplingParams
 
 
@@ -79,24 +81,6 @@ class Rejected:
 
 
 @dataclass
-class SampleDelta:
-    index: int
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-@dataclass
-class RequestDelta:
-    request_id: str
-    samples: list[SampleDelta]
-    finished: bool
-    metrics: dict[str, float | None]
-    num_cached_tokens: int
-
-
-@dataclass
 class StepReport:
     requests: list[RequestDelta]
     stats: StepStats
@@ -125,11 +109,11 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
     signal.signal(signal.SIGTERM, lambda *_: _exit_after(grace_s + 5.0))
     bound_onednn_caches()
     try:
-        engine = LLMEngine(config, progress=progress, detokenize=False)
+        engine = LLMEngine(config, progress=progress)
     except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(Ready(engine.limits, engine.pool.num_blocks, engine.pool.block_size))
+    conn.send(Ready(engine.limits, engine.kv.num_blocks, engine.kv.block_size))
     try:
         _serve(engine, conn)
     except (EOFError, OSError):  # the server is gone: nothing left to serve
@@ -140,7 +124,6 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:
-    sent: dict[tuple[str, int], int] = {}  # (request, sample) -> output tokens already reported
     heap = HeapTrimmer()
     while True:
         # Block while idle; while busy, take whatever arrived since the last step and step again.
@@ -152,16 +135,14 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
         if not engine.has_unfinished:
             continue
         try:
-            outputs = engine.step()
+            deltas = engine.step()
         except StepError as exc:
             traceback.print_exc()
             conn.send(StepFailed(exc.request_ids, exc.message))
             engine.check_integrity()  # if the failed step broke the KV accounting, the server restarts the core
             continue
-        conn.send(StepReport(
-            [_delta(out, sent) for out in outputs], engine.last_step, len(engine.scheduler.running),
-            len(engine.scheduler.waiting), engine.pool.num_free, engine.pool.num_blocks,
-        ))
+        conn.send(StepReport(deltas, engine.last_step, len(engine.scheduler.running), len(engine.scheduler.waiting),
+                             engine.kv.num_free, engine.kv.num_blocks))
         heap.after_step(idle=not engine.has_unfinished)
 
 
@@ -185,20 +166,6 @@ def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortReque
             error = None
         except AssertionError as exc:
             error = str(exc) or "the KV accounting check failed"
-        conn.send(EngineState(not engine.has_unfinished, engine.pool.num_free, engine.pool.num_blocks, error))
+        conn.send(EngineState(not engine.has_unfinished, engine.kv.num_free, engine.kv.num_blocks, error))
     else:
         raise TypeError(f"unknown engine command {command!r}")
-
-
-def _delta(out: RequestOutput, sent: dict[tuple[str, int], int]) -> RequestDelta:
-    samples = []
-    for c in out.outputs:
-        key = (out.request_id, c.index)
-        start = sent.get(key, 0)
-        samples.append(SampleDelta(c.index, c.token_ids[start:], c.logprobs[start:] if c.logprobs is not None else None,
-                                   c.finish_reason, c.stop_reason))
-        if out.finished:
-            sent.pop(key, None)
-        else:
-            sent[key] = len(c.token_ids)
-    return RequestDelta(out.request_id, samples, out.finished, out.metrics, out.num_cached_tokens)

@@ -43,20 +43,26 @@ class ModelRunner:
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep, all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step; return logits for the sequences that reach their last token, and those: one row
         each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
-        draft tokens follow its own in the step, so row i scores draft i).
-
-        all_logits: logits for every token of the step instead (scoring a prompt).
-        """
+        draft tokens follow its own in the step, so row i scores draft i)."""
         inputs = self.prepare(step)
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
             hidden = self.decode_stack(self.model.embed_tokens(inputs.input_ids), inputs.positions, meta)
             return self.model.compute_logits(hidden), inputs.samplers
-        rows = None if all_logits else torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         return self.model(inputs.input_ids, inputs.positions, self.backend, meta, rows), inputs.samplers
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
+        """Float32 logits [T, V] at every position of token_ids, run as one prefill into `blocks` (scratch
+        blocks the caller holds: no sequence's state is read or changed)."""
+        meta = AttentionMetadata.whole_prompt(len(token_ids), blocks, self.block_size, self.device)
+        self.backend.prepare(meta)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta)
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""

@@ -7,10 +7,13 @@ sequence is preempted: its blocks are freed and it goes back to the front of the
 its tokens later. The oldest sequence therefore always progresses, so nothing stalls forever:
 a single sequence always fits, because max_model_len never exceeds the pool.
 
-With a prefix cache, a sequence admitted with nothing computed first takes the cached blocks of its
-longest cached prefix and computes only the rest. At least its last token is always computed (the
-step needs its logits), so a hit never covers the block that holds it: the blocks a sequence writes
-are always its own, and a shared block is never written (no copy-on-write is needed).
+Block tables belong to the KV manager (kv/manager.py): the scheduler asks it for room and for cached
+prefixes, and never touches a table itself. After the model ran, update() finishes the step: it tells
+the manager what was computed, appends the sampled tokens, checks token stops and settles drafts.
+
+A request's n > 1 samples with a prefix cache: samples 1.. are held back until sample 0 has sampled
+its first token (its prompt is then in the cache), so they find every full prompt block cached and
+compute only the last, partial one.
 
 Policy `lpm` (SGLang's longest prefix match) admits, among the waiting sequences, those with the longest
 cached prefix first: their prefill is short, and the blocks they would reuse are not evicted meanwhile.
@@ -23,11 +26,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ridge.engine.sequence import Sequence, Status
-from ridge.kv.block_pool import BlockPool
-from ridge.kv.prefix_cache import chain_key
+from ridge.kv.manager import KVManager
 
 POLICIES = ("fcfs", "lpm")
 STARVATION_LIMIT = 64  # steps a waiting sequence may see later arrivals admitted before it
@@ -52,34 +54,83 @@ class ScheduledStep:
         return sum(self.num_tokens)
 
 
+@dataclass
+class Sampled:
+    """What a step produced for one sequence that computed its last token: its next token, or, after
+    verifying drafts, the accepted drafts and the target's next token (logprobs only when asked)."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a sampled token ends a sequence (stop strings are the output processor's: they need text)."""
+
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    max_model_len: int | None = None
+
+    def check(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if seq ends with `token`, its newest token; else None."""
+        params = seq.params
+        if seq.num_outputs >= params.min_tokens and (
+                token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in self.eos_token_ids)):
+            return "stop", token
+        if seq.num_outputs >= params.max_tokens or (
+                self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len):
+            return "length", None
+        return None
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fcfs") -> None:
+    def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: str = "fcfs", stops: StopRule = StopRule()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy: {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
-        self.pool = pool
+        self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
+        self.stops = stops
+        self.held: dict[int, list[Sequence]] = {}  # a request's first sample's seq_id -> its held siblings
         self.num_preemptions = 0
-        self.cache = pool.cache
+        self.cache = kv.cache
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue a request's samples (see the module's note on holding siblings back)."""
+        first, siblings = seqs[0], seqs[1:]
+        if siblings and self.cache is not None and len(first.token_ids) > self.kv.block_size:
+            self.held[first.seq_id] = siblings
+            siblings = []
+        self.waiting.extend([first, *siblings])
 
     def schedule(self) -> ScheduledStep:
-        budget = self.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
-        preempted = 0
+        budget, preempted = self._schedule_running(self.max_num_batched_tokens, decodes, prefills)
+        if not preempted:  # none are admitted in a step that preempted
+            self._admit(budget, decodes, prefills)
+        chosen = decodes + prefills
+        self.num_preemptions += preempted
+        return ScheduledStep(
+            seqs=[s for s, _ in chosen],
+            num_tokens=[n for _, n in chosen],
+            num_decodes=len(decodes),
+            num_preempted=preempted,
+        )
 
-        # Running sequences: decodes before prefill chunks, oldest first within each.
+    def _schedule_running(self, budget: int, decodes: list[tuple[Sequence, int]],
+                          prefills: list[tuple[Sequence, int]]) -> tuple[int, int]:
+        """Running sequences, decodes before prefill chunks, oldest first within each, preempting the newest
+        when blocks run out; returns the budget left and the number preempted."""
+        preempted = 0
         order = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
         for seq in order:
             if budget == 0:
@@ -88,7 +139,7 @@ class Scheduler:
                 continue
             n = min(seq.num_pending + len(seq.draft_ids), budget)
             del seq.draft_ids[max(n - seq.num_pending, 0):]  # drafts beyond the budget are dropped
-            while not self._reserve(seq, n):
+            while not self.kv.reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted += 1
@@ -98,20 +149,20 @@ class Scheduler:
                 # a decode with drafts to check is a multi-token chunk over its cached context
                 (decodes if n == 1 and seq.num_pending == 1 else prefills).append((seq, n))
                 budget -= n
+        return budget, preempted
 
-        # New (or preempted) sequences, in queue order; none are admitted in a step that preempted.
+    def _admit(self, budget: int, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]]) -> None:
+        """New (or preempted) sequences, in queue order, while the budget, the pool and max_num_seqs allow."""
         if self.policy == "lpm" and self.cache is not None and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._rank_waiting()
         admitted_up_to = -1  # the latest arrival admitted this step
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed == 0 and self.cache is not None:
-                self._take_cached_prefix(seq)
+            if seq.num_computed == 0:
+                self.kv.take_cached_prefix(seq)
             n = min(seq.num_pending, budget)
-            if not self._reserve(seq, n):
-                if seq.block_table:  # give the cached blocks back; it tries again next step
-                    self._release(seq)
-                    seq.num_computed = seq.num_registered = 0
+            if not self.kv.reserve(seq, seq.num_computed + n):
+                self.kv.free(seq)  # the cached blocks go back; it tries again next step
                 break
             self.waiting.popleft()
             admitted_up_to = max(admitted_up_to, seq.seq_id)
@@ -125,19 +176,9 @@ class Scheduler:
             self.running.append(seq)
             (decodes if seq.num_pending == 1 else prefills).append((seq, n))
             budget -= n
-
         for seq in self.waiting:  # earlier arrivals passed over by a later one (lpm only reorders)
             if seq.seq_id < admitted_up_to:
                 seq.times_passed += 1
-
-        chosen = decodes + prefills
-        self.num_preemptions += preempted
-        return ScheduledStep(
-            seqs=[s for s, _ in chosen],
-            num_tokens=[n for _, n in chosen],
-            num_decodes=len(decodes),
-            num_preempted=preempted,
-        )
 
     def _rank_waiting(self) -> None:
         """Order the queue for lpm: starved and preempted sequences first (in arrival order), then by the
@@ -145,84 +186,70 @@ class Scheduler:
         def rank(seq: Sequence) -> tuple[int, int]:
             if seq.times_passed >= STARVATION_LIMIT or seq.num_preemptions or seq.num_computed:
                 return (0, 0)
-            usable = (len(seq.token_ids) - 1) // self.pool.block_size
-            self._hash_blocks(seq, usable)
-            return (1, -len(self.cache.lookup(seq.block_keys[:usable])))
+            return (1, -self.kv.cached_prefix_len(seq))
 
         self.waiting = deque(sorted(self.waiting, key=rank))
-
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        bs = self.pool.block_size
-        usable = (len(seq.token_ids) - 1) // bs  # full blocks before the one holding the last token
-        self._hash_blocks(seq, usable)
-        hit = self.cache.lookup(seq.block_keys[:usable])
-        self.pool.share(hit)
-        seq.block_table = hit
-        seq.num_computed = len(hit) * bs
-        seq.num_registered = len(hit)
-
-    def _hash_blocks(self, seq: Sequence, count: int) -> None:
-        """Extend seq.block_keys to its first `count` full blocks."""
-        bs = self.pool.block_size
-        for i in range(len(seq.block_keys), count):
-            parent = seq.block_keys[i - 1] if i else None
-            seq.block_keys.append(chain_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.params.cache_salt))
-
-    def advance(self, seq: Sequence, n: int) -> None:
-        """seq's step computed n more tokens; blocks that are now full go into the prefix cache."""
-        seq.num_computed += n
-        if self.cache is None:
-            return
-        full = seq.num_computed // self.pool.block_size
-        if full > seq.num_registered:
-            self._hash_blocks(seq, full)
-            for i in range(seq.num_registered, full):
-                self.cache.insert(seq.block_keys[i], seq.block_table[i])
-            seq.num_registered = full
-
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Grow seq's block table to hold n more tokens; False (and nothing taken) if the pool is short."""
-        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
-        if need > self.pool.num_free:
-            return False
-        if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and requeue it at the front; its tokens so far will be recomputed."""
         self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed = seq.num_registered = 0
+        self.kv.free(seq)
         seq.draft_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def trim(self, seq: Sequence) -> None:
-        """Return the blocks past seq's tokens (reserved for drafts that were rejected): they hold no
-        registered K/V, so nothing in them is lost."""
-        keep = self.pool.blocks_for(len(seq.token_ids))
-        if len(seq.block_table) > keep:
-            self.pool.release(seq.block_table[keep:])
-            del seq.block_table[keep:]
+    # ---- after the model ran -----------------------------------------------------------------------
+    def update(self, step: ScheduledStep, sampled: list[Sampled]) -> int:
+        """Finish `step`: its K/V computed, tokens appended, token stops checked, drafts settled; return
+        the number of tokens appended."""
+        for seq, n in zip(step.seqs, step.num_tokens, strict=True):
+            self.kv.commit(seq, n - len(seq.draft_ids))  # the drafts' K/V counts once accepted
+        now = time.perf_counter()
+        appended = 0
+        for result in sampled:
+            seq = result.seq
+            drafted, seq.draft_ids, seq.draft_probs = bool(seq.draft_ids), [], None
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+                self._release_held(seq)
+            for i, token in enumerate(result.tokens):
+                seq.token_ids.append(token)
+                appended += 1
+                if result.logprobs is not None:
+                    seq.logprobs.append(result.logprobs[i])
+                    seq.cumulative_logprob += result.logprobs[i][token]
+                if (stop := self.stops.check(seq, token)) is not None:
+                    self.finish(seq, *stop)
+                    break
+            if drafted and not seq.finished:
+                # after the append: the cache hashes the tokens of full blocks
+                self.kv.commit(seq, len(result.tokens) - 1)
+                self.kv.trim(seq)
+        return appended
 
-    def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
+    def _release_held(self, first: Sequence) -> None:
+        """first's prompt is in the cache now (or first ended): its held siblings go to the front of the queue."""
+        for sibling in reversed(self.held.pop(first.seq_id, [])):
+            self.waiting.appendleft(sibling)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """End seq wherever it is (running, waiting) and give its blocks back."""
+        """End seq wherever it is (running, waiting, held) and give its blocks back."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        else:
+            for siblings in self.held.values():
+                if seq in siblings:
+                    siblings.remove(seq)
+        self._release_held(seq)
+        self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.timings.finished = time.perf_counter()
 
     def check_integrity(self) -> None:
-        live = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
-        self.pool.check_integrity(live)
-        assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"
+        held = [s for siblings in self.held.values() for s in siblings]
+        self.kv.check_integrity(self.running, [*self.waiting, *held])
+        assert all(s.status is Status.RUNNING for s in self.running), "a sequence in the running list is not running"

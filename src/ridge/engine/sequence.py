@@ -1,4 +1,7 @@
-"""One sequence's state: its tokens, how many of them are in the KV cache, its block table, its text."""
+"""One sequence's state: its tokens, how many of them are in the KV cache, its block table.
+
+The KV manager (kv/manager.py) is the only writer of the KV fields; the scheduler of status and tokens.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import torch
 
 from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
-from ridge.tokenizer import OutputText
 
 
 class Status(Enum):
@@ -51,7 +53,6 @@ class Sequence:
     prompt_len: int
     token_ids: list[int]
     params: SamplingParams
-    text: OutputText | None  # None when the engine does not detokenize (the server does it in its own process)
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
@@ -62,7 +63,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
     num_cached_tokens: int = 0
-    streamed_chars: int = 0  # how much of the text has been handed out as deltas
+    num_reported: int = 0  # output tokens already handed out in a RequestDelta
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -92,15 +93,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    @property
-    def output_text(self) -> str:
-        return self.text.text if self.text is not None else ""
-
-    def stream_delta(self) -> str:
-        """Text not yet handed out; while running, hold back what could still become a stop string."""
-        hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop_strings), default=0)
-        end = max(self.streamed_chars, len(self.output_text) - hold)
-        delta = self.output_text[self.streamed_chars : end]
-        self.streamed_chars = end
-        return delta

@@ -19,17 +19,14 @@ from torch import nn
 from tqdm import tqdm
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.reference import ReferenceBackend
 from ridge.datasets import iter_sharegpt
-from ridge.engine.runner import ModelRunner
-from ridge.engine.scheduler import ScheduledStep
-from ridge.engine.sequence import Sequence
 from ridge.hub import pull_dataset
 from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
 from ridge.quant.awq import clipped_int4, scale_layer
 from ridge.quant.linear import HEAD
 from ridge.quant.rtn import QuantizedWeight, dequantize
-from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
 
 CALIBRATION_WINDOW = 512  # tokens per calibration window
@@ -87,19 +84,20 @@ def _accumulate(hessians: dict[str, torch.Tensor], name: str, x: torch.Tensor) -
         hessians[name] = product
 
 
-def _runner(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
-            device: str) -> tuple[ModelRunner, list[ScheduledStep]]:
-    """A reference-attention runner whose cache holds the longest window, and one prefill step per window
-    (they take turns on the same blocks: each window is a sequence of its own, scored from scratch)."""
-    block_size = 16
-    longest = max(len(w) for w in windows)
-    runner = ModelRunner(model, "reference", (longest + block_size - 1) // block_size, block_size, dtype, device)
-    steps = [ScheduledStep([Sequence(seq_id=-1, request_id="", index=0, prompt_len=len(ids), token_ids=list(ids),
-                                     params=SamplingParams(), text=None,
-                                     block_table=list(range((len(ids) + block_size - 1) // block_size)))],
-                           [len(ids)], num_decodes=0)
-             for ids in windows]
-    return runner, steps
+_SCRATCH_BLOCK = 16
+
+
+def _scratch(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
+             device: str) -> tuple[AttentionBackend, list[tuple[torch.Tensor, AttentionMetadata]]]:
+    """A reference-attention cache that holds the longest window, and each window's tokens and metadata
+    (they take turns on the same blocks: each window is scored from scratch)."""
+    cfg = model.cfg
+    blocks = -(-max(len(w) for w in windows) // _SCRATCH_BLOCK)
+    backend = ReferenceBackend(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, _SCRATCH_BLOCK, dtype, device)
+    table = list(range(blocks))
+    prompts = [(torch.tensor(ids, dtype=torch.long, device=device),
+                AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, device)) for ids in windows]
+    return backend, prompts
 
 
 def input_hessians(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype, device: str,
@@ -136,10 +134,12 @@ def _one_pass(model: DecoderModel, windows: list[list[int]], accumulate: Callabl
              if isinstance(module, nn.Linear) and (only is None or f"layers.{name}" in only)]
     if only is None or HEAD in only:
         hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
-    runner, steps = _runner(model, windows, dtype, device)
+    backend, prompts = _scratch(model, windows, dtype, device)
     try:
-        for step in tqdm(steps, desc="calibrate", unit="window", disable=not progress):
-            runner.execute(step, all_logits=True)
+        for ids, meta in tqdm(prompts, desc="calibrate", unit="window", disable=not progress):
+            backend.prepare(meta)
+            with torch.inference_mode():
+                model(ids, torch.arange(len(ids), device=device), backend, meta)
     finally:
         for hook in hooks:
             hook.remove()
@@ -160,13 +160,13 @@ def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: tor
                        device: str) -> tuple[AttentionBackend, list[LayerInput]]:
     """What the first decoder layer takes for each window, and the attention backend whose cache holds them
     (the windows take turns on its blocks): a layer-by-layer walk's starting point."""
-    runner, steps = _runner(model, windows, dtype, device)
+    backend, prompts = _scratch(model, windows, dtype, device)
     states = []
-    for step in steps:
-        inputs = runner.prepare(step)
-        states.append(LayerInput(model.embed_tokens(inputs.input_ids), None, model.rotary.step(inputs.positions),
-                                 inputs.meta))
-    return runner.backend, states
+    for ids, meta in prompts:
+        backend.prepare(meta)
+        rope = model.rotary.step(torch.arange(len(ids), device=device))
+        states.append(LayerInput(model.embed_tokens(ids), None, rope, meta))
+    return backend, states
 
 
 @torch.inference_mode()

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
 
 Every request is tokenized and checked here, in the event loop, before it reaches the engine core;
-a bad one gets OpenAI's error envelope with a 4xx status and changes nothing. Responses are built
-from the engine's cumulative outputs; streams send the new text of each step as server-sent events.
+a bad one gets OpenAI's error envelope with a 4xx status and changes nothing. A reply is built from
+each request's whole output; a stream sends each step's new text (the output processor's deltas) as
+server-sent events.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ridge.engine.async_engine import (
     ShuttingDown,
 )
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
-from ridge.engine.engine import CompletionOutput, RequestOutput
+from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
 from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, answer_errors_in_the_envelope, document_errors
@@ -115,7 +116,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
         return params
 
     async def run(prompts: list[list[int]], params: SamplingParams, request_id: str,
-                  beams: BeamSearchParams | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  beams: BeamSearchParams | None = None,
+                  kind: OutputKind = OutputKind.FINAL) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
         A beam search yields each prompt's final output only, its params.n best beams as the choices."""
         if beams is not None:
@@ -127,7 +129,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                 yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
             return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
-            async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0")) as outputs:
+            async with contextlib.aclosing(engine.generate(prompts[0], params, f"{request_id}-0", kind)) as outputs:
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
                     yield 0, _unless_aborted(out)
             return
@@ -135,7 +137,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for out in engine.generate(ids, params, f"{request_id}-{i}"):
+                async for out in engine.generate(ids, params, f"{request_id}-{i}", kind):
                     merged.put_nowait((i, out))
             except (Exception, asyncio.CancelledError) as exc:
                 merged.put_nowait(exc)
@@ -182,9 +184,9 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             raise engine_errors(exc) from exc
         return finals  # type: ignore[return-value]
 
-    def usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, Any]:
+    def usage(prompts: list[list[int]], completion: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The usage block: completion tokens counted by the caller (a stream's outputs carry only news)."""
         prompt_tokens = sum(len(p) for p in prompts)
-        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         result = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                   "total_tokens": prompt_tokens + completion,
                   "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
@@ -272,24 +274,27 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
                        for i, o in enumerate(outputs) for c in o.outputs]
             return {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name,
-                    "choices": choices, "usage": usage(ids_list, outputs)}
+                    "choices": choices, "usage": usage(ids_list, _num_tokens(outputs), outputs)}
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "text_completion", "created": created, "model": config.model_name}
-            streams = _StreamState(params)
+            sent: dict[tuple[int, int], int] = {}  # (prompt, choice) -> characters sent: the logprobs' text offset
             finals: dict[int, RequestOutput] = {}
-            async for i, out in _guard(run(ids_list, params, request_id, beams)):
+            completion = 0
+            async for i, out in _guard(run(ids_list, params, request_id, beams, OutputKind.DELTA)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
                 finals[i] = out
+                completion += _num_tokens([out])
                 for c in out.outputs:
-                    update = streams.advance(i, c, echoes[i])
-                    if update is not None:
-                        text, new_ids, new_lps, offset = update
-                        yield sse({**head, "choices": [choice(i, c, text, new_ids, new_lps, offset)]})
+                    offset = sent.get((i, c.index))
+                    text = c.text if offset is not None else echoes[i] + c.text  # the echo opens a choice
+                    offset = offset or 0
+                    sent[(i, c.index)] = offset + len(text)
+                    yield sse({**head, "choices": [choice(i, c, text, c.token_ids, c.logprobs, offset)]})
             if req.include_usage and len(finals) == len(ids_list):
-                yield sse({**head, "choices": [], "usage": usage(ids_list, list(finals.values()))})
+                yield sse({**head, "choices": [], "usage": usage(ids_list, completion, list(finals.values()))})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -317,7 +322,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason} for c in output.outputs]
             return {"id": request_id, "object": "chat.completion", "created": created, "model": config.model_name,
-                    "choices": choices, "usage": usage([ids], [output])}
+                    "choices": choices, "usage": usage([ids], _num_tokens(outputs), outputs)}
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -325,23 +330,21 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
             for index in range(params.n):  # OpenAI opens every choice with the role
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-            streams = _StreamState(params)
             final: RequestOutput | None = None
-            async for _, out in _guard(run([ids], params, request_id, beams)):
+            completion = 0
+            async for _, out in _guard(run([ids], params, request_id, beams, OutputKind.DELTA)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
                 final = out
+                completion += _num_tokens([out])
                 for c in out.outputs:
-                    update = streams.advance(0, c, "")
-                    if update is not None:
-                        text, new_ids, new_lps, _ = update
-                        delta = {"content": text} if text or not c.finish_reason else {}
-                        yield sse({**head, "choices": [{
-                            "index": c.index, "delta": delta, "logprobs": logprobs(new_ids, new_lps),
-                            "finish_reason": c.finish_reason}]})
+                    delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                    yield sse({**head, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason}]})
             if req.include_usage and final is not None:
-                yield sse({**head, "choices": [], "usage": usage([ids], [final])})
+                yield sse({**head, "choices": [], "usage": usage([ids], completion, [final])})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -375,28 +378,8 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-class _StreamState:
-    """Per choice: how much text and how many tokens were sent; text that may yet become a stop string
-    (a stop string's first characters) is held back until the choice finishes."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        self.hold = max((len(s) - 1 for s in params.stop_strings), default=0)
-        self.sent: dict[tuple[int, int], tuple[int, int, bool]] = {}  # (prompt, choice) -> (chars, tokens, done)
-
-    def advance(self, prompt: int, c: CompletionOutput, prefix: str):
-        """(new text, new token ids, their logprobs, text offset) to send for choice c, or None."""
-        chars, tokens, done = self.sent.get((prompt, c.index), (0, 0, False))
-        if done:
-            return None
-        finished = c.finish_reason is not None
-        text = prefix + c.text
-        end = len(text) if finished else max(chars, len(text) - self.hold)
-        new_text, new_ids = text[chars:end], c.token_ids[tokens:]
-        if not new_text and not new_ids and not finished:
-            return None
-        self.sent[(prompt, c.index)] = (end, len(c.token_ids), finished)
-        new_lps = c.logprobs[tokens:] if c.logprobs is not None else None
-        return new_text, new_ids, new_lps, chars
+def _num_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

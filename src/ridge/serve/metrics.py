@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ridge.engine.engine import RequestOutput
 from ridge.engine.engine_core import StepReport
+from ridge.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -58,10 +58,11 @@ class EngineMetrics:
         self._model = model_name
         self._queries = self._hits = 0
         self._spec = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
-        self._last_token: dict[tuple[str, int], tuple[int, float]] = {}  # (request, sample) -> (tokens, time)
+        self._last_token: dict[tuple[str, int], float] = {}  # (request, sample) -> when its last token came
 
-    def observe_step(self, report: StepReport, outputs: list[RequestOutput]) -> None:
-        """Called with every step's report from the engine core and the request outputs it produced."""
+    def observe_step(self, report: StepReport, finished: list[RequestOutput]) -> None:
+        """Called with every step's report from the engine core and the whole outputs of the requests that
+        finished with it (stop strings, found in the server's process, included)."""
         m = self._model
         now = report.time
         self.running.labels(m).set(report.num_running)
@@ -87,24 +88,25 @@ class EngineMetrics:
         self._hits += stats.prefix_cache_hits
         if self._queries:
             self.cache_hit_rate.labels(m).set(self._hits / self._queries)
-        for out in outputs:
-            for c in out.outputs:
-                key = (out.request_id, c.index)
-                seen, last = self._last_token.get(key, (0, None))
-                if len(c.token_ids) > seen:
+        for delta in report.requests:  # token arrival, as the engine produced them
+            for sample in delta.samples:
+                key = (delta.request_id, sample.index)
+                if sample.token_ids:
+                    last = self._last_token.get(key)
                     if last is None:
-                        if out.metrics.get("ttft_s") is not None and c.index == 0:
-                            self.ttft.labels(m).observe(out.metrics["ttft_s"])
+                        if delta.metrics.get("ttft_s") is not None and sample.index == 0:
+                            self.ttft.labels(m).observe(delta.metrics["ttft_s"])
                     else:
-                        self.itl.labels(m).observe((now - last) / (len(c.token_ids) - seen))
-                    self._last_token[key] = (len(c.token_ids), now)
-            if out.finished:
-                self._finished(out)
+                        self.itl.labels(m).observe((now - last) / len(sample.token_ids))
+                    self._last_token[key] = now
+                if delta.finished:
+                    self._last_token.pop(key, None)
+        for out in finished:
+            self._finished(out)
 
     def _finished(self, out: RequestOutput) -> None:
         m = self._model
         for c in out.outputs:
-            self._last_token.pop((out.request_id, c.index), None)
             self.success.labels(m, c.finish_reason or "abort").inc()
         for name, histogram in (("e2e_s", self.e2e), ("queue_s", self.queue)):
             if out.metrics.get(name) is not None:
