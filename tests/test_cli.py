@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 RIDGE = [sys.executable, "-m", "ridge.cli"]
 
 
@@ -70,3 +72,25 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path):
     assert len(base) == len(int4) == 2
     per_round = [i[1] / b[1] for i, b in zip(int4, base, strict=True)]
     assert abs(rows["int4+a8"]["batch_vs_baseline"] - sum(per_round) / 2) < 1e-9
+
+
+def test_engine_flags_are_the_config_fields():
+    """Each EngineConfig knob is a flag, with the field's default, and the flags build the same config."""
+    import argparse
+    import dataclasses
+
+    from ridge.config import EngineConfig
+    from ridge.flags import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    knobs = [f.name for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+    assert len(knobs) > 20 and set(engine_kwargs(parser.parse_args([]))) == set(knobs)
+    assert EngineConfig(model="m", **engine_kwargs(parser.parse_args([]))) == EngineConfig(model="m")
+    args = parser.parse_args(["--threads", "3", "--no-enable-prefix-caching", "--quantization", "int4",
+                              "--draft-model", "d", "--kv-cache-memory", "64MiB"])
+    config = EngineConfig(model="m", **engine_kwargs(args))
+    assert (config.num_threads, config.enable_prefix_caching, config.quantization) == (3, False, "int4")
+    assert config.speculate == "draft" and config.kv_cache_bytes == 64 * 2**20
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 8

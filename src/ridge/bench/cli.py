@@ -157,7 +157,7 @@ def ridge_throughput(args: argparse.Namespace, requests: list[workloads.Request]
 # ---- commands -------------------------------------------------------------------------------------------
 def _peer_job(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> dict[str, Any]:
     return {"mode": mode, "gguf": str(gguf), "dtype": dtype, "requests": requests, "repeats": args.repeats,
-            "batch_size": args.hf_batch_size, "threads": args.threads}
+            "batch_size": args.hf_batch_size, "threads": args.num_threads}
 
 
 def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> list[EngineResult]:

@@ -48,6 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
