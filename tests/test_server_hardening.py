@@ -358,7 +358,7 @@ def test_a_step_error_in_the_offline_api_leaves_no_request_behind(make_llm_for_t
 def test_a_streamed_event_stays_on_one_line_whatever_its_text():
     """Tokens can decode to U+0085 or U+2028, which JSON leaves raw and str.splitlines() (httpx's
     aiter_lines) splits on: found by `ridge bench soak` as a stream cut mid-event."""
-    from ridge.serve.app import sse
+    from ridge.serve.routes import sse
 
     text = "a\x85b\u2028c\u2029d\x0be\x0cf\x1cg\x1dh\x1ei\nj\rk é😀"
     event = sse({"choices": [{"text": text}]})

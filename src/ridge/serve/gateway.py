@@ -1,0 +1,225 @@
+"""Taking an API request through the engine: admission (every limit checked before anything is queued),
+running its prompts, collecting or streaming their outputs, and the engine's errors as API errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from ridge.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    EngineRestarting,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+)
+from ridge.engine.beam_search import BeamSearchParams, beam_search_async
+from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.engine.speculative import SpeculationStats
+from ridge.sampling_params import SamplingParams
+from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
+
+T = TypeVar("T")
+ENGINE_ERRORS = (QueueFull, ShuttingDown, EngineDead, RequestFailed, ValueError)
+
+
+@dataclass
+class ServerConfig:
+    """What the server admits. Each limit is checked before the engine sees a request; a request over
+    one gets a 400 (429 for the server-wide queue) naming the field and the limit."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    max_n: int = 128  # samples per request (OpenAI's limit)
+    max_request_tokens: int = 2**18  # a request's work: prompt tokens + n x max_tokens, over all its prompts
+    metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
+
+
+class Gateway:
+    """The routes' way into the engine, under the server's limits."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{self.config.model_name}`.",
+                               "model", 404, "NotFoundError")
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode_chat(plain_messages(messages), add_generation_prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+
+    def admit(self, prompts: list[list[int]], fields: SamplingFields, requested: int | None,
+              logprobs: int | None, what: str) -> SamplingParams:
+        """Check every prompt and the sampling fields; return the params. Raises before queuing anything."""
+        if isinstance(fields.n, int) and fields.n > self.config.max_n:
+            raise RequestError(f"n: {fields.n} samples asked for; the limit is {self.config.max_n} (--max-n)", "n")
+        longest, max_model_len = max(len(p) for p in prompts), self.engine.max_model_len
+        if requested is not None and longest + requested > max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{longest + requested} tokens ({longest} in the {what}, {requested} for the completion). "
+                "Please reduce the length of the prompt or completion.", what)
+        max_tokens = requested if requested is not None else max(1, max_model_len - longest)
+        params = fields.sampling_params(max_tokens, logprobs)
+        for ids in prompts:
+            try:
+                self.engine.validate(ids, params)
+            except ValueError as exc:
+                message = str(exc)
+                raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
+        work = sum(len(p) for p in prompts) + len(prompts) * params.n * max_tokens
+        if work > self.config.max_request_tokens:
+            raise RequestError(
+                f"max_tokens: this request's work is {work} tokens (prompt + n x max_tokens = "
+                f"{sum(len(p) for p in prompts)} + {len(prompts) * params.n} x {max_tokens}); the limit is "
+                f"{self.config.max_request_tokens} (--max-request-tokens). Lower n or max_tokens.", "max_tokens")
+        try:  # here, not only in generate(): a stream's status line goes out before generate() runs
+            self.engine.check_admission(len(prompts) * params.n, work)
+        except (QueueFull, ShuttingDown, EngineDead) as exc:
+            raise engine_errors(exc) from exc
+        return params
+
+    async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                  beams: BeamSearchParams | None = None,
+                  kind: OutputKind = OutputKind.FINAL) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
+        A beam search yields each prompt's final output only, its params.n best beams as the choices."""
+        if beams is not None:
+            results = await beam_search_async(self.engine, prompts, beams, request_id)
+            for i, result in enumerate(results):
+                choices = [CompletionOutput(j, h.text, h.token_ids, "stop" if h.finished else "length",
+                                            cumulative_logprob=h.cumulative_logprob)
+                           for j, h in enumerate(result.sequences[:params.n])]
+                yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
+            return
+        if len(prompts) == 1:  # the common case, without a task and a queue in between
+            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
+                    yield 0, _unless_aborted(out)
+            return
+        merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind):
+                    merged.put_nowait((i, out))
+            except (Exception, asyncio.CancelledError) as exc:
+                merged.put_nowait(exc)
+                return
+            merged.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item[0], _unless_aborted(item[1])
+        finally:
+            for task in tasks:  # a disconnect or an error: cancelling a pump aborts its request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                      beams: BeamSearchParams | None = None) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in self.run(prompts, params, request_id, beams):
+                finals[i] = out
+        except ENGINE_ERRORS as exc:
+            raise engine_errors(exc) from exc
+        return finals  # type: ignore[return-value]
+
+    @staticmethod
+    def usage(prompts: list[list[int]], completion: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The usage block: completion tokens counted by the caller (a stream's outputs carry only news)."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        result = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion,
+                  "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+        drafts = sum(o.metrics.get("spec_drafts") or 0 for o in outputs)
+        if drafts:  # speculative decoding ran for this request: what the drafter achieved on it
+            spec = SpeculationStats(drafts, sum(o.metrics["spec_draft_tokens"] for o in outputs),
+                                    sum(o.metrics["spec_accepted_tokens"] for o in outputs))
+            result["spec_decode"] = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                                     "num_accepted_tokens": spec.num_accepted_tokens,
+                                     "acceptance_rate": spec.acceptance_rate,
+                                     "mean_accepted_length": spec.mean_accepted_length}
+        return result
+
+
+def engine_errors(exc: Exception) -> RequestError:
+    """The API error for one of the engine's (anything else is raised again)."""
+    if isinstance(exc, QueueFull):
+        return RequestError(str(exc), None, 429, "RateLimitError")
+    if isinstance(exc, EngineRestarting):
+        return RequestError(str(exc), None, 503, "ServiceUnavailableError",
+                            {"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, ShuttingDown | EngineDead):
+        return RequestError(str(exc), None, 503, "ServiceUnavailableError")
+    if isinstance(exc, RequestFailed):
+        return RequestError(str(exc), None, 500, "InternalServerError")
+    if isinstance(exc, ValueError):
+        return RequestError(str(exc), str(exc).split(":")[0])
+    raise exc
+
+
+async def guard(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
+    """A stream's engine-side failure becomes an error event: its HTTP status has already been sent."""
+    try:
+        async for item in outputs:
+            yield item
+    except ENGINE_ERRORS as exc:
+        yield -1, engine_errors(exc)
+
+
+def _unless_aborted(out: RequestOutput) -> RequestOutput:
+    """A request the server itself aborted (its client is still there: the server is shutting down) ends
+    with an error, never as a reply cut short."""
+    if any(c.finish_reason == "abort" for c in out.outputs):
+        raise ShuttingDown("the server is shutting down; this request was stopped before it finished")
+    return out
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client disconnects first: then `work` is cancelled, which aborts its
+    requests in the engine. Streams notice a disconnect by themselves; a plain response would not."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible routes: completions, chat completions, tokenize / detokenize, models, health,
+version and Prometheus metrics. Replies are built from each request's whole output; a stream sends
+each step's new text (the output processor's deltas) as server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import ridge
+from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.serve.gateway import Gateway, guard, until_disconnected
+from ridge.serve.metrics import EngineMetrics
+from ridge.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+)
+from ridge.tokenizer import RidgeTokenizer
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer; nobody reads it
+
+
+class Routes:
+    """The endpoints, as methods: build_app registers each at its path."""
+
+    def __init__(self, gateway: Gateway, metrics: EngineMetrics) -> None:
+        self.gateway = gateway
+        self.engine, self.config, self.tokenizer = gateway.engine, gateway.config, gateway.tokenizer
+        self.metrics = metrics
+
+    async def health(self) -> Response:
+        """200 while the engine serves; 503 with its state (starting, restarting, stuck, dead) otherwise."""
+        health = self.engine.health()
+        if health.status == "ok":
+            return JSONResponse({"status": "ok"})
+        headers = {"Retry-After": str(health.retry_after_s)} if health.retry_after_s is not None else None
+        return JSONResponse({"status": health.status, "message": health.message}, status_code=503, headers=headers)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": ridge.__version__}
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
+                                            "created": int(time.time()), "owned_by": "ridge",
+                                            "max_model_len": self.engine.max_model_len}]}
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.gateway.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, str]:
+        self.gateway.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"tokens: token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                               "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        self.gateway.check_model(req.model)
+        prompts = _prompt_list(req.prompt)
+        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        params = self.gateway.admit(ids_list, req, req.max_tokens, req.logprobs, "prompt")
+        beams = req.beam_search_params(params)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+
+        def choice(i: int, c: CompletionOutput, text: str, new_ids: list[int], new_logprobs, offset: int):
+            return {"index": i * params.n + c.index, "text": text,
+                    "logprobs": _completion_logprobs(self.tokenizer, new_ids, new_logprobs, offset)
+                    if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+
+        if not req.stream:
+            outputs = await until_disconnected(request, self.gateway.collect(ids_list, params, request_id, beams))
+            if outputs is None:
+                return Response(status_code=CLIENT_CLOSED)
+            choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
+                       for i, o in enumerate(outputs) for c in o.outputs]
+            return {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name,
+                    "choices": choices, "usage": self.gateway.usage(ids_list, _num_tokens(outputs), outputs)}
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name}
+            sent: dict[tuple[int, int], int] = {}  # (prompt, choice) -> characters sent: the logprobs' text offset
+            finals: dict[int, RequestOutput] = {}
+            completion = 0
+            async for i, out in guard(self.gateway.run(ids_list, params, request_id, beams, OutputKind.DELTA)):
+                if isinstance(out, RequestError):
+                    yield sse(out.body())
+                    break
+                finals[i] = out
+                completion += _num_tokens([out])
+                for c in out.outputs:
+                    offset = sent.get((i, c.index))
+                    text = c.text if offset is not None else echoes[i] + c.text  # the echo opens a choice
+                    offset = offset or 0
+                    sent[(i, c.index)] = offset + len(text)
+                    yield sse({**head, "choices": [choice(i, c, text, c.token_ids, c.logprobs, offset)]})
+            if req.include_usage and len(finals) == len(ids_list):
+                usage = self.gateway.usage(ids_list, completion, list(finals.values()))
+                yield sse({**head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
+        self.gateway.check_model(req.model)
+        top = req.logprobs_asked()
+        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt)
+        params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
+        beams = req.beam_search_params(params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def logprobs(new_ids: list[int], new_lps) -> dict[str, Any] | None:
+            return _chat_logprobs(self.tokenizer, new_ids, new_lps, top) if top is not None else None
+
+        if not req.stream:
+            outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams))
+            if outputs is None:
+                return Response(status_code=CLIENT_CLOSED)
+            (output,) = outputs
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason} for c in output.outputs]
+            return {"id": request_id, "object": "chat.completion", "created": created, "model": self.config.model_name,
+                    "choices": choices, "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.config.model_name}
+            for index in range(params.n):  # OpenAI opens every choice with the role
+                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            final: RequestOutput | None = None
+            completion = 0
+            async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
+                if isinstance(out, RequestError):
+                    yield sse(out.body())
+                    break
+                final = out
+                completion += _num_tokens([out])
+                for c in out.outputs:
+                    delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                    yield sse({**head, "choices": [{
+                        "index": c.index, "delta": delta, "logprobs": logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason}]})
+            if req.include_usage and final is not None:
+                yield sse({**head, "choices": [], "usage": self.gateway.usage([ids], completion, [final])})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# Characters that JSON leaves raw but that str.splitlines() -- and so clients that split an event stream
+# with it, httpx's aiter_lines among them -- takes for line ends: escaped, an event stays on one line.
+_LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event, on one line whatever the text holds."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
+def _num_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise RequestError("prompt: must not be empty", "prompt")
+    return prompts
+
+
+def _completion_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
+                         offset: int) -> dict[str, Any]:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens = [tokenizer.token_text(t) for t in ids]
+    entries = logprobs or [{} for _ in ids]
+    offsets, position = [], offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.get(t) for t, e in zip(ids, entries, strict=True)],
+            "top_logprobs": [{tokenizer.token_text(k): v for k, v in e.items()} for e in entries],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
+                   top: int) -> dict[str, Any]:
+    def item(token_id: int, value: float) -> dict[str, Any]:
+        text = tokenizer.token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(ids, logprobs or [{} for _ in ids], strict=True):
+        alternatives = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**item(token_id, entry.get(token_id, float("nan"))),
+                        "top_logprobs": [item(k, v) for k, v in alternatives]})
+    return {"content": content}
+
+
