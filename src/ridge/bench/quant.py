@@ -129,18 +129,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
         peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
     base = next((r for r in results if r.name == args.baseline and not r.error), None)
     theirs = peer.figures["decode_tok_s"] if peer is not None and not peer.error else None
-    rows = []
-    for r in results:
-        row = {**asdict(r), "figures": r.figures}
-        if not r.error:
-            row["weight_gb_s"] = r.weight_bytes * r.decode_tok_s / 1e9
-            row["read_fraction"] = row["weight_gb_s"] / roof.read_gb_s
-            if base:
-                row["decode_vs_baseline"] = _ratio(r, base, 0)
-                row["batch_vs_baseline"] = _ratio(r, base, 1)
-            if theirs and r.name.startswith("gguf"):  # the same file's blocks as llama.cpp runs them
-                row["decode_vs_llamacpp"] = r.decode_tok_s / theirs
-        rows.append(row)
+    rows = [_row(r, base, theirs, roof.read_gb_s) for r in results]
     report = {"benchmark": "quant", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
               "batch": args.batch, "baseline": args.baseline, "machine": {"read_gb_s": roof.read_gb_s}, "formats": rows,
               "llamacpp": None if peer is None else asdict(peer)}
@@ -149,23 +138,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    rounds = f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"\nweight formats: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens; batch 1 "
-          f"(median of {args.repeats}) and batch {args.batch}{rounds}; read bandwidth {roof.read_gb_s:.1f} GB/s")
-    versus = f"vs {args.baseline}"
-    width = max(9, *(len(row["name"]) for row in rows))
-    print(f"{'format':{width}s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
-          f"{'batch tok/s':>12s} {versus:>11s}  weights")
-    def ratio(row: dict, key: str) -> str:  # "-" without a baseline row to compare with
-        return f"{row[key]:10.2f}x" if key in row else f"{'-':>11s}"
-
-    for row in rows:
-        if row["error"]:
-            print(f"{row['name']:{width}s} {'-':>8s}  {row['error']}")
-            continue
-        print(f"{row['name']:{width}s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
-              f"{ratio(row, 'decode_vs_baseline')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
-              f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_baseline')}  {row['weights']}")
+    _print_table(args, rows, len(ids), roof.read_gb_s)
     if peer is not None:
         if peer.error:
             print(f"llama.cpp: {peer.error}")
@@ -176,6 +149,41 @@ def cmd_quant(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _row(r: FormatResult, base: FormatResult | None, llamacpp_tok_s: float | None, read_gb_s: float) -> dict:
+    """One format's figures, with its bandwidth, its fraction of the machine's and its ratios."""
+    row = {**asdict(r), "figures": r.figures}
+    if not r.error:
+        row["weight_gb_s"] = r.weight_bytes * r.decode_tok_s / 1e9
+        row["read_fraction"] = row["weight_gb_s"] / read_gb_s
+        if base:
+            row["decode_vs_baseline"] = _ratio(r, base, 0)
+            row["batch_vs_baseline"] = _ratio(r, base, 1)
+        if llamacpp_tok_s and r.name.startswith("gguf"):  # the same file's blocks as llama.cpp runs them
+            row["decode_vs_llamacpp"] = r.decode_tok_s / llamacpp_tok_s
+    return row
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict], prompt_tokens: int, read_gb_s: float) -> None:
+    rounds = f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"\nweight formats: {args.model}, {prompt_tokens}-token prompt, {args.output_len} new tokens; batch 1 "
+          f"(median of {args.repeats}) and batch {args.batch}{rounds}; read bandwidth {read_gb_s:.1f} GB/s")
+    versus = f"vs {args.baseline}"
+    width = max(9, *(len(row["name"]) for row in rows))
+    print(f"{'format':{width}s} {'MB/step':>8s} {'decode tok/s':>13s} {versus:>11s} {'GB/s':>6s} {'of bw':>6s} "
+          f"{'batch tok/s':>12s} {versus:>11s}  weights")
+
+    def ratio(row: dict, key: str) -> str:  # "-" without a baseline row to compare with
+        return f"{row[key]:10.2f}x" if key in row else f"{'-':>11s}"
+
+    for row in rows:
+        if row["error"]:
+            print(f"{row['name']:{width}s} {'-':>8s}  {row['error']}")
+            continue
+        print(f"{row['name']:{width}s} {row['weight_bytes'] / 1e6:8.0f} {row['decode_tok_s']:13.1f} "
+              f"{ratio(row, 'decode_vs_baseline')} {row['weight_gb_s']:6.1f} {100 * row['read_fraction']:5.0f}% "
+              f"{row['batch_tok_s']:12.1f} {ratio(row, 'batch_vs_baseline')}  {row['weights']}")
 
 
 def _plot(results: list[FormatResult], path: str, model: str, llamacpp_tok_s: float | None) -> None:

@@ -165,16 +165,21 @@ async def soak(base_url: str, pid: int | None, vocab: int, args: argparse.Namesp
         report.kv_usage_end = usage
     bar.close()
     report.duration_s = time.perf_counter() - start
+    _summarize(report, greedy)
+    return report
+
+
+def _summarize(report: SoakReport, greedy: dict[tuple[int, int], set[str]]) -> None:
+    """Memory at the start and the end (medians of the first and last tenth of the samples), and how many
+    greedy prompts asked more than once came back with more than one text."""
     rss = [s.rss_mib for s in report.samples]
     tenth = max(1, len(rss) // 10)
     report.rss_start_mib, report.rss_end_mib = statistics.median(rss[:tenth]), statistics.median(rss[-tenth:])
     server = [s.server_rss_mib for s in report.samples]
     report.server_rss_start_mib = statistics.median(server[:tenth])
     report.server_rss_end_mib = statistics.median(server[-tenth:])
-    repeated = [texts for texts in greedy.values()]
-    report.greedy_prompts_repeated = len(repeated)
-    report.greedy_prompts_diverged = sum(len(texts) > 1 for texts in repeated)
-    return report
+    report.greedy_prompts_repeated = len(greedy)
+    report.greedy_prompts_diverged = sum(len(texts) > 1 for texts in greedy.values())
 
 
 def plot(report: SoakReport, path: str, title: str) -> None:

@@ -146,26 +146,31 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
     matmul_s = step_s * share
     breakdown = StepBreakdown(step_s, matmul_s, weights / matmul_s / 1e9 if matmul_s else 0.0, step_s - matmul_s)
     predicted = phases[1].bound_seconds
-    decode = phases[1]
-    if decode.wall == "overhead":
-        binding = "overhead"
-        advice = (f"batch-1 decode runs {step_s / predicted:.1f}x its bandwidth bound ({predicted * 1e3:.1f} ms): "
-                  f"the matmuls take {matmul_s * 1e3:.1f} ms ({matmul_s / predicted:.1f}x the bound: kernels that "
-                  f"stream below the measured bandwidth) and {breakdown.other_seconds * 1e3:.1f} ms goes outside "
-                  "them (attention, small ops, Python). Fuse the small ops, batch more sequences (batch "
-                  f"{batch} reached {phases[2].bandwidth_fraction:.0%} of the bandwidth); shrinking the weights "
-                  "(--quantization) only cuts the matmul share")
-    else:
-        binding = decode.wall
-        advice = ("decode is at the bandwidth wall: move fewer bytes (weight quantization: --quantization int4 "
-                  "or gguf; a smaller KV dtype at long context), or batch more sequences per weight read"
-                  if binding == "bandwidth" else "decode is compute-bound: fewer FLOPs (smaller batch per replica, "
-                  "lower-precision matmuls)")
+    binding, advice = _diagnose(phases[1], breakdown, phases[2], batch)
     notes = [f"decode step bytes: {weights / 1e6:,.0f} MB of weights as held ({llm.engine.loaded.weight_format}) "
              f"+ KV; FLOPs from the model's shape ({spec.source})",
              "CPU: the matmul FLOP/s ceiling is torch's own large matmul, not a datasheet peak"]
     return DoctorReport(model, llm.engine.loaded.weight_format, hw, dtype_name, phases, predicted, step_s,
                         breakdown, binding, advice, notes)
+
+
+def _diagnose(decode: PhaseMeasurement, breakdown: StepBreakdown, batched: PhaseMeasurement,
+              batch: int) -> tuple[str, str]:
+    """The wall that binds batch-1 decode, and what to do about it."""
+    predicted, step_s, matmul_s = decode.bound_seconds, breakdown.step_seconds, breakdown.matmul_seconds
+    if decode.wall == "overhead":
+        return "overhead", (
+            f"batch-1 decode runs {step_s / predicted:.1f}x its bandwidth bound ({predicted * 1e3:.1f} ms): "
+            f"the matmuls take {matmul_s * 1e3:.1f} ms ({matmul_s / predicted:.1f}x the bound: kernels that "
+            f"stream below the measured bandwidth) and {breakdown.other_seconds * 1e3:.1f} ms goes outside "
+            "them (attention, small ops, Python). Fuse the small ops, batch more sequences (batch "
+            f"{batch} reached {batched.bandwidth_fraction:.0%} of the bandwidth); shrinking the weights "
+            "(--quantization) only cuts the matmul share")
+    if decode.wall == "bandwidth":
+        return "bandwidth", ("decode is at the bandwidth wall: move fewer bytes (weight quantization: --quantization "
+                             "int4 or gguf; a smaller KV dtype at long context), or batch more sequences per weight "
+                             "read")
+    return decode.wall, "decode is compute-bound: fewer FLOPs (smaller batch per replica, lower-precision matmuls)"
 
 
 def render(report: DoctorReport) -> str:

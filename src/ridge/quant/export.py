@@ -113,6 +113,21 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
 
     layout = "fp8" if fp8 else METHODS[method][0]
     pack = {"gptq": checkpoint.pack_gptq, "awq": checkpoint.pack_awq, "fp8": checkpoint.pack_fp8}[layout]
+    tensors, layers = _checkpoint_tensors(model, cfg, quantize, pack, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = _hf_config(model_path, cfg, tokenizer)
+    config["quantization_config"] = checkpoint.quantization_config(layout, bits, group_size, method == "gptq")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_tokenizer(model_path, tokenizer, out)
+    return QuantizeReport(out, method, layout, bits, group_size, layers, (out / "model.safetensors").stat().st_size,
+                          time.perf_counter() - start)
+
+
+def _checkpoint_tensors(model: DecoderModel, cfg: ModelConfig, quantize, pack,
+                        progress: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """The checkpoint's tensors: quantized weights in the layout's packed parts, the rest in float16; and the
+    number of quantized layers."""
     tensors: dict[str, torch.Tensor] = {}
     layers = 0
     for name, value in tqdm(list(_hf_tensors(model, cfg, quantize)), desc="write", unit="tensor",
@@ -123,14 +138,7 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
             layers += 1
         else:
             tensors[name] = value.to(torch.float16).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = _hf_config(model_path, cfg, tokenizer)
-    config["quantization_config"] = checkpoint.quantization_config(layout, bits, group_size, method == "gptq")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(model_path, tokenizer, out)
-    return QuantizeReport(out, method, layout, bits, group_size, layers, (out / "model.safetensors").stat().st_size,
-                          time.perf_counter() - start)
+    return tensors, layers
 
 
 def _hf_tensors(model: DecoderModel, cfg: ModelConfig,

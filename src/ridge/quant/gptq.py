@@ -62,20 +62,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             raise ValueError("group_size: int4 needs one (32, 64 or 128)")
         check_group_size(k, group_size)
     scales, zeros, round_codes = _grid(w, bits, group_size, integer_zeros, fp8)  # act-order's static grids
-    h = hessian.detach().double().clone()
-    if h.shape != (k, k):
-        raise ValueError(f"hessian: shape {tuple(h.shape)} does not match the weight's {k} input columns")
-    dead = h.diagonal() == 0  # inputs that never fired: nothing to preserve, the column is free
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
-    h = h[order][:, order]
-    if damp is None:
-        damp = FP8_DAMP if fp8 else DAMP
-    if not damp >= 0:
-        raise ValueError(f"damp: must be a fraction >= 0 of the Hessian's mean diagonal, got {damp}")
-    h.diagonal().add_(damp * h.diagonal().mean())  # also keeps the factorization well conditioned
-    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    upper, order = _inverse_factor(hessian, w, act_order, FP8_DAMP if fp8 else DAMP if damp is None else damp)
     group_of = order // group_size if group_size else torch.zeros(k, dtype=torch.long)
     w = w[:, order]
     codes = torch.empty(n, k)
@@ -105,6 +92,25 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     if bits == 8:
         return QuantizedWeight(codes.to(torch.int8), scales, None, 8, None)
     return QuantizedWeight(codes.to(torch.uint8), scales, -zeros * scales, 4, group_size)
+
+
+def _inverse_factor(hessian: torch.Tensor, w: torch.Tensor, act_order: bool,
+                    damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The upper Cholesky factor of the damped inverse Hessian, in the column order GPTQ visits (largest
+    diagonal first under act_order), and that order. Columns whose input never fired are zeroed in w."""
+    k = w.shape[1]
+    h = hessian.detach().double().clone()
+    if h.shape != (k, k):
+        raise ValueError(f"hessian: shape {tuple(h.shape)} does not match the weight's {k} input columns")
+    dead = h.diagonal() == 0  # inputs that never fired: nothing to preserve, the column is free
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(k)
+    h = h[order][:, order]
+    if not damp >= 0:
+        raise ValueError(f"damp: must be a fraction >= 0 of the Hessian's mean diagonal, got {damp}")
+    h.diagonal().add_(damp * h.diagonal().mean())  # also keeps the factorization well conditioned
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float(), order
 
 
 def _grid(w: torch.Tensor, bits: int, group_size: int | None, integer_zeros: bool,
