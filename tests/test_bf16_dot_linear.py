@@ -12,21 +12,22 @@ from gguf import GGMLQuantizationType
 from test_gguf_native import random_blocks
 from torch import nn
 
-from ridge.kernels import cpu_ops, onednn_linear
+from ridge.kernels import cpu_ops
+from ridge.linear import LinearTarget, QuantizedEmbedding, make_linear
+from ridge.linear.dense import prompt_scratch
+from ridge.linear.layouts import pack_vnni
+from ridge.linear.rows import BF16_DOT_TILED_MIN_ROWS
+from ridge.linear.select import share_prompt_scratch
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import (
-    BF16_DOT_TILED_MIN_ROWS,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    pack_vnni,
-    share_prompt_scratch,
-    use_int8_activations,
-)
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
 PANEL_MIN_ROWS = 8  # bf16_dot_linear.cpp's kPanelMinRows: 8-bit codes converted once to bf16 from this many rows
 SEVEN_BIT_PANEL_MIN_ROWS = 24  # its kSevenBitPanelMinRows: 7-bit codes too from this many
+def QuantizedLinear(weight, bias, dtype, ops, **options) -> nn.Module:  # noqa: N802 - the layer make_linear picks
+    return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))
+
+
 needs_bf16_dot = pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16: the kernel is not built here")
 
 
@@ -192,13 +193,15 @@ def test_a_tied_table_is_looked_up_from_the_heads_layout(ops):
 
 
 @needs_bf16_dot
-def test_int8_activations_take_over_the_same_layout(ops):
-    """use_int8_activations moves a bf16_dot layer onto the integer kernel without repacking: same bytes."""
-    layer = QuantizedLinear(quantize_int4(torch.randn(64, 128), 32), None, torch.bfloat16, ops)
-    packed, x = layer.qweight, torch.randn(3, 128).bfloat16()
-    exact = layer(x)
-    assert use_int8_activations(layer) == 1 and layer.kernel == "vnni" and layer.qweight is packed
-    assert not torch.equal(layer(x), exact)  # the integer arithmetic really runs
+def test_int8_activations_read_the_same_layout(ops):
+    """A weight's layer with int8 activations holds the very bytes its bf16_dot layer holds: one layout, two
+    kernels."""
+    qw = quantize_int4(torch.randn(64, 128), 32)
+    exact = QuantizedLinear(qw, None, torch.bfloat16, ops)
+    integer = QuantizedLinear(qw, None, torch.bfloat16, ops, int8_activations=True)
+    assert (exact.kernel, integer.kernel) == ("bf16_dot", "vnni") and torch.equal(integer.qweight, exact.qweight)
+    x = torch.randn(3, 128).bfloat16()
+    assert not torch.equal(integer(x), exact(x))  # the integer arithmetic really runs
 
 
 @needs_bf16_dot
@@ -283,7 +286,7 @@ def test_prompt_scratch_holds_the_weight_as_onednn_packs_it(ops, n, k, group, mi
     """vnni_dequantize_onednn_ writes the plain tiles' bf16 weight into the scratch byte for byte as oneDNN's own
     packing of that weight lays it out (the scratch's earlier contents, the probe's, overwritten)."""
     vnni = random_vnni(ops, n, k, group, minimums, bits, signed)
-    scratch = onednn_linear.prompt_scratch(n, k, ops)
+    scratch = prompt_scratch(n, k, ops)
     assert scratch is not None  # oneDNN packs bf16 this way on AVX512-BF16 CPUs
     ops.vnni_dequantize_onednn_(scratch, vnni)
     onednn = torch.ops.mkldnn._reorder_linear_weight(tiles_weight(ops, vnni, k), 1)

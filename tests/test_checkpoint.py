@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from conftest import random_prompts
 from ridge.quant import checkpoint
-from ridge.quant.export import quantize_to_dir
 from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_fp8, quantize_int4, quantize_int8
+from ridge.quantize.export import quantize_to_dir
 from test_models_random import VOCAB, byte_tokenizer, hf_config
 
 pytestmark = pytest.mark.slow  # 34 s: calibrated quantization of random models, HF loading the checkpoints
@@ -191,7 +191,7 @@ def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_te
     norm); calibrated on text, GPTQ and AWQ must stay within 1.2x of RTN's error on text (a layer given
     another's statistics, or scales folded into the wrong producer, is far worse). Their gain over RTN on a
     real model is test_gptq's."""
-    from ridge.quant.linear import QuantizedLinear
+    from ridge.linear import KernelLinear
 
     plain = make_llm_for_test(random_llama, dtype="float32")
     ids = plain.tokenizer.encode("The quality of mercy is not strained; it droppeth as the gentle rain from heaven")
@@ -202,14 +202,14 @@ def test_gptq_and_awq_at_load_quantize_every_layer(random_llama, make_llm_for_te
                                 calibration_windows=2)
         model = llm.engine.loaded.model
         assert not any(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
-        assert isinstance(model.output_projection, QuantizedLinear)
+        assert isinstance(model.output_projection, KernelLinear)
         assert llm.engine.loaded.weight_format.endswith(f"-> {method} g32")
         errors[method] = float((llm.engine.prompt_logits(ids) - exact).norm() / exact.norm())
     assert 0 < errors["gptq"] < 1.2 * errors["int4"] and 0 < errors["awq"] < 1.2 * errors["int4"], errors
 
 
 def test_each_method_calibrates_on_its_own_windows_unless_told(random_llama, make_llm_for_test, monkeypatch):
-    """GPTQ on 32 windows, AWQ on 64, int8 and fp8 on 8 (quant/calibration.py's DEFAULT_WINDOWS), int4 on none,
+    """GPTQ on 32 windows, AWQ on 64, int8 and fp8 on 8 (quantize/calibration.py's DEFAULT_WINDOWS), int4 on none,
     `calibration_windows` over each; the windows asked for are recorded, then 2 of them calibrate, to keep the
     test short. int8 on 0 windows is plain RTN: each row's scale from its largest weight."""
     import ridge.engine.loading as engine_module
@@ -240,7 +240,7 @@ def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama
     linear (qkv) sees what the layers before it produce once quantized, the X^T X that one pass of the
     quantized model takes, and not the float model's; in AWQ's (carry_quantized=False) it sees the float
     model's. Either way the model is left holding the quantized weights."""
-    from ridge.quant.calibration import calibration_windows, input_hessians, quantize_layerwise
+    from ridge.quantize.calibration import calibration_windows, input_hessians, quantize_layerwise
 
     llm = make_llm_for_test(random_llama, dtype="float32")
     model = llm.engine.loaded.model
@@ -271,8 +271,8 @@ def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama
 def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
     """Scaling columns up and folding the inverse into norms / v / up rows leaves the float function as it
     was, before any rounding; some layer's scales are not all ones."""
-    from ridge.quant.awq import scale_layer
-    from ridge.quant.calibration import calibration_windows, first_layer_inputs
+    from ridge.quantize.awq_layers import scale_layer
+    from ridge.quantize.calibration import calibration_windows, first_layer_inputs
 
     llm = make_llm_for_test(random_llama, dtype="float32")
     ids = random_prompts(1, VOCAB, 30, 31, seed=4)[0]

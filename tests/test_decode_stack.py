@@ -10,9 +10,10 @@ from conftest import random_prompts
 from ridge import SamplingParams
 from ridge.attention.backend import AttentionMetadata, KernelRows, PrefillChunk
 from ridge.attention.cascade import SharedPrefix
-from ridge.kernels import cpu_ops, decode_stack, onednn_linear
-from ridge.kernels.dense_linear import FewRowsLinear
-from ridge.quant.linear import TILED_MIN_ROWS, QuantizedLinear, fused_linear, use_int8_activations
+from ridge.kernels import cpu_ops, decode_stack
+from ridge.linear import FewRowsLinear, LinearTarget, PackedLinear, fused_linear, make_linear, native_linear
+from ridge.linear.dense import onednn_packs
+from ridge.linear.rows import TILED_MIN_ROWS
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
 
 
@@ -23,18 +24,22 @@ def ops():
     return module
 
 
+def layer(weight, bias, dtype, ops, **options) -> torch.nn.Module:
+    return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))
+
+
 def projections(ops) -> dict[str, torch.nn.Module]:
     """Each projection form the stack takes, with a bias where the form can carry one."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 96, generator=g)
     bias = torch.randn(80, generator=g)
-    exact = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
-    integer = QuantizedLinear(quantize_int4(w, 32), bias, torch.float32, ops)
-    assert use_int8_activations(integer) == 1  # AVX512-VNNI's matrix kernel where the CPU has it
-    avx2 = QuantizedLinear(quantize_int4(w[:72], 32), bias[:72], torch.float32, ops)
-    assert use_int8_activations(avx2) == 1 and avx2.kernel == "grouped_int8"  # 72 channels: not in 16s
+    exact = layer(quantize_int4(w, 32), bias, torch.float32, ops)
+    integer = layer(quantize_int4(w, 32), bias, torch.float32, ops, int8_activations=True)
+    assert integer.int8_activations  # AVX512-VNNI's matrix kernel where the CPU has it
+    avx2 = layer(quantize_int4(w[:72], 32), bias[:72], torch.float32, ops, int8_activations=True)
+    assert avx2.int8_activations and avx2.kernel == "grouped_int8"  # 72 channels: not in 16s
     # a 4-bit part beside an 8-bit one do not stack (a GGUF file's q|k in Q4_K, v in Q6_K): a ConcatLinear
-    mixed = fused_linear([quantize_int4(w[:48], 32), quantize_int8(w[48:])], bias, torch.float32, ops)
+    mixed = fused_linear([quantize_int4(w[:48], 32), quantize_int8(w[48:])], bias, LinearTarget(torch.float32, ops=ops))
     assert len(mixed.parts) == 2
     return {"dense": FewRowsLinear.wrap(torch.nn.Parameter(w), torch.nn.Parameter(bias), ops), "int4": exact,
             "int4+a8": integer, "int4+a8 avx2": avx2, "int4|int8": mixed}
@@ -46,20 +51,20 @@ def bf16_projections(ops) -> dict[str, torch.nn.Module]:
     the exact bf16 dot-product kernel; where it has AVX512-VNNI, int4 and int8 on its integer matrix kernel."""
     g = torch.Generator().manual_seed(1)
     w, bias = torch.randn(72, 96, generator=g), torch.randn(72, generator=g).bfloat16()
-    int4 = QuantizedLinear(quantize_int4(w, 32), bias, torch.bfloat16, ops, bf16_dot=False)
-    int8 = QuantizedLinear(quantize_int8(w), bias, torch.bfloat16, ops)
+    int4 = layer(quantize_int4(w, 32), bias, torch.bfloat16, ops, bf16_dot=False)
+    int8 = layer(quantize_int8(w), bias, torch.bfloat16, ops)
     assert (int4.kernel, int8.kernel) == ("int4", "int8") and int4.qweight.numel() * 2 > w.numel()
     linear = torch.nn.Linear(96, 72).bfloat16()
     forms = {"int4": int4, "int8": int8, "linear": linear}
-    if onednn_linear.available(torch.bfloat16, "cpu"):
-        forms["onednn"] = onednn_linear.PackedLinear(linear.weight.data, linear.bias)
+    if onednn_packs(torch.bfloat16, "cpu"):
+        forms["onednn"] = PackedLinear(linear.weight.data, linear.bias)
     if ops.bf16_dot_available():
-        forms["int4 bf16_dot"] = QuantizedLinear(quantize_int4(w[:64], 32), bias[:64], torch.bfloat16, ops)
+        forms["int4 bf16_dot"] = layer(quantize_int4(w[:64], 32), bias[:64], torch.bfloat16, ops)
         assert forms["int4 bf16_dot"].kernel == "bf16_dot"
     if ops.vnni_available():
         for name, qw in (("int4+a8", quantize_int4(w[:64], 32)), ("int8+a8", quantize_int8(w[:64]))):
-            forms[name] = QuantizedLinear(qw, bias[:64], torch.bfloat16, ops)
-            assert use_int8_activations(forms[name]) == 1 and forms[name].kernel == "vnni"
+            forms[name] = layer(qw, bias[:64], torch.bfloat16, ops, int8_activations=True)
+            assert forms[name].kernel == "vnni"
     return forms
 
 
@@ -68,16 +73,16 @@ def test_projections_equal_their_modules(ops, rows):
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         for name, module in projections(ops).items():
-            assert torch.equal(decode_stack._linear(ops, module)(x), module(x)), name
+            assert torch.equal(native_linear(ops, module)(x), module(x)), name
         for name, module in bf16_projections(ops).items():
             if rows < TILED_MIN_ROWS or name != "int4":  # torch's int4 layout changes kernel there
-                assert torch.equal(decode_stack._linear(ops, module)(x.bfloat16()), module(x.bfloat16())), name
+                assert torch.equal(native_linear(ops, module)(x.bfloat16()), module(x.bfloat16())), name
 
 
 def test_a_projection_without_a_kernel_there_leaves_the_model_to_python(ops):
-    fp8 = QuantizedLinear(quantize_fp8(torch.randn(32, 64)), None, torch.float32, ops)
+    fp8 = layer(quantize_fp8(torch.randn(32, 64)), None, torch.float32, ops)
     assert fp8.kernel == "fp8"
-    assert decode_stack._linear(ops, fp8) is None
+    assert native_linear(ops, fp8) is None
 
 
 def test_serves_only_plain_decode_steps():

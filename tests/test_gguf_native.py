@@ -3,8 +3,6 @@ dequantize-then-matmul, and whole models against their dequantized selves."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -13,14 +11,16 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from ridge.kernels import cpu_ops
+from ridge.linear import KernelLinear, LinearTarget, make_linear
+from ridge.linear.rows import BF16_DOT_TILED_MIN_ROWS, INT8_ACTIVATIONS_MAX_ROWS
+from ridge.linear.select import int8_activations_at_every_row
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import (
-    BF16_DOT_TILED_MIN_ROWS,
-    INT8_ACTIVATIONS_MAX_ROWS,
-    QuantizedLinear,
-    use_int8_activations,
-)
 from ridge.quant.rtn import dequantize
+
+
+def QuantizedLinear(weight, bias, dtype, ops, **options) -> torch.nn.Module:  # noqa: N802 - make_linear's pick
+    return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))
+
 
 # where each format keeps its float16 block scales (d, and m or dmin), as llama.cpp lays the blocks out
 SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
@@ -99,8 +99,8 @@ def test_int8_activation_kernel_within_its_bound(ops, kind, tokens):
     kernel states (plus float32 rounding), and not the exact result (the integer path really ran)."""
     rows, cols = 67, cols_for(kind)
     qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=tokens), GGMLQuantizationType[kind], (rows, cols))
-    layer = QuantizedLinear(qw, None, torch.float32, ops)
-    assert use_int8_activations(layer) == 1
+    layer = QuantizedLinear(qw, None, torch.float32, ops, int8_activations=True)
+    assert layer.int8_activations
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
     w = dequantize(qw)
     expected = x.double() @ w.double().T
@@ -114,12 +114,13 @@ def test_int8_activations_leave_many_rows_to_the_exact_kernel(ops):
     without int8 activations; at that many rows and fewer, the integer kernel's numbers. `ridge eval ppl
     --int8-activations` lifts the limit, to measure the integer arithmetic on its windows."""
     qw = gguf_blocks.unpack(random_blocks("Q4_1", 40, 64, seed=0), GGMLQuantizationType.Q4_1, (40, 64))
-    exact, integer = QuantizedLinear(qw, None, torch.float32, ops), QuantizedLinear(qw, None, torch.float32, ops)
-    assert use_int8_activations(integer) == 1
+    exact = QuantizedLinear(qw, None, torch.float32, ops)
+    integer = QuantizedLinear(qw, None, torch.float32, ops, int8_activations=True)
+    assert integer.kernel == "grouped_int8" and integer.int8_activations  # 40 channels: not VNNI's layout
     x = torch.randn(INT8_ACTIVATIONS_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(0))
     assert torch.equal(integer(x), exact(x))
     assert not torch.equal(integer(x[:-1]), exact(x[:-1]))
-    assert use_int8_activations(integer, max_rows=sys.maxsize) == 1
+    int8_activations_at_every_row(integer)
     assert not torch.equal(integer(x), exact(x))
 
 
@@ -142,11 +143,11 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     got, expected = native.engine.prompt_logits(ids), plain.engine.prompt_logits(ids)
     assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
     assert torch.equal(got[-1].argmax(), expected[-1].argmax())
-    kernels = {m.kernel for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    kernels = {m.kernel for m in native.engine.loaded.model.modules() if isinstance(m, KernelLinear)}
     assert kernels == {"grouped_int8"}
     assert _weight_bytes(native) <= 1.2 * smollm2_path.stat().st_size
     packed = make_llm_for_test(smollm2_path, dtype="bfloat16", quantization="gguf")
-    kernels = {m.kernel for m in packed.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    kernels = {m.kernel for m in packed.engine.loaded.model.modules() if isinstance(m, KernelLinear)}
     assert kernels == ({"bf16_dot"} if ops.bf16_dot_available() else {"int4", "grouped_int8"})
     assert _weight_bytes(packed) <= 1.25 * smollm2_path.stat().st_size
 
@@ -158,7 +159,7 @@ def test_qwen_native_bfloat16_stays_near_the_dequantized_model(make_llm_for_test
     (measured: KL 0.0006 nats on average, 0.0008 for the file dequantized to bfloat16, every argmax the same; a wrong
     excess, scale or group gives nats)."""
     native = make_llm_for_test(qwen_path, dtype="bfloat16", quantization="gguf")
-    layers = [m for m in native.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in native.engine.loaded.model.modules() if isinstance(m, KernelLinear)]
     if ops.bf16_dot_available():
         assert {m.kernel for m in layers} == {"bf16_dot"}
         assert {m.bits for m in layers if m.vnni.seven_bit} == {5, 6}  # Q5_0 and Q6_K, not Q4_K or Q8_0
@@ -191,7 +192,7 @@ def test_a_long_prompt_multiplies_on_the_packed_scratch(make_llm_for_test, smoll
     dequantized into oneDNN's packed layout (share_prompt_scratch), one scratch fill a linear; its logits equal those
     through the plain tiles to bfloat16's rounding, every argmax the same (measured: identical)."""
     llm = make_llm_for_test(smollm2_path, dtype="bfloat16", quantization="gguf")
-    linears = [m for m in llm.engine.loaded.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    linears = [m for m in llm.engine.loaded.model.layers.modules() if isinstance(m, KernelLinear)]
     assert linears and all(m.prompt_scratch is not None for m in linears)
     assert llm.engine.loaded.model.output_projection.prompt_scratch is None
     counting = CountingOps(ops)
@@ -216,7 +217,7 @@ def test_smollm2_int8_activations_stay_near_the_exact_model(make_llm_for_test, s
     activations; a wrong scale, sign or lane order gives nats). A model with no quantized layer refuses the
     option, naming it."""
     fast = make_llm_for_test(smollm2_path, dtype="float32", quantization="gguf", int8_activations=True)
-    layers = [m for m in fast.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in fast.engine.loaded.model.modules() if isinstance(m, KernelLinear)]
     assert layers and all(m.int8_activations for m in layers)
     plain = smollm2
     ids = plain.tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")

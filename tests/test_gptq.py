@@ -151,7 +151,7 @@ def test_gptq_and_awq_beat_rtn_on_smollm2_layers_over_held_out_text(smollm2):
     The whole model's perplexity, every layer quantized, is `ridge eval ppl`'s, in docs/benchmarks.md."""
     from ridge.eval.perplexity import held_out_text
     from ridge.quant.awq import awq_scales, clipped_int4, output_error
-    from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
+    from ridge.quantize.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians
 
     model = smollm2.engine.loaded.model
     calibration = input_hessians(model, calibration_windows(smollm2.tokenizer, 4, CALIBRATION_WINDOW),
@@ -181,7 +181,7 @@ def test_importance_weighted_int8_and_fp8_beat_rtn_on_smollm2_layers_over_held_o
     (measured 0.64x, 0.17x)."""
     from ridge.eval.perplexity import held_out_text
     from ridge.quant.awq import output_error
-    from ridge.quant.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians, input_importance
+    from ridge.quantize.calibration import CALIBRATION_WINDOW, calibration_windows, input_hessians, input_importance
 
     model = smollm2.engine.loaded.model
     keys = [f"layers.{i}.{name}" for i in (0, 11, 29) for name in ("attn.qkv", "attn.o_proj", "mlp.gate_up",

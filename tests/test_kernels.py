@@ -133,7 +133,8 @@ def test_dense_linear_matches_float64(ops, rows, n, k):
 
 
 def test_few_rows_linear_is_its_nn_linear(ops):
-    from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
+    from ridge.linear import FewRowsLinear
+    from ridge.linear.rows import FEW_ROWS
 
     torch.manual_seed(0)
     plain = torch.nn.Linear(96, 40)

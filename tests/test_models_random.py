@@ -100,14 +100,15 @@ def test_decode_stack_equals_the_python_path(random_model, make_llm_for_test, ar
     matrix kernel; the same tokens and log-probabilities to the last bit."""
     from ridge import SamplingParams
     from ridge.kernels.decode_stack import MAX_ROWS
-    from ridge.quant.linear import TILED_MIN_ROWS, QuantizedLinear
+    from ridge.linear import Int4Linear
+    from ridge.linear.rows import TILED_MIN_ROWS
 
     path, _ = random_model
     stacked = make_llm_for_test(path, **args)
     eager = make_llm_for_test(path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None
-    kernels = {m.kernel for m in stacked.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)}
-    assert stacked.engine.runner.decode_stack.max_rows == (TILED_MIN_ROWS - 1 if "int4" in kernels else MAX_ROWS)
+    int4 = any(isinstance(m, Int4Linear) for m in stacked.engine.loaded.model.modules())
+    assert stacked.engine.runner.decode_stack.max_rows == (TILED_MIN_ROWS - 1 if int4 else MAX_ROWS)
     prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):

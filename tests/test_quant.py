@@ -7,7 +7,8 @@ import torch
 
 from ridge.eval.perplexity import perplexity
 from ridge.kernels import cpu_ops
-from ridge.quant.linear import QuantizedLinear, quantize_weight
+from ridge.linear import KernelLinear, LinearTarget, make_linear
+from ridge.quant.methods import quantize_weight
 from ridge.quant.rtn import FP8_STRETCHES, INT8_STRETCHES, dequantize, quantize_fp8, quantize_int4, quantize_int8
 
 # (tokens, in, out): odd sizes; from 16 tokens on, bf16 takes ridge's tiled kernels, whose int4 reading of
@@ -32,8 +33,8 @@ def test_kernel_equals_dequantize_then_matmul(ops, method, group_size, dtype, m,
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     qw = quantize_weight(weight, method, group_size)
-    layer = QuantizedLinear(qw, bias, dtype, ops)
-    assert layer.kernel
+    layer = make_linear(qw, bias, LinearTarget(dtype, ops=ops))
+    assert layer.kernel not in ("", "dequantized")
     expected = x.float() @ dequantize(qw).T + bias.float()
     got = layer(x).float()
     # float32: the kernels' own rounding only; bf16: activations and scales are rounded to 8 bits of mantissa
@@ -117,16 +118,19 @@ def test_quantized_smollm2_kernels_match_its_dequantized_weights(make_llm_for_te
     llm = make_llm_for_test(smollm2_path, dtype="float32", quantization=method, quantization_group_size=64)
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     fast = llm.engine.prompt_logits(ids)
-    for module in llm.engine.loaded.model.modules():
-        if isinstance(module, QuantizedLinear):
-            dense = _dense(module)
-            module.kernel = None
-            module.register_buffer("dense", dense)
+    model = llm.engine.loaded.model
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KernelLinear):
+            parent_name, _, child = name.rpartition(".")
+            plain = torch.nn.Linear(module.in_features, module.out_features, bias=False, dtype=module.dtype)
+            plain.weight = torch.nn.Parameter(_dense(module), requires_grad=False)
+            plain.bias = module.bias
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, plain)
     slow = llm.engine.prompt_logits(ids)
     assert (fast - slow).abs().max() <= 1e-3 * slow.abs().max()
 
 
-def _dense(layer: QuantizedLinear) -> torch.Tensor:
+def _dense(layer: KernelLinear) -> torch.Tensor:
     """The kernel layout back to a dense matrix: multiply the identity through the kernel."""
     eye = torch.eye(layer.in_features, dtype=layer.dtype)
     bias, layer.bias = layer.bias, None

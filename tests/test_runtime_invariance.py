@@ -58,9 +58,9 @@ def test_cpu_kernels_agree_with_torch_ops(make_llm_for_test, smollm2_path, promp
 def test_bf16_packed_linears_are_as_accurate_as_torch_bf16(smollm2, make_llm_for_test, smollm2_path, prompts):
     """bf16 results differ with the kernel's summation order, so compare errors against float32 logits:
     the oneDNN-packed linears must be no less accurate than torch's own bf16 matmuls."""
-    from ridge.kernels import onednn_linear
+    from ridge.linear.dense import onednn_packs
 
-    if not onednn_linear.available(torch.bfloat16, "cpu"):
+    if not onednn_packs(torch.bfloat16, "cpu"):
         pytest.skip("oneDNN packs no bf16 weights on this CPU (needs AVX512BW/VL/DQ or AVX-NE-CONVERT)")
     packed = make_llm_for_test(smollm2_path, dtype="bfloat16")
     plain = make_llm_for_test(smollm2_path, dtype="bfloat16", packed_linear=False, cpu_kernels=False)

@@ -1,6 +1,6 @@
 """kernels/vnni_linear.cpp: int8 activations as a matrix kernel on AVX512-VNNI, against the arithmetic it
 states (computed here in float64), the bound that arithmetic keeps to the exact layer, and the layouts it reads
-(quant/linear.py's pack_vnni, and torch's int4 layout read back by unpack_int4pack)."""
+(linear/layouts.py's pack_vnni, and torch's int4 layout read back by unpack_int4pack)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,16 @@ from gguf import GGMLQuantizationType
 from test_gguf_native import cols_for, int8_activation_bound, random_blocks
 
 from ridge.kernels import cpu_ops
+from ridge.linear import LinearTarget, make_linear
+from ridge.linear.layouts import int4pack_block_width, pack_nibbles, pack_vnni, unpack_int4pack, unpack_nibbles
 from ridge.quant import gguf_blocks
-from ridge.quant.linear import (
-    QuantizedLinear,
-    int4pack_block_width,
-    pack_nibbles,
-    pack_vnni,
-    unpack_int4pack,
-    unpack_nibbles,
-    use_int8_activations,
-)
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
 VNNI = "avx512_vnni" in cpu_ops.cpu_flags()
+
+
+def QuantizedLinear(weight, bias, dtype, ops, **options) -> torch.nn.Module:  # noqa: N802 - make_linear's pick
+    return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the CPU has no AVX512-VNNI: the kernel is not built here")
 
 
@@ -118,19 +115,16 @@ def test_kernel_computes_its_stated_arithmetic(ops, rows, form, dtype):
 @pytest.mark.parametrize("kind", gguf_blocks.SUPPORTED)
 @needs_vnni
 def test_layers_move_onto_the_kernel_within_the_int8_bound(ops, kind):
-    """Each GGUF format (Q6_K's 16-column groups too), torch's int4 layout (bfloat16) and int8 per channel: on the
-    integer kernel after use_int8_activations, at every row count, within int8_dot_linear.cpp's bound of the
-    exact layer (plus float16's rounding of scales that are not float16 already)."""
+    """Each GGUF format (Q6_K's 16-column groups too), int4 (bfloat16) and int8 per channel: on the integer kernel
+    with int8 activations, at every row count, within int8_dot_linear.cpp's bound of the weight (plus float16's
+    rounding of scales that are not float16 already)."""
     rows, cols = 48, cols_for(kind)
     qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=1), GGMLQuantizationType[kind], (rows, cols))
     w = torch.randn(48, cols, generator=torch.Generator().manual_seed(2)) * 0.05
-    layers = [(QuantizedLinear(qw, None, torch.float32, ops), dequantize(qw)),
-              (QuantizedLinear(quantize_int4(w, 32), None, torch.bfloat16, ops), None),
-              (QuantizedLinear(quantize_int8(w), None, torch.bfloat16, ops), None)]
-    for layer, weight in layers:
-        if weight is None:  # the exact layer's own numbers: torch's int4 layout rounds scales to bf16
-            weight = layer(torch.eye(cols, dtype=torch.bfloat16)).float().T
-        assert use_int8_activations(layer) == 1 and layer.kernel == "vnni"
+    for quantized, dtype in ((qw, torch.float32), (quantize_int4(w, 32), torch.bfloat16),
+                             (quantize_int8(w), torch.bfloat16)):
+        layer, weight = QuantizedLinear(quantized, None, dtype, ops, int8_activations=True), dequantize(quantized)
+        assert layer.kernel == "vnni"
         for tokens in (1, 7, 40):
             x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).to(layer.dtype)
             expected = x.double() @ weight.double().T
@@ -148,8 +142,8 @@ def test_a_row_gets_the_same_bits_in_any_batch(ops):
     blocks): a request's logits do not depend on what it is batched with, so prefix caching and speculative
     verification see the numbers a lone decode step computes."""
     qw = quantize_int4(torch.randn(80, 192, generator=torch.Generator().manual_seed(3)), 64)
-    layer = QuantizedLinear(qw, None, torch.bfloat16, ops)
-    assert use_int8_activations(layer) == 1
+    layer = QuantizedLinear(qw, None, torch.bfloat16, ops, int8_activations=True)
+    assert layer.kernel == "vnni"
     x = torch.randn(13, 192, generator=torch.Generator().manual_seed(4)).bfloat16()
     batched = layer(x)
     for i in (0, 5, 6, 12):

@@ -135,11 +135,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from ridge import LLM
     from ridge.eval.perplexity import held_out_text, perplexity
-    from ridge.quant.linear import use_int8_activations
+    from ridge.linear.select import int8_activations_at_every_row
 
     llm = LLM(args.model, **engine_kwargs(args))
     if args.int8_activations:  # decode's arithmetic at every row of a window, as llama-perplexity measures it
-        use_int8_activations(llm.engine.loaded.model, max_rows=sys.maxsize)
+        int8_activations_at_every_row(llm.engine.loaded.model)
     results = []
     for source in args.source:
         ids = llm.tokenizer.encode(held_out_text(source))[: args.max_tokens]
@@ -159,7 +159,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from ridge.quant.export import quantize_to_dir
+    from ridge.quantize.export import quantize_to_dir
 
     fp8 = args.fp8 or args.method == "fp8"
     bits = args.bits if args.bits is not None else 8 if fp8 else 4

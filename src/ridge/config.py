@@ -161,7 +161,7 @@ class EngineConfig:
     # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
     # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
     seed: int = 0
-    packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (kernels/onednn_linear.py)
+    packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (linear/dense.py)
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_bytes: int = field(init=False)

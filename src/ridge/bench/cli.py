@@ -110,17 +110,15 @@ def weight_bytes_per_token(llm) -> int:
     """
     import torch
 
-    from ridge.kernels.onednn_linear import PackedLinear
-    from ridge.quant.linear import QuantizedLinear
+    from ridge.linear import ConcatLinear, weight_bytes
 
     model = llm.engine.loaded.model
-    itemsize = llm.engine.config.torch_dtype.itemsize
 
     def held(module: torch.nn.Module) -> int:
-        if isinstance(module, QuantizedLinear):
-            return module.weight_bytes
-        if isinstance(module, torch.nn.Linear | PackedLinear):
-            return module.in_features * module.out_features * itemsize
+        if isinstance(module, ConcatLinear):
+            return 0  # its parts are counted one by one
+        if hasattr(module, "weight_bytes") or isinstance(module, torch.nn.Linear):
+            return weight_bytes(module)
         return sum(p.nbytes for p in module.parameters(recurse=False))
 
     head = model.output_projection

@@ -3,32 +3,29 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from ridge.config import EngineConfig
 from ridge.hub import resolve
-from ridge.kernels import batch_invariance, dense_linear, onednn_linear
+from ridge.kernels import batch_invariance
+from ridge.linear import LinearTarget
+from ridge.linear.dense import onednn_packs
+from ridge.linear.select import int8_activation_layers, place_dense, place_quantized, share_prompt_scratch
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
-from ridge.quant.calibration import (
+from ridge.models.transformer import DecoderModel
+from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
+from ridge.quant.rtn import QuantizedWeight
+from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
     awq_layerwise,
     calibration_windows,
     input_importance,
     quantize_layerwise,
     windows_for,
-)
-from ridge.quant.linear import (
-    CALIBRATED,
-    METHODS,
-    quantize_model,
-    quantize_weight,
-    share_prompt_scratch,
-    use_int8_activations,
 )
 from ridge.tokenizer import RidgeTokenizer
 
@@ -53,41 +50,24 @@ class ModelFile:
 
 
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool) -> LoadedModel:
-    """A model's weights in the engine's dtype, packed for the CPU's matmuls, on ridge's kernels."""
-    native = config.quantization == "gguf"
-    loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf, gguf_native=native,
-                        ops=kernels)
+    """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
+    made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after."""
+    target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
+                          int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
+    loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
+                        gguf_native=config.quantization == "gguf", target=target)
     if config.quantization in METHODS:
-        fitted = importance = None
-        method, group_size = config.quantization, config.quantization_group_size
-        num_windows = windows_for(method, config.calibration_windows)  # 0 for int4, plain RTN
-        windows = calibration_windows(model.tokenizer, num_windows, CALIBRATION_WINDOW, progress) if num_windows else []
-        if method in CALIBRATED:  # calibrated here, one decoder layer at a time
-            if method == "awq":
-                fitted = awq_layerwise(loaded.model, windows, group_size, integer_zeros=False, dtype=config.torch_dtype,
-                                       device=config.device, progress=progress)
-            else:
-                fitted = quantize_layerwise(loaded.model, windows,
-                                            lambda _key, w, h: quantize_weight(w, method, group_size, h),
-                                            config.torch_dtype, config.device, progress)
-        elif windows:  # int8 and fp8: each row's scale weighed by its columns' importance, in one pass
-            importance = input_importance(loaded.model, windows, config.torch_dtype, config.device, progress)
-        quantize_model(loaded.model, method, group_size, config.torch_dtype, fitted=fitted, importance=importance,
-                       progress=progress, ops=kernels)
+        place_quantized(loaded.model, _quantized_weights(loaded.model, model.tokenizer, config, progress), target)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
-    elif config.packed_linear and onednn_linear.available(config.torch_dtype, config.device):
-        # natively quantized layers are left as they are; batch invariance keeps oneDNN off its single-row path
-        onednn_linear.pack_linears(loaded.model, min_rows=2 if config.batch_invariant else 1)
+    place_dense(loaded.model, target)
     if config.int8_activations:
-        if kernels is None or not use_int8_activations(loaded.model):
+        if not int8_activation_layers(loaded.model):
             raise ValueError("int8_activations: needs quantized weights (--quantization, or a quantized "
                              "checkpoint) and ridge's CPU kernels: built for AVX512-VNNI (float32 or bfloat16), "
                              "or for AVX2 (float32)")
         loaded.weight_format += ", int8 activations"
-    if kernels is not None and config.torch_dtype == torch.float32:
-        dense_linear.use_kernel(loaded.model, kernels, every_row=config.batch_invariant)  # the layers still dense
-    packs = kernels is not None and onednn_linear.available(config.torch_dtype, config.device)
+    packs = kernels is not None and onednn_packs(config.torch_dtype, config.device)
     if packs and (scratch_bytes := share_prompt_scratch(loaded.model.layers, kernels)):
         log.info("ridge: prompts multiply quantized weights on oneDNN's packed layout (%.0f MiB of scratch)",
                  scratch_bytes / 2**20)
@@ -96,3 +76,24 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         batch_invariance.verify(loaded.model, config.torch_dtype)
         loaded.weight_format += ", batch invariant"
     return loaded
+
+
+def _quantized_weights(model: DecoderModel, tokenizer: RidgeTokenizer, config: EngineConfig,
+                       progress: bool) -> Iterator[tuple[str, QuantizedWeight]]:
+    """The model's weights in config.quantization's format, calibrated first where the method needs text:
+    gptq and awq one decoder layer at a time, int8 and fp8 weighing each row's scale by its columns'
+    importance, in one pass."""
+    fitted = importance = None
+    method, group_size = config.quantization, config.quantization_group_size
+    dtype, device = config.torch_dtype, config.device
+    num_windows = windows_for(method, config.calibration_windows)  # 0 for int4, plain RTN
+    windows = calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW, progress) if num_windows else []
+    if method == "awq":
+        fitted = awq_layerwise(model, windows, group_size, integer_zeros=False, dtype=dtype, device=device,
+                               progress=progress)
+    elif method in CALIBRATED:
+        fitted = quantize_layerwise(model, windows, lambda _key, w, h: quantize_weight(w, method, group_size, h),
+                                    dtype, device, progress)
+    elif windows:
+        importance = input_importance(model, windows, dtype, device, progress)
+    return quantize_weights(model, method, group_size, fitted=fitted, importance=importance, progress=progress)

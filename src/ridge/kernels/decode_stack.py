@@ -18,20 +18,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.attention.paged import PagedBackend
-from ridge.kernels.dense_linear import FEW_ROWS, FewRowsLinear
-from ridge.kernels.onednn_linear import PackedLinear
+from ridge.linear import Int4Linear, native_linear
+from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.transformer import DecoderModel
-from ridge.quant.linear import (
-    BF16_DOT_TILED_MIN_ROWS,
-    INT8_ACTIVATIONS_MAX_ROWS,
-    TILED_MIN_ROWS,
-    ConcatLinear,
-    QuantizedLinear,
-)
 
 log = logging.getLogger("ridge")
 
@@ -68,7 +60,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     layers = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
-        linears = [_linear(ops, m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+        linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
         if any(linear is None for linear in linears):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
@@ -76,46 +68,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i]))
     rope_table = torch.view_as_real(model.rotary.freqs)
-    # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (QuantizedLinear.forward)
-    int4pack = any(isinstance(m, QuantizedLinear) and m.kernel == "int4" for m in model.layers.modules())
+    # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
+    int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale),
                        min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS)
-
-
-def _linear(ops: ModuleType, module: nn.Module) -> Any | None:
-    """The C++ form of a projection module, or None for a form it has no kernel for."""
-    if isinstance(module, ConcatLinear):
-        parts = [_part(ops, p, None) for p in module.parts]
-        return None if any(p is None for p in parts) else ops.Linear(parts, module.bias)
-    part = _part(ops, module, module.bias)
-    return None if part is None else ops.Linear([part], None)
-
-
-def _part(ops: ModuleType, module: nn.Module, bias: torch.Tensor | None) -> Any | None:
-    """The call module.forward makes at up to the stack's rows (a form whose kernel changes below that is
-    left out)."""
-    none = torch.empty(0)
-    if type(module) is FewRowsLinear:
-        return ops.LinearPart("dense", module.weight, none, none, 0, False, bias, 0)
-    if type(module) is nn.Linear:
-        return ops.LinearPart("linear", module.weight, none, none, 0, False, bias, 0)
-    if type(module) is PackedLinear:
-        part = ops.LinearPart("onednn", module.packed, none, none, 0, False, bias, 0)
-        part.min_rows = module.min_rows
-        return part
-    if type(module) is not QuantizedLinear:
-        return None
-    if module.kernel in ("vnni", "bf16_dot"):
-        return ops.LinearPart(module.kernel, module.vnni, bias, BF16_DOT_TILED_MIN_ROWS)
-    if module.kernel == "grouped_int8":
-        kernel = "int8_dot" if module.int8_activations else "grouped_int8"
-        return ops.LinearPart(kernel, module.qweight, module.scales, module.minimums, module.group_size,
-                              module.signed_codes, bias, 0)
-    if module.kernel == "int8" and module.tiled_ops is not None:
-        return ops.LinearPart("grouped_int8", module.qweight, module.channel_scales, module.no_minimums,
-                              module.in_features, False, bias, 0)
-    if module.kernel == "int4" and module.unpacked is None:  # bfloat16: torch's kernel below TILED_MIN_ROWS
-        return ops.LinearPart("int4pack", module.qweight, module.scales_and_zeros, none, module.group_size, False,
-                              bias, module.out_features)
-    return None

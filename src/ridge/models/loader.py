@@ -4,7 +4,7 @@ weights.
 Both formats are mapped onto ridge's parameter names; a name that maps to a fused parameter carries
 its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
 GGUF tensors are dequantized to the requested dtype, or, with gguf_native, kept as their blocks' codes
-and scales (quant/gguf_blocks.py) for layers that multiply by them in place (quant/linear.py).
+and scales (quant/gguf_blocks.py) for layers that multiply by them in place (linear/).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -25,11 +24,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
+from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_linear
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.registry import config_from_gguf, config_from_hf
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
-from ridge.quant.linear import QuantizedEmbedding, QuantizedLinear, fused_linear
 from ridge.quant.rtn import QuantizedWeight
 
 # (source-name pattern, ridge name template, slot in a fused parameter or None)
@@ -112,10 +111,10 @@ def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndar
 
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
-    gguf_native: bool = False, ops: ModuleType | None = None,
+    gguf_native: bool = False, target: LinearTarget | None = None,
 ) -> LoadedModel:
-    """gguf_native: keep a GGUF file's quantized tensors as they are, multiplied by kernels (ops: ridge's C++
-    kernels, for the formats torch has none for)."""
+    """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
+    quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels)."""
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
@@ -138,25 +137,26 @@ def load_model(
     quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
     state: dict[str, torch.Tensor] = {}
     for name, array in tensors:
-        target, slot = _map_name(name, table)
-        if target == "lm_head.weight" and cfg.tie_word_embeddings:
+        key, slot = _map_name(name, table)
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if isinstance(array, QuantizedWeight):
-            quantized[target][slot or 0] = array
+            quantized[key][slot or 0] = array
             continue
         tensor = torch.from_numpy(np.array(array)) if isinstance(array, np.ndarray) else array
         tensor = tensor.to(dtype=dtype)
         if slot is None:
-            state[target] = tensor
+            state[key] = tensor
         else:
-            parts[target][slot] = tensor
-    for target, slots in parts.items():
-        state[target] = torch.cat([slots[i] for i in sorted(slots)], dim=0)
+            parts[key][slot] = tensor
+    for key, slots in parts.items():
+        state[key] = torch.cat([slots[i] for i in sorted(slots)], dim=0)
 
     with torch.device("meta"):
         model = DecoderModel(cfg)
-    for target, slots in quantized.items():
-        _place_quantized(model, target, [slots[i] for i in sorted(slots)], state, dtype, ops)
+    target = target or LinearTarget(dtype, device)
+    for key, slots in quantized.items():
+        _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target)
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise ValueError(f"{path}: weights missing for {sorted(missing)[:5]}")
@@ -166,23 +166,23 @@ def load_model(
     return LoadedModel(cfg, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
 
 
-def _place_quantized(model: DecoderModel, target: str, parts: list[QuantizedWeight], state: dict[str, torch.Tensor],
-                     dtype: torch.dtype, ops: ModuleType | None) -> None:
-    """Swap the module that `target` (a weight) belongs to for one that keeps it quantized."""
-    if target == "embed_tokens.weight":
-        tied = QuantizedLinear(parts[0], None, dtype, ops) if model.cfg.tie_word_embeddings else None
-        model.embed_tokens = QuantizedEmbedding(parts[0], dtype, tied)  # one copy of a tied table
+def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight],
+                     state: dict[str, torch.Tensor], target: LinearTarget) -> None:
+    """Swap the module that weight `key` belongs to for one that keeps it quantized."""
+    if key == "embed_tokens.weight":
+        tied = make_linear(parts[0], None, target) if model.cfg.tie_word_embeddings else None
+        model.embed_tokens = QuantizedEmbedding(parts[0], target.dtype, tied)  # one copy of a tied table
         if tied is not None:
             model.output_projection = tied
         return
-    if target == "lm_head.weight":
+    if key == "lm_head.weight":
         model.lm_head = None
-        model.output_projection = QuantizedLinear(parts[0], None, dtype, ops)
+        model.output_projection = make_linear(parts[0], None, target)
         return
-    path = target.removesuffix(".weight")
+    path = key.removesuffix(".weight")
     parent_path, _, name = path.rpartition(".")
     bias = state.pop(f"{path}.bias", None)
-    setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, dtype, ops))
+    setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, target))
 
 
 def open_gguf(path: Path) -> GGUFFile:

@@ -16,7 +16,7 @@ implementation does. With act-order (columns taken by decreasing H[j, j], the mo
 grids come from the weights before any update ("static groups"), so that a group is still a run of
 adjacent columns and g_idx stays column // group_size. ridge runs act-order: on SmolLM2's layers its
 output error on held-out text was 1-40% below the plain order's. The layers are taken in order, each on
-the inputs that the quantized layers before it produce (quant/calibration.py's quantize_layerwise).
+the inputs that the quantized layers before it produce (quantize/calibration.py's quantize_layerwise).
 """
 
 from __future__ import annotations

@@ -1,22 +1,65 @@
-"""bf16 linear layers on oneDNN with prepacked weights (CPU).
+"""Dense weights on the CPU: float32 on ridge's few-row kernel, bfloat16 on oneDNN's packed layout.
 
-torch's plain bf16 matmul re-lays out the weight on every call; oneDNN's packed format is what its
-AMX / AVX512-BF16 kernels read directly, faster at decode's one row and at prompts' hundreds
-(docs/notes/kernel-choices.md). fp32 gains nothing from packing, so only bf16 is packed.
+float32: torch's linear at decode's shapes is MKL's sgemv on one thread; ridge's kernel
+(kernels/dense_linear.cpp), on every thread, is the faster one up to FEW_ROWS rows, torch's sgemm past
+them. Batch invariant, every call runs on the kernel, FEW_ROWS rows at a time: sgemm's result for a row
+changes with the number of rows beside it (kernels/batch_invariance.py).
+
+bfloat16: torch's plain matmul re-lays out the weight on every call; oneDNN's packed format is what its
+AMX / AVX512-BF16 kernels read directly, faster at decode's one row and at prompts' hundreds. float32
+gains nothing from packing. (docs/notes/kernel-choices.md has the measurements.)
 """
 
 from __future__ import annotations
 
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ridge.models.transformer import DecoderModel
+from ridge.linear.base import NO_TENSOR
+from ridge.linear.rows import FEW_ROWS
 
 
-def available(dtype: torch.dtype, device: str) -> bool:
+class FewRowsLinear(nn.Linear):
+    """An nn.Linear (same parameters, same results up to summation order) with a faster few-row path."""
+
+    kernel = "dense"
+    ops: ModuleType
+    every_row: bool  # every call on the kernel, FEW_ROWS rows at a time (batch invariance)
+
+    @classmethod
+    def wrap(cls, weight: nn.Parameter, bias: nn.Parameter | None, ops: ModuleType,
+             every_row: bool = False) -> FewRowsLinear:
+        """Around existing parameters, without a copy (a tied output projection shares the embeddings')."""
+        with torch.device("meta"):
+            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight, layer.bias, layer.ops, layer.every_row = weight, bias, ops, every_row
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.shape[0] <= FEW_ROWS:
+            out = self.ops.dense_linear(rows, self.weight, self.bias)
+        elif self.every_row:
+            out = torch.cat([self.ops.dense_linear(tile, self.weight, self.bias) for tile in rows.split(FEW_ROWS)])
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight.nbytes
+
+    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any:
+        return ops.LinearPart("dense", self.weight, NO_TENSOR, NO_TENSOR, 0, False, bias, 0)
+
+
+def onednn_packs(dtype: torch.dtype, device: str) -> bool:
+    """Whether oneDNN can hold bf16 weights packed here."""
     return (
         device == "cpu"
         and dtype == torch.bfloat16
@@ -45,6 +88,8 @@ class PackedLinear(nn.Module):
     agrees; batch invariance pads single rows to two (kernels/batch_invariance.py, docs/notes/batch-invariance.md).
     """
 
+    kernel = "onednn"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int = 1) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -52,6 +97,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
         self.bias = bias
         self.min_rows = min_rows
+        self._bytes = weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -63,14 +109,14 @@ class PackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return (out[:count] if padded else out).view(*lead, self.out_features)
 
+    @property
+    def weight_bytes(self) -> int:
+        return self._bytes
 
-def pack_linears(model: DecoderModel, min_rows: int = 1) -> DecoderModel:
-    """Swap every nn.Linear of the decoder layers and the output projection for a PackedLinear, in place.
-
-    The output projection gets its own packed copy, so a tied embedding table stays a plain tensor.
-    """
-    model.replace_linears(lambda weight, bias: PackedLinear(weight.data, bias, min_rows))
-    return model
+    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any:
+        part = ops.LinearPart("onednn", self.packed, NO_TENSOR, NO_TENSOR, 0, False, bias, 0)
+        part.min_rows = self.min_rows
+        return part
 
 
 # A prompt scratch holds a whole weight in bf16; a larger weight (a 7B model's MLP) keeps ridge's plain tiles

@@ -24,9 +24,10 @@ from ridge.datasets import iter_sharegpt
 from ridge.hub import pull_dataset
 from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
-from ridge.quant.awq import clipped_int4, scale_layer
-from ridge.quant.linear import HEAD
+from ridge.quant.awq import clipped_int4
+from ridge.quant.methods import HEAD
 from ridge.quant.rtn import QuantizedWeight, dequantize
+from ridge.quantize.awq_layers import scale_layer
 from ridge.tokenizer import RidgeTokenizer
 
 CALIBRATION_WINDOW = 512  # tokens per calibration window
@@ -222,7 +223,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
 
 def awq_layerwise(model: DecoderModel, windows: list[list[int]], group_size: int, integer_zeros: bool,
                   dtype: torch.dtype, device: str, progress: bool = True) -> dict[str, QuantizedWeight]:
-    """AWQ in its reference order: each layer's scales searched and folded in (quant/awq.py), its weights then
+    """AWQ in its reference order: each layer's scales searched and folded in (quantize/awq_layers.py), its weights then
     clipped to int4, the windows carried on in full precision. The model is left holding the scales folded
     into its norms and rows, and the quantized weights."""
     return quantize_layerwise(

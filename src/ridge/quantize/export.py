@@ -27,15 +27,15 @@ from ridge.config import ModelConfig
 from ridge.models.loader import load_model
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
-from ridge.quant.calibration import (
+from ridge.quant.gptq import gptq_quantize
+from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
+from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
     awq_layerwise,
     calibration_windows,
     quantize_layerwise,
     windows_for,
 )
-from ridge.quant.gptq import gptq_quantize
-from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
 from ridge.tokenizer import RidgeTokenizer
 
 # method -> (checkpoint layout, bit widths it writes)
