@@ -76,6 +76,7 @@ def qwen_path() -> Path:
 def make_llm() -> Callable[..., LLM]:
     def make(model: str | Path, **engine_args) -> LLM:
         engine_args.setdefault("kv_cache_memory", "256MiB")  # many engines live in one test session
+        engine_args.setdefault("debug_kv_checks", True)
         llm = LLM(str(model), progress=False, **engine_args)
         _ENGINES.append(llm)
         return llm

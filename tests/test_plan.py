@@ -11,6 +11,7 @@ import json
 import pytest
 
 from ridge.cli import main
+from ridge.models.gguf_file import read_gguf
 from ridge.plan import arithmetic as a
 from ridge.plan.report import build_plan
 from ridge.plan.specs import (
@@ -178,7 +179,7 @@ def test_moe_decode_reads_only_the_experts_the_batch_routes_to():
 
 
 def test_smollm2_preset_matches_its_gguf_header(smollm2_path):
-    header = spec_from_gguf(smollm2_path)
+    header = spec_from_gguf(read_gguf(smollm2_path), smollm2_path.stem, f"GGUF header of {smollm2_path.name}")
     preset = PRESETS["smollm2"]
     fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "tie_word_embeddings")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from ridge.config import EngineConfig
-from ridge.engine.async_engine import Supervision
+from ridge.engine.supervision import Supervision
 from ridge.serve.app import ServerConfig
 from ridge.serve.server import free_port, make_server, start_in_thread
 

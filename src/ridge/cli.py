@@ -17,7 +17,7 @@ from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampl
 # ---- commands ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from ridge.config import EngineConfig
-    from ridge.engine.async_engine import Supervision
+    from ridge.engine.supervision import Supervision
     from ridge.serve.app import ServerConfig
     from ridge.serve.server import make_server, run
 

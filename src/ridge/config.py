@@ -56,12 +56,6 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
-    def num_parameters(self) -> int:
-        d, f = self.hidden_size, self.intermediate_size
-        qkv = d * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = qkv + self.num_heads * self.head_dim * d + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
 
 
 QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "gguf")
@@ -161,6 +155,9 @@ class EngineConfig:
     # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
     # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
     seed: int = 0
+    # tests: the whole KV accounting (each block's refcount against the block tables) checked each time the engine
+    # goes idle; without it only that no block leaked, which costs nothing (the whole check is O(blocks))
+    debug_kv_checks: bool = False
     packed_linear: bool = True  # oneDNN-packed bf16 weights on CPU (linear/dense.py)
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
     torch_dtype: torch.dtype = field(init=False)

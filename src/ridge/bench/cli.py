@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ridge.bench import roofline, workloads
+from ridge.bench import workloads
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
+from ridge.linear import model_weight_bytes
+from ridge.plan import arithmetic, roofline
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
 PEERS = ("hf", "vllm", "llamacpp")
@@ -102,30 +104,6 @@ def _greedy(n: int):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def weight_bytes_per_token(llm) -> int:
-    """Bytes of weights one decode step must read: every layer plus the vocabulary projection, as held
-    (quantized layers count their codes and scales).
-
-    The embedding table is only gathered (one row per token), so a tied table counts once, as the head.
-    """
-    import torch
-
-    from ridge.linear import ConcatLinear, weight_bytes
-
-    model = llm.engine.loaded.model
-
-    def held(module: torch.nn.Module) -> int:
-        if isinstance(module, ConcatLinear):
-            return 0  # its parts are counted one by one
-        if hasattr(module, "weight_bytes") or isinstance(module, torch.nn.Linear):
-            return weight_bytes(module)
-        return sum(p.nbytes for p in module.parameters(recurse=False))
-
-    head = model.output_projection
-    total = sum(held(m) for m in model.layers.modules())
-    return total + (held(head) if head is not None else model.output_weight.nbytes)
-
-
 def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult:
     def run_one(prompt: list[int], n: int) -> float:
         start = time.perf_counter()
@@ -196,7 +174,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     ridge_result = ridge_latency(args, llm, ids)
     gguf = resolve(args.model)
     dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
-    bytes_per_token = weight_bytes_per_token(llm)
+    bytes_per_token = model_weight_bytes(llm.engine.loaded.model)
     del llm
     results = [ridge_result]
     if not args.no_peers:
@@ -244,7 +222,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     gguf = resolve(args.model)
     dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     cfg = llm.engine.loaded.config
-    flops = 2 * weight_bytes_per_token(llm) / llm.engine.config.torch_dtype.itemsize * (prompt_tokens + output_tokens)
+    spec = llm.engine.loaded.spec
+    flops = sum(arithmetic.generation_flops(spec, len(r.prompt_ids), r.max_tokens) for r in requests)
     del llm
     results = [ridge_result]
     if not args.no_peers:

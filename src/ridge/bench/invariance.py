@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ridge.plan import arithmetic
+
 
 @dataclass
 class ModeResult:
@@ -69,15 +71,16 @@ def run_mode(args: argparse.Namespace, batch_invariant: bool, peak_gflop_s: floa
     tokens = len(prompts) * args.output_len
     result.output_tok_s = tokens / result.batch_s
     result.alone_tok_s = tokens / alone_s
-    flops = 2 * llm.engine.loaded.config.num_parameters() * (tokens + sum(map(len, prompts)))
+    spec = llm.engine.loaded.spec
+    flops = sum(arithmetic.generation_flops(spec, len(prompt), args.output_len) for prompt in prompts)
     result.gflop_s = flops / result.batch_s / 1e9
     result.roofline_fraction = result.gflop_s / peak_gflop_s
     return result
 
 
 def cmd_invariance(args: argparse.Namespace) -> int:
-    from ridge.bench import roofline
     from ridge.config import resolve_dtype
+    from ridge.plan import roofline
 
     if args.batch_invariant:
         raise ValueError("--batch-invariant: `bench invariance` runs the default mode and the batch-invariant one "

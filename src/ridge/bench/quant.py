@@ -24,7 +24,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
-from ridge.bench import roofline, workloads
+from ridge.bench import workloads
+from ridge.plan import roofline
 
 # format -> the LLM arguments it sets; a quantized format computes in --dtype
 FORMATS: dict[str, dict] = {
@@ -77,7 +78,8 @@ def _ratio(result: FormatResult, base: FormatResult, which: int) -> float:
 
 def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResult:
     from ridge import LLM
-    from ridge.bench.cli import ridge_latency, ridge_throughput, weight_bytes_per_token
+    from ridge.bench.cli import ridge_latency, ridge_throughput
+    from ridge.linear import model_weight_bytes
 
     try:
         llm = LLM(args.model, **{"dtype": args.dtype, **format_args(name)}, quantization_group_size=args.group_size,
@@ -86,7 +88,7 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
         return FormatResult(name, error=str(exc))
     computes_in = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     result = FormatResult(name, f"{llm.engine.loaded.weight_format}, computes in {computes_in}",
-                          weight_bytes_per_token(llm))
+                          model_weight_bytes(llm.engine.loaded.model))
     result.figures = ridge_latency(args, llm, ids).figures
     result.decode_tok_s = result.figures["decode_tok_s"]
     requests = workloads.random_requests(llm.engine.loaded.config.vocab_size, args.batch, args.input_len,

@@ -43,57 +43,20 @@ from ridge.engine.engine_core import (
 from ridge.engine.limits import RequestLimits
 from ridge.engine.output_processor import RequestTracker
 from ridge.engine.outputs import OutputKind, RequestOutput
+from ridge.engine.supervision import (
+    EngineDead,
+    EngineRestarting,
+    Health,
+    QueueFull,
+    RequestFailed,
+    ShuttingDown,
+    Supervision,
+)
 from ridge.hub import resolve
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
 
 log = logging.getLogger("ridge")
-
-
-class EngineDead(RuntimeError):
-    """The engine core stopped (an error, a killed or stuck process); the request was not completed."""
-
-
-class EngineRestarting(EngineDead):
-    """The engine core is being restarted; new requests may be retried in about `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class RequestFailed(RuntimeError):
-    """The engine raised while running a step of this request; the request ended, the engine serves on."""
-
-
-class QueueFull(RuntimeError):
-    """More requests (or more work) are waiting than the server admits (--max-waiting, --max-queued-tokens)."""
-
-
-class ShuttingDown(RuntimeError):
-    """The server is draining and accepts no new requests."""
-
-
-@dataclass(frozen=True)
-class Supervision:
-    """How the server keeps an engine core alive: a core that dies, or has work but reports no step for
-    `stuck_after_s`, is killed and started again, at most `max_restarts` times in any `window_s`; past
-    that the engine is dead for good and `on_give_up` is called (the server then exits non-zero, for its
-    supervisor -- systemd, Kubernetes -- to act)."""
-
-    max_restarts: int = 3
-    window_s: float = 600.0
-    stuck_after_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class Health:
-    """The engine's state as /health reports it: ok, starting, restarting, stuck or dead; while it
-    (re)starts, the seconds after which a client may retry."""
-
-    status: str
-    message: str | None = None
-    retry_after_s: int | None = None
 
 
 @dataclass
@@ -111,7 +74,7 @@ class AsyncEngine:
         config: EngineConfig,
         max_waiting: int | None = None,
         on_step: Callable[[StepReport, list[RequestOutput]], None] | None = None,
-        supervision: Supervision = Supervision(),
+        supervision: Supervision | None = None,
         progress: bool = True,
         max_queued_tokens: int | None = None,
         on_give_up: Callable[[str], None] | None = None,
@@ -120,7 +83,7 @@ class AsyncEngine:
         self.config = config
         self.max_waiting = max_waiting
         self.max_queued_tokens = max_queued_tokens
-        self.supervision = supervision
+        self.supervision = supervision or Supervision()
         self.grace_s = grace_s
         self._on_step = on_step
         self._on_give_up = on_give_up

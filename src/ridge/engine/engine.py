@@ -186,7 +186,7 @@ class LLMEngine:
         A step that raises ends the requests it was running (their blocks freed, their outputs never
         reported) and raises StepError naming them; every other request is untouched and the engine can
         step on. A failure before the step's batch was chosen ends every running request. A step after
-        which the engine is idle checks the KV accounting.
+        which the engine is idle checks that no KV block leaked (the whole accounting with debug_kv_checks).
         """
         self._scheduled = None
         try:
@@ -202,8 +202,10 @@ class LLMEngine:
             if self.drafter is not None:
                 self.drafter.release_finished()
             raise StepError(request_ids, f"{type(exc).__name__}: {exc}") from exc
-        if not self.has_unfinished:  # going idle: every block must be back (an AssertionError otherwise)
+        if self.config.debug_kv_checks and not self.has_unfinished:
             self.check_integrity()
+        elif not self.has_unfinished:  # going idle: every block must be back (an AssertionError otherwise)
+            self.kv.check_idle(full=False)
         return deltas
 
     def _step(self) -> list[RequestDelta]:

@@ -83,6 +83,23 @@ def weight_bytes(module: nn.Module) -> int:
     return module.weight.nbytes  # a plain nn.Linear
 
 
+def model_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step must read: every decoder layer plus the vocabulary projection, as held
+    (quantized layers count their codes and scales). The embedding table is only gathered (one row per token),
+    so a tied table counts once, as the head."""
+
+    def held(module: nn.Module) -> int:
+        if isinstance(module, ConcatLinear):
+            return 0  # its parts are counted one by one
+        if hasattr(module, "weight_bytes") or isinstance(module, nn.Linear):
+            return weight_bytes(module)
+        return sum(p.nbytes for p in module.parameters(recurse=False))
+
+    head = model.output_projection
+    total = sum(held(m) for m in model.layers.modules())
+    return total + (held(head) if head is not None else model.output_weight.nbytes)
+
+
 def native_linear(ops: ModuleType, module: nn.Module) -> Any | None:
     """The decode stack's form of a projection (ops.Linear), or None where a part of it has no kernel there."""
     if isinstance(module, ConcatLinear):

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_linear
 from ridge.models.gguf_file import GGUFFile, read_gguf
-from ridge.models.registry import config_from_gguf, config_from_hf
+from ridge.models.registry import config_from_spec
+from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
 from ridge.quant.rtn import QuantizedWeight
@@ -77,6 +78,7 @@ def _map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str,
 @dataclass
 class LoadedModel:
     config: ModelConfig
+    spec: ModelSpec  # the shape the planner's arithmetic counts bytes and FLOPs of
     model: DecoderModel
     path: Path
     weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
@@ -119,7 +121,8 @@ def load_model(
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
         hf_config = json.loads((path / "config.json").read_text())
-        cfg = config_from_hf(hf_config)
+        spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
+        cfg = config_from_spec(spec)
         tensors: Iterator[tuple[str, Any]] = _safetensors(path, progress)
         table, fmt = _HF_NAMES, "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
@@ -127,7 +130,8 @@ def load_model(
             fmt += f" {hf_config['quantization_config']['quant_method']}"
     else:
         gguf = gguf or open_gguf(path)
-        cfg = config_from_gguf(gguf.metadata, {t.name: t.shape for t in gguf.tensors})
+        spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
+        cfg = config_from_spec(spec)
         tensors = _gguf_tensors(gguf, cfg, progress, gguf_native)
         table = _GGUF_NAMES
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
@@ -163,7 +167,7 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model = model.to(device).eval().requires_grad_(False)
-    return LoadedModel(cfg, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
 
 
 def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight],

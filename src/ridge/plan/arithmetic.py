@@ -189,6 +189,13 @@ def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
     return batch * per_sequence
 
 
+def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float:
+    """FLOPs of one request: its prompt's prefill (which yields the first new token), then a decode step per
+    further token."""
+    return prefill(m, prompt_tokens).flops + sum(decode_step_flops(m, 1, prompt_tokens + t)
+                                                 for t in range(1, new_tokens))
+
+
 @dataclass(frozen=True)
 class Bound:
     """A phase's lower time bound: the larger of its bytes over bandwidth and its FLOPs over peak."""

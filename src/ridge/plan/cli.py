@@ -140,17 +140,13 @@ def cmd_plot_roofline(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from ridge import LLM, hub
+    from ridge import LLM
     from ridge.flags import engine_kwargs
     from ridge.plan.doctor import render, run_doctor
     from ridge.plan.plot import RooflinePoint, plot_roofline
-    from ridge.plan.specs import spec_from_gguf, spec_from_hf_config
 
-    path = hub.resolve(args.model)
-    spec = (spec_from_gguf(path) if path.suffix == ".gguf"
-            else spec_from_hf_config(json.loads((path / "config.json").read_text()), path.name))
     llm = LLM(args.model, **engine_kwargs(args))
-    report = run_doctor(args.model, spec, llm, output_len=args.output_len, batch=args.batch)
+    report = run_doctor(args.model, llm.engine.loaded.spec, llm, output_len=args.output_len, batch=args.batch)
     if args.plot:
         points = [RooflinePoint(f"{p.name}: {p.seconds * 1e3:.1f} ms ({p.wall})", p.intensity, p.flops / p.seconds,
                                 measured=True) for p in report.phases]

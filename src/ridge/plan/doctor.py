@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ridge.bench.roofline import timings
 from ridge.plan import arithmetic as a
 from ridge.plan.machine import DTYPE_NAMES, hardware_from_roofline
+from ridge.plan.roofline import timings
 from ridge.plan.specs import HardwareSpec, ModelSpec
 
 
@@ -103,8 +103,8 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
                output_len: int = 32, batch: int = 16, repeats: int = 3, progress: bool = True) -> DoctorReport:
     """`llm`: a ridge LLM on `model`; `spec`: its shape (for FLOPs and KV bytes)."""
     from ridge import SamplingParams
-    from ridge.bench.cli import weight_bytes_per_token
-    from ridge.bench.roofline import measure
+    from ridge.linear import model_weight_bytes
+    from ridge.plan.roofline import measure
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -112,7 +112,7 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
     dtype_name = DTYPE_NAMES[str(llm.engine.config.torch_dtype).removeprefix("torch.")]
     if hw is None:
         hw = hardware_from_roofline(measure(dtypes=(llm.engine.config.torch_dtype,)))
-    weights = weight_bytes_per_token(llm)
+    weights = model_weight_bytes(llm.engine.loaded.model)
     kv_dtype = dtype_name
     vocab = llm.engine.loaded.model.cfg.vocab_size
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""`this-machine` as a HardwareSpec: its ceilings measured on the spot (bench/roofline.py), its memory
+"""`this-machine` as a HardwareSpec: its ceilings measured on the spot (plan/roofline.py), its memory
 read from the OS. Measured figures are what this machine reaches with torch's own kernels, not a
 datasheet's peaks: the fair yardstick for what ridge gets here."""
 
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ridge.bench.roofline import Roofline, measure
+from ridge.plan.roofline import Roofline, measure
 
 DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}  # torch dtype name -> plan's
 

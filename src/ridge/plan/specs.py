@@ -13,78 +13,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ridge.models.gguf_file import read_gguf
+from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+
 DATA = Path(__file__).parent
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer's shape: enough to count its parameters, FLOPs and KV bytes."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int  # the dense FFN's width (of the dense layers, in an MoE model)
-    tie_word_embeddings: bool = False
-    gated_ffn: bool = True  # SwiGLU / GeGLU: gate, up and down matrices; else up and down
-    qkv_bias: bool = False
-    # mixture of experts: each MoE layer holds num_experts FFNs of moe_intermediate_size and runs
-    # experts_per_token of them, plus shared_experts always-on ones; the first first_dense_layers are dense
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    shared_experts: int = 0
-    first_dense_layers: int = 0
-    # multi-head latent attention (DeepSeek): the cache holds a kv_lora_rank latent and one shared rotary
-    # key of qk_rope_head_dim per token and layer, instead of K and V per KV head
-    kv_lora_rank: int = 0
-    q_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    # local / global attention (Gemma 3): all but every global_every-th layer see only sliding_window tokens
-    sliding_window: int = 0
-    global_every: int = 0
-    source: str = ""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def attention_kind(self) -> str:
-        if self.is_mla:
-            return "MLA"
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
-
-    @property
-    def local_layers(self) -> int:
-        """Layers that attend to at most sliding_window tokens."""
-        if not self.sliding_window:
-            return 0
-        if not self.global_every:
-            return self.num_layers
-        return self.num_layers - self.num_layers // self.global_every
-
-    def validate(self) -> ModelSpec:
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"model {self.name}: {f} must be positive, got {getattr(self, f)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: num_kv_heads ({self.num_kv_heads}) must divide num_heads "
-                             f"({self.num_heads})")
-        if self.is_moe and not 0 < self.experts_per_token <= self.num_experts:
-            raise ValueError(f"model {self.name}: experts_per_token must be in 1..num_experts ({self.num_experts})")
-        return self
 
 
 @dataclass(frozen=True)
@@ -179,91 +111,6 @@ def hardware_table() -> dict[str, HardwareSpec]:
     return {name: HardwareSpec(name=name, **fields) for name, fields in _load_table("hardware.toml").items()}
 
 
-# HF config.json keys -> ModelSpec fields (first key present wins)
-_HF_KEYS = {
-    "vocab_size": ("vocab_size",),
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_heads": ("num_attention_heads", "n_head"),
-    "num_kv_heads": ("num_key_value_heads",),
-    "head_dim": ("head_dim",),
-    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
-    "tie_word_embeddings": ("tie_word_embeddings",),
-    "qkv_bias": ("attention_bias",),
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "experts_per_token": ("num_experts_per_tok", "num_experts_per_token"),
-    "moe_intermediate_size": ("moe_intermediate_size",),
-    "shared_experts": ("n_shared_experts",),
-    "first_dense_layers": ("first_k_dense_replace",),
-    "kv_lora_rank": ("kv_lora_rank",),
-    "q_lora_rank": ("q_lora_rank",),
-    "qk_rope_head_dim": ("qk_rope_head_dim",),
-    "qk_nope_head_dim": ("qk_nope_head_dim",),
-    "v_head_dim": ("v_head_dim",),
-    "sliding_window": ("sliding_window",),
-    "global_every": ("sliding_window_pattern",),
-}
-
-
-def spec_from_hf_config(config: dict, name: str, source: str = "config.json") -> ModelSpec:
-    config = config.get("text_config", config)  # multimodal configs nest the language model's
-    fields: dict = {}
-    for spec_field, keys in _HF_KEYS.items():
-        for key in keys:
-            if config.get(key) is not None:
-                fields[spec_field] = config[key]
-                break
-    for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
-        if required not in fields:
-            raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
-    fields.setdefault("num_kv_heads", fields["num_heads"])
-    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
-    fields.setdefault("intermediate_size", 4 * fields["hidden_size"])
-    if config.get("model_type", "").startswith("qwen2") and "qkv_bias" not in fields:
-        fields["qkv_bias"] = True  # Qwen2 has q / k / v biases without saying so in its config
-    if config.get("use_sliding_window") is False:
-        fields.pop("sliding_window", None)
-    if fields.get("num_experts") and not fields.get("moe_intermediate_size"):
-        fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
-    if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
-        full = sum(kind == "full_attention" for kind in config["layer_types"])
-        fields["global_every"] = fields["num_layers"] // full if full else 0
-    fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
-    if fields.get("q_lora_rank") is None:
-        fields.pop("q_lora_rank", None)
-    return ModelSpec(name=name, source=source, **fields).validate()
-
-
-def spec_from_gguf(path: Path) -> ModelSpec:
-    """A GGUF file's header (its `<arch>.*` keys), without reading the tensors."""
-    from ridge.models.gguf_file import read_gguf
-
-    gguf = read_gguf(path)
-
-    def value(key: str, default=None):
-        v = gguf.fields.get(key, default)
-        return v[0] if isinstance(v, list) and len(v) == 1 else v
-
-    arch = value("general.architecture")
-    heads = int(value(f"{arch}.attention.head_count"))
-    hidden = int(value(f"{arch}.embedding_length"))
-    tokens = value("tokenizer.ggml.tokens")
-    vocab = int(value(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-    kv = value(f"{arch}.attention.head_count_kv", heads)
-    names = {t.name for t in gguf.tensors}
-    return ModelSpec(
-        name=path.stem, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
-        num_heads=heads, num_kv_heads=int(kv), head_dim=int(value(f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(value(f"{arch}.feed_forward_length")),
-        tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
-        num_experts=int(value(f"{arch}.expert_count", 0)), experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
-        moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
-        sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
-        global_every=6 if arch == "gemma3" else 0,  # Gemma 3's pattern is fixed by the architecture, not stored
-        source=f"GGUF header of {path.name}",
-    ).validate()
-
-
 def resolve_model(name_or_path: str) -> ModelSpec:
     """A preset's name, a ridge model name (its pulled GGUF), a config.json, a GGUF file, or a directory
     holding a config.json."""
@@ -276,7 +123,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     if path.suffix == ".json" and path.exists():
         return spec_from_hf_config(json.loads(path.read_text()), path.parent.name or path.stem, str(path))
     if path.suffix == ".gguf" and path.exists():
-        return spec_from_gguf(path)
+        return spec_from_gguf(read_gguf(path), path.stem, f"GGUF header of {path.name}")
     raise ValueError(f"model: {name_or_path!r} is not a preset, config.json or GGUF file; presets: "
                      + ", ".join(presets))
 

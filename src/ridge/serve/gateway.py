@@ -11,17 +11,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ridge.engine.async_engine import (
-    AsyncEngine,
-    EngineDead,
-    EngineRestarting,
-    QueueFull,
-    RequestFailed,
-    ShuttingDown,
-)
+from ridge.engine.async_engine import AsyncEngine
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
+from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
 from ridge.sampling_params import SamplingParams
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import uvicorn
 
 from ridge.config import EngineConfig
-from ridge.engine.async_engine import AsyncEngine, Supervision
+from ridge.engine.async_engine import AsyncEngine
+from ridge.engine.supervision import Supervision
 from ridge.serve.app import ServerConfig, build_app
 from ridge.serve.metrics import EngineMetrics
 

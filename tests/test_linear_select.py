@@ -1,0 +1,72 @@
+"""linear/select.py's one decision: which layer a weight gets for (format, dtype, device, CPU features, options)."""
+
+import pytest
+import torch
+from torch import nn
+
+from ridge.kernels import cpu_ops
+from ridge.linear import (
+    Bf16DotLinear,
+    DequantizedLinear,
+    FewRowsLinear,
+    Fp8Linear,
+    GroupedInt8Linear,
+    Int4Linear,
+    Int8Linear,
+    LinearTarget,
+    PackedLinear,
+    VnniLinear,
+    make_linear,
+    model_weight_bytes,
+)
+from ridge.linear.dense import onednn_packs
+from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
+
+
+def pick(weight, dtype=torch.bfloat16, **target) -> type:
+    return type(make_linear(weight, None, LinearTarget(dtype, **target)))
+
+
+def test_dense_weights(ops):
+    w = nn.Parameter(torch.randn(64, 96), requires_grad=False)
+    assert pick(w, torch.float32, ops=ops) is FewRowsLinear
+    assert pick(w, torch.float32) is nn.Linear  # no ridge kernels: torch's own
+    bf16 = nn.Parameter(w.data.bfloat16(), requires_grad=False)
+    assert pick(bf16, ops=ops) is (PackedLinear if onednn_packs(torch.bfloat16, "cpu") else nn.Linear)
+    assert pick(bf16, ops=ops, packed=False) is nn.Linear
+
+
+def test_quantized_weights(ops):
+    w = torch.randn(64, 96)
+    int4, int8, fp8 = quantize_int4(w, 32), quantize_int8(w), quantize_fp8(w)
+    assert pick(fp8, ops=ops) is Fp8Linear
+    assert pick(int4, torch.float32, ops=ops) is GroupedInt8Linear  # float32: ridge's grouped kernel, every format
+    assert pick(int4) is Int4Linear and pick(int8) is Int8Linear  # no ridge kernels: torch's
+    assert pick(int4, device="cuda") is DequantizedLinear  # no kernel for the device: the dequantized matrix
+    if ops.bf16_dot_available():
+        assert pick(int4, ops=ops) is Bf16DotLinear and pick(int8, ops=ops) is Bf16DotLinear
+    assert pick(int4, ops=ops, bf16_dot=False) is Int4Linear
+    assert pick(quantize_int4(torch.randn(72, 96), 32), ops=ops) is Int4Linear  # 72 channels: not in 16s
+
+
+def test_int8_activations(ops):
+    int4 = quantize_int4(torch.randn(64, 96), 32)
+    if ops.vnni_available():
+        assert pick(int4, ops=ops, int8_activations=True) is VnniLinear
+        assert pick(int4, torch.float32, ops=ops, int8_activations=True) is VnniLinear
+    odd = make_linear(quantize_int4(torch.randn(40, 96), 32), None,
+                      LinearTarget(torch.float32, ops=ops, int8_activations=True))
+    assert isinstance(odd, GroupedInt8Linear) and odd.int8_activations == ops.int8_dot_available()
+
+
+def test_model_weight_bytes_count_a_tied_table_once(smollm2):
+    model = smollm2.engine.loaded.model
+    layers = sum(p.nbytes for p in model.layers.parameters())
+    assert model_weight_bytes(model) == layers + model.output_weight.nbytes
