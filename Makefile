@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test test-fast lint bench-latency bench-throughput models
+.PHONY: run demo test test-fast lint bench-latency bench-throughput bench-docs models
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,3 +50,7 @@ bench-latency: $(STAMP)
 
 bench-throughput: $(STAMP)
 	$(VENV)/bin/ridge bench throughput --all-peers
+
+# docs/benchmarks.md's marked tables measured again on this machine (with every peer installed), and rendered
+bench-docs: $(STAMP)
+	$(VENV)/bin/ridge bench report --run

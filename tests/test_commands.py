@@ -1,5 +1,5 @@
 """Each command a user runs, on SmolLM2 at tiny sizes, in this process: it runs to the end and reports
-figures that make sense. (Their numbers are docs/benchmarks.md's; here only that they work.)"""
+figures that make sense. (Their numbers are docs/benchmarks.md's and the notebook's; here only that they work.)"""
 
 import io
 import json
@@ -71,3 +71,23 @@ def test_help_names_the_flags(command, capsys):
 def test_bench_invariance_refuses_the_flag_it_sets_itself(smollm2_path, capsys):
     assert main(["bench", "invariance", "--model", str(smollm2_path), "--batch-invariant"]) == 2
     assert "--batch-invariant: `bench invariance` runs" in capsys.readouterr().err
+
+
+def test_bench_report_renders_kept_results_into_the_marked_tables(tmp_path):
+    """`ridge bench report` (without --run) rewrites a marked table from its kept result and leaves the rest of the
+    page, and sections with no result, as they are."""
+    from ridge.bench.report import render
+
+    report = {"benchmark": "latency", "machine": {"read_gb_s": 30.0}, "results": [
+        {"engine": "ridge", "figures": {"prefill_tok_s": 5000.0, "decode_tok_s": 60.0}, "note": "bf16", "error": None},
+        {"engine": "llamacpp", "figures": {"prefill_tok_s": 9000.0, "decode_tok_s": 120.0}, "note": "Q4_1",
+         "error": None}]}
+    (tmp_path / "latency.json").write_text(json.dumps({"command": "ridge bench latency --all-peers",
+                                                       "commit": "abc1234", "date": "2026-11-26",
+                                                       "machine": "a CPU", "report": report}))
+    page = ("# title\n<!-- report:latency -->\nold\n<!-- /report:latency -->\ntext\n"
+            "<!-- report:throughput -->\nkept\n<!-- /report:throughput -->\n")
+    text, rendered = render(page, tmp_path)
+    assert rendered == ["latency"] and "old" not in text and "kept" in text and text.startswith("# title\n")
+    assert "at commit abc1234, 2026-11-26, on a CPU (read bandwidth measured at 30.0 GB/s)" in text
+    assert "| ridge (bf16) | 5000 | 60.0 | 1.00x |" in text and "| llamacpp (Q4_1) | 9000 | 120.0 | 0.50x |" in text

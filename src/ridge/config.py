@@ -64,7 +64,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @cache
 def cpu_has_fast_bf16() -> bool:
-    """bf16 is faster than fp32 on CPUs with AMX or AVX512-BF16 (measured: docs/benchmarks.md)."""
+    """bf16 is faster than fp32 on CPUs with AMX or AVX512-BF16 (measured: docs/notes/bench-runtime.md)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

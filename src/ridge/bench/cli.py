@@ -16,6 +16,7 @@ from typing import Any
 from ridge.bench import workloads
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.quant import add_quant_parser
+from ridge.bench.report import add_report_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
 from ridge.linear import model_weight_bytes
@@ -333,4 +334,5 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_soak_parser(bsub)
     add_quant_parser(bsub)
     add_invariance_parser(bsub, add_engine_args)
+    add_report_parser(bsub)
 

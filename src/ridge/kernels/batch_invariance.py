@@ -17,7 +17,7 @@ Batch invariant, ridge computes every row by one path whose reduction order is f
   norms and the output projection, and refuses by name what still differs (quantized layers, which change
   kernel with the row count) rather than serve outputs that are not invariant.
 
-What it costs is measured by `ridge bench invariance` (docs/benchmarks.md).
+What it costs is measured by `ridge bench invariance` (docs/notes/bench-runtime.md).
 """
 
 from __future__ import annotations

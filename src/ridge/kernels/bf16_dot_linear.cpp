@@ -30,7 +30,7 @@
 // where the converts and shuffles run beside the dot products rather than alone before them. On Qwen2.5-0.5B's shapes
 // at 32 rows against oneDNN's packed bf16 weights (2-core Zen 4): int8 per channel 0.97-0.995x on 1152 x 896 and
 // 9728 x 896, 1.07x on 896 x 4864; Q8_0-like 32-column groups 0.95-0.98x, 1.06-1.09x (the panel filled alone first,
-// without the dequantization: 1.00-1.10x, in groups 1.09-1.21x; docs/benchmarks.md).
+// without the dequantization: 1.00-1.10x, in groups 1.09-1.21x; docs/notes/bench-quantization.md).
 // GGUF's 5- and 6-bit codes (Q5_0 / Q5_1 / Q5_K, Q6_K) are held as bytes but span at most 128 values: less 64 if
 // signed (stored plus 128), each is a 7-bit number, which the 0x43xx trick turns into one exact bf16 as it does a
 // 4-bit code (kSevenBit): one dot product a weight, no panel below kSevenBitPanelMinRows rows. On Qwen2.5-0.5B's

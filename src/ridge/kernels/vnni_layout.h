@@ -51,13 +51,13 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
 // - over several row tiles, a slice before each tile (before_tile): the first tile (or bf16_dot_linear.cpp's panel
 //   fill) waited on memory with the arithmetic idle, and the later ones ran from cache with the memory idle
 //   (Qwen2.5-0.5B at 32 rows, 2-core Zen 4: its int8 head 27.6-29.4 -> 24.6-25.2 ms, Q8_0 31.2-31.8 -> 27.8-28.5
-//   ms, the layers 2-15% faster; docs/benchmarks.md);
+//   ms, the layers 2-15% faster; docs/notes/bench-quantization.md);
 // - in one row tile (decode's few rows), along the tile: each line it reads is prefetched `ahead()` bytes on, the
 //   same line of the next pair. The tile reads its two blocks' records side by side, two streams a few kB long
 //   each, and the hardware's prefetcher did not keep up with them: a scratch loop of plain loads over that pattern
 //   read 10 GB/s on one core against 25 over one stream, 22 with these prefetches (into L2: a prefetch into L1 holds
 //   one of the core's few L1 miss buffers until its line comes, and read 14). The layers of SmolLM2's int4
-//   stack went from 4.0-4.7 to 3.1-3.2 ms a step (docs/benchmarks.md).
+//   stack went from 4.0-4.7 to 3.1-3.2 ms a step (docs/notes/bench-quantization.md).
 class NextPairPrefetch {
  public:
   NextPairPrefetch(const Geometry& geo, const uint8_t* weights, int64_t cb, int64_t channel_blocks, int64_t row_tiles) {

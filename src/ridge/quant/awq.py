@@ -17,7 +17,7 @@ called by quantize/calibration.py's awq_layerwise). Then, as in the paper, each 
 factor (of a grid, 1 included) that minimises the error of the group's share of the layer's output: a few
 large weights no longer stretch the grid of all the others.
 
-Two differences from the reference (docs/benchmarks.md has both measured on Qwen2.5-Coder-0.5B):
+Two differences from the reference (docs/notes/bench-quantization.md has both measured on Qwen2.5-Coder-0.5B):
 - a is the RMS of each channel, not its mean |x| (the mean was no better);
 - after the shrink, each group's grid is fitted to its codes under the same objective (clipped_int4's
   refits): the shrink moves both ends of the range together, the fit moves each on its own.
@@ -69,7 +69,7 @@ def clipped_int4(weight: torch.Tensor, group_size: int, hessian: torch.Tensor, i
     rounds of fitting the grid to the codes (scale and minimum by least squares under H_gg, codes rounded
     again), which moves each end of the range on its own where the shrink moves both (on Qwen2.5-Coder-0.5B,
     whose weights come from 5- and 6-bit blocks, it takes the plain squared error 10% below the best shrink's;
-    docs/benchmarks.md)."""
+    docs/notes/bench-quantization.md)."""
     n, k = weight.shape
     groups = k // group_size
     w = weight.float().view(n, groups, group_size)

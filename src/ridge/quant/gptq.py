@@ -38,7 +38,7 @@ from ridge.quant.rtn import (
 # Dampening: this fraction of the mean of H's diagonal is added to it before the inverse. The larger, the
 # less GPTQ trusts the calibration's input correlations (1/damp -> 0: plain RTN). Integer codes take the
 # reference's 0.01. e4m3 codes take 0.1: on SmolLM2 0.01 gave +1.3% / +0.2% perplexity on held-out
-# Shakespeare / ShareGPT against 0.1's +0.6% / +0.3% (docs/benchmarks.md): where rounding errors are
+# Shakespeare / ShareGPT against 0.1's +0.6% / +0.3% (docs/notes/bench-quantization.md): where rounding errors are
 # relative to each weight, pushing them onto small weights costs those weights more than it does on a
 # uniform integer grid.
 DAMP = 0.01

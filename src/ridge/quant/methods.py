@@ -47,7 +47,7 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
 # Q6_K / Q8_0 and GPTQ / AWQ / fp8 checkpoints leave it unquantized, for it is the layer whose errors reach
 # the logits directly; but on a small model it is a fifth of the weights, too many bytes to leave at 16 bits.
 # At one byte a weight, int8 with a scale per row is the more accurate of the two 8-bit formats for it
-# (SmolLM2 under fp8: +1.6% perplexity with the head at int8, +2.4% with it at fp8; docs/benchmarks.md).
+# (SmolLM2 under fp8: +1.6% perplexity with the head at int8, +2.4% with it at fp8; docs/notes/bench-quantization.md).
 HEAD_METHOD = "int8"
 HEAD = "output_projection"  # the vocabulary projection's key among the layers' (its input: the final norm's output)
 

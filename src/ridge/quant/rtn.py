@@ -9,7 +9,7 @@ int4: asymmetric, per group of `group_size` input columns: w ~ q * scale + minim
         code. The only form GPTQ / AWQ checkpoints can store (qzeros), so `ridge quantize` writes it.
       The float form costs nothing at run time and is the more accurate: on SmolLM2, whose file is Q4_1,
       RTN at group 32 finds each block's own grid again (+0.06% perplexity) where the integer form, which
-      shifts every group by up to half a step, gave +24% (docs/benchmarks.md).
+      shifts every group by up to half a step, gave +24% (docs/notes/bench-quantization.md).
 fp8: e4m3 codes, one scale per output channel: w ~ q * scale, |q| <= 448.
 GPTQ and AWQ choose the same formats with a smarter q (and, for AWQ, scaled columns); they reuse
 QuantizedWeight and dequantize() from here.

@@ -31,10 +31,9 @@ from ridge.quantize.awq_layers import scale_layer
 from ridge.tokenizer import RidgeTokenizer
 
 CALIBRATION_WINDOW = 512  # tokens per calibration window
-# windows a method calibrates on unless told (docs/benchmarks.md): GPTQ gained nothing from three times 32 (its
-# error compensation fits the text it sees); AWQ at 64 took Qwen2.5-Coder-0.5B int4 g32 from +3.00% to +2.91% on
-# held-out Shakespeare, +1.83% to +1.74% on ShareGPT (AutoAWQ calibrates on 128 windows of 512 tokens); int8 and
-# fp8 at load need only the importance of each input column, whose loud columns any few windows show
+# windows a method calibrates on unless told: GPTQ's error compensation fits the text it sees, so more gained it
+# nothing; AWQ's scale search gained a little up to 64; int8 and fp8 need only each input column's importance, whose
+# loud columns any few windows show (docs/notes/bench-quantization.md, "GPTQ damping and calibration size")
 DEFAULT_WINDOWS = {"gptq": 32, "awq": 64, "int8": 8, "fp8": 8}
 
 
@@ -187,10 +186,9 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     its inputs, the attention backend), if given, runs first on each layer (AWQ folds its scales in there, so
     that the statistics are those of the scaled inputs). carry_quantized=False carries the windows through
     each layer before its weights are replaced, so every layer sees the full-precision model's activations:
-    AWQ's reference order (its search makes each block's output match the full-precision block's; Qwen2.5-
-    Coder-0.5B g32 65.37 / 2.754 on the quantized walk, 65.24 / 2.752 on this one; docs/benchmarks.md), and
-    one pass a layer instead of two. Returns every layer's {key: QuantizedWeight}; the model's linear weights
-    are left at their quantized values."""
+    AWQ's reference order (its search makes each block's output match the full-precision block's; the slightly
+    better of the two walks, docs/notes/bench-quantization.md), and one pass a layer instead of two. Returns
+    every layer's {key: QuantizedWeight}; the model's linear weights are left at their quantized values."""
     backend, states = first_layer_inputs(model, windows, dtype, device)
     fitted: dict[str, QuantizedWeight] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
