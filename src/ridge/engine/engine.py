@@ -140,11 +140,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        validated: bool = False,
     ) -> str:
-        """Queue a request (a text, or its token ids) after validating it; return its id."""
+        """Queue a request (a text, or its token ids) after validating it against self.limits, unless the
+        caller did (the server, in its own process, with the same limits); return its id."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
-        self.validate(ids, params)
+        if not validated:
+            self.validate(ids, params)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")

@@ -74,7 +74,7 @@ class StepFailed:
 
 @dataclass
 class Rejected:
-    """A request the engine refused (the server checks the same limits first, so this is rare)."""
+    """A request the engine refused: its id already in use (the server checked the limits before sending it)."""
 
     request_id: str
     message: str
@@ -155,7 +155,9 @@ def _exit_after(delay_s: float) -> None:
 def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortRequest | QueryState) -> None:
     if isinstance(command, AddRequest):
         try:
-            engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time)
+            # the server checked the request against the limits this engine sent it (Ready.limits)
+            engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time,
+                               validated=True)
         except ValueError as exc:
             conn.send(Rejected(command.request_id, str(exc)))
     elif isinstance(command, AbortRequest):
