@@ -41,7 +41,8 @@ def _engine_rows(report: dict, columns: list[tuple[str, str, str]], ratio_key: s
             continue
         cells = [format(r["figures"][key], spec) for _, key, spec in columns]
         ratio = ridge["figures"][ratio_key] / r["figures"][ratio_key] if ridge else float("nan")
-        rows.append(f"| {r['engine']} ({r['note']}) | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        name = f"{r['engine']} ({r['note']})" if r["note"] else r["engine"]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     return rows
 
 
