@@ -230,8 +230,8 @@ def find_stop(text: str, new_from: int, stops: tuple[str, ...]) -> tuple[int, st
 class OutputText:
     """One sample's text as its tokens arrive: detokenized incrementally and cut at the first stop string.
 
-    The engine keeps one per sequence when it detokenizes in-process (`LLM`); the server keeps one per
-    sample in its own process, so the engine's step loop never decodes text.
+    The output processor keeps one per sample (engine/output_processor.py), for `LLM` and for the server
+    alike, so the engine's step loop never decodes text.
     """
 
     def __init__(self, tokenizer: RidgeTokenizer, params: SamplingParams) -> None:

@@ -14,7 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_linear", &int8_dot_linear,
         "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
-  py::class_<VnniWeight>(m, "VnniWeight", "a weight in vnni_linear's layout (quant/linear.py's pack_vnni)")
+  py::class_<VnniWeight>(m, "VnniWeight", "a weight in vnni_linear's layout (linear/layouts.py's pack_vnni)")
       .def(py::init([](torch::Tensor packed, int64_t group, bool nibbles, bool signed_codes, bool minimums,
                        double unit, bool seven_bit) {
              return VnniWeight{packed, group, nibbles, signed_codes, minimums, unit, seven_bit};

@@ -68,7 +68,7 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
     case Kernel::kLinear:
       return at::linear(x, weight, bias);
     case Kernel::kOneDnn:
-      if (x.size(0) < min_rows) {  // as PackedLinear pads (kernels/onednn_linear.py)
+      if (x.size(0) < min_rows) {  // as PackedLinear pads (linear/dense.py)
         const auto padded = torch::cat({x, x.new_zeros({min_rows - x.size(0), x.size(1)})});
         return onednn_linear(padded, weight, bias).narrow(0, 0, x.size(0));
       }

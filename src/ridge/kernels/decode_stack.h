@@ -17,7 +17,7 @@ namespace ridge_stack {
 //   bf16_dot: 4- or 8-bit codes in that layout, exact, bf16 activations (bf16_dot_linear.cpp), or from
 //   `tiled_min_rows` rows on the same weight dequantized to bf16 a tile at a time (quant_linear.cpp);
 //   dense: a float32 weight on ridge's few-row kernel; linear: a plain weight on at::linear;
-//   onednn: a bf16 weight packed by oneDNN (kernels/onednn_linear.py), calls of fewer than `min_rows` rows padded;
+//   onednn: a bf16 weight packed by oneDNN (linear/dense.py), calls of fewer than `min_rows` rows padded;
 //   int4pack: torch's CPU int4 layout, `scales` its scales_and_zeros, output channels padded to 16 (out_features
 //   the real count).
 struct LinearPart {

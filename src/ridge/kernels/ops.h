@@ -25,7 +25,7 @@ bool int8_dot_available();
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
                               int64_t block_width);
-// A weight in vnni_linear.cpp's layout (quant/linear.py's pack_vnni), with what its bytes do not say
+// A weight in vnni_linear.cpp's layout (linear/layouts.py's pack_vnni), with what its bytes do not say
 struct VnniWeight {
   torch::Tensor packed;  // uint8 [N / 16, K / max(group, 32), record bytes]
   int64_t group;

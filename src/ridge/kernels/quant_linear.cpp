@@ -179,7 +179,7 @@ void dequantize_grouped(const int8_t* codes, const float* scales, const float* m
 }
 
 // torch's CPU int4 layout (aten._convert_weight_to_int4pack_for_cpu), read back: channels in blocks of
-// `width` (64 where torch's kernels run AVX512, 32 on AVX2: quant/linear.py asks torch which), and the last
+// `width` (64 where torch's kernels run AVX512, 32 on AVX2: linear/layouts.py asks torch which), and the last
 // N % width in one block; a block of B channels starting at channel n holds its K x (B / 2) bytes from byte
 // n * K / 2 on, one row of bytes per input column k. In a full block byte j holds channel n + j (low nibble)
 // and n + width / 2 + j (high); in the last block, channels n + 2j (low) and n + 2j + 1 (high).
@@ -271,7 +271,7 @@ struct KMajorTile {
 };
 
 // oneDNN's bf16 weight layout for its AVX512 matmuls (what torch's mkldnn._reorder_linear_weight makes of an [N, K]
-// weight; kernels/onednn_linear.py checks it against that before using it): channels in blocks of 64 and, within a
+// weight; linear/dense.py's prompt_scratch checks it against that before using it): channels in blocks of 64 and, within a
 // block, the columns in pairs, each pair as 64 channels x 2 values. A pair of columns of 16 channels is then 64
 // contiguous bytes, a channel's two values side by side.
 struct OnednnPairs {

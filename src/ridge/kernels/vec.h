@@ -26,7 +26,7 @@ std::vector<float> group_sums(const T* x, int64_t count, int64_t group) {
   return sums;
 }
 
-// 4-bit codes two a byte, as ridge holds 4-bit grouped weights in float32 (quant/linear.py's pack_nibbles):
+// 4-bit codes two a byte, as ridge holds 4-bit grouped weights in float32 (linear/layouts.py's pack_nibbles):
 // a row of K codes is K / 2 bytes, 16 per 32 columns, byte i of a 32-column block holding column i in its
 // low nibble and column i + 16 in its high one (llama.cpp's Q4_0 order: a block's codes come out of one
 // 16-byte load in column order). The vector readers of this order are below (vload_nibbles,

@@ -1,4 +1,4 @@
-// The sizes of vnni_linear.cpp's weight layout (quant/linear.py's pack_vnni, described in vnni_linear.cpp), shared
+// The sizes of vnni_linear.cpp's weight layout (linear/layouts.py's pack_vnni, described in vnni_linear.cpp), shared
 // by the kernels that read it: vnni_linear.cpp (int8 activations) and bf16_dot_linear.cpp (exact, bf16).
 #pragma once
 
@@ -42,7 +42,7 @@ inline Geometry geometry(const VnniWeight& weight, int64_t k_dim) {
   const torch::Tensor& packed = weight.packed;
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(1) == k_dim / geo.unit() && packed.size(2) == geo.record_bytes(),
-              "packed: contiguous uint8 [N / 16, K / max(group, 32), record bytes] (quant/linear.py's pack_vnni)");
+              "packed: contiguous uint8 [N / 16, K / max(group, 32), record bytes] (linear/layouts.py's pack_vnni)");
   return geo;
 }
 

@@ -5,7 +5,7 @@
 // ~330 GFLOP/s on a 2-core Zen 4), so a kernel that dequantizes to floats can at best tie with bf16; integer
 // products are the only way for 4-bit weights to stay ahead once a batch fills the arithmetic units.
 //
-// Layout (quant/linear.py's pack_vnni), llama.cpp's idea of a block that carries its own scales: output
+// Layout (linear/layouts.py's pack_vnni), llama.cpp's idea of a block that carries its own scales: output
 // channels in blocks of 16, each a run of records, one per unit of max(group, 32) columns. A record is
 //   a header: the unit's 16-channel scales as float16 (two groups' for 16-column groups), then as many
 //     minimums where the weight has them, zero-padded to 64 bytes;
