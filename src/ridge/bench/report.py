@@ -143,6 +143,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         for name in tqdm(names, desc="bench report", unit="section"):
             run_section(name, results)
     page = Path(args.page)
+    if not page.is_file():
+        raise ValueError(f"page: {page} is not a file (--page names the markdown page to render into)")
     text, rendered = render(page.read_text(), results)
     page.write_text(text)
     missing = [n for n in names if n not in rendered]

@@ -45,7 +45,10 @@ class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.cache)
-        self.block_size = block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
 
     @property
     def num_blocks(self) -> int:

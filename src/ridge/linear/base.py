@@ -72,9 +72,6 @@ class ConcatLinear(nn.Module):
         out = torch.cat([p(x) for p in self.parts], dim=-1)
         return out if self.bias is None else out + self.bias
 
-    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any | None:
-        return None  # the stack takes the parts one by one (native_linear)
-
 
 def weight_bytes(module: nn.Module) -> int:
     """The bytes a forward pass of a linear layer, of any kind, streams for its weight."""

@@ -192,8 +192,14 @@ def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
 def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float:
     """FLOPs of one request: its prompt's prefill (which yields the first new token), then a decode step per
     further token."""
-    return prefill(m, prompt_tokens).flops + sum(decode_step_flops(m, 1, prompt_tokens + t)
-                                                 for t in range(1, new_tokens))
+    p = count_parameters(m)  # once, not once a step: a benchmark sums thousands of steps
+    qk, v = _attention_dims(m)
+    local, window = m.local_layers, m.sliding_window
+    attended = sum((m.num_layers - local) * ctx + local * min(ctx, window or ctx)
+                   for ctx in range(prompt_tokens + 1, prompt_tokens + new_tokens))
+    steps = new_tokens - 1
+    return (prefill(m, prompt_tokens).flops + 2.0 * (p.attention + p.ffn_active + p.head) * steps
+            + 2.0 * m.num_heads * (qk + v) * attended)
 
 
 @dataclass(frozen=True)
