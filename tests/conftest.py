@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ridge import LLM, hub
+from ridge.kernels import cpu_ops
 
 _ENGINES: list[LLM] = []
 
@@ -60,6 +61,14 @@ def _unit_tests_load_no_model(request, monkeypatch) -> None:
                              "fixture, so that the test is not counted as unit")
 
     monkeypatch.setattr(hub, "alias_path", refuse)
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """ridge's C++ CPU kernels, which every test machine must be able to build."""
+    module = cpu_ops.load()
+    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -10,18 +10,11 @@ from conftest import random_prompts
 from ridge import SamplingParams
 from ridge.attention.backend import AttentionMetadata, KernelRows, PrefillChunk
 from ridge.attention.cascade import SharedPrefix
-from ridge.kernels import cpu_ops, decode_stack
+from ridge.kernels import decode_stack
 from ridge.linear import FewRowsLinear, LinearTarget, PackedLinear, fused_linear, make_linear, native_linear
 from ridge.linear.dense import onednn_packs
 from ridge.linear.rows import TILED_MIN_ROWS
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
-    return module
 
 
 def layer(weight, bias, dtype, ops, **options) -> torch.nn.Module:

@@ -57,13 +57,6 @@ def test_unpacked_codes_and_scales_equal_gguf_dequantize(kind):
     assert np.abs(dequantize(qw).numpy() - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
-    return module
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", gguf_blocks.SUPPORTED)
 # the register path (row blocks of 4, 3, 2, 1) up to 8 rows, 32 in float32; dequantized tiles beyond

@@ -5,14 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from ridge.attention import AttentionMetadata, PagedBackend
-from ridge.kernels import cpu_ops
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
-    return module
 
 
 def test_cache_write_and_gather_round_trip(ops):

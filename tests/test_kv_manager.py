@@ -15,16 +15,16 @@ def seq(i: int, tokens: list[int]) -> Sequence:
 def test_reserve_commit_trim_free():
     kv = KVManager(8, 4)
     s = seq(0, list(range(6)))
-    assert kv.reserve(s, 6) and len(s.block_table) == 2
+    assert kv.reserve(s, 6) and len(s.block_tables[0]) == 2
     kv.commit(s, 6)
     assert s.num_computed == 6
-    assert kv.reserve(s, 6 + 5) and len(s.block_table) == 3  # room for drafts
+    assert kv.reserve(s, 6 + 5) and len(s.block_tables[0]) == 3  # room for drafts
     kv.trim(s)  # the drafts were rejected: back to the blocks its 6 tokens need
-    assert len(s.block_table) == 2 and kv.num_free == 6
+    assert len(s.block_tables[0]) == 2 and kv.num_free == 6
     kv.check_integrity([s])
-    assert not kv.reserve(s, 100) and len(s.block_table) == 2  # a failed reservation takes nothing
+    assert not kv.reserve(s, 100) and len(s.block_tables[0]) == 2  # a failed reservation takes nothing
     kv.free(s)
-    assert s.block_table == [] and s.num_computed == 0
+    assert s.block_tables == [[]] and s.num_computed == 0
     kv.check_idle()
 
 
@@ -36,9 +36,9 @@ def test_cached_prefix_is_shared_and_never_covers_the_last_token():
     second = seq(1, list(range(12)))
     assert kv.cached_prefix_len(second) == 8  # the block holding the last token is computed again
     kv.take_cached_prefix(second)
-    assert second.num_computed == 8 and second.block_table == first.block_table[:2]
+    assert second.num_computed == 8 and second.block_tables[0] == first.block_tables[0][:2]
     kv.reserve(second, 12)
-    assert second.block_table[2] != first.block_table[2]  # the block it writes is its own
+    assert second.block_tables[0][2] != first.block_tables[0][2]  # the block it writes is its own
     kv.check_integrity([first, second])
     kv.free(first)
     kv.free(second)
@@ -79,7 +79,7 @@ def test_integrity_check_catches_what_it_guards():
 
 def test_scratch_blocks_come_back():
     kv = KVManager(4, 4)
-    with pytest.raises(RuntimeError), kv.scratch(10) as blocks:
-        assert len(blocks) == 3 and kv.num_free == 1
+    with pytest.raises(RuntimeError), kv.scratch(10) as tables:
+        assert [len(t) for t in tables] == [3] and kv.num_free == 1
         raise RuntimeError("a forward pass that fails")
     kv.check_idle()

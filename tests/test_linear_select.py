@@ -1,10 +1,8 @@
 """linear/select.py's one decision: which layer a weight gets for (format, dtype, device, CPU features, options)."""
 
-import pytest
 import torch
 from torch import nn
 
-from ridge.kernels import cpu_ops
 from ridge.linear import (
     Bf16DotLinear,
     DequantizedLinear,
@@ -21,13 +19,6 @@ from ridge.linear import (
 )
 from ridge.linear.dense import onednn_packs
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
-    return module
 
 
 def pick(weight, dtype=torch.bfloat16, **target) -> type:

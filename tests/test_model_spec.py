@@ -26,7 +26,9 @@ def test_the_engine_config_comes_from_the_spec():
 
 
 @pytest.mark.parametrize(("change", "refusal"), [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architecture 'MistralForCausalLM'"),
+    ({"architectures": ["PhiForCausalLM"], "model_type": "phi"}, "architecture 'PhiForCausalLM'"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+      "sliding_window": 4096}, "use_sliding_window"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: 'yarn'"),
     ({"num_local_experts": 8, "num_experts_per_tok": 2}, "mixture of experts"),
 ])

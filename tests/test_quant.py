@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ridge.eval.perplexity import perplexity
-from ridge.kernels import cpu_ops
 from ridge.linear import KernelLinear, LinearTarget, make_linear
 from ridge.quant.methods import quantize_weight
 from ridge.quant.rtn import FP8_STRETCHES, INT8_STRETCHES, dequantize, quantize_fp8, quantize_int4, quantize_int8
@@ -15,13 +14,6 @@ from ridge.quant.rtn import FP8_STRETCHES, INT8_STRETCHES, dequantize, quantize_
 # torch's layout has a last block of N % 64 channels (160: 32, 77 -> 80: 16) and whose tiles hold 4 MB
 # (40016 x 64: two tiles, the second ending in a 16-channel block)
 SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960), (33, 64, 77), (20, 64, 40016)]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the C++ kernels failed to build (is a C++ compiler installed?)"
-    return module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -51,7 +51,7 @@ def test_preemption_frees_blocks_and_requeues_newest_first():
     assert kv.num_free == 0
     step = sched.schedule()  # each decode needs a fifth block: the newest is preempted
     assert step.num_preempted == 1 and step.seqs == [old]
-    assert new.status is Status.WAITING and new.num_computed == 0 and not new.block_table
+    assert new.status is Status.WAITING and new.num_computed == 0 and not any(new.block_tables)
     assert sched.waiting[0] is new
     sched.check_integrity()
 
@@ -80,14 +80,14 @@ def test_update_appends_checks_token_stops_and_settles_drafts():
     sched.add([long])
     step = sched.schedule()
     assert sched.update(step, [Sampled(eos, [99]), Sampled(long, [5])]) == 2
-    assert eos.finished and eos.finish_reason == "stop" and eos.stop_reason == 99 and not eos.block_table
+    assert eos.finished and eos.finish_reason == "stop" and eos.stop_reason == 99 and not any(eos.block_tables)
     assert long.num_computed == 4 and long.token_ids[-1] == 5 and long.timings.first_token is not None
     long.draft_ids = [6, 7, 8]  # drafts checked in the next pass: 2 accepted, then the target's own token
     step = sched.schedule()
     assert step.num_tokens == [4]
     sched.update(step, [Sampled(long, [6, 7, 9])])
     assert long.token_ids[4:] == [5, 6, 7, 9] and long.num_computed == 7 and long.draft_ids == []
-    assert len(long.block_table) == 2  # the rejected draft's block went back
+    assert len(long.block_tables[0]) == 2  # the rejected draft's block went back
     sched.check_integrity()
     long.draft_ids = [1, 2, 3, 4]
     step = sched.schedule()

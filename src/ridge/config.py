@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ridge.kv.layout import KVLayout, kv_layout
+
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -42,6 +44,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before rotary
+    # sliding-window attention: a windowed layer's query sees the last sliding_window positions; with
+    # global_every, every global_every-th layer (the last of each run) attends to all (Gemma's local:global)
+    sliding_window: int = 0
+    global_every: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -53,8 +59,18 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def layer_window(self, layer: int) -> int | None:
+        """The layer's sliding window, None for full attention."""
+        if not self.sliding_window or (self.global_every and (layer + 1) % self.global_every == 0):
+            return None
+        return self.sliding_window
+
+    def kv_layout(self) -> KVLayout:
+        return kv_layout([self.layer_window(i) for i in range(self.num_layers)])
+
+    def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
+        """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout."""
+        return 2 * self.kv_layout().num_slots * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 

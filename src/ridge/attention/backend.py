@@ -12,12 +12,14 @@ plain [kv_heads, tokens, head_dim] rows for every other path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
 from ridge.attention.cascade import SharedPrefix
+from ridge.kv.layout import KVLayout, kv_layout
 
 
 @dataclass
@@ -32,20 +34,23 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    """Where each token of a step goes and what it attends to. Decode tokens come first in the flat batch."""
+    """Where each token of a step goes and what it attends to, for the layers of one KV group (kv/layout.py).
+    Decode tokens come first in the flat batch. A query at position p sees keys j <= p, and j > p - window
+    when the group has a window."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of every token
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor  # [num_decodes], the new token included
     prefills: list[PrefillChunk]
+    window: int | None = None
     # filled by the backend's prepare()
     decode_mask: torch.Tensor | None = None
-    sdpa_chunks: list[tuple[PrefillChunk, torch.Tensor | None]] | None = None  # with its mask, None: causal
+    sdpa_chunks: list[SdpaChunk] | None = None
     kernel_rows: KernelRows | None = None
 
     @classmethod
-    def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int,
+    def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int, window: int | None = None,
                      device: torch.device | str = "cpu") -> AttentionMetadata:
         """One sequence's tokens 0..num_tokens-1 in one chunk over an empty cache: scoring a text."""
         table = torch.tensor(block_table, dtype=torch.long, device=device)
@@ -56,7 +61,34 @@ class AttentionMetadata:
             decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
             decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
             prefills=[PrefillChunk(0, num_tokens, num_tokens, table[: -(-num_tokens // block_size)])],
+            window=window,
         )
+
+    def window_starts(self, context_lens: torch.Tensor) -> torch.Tensor | None:
+        """The first key of rows whose query sits at context_len - 1 (None without a window: key 0)."""
+        return None if self.window is None else (context_lens - self.window).clamp_(min=0)
+
+
+# A step's attention metadata: one per KV group, in the layout's order.
+StepMetadata = Sequence[AttentionMetadata]
+
+
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, L] True where a query at query_pos may see the key at key_pos: causal, within the window."""
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - window
+    return visible
+
+
+@dataclass
+class SdpaChunk:
+    """A prefill chunk attended with SDPA: to this step's k, v (first_block None) or to its cached context
+    from first_block on; under `mask` [length, keys], or causal when None."""
+
+    chunk: PrefillChunk
+    mask: torch.Tensor | None = None
+    first_block: int | None = None
 
 
 @dataclass
@@ -68,14 +100,19 @@ class KernelRows:
     block_tables: torch.Tensor  # [R, max_blocks]; a row in a shared prefix: the blocks after it
     context_lens: torch.Tensor  # [R]; a row in a shared prefix: the tokens after it
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)  # attended once per prefix (cascade)
+    window_starts: torch.Tensor | None = None  # [R] each row's first key, with a window (no cascade then)
 
 
 class AttentionBackend(ABC):
-    """Owns the paged K/V tensors of every layer; stateless otherwise."""
+    """Owns the paged K/V tensors of every layer; stateless otherwise.
+
+    `layers`: the model's KV layout, or a number of full-attention layers. k_cache[layer] is the tensor of
+    the layer's slot: layers of different groups share it, each at its own group's block ids.
+    """
 
     def __init__(
         self,
-        num_layers: int,
+        layers: KVLayout | int,
         num_kv_heads: int,
         head_dim: int,
         num_blocks: int,
@@ -85,10 +122,14 @@ class AttentionBackend(ABC):
     ) -> None:
         if block_size % 2 or head_dim % 2:
             raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
+        layout = kv_layout([None] * layers) if isinstance(layers, int) else layers
         k_shape = (num_kv_heads, num_blocks, head_dim // 2, block_size, 2)
         v_shape = (num_kv_heads, num_blocks, block_size // 2, head_dim, 2)
-        self.k_cache = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        k_slots = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        v_slots = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        self.k_cache = [k_slots[slot] for slot in layout.slot_of_layer()]
+        self.v_cache = [v_slots[slot] for slot in layout.slot_of_layer()]
+        self.group_of_layer = layout.group_of_layer()
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = head_dim**-0.5
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
@@ -118,9 +159,10 @@ class AttentionBackend(ABC):
         return k.reshape(shape), v.reshape(shape)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata
     ) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        meta = step[self.group_of_layer[layer]]
         self.write(layer, k, v, meta.slot_mapping)
         return self.attend(layer, q, k, v, meta)
 

@@ -12,6 +12,9 @@ in the same call as the step's decodes: at batch 64 a speculative step verifies 
 kernel call per chunk and layer cost more than the attention itself. Kernel rows that share a long
 prefix (a prefix-cache hit's decodes, samples, a chunk's tokens) attend to it once, together, through
 torch's flash attention, and only their own suffixes through the kernel (attention/cascade.py).
+
+A KV group with a sliding window reads only the window: the kernel starts each row at its window's first
+key, and SDPA gathers a chunk's context from the block its first query's window starts in.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ridge.attention import cascade
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, SdpaChunk, window_mask
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
 # longer one gathers the context for masked SDPA, whose matmuls run faster on long chunks
@@ -43,8 +46,10 @@ class PagedBackend(AttentionBackend):
         if meta.num_decodes and self.ops is None:
             width = meta.decode_block_tables.shape[1] * self.block_size
             positions = torch.arange(width, device=device)
-            # [1, B, 1, L]: broadcast over kv heads and the query group
-            meta.decode_mask = (positions < meta.decode_context_lens.unsqueeze(1))[None, :, None, :]
+            visible = positions < meta.decode_context_lens.unsqueeze(1)
+            if meta.window is not None:
+                visible &= positions >= meta.window_starts(meta.decode_context_lens).unsqueeze(1)
+            meta.decode_mask = visible[None, :, None, :]  # [1, B, 1, L]: broadcast over kv heads and the query group
         if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: their tables as they are
             self._set_kernel_rows(meta, None, meta.decode_block_tables, meta.decode_context_lens)
             return
@@ -53,17 +58,23 @@ class PagedBackend(AttentionBackend):
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         meta.sdpa_chunks = []
         for chunk in meta.prefills:
-            if chunk.context_len == chunk.length:
-                meta.sdpa_chunks.append((chunk, None))  # no cached prefix: plain causal attention
+            if chunk.context_len == chunk.length:  # no cached prefix: attend to this step's k, v
+                within = meta.window is None or chunk.length <= meta.window  # then causal is the whole mask
+                pos = torch.arange(chunk.length, device=device)
+                meta.sdpa_chunks.append(SdpaChunk(chunk, None if within else window_mask(pos, pos, meta.window)))
             elif in_place and chunk.length <= IN_PLACE_MAX_CHUNK:
                 n = chunk.length
                 rows.append(torch.arange(chunk.start, chunk.start + n, device=device))
                 tables.append(chunk.block_table.unsqueeze(0).expand(n, -1))
                 lens.append(torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=device))
-            else:
-                width = chunk.block_table.shape[0] * self.block_size
+            else:  # the cached context from the first key the chunk's first query sees
                 query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
-                meta.sdpa_chunks.append((chunk, torch.arange(width, device=device)[None, :] <= query_pos[:, None]))
+                first_key = 0 if meta.window is None else max(0, int(query_pos[0]) - meta.window + 1)
+                first_block = first_key // self.block_size
+                width = (chunk.block_table.shape[0] - first_block) * self.block_size
+                key_pos = torch.arange(first_block * self.block_size, first_block * self.block_size + width,
+                                       device=device)
+                meta.sdpa_chunks.append(SdpaChunk(chunk, window_mask(query_pos, key_pos, meta.window), first_block))
         if self.ops is None or (len(rows) == 1 and not meta.num_decodes):  # nothing for the kernel
             return
         width = max(t.shape[-1] for t in tables)
@@ -84,10 +95,14 @@ class PagedBackend(AttentionBackend):
         width = max(t.shape[-1] for t in tables)
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tables]
         meta.sdpa_chunks = []
-        meta.kernel_rows = KernelRows(None, torch.cat(padded), torch.cat(lens))
+        all_lens = torch.cat(lens)
+        meta.kernel_rows = KernelRows(None, torch.cat(padded), all_lens, window_starts=meta.window_starts(all_lens))
 
     def _set_kernel_rows(self, meta: AttentionMetadata, rows: torch.Tensor | None, tables: torch.Tensor,
                          lens: torch.Tensor) -> None:
+        if meta.window is not None:  # a window reads a few blocks per row: nothing worth a cascade
+            meta.kernel_rows = KernelRows(rows, tables, lens, window_starts=meta.window_starts(lens))
+            return
         prefixes = []
         if self.cascade:
             prefixes, tables, lens = cascade.split_shared_prefixes(tables, lens, self.block_size)
@@ -109,12 +124,13 @@ class PagedBackend(AttentionBackend):
                 out[:decoded.shape[0]] = decoded
             else:
                 out[rows] = decoded
-        for chunk, mask in meta.sdpa_chunks:
+        for sdpa in meta.sdpa_chunks:
+            chunk, mask = sdpa.chunk, sdpa.mask
             rows = slice(chunk.start, chunk.start + chunk.length)
-            if mask is None:
+            if sdpa.first_block is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
             else:
-                keys, values = self.gather(layer, chunk.block_table)  # [H, L, d]
+                keys, values = self.gather(layer, chunk.block_table[sdpa.first_block:])  # [H, L, d]
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
@@ -128,7 +144,7 @@ class PagedBackend(AttentionBackend):
         merges in."""
         rows = q[:kernel.context_lens.shape[0]] if kernel.rows is None else q[kernel.rows]
         out, lse = self.ops.paged_decode(rows, self.k_cache[layer], self.v_cache[layer], kernel.block_tables,
-                                         kernel.context_lens, self.scale)
+                                         kernel.context_lens, self.scale, kernel.window_starts)
         for prefix in kernel.shared_prefixes:
             keys, values = self.gather(layer, prefix.block_ids)  # [kv_heads, P, d]
             prefix_out, prefix_lse = cascade.shared_prefix_attention(rows[prefix.rows], keys, values, self.scale)

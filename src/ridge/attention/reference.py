@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, window_mask
 
 
 class ReferenceBackend(AttentionBackend):
@@ -18,13 +18,14 @@ class ReferenceBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i in range(meta.num_decodes):
             ctx = int(meta.decode_context_lens[i])
-            out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx)
+            out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx, meta.window)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len)
+            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window)
         return out
 
-    def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
+             window: int | None) -> torch.Tensor:
         """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
         k, v = self.gather(layer, block_table)
         group = q.shape[1] // self.num_kv_heads
@@ -32,7 +33,6 @@ class ReferenceBackend(AttentionBackend):
         v = v[:, :context_len].repeat_interleave(group, dim=0).float()
         n = q.shape[0]
         scores = torch.einsum("nhd,hcd->hnc", q.float(), k) * self.scale
-        query_pos = torch.arange(context_len - n, context_len).unsqueeze(1)
-        causal = torch.arange(context_len).unsqueeze(0) <= query_pos  # [n, ctx]
-        scores = scores.masked_fill(~causal.to(scores.device), float("-inf"))
+        visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         return torch.einsum("hnc,hcd->nhd", scores.softmax(-1), v).to(q.dtype)

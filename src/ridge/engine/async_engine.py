@@ -17,28 +17,24 @@ import collections
 import contextlib
 import logging
 import math
-import multiprocessing
-import multiprocessing.process
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
 from ridge.engine.engine_core import (
     AbortRequest,
     AddRequest,
+    CoreProcess,
     EngineState,
     Failed,
     QueryState,
-    Ready,
     Rejected,
     Shutdown,
     StepFailed,
     StepReport,
-    run_engine_core,
 )
 from ridge.engine.limits import RequestLimits
 from ridge.engine.output_processor import RequestTracker
@@ -57,15 +53,6 @@ from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import RidgeTokenizer
 
 log = logging.getLogger("ridge")
-
-
-@dataclass
-class _Core:
-    """One incarnation of the engine core process and its pipe."""
-
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
-    generation: int
 
 
 class AsyncEngine:
@@ -113,27 +100,13 @@ class AsyncEngine:
         self._supervisor = threading.Thread(target=self._supervise, name="ridge-engine-supervisor", daemon=True)
         self._supervisor.start()
 
-    def _launch(self, generation: int) -> _Core:
+    def _launch(self, generation: int) -> CoreProcess:
         """A new core process, loaded and reporting Ready, with its reader thread running."""
-        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
-        conn, core_end = context.Pipe()
-        process = context.Process(target=run_engine_core, args=(self.config, core_end, self._progress, self.grace_s),
-                                  name="ridge-engine-core", daemon=True)
         started = time.monotonic()
-        process.start()
-        core_end.close()
-        try:
-            ready = conn.recv()
-        except EOFError:
-            ready = Failed(f"the engine process exited with code {process.exitcode}")
-        if isinstance(ready, Failed):
-            process.join(timeout=10)
-            raise RuntimeError(f"the engine failed to start: {ready.message}")
-        assert isinstance(ready, Ready), ready
+        core, ready = CoreProcess.launch(self.config, generation, self._progress, self.grace_s)
         self.load_time_s = time.monotonic() - started
         self.limits: RequestLimits = ready.limits
         self.num_blocks = ready.num_blocks
-        core = _Core(process, conn, generation)
         threading.Thread(target=self._read, args=(core,), name="ridge-engine-reader", daemon=True).start()
         return core
 
@@ -143,14 +116,9 @@ class AsyncEngine:
             return
         self._stopping = True
         self._died.set()  # wakes the supervisor, which sees _stopping and returns
-        core = self._core
         with contextlib.suppress(OSError, ValueError):
             self._send(Shutdown())
-        core.process.join(timeout=5)
-        if core.process.is_alive():  # busy inside a long step, or wedged
-            core.process.kill()
-            core.process.join(timeout=5)
-        core.conn.close()
+        self._core.stop()
 
     @property
     def max_model_len(self) -> int:
@@ -182,10 +150,7 @@ class AsyncEngine:
     def _restart(self) -> None:
         reason = str(self.error)
         old = self._core
-        old.process.join(timeout=5)
-        if old.process.is_alive():
-            old.process.kill()
-            old.process.join(timeout=5)
+        old.stop()  # its reader has seen the pipe close already
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > self.supervision.window_s:
             self._restarts.popleft()
@@ -326,7 +291,7 @@ class AsyncEngine:
         return self._states.get(timeout=timeout_s)
 
     # ---- the reader thread ----------------------------------------------------------------------
-    def _send(self, command: object, core: _Core | None = None) -> None:
+    def _send(self, command: object, core: CoreProcess | None = None) -> None:
         """Send to the current core, or to `core` only if it is still the current one."""
         with self._send_lock:
             current = self._core
@@ -334,7 +299,7 @@ class AsyncEngine:
                 raise OSError("the engine was restarted since")
             current.conn.send(command)
 
-    def _read(self, core: _Core) -> None:
+    def _read(self, core: CoreProcess) -> None:
         while True:
             try:
                 message = core.conn.recv()
@@ -357,7 +322,7 @@ class AsyncEngine:
                 self._fail(message.message)
                 return
 
-    def _on_report(self, report: StepReport, core: _Core) -> None:
+    def _on_report(self, report: StepReport, core: CoreProcess) -> None:
         self.last_progress = time.monotonic()
         finished = []
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}

@@ -58,17 +58,17 @@ class LLMEngine:
                              "above)")
         self.loaded: LoadedModel = load_weights(target, config, kernels, progress)
         cfg = self.loaded.config
-        per_block = cfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
+        per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size)
         num_blocks = config.kv_cache_bytes // per_block
-        if num_blocks < 1:
+        layout = cfg.kv_layout()
+        if num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
             raise ValueError(
                 f"kv_cache_memory: {config.kv_cache_bytes} bytes holds no KV block ({per_block} bytes each)"
             )
-        pool_tokens = num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, pool_tokens,
-                                 cfg.max_position_embeddings)
+        self.kv = KVManager(num_blocks, config.block_size, config.enable_prefix_caching, layout)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
+                                 self.kv.max_sequence_tokens(config.max_num_batched_tokens))
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
-        self.kv = KVManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
         self.runner = ModelRunner(
@@ -111,8 +111,9 @@ class LLMEngine:
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
         log.info("ridge: draft model %s, %s", draft_model.path.name, draft.weight_format)
         # as many blocks as the target's pool: a drafter never holds more tokens than its target
-        return DraftModelDrafter(runner, KVManager(num_blocks, config.block_size), sampler,
-                                 config.max_num_batched_tokens)
+        kv = KVManager(num_blocks, config.block_size, layout=draft.config.kv_layout(),
+                       rewind_margin=config.num_speculative_tokens + 1)
+        return DraftModelDrafter(runner, kv, sampler, config.max_num_batched_tokens)
 
     def set_speculation(self, policy: str | None, num_speculative_tokens: int | None = None) -> None:
         """Speculate with the loaded drafter under `policy` ("fixed" or "adaptive"), or not at all (None):

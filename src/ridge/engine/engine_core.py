@@ -8,6 +8,8 @@ each sample (token ids, logprobs, finish), never the cumulative outputs.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.process
 import os
 import signal
 import threading
@@ -97,6 +99,42 @@ class EngineState:
     num_free_blocks: int
     num_blocks: int
     integrity_error: str | None  # the KV accounting check's message, None when it holds
+
+
+@dataclass
+class CoreProcess:
+    """One incarnation of the engine core process and the server's end of its pipe."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    generation: int
+
+    @classmethod
+    def launch(cls, config: EngineConfig, generation: int, progress: bool, grace_s: float) -> tuple[CoreProcess, Ready]:
+        """A new core process, its model loaded (RuntimeError naming why it failed to start)."""
+        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
+        conn, core_end = context.Pipe()
+        process = context.Process(target=run_engine_core, args=(config, core_end, progress, grace_s),
+                                  name="ridge-engine-core", daemon=True)
+        process.start()
+        core_end.close()
+        try:
+            ready = conn.recv()
+        except EOFError:
+            ready = Failed(f"the engine process exited with code {process.exitcode}")
+        if isinstance(ready, Failed):
+            process.join(timeout=10)
+            raise RuntimeError(f"the engine failed to start: {ready.message}")
+        assert isinstance(ready, Ready), ready
+        return cls(process, conn, generation), ready
+
+    def stop(self) -> None:
+        """Wait for the process to end after a Shutdown; kill it if busy inside a long step, or wedged."""
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.conn.close()
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grace_s: float = 30.0) -> None:

@@ -20,7 +20,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T]: every scheduled token of every sequence, drafts after their sequence's own
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: list[AttentionMetadata]  # one per KV group
     sample_rows: list[int]  # rows of the step whose logits get sampled
     samplers: list[Sequence]  # the sequences those rows belong to, in order
 
@@ -34,8 +34,10 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
+        layout = cfg.kv_layout()
+        self.windows = [group.window for group in layout.groups]
         self.backend = BACKENDS[backend_name](
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
+            layout, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
         )
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
@@ -49,49 +51,61 @@ class ModelRunner:
         draft tokens follow its own in the step, so row i scores draft i)."""
         inputs = self.prepare(step)
         meta = inputs.meta
-        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
-            hidden = self.decode_stack(self.model.embed_tokens(inputs.input_ids), inputs.positions, meta)
+        if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
+            hidden = self.decode_stack(self.model.embed_tokens(inputs.input_ids), inputs.positions, meta[0])
             return self.model.compute_logits(hidden), inputs.samplers
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         return self.model(inputs.input_ids, inputs.positions, self.backend, meta, rows), inputs.samplers
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
-        """Float32 logits [T, V] at every position of token_ids, run as one prefill into `blocks` (scratch
-        blocks the caller holds: no sequence's state is read or changed)."""
-        meta = AttentionMetadata.whole_prompt(len(token_ids), blocks, self.block_size, self.device)
-        self.backend.prepare(meta)
+    def score(self, token_ids: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Float32 logits [T, V] at every position of token_ids, run as one prefill into `tables` (scratch
+        blocks of every KV group, which the caller holds: no sequence's state is read or changed)."""
+        meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device)
+                for table, window in zip(tables, self.windows, strict=True)]
+        for m in meta:
+            self.backend.prepare(m)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta)
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
-        prefills: list[PrefillChunk] = []
-        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
+        for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             start, end = seq.num_computed, seq.num_computed + n
-            table = seq.block_table
-            if i >= step.num_decodes:
-                prefills.append(
-                    PrefillChunk(len(input_ids), n, end, torch.tensor(table[: -(-end // bs)], device=self.device))
-                )
             tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if end == len(tokens):
                 rows = 1 + len(seq.draft_ids)
                 sample_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 samplers.append(seq)
+        meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
+        as_long = {"dtype": torch.long, "device": self.device}
+        return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
+                          sample_rows, samplers)
 
+    def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
+        """One KV group's slots and block tables for the step, prepared by the backend."""
+        bs = self.block_size
+        slots: list[int] = []
+        prefills: list[PrefillChunk] = []
+        flat = 0
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
+            start, end = seq.num_computed, seq.num_computed + n
+            table = seq.block_tables[group]
+            if i >= step.num_decodes:
+                prefills.append(
+                    PrefillChunk(flat, n, end, torch.tensor(table[: -(-end // bs)], device=self.device))
+                )
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            flat += n
         decodes = step.seqs[: step.num_decodes]
-        width = max((len(s.block_table) for s in decodes), default=1)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+        width = max((len(s.block_tables[group]) for s in decodes), default=1)
+        tables = [s.block_tables[group] + [0] * (width - len(s.block_tables[group])) for s in decodes]
         as_long = {"dtype": torch.long, "device": self.device}
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, **as_long),
@@ -99,7 +113,7 @@ class ModelRunner:
             decode_block_tables=torch.tensor(tables, **as_long).view(len(decodes), width),
             decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], **as_long),
             prefills=prefills,
+            window=window,
         )
         self.backend.prepare(meta)
-        return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                          sample_rows, samplers)
+        return meta

@@ -56,7 +56,7 @@ class Sequence:
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
     # Prefix caching: the chained keys of the full blocks hashed so far (they depend on the tokens only, so
     # they survive preemption), how many of the table's blocks were offered to the cache, and the prompt
     # tokens the first admission found cached.

@@ -54,6 +54,9 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     cfg = model.cfg
     if ops is None or type(backend) is not PagedBackend or backend.ops is None:
         return None
+    if cfg.sliding_window:
+        log.warning("ridge: the fused decode step has no sliding-window attention; decode runs layer by layer")
+        return None
     dtype = model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or backend.k_cache[0].dtype != dtype:
         return None

@@ -41,6 +41,7 @@ struct Dims {
 // One task's slice of work and where its partial result goes.
 struct Task {
   int64_t seq, head, first_block, num_blocks, num_tokens;  // tokens in [first_block * bs, + num_tokens)
+  int64_t skip;  // the first `skip` of them lie before the row's window: scored, then masked out
 };
 
 // Partial softmax state of one task: per query head, the running max, the sum of exp(score - max) and
@@ -83,11 +84,14 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
-// exp(score - max) in place over each query head's `n` scores; records max and sum.
-void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t group, Partial out) {
+// exp(score - max) in place over each query head's `n` scores, the first `skip` masked to 0; records
+// max and sum.
+void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t skip, int64_t group, Partial out) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
-    float m = -1e30f;  // finite on purpose: the kernel is built with -ffast-math (no infinities)
+    // finite on purpose: the kernel is built with -ffast-math (no infinities); exp of it is 0
+    std::fill(s, s + skip, -1e30f);
+    float m = -1e30f;
     for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
     out.max[g] = m;
     out.denom[g] = exp_shifted(s, n, m);
@@ -116,7 +120,7 @@ void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int6
     }
   }
   for (int64_t i = 0; i < group * kPartitionTokens; ++i) scores[i] *= scale;
-  softmax_partial(scores, kPartitionTokens, n, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
   std::fill(out.acc, out.acc + group * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t block = table[task.first_block + t / bs], offset = t % bs;
@@ -228,7 +232,7 @@ void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16
       }
     }
   }
-  softmax_partial(scores, kPartitionTokens, n, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
   for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
     std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + task.num_blocks * 16, 0.f);
   for (int64_t c = 0; c < d; c += 64)
@@ -284,7 +288,7 @@ void attend_partition_f32(const float* q, const float* k_cache, const float* v_c
       }
     }
   }
-  softmax_partial(scores, kPartitionTokens, n, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
   for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
     std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + (n + 1) / 2 * 2, 0.f);
   for (int64_t g = 0; g < group; ++g) {
@@ -305,18 +309,22 @@ void attend_partition_f32(const float* q, const float* k_cache, const float* v_c
 
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
-            const int64_t* lens, T* out, float* lse, int64_t batch, const Dims& dims, float scale) {
+            const int64_t* lens, const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
+            float scale) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
   const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(batch + 1);  // tasks of sequence b: [first_task[b], first_task[b + 1])
+  std::vector<int64_t> start_block(batch);  // the block of each row's first key: blocks before it are not read
   for (int64_t b = 0; b < batch; ++b) {
     first_task[b] = tasks.size();
-    const int64_t blocks = (lens[b] + bs - 1) / bs;
+    const int64_t blocks = (lens[b] + bs - 1) / bs, start = starts == nullptr ? 0 : starts[b];
+    start_block[b] = start / bs;
     for (int64_t h = 0; h < dims.kv_heads; ++h)
-      for (int64_t first = 0; first < blocks; first += part_blocks) {
+      for (int64_t first = start_block[b]; first < blocks; first += part_blocks) {
         const int64_t nb = std::min(part_blocks, blocks - first);
-        tasks.push_back({b, h, first, nb, std::min(nb * bs, lens[b] - first * bs)});
+        tasks.push_back({b, h, first, nb, std::min(nb * bs, lens[b] - first * bs),
+                         first == start_block[b] ? start % bs : 0});
       }
   }
   first_task[batch] = tasks.size();
@@ -372,7 +380,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     std::vector<float> merged(d);
     for (int64_t b = begin; b < end; ++b)
       for (int64_t i = first_task[b]; i < first_task[b + 1]; ++i) {
-        if (tasks[i].first_block != 0) continue;  // the first partition of a head merges that head's run
+        if (tasks[i].first_block != start_block[b]) continue;  // a head's first partition merges its run
         const int64_t h = tasks[i].head;
         int64_t last = i + 1;
         while (last < first_task[b + 1] && tasks[last].head == h) ++last;
@@ -400,11 +408,13 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 }  // namespace
 
 // q: [B, heads, d]; k_cache, v_cache: one layer's caches (layout above); block_tables: [B, width] int64;
-// context_lens: [B] int64 (the new token included) -> (out [B, heads, d], lse [B, heads] float32), lse the
-// natural log of each query head's softmax denominator over its scaled scores, for merging this attention
-// with another over more keys (cascade attention over a shared prefix).
+// context_lens: [B] int64 (the new token included); window_starts: [B] int64, each row's first key (a
+// sliding window), or none: every key -> (out [B, heads, d], lse [B, heads] float32), lse the natural log of
+// each query head's softmax denominator over its scaled scores, for merging this attention with another
+// over more keys (cascade attention over a shared prefix). Blocks before a row's window are never read.
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                           std::optional<torch::Tensor> window_starts) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5,
               "paged_decode: q [B, heads, d]; K [kv_heads, N, d/2, bs, 2]; V [kv_heads, N, bs/2, d, 2]");
@@ -414,6 +424,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
+  torch::Tensor starts;
+  if (window_starts.has_value()) {
+    starts = window_starts->contiguous();
+    TORCH_CHECK(starts.scalar_type() == torch::kInt64 && starts.numel() == q.size(0),
+                "paged_decode: window_starts must be [B] int64");
+  }
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32));
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
@@ -426,7 +442,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), block_tables.size(1), context_lens.data_ptr<int64_t>(),
-                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims, static_cast<float>(scale));
+                     starts.defined() ? starts.data_ptr<int64_t>() : nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims, static_cast<float>(scale));
   });
   return {out, lse};
 }

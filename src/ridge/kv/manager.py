@@ -1,21 +1,24 @@
 """KVManager: the one owner of block tables.
 
-A sequence's block table maps its token positions to KV blocks (position p lives in block
-table[p // block_size]); `num_computed` says how many of its tokens have K/V there. Only this manager
-changes either, and a sequence's prefix-cache registration: the scheduler decides who runs and asks it
-for room, the engine tells it what a step computed, and the sequence itself only carries the data.
+A sequence holds one block table per KV group (kv/layout.py): position p of the group's layers lives in
+block table[p // block_size]. `num_computed` says how many of its tokens have K/V there, in every group.
+Only this manager changes either, and a sequence's prefix-cache registration: the scheduler decides who
+runs and asks it for room, the engine tells it what a step computed, and the sequence itself only carries
+the data.
 
-With a prefix cache, a sequence admitted with nothing computed first takes the cached blocks of its
-longest cached prefix. At least its last token is always computed (the step needs its logits), so a
-hit never covers the block that holds it: the blocks a sequence writes are always its own, and a
-shared block is never written (no copy-on-write is needed).
+Sliding-window groups: once a sequence has computed n tokens, its next query sits at position n or later
+and sees no key before n - window + 1, so commit() gives every block wholly before that back to the pool
+(a cached one stays findable, parked). The table keeps its length; a dropped entry holds the null block,
+a block id reserved for that which no kernel reads (the backends read a window group from its window's
+start). A manager that must rewind (the draft model's) keeps `rewind_margin` more positions.
 
-KV groups: every layer of the models ridge runs today keeps full-attention K/V of one shape, so the
-manager has one group: one pool, one table per sequence. A model with layers of another kind
-(sliding-window layers whose blocks behind the window are freed, a latent KV of another size, a
-fixed-size recurrent state per sequence) adds a group with its own pool and table per sequence; each
-method here is where a group's lifetime rule applies (a window group frees in commit()), so the
-scheduler and the engine do not change.
+Prefix caching: a sequence admitted with nothing computed first takes the cached blocks of its longest
+cached prefix. At least its last token is always computed (the step needs its logits), so a hit never
+covers the block that holds it: the blocks a sequence writes are always its own, and a shared block is
+never written (no copy-on-write is needed). A hit of L blocks needs, in a full group, all of blocks
+[0, L) cached, and in a window group only the blocks its window reaches from position L * block_size
+(vLLM's rule): the hit is the longest L every group can serve. Each group caches its own blocks, under
+the same content keys tagged with the group.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from ridge.kv.block_pool import BlockPool
+from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.sampling_params import SamplingParams
 
@@ -35,16 +39,22 @@ class Sequence(Protocol):
     seq_id: int
     token_ids: list[int]
     params: SamplingParams
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV group
     num_computed: int
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
-    num_registered: int  # how many of the table's blocks were offered to the prefix cache
+    num_registered: int  # how many of each table's blocks were offered to the prefix cache
 
 
 class KVManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 layout: KVLayout | None = None, rewind_margin: int = 0) -> None:
+        self.layout = layout or kv_layout([None])
+        self.windows = [group.window for group in self.layout.groups]
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.cache)
+        self.rewind_margin = rewind_margin
+        # held by the manager for as long as it lives: the entry of a dropped block
+        self.null_block = self.pool.allocate(1)[0] if self.layout.has_windows else None
 
     @property
     def block_size(self) -> int:
@@ -59,31 +69,77 @@ class KVManager:
         """Blocks a reservation can take: free ones and cached ones no sequence holds."""
         return self.pool.num_free
 
+    def empty_tables(self) -> list[list[int]]:
+        return [[] for _ in self.windows]
+
+    def first_live_block(self, group: int, num_computed: int) -> int:
+        """The first block of `group` a sequence with num_computed tokens computed still holds."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed - window + 1 - self.rewind_margin) // self.block_size
+
     # ---- admission -------------------------------------------------------------------------------
     def cached_prefix_len(self, seq: Sequence) -> int:
         """How many of seq's tokens a take_cached_prefix() would find cached now (0 without a cache)."""
         if self.cache is None:
             return 0
-        usable = self._hash_usable_blocks(seq)
-        return len(self.cache.lookup(seq.block_keys[:usable])) * self.block_size
+        return self._lookup(seq)[0] * self.block_size
 
     def take_cached_prefix(self, seq: Sequence) -> None:
         """seq (holding nothing) takes the cached blocks of its longest cached prefix and counts them computed."""
-        assert not seq.block_table and seq.num_computed == 0, "only a sequence holding no KV takes a cached prefix"
+        assert not any(seq.block_tables) and seq.num_computed == 0, "only a sequence holding no KV takes a prefix"
         if self.cache is None:
             return
-        usable = self._hash_usable_blocks(seq)
-        hit = self.cache.lookup(seq.block_keys[:usable])
-        self.pool.share(hit)
-        seq.block_table = hit
-        seq.num_computed = len(hit) * self.block_size
-        seq.num_registered = len(hit)
+        hit, tables = self._lookup(seq)
+        for table in tables:
+            self.pool.share(b for b in table if b != self.null_block)
+        seq.block_tables = tables
+        seq.num_computed = hit * self.block_size
+        seq.num_registered = hit
 
-    def _hash_usable_blocks(self, seq: Sequence) -> int:
-        """Hash seq's full blocks before the one holding its last token (the ones a hit may cover)."""
-        usable = (len(seq.token_ids) - 1) // self.block_size
+    def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
+        """The longest hit every group can serve, in blocks, and each group's table for it."""
+        usable = (len(seq.token_ids) - 1) // self.block_size  # full blocks before the one holding the last token
         self._hash_blocks(seq, usable)
-        return usable
+        keys = seq.block_keys[:usable]
+        found = [self.cache.lookup(self._group_keys(g, keys)) if w is None else None
+                 for g, w in enumerate(self.windows)]
+        hit = min((len(blocks) for blocks in found if blocks is not None), default=usable)
+        while True:  # a window group's hit may end earlier; then every group's must
+            shorter = min((self._window_hit(g, keys, hit) for g, w in enumerate(self.windows) if w is not None),
+                          default=hit)
+            if shorter == hit:
+                break
+            hit = shorter
+        tables = []
+        for g, blocks in enumerate(found):
+            if blocks is not None:
+                tables.append(blocks[:hit])
+            else:
+                live = self.first_live_block(g, hit * self.block_size)
+                cached = [self.cache.block_of(self._group_key(g, key)) for key in keys[live:hit]]
+                tables.append([self.null_block] * live + cached)
+        return hit, tables
+
+    def _window_hit(self, group: int, keys: list[bytes], limit: int) -> int:
+        """The longest hit of at most `limit` blocks whose window blocks `group` has cached."""
+        end = limit
+        while end > 0:
+            need = max(0, end * self.block_size - self.windows[group] + 1) // self.block_size
+            missing = next((i for i in range(end - 1, need - 1, -1)
+                            if self.cache.block_of(self._group_key(group, keys[i])) is None), None)
+            if missing is None:
+                return end
+            end = missing  # a hit must end before the missing block
+        return 0
+
+    @staticmethod
+    def _group_key(group: int, key: bytes) -> bytes:
+        return key if group == 0 else key + group.to_bytes(2, "little")
+
+    def _group_keys(self, group: int, keys: list[bytes]) -> list[bytes]:
+        return keys if group == 0 else [self._group_key(group, k) for k in keys]
 
     def _hash_blocks(self, seq: Sequence, count: int) -> None:
         """Extend seq.block_keys to its first `count` full blocks (keys depend on tokens alone: they survive
@@ -95,74 +151,122 @@ class KVManager:
 
     # ---- growth ----------------------------------------------------------------------------------
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's table to hold its first num_tokens tokens; False (and nothing taken) if the pool is short."""
-        need = self.pool.blocks_for(num_tokens) - len(seq.block_table)
-        if need > self.pool.num_free:
+        """Grow seq's tables to hold its first num_tokens tokens; False (and nothing taken) if the pool is short."""
+        if not seq.block_tables:  # a sequence new to this manager
+            seq.block_tables = self.empty_tables()
+        want = self.pool.blocks_for(num_tokens)
+        needs = [want - len(table) for table in seq.block_tables]
+        if sum(n for n in needs if n > 0) > self.pool.num_free:
             return False
-        if need > 0:
-            seq.block_table.extend(self.pool.allocate(need))
+        for table, need in zip(seq.block_tables, needs, strict=True):
+            if need > 0:
+                table.extend(self.pool.allocate(need))
         return True
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
-        """A step computed seq's next num_tokens tokens; blocks that are now full go into the prefix cache."""
+        """A step computed seq's next num_tokens tokens: blocks that are now full go into the prefix cache,
+        and window groups drop the blocks their window has passed."""
+        before = seq.num_computed
         seq.num_computed += num_tokens
-        if self.cache is None:
-            return
-        full = seq.num_computed // self.block_size
-        if full > seq.num_registered:
-            self._hash_blocks(seq, full)
-            for i in range(seq.num_registered, full):
-                self.cache.insert(seq.block_keys[i], seq.block_table[i])
-            seq.num_registered = full
+        if self.cache is not None:
+            full = seq.num_computed // self.block_size
+            if full > seq.num_registered:
+                self._hash_blocks(seq, full)
+                for g, table in enumerate(seq.block_tables):
+                    for i in range(seq.num_registered, full):
+                        if table[i] != self.null_block:
+                            self.cache.insert(self._group_key(g, seq.block_keys[i]), table[i])
+                seq.num_registered = full
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                self._drop(seq.block_tables[g], self.first_live_block(g, before),
+                           self.first_live_block(g, seq.num_computed))
+
+    def _drop(self, table: list[int], start: int, end: int) -> None:
+        for i in range(start, min(end, len(table))):
+            if table[i] != self.null_block:
+                self.pool.release([table[i]])
+                table[i] = self.null_block
 
     def rewind(self, seq: Sequence, num_computed: int) -> None:
         """seq's tokens from num_computed on changed (a drafter's rejected drafts): their K/V is stale and
-        will be computed again into the same blocks. Only for K/V no cache has seen."""
+        will be computed again into the same blocks. Only for K/V no cache has seen. Further back than the
+        rewind margin, a window group may have dropped blocks the new tokens see: seq then starts over."""
         assert num_computed >= seq.num_registered * self.block_size, "cached K/V cannot be rewound"
+        if self.layout.has_windows and num_computed < seq.num_computed - self.rewind_margin:
+            self.free(seq)
         seq.num_computed = min(seq.num_computed, num_computed)
+
+    def max_sequence_tokens(self, chunk_tokens: int) -> int:
+        """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens."""
+        usable = self.num_blocks - (self.null_block is not None)
+        full_groups = sum(w is None for w in self.windows)
+        # a window group holds its window and the chunk being computed, each possibly straddling a block edge
+        windowed = sum(self.pool.blocks_for(w + self.rewind_margin + chunk_tokens) + 1
+                       for w in self.windows if w is not None)
+        if full_groups == 0:
+            return 2**62 if usable >= windowed else 0  # bounded by positions alone
+        return max(0, usable - windowed) // full_groups * self.block_size
 
     # ---- shrinking -------------------------------------------------------------------------------
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past seq's tokens (reserved for drafts that were rejected): they hold no
         registered K/V, so nothing in them is lost."""
         keep = self.pool.blocks_for(len(seq.token_ids))
-        if len(seq.block_table) > keep:
-            self.pool.release(seq.block_table[keep:])
-            del seq.block_table[keep:]
+        for table in seq.block_tables:
+            if len(table) > keep:
+                self.pool.release(table[keep:])
+                del table[keep:]
 
     def free(self, seq: Sequence) -> None:
         """seq lets go of all its blocks (finished, aborted or preempted); none of its K/V counts as computed."""
-        self.pool.release(seq.block_table)
-        seq.block_table = []
+        for table in seq.block_tables:
+            self.pool.release(b for b in table if b != self.null_block)
+        seq.block_tables = self.empty_tables()
         seq.num_computed = seq.num_registered = 0
 
     @contextmanager
-    def scratch(self, num_tokens: int) -> Iterator[list[int]]:
-        """Blocks for a forward pass outside any request (scoring a text), given back when it ends."""
-        blocks = self.pool.allocate(self.pool.blocks_for(num_tokens))
+    def scratch(self, num_tokens: int) -> Iterator[list[list[int]]]:
+        """Tables of every group for a forward pass outside any request (scoring a text), given back when it
+        ends."""
+        tables = []
         try:
-            yield blocks
+            for _ in self.windows:
+                tables.append(self.pool.allocate(self.pool.blocks_for(num_tokens)))
+            yield tables
         finally:
-            self.pool.release(blocks)
+            for table in tables:
+                self.pool.release(table)
 
     # ---- accounting ------------------------------------------------------------------------------
+    def _held(self, tables: Iterable[list[int]]) -> Iterator[list[int]]:
+        if self.null_block is not None:
+            yield [self.null_block]
+        for table in tables:
+            yield [b for b in table if b != self.null_block] if self.null_block is not None else table
+
     def check_integrity(self, running: Iterable[Sequence], waiting: Iterable[Sequence] = ()) -> None:
         """Assert the accounting: refcounts equal the tables holding each block, a waiting sequence holds
-        nothing, and a running one's table covers the K/V it has computed."""
+        nothing, a running one's tables cover the K/V it has computed and hold every block its window
+        still reaches."""
         running = list(running)
         for seq in waiting:
-            assert not seq.block_table, f"waiting sequence {seq.seq_id} holds KV blocks"
+            assert not any(seq.block_tables), f"waiting sequence {seq.seq_id} holds KV blocks"
         for seq in running:
-            assert len(seq.block_table) >= self.pool.blocks_for(seq.num_computed), (
-                f"sequence {seq.seq_id}: {seq.num_computed} tokens computed in {len(seq.block_table)} blocks"
-            )
-            assert seq.num_registered <= len(seq.block_table), f"sequence {seq.seq_id} registered blocks it lacks"
-        self.pool.check_integrity(seq.block_table for seq in running)
+            assert len(seq.block_tables) == len(self.windows), f"sequence {seq.seq_id}: one table per KV group"
+            for g, table in enumerate(seq.block_tables):
+                assert len(table) >= self.pool.blocks_for(seq.num_computed), (
+                    f"sequence {seq.seq_id}: {seq.num_computed} tokens computed in {len(table)} blocks of group {g}"
+                )
+                live = self.first_live_block(g, seq.num_computed + self.rewind_margin)
+                assert self.null_block not in table[live:], f"sequence {seq.seq_id} dropped a block its window needs"
+                assert seq.num_registered <= len(table), f"sequence {seq.seq_id} registered blocks it lacks"
+        self.pool.check_integrity(self._held(table for seq in running for table in seq.block_tables))
 
     def check_idle(self, full: bool = True) -> None:
         """With no request in the engine, every block is back: free, or parked in the prefix cache (counted at
         no cost); full: each block's refcount checked too (O(blocks))."""
-        leaked = self.pool.num_blocks - self.pool.num_free
+        leaked = self.pool.num_blocks - self.pool.num_free - (self.null_block is not None)
         assert leaked == 0, f"{leaked} KV blocks leaked with no request running"
         if full:
-            self.pool.check_integrity([])
+            self.pool.check_integrity(self._held([]))

@@ -59,6 +59,9 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def block_of(self, key: bytes) -> int | None:
+        return self._block_of.get(key)
+
     def insert(self, key: bytes, block: int) -> None:
         """Remember that `block` (full, held by a sequence) holds the KV keyed `key`. If another block already
         holds the same content (two sequences computed it at once), the first stays the cached one."""

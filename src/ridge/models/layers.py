@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 
 
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: RopeStep,
         backend: AttentionBackend,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)

@@ -1,6 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, qwen2 and qwen3 run on one DecoderModel; what differs is a bias here, a norm there.
+llama, mistral, qwen2 and qwen3 run on one DecoderModel; what differs is a bias here, a norm there, a
+sliding window.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ridge.models.spec import ModelSpec
 # per architecture: fixed ModelConfig fields
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
+    "mistral": {},  # llama with a sliding window on every layer (from its config)
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
@@ -20,9 +22,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "llama": "llama",
+    "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
@@ -45,6 +49,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if spec.is_moe or spec.is_mla:
         raise ValueError(f"{spec.source}: {'mixture of experts' if spec.is_moe else 'latent attention (MLA)'} is "
                          "not supported yet")
+    if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
+        raise ValueError(f"{spec.source}: use_sliding_window is not supported for {arch}")
     fields: dict[str, Any] = {
         "architecture": arch,
         "vocab_size": spec.vocab_size,
@@ -59,6 +65,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "qkv_bias": spec.qkv_bias,
+        "sliding_window": spec.sliding_window,
+        "global_every": spec.global_every,
     }
     fields.update(ARCHITECTURES[arch])
     return ModelConfig(**fields)

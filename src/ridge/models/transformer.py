@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 from ridge.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -49,7 +49,7 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         backend: AttentionBackend,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flat [T] tokens of every scheduled sequence -> float32 logits at `logits_indices` (all if None).

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMetadata
 from ridge.attention.reference import ReferenceBackend
 from ridge.datasets import iter_sharegpt
 from ridge.hub import pull_dataset
@@ -88,15 +88,19 @@ _SCRATCH_BLOCK = 16
 
 
 def _scratch(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
-             device: str) -> tuple[AttentionBackend, list[tuple[torch.Tensor, AttentionMetadata]]]:
+             device: str) -> tuple[AttentionBackend, list[tuple[torch.Tensor, StepMetadata]]]:
     """A reference-attention cache that holds the longest window, and each window's tokens and metadata
     (they take turns on the same blocks: each window is scored from scratch)."""
     cfg = model.cfg
+    layout = cfg.kv_layout()
     blocks = -(-max(len(w) for w in windows) // _SCRATCH_BLOCK)
-    backend = ReferenceBackend(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, blocks, _SCRATCH_BLOCK, dtype, device)
-    table = list(range(blocks))
+    groups = len(layout.groups)
+    backend = ReferenceBackend(layout, cfg.num_kv_heads, cfg.head_dim, blocks * groups, _SCRATCH_BLOCK, dtype,
+                               device)
+    tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]  # each group its own blocks
     prompts = [(torch.tensor(ids, dtype=torch.long, device=device),
-                AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, device)) for ids in windows]
+                [AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, group.window, device)
+                 for table, group in zip(tables, layout.groups, strict=True)]) for ids in windows]
     return backend, prompts
 
 
@@ -137,7 +141,8 @@ def _one_pass(model: DecoderModel, windows: list[list[int]], accumulate: Callabl
     backend, prompts = _scratch(model, windows, dtype, device)
     try:
         for ids, meta in tqdm(prompts, desc="calibrate", unit="window", disable=not progress):
-            backend.prepare(meta)
+            for group_meta in meta:
+                backend.prepare(group_meta)
             with torch.inference_mode():
                 model(ids, torch.arange(len(ids), device=device), backend, meta)
     finally:
@@ -152,7 +157,7 @@ class LayerInput:
     x: torch.Tensor  # [T, hidden]: the previous layer's output, not yet added to the residual stream
     residual: torch.Tensor | None  # None before the first layer
     rope: RopeStep
-    meta: AttentionMetadata
+    meta: StepMetadata  # one per KV group
 
 
 @torch.inference_mode()
@@ -163,7 +168,8 @@ def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: tor
     backend, prompts = _scratch(model, windows, dtype, device)
     states = []
     for ids, meta in prompts:
-        backend.prepare(meta)
+        for group_meta in meta:
+            backend.prepare(group_meta)
         rope = model.rotary.step(torch.arange(len(ids), device=device))
         states.append(LayerInput(model.embed_tokens(ids), None, rope, meta))
     return backend, states

@@ -1,0 +1,65 @@
+"""Which layers share a block table, and how their K/V tensors share the pool's memory.
+
+A KV group is a set of layers whose K/V follow one lifetime rule: full attention keeps every block of a
+sequence; a sliding window of w keeps only the blocks that hold a sequence's last w positions (a query at
+position p sees keys p - w < j <= p, as in HF transformers and llama.cpp). Each sequence holds one block
+table per group.
+
+The groups draw their blocks from one pool, so memory moves freely between them: a short sequence needs
+as many window blocks as full ones, a long one far fewer. That needs every block id to mean the same
+memory in every group, so the groups have equal size (vLLM's hybrid allocator does the same): the layers
+of one kind are cut into groups of `group_size` layers, and the j-th layer of every group reads and writes
+the same K/V tensor ("slot" j) at its own group's block ids. Gemma-3's 5:1 local:global pattern over 18
+layers is 1 full group and 5 window groups of 3 layers each, over 3 slots; a model with one kind of layer
+is one group whose slots are its layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    layers: tuple[int, ...]
+    window: int | None  # sliding window in positions; None: full attention
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    num_slots: int  # K/V tensors per block id: the j-th layer of each group uses slot j
+
+    @property
+    def has_windows(self) -> bool:
+        return any(g.window is not None for g in self.groups)
+
+    def group_of_layer(self) -> list[int]:
+        out = [0] * sum(len(g.layers) for g in self.groups)
+        for gi, group in enumerate(self.groups):
+            for layer in group.layers:
+                out[layer] = gi
+        return out
+
+    def slot_of_layer(self) -> list[int]:
+        out = [0] * sum(len(g.layers) for g in self.groups)
+        for group in self.groups:
+            for slot, layer in enumerate(group.layers):
+                out[layer] = slot
+        return out
+
+
+def kv_layout(layer_windows: Sequence[int | None]) -> KVLayout:
+    """Group layers by their window (None: full attention); groups of the smallest kind's size, the last
+    of a kind possibly shorter (its unused slots then hold nothing)."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    groups = [
+        KVGroup(tuple(layers[i:i + size]), window)
+        for window, layers in sorted(kinds.items(), key=lambda kind: kind[0] is not None)  # full first
+        for i in range(0, len(layers), size)
+    ]
+    return KVLayout(tuple(groups), size)

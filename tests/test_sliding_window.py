@@ -1,0 +1,228 @@
+"""Sliding-window attention end to end: the KV layout's groups, the manager dropping blocks behind the window,
+the kernels reading only the window, and a windowed model against HF transformers and under the runtime."""
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from ridge.attention import AttentionMetadata, PagedBackend
+from ridge.attention.backend import PrefillChunk
+from ridge.engine.sequence import Sequence
+from ridge.kv.layout import kv_layout
+from ridge.kv.manager import KVManager
+from ridge.sampling_params import SamplingParams
+
+VOCAB = 320
+WINDOW = 16
+
+
+def seq(i: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id=i, request_id=str(i), index=0, prompt_len=len(tokens), token_ids=list(tokens),
+                    params=SamplingParams())
+
+
+# ---- layout ----------------------------------------------------------------------------------------------
+def test_gemma3_pattern_groups_into_equal_groups_over_shared_slots():
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    layout = kv_layout(windows)
+    assert layout.num_slots == 3
+    assert [g.window for g in layout.groups] == [None] + [512] * 5
+    assert layout.groups[0].layers == (5, 11, 17)
+    slots, groups = layout.slot_of_layer(), layout.group_of_layer()
+    # no two layers of one group share a slot, and a slot's layers are in different groups
+    for slot in range(3):
+        owners = [groups[layer] for layer in range(18) if slots[layer] == slot]
+        assert len(owners) == len(set(owners)) == 6
+    assert kv_layout([None] * 4).groups[0].layers == (0, 1, 2, 3) and kv_layout([None] * 4).num_slots == 4
+
+
+# ---- the manager -----------------------------------------------------------------------------------------
+def windowed_manager(num_blocks: int = 64, prefix: bool = False) -> KVManager:
+    # 2 full layers, 2 windowed (window 8 over blocks of 4): one group of each kind
+    return KVManager(num_blocks, 4, prefix, kv_layout([None, 8, None, 8]))
+
+
+def test_window_group_drops_blocks_behind_the_window():
+    kv = windowed_manager()
+    free_at_start = kv.num_free
+    s = seq(0, list(range(40)))
+    assert kv.reserve(s, 40)
+    assert kv.num_free == free_at_start - 20  # 10 blocks in each group while the prompt is computed
+    kv.commit(s, 40)
+    full, window = s.block_tables
+    # the next query (position 40) sees keys 33..40: blocks 8 and 9 hold them; 0..7 went back
+    assert kv.null_block not in full
+    assert window[:8] == [kv.null_block] * 8 and kv.null_block not in window[8:]
+    assert kv.num_free == free_at_start - 12
+    kv.check_integrity([s])
+    s.token_ids.append(40)
+    assert kv.reserve(s, 41)
+    kv.commit(s, 1)
+    kv.check_integrity([s])
+    kv.free(s)
+    kv.check_idle()
+
+
+def test_integrity_check_sees_a_dropped_block_the_window_needs():
+    kv = windowed_manager()
+    s = seq(0, list(range(40)))
+    kv.reserve(s, 40)
+    kv.commit(s, 40)
+    held = s.block_tables[1][9]
+    s.block_tables[1][9] = kv.null_block
+    with pytest.raises(AssertionError, match="window needs"):
+        kv.check_integrity([s])
+    s.block_tables[1][9] = held
+    kv.free(s)
+    kv.check_idle()
+
+
+def test_prefix_hit_needs_the_window_blocks_and_skips_the_rest():
+    kv = windowed_manager(prefix=True)
+    first = seq(0, list(range(41)))
+    kv.reserve(first, 41)
+    kv.commit(first, 41)  # 10 full blocks registered in both groups; window blocks 0..7 dropped (parked)
+    second = seq(1, list(range(41)) + [99])
+    assert kv.cached_prefix_len(second) == 40
+    kv.take_cached_prefix(second)
+    full, window = second.block_tables
+    assert full == first.block_tables[0][:10]
+    # a query at position 40 sees keys 33..: only blocks 8 and 9 of the window group are taken
+    assert window[:8] == [kv.null_block] * 8 and window[8:] == first.block_tables[1][8:10]
+    kv.check_integrity([first, second])
+    kv.free(second)
+    # the window group's block 9 forgotten by the cache (as eviction would): a hit must end before it, at 9
+    # blocks, whose window (keys 29..) starts in block 7, dropped by first but still cached (parked)
+    forgotten = kv.cache._block_of.pop(kv._group_key(1, first.block_keys[9]))  # noqa: SLF001
+    del kv.cache._key_of[forgotten]  # noqa: SLF001
+    third = seq(2, list(range(41)))
+    assert kv.cached_prefix_len(third) == 36
+    kv.take_cached_prefix(third)
+    cached = [kv.cache.block_of(kv._group_key(1, first.block_keys[i])) for i in (7, 8)]  # noqa: SLF001
+    assert third.block_tables[1] == [kv.null_block] * 7 + cached and cached[1] == first.block_tables[1][8]
+    kv.check_integrity([first, third])
+    kv.free(first)
+    kv.free(third)
+    kv.check_idle()
+
+
+def test_max_sequence_tokens_counts_every_group():
+    plain = KVManager(64, 4)
+    assert plain.max_sequence_tokens(16) == 256
+    kv = windowed_manager(64)
+    # 63 usable blocks; the window group holds at most ceil((8 + 16) / 4) + 1 = 7
+    assert kv.max_sequence_tokens(16) == (63 - 7) * 4
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_read_only_the_window(ops, dtype):
+    """Decodes, a short continuation chunk (kernel rows) and long chunks (SDPA, from the cache and fresh), all
+    windowed, against the kernel-free float32 path; blocks before every window hold NaN, so a read of one
+    shows."""
+    torch.manual_seed(3)
+    kv_heads, group, d, blocks, bs, window = 2, 3, 64, 80, 16, 40
+    backend = PagedBackend(1, kv_heads, d, blocks, bs, dtype, "cpu")
+    backend.ops = ops
+    backend.k_cache[0].normal_()
+    backend.v_cache[0].normal_()
+    exact = PagedBackend(1, kv_heads, d, blocks, bs, torch.float32, "cpu")
+    exact.k_cache[0].copy_(backend.k_cache[0])
+    exact.v_cache[0].copy_(backend.v_cache[0])
+    poisoned = torch.arange(60, 80)  # the blocks tables name before their windows
+    backend.k_cache[0][:, poisoned] = float("nan")
+    backend.v_cache[0][:, poisoned] = float("nan")
+    order = torch.randperm(60)
+
+    def table(tokens: int, first: int) -> torch.Tensor:
+        n = (tokens + bs - 1) // bs
+        start = max(0, tokens - window - 70) // bs  # blocks well behind the window: poisoned
+        return torch.cat([poisoned[:start], order[first:first + n - start]])
+
+    decode_lens = torch.tensor([5, 100, 300])
+    width = (300 + bs - 1) // bs
+    decode_tables = torch.stack([torch.nn.functional.pad(table(n, 12 * i), (0, width - len(table(n, 12 * i))))
+                                 for i, n in enumerate(decode_lens.tolist())])
+    chunks = [PrefillChunk(3, 6, 150, table(150, 36)), PrefillChunk(9, 80, 200, table(200, 46)),
+              PrefillChunk(89, 70, 70, table(70, 0))]
+    tokens = 159
+    q = torch.randn(tokens, kv_heads * group, d).to(dtype)
+    k, v = torch.randn(tokens, kv_heads, d).to(dtype), torch.randn(tokens, kv_heads, d).to(dtype)
+    outs = []
+    for b, qq, kk, vv in ((backend, q, k, v), (exact, q.float(), k.float(), v.float())):
+        meta = AttentionMetadata(torch.zeros(tokens, dtype=torch.long), 3, decode_tables, decode_lens, chunks,
+                                 window=window)
+        b.prepare(meta)
+        outs.append(b.attend(0, qq, kk, vv, meta))
+    assert not outs[0].isnan().any()  # the exact copy holds numbers there: it checks the math, not the reads
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (outs[0].float() - outs[1]).abs().max().item() < tol
+
+
+# ---- a windowed model against HF transformers ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from test_models_random import byte_tokenizer
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                           sliding_window=WINDOW, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    path = tmp_path_factory.mktemp("mistral")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+@pytest.mark.parametrize("backend", ["paged", "reference"])
+def test_windowed_logits_match_hf(mistral, make_llm_for_test, backend):
+    path, hf = mistral
+    llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
+    assert llm.engine.runner.windows == [WINDOW]
+    for ids in random_prompts(3, VOCAB, 3 * WINDOW, 6 * WINDOW, seed=1):  # several windows long
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+
+
+def test_windowed_greedy_tokens_match_hf_under_the_runtime(mistral, make_llm_for_test):
+    """The same tokens as HF alone, chunked across the window edge, under a tiny pool, with prefix caching;
+    blocks behind the window are back in the pool mid-generation."""
+    path, hf = mistral
+    prompts = random_prompts(4, VOCAB, 2 * WINDOW, 5 * WINDOW, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = []
+    for ids in prompts:
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        expected.append(ref[0, len(ids):].tolist())
+    block_bytes = 2 * 3 * 16 * 2 * 16 * 4  # K and V, 3 layers, 16 tokens, 2 heads of 16 dims, float32
+    engines = {
+        "plain": {},
+        "chunked": {"max_num_batched_tokens": 7},
+        "tiny pool": {"kv_cache_memory": 14 * block_bytes, "max_num_batched_tokens": 16},
+        "prefix cache": {"enable_prefix_caching": True, "max_num_batched_tokens": 16},
+    }
+    for name, args in engines.items():
+        llm = make_llm_for_test(path, dtype="float32", **args)
+        batch = prompts + [p[:WINDOW + 3] + [7] * 20 for p in prompts] if name == "prefix cache" else prompts
+        outs = llm.generate(batch, params)
+        got = [o.outputs[0].token_ids for o in outs[:len(prompts)]]
+        assert got == expected, name
+    llm = make_llm_for_test(path, dtype="float32")
+    engine = llm.engine
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for _ in range(30):
+        engine.step()
+    (running,) = engine.scheduler.running
+    table = running.block_tables[0]
+    live = engine.kv.first_live_block(0, running.num_computed)
+    assert live > 2 and table[:live] == [engine.kv.null_block] * live
+    assert engine.kv.num_free == engine.kv.num_blocks - 1 - (len(table) - live)  # only the window is held
+    while engine.has_unfinished:
+        engine.step()
