@@ -31,7 +31,7 @@ class ServerSpec:
 def command(spec: ServerSpec, model: str, port: int) -> tuple[list[str], dict[str, str]]:
     """The argv and extra environment that start `spec` on `port`."""
     if spec.engine == "ridge":
-        return [sys.executable, "-m", "ridge.cli", "serve", model, "--port", str(port),
+        return [sys.executable, "-m", "ridge.cli", "serve", "--model", model, "--port", str(port),
                 "--served-model-name", "bench", *spec.flags], {}
     if spec.engine == "vllm":
         from ridge.bench.cli import find_peers, hf_export_dir
