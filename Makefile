@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 models: $(STAMP)
-	$(VENV)/bin/ridge pull smollm2 qwen2.5-coder-0.5b
+	$(VENV)/bin/ridge pull smollm2 qwen2.5-coder-0.5b qwen2.5-coder-1.5b gemma3-270m
 
 run: $(STAMP)
 	$(VENV)/bin/ridge pull smollm2

@@ -37,7 +37,8 @@ CHAT_PROMPTS = [
 ]
 
 
-MODEL_FIXTURES = {"smollm2_path", "qwen_path"}  # every test that runs a real model reaches one of these
+# every test that runs a real model reaches one of these
+MODEL_FIXTURES = {"smollm2_path", "qwen_path", "gemma3_path", "alias_path"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -57,7 +58,7 @@ def _unit_tests_load_no_model(request, monkeypatch) -> None:
         return
 
     def refuse(alias: str) -> Path:
-        raise AssertionError(f"a unit test reached the model {alias!r}: take it from the smollm2_path or qwen_path "
+        raise AssertionError(f"a unit test reached the model {alias!r}: take it from a model path "
                              "fixture, so that the test is not counted as unit")
 
     monkeypatch.setattr(hub, "alias_path", refuse)
@@ -79,6 +80,17 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen_path() -> Path:
     return hub.pull("qwen2.5-coder-0.5b", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return hub.pull("gemma3-270m", progress=False)
+
+
+@pytest.fixture
+def alias_path(request) -> Path:
+    """The model of the alias the test is parametrized with (indirect=True)."""
+    return hub.pull(request.param, progress=False)
 
 
 @pytest.fixture(scope="session")

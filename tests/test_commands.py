@@ -91,3 +91,28 @@ def test_bench_report_renders_kept_results_into_the_marked_tables(tmp_path):
     assert rendered == ["latency"] and "old" not in text and "kept" in text and text.startswith("# title\n")
     assert "at commit abc1234, 2026-11-26, on a CPU (read bandwidth measured at 30.0 GB/s)" in text
     assert "| ridge (bf16) | 5000 | 60.0 | 1.00x |" in text and "| llamacpp (Q4_1) | 9000 | 120.0 | 0.50x |" in text
+
+
+def test_bench_report_server_and_variant_tables():
+    """The serving, prefix and speculative sections' tables from reports shaped as their commands write them."""
+    from ridge.bench.report import SECTIONS, prefix_table, serving_table, speculative_table
+
+    def run(name: str, rate: str, tok_s: float) -> dict:
+        stats = {"mean_ms": 100.0, "median_ms": 90.0, "p90_ms": 150.0, "p99_ms": 200.0}
+        return {"name": name, "request_rate": rate, "output_throughput": tok_s, "goodput": 1.5, "ttft": stats,
+                "tpot": stats}
+
+    serving = serving_table({"runs": [run("ridge", "2", 300.0), run("vllm-cpu", "2", 150.0)],
+                             "offline": {"output_throughput": 400.0}})
+    assert "| ridge | 2 | 300.0 | 1.50 | 90 / 200 | 90.0 / 200.0 |" in serving
+    assert serving[-1].startswith("| ridge offline") and "400.0" in serving[-1]
+    prefix = prefix_table({"runs": [run("ridge, cache", "inf", 300.0), run("ridge, no cache", "inf", 100.0)]})
+    assert prefix[-1] == "| ridge, no cache | 100.0 | 100 / 90 / 200 | 90.0 | 0.33x |"
+    spec = speculative_table({"variants": [{"drafter": "n-gram prompt lookup", "k": 4, "workload": "code-edit",
+                                            "runs": [{"mode": "plain", "batch": 1, "decode_tok_s": 6.5, "speedup": 1.0,
+                                                      "mean_accepted_length": None},
+                                                     {"mode": "fixed", "batch": 1, "decode_tok_s": 26.0,
+                                                      "speedup": 4.0, "mean_accepted_length": 4.5}]}]})
+    assert spec[2].startswith("| n-gram prompt lookup (k = 4), code-edit | plain | 1 | 6.50 | 1.00x |")
+    assert spec[3] == "|  | fixed | 1 | 26.00 | 4.00x | 4.50 |"
+    assert "servers: ridge = ridge serve, vllm-cpu = vllm serve" in SECTIONS["serving"].describe()

@@ -159,53 +159,73 @@ def test_kernel_rows_read_only_the_window(ops, dtype):
     assert (outs[0].float() - outs[1]).abs().max().item() < tol
 
 
-# ---- a windowed model against HF transformers ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, MistralConfig
+# ---- windowed models against HF transformers -------------------------------------------------------------------
+def hf_config(arch: str):
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
+                  eos_token_id=2, sliding_window=WINDOW)
+    if arch == "mistral":  # every layer windowed
+        return MistralConfig(**common, num_hidden_layers=3, tie_word_embeddings=False)
+    if arch == "gemma2":  # alternating, soft-capped logits, a query scale other than head_dim
+        return Gemma2Config(**common, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+    # 5 local : 1 global, two rotary bases, QK norm
+    return Gemma3TextConfig(**common, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=24)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma2", "gemma3"])
+def windowed(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
 
     from test_models_random import byte_tokenizer
 
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-                           sliding_window=WINDOW, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    path = tmp_path_factory.mktemp("mistral")
+    model = AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    for name, weight in model.named_parameters():
+        if name.endswith("norm.weight"):  # Gemma's norms multiply by 1 + w, initialised 0: make w matter
+            torch.nn.init.normal_(weight, 0.0 if request.param != "mistral" else 1.0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # as ignore_eos: min_new_tokens would forbid EOS instead
     byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path, model
+    return request.param, path, model
 
 
 @pytest.mark.parametrize("backend", ["paged", "reference"])
-def test_windowed_logits_match_hf(mistral, make_llm_for_test, backend):
-    path, hf = mistral
+def test_windowed_logits_match_hf(windowed, make_llm_for_test, backend):
+    arch, path, hf = windowed
     llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
-    assert llm.engine.runner.windows == [WINDOW]
+    assert WINDOW in llm.engine.runner.windows
     for ids in random_prompts(3, VOCAB, 3 * WINDOW, 6 * WINDOW, seed=1):  # several windows long
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0]
-        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0), arch
 
 
-def test_windowed_greedy_tokens_match_hf_under_the_runtime(mistral, make_llm_for_test):
-    """The same tokens as HF alone, chunked across the window edge, under a tiny pool, with prefix caching;
-    blocks behind the window are back in the pool mid-generation."""
-    path, hf = mistral
+def test_windowed_greedy_tokens_match_hf_under_the_runtime(windowed, make_llm_for_test):
+    """The same tokens as HF alone, in a batch, chunked across the window edge, under a tiny pool (preempted),
+    with prefix caching; blocks behind the window are back in the pool mid-generation."""
+    arch, path, hf = windowed
     prompts = random_prompts(4, VOCAB, 2 * WINDOW, 5 * WINDOW, seed=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = []
     for ids in prompts:
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
         expected.append(ref[0, len(ids):].tolist())
-    block_bytes = 2 * 3 * 16 * 2 * 16 * 4  # K and V, 3 layers, 16 tokens, 2 heads of 16 dims, float32
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    longest = max(len(p) for p in prompts) + 40
+    # blocks one sequence holds at most: all of a full group's, a window and a 16-token chunk of a windowed one's
+    one = sum(-(-longest // 16) if g.window is None else -(-(g.window + 16) // 16) + 1 for g in cfg.kv_layout().groups)
     engines = {
-        "plain": {},
+        "batch": {},
         "chunked": {"max_num_batched_tokens": 7},
-        "tiny pool": {"kv_cache_memory": 14 * block_bytes, "max_num_batched_tokens": 16},
+        "tiny pool": {"kv_cache_memory": (1 + one * 3 // 2) * cfg.kv_bytes_per_block(torch.float32, 16),
+                      "max_num_batched_tokens": 16},
         "prefix cache": {"enable_prefix_caching": True, "max_num_batched_tokens": 16},
     }
     for name, args in engines.items():
@@ -213,16 +233,22 @@ def test_windowed_greedy_tokens_match_hf_under_the_runtime(mistral, make_llm_for
         batch = prompts + [p[:WINDOW + 3] + [7] * 20 for p in prompts] if name == "prefix cache" else prompts
         outs = llm.generate(batch, params)
         got = [o.outputs[0].token_ids for o in outs[:len(prompts)]]
-        assert got == expected, name
+        assert got == expected, f"{arch}, {name}"
+        if name == "tiny pool":
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0, f"{arch}: the pool was not tiny enough"
     llm = make_llm_for_test(path, dtype="float32")
     engine = llm.engine
     engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     for _ in range(30):
         engine.step()
     (running,) = engine.scheduler.running
-    table = running.block_tables[0]
-    live = engine.kv.first_live_block(0, running.num_computed)
-    assert live > 2 and table[:live] == [engine.kv.null_block] * live
-    assert engine.kv.num_free == engine.kv.num_blocks - 1 - (len(table) - live)  # only the window is held
+    windowed_groups = [g for g, w in enumerate(engine.kv.windows) if w is not None]
+    held = 0
+    for g, table in enumerate(running.block_tables):
+        live = engine.kv.first_live_block(g, running.num_computed)
+        if g in windowed_groups:
+            assert live > 2 and table[:live] == [engine.kv.null_block] * live
+        held += len(table) - live
+    assert engine.kv.num_free == engine.kv.num_blocks - 1 - held  # behind the windows, the blocks are free
     while engine.has_unfinished:
         engine.step()

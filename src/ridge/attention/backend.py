@@ -119,7 +119,11 @@ class AttentionBackend(ABC):
         block_size: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """scale: of the scores, head_dim ** -0.5 by default; softcap: scores become softcap * tanh(scores /
+        softcap) (Gemma 2), on backends that have it."""
         if block_size % 2 or head_dim % 2:
             raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
         layout = kv_layout([None] * layers) if isinstance(layers, int) else layers
@@ -131,7 +135,8 @@ class AttentionBackend(ABC):
         self.v_cache = [v_slots[slot] for slot in layout.slot_of_layer()]
         self.group_of_layer = layout.group_of_layer()
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
-        self.scale = head_dim**-0.5
+        self.scale = scale or head_dim**-0.5
+        self.softcap = softcap
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook

@@ -38,6 +38,11 @@ class PagedBackend(AttentionBackend):
     # (kernels/batch_invariance.py)
     batch_invariant = False
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.softcap:  # neither torch's SDPA nor the kernel caps scores
+            raise ValueError("attention_backend: paged has no attention logit soft-capping (Gemma 2); use reference")
+
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
         if self.batch_invariant:

@@ -1,4 +1,5 @@
-"""The reference backend: one sequence at a time, K/V repeated per query head, softmax in float32.
+"""The reference backend: one sequence at a time, K/V repeated per query head, softmax in float32; the one
+backend with attention logit soft-capping (Gemma 2).
 
 Slow and plain on purpose: it is what the fast backends are checked against.
 """
@@ -33,6 +34,8 @@ class ReferenceBackend(AttentionBackend):
         v = v[:, :context_len].repeat_interleave(group, dim=0).float()
         n = q.shape[0]
         scores = torch.einsum("nhd,hcd->hnc", q.float(), k) * self.scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         return torch.einsum("hnc,hcd->nhd", scores.softmax(-1), v).to(q.dtype)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ridge.bench import workloads
+from ridge.bench.capacity import add_capacity_parser
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.report import add_report_parser
@@ -106,10 +107,10 @@ def _greedy(n: int):
 
 
 def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult:
-    def run_one(prompt: list[int], n: int) -> float:
-        start = time.perf_counter()
-        llm.generate(prompt, _greedy(n))
-        return time.perf_counter() - start
+    def run_one(prompt: list[int], n: int) -> tuple[float, float]:
+        """Seconds to the first token and for all n, of one run (the engine's clock from the request's arrival)."""
+        (out,) = llm.generate(prompt, _greedy(n))
+        return out.metrics["ttft_s"], out.metrics["e2e_s"]
 
     from ridge.bench.peer_driver import measure_latency
 
@@ -334,5 +335,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_soak_parser(bsub)
     add_quant_parser(bsub)
     add_invariance_parser(bsub, add_engine_args)
+    add_capacity_parser(bsub, add_engine_args)
     add_report_parser(bsub)
 

@@ -18,16 +18,28 @@ import time
 
 
 def measure_latency(run_one, job) -> dict:
-    """run_one(ids, n) -> seconds for n new tokens. Prefill from n=1; decode from the difference."""
+    """run_one(ids, n) -> seconds for n new tokens, or (seconds to the first token, seconds for all n) of one run.
+    An engine that times both in one run has its decode time from that run; otherwise prefill comes from
+    separate n=1 runs and decode from the difference of the medians."""
     req = job["requests"][0]
     ids, n = req["prompt_ids"], req["max_tokens"]
     run_one(ids, 2)  # warm-up
-    first, full = [], []
-    for _ in range(job.get("repeats", 3)):
-        first.append(run_one(ids, 1))
-        full.append(run_one(ids, n))
-    t1, tn = statistics.median(first), statistics.median(full)
-    return {"prefill_tok_s": len(ids) / t1, "decode_tok_s": (n - 1) / max(tn - t1, 1e-9), "ttft_s": t1,
+    repeats = job.get("repeats", 3)
+    if isinstance(run_one(ids, 1), tuple):
+        runs = [run_one(ids, n) for _ in range(repeats)]
+        t1, tn = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        decode_s = statistics.median(r[1] - r[0] for r in runs)
+    else:
+        first, full = [], []
+        for _ in range(repeats):
+            first.append(run_one(ids, 1))
+            full.append(run_one(ids, n))
+        t1, tn = statistics.median(first), statistics.median(full)
+        decode_s = tn - t1
+    if decode_s <= 0:
+        raise RuntimeError(f"timing noise: {n} tokens took no longer than the first ({tn:.3f} s against {t1:.3f} s); "
+                           "raise --output-len or --repeats")
+    return {"prefill_tok_s": len(ids) / t1, "decode_tok_s": (n - 1) / decode_s, "ttft_s": t1,
             "e2e_s": tn, "prompt_tokens": len(ids), "new_tokens": n}
 
 

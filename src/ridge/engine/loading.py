@@ -16,6 +16,7 @@ from ridge.linear.dense import onednn_packs
 from ridge.linear.select import int8_activation_layers, place_dense, place_quantized, share_prompt_scratch
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf
+from ridge.models.registry import check_supported
 from ridge.models.transformer import DecoderModel
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
@@ -45,6 +46,8 @@ class ModelFile:
     def open(cls, model: str) -> ModelFile:
         path = resolve(model)
         gguf = open_gguf(path) if path.is_file() else None
+        if gguf is not None:  # before the tokenizer or any weight is read
+            check_supported(str(gguf.fields.get("general.architecture")))
         return cls(path, gguf, RidgeTokenizer.from_path(path, gguf))
 
 
@@ -55,7 +58,8 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
     loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
-                        gguf_native=config.quantization == "gguf", target=target)
+                        gguf_native=config.quantization == "gguf", target=target,
+                        ignore_sliding_window=config.ignore_sliding_window)
     if config.quantization in METHODS:
         place_quantized(loaded.model, _quantized_weights(loaded.model, model.tokenizer, config, progress), target)
         loaded.weight_format += f" -> {config.quantization}" + (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -12,6 +13,8 @@ from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
 from ridge.models.transformer import DecoderModel
+
+log = logging.getLogger("ridge")
 
 
 @dataclass
@@ -36,8 +39,12 @@ class ModelRunner:
         self.block_size = block_size
         layout = cfg.kv_layout()
         self.windows = [group.window for group in layout.groups]
+        if cfg.attn_logit_softcap and backend_name != "reference":
+            log.warning("ridge: attention logit soft-capping runs on the reference attention backend only (slow)")
+            backend_name = "reference"
         self.backend = BACKENDS[backend_name](
-            layout, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device
+            layout, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device,
+            scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
         )
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
@@ -52,7 +59,7 @@ class ModelRunner:
         inputs = self.prepare(step)
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
-            hidden = self.decode_stack(self.model.embed_tokens(inputs.input_ids), inputs.positions, meta[0])
+            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta[0])
             return self.model.compute_logits(hidden), inputs.samplers
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         return self.model(inputs.input_ids, inputs.positions, self.backend, meta, rows), inputs.samplers

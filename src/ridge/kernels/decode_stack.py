@@ -54,8 +54,13 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     cfg = model.cfg
     if ops is None or type(backend) is not PagedBackend or backend.ops is None:
         return None
-    if cfg.sliding_window:
-        log.warning("ridge: the fused decode step has no sliding-window attention; decode runs layer by layer")
+    unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
+                                                ("sandwich norms", cfg.sandwich_norms),
+                                                ("GeGLU", cfg.hidden_act != "silu"),
+                                                ("a query scale other than head_dim", cfg.query_pre_attn_scalar))
+                   if present]
+    if unsupported:
+        log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None
     dtype = model.norm.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16) or backend.k_cache[0].dtype != dtype:

@@ -117,28 +117,38 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """down(act(gate) * up): SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         self.ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        if self.ops is not None:
+        if self.ops is not None and not self.gelu:
             return self.down(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(act * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP. post_attn_norm is the MLP's input norm (HF llama's name for it); with
+    sandwich norms (Gemma), attention's and the MLP's outputs are normed too before they join the residual."""
+
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_index)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.local = cfg.is_local(layer_index)  # rotary on the local base, where the model has one
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta
@@ -149,5 +159,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_norm(x, residual)
         x = self.attn(x, rope, backend, meta)
+        if self.attn_out_norm is not None:
+            x = self.attn_out_norm(x)
         x, residual = self.post_attn_norm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.mlp_out_norm is not None:
+            x = self.mlp_out_norm(x)
+        return x, residual

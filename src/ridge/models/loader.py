@@ -9,7 +9,9 @@ and scales (quant/gguf_blocks.py) for layers that multiply by them in place (lin
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -32,6 +34,8 @@ from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
 from ridge.quant.rtn import QuantizedWeight
 
+log = logging.getLogger("ridge")
+
 # (source-name pattern, ridge name template, slot in a fused parameter or None)
 _GGUF_NAMES = [
     (r"token_embd\.weight", "embed_tokens.weight", None),
@@ -39,6 +43,8 @@ _GGUF_NAMES = [
     (r"output\.weight", "lm_head.weight", None),
     (r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.input_norm.weight", None),
     (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.attn_out_norm.weight", None),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers.{0}.mlp_out_norm.weight", None),
     (r"blk\.(\d+)\.attn_q\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
     (r"blk\.(\d+)\.attn_k\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
@@ -49,6 +55,17 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", 1),
     (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
 ]
+# Gemma's sandwich norms: HF's post_attention_layernorm is the norm on attention's output there, not the MLP's
+# input norm as in llama
+_HF_SANDWICH_NAMES = [
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.attn_out_norm.weight", None),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{0}.mlp_out_norm.weight", None),
+]
+# a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
+_LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
+                            (r"language_model\.lm_head\.", "lm_head.")]
+_NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
 _HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -113,18 +130,19 @@ def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndar
 
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
-    gguf_native: bool = False, target: LinearTarget | None = None,
+    gguf_native: bool = False, target: LinearTarget | None = None, ignore_sliding_window: bool = False,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
-    quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels)."""
+    quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels).
+    ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs)."""
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, Any]] = _safetensors(path, progress)
-        table, fmt = _HF_NAMES, "safetensors"
+        tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path, progress), cfg)
+        table, fmt = (_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + _HF_NAMES, "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
             tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
             fmt += f" {hf_config['quantization_config']['quant_method']}"
@@ -137,6 +155,10 @@ def load_model(
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
+    if ignore_sliding_window and cfg.sliding_window:
+        log.warning("ridge: ignore_sliding_window: every layer attends to its whole history; outputs past the "
+                    "%d-token window are not the model's", cfg.sliding_window)
+        cfg = dataclasses.replace(cfg, sliding_window=0)
     parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
     state: dict[str, torch.Tensor] = {}
@@ -165,7 +187,7 @@ def load_model(
     if missing:
         raise ValueError(f"{path}: weights missing for {sorted(missing)[:5]}")
     model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    model.make_rotary()
     model = model.to(device).eval().requires_grad_(False)
     return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
 
@@ -197,6 +219,19 @@ def open_gguf(path: Path) -> GGUFFile:
         raise ValueError(
             f"{path}: not a readable GGUF file, truncated or corrupt ({exc}); re-pull it or check the download"
         ) from exc
+
+
+def _hf_language_model(tensors: Iterator[tuple[str, Any]], cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """An HF checkpoint's language-model tensors under a causal LM's names, norm weights made what the norm
+    multiplies by (Gemma stores w for 1 + w)."""
+    for name, tensor in tensors:
+        if _NOT_LANGUAGE_MODEL.match(name):
+            continue
+        for prefix, plain in _LANGUAGE_MODEL_PREFIXES:
+            name = re.sub("^" + prefix, plain, name)
+        if cfg.norm_weight_offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor.float() + cfg.norm_weight_offset
+        yield name, tensor
 
 
 def _safetensors(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, qwen2 and qwen3 run on one DecoderModel; what differs is a bias here, a norm there, a
-sliding window.
+llama, mistral, qwen2, qwen3, gemma2 and gemma3 run on one DecoderModel; what differs is a bias here, a
+norm there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mistral": {},  # llama with a sliding window on every layer (from its config)
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
+    "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
 }
 
 # HF `architectures[0]` / `model_type` -> our name
@@ -25,6 +27,12 @@ _HF_NAMES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
@@ -67,6 +75,11 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "qkv_bias": spec.qkv_bias,
         "sliding_window": spec.sliding_window,
         "global_every": spec.global_every,
+        "rope_local_theta": spec.rope_local_theta,
+        "hidden_act": spec.hidden_act,
+        "query_pre_attn_scalar": spec.query_pre_attn_scalar,
+        "attn_logit_softcap": spec.attn_logit_softcap,
+        "final_logit_softcap": spec.final_logit_softcap,
     }
     fields.update(ARCHITECTURES[arch])
     return ModelConfig(**fields)

@@ -51,6 +51,11 @@ class ModelSpec:
     rope_theta: float = field(default=10000.0, compare=False)
     rope_scaling: str | None = field(default=None, compare=False)  # a rope_type other than plain rotary
     max_position_embeddings: int = field(default=4096, compare=False)
+    hidden_act: str = field(default="silu", compare=False)  # silu or gelu_tanh
+    query_pre_attn_scalar: float | None = field(default=None, compare=False)
+    rope_local_theta: float | None = field(default=None, compare=False)
+    attn_logit_softcap: float | None = field(default=None, compare=False)
+    final_logit_softcap: float | None = field(default=None, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -139,20 +144,40 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if fields.get("num_experts") and not fields.get("moe_intermediate_size"):
         fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
-        full = sum(kind == "full_attention" for kind in config["layer_types"])
-        fields["global_every"] = fields["num_layers"] // full if full else 0
+        fields["global_every"] = _global_every(config["layer_types"], source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
     if fields.get("q_lora_rank") is None:
         fields.pop("q_lora_rank", None)
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    local_scaling = scaling.get("sliding_attention") or {}
+    scaling = scaling.get("full_attention", scaling)  # Gemma 3: one rotary per kind of layer
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         rope_scaling=None if rope_type in ("default", None) else str(rope_type),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)), **fields,
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        hidden_act="gelu_tanh" if activation in ("gelu_pytorch_tanh", "gelu_tanh") else activation,
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
+        rope_local_theta=float(local_theta) if local_theta is not None else None,
+        attn_logit_softcap=config.get("attn_logit_softcapping"),
+        final_logit_softcap=config.get("final_logit_softcapping"), **fields,
     ).validate()
+
+
+def _global_every(layer_types: list[str], source: str) -> int:
+    """Every n-th layer attends to all (the last of each run of n), the rest through the window: n; 0 when no
+    layer attends to all."""
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    if not full:
+        return 0
+    every = full[0] + 1
+    if full != list(range(every - 1, len(layer_types), every)):
+        raise ValueError(f"{source}: layer_types: full attention at layers {full[:8]}..., not every n-th layer")
+    return every
 
 
 def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
@@ -179,11 +204,29 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         num_experts=int(value(f"{arch}.expert_count", 0)), experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
         moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
         sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
-        global_every=6 if arch == "gemma3" else 0,  # Gemma 3's pattern is fixed by the architecture, not stored
+        global_every=_GGUF_GLOBAL_EVERY.get(arch, 0),
         source=source, architecture=arch,
         rms_norm_eps=float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(value(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 4096)),
+        **_gguf_gemma_fields(arch, value, hidden, heads),
     ).validate()
+
+
+# the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it)
+_GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+
+
+def _gguf_gemma_fields(arch: str, value, hidden: int, heads: int) -> dict:
+    """What llama.cpp knows of Gemma 2 and 3 by architecture: the local layers' rotary base, and the 27B
+    models' attention scale from hidden / heads (head_dim elsewhere)."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    layers = int(value(f"{arch}.block_count"))
+    big = layers == (46 if arch == "gemma2" else 62)
+    softcaps = {f"{kind}_logit_softcap": float(cap) for kind in ("attn", "final")
+                if (cap := value(f"{arch}.{kind}_logit_softcapping")) is not None}
+    return {"hidden_act": "gelu_tanh", "query_pre_attn_scalar": hidden / heads if big else None,
+            "rope_local_theta": 10000.0 if arch == "gemma3" else None, **softcaps}
 
 

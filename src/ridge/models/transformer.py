@@ -1,4 +1,4 @@
-"""The decoder-only transformer that llama, qwen2 and qwen3 share; they differ only in ModelConfig."""
+"""The decoder-only transformer that every architecture ridge runs shares; they differ only in ModelConfig."""
 
 from __future__ import annotations
 
@@ -20,9 +20,23 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
+
+    def make_rotary(self) -> None:
+        """The rotary tables (buffers, not weights: made again after loading weights onto the meta device):
+        one for global layers, and one for local layers where their base differs (Gemma 3)."""
+        cfg = self.cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
+                             if cfg.rope_local_theta is not None else None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.cfg.embedding_scale:  # sqrt(hidden) rounded to the activations' dtype, as Gemma was trained
+            x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def use_kernels(self, ops: ModuleType | None) -> None:
         """Route norms, rotary and the MLP activation through fused kernels (None: plain torch ops)."""
@@ -57,18 +71,24 @@ class DecoderModel(nn.Module):
         Only the positions that get sampled pay for the vocabulary projection, which for a small model
         is a large share of all weights.
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.step(positions)
+        local = self.rotary_local.step(positions) if self.rotary_local is not None else rope
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, backend, meta)
+            x, residual = layer(x, residual, local if layer.local else rope, backend, meta)
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
         return self.compute_logits(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The final norm's output [T, hidden] -> float32 logits [T, vocab]."""
+        """The final norm's output [T, hidden] -> float32 logits [T, vocab] (soft-capped: Gemma 2)."""
         if self.output_projection is not None:
-            return self.output_projection(hidden).float()
-        return torch.nn.functional.linear(hidden, self.output_weight).float()
+            logits = self.output_projection(hidden).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.output_weight).float()
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

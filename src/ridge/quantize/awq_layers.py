@@ -28,6 +28,8 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     by the attention block's output, gate|up's by the MLP's output (the error after softmax, SiLU and the
     product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
     quantize/calibration.py's awq_layerwise, which calls this, carries them."""
+    if layer.attn_out_norm is not None:  # the search below feeds attention's output straight to the MLP's norm
+        raise ValueError("quantization: awq does not support sandwich norms (Gemma) yet; use gptq or int4")
     attn, mlp = layer.attn, layer.mlp
     windows = inputs[:SEARCH_WINDOWS]
     attn_in, attn_ref, mlp_in, mlp_ref = [], [], [], []
@@ -42,7 +44,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
                 residual, x = w.x.clone(), layer.input_norm(w.x)
             else:
                 x, residual = layer.input_norm(w.x.clone(), w.residual.clone())
-            a = attn(x, w.rope, backend, w.meta)
+            a = attn(x, w.rope_for(layer), backend, w.meta)
             m, _ = layer.post_attn_norm(a.clone(), residual)
             attn_in.append(x)
             attn_ref.append(a)
@@ -53,7 +55,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
             hook.remove()
 
     def attn_error() -> float:
-        return sum(float((attn(x, w.rope, backend, w.meta) - ref).double().square().sum())
+        return sum(float((attn(x, w.rope_for(layer), backend, w.meta) - ref).double().square().sum())
                    for x, w, ref in zip(attn_in, windows, attn_ref, strict=True))
 
     def mlp_error() -> float:

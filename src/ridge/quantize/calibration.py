@@ -157,7 +157,11 @@ class LayerInput:
     x: torch.Tensor  # [T, hidden]: the previous layer's output, not yet added to the residual stream
     residual: torch.Tensor | None  # None before the first layer
     rope: RopeStep
+    local_rope: RopeStep  # the local layers' (the same as rope unless their base differs)
     meta: StepMetadata  # one per KV group
+
+    def rope_for(self, layer: DecoderLayer) -> RopeStep:
+        return self.local_rope if layer.local else self.rope
 
 
 @torch.inference_mode()
@@ -170,8 +174,10 @@ def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: tor
     for ids, meta in prompts:
         for group_meta in meta:
             backend.prepare(group_meta)
-        rope = model.rotary.step(torch.arange(len(ids), device=device))
-        states.append(LayerInput(model.embed_tokens(ids), None, rope, meta))
+        positions = torch.arange(len(ids), device=device)
+        rope = model.rotary.step(positions)
+        local = model.rotary_local.step(positions) if model.rotary_local is not None else rope
+        states.append(LayerInput(model.embed(ids), None, rope, local, meta))
     return backend, states
 
 
@@ -207,7 +213,8 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
         full_precision: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for w in states:  # the norms add into the residual stream in place (the first layer's is x): copies
-                out = layer(w.x.clone(), None if w.residual is None else w.residual.clone(), w.rope, backend, w.meta)
+                residual = None if w.residual is None else w.residual.clone()
+                out = layer(w.x.clone(), residual, w.rope_for(layer), backend, w.meta)
                 if not carry_quantized:
                     full_precision.append(out)
         finally:
@@ -218,7 +225,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
             linear.weight.copy_(dequantize(fitted[key]).to(linear.weight.dtype))
         if carry_quantized:
             for w in states:
-                w.x, w.residual = layer(w.x, w.residual, w.rope, backend, w.meta)
+                w.x, w.residual = layer(w.x, w.residual, w.rope_for(layer), backend, w.meta)
         else:
             for w, (x, residual) in zip(states, full_precision, strict=True):
                 w.x, w.residual = x, residual

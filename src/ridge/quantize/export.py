@@ -86,6 +86,9 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
     start = time.perf_counter()
     loaded = load_model(model_path, torch.float32, progress=progress)
     model, cfg = loaded.model, loaded.config
+    if cfg.architecture not in _HF_ARCHITECTURES:  # the names and config written below are these families'
+        raise ValueError(f"model: `ridge quantize` writes {', '.join(_HF_ARCHITECTURES)} checkpoints; "
+                         f"{cfg.architecture} models quantize at load instead (--quantization)")
     if group_size is not None:
         for name, module in model.layers[0].named_modules():
             if isinstance(module, torch.nn.Linear):

@@ -1,0 +1,104 @@
+"""A GGUF file's vocabulary as a `tokenizers` pipeline: byte-level BPE ('gpt2') or SentencePiece ('llama').
+
+Byte-level BPE files carry their merges and the name of their pre-tokenizer split; we rebuild the pipeline
+the model's tokenizer.json describes. SentencePiece files carry tokens and scores but no merges: they are
+recovered from the vocabulary (every way to cut a token into two tokens is a merge, the better-ranked
+token's merges first), and text is tokenized with byte fallback (a character outside the vocabulary
+becomes its UTF-8 bytes' <0xXX> tokens). HF transformers builds the same pipeline from these files, and
+its tokens are what tests compare against.
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from ridge.models.gguf_file import GGUFFile
+
+# Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# GGUF token types (llama.cpp's enum)
+CONTROL, USER_DEFINED = 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def vocabulary_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    kind = gguf.fields.get("tokenizer.ggml.model")
+    tokens: list[str] = gguf.fields.get("tokenizer.ggml.tokens")
+    types: list[int] = gguf.fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if kind == "gpt2":
+        tok = _byte_level_bpe(gguf, tokens)
+    elif kind == "llama":  # a token of spaces alone is stored as spaces: the model sees ▁s
+        tok = _sentencepiece_bpe(gguf, [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens])
+    else:
+        raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported (supported: gpt2, llama)")
+    vocab = tok.get_vocab()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types, strict=True) if ty == CONTROL])
+    # user-defined tokens (`<think>`, Gemma's "\n\n") are matched whole in the text, as llama.cpp does
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED and t in vocab])
+    return tok
+
+
+def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in gguf.fields.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               byte_fallback=False))
+    tok.pre_tokenizer = _byte_level_split(gguf.fields.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _byte_level_split(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level_only])
+    if pre in ("llama-bpe", "llama3"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level_only])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    return gpt2  # "gpt2", "default" and unknown names: GPT-2's own split
+
+
+def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # Gemma's scores do not follow the order its merges were learned in; its tokens' order in the file does
+    arch = gguf.fields.get("general.architecture", "")
+    if arch.startswith("gemma"):
+        rank = {t: i for i, t in enumerate(tokens)}
+    else:
+        scores = gguf.fields.get("tokenizer.ggml.scores")
+        order = sorted(range(len(tokens)), key=lambda i: -scores[i])
+        rank = {tokens[i]: r for r, i in enumerate(order)}
+    unk = gguf.fields.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocabulary(vocab, rank), fuse_unk=True,
+                               byte_fallback=True, unk_token=tokens[unk] if unk is not None else None))
+    space = normalizers.Replace(" ", _SPACE)
+    if gguf.fields.get("tokenizer.ggml.add_space_prefix", True):  # SentencePiece's default: " " before the text
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), space])
+    else:
+        tok.normalizer = space
+    # no Strip of the prefix space when decoding: the detokenizer decodes windows of a stream, and a window's
+    # leading space is a real one
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _merges_from_vocabulary(vocab: dict[str, int], rank: dict[str, int]) -> list[tuple[str, str]]:
+    """Each way to cut a token into two tokens, as a merge; ordered by the whole token's rank, then by the
+    ids of its halves."""
+    found = []
+    for token, token_rank in rank.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found.extend((token_rank, pair) for pair in pairs)
+    found.sort(key=lambda item: item[0])
+    return [pair for _, pair in found]
