@@ -171,6 +171,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
         return cmd_speculative(args, _ridge(args))
     print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
     roof = roofline.measure(dtypes=())
+    if args.enable_prefix_caching:  # every run repeats the prompt: with the cache on, prefill would be a hit
+        print("[bench] latency runs without the prefix cache (each engine prefills the whole prompt every run)",
+              file=sys.stderr)
+        args.enable_prefix_caching = False
     llm = _ridge(args)
     ids = _latency_prompt(args, llm.tokenizer)
     ridge_result = ridge_latency(args, llm, ids)

@@ -99,7 +99,9 @@ def vllm(job) -> dict:
 
     longest = max(len(r["prompt_ids"]) + r["max_tokens"] for r in job["requests"])
     start = time.perf_counter()
-    llm = LLM(model=job["hf_dir"], dtype=job["dtype"], max_model_len=max(longest, 2048), seed=0)
+    # no prefix cache: a latency run repeats its prompt, which would then prefill as a cache hit
+    llm = LLM(model=job["hf_dir"], dtype=job["dtype"], max_model_len=max(longest, 2048), seed=0,
+              enable_prefix_caching=job["mode"] != "latency")
     startup = time.perf_counter() - start
 
     def params(n):
@@ -144,6 +146,7 @@ def llamacpp(job) -> dict:
                 n_batch=512, verbose=False)
 
     def run_one(ids, n):
+        llm.reset()  # generate() keeps the KV of the longest prefix it saw before, reset=True or not
         t = time.perf_counter()
         for i, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True)):
             if i + 1 == n:

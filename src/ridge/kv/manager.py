@@ -72,12 +72,14 @@ class KVManager:
     def empty_tables(self) -> list[list[int]]:
         return [[] for _ in self.windows]
 
+    def window_start_block(self, group: int, num_computed: int) -> int:
+        """The first block the window of a query at position num_computed reaches (0 in a full group)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
     def first_live_block(self, group: int, num_computed: int) -> int:
         """The first block of `group` a sequence with num_computed tokens computed still holds."""
-        window = self.windows[group]
-        if window is None:
-            return 0
-        return max(0, num_computed - window + 1 - self.rewind_margin) // self.block_size
+        return self.window_start_block(group, max(0, num_computed - self.rewind_margin))
 
     # ---- admission -------------------------------------------------------------------------------
     def cached_prefix_len(self, seq: Sequence) -> int:
@@ -116,17 +118,17 @@ class KVManager:
         for g, blocks in enumerate(found):
             if blocks is not None:
                 tables.append(blocks[:hit])
-            else:
-                live = self.first_live_block(g, hit * self.block_size)
-                cached = [self.cache.block_of(self._group_key(g, key)) for key in keys[live:hit]]
-                tables.append([self.null_block] * live + cached)
+            else:  # the blocks _window_hit found cached
+                start = self.window_start_block(g, hit * self.block_size)
+                cached = [self.cache.block_of(self._group_key(g, key)) for key in keys[start:hit]]
+                tables.append([self.null_block] * start + cached)
         return hit, tables
 
     def _window_hit(self, group: int, keys: list[bytes], limit: int) -> int:
         """The longest hit of at most `limit` blocks whose window blocks `group` has cached."""
         end = limit
         while end > 0:
-            need = max(0, end * self.block_size - self.windows[group] + 1) // self.block_size
+            need = self.window_start_block(group, end * self.block_size)
             missing = next((i for i in range(end - 1, need - 1, -1)
                             if self.cache.block_of(self._group_key(group, keys[i])) is None), None)
             if missing is None:
@@ -258,8 +260,8 @@ class KVManager:
                 assert len(table) >= self.pool.blocks_for(seq.num_computed), (
                     f"sequence {seq.seq_id}: {seq.num_computed} tokens computed in {len(table)} blocks of group {g}"
                 )
-                live = self.first_live_block(g, seq.num_computed + self.rewind_margin)
-                assert self.null_block not in table[live:], f"sequence {seq.seq_id} dropped a block its window needs"
+                needed = table[self.window_start_block(g, seq.num_computed):]
+                assert self.null_block not in needed, f"sequence {seq.seq_id} dropped a block its window needs"
                 assert seq.num_registered <= len(table), f"sequence {seq.seq_id} registered blocks it lacks"
         self.pool.check_integrity(self._held(table for seq in running for table in seq.block_tables))
 
