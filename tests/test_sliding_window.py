@@ -13,7 +13,7 @@ from ridge.kv.manager import KVManager
 from ridge.sampling_params import SamplingParams
 
 VOCAB = 320
-WINDOW = 16
+WINDOW = 64
 
 
 def seq(i: int, tokens: list[int]) -> Sequence:

@@ -198,7 +198,9 @@ def _commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # the results and the page a report run writes itself do not count as changes to what ran
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/bench", ":!docs/benchmarks.md")
+    return commit + (" (with uncommitted changes)" if changed else "")
 
 
 def _ridge(command: list[str]) -> str:
