@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+import torch
 
 from ridge import LLM, SamplingParams, hub
 from ridge.config import EngineConfig
@@ -98,7 +99,24 @@ def test_generation_stops_at_the_context_limit(make_llm_for_test, smollm2_path):
     ({"quantization": "gptq", "calibration_windows": 0}, "calibration_windows: must be at least 1, got 0"),
     ({"quantization": "fp8", "calibration_windows": -1},
      r"calibration_windows: must be at least 0 \(plain RTN\), got -1"),
+    ({"device": "tpu"}, r"device: 'tpu' is not cpu or cuda\[:N\]"),
+    ({"device": "cuda:x"}, r"device: 'cuda:x' is not cpu or cuda\[:N\]"),
+    pytest.param({"device": "cuda"}, "device: 'cuda' asked for, but torch .* sees no CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bad_engine_args_name_the_field(args, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="smollm2", **args)
+
+
+def test_random_models_refuse_what_they_cannot_be():
+    from ridge.models.random_weights import random_spec
+
+    with pytest.raises(ValueError, match="not a preset, config.json or GGUF file"):
+        random_spec("random:no-such-shape")
+    with pytest.raises(ValueError, match="'heads=3' in 'random:smollm2,heads=3' is not FIELD=VALUE"):
+        random_spec("random:smollm2,heads=3")
+    with pytest.raises(ValueError, match="architecture 'deepseek_v3' is not supported"):
+        LLM("random:deepseek-v3", progress=False)
+    with pytest.raises(ValueError, match="quantization: gguf runs a GGUF file's blocks; a random model has no file"):
+        LLM("random:smollm2", quantization="gguf", progress=False)

@@ -5,7 +5,6 @@ from torch import nn
 
 from ridge.linear import (
     Bf16DotLinear,
-    DequantizedLinear,
     FewRowsLinear,
     Fp8Linear,
     GroupedInt8Linear,
@@ -18,6 +17,7 @@ from ridge.linear import (
     model_weight_bytes,
 )
 from ridge.linear.dense import onednn_packs
+from ridge.linear.triton import TritonQuantLinear
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
 
 
@@ -40,7 +40,7 @@ def test_quantized_weights(ops):
     assert pick(fp8, ops=ops) is Fp8Linear
     assert pick(int4, torch.float32, ops=ops) is GroupedInt8Linear  # float32: ridge's grouped kernel, every format
     assert pick(int4) is Int4Linear and pick(int8) is Int8Linear  # no ridge kernels: torch's
-    assert pick(int4, device="cuda") is DequantizedLinear  # no kernel for the device: the dequantized matrix
+    assert pick(int4, device="cuda") is TritonQuantLinear and pick(fp8, device="cuda") is TritonQuantLinear
     if ops.bf16_dot_available():
         assert pick(int4, ops=ops) is Bf16DotLinear and pick(int8, ops=ops) is Bf16DotLinear
     assert pick(int4, ops=ops, bf16_dot=False) is Int4Linear

@@ -12,19 +12,11 @@ import pytest
 
 from ridge.cli import main
 from ridge.models.gguf_file import read_gguf
+from ridge.models.presets import model_presets, resolve_model
+from ridge.models.spec import spec_from_gguf, spec_from_hf_config
 from ridge.plan import arithmetic as a
 from ridge.plan.report import build_plan
-from ridge.plan.specs import (
-    HardwareSpec,
-    Workload,
-    hardware_table,
-    model_presets,
-    override,
-    resolve_hardware,
-    resolve_model,
-    spec_from_gguf,
-    spec_from_hf_config,
-)
+from ridge.plan.specs import HardwareSpec, Workload, hardware_table, override, resolve_hardware
 from ridge.plan.speculation import speculation_table
 
 PRESETS = model_presets()

@@ -119,6 +119,22 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_device(device: str) -> None:
+    """ValueError naming the field unless `device` is the CPU or a CUDA GPU that torch sees."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device!r} is not cpu or cuda[:N]")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"device: {device!r} asked for, but torch {torch.__version__} ({build}) sees no CUDA GPU")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+
+
 def knob(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, flag: str | None = None,
          group: str = "engine") -> Any:
     """An EngineConfig field that is also a command-line flag (flags.py builds the flags from these): its
@@ -137,7 +153,7 @@ class EngineConfig:
     model: str
     dtype: str = knob("auto", "weight/activation dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"))
-    device: str = knob("cpu", "cpu or cuda[:N]")
+    device: str = knob("cpu", "cpu or cuda[:N] (CUDA: Triton attention and quantized kernels, CUDA graphs)")
     kv_cache_memory: int | str = knob("2GiB", "KV cache budget, e.g. 2GiB (default %(default)s)")
     block_size: int = knob(16, "tokens per KV block (default %(default)s)")
     max_num_batched_tokens: int = knob(
@@ -152,8 +168,9 @@ class EngineConfig:
         "window differ from the model's; the baseline for what windows save in KV memory and time (benchmarks)")
     num_threads: int | None = knob(None, "torch threads (default: all cores)", flag="--threads")
     enforce_eager: bool = knob(
-        False, "run every step through the Python model (default: float32 and bfloat16 decode steps run their "
-        "layers in one C++ call, with the same outputs: kernels/decode_stack.py; vLLM's flag for its CUDA graphs)")
+        False, "run every step through the Python model (default: on the CPU, float32 and bfloat16 decode steps run "
+        "their layers in one C++ call, kernels/decode_stack.py; on CUDA, decode steps replay CUDA graphs captured "
+        "per batch size, engine/cuda_graphs.py; the same outputs either way)")
     batch_invariant: bool = knob(
         False, "compute each row of a step as it would be alone, so that greedy outputs do not depend on what else "
         "is batched, on chunking or on preemption (bfloat16 matmuls and attention paths otherwise differ in the "
@@ -205,6 +222,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         derive = object.__setattr__  # frozen: the fields derived from others are set here, once
+        check_device(self.device)
         derive(self, "torch_dtype", resolve_dtype(self.dtype, self.device))
         derive(self, "kv_cache_bytes", parse_size(self.kv_cache_memory))
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes"):
@@ -218,6 +236,10 @@ class EngineConfig:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.device.startswith("cuda") and self.quantization == "gguf":
+            raise ValueError("quantization: gguf has no CUDA kernel (the blocks run natively on the CPU); on cuda, "
+                             "load the file dequantized (no --quantization) or quantize it at load: int8, int4, "
+                             "gptq, awq or fp8")
         if self.calibration_windows is not None:
             rtn = self.quantization in ("int8", "fp8")  # which on 0 windows round plainly; the others need text
             if self.calibration_windows < (0 if rtn else 1):

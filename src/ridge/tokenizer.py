@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ridge.chat_templates import BUILTIN
 from ridge.gguf_vocab import vocabulary_tokenizer
@@ -79,6 +79,18 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
     return tok, info
+
+
+def byte_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, TokenizerInfo]:
+    """For a model that comes with no tokenizer (random weights): text encodes to its UTF-8 bytes, ids 0-255;
+    the ids above decode to a placeholder "<r{id}>" each. No BOS, no stop token, no chat template."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {char: i for i, char in enumerate(alphabet)}
+    vocab.update({f"<r{i}>": i for i in range(len(alphabet), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok, TokenizerInfo(bos_token_id=None, eos_token_id=None, add_bos=False, chat_template=None)
 
 
 def _stop_ids(vocab: dict[str, int], eos: int | None, eot: int | None) -> frozenset[int]:

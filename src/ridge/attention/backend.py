@@ -1,12 +1,13 @@
 """The attention backend interface: write this step's K/V into the paged cache, attend over it.
 
 Slot s of a layer's cache is (block s // block_size, offset s % block_size). Within a block, the layout
-is the one the CPU decode kernel reads fastest (kernels/paged_attention.cpp): values sit in pairs, one
+is, by default, the one the CPU decode kernel reads fastest (kernels/paged_attention.cpp): values sit in pairs, one
 pair per 32-bit vector lane, so that every lane of a load belongs to a different token (K) or dim (V):
   K: [kv_heads, num_blocks, head_dim / 2, block_size, 2]  (a block's tokens side by side per pair of dims)
   V: [kv_heads, num_blocks, block_size / 2, head_dim, 2]  (token pairs interleaved per dim)
 This class is the only place, besides that kernel, that knows it: write() and gather() convert from and to
-plain [kv_heads, tokens, head_dim] rows for every other path.
+plain [kv_heads, tokens, head_dim] rows for every other path. The CUDA backend keeps its own layout
+(attention/cuda.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     sdpa_chunks: list[SdpaChunk] | None = None
     kernel_rows: KernelRows | None = None
+    backend_state: object | None = None  # what another backend's prepare() keeps for its attend()
 
     @classmethod
     def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int, window: int | None = None,
@@ -127,8 +129,7 @@ class AttentionBackend(ABC):
         if block_size % 2 or head_dim % 2:
             raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
         layout = kv_layout([None] * layers) if isinstance(layers, int) else layers
-        k_shape = (num_kv_heads, num_blocks, head_dim // 2, block_size, 2)
-        v_shape = (num_kv_heads, num_blocks, block_size // 2, head_dim, 2)
+        k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
         k_slots = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         v_slots = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         self.k_cache = [k_slots[slot] for slot in layout.slot_of_layer()]
@@ -138,6 +139,13 @@ class AttentionBackend(ABC):
         self.scale = scale or head_dim**-0.5
         self.softcap = softcap
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
+
+    def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
+                     block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one slot's K and V tensors (the CPU kernel's layout; a backend with its own layout
+        overrides this, write() and gather())."""
+        return ((num_kv_heads, num_blocks, head_dim // 2, block_size, 2),
+                (num_kv_heads, num_blocks, block_size // 2, head_dim, 2))
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step work shared by all layers (masks); called once before the forward pass."""

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from ridge.attention import cascade
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, SdpaChunk, window_mask
+from ridge.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KernelRows,
+    PrefillChunk,
+    SdpaChunk,
+    window_mask,
+)
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
 # longer one gathers the context for masked SDPA, whose matmuls run faster on long chunks
@@ -63,23 +70,13 @@ class PagedBackend(AttentionBackend):
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         meta.sdpa_chunks = []
         for chunk in meta.prefills:
-            if chunk.context_len == chunk.length:  # no cached prefix: attend to this step's k, v
-                within = meta.window is None or chunk.length <= meta.window  # then causal is the whole mask
-                pos = torch.arange(chunk.length, device=device)
-                meta.sdpa_chunks.append(SdpaChunk(chunk, None if within else window_mask(pos, pos, meta.window)))
-            elif in_place and chunk.length <= IN_PLACE_MAX_CHUNK:
+            if in_place and chunk.context_len > chunk.length and chunk.length <= IN_PLACE_MAX_CHUNK:
                 n = chunk.length
                 rows.append(torch.arange(chunk.start, chunk.start + n, device=device))
                 tables.append(chunk.block_table.unsqueeze(0).expand(n, -1))
                 lens.append(torch.arange(chunk.context_len - n + 1, chunk.context_len + 1, device=device))
-            else:  # the cached context from the first key the chunk's first query sees
-                query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
-                first_key = 0 if meta.window is None else max(0, int(query_pos[0]) - meta.window + 1)
-                first_block = first_key // self.block_size
-                width = (chunk.block_table.shape[0] - first_block) * self.block_size
-                key_pos = torch.arange(first_block * self.block_size, first_block * self.block_size + width,
-                                       device=device)
-                meta.sdpa_chunks.append(SdpaChunk(chunk, window_mask(query_pos, key_pos, meta.window), first_block))
+            else:
+                meta.sdpa_chunks.append(self._sdpa_chunk(chunk, meta.window))
         if self.ops is None or (len(rows) == 1 and not meta.num_decodes):  # nothing for the kernel
             return
         width = max(t.shape[-1] for t in tables)
@@ -102,6 +99,21 @@ class PagedBackend(AttentionBackend):
         meta.sdpa_chunks = []
         all_lens = torch.cat(lens)
         meta.kernel_rows = KernelRows(None, torch.cat(padded), all_lens, window_starts=meta.window_starts(all_lens))
+
+    def _sdpa_chunk(self, chunk: PrefillChunk, window: int | None) -> SdpaChunk:
+        """How SDPA attends a prefill chunk: to this step's k, v when the chunk is its sequence's whole context,
+        else to its cached context from the block its first query's window starts in."""
+        device = chunk.block_table.device
+        if chunk.context_len == chunk.length:
+            within = window is None or chunk.length <= window  # then causal is the whole mask
+            pos = torch.arange(chunk.length, device=device)
+            return SdpaChunk(chunk, None if within else window_mask(pos, pos, window))
+        query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
+        first_key = 0 if window is None else max(0, chunk.context_len - chunk.length - window + 1)
+        first_block = first_key // self.block_size
+        width = (chunk.block_table.shape[0] - first_block) * self.block_size
+        key_pos = torch.arange(first_block * self.block_size, first_block * self.block_size + width, device=device)
+        return SdpaChunk(chunk, window_mask(query_pos, key_pos, window), first_block)
 
     def _set_kernel_rows(self, meta: AttentionMetadata, rows: torch.Tensor | None, tables: torch.Tensor,
                          lens: torch.Tensor) -> None:
@@ -129,7 +141,13 @@ class PagedBackend(AttentionBackend):
                 out[:decoded.shape[0]] = decoded
             else:
                 out[rows] = decoded
-        for sdpa in meta.sdpa_chunks:
+        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out)
+        return out
+
+    def _attend_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       chunks: list[SdpaChunk], out: torch.Tensor) -> None:
+        """Prefill chunks through SDPA, each into its rows of `out`."""
+        for sdpa in chunks:
             chunk, mask = sdpa.chunk, sdpa.mask
             rows = slice(chunk.start, chunk.start + chunk.length)
             if sdpa.first_block is None:
@@ -141,7 +159,6 @@ class PagedBackend(AttentionBackend):
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
             )
             out[rows] = o[0].transpose(0, 1)
-        return out
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows) -> torch.Tensor:
         """The decode kernel over every in-place row; each reads the blocks up to its own context length.

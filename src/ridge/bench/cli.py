@@ -21,6 +21,8 @@ from ridge.bench.report import add_report_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
 from ridge.linear import model_weight_bytes
+from ridge.models.random_weights import hf_config, is_random
+from ridge.models.spec import ModelSpec
 from ridge.plan import arithmetic, roofline
 
 DRIVER = Path(__file__).with_name("peer_driver.py")
@@ -133,12 +135,20 @@ def ridge_throughput(args: argparse.Namespace, requests: list[workloads.Request]
 
 
 # ---- commands -------------------------------------------------------------------------------------------
-def _peer_job(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> dict[str, Any]:
+def _peer_job(args, mode: str, requests: list[dict], gguf: Path | None, dtype: str) -> dict[str, Any]:
     return {"mode": mode, "gguf": str(gguf), "dtype": dtype, "requests": requests, "repeats": args.repeats,
-            "batch_size": args.hf_batch_size, "threads": args.num_threads}
+            "batch_size": args.hf_batch_size, "threads": args.num_threads, "device": args.device}
 
 
-def _run_peers(args, mode: str, requests: list[dict], gguf: Path, dtype: str) -> list[EngineResult]:
+def _run_peers(args, mode: str, requests: list[dict], gguf: Path | None, dtype: str,
+               spec: ModelSpec) -> list[EngineResult]:
+    """gguf: the model's file; None for a random model, which HF builds from its shape (random weights too)."""
+    if gguf is None:
+        skipped = [EngineResult(name, error="a random model has no file to load") for name in PEERS if name != "hf"]
+        if "hf" in (args.skip_peer or []):
+            return skipped
+        job = {**_peer_job(args, mode, requests, None, dtype), "hf_config": hf_config(spec)}
+        return [run_peer("hf", sys.executable, job, timeout=args.peer_timeout), *skipped]
     results = []
     found = find_peers(args.peer or [], args.all_peers)  # HF stays found: it exports the model vLLM reads
     peers = {name: python for name, python in found.items() if name not in (args.skip_peer or [])}
@@ -169,8 +179,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
         from ridge.bench.speculative import cmd_speculative
 
         return cmd_speculative(args, _ridge(args))
-    print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
-    roof = roofline.measure(dtypes=())
+    print(f"[bench] measuring the read bandwidth of {args.device} ...", file=sys.stderr)
+    roof = roofline.measure(dtypes=(), device=args.device)
     if args.enable_prefix_caching:  # every run repeats the prompt: with the cache on, prefill would be a hit
         print("[bench] latency runs without the prefix cache (each engine prefills the whole prompt every run)",
               file=sys.stderr)
@@ -178,30 +188,61 @@ def cmd_latency(args: argparse.Namespace) -> int:
     llm = _ridge(args)
     ids = _latency_prompt(args, llm.tokenizer)
     ridge_result = ridge_latency(args, llm, ids)
-    gguf = resolve(args.model)
+    busy = None
+    if args.device.startswith("cuda"):
+        from ridge.plan.doctor import time_shares
+
+        _, busy = time_shares(llm, ids, args.output_len, _greedy)
+        ridge_result.figures["gpu_busy_fraction"] = busy
+    gguf = None if is_random(args.model) else resolve(args.model)
     dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     bytes_per_token = model_weight_bytes(llm.engine.loaded.model)
+    spec = llm.engine.loaded.spec
     del llm
+    _free_device_memory(args.device)
     results = [ridge_result]
     if not args.no_peers:
-        results += _run_peers(args, "latency", [{"prompt_ids": ids, "max_tokens": args.output_len}], gguf, dtype)
+        results += _run_peers(args, "latency", [{"prompt_ids": ids, "max_tokens": args.output_len}], gguf, dtype,
+                              spec)
     ridge_fig = ridge_result.figures
     ridge_fig["weight_gb_s"] = bytes_per_token * ridge_fig["decode_tok_s"] / 1e9
     ridge_fig["roofline_fraction"] = ridge_fig["weight_gb_s"] / roof.read_gb_s
-    report = {"benchmark": "latency", "model": args.model, "prompt_tokens": len(ids), "new_tokens": args.output_len,
+    report = {"benchmark": "latency", "model": args.model, "device": _device_name(args.device),
+              "prompt_tokens": len(ids), "new_tokens": args.output_len,
               "machine": {"read_gb_s": roof.read_gb_s}, "weight_bytes_per_token": bytes_per_token,
               "results": [asdict(r) for r in results]}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"\nbatch-1 latency: {args.model}, {len(ids)}-token prompt, {args.output_len} new tokens, "
-          f"median of {args.repeats}; machine read bandwidth {roof.read_gb_s:.1f} GB/s")
+          f"median of {args.repeats}; {_device_name(args.device)}, read bandwidth {roof.read_gb_s:.1f} GB/s")
     _print_table(results, [("prefill tok/s", "prefill_tok_s", 14, ".0f"), ("decode tok/s", "decode_tok_s", 13, ".1f")],
                  ratio_key="decode_tok_s")
     print(f"ridge decode reads {bytes_per_token / 1e6:.0f} MB of weights per token: "
           f"{ridge_fig['weight_gb_s']:.1f} GB/s = {100 * ridge_fig['roofline_fraction']:.0f}% of the measured "
           f"read bandwidth")
+    if busy is not None:
+        print(f"the GPU is busy {100 * busy:.0f}% of a decode step, idle {100 * (1 - busy):.0f}% (waiting on the host)")
     return 0
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return "this machine's CPU"
+
+
+def _free_device_memory(device: str) -> None:
+    """Give a GPU's memory back before a peer loads its own copy of the model."""
+    if device.startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _latency_prompt(args: argparse.Namespace, tok) -> list[int]:
@@ -214,8 +255,8 @@ def _latency_prompt(args: argparse.Namespace, tok) -> list[int]:
 def cmd_throughput(args: argparse.Namespace) -> int:
     from ridge.hub import resolve
 
-    print("[bench] measuring this machine's matmul throughput ...", file=sys.stderr)
-    roof = roofline.measure()
+    print(f"[bench] measuring the matmul throughput of {args.device} ...", file=sys.stderr)
+    roof = roofline.measure(device=args.device)
     llm = _ridge(args)
     if args.workload == "sharegpt":
         requests = workloads.sharegpt(llm.tokenizer, args.num_prompts, args.max_prompt_len, args.max_output_len)
@@ -225,16 +266,17 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     output_tokens = sum(r.max_tokens for r in requests)
     ridge_result = ridge_throughput(args, requests, llm)
-    gguf = resolve(args.model)
+    gguf = None if is_random(args.model) else resolve(args.model)
     dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     cfg = llm.engine.loaded.config
     spec = llm.engine.loaded.spec
     flops = sum(arithmetic.generation_flops(spec, len(r.prompt_ids), r.max_tokens) for r in requests)
     del llm
+    _free_device_memory(args.device)
     results = [ridge_result]
     if not args.no_peers:
         reqs = [{"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens} for r in requests]
-        results += _run_peers(args, "throughput", reqs, gguf, dtype)
+        results += _run_peers(args, "throughput", reqs, gguf, dtype, spec)
     for r in results:
         if not r.error:
             t = r.figures["elapsed_s"]
@@ -244,7 +286,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     peak = roof.matmul_gflop_s.get(dtype, max(roof.matmul_gflop_s.values()))
     ridge_fig["gflop_s"] = flops / ridge_fig["elapsed_s"] / 1e9
     ridge_fig["roofline_fraction"] = ridge_fig["gflop_s"] / peak
-    report = {"benchmark": "throughput", "model": args.model, "architecture": cfg.architecture,
+    report = {"benchmark": "throughput", "model": args.model, "device": _device_name(args.device),
+              "architecture": cfg.architecture,
               "workload": args.workload, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
               "output_tokens": output_tokens, "machine": asdict(roof), "results": [asdict(r) for r in results]}
     if args.json:

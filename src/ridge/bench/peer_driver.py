@@ -5,7 +5,8 @@ peer's virtual environment. ridge writes a job file, runs `PEER_PYTHON peer_driv
 and reads the result file back. All engines get the same token ids and the same output lengths.
 
 job: {"mode": "latency"|"throughput"|"export", "gguf": path, "hf_dir": path, "dtype": "bfloat16",
-      "requests": [{"prompt_ids": [...], "max_tokens": n}], "repeats": r, "batch_size": b, "threads": t}
+      "requests": [{"prompt_ids": [...], "max_tokens": n}], "repeats": r, "batch_size": b, "threads": t,
+      "device": "cpu"|"cuda", "hf_config": {...} (HF only: a random-weight model of that shape, no file)}
 """
 
 from __future__ import annotations
@@ -50,18 +51,30 @@ def hf(job) -> dict:
 
     torch.set_num_threads(job.get("threads") or os.cpu_count())
     dtype = getattr(torch, job["dtype"])
-    folder, name = os.path.split(job["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype).eval()
+    device = job.get("device") or "cpu"
+    if job.get("hf_config"):  # a random-weight model: its shape, weights drawn by HF's own initialiser
+        from transformers import AutoConfig
+
+        fields = dict(job["hf_config"])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        folder, name = os.path.split(job["gguf"])
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype).eval()
+        model = model.to(device)
 
     @torch.inference_mode()
     def generate(batch, n):
         width = max(len(ids) for ids in batch)
         pad = 0
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
         start = time.perf_counter()
         model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                        do_sample=False, pad_token_id=pad)
+        if device != "cpu":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     if job["mode"] == "latency":

@@ -79,7 +79,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
             config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
-            batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
         )
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -112,7 +112,8 @@ class LLMEngine:
         draft = load_weights(draft_model, config, kernels, progress)
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels,
-                             enforce_eager=config.enforce_eager)
+                             enforce_eager=config.enforce_eager, max_batch=config.max_num_seqs,
+                             max_model_len=self.max_model_len)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
         log.info("ridge: draft model %s, %s", draft_model.path.name, draft.weight_format)
         # as many blocks as the target's pool: a drafter never holds more tokens than its target
@@ -159,7 +160,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seqs = []
         for i in range(params.n):
-            generator = torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
+            generator = (torch.Generator(device=self.config.device).manual_seed(params.seed + i)  # on the device:
+                         if params.seed is not None else None)  # the same seed gives the same tokens there
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
                            token_ids=list(ids), params=params, generator=generator)
             if arrival_time is not None:  # the time the caller received it, before any queue in between

@@ -15,8 +15,10 @@ from ridge.linear import LinearTarget
 from ridge.linear.dense import onednn_packs
 from ridge.linear.select import int8_activation_layers, place_dense, place_quantized, share_prompt_scratch
 from ridge.models.gguf_file import GGUFFile
-from ridge.models.loader import LoadedModel, load_model, open_gguf
+from ridge.models.loader import LoadedModel, load_model, open_gguf, random_model
+from ridge.models.random_weights import PREFIX, is_random, random_spec
 from ridge.models.registry import check_supported
+from ridge.models.spec import ModelSpec
 from ridge.models.transformer import DecoderModel
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
@@ -28,7 +30,7 @@ from ridge.quantize.calibration import (
     quantize_layerwise,
     windows_for,
 )
-from ridge.tokenizer import RidgeTokenizer
+from ridge.tokenizer import RidgeTokenizer, byte_level_tokenizer
 
 log = logging.getLogger("ridge")
 
@@ -41,9 +43,18 @@ class ModelFile:
     path: Path
     gguf: GGUFFile | None
     tokenizer: RidgeTokenizer
+    random: ModelSpec | None = None  # `random:NAME`: a model of that shape with random weights, no file
 
     @classmethod
     def open(cls, model: str) -> ModelFile:
+        if is_random(model):
+            spec = random_spec(model)
+            check_supported(spec.architecture)
+            source = Path(model.removeprefix(PREFIX).split(",")[0]).expanduser()  # a config.json's own tokenizer
+            folder = source if source.is_dir() else source.parent if source.is_file() else None
+            tokenizer = (RidgeTokenizer.from_path(folder) if folder and (folder / "tokenizer.json").exists()
+                         else RidgeTokenizer(*byte_level_tokenizer(spec.vocab_size)))
+            return cls(Path(spec.name), None, tokenizer, random=spec)
         path = resolve(model)
         gguf = open_gguf(path) if path.is_file() else None
         if gguf is not None:  # before the tokenizer or any weight is read
@@ -57,9 +68,14 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after."""
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
-    loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
-                        gguf_native=config.quantization == "gguf", target=target,
-                        ignore_sliding_window=config.ignore_sliding_window)
+    if model.random is not None:
+        if config.quantization == "gguf":
+            raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
+        loaded = random_model(model.random, config.torch_dtype, config.device, config.seed)
+    else:
+        loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
+                            gguf_native=config.quantization == "gguf", target=target,
+                            ignore_sliding_window=config.ignore_sliding_window)
     if config.quantization in METHODS:
         place_quantized(loaded.model, _quantized_weights(loaded.model, model.tokenizer, config, progress), target)
         loaded.weight_format += f" -> {config.quantization}" + (
@@ -75,6 +91,10 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if packs and (scratch_bytes := share_prompt_scratch(loaded.model.layers, kernels)):
         log.info("ridge: prompts multiply quantized weights on oneDNN's packed layout (%.0f MiB of scratch)",
                  scratch_bytes / 2**20)
+    if config.device.startswith("cuda"):
+        from ridge.triton_kernels import fused  # the CPU kernels' fused norm / rotary / activation, in Triton
+
+        kernels = fused
     loaded.model.use_kernels(kernels)
     if config.batch_invariant:
         batch_invariance.verify(loaded.model, config.torch_dtype)

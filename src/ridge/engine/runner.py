@@ -8,7 +8,8 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention import BACKENDS, AttentionMetadata, PrefillChunk
+from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, backend_class
+from ridge.engine.cuda_graphs import DecodeGraphs
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
@@ -32,7 +33,9 @@ class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
+        max_batch: int = 1, max_model_len: int | None = None,
     ) -> None:
+        """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager)."""
         cfg = model.cfg
         self.model = model
         self.device = torch.device(device)
@@ -42,7 +45,7 @@ class ModelRunner:
         if cfg.attn_logit_softcap and backend_name != "reference":
             log.warning("ridge: attention logit soft-capping runs on the reference attention backend only (slow)")
             backend_name = "reference"
-        self.backend = BACKENDS[backend_name](
+        self.backend = backend_class(backend_name, device)(
             layout, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device,
             scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
         )
@@ -50,12 +53,19 @@ class ModelRunner:
         self.backend.batch_invariant = batch_invariant
         # decode steps' layers in one C++ call where the model's layers all have a kernel there
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
+        self.graphs: DecodeGraphs | None = None
+        if isinstance(self.backend, CudaBackend) and not enforce_eager:
+            self.graphs = DecodeGraphs(model, self.backend, self.windows, block_size, max_batch,
+                                       max_model_len or cfg.max_position_embeddings, self.device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step; return logits for the sequences that reach their last token, and those: one row
         each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
         draft tokens follow its own in the step, so row i scores draft i)."""
+        if self.graphs is not None and self.graphs.serves(step):
+            return self.graphs.run(step), list(step.seqs)
         inputs = self.prepare(step)
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples

@@ -33,12 +33,11 @@ class Sampler:
         logits = self.bias(logits, seqs)
         logits = self._block_early_stop(logits, seqs)
 
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = logits.max(dim=-1).indices  # argmax, first index on ties; max(dim) runs 2.5x faster on CPU
-        if not bool(greedy.all()):
-            sampled_rows = (~greedy).nonzero().squeeze(1)
-            sampled = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows.tolist()])
-            tokens[sampled_rows] = sampled
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:  # (on a GPU, an all-greedy step reads the device once: its tokens)
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw, tokens, seqs))
 
@@ -113,7 +112,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=s.generator).to(probs.device)
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=s.generator)
         return (probs / noise).max(dim=-1).indices
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list:

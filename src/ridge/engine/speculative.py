@@ -47,7 +47,7 @@ def verify(target: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | N
         best = target.argmax(dim=-1).tolist()
         accepted = next((i for i in range(k) if draft[i] != best[i]), k)
         return draft[:accepted] + [best[accepted]]
-    uniforms = torch.rand(k, generator=generator).tolist()
+    uniforms = torch.rand(k, generator=generator, device=target.device).tolist()
     draft_p = target[torch.arange(k), torch.tensor(draft, dtype=torch.long)].tolist() if k else []
     for i, token in enumerate(draft):
         q = float(draft_probs[i, token]) if draft_probs is not None else 1.0

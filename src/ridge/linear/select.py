@@ -2,7 +2,8 @@
 
 Every weight of a model goes through make_linear once, when it is loaded or quantized; nothing swaps a
 layer afterwards. The row counts at which a chosen layer changes kernel are linear/rows.py's. A new device
-is a new branch here and new layer classes beside these, not a branch in each layer.
+is a new branch here and new layer classes beside these, not a branch in each layer: on CUDA, dense weights
+stay torch's nn.Linear (cuBLAS) and quantized ones take linear/triton.py's layer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from ridge.linear.base import ConcatLinear
 from ridge.linear.dense import FewRowsLinear, PackedLinear, onednn_packs, prompt_scratch
 from ridge.linear.quantized import DequantizedLinear, Fp8Linear, GroupedInt8Linear, Int4Linear, Int8Linear
+from ridge.linear.triton import TritonQuantLinear
 from ridge.linear.vnni import Bf16DotLinear, VnniLinear, vnni_fits
 from ridge.quant.rtn import QuantizedWeight, concatenate
 
@@ -65,6 +67,8 @@ def _dense_kind(target: LinearTarget) -> type[nn.Module]:
 
 def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:
     dtype, ops = target.dtype, target.cpu_ops
+    if target.device.startswith("cuda"):
+        return TritonQuantLinear(weight, bias, dtype)
     if weight.qweight.dtype == torch.float8_e4m3fn:
         return Fp8Linear(weight, bias, dtype)
     n, k = weight.shape

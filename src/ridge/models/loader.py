@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_linear
 from ridge.models.gguf_file import GGUFFile, read_gguf
+from ridge.models.random_weights import random_state
 from ridge.models.registry import config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
@@ -183,13 +184,29 @@ def load_model(
     target = target or LinearTarget(dtype, device)
     for key, slots in quantized.items():
         _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target)
+    model = _with_weights(model, state, device, str(path))
+    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+
+
+def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> LoadedModel:
+    """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py)."""
+    cfg = config_from_spec(spec)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    model = _with_weights(model, random_state(shapes, dtype, device, seed), device, spec.name)
+    return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
+                       f"{str(dtype).removeprefix('torch.')}")
+
+
+def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: str, source: str) -> DecoderModel:
+    """The meta-device model with `state` as its weights, its rotary tables made, on `device`."""
     missing = set(model.state_dict()) - set(state)
     if missing:
-        raise ValueError(f"{path}: weights missing for {sorted(missing)[:5]}")
+        raise ValueError(f"{source}: weights missing for {sorted(missing)[:5]}")
     model.load_state_dict(state, assign=True, strict=True)
     model.make_rotary()
-    model = model.to(device).eval().requires_grad_(False)
-    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+    return model.to(device).eval().requires_grad_(False)
 
 
 def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight],

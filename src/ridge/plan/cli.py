@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 import json
 
-from ridge.plan.specs import BYTES_PER_VALUE, hardware_table, model_presets
+from ridge.models.presets import model_presets
+from ridge.plan.specs import BYTES_PER_VALUE, hardware_table
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +44,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args: argparse.Namespace):
-    from ridge.plan.specs import Workload, override, resolve_hardware, resolve_model
+    from ridge.models.presets import resolve_model
+    from ridge.plan.specs import Workload, override, resolve_hardware
 
     model = override(resolve_model(args.model), args.model_set)
     hw = override(resolve_hardware(args.hardware), args.hardware_set)

@@ -62,6 +62,8 @@ class DoctorReport:
     binding_wall: str
     recommendation: str
     notes: list[str] = field(default_factory=list)
+    device: str = "this machine"  # what ran it: the CPU, or the GPU's name
+    gpu_busy_fraction: float | None = None  # of a batch-1 decode step, on a GPU
 
 
 def _phase(name: str, seconds: float, bytes_: float, flops: float, hw: HardwareSpec, dtype: str) -> PhaseMeasurement:
@@ -77,26 +79,42 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(timings(fn, repeats))
 
 
-def _matmul_share(llm, prompt: list[int], tokens: int, greedy) -> float:
-    """Fraction of batch-1 decode time spent in matmul ops: a profiled run of `tokens` tokens less one of a
-    single token (the prefill), so that the prompt's matmuls do not count."""
+MATMUL_NAMES = ("linear", "mm", "matmul", "_weight_int", "mkldnn")  # CPU ops
+CUDA_MATMUL_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "quant_matmul")  # GPU kernels
+
+
+def time_shares(llm, prompt: list[int], tokens: int, greedy) -> tuple[float, float | None]:
+    """Of batch-1 decode time: the share spent in matmuls, and on a GPU the share it is busy at all (the rest
+    it waits on the host). A profiled run of `tokens` tokens less one of a single token (the prefill), so that
+    the prompt's work does not count."""
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # kineto's start / stop lines otherwise land on stderr
     from torch.profiler import ProfilerActivity, profile
 
-    names = ("linear", "mm", "matmul", "_weight_int", "mkldnn")
+    cuda = llm.engine.config.device.startswith("cuda")
 
-    def profiled(n: int) -> tuple[float, float]:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+    def profiled(n: int) -> tuple[float, float, float]:
+        activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
             start = time.perf_counter()
             llm.generate(prompt, greedy(n))
             wall = time.perf_counter() - start
-        matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if any(k in e.key for k in names)) / 1e6
-        return wall, matmul
+        events = prof.key_averages()
+        if cuda:
+            kernels = [e for e in events if e.self_device_time_total > 0]
+            matmul = sum(e.self_device_time_total for e in kernels if any(k in e.key.lower()
+                                                                          for k in CUDA_MATMUL_NAMES))
+            return wall, matmul / 1e6, sum(e.self_device_time_total for e in kernels) / 1e6
+        matmul = sum(e.self_cpu_time_total for e in events if any(k in e.key for k in MATMUL_NAMES)) / 1e6
+        return wall, matmul, 0.0
 
-    prompt_wall, prompt_matmul = profiled(1)
+    prompt_wall, prompt_matmul, prompt_busy = profiled(1)
     prompt = prompt[1:] + prompt[:1]  # not the cached prompt: its prefill again, like the 1-token run's
-    wall, matmul = profiled(tokens)
-    return min(max((matmul - prompt_matmul) / (wall - prompt_wall), 0.0), 1.0)
+    wall, matmul, busy = profiled(tokens)
+
+    def share(part: float, prompt_part: float) -> float:
+        return min(max((part - prompt_part) / (wall - prompt_wall), 0.0), 1.0)
+
+    return share(matmul, prompt_matmul), share(busy, prompt_busy) if cuda else None
 
 
 def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None, prompt_len: int = 128,
@@ -111,7 +129,7 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
 
     dtype_name = DTYPE_NAMES[str(llm.engine.config.torch_dtype).removeprefix("torch.")]
     if hw is None:
-        hw = hardware_from_roofline(measure(dtypes=(llm.engine.config.torch_dtype,)))
+        hw = hardware_from_roofline(measure(dtypes=(llm.engine.config.torch_dtype,), device=llm.engine.config.device))
     weights = model_weight_bytes(llm.engine.loaded.model)
     kv_dtype = dtype_name
     vocab = llm.engine.loaded.model.cfg.vocab_size
@@ -142,16 +160,23 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
                          weights + batch * a.kv_bytes(spec, kv_dtype, prompt_len), batch * fill.flops, hw, dtype_name))
     llm.engine.check_integrity()
 
-    share = _matmul_share(llm, prompts(1)[0], output_len, greedy)
+    share, busy = time_shares(llm, prompts(1)[0], output_len, greedy)
     matmul_s = step_s * share
     breakdown = StepBreakdown(step_s, matmul_s, weights / matmul_s / 1e9 if matmul_s else 0.0, step_s - matmul_s)
     predicted = phases[1].bound_seconds
     binding, advice = _diagnose(phases[1], breakdown, phases[2], batch)
     notes = [f"decode step bytes: {weights / 1e6:,.0f} MB of weights as held ({llm.engine.loaded.weight_format}) "
-             f"+ KV; FLOPs from the model's shape ({spec.source})",
-             "CPU: the matmul FLOP/s ceiling is torch's own large matmul, not a datasheet peak"]
+             f"+ KV; FLOPs from the model's shape ({spec.source})"]
+    if busy is None:
+        notes.append("CPU: the matmul FLOP/s ceiling is torch's own large matmul, not a datasheet peak")
+    else:
+        notes.append(f"GPU: busy {busy:.0%} of a batch-1 decode step, idle {1 - busy:.0%} (waiting on the host: "
+                     "Python, scheduling, kernel launches); ceilings from a device-to-device copy and an "
+                     "8192-cubed matmul")
+    device = llm.engine.config.device
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "this machine's CPU"
     return DoctorReport(model, llm.engine.loaded.weight_format, hw, dtype_name, phases, predicted, step_s,
-                        breakdown, binding, advice, notes)
+                        breakdown, binding, advice, notes, where, busy)
 
 
 def _diagnose(decode: PhaseMeasurement, breakdown: StepBreakdown, batched: PhaseMeasurement,
@@ -175,7 +200,7 @@ def _diagnose(decode: PhaseMeasurement, breakdown: StepBreakdown, batched: Phase
 
 def render(report: DoctorReport) -> str:
     hw = report.hardware
-    lines = [f"ridge doctor: {report.model} ({report.weight_format}) on this machine",
+    lines = [f"ridge doctor: {report.model} ({report.weight_format}) on {report.device}",
              f"  ceilings measured: read {hw.bandwidth_gb_s:.1f} GB/s, matmul {report.compute_dtype} "
              f"{hw.flops(report.compute_dtype) / 1e9:,.0f} GFLOP/s (ridge point "
              f"{hw.ridge_point(report.compute_dtype):.0f} FLOP/B)", "",

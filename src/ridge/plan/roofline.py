@@ -1,4 +1,4 @@
-"""The machine's own ceilings, measured on the spot: read bandwidth and matmul FLOP/s.
+"""The machine's own ceilings, measured on the spot: read bandwidth and matmul FLOP/s, of the CPU or a GPU.
 
 Benchmarks report a run as a fraction of these, so a figure says how close it came to the wall.
 """
@@ -54,8 +54,47 @@ def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3, probe: i
     return 2 * n**3 / _best(lambda: a @ b, repeats) / 1e9
 
 
-def measure(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> Roofline:
+def measure(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32), device: str = "cpu") -> Roofline:
+    """The ceilings of `device`: the CPU's, or a CUDA GPU's (measure_cuda)."""
+    if torch.device(device).type == "cuda":
+        return measure_cuda(dtypes, device)
     return Roofline(
         read_gb_s=measure_read_bandwidth(),
         matmul_gflop_s={str(d).removeprefix("torch."): measure_matmul(d) for d in dtypes},
     )
+
+
+def _cuda_seconds(fn, repeats: int) -> float:
+    """The median time of fn() on the GPU, by CUDA events, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_cuda(dtypes: tuple[torch.dtype, ...], device: str = "cuda") -> Roofline:
+    """HBM bandwidth from a device-to-device copy of 4 GiB (bytes read and written, what the memory moves,
+    about 90% of the datasheet's figure on an H100), and matmul throughput from 8192-cubed products."""
+    flops = {str(dtype).removeprefix("torch."): _cuda_matmul_gflop_s(dtype, device) for dtype in dtypes}
+    roof = Roofline(read_gb_s=_cuda_copy_gb_s(device), matmul_gflop_s=flops)
+    torch.cuda.empty_cache()
+    return roof
+
+
+def _cuda_copy_gb_s(device: str) -> float:
+    source = torch.empty(2**30, dtype=torch.float32, device=device)  # 4 GiB: far past the L2
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / _cuda_seconds(lambda: target.copy_(source), 10) / 1e9
+
+
+def _cuda_matmul_gflop_s(dtype: torch.dtype, device: str, n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / _cuda_seconds(lambda: a @ b, 10) / 1e9

@@ -1,6 +1,6 @@
 """What `ridge plan` reasons about: a model's shape, a machine's ceilings and a workload.
 
-A model comes from a preset (presets.toml), an HF config.json or a GGUF header; a machine from
+A model comes from a preset (models/presets.toml), an HF config.json or a GGUF header; a machine from
 hardware.toml or from measuring this one. Every field can be overridden (`--set field=value`), so a
 user can ask "what if this model had 4 KV heads" without writing a config.
 """
@@ -8,13 +8,11 @@ user can ask "what if this model had 4 KV heads" without writing a config.
 from __future__ import annotations
 
 import dataclasses
-import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ridge.models.gguf_file import read_gguf
-from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+from ridge.models.spec import ModelSpec
 
 DATA = Path(__file__).parent
 
@@ -103,29 +101,8 @@ def _load_table(file: str) -> dict[str, dict]:
         return tomllib.load(f)
 
 
-def model_presets() -> dict[str, ModelSpec]:
-    return {name: ModelSpec(name=name, **fields) for name, fields in _load_table("presets.toml").items()}
-
-
 def hardware_table() -> dict[str, HardwareSpec]:
     return {name: HardwareSpec(name=name, **fields) for name, fields in _load_table("hardware.toml").items()}
-
-
-def resolve_model(name_or_path: str) -> ModelSpec:
-    """A preset's name, a ridge model name (its pulled GGUF), a config.json, a GGUF file, or a directory
-    holding a config.json."""
-    presets = model_presets()
-    if name_or_path in presets:
-        return presets[name_or_path].validate()
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
-        return spec_from_hf_config(json.loads(path.read_text()), path.parent.name or path.stem, str(path))
-    if path.suffix == ".gguf" and path.exists():
-        return spec_from_gguf(read_gguf(path), path.stem, f"GGUF header of {path.name}")
-    raise ValueError(f"model: {name_or_path!r} is not a preset, config.json or GGUF file; presets: "
-                     + ", ".join(presets))
 
 
 def resolve_hardware(name: str, measure_this_machine=None) -> HardwareSpec:

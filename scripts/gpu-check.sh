@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
+#   scripts/gpu-check.sh [PART...]     PART: env tests latency quant throughput doctor profile (default: all)
+# The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
+# Models are random-weight (`--model random:llama-3-8b`, $MODEL to change it). Each measurement's JSON and log
+# land in $OUT (default ./gpu-results); a summary line per measurement is printed.
+set -u
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+MODEL=${MODEL:-random:llama-3-8b}
+PARTS=${*:-env tests latency quant throughput doctor profile}
+
+# run NAME LIMIT_S COMMAND...: stdout to NAME.json, stderr to NAME.log, a summary of the JSON printed
+run() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T)): $*"
+  timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.log"
+  echo "   exit $?"
+  "$PY" - "$OUT/$name.json" "$OUT/$name.log" <<'PYEOF'
+import json, sys
+try:
+    report = json.load(open(sys.argv[1]))
+except Exception:
+    print("   no JSON; log tail:", *open(sys.argv[2]).read().splitlines()[-8:], sep="\n   ")
+    raise SystemExit
+for r in report.get("results", []):
+    f = r.get("figures", {})
+    keep = {k: round(v, 3) if isinstance(v, float) else v for k, v in f.items()
+            if k in ("prefill_tok_s", "decode_tok_s", "roofline_fraction", "weight_gb_s", "gpu_busy_fraction",
+                     "output_tok_s", "total_tok_s", "gflop_s", "elapsed_s")}
+    print(f"   {r['engine']:<8} {keep} {r.get('note', '')} {r.get('error') or ''}")
+if "machine" in report:
+    print("   machine:", report["machine"], report.get("device", ""))
+PYEOF
+}
+
+for part in $PARTS; do
+  case $part in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+      "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name())" ;;
+    tests)
+      echo "== tests ($(date +%T))"
+      timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda.py \
+        2>&1 | tee "$OUT/tests.log" | tail -n 25 ;;
+    latency)
+      run latency-bf16 300 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
+        --output-len 128 --repeats 3 --json
+      run latency-bf16-eager 200 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
+        --output-len 64 --repeats 2 --no-peers --enforce-eager --json ;;
+    quant)
+      for q in int8 fp8 int4; do
+        extra=(); [ "$q" != int4 ] && extra=(--calibration-windows 0)  # no calibration text without a network
+        run "latency-$q" 200 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
+          --output-len 128 --repeats 3 --no-peers --quantization "$q" "${extra[@]}" --json
+      done ;;
+    throughput)
+      run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
+        --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --kv-cache-memory 24GiB --hf-batch-size 64 --json ;;
+    doctor)
+      echo "== doctor ($(date +%T))"
+      timeout 200 "$PY" -m ridge.cli doctor --model "$MODEL" --device cuda --output-len 32 --batch 16 \
+        2>"$OUT/doctor.log" | tee "$OUT/doctor.txt" ;;
+    profile)  # where a batch-1 decode step's time goes: the top GPU kernels and the host's ops
+      echo "== profile ($(date +%T))"
+      timeout 200 "$PY" - "$MODEL" > "$OUT/profile.txt" 2> "$OUT/profile.log" <<'PYEOF'
+import sys
+from torch.profiler import ProfilerActivity, profile
+from ridge import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", progress=False, enable_prefix_caching=False)
+params, ids = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), list(range(1000, 1128))
+llm.generate(ids, params)
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    llm.generate(ids, params)
+events = prof.key_averages()
+print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+PYEOF
+      echo "   exit $?"; cut -c1-160 "$OUT/profile.txt" | head -n 60 ;;
+    *) echo "unknown part: $part"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,105 @@
+"""The CUDA backend: decodes through a Triton flash-decoding kernel over the paged cache; a fresh prompt through
+SDPA (torch's flash kernel); chunks that continue a cached context (prefix-cache hits, a long prompt's later
+chunks) through a Triton prefill kernel that reads that context in place from its blocks, all in one launch.
+
+Its cache layout is [num_blocks, block_size, kv_heads, head_dim] per K and V (triton_kernels/paged_attention.py):
+a token's row per write, whole 128-byte lines per read. Everything a decode step does here is a fixed
+sequence of kernels on device tensors, with nothing read back to the host, so that a CUDA graph can
+capture it (engine/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from ridge.attention.backend import AttentionMetadata, PrefillChunk
+from ridge.attention.paged import PagedBackend
+
+
+@dataclass
+class ContextPrefill:
+    """A step's prefill chunks that continue a cached context (prefix-cache hits, a long prompt's later chunks),
+    as the Triton prefill kernel reads them: one launch per layer for all of them."""
+
+    tables: torch.Tensor  # [C, W] block ids, padded with block 0
+    starts: torch.Tensor  # [C] each chunk's first row in the step
+    lengths: torch.Tensor  # [C]
+    context_lens: torch.Tensor  # [C]
+    tile_chunks: torch.Tensor  # [programs]: the chunk of each program's queries
+    tile_offsets: torch.Tensor  # [programs]: its first query in the chunk
+
+    @classmethod
+    def of(cls, chunks: list[PrefillChunk], kernels: ModuleType) -> ContextPrefill:
+        device = chunks[0].block_table.device
+        width = max(chunk.block_table.shape[0] for chunk in chunks)
+        tables = torch.stack([F.pad(chunk.block_table, (0, width - chunk.block_table.shape[0])) for chunk in chunks])
+        tile_chunks, tile_offsets = kernels.prefill_tiles([chunk.length for chunk in chunks])
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(tables, longs([c.start for c in chunks]), longs([c.length for c in chunks]),
+                   longs([c.context_len for c in chunks]), longs(tile_chunks), longs(tile_offsets))
+
+
+class CudaBackend(PagedBackend):
+    cascade = False
+
+    def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
+                     block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
+
+    @cached_property
+    def kernels(self):
+        from ridge.triton_kernels import paged_attention  # Triton comes with CUDA torch; only on this path
+
+        return paged_attention
+
+    @cached_property
+    def multiprocessors(self) -> int:
+        return torch.cuda.get_device_properties(self.k_cache[0].device).multi_processor_count
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.kernels.cache_write(k, v, self.k_cache[layer], self.v_cache[layer], slots)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k_cache[layer][block_table], self.v_cache[layer][block_table]  # [..., n, bs, H, d]
+        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape).movedim(-2, 0), v.reshape(shape).movedim(-2, 0)  # [H, ..., n * bs, d]
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        fresh = [chunk for chunk in meta.prefills if chunk.context_len == chunk.length]
+        meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in fresh]
+        continued = [chunk for chunk in meta.prefills if chunk.context_len > chunk.length]
+        meta.backend_state = ContextPrefill.of(continued, self.kernels) if continued else None
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        decoded = self.decode(layer, q[:meta.num_decodes], meta) if meta.num_decodes else None
+        if not meta.prefills:
+            return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:meta.num_decodes] = decoded
+        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out)
+        context: ContextPrefill | None = meta.backend_state
+        if context is not None:
+            self.kernels.paged_prefill(q, self.k_cache[layer], self.v_cache[layer], out, context.tables,
+                                       context.tile_chunks, context.tile_offsets, context.starts, context.lengths,
+                                       context.context_lens, self.scale, meta.window)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per row [B, heads, d], read in place from the blocks of its table."""
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        splits = self.kernels.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
+                                         self.multiprocessors)
+        return self.kernels.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
+                                         meta.window_starts(lens), splits)

@@ -1,0 +1,40 @@
+"""Named model shapes (presets.toml) and the one function that reads a shape from a name or a file.
+
+`ridge plan` reasons about them; the engine builds random-weight models of them (models/random_weights.py).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from functools import cache
+from pathlib import Path
+
+from ridge.models.gguf_file import read_gguf
+from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+
+
+@cache
+def _preset_table() -> dict[str, dict]:
+    with open(Path(__file__).parent / "presets.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def model_presets() -> dict[str, ModelSpec]:
+    return {name: ModelSpec(name=name, **fields) for name, fields in _preset_table().items()}
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset's name, a config.json, a GGUF file, or a directory holding a config.json -> its shape."""
+    presets = model_presets()
+    if name_or_path in presets:
+        return presets[name_or_path].validate()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.exists():
+        return spec_from_hf_config(json.loads(path.read_text()), path.parent.name or path.stem, str(path))
+    if path.suffix == ".gguf" and path.exists():
+        return spec_from_gguf(read_gguf(path), path.stem, f"GGUF header of {path.name}")
+    raise ValueError(f"model: {name_or_path!r} is not a preset, config.json or GGUF file; presets: "
+                     + ", ".join(presets))

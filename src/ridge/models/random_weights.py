@@ -1,0 +1,75 @@
+"""Random-weight models of any known shape: `--model random:llama-3-8b` (a preset) or `random:<config.json>`.
+
+A GPU benchmark lent a machine that reaches no model hub still needs the model's shape, not its numbers:
+the bytes a step moves and the FLOPs it runs are the same. Weights are drawn on the device from a fixed
+seed (the same seed gives the same model on a device), so runs and engines can be compared. The outputs
+are noise: everything that names such a model names it random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ridge.models.presets import resolve_model
+from ridge.models.spec import ModelSpec
+
+PREFIX = "random:"
+INIT_STD = 0.02  # HF's initializer_range: activations stay of order one through the layers
+
+
+def is_random(model: str | Path) -> bool:
+    return str(model).startswith(PREFIX)
+
+
+def random_spec(model: str) -> ModelSpec:
+    """`random:NAME[,field=value...]` -> NAME's shape (a preset, a config.json or its directory, a GGUF header)
+    with those fields changed (e.g. `random:llama-3-8b,vocab_size=49152`), named as given."""
+    name, *assignments = model.removeprefix(PREFIX).split(",")
+    spec = resolve_model(name)
+    changes: dict[str, Any] = {}
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    for item in assignments:
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise ValueError(f"model: {item!r} in {model!r} is not FIELD=VALUE of a model shape field")
+        current = getattr(spec, key)
+        kind = type(current) if current is not None else str
+        changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    spec = dataclasses.replace(spec, **changes, name=model)
+    if not spec.architecture:
+        raise ValueError(f"model: {model!r} names no architecture; add architecture to its preset or config")
+    return spec.validate()
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The HF transformers config of `spec`'s shape (the random-model baseline of `ridge bench`)."""
+    return {
+        "model_type": spec.architecture, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
+    }
+
+
+def random_state(shapes: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device,
+                 seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights for every parameter in `shapes` (a model's state dict on the meta device): matrices drawn from
+    N(0, INIT_STD) on the device, norm weights one (the multiplier itself: an offset is folded in at load),
+    biases zero."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if len(shape) > 1:
+            tensor.normal_(0.0, INIT_STD, generator=generator)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        else:
+            tensor.fill_(1.0)
+        state[name] = tensor
+    return state

@@ -1,0 +1,118 @@
+"""The CUDA path on a GPU: HF transformers' logits and greedy tokens on random llama / qwen2 / qwen3 configs,
+the same tokens with CUDA graphs on and off under every runtime variation, quantized weights on the Triton
+kernel, seeded sampling on device generators, and `random:` models.
+
+Skipped without a CUDA GPU (this machine and CI have none): run on a lent GPU machine with
+`pytest tests/test_cuda.py tests/test_triton_kernels.py` (scripts/gpu-check.sh does, then measures).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from test_models_random import VOCAB, byte_tokenizer, hf_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a lent GPU machine)")
+
+GREEDY_ARGS = dict(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def random_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(request.param, tie=request.param == "qwen3"),
+                                             dtype=torch.float32).eval()
+    if request.param == "qwen2":  # HF initialises biases to zero; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model.cuda()
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_logits_and_greedy_tokens_match_hf(random_model, make_llm_for_test):
+    from ridge import SamplingParams
+
+    path, hf = random_model
+    llm = make_llm_for_test(path, device="cuda", dtype="float32")
+    assert llm.engine.runner.graphs is not None
+    for ids in random_prompts(3, VOCAB, 5, 60, seed=1):
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0]
+        assert (ours.to(ref.device) - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+    prompts = random_prompts(4, VOCAB, 5, 40, seed=2)
+    for ids, out in zip(prompts, llm.generate(prompts, SamplingParams(**GREEDY_ARGS)), strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                              do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("variant", [
+    {},  # a batch of 32
+    {"max_num_batched_tokens": 16},  # chunked prefill
+    {"kv_cache_memory": 40 * 16 * 3 * 2 * 2 * 16 * 4},  # 40 blocks: preemption
+    {"enable_prefix_caching": False},
+    {"speculate": "ngram", "num_speculative_tokens": 3},
+], ids=["batch32", "tiny-budget", "tiny-pool", "no-prefix-cache", "ngram-speculation"])
+def test_graphs_on_and_off_give_the_same_tokens(random_model, make_llm_for_test, variant):
+    from ridge import SamplingParams
+
+    path, _ = random_model
+    prompts = random_prompts(24, VOCAB, 3, 120, seed=3)
+    prompts += [prompts[0][:40] + p for p in random_prompts(8, VOCAB, 3, 20, seed=4)]  # shared prefixes
+    params = SamplingParams(**GREEDY_ARGS)
+    eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    expected = [tokens(eager.generate(p, params))[0] for p in prompts]  # each alone, eagerly: the plain path
+    graphs = make_llm_for_test(path, device="cuda", dtype="float32", **variant)
+    outs = graphs.generate(prompts, params)
+    assert tokens(outs) == expected
+    if "kv_cache_memory" in variant:
+        assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_test, quantization):
+    """The GPU's quantized layers hold codes, not dense copies, and score as the CPU's dequantized math does."""
+    from ridge.linear.triton import TritonQuantLinear
+
+    path, _ = random_model
+    rtn = {"calibration_windows": 0} if quantization != "int4" else {}  # plain rounding: no calibration text here
+    gpu = make_llm_for_test(path, device="cuda", dtype="float32", quantization=quantization, **rtn)
+    layers = [m for m in gpu.engine.loaded.model.modules() if isinstance(m, TritonQuantLinear)]
+    assert layers and all(m.codes.dtype in (torch.uint8, torch.int8) for m in layers)
+    cpu = make_llm_for_test(path, dtype="float32", quantization=quantization, **rtn)
+    for ids in random_prompts(2, VOCAB, 5, 40, seed=5):
+        ours, ref = gpu.engine.prompt_logits(ids).cpu(), cpu.engine.prompt_logits(ids)
+        assert (ours - ref).abs().max().item() < 1e-3 * max(ref.abs().max().item(), 1.0)
+
+
+def test_seeded_sampling_repeats_on_the_device(random_model, make_llm_for_test):
+    from ridge import SamplingParams
+
+    path, _ = random_model
+    llm = make_llm_for_test(path, device="cuda", dtype="float32")
+    prompt = random_prompts(1, VOCAB, 10, 11, seed=6)[0]
+    seeded = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (7, 7, 8)]
+    first, again, other = tokens(llm.generate([prompt] * 3, seeded))
+    assert first == again and first != other
+
+
+def test_random_preset_model_runs_on_the_gpu(make_llm_for_test):
+    from ridge import SamplingParams
+
+    llm = make_llm_for_test("random:smollm2", device="cuda", kv_cache_memory="512MiB")
+    (out,) = llm.generate("hello", SamplingParams(**GREEDY_ARGS))
+    assert len(out.outputs[0].token_ids) == 24 and "random" in llm.engine.loaded.weight_format

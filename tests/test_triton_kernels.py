@@ -1,0 +1,250 @@
+"""The CUDA path's Triton kernels against torch references: paged decode attention, the cache write, the
+quantized matmul, and the CUDA backend as a whole against the reference backend.
+
+Without a GPU they run under Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET), which
+executes the same kernel code with numpy; on a GPU machine the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is a test dependency: `make test` installs it")
+
+from ridge.attention import CudaBackend, ReferenceBackend  # noqa: E402
+from ridge.attention.backend import AttentionMetadata, PrefillChunk  # noqa: E402
+from ridge.quant.methods import quantize_weight  # noqa: E402
+from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_int8  # noqa: E402
+from ridge.triton_kernels import paged_attention, quant_matmul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalars():
+    """Triton 3.6's interpreter turns a loop bound into an int with int() of a one-element array, which numpy
+    2.4 refuses; item() is what it means."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch
+    yield
+    interpreter._patch_lang_tensor = original
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale, starts):
+    """One query per row over its context, in float32, straight from the formula."""
+    _, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        blocks = tables[b, : -(-n // block_size)]
+        k = k_cache[blocks].reshape(-1, kv_heads, d)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        v = v_cache[blocks].reshape(-1, kv_heads, d)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        if starts is not None:
+            scores[:, : int(starts[b])] = float("-inf")
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window,splits",
+    [(8, 2, 64, 16, None, 1), (8, 2, 64, 16, None, 4), (6, 2, 40, 8, None, 3), (4, 4, 32, 16, 20, 2),
+     (12, 4, 64, 16, 70, 5), (5, 1, 16, 16, None, 64)],
+    ids=["gqa4", "gqa4-split", "odd-dim", "mha-window", "window-split", "mqa-more-splits-than-tiles"],
+)
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window, splits):
+    torch.manual_seed(0)
+    num_blocks, width = 48, 14
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor([1, 37, 150, 64, 200][: 4 if block_size * width < 200 else 5], device=DEVICE)
+    lens = lens.clamp(max=block_size * width)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lens]).to(DEVICE)
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    starts = None if window is None else (lens - window).clamp(min=0)
+    scale = head_dim**-0.5
+    out = paged_attention.paged_decode(q, k_cache, v_cache, tables, lens, scale, starts, splits)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, scale, starts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+def test_paged_decode_reads_only_the_window():
+    """Keys before a row's window start are never read: NaN there leaves the output finite and unchanged."""
+    torch.manual_seed(1)
+    k_cache = torch.randn(16, 16, 2, 32, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(16, device=DEVICE).view(2, 8)
+    lens, starts = torch.tensor([100, 128], device=DEVICE), torch.tensor([64, 96], device=DEVICE)
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    clean = paged_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.2, starts, 3)
+    k_cache[0:4], v_cache[0:4] = float("nan"), float("nan")  # row 0's blocks 0-3: keys 0-63
+    k_cache[8:14], v_cache[8:14] = float("nan"), float("nan")  # row 1's blocks 0-5: keys 0-95
+    poisoned = paged_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.2, starts, 3)
+    assert torch.equal(clean, poisoned)
+
+
+def test_cache_write_places_rows_and_skips_padding():
+    torch.manual_seed(2)
+    k_cache = torch.zeros(6, 8, 2, 16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(5, 3 * 2 * 16, device=DEVICE)  # k and v as views into a fused projection's output
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
+    slots = torch.tensor([3, 17, -1, 40, 47], device=DEVICE)
+    paged_attention.cache_write(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k[i]) and torch.equal(flat_v[slot], v[i])
+    assert int(flat_k.abs().sum(dim=(1, 2)).gt(0).sum()) == 4  # the padding row was written nowhere
+
+
+def _packed(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
+    if qw.qweight.dtype == torch.float8_e4m3fn:
+        return qw.qweight.view(torch.uint8), quant_matmul.FP8
+    if qw.bits == 4:
+        return quant_matmul.pack_nibbles(qw.qweight.to(torch.uint8)), quant_matmul.NIBBLES
+    return qw.qweight, quant_matmul.BYTES
+
+
+def _grouped_int8(w: torch.Tensor, group: int, with_minimum: bool) -> QuantizedWeight:
+    """GGUF-like codes: a byte per weight, a scale (and minimum) per group of columns."""
+    n, k = w.shape
+    g = w.view(n, k // group, group)
+    if with_minimum:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = (hi - lo).clamp(min=1e-6) / 255
+        codes = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 255).to(torch.uint8)
+        return QuantizedWeight(codes.view(n, k), scales, lo, 8, group)
+    scales = g.abs().amax(-1) / 127
+    codes = (g / scales[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(codes.view(n, k), scales, None, 8, group)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128", "fp8", "q8-groups", "u8-groups-minimum"])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # the GEMV (one row, several), the tiled matmul
+def test_quant_matmul_matches_dequantized(fmt, rows):
+    torch.manual_seed(3)
+    n, k = 72, 1024  # n not a multiple of the tile; k long enough to split at few rows
+    w = torch.randn(n, k, device=DEVICE)
+    if fmt == "int8":
+        qw = quantize_int8(w)
+    elif fmt.startswith("int4"):
+        qw = quantize_weight(w, "int4", int(fmt.removeprefix("int4-g")), None)
+    elif fmt == "fp8":
+        qw = quantize_weight(w, "fp8", 32, None)
+    else:
+        qw = _grouped_int8(w, 32, with_minimum=fmt == "u8-groups-minimum")
+    # held as the CUDA layer holds them: float16 scales and minimums
+    qw = QuantizedWeight(qw.qweight, qw.scales.half().float(),
+                         None if qw.minimums is None else qw.minimums.half().float(), qw.bits, qw.group_size)
+    codes, kind = _packed(qw)
+    x = torch.randn(rows, k, device=DEVICE)
+    minimums = None if qw.minimums is None else qw.minimums.half()
+    out = quant_matmul.quant_matmul(x, codes.contiguous(), kind, qw.scales.half(), minimums,
+                                     qw.group_size or 0, n, multiprocessors=8)
+    ref = x @ dequantize(qw).T
+    assert (out - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+def _backends(dtype: torch.dtype):
+    args = (2, 2, 32, 40, 8, dtype, DEVICE)  # layers, kv heads, head_dim, blocks, block size
+    cuda = CudaBackend(*args)
+    if DEVICE == "cpu":
+        cuda.__dict__["multiprocessors"] = 8  # what torch.cuda would tell on a GPU
+    return cuda, ReferenceBackend(*args)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_cuda_backend_matches_reference(window):
+    """A step of two decodes and two prefill chunks (a fresh prompt through SDPA, and one continuing a cached
+    context through the Triton prefill kernel), through both backends, layer by layer; the caches hold the same
+    tokens afterwards."""
+    torch.manual_seed(4)
+    cuda, ref = _backends(torch.float32)
+    history = {0: 21, 1: 9, 3: 30}  # sequences with cached tokens: seq -> tokens before this step (3: 67 after)
+    tables = {s: torch.randperm(40)[i * 10:(i + 1) * 10].to(DEVICE) for i, s in enumerate((0, 1, 2, 3))}
+    chunks = {2: 11, 3: 37}  # prefills: seq -> chunk length (seq 3's over two programs of the prefill kernel)
+    for backend in (cuda, ref):  # the cached history, written the same way into both
+        torch.manual_seed(5)
+        for seq, n in history.items():
+            slots = tables[seq][torch.arange(n) // 8] * 8 + torch.arange(n).to(DEVICE) % 8
+            for layer in range(2):
+                backend.write(layer, torch.randn(n, 2, 32, device=DEVICE), torch.randn(n, 2, 32, device=DEVICE),
+                              slots)
+    decodes = [0, 1]
+    positions = [history[0], history[1]] + list(range(chunks[2])) + list(range(history[3], history[3] + chunks[3]))
+    owners = decodes + [2] * chunks[2] + [3] * chunks[3]
+    slots = torch.stack([tables[s][p // 8] * 8 + p % 8 for s, p in zip(owners, positions, strict=True)])
+    width = 10
+    meta_args = dict(
+        slot_mapping=slots, num_decodes=2,
+        decode_block_tables=torch.stack([tables[0], tables[1]])[:, :width],
+        decode_context_lens=torch.tensor([history[0] + 1, history[1] + 1], device=DEVICE),
+        window=window,
+    )
+    prefills = [PrefillChunk(2, chunks[2], chunks[2], tables[2][:2]),
+                PrefillChunk(2 + chunks[2], chunks[3], history[3] + chunks[3], tables[3][:9])]
+    q = torch.randn(len(owners), 4, 32, device=DEVICE)
+    k, v = torch.randn(len(owners), 2, 32, device=DEVICE), torch.randn(len(owners), 2, 32, device=DEVICE)
+    outs = []
+    for backend in (cuda, ref):
+        meta = AttentionMetadata(**meta_args, prefills=prefills)
+        backend.prepare(meta)
+        outs.append([backend.forward(layer, q, k, v, [meta]) for layer in range(2)])
+    for ours, expected in zip(*outs, strict=True):
+        assert (ours - expected).abs().max().item() < 1e-5
+    for seq in (0, 1, 2, 3):
+        for layer in range(2):
+            got, want = cuda.gather(layer, tables[seq]), ref.gather(layer, tables[seq])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """float32: to rounding noise; bfloat16: within two units in the last place of each value (the interpreter
+    truncates to bfloat16 where a GPU rounds)."""
+    diff = (got.float() - expected.float()).abs()
+    if got.dtype == torch.float32:
+        return diff.max().item() < 1e-5 * max(1.0, expected.abs().max().item())
+    return bool((diff <= 2**-6 * expected.float().abs() + 1e-3).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_torch(dtype):
+    from ridge.models.layers import RotaryEmbedding, apply_rotary_
+    from ridge.triton_kernels import fused
+
+    torch.manual_seed(6)
+    residual, x = torch.randn(5, 96, dtype=dtype, device=DEVICE), torch.randn(5, 96, dtype=dtype, device=DEVICE)
+    weight = torch.randn(96, device=DEVICE).to(dtype)
+    expected_residual = residual + x
+    expected = torch.nn.functional.rms_norm(expected_residual, (96,), weight, 1e-6)
+    out = fused.add_rms_norm_(residual, x, weight, 1e-6)
+    assert _close(residual, expected_residual) and _close(out, expected)
+
+    rotary = RotaryEmbedding(40, 10000.0, 64).to(DEVICE)
+    qkv = torch.randn(6, 7, 40, dtype=dtype, device=DEVICE)  # 5 rotated heads of 7
+    positions = torch.tensor([0, 3, 17, 63, 5, 9], device=DEVICE)
+    expected = qkv.clone()
+    apply_rotary_(expected[:, :5], rotary.freqs[positions].unsqueeze(1))
+    fused.rotary_(qkv, positions, torch.view_as_real(rotary.freqs), 5)
+    assert _close(qkv, expected)
+
+    gate_up = torch.randn(3, 2 * 1100, dtype=dtype, device=DEVICE)  # wider than one program's block
+    gate, up = gate_up.split(1100, dim=-1)
+    assert _close(fused.silu_mul(gate_up), (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype))
