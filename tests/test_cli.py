@@ -34,6 +34,16 @@ def test_generate_json(smollm2_path):
     assert len(record["outputs"][0]["token_ids"]) <= 8 and record["metrics"]["ttft_s"] > 0
 
 
+def test_generate_json_schema(smollm2_path, tmp_path):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    result = run("generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0", "--max-tokens", "24",
+                 "--json", "--kv-cache-memory", "64MiB", "--json-schema", str(tmp_path / "schema.json"))
+    output = json.loads(result.stdout)["outputs"][0]
+    assert output["finish_reason"] == "stop" and isinstance(json.loads(output["text"])["answer"], int)
+
+
 def test_generate_bad_value_is_a_clear_error(smollm2_path):
     result = run("generate", "--prompt", "hi", "--top-p", "1.5", check=False)
     assert result.returncode == 2 and "top_p" in result.stderr and "(0, 1]" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -454,3 +455,56 @@ def test_bench_serve_command(server, smollm2_path, tmp_path):
                  "--output-len", "4", "--json", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert run["completed"] == 6 and run["failed"] == 0 and run["total_output_tokens"] == 6 * 4, run
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_streaming_and_not(client):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=64,
+                                           response_format=response_format)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=64,
+                                            response_format=response_format, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_openai_parse_and_vllm_fields(client):
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    parsed = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": "A person?"}],
+                                           temperature=0, max_tokens=64, response_format=Person)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    choices = ["red", "green", "blue"]
+    out = client.completions.create(model="smollm2", prompt="My favourite colour is", temperature=0, max_tokens=8,
+                                    extra_body={"guided_choice": choices})
+    assert out.choices[0].text in choices
+    out = client.completions.create(model="smollm2", prompt="The year was", temperature=0, max_tokens=8,
+                                    extra_body={"structured_outputs": {"regex": " [12][0-9]{3}"}})
+    assert re.fullmatch(r" [12][0-9]{3}", out.choices[0].text)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+      "properties": {"a": {"$ref": "#/$defs/nowhere"}}}}}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": PERSON, "guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+])
+def test_bad_constraints_get_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       extra_body=extra)
+    assert caught.value.body["param"] == param, caught.value.body

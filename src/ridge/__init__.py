@@ -4,7 +4,8 @@ from ridge.engine.beam_search import BeamSearchParams
 from ridge.engine.engine import LLMEngine
 from ridge.engine.outputs import CompletionOutput, RequestOutput
 from ridge.llm import LLM
-from ridge.sampling_params import SamplingParams
+from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from ridge.sampling_params import StructuredOutputsParams
 
 
 # ---- commands ---------------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ridge import LLM
 
     params = sampling_params(args)
+    params.structured_outputs = _structured_outputs(args)
     llm = LLM(args.model, progress=not args.json, **engine_kwargs(args))
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -71,6 +73,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(delta, end="", flush=True)
     print()
     return 0
+
+
+def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """--json-schema / --json-object / --regex / --choice / --grammar as the request's constraint."""
+    fields: dict = {}
+    if args.json_schema:
+        fields["json"] = json.loads(Path(args.json_schema).read_text())
+    if args.json_object:
+        fields["json_object"] = True
+    for name in ("regex", "choice"):
+        if getattr(args, name):
+            fields[name] = getattr(args, name)
+    if args.grammar:
+        fields["grammar"] = Path(args.grammar).read_text()
+    return StructuredOutputsParams(**fields) if fields else None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -193,6 +210,12 @@ def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", "-p", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print the whole RequestOutput as JSON")
+    constraint = p.add_argument_group("structured output (one of these)")
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the output matches this regular expression, whole")
+    constraint.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark; GBNF with ::=)")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -15,6 +15,40 @@ PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: a factor on logits; outside
 SEED_RANGE = (-(2**63), 2**63 - 1)  # sample i is seeded with seed + i: within torch.Generator's [-2**63, 2**64)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one of a JSON schema (a dict, or its text), any JSON object, a regex
+    (matched whole), one of some strings, or a grammar (llguidance's Lark, or GBNF / EBNF with `::=` rules).
+    vLLM's names; checked against the tokenizer when the request is added (engine/structured.py)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, choice, grammar; got "
+                             + (", ".join(given) or "none"))
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json: must be a JSON schema (an object, or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None) \
+            if not self.json_object else "json_object"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -36,6 +70,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this (a grammar's mask)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +107,11 @@ class SamplingParams:
              "logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
              "a non-empty string or None")
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "a StructuredOutputsParams or None")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens: not supported with structured_outputs (the grammar decides where the output "
+                             "may end)")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         need(all(isinstance(s, str) and s for s in stops), "stop", "non-empty strings")
         self.stop_strings = tuple(stops)

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from ridge.config import EngineConfig
 from ridge.engine.engine_core import (
@@ -37,8 +38,10 @@ from ridge.engine.engine_core import (
     StepReport,
 )
 from ridge.engine.limits import RequestLimits
+from ridge.engine.loading import ModelFile
 from ridge.engine.output_processor import RequestTracker
 from ridge.engine.outputs import OutputKind, RequestOutput
+from ridge.engine.structured import GrammarCompiler
 from ridge.engine.supervision import (
     EngineDead,
     EngineRestarting,
@@ -48,9 +51,7 @@ from ridge.engine.supervision import (
     ShuttingDown,
     Supervision,
 )
-from ridge.hub import resolve
 from ridge.sampling_params import SamplingParams
-from ridge.tokenizer import RidgeTokenizer
 
 log = logging.getLogger("ridge")
 
@@ -94,7 +95,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the core process and wait until its model is loaded (its progress bar shows meanwhile);
         then supervise it from a thread of its own."""
-        self.tokenizer = RidgeTokenizer.from_path(resolve(self.config.model))
+        self.tokenizer = ModelFile.open(self.config.model).tokenizer
         self._core = self._launch(0)
         self._phase = "ok"
         self._supervisor = threading.Thread(target=self._supervise, name="ridge-engine-supervisor", daemon=True)
@@ -213,6 +214,12 @@ class AsyncEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(prompt_ids, params)
+        if params.structured_outputs is not None:  # a bad grammar is the request's error, found here
+            self.grammars.grammar(params.structured_outputs)
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size)
 
     def check_admission(self, count: int, work: int = 0) -> None:
         """Raise EngineDead (or EngineRestarting), ShuttingDown or QueueFull if `count` more sequences

@@ -25,6 +25,7 @@ from ridge.engine.sampler import Sampler
 from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
 from ridge.engine.sequence import Sequence
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
+from ridge.engine.structured import GrammarCompiler
 from ridge.kernels import cpu_ops
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.manager import KVManager
@@ -81,7 +82,8 @@ class LLMEngine:
             config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
             batch_invariant=config.batch_invariant, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
         )
-        self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
+        self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
         self.speculation: SpeculationPolicy | None = None
         self.set_speculation(config.speculation_policy if self.drafter is not None else None)
@@ -140,6 +142,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         self.limits.validate(prompt_token_ids, params)
+        if params is not None and params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)  # compiled and cached, or a ValueError naming it
 
     def add_request(
         self,
@@ -162,8 +166,9 @@ class LLMEngine:
         for i in range(params.n):
             generator = (torch.Generator(device=self.config.device).manual_seed(params.seed + i)  # on the device:
                          if params.seed is not None else None)  # the same seed gives the same tokens there
+            grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
-                           token_ids=list(ids), params=params, generator=generator)
+                           token_ids=list(ids), params=params, generator=generator, grammar=grammar)
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)
@@ -256,6 +261,8 @@ class LLMEngine:
             result = self.sampler(plain_logits, [samplers[i] for i in plain])
             for i, token, logprobs in zip(plain, result.tokens, result.logprobs, strict=True):
                 results.append(Sampled(samplers[i], [token], None if logprobs is None else [logprobs]))
+                if samplers[i].grammar is not None:
+                    samplers[i].grammar.accept([token])
         for i, seq in enumerate(samplers):
             if seq.draft_ids:
                 results.append(Sampled(seq, self._verify(seq, logits[rows[i]:rows[i + 1]])))

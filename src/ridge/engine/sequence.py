@@ -8,11 +8,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from ridge.engine.speculative import SpeculationStats
 from ridge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # llguidance is imported by the engine, not by every user of a Sequence
+    from ridge.engine.structured import Grammar
 
 
 class Status(Enum):
@@ -54,6 +58,7 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    grammar: Grammar | None = None  # with structured outputs: where the output stands in its grammar
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager

@@ -73,6 +73,9 @@ class Gateway:
                 self.engine.validate(ids, params)
             except ValueError as exc:
                 message = str(exc)
+                field = fields.structured_field
+                if message.startswith("structured_outputs") and field not in (None, "structured_outputs"):
+                    message = f"{field}:{message.split(':', 1)[1]}"  # the field this request named it with
                 raise RequestError(message, what if message.startswith("prompt") else message.split(":")[0]) from exc
         work = sum(len(p) for p in prompts) + len(prompts) * params.n * max_tokens
         if work > self.config.max_request_tokens:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from ridge.engine.beam_search import BeamSearchParams
-from ridge.sampling_params import SamplingParams
+from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class RequestError(Exception):
@@ -67,6 +67,40 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar enforces the schema either way
+
+    @model_validator(mode="after")
+    def _unicode(self) -> JsonSchemaFormat:
+        check_unicode(self.json_schema, "response_format.json_schema.schema")
+        return self
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Body):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _unicode(self) -> StructuredOutputsField:
+        check_unicode(self.json_, "structured_outputs.json")
+        return self
+
+
 class SamplingFields(Body):
     """The sampling fields shared by completions and chat completions."""
 
@@ -94,8 +128,65 @@ class SamplingFields(Body):
     length_penalty: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # what the output must match (one of these at most): OpenAI's response_format, vLLM's structured_outputs,
+    # and vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None
+
+    @property
+    def structured_field(self) -> str | None:
+        """The request field that carries its output constraint (the first, if several do)."""
+        given = self._constraints()
+        return given[0][0] if given else None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever of its fields names one; RequestError naming the
+        fields when several do, or when one is malformed."""
+        given = self._constraints()
+        if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+            raise RequestError(f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available; this "
+                               "server constrains outputs with llguidance (auto, guidance)", "guided_decoding_backend")
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise RequestError(f"{given[1][0]}: conflicts with {given[0][0]}; give one output constraint ({names} "
+                               "were given)", given[1][0])
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as exc:  # "structured_outputs[.field]: ..." -> the request's own field name
+            message = str(exc).replace("structured_outputs", name, 1) if name != "structured_outputs" else str(exc)
+            raise RequestError(message, message.split(":")[0]) from exc
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(request field, StructuredOutputsParams fields) of every field that constrains the output."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            else:
+                spec = self.response_format.json_schema
+                if spec is None or spec.json_schema is None:
+                    raise RequestError("response_format.json_schema.schema: a json_schema response format needs its "
+                                       "schema", "response_format.json_schema.schema")
+                given.append(("response_format", {"json": spec.json_schema}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given.append(("structured_outputs", fields))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        return given
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        structured = self.structured_outputs_params()
         bias = None
         if self.logit_bias:
             try:
@@ -111,6 +202,7 @@ class SamplingFields(Body):
                 min_tokens=self.min_tokens, logprobs=logprobs, logit_bias=bias,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+                structured_outputs=structured,
             )
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise RequestError(str(exc), str(exc).split()[0].rstrip(":")) from exc
@@ -124,7 +216,8 @@ class SamplingFields(Body):
         if params.n > width:
             raise RequestError(f"n: {params.n} beams asked for, but beam_width is {width}; n must be at most "
                                "beam_width", "n")
-        for name, unsupported in (("stop", params.stop_strings), ("logprobs", params.logprobs is not None)):
+        for name, unsupported in (("stop", params.stop_strings), ("logprobs", params.logprobs is not None),
+                                  ("structured_outputs", params.structured_outputs is not None)):
             if unsupported:
                 raise RequestError(f"{name}: not supported with use_beam_search", name)
         try:

@@ -1,0 +1,130 @@
+"""Structured outputs: a request's grammar masks, each step, every token that would leave it.
+
+llguidance does the grammar work (chosen over xgrammar, docs/notes/structured-outputs.md): it needs no other
+package at run time, builds a matcher in microseconds to milliseconds (no per-grammar precomputation, so a new
+schema costs nothing in time to first token), and computes a step's masks for the whole batch in parallel
+Rust threads. A JSON schema, any JSON object, a regex, a choice of strings and a Lark or GBNF grammar all
+become llguidance grammars; each is checked against the tokenizer when its request is added, so a bad one is
+a ValueError naming the field, before anything runs.
+
+A sequence holds its own matcher (Sequence.grammar). A step fills one bitmask row per constrained row, the
+sampler sets the logits of masked tokens to -inf, and the engine feeds the sampled token back to the matcher.
+A complete grammar allows only the stop tokens, so the output ends as the model's own would, its stop token
+included (with ignore_eos too: nothing may follow it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from functools import cached_property
+
+import llguidance
+import numpy as np
+import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from ridge.sampling_params import StructuredOutputsParams
+from ridge.tokenizer import RidgeTokenizer
+
+CACHED_GRAMMARS = 256  # compiled grammar texts kept, by request spec
+
+
+class Grammar:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, tokens: list[int]) -> None:
+        """Advance past sampled tokens (the mask allowed them: a refusal is a bug, not a request error)."""
+        # one at a time: consume_tokens refuses a stop token after a complete grammar, which consume_token takes
+        if not all(self.matcher.consume_token(token) for token in tokens):
+            raise RuntimeError(f"structured outputs: the grammar refused sampled tokens {tokens}: "
+                               f"{self.matcher.get_error()}")
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer and vocabulary: compiled from requests (cached by their spec), matchers made,
+    and a step's masks filled for a batch."""
+
+    def __init__(self, tokenizer: RidgeTokenizer, vocab_size: int) -> None:
+        self._source = tokenizer
+        self.vocab_size = vocab_size
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+
+    @cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary: every token's bytes (made once, on the first constrained request:
+        about a second for a 150k vocabulary). Masks span the model's vocabulary; ids past the tokenizer's are
+        never allowed; any stop token ends a complete grammar."""
+        return llguidance.LLTokenizer(self._source.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                      eos_token=sorted(self._source.stop_token_ids) or None)
+
+    @cached_property
+    def executor(self) -> llguidance.LLExecutor:
+        return llguidance.LLExecutor()
+
+    def grammar(self, spec: StructuredOutputsParams) -> str:
+        """The llguidance grammar of a request's spec, checked; ValueError naming the field otherwise."""
+        key = json.dumps([spec.kind, spec.json, spec.regex, spec.choice, spec.grammar], sort_keys=True)
+        if key in self._grammars:
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+        field = f"structured_outputs.{spec.kind}"
+        try:
+            text = _grammar_text(spec)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from exc
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise ValueError(f"{field}: {error}")
+        self._grammars[key] = text
+        if len(self._grammars) > CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return text
+
+    def matcher(self, spec: StructuredOutputsParams) -> Grammar:
+        matcher = llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
+        return Grammar(matcher)
+
+    def masks(self, grammars: list[Grammar]) -> torch.Tensor:
+        """bool [len(grammars), vocab_size]: the tokens each may take next (computed in parallel)."""
+        words = (self.vocab_size + 31) // 32
+        bits = np.zeros((len(grammars), words), dtype=np.uint32)  # token t: bit t % 32 of word t // 32
+        self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
+                                              words * 4, len(grammars))
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        return torch.from_numpy(allowed.view(np.bool_))
+
+
+def _grammar_text(spec: StructuredOutputsParams) -> str:
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if spec.json is not None:
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON ({exc})") from exc
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:  # Lark string literals are JSON strings
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    text = spec.grammar
+    if "::=" in text:  # GBNF / EBNF rules (llama.cpp's, vLLM's guided_grammar)
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as exc:  # the converter raises its GbnfToLarkError, and plain Exceptions for bad rules
+            raise ValueError(f"not a GBNF grammar llguidance can read ({exc})") from exc
+    return llguidance.LLMatcher.grammar_from_lark(text)

@@ -1,0 +1,109 @@
+"""Structured outputs: a JSON schema, any JSON object, a regex, a choice and a grammar constrain what the engine
+generates (llguidance's masks), offline and through the server's OpenAI fields; bad constraints are refused by
+name before anything runs, and the mask never removes a token the grammar allows."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import CHAT_PROMPTS
+from ridge import SamplingParams, StructuredOutputsParams
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency: `make test` installs it")
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                 "minItems": 1, "maxItems": 3}},
+     "required": ["colors"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "population": {"type": "number", "exclusiveMinimum": 0}},
+        "required": ["name", "population"], "additionalProperties": False}, "capital": {"type": "boolean"}},
+     "required": ["city", "capital"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+]
+QUESTIONS = ["Describe a person.", "Pick some colors.", "Tell me about a city.", "List a few numbers."]
+
+
+def greedy(max_tokens: int, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint) if constraint else None)
+
+
+@pytest.fixture(scope="module")
+def qwen(make_llm, qwen_path):
+    return make_llm(qwen_path)
+
+
+def test_constraint_fields_are_checked():
+    with pytest.raises(ValueError, match="set exactly one of .*; got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="structured_outputs.choice: must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="min_tokens: not supported with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+
+
+def test_json_schemas_are_followed_in_a_batch(qwen):
+    prompts = [qwen.render_chat([{"role": "user", "content": f"{q} Reply in JSON."}]) for q in QUESTIONS]
+    for sampled in (False, True):  # greedy, and sampled with seeds
+        params = [SamplingParams(temperature=0.8 if sampled else 0, seed=i if sampled else None, max_tokens=128,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+                  for i, schema in enumerate(SCHEMAS)]
+        for schema, out in zip(SCHEMAS, qwen.generate(prompts, params), strict=True):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop", completion.text  # the grammar ended it, not the length
+            jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_json_object_choice_and_regex(qwen):
+    prompt = qwen.render_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
+    (out,) = qwen.generate(prompt, greedy(64, json_object=True))
+    assert isinstance(json.loads(out.outputs[0].text), dict)
+    choices = ["Paris", "London", "Berlin"]
+    (out,) = qwen.generate(prompt, greedy(16, choice=choices))
+    assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
+    pattern = r"[A-Z][a-z]+, [0-9]{4}"
+    (out,) = qwen.generate(prompt, greedy(24, regex=pattern))
+    assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    grammar = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]+/'
+    (out,) = qwen.generate(qwen.render_chat([{"role": "user", "content": "What is 12 times 12?"}]),
+                           greedy(24, grammar=grammar))
+    assert re.fullmatch(r"The answer is [0-9]+\.", out.outputs[0].text), out.outputs[0].text
+    gbnf = 'root ::= "yes" | "no"'
+    (out,) = qwen.generate(prompt, greedy(8, grammar=gbnf))
+    assert out.outputs[0].text in ("yes", "no")
+
+
+def test_the_mask_keeps_every_token_the_grammar_allows(qwen):
+    """A grammar that the unconstrained greedy output satisfies (whole, or as a prefix when it ran out of tokens)
+    leaves that output unchanged, token for token, its end-of-turn token included."""
+    for question in CHAT_PROMPTS[:6]:
+        prompt = qwen.render_chat([{"role": "user", "content": question}])
+        (plain,) = qwen.generate(prompt, SamplingParams(temperature=0, max_tokens=24))
+        completion = plain.outputs[0]
+        pattern = re.escape(completion.text) + (r"(?s:.*)" if completion.finish_reason == "length" else "")
+        (constrained,) = qwen.generate(prompt, greedy(24, regex=pattern))
+        assert constrained.outputs[0].token_ids == completion.token_ids
+        assert constrained.outputs[0].finish_reason == completion.finish_reason
+
+
+@pytest.mark.parametrize("constraint,message", [
+    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "structured_outputs.json: "),
+    ({"regex": "(unclosed"}, "structured_outputs.regex: "),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar: "),
+    ({"grammar": "root ::= (unclosed"}, "structured_outputs.grammar: "),
+])
+def test_bad_constraints_are_refused_before_anything_runs(qwen, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        qwen.generate("Hello", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint)))
+    (out,) = qwen.generate("Hello", SamplingParams(temperature=0, max_tokens=4))  # the engine serves on
+    assert len(out.outputs[0].token_ids) == 4
