@@ -20,6 +20,7 @@ from ridge.bench.quant import add_quant_parser
 from ridge.bench.report import add_report_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
+from ridge.bench.structured import add_structured_parser
 from ridge.linear import model_weight_bytes
 from ridge.models.random_weights import hf_config, is_random
 from ridge.models.spec import ModelSpec
@@ -383,5 +384,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_quant_parser(bsub)
     add_invariance_parser(bsub, add_engine_args)
     add_capacity_parser(bsub, add_engine_args)
+    add_structured_parser(bsub, add_engine_args)
     add_report_parser(bsub)
 

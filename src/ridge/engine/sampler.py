@@ -88,8 +88,10 @@ class Sampler:
             return logits
         allowed = self.grammars.masks([seqs[i].grammar for i in rows]).to(logits.device)
         logits = logits.clone() if copy else logits
+        if len(rows) == len(seqs):  # every row constrained: one pass over the logits, no gather
+            return logits.masked_fill_(allowed[:, :logits.shape[1]].logical_not_(), float("-inf"))
         index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill_(~allowed[:, :logits.shape[1]], float("-inf"))
+        logits[index] = logits[index].masked_fill_(allowed[:, :logits.shape[1]].logical_not_(), float("-inf"))
         return logits
 
     def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

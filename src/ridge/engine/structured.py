@@ -16,6 +16,7 @@ included (with ignore_eos too: nothing may follow it).
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from functools import cached_property
 
@@ -56,6 +57,7 @@ class GrammarCompiler:
         self._source = tokenizer
         self.vocab_size = vocab_size
         self._grammars: OrderedDict[str, str] = OrderedDict()
+        self.mask_seconds = 0.0  # time spent filling masks, for `ridge bench structured`
 
     @cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -96,11 +98,13 @@ class GrammarCompiler:
 
     def masks(self, grammars: list[Grammar]) -> torch.Tensor:
         """bool [len(grammars), vocab_size]: the tokens each may take next (computed in parallel)."""
+        started = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bits = np.zeros((len(grammars), words), dtype=np.uint32)  # token t: bit t % 32 of word t // 32
         self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
                                               words * 4, len(grammars))
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        self.mask_seconds += time.perf_counter() - started
         return torch.from_numpy(allowed.view(np.bool_))
 
 
