@@ -508,3 +508,31 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"best_of": 3}, "best_of"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+])
+def test_fields_not_implemented_are_refused_by_name(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       extra_body=extra)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_fields_that_ask_nothing_pass(client):
+    """What clients send by default (tool_choice none, empty lists, best_of = n, a user label) changes nothing."""
+    out = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0, user="someone",
+                                         extra_body={"tool_choice": "none", "tools": [], "best_of": 1})
+    assert out.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, echo=True, logprobs=1)
+    assert caught.value.body["param"] == "echo"

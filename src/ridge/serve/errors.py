@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -170,6 +171,9 @@ def answer_errors_in_the_envelope(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = str(first.get("msg")).removeprefix("Value error, ")
+        named = re.match(r"([a-z_.]+): ", message)  # a check over several fields names the one it refuses first
+        if named and (param is None or named.group(1).startswith(param)):
+            param, message = message.split(": ", 1)
         return JSONResponse(RequestError(f"{param or 'body'}: {message}", param).body(), status_code=400)
 
     @app.exception_handler(HTTPException)

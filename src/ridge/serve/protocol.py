@@ -8,12 +8,15 @@ escapes can spell a lone surrogate, which no tokenizer can encode).
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
+
+log = logging.getLogger("ridge")
 
 
 class RequestError(Exception):
@@ -65,6 +68,51 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _refused(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats: usage in every chunk is not supported; it "
+                             "comes in the last chunk with include_usage")
+        return self
+
+
+def _asks(value: Any) -> bool:
+    """Whether a field's value asks for something (None, False, 0, "" and empty collections do not)."""
+    return value is not None and value is not False and value != 0 and value != "" and value != [] and value != {}
+
+
+# Fields of OpenAI's or vLLM's request bodies that ridge does not implement: a request that sets one to anything
+# that asks for something is refused with a 400 naming it, never answered as if it had not been sent.
+# docs/api-fields.md lists every field and ridge's answer.
+UNSUPPORTED = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "suffix": "fill-in-the-middle is not supported",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "allowed_token_ids": "not supported yet; logit_bias can forbid tokens",
+    "bad_words": "not supported yet",
+    "continue_final_message": "not supported yet",
+    "chat_template": "a request's own chat template is not supported; the model's is used",
+    "chat_template_kwargs": "not supported yet",
+    "documents": "not supported",
+    "logits_processors": "not supported",
+    "return_tokens_as_token_ids": "not supported",
+    "guided_whitespace_pattern": "not supported; llguidance's JSON whitespace is used",
+    "structural_tag": "not supported",
+    "mm_processor_kwargs": "this server reads text only",
+    "audio": "this server reads and writes text only",
+    "prediction": "predicted outputs are not supported",
+    "truncate_prompt_tokens": "not supported; a prompt past the context is refused",
+    "store": "this server stores nothing",
+    "web_search_options": "not supported",
+    "reasoning_effort": "not supported",
+}
+# Fields that only label or prioritise a request: accepted, and said in the log when they ask for something.
+LABELS = ("user", "metadata", "service_tier", "priority", "request_id")
 
 
 class JsonSchemaFormat(Body):
@@ -103,6 +151,25 @@ class StructuredOutputsField(Body):
 
 class SamplingFields(Body):
     """The sampling fields shared by completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in UNSUPPORTED.items():
+                value = data.get(name)
+                if name in ("tool_choice", "function_call") and value in ("none", "auto"):
+                    continue  # with no tools (refused above when given), these choose nothing
+                if _asks(value):
+                    raise ValueError(f"{name}: {why}")
+            if data.get("modalities") not in (None, ["text"]):
+                raise ValueError("modalities: this server reads and writes text only")
+            if _asks(data.get("best_of")) and data.get("best_of") != data.get("n", 1):
+                raise ValueError("best_of: not supported yet (n samples are returned as they are)")
+            for name in LABELS:
+                if _asks(data.get(name)):
+                    log.warning("ridge: request field %s=%r accepted and not acted on (a label)", name, data[name])
+        return data
 
     model: Text | None = None
     n: int = 1
@@ -237,6 +304,12 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:  # lm-eval's loglikelihood asks this: say so, not a wrong score
+            raise ValueError("echo: with logprobs, the prompt's logprobs are not supported yet")
+        return self
 
 
 class ContentPart(Body):
