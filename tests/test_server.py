@@ -536,3 +536,18 @@ def test_fields_that_ask_nothing_pass(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, echo=True, logprobs=1)
     assert caught.value.body["param"] == "echo"
+
+
+def test_chat_stream_opens_each_choice_with_its_first_token(client):
+    """The role comes with a choice's first token, as vLLM sends it: a client timing its first chunk times the
+    prefill, not an empty chunk sent before it."""
+    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Name a fruit."}],
+                                            max_tokens=8, temperature=0.7, seed=1, n=2, stream=True)
+    by_choice: dict[int, list] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            by_choice.setdefault(choice.index, []).append(choice.delta)
+    assert sorted(by_choice) == [0, 1]
+    for deltas in by_choice.values():
+        assert deltas[0].role == "assistant" and deltas[0].content  # the role rides on the first token's text
+        assert all(d.role is None for d in deltas[1:])

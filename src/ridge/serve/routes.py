@@ -151,9 +151,7 @@ class Routes:
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.config.model_name}
-            for index in range(params.n):  # OpenAI opens every choice with the role
-                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+            opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
             final: RequestOutput | None = None
             completion = 0
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
@@ -164,6 +162,9 @@ class Routes:
                 completion += _num_tokens([out])
                 for c in out.outputs:
                     delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                    if c.index not in opened:  # OpenAI opens every choice with the role
+                        opened.add(c.index)
+                        delta = {"role": "assistant", "content": c.text}
                     yield sse({**head, "choices": [{
                         "index": c.index, "delta": delta, "logprobs": logprobs(c.token_ids, c.logprobs),
                         "finish_reason": c.finish_reason}]})
