@@ -511,7 +511,6 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
@@ -551,3 +550,11 @@ def test_chat_stream_opens_each_choice_with_its_first_token(client):
     for deltas in by_choice.values():
         assert deltas[0].role == "assistant" and deltas[0].content  # the role rides on the first token's text
         assert all(d.role is None for d in deltas[1:])
+
+
+def test_tools_are_refused_where_the_template_has_no_call_format(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       tools=[tool])
+    assert caught.value.body["param"] == "tools"

@@ -140,7 +140,10 @@ class RidgeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's template writes it; `tools` (OpenAI's shape) go to the template as HF
+        passes them."""
         if self._template is None:
             raise ValueError("messages: this model has no chat template; pass a plain prompt instead")
         for i, m in enumerate(messages):
@@ -152,12 +155,13 @@ class RidgeTokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.token_text(bos) if bos is not None else "",
             eos_token=self.token_text(eos) if eos is not None else "",
-            tools=None,
+            tools=tools,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -16,8 +16,9 @@ from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
-from ridge.sampling_params import SamplingParams
+from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
+from ridge.serve.tools import supports_tools, template_messages
 
 T = TypeVar("T")
 ENGINE_ERRORS = (QueueFull, ShuttingDown, EngineDead, RequestFailed, ValueError)
@@ -49,9 +50,24 @@ class Gateway:
             raise RequestError(f"The model `{name}` does not exist; this server serves `{self.config.model_name}`.",
                                "model", 404, "NotFoundError")
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's token ids; with tools, rendered with them (a template with no tool-call format
+        ridge parses refuses them), each tool's parameters checked as a JSON schema."""
+        if tools:
+            if not supports_tools(self.tokenizer.info.chat_template):
+                raise RequestError("tools: this model's chat template has no tool-call format ridge can parse "
+                                   "(Hermes' <tool_call> tags)", "tools")
+            for i, tool in enumerate(tools):
+                parameters = tool["function"].get("parameters")
+                try:
+                    self.engine.grammars.grammar(StructuredOutputsParams(json=parameters or {"type": "object"}))
+                except ValueError as exc:
+                    raise RequestError(f"tools.{i}.function.parameters: {str(exc).split(': ', 1)[1]}",
+                                       f"tools.{i}.function.parameters") from exc
         try:
-            return self.tokenizer.encode_chat(plain_messages(messages), add_generation_prompt)
+            return self.tokenizer.encode_chat(template_messages(plain_messages(messages)), add_generation_prompt,
+                                              tools)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
+from ridge.serve.tools import LITERAL_MARKERS, calls_grammar
 
 log = logging.getLogger("ridge")
 
@@ -87,8 +88,6 @@ def _asks(value: Any) -> bool:
 # that asks for something is refused with a 400 naming it, never answered as if it had not been sent.
 # docs/api-fields.md lists every field and ridge's answer.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "suffix": "fill-in-the-middle is not supported",
@@ -158,8 +157,8 @@ class SamplingFields(Body):
         if isinstance(data, dict):
             for name, why in UNSUPPORTED.items():
                 value = data.get(name)
-                if name in ("tool_choice", "function_call") and value in ("none", "auto"):
-                    continue  # with no tools (refused above when given), these choose nothing
+                if name == "function_call" and value in ("none", "auto"):
+                    continue  # with no functions (refused when given), these choose nothing
                 if _asks(value):
                     raise ValueError(f"{name}: {why}")
             if data.get("modalities") not in (None, ["text"]):
@@ -341,12 +340,68 @@ class ChatMessage(Body):
         return self
 
 
+class ToolFunction(Body):
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the grammar enforces the parameters under tool_choice required / named
+
+    @model_validator(mode="after")
+    def _unicode(self) -> ToolFunction:
+        check_unicode(self.parameters, "parameters")
+        return self
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: dict[str, Text]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
+
+    def use_tool_markers(self, markers: tuple[str, str]) -> None:
+        self._tool_markers = markers
+
+    @property
+    def calling_tools(self) -> bool:
+        """Whether the model is offered tools (and its reply parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them, or None when none are offered."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.calling_tools else None
+
+    def named_tool(self) -> str | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.get("name")
+        if not self.tools or name not in {t.function.name for t in self.tools}:
+            raise RequestError(f"tool_choice: function {name!r} is not among the request's tools", "tool_choice")
+        return name
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        given = super()._constraints()
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            if self.tool_choice != "auto":
+                raise RequestError("tool_choice: names a tool call, but the request has no tools", "tool_choice")
+        elif self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            grammar = calls_grammar(self.tool_dicts(), self.named_tool(), self.parallel_tool_calls, self._tool_markers)
+            given.append(("tool_choice", {"grammar": grammar.grammar}))
+        return given
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -24,6 +24,7 @@ from ridge.serve.protocol import (
     RequestError,
     TokenizeRequest,
 )
+from ridge.serve.tools import call_markers, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer; nobody reads it
@@ -127,11 +128,28 @@ class Routes:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.gateway.check_model(req.model)
         top = req.logprobs_asked()
-        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt)
+        tools = req.tool_dicts()
+        if tools and req.stream and top is not None:
+            raise RequestError("logprobs: not supported with tools in a stream (a reply with calls arrives whole)",
+                               "logprobs")
+        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools)
+        req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+
+        def message(text: str) -> tuple[dict[str, Any], bool]:
+            """The assistant's message of a reply, and whether it holds tool calls."""
+            if not tools:
+                return {"role": "assistant", "content": text}, False
+            reply = parse_reply(text)
+            if not reply.tool_calls:
+                return {"role": "assistant", "content": text}, False
+            return {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}, True
+
+        def finish(reason: str | None, called: bool) -> str | None:
+            return "tool_calls" if called and reason == "stop" else reason
 
         def logprobs(new_ids: list[int], new_lps) -> dict[str, Any] | None:
             return _chat_logprobs(self.tokenizer, new_ids, new_lps, top) if top is not None else None
@@ -141,10 +159,11 @@ class Routes:
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             (output,) = outputs
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason} for c in output.outputs]
+            choices = []
+            for c in output.outputs:
+                reply, called = message(c.text)
+                choices.append({"index": c.index, "message": reply, "logprobs": logprobs(c.token_ids, c.logprobs),
+                                "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason})
             return {"id": request_id, "object": "chat.completion", "created": created, "model": self.config.model_name,
                     "choices": choices, "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
 
@@ -152,6 +171,7 @@ class Routes:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.config.model_name}
             opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
+            held: dict[int, str] = {}  # with tools: each choice's text so far
             final: RequestOutput | None = None
             completion = 0
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
@@ -161,6 +181,17 @@ class Routes:
                 final = out
                 completion += _num_tokens([out])
                 for c in out.outputs:
+                    if tools:  # a reply that may hold calls is parsed whole: it goes out when it ends
+                        held[c.index] = held.get(c.index, "") + c.text
+                        if not c.finish_reason:
+                            continue
+                        reply, called = message(held[c.index])
+                        delta = {k: v for k, v in reply.items() if k != "tool_calls"}
+                        if called:
+                            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(reply["tool_calls"])]
+                        yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                        "finish_reason": finish(c.finish_reason, called)}]})
+                        continue
                     delta = {"content": c.text} if c.text or not c.finish_reason else {}
                     if c.index not in opened:  # OpenAI opens every choice with the role
                         opened.add(c.index)

@@ -1,0 +1,143 @@
+"""Tool calling through the OpenAI API on Qwen2.5-Coder-0.5B (Hermes' <tool_call> format): tools rendered by the
+chat template, calls parsed into message.tool_calls, tool_choice "required" and a named function enforced by a
+grammar over the calls, the tool's reply fed back, streams that reassemble to the whole answer."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from ridge.config import EngineConfig
+from ridge.serve.app import ServerConfig
+from ridge.serve.server import free_port, make_server, start_in_thread
+from ridge.serve.tools import parse_reply
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency: `make test` installs it")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
+                   "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(qwen_path):
+    config = EngineConfig(model=str(qwen_path), kv_cache_memory="256MiB")
+    srv = make_server(config, ServerConfig("qwen"), port=free_port(), log_level="warning", progress=False)
+    thread = start_in_thread(srv)
+    yield srv
+    srv.uvicorn.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def arguments(call, tool: dict) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_parse_reply_finds_calls_and_keeps_the_rest():
+    reply = parse_reply('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                        '<tool_call>{"name": "g", "arguments": {}}</tool_call><tool_call>not json</tool_call>')
+    assert [c["function"]["name"] for c in reply.tool_calls] == ["f", "g"]
+    assert json.loads(reply.tool_calls[0]["function"]["arguments"]) == {"a": 1}
+    assert reply.content == "Let me check.\n\n<tool_call>not json</tool_call>"
+    assert parse_reply("no calls").tool_calls == []
+
+
+def test_required_and_named_calls_follow_the_schemas(client):
+    out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=96)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    arguments(choice.message.tool_calls[0], WEATHER if choice.message.tool_calls[0].function.name == "get_weather"
+              else TIME)
+    named = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           parallel_tool_calls=False, max_tokens=96)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and named.choices[0].finish_reason == "tool_calls"
+    arguments(call, TIME)
+
+
+def test_parallel_calls_each_follow_their_schema(client):
+    """With parallel calls the model decides how many (this small one keeps going until max_tokens): every
+    complete call parses and is valid."""
+    out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         temperature=0, max_tokens=96)
+    calls = out.choices[0].message.tool_calls
+    assert calls
+    for call in calls:
+        arguments(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+
+def test_auto_parses_what_the_model_chose(client):
+    out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=96)
+    choice = out.choices[0]
+    if choice.message.tool_calls:  # the model's choice; when it calls, the call is parsed whole
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    else:
+        assert choice.message.content
+    plain = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=16)
+    assert plain.choices[0].message.tool_calls is None
+
+
+def test_the_round_trip_with_a_tool_reply(client):
+    first = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=96)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None,
+                       "tool_calls": [{"id": call.id, "type": "function",
+                                       "function": {"name": call.function.name,
+                                                    "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+    reply = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=48)
+    assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
+
+
+def test_a_stream_of_calls_reassembles_to_the_whole_answer(client):
+    whole = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=96)
+    stream = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=96, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                calls.setdefault(call.index, {"name": "", "arguments": ""})
+                calls[call.index]["name"] += call.function.name or ""
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in whole.choices[0].message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == expected and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}}]}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+])
+def test_bad_tools_get_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="qwen", messages=ASK, max_tokens=4, extra_body=extra)
+    assert caught.value.body["param"] == param, caught.value.body
