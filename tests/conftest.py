@@ -7,6 +7,7 @@ test, the block accounting of every live engine is checked, so a leak fails the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -262,3 +263,17 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> li
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def running_server(config, server_config, **kwargs):
+    """A ridge server in a thread of this process, stopped when the block ends."""
+    from ridge.serve.server import free_port, make_server, start_in_thread
+
+    srv = make_server(config, server_config, port=free_port(), log_level="warning", progress=False, **kwargs)
+    thread = start_in_thread(srv)
+    try:
+        yield srv
+    finally:
+        srv.uvicorn.should_exit = True
+        thread.join(timeout=30)

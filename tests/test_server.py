@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, running_server
 from ridge import BeamSearchParams, SamplingParams
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
@@ -28,12 +28,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="256MiB")
-    srv = make_server(config, ServerConfig("smollm2", api_key=KEY, max_body_bytes=64 * 1024), port=free_port(),
-                      max_waiting=256, log_level="warning", progress=False)
-    thread = start_in_thread(srv)
-    yield srv
-    srv.uvicorn.should_exit = True
-    thread.join(timeout=30)
+    with running_server(config, ServerConfig("smollm2", api_key=KEY, max_body_bytes=64 * 1024),
+                        max_waiting=256) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import json
 import openai
 import pytest
 
+from conftest import running_server
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
-from ridge.serve.server import free_port, make_server, start_in_thread
 from ridge.serve.tools import parse_reply
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a test dependency: `make test` installs it")
@@ -30,12 +30,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(qwen_path):
-    config = EngineConfig(model=str(qwen_path), kv_cache_memory="256MiB")
-    srv = make_server(config, ServerConfig("qwen"), port=free_port(), log_level="warning", progress=False)
-    thread = start_in_thread(srv)
-    yield srv
-    srv.uvicorn.should_exit = True
-    thread.join(timeout=30)
+    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="256MiB"), ServerConfig("qwen")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
