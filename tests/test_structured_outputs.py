@@ -107,3 +107,27 @@ def test_bad_constraints_are_refused_before_anything_runs(qwen, constraint, mess
         qwen.generate("Hello", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint)))
     (out,) = qwen.generate("Hello", SamplingParams(temperature=0, max_tokens=4))  # the engine serves on
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_a_refused_token_ends_only_its_own_sequence():
+    """Where llguidance refuses a token its own mask allowed, that sequence ends ("abort", in the log), and the
+    step is not failed for the others."""
+    from ridge.engine.scheduler import StopRule
+    from ridge.engine.sequence import Sequence
+    from ridge.engine.structured import Grammar
+
+    class Refusing:
+        def consume_token(self, token: int) -> bool:
+            return False
+
+        def get_error(self) -> str:
+            return "refused\ndetails"
+
+        def is_stopped(self) -> bool:
+            return False
+
+    grammar = Grammar(Refusing())
+    seq = Sequence(seq_id=0, request_id="r", index=0, prompt_len=1, token_ids=[1, 5],
+                   params=SamplingParams(max_tokens=8), grammar=grammar)
+    grammar.accept([5])
+    assert grammar.failed and StopRule(frozenset({2})).check(seq, 5) == ("abort", None)

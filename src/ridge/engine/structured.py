@@ -16,6 +16,7 @@ included (with ignore_eos too: nothing may follow it).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from functools import cached_property
@@ -28,6 +29,8 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from ridge.sampling_params import StructuredOutputsParams
 from ridge.tokenizer import RidgeTokenizer
 
+log = logging.getLogger("ridge")
+
 CACHED_GRAMMARS = 256  # compiled grammar texts kept, by request spec
 
 
@@ -36,13 +39,17 @@ class Grammar:
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
+        self.failed = False  # the matcher refused a token its own mask allowed: the sequence ends there
 
     def accept(self, tokens: list[int]) -> None:
-        """Advance past sampled tokens (the mask allowed them: a refusal is a bug, not a request error)."""
+        """Advance past sampled tokens. The mask allowed them, so a refusal is llguidance disagreeing with itself
+        (seen with a token whose text the grammar spells literally, when the vocabulary marks it as added): the
+        sequence then ends (finish_reason "abort", said in the log), and the step's other sequences go on."""
         # one at a time: consume_tokens refuses a stop token after a complete grammar, which consume_token takes
-        if not all(self.matcher.consume_token(token) for token in tokens):
-            raise RuntimeError(f"structured outputs: the grammar refused sampled tokens {tokens}: "
-                               f"{self.matcher.get_error()}")
+        if not self.failed and not all(self.matcher.consume_token(token) for token in tokens):
+            self.failed = True
+            log.warning("ridge: structured outputs: the grammar refused tokens %s its mask allowed; the sequence "
+                        "ends: %s", tokens, self.matcher.get_error().splitlines()[0])
 
     @property
     def stopped(self) -> bool:
