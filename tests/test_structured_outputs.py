@@ -85,7 +85,7 @@ def test_json_object_choice_and_regex(qwen):
 def test_the_mask_keeps_every_token_the_grammar_allows(qwen):
     """A grammar that the unconstrained greedy output satisfies (whole, or as a prefix when it ran out of tokens)
     leaves that output unchanged, token for token, its end-of-turn token included."""
-    for question in CHAT_PROMPTS[:6]:
+    for question in CHAT_PROMPTS[:4]:
         prompt = qwen.render_chat([{"role": "user", "content": question}])
         (plain,) = qwen.generate(prompt, SamplingParams(temperature=0, max_tokens=24))
         completion = plain.outputs[0]
