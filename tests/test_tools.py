@@ -137,3 +137,13 @@ def test_bad_tools_get_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="qwen", messages=ASK, max_tokens=4, extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_strict_tools_need_a_choice_that_enforces_them(client):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="qwen", messages=ASK, tools=[strict], max_tokens=4)
+    assert caught.value.body["param"] == "tools.0.function.strict"
+    out = client.chat.completions.create(model="qwen", messages=ASK, tools=[strict], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=96)
+    arguments(out.choices[0].message.tool_calls[0], WEATHER)

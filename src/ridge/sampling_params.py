@@ -45,8 +45,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None) \
-            if not self.json_object else "json_object"
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
 @dataclass

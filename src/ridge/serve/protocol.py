@@ -344,7 +344,7 @@ class ToolFunction(Body):
     name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
-    strict: bool | None = None  # the grammar enforces the parameters under tool_choice required / named
+    strict: bool | None = None  # enforced by the grammar under tool_choice required / named; refused under auto
 
     @model_validator(mode="after")
     def _unicode(self) -> ToolFunction:
@@ -395,6 +395,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         given = super()._constraints()
+        if self.calling_tools and self.tool_choice in (None, "auto"):
+            strict = next((i for i, t in enumerate(self.tools) if t.function.strict), None)
+            if strict is not None:  # the model may answer in text there: its calls cannot be held to the schema
+                raise RequestError(f"tools.{strict}.function.strict: strict arguments are enforced only with "
+                                   "tool_choice 'required' or a named function", f"tools.{strict}.function.strict")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             if self.tool_choice != "auto":
                 raise RequestError("tool_choice: names a tool call, but the request has no tools", "tool_choice")

@@ -146,7 +146,8 @@ class Routes:
             reply = parse_reply(text)
             if not reply.tool_calls:
                 return {"role": "assistant", "content": text}, False
-            return {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}, True
+            calls = reply.tool_calls if req.parallel_tool_calls else reply.tool_calls[:1]  # at most one, as asked
+            return {"role": "assistant", "content": reply.content, "tool_calls": calls}, True
 
         def finish(reason: str | None, called: bool) -> str | None:
             return "tool_calls" if called and reason == "stop" else reason

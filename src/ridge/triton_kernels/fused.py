@@ -2,9 +2,8 @@
 and SiLU(gate) * up. The same three functions, with the same signatures, as ridge's CPU kernels
 (kernels/cpu_ops.py, whose C++ the CPU path calls), so the model's layers take either module as their `ops`.
 
-A decode step of an 8B model runs some 500 kernels, most of them element-wise, a few microseconds each
-whatever their size: at batch 1 on an H100 they took a fifth of the step. Each function here is one kernel
-where torch runs two to four.
+A decode step runs a few hundred kernels, most of them element-wise, each costing a few microseconds whatever
+its size (docs/notes/gpu.md measures their share). Each function here is one kernel where torch runs two to four.
 """
 
 from __future__ import annotations

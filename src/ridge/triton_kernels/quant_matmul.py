@@ -13,8 +13,8 @@ Codes are stored as
     one multiply by 2^8 puts it right), which needs no fp8 support from the GPU or the interpreter.
 
 A tile is [BLOCK_N rows, GROUPS groups, GROUP columns] of codes, so that each group's scale and minimum are
-loaded once, as a [BLOCK_N, GROUPS] block, and broadcast over the group's columns (a per-weight gather of
-scales cost 13x in load instructions). Per-channel formats have one "group" of 128 columns per tile and their
+loaded once, as a [BLOCK_N, GROUPS] block, and broadcast over the group's columns rather than gathered per
+weight (docs/notes/gpu.md). Per-channel formats have one "group" of 128 columns per tile and their
 scale is applied to the output.
 
 Two kernels: at up to GEMV_MAX_ROWS rows (decode) a GEMV that multiplies and sums along K in registers,
