@@ -106,3 +106,32 @@ def test_logprobs_are_log_softmax_of_the_model_output():
     for token, value in entry.items():
         assert value == pytest.approx(ref[token].item(), abs=1e-5)
     assert out.logprobs[1] is None
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    logits = torch.tensor([LOGITS], dtype=torch.float32).repeat(2000, 1)
+    sampler = Sampler(4, frozenset({EOS}))
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 3], logit_bias={1: -1.0, 0: 5.0})
+    tokens = torch.tensor(sampler(logits, [seq(params) for _ in range(2000)]).tokens)
+    assert set(tokens.tolist()) == {1, 3}  # the bias on token 0 cannot bring it back
+    expected = torch.softmax(torch.tensor([LOGITS[1] - 1.0, LOGITS[3]]), -1)[0].item()
+    assert abs((tokens == 1).float().mean().item() - expected) < 0.04
+    greedy = sampler(logits[:2], [seq(SamplingParams(temperature=0, allowed_token_ids=[2])),
+                                  seq(SamplingParams(temperature=0))]).tokens
+    assert greedy == [2, 0]  # the other row is untouched
+
+
+def test_bad_words_ban_a_word_s_last_token_where_the_rest_precedes_it():
+    from ridge.engine.sampler import bad_word_ids
+
+    sampler = Sampler(4, frozenset({EOS}))
+    logits = torch.tensor([LOGITS], dtype=torch.float32)
+    one_token, two_tokens = seq(SamplingParams(temperature=0)), seq(SamplingParams(temperature=0), outputs=(2,))
+    one_token.bad_word_ids = [[0]]  # token 0 always banned: the next best is 1
+    two_tokens.bad_word_ids = [[2, 0], [1, 0]]  # "2 0" banned after a 2; "1 0" not after a 2
+    after_other = seq(SamplingParams(temperature=0), outputs=(1, 1))
+    after_other.bad_word_ids = [[2, 0]]
+    tokens = sampler(logits.repeat(3, 1), [one_token, two_tokens, after_other]).tokens
+    assert tokens == [1, 1, 0]
+    encode = {"cat": [7], " cat": [8], "big dog": [5, 6], " big dog": [9, 6]}.__getitem__
+    assert bad_word_ids(["cat", " big dog"], encode) == [[7], [8], [5, 6], [9, 6]]

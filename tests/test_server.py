@@ -509,10 +509,14 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
 
 @pytest.mark.parametrize("extra,param", [
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ({"continue_final_message": True}, "continue_final_message"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"best_of": 3}, "best_of"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
+    ({"chat_template": "{{ messages }}"}, "chat_template"),  # this server does not trust a request's template
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),  # a variable the request's fields set
+    ({"best_of": 3}, "best_of"),  # chat completions do not rank samples
+    ({"logits_processors": ["x"]}, "logits_processors"),
+    ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"modalities": ["text", "audio"]}, "modalities"),
 ])
@@ -529,9 +533,78 @@ def test_fields_that_ask_nothing_pass(client):
                                          temperature=0, user="someone",
                                          extra_body={"tool_choice": "none", "tools": [], "best_of": 1})
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_one_pass_does(client, smollm2):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1 or 0), and vLLM's prompt_logprobs: the
+    prompt's logprobs equal the engine's whole-prompt logits."""
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    ids = smollm2.tokenizer.encode(prompt)
+    logp = smollm2.engine.prompt_logits(ids).log_softmax(dim=-1)
+    expected = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    for max_tokens in (1, 0):
+        out = client.completions.create(model="smollm2", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=1,
+                                        temperature=0)
+        lp, choice = out.choices[0].logprobs, out.choices[0]
+        assert len(lp.tokens) == len(ids) + max_tokens and out.usage.completion_tokens == max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(abs(a - b) < 2e-4 for a, b in zip(lp.token_logprobs[1:len(ids)], expected, strict=True))
+        assert all(t in top and len(top) <= 2 for t, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
+        assert choice.text.startswith(prompt) and (max_tokens or choice.text == prompt)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    for stream in (False, True):
+        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
+        if stream:
+            events = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:].startswith("{")]
+            scored = [c["prompt_logprobs"] for e in events for c in e["choices"] if "prompt_logprobs" in c]
+            assert len(scored) == 1  # once, with the choice's first chunk
+            entries = scored[0]
+        else:
+            entries = reply.json()["choices"][0]["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(ids)
+        got = [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)]
+        assert all(abs(a - b) < 2e-4 for a, b in zip(got, expected, strict=True))
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, echo=True, logprobs=1)
-    assert caught.value.body["param"] == "echo"
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"
+
+
+def test_best_of_returns_the_likeliest_of_its_samples(client):
+    kwargs = dict(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3, logprobs=0)
+    drawn = client.completions.create(n=4, **kwargs)
+    best = client.completions.create(n=2, extra_body={"best_of": 4}, **kwargs)
+    ranked = sorted(drawn.choices, key=lambda c: -sum(c.logprobs.token_logprobs))[:2]
+    assert [c.text for c in best.choices] == [c.text for c in ranked] and [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == drawn.usage.completion_tokens  # every sample drawn counts
+    hidden = client.completions.create(n=1, extra_body={"best_of": 2}, **{**kwargs, "logprobs": None})
+    assert hidden.choices[0].logprobs is None  # ranked by logprobs, which were not asked to be shown
+    for extra, param in (({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of")):
+        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={"prompt": "Hi", **extra})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_allowed_token_ids_and_bad_words(client, smollm2):
+    prompt = "The capital of France is"
+    allowed = [smollm2.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no")]
+    out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=1.0, seed=0,
+                                    extra_body={"allowed_token_ids": allowed})
+    assert out.choices[0].text and out.choices[0].text.replace(" yes", "").replace(" no", "") == ""
+    plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0)
+    assert "Paris" in plain.choices[0].text
+    banned = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text and banned.choices[0].text != plain.choices[0].text
+
+
+def test_tokenizer_info_one_model_and_unknown_routes(server):
+    info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
+    assert info["eos_token"] == "<|im_end|>" and "{%" in info["chat_template"]
+    card = httpx.get(server.url + "/v1/models/smollm2", headers=AUTH).json()
+    assert card["id"] == "smollm2" and card["object"] == "model"
+    _assert_error(httpx.get(server.url + "/v1/models/gpt-4", headers=AUTH), 404, "model")
+    missing = httpx.post(server.url + "/v1/embeddings", headers=AUTH, json={"input": "hi"})
+    _assert_error(missing, 404, text="POST /v1/completions")  # the envelope lists what the server answers
+    _assert_error(httpx.get(server.url + "/v1/completions", headers=AUTH), 405)
 
 
 def test_chat_stream_opens_each_choice_with_its_first_token(client):

@@ -1,11 +1,14 @@
 """Tool calling through the OpenAI API on Qwen2.5-Coder-0.5B (Hermes' <tool_call> format): tools rendered by the
 chat template, calls parsed into message.tool_calls, tool_choice "required" and a named function enforced by a
-grammar over the calls, the tool's reply fed back, streams that reassemble to the whole answer."""
+grammar over the calls, the tool's reply fed back, streams that reassemble to the whole answer. On the same server:
+the chat request's other rendering options (continue_final_message, a request's own template and its variables)
+and fill-in-the-middle completions (`suffix`), which Qwen2.5-Coder's tokens make possible."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -30,7 +33,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(qwen_path):
-    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="256MiB"), ServerConfig("qwen")) as srv:
+    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="256MiB"),
+                        ServerConfig("qwen", trust_request_chat_template=True)) as srv:
         yield srv
 
 
@@ -147,3 +151,43 @@ def test_strict_tools_need_a_choice_that_enforces_them(client):
     out = client.chat.completions.create(model="qwen", messages=ASK, tools=[strict], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0, max_tokens=96)
     arguments(out.choices[0].message.tool_calls[0], WEATHER)
+
+
+def test_continue_final_message_continues_the_assistant_s_text(client, server):
+    start = "Soft rain on the"
+    messages = [{"role": "user", "content": "Write a haiku about rain."}, {"role": "assistant", "content": start}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    cont = client.chat.completions.create(model="qwen", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=options)
+    assert not cont.choices[0].message.content.lstrip().startswith("Soft rain")  # not a new turn from the top
+    opening = httpx.post(server.url + "/tokenize", json={"messages": messages[:1]}).json()["tokens"]
+    prompt = httpx.post(server.url + "/detokenize", json={"tokens": opening}).json()["prompt"] + start
+    continued = httpx.post(server.url + "/tokenize", json={"messages": messages, **options}).json()["tokens"]
+    assert continued == httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert cont.usage.prompt_tokens == len(continued)
+
+
+def test_a_request_s_own_template_and_its_variables(client, server):
+    template = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
+    out = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "one two"}],
+                                         max_tokens=1, extra_body={"chat_template": template,
+                                                                   "chat_template_kwargs": {"greeting": "Hola"}})
+    expected = httpx.post(server.url + "/tokenize", json={"prompt": "Hola one two"}).json()["count"]
+    assert out.usage.prompt_tokens == expected
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="qwen", messages=ASK, max_tokens=1,
+                                       extra_body={"chat_template": "{% for %}"})
+    assert caught.value.body["param"] == "chat_template"
+
+
+def test_suffix_fills_in_the_middle_with_the_model_s_tokens(client, server):
+    prefix, suffix = "def fib(n):\n    ", "\n    return fib(n - 1) + fib(n - 2)\n"
+    filled = client.completions.create(model="qwen", prompt=prefix, suffix=suffix, max_tokens=16, temperature=0)
+    marked = httpx.post(server.url + "/tokenize",
+                        json={"prompt": f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"}).json()["tokens"]
+    by_ids = client.completions.create(model="qwen", prompt=marked, max_tokens=16, temperature=0)
+    assert filled.choices[0].text == by_ids.choices[0].text and "return" in filled.choices[0].text
+    assert filled.usage.prompt_tokens == len(marked)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="qwen", prompt=prefix, suffix=suffix, echo=True, max_tokens=4)
+    assert caught.value.body["param"] == "echo"

@@ -23,7 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ridge.serve.server import make_server, run
 
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
-                          args.max_request_tokens, args.metrics_no_auth)
+                          args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template)
     supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
                          args.max_waiting, args.grace, "info" if args.verbose else "warning",
@@ -247,6 +247,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "--metrics-no-auth); others get HTTP 401")
     p.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a request's own chat_template (in Jinja's sandbox); without it such a request gets "
+                        "HTTP 400 and the model's template is the only one")
     g = p.add_argument_group("limits (over one: HTTP 400 naming the field, or 429 for the server-wide queue)")
     g.add_argument("--max-n", type=int, default=128, help="samples per request, n (default %(default)s, OpenAI's)")
     g.add_argument("--max-request-tokens", type=int, default=2**18,

@@ -13,6 +13,7 @@ from ridge.engine.engine import LLMEngine
 from ridge.engine.output_processor import OutputProcessor
 from ridge.engine.outputs import OutputKind, RequestOutput
 from ridge.sampling_params import SamplingParams
+from ridge.tokenizer import ChatOptions
 
 Prompt = str | list[int]
 
@@ -108,13 +109,23 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         params: SamplingParams | None = None,
         use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them, rendered with the model's template."""
+        """One conversation (a list of messages) or a batch of them, rendered with the model's template (or
+        chat_template), as vLLM's LLM.chat: continue_final_message continues the last assistant message,
+        chat_template_kwargs are extra template variables, tools go to the template as HF passes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c) for c in conversations]
+        options = ChatOptions(continue_final_message, chat_template, chat_template_kwargs or {})
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, options) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A conversation's token ids, opening the assistant's turn."""
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 

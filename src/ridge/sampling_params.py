@@ -67,9 +67,12 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-n alternatives per generated token (the sampled one is always included)
+    prompt_logprobs: int | None = None  # top-n alternatives per prompt token (the prompt's own always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled (stop tokens included)
+    bad_words: list[str] | None = None  # never generated: a word's last token is banned where the rest precedes it
     cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
     structured_outputs: StructuredOutputsParams | None = None  # the output must match this (a grammar's mask)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
@@ -101,11 +104,20 @@ class SamplingParams:
              f"an integer in [0, max_tokens={self.max_tokens}]")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"an integer in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
         need(self.stop_token_ids is None or all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "a list of token ids >= 0")
         need(self.logit_bias is None or all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
                                             for t, b in self.logit_bias.items()),
              "logit_bias", "a map of token ids >= 0 to biases in [-100, 100]")
+        need(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids", "a non-empty list of token ids >= 0")
+        need(self.bad_words is None or (isinstance(self.bad_words, list)
+                                        and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             "bad_words", "a list of non-blank strings")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""), "cache_salt",
              "a non-empty string or None")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -7,6 +7,7 @@ chat_templates.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ log = logging.getLogger("ridge")
 # Tokens that end a turn in the chat formats we know; generation stops on them as on EOS.
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the families that have them, in prefix-suffix-middle
+# order: Qwen2.5-Coder and CodeGemma, StarCoder and SmolLM, DeepSeek-Coder.
+_FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+               ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"))
+
+
 @dataclass
 class TokenizerInfo:
     bos_token_id: int | None
@@ -35,6 +42,7 @@ class TokenizerInfo:
     add_bos: bool
     chat_template: str | None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    fim_token_ids: tuple[int, int, int] | None = None  # (prefix, suffix, middle): None when it cannot infill
 
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
@@ -53,6 +61,8 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
     )
     eot = gguf.fields.get("tokenizer.ggml.eot_token_id")
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, eot)
+    fim = tuple(gguf.fields.get(f"tokenizer.ggml.fim_{part}_token_id") for part in ("pre", "suf", "mid"))
+    info.fim_token_ids = fim if None not in fim else _fim_ids(tok.get_vocab())
     return tok, info
 
 
@@ -78,6 +88,7 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
         chat_template=cfg.get("chat_template"),
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
+    info.fim_token_ids = _fim_ids(tok.get_vocab())
     return tok, info
 
 
@@ -97,6 +108,13 @@ def _stop_ids(vocab: dict[str, int], eos: int | None, eot: int | None) -> frozen
     ids = {i for i in (eos, eot) if i is not None}
     ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
     return frozenset(ids)
+
+
+def _fim_ids(vocab: dict[str, int]) -> tuple[int, int, int] | None:
+    for names in _FIM_TOKENS:
+        if all(name in vocab for name in names):
+            return vocab[names[0]], vocab[names[1]], vocab[names[2]]
+    return None
 
 
 class RidgeTokenizer:
@@ -137,33 +155,82 @@ class RidgeTokenizer:
             return self.encode(prompt)
         return list(prompt)
 
+    def encode_infill(self, prefix: str | list[int], suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: the model writes what goes between prefix and suffix (prefix, suffix,
+        middle order, as llama.cpp's /infill builds it); ValueError naming `suffix` for a model that cannot."""
+        if self.info.fim_token_ids is None:
+            raise ValueError("suffix: this model's tokenizer has no fill-in-the-middle tokens, so it cannot complete "
+                             "between a prompt and a suffix")
+        pre, suf, mid = self.info.fim_token_ids
+        head = self.encode(prefix, add_special_tokens=False) if isinstance(prefix, str) else list(prefix)
+        bos = [self.info.bos_token_id] if self.info.add_bos and self.info.bos_token_id is not None else []
+        return [*bos, pre, *head, suf, *self.encode(suffix, add_special_tokens=False), mid]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """The conversation as the model's template writes it; `tools` (OpenAI's shape) go to the template as HF
-        passes them."""
-        if self._template is None:
+                            tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> str:
+        """The conversation as the model's template (or options.template) writes it; `tools` (OpenAI's shape)
+        go to the template as HF passes them."""
+        options = options or ChatOptions()
+        try:
+            template = _compile_template(options.template) if options.template is not None else self._template
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat_template: not a valid Jinja template: {exc}") from exc
+        if template is None:
             raise ValueError("messages: this model has no chat template; pass a plain prompt instead")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+        if options.continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be used with add_generation_prompt (set it to false): "
+                             "the reply continues the last message instead of opening a new one")
         bos, eos = self.info.bos_token_id, self.info.eos_token_id
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_text(bos) if bos is not None else "",
-            eos_token=self.token_text(eos) if eos is not None else "",
-            tools=tools,
-        )
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self.token_text(bos) if bos is not None else "",
+                     "eos_token": self.token_text(eos) if eos is not None else "", "tools": tools}
+        clash = sorted(set(options.template_kwargs) & set(variables))
+        if clash:
+            raise ValueError(f"chat_template_kwargs: {', '.join(clash)} are set by the request's own fields")
+        try:
+            text = template.render(**options.template_kwargs, **variables)
+        except jinja2.TemplateError as exc:
+            where = "chat_template" if options.template is not None else "messages"
+            raise ValueError(f"{where}: the chat template failed to render: {exc}") from exc
+        if options.continue_final_message:
+            text = _cut_after_final_message(text, messages[-1]["content"])
+        return text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, options))
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered beyond its messages: vLLM's / HF's chat request options."""
+
+    continue_final_message: bool = False  # the reply continues the last (assistant) message: no end of turn
+    template: str | None = None  # a template of the request's own, in place of the model's
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
+
+
+def _cut_after_final_message(text: str, final: Any) -> str:
+    """The rendered conversation up to the end of its last message's content, as HF's continue_final_message
+    cuts it (what the template closes the turn with is dropped)."""
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message: the last message needs text content to continue")
+    for needle in (final, final.strip()):
+        end = text.rfind(needle)
+        if end >= 0:
+            return text[:end + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                     "verbatim, so it cannot be continued")
+
+
+@functools.lru_cache(maxsize=16)  # the model's template, and the few a client sends with each request
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template: {message}")

@@ -132,10 +132,10 @@ class DraftModelDrafter(Drafter):
 
     def _run(self, shadows: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, list[Sequence]]:
         step = ScheduledStep(shadows, counts, num_decodes=sum(n == 1 for n in counts))
-        logits, samplers = self.runner.execute(step)
+        out = self.runner.execute(step)
         for shadow, n in zip(shadows, counts, strict=True):
             self.kv.commit(shadow, n)
-        return logits, samplers
+        return out.logits, out.samplers
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """The drafter's token for each row, and the distribution it was drawn from (None when greedy)."""

@@ -11,17 +11,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
 
 from ridge.config import EngineConfig
+from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.limits import RequestLimits
 from ridge.engine.loading import ModelFile, load_weights
 from ridge.engine.outputs import RequestDelta, SampleDelta, StepError, StepStats
 from ridge.engine.runner import ModelRunner
-from ridge.engine.sampler import Sampler
+from ridge.engine.sampler import Sampler, bad_word_ids
 from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
 from ridge.engine.sequence import Sequence
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
@@ -39,6 +41,7 @@ log = logging.getLogger("ridge")
 class _Request:
     request_id: str
     seqs: list[Sequence]
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -115,7 +118,7 @@ class LLMEngine:
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels,
                              enforce_eager=config.enforce_eager, max_batch=config.max_num_seqs,
-                             max_model_len=self.max_model_len)
+                             max_model_len=self.max_model_len, scores_prompts=False)
         sampler = Sampler(draft.config.vocab_size, self.tokenizer.stop_token_ids)
         log.info("ridge: draft model %s, %s", draft_model.path.name, draft.weight_format)
         # as many blocks as the target's pool: a drafter never holds more tokens than its target
@@ -162,13 +165,17 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        banned = bad_word_ids(params.bad_words, partial(self.tokenizer.encode, add_special_tokens=False)) \
+            if params.bad_words else []
         seqs = []
         for i in range(params.n):
             generator = (torch.Generator(device=self.config.device).manual_seed(params.seed + i)  # on the device:
                          if params.seed is not None else None)  # the same seed gives the same tokens there
             grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
-                           token_ids=list(ids), params=params, generator=generator, grammar=grammar)
+                           token_ids=list(ids), params=params, generator=generator, grammar=grammar,
+                           prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else [],
+                           bad_word_ids=banned)
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)
@@ -239,11 +246,14 @@ class LLMEngine:
         if step.empty:
             return self._report([])
         started = time.perf_counter()
-        logits, samplers = self.runner.execute(step)
+        out = self.runner.execute(step)
         if self.speculation is not None and not stats.prefill_tokens:
             # decoding steps only: a prefill chunk's tokens cost less each than a decode's or a draft's
             self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)
-        stats.sampled_tokens = self.scheduler.update(step, self._sample(logits, samplers))
+        if out.scored:
+            prompt_logprobs.record(out.scored, out.prompt_hidden, self.loaded.model.compute_logits)
+        samplers = out.samplers
+        stats.sampled_tokens = self.scheduler.update(step, self._sample(out.logits, samplers))
         if self.drafter is not None:
             self.drafter.release_finished()
         if cache:
@@ -343,7 +353,12 @@ class LLMEngine:
             metrics["spec_draft_tokens"] = sum(s.speculation.num_draft_tokens for s in request.seqs)
             metrics["spec_accepted_tokens"] = sum(s.speculation.num_accepted_tokens for s in request.seqs)
             metrics["spec_drafts"] = sum(s.speculation.num_drafts for s in request.seqs)
-        return RequestDelta(request.request_id, samples, request.finished, metrics, request.seqs[0].num_cached_tokens)
+        first = request.seqs[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.scores_prompt:
+            prompt_logprobs, request.prompt_logprobs_sent = first.prompt_logprobs, True
+        return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens,
+                            prompt_logprobs)
 
     def check_integrity(self) -> None:
         """Assert the KV accounting holds; when idle, every block is free (or parked in the prefix cache)."""

@@ -76,6 +76,8 @@ class RequestTracker:
                                  logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
         self._metrics: dict[str, float | None] = {}
         self._num_cached_tokens = 0
+        self._prompt_logprobs: list[dict[int, float] | None] | None = None
+        self._prompt_logprobs_sent = False  # a stream hands them out once
 
     @property
     def finished(self) -> bool:
@@ -92,6 +94,8 @@ class RequestTracker:
         self.started = self.started or any(s.token_ids for s in self._samples)
         self._metrics = dict(delta.metrics)
         self._num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         if self.finished and not delta.finished:  # finished here, by stop strings: the engine's clock never stopped
             self._metrics["e2e_s"] = time.perf_counter() - self.arrival_time
         return self.output(), stopped
@@ -101,15 +105,18 @@ class RequestTracker:
         if self.kind is OutputKind.FINAL:
             return self.whole_output() if self.finished else None
         completions = [c for s in self._samples if (c := s.news()) is not None]
-        if not completions and not self.finished:
+        news_of_prompt = self._prompt_logprobs is not None and not self._prompt_logprobs_sent
+        if not completions and not self.finished and not news_of_prompt:
             return None
+        self._prompt_logprobs_sent = self._prompt_logprobs is not None
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, self.finished,
-                             self._metrics, self._num_cached_tokens)
+                             self._metrics, self._num_cached_tokens,
+                             self._prompt_logprobs if news_of_prompt else None)
 
     def whole_output(self) -> RequestOutput:
         """Every sample's whole output so far (its lists, not copies: take it once the request is done)."""
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.whole() for s in self._samples],
-                             self.finished, self._metrics, self._num_cached_tokens)
+                             self.finished, self._metrics, self._num_cached_tokens, self._prompt_logprobs)
 
     def _extend(self, sample: _Sample, delta: SampleDelta) -> bool:
         """Append delta's tokens to sample; True when a stop string finished it."""

@@ -41,6 +41,9 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float | None] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with SamplingParams.prompt_logprobs: an entry per prompt token (None for the first); a stream carries
+    # it in its first output only
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class RequestDelta:
     finished: bool
     metrics: dict[str, float | None]
     num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, when the prompt has been scored
 
 
 @dataclass

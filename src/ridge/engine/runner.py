@@ -10,6 +10,7 @@ import torch
 
 from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, backend_class
 from ridge.engine.cuda_graphs import DecodeGraphs
+from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
@@ -27,16 +28,30 @@ class StepInputs:
     meta: list[AttentionMetadata]  # one per KV group
     sample_rows: list[int]  # rows of the step whose logits get sampled
     samplers: list[Sequence]  # the sequences those rows belong to, in order
+    prompt_rows: list[int]  # rows that score prompt tokens (prompt logprobs), in the order of `scored`
+    scored: list[PromptRows]
+
+
+@dataclass
+class StepLogits:
+    """What a step's forward pass hands to sampling."""
+
+    logits: torch.Tensor  # float32 [rows, V]: each sampler's row (1 + its drafts' rows), in order
+    samplers: list[Sequence]
+    scored: list[PromptRows]  # prompt rows to score, and their final hidden states (prompt_hidden) in order
+    prompt_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
-        max_batch: int = 1, max_model_len: int | None = None,
+        max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True,
     ) -> None:
-        """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager)."""
+        """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
+        scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not)."""
         cfg = model.cfg
+        self.scores_prompts = scores_prompts
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
@@ -60,19 +75,23 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, step: ScheduledStep) -> StepLogits:
         """Run the step; return logits for the sequences that reach their last token, and those: one row
         each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
-        draft tokens follow its own in the step, so row i scores draft i)."""
+        draft tokens follow its own in the step, so row i scores draft i); and the hidden states of the
+        rows that score prompt tokens."""
         if self.graphs is not None and self.graphs.serves(step):
-            return self.graphs.run(step), list(step.seqs)
+            return StepLogits(self.graphs.run(step), list(step.seqs), [])
         inputs = self.prepare(step)
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
             hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta[0])
-            return self.model.compute_logits(hidden), inputs.samplers
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
-        return self.model(inputs.input_ids, inputs.positions, self.backend, meta, rows), inputs.samplers
+            return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [])
+        num_sampled = len(inputs.sample_rows)
+        rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows)
+        return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
+                          hidden[num_sampled:] if inputs.scored else None)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -91,9 +110,15 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
+        prompt_rows: list[int] = []
+        scored: list[PromptRows] = []
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             start, end = seq.num_computed, seq.num_computed + n
             tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
+            if self.scores_prompts and (rows := rows_to_score(seq, start, end)) is not None:
+                first_row = len(input_ids) + rows.first_token - 1 - start  # the row at position first_token - 1
+                prompt_rows.extend(range(first_row, first_row + rows.count))
+                scored.append(rows)
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             if end == len(tokens):
@@ -103,7 +128,7 @@ class ModelRunner:
         meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
         as_long = {"dtype": torch.long, "device": self.device}
         return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                          sample_rows, samplers)
+                          sample_rows, samplers, prompt_rows, scored)
 
     def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step, prepared by the backend."""

@@ -7,6 +7,7 @@ seeded row draws its noise from its own generator, so its tokens do not depend o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ class Sampler:
         params = [s.params for s in seqs]
         logits = self._penalize(logits, seqs)
         logits = self.bias(logits, seqs)
+        logits = self._ban_bad_words(logits, seqs)
         logits = self._block_early_stop(logits, seqs)
         logits = self._constrain(logits, seqs, copy=logits is raw and any(p.logprobs is not None for p in params))
 
@@ -69,15 +71,35 @@ class Sampler:
         return logits - freq * counts - pres * (counts > 0)
 
     def bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """OpenAI's logit_bias: a per-request additive bias on chosen tokens."""
-        rows = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+        """What a request fixes about every step's logits: OpenAI's logit_bias (added to chosen tokens) and
+        vLLM's allowed_token_ids (every other token at -inf)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logit_bias or s.params.allowed_token_ids]
         if not rows:
             return logits
         bias = torch.zeros_like(logits)
-        for i, token_bias in rows:
-            ids = torch.tensor(list(token_bias), dtype=torch.long, device=logits.device)
-            bias[i, ids] = torch.tensor(list(token_bias.values()), dtype=logits.dtype, device=logits.device)
+        for i in rows:
+            params = seqs[i].params
+            if params.allowed_token_ids:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+                bias[i].fill_(float("-inf")).index_fill_(0, allowed, 0.0)
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+                values = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                bias[i, ids] += values
         return logits + bias
+
+    def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A bad word's last token is banned wherever the output ends with the rest of it."""
+        banned = [(i, [word[-1] for word in s.bad_word_ids
+                       if len(word) == 1 or (s.num_outputs >= len(word) - 1
+                                             and s.token_ids[len(s.token_ids) - len(word) + 1:] == word[:-1])])
+                  for i, s in enumerate(seqs) if s.bad_word_ids]
+        if not any(ids for _, ids in banned):
+            return logits
+        logits = logits.clone()
+        for i, ids in banned:
+            logits[i, ids] = float("-inf")
+        return logits
 
     @torch.inference_mode()  # the runner's logits are inference tensors: written in place only in this mode
     def _constrain(self, logits: torch.Tensor, seqs: list[Sequence], copy: bool) -> torch.Tensor:
@@ -167,3 +189,15 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= top_p.unsqueeze(1)
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def bad_word_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word's token ids as it would be generated: at the start of a text and after a space (a
+    different token in BPE vocabularies), as vLLM bans them."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(text)
+            if ids and ids not in found:
+                found.append(ids)
+    return found

@@ -59,6 +59,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     grammar: Grammar | None = None  # with structured outputs: where the output stands in its grammar
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (sampler.py)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
@@ -70,6 +71,10 @@ class Sequence:
     num_cached_tokens: int = 0
     num_reported: int = 0  # output tokens already handed out in a RequestDelta
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With params.prompt_logprobs, for sample 0: an entry per prompt token scored so far (the first is None:
+    # nothing predicts it). Scored as the prefill computes them, so these prompt tokens never come from the
+    # prefix cache; a recompute after preemption scores only what is still missing.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
@@ -94,6 +99,12 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose K/V still has to be computed (1 for a decode, more while prefilling)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens still wait to be scored (their logits are computed, not looked up)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.prompt_len)
 
     @property
     def finished(self) -> bool:

@@ -84,14 +84,14 @@ class KVManager:
     # ---- admission -------------------------------------------------------------------------------
     def cached_prefix_len(self, seq: Sequence) -> int:
         """How many of seq's tokens a take_cached_prefix() would find cached now (0 without a cache)."""
-        if self.cache is None:
+        if self.cache is None or seq.scores_prompt:
             return 0
         return self._lookup(seq)[0] * self.block_size
 
     def take_cached_prefix(self, seq: Sequence) -> None:
         """seq (holding nothing) takes the cached blocks of its longest cached prefix and counts them computed."""
         assert not any(seq.block_tables) and seq.num_computed == 0, "only a sequence holding no KV takes a prefix"
-        if self.cache is None:
+        if self.cache is None or seq.scores_prompt:
             return
         hit, tables = self._lookup(seq)
         for table in tables:

@@ -71,16 +71,27 @@ class DecoderModel(nn.Module):
         Only the positions that get sampled pay for the vocabulary projection, which for a small model
         is a large share of all weights.
         """
+        return self.compute_logits(self.hidden_states(input_ids, positions, backend, meta, logits_indices))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        meta: StepMetadata,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
         x = self.embed(input_ids)
         rope = self.rotary.step(positions)
         local = self.rotary_local.step(positions) if self.rotary_local is not None else rope
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, local if layer.local else rope, backend, meta)
-        if logits_indices is not None:
-            x, residual = x[logits_indices], residual[logits_indices]
+        if indices is not None:
+            x, residual = x[indices], residual[indices]
         x, _ = self.norm(x, residual)
-        return self.compute_logits(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output [T, hidden] -> float32 logits [T, vocab] (soft-capped: Gemma 2)."""

@@ -33,6 +33,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.get("/version")(routes.version)
     app.get("/metrics")(routes.prometheus)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)  # :path: model names may hold slashes
+    app.get("/tokenizer_info")(routes.tokenizer_info)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     app.post("/v1/completions")(routes.completions)

@@ -177,10 +177,16 @@ def answer_errors_in_the_envelope(app: FastAPI) -> None:
         return JSONResponse(RequestError(f"{param or 'body'}: {message}", param).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         """Starlette's own errors (no such route, wrong method, a body that is not UTF-8 or nests too deep)."""
         names = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
         message = "body: not valid JSON (not UTF-8, or nested too deeply)" if exc.status_code == 400 else exc.detail
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (not a route's own 404)
+            served = sorted({f"{method} {route.path}" for route in request.app.routes
+                             if route.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+                             for method in getattr(route, "methods", ()) - {"HEAD"}})
+            message = (f"{request.method} {request.url.path}: no such endpoint on this server (it serves text "
+                       f"generation; no embeddings, images or audio); it answers {', '.join(served)}")
         return JSONResponse(RequestError(str(message), None, exc.status_code,
                                          names.get(exc.status_code, "HTTPError")).body(),
                             status_code=exc.status_code, headers=exc.headers)

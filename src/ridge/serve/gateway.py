@@ -19,6 +19,7 @@ from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, Re
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
 from ridge.serve.tools import supports_tools, template_messages
+from ridge.tokenizer import ChatOptions
 
 T = TypeVar("T")
 ENGINE_ERRORS = (QueueFull, ShuttingDown, EngineDead, RequestFailed, ValueError)
@@ -35,6 +36,8 @@ class ServerConfig:
     max_n: int = 128  # samples per request (OpenAI's limit)
     max_request_tokens: int = 2**18  # a request's work: prompt tokens + n x max_tokens, over all its prompts
     metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
+    # a request's own chat_template runs (sandboxed) only when the operator allows it: a template is code
+    trust_request_chat_template: bool = False
 
 
 class Gateway:
@@ -51,9 +54,12 @@ class Gateway:
                                "model", 404, "NotFoundError")
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+                 tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:
         """The conversation's token ids; with tools, rendered with them (a template with no tool-call format
         ridge parses refuses them), each tool's parameters checked as a JSON schema."""
+        if options is not None and options.template is not None and not self.config.trust_request_chat_template:
+            raise RequestError("chat_template: a request's own chat template runs only on a server started with "
+                               "--trust-request-chat-template; this one uses the model's", "chat_template")
         if tools:
             if not supports_tools(self.tokenizer.info.chat_template):
                 raise RequestError("tools: this model's chat template has no tool-call format ridge can parse "
@@ -67,15 +73,21 @@ class Gateway:
                                        f"tools.{i}.function.parameters") from exc
         try:
             return self.tokenizer.encode_chat(template_messages(plain_messages(messages)), add_generation_prompt,
-                                              tools)
+                                              tools, options)
         except ValueError as exc:
-            raise RequestError(str(exc), "messages") from exc
+            message = str(exc)
+            field = message.split(":")[0]
+            raise RequestError(message, field if field in ("chat_template", "chat_template_kwargs",
+                                                           "continue_final_message") else "messages") from exc
 
     def admit(self, prompts: list[list[int]], fields: SamplingFields, requested: int | None,
               logprobs: int | None, what: str) -> SamplingParams:
         """Check every prompt and the sampling fields; return the params. Raises before queuing anything."""
-        if isinstance(fields.n, int) and fields.n > self.config.max_n:
-            raise RequestError(f"n: {fields.n} samples asked for; the limit is {self.config.max_n} (--max-n)", "n")
+        samples = fields.num_samples
+        if isinstance(samples, int) and samples > self.config.max_n:
+            name = "n" if samples == fields.n else "best_of"
+            raise RequestError(f"{name}: {samples} samples asked for; the limit is {self.config.max_n} (--max-n)",
+                               name)
         longest, max_model_len = max(len(p) for p in prompts), self.engine.max_model_len
         if requested is not None and longest + requested > max_model_len:
             raise RequestError(

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve.tools import LITERAL_MARKERS, calls_grammar
+from ridge.tokenizer import ChatOptions
 
 log = logging.getLogger("ridge")
 
@@ -90,13 +91,6 @@ def _asks(value: Any) -> bool:
 UNSUPPORTED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "suffix": "fill-in-the-middle is not supported",
-    "prompt_logprobs": "prompt logprobs are not supported yet",
-    "allowed_token_ids": "not supported yet; logit_bias can forbid tokens",
-    "bad_words": "not supported yet",
-    "continue_final_message": "not supported yet",
-    "chat_template": "a request's own chat template is not supported; the model's is used",
-    "chat_template_kwargs": "not supported yet",
     "documents": "not supported",
     "logits_processors": "not supported",
     "return_tokens_as_token_ids": "not supported",
@@ -161,10 +155,11 @@ class SamplingFields(Body):
                     continue  # with no functions (refused when given), these choose nothing
                 if _asks(value):
                     raise ValueError(f"{name}: {why}")
+            best_of = data.get("best_of")
+            if "best_of" not in cls.model_fields and _asks(best_of) and best_of != data.get("n", 1):
+                raise ValueError("best_of: only completions rank samples; here, ask for n samples")
             if data.get("modalities") not in (None, ["text"]):
                 raise ValueError("modalities: this server reads and writes text only")
-            if _asks(data.get("best_of")) and data.get("best_of") != data.get("n", 1):
-                raise ValueError("best_of: not supported yet (n samples are returned as they are)")
             for name in LABELS:
                 if _asks(data.get(name)):
                     log.warning("ridge: request field %s=%r accepted and not acted on (a label)", name, data[name])
@@ -189,6 +184,9 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: Text | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top-n alternatives per prompt token, with the prompt's own
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
     use_beam_search: bool = False
     beam_width: int | None = None  # default: n, the number of beams returned
     length_penalty: float = 1.0
@@ -203,6 +201,11 @@ class SamplingFields(Body):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated per prompt (best_of draws more than the n returned)."""
+        return self.n
 
     @property
     def structured_field(self) -> str | None:
@@ -251,6 +254,10 @@ class SamplingFields(Body):
                 given.append((name, {key: getattr(self, name)}))
         return given
 
+    def scored_prompt(self) -> int | None:
+        """Top alternatives per prompt token the reply needs, or None when it shows no prompt logprobs."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         structured = self.structured_outputs_params()
         bias = None
@@ -261,11 +268,12 @@ class SamplingFields(Body):
                 raise RequestError(f"logit_bias: keys must be token ids, got {exc}", "logit_bias") from exc
         try:
             return SamplingParams(
-                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                n=self.num_samples, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-                min_tokens=self.min_tokens, logprobs=logprobs, logit_bias=bias,
+                min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=self.scored_prompt(), logit_bias=bias,
+                allowed_token_ids=self.allowed_token_ids or None, bad_words=self.bad_words or None,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
                 structured_outputs=structured,
@@ -283,6 +291,8 @@ class SamplingFields(Body):
             raise RequestError(f"n: {params.n} beams asked for, but beam_width is {width}; n must be at most "
                                "beam_width", "n")
         for name, unsupported in (("stop", params.stop_strings), ("logprobs", params.logprobs is not None),
+                                  ("prompt_logprobs", params.prompt_logprobs is not None),
+                                  ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
                                   ("structured_outputs", params.structured_outputs is not None)):
             if unsupported:
                 raise RequestError(f"{name}: not supported with use_beam_search", name)
@@ -303,12 +313,48 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: Text | None = None  # fill in the middle: the text the completion must lead into
+    best_of: int | None = None  # samples drawn per prompt; the n with the highest cumulative logprob are returned
 
     @model_validator(mode="after")
-    def _echo_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:  # lm-eval's loglikelihood asks this: say so, not a wrong score
-            raise ValueError("echo: with logprobs, the prompt's logprobs are not supported yet")
+    def _nothing_to_generate(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (the prompt alone, scored with logprobs)")
+        if self.best_of is not None and self.best_of != self.n:
+            if not isinstance(self.n, int) or self.best_of < self.n:
+                raise ValueError(f"best_of: must be at least n ({self.n}), got {self.best_of}")
+            for name, refused in (("stream", self.stream), ("use_beam_search", self.use_beam_search)):
+                if refused:
+                    raise ValueError(f"best_of: not supported with {name} (the best samples are known only at "
+                                     "the end)")
+        if self.suffix and self.echo:
+            raise ValueError("echo: not supported with suffix (the prompt the model reads is a fill-in-the-middle "
+                             "one, not the prompt given)")
         return self
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """best_of above n: the samples are ranked by cumulative logprob, and the best n returned."""
+        return self.num_samples > self.n
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the reply is the prompt (one token is generated, and not shown)."""
+        return self.echo and self.max_tokens == 0
+
+    def generated_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def scored_prompt(self) -> int | None:
+        """echo with logprobs shows the prompt's tokens with their logprobs too (lm-eval's loglikelihood)."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if echoed is not None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
 
 
 class ContentPart(Body):
@@ -368,10 +414,21 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
+
+    @model_validator(mode="after")
+    def _template_kwargs_unicode(self) -> ChatCompletionRequest:
+        check_unicode(self.chat_template_kwargs, "chat_template_kwargs")
+        return self
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {})
 
     def use_tool_markers(self, markers: tuple[str, str]) -> None:
         self._tool_markers = markers
@@ -439,6 +496,17 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs_unicode(self) -> TokenizeRequest:
+        check_unicode(self.chat_template_kwargs, "chat_template_kwargs")
+        return self
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(Body):

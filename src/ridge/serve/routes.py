@@ -4,6 +4,7 @@ each step's new text (the output processor's deltas) as server-sent events."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -53,16 +54,32 @@ class Routes:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "ridge",
-                                            "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self.gateway.check_model(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": int(time.time()), "owned_by": "ridge",
+                "max_model_len": self.engine.max_model_len}
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template, as vLLM's endpoint gives them (lm-eval's remote
+        tokenizer reads it, then tokenizes through /tokenize)."""
+        info, text = self.tokenizer.info, self.tokenizer.token_text
+        return {"tokenizer_class": "ridge (Hugging Face tokenizers)",
+                "bos_token": text(info.bos_token_id) if info.bos_token_id is not None else None,
+                "eos_token": text(info.eos_token_id) if info.eos_token_id is not None else None,
+                "pad_token": None, "add_bos_token": info.add_bos, "chat_template": info.chat_template,
+                "model_max_length": self.engine.max_model_len, "vocab_size": self.tokenizer.vocab_size}
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.gateway.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt)
+            ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, options=req.chat_options())
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
@@ -78,28 +95,48 @@ class Routes:
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
         self.gateway.check_model(req.model)
         prompts = _prompt_list(req.prompt)
-        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        params = self.gateway.admit(ids_list, req, req.max_tokens, req.logprobs, "prompt")
+        if req.suffix:
+            try:
+                ids_list = [self.tokenizer.encode_infill(p, req.suffix) for p in prompts]
+            except ValueError as exc:
+                raise RequestError(str(exc), "suffix") from exc
+        else:
+            ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        # ranking best_of's samples needs each one's cumulative logprob: logprobs are kept (shown if asked)
+        logprobs = req.logprobs if req.logprobs is not None or not req.ranks_samples else 0
+        params = self.gateway.admit(ids_list, req, req.generated_max_tokens(), logprobs, "prompt")
         beams = req.beam_search_params(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+        scored: dict[int, list[dict[int, float] | None]] = {}  # prompt -> its prompt logprobs, once they came
 
-        def choice(i: int, c: CompletionOutput, text: str, new_ids: list[int], new_logprobs, offset: int):
-            return {"index": i * params.n + c.index, "text": text,
-                    "logprobs": _completion_logprobs(self.tokenizer, new_ids, new_logprobs, offset)
-                    if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+        def choice(i: int, c: CompletionOutput, opens: bool, offset: int) -> dict[str, Any]:
+            """A choice of prompt i: c's text (opened by the echo when `opens`), c's text starting at `offset`."""
+            c = _without_generation(c) if req.echo_only else c
+            ids, entries = c.token_ids, c.logprobs
+            if opens and req.echo and req.logprobs is not None:  # the echoed prompt's tokens are scored too
+                prompt = ids_list[i]
+                ids, entries = prompt + ids, [_top(e, req.logprobs, t) for e, t in zip(scored[i], prompt, strict=True)]
+                entries += c.logprobs or []
+            out = {"index": i * req.n + c.index, "text": echoes[i] + c.text if opens else c.text,
+                   "logprobs": _completion_logprobs(self.tokenizer, ids, entries, 0 if opens else offset)
+                   if req.logprobs is not None else None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if opens and req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, ids_list[i], scored[i], req.prompt_logprobs)
+            return out
 
         if not req.stream:
             outputs = await until_disconnected(request, self.gateway.collect(ids_list, params, request_id, beams))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
-            choices = [choice(i, c, echoes[i] + c.text, c.token_ids, c.logprobs, len(echoes[i]))
-                       for i, o in enumerate(outputs) for c in o.outputs]
+            scored.update((i, o.prompt_logprobs) for i, o in enumerate(outputs))
+            completion = 0 if req.echo_only else _num_tokens(outputs)  # best_of: every sample drawn counts
+            choices = [choice(i, c, True, 0) for i, o in enumerate(outputs)
+                       for c in (_best(o.outputs, req.n) if req.ranks_samples else o.outputs)]
             return {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name,
-                    "choices": choices, "usage": self.gateway.usage(ids_list, _num_tokens(outputs), outputs)}
+                    "choices": choices, "usage": self.gateway.usage(ids_list, completion, outputs)}
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name}
@@ -111,13 +148,14 @@ class Routes:
                     yield sse(out.body())
                     break
                 finals[i] = out
-                completion += _num_tokens([out])
+                completion += 0 if req.echo_only else _num_tokens([out])
+                if out.prompt_logprobs is not None:
+                    scored[i] = out.prompt_logprobs
                 for c in out.outputs:
                     offset = sent.get((i, c.index))
-                    text = c.text if offset is not None else echoes[i] + c.text  # the echo opens a choice
-                    offset = offset or 0
-                    sent[(i, c.index)] = offset + len(text)
-                    yield sse({**head, "choices": [choice(i, c, text, c.token_ids, c.logprobs, offset)]})
+                    item = choice(i, c, offset is None, offset or 0)  # the echo opens a choice
+                    sent[(i, c.index)] = (offset or 0) + len(item["text"])
+                    yield sse({**head, "choices": [item]})
             if req.include_usage and len(finals) == len(ids_list):
                 usage = self.gateway.usage(ids_list, completion, list(finals.values()))
                 yield sse({**head, "choices": [], "usage": usage})
@@ -132,7 +170,7 @@ class Routes:
         if tools and req.stream and top is not None:
             raise RequestError("logprobs: not supported with tools in a stream (a reply with calls arrives whole)",
                                "logprobs")
-        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools)
+        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
         req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
@@ -165,8 +203,13 @@ class Routes:
                 reply, called = message(c.text)
                 choices.append({"index": c.index, "message": reply, "logprobs": logprobs(c.token_ids, c.logprobs),
                                 "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason})
-            return {"id": request_id, "object": "chat.completion", "created": created, "model": self.config.model_name,
-                    "choices": choices, "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
+            reply = {"id": request_id, "object": "chat.completion", "created": created,
+                     "model": self.config.model_name, "choices": choices,
+                     "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
+            if req.prompt_logprobs is not None:
+                reply["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, ids, output.prompt_logprobs,
+                                                            req.prompt_logprobs)
+            return reply
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -181,6 +224,9 @@ class Routes:
                     break
                 final = out
                 completion += _num_tokens([out])
+                if out.prompt_logprobs is not None and req.prompt_logprobs is not None:  # once, before any choice
+                    yield sse({**head, "choices": [], "prompt_logprobs": _prompt_logprobs(
+                        self.tokenizer, ids, out.prompt_logprobs, req.prompt_logprobs)})
                 for c in out.outputs:
                     if tools:  # a reply that may hold calls is parsed whole: it goes out when it ends
                         held[c.index] = held.get(c.index, "") + c.text
@@ -233,18 +279,48 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return prompts
 
 
-def _completion_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
+def _best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of: the n samples of highest cumulative logprob, indexed 0..n-1 in that order."""
+    ranked = sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    return [dataclasses.replace(c, index=k) for k, c in enumerate(ranked)]
+
+
+def _without_generation(c: CompletionOutput) -> CompletionOutput:
+    """An echo-only choice (max_tokens 0): the one token generated to finish the prompt is not shown."""
+    return CompletionOutput(c.index, "", [], c.finish_reason and "length", None, [] if c.logprobs is not None else None)
+
+
+def _top(entry: dict[int, float] | None, n: int, token: int) -> dict[int, float] | None:
+    """A prompt token's entry cut to its n likeliest alternatives and the token itself."""
+    if entry is None or len(entry) <= n:
+        return entry
+    kept = dict(sorted(entry.items(), key=lambda kv: -kv[1])[:n])
+    kept[token] = entry[token]
+    return kept
+
+
+def _completion_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float] | None] | None,
                          offset: int) -> dict[str, Any]:
-    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset (an echoed
+    prompt's first token has no logprob: null in both lists, as OpenAI's)."""
     tokens = [tokenizer.token_text(t) for t in ids]
     entries = logprobs or [{} for _ in ids]
     offsets, position = [], offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.get(t) for t, e in zip(ids, entries, strict=True)],
-            "top_logprobs": [{tokenizer.token_text(k): v for k, v in e.items()} for e in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(ids, entries, strict=True)],
+            "top_logprobs": [None if e is None else {tokenizer.token_text(k): v for k, v in e.items()}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def _prompt_logprobs(tokenizer: RidgeTokenizer, ids: list[int], entries: list[dict[int, float] | None],
+                     n: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token, its entry keyed by token id (the first token's is null)."""
+    return [None if e is None else {str(k): {"logprob": v, "decoded_token": tokenizer.token_text(k)}
+                                    for k, v in _top(e, n, t).items()} for e, t in zip(entries, ids, strict=True)]
 
 
 def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
