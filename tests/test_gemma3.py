@@ -37,8 +37,8 @@ def long_text(tokens: int, tokenizer) -> str:
 
 @pytest.fixture(scope="module")
 def chat_prompts(gemma3):
-    """10 chat prompts: 7 short, 2 past the window (~700 tokens), 1 over 2,000 tokens."""
-    questions = list(CHAT_PROMPTS[:7])
+    """7 chat prompts: 4 short, 2 past the window (~700 tokens), 1 over 2,000 tokens."""
+    questions = list(CHAT_PROMPTS[:4])
     for size in (700, 900, 2200):
         questions.append(long_text(size, gemma3.tokenizer) + "\n\nWhich languages appear in the text above?")
     prompts = [gemma3.render_chat([{"role": "user", "content": q}]) for q in questions]

@@ -52,11 +52,18 @@ sampling = {
     "frequency_penalty": st.floats(-2, 2), "min_tokens": st.integers(0, 1), "ignore_eos": st.booleans(),
     "stream": st.booleans(), "model": st.just("smollm2"),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "cache_salt": ok_text,
+    "prompt_logprobs": st.integers(0, 20), "allowed_token_ids": ok_ids, "bad_words": st.lists(ok_text, max_size=2),
+}
+chat_options = {
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["a", "enable_thinking", "tools"]), ok_text, max_size=2),
+    "chat_template": st.sampled_from(["{{ messages[0].content }}", "{% for %}"]),  # refused: not trusted here
 }
 endpoints = {
     "/v1/completions": {**sampling, "prompt": st.one_of(ok_text, ok_ids, st.lists(ok_ids, min_size=1, max_size=2)),
-                        "echo": st.booleans(), "logprobs": st.integers(0, 20)},
-    "/v1/chat/completions": {**sampling, "messages": st.lists(ok_message, min_size=1, max_size=3),
+                        "echo": st.booleans(), "logprobs": st.integers(0, 20), "max_tokens": st.integers(0, 4),
+                        "best_of": st.integers(1, 3), "suffix": ok_text},
+    "/v1/chat/completions": {**sampling, **chat_options, "messages": st.lists(ok_message, min_size=1, max_size=3),
                              "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
                              "max_completion_tokens": st.integers(1, 4)},
     "/tokenize": {"prompt": ok_text, "add_special_tokens": st.booleans()},
@@ -134,7 +141,7 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
     seen: dict[int, int] = {}
     http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
-    @settings(max_examples=800, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=600, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.one_of(requests(), engine_requests()))
     def one(request: tuple[str, dict]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -227,3 +228,33 @@ def test_bad_speculation_settings_name_the_field(smollm2_path, qwen_path):
         from ridge import LLM
 
         LLM(str(smollm2_path), progress=False, kv_cache_memory="64MiB", draft_model=str(qwen_path))
+
+
+def test_constrained_speculation_equals_constrained_plain_decoding(make_llm_for_test, smollm2_path, smollm2):
+    """Drafts are cut where the grammar refuses them and each checking row is masked by the grammar's state
+    after the drafts before it: greedy output equals plain constrained decoding, sampled output follows it."""
+    from ridge import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"items": {"type": "array", "minItems": 2, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "count"], "additionalProperties": False}}}, "required": ["items"],
+        "additionalProperties": False}
+    constraint = StructuredOutputsParams(json=schema)
+    prompts = ["A shopping list as JSON:", "JSON of fruits and how many:"]
+    greedy = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+    plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy)]
+    llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
+                            speculation_policy="fixed")
+    _weaken(llm)
+    outs = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.metrics["spec_accepted_tokens"] for o in outs) > 0
+    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=60,
+                                                   structured_outputs=constraint))
+    for out in sampled:
+        if out.outputs[0].finish_reason == "stop":  # a reply cut by max_tokens is a valid prefix only
+            value = json.loads(out.outputs[0].text)
+            assert 2 <= len(value["items"]) <= 3 and all(0 <= i["count"] <= 99 for i in value["items"])
+    assert any(o.outputs[0].finish_reason == "stop" for o in sampled)
+    assert sum(o.metrics["spec_accepted_tokens"] for o in sampled) > 0

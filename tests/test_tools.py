@@ -112,22 +112,29 @@ def test_the_round_trip_with_a_tool_reply(client):
     assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
 
 
-def test_a_stream_of_calls_reassembles_to_the_whole_answer(client):
-    whole = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0, max_tokens=96)
-    stream = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                            parallel_tool_calls=False, temperature=0, max_tokens=96, stream=True)
-    calls, finish = {}, None
-    for chunk in stream:
-        for choice in chunk.choices:
-            for call in choice.delta.tool_calls or []:
+@pytest.mark.parametrize("choice,messages", [("required", ASK),
+                                            ("auto", [{"role": "user", "content": "Say hello in French."}])])
+def test_a_stream_reassembles_to_the_whole_answer(client, choice, messages):
+    """Content streams as it comes, each call once whole; together they are the non-streamed reply."""
+    kwargs = dict(model="qwen", messages=messages, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False,
+                  temperature=0, max_tokens=96)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls, content, finish, roles = {}, [], None, []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta_choice in chunk.choices:
+            delta = delta_choice.delta
+            roles.append(delta.role)
+            content.append(delta.content or "")
+            for call in delta.tool_calls or []:
                 calls.setdefault(call.index, {"name": "", "arguments": ""})
                 calls[call.index]["name"] += call.function.name or ""
                 calls[call.index]["arguments"] += call.function.arguments or ""
-            finish = choice.finish_reason or finish
-    expected = [{"name": c.function.name, "arguments": c.function.arguments}
-                for c in whole.choices[0].message.tool_calls]
-    assert [calls[i] for i in sorted(calls)] == expected and finish == "tool_calls"
+            finish = delta_choice.finish_reason or finish
+    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
+    assert [calls[i] for i in sorted(calls)] == expected and finish == whole.finish_reason
+    assert ("".join(content) or None) == whole.message.content and roles[0] == "assistant"
+    if choice == "auto":  # a text answer streams in pieces, not whole at the end
+        assert whole.message.content and sum(1 for piece in content if piece) > 1
 
 
 @pytest.mark.parametrize("extra,param", [

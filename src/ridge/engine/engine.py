@@ -273,9 +273,23 @@ class LLMEngine:
                 results.append(Sampled(samplers[i], [token], None if logprobs is None else [logprobs]))
                 if samplers[i].grammar is not None:
                     samplers[i].grammar.accept([token])
-        for i, seq in enumerate(samplers):
-            if seq.draft_ids:
-                results.append(Sampled(seq, self._verify(seq, logits[rows[i]:rows[i + 1]])))
+        drafted = [i for i, s in enumerate(samplers) if s.draft_ids]
+        blocks = {i: logits[rows[i]:rows[i + 1]] for i in drafted}  # the rows that check each sequence's drafts
+        constrained = [i for i in drafted if samplers[i].grammar is not None]
+        if constrained:  # each checking row keeps the tokens its grammar allows after the drafts before it
+            masks = self.grammars.draft_masks([(samplers[i].grammar, samplers[i].draft_ids) for i in constrained])
+            masks = masks.to(logits.device).logical_not_()
+            start = 0
+            for i in constrained:
+                end = start + blocks[i].shape[0]
+                blocks[i] = blocks[i].masked_fill(masks[start:end, :logits.shape[1]], float("-inf"))
+                start = end
+        for i in drafted:
+            seq = samplers[i]
+            emitted = self._verify(seq, blocks[i])
+            results.append(Sampled(seq, emitted))
+            if seq.grammar is not None:
+                seq.grammar.accept(emitted)
         return results
 
     def _draft(self) -> None:
@@ -297,7 +311,9 @@ class LLMEngine:
         self.drafter.catch_up(seqs)
         started = time.perf_counter()
         for seq, draft in zip(seqs, self.drafter.propose(seqs, room), strict=True):
-            seq.draft_ids, seq.draft_probs = draft.tokens, draft.probs
+            keep = len(draft.tokens) if seq.grammar is None else seq.grammar.valid_prefix(draft.tokens)
+            seq.draft_ids = draft.tokens[:keep]  # a grammar's target would refuse the rest: not worth scoring
+            seq.draft_probs = draft.probs[:keep] if draft.probs is not None and keep else None
         self.speculation.draft_cost.add(len(seqs), (time.perf_counter() - started) / k)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:

@@ -30,10 +30,11 @@ from ridge.sampling_params import SamplingParams
 
 def speculable(params: SamplingParams) -> bool:
     """Requests whose next-token distribution does not depend on the drafts before it: penalties count
-    the output so far, logprobs would report the drafter's steps, and a grammar's mask and bad words move
-    with each token; those decode plainly."""
+    the output so far, logprobs would report the drafter's steps, and bad words move with each token; those
+    decode plainly. (A grammar's mask moves too, but its masks for each draft position are computed ahead:
+    engine/structured.py.)"""
     return (params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
-            and params.logprobs is None and params.structured_outputs is None and not params.bad_words)
+            and params.logprobs is None and not params.bad_words)
 
 
 def verify(target: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, greedy: bool,

@@ -11,6 +11,10 @@ A sequence holds its own matcher (Sequence.grammar). A step fills one bitmask ro
 sampler sets the logits of masked tokens to -inf, and the engine feeds the sampled token back to the matcher.
 A complete grammar allows only the stop tokens, so the output ends as the model's own would, its stop token
 included (with ignore_eos too: nothing may follow it).
+
+With speculative decoding, a draft is cut at its first token the grammar refuses, and the target's rows that
+check it are masked by the grammar's state after each draft token in turn (llguidance computes those masks
+in one parallel call), so accepting drafts samples exactly the constrained distribution.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class Grammar:
             self.failed = True
             log.warning("ridge: structured outputs: the grammar refused tokens %s its mask allowed; the sequence "
                         "ends: %s", tokens, self.matcher.get_error().splitlines()[0])
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would take from where it stands (a draft is cut there)."""
+        return 0 if self.failed else self.matcher.validate_tokens(tokens)
 
     @property
     def stopped(self) -> bool:
@@ -106,10 +114,27 @@ class GrammarCompiler:
     def masks(self, grammars: list[Grammar]) -> torch.Tensor:
         """bool [len(grammars), vocab_size]: the tokens each may take next (computed in parallel)."""
         started = time.perf_counter()
-        words = (self.vocab_size + 31) // 32
-        bits = np.zeros((len(grammars), words), dtype=np.uint32)  # token t: bit t % 32 of word t // 32
+        bits = self._bits(len(grammars))
         self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bits.ctypes.data,
-                                              words * 4, len(grammars))
+                                              bits.shape[1] * 4, len(grammars))
+        return self._unpack(bits, started)
+
+    def draft_masks(self, drafts: list[tuple[Grammar, list[int]]]) -> torch.Tensor:
+        """bool [sum of len(draft) + 1, vocab_size]: for each grammar, the tokens it allows next and after each
+        of its draft's tokens in turn (rows in that order; the grammars' states are left as they were). Every
+        draft token must be one the grammar allows (drafts are cut with valid_prefix first)."""
+        started = time.perf_counter()
+        starts = np.cumsum([0] + [len(tokens) + 1 for _, tokens in drafts])
+        bits = self._bits(int(starts[-1]))
+        self.executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(g.matcher, int(start), tokens) for (g, tokens), start in zip(drafts, starts, strict=False)],
+            bits.ctypes.data, bits.shape[1] * 4, bits.shape[0])
+        return self._unpack(bits, started)
+
+    def _bits(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, (self.vocab_size + 31) // 32), dtype=np.uint32)  # token t: bit t % 32 of word t // 32
+
+    def _unpack(self, bits: np.ndarray, started: float) -> torch.Tensor:
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
         self.mask_seconds += time.perf_counter() - started
         return torch.from_numpy(allowed.view(np.bool_))

@@ -25,7 +25,7 @@ from ridge.serve.protocol import (
     RequestError,
     TokenizeRequest,
 )
-from ridge.serve.tools import call_markers, parse_reply
+from ridge.serve.tools import CallStream, call_markers, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer; nobody reads it
@@ -215,7 +215,8 @@ class Routes:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": self.config.model_name}
             opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
-            held: dict[int, str] = {}  # with tools: each choice's text so far
+            parsers: dict[int, CallStream] = {}  # with tools: each choice's calls, parsed as its text comes
+            num_calls: dict[int, int] = {}  # with tools: each choice's calls sent so far
             final: RequestOutput | None = None
             completion = 0
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
@@ -228,24 +229,27 @@ class Routes:
                     yield sse({**head, "choices": [], "prompt_logprobs": _prompt_logprobs(
                         self.tokenizer, ids, out.prompt_logprobs, req.prompt_logprobs)})
                 for c in out.outputs:
-                    if tools:  # a reply that may hold calls is parsed whole: it goes out when it ends
-                        held[c.index] = held.get(c.index, "") + c.text
-                        if not c.finish_reason:
+                    delta: dict[str, Any] = {}
+                    if tools:  # content as it comes; each call whole, once its closing tag has come
+                        text, calls = parsers.setdefault(c.index, CallStream()).feed(c.text, bool(c.finish_reason))
+                        sent = num_calls.get(c.index, 0)
+                        calls = calls if req.parallel_tool_calls else calls[:max(0, 1 - sent)]
+                        if not text and not calls and not c.finish_reason:
                             continue
-                        reply, called = message(held[c.index])
-                        delta = {k: v for k, v in reply.items() if k != "tool_calls"}
-                        if called:
-                            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(reply["tool_calls"])]
-                        yield sse({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
-                                                        "finish_reason": finish(c.finish_reason, called)}]})
-                        continue
-                    delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                        if text:
+                            delta["content"] = text
+                        if calls:
+                            delta["tool_calls"] = [{"index": sent + k, **call} for k, call in enumerate(calls)]
+                            num_calls[c.index] = sent + len(calls)
+                    elif c.text or not c.finish_reason:
+                        delta["content"] = c.text
                     if c.index not in opened:  # OpenAI opens every choice with the role
                         opened.add(c.index)
-                        delta = {"role": "assistant", "content": c.text}
+                        delta = {"role": "assistant", "content": None if tools else "", **delta}
                     yield sse({**head, "choices": [{
-                        "index": c.index, "delta": delta, "logprobs": logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason}]})
+                        "index": c.index, "delta": delta,
+                        "logprobs": None if tools else logprobs(c.token_ids, c.logprobs),
+                        "finish_reason": finish(c.finish_reason, num_calls.get(c.index, 0) > 0)}]})
             if req.include_usage and final is not None:
                 yield sse({**head, "choices": [], "usage": self.gateway.usage([ids], completion, [final])})
             yield "data: [DONE]\n\n"

@@ -9,7 +9,6 @@ gets its tools refused by name rather than ignored.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from typing import Any
 from ridge.sampling_params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.DOTALL)
 
 
 def supports_tools(chat_template: str | None) -> bool:
@@ -32,25 +30,75 @@ class ParsedReply:
 
 
 def parse_reply(text: str) -> ParsedReply:
-    """The calls in a model's reply; a block that is not a call's JSON stays in the content."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    position = 0
-    for match in _CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        kept.append(text[position:match.start()])
-        position = match.end()
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    kept.append(text[position:])
-    content = "".join(kept).strip()
+    """The calls in a model's whole reply; a block that is not a call's JSON stays in the content."""
+    stream = CallStream()
+    content, calls = stream.feed(text, final=True)
     return ParsedReply(content or None, calls)
+
+
+class CallStream:
+    """A reply's calls parsed as its text streams in: the text outside calls goes out as it comes (holding back
+    what may still open a call, and whitespace that may still end the reply: a reply's content is stripped),
+    each call once its closing tag has come. A whole reply fed at once parses as parse_reply's."""
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not parsed yet: what may open a call, or a call still streaming
+        self._space = ""  # whitespace held: it goes out only if more content follows
+        self._started = False  # content has gone out (leading whitespace is dropped until then)
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Take the reply's next text; return the content and the calls it completes (final: the reply ended)."""
+        self._pending += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            start = self._pending.find(OPEN)
+            if start < 0:
+                break
+            end = self._pending.find(CLOSE, start)
+            if end < 0:
+                break  # a call still streaming: held until it closes (or the reply ends)
+            block = self._pending[start:end + len(CLOSE)]
+            call = _call(block[len(OPEN):-len(CLOSE)])
+            content.append(self._pending[:start] if call is not None else self._pending[:start] + block)
+            if call is not None:
+                calls.append(call)
+            self._pending = self._pending[end + len(CLOSE):]
+        if final:
+            content.append(self._pending)
+            self._pending = ""
+            return self._out("".join(content), final), calls
+        held = self._pending.find(OPEN)
+        if held < 0:  # what could still open a call waits
+            held = next((i for i in range(max(0, len(self._pending) - len(OPEN) + 1), len(self._pending))
+                         if OPEN.startswith(self._pending[i:])), len(self._pending))
+        content.append(self._pending[:held])
+        self._pending = self._pending[held:]
+        return self._out("".join(content), final), calls
+
+    def _out(self, text: str, final: bool) -> str:
+        """Content to hand out: whitespace at the reply's start is dropped, and at its end (it is held until
+        more content follows it)."""
+        text = self._space + text
+        if not self._started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._space = "" if final else text[len(body):]
+        self._started = self._started or bool(body)
+        return body
+
+
+def _call(body: str) -> dict[str, Any] | None:
+    """A call in OpenAI's shape from the JSON between the tags, or None when it is not one."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 LITERAL_MARKERS = (json.dumps(OPEN), json.dumps(CLOSE))  # Lark string literals are JSON strings
