@@ -70,19 +70,15 @@ metric_list:
 """
 
 
-def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path) -> dict:
-    command = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", "ridge_check",
-               "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", "8"]
-    print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
-    samples = sorted(out.rglob("samples_ridge_check_*.jsonl"))[-1]
-    results = sorted(out.rglob("results_*.json"))[-1]
-    acc = json.loads(results.read_text())["results"]["ridge_check"]["acc,none"]
-    per_doc = {}
-    for line in samples.read_text().splitlines():
-        row = json.loads(line)
-        per_doc[row["doc_id"]] = [float(r[0]) for r in row["filtered_resps"]]
-    return {"acc": acc, "loglikelihoods": per_doc}
+def run_lm_eval(model: object, model_args: str, tasks: Path) -> dict:
+    """One lm_eval run of the task: its accuracy and each question's choice loglikelihoods."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["ridge_check"], batch_size=8,
+                                  task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+    per_doc = {row["doc_id"]: [float(r[0]) for r in row["filtered_resps"]] for row in out["samples"]["ridge_check"]}
+    return {"acc": out["results"]["ridge_check"]["acc,none"], "loglikelihoods": per_doc}
 
 
 def main() -> int:
@@ -114,7 +110,7 @@ def main() -> int:
             time.sleep(1)
         started = time.perf_counter()
         ridge = run_lm_eval("local-completions", f"model=ridge,base_url={url}/v1/completions,tokenizer_backend=remote,"
-                            "num_concurrent=4,max_retries=1", tasks, work / "ridge")
+                            "num_concurrent=4,max_retries=1", tasks)
         ridge_s = time.perf_counter() - started
     finally:
         server.terminate()
@@ -126,13 +122,13 @@ def main() -> int:
     hf_dir = work / "hf"
     hf_dir.mkdir()
     copy = weights_only_gguf(gguf, hf_dir / gguf.name)
+    from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, gguf_file=copy.name, dtype="float32").eval()
-    model.save_pretrained(hf_dir / "model")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf_dir / "model")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     started = time.perf_counter()
-    hf = run_lm_eval("hf", f"pretrained={hf_dir / 'model'},dtype=float32,device=cpu", tasks, work / "hf")
+    hf = run_lm_eval(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8), "", tasks)
     hf_s = time.perf_counter() - started
 
     gaps = [abs(a - b) for doc, lls in ridge["loglikelihoods"].items()
