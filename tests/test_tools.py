@@ -49,6 +49,17 @@ def arguments(call, tool: dict) -> dict:
     return args
 
 
+def test_tools_need_a_template_that_renders_them_in_a_format_ridge_parses():
+    from ridge.serve.tools import supports_tools
+
+    hermes = "{% for tool in tools %}{{ tool | tojson }}{% endfor %} reply in <tool_call></tool_call>"
+    unknown_format = "{% if tools %}[TOOL_CALLS] {{ tools | tojson }}{% endif %}"
+    assert supports_tools(hermes) and supports_tools(hermes, "hermes")
+    assert not supports_tools(unknown_format) and supports_tools(unknown_format, "hermes")  # the operator says so
+    for blind in (None, "", "{{ messages }} <tool_call>"):  # no template, or one that never shows the tools
+        assert not supports_tools(blind, "hermes")
+
+
 def test_parse_reply_finds_calls_and_keeps_the_rest():
     reply = parse_reply('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
                         '<tool_call>{"name": "g", "arguments": {}}</tool_call><tool_call>not json</tool_call>')

@@ -13,6 +13,7 @@ from pathlib import Path
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from ridge.sampling_params import StructuredOutputsParams
+from ridge.serve.tools import PARSERS
 
 
 # ---- commands ---------------------------------------------------------------------------------------
@@ -23,7 +24,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ridge.serve.server import make_server, run
 
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
-                          args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template)
+                          args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template,
+                          args.tool_call_parser)
     supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
                          args.max_waiting, args.grace, "info" if args.verbose else "warning",
@@ -247,6 +249,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "--metrics-no-auth); others get HTTP 401")
     p.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+                   help="how tool calls are read from the model's replies: auto (the format its chat template "
+                        "shows; Hermes' <tool_call> tags are the one ridge parses) or hermes (parse them even where "
+                        "the template does not show them). Other families' formats (llama3_json, mistral, "
+                        "pythonic) are not implemented: their models get `tools` refused with HTTP 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is on wherever tools are supported")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a request's own chat_template (in Jinja's sandbox); without it such a request gets "
                         "HTTP 400 and the model's template is the only one")

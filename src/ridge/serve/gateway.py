@@ -38,6 +38,8 @@ class ServerConfig:
     metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
     # a request's own chat_template runs (sandboxed) only when the operator allows it: a template is code
     trust_request_chat_template: bool = False
+    # how the model's tool calls are parsed: "auto" (the format its chat template shows) or "hermes"
+    tool_call_parser: str = "auto"
 
 
 class Gateway:
@@ -61,9 +63,12 @@ class Gateway:
             raise RequestError("chat_template: a request's own chat template runs only on a server started with "
                                "--trust-request-chat-template; this one uses the model's", "chat_template")
         if tools:
-            if not supports_tools(self.tokenizer.info.chat_template):
-                raise RequestError("tools: this model's chat template has no tool-call format ridge can parse "
-                                   "(Hermes' <tool_call> tags)", "tools")
+            template = self.tokenizer.info.chat_template or ""
+            if not supports_tools(template, self.config.tool_call_parser):
+                raise RequestError("tools: this model's chat template " + (
+                    "does not render tools" if "tools" not in template else
+                    "has no tool-call format ridge can parse (Hermes' <tool_call> tags; --tool-call-parser hermes "
+                    "parses them anyway)"), "tools")
             for i, tool in enumerate(tools):
                 parameters = tool["function"].get("parameters")
                 try:

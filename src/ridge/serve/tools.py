@@ -3,7 +3,8 @@ of its text, and tool_choice "required" or a named function enforced by a gramma
 
 One format so far, Hermes' (Qwen2.5's template, NousResearch's models): each call is
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. A model whose template shows no such tags
-gets its tools refused by name rather than ignored.
+(unless the server runs with --tool-call-parser hermes) or does not render tools at all gets its tools refused
+by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from ridge.sampling_params import StructuredOutputsParams
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-def supports_tools(chat_template: str | None) -> bool:
-    return bool(chat_template) and OPEN in chat_template
+PARSERS = ("auto", "hermes")  # --tool-call-parser: auto reads the format off the chat template
+
+
+def supports_tools(chat_template: str | None, parser: str = "auto") -> bool:
+    """Whether tools can be offered: the template renders them, and its calls are in a format ridge parses
+    (shown by the template, or asserted by the operator's --tool-call-parser)."""
+    if not chat_template or "tools" not in chat_template:
+        return False  # the model would never see them
+    return parser == "hermes" or OPEN in chat_template
 
 
 @dataclass
