@@ -98,6 +98,10 @@ def check_langchain(url: str, model: str, cases: list[tuple[str, dict]]) -> dict
         value = llm.with_structured_output(titled, method=method).invoke(
             prompt if method == "json_schema" else prompt + " Reply in JSON.")
         ok += method == "json_mode" or jsonschema.Draft202012Validator(schema).is_valid(value)
+    prompt, schema = objects[0]
+    chunks = list(llm.with_structured_output({"title": "S", "description": "the answer", **schema},
+                                             method="json_schema").stream(prompt))
+    streamed_ok = bool(chunks) and jsonschema.Draft202012Validator(schema).is_valid(chunks[-1])
     weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                 "parameters": {"type": "object",
                                                                "properties": {"city": {"type": "string"}},
@@ -108,6 +112,7 @@ def check_langchain(url: str, model: str, cases: list[tuple[str, dict]]) -> dict
         streamed = chunk if streamed is None else streamed + chunk
     streamed_calls = streamed.tool_calls if streamed is not None else []
     return {"langchain_structured_ok": ok, "langchain_structured_cases": 10,
+            "langchain_streamed_structured_ok": streamed_ok,
             "langchain_tool_call": reply.tool_calls[0]["name"] if reply.tool_calls else None,
             "langchain_streamed_tool_call": streamed_calls[0]["name"] if streamed_calls else None}
 

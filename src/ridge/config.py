@@ -59,6 +59,18 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     # HF checkpoints of Gemma store w for norms that multiply by (1 + w); GGUF files store 1 + w already
     norm_weight_offset: float = 0.0
+    qk_norm_full: bool = False  # OLMoE: q and k normed over all their heads at once (qk_norm: per head)
+    # mixture of experts (models/moe.py): an MoE layer sends each token to num_experts_per_tok of its num_experts
+    # FFNs of moe_intermediate_size (softmax over all experts, then the top k, renormalised with norm_topk_prob),
+    # plus a shared expert of shared_expert_intermediate_size that every token runs (Qwen2-MoE gates its
+    # output with a sigmoid); the layers in dense_layers keep one dense FFN of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -67,6 +79,12 @@ class ModelConfig:
             )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), got "
+                             f"{self.num_experts_per_tok}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and layer not in self.dense_layers
 
     @property
     def attention_scale(self) -> float:

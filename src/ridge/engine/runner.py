@@ -69,7 +69,10 @@ class ModelRunner:
         # decode steps' layers in one C++ call where the model's layers all have a kernel there
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
         self.graphs: DecodeGraphs | None = None
-        if isinstance(self.backend, CudaBackend) and not enforce_eager:
+        if isinstance(self.backend, CudaBackend) and not enforce_eager and cfg.num_experts:
+            log.warning("ridge: no CUDA graphs for a mixture of experts (its routing picks the expert matmuls each "
+                        "step); decode runs eagerly")
+        elif isinstance(self.backend, CudaBackend) and not enforce_eager:
             self.graphs = DecodeGraphs(model, self.backend, self.windows, block_size, max_batch,
                                        max_model_len or cfg.max_position_embeddings, self.device)
             self.graphs.capture()

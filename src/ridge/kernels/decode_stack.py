@@ -57,7 +57,9 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
                                                 ("sandwich norms", cfg.sandwich_norms),
                                                 ("GeGLU", cfg.hidden_act != "silu"),
-                                                ("a query scale other than head_dim", cfg.query_pre_attn_scalar))
+                                                ("a query scale other than head_dim", cfg.query_pre_attn_scalar),
+                                                ("mixture of experts", cfg.num_experts),
+                                                ("q / k norms over all heads", cfg.qk_norm_full))
                    if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))

@@ -92,8 +92,12 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # qk_norm: over each head (Qwen3, Gemma 3); qk_norm_full: over all of q's heads at once, and k's (OLMoE)
+        q_width, k_width = (q_size, kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+        normed = cfg.qk_norm or cfg.qk_norm_full
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
+        self.norm_full = cfg.qk_norm_full
 
     def forward(
         self,
@@ -106,7 +110,12 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # split_with_sizes: Tensor.split's Python wrapper cost as much as the split, 30 times a step
         q, k, v = qkv.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
+        if self.norm_full:
+            q = self.q_norm(q.reshape(tokens, -1)).view(tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(tokens, -1)).view(tokens, self.num_kv_heads, self.head_dim)
+            rope.apply_(q, self.num_heads)
+            rope.apply_(k, self.num_kv_heads)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
             rope.apply_(q, self.num_heads)
             rope.apply_(k, self.num_kv_heads)
@@ -119,11 +128,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate) * up): SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """intermediate_size: the width, where not the model's dense FFN's (an expert's)."""
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = width = intermediate_size or cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down = nn.Linear(width, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
         self.ops: ModuleType | None = None
 
@@ -138,14 +148,15 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. post_attn_norm is the MLP's input norm (HF llama's name for it); with
-    sandwich norms (Gemma), attention's and the MLP's outputs are normed too before they join the residual."""
+    sandwich norms (Gemma), attention's and the MLP's outputs are normed too before they join the residual.
+    The MLP is a GatedMLP, or a mixture of experts (models/moe.py) in an MoE model's sparse layers."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, mlp: nn.Module) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_index)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.local = cfg.is_local(layer_index)  # rotary on the local base, where the model has one

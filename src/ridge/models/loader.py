@@ -82,6 +82,21 @@ _HF_NAMES = [
     (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
     (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
+    # mixtures of experts: the router, each expert's FFN (Qwen's and OLMoE's names, Mixtral's w1 / w3 / w2), and
+    # Qwen2-MoE's shared expert with its gate
+    *[(r"model\.layers\.(\d+)\." + source, "layers.{0}.mlp." + target, slot) for source, target, slot in [
+        (r"(?:mlp|block_sparse_moe)\.gate\.weight", "router.weight", None),
+        (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "experts.{1}.gate_up.weight", 0),
+        (r"mlp\.experts\.(\d+)\.up_proj\.weight", "experts.{1}.gate_up.weight", 1),
+        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "experts.{1}.down.weight", None),
+        (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "experts.{1}.gate_up.weight", 0),
+        (r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "experts.{1}.gate_up.weight", 1),
+        (r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "experts.{1}.down.weight", None),
+        (r"mlp\.shared_expert\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),
+        (r"mlp\.shared_expert\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
+        (r"mlp\.shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
+        (r"mlp\.shared_expert_gate\.weight", "shared_expert_gate.weight", None),
+    ]],
 ]
 
 

@@ -1,7 +1,8 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, qwen2, qwen3, gemma2 and gemma3 run on one DecoderModel; what differs is a bias here, a
-norm there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms.
+llama, mistral, qwen2, qwen3, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe
+run on one DecoderModel; what differs is a bias here, a norm there, a sliding window, Gemma's GeGLU, scaled
+embeddings and sandwich norms, and an MoE block (with its router's variant) in place of the dense FFN.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
+    # mixtures of experts (models/moe.py)
+    "mixtral": {"norm_topk_prob": True},  # mistral's attention; its router always renormalises the top k
+    "qwen2_moe": {"qkv_bias": True, "shared_expert_gate": True},
+    "qwen3_moe": {"qk_norm": True},
+    "olmoe": {"qk_norm_full": True},
 }
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -30,6 +37,12 @@ _HF_NAMES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "qwen2moe": "qwen2_moe",  # GGUF general.architecture
+    "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
@@ -54,9 +67,16 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     arch = check_supported(spec.architecture)
     if spec.rope_scaling is not None:
         raise ValueError(f"rope_scaling: {spec.rope_scaling!r} is not supported yet (only plain rotary)")
-    if spec.is_moe or spec.is_mla:
-        raise ValueError(f"{spec.source}: {'mixture of experts' if spec.is_moe else 'latent attention (MLA)'} is "
-                         "not supported yet")
+    if spec.is_mla:
+        raise ValueError(f"{spec.source}: latent attention (MLA) is not supported yet")
+    if spec.is_moe and arch not in _MOE:
+        raise ValueError(f"{spec.source}: experts of architecture {arch!r} are not supported (mixtures of experts: "
+                         f"{', '.join(_MOE)})")
+    if spec.is_moe and spec.shared_experts > (1 if spec.shared_expert_intermediate_size else 0):
+        raise ValueError(f"{spec.source}: n_shared_experts: {spec.shared_experts} shared experts of the routed "
+                         "experts' width (DeepSeek's) are not supported yet")
+    if spec.clip_qkv is not None:
+        raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
         raise ValueError(f"{spec.source}: use_sliding_window is not supported for {arch}")
     fields: dict[str, Any] = {
@@ -81,5 +101,12 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "attn_logit_softcap": spec.attn_logit_softcap,
         "final_logit_softcap": spec.final_logit_softcap,
     }
+    if spec.is_moe:
+        fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.moe_intermediate_size,
+                      shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                      dense_layers=spec.dense_layer_indices)
     fields.update(ARCHITECTURES[arch])
+    if spec.norm_topk_prob is not None and arch != "mixtral":
+        fields["norm_topk_prob"] = bool(spec.norm_topk_prob)
     return ModelConfig(**fields)

@@ -34,6 +34,7 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     shared_experts: int = 0
     first_dense_layers: int = 0
+    shared_expert_intermediate_size: int = 0  # a shared expert's width, where not moe_intermediate_size (Qwen2-MoE)
     # multi-head latent attention (DeepSeek): the cache holds a kv_lora_rank latent and one shared rotary
     # key of qk_rope_head_dim per token and layer, instead of K and V per KV head
     kv_lora_rank: int = 0
@@ -56,10 +57,26 @@ class ModelSpec:
     rope_local_theta: float | None = field(default=None, compare=False)
     attn_logit_softcap: float | None = field(default=None, compare=False)
     final_logit_softcap: float | None = field(default=None, compare=False)
+    norm_topk_prob: bool | None = field(default=None, compare=False)  # None: the architecture's default
+    moe_layer_step: int = field(default=1, compare=False)  # every n-th layer is MoE (Qwen's decoder_sparse_step)
+    dense_only_layers: tuple[int, ...] = field(default=(), compare=False)  # Qwen's mlp_only_layers
+    clip_qkv: float | None = field(default=None, compare=False)  # OLMo's clamp of q, k, v
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def dense_layer_indices(self) -> tuple[int, ...]:
+        """The layers of an MoE model that keep a dense FFN (none where the model has no experts)."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i < self.first_dense_layers
+                     or i in self.dense_only_layers or (i + 1) % self.moe_layer_step)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layer_indices) if self.is_moe else 0
 
     @property
     def is_mla(self) -> bool:
@@ -111,6 +128,7 @@ _HF_KEYS = {
     "experts_per_token": ("num_experts_per_tok", "num_experts_per_token"),
     "moe_intermediate_size": ("moe_intermediate_size",),
     "shared_experts": ("n_shared_experts",),
+    "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
     "first_dense_layers": ("first_k_dense_replace",),
     "kv_lora_rank": ("kv_lora_rank",),
     "q_lora_rank": ("q_lora_rank",),
@@ -143,6 +161,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields.pop("sliding_window", None)
     if fields.get("num_experts") and not fields.get("moe_intermediate_size"):
         fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
+    if fields.get("shared_expert_intermediate_size") and not fields.get("shared_experts"):
+        fields["shared_experts"] = 1  # Qwen2-MoE: one shared expert, of its own width
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
@@ -164,7 +184,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
         rope_local_theta=float(local_theta) if local_theta is not None else None,
         attn_logit_softcap=config.get("attn_logit_softcapping"),
-        final_logit_softcap=config.get("final_logit_softcapping"), **fields,
+        final_logit_softcap=config.get("final_logit_softcapping"), norm_topk_prob=config.get("norm_topk_prob"),
+        moe_layer_step=int(config.get("decoder_sparse_step") or 1),
+        dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"), **fields,
     ).validate()
 
 

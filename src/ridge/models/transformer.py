@@ -11,6 +11,7 @@ from torch import nn
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 from ridge.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ridge.models.moe import MoEBlock
 
 
 class DecoderModel(nn.Module):
@@ -18,7 +19,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, MoEBlock(cfg) if cfg.is_moe_layer(i) else GatedMLP(cfg))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -60,14 +60,17 @@ def ffn_params(m: ModelSpec, width: int) -> int:
 
 
 def count_parameters(m: ModelSpec) -> ParameterCounts:
-    moe_layers = m.num_layers - m.first_dense_layers if m.is_moe else 0
+    moe_layers = m.num_moe_layers
     dense_layers = m.num_layers - moe_layers
     expert = ffn_params(m, m.moe_intermediate_size)
     router = m.hidden_size * m.num_experts
+    shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
+    if m.shared_expert_intermediate_size:  # Qwen2-MoE gates its shared expert's output: one more row
+        shared += m.hidden_size
     ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
-        (m.num_experts + m.shared_experts) * expert + router)
+        m.num_experts * expert + shared + router)
     ffn_active = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
-        (m.experts_per_token + m.shared_experts) * expert + router)
+        m.experts_per_token * expert + shared + router)
     embeddings = m.vocab_size * m.hidden_size
     return ParameterCounts(
         embeddings=embeddings, output_head=0 if m.tie_word_embeddings else embeddings,
@@ -173,7 +176,7 @@ def decode_weight_bytes(m: ModelSpec, dtype: str, batch: int = 1) -> float:
     p = count_parameters(m)
     read = p.stored - p.norms - (p.embeddings if p.output_head else 0)
     if m.is_moe:
-        moe_layers = m.num_layers - m.first_dense_layers
+        moe_layers = m.num_moe_layers
         unread = m.num_experts - experts_touched(m, batch)
         read -= moe_layers * unread * ffn_params(m, m.moe_intermediate_size)
     return read * dtype_bytes(dtype) + p.norms * 2

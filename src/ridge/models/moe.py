@@ -1,0 +1,65 @@
+"""A mixture-of-experts FFN: a router picks num_experts_per_tok of num_experts gated FFNs for each token.
+
+The step's tokens are grouped by expert (one sort of the (token, slot) choices), and each expert that any
+token chose runs once, as one matmul over its tokens: at batch 1 only the chosen experts' weights are read,
+and no loop ever runs over tokens. Each expert is a GatedMLP with ordinary linear layers, so quantized
+formats and CPU kernels apply to experts as to any dense layer (DecoderModel.replace_linears).
+
+The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
+norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
+runs, its output scaled by sigmoid(shared_expert_gate(x)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.config import ModelConfig
+from ridge.models.layers import GatedMLP
+
+
+class Router(nn.Linear):
+    """The router's logits. A subclass so that replace_linears leaves it as it is: a few thousand weights whose
+    rounding would move tokens between experts."""
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = Router(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        width = cfg.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(cfg, width) if width else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts [T, k] and their weights [T, k] (float32)."""
+        probs = self.router(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        choices = experts.flatten()  # choice c is token c // k's slot c % k
+        order = choices.argsort(stable=True)
+        counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
+        tokens, slot_weights = order // self.top_k, weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            scaled = self.experts[expert](x[rows]) * slot_weights[start:start + count]
+            out.index_add_(0, rows, scaled.to(out.dtype))
+            start += count
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out += shared
+        return out
