@@ -69,7 +69,8 @@ def quantize_weights(model: nn.Module, method: str, group_size: int, fitted: dic
     fitted, importance = fitted or {}, importance or {}
     yield HEAD, quantize_weight(model.output_weight.data, HEAD_METHOD, group_size, importance=importance.get(HEAD))
     for i, layer in enumerate(tqdm(model.layers, desc=method, unit="layer", disable=not progress)):
-        linears = [(name, child) for name, child in layer.named_modules() if isinstance(child, nn.Linear)]
+        # plain nn.Linear only: subclasses (an MoE router, models/moe.py) keep their weights as they are
+        linears = [(name, child) for name, child in layer.named_modules() if type(child) is nn.Linear]
         for name, child in linears:
             key = f"layers.{i}.{name}"
             yield key, fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size,

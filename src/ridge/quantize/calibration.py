@@ -135,7 +135,7 @@ def _one_pass(model: DecoderModel, windows: list[list[int]], accumulate: Callabl
     (keys `layers.<module name>`, and HEAD for the vocabulary projection's)."""
     hooks = [module.register_forward_pre_hook(lambda _m, args, name=f"layers.{name}": accumulate(name, args[0]))
              for name, module in model.layers.named_modules()
-             if isinstance(module, nn.Linear) and (only is None or f"layers.{name}" in only)]
+             if type(module) is nn.Linear and (only is None or f"layers.{name}" in only)]
     if only is None or HEAD in only:
         hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
     backend, prompts = _scratch(model, windows, dtype, device)
@@ -206,7 +206,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
         if prepare is not None:
             prepare(layer, states, backend)
-        linears = {f"layers.{i}.{name}": m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        linears = {f"layers.{i}.{name}": m for name, m in layer.named_modules() if type(m) is nn.Linear}
         hessians: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_pre_hook(lambda _m, args, key=key, sums=hessians: _accumulate(sums, key, args[0]))
                  for key, m in linears.items()]

@@ -1,0 +1,169 @@
+"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe) on small random configs against HF transformers:
+logits, greedy tokens in a batch of 16 mixed lengths (one longer than the chunk budget), the runtime-invariance
+checks, quantized experts, the weights a decode step reads against the plan's active bytes, and the KV the
+engine holds against the plan's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from ridge import SamplingParams
+from test_models_random import byte_tokenizer
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(arch: str):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if arch == "mixtral":  # top-2 of 8, always renormalised
+        return MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # a gated shared expert, a dense layer among the sparse ones, top-k not renormalised
+        return Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                              mlp_only_layers=[1], norm_topk_prob=False)
+    if arch == "qwen3_moe":  # top-3, renormalised; per-head q/k norms and a head_dim of its own
+        return Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                              num_experts_per_tok=3, head_dim=24, norm_topk_prob=True)
+    return OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)  # q/k norms over all heads
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def moe_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
+            torch.nn.init.normal_(param, 1.0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """HF's argmax continuation, EOS included as any token (generate's min_new_tokens would forbid it, where
+    ridge's ignore_eos only keeps going after it)."""
+    tokens, cache, step = [], None, torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(n):
+            out = model(step, cache=cache, use_cache=True)
+            cache, step = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens.append(int(step))
+    return tokens
+
+
+def test_logits_match_hf(moe_model, make_llm_for_test):
+    path, hf = moe_model
+    llm = make_llm_for_test(path, dtype="float32")
+    for ids in random_prompts(3, VOCAB, 5, 80, seed=1):
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)  # float32 noise
+
+
+def test_greedy_tokens_match_hf_and_hold_under_the_runtime(moe_model, make_llm_for_test):
+    """48 greedy tokens of 5 prompts equal HF's, decoded in a batch of 16 mixed lengths with 32-token prefill
+    chunks (one prompt is 3 chunks long); alone, in a pool that preempts, and without the prefix cache, the
+    batch's tokens do not change."""
+    path, hf = moe_model
+    prompts = random_prompts(16, VOCAB, 4, 60, seed=2)
+    prompts[0] = random_prompts(1, VOCAB, 90, 100, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=32)
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for ids, tokens in zip(prompts[:5], batch, strict=False):
+        assert tokens == hf_greedy(hf, ids, 48)
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert alone == batch[:2]
+    cfg = llm.engine.loaded.config
+    room = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 224  # the longest sequence and a bit: 224 tokens
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(room), enable_prefix_caching=False,
+                              max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_quantized_experts_run_on_the_dense_kernels(moe_model, make_llm_for_test):
+    from ridge.linear import GroupedInt8Linear
+    from ridge.models.moe import MoEBlock, Router
+
+    path, _ = moe_model
+    llm = make_llm_for_test(path, dtype="float32", quantization="int8")
+    blocks = [m for m in llm.engine.loaded.model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(isinstance(e.gate_up, GroupedInt8Linear) and isinstance(e.down, GroupedInt8Linear)
+                          for b in blocks for e in b.experts)
+    assert all(type(b.router) is Router for b in blocks)  # the router keeps its weights as they are
+    plain = make_llm_for_test(path, dtype="float32")
+    ids = random_prompts(1, VOCAB, 30, 31, seed=5)[0]
+    quantized, reference = llm.engine.prompt_logits(ids), plain.engine.prompt_logits(ids)
+    assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_test):
+    """Weights whose matmul a batch-1 decode step runs, counted by hooks, against the plan's bytes for the active
+    parameters (the routed experts chosen, the shared expert, attention, routers, the output head)."""
+    from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
+
+    path, _ = moe_model
+    llm = make_llm_for_test(path, dtype="float32")
+    engine = llm.engine
+    engine.add_request(random_prompts(1, VOCAB, 20, 21, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the prefill, which routes 20 tokens
+    touched: set[torch.nn.Module] = set()
+    hooks = [m.register_forward_hook(lambda module, *_: touched.add(module))
+             for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        engine.step()  # one decode step
+    finally:
+        for hook in hooks:
+            hook.remove()
+    while engine.has_unfinished:
+        engine.step()
+    model = engine.loaded.model
+    read = sum(m.weight.numel() * 4 for m in touched)
+    if model.output_projection is None:  # the head multiplies by the weight itself (no module to hook)
+        read += model.output_weight.numel() * 4
+    spec = engine.loaded.spec
+    planned = decode_weight_bytes(spec, "fp32", batch=1) - count_parameters(spec).norms * 2
+    assert abs(read - planned) / planned < 0.02, (read, planned)
+    everything = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
+    assert read < 0.7 * everything  # the unchosen experts are most of the layers' weights
+
+
+def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
+    from ridge.plan.arithmetic import kv_bytes
+
+    path, _ = moe_model
+    llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request(random_prompts(1, VOCAB, 100, 101, seed=7)[0],
+                       SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    while engine.sequences("0")[0].num_outputs < 59:
+        engine.step()
+    seq = engine.sequences("0")[0]
+    held = sum(len(table) for table in seq.block_tables) * engine.config.block_size
+    per_token = engine.loaded.config.kv_bytes_per_block(torch.float32, engine.config.block_size) \
+        // engine.config.block_size
+    assert per_token * seq.num_computed == kv_bytes(engine.loaded.spec, "fp32", seq.num_computed)
+    assert held * per_token == kv_bytes(engine.loaded.spec, "fp32", held)  # whole blocks of the same bytes
+    while engine.has_unfinished:
+        engine.step()
+
+
+@pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"), ({"n_shared_experts": 2}, "n_shared_experts"),
+                                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")])
+def test_what_ridge_does_not_implement_is_refused_by_name(tmp_path, change, field):
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {**hf_config("olmoe").to_dict(), **change}
+    with pytest.raises(ValueError, match=field):
+        config_from_spec(spec_from_hf_config(config, "olmoe"))
