@@ -158,9 +158,10 @@ def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
         engine.step()
 
 
-@pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"), ({"n_shared_experts": 2}, "n_shared_experts"),
+@pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"),
+                                          ({"n_shared_experts": 2}, "n_shared_experts"),
                                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")])
-def test_what_ridge_does_not_implement_is_refused_by_name(tmp_path, change, field):
+def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config
 
