@@ -110,6 +110,7 @@ def test_quantized_experts_run_on_the_dense_kernels(moe_model, make_llm_for_test
 def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_test):
     """Weights whose matmul a batch-1 decode step runs, counted by hooks, against the plan's bytes for the active
     parameters (the routed experts chosen, the shared expert, attention, routers, the output head)."""
+    from ridge.linear import model_weight_bytes
     from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
 
     path, _ = moe_model
@@ -136,6 +137,8 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
     assert abs(read - planned) / planned < 0.02, (read, planned)
     everything = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
     assert read < 0.7 * everything  # the unchosen experts are most of the layers' weights
+    norms = sum(p.nbytes for name, p in model.layers.named_parameters() if "norm" in name)
+    assert model_weight_bytes(model, batch=1) == pytest.approx(read + norms)  # what the benchmarks divide by
 
 
 def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):

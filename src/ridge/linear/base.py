@@ -80,21 +80,24 @@ def weight_bytes(module: nn.Module) -> int:
     return module.weight.nbytes  # a plain nn.Linear
 
 
-def model_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step must read: every decoder layer plus the vocabulary projection, as held
-    (quantized layers count their codes and scales). The embedding table is only gathered (one row per token),
-    so a tied table counts once, as the head."""
+def model_weight_bytes(model: nn.Module, batch: int = 1) -> float:
+    """Bytes of weights one decode step of `batch` sequences must read: every decoder layer plus the vocabulary
+    projection, as held (quantized layers count their codes and scales). The embedding table is only gathered
+    (one row per token), so a tied table counts once, as the head. A module that reads only part of its weights
+    in a step (a mixture of experts) says how much with read_bytes(read, batch)."""
 
-    def held(module: nn.Module) -> int:
+    def read(module: nn.Module) -> float:
+        partial = getattr(module, "read_bytes", None)
+        if partial is not None:
+            return partial(read, batch)
         if isinstance(module, ConcatLinear):
-            return 0  # its parts are counted one by one
+            return sum(read(part) for part in module.parts)
         if hasattr(module, "weight_bytes") or isinstance(module, nn.Linear):
             return weight_bytes(module)
-        return sum(p.nbytes for p in module.parameters(recurse=False))
+        return sum(p.nbytes for p in module.parameters(recurse=False)) + sum(read(c) for c in module.children())
 
     head = model.output_projection
-    total = sum(held(m) for m in model.layers.modules())
-    return total + (held(head) if head is not None else model.output_weight.nbytes)
+    return read(model.layers) + (read(head) if head is not None else model.output_weight.nbytes)
 
 
 def native_linear(ops: ModuleType, module: nn.Module) -> Any | None:

@@ -12,6 +12,8 @@ runs, its output scaled by sigmoid(shared_expert_gate(x)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -33,6 +35,15 @@ class MoEBlock(nn.Module):
         width = cfg.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(cfg, width) if width else None
         self.shared_expert_gate = Router(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+
+    def read_bytes(self, read: Callable[[nn.Module], float], batch: int) -> float:
+        """Weight bytes a decode step of `batch` tokens reads here (linear.model_weight_bytes): the router, the
+        shared expert, and the routed experts it touches (all k at batch 1; for more tokens, as many as uniform
+        routing touches on average, the plan's count)."""
+        experts = len(self.experts)
+        touched = experts * (1 - (1 - self.top_k / experts) ** batch)
+        always = [m for m in (self.router, self.shared_expert, self.shared_expert_gate) if m is not None]
+        return sum(read(m) for m in always) + touched * sum(read(e) for e in self.experts) / experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (float32)."""
