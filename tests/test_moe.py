@@ -1,7 +1,8 @@
-"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe) on small random configs against HF transformers:
+"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe) and DeepSeek-V3 (latent attention, a sigmoid
+group-limited router, shared experts, a dense first layer) on small random configs against HF transformers:
 logits, greedy tokens in a batch of 16 mixed lengths (one longer than the chunk budget), the runtime-invariance
 checks, quantized experts, the weights a decode step reads against the plan's active bytes, and the KV the
-engine holds against the plan's."""
+engine holds against the plan's (for DeepSeek-V3, one latent row a token)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attenti
 
 
 def hf_config(arch: str):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch == "mixtral":  # top-2 of 8, always renormalised
         return MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
@@ -29,19 +30,37 @@ def hf_config(arch: str):
     if arch == "qwen3_moe":  # top-3, renormalised; per-head q/k norms and a head_dim of its own
         return Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=3, head_dim=24, norm_topk_prob=True)
-    return OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)  # q/k norms over all heads
+    if arch == "olmoe":  # q/k norms over all heads
+        return OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
+        return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
+                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                first_k_dense_replace=3, n_routed_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1)
+    return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=24,
+                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def moe_model(request, tmp_path_factory):
+    return random_hf_model(request.param, tmp_path_factory)
+
+
+def random_hf_model(arch: str, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
             torch.nn.init.normal_(param, 1.0, 0.3)
-    path = tmp_path_factory.mktemp(request.param)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # HF starts it at 0: make it move the choice
+            torch.nn.init.normal_(buffer, 0.0, 0.1)
+    path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
     byte_tokenizer().save(str(path / "tokenizer.json"))
     return path, model
@@ -60,7 +79,14 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def test_logits_match_hf(moe_model, make_llm_for_test):
-    path, hf = moe_model
+    assert_logits_match(*moe_model, make_llm_for_test)
+
+
+def test_latent_attention_without_a_query_bottleneck(tmp_path_factory, make_llm_for_test):
+    assert_logits_match(*random_hf_model("deepseek_v3-q", tmp_path_factory), make_llm_for_test)
+
+
+def assert_logits_match(path, hf, make_llm_for_test):
     llm = make_llm_for_test(path, dtype="float32")
     for ids in random_prompts(3, VOCAB, 5, 80, seed=1):
         ours = llm.engine.prompt_logits(ids)
@@ -130,6 +156,7 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
         engine.step()
     model = engine.loaded.model
     read = sum(m.weight.numel() * 4 for m in touched)
+    read += sum(layer.attn.kv_b.nbytes for layer in model.layers if hasattr(layer.attn, "kv_b"))  # MLA's up-projection
     if model.output_projection is None:  # the head multiplies by the weight itself (no module to hook)
         read += model.output_weight.numel() * 4
     spec = engine.loaded.spec
@@ -137,8 +164,9 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
     assert abs(read - planned) / planned < 0.02, (read, planned)
     everything = sum(p.numel() * 4 for name, p in model.named_parameters() if "embed" not in name)
     assert read < 0.7 * everything  # the unchosen experts are most of the layers' weights
-    norms = sum(p.nbytes for name, p in model.layers.named_parameters() if "norm" in name)
-    assert model_weight_bytes(model, batch=1) == pytest.approx(read + norms)  # what the benchmarks divide by
+    unhooked = sum(p.nbytes for name, p in model.layers.named_parameters()  # read, but by no linear layer
+                   if "norm" in name or name.endswith("router_bias"))
+    assert model_weight_bytes(model, batch=1) == pytest.approx(read + unhooked)  # what the benchmarks divide by
 
 
 def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
@@ -162,7 +190,9 @@ def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
 
 
 @pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"),
-                                          ({"n_shared_experts": 2}, "n_shared_experts"),
+                                          ({"hidden_act": "relu"}, "hidden_act"),
+                                          ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                                            "kv_lora_rank": 32, "qk_rope_head_dim": 8}, "DeepseekV2ForCausalLM"),
                                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")])
 def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
     from ridge.models.registry import config_from_spec

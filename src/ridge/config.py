@@ -71,6 +71,21 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's router: sigmoid scores, a bias added to choose (not to weigh), the experts in router_groups
+    # groups of which the router_topk_groups best (by their two best scores) are searched, the weights scaled
+    router_scoring: str = "softmax"  # or "sigmoid"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # multi-head latent attention (models/mla.py): the cache holds a kv_lora_rank latent and a qk_rope_head_dim
+    # rotary key per token (num_kv_heads 1, head_dim their sum); queries of qk_nope + qk_rope dims, values of
+    # v_head_dim; q_lora_rank: the query's own bottleneck (0: none)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dims sit in interleaved pairs: reordered at load
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,6 +100,15 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.dense_layers
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims rotary embedding turns: a head's, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -108,8 +132,10 @@ class ModelConfig:
         return kv_layout([self.layer_window(i) for i in range(self.num_layers)])
 
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
-        """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout."""
-        return 2 * self.kv_layout().num_slots * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
+        row a token, read as both)."""
+        tensors = 1 if self.is_mla else 2
+        return tensors * self.kv_layout().num_slots * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 

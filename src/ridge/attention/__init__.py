@@ -1,12 +1,18 @@
 """Attention backends behind one interface: `reference` (per sequence, plain) and `paged` (batched: ridge's C++
-kernel on the CPU, Triton kernels on CUDA)."""
+kernel on the CPU, Triton kernels on CUDA), and latent attention's own (`latent`, for MLA models)."""
+
+import logging
 
 import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
 from ridge.attention.cuda import CudaBackend
+from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.reference import ReferenceBackend
+from ridge.config import ModelConfig
+
+log = logging.getLogger("ridge")
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"paged": PagedBackend, "reference": ReferenceBackend}
 
@@ -18,5 +24,20 @@ def backend_class(name: str, device: str | torch.device) -> type[AttentionBacken
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CudaBackend", "PrefillChunk", "PagedBackend",
-           "ReferenceBackend", "backend_class"]
+def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device) -> AttentionBackend:
+    """The backend that runs cfg's attention over num_blocks blocks: `name`'s; the reference one where the model
+    caps its attention logits (the one backend that does); latent attention's own for MLA."""
+    args = (cfg.kv_layout(), cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
+    if cfg.is_mla:  # one latent row a token, read as keys and values
+        if name != "paged":
+            log.warning("ridge: latent attention runs on its own backend (attention/latent.py), not %s", name)
+        return LatentBackend(*args, scale=cfg.attention_scale, value_dim=cfg.kv_lora_rank)
+    if cfg.attn_logit_softcap and name != "reference":
+        log.warning("ridge: attention logit soft-capping runs on the reference attention backend only (slow)")
+        name = "reference"
+    return backend_class(name, device)(*args, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CudaBackend", "LatentBackend", "PrefillChunk",
+           "PagedBackend", "ReferenceBackend", "backend_class", "make_backend"]

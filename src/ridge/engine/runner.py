@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, backend_class
+from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, make_backend
 from ridge.engine.cuda_graphs import DecodeGraphs
 from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
 from ridge.engine.scheduler import ScheduledStep
@@ -57,13 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         layout = cfg.kv_layout()
         self.windows = [group.window for group in layout.groups]
-        if cfg.attn_logit_softcap and backend_name != "reference":
-            log.warning("ridge: attention logit soft-capping runs on the reference attention backend only (slow)")
-            backend_name = "reference"
-        self.backend = backend_class(backend_name, device)(
-            layout, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device,
-            scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap,
-        )
+        self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device)
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
         # decode steps' layers in one C++ call where the model's layers all have a kernel there

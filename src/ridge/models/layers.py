@@ -149,17 +149,19 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. post_attn_norm is the MLP's input norm (HF llama's name for it); with
     sandwich norms (Gemma), attention's and the MLP's outputs are normed too before they join the residual.
-    The MLP is a GatedMLP, or a mixture of experts (models/moe.py) in an MoE model's sparse layers."""
+    attn is an Attention, or latent attention (models/mla.py); mlp a GatedMLP, or a mixture of experts
+    (models/moe.py) in an MoE model's sparse layers."""
 
-    def __init__(self, cfg: ModelConfig, layer_index: int, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, local: bool) -> None:
+        """local: a layer of the model's local kind, whose rotary turns on the local base where it has one."""
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_index)
+        self.attn = attn
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
-        self.local = cfg.is_local(layer_index)  # rotary on the local base, where the model has one
+        self.local = local
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta

@@ -96,8 +96,19 @@ _HF_NAMES = [
         (r"mlp\.shared_expert\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
         (r"mlp\.shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
         (r"mlp\.shared_expert_gate\.weight", "shared_expert_gate.weight", None),
+        (r"mlp\.shared_experts\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),  # DeepSeek's name
+        (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
+        (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
+        (r"mlp\.gate\.e_score_correction_bias", "router_bias", None),
     ]],
 ]
+# latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
+_HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
+                 for source, target in [
+                     (r"q_proj\.weight", "q_proj.weight"), (r"q_a_proj\.weight", "q_a.weight"),
+                     (r"q_a_layernorm\.weight", "q_a_norm.weight"), (r"q_b_proj\.weight", "q_b.weight"),
+                     (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
+                     (r"kv_b_proj\.weight", "kv_b")]]
 
 
 def _map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
@@ -158,7 +169,8 @@ def load_model(
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
         tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path, progress), cfg)
-        table, fmt = (_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + _HF_NAMES, "safetensors"
+        table = (_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else []) + _HF_NAMES
+        fmt = "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
             tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
             fmt += f" {hf_config['quantization_config']['quant_method']}"
@@ -193,6 +205,8 @@ def load_model(
             parts[key][slot] = tensor
     for key, slots in parts.items():
         state[key] = torch.cat([slots[i] for i in sorted(slots)], dim=0)
+    if cfg.rope_interleave:
+        _deinterleave_rotary(cfg, state, quantized)
 
     with torch.device("meta"):
         model = DecoderModel(cfg)
@@ -201,6 +215,24 @@ def load_model(
         _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target)
     model = _with_weights(model, state, device, str(path))
     return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+
+
+def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
+    """Reorder the rows of MLA's query and kv_a projections that make rotary dims from interleaved pairs
+    (x0, x1), (x2, x3)... to halves (x0, x2, ..., x1, x3, ...): DeepSeek's checkpoint layout to the rotate-half
+    layout the shared rotary code turns (the scores q . k are the same under one order for both)."""
+    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    halves = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    for i in range(cfg.num_layers):
+        for name, head_width, offset in (("q_b" if cfg.q_lora_rank else "q_proj", nope + rope, nope),
+                                         ("kv_a", cfg.kv_lora_rank + rope, cfg.kv_lora_rank)):
+            key = f"layers.{i}.attn.{name}.weight"
+            if key in quantized:
+                raise ValueError(f"{key}: quantized latent-attention projections are not supported yet")
+            heads = state[key].shape[0] // head_width
+            order = torch.arange(state[key].shape[0]).view(heads, head_width)
+            order[:, offset:] = order[:, offset:][:, halves]
+            state[key] = state[key][order.flatten()]
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> LoadedModel:

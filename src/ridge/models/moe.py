@@ -7,7 +7,10 @@ formats and CPU kernels apply to experts as to any dense layer (DecoderModel.rep
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
 norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
-runs, its output scaled by sigmoid(shared_expert_gate(x)).
+runs, its output scaled by sigmoid(shared_expert_gate(x)). DeepSeek-V3's: sigmoid scores; the experts split
+into router_groups groups, each group rated by its two best scores plus the per-expert correction bias, the
+top k chosen (by score + bias) within the router_topk_groups best groups, weighted by their scores without
+the bias (renormalised), times routed_scaling_factor; its shared experts run ungated.
 """
 
 from __future__ import annotations
@@ -22,15 +25,21 @@ from ridge.models.layers import GatedMLP
 
 
 class Router(nn.Linear):
-    """The router's logits. A subclass so that replace_linears leaves it as it is: a few thousand weights whose
-    rounding would move tokens between experts."""
+    """The router's logits. Its own class, so that replace_linears (which swaps plain nn.Linear) and quantization
+    (keep_dense) leave it as it is: a few thousand weights whose rounding would move tokens between experts."""
+
+    keep_dense = True
 
 
 class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.sigmoid, self.scaling = cfg.router_scoring == "sigmoid", cfg.routed_scaling_factor
+        self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.router = Router(cfg.hidden_size, cfg.num_experts, bias=False)
+        # DeepSeek-V3's e_score_correction_bias: moves which experts are chosen, not their weights
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         width = cfg.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(cfg, width) if width else None
@@ -43,15 +52,27 @@ class MoEBlock(nn.Module):
         experts = len(self.experts)
         touched = experts * (1 - (1 - self.top_k / experts) ** batch)
         always = [m for m in (self.router, self.shared_expert, self.shared_expert_gate) if m is not None]
-        return sum(read(m) for m in always) + touched * sum(read(e) for e in self.experts) / experts
+        bias = self.router_bias.nbytes if self.router_bias is not None else 0
+        return bias + sum(read(m) for m in always) + touched * sum(read(e) for e in self.experts) / experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (float32)."""
-        probs = self.router(x).float().softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        logits = self.router(x).float()
+        if not self.sigmoid:
+            weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.router_bias.float()
+            if self.groups > 1:
+                grouped = choice.view(x.shape[0], self.groups, -1)
+                best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_groups, dim=-1).indices
+                keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+                choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+            experts = choice.topk(self.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        return experts, weights * self.scaling if self.scaling != 1.0 else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)

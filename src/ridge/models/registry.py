@@ -25,8 +25,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"qkv_bias": True, "shared_expert_gate": True},
     "qwen3_moe": {"qk_norm": True},
     "olmoe": {"qk_norm_full": True},
+    # latent attention and a sigmoid, group-limited router (models/mla.py, models/moe.py); Kimi K2 too
+    "deepseek_v3": {"router_scoring": "sigmoid"},
 }
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+_MLA = ("deepseek_v3",)
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -41,6 +44,7 @@ _HF_NAMES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
@@ -67,14 +71,12 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     arch = check_supported(spec.architecture)
     if spec.rope_scaling is not None:
         raise ValueError(f"rope_scaling: {spec.rope_scaling!r} is not supported yet (only plain rotary)")
-    if spec.is_mla:
-        raise ValueError(f"{spec.source}: latent attention (MLA) is not supported yet")
+    if spec.is_mla and arch not in _MLA:
+        raise ValueError(f"{spec.source}: latent attention (MLA) of architecture {arch!r} is not supported "
+                         f"({', '.join(_MLA)})")
     if spec.is_moe and arch not in _MOE:
         raise ValueError(f"{spec.source}: experts of architecture {arch!r} are not supported (mixtures of experts: "
                          f"{', '.join(_MOE)})")
-    if spec.is_moe and spec.shared_experts > (1 if spec.shared_expert_intermediate_size else 0):
-        raise ValueError(f"{spec.source}: n_shared_experts: {spec.shared_experts} shared experts of the routed "
-                         "experts' width (DeepSeek's) are not supported yet")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
@@ -104,8 +106,16 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if spec.is_moe:
         fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size,
-                      shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-                      dense_layers=spec.dense_layer_indices)
+                      shared_expert_intermediate_size=spec.shared_expert_intermediate_size
+                      or spec.shared_experts * spec.moe_intermediate_size,  # DeepSeek: n_shared experts as one FFN
+                      dense_layers=spec.dense_layer_indices, router_groups=spec.router_groups,
+                      router_topk_groups=spec.router_topk_groups, routed_scaling_factor=spec.routed_scaling_factor)
+    if spec.is_mla:  # one KV "head": the latent and the rotary key; scores scaled by the query's own width
+        fields.update(num_kv_heads=1, head_dim=spec.kv_lora_rank + spec.qk_rope_head_dim,
+                      query_pre_attn_scalar=spec.qk_nope_head_dim + spec.qk_rope_head_dim,
+                      kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or 0,
+                      qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
+                      v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave)
     fields.update(ARCHITECTURES[arch])
     if spec.norm_topk_prob is not None and arch != "mixtral":
         fields["norm_topk_prob"] = bool(spec.norm_topk_prob)

@@ -61,6 +61,11 @@ class ModelSpec:
     moe_layer_step: int = field(default=1, compare=False)  # every n-th layer is MoE (Qwen's decoder_sparse_step)
     dense_only_layers: tuple[int, ...] = field(default=(), compare=False)  # Qwen's mlp_only_layers
     clip_qkv: float | None = field(default=None, compare=False)  # OLMo's clamp of q, k, v
+    # DeepSeek-V3's router (group-limited, sigmoid) and its checkpoints' interleaved rotary dims
+    router_groups: int = field(default=1, compare=False)
+    router_topk_groups: int = field(default=1, compare=False)
+    routed_scaling_factor: float = field(default=1.0, compare=False)
+    rope_interleave: bool = field(default=False, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -186,7 +191,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         attn_logit_softcap=config.get("attn_logit_softcapping"),
         final_logit_softcap=config.get("final_logit_softcapping"), norm_topk_prob=config.get("norm_topk_prob"),
         moe_layer_step=int(config.get("decoder_sparse_step") or 1),
-        dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"), **fields,
+        dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"),
+        router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
+        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        rope_interleave=bool(config.get("rope_interleave", False)), **fields,
     ).validate()
 
 

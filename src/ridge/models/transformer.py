@@ -10,7 +10,8 @@ from torch import nn
 
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
-from ridge.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 
 
@@ -19,8 +20,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, MoEBlock(cfg) if cfg.is_moe_layer(i) else GatedMLP(cfg))
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, LatentAttention(cfg, i) if cfg.is_mla else Attention(cfg, i),
+                         MoEBlock(cfg) if cfg.is_moe_layer(i) else GatedMLP(cfg), cfg.is_local(i))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -30,8 +33,8 @@ class DecoderModel(nn.Module):
         """The rotary tables (buffers, not weights: made again after loading weights onto the meta device):
         one for global layers, and one for local layers where their base differs (Gemma 3)."""
         cfg = self.cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.rotary_local = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
                              if cfg.rope_local_theta is not None else None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

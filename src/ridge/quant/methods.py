@@ -52,6 +52,12 @@ HEAD_METHOD = "int8"
 HEAD = "output_projection"  # the vocabulary projection's key among the layers' (its input: the final norm's output)
 
 
+def quantizable(module: nn.Module) -> bool:
+    """A linear layer whose weights quantization replaces: any but those marked keep_dense (an MoE router,
+    models/moe.py: a few thousand weights whose rounding would move tokens between experts)."""
+    return isinstance(module, nn.Linear) and not getattr(module, "keep_dense", False)
+
+
 def quantize_weights(model: nn.Module, method: str, group_size: int, fitted: dict[str, QuantizedWeight] | None = None,
                      importance: dict[str, torch.Tensor] | None = None,
                      progress: bool = False) -> Iterator[tuple[str, QuantizedWeight]]:
@@ -69,8 +75,7 @@ def quantize_weights(model: nn.Module, method: str, group_size: int, fitted: dic
     fitted, importance = fitted or {}, importance or {}
     yield HEAD, quantize_weight(model.output_weight.data, HEAD_METHOD, group_size, importance=importance.get(HEAD))
     for i, layer in enumerate(tqdm(model.layers, desc=method, unit="layer", disable=not progress)):
-        # plain nn.Linear only: subclasses (an MoE router, models/moe.py) keep their weights as they are
-        linears = [(name, child) for name, child in layer.named_modules() if type(child) is nn.Linear]
+        linears = [(name, child) for name, child in layer.named_modules() if quantizable(child)]
         for name, child in linears:
             key = f"layers.{i}.{name}"
             yield key, fitted[key] if key in fitted else quantize_weight(child.weight.data, method, group_size,

@@ -15,17 +15,16 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
+from ridge.attention import make_backend
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMetadata
-from ridge.attention.reference import ReferenceBackend
 from ridge.datasets import iter_sharegpt
 from ridge.hub import pull_dataset
 from ridge.models.layers import DecoderLayer, RopeStep
 from ridge.models.transformer import DecoderModel
 from ridge.quant.awq import clipped_int4
-from ridge.quant.methods import HEAD
+from ridge.quant.methods import HEAD, quantizable
 from ridge.quant.rtn import QuantizedWeight, dequantize
 from ridge.quantize.awq_layers import scale_layer
 from ridge.tokenizer import RidgeTokenizer
@@ -95,8 +94,7 @@ def _scratch(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
     layout = cfg.kv_layout()
     blocks = -(-max(len(w) for w in windows) // _SCRATCH_BLOCK)
     groups = len(layout.groups)
-    backend = ReferenceBackend(layout, cfg.num_kv_heads, cfg.head_dim, blocks * groups, _SCRATCH_BLOCK, dtype,
-                               device)
+    backend = make_backend(cfg, "reference", blocks * groups, _SCRATCH_BLOCK, dtype, device)
     tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]  # each group its own blocks
     prompts = [(torch.tensor(ids, dtype=torch.long, device=device),
                 [AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, group.window, device)
@@ -135,7 +133,7 @@ def _one_pass(model: DecoderModel, windows: list[list[int]], accumulate: Callabl
     (keys `layers.<module name>`, and HEAD for the vocabulary projection's)."""
     hooks = [module.register_forward_pre_hook(lambda _m, args, name=f"layers.{name}": accumulate(name, args[0]))
              for name, module in model.layers.named_modules()
-             if type(module) is nn.Linear and (only is None or f"layers.{name}" in only)]
+             if quantizable(module) and (only is None or f"layers.{name}" in only)]
     if only is None or HEAD in only:
         hooks.append(model.norm.register_forward_hook(lambda _m, _args, out: accumulate(HEAD, out[0])))
     backend, prompts = _scratch(model, windows, dtype, device)
@@ -206,7 +204,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
         if prepare is not None:
             prepare(layer, states, backend)
-        linears = {f"layers.{i}.{name}": m for name, m in layer.named_modules() if type(m) is nn.Linear}
+        linears = {f"layers.{i}.{name}": m for name, m in layer.named_modules() if quantizable(m)}
         hessians: dict[str, torch.Tensor] = {}
         hooks = [m.register_forward_pre_hook(lambda _m, args, key=key, sums=hessians: _accumulate(sums, key, args[0]))
                  for key, m in linears.items()]

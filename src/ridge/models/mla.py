@@ -1,0 +1,58 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi K2): the cache holds one latent per token, not K and V per head.
+
+A token's keys and values come from a shared latent c = norm(W_DKV x) of kv_lora_rank values and a rotary key
+k_pe of qk_rope_head_dim values that every head shares; head h's key is [W_UK[h] c, k_pe] and its value
+W_UV[h] c. Attention runs in the absorbed form (DeepSeek-V2's paper, section 2.1.3): W_UK[h] is folded into head
+h's query, q_h' = [W_UK[h]^T q_nope_h, q_pe_h], so that every head scores the cached [c, k_pe] rows directly
+(one KV head of kv_lora_rank + qk_rope_head_dim dims, attention/latent.py), and W_UV[h] is applied to each
+head's weighted sum of c after. Decode then reads the latents only, 576 values a token a layer for DeepSeek-V3.
+Prefill runs the same absorbed form (it could expand K and V per head instead: fewer FLOPs for long prompts).
+
+DeepSeek's checkpoints lay the rotary dimensions out in interleaved pairs; the loader reorders those rows of
+the q and kv_a projections to halves (models/loader.py), so that the shared rotary code applies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ridge.attention.backend import AttentionBackend, StepMetadata
+from ridge.config import ModelConfig
+from ridge.models.layers import RMSNorm, RopeStep
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.rank = cfg.num_heads, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q_width = cfg.num_heads * (self.nope + self.rope)
+        if cfg.q_lora_rank:  # the query through its own low-rank bottleneck (DeepSeek-V3)
+            self.q_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=False)
+        self.kv_a = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=False)  # W_DKV and the rotary key
+        self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        # W_UK and W_UV of every head, [heads * (nope + v_dim), rank]: a parameter, not a layer, since decode only
+        # ever multiplies by its per-head slices (never by the whole matrix)
+        self.kv_b = nn.Parameter(torch.empty(cfg.num_heads * (self.nope + self.v_dim), self.rank))
+        self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RopeStep, backend: AttentionBackend, meta: StepMetadata) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        q = self.q_b(self.q_a_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q_proj(x)
+        q_nope, q_pe = q.view(tokens, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a(x).split([self.rank, self.rope], dim=-1)
+        q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous().view(tokens, 1, self.rope)
+        rope.apply_(q_pe, heads)
+        rope.apply_(k_pe, 1)
+        up = self.kv_b.view(heads, self.nope + self.v_dim, self.rank)
+        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up[:, :self.nope]), q_pe], dim=-1)
+        row = torch.cat([self.kv_a_norm(latent), k_pe.view(tokens, self.rope)], dim=-1).unsqueeze(1)
+        mixed = backend.forward(self.layer_index, query, row, row, meta)  # [T, heads, rank]: weighted latents
+        out = torch.einsum("thr,hvr->thv", mixed, up[:, self.nope:])
+        return self.o_proj(out.reshape(tokens, heads * self.v_dim))
