@@ -117,6 +117,7 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(moe_model, make_llm_f
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("moe_model", ["qwen2_moe", "deepseek_v3"], indirect=True)  # shared experts, two routers
 def test_quantized_experts_run_on_the_dense_kernels(moe_model, make_llm_for_test):
     from ridge.linear import GroupedInt8Linear
     from ridge.models.moe import MoEBlock, Router

@@ -242,7 +242,7 @@ def test_constrained_speculation_equals_constrained_plain_decoding(make_llm_for_
         "additionalProperties": False}
     constraint = StructuredOutputsParams(json=schema)
     prompts = ["A shopping list as JSON:", "JSON of fruits and how many:"]
-    greedy = SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint)
+    greedy = SamplingParams(temperature=0, max_tokens=32, structured_outputs=constraint)
     plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy)]
     llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
                             speculation_policy="fixed")
@@ -250,7 +250,7 @@ def test_constrained_speculation_equals_constrained_plain_decoding(make_llm_for_
     outs = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.metrics["spec_accepted_tokens"] for o in outs) > 0
-    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=60,
+    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=48,
                                                    structured_outputs=constraint))
     for out in sampled:
         if out.outputs[0].finish_reason == "stop":  # a reply cut by max_tokens is a valid prefix only

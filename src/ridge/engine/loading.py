@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,24 +63,6 @@ class ModelFile:
 
 
 
-def _check_random_fits(spec: ModelSpec, config: EngineConfig) -> None:
-    """Refuse, before drawing a weight, a random model whose weights (the plan's count) exceed the memory its device
-    has free: drawing DeepSeek-V3's 671B parameters would end in the kernel's out-of-memory killer, not an error."""
-    import torch
-
-    from ridge.plan.arithmetic import weight_bytes
-
-    needed = weight_bytes(spec, {torch.float32: "fp32"}.get(config.torch_dtype, "bf16"))
-    if torch.device(config.device).type == "cuda":
-        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if needed > free:
-        raise ValueError(f"model: {spec.name}'s weights take {needed / 2**30:.1f} GiB in {config.dtype}, more than the "
-                         f"{free / 2**30:.1f} GiB {config.device} has free; give it fewer layers or experts "
-                         f"('{spec.name},num_layers=4')")
-
-
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool) -> LoadedModel:
     """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
     made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after."""
@@ -90,7 +71,6 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if model.random is not None:
         if config.quantization == "gguf":
             raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
-        _check_random_fits(model.random, config)
         loaded = random_model(model.random, config.torch_dtype, config.device, config.seed)
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,

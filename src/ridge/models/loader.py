@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -241,9 +242,23 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed:
     with torch.device("meta"):
         model = DecoderModel(cfg)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    _check_fits(spec.name, sum(shape.numel() for shape in shapes.values()) * dtype.itemsize, dtype, device)
     model = _with_weights(model, random_state(shapes, dtype, device, seed), device, spec.name)
     return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
                        f"{str(dtype).removeprefix('torch.')}")
+
+
+def _check_fits(name: str, needed: int, dtype: torch.dtype, device: str) -> None:
+    """Refuse, before a weight is drawn, weights larger than the memory the device has free: drawing DeepSeek-V3's
+    671B random parameters would end in the kernel's out-of-memory killer, not an error."""
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free:
+        raise ValueError(f"model: {name}'s weights take {needed / 2**30:.1f} GiB in "
+                         f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.1f} GiB {device} has "
+                         f"free; give it fewer layers or experts ('{name},num_layers=4')")
 
 
 def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: str, source: str) -> DecoderModel:

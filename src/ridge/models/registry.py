@@ -75,8 +75,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         raise ValueError(f"{spec.source}: latent attention (MLA) of architecture {arch!r} is not supported "
                          f"({', '.join(_MLA)})")
     if spec.is_moe and arch not in _MOE:
-        raise ValueError(f"{spec.source}: experts of architecture {arch!r} are not supported (mixtures of experts: "
-                         f"{', '.join(_MOE)})")
+        raise ValueError(f"{spec.source}: a mixture of experts in architecture {arch!r} is not supported (mixtures "
+                         f"of experts: {', '.join(_MOE)})")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
