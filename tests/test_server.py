@@ -513,6 +513,7 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"chat_template": "{{ messages }}"}, "chat_template"),  # this server does not trust a request's template
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),  # a variable the request's fields set
     ({"best_of": 3}, "best_of"),  # chat completions do not rank samples
+    ({"suffix": "x"}, "suffix"), ({"echo": True}, "echo"),  # completions' fields
     ({"logits_processors": ["x"]}, "logits_processors"),
     ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),

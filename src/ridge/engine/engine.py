@@ -370,11 +370,10 @@ class LLMEngine:
             metrics["spec_accepted_tokens"] = sum(s.speculation.num_accepted_tokens for s in request.seqs)
             metrics["spec_drafts"] = sum(s.speculation.num_drafts for s in request.seqs)
         first = request.seqs[0]
-        prompt_logprobs = None
+        scored = None  # the prompt's logprobs, in the first delta after its last token was scored
         if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.scores_prompt:
-            prompt_logprobs, request.prompt_logprobs_sent = first.prompt_logprobs, True
-        return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens,
-                            prompt_logprobs)
+            scored, request.prompt_logprobs_sent = first.prompt_logprobs, True
+        return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens, scored)
 
     def check_integrity(self) -> None:
         """Assert the KV accounting holds; when idle, every block is free (or parked in the prefix cache)."""

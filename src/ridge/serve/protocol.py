@@ -104,6 +104,11 @@ UNSUPPORTED = {
     "web_search_options": "not supported",
     "reasoning_effort": "not supported",
 }
+# Fields one endpoint honours and the other has not: refused by name where the request's body lacks them.
+ONE_ENDPOINT = {
+    "suffix": "fill-in-the-middle is a completions field (a prompt and its suffix)",
+    "echo": "a completions field; chat completions do not echo the conversation",
+}
 # Fields that only label or prioritise a request: accepted, and said in the log when they ask for something.
 LABELS = ("user", "metadata", "service_tier", "priority", "request_id")
 
@@ -154,6 +159,9 @@ class SamplingFields(Body):
                 if name == "function_call" and value in ("none", "auto"):
                     continue  # with no functions (refused when given), these choose nothing
                 if _asks(value):
+                    raise ValueError(f"{name}: {why}")
+            for name, why in ONE_ENDPOINT.items():
+                if name not in cls.model_fields and _asks(data.get(name)):
                     raise ValueError(f"{name}: {why}")
             best_of = data.get("best_of")
             if "best_of" not in cls.model_fields and _asks(best_of) and best_of != data.get("n", 1):
@@ -408,27 +416,32 @@ class NamedToolChoice(Body):
     function: dict[str, Text]
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+class ChatRendering(Body):
+    """How a conversation is rendered beyond its messages (chat completions and /tokenize alike)."""
+
     continue_final_message: bool = False
-    chat_template: Text | None = None
+    chat_template: Text | None = None  # run only on a server that trusts requests' templates (the gateway checks)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
 
     @model_validator(mode="after")
-    def _template_kwargs_unicode(self) -> ChatCompletionRequest:
+    def _template_kwargs_unicode(self) -> ChatRendering:
         check_unicode(self.chat_template_kwargs, "chat_template_kwargs")
         return self
 
     def chat_options(self) -> ChatOptions:
         return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {})
+
+
+class ChatCompletionRequest(SamplingFields, ChatRendering):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
 
     def use_tool_markers(self, markers: tuple[str, str]) -> None:
         self._tool_markers = markers
@@ -490,23 +503,12 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(ChatRendering):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _template_kwargs_unicode(self) -> TokenizeRequest:
-        check_unicode(self.chat_template_kwargs, "chat_template_kwargs")
-        return self
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {})
 
 
 class DetokenizeRequest(Body):
