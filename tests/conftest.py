@@ -252,12 +252,20 @@ def _server_idle_and_whole(request):
     assert state.num_free_blocks == state.num_blocks
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:
-    """HF transformers' greedy continuation, stopping where ridge stops (EOS and end-of-turn tokens)."""
+def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> list[str]:
+    """Where ridge's greedy continuation `tokens` is not HF transformers' greedy choice, judged in one forward
+    pass over the prompt and `tokens` (teacher forcing: a generate() call costs a step per token). A token counts
+    as HF's choice when its logit is within float32 noise (1e-4 of the row's scale) of the row's maximum: two
+    logits that close are a tie that the order of a sum decides, in HF itself between its cached and whole-prompt
+    passes. Empty exactly when HF's greedy decoding could have produced `tokens`, stop token included."""
+    ids = torch.tensor([prompt_ids + tokens[:-1]])
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=sorted(stop_ids), pad_token_id=sorted(stop_ids)[0])
-    return out[0, len(prompt_ids):].tolist()
+        logits = model(ids, logits_to_keep=len(tokens)).logits[0].float()
+    best = logits.max(-1)
+    tolerance = 1e-4 * logits.abs().amax(-1).clamp(min=1.0)
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return [f"token {i}: ridge {tokens[i]} ({chosen[i]:.5f}), HF {int(best.indices[i])} ({best.values[i]:.5f})"
+            for i in torch.nonzero(chosen < best.values - tolerance).flatten().tolist()]
 
 
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

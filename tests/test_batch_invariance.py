@@ -36,9 +36,12 @@ def test_greedy_under_load_equals_alone(make_llm_for_test, smollm2_path, dtype):
     chats = [llm.render_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:8]]
     prompts = chats + random_prompts(8, llm.engine.loaded.config.vocab_size, 3, 200, seed=5)
     under_load = llm.generate(prompts, GREEDY)
-    assert sum(o.metrics["num_preemptions"] for o in under_load) > 0, "the pool was meant to force preemption"
-    alone = [llm.generate(p, GREEDY)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in under_load] == [o.outputs[0].token_ids for o in alone]
+    # alone: every preempted request, and every third of the others (half the time of all sixteen)
+    checked = [i for i, o in enumerate(under_load) if o.metrics["num_preemptions"] > 0 or i % 3 == 0]
+    assert len(checked) < len(prompts) and any(under_load[i].metrics["num_preemptions"] for i in checked), \
+        "the pool was meant to force preemption"
+    alone = [llm.generate(prompts[i], GREEDY)[0].outputs[0].token_ids for i in checked]
+    assert [under_load[i].outputs[0].token_ids for i in checked] == alone
 
 
 @pytest.mark.parametrize(("field", "value"), [("attention_backend", "reference"), ("cpu_kernels", False),

@@ -23,12 +23,12 @@ def in_process(capsys, *args: str) -> int:
         return exit_.code
 
 
-def test_help_explains_every_command():
-    out = run("--help").stdout
+def test_help_explains_every_command(capsys):
+    out = run("--help").stdout  # once as a user starts it
     for command in ("pull", "generate", "chat", "demo", "bench"):
         assert command in out
-    assert "--kv-cache-memory" in run("generate", "--help").stdout
-    assert "--peer" in run("bench", "throughput", "--help").stdout
+    assert in_process(capsys, "generate", "--help") == 0 and "--kv-cache-memory" in capsys.readouterr().out
+    assert in_process(capsys, "bench", "throughput", "--help") == 0 and "--peer" in capsys.readouterr().out
 
 
 def test_pull_unknown_model_lists_known(smollm2_path):
@@ -36,21 +36,22 @@ def test_pull_unknown_model_lists_known(smollm2_path):
     assert result.returncode == 2 and "smollm2" in result.stderr and "qwen2.5-coder-0.5b" in result.stderr
 
 
-def test_generate_json(smollm2_path):
-    result = run("generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0", "--max-tokens", "8",
-                 "--json", "--kv-cache-memory", "64MiB")
-    record = json.loads(result.stdout)
+def test_generate_json(smollm2_path, capsys):
+    assert in_process(capsys, "generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0",
+                      "--max-tokens", "8", "--json", "--kv-cache-memory", "64MiB") == 0
+    record = json.loads(capsys.readouterr().out)
     assert record["outputs"][0]["finish_reason"] in ("stop", "length")
     assert len(record["outputs"][0]["token_ids"]) <= 8 and record["metrics"]["ttft_s"] > 0
 
 
-def test_generate_json_schema(smollm2_path, tmp_path):
+def test_generate_json_schema(smollm2_path, tmp_path, capsys):
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
               "additionalProperties": False}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    result = run("generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0", "--max-tokens", "24",
-                 "--json", "--kv-cache-memory", "64MiB", "--json-schema", str(tmp_path / "schema.json"))
-    output = json.loads(result.stdout)["outputs"][0]
+    assert in_process(capsys, "generate", "--prompt", "What is 2+2?", "--chat", "--temperature", "0",
+                      "--max-tokens", "24", "--json", "--kv-cache-memory", "64MiB",
+                      "--json-schema", str(tmp_path / "schema.json")) == 0
+    output = json.loads(capsys.readouterr().out)["outputs"][0]
     assert output["finish_reason"] == "stop" and isinstance(json.loads(output["text"])["answer"], int)
 
 
@@ -63,21 +64,23 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
     """`ridge quantize` writes a checkpoint that `generate` serves (here on int8 activations); `ridge bench
     quant` measures two formats in one run and reports their bytes per step, tok/s and bandwidth fraction."""
     out = tmp_path / "int8"
-    report = json.loads(run("quantize", "smollm2", "--method", "rtn", "--bits", "8", "--out", str(out),
-                            "--json").stdout)
+    def output(*args: str) -> dict:
+        assert in_process(capsys, *args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    report = output("quantize", "smollm2", "--method", "rtn", "--bits", "8", "--out", str(out), "--json")
     assert report["layout"] == "gptq" and report["layers"] == 30 * 7 and (out / "config.json").exists()
-    result = run("generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
-                 "--json", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--int8-activations")
-    assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
+    result = output("generate", "--model", str(out), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
+                    "--json", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--int8-activations")
+    assert len(result["outputs"][0]["token_ids"]) == 4
     for args, message in ((["quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x")],
                            "bits"),
                           (["bench", "quant", "smollm2", "--formats", "float32,fp8+a8"], "fp8+a8 not among"),
                           (["bench", "quant", "smollm2", "--rounds", "0"], "rounds: must be at least 1, got 0")):
         assert in_process(capsys, *args) != 0 and message in capsys.readouterr().err  # refused before any work
-    bench = json.loads(run("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager",
-                           "--baseline", "float32",
-                           "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2",
-                           "--repeats", "1", "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png")).stdout)
+    bench = output("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager", "--baseline", "float32",
+                   "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2", "--repeats", "1",
+                   "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png"))
     assert (tmp_path / "formats.png").stat().st_size > 0
     rows = {row["name"]: row for row in bench["formats"]}
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
