@@ -23,7 +23,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ridge import LLM, hub
+from ridge import LLM, SamplingParams, hub
 from ridge.kernels import cpu_ops
 
 _ENGINES: list[LLM] = []
@@ -266,6 +266,22 @@ def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> 
     chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
     return [f"token {i}: ridge {tokens[i]} ({chosen[i]:.5f}), HF {int(best.indices[i])} ({best.values[i]:.5f})"
             for i in torch.nonzero(chosen < best.values - tolerance).flatten().tolist()]
+
+
+def greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab: int):
+    """A random-config model's 48 greedy tokens for a batch of 16 prompts of mixed lengths (one of 90-100 tokens:
+    3 chunks of the 32-token budget), the first 5 checked against HF's choices and the first 2 run alone too:
+    (the engine, the prompts, the sampling params, the batch's tokens) for the runtime checks that follow."""
+    prompts = random_prompts(16, vocab, 4, 60, seed=2)
+    prompts[0] = random_prompts(1, vocab, 90, 100, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=32)
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for ids, tokens in zip(prompts[:5], batch, strict=False):
+        assert not hf_greedy_disagreements(hf, ids, tokens)
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:2]]
+    assert alone == batch[:2]
+    return llm, prompts, params, batch
 
 
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

@@ -79,7 +79,30 @@ def test_integrity_check_catches_what_it_guards():
 
 def test_scratch_blocks_come_back():
     kv = KVManager(4, 4)
-    with pytest.raises(RuntimeError), kv.scratch(10) as tables:
-        assert [len(t) for t in tables] == [3] and kv.num_free == 1
+    with pytest.raises(RuntimeError), kv.scratch(10) as (tables, slot):
+        assert [len(t) for t in tables] == [3] and kv.num_free == 1 and slot is None
         raise RuntimeError("a forward pass that fails")
     kv.check_idle()
+
+
+def test_state_slots_go_with_the_blocks():
+    """A model with recurrent state: a sequence takes a slot with its first reservation and gives it back when
+    freed; one that finds no free slot gets nothing (no block either) and waits."""
+    kv = KVManager(8, 4, num_state_slots=2)
+    a, b, c = (seq(i, list(range(6))) for i in range(3))
+    assert kv.reserve(a, 6) and kv.reserve(b, 6) and {a.state_slot, b.state_slot} == {0, 1}
+    assert kv.reserve(a, 7) and a.state_slot in (0, 1)  # growing keeps its slot
+    free = kv.num_free
+    assert not kv.reserve(c, 6) and c.state_slot is None and kv.num_free == free
+    kv.check_integrity([a, b], [c])
+    kv.free(a)
+    assert kv.reserve(c, 6) and c.state_slot is not None
+    with pytest.raises(ValueError, match="no free state slot"), kv.scratch(4):
+        pass  # scoring a text needs a slot too: none is free
+    kv.free(b)
+    with kv.scratch(4) as (_, slot):
+        assert slot is not None and slot != c.state_slot
+    kv.free(c)
+    kv.check_idle()
+    with pytest.raises(AssertionError, match="released twice"):
+        kv.states.release(0)

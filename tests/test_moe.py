@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy_disagreements, random_prompts
+from conftest import greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
 from test_models_random import byte_tokenizer
 
@@ -88,15 +88,7 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(moe_model, make_llm_f
     chunks (one prompt is 3 chunks long); alone, in a pool that preempts, and without the prefix cache, the
     batch's tokens do not change."""
     path, hf = moe_model
-    prompts = random_prompts(16, VOCAB, 4, 60, seed=2)
-    prompts[0] = random_prompts(1, VOCAB, 90, 100, seed=3)[0]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=32)
-    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    for ids, tokens in zip(prompts[:5], batch, strict=False):
-        assert not hf_greedy_disagreements(hf, ids, tokens)
-    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:2]]
-    assert alone == batch[:2]
+    llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
     cfg = llm.engine.loaded.config
     room = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 224  # the longest sequence and a bit: 224 tokens
     tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(room), enable_prefix_caching=False,

@@ -162,6 +162,25 @@ def test_sliding_window_layers_cap_their_kv_at_the_window():
     assert a.kv_bytes(m, "bf16", 100) == a.kv_bytes_per_token(m, "bf16") * 100
 
 
+def test_mamba2_2_7b_has_2_7b_parameters_and_a_172_mb_state_at_any_context():
+    # 64 layers of a Mamba-2 mixer, 2560 wide, inner 5120 in 80 heads of 64, a 128-state, 1 group, 4 taps:
+    # in_proj 2560 x (5120 + 5376 + 80), out_proj 5120 x 2560, conv 5376 x 5: ~40.2M a layer; tied embeddings
+    m = PRESETS["mamba2-2.7b"]
+    assert close(a.count_parameters(m).stored, 2.7e9, 0.01)
+    # a state per layer: 5376 channels x 3 inputs + 80 x 64 x 128, in float32; no KV at all
+    assert a.state_bytes(m) == 4 * 64 * (5376 * 3 + 80 * 64 * 128)
+    assert a.kv_bytes(m, "bf16", 1_000_000) == 0
+    assert a.sequence_cache_bytes(m, "bf16", 1) == a.sequence_cache_bytes(m, "bf16", 1_000_000)
+
+
+def test_bamba_9b_is_9_78b_and_its_3_attention_layers_alone_grow_with_the_context():
+    m = PRESETS["bamba-9b"]
+    assert m.num_attention_layers == 3 and len(m.ssm_layers) == 29
+    assert close(a.count_parameters(m).stored, 9.78e9, 0.005)  # the published 9.78B
+    assert a.kv_bytes_per_token(m, "bf16") == 2 * 3 * 8 * 128 * 2  # K and V, 3 layers, 8 KV heads of 128
+    assert a.sequence_cache_bytes(m, "bf16", 4096) == a.kv_bytes(m, "bf16", 4096) + a.state_bytes(m)
+
+
 def test_moe_decode_reads_only_the_experts_the_batch_routes_to():
     m = PRESETS["qwen3-30b-a3b"]
     assert a.experts_touched(m, 1) == 8

@@ -86,14 +86,34 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rotary dims sit in interleaved pairs: reordered at load
+    partial_rotary_factor: float = 1.0  # rotary turns the first head_dim * this dims of a head (Bamba: half)
+    # Mamba-2 state-space layers (models/mamba.py) in place of attention at ssm_layers: ssm_num_heads heads of
+    # ssm_head_dim, a state of ssm_state_size per head dim, B and C shared by heads in ssm_groups groups, a causal
+    # convolution of ssm_conv_kernel taps; a sequence keeps a fixed-size state instead of a growing cache.
+    # has_mlp False: the layers hold a mixer only (Mamba-2's own models)
+    ssm_layers: tuple[int, ...] = ()
+    ssm_state_size: int = 0
+    ssm_num_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_groups: int = 1
+    ssm_conv_kernel: int = 4
+    ssm_chunk_size: int = 256
+    ssm_conv_bias: bool = True
+    ssm_proj_bias: bool = False
+    ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    has_mlp: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
+        if self.attention_layers and self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if self.ssm_layers and self.ssm_inner_size % self.ssm_groups:
+            raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide the SSM's width ({self.ssm_inner_size})")
+        if self.ssm_layers and self.ssm_num_heads % self.ssm_groups:
+            raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide ssm_num_heads ({self.ssm_num_heads})")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), got "
                              f"{self.num_experts_per_tok}")
@@ -107,11 +127,37 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims rotary embedding turns: a head's, or MLA's rotary part."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """The dims rotary embedding turns: a head's (or its first part, with a partial rotary), or MLA's rotary
+        part."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+
+    def is_ssm_layer(self, layer: int) -> bool:
+        return layer in self.ssm_layers
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.ssm_layers]
+
+    @property
+    def ssm_inner_size(self) -> int:
+        return self.ssm_num_heads * self.ssm_head_dim
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """What the causal convolution runs over: the SSM's input x and its B and C."""
+        return self.ssm_inner_size + 2 * self.ssm_groups * self.ssm_state_size
+
+    def ssm_state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state over every SSM layer, kept in float32: the convolution's last
+        ssm_conv_kernel - 1 inputs and the SSM state, per layer."""
+        per_layer = (self.ssm_conv_channels * (self.ssm_conv_kernel - 1)
+                     + self.ssm_num_heads * self.ssm_head_dim * self.ssm_state_size)
+        return 4 * per_layer * len(self.ssm_layers)
 
     @property
     def attention_scale(self) -> float:
+        if not self.attention_layers:
+            return 1.0  # a model without attention (pure Mamba-2): never used
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -129,7 +175,8 @@ class ModelConfig:
         return self.sliding_window if self.sliding_window and self.is_local(layer) else None
 
     def kv_layout(self) -> KVLayout:
-        return kv_layout([self.layer_window(i) for i in range(self.num_layers)])
+        """The attention layers' KV groups (state-space layers hold no KV: none in a pure Mamba model)."""
+        return kv_layout({i: self.layer_window(i) for i in self.attention_layers})
 
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent

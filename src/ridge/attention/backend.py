@@ -132,9 +132,11 @@ class AttentionBackend(ABC):
         k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
         k_slots = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         v_slots = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
-        self.k_cache = [k_slots[slot] for slot in layout.slot_of_layer()]
-        self.v_cache = [v_slots[slot] for slot in layout.slot_of_layer()]
+        # indexed by layer number; a layer without attention (a state-space layer) has no cache
+        self.k_cache = {layer: k_slots[slot] for layer, slot in layout.slot_of_layer().items()}
+        self.v_cache = {layer: v_slots[slot] for layer, slot in layout.slot_of_layer().items()}
         self.group_of_layer = layout.group_of_layer()
+        self.dtype, self.device = dtype, torch.device(device)
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = scale or head_dim**-0.5
         self.softcap = softcap

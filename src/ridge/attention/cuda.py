@@ -63,7 +63,7 @@ class CudaBackend(PagedBackend):
 
     @cached_property
     def multiprocessors(self) -> int:
-        return torch.cuda.get_device_properties(self.k_cache[0].device).multi_processor_count
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.kernels.cache_write(k, v, self.k_cache[layer], self.v_cache[layer], slots)

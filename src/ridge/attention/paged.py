@@ -65,7 +65,7 @@ class PagedBackend(AttentionBackend):
         if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: their tables as they are
             self._set_kernel_rows(meta, None, meta.decode_block_tables, meta.decode_context_lens)
             return
-        in_place = self.ops is not None and self.k_cache[0].dtype == torch.bfloat16  # the kernel's fast path
+        in_place = self.ops is not None and self.dtype == torch.bfloat16  # the kernel's fast path
         rows = [torch.arange(meta.num_decodes, device=device)]
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         meta.sdpa_chunks = []

@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from ridge.config import EngineConfig
+from ridge.config import EngineConfig, ModelConfig
 from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.limits import RequestLimits
@@ -35,6 +35,24 @@ from ridge.models.loader import LoadedModel
 from ridge.sampling_params import SamplingParams
 
 log = logging.getLogger("ridge")
+
+
+def kv_memory_split(cfg: ModelConfig, config: EngineConfig) -> tuple[int, int]:
+    """kv_cache_memory as (KV blocks, recurrent-state slots). A state-space model's running sequences each hold a
+    fixed state, so slots bound how many run at once: max_num_seqs of them where they fit in half the memory (all
+    of it without attention layers), as many as fit otherwise; the blocks take the rest."""
+    budget = config.kv_cache_bytes
+    slots = 0
+    if cfg.ssm_layers:
+        share = budget // 2 if cfg.attention_layers else budget
+        slots = min(config.max_num_seqs, share // cfg.ssm_state_bytes())
+        if slots < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes holds no recurrent state of this model "
+                             f"({cfg.ssm_state_bytes()} bytes a sequence{' in half of it' if share < budget else ''})")
+        budget -= slots * cfg.ssm_state_bytes()
+    if not cfg.attention_layers:
+        return 0, slots
+    return budget // cfg.kv_bytes_per_block(config.torch_dtype, config.block_size), slots
 
 
 @dataclass
@@ -62,14 +80,22 @@ class LLMEngine:
                              "above)")
         self.loaded: LoadedModel = load_weights(target, config, kernels, progress)
         cfg = self.loaded.config
+        if cfg.ssm_layers and config.speculate:
+            raise ValueError("speculate: state-space layers cannot take back rejected draft tokens (their state has "
+                             "no earlier versions); run this model without speculative decoding")
+        prefix_caching = config.enable_prefix_caching
+        if cfg.ssm_layers and prefix_caching:
+            log.warning("ridge: prefix caching is off for a model with state-space layers (a cached prefix would "
+                        "need a snapshot of the state where it ends)")
+            prefix_caching = False
         per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size)
-        num_blocks = config.kv_cache_bytes // per_block
+        num_blocks, num_state_slots = kv_memory_split(cfg, config)
         layout = cfg.kv_layout()
-        if num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
+        if layout.groups and num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
             raise ValueError(
                 f"kv_cache_memory: {config.kv_cache_bytes} bytes holds no KV block ({per_block} bytes each)"
             )
-        self.kv = KVManager(num_blocks, config.block_size, config.enable_prefix_caching, layout)
+        self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots)
         pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens)
         if pool_tokens < config.block_size:
             raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
@@ -84,6 +110,7 @@ class LLMEngine:
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
             config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
             batch_invariant=config.batch_invariant, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
+            num_state_slots=num_state_slots,
         )
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
@@ -98,6 +125,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
         log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", target.path.name, self.loaded.weight_format,
                  num_blocks, config.block_size, num_blocks * per_block / 2**20)
+        if num_state_slots:
+            log.info("ridge: %d recurrent-state slots of %.1f MiB (at most %d sequences run at once)", num_state_slots,
+                     cfg.ssm_state_bytes() / 2**20, num_state_slots)
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
@@ -115,6 +145,8 @@ class LLMEngine:
         if draft_model is None:
             return None
         draft = load_weights(draft_model, config, kernels, progress)
+        if draft.config.ssm_layers:
+            raise ValueError("draft_model: a drafter with state-space layers cannot take back rejected tokens")
         runner = ModelRunner(draft.model, config.attention_backend, num_blocks, config.block_size,
                              config.torch_dtype, config.device, cpu_ops=kernels,
                              enforce_eager=config.enforce_eager, max_batch=config.max_num_seqs,
@@ -341,8 +373,8 @@ class LLMEngine:
         checks and perplexity.
         """
         self.validate(token_ids)
-        with self.kv.scratch(len(token_ids)) as blocks:
-            return self.runner.score(token_ids, blocks)
+        with self.kv.scratch(len(token_ids)) as (blocks, state_slot):
+            return self.runner.score(token_ids, blocks, state_slot)
 
     # ---- outputs --------------------------------------------------------------------------------
     def _report(self, progressed: list[Sequence]) -> list[RequestDelta]:

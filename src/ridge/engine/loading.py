@@ -111,6 +111,9 @@ def _quantized_weights(model: DecoderModel, tokenizer: RidgeTokenizer, config: E
     method, group_size = config.quantization, config.quantization_group_size
     dtype, device = config.torch_dtype, config.device
     num_windows = windows_for(method, config.calibration_windows)  # 0 for int4, plain RTN
+    if num_windows and model.cfg.ssm_layers:
+        raise ValueError(f"quantization: {method} calibrates on text run layer by layer, which state-space layers "
+                         "do not support yet; int4, or int8 / fp8 with calibration_windows=0, quantize them without")
     windows = calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW, progress) if num_windows else []
     if method == "awq":
         fitted = awq_layerwise(model, windows, group_size, integer_zeros=False, dtype=dtype, device=device,

@@ -14,6 +14,7 @@ from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
+from ridge.kv.state_cache import StateCache, StateStep
 from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
@@ -30,6 +31,7 @@ class StepInputs:
     samplers: list[Sequence]  # the sequences those rows belong to, in order
     prompt_rows: list[int]  # rows that score prompt tokens (prompt logprobs), in the order of `scored`
     scored: list[PromptRows]
+    states: StateStep | None = None  # the sequences' state slots, for a model with state-space layers
 
 
 @dataclass
@@ -46,10 +48,11 @@ class ModelRunner:
     def __init__(
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
-        max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True,
+        max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
-        scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not)."""
+        scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
+        num_state_slots: the recurrent-state slots of a model with state-space layers."""
         cfg = model.cfg
         self.scores_prompts = scores_prompts
         self.model = model
@@ -60,12 +63,17 @@ class ModelRunner:
         self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device)
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
+        self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,
+                                  cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
+                       if cfg.ssm_layers else None)
         # decode steps' layers in one C++ call where the model's layers all have a kernel there
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
         self.graphs: DecodeGraphs | None = None
         if isinstance(self.backend, CudaBackend) and not enforce_eager and cfg.num_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts (its routing picks the expert matmuls each "
                         "step); decode runs eagerly")
+        elif isinstance(self.backend, CudaBackend) and not enforce_eager and cfg.ssm_layers:
+            log.warning("ridge: no CUDA graphs for state-space layers yet; decode runs eagerly")
         elif isinstance(self.backend, CudaBackend) and not enforce_eager:
             self.graphs = DecodeGraphs(model, self.backend, self.windows, block_size, max_batch,
                                        max_model_len or cfg.max_position_embeddings, self.device)
@@ -86,20 +94,27 @@ class ModelRunner:
             return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [])
         num_sampled = len(inputs.sample_rows)
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
-        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, inputs.states)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
                           hidden[num_sampled:] if inputs.scored else None)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
         """Float32 logits [T, V] at every position of token_ids, run as one prefill into `tables` (scratch
-        blocks of every KV group, which the caller holds: no sequence's state is read or changed)."""
+        blocks of every KV group) and `state_slot` (a scratch state slot, for state-space layers), which the
+        caller holds: no sequence's state is read or changed."""
         meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device)
                 for table, window in zip(tables, self.windows, strict=True)]
         for m in meta:
             self.backend.prepare(m)
+        states = None
+        if self.states is not None:
+            slots = torch.tensor([state_slot], dtype=torch.long, device=self.device)
+            self.states.zero_(slots)
+            states = StateStep(self.states, slots, 0, [(0, len(token_ids))])
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta)
+        return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta,
+                          states=states)
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""
@@ -125,7 +140,23 @@ class ModelRunner:
         meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
         as_long = {"dtype": torch.long, "device": self.device}
         return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                          sample_rows, samplers, prompt_rows, scored)
+                          sample_rows, samplers, prompt_rows, scored, self._state_step(step))
+
+    def _state_step(self, step: ScheduledStep) -> StateStep | None:
+        """The step's state slots; those of sequences computing their first token zeroed (a new past)."""
+        if self.states is None:
+            return None
+        as_long = {"dtype": torch.long, "device": self.device}
+        slots = torch.tensor([seq.state_slot for seq in step.seqs], **as_long)
+        fresh = [i for i, seq in enumerate(step.seqs) if seq.num_computed == 0]
+        if fresh:
+            self.states.zero_(slots[torch.tensor(fresh, **as_long)])
+        chunks, flat = [], 0
+        for i, n in enumerate(step.num_tokens):
+            if i >= step.num_decodes:
+                chunks.append((flat, n))
+            flat += n
+        return StateStep(self.states, slots, step.num_decodes, chunks)
 
     def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step, prepared by the backend."""

@@ -63,6 +63,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
+    state_slot: int | None = None  # the recurrent state's slot (state-space layers), set by the KV manager
     # Prefix caching: the chained keys of the full blocks hashed so far (they depend on the tokens only, so
     # they survive preemption), how many of the table's blocks were offered to the cache, and the prompt
     # tokens the first admission found cached.

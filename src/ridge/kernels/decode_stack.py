@@ -59,13 +59,15 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                                 ("GeGLU", cfg.hidden_act != "silu"),
                                                 ("a query scale other than head_dim", cfg.query_pre_attn_scalar),
                                                 ("mixture of experts", cfg.num_experts),
-                                                ("q / k norms over all heads", cfg.qk_norm_full))
+                                                ("q / k norms over all heads", cfg.qk_norm_full),
+                                                ("state-space layers", cfg.ssm_layers),
+                                                ("partial rotary", cfg.partial_rotary_factor != 1.0))
                    if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None
     dtype = model.norm.weight.dtype
-    if dtype not in (torch.float32, torch.bfloat16) or backend.k_cache[0].dtype != dtype:
+    if dtype not in (torch.float32, torch.bfloat16) or backend.dtype != dtype:
         return None
     layers = []
     for i, layer in enumerate(model.layers):

@@ -19,8 +19,8 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: need at least 1 KV block, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks: must be at least 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refcount = [0] * num_blocks

@@ -16,7 +16,7 @@ is one group whose slots are its layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -28,34 +28,32 @@ class KVGroup:
 
 @dataclass(frozen=True)
 class KVLayout:
-    groups: tuple[KVGroup, ...]
+    groups: tuple[KVGroup, ...]  # none in a model without attention layers (a pure state-space model)
     num_slots: int  # K/V tensors per block id: the j-th layer of each group uses slot j
 
     @property
     def has_windows(self) -> bool:
         return any(g.window is not None for g in self.groups)
 
-    def group_of_layer(self) -> list[int]:
-        out = [0] * sum(len(g.layers) for g in self.groups)
-        for gi, group in enumerate(self.groups):
-            for layer in group.layers:
-                out[layer] = gi
-        return out
+    def group_of_layer(self) -> dict[int, int]:
+        """Each attention layer's group (layers without attention have none)."""
+        return {layer: gi for gi, group in enumerate(self.groups) for layer in group.layers}
 
-    def slot_of_layer(self) -> list[int]:
-        out = [0] * sum(len(g.layers) for g in self.groups)
-        for group in self.groups:
-            for slot, layer in enumerate(group.layers):
-                out[layer] = slot
-        return out
+    def slot_of_layer(self) -> dict[int, int]:
+        """Each attention layer's slot."""
+        return {layer: slot for group in self.groups for slot, layer in enumerate(group.layers)}
 
 
-def kv_layout(layer_windows: Sequence[int | None]) -> KVLayout:
-    """Group layers by their window (None: full attention); groups of the smallest kind's size, the last
-    of a kind possibly shorter (its unused slots then hold nothing)."""
+def kv_layout(layer_windows: Sequence[int | None] | Mapping[int, int | None]) -> KVLayout:
+    """Group the attention layers by their window (None: full attention), given for every layer in order or by
+    layer index (a hybrid model's attention layers); groups of the smallest kind's size, the last of a kind
+    possibly shorter (its unused slots then hold nothing)."""
+    windows = layer_windows if isinstance(layer_windows, Mapping) else dict(enumerate(layer_windows))
     kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
+    for layer, window in sorted(windows.items()):
         kinds.setdefault(window, []).append(layer)
+    if not kinds:
+        return KVLayout((), 0)
     size = min(len(layers) for layers in kinds.values())
     groups = [
         KVGroup(tuple(layers[i:i + size]), window)

@@ -19,6 +19,10 @@ never written (no copy-on-write is needed). A hit of L blocks needs, in a full g
 [0, L) cached, and in a window group only the blocks its window reaches from position L * block_size
 (vLLM's rule): the hit is the longest L every group can serve. Each group caches its own blocks, under
 the same content keys tagged with the group.
+
+Recurrent state (kv/state_cache.py): a model with state-space layers also needs one state slot per running
+sequence, taken with its first blocks and given back with them. Such a manager has no prefix cache: a state
+summarises all of a sequence's tokens, so a cached prefix would need a snapshot of the state at its end.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Protocol
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
+from ridge.kv.state_cache import StateSlots
 from ridge.sampling_params import SamplingParams
 
 
@@ -43,13 +48,17 @@ class Sequence(Protocol):
     num_computed: int
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
     num_registered: int  # how many of each table's blocks were offered to the prefix cache
+    state_slot: int | None  # its recurrent state's slot, while it holds one
 
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 layout: KVLayout | None = None, rewind_margin: int = 0) -> None:
+                 layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0) -> None:
+        """num_state_slots: sequences that can hold a recurrent state at once (0: the model has none)."""
         self.layout = layout or kv_layout([None])
         self.windows = [group.window for group in self.layout.groups]
+        assert not (enable_prefix_caching and num_state_slots), "no prefix cache for recurrent states"
+        self.states = StateSlots(num_state_slots) if num_state_slots else None
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.cache)
         self.rewind_margin = rewind_margin
@@ -160,6 +169,10 @@ class KVManager:
         needs = [want - len(table) for table in seq.block_tables]
         if sum(n for n in needs if n > 0) > self.pool.num_free:
             return False
+        if self.states is not None and seq.state_slot is None:
+            if (slot := self.states.allocate()) is None:
+                return False
+            seq.state_slot = slot
         for table, need in zip(seq.block_tables, needs, strict=True):
             if need > 0:
                 table.extend(self.pool.allocate(need))
@@ -224,21 +237,28 @@ class KVManager:
         """seq lets go of all its blocks (finished, aborted or preempted); none of its K/V counts as computed."""
         for table in seq.block_tables:
             self.pool.release(b for b in table if b != self.null_block)
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
         seq.block_tables = self.empty_tables()
         seq.num_computed = seq.num_registered = 0
 
     @contextmanager
-    def scratch(self, num_tokens: int) -> Iterator[list[list[int]]]:
-        """Tables of every group for a forward pass outside any request (scoring a text), given back when it
-        ends."""
-        tables = []
+    def scratch(self, num_tokens: int) -> Iterator[tuple[list[list[int]], int | None]]:
+        """Tables of every group, and a state slot where the model has recurrent state, for a forward pass
+        outside any request (scoring a text), given back when it ends."""
+        tables, slot = [], None
         try:
             for _ in self.windows:
                 tables.append(self.pool.allocate(self.pool.blocks_for(num_tokens)))
-            yield tables
+            if self.states is not None and (slot := self.states.allocate()) is None:
+                raise ValueError("no free state slot: every one is held by a running sequence")
+            yield tables, slot
         finally:
             for table in tables:
                 self.pool.release(table)
+            if slot is not None:
+                self.states.release(slot)
 
     # ---- accounting ------------------------------------------------------------------------------
     def _held(self, tables: Iterable[list[int]]) -> Iterator[list[int]]:
@@ -254,6 +274,10 @@ class KVManager:
         running = list(running)
         for seq in waiting:
             assert not any(seq.block_tables), f"waiting sequence {seq.seq_id} holds KV blocks"
+            assert seq.state_slot is None, f"waiting sequence {seq.seq_id} holds a state slot"
+        if self.states is not None:
+            assert all(seq.state_slot is not None for seq in running), "a running sequence holds no state slot"
+            self.states.check_integrity(seq.state_slot for seq in running)
         for seq in running:
             assert len(seq.block_tables) == len(self.windows), f"sequence {seq.seq_id}: one table per KV group"
             for g, table in enumerate(seq.block_tables):
@@ -270,5 +294,7 @@ class KVManager:
         no cost); full: each block's refcount checked too (O(blocks))."""
         leaked = self.pool.num_blocks - self.pool.num_free - (self.null_block is not None)
         assert leaked == 0, f"{leaked} KV blocks leaked with no request running"
+        if self.states is not None:
+            self.states.check_integrity([])
         if full:
             self.pool.check_integrity(self._held([]))

@@ -64,7 +64,11 @@ class RopeStep:
     _rotations: torch.Tensor | None = None
 
     def apply_(self, x: torch.Tensor, heads: int) -> None:
-        """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place."""
+        """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place; with a partial rotary (a table
+        narrower than the head), only each head's first dims, the rest pass through."""
+        rotary_dim = 2 * self.freqs.shape[-1]
+        if rotary_dim < x.shape[-1]:
+            x = x[..., :rotary_dim]  # a view: rotated in place below, through the torch path
         if self.ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             self.ops.rotary_(x, self.positions, self.table, heads)
             return
@@ -147,33 +151,39 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP. post_attn_norm is the MLP's input norm (HF llama's name for it); with
-    sandwich norms (Gemma), attention's and the MLP's outputs are normed too before they join the residual.
-    attn is an Attention, or latent attention (models/mla.py); mlp a GatedMLP, or a mixture of experts
-    (models/moe.py) in an MoE model's sparse layers."""
+    """Pre-norm token mixer and MLP. The mixer is attention (an Attention, or latent attention: models/mla.py),
+    held as `attn`, or a Mamba-2 state-space mixer (models/mamba.py), held as `ssm`. post_attn_norm is the MLP's
+    input norm (HF llama's name for it); with sandwich norms (Gemma), the mixer's and the MLP's outputs are normed
+    too before they join the residual. mlp is a GatedMLP, a mixture of experts (models/moe.py) in an MoE model's
+    sparse layers, or None (Mamba-2's own layers hold the mixer alone)."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, local: bool) -> None:
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module | None, local: bool,
+                 ssm: bool = False) -> None:
         """local: a layer of the model's local kind, whose rotary turns on the local base where it has one."""
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = attn
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = None if ssm else mixer
+        self.ssm = mixer if ssm else None
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if mlp is not None else None
         self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.local = local
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta, states=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, not yet added to the residual stream (or the embeddings)."""
+        """x: the previous layer's output, not yet added to the residual stream (or the embeddings); states: the
+        step's StateStep, for a state-space layer."""
         if residual is None:
             residual, x = x, self.input_norm(x)
         else:
             x, residual = self.input_norm(x, residual)
-        x = self.attn(x, rope, backend, meta)
+        x = self.ssm(x, states) if self.ssm is not None else self.attn(x, rope, backend, meta)
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
+        if self.mlp is None:
+            return x, residual
         x, residual = self.post_attn_norm(x, residual)
         x = self.mlp(x)
         if self.mlp_out_norm is not None:

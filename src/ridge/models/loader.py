@@ -111,6 +111,26 @@ _HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.att
                      (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
                      (r"kv_b_proj\.weight", "kv_b")]]
 
+# Mamba-2's mixer (in Mamba-2's own models, and Bamba's hybrid layers), and the names around it in each
+_SSM_MIXER_NAMES = [(source, target) for source, target in [
+    (r"in_proj\.(weight|bias)", "in_proj.{1}"), (r"conv1d\.weight", "conv_weight"), (r"conv1d\.bias", "conv_bias"),
+    (r"dt_bias", "dt_bias"), (r"A_log", "A_log"), (r"D", "D"), (r"norm\.weight", "norm_weight"),
+    (r"out_proj\.(weight|bias)", "out_proj.{1}")]]
+_HF_SSM_NAMES = [
+    *[(r"backbone\.layers\.(\d+)\.mixer\." + source, "layers.{0}.ssm." + target, None)
+      for source, target in _SSM_MIXER_NAMES],
+    *[(r"model\.layers\.(\d+)\.mamba\." + source, "layers.{0}.ssm." + target, None)
+      for source, target in _SSM_MIXER_NAMES],
+    (r"backbone\.embeddings?\.weight", "embed_tokens.weight", None),
+    (r"backbone\.norm_f\.weight", "norm.weight", None),
+    (r"backbone\.layers\.(\d+)\.norm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"model\.final_layernorm\.weight", "norm.weight", None),
+    (r"model\.layers\.(\d+)\.pre_ff_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.feed_forward\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"model\.layers\.(\d+)\.feed_forward\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"model\.layers\.(\d+)\.feed_forward\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
+]
+
 
 def _map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
     for pattern, template, slot in table:
@@ -170,7 +190,8 @@ def load_model(
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
         tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path, progress), cfg)
-        table = (_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else []) + _HF_NAMES
+        table = ((_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else [])
+                 + (_HF_SSM_NAMES if cfg.ssm_layers else []) + _HF_NAMES)
         fmt = "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
             tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
@@ -200,6 +221,8 @@ def load_model(
             continue
         tensor = torch.from_numpy(np.array(array)) if isinstance(array, np.ndarray) else array
         tensor = tensor.to(dtype=dtype)
+        if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
+            tensor = tensor.flatten(1)
         if slot is None:
             state[key] = tensor
         else:

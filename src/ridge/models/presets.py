@@ -21,7 +21,19 @@ def _preset_table() -> dict[str, dict]:
 
 
 def model_presets() -> dict[str, ModelSpec]:
-    return {name: ModelSpec(name=name, **fields) for name, fields in _preset_table().items()}
+    return {name: ModelSpec(name=name, **_spec_fields(fields)) for name, fields in _preset_table().items()}
+
+
+def _spec_fields(preset: dict) -> dict:
+    """A preset's ModelSpec fields; its state-space layers written as "all", or as the rest of the layers
+    beside attention_layer_indices (Bamba's own key)."""
+    fields = dict(preset)
+    layers = fields.get("num_layers", 0)
+    if fields.get("ssm_layers") == "all":
+        fields["ssm_layers"] = tuple(range(layers))
+    if (attention := fields.pop("attention_layer_indices", None)) is not None:
+        fields["ssm_layers"] = tuple(i for i in range(layers) if i not in attention)
+    return fields
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:

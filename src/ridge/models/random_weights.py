@@ -39,6 +39,8 @@ def random_spec(model: str) -> ModelSpec:
         current = getattr(spec, key)
         kind = type(current) if current is not None else str
         changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    if "num_layers" in changes:  # fewer layers (to fit this machine): the state-space ones among them stay so
+        changes.setdefault("ssm_layers", tuple(i for i in spec.ssm_layers if i < changes["num_layers"]))
     spec = dataclasses.replace(spec, **changes, name=model)
     if not spec.architecture:
         raise ValueError(f"model: {model!r} names no architecture; add architecture to its preset or config")
@@ -46,14 +48,37 @@ def random_spec(model: str) -> ModelSpec:
 
 
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """The HF transformers config of `spec`'s shape (the random-model baseline of `ridge bench`)."""
-    return {
+    """The HF transformers config of `spec`'s shape (the random-model baseline of `ridge bench`): each family's
+    keys under the names its HF config reads (a key another family's config does not know is inert there)."""
+    config: dict[str, Any] = {
         "model_type": spec.architecture, "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
         "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
     }
+    if spec.is_moe:  # Qwen's and OLMoE's, Mixtral's and DeepSeek's names for the same numbers
+        config.update(num_experts=spec.num_experts, num_local_experts=spec.num_experts,
+                      n_routed_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.moe_intermediate_size, n_shared_experts=spec.shared_experts,
+                      first_k_dense_replace=spec.first_dense_layers, mlp_only_layers=list(spec.dense_only_layers),
+                      shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                      n_group=spec.router_groups, topk_group=spec.router_topk_groups)
+    if spec.is_mla:
+        config.update(kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None,
+                      qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
+                      v_head_dim=spec.v_head_dim)
+    ssm = {"n_heads": spec.ssm_num_heads, "d_head": spec.ssm_head_dim, "d_state": spec.ssm_state_size,
+           "n_groups": spec.ssm_groups, "d_conv": spec.ssm_conv_kernel,
+           "expand": spec.ssm_inner_size // spec.hidden_size, "chunk_size": spec.ssm_chunk_size}
+    if spec.architecture == "mamba2":
+        config.update(num_heads=ssm["n_heads"], head_dim=ssm["d_head"], state_size=ssm["d_state"],
+                      n_groups=ssm["n_groups"], conv_kernel=ssm["d_conv"], expand=ssm["expand"],
+                      chunk_size=ssm["chunk_size"], layer_norm_epsilon=spec.rms_norm_eps)
+    elif spec.ssm_layers:  # Bamba's
+        config.update({f"mamba_{key}": value for key, value in ssm.items()},
+                      attn_layer_indices=[i for i in range(spec.num_layers) if i not in spec.ssm_layers])
+    return config
 
 
 def random_state(shapes: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device,

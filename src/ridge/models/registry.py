@@ -1,8 +1,9 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, qwen2, qwen3, gemma2, gemma3 and the mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe
-run on one DecoderModel; what differs is a bias here, a norm there, a sliding window, Gemma's GeGLU, scaled
-embeddings and sandwich norms, and an MoE block (with its router's variant) in place of the dense FFN.
+llama, mistral, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe and
+deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a bias here, a norm
+there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's
+variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "olmoe": {"qk_norm_full": True},
     # latent attention and a sigmoid, group-limited router (models/mla.py, models/moe.py); Kimi K2 too
     "deepseek_v3": {"router_scoring": "sigmoid"},
+    # state-space layers (models/mamba.py): Mamba-2's own models, and Bamba's hybrid of Mamba-2 layers and llama
+    # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
+    "mamba2": {},
+    "bamba": {"partial_rotary_factor": 0.5},
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 _MLA = ("deepseek_v3",)
+_SSM = ("mamba2", "bamba")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -45,6 +51,8 @@ _HF_NAMES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Mamba2ForCausalLM": "mamba2",
+    "BambaForCausalLM": "bamba",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
@@ -77,6 +85,11 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if spec.is_moe and arch not in _MOE:
         raise ValueError(f"{spec.source}: a mixture of experts in architecture {arch!r} is not supported (mixtures "
                          f"of experts: {', '.join(_MOE)})")
+    if spec.ssm_layers and arch not in _SSM:
+        raise ValueError(f"{spec.source}: state-space layers in architecture {arch!r} are not supported "
+                         f"({', '.join(_SSM)})")
+    if spec.mlp_bias:
+        raise ValueError(f"{spec.source}: mlp_bias: biases on the FFN's projections are not supported")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
@@ -102,7 +115,14 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "query_pre_attn_scalar": spec.query_pre_attn_scalar,
         "attn_logit_softcap": spec.attn_logit_softcap,
         "final_logit_softcap": spec.final_logit_softcap,
+        "partial_rotary_factor": spec.partial_rotary_factor,
+        "has_mlp": spec.has_ffn,
     }
+    if spec.ssm_layers:
+        fields.update(ssm_layers=spec.ssm_layers, ssm_state_size=spec.ssm_state_size, ssm_num_heads=spec.ssm_num_heads,
+                      ssm_head_dim=spec.ssm_head_dim, ssm_groups=spec.ssm_groups, ssm_conv_kernel=spec.ssm_conv_kernel,
+                      ssm_chunk_size=spec.ssm_chunk_size, ssm_conv_bias=spec.ssm_conv_bias,
+                      ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit)
     if spec.is_moe:
         fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size,

@@ -45,6 +45,16 @@ class ModelSpec:
     # local / global attention (Gemma 3): all but every global_every-th layer see only sliding_window tokens
     sliding_window: int = 0
     global_every: int = 0
+    # Mamba-2 state-space layers in place of attention at ssm_layers (all of them in Mamba-2's own models, some in a
+    # hybrid: Bamba): each keeps a fixed state per sequence, ssm_num_heads x ssm_head_dim x ssm_state_size, and
+    # the last ssm_conv_kernel - 1 inputs of its convolution, instead of K and V per token
+    ssm_layers: tuple[int, ...] = ()
+    ssm_num_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_state_size: int = 0
+    ssm_groups: int = 1
+    ssm_conv_kernel: int = 4
+    has_ffn: bool = True  # Mamba-2's own layers hold the mixer only
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -61,11 +71,17 @@ class ModelSpec:
     moe_layer_step: int = field(default=1, compare=False)  # every n-th layer is MoE (Qwen's decoder_sparse_step)
     dense_only_layers: tuple[int, ...] = field(default=(), compare=False)  # Qwen's mlp_only_layers
     clip_qkv: float | None = field(default=None, compare=False)  # OLMo's clamp of q, k, v
+    mlp_bias: bool = field(default=False, compare=False)  # biases on the FFN's projections (llama's mlp_bias)
     # DeepSeek-V3's router (group-limited, sigmoid) and its checkpoints' interleaved rotary dims
     router_groups: int = field(default=1, compare=False)
     router_topk_groups: int = field(default=1, compare=False)
     routed_scaling_factor: float = field(default=1.0, compare=False)
     rope_interleave: bool = field(default=False, compare=False)
+    partial_rotary_factor: float = field(default=1.0, compare=False)  # rotary on this share of a head's dims
+    ssm_chunk_size: int = field(default=256, compare=False)
+    ssm_conv_bias: bool = field(default=True, compare=False)
+    ssm_proj_bias: bool = field(default=False, compare=False)
+    ssm_dt_limit: tuple[float, float] = field(default=(0.0, float("inf")), compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -88,7 +104,17 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def num_attention_layers(self) -> int:
+        return self.num_layers - len(self.ssm_layers)
+
+    @property
+    def ssm_inner_size(self) -> int:
+        return self.ssm_num_heads * self.ssm_head_dim
+
+    @property
     def attention_kind(self) -> str:
+        if not self.num_attention_layers:
+            return "no attention"
         if self.is_mla:
             return "MLA"
         if self.num_kv_heads == self.num_heads:
@@ -101,14 +127,21 @@ class ModelSpec:
         if not self.sliding_window:
             return 0
         if not self.global_every:
-            return self.num_layers
+            return self.num_attention_layers
         return self.num_layers - self.num_layers // self.global_every
 
     def validate(self) -> ModelSpec:
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        attention = ("num_heads", "num_kv_heads", "head_dim") if self.num_attention_layers else ()
+        for f in ("vocab_size", "hidden_size", "num_layers", *attention):
             if getattr(self, f) <= 0:
                 raise ValueError(f"model {self.name}: {f} must be positive, got {getattr(self, f)}")
-        if self.num_heads % self.num_kv_heads:
+        if any(not 0 <= i < self.num_layers for i in self.ssm_layers):
+            raise ValueError(f"model {self.name}: ssm_layers {list(self.ssm_layers)} must be layers "
+                             f"0..{self.num_layers - 1}")
+        if self.ssm_layers and min(self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size) <= 0:
+            raise ValueError(f"model {self.name}: state-space layers need positive ssm_num_heads, ssm_head_dim and "
+                             "ssm_state_size")
+        if attention and self.num_heads % self.num_kv_heads:
             raise ValueError(f"model {self.name}: num_kv_heads ({self.num_kv_heads}) must divide num_heads "
                              f"({self.num_heads})")
         if self.is_moe and not 0 < self.experts_per_token <= self.num_experts:
@@ -154,11 +187,12 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
             if config.get(key) is not None:
                 fields[spec_field] = config[key]
                 break
+    fields.update(_ssm_fields(config, fields.get("hidden_size", 0), source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
     fields.setdefault("num_kv_heads", fields["num_heads"])
-    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"])
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_heads"] if fields["num_heads"] else 0)
     fields.setdefault("intermediate_size", 4 * fields["hidden_size"])
     if config.get("model_type", "").startswith("qwen2") and "qkv_bias" not in fields:
         fields["qkv_bias"] = True  # Qwen2 has q / k / v biases without saying so in its config
@@ -181,7 +215,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         rope_scaling=None if rope_type in ("default", None) else str(rope_type),
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
@@ -192,10 +226,50 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         final_logit_softcap=config.get("final_logit_softcapping"), norm_topk_prob=config.get("norm_topk_prob"),
         moe_layer_step=int(config.get("decoder_sparse_step") or 1),
         dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"),
+        mlp_bias=bool(config.get("mlp_bias", False)),
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-        rope_interleave=bool(config.get("rope_interleave", False)), **fields,
+        rope_interleave=bool(config.get("rope_interleave", False)),
+        partial_rotary_factor=float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))),
+        **fields,
     ).validate()
+
+
+def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
+    """The state-space layers of a Mamba-2 model (all its layers, no FFN, no attention) or of a Bamba hybrid (the
+    layers not in attn_layer_indices), from their configs' keys; {} for a model without them."""
+    kind = config.get("model_type")
+    if kind == "mamba2":
+        layers = config["num_hidden_layers"]
+        shape = {"ssm_layers": tuple(range(layers)), "has_ffn": False, "num_heads": 0, "num_kv_heads": 0,
+                 "head_dim": 0, "intermediate_size": 0}
+        keys = {"ssm_num_heads": "num_heads", "ssm_head_dim": "head_dim", "ssm_state_size": "state_size",
+                "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
+                "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "use_bias"}
+        expand = config.get("expand", 2)
+    elif kind == "bamba":
+        attention = set(config.get("attn_layer_indices") or ())
+        shape = {"ssm_layers": tuple(i for i in range(config["num_hidden_layers"]) if i not in attention)}
+        keys = {"ssm_num_heads": "mamba_n_heads", "ssm_head_dim": "mamba_d_head", "ssm_state_size": "mamba_d_state",
+                "ssm_groups": "mamba_n_groups", "ssm_conv_kernel": "mamba_d_conv", "ssm_chunk_size": "mamba_chunk_size",
+                "ssm_conv_bias": "mamba_conv_bias", "ssm_proj_bias": "mamba_proj_bias"}
+        expand = config.get("mamba_expand", 2)
+    else:
+        return {}
+    shape.update({name: config[key] for name, key in keys.items() if config.get(key) is not None})
+    if shape.get("ssm_head_dim") in (None, "auto"):  # Bamba's default: the inner width split over the heads
+        shape["ssm_head_dim"] = expand * hidden // shape["ssm_num_heads"]
+    if shape["ssm_num_heads"] * shape["ssm_head_dim"] != expand * hidden:
+        raise ValueError(f"{source}: the SSM's heads ({shape['ssm_num_heads']} x {shape['ssm_head_dim']}) must span "
+                         f"expand x hidden_size ({expand} x {hidden})")
+    if (limit := config.get("time_step_limit")) is not None:
+        shape["ssm_dt_limit"] = (_json_float(limit[0]), _json_float(limit[1]))
+    return shape
+
+
+def _json_float(value: float | dict) -> float:
+    """A number of an HF config.json: HF writes infinities as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 def _global_every(layer_types: list[str], source: str) -> int:

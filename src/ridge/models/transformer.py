@@ -10,7 +10,9 @@ from torch import nn
 
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
+from ridge.kv.state_cache import StateStep
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 
@@ -21,13 +23,24 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, LatentAttention(cfg, i) if cfg.is_mla else Attention(cfg, i),
-                         MoEBlock(cfg) if cfg.is_moe_layer(i) else GatedMLP(cfg), cfg.is_local(i))
+            DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
+
+    @staticmethod
+    def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:
+        if cfg.is_ssm_layer(layer):
+            return Mamba2Mixer(cfg, layer)
+        return LatentAttention(cfg, layer) if cfg.is_mla else Attention(cfg, layer)
+
+    @staticmethod
+    def _mlp(cfg: ModelConfig, layer: int) -> nn.Module | None:
+        if not cfg.has_mlp:
+            return None
+        return MoEBlock(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 
     def make_rotary(self) -> None:
         """The rotary tables (buffers, not weights: made again after loading weights onto the meta device):
@@ -70,13 +83,15 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         meta: StepMetadata,
         logits_indices: torch.Tensor | None = None,
+        states: StateStep | None = None,
     ) -> torch.Tensor:
-        """Flat [T] tokens of every scheduled sequence -> float32 logits at `logits_indices` (all if None).
+        """Flat [T] tokens of every scheduled sequence -> float32 logits at `logits_indices` (all if None);
+        states: the step's state slots, for a model with state-space layers.
 
         Only the positions that get sampled pay for the vocabulary projection, which for a small model
         is a large share of all weights.
         """
-        return self.compute_logits(self.hidden_states(input_ids, positions, backend, meta, logits_indices))
+        return self.compute_logits(self.hidden_states(input_ids, positions, backend, meta, logits_indices, states))
 
     def hidden_states(
         self,
@@ -85,6 +100,7 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         meta: StepMetadata,
         indices: torch.Tensor | None = None,
+        states: StateStep | None = None,
     ) -> torch.Tensor:
         """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
         x = self.embed(input_ids)
@@ -92,7 +108,7 @@ class DecoderModel(nn.Module):
         local = self.rotary_local.step(positions) if self.rotary_local is not None else rope
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, local if layer.local else rope, backend, meta)
+            x, residual = layer(x, residual, local if layer.local else rope, backend, meta, states)
         if indices is not None:
             x, residual = x[indices], residual[indices]
         x, _ = self.norm(x, residual)

@@ -8,6 +8,8 @@ Conventions (stated once here, printed by `ridge plan`):
 - Decode reads every stored weight once per step, except the input embedding table of an untied model (a
   lookup reads B rows); in an MoE layer it reads the experts that the batch's tokens route to.
 - Bytes are decimal (GB = 1e9); KV "per token" is the bytes one more token of context adds to a sequence.
+- A state-space layer (Mamba-2) holds a fixed state per sequence instead of KV, in float32 (as ridge keeps it);
+  a decode step reads and writes it whole. Its scan's FLOPs count the recurrent form, with the projections.
 """
 
 from __future__ import annotations
@@ -22,18 +24,24 @@ from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, dtype_bytes
 class ParameterCounts:
     embeddings: int  # the input table
     output_head: int  # 0 when tied to the input table
-    attention: int  # all layers' attention projections (and biases)
+    attention: int  # all attention layers' projections (and biases)
+    ssm: int  # all state-space layers' mixers: projections, convolution, per-head parameters, gated norm
     ffn_stored: int  # all layers' FFNs / experts as stored (MoE routers included)
     ffn_active: int  # what one token runs through
     norms: int
 
     @property
     def stored(self) -> int:
-        return self.embeddings + self.output_head + self.attention + self.ffn_stored + self.norms
+        return self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_stored + self.norms
 
     @property
     def active(self) -> int:
-        return self.embeddings + self.output_head + self.attention + self.ffn_active + self.norms
+        return self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_active + self.norms
+
+    @property
+    def per_token_linear(self) -> int:
+        """The weights one token multiplies by in the decoder layers."""
+        return self.attention + self.ssm + self.ffn_active
 
     @property
     def head(self) -> int:
@@ -55,13 +63,22 @@ def attention_params_per_layer(m: ModelSpec) -> int:
     return h * (q_width + 2 * kv_width) + q_width * h + bias
 
 
+def ssm_params_per_layer(m: ModelSpec) -> int:
+    """A Mamba-2 mixer: the input projection (to z, x, B, C and dt), the depthwise convolution, dt_bias, A and D
+    per head, the gated norm, the output projection (biases left out, as rounding)."""
+    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
+    in_proj = m.hidden_size * (m.ssm_inner_size + channels + m.ssm_num_heads)
+    return in_proj + channels * (m.ssm_conv_kernel + 1) + 3 * m.ssm_num_heads + m.ssm_inner_size \
+        + m.ssm_inner_size * m.hidden_size
+
+
 def ffn_params(m: ModelSpec, width: int) -> int:
     return (3 if m.gated_ffn else 2) * m.hidden_size * width
 
 
 def count_parameters(m: ModelSpec) -> ParameterCounts:
     moe_layers = m.num_moe_layers
-    dense_layers = m.num_layers - moe_layers
+    dense_layers = m.num_layers - moe_layers if m.has_ffn else 0
     expert = ffn_params(m, m.moe_intermediate_size)
     router = m.hidden_size * m.num_experts
     shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
@@ -74,8 +91,10 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
     embeddings = m.vocab_size * m.hidden_size
     return ParameterCounts(
         embeddings=embeddings, output_head=0 if m.tie_word_embeddings else embeddings,
-        attention=m.num_layers * attention_params_per_layer(m), ffn_stored=ffn_stored, ffn_active=ffn_active,
-        norms=(2 * m.num_layers + 1) * m.hidden_size)
+        attention=m.num_attention_layers * attention_params_per_layer(m),
+        ssm=len(m.ssm_layers) * ssm_params_per_layer(m) if m.ssm_layers else 0,
+        ffn_stored=ffn_stored, ffn_active=ffn_active,
+        norms=((2 if m.has_ffn else 1) * m.num_layers + 1) * m.hidden_size)
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
@@ -91,14 +110,37 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
     """What one token of context adds to the cache across all layers (a local layer's too, until its
     window fills): K and V per KV head, or MLA's latent plus its shared rotary key."""
     per_layer = (m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.num_kv_heads * m.head_dim)
-    return per_layer * m.num_layers * dtype_bytes(kv_dtype)
+    return per_layer * m.num_attention_layers * dtype_bytes(kv_dtype)
 
 
 def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
     """The cache of one sequence of `tokens`: local layers keep their last sliding_window tokens only."""
-    per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_layers
+    if not m.num_attention_layers:
+        return 0.0
+    per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers
     local = m.local_layers
-    return per_layer_token * ((m.num_layers - local) * tokens + local * min(tokens, m.sliding_window or tokens))
+    return per_layer_token * ((m.num_attention_layers - local) * tokens
+                              + local * min(tokens, m.sliding_window or tokens))
+
+
+def state_bytes(m: ModelSpec) -> float:
+    """The recurrent state of one sequence, whatever its length: per state-space layer, the convolution's last
+    ssm_conv_kernel - 1 inputs and the SSM state of heads x head_dim x state_size, in float32."""
+    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
+    per_layer = channels * (m.ssm_conv_kernel - 1) + m.ssm_inner_size * m.ssm_state_size
+    return 4.0 * per_layer * len(m.ssm_layers)
+
+
+def sequence_cache_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
+    """What one sequence of `tokens` holds: its KV and its recurrent state."""
+    return kv_bytes(m, kv_dtype, tokens) + state_bytes(m)
+
+
+def ssm_flops_per_token(m: ModelSpec) -> float:
+    """The scan's own work per token over all state-space layers (the recurrent form: decay, update and read
+    the state; the convolution), beside the projections' 2 FLOPs a weight."""
+    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
+    return len(m.ssm_layers) * (6.0 * m.ssm_inner_size * m.ssm_state_size + 2.0 * channels * m.ssm_conv_kernel)
 
 
 # ---- FLOPs
@@ -136,12 +178,12 @@ class Prefill:
 
 def prefill(m: ModelSpec, tokens: int) -> Prefill:
     p = count_parameters(m)
-    per_token = p.attention + p.ffn_active  # biases and routers are rounding, counted as weights
+    per_token = 2.0 * p.per_token_linear + ssm_flops_per_token(m)  # biases and routers: rounding, counted as weights
     qk, v = _attention_dims(m)
     local = m.local_layers
-    pairs = ((m.num_layers - local) * _attended_pairs(tokens, 0)
+    pairs = ((m.num_attention_layers - local) * _attended_pairs(tokens, 0)
              + local * _attended_pairs(tokens, m.sliding_window))
-    return Prefill(tokens, linear_flops=2.0 * per_token * tokens + 2.0 * p.head,
+    return Prefill(tokens, linear_flops=per_token * tokens + 2.0 * p.head,
                    attention_flops=2.0 * m.num_heads * (qk + v) * pairs)
 
 
@@ -187,8 +229,9 @@ def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
     p = count_parameters(m)
     qk, v = _attention_dims(m)
     local = m.local_layers
-    attended = (m.num_layers - local) * context + local * min(context, m.sliding_window or context)
-    per_sequence = 2.0 * (p.attention + p.ffn_active + p.head) + 2.0 * m.num_heads * (qk + v) * attended
+    attended = (m.num_attention_layers - local) * context + local * min(context, m.sliding_window or context)
+    per_sequence = (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)
+                    + 2.0 * m.num_heads * (qk + v) * attended)
     return batch * per_sequence
 
 
@@ -198,10 +241,10 @@ def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float
     p = count_parameters(m)  # once, not once a step: a benchmark sums thousands of steps
     qk, v = _attention_dims(m)
     local, window = m.local_layers, m.sliding_window
-    attended = sum((m.num_layers - local) * ctx + local * min(ctx, window or ctx)
+    attended = sum((m.num_attention_layers - local) * ctx + local * min(ctx, window or ctx)
                    for ctx in range(prompt_tokens + 1, prompt_tokens + new_tokens))
     steps = new_tokens - 1
-    return (prefill(m, prompt_tokens).flops + 2.0 * (p.attention + p.ffn_active + p.head) * steps
+    return (prefill(m, prompt_tokens).flops + (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)) * steps
             + 2.0 * m.num_heads * (qk + v) * attended)
 
 
@@ -233,10 +276,11 @@ def bound(bytes_: float, flops: float, hw: HardwareSpec, compute_dtype: str, gpu
 
 def step_bound(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: int, tokens: int = 1) -> Bound:
     """A target pass of `batch` sequences, `tokens` new tokens each (1: a decode step; k + 1: speculative
-    verification), at the workload's context: weights read once, each sequence's KV once."""
+    verification), at the workload's context: weights read once, each sequence's KV once, its recurrent state
+    read and written."""
     w = workload
     weights = decode_weight_bytes(model, w.dtype, batch * tokens)
-    kv = batch * kv_bytes(model, w.kv_dtype, w.context)
+    kv = batch * (kv_bytes(model, w.kv_dtype, w.context) + 2 * state_bytes(model))
     return bound(weights + kv, decode_step_flops(model, batch * tokens, w.context), hw, compute_dtype(w.dtype),
                  w.gpus)
 

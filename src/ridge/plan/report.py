@@ -29,6 +29,7 @@ class Parameters:
     embeddings: int
     output_head: int
     attention: int
+    ssm: int
     ffn_stored: int
     ffn_active: int
     norms: int
@@ -40,7 +41,8 @@ class Parameters:
 class Memory:
     weight_bytes: float
     kv_bytes_per_token: float
-    kv_bytes_per_sequence: float  # at the workload's context
+    state_bytes_per_sequence: float  # state-space layers' recurrent state, whatever the context
+    kv_bytes_per_sequence: float  # at the workload's context, the recurrent state included
     kv_bytes_total: float  # x batch
     usable_bytes: float  # device memory x utilization x gpus
     fits: bool
@@ -98,15 +100,15 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
     compute = a.compute_dtype(workload.dtype)
     weights = a.weight_bytes(model, workload.dtype)
     kv_token = a.kv_bytes_per_token(model, workload.kv_dtype)
-    kv_sequence = a.kv_bytes(model, workload.kv_dtype, workload.context)
+    kv_sequence = a.sequence_cache_bytes(model, workload.kv_dtype, workload.context)
     usable = hw.memory_gb * 1e9 * workload.memory_utilization * workload.gpus
-    memory = Memory(weights, kv_token, kv_sequence, kv_sequence * workload.batch, usable,
+    memory = Memory(weights, kv_token, a.state_bytes(model), kv_sequence, kv_sequence * workload.batch, usable,
                     fits=weights + kv_sequence * workload.batch <= usable,
                     max_batch=max(int((usable - weights) // kv_sequence), 0))
     floor = model.num_layers * KERNELS_PER_LAYER * LAUNCH_SECONDS if hw.name != "this-machine" else 0.0
 
     fill = a.prefill(model, workload.prompt_tokens)
-    prompt_kv = a.kv_bytes(model, workload.kv_dtype, workload.prompt_tokens)
+    prompt_kv = a.sequence_cache_bytes(model, workload.kv_dtype, workload.prompt_tokens)
     prefill_phase = _phase(a.bound(a.decode_weight_bytes(model, workload.dtype, workload.prompt_tokens) + prompt_kv,
                                    fill.flops, hw, compute, workload.gpus), floor)
 
@@ -119,7 +121,7 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
             if workload.price_per_hour is not None else None)
     plan = Plan(
         model=model, hardware=hw, workload=workload, conventions=CONVENTIONS,
-        parameters=Parameters(counts.embeddings, counts.output_head, counts.attention, counts.ffn_stored,
+        parameters=Parameters(counts.embeddings, counts.output_head, counts.attention, counts.ssm, counts.ffn_stored,
                               counts.ffn_active, counts.norms, counts.stored, counts.active),
         memory=memory, ridge_point=hw.ridge_point(compute), prefill=prefill_phase, prefill_macs=fill.macs,
         prefill_attention_flops=fill.attention_flops, attention_overtakes_at=a.attention_crossover(model),
@@ -144,7 +146,8 @@ def render(plan: Plan) -> str:
     m, hw, w, p, mem = plan.model, plan.hardware, plan.workload, plan.parameters, plan.memory
     gpus = f" x {w.gpus}" if w.gpus > 1 else ""
     lines = [
-        f"{m.name} ({m.attention_kind}{', MoE' if m.is_moe else ''}) on {hw.name}{gpus}: weights {w.dtype}, "
+        f"{m.name} ({m.attention_kind}{', MoE' if m.is_moe else ''}{', state space' if m.ssm_layers else ''}) on "
+        f"{hw.name}{gpus}: weights {w.dtype}, "
         f"KV {w.kv_dtype}, context {w.context:,}, batch {w.batch}",
         f"  model: {m.source}",
         f"  hardware: {hw.memory_gb:g} GB, {hw.bandwidth_gb_s:g} GB/s, "
@@ -153,14 +156,19 @@ def render(plan: Plan) -> str:
         "parameters",
         f"  embeddings {_si(p.embeddings, '')}" + (f", output head {_si(p.output_head, '')}" if p.output_head
                                                    else " (tied output head)"),
-        f"  attention {_si(p.attention, '')}, FFN {_si(p.ffn_stored, '')}"
+        f"  attention {_si(p.attention, '')}, "
+        + (f"state-space mixers {_si(p.ssm, '')}, " if p.ssm else "") + f"FFN {_si(p.ffn_stored, '')}"
         + (f" stored / {_si(p.ffn_active, '')} active per token" if m.is_moe else ""),
         f"  total {_si(p.stored, '')}" + (f" stored, {_si(p.active, '')} active per token" if m.is_moe else ""),
         "",
         "memory",
         f"  weights {_si(mem.weight_bytes, 'B')} at {w.dtype}",
-        f"  KV {mem.kv_bytes_per_token:,.0f} B per token ({m.attention_kind}), {_si(mem.kv_bytes_per_sequence, 'B')} "
-        f"per sequence at {w.context:,} tokens, {_si(mem.kv_bytes_total, 'B')} for the batch",
+        (f"  KV {mem.kv_bytes_per_token:,.0f} B per token ({m.attention_kind})" if mem.kv_bytes_per_token
+         else "  no KV (no attention layers)")
+        + (f" + a recurrent state of {_si(mem.state_bytes_per_sequence, 'B')} (float32)"
+           if mem.state_bytes_per_sequence else "")
+        + f", {_si(mem.kv_bytes_per_sequence, 'B')} per sequence at {w.context:,} tokens, "
+        f"{_si(mem.kv_bytes_total, 'B')} for the batch",
         f"  usable {_si(mem.usable_bytes, 'B')}: {'fits' if mem.fits else 'DOES NOT FIT'}; largest batch at this "
         f"context: {mem.max_batch}",
         "",

@@ -1,0 +1,148 @@
+"""State-space models on small random configs against HF transformers: Mamba-2 (every layer a Mamba-2 mixer, no
+FFN) and Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN). Logits,
+greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3 chunks long, SSD chunks inside
+each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state slots, where sequences wait for a
+slot and, in Bamba, are preempted for KV blocks and recompute their state), the state and KV bytes the engine
+holds against the plan's, and what is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import greedy_batch_checked_against_hf, random_prompts
+from ridge import SamplingParams
+from test_models_random import byte_tokenizer
+
+VOCAB = 320
+SSM = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_config(arch: str):
+    from transformers import BambaConfig, Mamba2Config
+
+    if arch == "mamba2":  # 8 heads of 16 in 2 groups of B and C; SSD chunks of 16 tokens
+        return Mamba2Config(**SSM, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+                            expand=2, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-6)
+    return BambaConfig(**SSM, num_hidden_layers=4, attn_layer_indices=[1, 3], num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
+                       mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16,
+                       max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module", params=["mamba2", "bamba"])
+def ssm_model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
+            torch.nn.init.normal_(param, 1.0, 0.3)
+        if name.endswith(("dt_bias", "A_log", ".D")):  # and A, D, dt's bias at the same value for every head
+            torch.nn.init.normal_(param, 0.0, 0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_logits_match_hf(ssm_model, make_llm_for_test):
+    path, hf = ssm_model
+    llm = make_llm_for_test(path, dtype="float32")
+    for ids in random_prompts(3, VOCAB, 5, 80, seed=1):
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)  # float32 noise
+
+
+def test_greedy_tokens_match_hf_and_hold_under_the_runtime(ssm_model, make_llm_for_test):
+    """48 greedy tokens of 5 prompts equal HF's, decoded in a batch of 16 mixed lengths with 32-token prefill
+    chunks; alone, and with 7-token chunks and 3 state slots (Bamba: and KV blocks for one long sequence and a
+    bit, so that sequences are preempted and recompute their state), the batch's tokens do not change."""
+    path, hf = ssm_model
+    llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+
+    cfg = llm.engine.loaded.config
+    # Bamba: and 12 KV blocks, where the longest sequence needs 10 (its state slots take at most half: 3 here)
+    memory = 3 * cfg.ssm_state_bytes() + (12 * cfg.kv_bytes_per_block(torch.float32, 16) if cfg.attention_layers
+                                          else 0)
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(memory), max_num_batched_tokens=7)
+    assert tight.engine.kv.states.num_slots == 3
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
+    if cfg.attention_layers:
+        assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_the_engine_holds_the_plan_s_state_and_kv(ssm_model, make_llm_for_test):
+    """A sequence's recurrent state is the plan's state bytes whatever its length; a hybrid's attention layers
+    hold the plan's KV bytes for its tokens."""
+    from ridge.plan.arithmetic import count_parameters, kv_bytes, state_bytes
+
+    path, hf = ssm_model
+    llm = make_llm_for_test(path, dtype="float32")
+    engine = llm.engine
+    spec, cfg = engine.loaded.spec, engine.loaded.config
+    assert engine.runner.states.bytes_per_slot == cfg.ssm_state_bytes() == state_bytes(spec)
+    assert count_parameters(spec).stored == sum(p.numel() for p in hf.parameters())
+    engine.add_request(random_prompts(1, VOCAB, 100, 101, seed=7)[0],
+                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while engine.sequences("0")[0].num_outputs < 29:
+        engine.step()
+    seq = engine.sequences("0")[0]
+    assert seq.state_slot is not None and engine.kv.states.num_free == engine.kv.states.num_slots - 1
+    per_token = cfg.kv_bytes_per_block(torch.float32, 16) // 16 if cfg.attention_layers else 0
+    assert per_token * seq.num_computed == kv_bytes(spec, "fp32", seq.num_computed)
+    assert (kv_bytes(spec, "fp32", seq.num_computed) > 0) == bool(cfg.attention_layers)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.kv.states.num_free == engine.kv.states.num_slots
+
+
+def test_quantized_weights_run_on_the_state_space_layers_too(ssm_model, make_llm_for_test):
+    """The mixers' projections are quantized (int8 per channel, no calibration) on the dense layers' kernels, and
+    the logits stay near the float32 model's."""
+    from ridge.linear import weight_bytes
+
+    path, hf = ssm_model
+    llm = make_llm_for_test(path, dtype="float32", quantization="int8", calibration_windows=0)
+    mixers = [layer.ssm for layer in llm.engine.loaded.model.layers if layer.ssm is not None]
+    theirs = [m for m in hf.modules() if hasattr(m, "dt_bias")]
+    assert len(mixers) == len(theirs) and all(  # a byte a weight (and scales), not float32's four
+        weight_bytes(ours.in_proj) < 2 * hf_mixer.in_proj.weight.numel()
+        and weight_bytes(ours.out_proj) < 2 * hf_mixer.out_proj.weight.numel()
+        for ours, hf_mixer in zip(mixers, theirs, strict=True))
+    ids = random_prompts(1, VOCAB, 30, 31, seed=4)[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.prompt_logits(ids)
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).mean() > 0.99  # measured 0.997
+
+
+@pytest.mark.parametrize("args,field", [({"speculate": "ngram"}, "speculate"),
+                                        ({"quantization": "gptq"}, "quantization: gptq"),
+                                        ({"kv_cache_memory": "4KiB"}, "kv_cache_memory")])
+def test_what_the_engine_cannot_do_with_state_is_refused_by_name(ssm_model, make_llm_for_test, args, field):
+    path, _ = ssm_model
+    with pytest.raises(ValueError, match=field):
+        make_llm_for_test(path, dtype="float32", **args)
+
+
+@pytest.mark.parametrize("change,field", [({"mlp_bias": True}, "mlp_bias"),
+                                          ({"mamba_expand": 3}, "expand"),
+                                          ({"mamba_n_groups": 3}, "ssm_groups")])
+def test_a_config_ridge_does_not_implement_is_refused_by_name(change, field):
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {**hf_config("bamba").to_dict(), **change}
+    with pytest.raises(ValueError, match=field):
+        config_from_spec(spec_from_hf_config(config, "bamba"))
+
+
+def test_prefix_caching_is_turned_off_out_loud(ssm_model, make_llm_for_test, caplog):
+    path, _ = ssm_model
+    with caplog.at_level("WARNING", logger="ridge"):
+        llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=True)
+    assert llm.engine.kv.cache is None and "prefix caching is off" in caplog.text
