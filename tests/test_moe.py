@@ -182,3 +182,62 @@ def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
     config = {**hf_config("olmoe").to_dict(), **change}
     with pytest.raises(ValueError, match=field):
         config_from_spec(spec_from_hf_config(config, "olmoe"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])  # llama's rotary rows, a shared expert
+def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
+                                                                      make_llm_for_test):
+    """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the
+    file as the model ridge draws for that name: the same logits."""
+    import dataclasses
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    config = {**hf_config(arch).to_dict(), "vocab_size": 49152, "mlp_only_layers": []}  # GGUF: experts everywhere
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = random_spec(f"random:{tmp_path}")
+    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, seed=0, float16=False)
+    from_file = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB")
+    drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs  # GGUF keeps eps in float32
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("moe_model", ["deepseek_v3"], indirect=True)
+def test_latent_attention_decode_reads_the_latent_rows_only(moe_model, make_llm_for_test):
+    """The cache rows a batch-1 decode step of DeepSeek-V3's latent attention reads: the plan's KV bytes of its
+    context (to whole blocks), a quarter of what K and V per head would be on this small config."""
+    from ridge.plan.arithmetic import kv_bytes
+
+    path, _ = moe_model
+    llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request(random_prompts(1, VOCAB, 158, 159, seed=8)[0],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill: 158 tokens; the next step decodes at a context of 159
+    backend, read = engine.runner.backend, []
+    gather = backend.gather
+
+    def counted(layer, table):
+        rows, latents = gather(layer, table)
+        read.append(rows.nbytes)  # the latents are a view of the same rows
+        return rows, latents
+
+    backend.gather = counted
+    try:
+        engine.step()
+    finally:
+        backend.gather = gather
+    while engine.has_unfinished:
+        engine.step()
+    spec, cfg = engine.loaded.spec, engine.loaded.config
+    assert len(read) == cfg.num_layers
+    assert sum(read) == kv_bytes(spec, "fp32", 160)  # 10 blocks of 16 rows
+    assert abs(sum(read) - kv_bytes(spec, "fp32", 159)) / kv_bytes(spec, "fp32", 159) < 0.1
+    # K (nope + rope dims) and V per head, as an expanded cache would hold them: 160 values a token here, not 40
+    per_head = cfg.num_layers * 159 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    assert sum(read) < 0.3 * per_head * 4

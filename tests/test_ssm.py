@@ -146,3 +146,21 @@ def test_prefix_caching_is_turned_off_out_loud(ssm_model, make_llm_for_test, cap
     with caplog.at_level("WARNING", logger="ridge"):
         llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=True)
     assert llm.engine.kv.cache is None and "prefix caching is off" in caplog.text
+
+
+def test_bench_context_times_decode_by_context(ssm_model, tmp_path, capsys):
+    """`ridge bench context` runs each model at each context and reports the bytes a step moves: a pure Mamba-2
+    model's are the same at every context (weights and a fixed state), a hybrid's grow with its attention KV."""
+    import json
+
+    from ridge.cli import main
+
+    path, _ = ssm_model
+    plot = tmp_path / "context.png"
+    assert main(["bench", "context", "--models", f"random:{path}", "--contexts", "16,48", "--output-len", "3",
+                 "--repeats", "1", "--no-peers", "--dtype", "float32", "--json", "--plot", str(plot)]) == 0
+    rows = json.loads(capsys.readouterr().out.split("\nplot:")[0])["rows"]
+    assert [(r["engine"], r["context"]) for r in rows] == [("ridge", 16), ("ridge", 48)]
+    assert all(r["ms_per_token"] > 0 and r["read_fraction"] > 0 for r in rows)
+    grows = rows[1]["step_bytes"] - rows[0]["step_bytes"]
+    assert (grows > 0) == ("bamba" in str(path)) and plot.stat().st_size > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -142,15 +143,68 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path | None, dtype: s
             "batch_size": args.hf_batch_size, "threads": args.num_threads, "device": args.device}
 
 
+def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
+    """A float16 GGUF of `random:NAME`'s weights for llama.cpp, written once under ~/.cache/ridge/random-gguf with
+    the vocabulary of a pulled GGUF of the same size (ValueError naming what is missing)."""
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.hub import ALIASES, ridge_home
+
+    folder = ridge_home() / "random-gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.name.removeprefix("random:")) + f"-seed{seed}.gguf")
+    if path.exists():
+        return path
+    vocabularies = [p for alias in ALIASES if (p := _pulled(alias)) is not None and _vocab_size(p) == spec.vocab_size]
+    if not vocabularies:
+        raise ValueError(f"llama.cpp needs a vocabulary of {spec.vocab_size} tokens: pull a GGUF with one "
+                         f"(Qwen's 151,936: ridge pull qwen2.5-coder-0.5b) or set vocab_size to a pulled one's")
+    print(f"[bench] writing {spec.name} as a GGUF for llama.cpp: {path}", file=sys.stderr)
+    tmp = path.with_suffix(".partial")
+    write_random_gguf(spec, tmp, vocabularies[0], seed)
+    tmp.rename(path)
+    return path
+
+
+def _pulled(alias: str) -> Path | None:
+    from ridge.hub import resolve
+
+    try:
+        return resolve(alias, download=False)
+    except (ValueError, FileNotFoundError):
+        return None
+
+
+def _vocab_size(gguf: Path) -> int:
+    from ridge.models.gguf_file import read_gguf
+
+    return len(read_gguf(gguf).fields["tokenizer.ggml.tokens"])
+
+
 def _run_peers(args, mode: str, requests: list[dict], gguf: Path | None, dtype: str,
                spec: ModelSpec) -> list[EngineResult]:
-    """gguf: the model's file; None for a random model, which HF builds from its shape (random weights too)."""
+    """gguf: the model's file; None for a random model, which HF builds from its shape (random weights too) and
+    llama.cpp reads from a GGUF of ridge's random weights written for it (bench/random_gguf.py)."""
     if gguf is None:
-        skipped = [EngineResult(name, error="a random model has no file to load") for name in PEERS if name != "hf"]
-        if "hf" in (args.skip_peer or []):
-            return skipped
-        job = {**_peer_job(args, mode, requests, None, dtype), "hf_config": hf_config(spec)}
-        return [run_peer("hf", sys.executable, job, timeout=args.peer_timeout), *skipped]
+        results = []
+        if "hf" not in (args.skip_peer or []):
+            job = {**_peer_job(args, mode, requests, None, dtype), "hf_config": hf_config(spec)}
+            results.append(run_peer("hf", sys.executable, job, timeout=args.peer_timeout))
+        found = find_peers(args.peer or [], args.all_peers)
+        for name in PEERS:
+            if name == "hf" or name in (args.skip_peer or []):
+                continue
+            if name != "llamacpp" or name not in found:
+                results.append(EngineResult(name, error="a random model has no file it reads" if name in found
+                                            else f"not run (--peer {name}=PYTHON or --all-peers)"))
+                continue
+            try:
+                path = random_gguf_for(spec, seed=0)  # the engine's weight seed (EngineConfig.seed)
+            except ValueError as exc:
+                results.append(EngineResult(name, error=str(exc)))
+                continue
+            job = _peer_job(args, mode, requests, path, dtype)
+            results.append(run_peer(name, found[name], job, timeout=args.peer_timeout))
+        return results
     results = []
     found = find_peers(args.peer or [], args.all_peers)  # HF stays found: it exports the model vLLM reads
     peers = {name: python for name, python in found.items() if name not in (args.skip_peer or [])}

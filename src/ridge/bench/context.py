@@ -23,7 +23,7 @@ DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def cmd_context(args: argparse.Namespace) -> int:
-    from ridge.bench.cli import _device_name, _free_device_memory, _ridge, _run_peers, ridge_latency
+    from ridge.bench.cli import _device_name, _free_device_memory, _ridge, _run_peers
     from ridge.hub import resolve
     from ridge.linear import model_weight_bytes
     from ridge.models.random_weights import is_random
@@ -42,13 +42,13 @@ def cmd_context(args: argparse.Namespace) -> int:
         weights = model_weight_bytes(llm.engine.loaded.model)
         prompts = {ctx: [random.Random(ctx).randrange(10, spec.vocab_size - 10) for _ in range(ctx)]
                    for ctx in args.contexts}
-        ridge_runs = {ctx: ridge_latency(args, llm, prompts[ctx])
-                      for ctx in tqdm(args.contexts, desc=f"ridge {model}", unit="context", leave=False)}
+        ridge_runs = {ctx: _ridge_run(args, llm, prompts[ctx])
+                      for ctx in tqdm(args.contexts, desc=f"ridge {_short(model)}", unit="context", leave=False)}
         del llm
         _free_device_memory(args.device)
         gguf = None if is_random(model) else resolve(model)
         for ctx in args.contexts:
-            peers = [] if args.no_peers else _run_peers(
+            peers = [] if args.no_peers or ridge_runs[ctx].error else _run_peers(
                 args, "latency", [{"prompt_ids": prompts[ctx], "max_tokens": args.output_len}], gguf, dtype, spec)
             step_bytes = (weights + arithmetic.kv_bytes(spec, DTYPE_NAMES.get(dtype, dtype), ctx)
                           + 2 * arithmetic.state_bytes(spec))
@@ -74,11 +74,21 @@ def cmd_context(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ridge_run(args: argparse.Namespace, llm, ids: list[int]):
+    """ridge's latency at one context, or the reason it cannot run it (a context past the model's limit)."""
+    from ridge.bench.cli import EngineResult, ridge_latency
+
+    try:
+        return ridge_latency(args, llm, ids)
+    except ValueError as exc:
+        return EngineResult("ridge", error=str(exc))
+
+
 def context_table(report: dict) -> list[str]:
     """One row per model and context: ridge's and each peer's ms per token, ridge's bytes a step moves and their
     share of the measured bandwidth, and each context's time against the shortest one's."""
     rows = report["rows"]
-    peers = sorted({r["engine"] for r in rows} - {"ridge"})
+    peers = sorted({r["engine"] for r in rows if not r["error"]} - {"ridge"})  # those that ran
     lines = ["| model | context | ridge ms/token | vs shortest context | "
              + " | ".join(f"{p} ms/token | ridge vs {p}" for p in peers)
              + " | MB a step moves | of read bandwidth |",
@@ -100,6 +110,8 @@ def context_table(report: dict) -> list[str]:
                     cells += [f"{peer['ms_per_token']:.1f}", f"{peer['ms_per_token'] / r['ms_per_token']:.2f}x"]
             cells += [f"{r['step_bytes'] / 1e6:,.0f}", f"{100 * r['read_fraction']:.0f}%"]
             lines.append(f"| {model} | {r['context']:,} | " + " | ".join(cells) + " |")
+    failed = {(r["engine"], r["error"]) for r in rows if r["error"] and r["engine"] not in peers}
+    lines += [f"{engine}: {error}" for engine, error in sorted(failed)]
     return lines
 
 
@@ -115,8 +127,10 @@ def plot_context(rows: list[dict], path: str) -> None:
             points = [r for r in rows if r["model"] == model and r["engine"] == engine and not r["error"]]
             if points:
                 ax.plot([r["context"] for r in points], [r["ms_per_token"] for r in points], marker="o",
-                        linestyle="-" if engine == "ridge" else "--", label=f"{engine}: {model}")
+                        linestyle="-" if engine == "ridge" else "--", label=f"{engine}: {_short(model)}")
+    contexts = sorted({r["context"] for r in rows})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode ms per token (batch 1)")
     ax.set_ylim(bottom=0)
@@ -125,6 +139,19 @@ def plot_context(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
+
+
+def _short(model: str) -> str:
+    """A legend's name for a model: a random shape's preset with its layer count and width where changed, or
+    the file's name."""
+    name, *changes = model.removeprefix("random:").split(",")
+    fields = dict(c.partition("=")[::2] for c in changes)
+    label = name.rsplit("/", 1)[-1]
+    if "num_layers" in fields:
+        label += f", {fields.pop('num_layers')} layers"
+    if "hidden_size" in fields:
+        label += f", {fields.pop('hidden_size')} wide"
+    return label + (f" (+{len(fields)} changes)" if fields else "")
 
 
 def add_context_parser(bsub, common) -> None:

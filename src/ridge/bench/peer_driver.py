@@ -64,23 +64,46 @@ def hf(job) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype).eval()
         model = model.to(device)
 
+    class FirstToken:
+        """generate()'s streamer: put() gets the prompt, then each new token; the second call is the first token."""
+
+        def __init__(self) -> None:
+            self.calls, self.at = 0, None
+
+        def put(self, _value) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                self.at = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
     @torch.inference_mode()
-    def generate(batch, n):
+    def generate(batch, n, streamer=None):
         width = max(len(ids) for ids in batch)
         pad = 0
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
         start = time.perf_counter()
         model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=pad)
+                       do_sample=False, pad_token_id=pad, streamer=streamer)
         if device != "cpu":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return start, time.perf_counter()
+
+    def one_request(ids, n):
+        """Seconds to the first token and for all n, of one run: a long prompt's prefill varies between runs by
+        more than a few decode steps take, so both come from the same run."""
+        first = FirstToken()
+        start, end = generate([ids], n, first)
+        return first.at - start, end - start
 
     if job["mode"] == "latency":
-        return measure_latency(lambda ids, n: generate([ids], n), job)
+        return measure_latency(one_request, job)
     reqs, size = job["requests"], job.get("batch_size", 16)
-    generate([reqs[0]["prompt_ids"]], 2)
+    generate([reqs[0]["prompt_ids"]], 2)  # warm-up
     start = time.perf_counter()
     for i in range(0, len(reqs), size):
         chunk = reqs[i : i + size]

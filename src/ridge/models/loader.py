@@ -56,6 +56,16 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{0}.mlp.gate_up.weight", 0),
     (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", 1),
     (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
+    # mixtures of experts: the router, each expert (a stacked tensor split by _gguf_tensors: `.{expert}` added to
+    # its name), and Qwen2-MoE's shared expert with its gate
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{0}.mlp.router.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.down.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down_shexp\.weight", "layers.{0}.mlp.shared_expert.down.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
 ]
 # Gemma's sandwich norms: HF's post_attention_layernorm is the norm on attention's output there, not the MLP's
 # input norm as in llama
@@ -155,11 +165,21 @@ _FLOAT_TYPES = {"F32", "F16", "BF16"}
 def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
                   native: bool) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
-        if native and t.tensor_type.name not in _FLOAT_TYPES:
+        # a router stays dense (models/moe.py's Router): its few weights decide which experts run
+        quantized = native and t.tensor_type.name not in _FLOAT_TYPES and ".ffn_gate_inp" not in t.name
+        if len(t.shape) == 3:  # a mixture's experts stacked [experts, rows, columns]: one tensor each
+            for expert in range(t.shape[0]):
+                yield f"{t.name}.{expert}", (
+                    gguf_blocks.unpack(t.data[expert], t.tensor_type, t.shape[1:], f"{t.name}.{expert}") if quantized
+                    else dequantize(t.data[expert], t.tensor_type).reshape(t.shape[1:]))
+            continue
+        if quantized:
             data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, t.shape, t.name)
         else:
             data = dequantize(t.data, t.tensor_type).reshape(t.shape)
-        if cfg.architecture == "llama" and re.search(r"attn_[qk]\.", t.name):
+        if t.name.endswith("ffn_gate_inp_shexp.weight"):  # a vector in GGUF, the gate's one row here
+            data = data.reshape(1, -1)
+        if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             data = _unpermute_rotary(data, heads)
         yield t.name, data

@@ -218,7 +218,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         rope_scaling=None if rope_type in ("default", None) else str(rope_type),
-        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        max_position_embeddings=int(config.get("max_position_embeddings", fields.pop("max_position_embeddings", 4096))),
         hidden_act="gelu_tanh" if activation in ("gelu_pytorch_tanh", "gelu_tanh") else activation,
         query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
         rope_local_theta=float(local_theta) if local_theta is not None else None,
@@ -235,6 +235,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     ).validate()
 
 
+# the context of a model without positions (no attention, no rotary): a state-space model's is unbounded
+NO_POSITION_LIMIT = 2**20
+
+
 def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     """The state-space layers of a Mamba-2 model (all its layers, no FFN, no attention) or of a Bamba hybrid (the
     layers not in attn_layer_indices), from their configs' keys; {} for a model without them."""
@@ -242,7 +246,7 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     if kind == "mamba2":
         layers = config["num_hidden_layers"]
         shape = {"ssm_layers": tuple(range(layers)), "has_ffn": False, "num_heads": 0, "num_kv_heads": 0,
-                 "head_dim": 0, "intermediate_size": 0}
+                 "head_dim": 0, "intermediate_size": 0, "max_position_embeddings": NO_POSITION_LIMIT}
         keys = {"ssm_num_heads": "num_heads", "ssm_head_dim": "head_dim", "ssm_state_size": "state_size",
                 "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
                 "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "use_bias"}
@@ -300,22 +304,30 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
              else int(value(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0)))
     kv = value(f"{arch}.attention.head_count_kv", heads)
     names = set(shapes)
+    experts = int(value(f"{arch}.expert_count", 0))
+    norm_topk = value(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK.get(arch))
     return ModelSpec(
         name=name, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
         num_heads=heads, num_kv_heads=int(kv), head_dim=int(value(f"{arch}.attention.key_length", hidden // heads)),
         intermediate_size=int(value(f"{arch}.feed_forward_length")),
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
-        num_experts=int(value(f"{arch}.expert_count", 0)), experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
+        num_experts=experts, experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
         moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
+        shared_expert_intermediate_size=int(value(f"{arch}.expert_shared_feed_forward_length", 0)),
+        shared_experts=int("blk.0.ffn_gate_shexp.weight" in names),
+        norm_topk_prob=None if norm_topk is None else bool(norm_topk),
         sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
         global_every=_GGUF_GLOBAL_EVERY.get(arch, 0),
-        source=source, architecture=arch,
+        source=source, architecture="mixtral" if arch == "llama" and experts else arch,  # llama.cpp's name for it
         rms_norm_eps=float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(value(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 4096)),
         **_gguf_gemma_fields(arch, value, hidden, heads),
     ).validate()
 
+
+# whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it)
 _GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}

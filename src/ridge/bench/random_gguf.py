@@ -1,0 +1,130 @@
+"""A random-weight model written as a GGUF file, so that llama.cpp runs the shape ridge runs from `random:NAME`.
+
+A shape with no small real checkpoint here (a mixture of experts of Qwen3-30B-A3B's layers, say) can still be
+measured side by side: the weights ridge draws for `random:NAME` (models/random_weights.py, the same seed) are
+written under llama.cpp's tensor names and header keys, in float16, with the vocabulary of a pulled GGUF of the
+same size (llama.cpp will not load a model without one). ridge reads the file back to the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader, GGUFWriter
+from tqdm import tqdm
+
+from ridge.models.loader import random_model
+from ridge.models.spec import ModelSpec
+
+# ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there)
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_ROTARY_INTERLEAVED = ("llama", "mixtral")  # llama.cpp's converter permutes these q / k rows (see loader.py)
+_LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
+                "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
+                "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.shared_expert.down.weight": "ffn_down_shexp.weight"}
+
+
+def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True) -> Path:
+    """`spec` with ridge's random weights of `seed` as a GGUF at `path` (float16, or float32: the weights of
+    `random:NAME` in float32 exactly); the tokenizer copied from the GGUF `vocabulary`, whose token count must
+    be the model's vocabulary size."""
+    arch = GGUF_ARCHITECTURES.get(spec.architecture)
+    if arch is None or spec.is_mla or spec.ssm_layers:
+        raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
+                         f"({', '.join(GGUF_ARCHITECTURES)})")
+    if spec.dense_layer_indices:
+        raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
+                         "header key; llama.cpp would read experts in every layer")
+    loaded = random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed)
+    cfg = loaded.config
+    writer = GGUFWriter(str(path), arch)
+    _header(writer, arch, spec, float16)
+    _copy_vocabulary(writer, vocabulary, spec.vocab_size)
+    state = loaded.model.state_dict()
+    for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
+        writer.add_tensor(name, tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    return path
+
+
+def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, float16: bool) -> None:
+    writer.add_context_length(spec.max_position_embeddings)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_block_count(spec.num_layers)
+    writer.add_feed_forward_length(spec.intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    writer.add_file_type(1 if float16 else 0)  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16 / ALL_F32
+    if spec.is_moe:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_per_token)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+        if spec.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
+        if spec.norm_topk_prob is not None:
+            writer.add_expert_weights_norm(bool(spec.norm_topk_prob))
+
+
+def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
+    reader = GGUFReader(str(source))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    if len(tokens.data) != vocab_size:
+        raise ValueError(f"vocabulary: {source.name} holds {len(tokens.data)} tokens, the model {vocab_size}")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if len(field.types) > 1:  # an array: its items, decoded
+            items = [field.contents(i) for i in range(len(field.data))]
+            writer.add_array(key, items)
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+
+
+def _gguf_tensors(cfg, state: dict[str, torch.Tensor]):
+    """ridge's parameters -> llama.cpp's tensors: fused q/k/v and gate/up split, experts stacked."""
+    yield "token_embd.weight", state["embed_tokens.weight"]
+    yield "output_norm.weight", state["norm.weight"]
+    if "lm_head.weight" in state:
+        yield "output.weight", state["lm_head.weight"]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
+        for name, gguf_name in _LAYER_NAMES.items():
+            if name in layer:
+                yield f"blk.{i}.{gguf_name}", layer[name]
+        for kind in ("weight", "bias"):
+            if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
+                for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
+                                          ("v", fused[q + kv:], None)):
+                    if heads and cfg.architecture in _ROTARY_INTERLEAVED:
+                        rows = _permute_rotary(rows, heads)
+                    yield f"blk.{i}.attn_{part}.{kind}", rows
+        for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):
+            if (gate_up := layer.get(f"{prefix}gate_up.weight")) is not None:
+                gate, up = gate_up.chunk(2)
+                yield f"blk.{i}.ffn_gate{suffix}.weight", gate
+                yield f"blk.{i}.ffn_up{suffix}.weight", up
+        if "mlp.shared_expert_gate.weight" in layer:
+            yield f"blk.{i}.ffn_gate_inp_shexp.weight", layer["mlp.shared_expert_gate.weight"].flatten()
+        experts = sorted({int(name.split(".")[2]) for name in layer if name.startswith("mlp.experts.")})
+        if experts:
+            gate_up = torch.stack([layer[f"mlp.experts.{e}.gate_up.weight"] for e in experts])
+            yield f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :cfg.moe_intermediate_size]
+            yield f"blk.{i}.ffn_up_exps.weight", gate_up[:, cfg.moe_intermediate_size:]
+            yield f"blk.{i}.ffn_down_exps.weight", torch.stack([layer[f"mlp.experts.{e}.down.weight"] for e in experts])
+
+
+def _permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's row order for llama q / k (halves -> interleaved pairs): loader._unpermute_rotary's
+    inverse."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
