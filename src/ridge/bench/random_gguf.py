@@ -45,7 +45,9 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
     state = loaded.model.state_dict()
     for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
-        writer.add_tensor(name, tensor.contiguous().numpy())
+        # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply
+        # by them in float32 only
+        writer.add_tensor(name, (tensor.float() if tensor.dim() == 1 else tensor).contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
