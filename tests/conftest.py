@@ -137,6 +137,12 @@ def smollm2(make_llm, smollm2_path) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def qwen_float32(make_llm, qwen_path) -> LLM:
+    """Qwen2.5-Coder-0.5B's file dequantized to float32: the reference for HF checks and native-format ones."""
+    return make_llm(qwen_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path, tmp_path_factory):
     return hf_model_from_gguf(smollm2_path, tmp_path_factory.mktemp("hf"))
 

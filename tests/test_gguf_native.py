@@ -145,7 +145,7 @@ def test_smollm2_native_matches_its_dequantized_weights(make_llm_for_test, smoll
     assert _weight_bytes(packed) <= 1.25 * smollm2_path.stat().st_size
 
 
-def test_qwen_native_bfloat16_stays_near_the_dequantized_model(make_llm_for_test, qwen_path, ops):
+def test_qwen_native_bfloat16_stays_near_the_dequantized_model(make_llm_for_test, qwen_path, qwen_float32, ops):
     """Qwen2.5-Coder's Q4_K_M file holds Q4_K, Q5_0, Q6_K and Q8_0 tensors: in bfloat16 each stays packed, on the
     exact bf16 dot-product kernel where the CPU has AVX512-BF16 (the 5- and 6-bit codes each one bf16, seven_bit), and
     the next-token distributions stay within bfloat16 activations' reach of the float32 dequantized model's
@@ -156,7 +156,7 @@ def test_qwen_native_bfloat16_stays_near_the_dequantized_model(make_llm_for_test
     if ops.bf16_dot_available():
         assert {m.kernel for m in layers} == {"bf16_dot"}
         assert {m.bits for m in layers if m.vnni.seven_bit} == {5, 6}  # Q5_0 and Q6_K, not Q4_K or Q8_0
-    plain = make_llm_for_test(qwen_path, dtype="float32")
+    plain = qwen_float32
     ids = plain.tokenizer.encode("def quicksort(items):\n    # sort a list in place, smallest first\n")
     exact = plain.engine.prompt_logits(ids).log_softmax(-1)
     got = native.engine.prompt_logits(ids).float().log_softmax(-1)

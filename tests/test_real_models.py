@@ -1,6 +1,5 @@
 """Real GGUF models against HF transformers in float32: logits, and greedy tokens on chat prompts."""
 
-import pytest
 import torch
 
 from conftest import CHAT_PROMPTS, hf_greedy_disagreements, hf_model_from_gguf
@@ -29,12 +28,8 @@ def test_smollm2_greedy_chat_matches_hf(smollm2, hf_smollm2):
     assert [d.split(":")[0] for d in hf_greedy_disagreements(hf_smollm2, ids, wrong)] == ["token 5"]
 
 
-@pytest.fixture(scope="module")
-def qwen(make_llm, qwen_path):
-    return make_llm(qwen_path, dtype="float32")
-
-
-def test_qwen_coder_greedy_matches_hf(qwen, qwen_path, tmp_path):
+def test_qwen_coder_greedy_matches_hf(qwen_float32, qwen_path, tmp_path):
+    qwen = qwen_float32
     hf = hf_model_from_gguf(qwen_path, tmp_path)
     questions = ["Write a Python function that reverses a string.", "What does `git rebase` do?"]
     prompts = [qwen.render_chat([{"role": "user", "content": q}]) for q in questions]
