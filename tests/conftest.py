@@ -274,6 +274,16 @@ def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> 
             for i in torch.nonzero(chosen < best.values - tolerance).flatten().tolist()]
 
 
+def assert_logits_match_hf(make_llm_for_test, path, hf, vocab: int) -> None:
+    """A random-config model's float32 logits on 3 prompts of 5-80 tokens equal HF's within float32 noise."""
+    llm = make_llm_for_test(path, dtype="float32")
+    for ids in random_prompts(3, vocab, 5, 80, seed=1):
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+
+
 def greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab: int):
     """A random-config model's 48 greedy tokens for a batch of 16 prompts of mixed lengths (one of 90-100 tokens:
     3 chunks of the 32-token budget), the first 5 checked against HF's choices and the first 2 run alone too:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import greedy_batch_checked_against_hf, random_prompts
+from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
 from test_models_random import byte_tokenizer
 
@@ -67,20 +67,11 @@ def random_hf_model(arch: str, tmp_path_factory):
 
 
 def test_logits_match_hf(moe_model, make_llm_for_test):
-    assert_logits_match(*moe_model, make_llm_for_test)
+    assert_logits_match_hf(make_llm_for_test, *moe_model, VOCAB)
 
 
 def test_latent_attention_without_a_query_bottleneck(tmp_path_factory, make_llm_for_test):
-    assert_logits_match(*random_hf_model("deepseek_v3-q", tmp_path_factory), make_llm_for_test)
-
-
-def assert_logits_match(path, hf, make_llm_for_test):
-    llm = make_llm_for_test(path, dtype="float32")
-    for ids in random_prompts(3, VOCAB, 5, 80, seed=1):
-        ours = llm.engine.prompt_logits(ids)
-        with torch.inference_mode():
-            ref = hf(torch.tensor([ids])).logits[0]
-        assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)  # float32 noise
+    assert_logits_match_hf(make_llm_for_test, *random_hf_model("deepseek_v3-q", tmp_path_factory), VOCAB)
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(moe_model, make_llm_for_test):
