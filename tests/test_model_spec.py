@@ -29,7 +29,7 @@ def test_the_engine_config_comes_from_the_spec():
     ({"architectures": ["PhiForCausalLM"], "model_type": "phi"}, "architecture 'PhiForCausalLM'"),
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
       "sliding_window": 4096}, "use_sliding_window"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling: rope_type 'dynamic'"),
     ({"num_local_experts": 8, "num_experts_per_tok": 2}, "mixture of experts"),
 ])
 def test_what_the_engine_cannot_run_is_refused_by_name(change, refusal):

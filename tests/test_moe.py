@@ -1,5 +1,6 @@
-"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe) and DeepSeek-V3 (latent attention, a sigmoid
-group-limited router, shared experts, a dense first layer) on small random configs against HF transformers:
+"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe), DeepSeek-V2 (latent attention, a softmax router
+within groups, YaRN) and DeepSeek-V3 (latent attention, a sigmoid group-limited router, shared experts, a dense
+first layer) on small random configs against HF transformers:
 logits, greedy tokens in a batch of 16 mixed lengths (one longer than the chunk budget), the runtime-invariance
 checks, quantized experts, the weights a decode step reads against the plan's active bytes, and the KV the
 engine holds against the plan's (for DeepSeek-V3, one latent row a token)."""
@@ -19,7 +20,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attenti
 
 
 def hf_config(arch: str):
-    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     if arch == "mixtral":  # top-2 of 8, always renormalised
         return MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
@@ -32,6 +40,16 @@ def hf_config(arch: str):
                               num_experts_per_tok=3, head_dim=24, norm_topk_prob=True)
     if arch == "olmoe":  # q/k norms over all heads
         return OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    if arch == "deepseek_v2":  # V2-Lite's form: no query bottleneck; a softmax router within the groups of the
+        # best single scores, scaled; YaRN with DeepSeek's mscale (positions past 64 are past the original context)
+        return DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
+                                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, n_shared_experts=1, topk_method="group_limited_greedy",
+                                n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                 "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                 "mscale_all_dim": 0.707})
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -44,7 +62,7 @@ def hf_config(arch: str):
                             routed_scaling_factor=2.5)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -164,8 +182,10 @@ def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
 @pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"),
                                           ({"hidden_act": "relu"}, "hidden_act"),
                                           ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-                                            "kv_lora_rank": 32, "qk_rope_head_dim": 8}, "DeepseekV2ForCausalLM"),
-                                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")])
+                                            "kv_lora_rank": 32, "qk_rope_head_dim": 8, "topk_method": "noaux_tc"},
+                                           "topk_method 'noaux_tc'"),
+                                          ({"moe_layer_freq": 2}, "moe_layer_freq"),
+                                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling")])
 def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config

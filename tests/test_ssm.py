@@ -158,3 +158,28 @@ def test_bench_context_times_decode_by_context(ssm_model, tmp_path, capsys):
     assert all(r["ms_per_token"] > 0 and r["read_fraction"] > 0 for r in rows)
     grows = rows[1]["step_bytes"] - rows[0]["step_bytes"]
     assert (grows > 0) == ("bamba" in str(path)) and plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("ssm_model", ["mamba2"], indirect=True)
+def test_mamba2_keeps_its_residual_stream_in_float32(ssm_model, make_llm_for_test):
+    """residual_in_fp32 (HF's default for Mamba-2): in bfloat16 the residual stream reaches the final norm in
+    float32, the sum of every layer's output in float32; each norm reads it rounded to bfloat16."""
+    from ridge.models.layers import RMSNorm
+
+    path, _ = ssm_model
+    llm = make_llm_for_test(path, dtype="bfloat16")
+    model = llm.engine.loaded.model
+    assert llm.engine.loaded.config.residual_in_fp32
+    seen = []
+    hook = model.norm.register_forward_pre_hook(lambda _, args: seen.append((args[0].dtype, args[1].dtype)))
+    try:
+        llm.engine.prompt_logits(random_prompts(1, VOCAB, 20, 21, seed=9)[0])
+    finally:
+        hook.remove()
+    assert seen == [(torch.bfloat16, torch.float32)]
+    norm = RMSNorm(8, 1e-6).bfloat16()
+    residual, x = torch.randn(3, 8), torch.randn(3, 8).bfloat16()
+    expected = residual + x.float()
+    out, summed = norm(x, residual.clone())
+    assert torch.equal(summed, expected) and out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.nn.functional.rms_norm(expected.bfloat16(), (8,), norm.weight, 1e-6))

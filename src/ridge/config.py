@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ridge.kv.layout import KVLayout, kv_layout
+from ridge.rope_scaling import RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -40,6 +41,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # the global layers' rotary, stretched past its training context
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2
@@ -71,9 +73,10 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
-    # DeepSeek-V3's router: sigmoid scores, a bias added to choose (not to weigh), the experts in router_groups
-    # groups of which the router_topk_groups best (by their two best scores) are searched, the weights scaled
+    # DeepSeek's routers: the experts in router_groups groups of which the router_topk_groups best are searched;
+    # V3's sigmoid scores, with a bias added to choose (not to weigh); the weights scaled by routed_scaling_factor
     router_scoring: str = "softmax"  # or "sigmoid"
+    router_group_rating: str = "top2"  # a group's rating: its two best scores (V3), or its best one ("max": V2)
     router_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -102,6 +105,9 @@ class ModelConfig:
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
     has_mlp: bool = True
+    # Mamba-2's residual_in_fp32: the residual stream adds in float32 whatever the model's dtype (each norm reads
+    # it rounded to the model's dtype, as HF's Mamba-2 blocks do)
+    residual_in_fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_layers and self.num_heads % self.num_kv_heads:
@@ -158,7 +164,10 @@ class ModelConfig:
     def attention_scale(self) -> float:
         if not self.attention_layers:
             return 1.0  # a model without attention (pure Mamba-2): never used
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        if self.is_mla and self.rope_scaling is not None:
+            scale *= self.rope_scaling.latent_softmax_factor()
+        return scale
 
     @property
     def group_size(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -146,12 +147,15 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path | None, dtype: s
 def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
     """A float16 GGUF of `random:NAME`'s weights for llama.cpp, written once under ~/.cache/ridge/random-gguf with
     the vocabulary of a pulled GGUF of the same size (ValueError naming what is missing)."""
-    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.bench.random_gguf import WRITER_VERSION, write_random_gguf
     from ridge.hub import ALIASES, ridge_home
 
     folder = ridge_home() / "random-gguf"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.name.removeprefix("random:")) + f"-seed{seed}.gguf")
+    # the file is what this spec and this writer make: a changed preset or writer never reuses an old file
+    digest = hashlib.sha1(f"{spec!r} writer {WRITER_VERSION}".encode()).hexdigest()[:10]
+    name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.name.removeprefix("random:"))
+    path = folder / f"{name}-seed{seed}-{digest}.gguf"
     if path.exists():
         return path
     vocabularies = [p for alias in ALIASES if (p := _pulled(alias)) is not None and _vocab_size(p) == spec.vocab_size]

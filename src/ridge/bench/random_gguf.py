@@ -11,11 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from tqdm import tqdm
 
+from ridge.config import ModelConfig
 from ridge.models.loader import random_model
 from ridge.models.spec import ModelSpec
+from ridge.rope_scaling import RopeScaling
+
+# the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
+WRITER_VERSION = 2
 
 # ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there)
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -41,7 +46,7 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     loaded = random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed)
     cfg = loaded.config
     writer = GGUFWriter(str(path), arch)
-    _header(writer, arch, spec, float16)
+    _header(writer, arch, spec, cfg, float16)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
     state = loaded.model.state_dict()
     for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
@@ -55,7 +60,7 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     return path
 
 
-def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, float16: bool) -> None:
+def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, float16: bool) -> None:
     writer.add_context_length(spec.max_position_embeddings)
     writer.add_embedding_length(spec.hidden_size)
     writer.add_block_count(spec.num_layers)
@@ -65,6 +70,13 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, float16: bool) -> No
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
+    if (scaling := cfg.rope_scaling) is not None and scaling.kind != "llama3":  # llama3's: the rope_freqs tensor
+        writer.add_rope_scaling_type(RopeScalingType(scaling.kind))
+        writer.add_rope_scaling_factor(scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_positions)
+        if scaling.kind == "yarn":
+            writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_file_type(1 if float16 else 0)  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16 / ALL_F32
     if spec.is_moe:
@@ -92,9 +104,13 @@ def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
             writer.add_key_value(key, field.contents(), field.types[0])
 
 
-def _gguf_tensors(cfg, state: dict[str, torch.Tensor]):
+def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """ridge's parameters -> llama.cpp's tensors: fused q/k/v and gate/up split, experts stacked."""
     yield "token_embd.weight", state["embed_tokens.weight"]
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "llama3":
+        # llama.cpp's converter writes Llama 3.1's scaling as each frequency's divisor
+        plain = RopeScaling("linear", 1.0).inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
+        yield "rope_freqs.weight", plain / cfg.rope_scaling.inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
     yield "output_norm.weight", state["norm.weight"]
     if "lm_head.weight" in state:
         yield "output.weight", state["lm_head.weight"]

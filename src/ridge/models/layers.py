@@ -15,6 +15,7 @@ from torch import nn
 
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
+from ridge.rope_scaling import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +33,9 @@ class RMSNorm(nn.Module):
         """norm(x); or, given a residual: residual += x (in place), return (norm(residual), residual)."""
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if residual.dtype != x.dtype:  # a float32 residual stream (residual_in_fp32): normed in x's dtype
+            residual += x
+            return F.rms_norm(residual.to(x.dtype), self.weight.shape, self.weight, self.eps), residual
         if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
             return self.ops.add_rms_norm_(residual, x, self.weight, self.eps), residual
         residual += x
@@ -41,11 +45,14 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if scaling is None:
+            inv_freq, magnitude = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+        else:  # a scaled rotary's own frequencies, and YaRN's rotation magnitude (q.k scaled by its square)
+            inv_freq, magnitude = scaling.inverse_frequencies(head_dim, theta), scaling.rotation_magnitude()
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.register_buffer("freqs", torch.polar(torch.full_like(angles, magnitude), angles), persistent=False)
         self.ops: ModuleType | None = None
 
     def step(self, positions: torch.Tensor) -> RopeStep:
@@ -169,6 +176,7 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.local = local
+        self.residual_in_fp32 = cfg.residual_in_fp32
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta, states=None
@@ -176,7 +184,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, not yet added to the residual stream (or the embeddings); states: the
         step's StateStep, for a state-space layer."""
         if residual is None:
-            residual, x = x, self.input_norm(x)
+            residual, x = x.float() if self.residual_in_fp32 else x, self.input_norm(x)
         else:
             x, residual = self.input_norm(x, residual)
         x = self.ssm(x, states) if self.ssm is not None else self.attn(x, rope, backend, meta)

@@ -233,6 +233,8 @@ def load_model(
     quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
     state: dict[str, torch.Tensor] = {}
     for name, array in tensors:
+        if name == "rope_freqs.weight":  # Llama 3.1's rotary divisors: the spec read them (cfg.rope_scaling)
+            continue
         key, slot = _map_name(name, table)
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -7,7 +7,9 @@ formats and CPU kernels apply to experts as to any dense layer (DecoderModel.rep
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
 norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
-runs, its output scaled by sigmoid(shared_expert_gate(x)). DeepSeek-V3's: sigmoid scores; the experts split
+runs, its output scaled by sigmoid(shared_expert_gate(x)). DeepSeek-V2's: softmax scores, with
+group_limited_greedy the top k within the router_topk_groups groups of the best single score, the weights
+times routed_scaling_factor; its shared experts run ungated. DeepSeek-V3's: sigmoid scores; the experts split
 into router_groups groups, each group rated by its two best scores plus the per-expert correction bias, the
 top k chosen (by score + bias) within the router_topk_groups best groups, weighted by their scores without
 the bias (renormalised), times routed_scaling_factor; its shared experts run ungated.
@@ -37,6 +39,7 @@ class MoEBlock(nn.Module):
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.scaling = cfg.router_scoring == "sigmoid", cfg.routed_scaling_factor
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
+        self.group_rating = cfg.router_group_rating
         self.router = Router(cfg.hidden_size, cfg.num_experts, bias=False)
         # DeepSeek-V3's e_score_correction_bias: moves which experts are chosen, not their weights
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
@@ -58,18 +61,16 @@ class MoEBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (float32)."""
         logits = self.router(x).float()
-        if not self.sigmoid:
-            weights, experts = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
-        else:
-            scores = logits.sigmoid()
-            choice = scores + self.router_bias.float()
-            if self.groups > 1:
-                grouped = choice.view(x.shape[0], self.groups, -1)
-                best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_groups, dim=-1).indices
-                keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
-                choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-            experts = choice.topk(self.top_k, dim=-1).indices
-            weights = scores.gather(1, experts)
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.router_bias.float() if self.sigmoid else scores
+        if self.groups > 1:
+            grouped = choice.view(x.shape[0], self.groups, -1)
+            rating = grouped.topk(2, dim=-1).values.sum(dim=-1) if self.group_rating == "top2" else grouped.amax(-1)
+            best = rating.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
         return experts, weights * self.scaling if self.scaling != 1.0 else weights

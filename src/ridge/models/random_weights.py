@@ -63,7 +63,14 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                       moe_intermediate_size=spec.moe_intermediate_size, n_shared_experts=spec.shared_experts,
                       first_k_dense_replace=spec.first_dense_layers, mlp_only_layers=list(spec.dense_only_layers),
                       shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-                      n_group=spec.router_groups, topk_group=spec.router_topk_groups)
+                      n_group=spec.router_groups, topk_group=spec.router_topk_groups,
+                      routed_scaling_factor=spec.routed_scaling_factor)
+        if spec.norm_topk_prob is not None:
+            config["norm_topk_prob"] = spec.norm_topk_prob
+        if spec.router_topk_method:
+            config["topk_method"] = spec.router_topk_method
+    if spec.rope_scaling:
+        config["rope_parameters"] = {"rope_theta": spec.rope_theta, **spec.rope_scaling}
     if spec.is_mla:
         config.update(kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None,
                       qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
@@ -74,7 +81,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.architecture == "mamba2":
         config.update(num_heads=ssm["n_heads"], head_dim=ssm["d_head"], state_size=ssm["d_state"],
                       n_groups=ssm["n_groups"], conv_kernel=ssm["d_conv"], expand=ssm["expand"],
-                      chunk_size=ssm["chunk_size"], layer_norm_epsilon=spec.rms_norm_eps)
+                      chunk_size=ssm["chunk_size"], layer_norm_epsilon=spec.rms_norm_eps,
+                      residual_in_fp32=spec.residual_in_fp32)
     elif spec.ssm_layers:  # Bamba's
         config.update({f"mamba_{key}": value for key, value in ssm.items()},
                       attn_layer_indices=[i for i in range(spec.num_layers) if i not in spec.ssm_layers])

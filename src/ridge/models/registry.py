@@ -1,9 +1,9 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe and
-deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a bias here, a norm
-there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's
-variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
+llama, mistral, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe,
+deepseek_v2 and deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a
+bias here, a norm there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block
+(with its router's variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from ridge.config import ModelConfig
 from ridge.models.spec import ModelSpec
+from ridge.rope_scaling import RopeScaling
 
 # per architecture: fixed ModelConfig fields
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -26,15 +27,20 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"qkv_bias": True, "shared_expert_gate": True},
     "qwen3_moe": {"qk_norm": True},
     "olmoe": {"qk_norm_full": True},
-    # latent attention and a sigmoid, group-limited router (models/mla.py, models/moe.py); Kimi K2 too
+    # latent attention (models/mla.py) and DeepSeek's routers (models/moe.py): V2's softmax one (greedy, or
+    # limited to the groups of the best single scores), V3's sigmoid one (Kimi K2's too); V2's checkpoints always
+    # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
+    "deepseek_v2": {"rope_interleave": True, "router_group_rating": "max"},
     "deepseek_v3": {"router_scoring": "sigmoid"},
     # state-space layers (models/mamba.py): Mamba-2's own models, and Bamba's hybrid of Mamba-2 layers and llama
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
     "bamba": {"partial_rotary_factor": 0.5},
 }
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
-_MLA = ("deepseek_v3",)
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+_MLA = ("deepseek_v2", "deepseek_v3")
+# DeepSeek-V2's topk_method -> whether its router searches within groups
+_V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba")
 
 # HF `architectures[0]` / `model_type` -> our name
@@ -50,6 +56,7 @@ _HF_NAMES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
@@ -77,8 +84,12 @@ def check_supported(architecture: str) -> str:
 def config_from_spec(spec: ModelSpec) -> ModelConfig:
     """What the engine runs of a model read by models/spec.py; ValueError naming what it cannot run."""
     arch = check_supported(spec.architecture)
-    if spec.rope_scaling is not None:
-        raise ValueError(f"rope_scaling: {spec.rope_scaling!r} is not supported yet (only plain rotary)")
+    rope_scaling = None
+    try:
+        if spec.rope_scaling:
+            rope_scaling = RopeScaling.from_hf(spec.rope_scaling, spec.max_position_embeddings)
+    except ValueError as err:
+        raise ValueError(f"{spec.source}: {err}") from None
     if spec.is_mla and arch not in _MLA:
         raise ValueError(f"{spec.source}: latent attention (MLA) of architecture {arch!r} is not supported "
                          f"({', '.join(_MLA)})")
@@ -88,6 +99,14 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if spec.ssm_layers and arch not in _SSM:
         raise ValueError(f"{spec.source}: state-space layers in architecture {arch!r} are not supported "
                          f"({', '.join(_SSM)})")
+    if arch == "deepseek_v2" and spec.router_topk_method not in _V2_TOPK_METHODS:
+        raise ValueError(f"{spec.source}: topk_method {spec.router_topk_method!r} is not supported "
+                         f"({', '.join(_V2_TOPK_METHODS)})")
+    if spec.moe_layer_freq != 1:
+        raise ValueError(f"{spec.source}: moe_layer_freq: experts on every {spec.moe_layer_freq}-th layer only is "
+                         "not supported (1)")
+    if spec.is_mla and spec.qkv_bias:
+        raise ValueError(f"{spec.source}: attention_bias: biases on latent attention's projections are not supported")
     if spec.mlp_bias:
         raise ValueError(f"{spec.source}: mlp_bias: biases on the FFN's projections are not supported")
     if spec.clip_qkv is not None:
@@ -105,7 +124,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "head_dim": spec.head_dim,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": (rope_scaling.context_limit(spec.max_position_embeddings) if rope_scaling
+                                    else spec.max_position_embeddings),
         "tie_word_embeddings": spec.tie_word_embeddings,
         "qkv_bias": spec.qkv_bias,
         "sliding_window": spec.sliding_window,
@@ -122,7 +143,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         fields.update(ssm_layers=spec.ssm_layers, ssm_state_size=spec.ssm_state_size, ssm_num_heads=spec.ssm_num_heads,
                       ssm_head_dim=spec.ssm_head_dim, ssm_groups=spec.ssm_groups, ssm_conv_kernel=spec.ssm_conv_kernel,
                       ssm_chunk_size=spec.ssm_chunk_size, ssm_conv_bias=spec.ssm_conv_bias,
-                      ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit)
+                      ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit,
+                      residual_in_fp32=spec.residual_in_fp32)
     if spec.is_moe:
         fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size,
@@ -130,6 +152,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       or spec.shared_experts * spec.moe_intermediate_size,  # DeepSeek: n_shared experts as one FFN
                       dense_layers=spec.dense_layer_indices, router_groups=spec.router_groups,
                       router_topk_groups=spec.router_topk_groups, routed_scaling_factor=spec.routed_scaling_factor)
+        if arch == "deepseek_v2" and not _V2_TOPK_METHODS[spec.router_topk_method]:
+            fields["router_groups"] = 1  # greedy: n_group, if set, is not used
     if spec.is_mla:  # one KV "head": the latent and the rotary key; scores scaled by the query's own width
         fields.update(num_kv_heads=1, head_dim=spec.kv_lora_rank + spec.qk_rope_head_dim,
                       query_pre_attn_scalar=spec.qk_nope_head_dim + spec.qk_rope_head_dim,

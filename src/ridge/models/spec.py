@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gguf.quants import dequantize
+
 from ridge.models.gguf_file import GGUFFile
 
 
@@ -60,7 +62,9 @@ class ModelSpec:
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
     rms_norm_eps: float = field(default=1e-6, compare=False)
     rope_theta: float = field(default=10000.0, compare=False)
-    rope_scaling: str | None = field(default=None, compare=False)  # a rope_type other than plain rotary
+    # a scaled rotary (models/rope_scaling.py reads it, the engine refuses what it cannot run): HF's rope_scaling
+    # dict, or the same keys made from a GGUF header (with llama3's divisors read from the rope_freqs tensor)
+    rope_scaling: dict | None = field(default=None, compare=False)
     max_position_embeddings: int = field(default=4096, compare=False)
     hidden_act: str = field(default="silu", compare=False)  # silu or gelu_tanh
     query_pre_attn_scalar: float | None = field(default=None, compare=False)
@@ -76,12 +80,15 @@ class ModelSpec:
     router_groups: int = field(default=1, compare=False)
     router_topk_groups: int = field(default=1, compare=False)
     routed_scaling_factor: float = field(default=1.0, compare=False)
+    router_topk_method: str = field(default="", compare=False)  # DeepSeek-V2's greedy / group_limited_greedy
+    moe_layer_freq: int = field(default=1, compare=False)  # DeepSeek's: every n-th layer past the dense ones
     rope_interleave: bool = field(default=False, compare=False)
     partial_rotary_factor: float = field(default=1.0, compare=False)  # rotary on this share of a head's dims
     ssm_chunk_size: int = field(default=256, compare=False)
     ssm_conv_bias: bool = field(default=True, compare=False)
     ssm_proj_bias: bool = field(default=False, compare=False)
     ssm_dt_limit: tuple[float, float] = field(default=(0.0, float("inf")), compare=False)
+    residual_in_fp32: bool = field(default=False, compare=False)  # Mamba-2's: the residual stream kept in float32
 
     @property
     def is_moe(self) -> bool:
@@ -211,13 +218,17 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     local_scaling = scaling.get("sliding_attention") or {}
     scaling = scaling.get("full_attention", scaling)  # Gemma 3: one rotary per kind of layer
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    local_type = local_scaling.get("rope_type", local_scaling.get("type", "default"))
+    if local_type not in ("default", None):
+        raise ValueError(f"{source}: rope_scaling: a scaled rotary on the sliding layers ({local_type}) is not "
+                         "supported")
     local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
-        rope_scaling=None if rope_type in ("default", None) else str(rope_type),
+        rope_scaling=None if rope_type in ("default", None) else dict(scaling),
         max_position_embeddings=int(config.get("max_position_embeddings", fields.pop("max_position_embeddings", 4096))),
         hidden_act="gelu_tanh" if activation in ("gelu_pytorch_tanh", "gelu_tanh") else activation,
         query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
@@ -229,6 +240,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         mlp_bias=bool(config.get("mlp_bias", False)),
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),
         rope_interleave=bool(config.get("rope_interleave", False)),
         partial_rotary_factor=float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))),
         **fields,
@@ -246,7 +258,8 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     if kind == "mamba2":
         layers = config["num_hidden_layers"]
         shape = {"ssm_layers": tuple(range(layers)), "has_ffn": False, "num_heads": 0, "num_kv_heads": 0,
-                 "head_dim": 0, "intermediate_size": 0, "max_position_embeddings": NO_POSITION_LIMIT}
+                 "head_dim": 0, "intermediate_size": 0, "max_position_embeddings": NO_POSITION_LIMIT,
+                 "residual_in_fp32": bool(config.get("residual_in_fp32", True))}  # HF's default
         keys = {"ssm_num_heads": "num_heads", "ssm_head_dim": "head_dim", "ssm_state_size": "state_size",
                 "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
                 "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "use_bias"}
@@ -322,8 +335,28 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         rms_norm_eps=float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(value(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 4096)),
+        rope_scaling=_gguf_rope_scaling(gguf, arch, value),
         **_gguf_gemma_fields(arch, value, hidden, heads),
     ).validate()
+
+
+def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
+    """A GGUF header's rotary scaling in HF's keys. llama.cpp's converter writes linear and YaRN as keys, and
+    Llama 3.1's scaling as the divisors themselves, a tensor of head_dim / 2 floats (read here: 256 bytes)."""
+    divisors = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        values = dequantize(divisors.data, divisors.tensor_type).reshape(-1)
+        return {"rope_type": "llama3", "factor": 1.0, "frequency_divisors": [float(v) for v in values]}
+    kind = value(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    scaling = {"rope_type": str(kind), "factor": float(value(f"{arch}.rope.scaling.factor", 1.0))}
+    for key, hf_key, kind in (("original_context_length", "original_max_position_embeddings", int),
+                              ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float),
+                              ("attn_factor", "gguf_attn_factor", float)):  # not HF's attention_factor: refused
+        if (read := value(f"{arch}.rope.scaling.{key}")) is not None:
+            scaling[hf_key] = kind(read)
+    return scaling
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)

@@ -46,7 +46,7 @@ class DecoderModel(nn.Module):
         """The rotary tables (buffers, not weights: made again after loading weights onto the meta device):
         one for global layers, and one for local layers where their base differs (Gemma 3)."""
         cfg = self.cfg
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
                              if cfg.rope_local_theta is not None else None)
 

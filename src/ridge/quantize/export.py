@@ -200,6 +200,14 @@ def _hf_config(model_path: Path, cfg: ModelConfig, tokenizer: RidgeTokenizer) ->
     }
     if cfg.architecture == "llama":
         config["attention_bias"] = cfg.qkv_bias
+    if (scaling := cfg.rope_scaling) is not None:
+        if scaling.frequency_divisors:
+            raise ValueError(f"{model_path.name}: its rotary scaling is stored as divisors (rope_freqs), which an "
+                             "HF config cannot say; export from the HF checkpoint instead")
+        config["rope_scaling"] = {"rope_type": scaling.kind, "factor": scaling.factor,
+                                  "original_max_position_embeddings": scaling.original_max_positions}
+        if scaling.kind == "yarn":
+            config["rope_scaling"].update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow)
     return config
 
 

@@ -1,0 +1,143 @@
+"""Rotary scaling: how a model stretches its rotary embedding past the context it was trained on.
+
+Each kind changes the rotary's inverse frequencies, and YaRN also the rotation's magnitude (its attention
+factor, which scales q.k by its square). The kinds HF transformers calls linear (every frequency divided by
+the factor), llama3 (Llama 3.1: low frequencies divided, high ones kept, a smooth ramp between) and yarn
+(YaRN: the same idea by counted rotations, plus the attention factor) are computed here as HF computes them.
+"dynamic" (NTK scaling that changes with the sequence's length, so a token's rotation depends on how long its
+sequence has grown) and "longrope" (Phi-3's per-frequency factors, switched at a length) are refused by name.
+
+GGUF files say the same in `<arch>.rope.scaling.*` keys; for llama3 the converter stores the divisors
+themselves, one per frequency, as the `rope_freqs.weight` tensor (kept here as `frequency_divisors`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED = ("linear", "llama3", "yarn")
+# the keys read below, and those HF keeps in the same dict that are read elsewhere (or change nothing here)
+_KNOWN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor", "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale",
+               "mscale_all_dim", "frequency_divisors", "rope_theta", "partial_rotary_factor"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str  # one of SUPPORTED
+    factor: float
+    original_max_positions: int = 0  # the pretraining context (llama3, yarn)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0  # yarn: the correction range, in rotations over the original context
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # yarn: None derives it from factor (and mscale / mscale_all_dim)
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    frequency_divisors: tuple[float, ...] = ()  # GGUF's rope_freqs: the divisors themselves, one per frequency
+
+    def __post_init__(self) -> None:
+        if self.kind not in SUPPORTED:
+            raise ValueError(f"rope_scaling: rope_type {self.kind!r} is not supported ({', '.join(SUPPORTED)}; "
+                             "dynamic NTK and longrope are not)")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling: factor must be positive, got {self.factor}")
+        if self.kind == "llama3" and not self.frequency_divisors and not (
+                self.original_max_positions > 0 and self.high_freq_factor > self.low_freq_factor):
+            raise ValueError("rope_scaling: llama3 needs original_max_position_embeddings and "
+                             "high_freq_factor > low_freq_factor")
+        if self.kind == "yarn" and self.original_max_positions <= 0:
+            raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
+
+    @classmethod
+    def from_hf(cls, params: dict, max_positions: int) -> RopeScaling | None:
+        """From an HF config's rope_scaling / rope_parameters dict (or models/spec.py's reading of a GGUF
+        header, in the same keys), None for plain rotary. HF's defaults: the
+        original context is max_position_embeddings where not given; YaRN's factor, where absent, is the ratio
+        of the two (DeepSeek-V3's configs)."""
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind in ("default", None):
+            return None
+        if unknown := sorted(set(params) - _KNOWN_KEYS):
+            raise ValueError(f"rope_scaling: {', '.join(unknown)} not supported")
+        original = int(params.get("original_max_position_embeddings") or max_positions)
+        factor = params.get("factor")
+        if factor is None and kind == "yarn":
+            factor = max_positions / original
+        if factor is None:
+            raise ValueError(f"rope_scaling: {kind} needs a factor")
+        return cls(kind=str(kind), factor=float(factor), original_max_positions=original,
+                   low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                   beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                   truncate=bool(params.get("truncate", True)), attention_factor=params.get("attention_factor"),
+                   mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                   frequency_divisors=tuple(params.get("frequency_divisors") or ()))
+
+    def inverse_frequencies(self, dim: int, theta: float) -> torch.Tensor:
+        """The scaled inverse frequencies of a rotary over `dim` dims (dim / 2 of them), float32."""
+        plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if self.frequency_divisors:
+            if len(self.frequency_divisors) != dim // 2:
+                raise ValueError(f"rope_freqs: {len(self.frequency_divisors)} divisors for a rotary of {dim // 2} "
+                                 "frequencies")
+            return plain / torch.tensor(self.frequency_divisors, dtype=torch.float32)
+        if self.kind == "linear":
+            return plain / self.factor
+        if self.kind == "llama3":
+            return self._llama3(plain)
+        return self._yarn(dim, theta)
+
+    def _llama3(self, plain: torch.Tensor) -> torch.Tensor:
+        original = self.original_max_positions
+        wavelength = 2 * math.pi / plain
+        long_waves = wavelength > original / self.low_freq_factor  # divided by the factor
+        short_waves = wavelength < original / self.high_freq_factor  # kept
+        smooth = (original / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        between = (1 - smooth) * plain / self.factor + smooth * plain
+        return torch.where(long_waves, plain / self.factor, torch.where(short_waves, plain, between))
+
+    def _yarn(self, dim: int, theta: float) -> torch.Tensor:
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+            return dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        powers = theta ** (torch.arange(0, dim, 2).float() / dim)
+        kept = 1 - ramp  # the share of each frequency left as trained (extrapolated) rather than divided
+        return (1.0 / (self.factor * powers)) * (1 - kept) + (1.0 / powers) * kept
+
+    def rotation_magnitude(self) -> float:
+        """What the rotary multiplies q and k's rotated dims by (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
+    def latent_softmax_factor(self) -> float:
+        """DeepSeek's attention multiplies its softmax scale by mscale(factor, mscale_all_dim)^2 under a scaled
+        rotary (HF's DeepSeek-V2/V3 attention, not a general rule: used for MLA models only)."""
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def context_limit(self, max_positions: int) -> int:
+        """The positions a model with this scaling serves: YaRN's stretched original context where a config
+        leaves max_position_embeddings at the original (Qwen2.5's advice), else max_position_embeddings."""
+        if self.kind == "yarn":
+            return max(max_positions, int(self.factor * self.original_max_positions))
+        return max_positions
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
