@@ -234,6 +234,21 @@ def weights_only_gguf(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _kernel_tests_on_every_core(request, monkeypatch) -> Iterator[None]:
+    """`make test` runs two pytest workers of one thread each (OMP_NUM_THREADS=1, read by torch and by the engine);
+    a `threaded` module (the kernels', whose work is split across threads) runs on every core all the same, so
+    that the split is what it checks."""
+    if request.node.get_closest_marker("threaded") is None or os.environ.get("OMP_NUM_THREADS") is None:
+        yield
+        return
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores))  # engines made in the test take it too
+    torch.set_num_threads(cores)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_blocks() -> Iterator[None]:
     yield
     for llm in _ENGINES:

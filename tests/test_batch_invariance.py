@@ -9,6 +9,8 @@ from ridge import SamplingParams
 from ridge.config import EngineConfig
 from ridge.kernels.batch_invariance import PROBE_ROWS, first_variant_batch, verify
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

@@ -21,6 +21,8 @@ from ridge.linear.select import share_prompt_scratch
 from ridge.quant import gguf_blocks
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 BF16_DOT = "avx512_bf16" in cpu_ops.cpu_flags()
 PANEL_MIN_ROWS = 8  # bf16_dot_linear.cpp's kPanelMinRows: 8-bit codes converted once to bf16 from this many rows
 SEVEN_BIT_PANEL_MIN_ROWS = 24  # its kSevenBitPanelMinRows: 7-bit codes too from this many

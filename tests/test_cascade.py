@@ -8,6 +8,8 @@ from ridge.attention.backend import PrefillChunk
 from ridge.attention.cascade import shared_prefix_attention, split_shared_prefixes
 from ridge.kernels import cpu_ops
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 
 def unfold(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The folded results of shared_prefix_attention as [R, heads, d] and [R, heads]."""

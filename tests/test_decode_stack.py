@@ -16,6 +16,8 @@ from ridge.linear.dense import onednn_packs
 from ridge.linear.rows import TILED_MIN_ROWS
 from ridge.quant.rtn import quantize_fp8, quantize_int4, quantize_int8
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 
 def layer(weight, bias, dtype, ops, **options) -> torch.nn.Module:
     return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))

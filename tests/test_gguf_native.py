@@ -17,6 +17,8 @@ from ridge.linear.select import int8_activations_at_every_row
 from ridge.quant import gguf_blocks
 from ridge.quant.rtn import dequantize
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 
 def QuantizedLinear(weight, bias, dtype, ops, **options) -> torch.nn.Module:  # noqa: N802 - make_linear's pick
     return make_linear(weight, bias, LinearTarget(dtype, ops=ops, **options))

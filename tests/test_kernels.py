@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from ridge.attention import AttentionMetadata, PagedBackend
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 
 def test_cache_write_and_gather_round_trip(ops):
     """Tokens written at their slots (by the kernel and by the torch path) come back as plain rows."""

@@ -15,6 +15,8 @@ from ridge.linear.layouts import int4pack_block_width, pack_nibbles, pack_vnni, 
 from ridge.quant import gguf_blocks
 from ridge.quant.rtn import dequantize, quantize_int4, quantize_int8
 
+pytestmark = pytest.mark.threaded  # the kernels split their work across threads: on every core
+
 VNNI = "avx512_vnni" in cpu_ops.cpu_flags()
 
 

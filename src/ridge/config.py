@@ -266,7 +266,8 @@ class EngineConfig:
     ignore_sliding_window: bool = knob(
         False, "attend to every layer's whole history, as if the model had no sliding windows: outputs past the "
         "window differ from the model's; the baseline for what windows save in KV memory and time (benchmarks)")
-    num_threads: int | None = knob(None, "torch threads (default: all cores)", flag="--threads")
+    num_threads: int | None = knob(None, "torch threads (default: OMP_NUM_THREADS where set, else all cores)",
+                                    flag="--threads")
     enforce_eager: bool = knob(
         False, "run every step through the Python model (default: on the CPU, float32 and bfloat16 decode steps run "
         "their layers in one C++ call, kernels/decode_stack.py; on CUDA, decode steps replay CUDA graphs captured "

@@ -69,7 +69,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
         self.tokenizer = target.tokenizer
