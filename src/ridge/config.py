@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.rope_scaling import RopeScaling
 
@@ -187,11 +188,12 @@ class ModelConfig:
         """The attention layers' KV groups (state-space layers hold no KV: none in a pure Mamba model)."""
         return kv_layout({i: self.layer_window(i) for i in self.attention_layers})
 
-    def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int) -> int:
+    def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
-        row a token, read as both)."""
+        row a token, read as both), in dtype or in a quantized format's codes and scales."""
         tensors = 1 if self.is_mla else 2
-        return tensors * self.kv_layout().num_slots * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        row = kv_format.row_bytes(self.head_dim) if kv_format is not None else self.head_dim * dtype.itemsize
+        return tensors * self.kv_layout().num_slots * block_size * self.num_kv_heads * row
 
 
 
@@ -255,6 +257,10 @@ class EngineConfig:
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = knob("cpu", "cpu or cuda[:N] (CUDA: Triton attention and quantized kernels, CUDA graphs)")
     kv_cache_memory: int | str = knob("2GiB", "KV cache budget, e.g. 2GiB (default %(default)s)")
+    kv_cache_dtype: str = knob(
+        "auto", "how K and V are stored: auto (the model's dtype), fp8 (e4m3), int8 or int4 (32-value groups), "
+        "each with a float16 scale per token and head (per group for int4); fewer bytes a token, so more "
+        "tokens in kv_cache_memory, for a little accuracy", choices=KV_CACHE_DTYPES)
     block_size: int = knob(16, "tokens per KV block (default %(default)s)")
     max_num_batched_tokens: int = knob(
         2048, "token budget of one step; long prompts are chunked to fit (default %(default)s, vLLM's CPU server "
@@ -320,6 +326,13 @@ class EngineConfig:
     cpu_kernels: bool = True  # ridge's C++ kernels on CPU: paged decode attention, fused norm/activation
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_bytes: int = field(init=False)
+    kv_format: KVFormat | None = field(init=False)  # kv_cache_dtype's (None: auto)
+
+    def _require(self, what: str, why: str, **wanted: Any) -> None:
+        """ValueError naming the first field whose value is not the one `what` needs."""
+        for name, value in wanted.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{what} needs {name}={value!r}, got {getattr(self, name)!r} ({why})")
 
     def __post_init__(self) -> None:
         derive = object.__setattr__  # frozen: the fields derived from others are set here, once
@@ -358,12 +371,12 @@ class EngineConfig:
             raise ValueError(f"speculation_policy: {self.speculation_policy!r} is not one of adaptive, fixed")
         if self.attention_backend not in ("paged", "reference"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")
+        derive(self, "kv_format", kv_format(self.kv_cache_dtype))
+        if self.kv_cache_dtype != "auto":
+            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
+                          "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
         if self.batch_invariant:
-            needs = {"device": (self.device, "cpu"), "attention_backend": (self.attention_backend, "paged"),
-                     "cpu_kernels": (self.cpu_kernels, True)}
-            for name, (value, wanted) in needs.items():
-                if value != wanted:
-                    raise ValueError(f"batch_invariant: needs {name}={wanted!r}, got {value!r} (its rows are computed "
-                                     "by ridge's CPU kernels)")
+            self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
+                          attention_backend="paged", cpu_kernels=True)
             if self.int8_activations:
                 raise ValueError("batch_invariant: int8_activations changes kernel with the row count; turn one off")

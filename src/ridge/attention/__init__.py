@@ -9,8 +9,10 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata, Prefill
 from ridge.attention.cuda import CudaBackend
 from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
+from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.attention.reference import ReferenceBackend
 from ridge.config import ModelConfig
+from ridge.kv.formats import KVFormat
 
 log = logging.getLogger("ridge")
 
@@ -25,10 +27,17 @@ def backend_class(name: str, device: str | torch.device) -> type[AttentionBacken
 
 
 def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device) -> AttentionBackend:
+                 device: str | torch.device, kv_format: KVFormat | None = None) -> AttentionBackend:
     """The backend that runs cfg's attention over num_blocks blocks: `name`'s; the reference one where the model
-    caps its attention logits (the one backend that does); latent attention's own for MLA."""
+    caps its attention logits (the one backend that does); latent attention's own for MLA; the quantized cache's
+    for a kv_format (EngineConfig has checked the device and name)."""
     args = (cfg.kv_layout(), cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
+    if kv_format is not None:
+        for refused, what in ((cfg.is_mla, "latent attention (MLA)"),
+                              (cfg.attn_logit_softcap, "attention logit soft-capping (Gemma 2)")):
+            if refused:
+                raise ValueError(f"kv_cache_dtype: {kv_format.name} is not supported with {what}; use auto")
+        return QuantizedKVBackend(*args, scale=cfg.attention_scale, kv_format=kv_format)
     if cfg.is_mla:  # one latent row a token, read as keys and values
         if name != "paged":
             log.warning("ridge: latent attention runs on its own backend (attention/latent.py), not %s", name)
@@ -40,4 +49,4 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
 
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CudaBackend", "LatentBackend", "PrefillChunk",
-           "PagedBackend", "ReferenceBackend", "backend_class", "make_backend"]
+           "PagedBackend", "QuantizedKVBackend", "ReferenceBackend", "backend_class", "make_backend"]

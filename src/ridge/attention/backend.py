@@ -112,6 +112,8 @@ class AttentionBackend(ABC):
     the layer's slot: layers of different groups share it, each at its own group's block ids.
     """
 
+    storage_dtype: torch.dtype | None = None  # the caches' dtype, where not the model's (a quantized cache's codes)
+
     def __init__(
         self,
         layers: KVLayout | int,
@@ -130,17 +132,22 @@ class AttentionBackend(ABC):
             raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
         layout = kv_layout([None] * layers) if isinstance(layers, int) else layers
         k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
-        k_slots = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
-        v_slots = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
-        # indexed by layer number; a layer without attention (a state-space layer) has no cache
-        self.k_cache = {layer: k_slots[slot] for layer, slot in layout.slot_of_layer().items()}
-        self.v_cache = {layer: v_slots[slot] for layer, slot in layout.slot_of_layer().items()}
-        self.group_of_layer = layout.group_of_layer()
+        self.k_cache = self._per_layer(layout, k_shape, self.storage_dtype or dtype, device)
+        self.v_cache = self._per_layer(layout, v_shape, self.storage_dtype or dtype, device)
+        self.layout, self.num_blocks, self.group_of_layer = layout, num_blocks, layout.group_of_layer()
         self.dtype, self.device = dtype, torch.device(device)
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.scale = scale or head_dim**-0.5
         self.softcap = softcap
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
+
+    @staticmethod
+    def _per_layer(layout: KVLayout, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: str | torch.device) -> dict[int, torch.Tensor]:
+        """One zeroed tensor per slot of the layout, indexed by layer number (a layer without attention, a
+        state-space layer, has none)."""
+        slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
+        return {layer: slots[slot] for layer, slot in layout.slot_of_layer().items()}
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

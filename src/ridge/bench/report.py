@@ -127,10 +127,12 @@ def speculative_table(report: dict) -> list[str]:
 
 
 def capacity_table(report: dict) -> list[str]:
-    rows = ["| KV layout | sequences that fit | KV per sequence (engine) | KV per sequence (`ridge plan`) |",
-            "|---|---:|---:|---:|"]
+    rows = ["| KV layout | sequences that fit | vs the first | KV per sequence (engine) "
+            "| KV per sequence (`ridge plan`) |", "|---|---:|---:|---:|---:|"]
+    first = max(report["modes"][0]["sequences"], 1)
     for m in report["modes"]:
-        rows.append(f"| {m['mode']} | {m['sequences']} | {m['kv_bytes_per_sequence'] / 2**20:.1f} MiB | "
+        rows.append(f"| {m['mode']} | {m['sequences']} | {m['sequences'] / first:.2f}x | "
+                    f"{m['kv_bytes_per_sequence'] / 2**20:.1f} MiB | "
                     f"{m['plan_kv_bytes_per_sequence'] / 2**20:.1f} MiB |")
     return rows
 
@@ -158,6 +160,8 @@ SECTIONS: dict[str, Section] = {
     "gemma3_throughput": Section(("bench", "throughput", "-m", "gemma3-270m", "--all-peers"), throughput_table),
     "gemma3_capacity": Section(("bench", "capacity", "-m", "gemma3-270m", "--context", "8192",
                                 "--kv-cache-memory", "512MiB"), capacity_table),
+    "kv_capacity": Section(("bench", "capacity", "-m", "qwen2.5-coder-0.5b", "--context", "4096",
+                            "--kv-cache-memory", "1GiB", "--kv-cache-dtypes", "auto,fp8,int8,int4"), capacity_table),
     "gemma3_long_context": Section(("bench", "latency", "-m", "gemma3-270m", "--input-len", "8192", "--output-len",
                                     "64", "--no-peers", "--repeats", "1"), long_context_table,
                                    variants=((), ("--ignore-sliding-window",))),

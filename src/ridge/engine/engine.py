@@ -52,7 +52,7 @@ def kv_memory_split(cfg: ModelConfig, config: EngineConfig) -> tuple[int, int]:
         budget -= slots * cfg.ssm_state_bytes()
     if not cfg.attention_layers:
         return 0, slots
-    return budget // cfg.kv_bytes_per_block(config.torch_dtype, config.block_size), slots
+    return budget // cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format), slots
 
 
 @dataclass
@@ -88,7 +88,7 @@ class LLMEngine:
             log.warning("ridge: prefix caching is off for a model with state-space layers (a cached prefix would "
                         "need a snapshot of the state where it ends)")
             prefix_caching = False
-        per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size)
+        per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
         num_blocks, num_state_slots = kv_memory_split(cfg, config)
         layout = cfg.kv_layout()
         if layout.groups and num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
@@ -110,7 +110,7 @@ class LLMEngine:
             self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
             config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
             batch_invariant=config.batch_invariant, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
-            num_state_slots=num_state_slots,
+            num_state_slots=num_state_slots, kv_format=config.kv_format,
         )
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
@@ -123,8 +123,9 @@ class LLMEngine:
         self.last_step = StepStats()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB)", target.path.name, self.loaded.weight_format,
-                 num_blocks, config.block_size, num_blocks * per_block / 2**20)
+        log.info("ridge: %s, %s, %d KV blocks of %d tokens (%.0f MiB, %s)", target.path.name,
+                 self.loaded.weight_format, num_blocks, config.block_size, num_blocks * per_block / 2**20,
+                 config.kv_cache_dtype if config.kv_format else f"{str(config.torch_dtype).removeprefix('torch.')}")
         if num_state_slots:
             log.info("ridge: %d recurrent-state slots of %.1f MiB (at most %d sequences run at once)", num_state_slots,
                      cfg.ssm_state_bytes() / 2**20, num_state_slots)

@@ -14,6 +14,7 @@ from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
 from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
+from ridge.kv.formats import KVFormat
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.models.transformer import DecoderModel
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
+        kv_format: KVFormat | None = None,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
@@ -60,7 +62,7 @@ class ModelRunner:
         self.block_size = block_size
         layout = cfg.kv_layout()
         self.windows = [group.window for group in layout.groups]
-        self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device)
+        self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device, kv_format)
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
         self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,

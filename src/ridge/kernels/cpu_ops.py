@@ -3,6 +3,8 @@
 - paged_attention.cpp: decode attention straight from the paged KV cache. torch has no paged attention
   for the CPU; built from torch ops it gathers every sequence's blocks into a dense copy per layer and
   step, moving three times the KV bytes the math needs.
+- quantized_attention.cpp: the same over an int8 / fp8 cache (--kv-cache-dtype), the codes widened in
+  registers: a dequantized copy would move the bytes the format saves.
 - fused_ops.cpp: residual add + RMSNorm, silu(gate) * up, rotary, each one pass instead of 3-8 torch ops:
   at batch 1 a small model's step is bounded by per-op overhead as much as by its weight reads.
 - dense_linear.cpp: float32 linear layers at decode's few rows: torch's runs MKL's sgemv on one thread.
@@ -38,9 +40,11 @@ from ridge.hub import ridge_home
 
 log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("bindings.cpp", "paged_attention.cpp", "fused_ops.cpp", "quant_linear.cpp", "dense_linear.cpp",
-                   "int8_dot_linear.cpp", "vnni_linear.cpp", "bf16_dot_linear.cpp", "decode_stack.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "ops.h", "vnni_layout.h")]
+           for n in ("bindings.cpp", "paged_attention.cpp", "quantized_attention.cpp", "fused_ops.cpp",
+                     "quant_linear.cpp", "dense_linear.cpp", "int8_dot_linear.cpp", "vnni_linear.cpp",
+                     "bf16_dot_linear.cpp", "decode_stack.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "decode_tasks.h", "ops.h",
+                                                "vnni_layout.h")]
 
 
 @cache

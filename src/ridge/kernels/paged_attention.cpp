@@ -12,16 +12,14 @@
 // no lane ever needs a horizontal sum. (With K rows stored whole, every score needed a 16-lane reduction;
 // the shuffles, not the memory, then set the speed.)
 //
-// Work is split flash-decoding style: one task per (sequence, kv head, partition of up to 256
-// tokens), so that a single long sequence still keeps every core busy. A task scores its partition,
-// takes a softmax against its own maximum and sums probability-weighted values; a second pass merges
-// the partitions of each (sequence, head) by their maxima. The `group` query heads that share a K/V
-// head (GQA) read every K/V row together. Built with -ffast-math so that the reductions vectorize;
-// nothing here produces an infinity or NaN for that to break.
+// Work is split by decode_tasks.h (flash-decoding style: partitions of up to 256 keys per row and kv
+// head, merged by their maxima); this file holds what a task computes. Built with -ffast-math so that the
+// reductions vectorize; nothing here produces an infinity or NaN for that to break.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
+#include "decode_tasks.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -31,72 +29,7 @@
 
 namespace {
 
-constexpr int64_t kPartitionTokens = 256;
-
-struct Dims {
-  int64_t heads, kv_heads, group, head_dim, num_blocks, block_size;
-  int64_t block_elems() const { return block_size * head_dim; }  // one block of one head, K or V
-};
-
-// One task's slice of work and where its partial result goes.
-struct Task {
-  int64_t seq, head, first_block, num_blocks, num_tokens;  // tokens in [first_block * bs, + num_tokens)
-  int64_t skip;  // the first `skip` of them lie before the row's window: scored, then masked out
-};
-
-// Partial softmax state of one task: per query head, the running max, the sum of exp(score - max) and
-// the unnormalized weighted sum of values.
-struct Partial {
-  float* max;    // [group]
-  float* denom;  // [group]
-  float* acc;    // [group, d]
-};
-
-// s[t] = exp(s[t] - m) for t < n; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float m) {
-  int64_t t = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  const __m512 shift = _mm512_set1_ps(m);
-  __m512 total = _mm512_setzero_ps();
-  for (; t < n; t += 16) {
-    const __mmask16 live = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 e = ridge_vec::vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
-    _mm512_mask_storeu_ps(s + t, live, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
-  }
-  sum = _mm512_reduce_add_ps(total);
-#elif defined(RIDGE_FVEC)
-  using namespace ridge_vec;
-  const fvec shift = vset1(-m);
-  fvec total = vset1(0.f);
-  for (; t + kLanes <= n; t += kLanes) {
-    const fvec e = vexp(vadd(vload(s + t), shift));
-    vstore(s + t, e);
-    total = vadd(total, e);
-  }
-  sum = vsum(total);
-#endif
-  for (; t < n; ++t) {
-    s[t] = expf(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
-}
-
-// exp(score - max) in place over each query head's `n` scores, the first `skip` masked to 0; records
-// max and sum.
-void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t skip, int64_t group, Partial out) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * stride;
-    // finite on purpose: the kernel is built with -ffast-math (no infinities); exp of it is 0
-    std::fill(s, s + skip, -1e30f);
-    float m = -1e30f;
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    out.max[g] = m;
-    out.denom[g] = exp_shifted(s, n, m);
-  }
-}
+using namespace ridge_decode;
 
 // Portable path for any dtype, block size and head_dim (float32, float16; bf16 without AVX512): the
 // same math, scalar.
@@ -312,96 +245,28 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
             const int64_t* lens, const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
             float scale) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
-  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
-  std::vector<Task> tasks;
-  std::vector<int64_t> first_task(batch + 1);  // tasks of sequence b: [first_task[b], first_task[b + 1])
-  std::vector<int64_t> start_block(batch);  // the block of each row's first key: blocks before it are not read
-  for (int64_t b = 0; b < batch; ++b) {
-    first_task[b] = tasks.size();
-    const int64_t blocks = (lens[b] + bs - 1) / bs, start = starts == nullptr ? 0 : starts[b];
-    start_block[b] = start / bs;
-    for (int64_t h = 0; h < dims.kv_heads; ++h)
-      for (int64_t first = start_block[b]; first < blocks; first += part_blocks) {
-        const int64_t nb = std::min(part_blocks, blocks - first);
-        tasks.push_back({b, h, first, nb, std::min(nb * bs, lens[b] - first * bs),
-                         first == start_block[b] ? start % bs : 0});
-      }
-  }
-  first_task[batch] = tasks.size();
-  const int64_t num_tasks = tasks.size();
-  std::vector<float> maxes(num_tasks * group), denoms(num_tasks * group), accs(num_tasks * group * d);
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  // Tasks run in the order of the physical block their partition starts at, so that sequences sharing
-  // a prefix (a prefix-cache hit, n > 1 samples, beams, the rows of a prefill chunk) read each shared
-  // partition back to back: the second reader finds it in cache, and a prefix shared by many sequences
-  // costs about one read from memory per step instead of one per sequence.
-  std::vector<std::pair<int64_t, int64_t>> order(num_tasks);  // (locality key, task)
-  for (int64_t i = 0; i < num_tasks; ++i) {
-    const Task& t = tasks[i];
-    order[i] = {(t.head * dims.num_blocks + tables[t.seq * table_width + t.first_block]), i};
-  }
-  std::sort(order.begin(), order.end());
-  // Tasks go round-robin to threads, not in contiguous runs: a contiguous split can hand one thread all
-  // the partitions of the longest sequence.
-  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
-    std::vector<float> scores(group * kPartitionTokens);
-    std::vector<float> q_scaled(group * d);
-    for (int64_t worker = first_worker; worker < last_worker; ++worker)
-      for (int64_t n = worker; n < num_tasks; n += workers) {
-        const int64_t i = order[n].second;
-        const Task& task = tasks[i];
-        const T* qh = q + (task.seq * dims.heads + task.head * group) * d;
-        const int64_t* table = tables + task.seq * table_width;
-        Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d};
+  run_decode_tasks(q, tables, table_width, lens, starts, out, lse, batch, dims,
+                   [&](const T* qh, const int64_t* table, const Task& task, float* scores, float* q_scaled,
+                       Partial partial) {
 #if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bs == 16 && d % 64 == 0) {
-            for (int64_t x = 0; x < group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * scale;
-            attend_partition_bf16(q_scaled.data(), reinterpret_cast<const uint16_t*>(k_cache),
-                                  reinterpret_cast<const uint16_t*>(v_cache), table, task, dims, scores.data(),
-                                  partial);
-            continue;
-          }
-        }
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bs == 16 && d % 64 == 0) {
+        for (int64_t x = 0; x < group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * scale;
+        attend_partition_bf16(q_scaled, reinterpret_cast<const uint16_t*>(k_cache),
+                              reinterpret_cast<const uint16_t*>(v_cache), table, task, dims, scores, partial);
+        return;
+      }
+    }
 #elif defined(__AVX2__) && defined(__FMA__)
-        if constexpr (std::is_same_v<T, float>) {
-          if (bs % 8 == 0 && d % 16 == 0) {
-            for (int64_t x = 0; x < group * d; ++x) q_scaled[x] = qh[x] * scale;
-            attend_partition_f32(q_scaled.data(), k_cache, v_cache, table, task, dims, scores.data(), partial);
-            continue;
-          }
-        }
+    if constexpr (std::is_same_v<T, float>) {
+      if (bs % 8 == 0 && d % 16 == 0) {
+        for (int64_t x = 0; x < group * d; ++x) q_scaled[x] = qh[x] * scale;
+        attend_partition_f32(q_scaled, k_cache, v_cache, table, task, dims, scores, partial);
+        return;
+      }
+    }
 #endif
-        attend_partition(qh, k_cache, v_cache, table, task, dims, scale, scores.data(), partial);
-      }
-  });
-  // Merge each (sequence, kv head)'s partitions: rescale every partial to the overall max.
-  at::parallel_for(0, batch, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(d);
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t i = first_task[b]; i < first_task[b + 1]; ++i) {
-        if (tasks[i].first_block != start_block[b]) continue;  // a head's first partition merges its run
-        const int64_t h = tasks[i].head;
-        int64_t last = i + 1;
-        while (last < first_task[b + 1] && tasks[last].head == h) ++last;
-        for (int64_t g = 0; g < group; ++g) {
-          float m = -1e30f;
-          for (int64_t p = i; p < last; ++p) m = std::max(m, maxes[p * group + g]);
-          float denom = 0.f;
-          std::fill(merged.begin(), merged.end(), 0.f);
-          for (int64_t p = i; p < last; ++p) {
-            const float w = expf(maxes[p * group + g] - m);
-            denom += w * denoms[p * group + g];
-            const float* a = accs.data() + (p * group + g) * d;
-            for (int64_t x = 0; x < d; ++x) merged[x] += w * a[x];
-          }
-          const int64_t row = b * dims.heads + h * group + g;
-          lse[row] = m + logf(denom);
-          T* dst = out + row * d;
-          const float inv = 1.f / denom;
-          for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(merged[x] * inv);
-        }
-      }
+    attend_partition(qh, k_cache, v_cache, table, task, dims, scale, scores, partial);
   });
 }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ridge.engine.speculative import expected_tokens
+from ridge.kv.formats import KV_FORMATS
 from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, dtype_bytes
 
 
@@ -108,9 +109,12 @@ def weight_bytes(m: ModelSpec, dtype: str) -> float:
 
 def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
     """What one token of context adds to the cache across all layers (a local layer's too, until its
-    window fills): K and V per KV head, or MLA's latent plus its shared rotary key."""
-    per_layer = (m.kv_lora_rank + m.qk_rope_head_dim if m.is_mla else 2 * m.num_kv_heads * m.head_dim)
-    return per_layer * m.num_attention_layers * dtype_bytes(kv_dtype)
+    window fills): K and V per KV head, or MLA's latent plus its shared rotary key. fp8 / int8 / int4 are
+    ridge's quantized caches (kv/formats.py): each row's codes and its float16 scales."""
+    rows, row_dim = (1, m.kv_lora_rank + m.qk_rope_head_dim) if m.is_mla else (2 * m.num_kv_heads, m.head_dim)
+    quantized = KV_FORMATS.get(kv_dtype)
+    row_bytes = quantized.row_bytes(row_dim) if quantized is not None else row_dim * dtype_bytes(kv_dtype)
+    return rows * row_bytes * m.num_attention_layers
 
 
 def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:

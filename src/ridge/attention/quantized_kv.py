@@ -1,0 +1,106 @@
+"""The paged backend over a quantized KV cache (`--kv-cache-dtype fp8|int8|int4`, kv/formats.py).
+
+Each token's K and V rows are quantized as they enter the cache (write): codes (uint8) and float16 scales, made
+once per row. A prompt chunk that is its sequence's whole context attends to its own K and V before rounding (as
+vLLM's prefill does); everything later reads the rounded rows.
+
+Decodes of an 8-bit cache (int8, fp8) run in a C++ kernel that widens the codes in registers as it reads them
+(kernels/quantized_attention.cpp), on AVX512 with blocks of 16 and head dims a multiple of 64; that kernel's
+layout keeps four values in each 32-bit lane, four dims of a token (K) or a dim of four tokens (V):
+  K codes [kv_heads, num_blocks, d / 4, block_size, 4]    V codes [kv_heads, num_blocks, block_size / 4, d, 4]
+int4 and everything else (continuation chunks, other CPUs) dequantize what they read (gather) and run the paged
+backend's torch path (SDPA), with codes stored as rows [kv_heads, num_blocks, block_size, code bytes]. Scales:
+[kv_heads, num_blocks, block_size, groups].
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from ridge.attention.backend import AttentionMetadata
+from ridge.attention.paged import PagedBackend
+from ridge.kv.formats import SCALE_DTYPE, KVFormat
+
+log = logging.getLogger("ridge")
+
+
+class QuantizedKVBackend(PagedBackend):
+    storage_dtype = torch.uint8
+    cascade = False
+
+    def __init__(self, *args, kv_format: KVFormat, **kwargs) -> None:
+        self.format = kv_format
+        self.lanes = kv_format.bits == 8  # the kernel's layout (above); int4 keeps rows
+        self.kernels: ModuleType | None = None
+        super().__init__(*args, **kwargs)
+        kv_format.check(self.head_dim)
+        scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
+        self.k_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
+        self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
+
+    # PagedBackend's `ops` drives its bf16 / float32 kernel paths, which read plain caches: this backend hands
+    # them nothing, and keeps the kernels for its own decode (set by the runner, as `ops` is elsewhere)
+    @property
+    def ops(self) -> None:
+        return None
+
+    @ops.setter
+    def ops(self, kernels: ModuleType | None) -> None:
+        fast = (kernels is not None and self.lanes and self.block_size == 16 and self.head_dim % 64 == 0
+                and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+        self.kernels = kernels if fast else None
+        if kernels is not None and not fast:
+            log.warning("ridge: kv_cache_dtype %s: decode attention dequantizes the cache through torch (ridge's "
+                        "kernel reads int8 / fp8 with AVX512, blocks of 16 and head dims a multiple of 64), slower "
+                        "per token", self.format.name)
+
+    def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
+                     block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if self.lanes:
+            return ((num_kv_heads, num_blocks, head_dim // 4, block_size, 4),
+                    (num_kv_heads, num_blocks, block_size // 4, head_dim, 4))
+        rows = (num_kv_heads, num_blocks, block_size, self.format.code_bytes(head_dim))
+        return rows, rows
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
+        v_codes, v_scales = self.format.quantize(v)
+        self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
+        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
+        if not self.lanes:
+            self.k_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_codes)
+            self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
+            return
+        k_view = self.k_cache[layer].permute(1, 3, 0, 2, 4)  # [N, bs, H, d/4, 4]
+        k_view.index_put_((blocks, offsets), k_codes.unflatten(-1, (-1, 4)))
+        v_view = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/4, 4, H, d]
+        v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
+
+    def _code_rows(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of blocks [..., n] as rows [kv_heads, ..., n, block_size, code bytes] (copies in lanes)."""
+        k, v = self.k_cache[layer][:, block_table], self.v_cache[layer][:, block_table]
+        if not self.lanes:
+            return k, v
+        k = k.transpose(-3, -2).flatten(-2)  # [H, ..., n, d/4, bs, 4] -> [H, ..., n, bs, d]
+        v = v.transpose(-2, -1).flatten(-3, -2)  # [H, ..., n, bs/4, d, 4] -> [H, ..., n, bs, d]
+        return k, v
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim], dequantized."""
+        k_codes, v_codes = self._code_rows(layer, block_table)
+        k = self.format.dequantize(k_codes, self.k_scales[layer][:, block_table], self.dtype)
+        v = self.format.dequantize(v_codes, self.v_scales[layer][:, block_table], self.dtype)
+        return k.flatten(-3, -2), v.flatten(-3, -2)
+
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kernels is None:
+            return super()._decode(layer, q, meta)
+        out, _ = self.kernels.quantized_paged_decode(
+            q, self.k_cache[layer], self.v_cache[layer], self.k_scales[layer], self.v_scales[layer],
+            meta.decode_block_tables, meta.decode_context_lens, self.scale,
+            meta.window_starts(meta.decode_context_lens), fp8=self.format.name == "fp8")
+        return out

@@ -1,0 +1,172 @@
+// The work split of decode attention over the paged KV cache, shared by paged_attention.cpp (bf16 / float
+// caches) and quantized_attention.cpp (int8 / fp8 codes): flash-decoding style, one task per (row, kv head,
+// partition of up to 256 keys), so that a single long sequence still keeps every core busy. A task scores
+// its partition, takes a softmax against its own maximum and sums probability-weighted values; a second
+// pass merges the partitions of each (row, head) by their maxima. The `group` query heads that share a K/V
+// head (GQA) read every K/V row together.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <math.h>
+#include "vec.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace ridge_decode {
+
+constexpr int64_t kPartitionTokens = 256;
+
+struct Dims {
+  int64_t heads, kv_heads, group, head_dim, num_blocks, block_size;
+  int64_t block_elems() const { return block_size * head_dim; }  // one block of one head, K or V
+};
+
+// One task's slice of work and where its partial result goes.
+struct Task {
+  int64_t seq, head, first_block, num_blocks, num_tokens;  // tokens in [first_block * bs, + num_tokens)
+  int64_t skip;  // the first `skip` of them lie before the row's window: scored, then masked out
+};
+
+// Partial softmax state of one task: per query head, the running max, the sum of exp(score - max) and
+// the unnormalized weighted sum of values.
+struct Partial {
+  float* max;    // [group]
+  float* denom;  // [group]
+  float* acc;    // [group, d]
+};
+
+// s[t] = exp(s[t] - m) for t < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 live = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = ridge_vec::vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+  }
+  sum = _mm512_reduce_add_ps(total);
+#elif defined(RIDGE_FVEC)
+  using namespace ridge_vec;
+  const fvec shift = vset1(-m);
+  fvec total = vset1(0.f);
+  for (; t + kLanes <= n; t += kLanes) {
+    const fvec e = vexp(vadd(vload(s + t), shift));
+    vstore(s + t, e);
+    total = vadd(total, e);
+  }
+  sum = vsum(total);
+#endif
+  for (; t < n; ++t) {
+    s[t] = expf(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// exp(score - max) in place over each query head's `n` scores, the first `skip` masked to 0; records
+// max and sum.
+inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t skip, int64_t group, Partial out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * stride;
+    // finite on purpose: the kernel is built with -ffast-math (no infinities); exp of it is 0
+    std::fill(s, s + skip, -1e30f);
+    float m = -1e30f;
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    out.max[g] = m;
+    out.denom[g] = exp_shifted(s, n, m);
+  }
+}
+
+// Split B rows' attention into tasks of one (row, kv head, partition of up to kPartitionTokens keys), run
+// attend(q_heads, table, task, scores, q_scratch, partial) on each across the threads, and merge each
+// (row, kv head)'s partials into out [B, heads, d] and lse [B, heads]. q_heads: the task's `group` query
+// heads, [group, d]; scores: [group, kPartitionTokens] floats of scratch, q_scratch: [group, d].
+template <typename T, typename Attend>
+void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, const int64_t* lens,
+                      const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
+                      const Attend& attend) {
+  const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
+  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(batch + 1);  // tasks of sequence b: [first_task[b], first_task[b + 1])
+  std::vector<int64_t> start_block(batch);  // the block of each row's first key: blocks before it are not read
+  for (int64_t b = 0; b < batch; ++b) {
+    first_task[b] = tasks.size();
+    const int64_t blocks = (lens[b] + bs - 1) / bs, start = starts == nullptr ? 0 : starts[b];
+    start_block[b] = start / bs;
+    for (int64_t h = 0; h < dims.kv_heads; ++h)
+      for (int64_t first = start_block[b]; first < blocks; first += part_blocks) {
+        const int64_t nb = std::min(part_blocks, blocks - first);
+        tasks.push_back({b, h, first, nb, std::min(nb * bs, lens[b] - first * bs),
+                         first == start_block[b] ? start % bs : 0});
+      }
+  }
+  first_task[batch] = tasks.size();
+  const int64_t num_tasks = tasks.size();
+  std::vector<float> maxes(num_tasks * group), denoms(num_tasks * group), accs(num_tasks * group * d);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  // Tasks run in the order of the physical block their partition starts at, so that sequences sharing
+  // a prefix (a prefix-cache hit, n > 1 samples, beams, the rows of a prefill chunk) read each shared
+  // partition back to back: the second reader finds it in cache, and a prefix shared by many sequences
+  // costs about one read from memory per step instead of one per sequence.
+  std::vector<std::pair<int64_t, int64_t>> order(num_tasks);  // (locality key, task)
+  for (int64_t i = 0; i < num_tasks; ++i) {
+    const Task& t = tasks[i];
+    order[i] = {(t.head * dims.num_blocks + tables[t.seq * table_width + t.first_block]), i};
+  }
+  std::sort(order.begin(), order.end());
+  // Tasks go round-robin to threads, not in contiguous runs: a contiguous split can hand one thread all
+  // the partitions of the longest sequence.
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
+    std::vector<float> scores(group * kPartitionTokens);
+    std::vector<float> q_scaled(group * d);
+    for (int64_t worker = first_worker; worker < last_worker; ++worker)
+      for (int64_t n = worker; n < num_tasks; n += workers) {
+        const int64_t i = order[n].second;
+        const Task& task = tasks[i];
+        const T* qh = q + (task.seq * dims.heads + task.head * group) * d;
+        const int64_t* table = tables + task.seq * table_width;
+        Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d};
+        attend(qh, table, task, scores.data(), q_scaled.data(), partial);
+      }
+  });
+  // Merge each (sequence, kv head)'s partitions: rescale every partial to the overall max.
+  at::parallel_for(0, batch, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(d);
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t i = first_task[b]; i < first_task[b + 1]; ++i) {
+        if (tasks[i].first_block != start_block[b]) continue;  // a head's first partition merges its run
+        const int64_t h = tasks[i].head;
+        int64_t last = i + 1;
+        while (last < first_task[b + 1] && tasks[last].head == h) ++last;
+        for (int64_t g = 0; g < group; ++g) {
+          float m = -1e30f;
+          for (int64_t p = i; p < last; ++p) m = std::max(m, maxes[p * group + g]);
+          float denom = 0.f;
+          std::fill(merged.begin(), merged.end(), 0.f);
+          for (int64_t p = i; p < last; ++p) {
+            const float w = expf(maxes[p * group + g] - m);
+            denom += w * denoms[p * group + g];
+            const float* a = accs.data() + (p * group + g) * d;
+            for (int64_t x = 0; x < d; ++x) merged[x] += w * a[x];
+          }
+          const int64_t row = b * dims.heads + h * group + g;
+          lse[row] = m + logf(denom);
+          T* dst = out + row * d;
+          const float inv = 1.f / denom;
+          for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(merged[x] * inv);
+        }
+      }
+  });
+}
+
+
+}  // namespace ridge_decode

@@ -1,0 +1,208 @@
+// Decode attention over a quantized paged KV cache: int8 and fp8 (e4m3) rows of kv/formats.py, each with a
+// float16 scale, widened to float in registers as they are read (never to a dequantized copy: that copy is the
+// traffic the format exists to save).
+//
+// Layout (attention/quantized_kv.py): K codes [kv_heads, N, d / 4, bs, 4] and V codes [kv_heads, N, bs / 4, d,
+// 4], a byte a value; each 32-bit lane holds four dims of one token (K) or one dim of four tokens (V), the bf16
+// kernel's layout (paged_attention.cpp) with four values a lane instead of two, so that every lane of a load is
+// a different token (K) or dim (V) and no score needs a horizontal sum. Scales [kv_heads, N, bs] float16, one a
+// row: a score is q . codes times the row's K scale; a row's value weight is its probability times its V scale.
+//
+// AVX512, block size 16, head_dim a multiple of 64; the backend takes its torch path elsewhere. The task split
+// and the merge are decode_tasks.h's.
+#include <torch/extension.h>
+
+#include "decode_tasks.h"
+
+#include <algorithm>
+
+namespace {
+
+using namespace ridge_decode;
+
+#if defined(__AVX512F__)
+enum class Codes { kInt8, kFp8 };
+
+// Byte `c` of every 32-bit lane of x, as floats: an int8 code, or an fp8 e4m3 code's value. e4m3 (sign, 4
+// exponent bits of bias 7, 3 mantissa bits) placed in a float16's fields is the value times 2^-8; float16 to
+// float32 conversion keeps subnormals exact (DAZ does not apply to it), so fp8's subnormals survive too.
+template <Codes C, int c>
+inline __m512 widen(__m512i x) {
+  if constexpr (C == Codes::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * c), 24));
+  } else {
+    const __m512i byte = _mm512_and_si512(_mm512_srli_epi32(x, 8 * c), _mm512_set1_epi32(0xFF));
+    const __m512i half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0x80)), 8),
+                                         _mm512_slli_epi32(_mm512_and_si512(byte, _mm512_set1_epi32(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(half)), _mm512_set1_ps(256.f));
+  }
+}
+
+inline __m512 scales16(const uint16_t* s) {  // 16 float16 scales
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+// Scores of one K block (16 tokens) for G query heads (q already scaled, [G, d] floats) into
+// scores[g * kPartitionTokens + t], times each token's K scale. `ahead` and `v_here`: the lines of the block
+// after next's K and of this block's V to prefetch (blocks sit at random addresses, out of the hardware
+// prefetcher's sight).
+template <Codes C, int G>
+inline void score_block(const float* q, const uint8_t* kb, const uint16_t* k_scale, int64_t d, const uint8_t* ahead,
+                        const uint8_t* v_here, float* scores) {
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d / 4; ++i) {  // i: four dims, one line of 16 tokens
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + i * 64, 0, 2);
+      __builtin_prefetch(v_here + i * 64, 0, 2);
+    }
+    const __m512i k = _mm512_loadu_si512(kb + i * 64);
+    const __m512 k0 = widen<C, 0>(k), k1 = widen<C, 1>(k), k2 = widen<C, 2>(k), k3 = widen<C, 3>(k);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * d + 4 * i;
+      acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(qg[0]), k0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(qg[1]), k1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(_mm512_set1_ps(qg[2]), k2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(_mm512_set1_ps(qg[3]), k3, acc[g][3]);
+    }
+  }
+  const __m512 s = scales16(k_scale);
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(scores + g * kPartitionTokens,
+                     _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]),
+                                                 _mm512_add_ps(acc[g][2], acc[g][3])), s));
+}
+
+// acc[g][c:c+64] = sum over the task's tokens of w[g][t] * codes[t][c:c+64], w the probability times the V
+// scale. A load holds 16 dims of four tokens.
+template <Codes C, int G>
+inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task& task, const Dims& dims,
+                       const float* weights, int64_t c, float* acc_out) {
+  const int64_t d = dims.head_dim, n = task.num_tokens;
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const uint8_t* vb = v_codes + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    const int64_t quads = std::min<int64_t>(4, (n - j * 16 + 3) / 4);
+    for (int64_t quad = 0; quad < quads; ++quad) {
+      const uint8_t* row = vb + (quad * d + c) * 4;
+      const float* w = weights + j * 16 + 4 * quad;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i x = _mm512_loadu_si512(row + 64 * v);
+        const __m512 t0 = widen<C, 0>(x), t1 = widen<C, 1>(x), t2 = widen<C, 2>(x), t3 = widen<C, 3>(x);
+        for (int g = 0; g < G; ++g) {
+          const float* wg = w + g * kPartitionTokens;
+          __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(wg[0]), t0, acc[g][v]);
+          a = _mm512_fmadd_ps(_mm512_set1_ps(wg[1]), t1, a);
+          a = _mm512_fmadd_ps(_mm512_set1_ps(wg[2]), t2, a);
+          acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(wg[3]), t3, a);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
+}
+
+template <Codes C>
+void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const uint16_t* k_scales,
+                      const uint16_t* v_scales, const int64_t* table, const Task& task, const Dims& dims,
+                      float* scores, Partial out) {
+  const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
+  const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const uint8_t* kb = k_codes + block(j) * dims.block_elems();
+    const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * dims.block_elems() : kb;
+    const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
+    const uint16_t* ks = k_scales + block(j) * 16;
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const float* qg = q + g0 * d;
+      float* sg = scores + g0 * kPartitionTokens + j * 16;
+      const uint8_t* pf = g0 == 0 ? ahead : nullptr;
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: score_block<C, 1>(qg, kb, ks, d, pf, v_here, sg); break;
+        case 2: score_block<C, 2>(qg, kb, ks, d, pf, v_here, sg); break;
+        case 3: score_block<C, 3>(qg, kb, ks, d, pf, v_here, sg); break;
+        default: score_block<C, 4>(qg, kb, ks, d, pf, v_here, sg); break;
+      }
+    }
+  }
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
+  for (int64_t g = 0; g < group; ++g) {  // the unused tokens of a final quad must add nothing
+    float* p = scores + g * kPartitionTokens;
+    std::fill(p + n, p + task.num_blocks * 16, 0.f);
+    for (int64_t j = 0; j < task.num_blocks; ++j)  // probabilities (the softmax's, summed above) x V scales
+      _mm512_storeu_ps(p + j * 16, _mm512_mul_ps(_mm512_loadu_ps(p + j * 16), scales16(v_scales + block(j) * 16)));
+  }
+  for (int64_t c = 0; c < d; c += 64)
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      const float* wg = scores + g0 * kPartitionTokens;
+      float* ag = out.acc + g0 * d;
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 1: sum_values<C, 1>(v_codes, table, task, dims, wg, c, ag); break;
+        case 2: sum_values<C, 2>(v_codes, table, task, dims, wg, c, ag); break;
+        case 3: sum_values<C, 3>(v_codes, table, task, dims, wg, c, ag); break;
+        default: sum_values<C, 4>(v_codes, table, task, dims, wg, c, ag); break;
+      }
+    }
+}
+#endif
+
+}  // namespace
+
+// q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above);
+// k_scales, v_scales: [kv_heads, N, bs] float16; block_tables [B, width], context_lens [B], window_starts [B]
+// (int64) as paged_decode's -> (out [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are
+// e4m3, else int8.
+std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
+    torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales, torch::Tensor v_scales,
+    torch::Tensor block_tables, torch::Tensor context_lens, double scale, std::optional<torch::Tensor> window_starts,
+    bool fp8) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "quantized_paged_decode: needs AVX512 (the backend's torch path runs elsewhere)");
+#else
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "quantized_paged_decode: q [B, heads, d] on the CPU");
+  TORCH_CHECK(k_codes.dim() == 5 && v_codes.dim() == 5 && k_codes.scalar_type() == torch::kUInt8 &&
+                  v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
+              "quantized_paged_decode: codes uint8, K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4]");
+  TORCH_CHECK(k_scales.scalar_type() == torch::kHalf && v_scales.scalar_type() == torch::kHalf &&
+                  k_scales.is_contiguous() && v_scales.is_contiguous(),
+              "quantized_paged_decode: scales float16 [kv_heads, N, bs], contiguous");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_codes.size(0), num_blocks = k_codes.size(1), bs = k_codes.size(3);
+  TORCH_CHECK(bs == 16 && d % 64 == 0 && k_codes.size(2) * 4 == d && heads % kv_heads == 0,
+              "quantized_paged_decode: block size 16, head_dim a multiple of 64, heads a multiple of kv_heads");
+  TORCH_CHECK(k_scales.numel() == kv_heads * num_blocks * bs && v_scales.numel() == k_scales.numel(),
+              "quantized_paged_decode: one scale per row");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  torch::Tensor starts;
+  if (window_starts.has_value()) starts = window_starts->contiguous();
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({batch, heads}, q.options().dtype(torch::kFloat32));
+  const Dims dims{heads, kv_heads, heads / kv_heads, d, num_blocks, bs};
+  const auto* kc = k_codes.data_ptr<uint8_t>();
+  const auto* vc = v_codes.data_ptr<uint8_t>();
+  const auto* ks = reinterpret_cast<const uint16_t*>(k_scales.data_ptr<at::Half>());
+  const auto* vs = reinterpret_cast<const uint16_t*>(v_scales.data_ptr<at::Half>());
+  const float softmax_scale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
+                                  "quantized_paged_decode", [&] {
+    run_decode_tasks(q.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                     context_lens.data_ptr<int64_t>(), starts.defined() ? starts.data_ptr<int64_t>() : nullptr,
+                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims,
+                     [&](const scalar_t* qh, const int64_t* table, const Task& task, float* scores, float* q_scaled,
+                         Partial partial) {
+      for (int64_t x = 0; x < dims.group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * softmax_scale;
+      if (fp8)
+        attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, vs, table, task, dims, scores, partial);
+      else
+        attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, vs, table, task, dims, scores, partial);
+    });
+  });
+  return {out, lse};
+#endif
+}
