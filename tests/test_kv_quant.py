@@ -139,19 +139,14 @@ def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near
     int8 13 of 20 equal; the bf16 cache itself keeps 17 when only the batch changes. int4's answers part at
     wider margins: its bar is perplexity (docs/notes/kv-compression.md)."""
     name = quantized_cache.engine.config.kv_cache_dtype
+    from ridge.bench.kv_formats import agreement
+
     prompts, params, reference = bf16_cache_tokens
-    outputs = [o.outputs[0] for o in quantized_cache.generate(prompts, params)]
-    same = 0
-    for ours, theirs in zip(outputs, reference, strict=True):
-        if ours.token_ids == theirs.token_ids:
-            same += 1
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=False)) if a != b),
-                  min(len(ours.token_ids), len(theirs.token_ids)))  # or where the shorter one stopped
-        at = min(at, len(theirs.logprobs) - 1)
-        top = sorted(theirs.logprobs[at].values(), reverse=True)
-        assert top[0] - top[1] < 0.5, f"{name}: parted at token {at} where bf16's margin was {top[0] - top[1]:.3f}"
-    assert same >= 12, f"{name}: {same} of 20 answers equal"
+    result = agreement([o.outputs[0] for o in quantized_cache.generate(prompts, params)], reference)
+    for parted in result["parted"]:
+        assert parted["margin"] < 0.5, f"{name}: parted at token {parted['token']} where bf16's margin was " \
+                                       f"{parted['margin']:.3f}"
+    assert result["equal"] >= 12, f"{name}: {result['equal']} of 20 answers equal"
 
 
 def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
@@ -202,3 +197,18 @@ def test_a_head_dim_off_the_int4_groups_and_latent_attention_are_refused():
                          qk_nope_head_dim=8, v_head_dim=8)
     with pytest.raises(ValueError, match="not supported with latent attention"):
         make_backend(latent, "paged", 4, 16, torch.float32, "cpu", kv_format("int8"))
+
+
+def test_bench_kv_compares_the_formats_side_by_side(smollm2_path, capsys):
+    """`ridge bench kv`: per format, the bytes a token (the engine's and the plan's), the sequences that fit, and
+    a timed decode step at a context, in one run."""
+    import json
+
+    from ridge.cli import main
+
+    assert main(["bench", "kv", "-m", str(smollm2_path), "--context", "200", "--batch", "2", "--steps", "2",
+                 "--kv-cache-memory", "32MiB", "--kv-cache-dtypes", "auto,int8", "--json"]) == 0
+    plain, int8 = json.loads(capsys.readouterr().out)["rows"]
+    for row in (plain, int8):
+        assert row["kv_bytes_per_token"] == row["plan_kv_bytes_per_token"] and row["step_ms"] > 0
+    assert int8["sequences"] >= 1.9 * plain["sequences"] > 0

@@ -19,6 +19,7 @@ from ridge.bench import workloads
 from ridge.bench.capacity import add_capacity_parser
 from ridge.bench.context import add_context_parser
 from ridge.bench.invariance import add_invariance_parser
+from ridge.bench.kv_formats import add_kv_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.report import add_report_parser
 from ridge.bench.serve import add_serve_parser
@@ -443,6 +444,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_quant_parser(bsub)
     add_invariance_parser(bsub, add_engine_args)
     add_capacity_parser(bsub, add_engine_args)
+    add_kv_parser(bsub, add_engine_args)
     add_context_parser(bsub, common)
     add_structured_parser(bsub, add_engine_args)
     add_report_parser(bsub)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ridge.bench import servers
 from ridge.bench.context import context_table
+from ridge.bench.kv_formats import kv_table
 from ridge.bench.servers import ServerSpec
 from ridge.kernels.cpu_ops import cpu_flags
 
@@ -162,6 +163,9 @@ SECTIONS: dict[str, Section] = {
                                 "--kv-cache-memory", "512MiB"), capacity_table),
     "kv_capacity": Section(("bench", "capacity", "-m", "qwen2.5-coder-0.5b", "--context", "4096",
                             "--kv-cache-memory", "1GiB", "--kv-cache-dtypes", "auto,fp8,int8,int4"), capacity_table),
+    "kv_formats": Section(("bench", "kv", "-m", "smollm2", "--context", "8000", "--batch", "16", "--steps", "8",
+                           "--kv-cache-memory", "6GiB", "--kv-cache-dtypes", "auto,int8,fp8",
+                           "--max-num-batched-tokens", "8192", "--agreement", "20"), kv_table),
     "gemma3_long_context": Section(("bench", "latency", "-m", "gemma3-270m", "--input-len", "8192", "--output-len",
                                     "64", "--no-peers", "--repeats", "1"), long_context_table,
                                    variants=((), ("--ignore-sliding-window",))),
