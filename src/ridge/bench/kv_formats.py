@@ -27,24 +27,28 @@ from ridge.plan import arithmetic, roofline
 
 
 def decode_step_ms(engine, context: int, batch: int, steps: int) -> float:
-    """Median ms of a decode step of `batch` sequences of `context` tokens (prompts of random tokens)."""
+    """Median ms of a decode step of `batch` sequences of `context` tokens (prompts of random tokens): the prompts
+    prefilled first (the first ones decode meanwhile), then `steps` steps of all of them decoding timed, then all
+    aborted."""
     from ridge.sampling_params import SamplingParams
 
     rng = random.Random(context)
     vocab = engine.loaded.config.vocab_size
-    ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(context)],
-                              SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-           for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=batch + steps + 2, ignore_eos=True)  # none ends while timed
+    ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(context)], params) for _ in range(batch)]
     with tqdm(desc="prefill", total=batch, unit="seq", leave=False) as bar:
-        while not all(engine.sequences(i)[0].num_outputs for i in ids):
+        while (done := sum(bool(engine.sequences(i)[0].num_outputs) for i in ids)) < batch:
+            bar.update(done - bar.n)
             engine.step()
-            bar.n = sum(bool(engine.sequences(i)[0].num_outputs) for i in ids)
-            bar.refresh()
     times = []
-    while engine.has_unfinished:
+    for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    for i in ids:
+        engine.abort(i)
+    while engine.has_unfinished:  # the aborts take effect on the next step
+        engine.step()
     return 1e3 * sorted(times)[len(times) // 2]
 
 
@@ -71,7 +75,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
 
     print(f"[bench] measuring the read bandwidth of {args.device} ...", file=sys.stderr)
     roof = roofline.measure(dtypes=(), device=args.device)
-    kwargs = {**engine_kwargs(args), "enable_prefix_caching": False, "max_model_len": args.context + args.steps + 2}
+    kwargs = {**engine_kwargs(args), "enable_prefix_caching": False,
+              "max_model_len": args.context + args.batch + args.steps + 4}  # room for decode_step_ms's tokens
     base = EngineConfig(args.model, **kwargs)
     plain = "bf16" if base.torch_dtype.itemsize == 2 else "fp32"
     greedy = SamplingParams(temperature=0, max_tokens=args.agreement_tokens, logprobs=2)
