@@ -62,7 +62,7 @@ class ModelSpec:
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
     rms_norm_eps: float = field(default=1e-6, compare=False)
     rope_theta: float = field(default=10000.0, compare=False)
-    # a scaled rotary (models/rope_scaling.py reads it, the engine refuses what it cannot run): HF's rope_scaling
+    # a scaled rotary (ridge/rope_scaling.py reads it, the engine refuses what it cannot run): HF's rope_scaling
     # dict, or the same keys made from a GGUF header (with llama3's divisors read from the rope_freqs tensor)
     rope_scaling: dict | None = field(default=None, compare=False)
     max_position_embeddings: int = field(default=4096, compare=False)
@@ -351,11 +351,11 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
     if kind in ("none", None):
         return None
     scaling = {"rope_type": str(kind), "factor": float(value(f"{arch}.rope.scaling.factor", 1.0))}
-    for key, hf_key, kind in (("original_context_length", "original_max_position_embeddings", int),
+    for key, hf_key, cast in (("original_context_length", "original_max_position_embeddings", int),
                               ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float),
                               ("attn_factor", "gguf_attn_factor", float)):  # not HF's attention_factor: refused
         if (read := value(f"{arch}.rope.scaling.{key}")) is not None:
-            scaling[hf_key] = kind(read)
+            scaling[hf_key] = cast(read)
     return scaling
 
 
