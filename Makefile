@@ -35,9 +35,9 @@ demo: $(STAMP)
 	$(VENV)/bin/ridge pull smollm2
 	$(VENV)/bin/ridge demo
 
-# two workers of one thread each (whole files per worker): the engine's Python between kernels keeps a core
-# busy for most of a test, so two tests at once finish in ~60% of the time one after the other; the kernels' own
-# tests still run on every core (tests/conftest.py)
+# two workers of one thread each (whole files per worker): the engine's Python between kernels keeps one core
+# busy for most of a test, so two tests at once use both cores; the kernels' own tests still run on every core
+# (tests/conftest.py)
 test: models
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 

@@ -176,6 +176,7 @@ def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
     ({"kv_cache_dtype": "int3"}, "kv_cache_dtype: 'int3' is not one of auto, fp8, int8, int4"),
     ({"kv_cache_dtype": "int8", "attention_backend": "reference"}, "needs attention_backend='paged'"),
     ({"kv_cache_dtype": "fp8", "batch_invariant": True}, "needs batch_invariant=False"),
+    ({"kv_cache_dtype": "int8", "draft_model": "y"}, "not applied to a draft model's cache"),
 ])
 def test_what_a_quantized_cache_cannot_do_is_refused_by_name(change, message):
     from ridge.config import EngineConfig

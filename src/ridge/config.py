@@ -372,6 +372,9 @@ class EngineConfig:
         if self.attention_backend not in ("paged", "reference"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} is not one of paged, reference")
         derive(self, "kv_format", kv_format(self.kv_cache_dtype))
+        if self.kv_cache_dtype != "auto" and self.speculate == "draft":
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} is not applied to a draft model's cache yet; "
+                             "use kv_cache_dtype=auto with speculate='draft', or speculate='ngram'")
         if self.kv_cache_dtype != "auto":
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
                           "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
