@@ -195,7 +195,8 @@ def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "olmoe"))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])  # llama's rotary rows, a shared expert
+# llama's rotary rows, a shared expert, latent attention (interleaved rotary rows, kv_b split) with both routers
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the
@@ -216,6 +217,98 @@ def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smo
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs  # GGUF keeps eps in float32
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+def _rewrite_gguf(source, target, keys: dict, tensors) -> None:
+    """`source` GGUF written again at `target` with header `keys` changed (None: dropped) and its tensors passed
+    through `tensors(name, array) -> [(name, array, quantization type or None)]`."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or keys.get(key, 0) is None:
+            continue
+        if key in keys:
+            writer.add_key_value(key, keys[key], field.types[0])
+        elif len(field.types) > 1:
+            writer.add_array(key, [field.contents(i) for i in range(len(field.data))])
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    arrays = {t.name: t.data.reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    for name, array in arrays.items():
+        for out_name, out, kind in tensors(name, array, arrays):
+            writer.add_tensor(out_name, out, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2_gguf(smollm2_path, tmp_path_factory):
+    """DeepSeek-V2's small config as a float32 GGUF of llama.cpp's current form, and the name of its weights."""
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    folder = tmp_path_factory.mktemp("deepseek2")
+    (folder / "config.json").write_text(json.dumps({**hf_config("deepseek_v2").to_dict(), "vocab_size": 49152}))
+    spec = random_spec(f"random:{folder}")
+    return write_random_gguf(spec, folder / "model.gguf", smollm2_path, seed=0, float16=False), f"random:{folder}"
+
+
+def test_an_older_deepseek2_gguf_with_kv_b_whole_reads_as_the_same_model(deepseek_v2_gguf, tmp_path,
+                                                                         make_llm_for_test):
+    """llama.cpp's converter wrote deepseek2 files before mid-2025 with attn_kv_b whole and the per-head key and
+    value widths in key_length / value_length: ridge reads them as the current form."""
+    import numpy as np
+
+    current, drawn_name = deepseek_v2_gguf
+    older = tmp_path / "older.gguf"
+
+    def whole_kv_b(name, array, arrays):
+        if name.endswith("attn_v_b.weight"):
+            return []
+        if name.endswith("attn_k_b.weight"):  # [heads, rank, nope] and [heads, v, rank] -> [heads * (nope + v), rank]
+            joined = np.concatenate([array.transpose(0, 2, 1), arrays[name.replace("attn_k_b", "attn_v_b")]], axis=1)
+            return [(name.replace("attn_k_b", "attn_kv_b"), joined.reshape(-1, joined.shape[-1]).copy(), None)]
+        return [(name, array, None)]
+
+    _rewrite_gguf(current, older, {"deepseek2.attention.head_count_kv": 4, "deepseek2.attention.key_length": 24,
+                                   "deepseek2.attention.value_length": 16, "deepseek2.attention.key_length_mla": None,
+                                   "deepseek2.attention.value_length_mla": None}, whole_kv_b)
+    from_file = make_llm_for_test(older, dtype="float32", kv_cache_memory="16MiB")
+    drawn = make_llm_for_test(drawn_name, dtype="float32", kv_cache_memory="16MiB")
+    ids = random_prompts(1, 49152, 20, 21, seed=6)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+def test_a_quantized_deepseek2_gguf_runs_its_blocks_natively(deepseek_v2_gguf, tmp_path, make_llm_for_test):
+    """Q8_0 projections kept as blocks (--quantization gguf): the query's and kv_a's rotary rows reordered with
+    their codes and scales, kv_b and the router dequantized; the logits those of the same file dequantized."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    current, _ = deepseek_v2_gguf
+    quantized = tmp_path / "q8_0.gguf"
+
+    def q8_0(name, array, arrays):
+        if array.ndim == 2 and not name.startswith("token_embd"):
+            return [(name, quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)]
+        return [(name, array, None)]
+
+    _rewrite_gguf(current, quantized, {}, q8_0)
+    native = make_llm_for_test(quantized, dtype="float32", quantization="gguf", kv_cache_memory="16MiB")
+    attention = native.engine.loaded.model.layers[0].attn
+    assert type(attention.q_proj) is not torch.nn.Linear and type(attention.kv_a) is not torch.nn.Linear
+    assert isinstance(attention.kv_b, torch.nn.Parameter)
+    dequantized = make_llm_for_test(quantized, dtype="float32", kv_cache_memory="16MiB")
+    ids = random_prompts(1, 49152, 20, 21, seed=7)[0]
+    ours, reference = native.engine.prompt_logits(ids), dequantized.engine.prompt_logits(ids)
+    assert (ours - reference).abs().max() <= 1e-3 * reference.abs().max()
 
 
 @pytest.mark.parametrize("moe_model", ["deepseek_v3"], indirect=True)

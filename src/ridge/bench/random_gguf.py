@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader, GGUFWriter, RopeScalingType
+from gguf import ExpertGatingFuncType, GGUFReader, GGUFWriter, RopeScalingType
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
@@ -20,16 +20,20 @@ from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
-WRITER_VERSION = 2
+WRITER_VERSION = 3
 
-# ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there)
+# ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there; DeepSeek-V2 and V3 are deepseek2,
+# told apart by their gating function)
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 _ROTARY_INTERLEAVED = ("llama", "mixtral")  # llama.cpp's converter permutes these q / k rows (see loader.py)
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
-                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.shared_expert.down.weight": "ffn_down_shexp.weight"}
+                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.shared_expert.down.weight": "ffn_down_shexp.weight",
+                "mlp.router_bias": "exp_probs_b.bias", "attn.q_a.weight": "attn_q_a.weight",
+                "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight"}
 
 
 def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True) -> Path:
@@ -37,12 +41,13 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     `random:NAME` in float32 exactly); the tokenizer copied from the GGUF `vocabulary`, whose token count must
     be the model's vocabulary size."""
     arch = GGUF_ARCHITECTURES.get(spec.architecture)
-    if arch is None or spec.is_mla or spec.ssm_layers:
+    if arch is None or spec.ssm_layers:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
-    if spec.dense_layer_indices:
+    leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
+    if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
-                         "header key; llama.cpp would read experts in every layer")
+                         f"header key in {arch}; llama.cpp would read experts there")
     loaded = random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed)
     cfg = loaded.config
     writer = GGUFWriter(str(path), arch)
@@ -66,9 +71,12 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     writer.add_block_count(spec.num_layers)
     writer.add_feed_forward_length(spec.intermediate_size)
     writer.add_head_count(spec.num_heads)
-    writer.add_head_count_kv(spec.num_kv_heads)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
+    if spec.is_mla:
+        _latent_attention_header(writer, cfg)
+    else:
+        writer.add_head_count_kv(spec.num_kv_heads)
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
     if (scaling := cfg.rope_scaling) is not None and scaling.kind != "llama3":  # llama3's: the rope_freqs tensor
         writer.add_rope_scaling_type(RopeScalingType(scaling.kind))
@@ -77,6 +85,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         if scaling.kind == "yarn":
             writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
             writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
+        if scaling.mscale_all_dim:  # DeepSeek's: llama.cpp's graph takes mscale to equal mscale_all_dim
+            if scaling.mscale != scaling.mscale_all_dim:
+                raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
+                                 f"{scaling.mscale_all_dim} has no GGUF form")
+            writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_file_type(1 if float16 else 0)  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16 / ALL_F32
     if spec.is_moe:
@@ -87,6 +100,31 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
         if spec.norm_topk_prob is not None:
             writer.add_expert_weights_norm(bool(spec.norm_topk_prob))
+    if arch == "deepseek2":
+        writer.add_vocab_size(spec.vocab_size)
+        writer.add_leading_dense_block_count(spec.first_dense_layers)
+        writer.add_expert_shared_count(spec.shared_experts)
+        writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if cfg.router_scoring == "sigmoid"
+                                      else ExpertGatingFuncType.SOFTMAX)
+        if cfg.router_groups > 1:
+            writer.add_expert_group_count(cfg.router_groups)
+            writer.add_expert_group_used_count(cfg.router_topk_groups)
+
+
+def _latent_attention_header(writer: GGUFWriter, cfg: ModelConfig) -> None:
+    """llama.cpp's current deepseek2 form: one KV head of the latent and the rotary key, the per-head widths in
+    the _mla keys (models/spec.py reads this form and the older one)."""
+    rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + rope)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_kv_lora_rank(rank)
+    if cfg.q_lora_rank:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_rope_dimension_count(rope)
 
 
 def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
@@ -120,6 +158,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         for name, gguf_name in _LAYER_NAMES.items():
             if name in layer:
                 yield f"blk.{i}.{gguf_name}", layer[name]
+        if cfg.is_mla:
+            yield from _latent_attention_tensors(cfg, i, layer)
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
@@ -146,3 +186,21 @@ def _permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's converter's row order for llama q / k (halves -> interleaved pairs): loader._unpermute_rotary's
     inverse."""
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _latent_attention_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor]):
+    """MLA's projections as llama.cpp's converter writes them: the query's and kv_a's rotary rows back in the
+    checkpoint's interleaved pairs (loader._deinterleave_rotary's inverse), kv_b split per head into k_b
+    [heads, rank, nope] (transposed) and v_b [heads, v_head_dim, rank]."""
+    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    interleaved = torch.argsort(torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]))
+    for name, gguf_name, offset in (("q_proj", "attn_q", nope), ("q_b", "attn_q_b", nope),
+                                    ("kv_a", "attn_kv_a_mqa", cfg.kv_lora_rank)):
+        if (rows := layer.get(f"attn.{name}.weight")) is not None:
+            heads = rows.shape[0] // (offset + rope)
+            order = torch.arange(rows.shape[0]).view(heads, offset + rope)
+            order[:, offset:] = order[:, offset:][:, interleaved]
+            yield f"blk.{i}.{gguf_name}.weight", rows[order.flatten()]
+    kv_b = layer["attn.kv_b"].view(cfg.num_heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
+    yield f"blk.{i}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2)
+    yield f"blk.{i}.attn_v_b.weight", kv_b[:, nope:]

@@ -66,7 +66,18 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_up_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 1),
     (r"blk\.(\d+)\.ffn_down_shexp\.weight", "layers.{0}.mlp.shared_expert.down.weight", None),
     (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
+    (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{0}.mlp.router_bias", None),  # DeepSeek-V3's correction bias
 ]
+# latent attention (deepseek2): its projections, attn_q among them (not a slot of a fused qkv); attn_kv_b is
+# either in the file or joined from llama.cpp's attn_k_b / attn_v_b by _gguf_tensors
+_GGUF_MLA_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.attn." + target, None) for source, target in [
+    (r"attn_q\.weight", "q_proj.weight"), (r"attn_q_a\.weight", "q_a.weight"),
+    (r"attn_q_a_norm\.weight", "q_a_norm.weight"), (r"attn_q_b\.weight", "q_b.weight"),
+    (r"attn_kv_a_mqa\.weight", "kv_a.weight"), (r"attn_kv_a_norm\.weight", "kv_a_norm.weight"),
+    (r"attn_kv_b\.weight", "kv_b")]]
+# tensors kept dense under gguf_native: a router's few weights decide which experts run (models/moe.py's Router),
+# and latent attention's kv_b is multiplied per head by slices (models/mla.py), not as a layer
+_DENSE_UNDER_NATIVE = re.compile(r"blk\.\d+\.(ffn_gate_inp|attn_kv_b|attn_k_b|attn_v_b|exp_probs_b)\.")
 # Gemma's sandwich norms: HF's post_attention_layernorm is the norm on attention's output there, not the MLP's
 # input norm as in llama
 _HF_SANDWICH_NAMES = [
@@ -164,9 +175,18 @@ _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
                   native: bool) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
     for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
-        # a router stays dense (models/moe.py's Router): its few weights decide which experts run
-        quantized = native and t.tensor_type.name not in _FLOAT_TYPES and ".ffn_gate_inp" not in t.name
+        quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not _DENSE_UNDER_NATIVE.match(t.name)
+        if match := re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", t.name):
+            # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),
+            # v_b [heads, v_head_dim, rank]; joined back to kv_b's [heads * (nope + v_head_dim), rank]
+            halves = kv_b_halves[match.group(1)]
+            halves[match.group(2)] = dequantize(t.data, t.tensor_type).reshape(t.shape)
+            if len(halves) == 2:
+                joined = np.concatenate([halves["k"].transpose(0, 2, 1), halves["v"]], axis=1)
+                yield f"blk.{match.group(1)}.attn_kv_b.weight", joined.reshape(-1, joined.shape[-1])
+            continue
         if len(t.shape) == 3:  # a mixture's experts stacked [experts, rows, columns]: one tensor each
             for expert in range(t.shape[0]):
                 yield f"{t.name}.{expert}", (
@@ -191,7 +211,11 @@ def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndar
     order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
     if isinstance(data, np.ndarray):
         return data[order]
-    order = torch.from_numpy(order)
+    return _reorder_rows(data, torch.from_numpy(order))
+
+
+def _reorder_rows(data: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """A quantized weight's output rows in `order` (each row's codes and scales travel together)."""
     return QuantizedWeight(data.qweight[order], data.scales[order],
                            None if data.minimums is None else data.minimums[order], data.bits, data.group_size)
 
@@ -221,7 +245,7 @@ def load_model(
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
         tensors = _gguf_tensors(gguf, cfg, progress, gguf_native)
-        table = _GGUF_NAMES
+        table = (_GGUF_MLA_NAMES if cfg.is_mla else []) + _GGUF_NAMES
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
@@ -273,12 +297,13 @@ def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quant
         for name, head_width, offset in (("q_b" if cfg.q_lora_rank else "q_proj", nope + rope, nope),
                                          ("kv_a", cfg.kv_lora_rank + rope, cfg.kv_lora_rank)):
             key = f"layers.{i}.attn.{name}.weight"
-            if key in quantized:
-                raise ValueError(f"{key}: quantized latent-attention projections are not supported yet")
-            heads = state[key].shape[0] // head_width
-            order = torch.arange(state[key].shape[0]).view(heads, head_width)
+            rows = quantized[key][0].shape[0] if key in quantized else state[key].shape[0]
+            order = torch.arange(rows).view(rows // head_width, head_width)
             order[:, offset:] = order[:, offset:][:, halves]
-            state[key] = state[key][order.flatten()]
+            if key in quantized:
+                quantized[key][0] = _reorder_rows(quantized[key][0], order.flatten())
+            else:
+                state[key] = state[key][order.flatten()]
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> LoadedModel:

@@ -61,6 +61,7 @@ _HF_NAMES = {
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
+    "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",
     "gemma2": "gemma2",
     "gemma3": "gemma3",

@@ -319,7 +319,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     names = set(shapes)
     experts = int(value(f"{arch}.expert_count", 0))
     norm_topk = value(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK.get(arch))
-    return ModelSpec(
+    fields = dict(
         name=name, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
         num_heads=heads, num_kv_heads=int(kv), head_dim=int(value(f"{arch}.attention.key_length", hidden // heads)),
         intermediate_size=int(value(f"{arch}.feed_forward_length")),
@@ -331,13 +331,15 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         norm_topk_prob=None if norm_topk is None else bool(norm_topk),
         sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
         global_every=_GGUF_GLOBAL_EVERY.get(arch, 0),
-        source=source, architecture="mixtral" if arch == "llama" and experts else arch,  # llama.cpp's name for it
+        source=source, architecture=_gguf_architecture(arch, experts, value),
         rms_norm_eps=float(value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(value(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(value(f"{arch}.context_length", 4096)),
         rope_scaling=_gguf_rope_scaling(gguf, arch, value),
         **_gguf_gemma_fields(arch, value, hidden, heads),
-    ).validate()
+    )
+    fields.update(_gguf_deepseek_fields(arch, value, heads))
+    return ModelSpec(**fields).validate()
 
 
 def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
@@ -356,7 +358,47 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
                               ("attn_factor", "gguf_attn_factor", float)):  # not HF's attention_factor: refused
         if (read := value(f"{arch}.rope.scaling.{key}")) is not None:
             scaling[hf_key] = cast(read)
+    if (log_mul := value(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
+        if arch != "deepseek2":  # the key means something else for other architectures: refused by name
+            scaling["gguf_yarn_log_multiplier"] = float(log_mul)
+        else:  # llama.cpp's converter writes 0.1 * mscale_all_dim, and its graph takes mscale to equal it
+            scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
     return scaling
+
+
+def _gguf_architecture(arch: str, experts: int, value) -> str:
+    """ridge's name for a GGUF architecture where llama.cpp's covers several: a llama with experts is a Mixtral,
+    and a deepseek2 with sigmoid gates (llama.cpp's gating function 2) is DeepSeek-V3, with softmax ones V2."""
+    if arch == "llama" and experts:
+        return "mixtral"
+    if arch == "deepseek2":
+        return "deepseek_v3" if int(value(f"{arch}.expert_gating_func", 1)) == 2 else "deepseek_v2"
+    return arch
+
+
+def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
+    """A deepseek2 file's latent attention and router. llama.cpp's converter (since mid-2025) writes the
+    attention as one KV head of the latent: key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank,
+    and the per-head widths in key_length_mla / value_length_mla; older files have the per-head widths in
+    key_length / value_length. Rotary dims stay in the checkpoint's interleaved pairs (llama.cpp's "norm" rope)."""
+    if arch != "deepseek2":
+        return {}
+    rope = int(value(f"{arch}.rope.dimension_count"))
+    key, val = value(f"{arch}.attention.key_length_mla"), value(f"{arch}.attention.value_length_mla")
+    if key is None:
+        key, val = value(f"{arch}.attention.key_length"), value(f"{arch}.attention.value_length")
+    groups = int(value(f"{arch}.expert_group_count", 1))
+    sigmoid = int(value(f"{arch}.expert_gating_func", 1)) == 2
+    return {"num_kv_heads": heads, "head_dim": rope, "kv_lora_rank": int(value(f"{arch}.attention.kv_lora_rank")),
+            "q_lora_rank": int(value(f"{arch}.attention.q_lora_rank", 0)), "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": int(key) - rope, "v_head_dim": int(val),
+            "first_dense_layers": int(value(f"{arch}.leading_dense_block_count", 0)),
+            "shared_experts": int(value(f"{arch}.expert_shared_count", 0)),
+            "norm_topk_prob": bool(value(f"{arch}.expert_weights_norm", False)),
+            "routed_scaling_factor": float(value(f"{arch}.expert_weights_scale", 1.0)),
+            "router_groups": groups, "router_topk_groups": int(value(f"{arch}.expert_group_used_count", 1)),
+            "router_topk_method": "" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+            "rope_interleave": True, "qkv_bias": False}
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
