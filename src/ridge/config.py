@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ridge.kv.eviction import EVICTION_POLICIES, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.rope_scaling import RopeScaling
@@ -261,6 +262,14 @@ class EngineConfig:
         "auto", "how K and V are stored: auto (the model's dtype), fp8 (e4m3), int8 or int4 (32-value groups), "
         "each with a float16 scale per token and head (per group for int4); fewer bytes a token, so more "
         "tokens in kv_cache_memory, for a little accuracy", choices=KV_CACHE_DTYPES)
+    kv_eviction: str = knob(
+        "none", "sink-window: each sequence keeps its first --kv-sink-tokens and its most recent tokens, --kv-budget "
+        "in all, and gives the blocks between back as it grows (StreamingLLM; kv/eviction.py): the cache stops "
+        "growing, outputs past the budget change (each response's usage says how many tokens were evicted); "
+        "default none", choices=EVICTION_POLICIES)
+    kv_budget: int = knob(1024, "sink-window: tokens a sequence keeps cached, sinks included (default %(default)s)")
+    kv_sink_tokens: int = knob(4, "sink-window: the first tokens always kept (attention sinks), rounded up to whole "
+                                  "KV blocks (default %(default)s)")
     block_size: int = knob(16, "tokens per KV block (default %(default)s)")
     max_num_batched_tokens: int = knob(
         2048, "token budget of one step; long prompts are chunked to fit (default %(default)s, vLLM's CPU server "
@@ -327,6 +336,19 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_bytes: int = field(init=False)
     kv_format: KVFormat | None = field(init=False)  # kv_cache_dtype's (None: auto)
+    eviction: SinkWindow | None = field(init=False)  # kv_eviction's (None: none)
+
+    def _eviction(self) -> SinkWindow | None:
+        if self.kv_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction: {self.kv_eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        if self.kv_eviction == "none":
+            return None
+        if self.speculate is not None:
+            raise ValueError(f"kv_eviction: {self.kv_eviction} with speculate={self.speculate!r} is not defined (a "
+                             "rejected draft would need evicted blocks back); turn one off")
+        self._require(f"kv_eviction: {self.kv_eviction}", "CUDA graphs' steps do not map evicted positions yet",
+                      device="cpu")
+        return SinkWindow.from_config(self.kv_sink_tokens, self.kv_budget, self.block_size)
 
     def _require(self, what: str, why: str, **wanted: Any) -> None:
         """ValueError naming the first field whose value is not the one `what` needs."""
@@ -378,6 +400,7 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
                           "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
+        derive(self, "eviction", self._eviction())
         if self.batch_invariant:
             self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
                           attention_backend="paged", cpu_kernels=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 from ridge.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -114,8 +115,17 @@ class BeamSearch:
         return results
 
 
+def check_engine(config: EngineConfig) -> None:
+    """Beam search rescores each hypothesis through the prefix cache every round; an evicting cache would score
+    it over a different set of tokens from round to round: refused."""
+    if config.eviction is not None:
+        raise ValueError(f"kv_eviction: beam search on an engine with kv_eviction={config.kv_eviction!r} is not "
+                         "supported; use an engine without eviction")
+
+
 def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Beam search for every prompt at once; every round batches all live beams of all prompts."""
+    check_engine(engine.config)
     for ids in prompts:
         engine.validate(ids)
     search = BeamSearch(prompts, params, engine.tokenizer.stop_token_ids, engine.max_model_len)
@@ -134,6 +144,7 @@ async def beam_search_async(engine: AsyncEngine, prompts: list[list[int]], param
                             request_id: str) -> list[BeamSearchOutput]:
     """The same search through the server's engine client; a round's beams run as concurrent requests, and
     cancelling the search (a client gone) aborts them all."""
+    check_engine(engine.config)
     for ids in prompts:
         engine.validate(ids, SamplingParams())
     search = BeamSearch(prompts, params, engine.tokenizer.stop_token_ids, engine.max_model_len)

@@ -95,7 +95,12 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_memory: {config.kv_cache_bytes} bytes holds no KV block ({per_block} bytes each)"
             )
-        self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots)
+        if config.eviction is not None and (layout.has_windows or not layout.groups):
+            raise ValueError(f"kv_eviction: {config.kv_eviction} on a model with "
+                             f"{'sliding-window layers' if layout.groups else 'no attention layers'} is not supported "
+                             "(eviction runs on full-attention caches)")
+        self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots,
+                            eviction=config.eviction)
         pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens)
         if pool_tokens < config.block_size:
             raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
@@ -398,6 +403,8 @@ class LLMEngine:
             s.num_reported = s.num_outputs
         metrics = request.seqs[0].timings.summary()
         metrics["num_preemptions"] = sum(s.num_preemptions for s in request.seqs)
+        if self.config.eviction is not None:
+            metrics["kv_evicted_tokens"] = sum(s.max_evicted for s in request.seqs)
         if self.drafter is not None:
             metrics["spec_draft_tokens"] = sum(s.speculation.num_draft_tokens for s in request.seqs)
             metrics["spec_accepted_tokens"] = sum(s.speculation.num_accepted_tokens for s in request.seqs)

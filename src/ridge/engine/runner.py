@@ -167,7 +167,8 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         flat = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens, strict=True)):
-            start, end = seq.num_computed, seq.num_computed + n
+            # cache indexes: the positions less the evicted ones before them (kv/eviction.py)
+            start, end = seq.num_computed - seq.num_evicted, seq.num_computed - seq.num_evicted + n
             table = seq.block_tables[group]
             if i >= step.num_decodes:
                 prefills.append(
@@ -183,7 +184,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, **as_long),
             num_decodes=step.num_decodes,
             decode_block_tables=torch.tensor(tables, **as_long).view(len(decodes), width),
-            decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], **as_long),
+            decode_context_lens=torch.tensor([s.num_computed - s.num_evicted + 1 for s in decodes], **as_long),
             prefills=prefills,
             window=window,
         )

@@ -20,6 +20,11 @@ never written (no copy-on-write is needed). A hit of L blocks needs, in a full g
 (vLLM's rule): the hit is the longest L every group can serve. Each group caches its own blocks, under
 the same content keys tagged with the group.
 
+Eviction (kv/eviction.py, sink-window): commit() drops the oldest blocks after the sinks once a sequence holds
+more than its budget, deleting them from its tables (not nulling them: the kept tokens stay contiguous, and
+`num_evicted` maps a position to its index there). Only blocks computed before a sequence's first eviction are
+offered to the prefix cache: later ones were computed over a cache with holes.
+
 Recurrent state (kv/state_cache.py): a model with state-space layers also needs one state slot per running
 sequence, taken with its first blocks and given back with them. Such a manager has no prefix cache: a state
 summarises all of a sequence's tokens, so a cached prefix would need a snapshot of the state at its end.
@@ -32,6 +37,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from ridge.kv.block_pool import BlockPool
+from ridge.kv.eviction import SinkWindow
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.kv.state_cache import StateSlots
@@ -46,6 +52,8 @@ class Sequence(Protocol):
     params: SamplingParams
     block_tables: list[list[int]]  # one per KV group
     num_computed: int
+    num_evicted: int  # positions after the sinks whose blocks eviction gave back
+    max_evicted: int
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
     num_registered: int  # how many of each table's blocks were offered to the prefix cache
     state_slot: int | None  # its recurrent state's slot, while it holds one
@@ -53,10 +61,13 @@ class Sequence(Protocol):
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0) -> None:
+                 layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0,
+                 eviction: SinkWindow | None = None) -> None:
         """num_state_slots: sequences that can hold a recurrent state at once (0: the model has none)."""
         self.layout = layout or kv_layout([None])
         self.windows = [group.window for group in self.layout.groups]
+        assert not (eviction and (self.layout.has_windows or rewind_margin)), "eviction: full attention, no rewinds"
+        self.eviction = eviction
         assert not (enable_prefix_caching and num_state_slots), "no prefix cache for recurrent states"
         self.states = StateSlots(num_state_slots) if num_state_slots else None
         self.cache = PrefixCache() if enable_prefix_caching else None
@@ -112,6 +123,8 @@ class KVManager:
     def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
         """The longest hit every group can serve, in blocks, and each group's table for it."""
         usable = (len(seq.token_ids) - 1) // self.block_size  # full blocks before the one holding the last token
+        if self.eviction is not None:  # no more than a sequence may hold
+            usable = min(usable, self.eviction.budget // self.block_size)
         self._hash_blocks(seq, usable)
         keys = seq.block_keys[:usable]
         found = [self.cache.lookup(self._group_keys(g, keys)) if w is None else None
@@ -165,7 +178,7 @@ class KVManager:
         """Grow seq's tables to hold its first num_tokens tokens; False (and nothing taken) if the pool is short."""
         if not seq.block_tables:  # a sequence new to this manager
             seq.block_tables = self.empty_tables()
-        want = self.pool.blocks_for(num_tokens)
+        want = self.pool.blocks_for(num_tokens - seq.num_evicted)
         needs = [want - len(table) for table in seq.block_tables]
         if sum(n for n in needs if n > 0) > self.pool.num_free:
             return False
@@ -183,7 +196,7 @@ class KVManager:
         and window groups drop the blocks their window has passed."""
         before = seq.num_computed
         seq.num_computed += num_tokens
-        if self.cache is not None:
+        if self.cache is not None and not seq.num_evicted:
             full = seq.num_computed // self.block_size
             if full > seq.num_registered:
                 self._hash_blocks(seq, full)
@@ -196,6 +209,13 @@ class KVManager:
             if window is not None:
                 self._drop(seq.block_tables[g], self.first_live_block(g, before),
                            self.first_live_block(g, seq.num_computed))
+        if self.eviction is not None and (drop := self.eviction.blocks_to_evict(seq.num_computed - seq.num_evicted)):
+            first = self.eviction.sink_blocks
+            for table in seq.block_tables:
+                self.pool.release(table[first:first + drop])
+                del table[first:first + drop]
+            seq.num_evicted += drop * self.block_size
+            seq.max_evicted = max(seq.max_evicted, seq.num_evicted)
 
     def _drop(self, table: list[int], start: int, end: int) -> None:
         for i in range(start, min(end, len(table))):
@@ -216,6 +236,9 @@ class KVManager:
         """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens."""
         usable = self.num_blocks - (self.null_block is not None)
         full_groups = sum(w is None for w in self.windows)
+        if self.eviction is not None:  # a sequence holds its budget and a chunk, whatever its length
+            held = self.pool.blocks_for(self.eviction.budget + chunk_tokens) + 1
+            return 2**62 if usable >= held * full_groups else 0
         # a window group holds its window and the chunk being computed, each possibly straddling a block edge
         windowed = sum(self.pool.blocks_for(w + self.rewind_margin + chunk_tokens) + 1
                        for w in self.windows if w is not None)
@@ -227,7 +250,7 @@ class KVManager:
     def trim(self, seq: Sequence) -> None:
         """Return the blocks past seq's tokens (reserved for drafts that were rejected): they hold no
         registered K/V, so nothing in them is lost."""
-        keep = self.pool.blocks_for(len(seq.token_ids))
+        keep = self.pool.blocks_for(len(seq.token_ids) - seq.num_evicted)
         for table in seq.block_tables:
             if len(table) > keep:
                 self.pool.release(table[keep:])
@@ -241,7 +264,7 @@ class KVManager:
             self.states.release(seq.state_slot)
             seq.state_slot = None
         seq.block_tables = self.empty_tables()
-        seq.num_computed = seq.num_registered = 0
+        seq.num_computed = seq.num_registered = seq.num_evicted = 0
 
     @contextmanager
     def scratch(self, num_tokens: int) -> Iterator[tuple[list[list[int]], int | None]]:
@@ -280,13 +303,20 @@ class KVManager:
             self.states.check_integrity(seq.state_slot for seq in running)
         for seq in running:
             assert len(seq.block_tables) == len(self.windows), f"sequence {seq.seq_id}: one table per KV group"
+            cached = seq.num_computed - seq.num_evicted
+            if self.eviction is not None:
+                assert cached <= self.eviction.budget, f"sequence {seq.seq_id} holds {cached} tokens over its budget"
+            else:
+                assert not seq.num_evicted, f"sequence {seq.seq_id} evicted tokens with no eviction policy"
             for g, table in enumerate(seq.block_tables):
-                assert len(table) >= self.pool.blocks_for(seq.num_computed), (
-                    f"sequence {seq.seq_id}: {seq.num_computed} tokens computed in {len(table)} blocks of group {g}"
+                assert len(table) >= self.pool.blocks_for(cached), (
+                    f"sequence {seq.seq_id}: {seq.num_computed} tokens computed, {cached} of them cached, in "
+                    f"{len(table)} blocks of group {g}"
                 )
                 needed = table[self.window_start_block(g, seq.num_computed):]
                 assert self.null_block not in needed, f"sequence {seq.seq_id} dropped a block its window needs"
-                assert seq.num_registered <= len(table), f"sequence {seq.seq_id} registered blocks it lacks"
+                assert seq.num_registered <= len(table) + seq.num_evicted // self.block_size, (
+                    f"sequence {seq.seq_id} registered blocks it lacks")
         self.pool.check_integrity(self._held(table for seq in running for table in seq.block_tables))
 
     def check_idle(self, full: bool = True) -> None:

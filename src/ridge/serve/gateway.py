@@ -185,6 +185,8 @@ class Gateway:
         result = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                   "total_tokens": prompt_tokens + completion,
                   "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+        if any("kv_evicted_tokens" in o.metrics for o in outputs):  # an evicting engine: what it let go of
+            result["kv_evicted_tokens"] = sum(int(o.metrics["kv_evicted_tokens"]) for o in outputs)
         drafts = sum(o.metrics.get("spec_drafts") or 0 for o in outputs)
         if drafts:  # speculative decoding ran for this request: what the drafter achieved on it
             spec = SpeculationStats(drafts, sum(o.metrics["spec_draft_tokens"] for o in outputs),

@@ -1,0 +1,147 @@
+"""KV eviction (sink-window): ridge's tokens against HF transformers attending to exactly the kept tokens, the pool
+flat as a sequence grows, the plain path's tokens until the budget is reached, and the refusals.
+
+The reference: a token's K and V are computed once, in the step that computes it, over the keys its query sees
+then; so one HF forward pass whose mask gives each query the keys that were cached in its step (the sinks'
+blocks and the tokens after the evicted ones) reproduces a whole evicting run, token by token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from ridge import SamplingParams
+
+VOCAB = 320
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_models_random import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def evicting_mask(steps: list[int], sink_tokens: int, budget: int) -> torch.Tensor:
+    """[T, T] additive mask: the keys each query sees when a sequence is computed in steps of `steps` tokens and,
+    after each, the oldest whole blocks after the sinks' blocks are dropped while more than `budget` are kept."""
+    total, sinks = sum(steps), -(-sink_tokens // BLOCK) * BLOCK
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    done, evicted = 0, 0
+    for n in steps:
+        for q in range(done, done + n):
+            visible[q, :min(sinks, q + 1)] = True
+            visible[q, sinks + evicted:q + 1] = True
+        done += n
+        while done - evicted > budget:
+            evicted += BLOCK
+    return torch.zeros(total, total).masked_fill_(~visible, float("-inf"))
+
+
+def hf_greedy_under_mask(model, prompt: list[int], steps_of, new_tokens: int, **policy) -> list[int]:
+    """HF's greedy continuation when every query sees what the evicting cache held in its step."""
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        mask = evicting_mask(steps_of(len(prompt), len(ids)), **policy)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), attention_mask=mask[None, None]).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("chunk", [512, 16])  # the prompt in one step, or in chunks (evicting between them)
+def test_greedy_tokens_equal_hf_attending_to_the_kept_tokens(llama, chunk, make_llm_for_test):
+    path, model = llama
+    policy = {"sink_tokens": 4, "budget": 40}
+    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_eviction="sink-window",
+                            kv_budget=policy["budget"], kv_sink_tokens=policy["sink_tokens"],
+                            max_num_batched_tokens=chunk, kv_cache_memory="4MiB")
+    prompt = random_prompts(1, VOCAB, 37, 38, seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+
+    def steps_of(prompt_len: int, length: int) -> list[int]:
+        return [min(chunk, prompt_len - i) for i in range(0, prompt_len, chunk)] + [1] * (length - prompt_len)
+
+    reference = hf_greedy_under_mask(model, prompt, steps_of, 60, **policy)
+    assert out.outputs[0].token_ids == reference
+    # 97 tokens, 40 kept (the last between 32 and 40 of them recent): 56 evicted after the last step, the sinks'
+    # block and 5 recent blocks cached
+    assert out.metrics["kv_evicted_tokens"] == 56
+    plain = hf_greedy_under_mask(model, prompt, steps_of, 60, sink_tokens=4, budget=10**6)
+    assert plain != reference  # eviction changed the answer: the check above could fail
+
+
+def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
+    """Between steps a sequence holds its budget's blocks at most, the same at 100 tokens as at 400 (and 8x
+    more would not fit this pool); the plain engine's tokens until the budget is first passed."""
+    path, _ = llama
+    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_eviction="sink-window", kv_budget=64,
+                            kv_cache_memory="4MiB")
+    engine = llm.engine
+    prompt = random_prompts(1, VOCAB, 20, 21, seed=4)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished:
+        for delta in engine.step():
+            tokens.extend(delta.samples[0].token_ids)
+        engine.check_integrity()
+        held.append(engine.kv.num_blocks - engine.kv.num_free)
+    assert len(tokens) == 400 and max(held) == 64 // BLOCK
+    assert set(held[100:-1]) == {64 // BLOCK}  # 57 to 64 tokens cached after each step (the last frees them)
+    plain = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB")
+    alone = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=44, ignore_eos=True))[0]
+    assert tokens[:44] == alone.outputs[0].token_ids  # 20 + 44 = 64 tokens: nothing evicted yet
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    ({"kv_budget": 20}, "kv_budget"),  # under the sinks' block and two more (24)
+    ({"kv_sink_tokens": 0}, "kv_sink_tokens"),
+    ({"speculate": "ngram"}, "kv_eviction"),
+    ({"device": "cuda"}, "device"),
+    ({"kv_eviction": "h2o"}, "kv_eviction"),
+])
+def test_what_eviction_cannot_do_is_refused_by_name(llama, args, field):
+    from ridge.config import EngineConfig
+
+    path, _ = llama
+    if args.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present: eviction on it is refused by the engine, not this check")
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model=str(path), block_size=BLOCK, **{"kv_eviction": "sink-window", **args})
+
+
+def test_beam_search_and_windowed_models_are_refused(llama, make_llm_for_test, tmp_path):
+    import json
+
+    from ridge.engine.beam_search import BeamSearchParams
+
+    path, model = llama
+    llm = make_llm_for_test(path, dtype="float32", kv_eviction="sink-window", kv_budget=64, kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="kv_eviction: beam search"):
+        llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4))
+    (tmp_path / "config.json").write_text(json.dumps({**model.config.to_dict(), "architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral", "sliding_window": 32}))
+    with pytest.raises(ValueError, match="kv_eviction: sink-window on a model with sliding-window layers"):
+        make_llm_for_test(f"random:{tmp_path}", kv_eviction="sink-window", kv_cache_memory="4MiB")
+
+
+def test_usage_reports_the_evicted_tokens():
+    from ridge.engine.outputs import RequestOutput
+    from ridge.serve.gateway import Gateway
+
+    outputs = [RequestOutput("a", None, [1], [], True, {"kv_evicted_tokens": 48.0})]
+    assert Gateway.usage([[1]], 5, outputs)["kv_evicted_tokens"] == 48
+    assert "kv_evicted_tokens" not in Gateway.usage([[1]], 5, [RequestOutput("a", None, [1], [], True, {})])
