@@ -48,6 +48,19 @@ def test_eval_perplexity(smollm2_path, capsys):
     assert 1 < result["ppl"] < 200, result  # SmolLM2 on Shakespeare: ~24 at this window; uniform would be 49,152
 
 
+def test_eval_perplexity_through_the_cache(smollm2_path, capsys):
+    """Scored as requests in 16-token chunks: the one-pass figure with a plain cache (float32: the same sums in
+    another order), another with sink-window eviction (implied --through-cache), as its JSON says."""
+    args = ["eval", "ppl", "--model", str(smollm2_path), *TINY, "--source", "shakespeare", "--window", "96",
+            "--stride", "48", "--max-tokens", "192", "--max-num-batched-tokens", "16", "--json"]
+    one_pass = run_json(capsys, *args)["results"][0]["ppl"]
+    cached = run_json(capsys, *args, "--through-cache")
+    evicting = run_json(capsys, *args, "--kv-eviction", "sink-window", "--kv-budget", "48", "--block-size", "8")
+    assert cached["through_cache"] and cached["results"][0]["ppl"] == pytest.approx(one_pass, rel=1e-4)
+    assert evicting["through_cache"] and evicting["kv_eviction"] == "sink-window" and evicting["kv_budget"] == 48
+    assert evicting["results"][0]["ppl"] != pytest.approx(one_pass, rel=1e-3)  # 96-token windows, 48 kept
+
+
 def test_demo(smollm2_path, capsys):
     assert main(["demo", "--model", str(smollm2_path), *TINY, "--max-tokens", "8", "--batch", "2"]) == 0
     out = capsys.readouterr().out

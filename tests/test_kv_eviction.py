@@ -145,3 +145,37 @@ def test_usage_reports_the_evicted_tokens():
     outputs = [RequestOutput("a", None, [1], [], True, {"kv_evicted_tokens": 48.0})]
     assert Gateway.usage([[1]], 5, outputs)["kv_evicted_tokens"] == 48
     assert "kv_evicted_tokens" not in Gateway.usage([[1]], 5, [RequestOutput("a", None, [1], [], True, {})])
+
+
+def test_needle_prompts_plant_the_fact_at_its_depth_within_the_length(smollm2):
+    from ridge.eval.needle import NEEDLE, QUESTION, haystack_prompt
+
+    lines = [f"Line {i} of a long and quiet text." for i in range(400)]
+    tokens = [len(smollm2.tokenizer.encode(line + "\n")) for line in lines]
+    places = []
+    for depth in (0, 0.5, 1):
+        prompt = smollm2.tokenizer.decode(haystack_prompt(smollm2, lines, tokens, 1024, depth, "1234567"))
+        assert 1024 - 40 <= len(smollm2.tokenizer.encode(prompt)) <= 1024 and prompt.count(QUESTION) == 1
+        text = prompt[prompt.index("then answer.") + len("then answer."):prompt.index(QUESTION)]
+        places.append(text.index(NEEDLE.format(code="1234567")) / len(text))
+    assert places[0] < 0.01 and 0.45 < places[1] < 0.55 and places[2] > 0.95
+    with pytest.raises(ValueError, match="lengths"):
+        haystack_prompt(smollm2, lines, tokens, 100_000, 0.5, "1234567")
+
+
+def test_eval_needle_runs_each_variant_on_the_same_grid(smollm2_path, capsys, tmp_path):
+    import json
+
+    from ridge.cli import main
+
+    assert main(["eval", "needle", "--model", str(smollm2_path), "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                 "--lengths", "256,512", "--depths", "0,1", "--answer-tokens", "8", "--max-num-batched-tokens", "256",
+                 "--plot",
+                 str(tmp_path / "needle.png"), "--variants", "kv-cache-dtype=auto;kv-eviction=sink-window,kv-budget=96",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    plain, evicting = report["variants"]
+    assert [len(v["cells"]) for v in report["variants"]] == [4, 4]
+    assert [c["code"] for c in plain["cells"]] == [c["code"] for c in evicting["cells"]]
+    assert all(c["found"] == (c["code"] in c["answer"]) for c in plain["cells"] + evicting["cells"])
+    assert (tmp_path / "needle.png").stat().st_size > 0

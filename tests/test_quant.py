@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridge.eval.perplexity import perplexity
+from ridge.eval.perplexity import from_logits, perplexity
 from ridge.linear import KernelLinear, LinearTarget, make_linear
 from ridge.quant.methods import quantize_weight
 from ridge.quant.rtn import FP8_STRETCHES, INT8_STRETCHES, dequantize, quantize_fp8, quantize_int4, quantize_int8
@@ -144,7 +144,7 @@ def test_perplexity_windows_score_every_token_once():
         seen.append(len(window))
         return table[torch.tensor(window)]
 
-    result = perplexity(logits_fn, ids, window=16, stride=8, progress=False)
+    result = perplexity(from_logits(logits_fn), ids, window=16, stride=8, progress=False)
     logp = table[torch.tensor(ids[:-1])].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])
     assert result.tokens == n - 1
     assert result.nll == pytest.approx(-float(logp.sum()), rel=1e-5)

@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
@@ -153,28 +154,85 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from ridge import LLM
-    from ridge.eval.perplexity import held_out_text, perplexity
+    from ridge.eval.perplexity import from_logits, held_out_text, perplexity, through_the_cache
     from ridge.linear.select import int8_activations_at_every_row
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    cache_flags = [f"--{name.replace('_', '-')} {kwargs[name]}" for name, plain in
+                   (("kv_cache_dtype", "auto"), ("kv_eviction", "none")) if kwargs.get(name, plain) != plain]
+    if cache_flags and not args.through_cache:  # one pass over fresh K/V would not read the cache at all
+        logging.getLogger("ridge").warning(
+            "ridge: %s: scoring each window as a request, in chunks of --max-num-batched-tokens (--through-cache), so "
+            "that the cache is read; compare with a --through-cache baseline", " ".join(cache_flags))
+        args.through_cache = True
+    if args.through_cache:
+        kwargs["enable_prefix_caching"] = False  # each window's K/V computed, not found
+    llm = LLM(args.model, **kwargs)
     if args.int8_activations:  # decode's arithmetic at every row of a window, as llama-perplexity measures it
         int8_activations_at_every_row(llm.engine.loaded.model)
+    score = through_the_cache(llm) if args.through_cache else from_logits(llm.engine.prompt_logits)
     results = []
     for source in args.source:
         ids = llm.tokenizer.encode(held_out_text(source))[: args.max_tokens]
         window = min(args.window, llm.engine.max_model_len - 1)
-        results.append(perplexity(llm.engine.prompt_logits, ids, window, min(args.stride, window - 1), source,
-                                  progress=not args.json))
+        results.append(perplexity(score, ids, window, min(args.stride, window - 1), source, progress=not args.json))
     llm.engine.check_integrity()
+    config = llm.engine.config
     fmt = llm.engine.loaded.weight_format
+    how = (f"through the cache in chunks of {config.max_num_batched_tokens}, KV {config.kv_cache_dtype}, eviction "
+           f"{config.kv_eviction}" + (f" (budget {config.kv_budget})" if config.eviction else "")
+           if args.through_cache else "one pass a window")
     if args.json:
         print(json.dumps({"model": args.model, "weights": fmt, "window": args.window, "stride": args.stride,
+                          "through_cache": args.through_cache, "kv_cache_dtype": config.kv_cache_dtype,
+                          "kv_eviction": config.kv_eviction, "kv_budget": config.kv_budget if config.eviction else None,
+                          "chunk": config.max_num_batched_tokens,
                           "results": [{"source": r.source, "tokens": r.tokens, "ppl": r.ppl} for r in results]}))
         return 0
-    print(f"perplexity: {args.model} ({fmt}), window {args.window}, stride {args.stride}")
+    print(f"perplexity: {args.model} ({fmt}), window {args.window}, stride {args.stride}, {how}")
     for r in results:
         print(f"  {r.source:12s} {r.ppl:9.4f}  over {r.tokens} tokens")
     return 0
+
+
+def cmd_eval_needle(args: argparse.Namespace) -> int:
+    from ridge import LLM
+    from ridge.eval.needle import plot_needle, run_needle
+
+    panels = []
+    for variant in args.variants or [""]:
+        overrides = _engine_overrides(variant)
+        llm = LLM(args.model, progress=not args.json, **{**engine_kwargs(args), **overrides})
+        cells = run_needle(llm, args.lengths, args.depths, args.seed, args.answer_tokens)
+        llm.engine.check_integrity()
+        panels.append((variant or "as flagged", cells))
+        del llm
+    if args.plot:
+        plot_needle(panels, args.lengths, args.depths, args.plot)
+    if args.json:
+        print(json.dumps({"model": args.model, "lengths": args.lengths, "depths": args.depths,
+                          "variants": [{"variant": name, "found": sum(c.found for c in cells),
+                                        "cells": [asdict(c) | {"found": c.found} for c in cells]}
+                                       for name, cells in panels]}))
+        return 0
+    print(f"needle in a haystack: {args.model}, contexts {args.lengths}, depths {args.depths}")
+    for name, cells in panels:
+        print(f"  {name}: {sum(c.found for c in cells)} of {len(cells)} found")
+        for depth in args.depths:
+            marks = " ".join("+" if c.found else "." for c in cells if c.depth == depth)
+            print(f"    depth {depth:>4.0%}  {marks}")
+    return 0
+
+
+def _engine_overrides(variant: str) -> dict[str, Any]:
+    """'kv-eviction=sink-window,kv-budget=1024' -> EngineConfig arguments (numbers as ints)."""
+    overrides: dict[str, Any] = {}
+    for item in filter(None, variant.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"variants: {item!r} is not field=value")
+        overrides[name.strip().replace("-", "_")] = int(value) if value.strip().isdigit() else value.strip()
+    return overrides
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -286,7 +344,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    """`ridge eval ppl`."""
+    """`ridge eval ppl`, `ridge eval needle`."""
+    from ridge.eval.needle import __doc__ as needle_doc
+
     p = sub.add_parser("eval", help="quality evaluations (perplexity on held-out text)")
     esub = p.add_subparsers(dest="eval_command", required=True)
     p = esub.add_parser("ppl", help="perplexity with a sliding window on held-out text",
@@ -299,9 +359,30 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=512, help="tokens per window (default %(default)s)")
     p.add_argument("--stride", type=int, default=256, help="tokens each window advances (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens per source at most (default %(default)s)")
+    p.add_argument("--through-cache", action="store_true",
+                   help="score each window as a request's prefill in chunks of --max-num-batched-tokens, each chunk "
+                        "reading the earlier ones from the KV cache (its --kv-cache-dtype, its --kv-eviction; implied "
+                        "by either); default: one pass a window over K and V that never enter the cache")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_ppl)
+    p = esub.add_parser("needle", help="needle in a haystack: a fact planted at depths of long contexts, retrieved?",
+                        description=needle_doc.split("\n\n", 1)[1])
+    p.add_argument("model_name", nargs="?", default=None, help="same as --model")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192],
+                   help="prompt lengths in tokens (default 1024,2048,4096,8192)")
+    p.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0, 0.25, 0.5, 0.75, 1],
+                   help="where the needle sits in the text, 0 to 1 (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--variants", type=lambda s: s.split(";"), default=None,
+                   help="engines to compare, ';'-separated, each a ','-separated list of engine flags set, e.g. "
+                        "'kv-cache-dtype=auto;kv-cache-dtype=int4;kv-eviction=sink-window,kv-budget=1024' "
+                        "(default: one engine, as the flags say)")
+    p.add_argument("--answer-tokens", type=int, default=16, help="greedy tokens of each answer (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="draws the planted numbers (default %(default)s)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="a depth x length heatmap per variant")
+    p.add_argument("--json", action="store_true", help="print every cell as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_needle)
 
 
 def _add_quantize(sub: argparse._SubParsersAction) -> None:

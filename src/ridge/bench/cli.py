@@ -18,6 +18,7 @@ from typing import Any
 from ridge.bench import workloads
 from ridge.bench.capacity import add_capacity_parser
 from ridge.bench.context import add_context_parser
+from ridge.bench.eviction import add_eviction_parser
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.kv_formats import add_kv_parser
 from ridge.bench.quant import add_quant_parser
@@ -445,6 +446,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_invariance_parser(bsub, add_engine_args)
     add_capacity_parser(bsub, add_engine_args)
     add_kv_parser(bsub, add_engine_args)
+    add_eviction_parser(bsub, add_engine_args)
     add_context_parser(bsub, common)
     add_structured_parser(bsub, add_engine_args)
     add_report_parser(bsub)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ridge.bench import servers
 from ridge.bench.context import context_table
+from ridge.bench.eviction import eviction_table
 from ridge.bench.kv_formats import kv_table
 from ridge.bench.servers import ServerSpec
 from ridge.kernels.cpu_ops import cpu_flags
@@ -166,6 +167,8 @@ SECTIONS: dict[str, Section] = {
     "kv_formats": Section(("bench", "kv", "-m", "smollm2", "--context", "8000", "--batch", "16", "--steps", "8",
                            "--kv-cache-memory", "6GiB", "--kv-cache-dtypes", "auto,int8,fp8",
                            "--max-num-batched-tokens", "8192", "--agreement", "20"), kv_table),
+    "kv_eviction": Section(("bench", "eviction", "-m", "qwen2.5-coder-0.5b", "--tokens", "17000", "--every", "1000",
+                            "--kv-budget", "1024", "--plain-at", "1024,4096,8192,16384"), eviction_table),
     "gemma3_long_context": Section(("bench", "latency", "-m", "gemma3-270m", "--input-len", "8192", "--output-len",
                                     "64", "--no-peers", "--repeats", "1"), long_context_table,
                                    variants=((), ("--ignore-sliding-window",))),

@@ -105,7 +105,8 @@ class LLMEngine:
         if pool_tokens < config.block_size:
             raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
                              f"computed in chunks of max_num_batched_tokens={config.max_num_batched_tokens} (each "
-                             "sliding-window layer group holds its window and a chunk); give it more memory")
+                             "sliding-window layer group holds its window and a chunk, an evicting cache its "
+                             "kv_budget and a chunk); give it more memory")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
                                  pool_tokens)
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)

@@ -52,9 +52,35 @@ def held_out_text(source: str, sharegpt_conversations: int = 200) -> str:
     raise ValueError(f"source: {source!r} is not one of {', '.join(SOURCES)}")
 
 
-def perplexity(logits_fn: Callable[[list[int]], torch.Tensor], token_ids: list[int], window: int, stride: int,
-               source: str = "", progress: bool = True) -> Perplexity:
-    """logits_fn(ids) -> float32 logits [len(ids), V] (row i predicts token i + 1)."""
+TokenLogprobs = Callable[[list[int]], torch.Tensor]  # ids -> [len(ids) - 1]: log p(ids[i + 1] | ids[:i + 1])
+
+
+def from_logits(logits_fn: Callable[[list[int]], torch.Tensor]) -> TokenLogprobs:
+    """Token logprobs from a function of ids -> float32 logits [len(ids), V] (row i predicts token i + 1)."""
+    def token_logprobs(ids: list[int]) -> torch.Tensor:
+        logp = logits_fn(ids)[:-1].log_softmax(dim=-1)
+        return logp.gather(1, torch.tensor(ids[1:], dtype=torch.long)[:, None])[:, 0]
+    return token_logprobs
+
+
+def through_the_cache(llm) -> TokenLogprobs:
+    """Token logprobs from a request's prefill (prompt logprobs), in the engine's chunks of max_num_batched_tokens:
+    each chunk after the first reads the earlier ones from the KV cache, as a served request does, in its
+    --kv-cache-dtype and after its --kv-eviction. (engine.prompt_logits scores a window in one pass, over K and V
+    that never went through the cache.)"""
+    from ridge.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+
+    def token_logprobs(ids: list[int]) -> torch.Tensor:
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        entries = out.prompt_logprobs[1:]  # the first token's entry is None: nothing predicts it
+        return torch.tensor([entry[token] for entry, token in zip(entries, ids[1:], strict=True)])
+    return token_logprobs
+
+
+def perplexity(token_logprobs: TokenLogprobs, token_ids: list[int], window: int, stride: int, source: str = "",
+               progress: bool = True) -> Perplexity:
     if not 0 < stride < window:  # windows overlap: a window's first scored token has context in it
         raise ValueError(f"stride: must be in [1, window - 1 = {window - 1}], got {stride}")
     if len(token_ids) < 2:
@@ -65,10 +91,7 @@ def perplexity(logits_fn: Callable[[list[int]], torch.Tensor], token_ids: list[i
         ids = token_ids[start:start + window]
         if start + len(ids) <= scored:
             break
-        logits = logits_fn(ids)
         first = scored - start  # the first position of ids not scored yet
-        targets = torch.tensor(ids[first:], dtype=torch.long)
-        logp = logits[first - 1:len(ids) - 1].log_softmax(dim=-1)
-        nll -= float(logp.gather(1, targets[:, None]).sum())
+        nll -= float(token_logprobs(ids)[first - 1:].sum())
         scored = start + len(ids)
     return Perplexity(source, scored - 1, nll)
