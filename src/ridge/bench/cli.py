@@ -188,8 +188,9 @@ def _vocab_size(gguf: Path) -> int:
 
 def _run_peers(args, mode: str, requests: list[dict], gguf: Path | None, dtype: str,
                spec: ModelSpec) -> list[EngineResult]:
-    """gguf: the model's file; None for a random model, which HF builds from its shape (random weights too) and
-    llama.cpp reads from a GGUF of ridge's random weights written for it (bench/random_gguf.py)."""
+    """gguf: the model's file; None for a random model, which HF builds from its shape (random weights too),
+    llama.cpp reads from a GGUF of ridge's random weights written for it (bench/random_gguf.py), and vLLM from
+    that GGUF exported by HF transformers to an HF directory (where HF reads the architecture's GGUFs)."""
     if gguf is None:
         results = []
         if "hf" not in (args.skip_peer or []):
@@ -199,16 +200,17 @@ def _run_peers(args, mode: str, requests: list[dict], gguf: Path | None, dtype: 
         for name in PEERS:
             if name == "hf" or name in (args.skip_peer or []):
                 continue
-            if name != "llamacpp" or name not in found:
-                results.append(EngineResult(name, error="a random model has no file it reads" if name in found
-                                            else f"not run (--peer {name}=PYTHON or --all-peers)"))
+            if name not in found:
+                results.append(EngineResult(name, error=f"not run (--peer {name}=PYTHON or --all-peers)"))
                 continue
             try:
                 path = random_gguf_for(spec, seed=0)  # the engine's weight seed (EngineConfig.seed)
-            except ValueError as exc:
+                job = _peer_job(args, mode, requests, path, dtype)
+                if name == "vllm":
+                    job["hf_dir"] = str(hf_export_dir(path, dtype, found.get("hf", sys.executable)))
+            except (ValueError, RuntimeError) as exc:
                 results.append(EngineResult(name, error=str(exc)))
                 continue
-            job = _peer_job(args, mode, requests, path, dtype)
             results.append(run_peer(name, found[name], job, timeout=args.peer_timeout))
         return results
     results = []
