@@ -147,7 +147,7 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path | None, dtype: s
 
 
 def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
-    """A float16 GGUF of `random:NAME`'s weights for llama.cpp, written once under ~/.cache/ridge/random-gguf with
+    """A float16 GGUF of `random:NAME`'s weights for the peers, written once under ~/.cache/ridge/random-gguf with
     the vocabulary of a pulled GGUF of the same size (ValueError naming what is missing)."""
     from ridge.bench.random_gguf import WRITER_VERSION, write_random_gguf
     from ridge.hub import ALIASES, ridge_home
@@ -164,7 +164,8 @@ def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
     if not vocabularies:
         raise ValueError(f"llama.cpp needs a vocabulary of {spec.vocab_size} tokens: pull a GGUF with one "
                          f"(Qwen's 151,936: ridge pull qwen2.5-coder-0.5b) or set vocab_size to a pulled one's")
-    print(f"[bench] writing {spec.name} as a GGUF for llama.cpp: {path}", file=sys.stderr)
+    print(f"[bench] writing {spec.name} as a GGUF for the peers (llama.cpp reads it, vLLM its HF export): {path}",
+          file=sys.stderr)
     tmp = path.with_suffix(".partial")
     write_random_gguf(spec, tmp, vocabularies[0], seed)
     tmp.rename(path)

@@ -82,8 +82,8 @@ def plot_needle(panels: list[tuple[str, list[Cell]]], lengths: list[int], depths
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_xlabel("context (tokens)")
-        ax.set_title(f"{textwrap.fill(title.replace(',', ', '), 30, break_on_hyphens=False)}\n{int(grid.sum())} of {grid.size} found",
-                     fontsize=8)
+        wrapped = textwrap.fill(title.replace(",", ", "), 30, break_on_hyphens=False)
+        ax.set_title(f"{wrapped}\n{int(grid.sum())} of {grid.size} found", fontsize=8)
     axes[0][0].set_ylabel("needle depth")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
