@@ -225,13 +225,21 @@ def cmd_eval_needle(args: argparse.Namespace) -> int:
 
 
 def _engine_overrides(variant: str) -> dict[str, Any]:
-    """'kv-eviction=sink-window,kv-budget=1024' -> EngineConfig arguments (numbers as ints)."""
+    """'kv-eviction=sink-window,kv-budget=1024' -> EngineConfig arguments (numbers as ints, true / false as
+    booleans); ValueError naming an item that is not an engine flag."""
+    import dataclasses
+
+    from ridge.config import EngineConfig
+
+    flags = {f.name for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
     overrides: dict[str, Any] = {}
     for item in filter(None, variant.split(",")):
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"variants: {item!r} is not field=value")
-        overrides[name.strip().replace("-", "_")] = int(value) if value.strip().isdigit() else value.strip()
+        name, sep, value = (part.strip() for part in item.partition("="))
+        field = name.replace("-", "_")
+        if not sep or field not in flags:
+            raise ValueError(f"variants: {item!r} is not flag=value with an engine flag (e.g. kv-cache-dtype=int4)")
+        booleans = {"true": True, "false": False}
+        overrides[field] = int(value) if value.isdigit() else booleans.get(value.lower(), value)
     return overrides
 
 

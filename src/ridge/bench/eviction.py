@@ -4,9 +4,10 @@ One request generates --tokens tokens on an engine with --kv-eviction sink-windo
 every --every tokens the KV memory it holds (its blocks, counted in the pool) and the time per token over the last
 interval are read. The plain engine (no eviction) holds the whole context: at each of --plain-at contexts a
 prompt of that many tokens is prefilled (untimed) and --steps decode steps timed, the same two figures read.
-The question it answers: does eviction keep a growing generation's memory and step time flat, and what would the
-same context cost without it. What eviction does to the answers is `ridge eval needle` / `ridge eval ppl`'s
-question, not this one's.
+The two engines' --kv-eviction is the command's own (sink-window, then none); every other engine flag applies
+to both (--kv-cache-dtype, --kv-budget, --kv-sink-tokens...), the prefix cache off. The question it answers: does
+eviction keep a growing generation's memory and step time flat, and what would the same context cost without
+it. What eviction does to the answers is `ridge eval needle` / `ridge eval ppl`'s question, not this one's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from gguf import ExpertGatingFuncType, GGUFReader, GGUFWriter, RopeScalingType
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
-from ridge.models.loader import random_model
+from ridge.models.loader import latent_rotary_order, random_model
 from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
@@ -192,15 +192,10 @@ def _latent_attention_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.T
     """MLA's projections as llama.cpp's converter writes them: the query's and kv_a's rotary rows back in the
     checkpoint's interleaved pairs (loader._deinterleave_rotary's inverse), kv_b split per head into k_b
     [heads, rank, nope] (transposed) and v_b [heads, v_head_dim, rank]."""
-    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
-    interleaved = torch.argsort(torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]))
-    for name, gguf_name, offset in (("q_proj", "attn_q", nope), ("q_b", "attn_q_b", nope),
-                                    ("kv_a", "attn_kv_a_mqa", cfg.kv_lora_rank)):
+    nope = cfg.qk_nope_head_dim
+    for name, gguf_name in (("q_proj", "attn_q"), ("q_b", "attn_q_b"), ("kv_a", "attn_kv_a_mqa")):
         if (rows := layer.get(f"attn.{name}.weight")) is not None:
-            heads = rows.shape[0] // (offset + rope)
-            order = torch.arange(rows.shape[0]).view(heads, offset + rope)
-            order[:, offset:] = order[:, offset:][:, interleaved]
-            yield f"blk.{i}.{gguf_name}.weight", rows[order.flatten()]
+            yield f"blk.{i}.{gguf_name}.weight", rows[latent_rotary_order(cfg, name, rows.shape[0], to_halves=False)]
     kv_b = layer["attn.kv_b"].view(cfg.num_heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
     yield f"blk.{i}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2)
     yield f"blk.{i}.attn_v_b.weight", kv_b[:, nope:]

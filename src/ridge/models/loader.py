@@ -291,19 +291,26 @@ def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quant
     """Reorder the rows of MLA's query and kv_a projections that make rotary dims from interleaved pairs
     (x0, x1), (x2, x3)... to halves (x0, x2, ..., x1, x3, ...): DeepSeek's checkpoint layout to the rotate-half
     layout the shared rotary code turns (the scores q . k are the same under one order for both)."""
-    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
-    halves = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
     for i in range(cfg.num_layers):
-        for name, head_width, offset in (("q_b" if cfg.q_lora_rank else "q_proj", nope + rope, nope),
-                                         ("kv_a", cfg.kv_lora_rank + rope, cfg.kv_lora_rank)):
+        for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
             key = f"layers.{i}.attn.{name}.weight"
             rows = quantized[key][0].shape[0] if key in quantized else state[key].shape[0]
-            order = torch.arange(rows).view(rows // head_width, head_width)
-            order[:, offset:] = order[:, offset:][:, halves]
+            order = latent_rotary_order(cfg, name, rows)
             if key in quantized:
-                quantized[key][0] = _reorder_rows(quantized[key][0], order.flatten())
+                quantized[key][0] = _reorder_rows(quantized[key][0], order)
             else:
-                state[key] = state[key][order.flatten()]
+                state[key] = state[key][order]
+
+
+def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool = True) -> torch.Tensor:
+    """The row order that takes MLA projection `name`'s (q_proj, q_b or kv_a) rotary rows of each head from
+    interleaved pairs to halves (to_halves=False: back, as llama.cpp's files hold them); other rows stay."""
+    rope = cfg.qk_rope_head_dim
+    offset = cfg.kv_lora_rank if name == "kv_a" else cfg.qk_nope_head_dim  # the rows before a head's rotary ones
+    halves = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    order = torch.arange(rows).view(rows // (offset + rope), offset + rope)
+    order[:, offset:] = order[:, offset:][:, halves if to_halves else torch.argsort(halves)]
+    return order.flatten()
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> LoadedModel:

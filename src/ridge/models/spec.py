@@ -372,7 +372,11 @@ def _gguf_architecture(arch: str, experts: int, value) -> str:
     if arch == "llama" and experts:
         return "mixtral"
     if arch == "deepseek2":
-        return "deepseek_v3" if int(value(f"{arch}.expert_gating_func", 1)) == 2 else "deepseek_v2"
+        gating = int(value(f"{arch}.expert_gating_func", 1))
+        if gating not in (1, 2):
+            raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported (1: softmax, DeepSeek-V2; "
+                             "2: sigmoid, DeepSeek-V3)")
+        return "deepseek_v3" if gating == 2 else "deepseek_v2"
     return arch
 
 
