@@ -112,6 +112,7 @@ def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
     ({"speculate": "ngram"}, "kv_eviction"),
     ({"device": "cuda"}, "device"),
     ({"kv_eviction": "h2o"}, "kv_eviction"),
+    ({"kv_eviction": "none", "kv_budget": 512}, "kv_budget"),  # a policy's setting with no policy
 ])
 def test_what_eviction_cannot_do_is_refused_by_name(llama, args, field):
     from ridge.config import EngineConfig

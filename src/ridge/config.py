@@ -342,6 +342,10 @@ class EngineConfig:
         if self.kv_eviction not in EVICTION_POLICIES:
             raise ValueError(f"kv_eviction: {self.kv_eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
         if self.kv_eviction == "none":
+            for name in ("kv_budget", "kv_sink_tokens"):  # set for a policy that is not on: not silently dropped
+                if getattr(self, name) != EngineConfig.__dataclass_fields__[name].default:
+                    raise ValueError(f"{name}: {getattr(self, name)} is sink-window's; set kv_eviction='sink-window' "
+                                     "with it, or leave it out")
             return None
         if self.speculate is not None:
             raise ValueError(f"kv_eviction: {self.kv_eviction} with speculate={self.speculate!r} is not defined (a "

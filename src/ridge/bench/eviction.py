@@ -72,6 +72,10 @@ def _block_bytes(engine) -> int:
 
 def cmd_eviction(args: argparse.Namespace) -> int:
     from ridge import LLM
+    from ridge.config import EngineConfig
+
+    # the plain engine takes no eviction settings (EngineConfig refuses them without a policy)
+    no_eviction = {name: EngineConfig.__dataclass_fields__[name].default for name in ("kv_budget", "kv_sink_tokens")}
     from ridge.flags import engine_kwargs
 
     kwargs = {**engine_kwargs(args), "enable_prefix_caching": False}
@@ -81,7 +85,7 @@ def cmd_eviction(args: argparse.Namespace) -> int:
     rows = {"sink-window": evicting_run(evicting.engine, args.tokens, args.every)}
     budget, sinks = evicting.engine.config.kv_budget, evicting.engine.config.kv_sink_tokens
     del evicting
-    plain = LLM(args.model, progress=not args.json, **{**kwargs, "kv_eviction": "none"})
+    plain = LLM(args.model, progress=not args.json, **{**kwargs, **no_eviction, "kv_eviction": "none"})
     print(f"[bench] plain cache at contexts {args.plain_at} ...", file=sys.stderr)
     rows["none"] = plain_run(plain.engine, args.plain_at, args.steps)
     report = {"benchmark": "eviction", "model": args.model, "kv_budget": budget, "kv_sink_tokens": sinks,
