@@ -80,7 +80,7 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
         assert in_process(capsys, *args) != 0 and message in capsys.readouterr().err  # refused before any work
     bench = output("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager", "--baseline", "float32",
                    "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2", "--repeats", "1",
-                   "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png"))
+                   "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png"), "--kv-cache-memory", "64MiB")
     assert (tmp_path / "formats.png").stat().st_size > 0
     rows = {row["name"]: row for row in bench["formats"]}
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
