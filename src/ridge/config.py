@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -325,6 +326,11 @@ class EngineConfig:
     speculation_policy: str = knob(
         "adaptive", "adaptive: k (or none) per step from the measured acceptance rate and step costs; fixed: "
         "always k (default %(default)s)", choices=("adaptive", "fixed"), group=SPECULATION)
+    tensor_parallel_size: int = knob(
+        1, "processes that split each layer's heads and widths between them (torch.distributed, gloo), one all-reduce "
+        "after each attention and each MLP; ridge starts the others itself, or torchrun starts them all (MASTER_ADDR, "
+        "MASTER_PORT, RANK, WORLD_SIZE). kv_cache_memory and --threads are each process's (default %(default)s)",
+        flag="--tensor-parallel-size", group="cluster")
     # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
     # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
     seed: int = 0
@@ -353,6 +359,11 @@ class EngineConfig:
         self._require(f"kv_eviction: {self.kv_eviction}", "CUDA graphs' steps do not map evicted positions yet",
                       device="cpu")
         return SinkWindow.from_config(self.kv_sink_tokens, self.kv_budget, self.block_size)
+
+    def threads_per_process(self) -> int:
+        """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""
+        env = int(os.environ.get("OMP_NUM_THREADS") or 0)
+        return self.num_threads or env or max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
     def _require(self, what: str, why: str, **wanted: Any) -> None:
         """ValueError naming the first field whose value is not the one `what` needs."""
@@ -405,6 +416,15 @@ class EngineConfig:
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
                           "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
         derive(self, "eviction", self._eviction())
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self._require(f"tensor_parallel_size: {self.tensor_parallel_size}", "the NCCL path awaits a multi-GPU "
+                          "machine to be checked on", device="cpu")
+            if self.speculate == "draft":
+                raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with a draft model is not "
+                                 "supported yet (the drafter would need ranks of its own); use speculate='ngram' or "
+                                 "no speculation")
         if self.batch_invariant:
             self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
                           attention_backend="paged", cpu_kernels=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +20,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.limits import RequestLimits
-from ridge.engine.loading import ModelFile, load_weights
+from ridge.engine.loading import ModelFile, load_weights, shard_plan
 from ridge.engine.outputs import RequestDelta, SampleDelta, StepError, StepStats
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler, bad_word_ids
@@ -33,6 +33,9 @@ from ridge.kv.block_pool import BlockPool
 from ridge.kv.manager import KVManager
 from ridge.models.loader import LoadedModel
 from ridge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ridge.cluster.workers import TensorParallelRunner
 
 log = logging.getLogger("ridge")
 
@@ -69,7 +72,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
+        torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
         self.tokenizer = target.tokenizer
@@ -88,8 +91,12 @@ class LLMEngine:
             log.warning("ridge: prefix caching is off for a model with state-space layers (a cached prefix would "
                         "need a snapshot of the state where it ends)")
             prefix_caching = False
-        per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
-        num_blocks, num_state_slots = kv_memory_split(cfg, config)
+        # under tensor parallelism, each rank's pool holds its own KV heads: as many blocks as the rank with the
+        # most of them fits in kv_cache_memory
+        shard = shard_plan(config, cfg, rank=0)
+        kv_cfg = cfg if shard is None else shard.pool_config()
+        per_block = kv_cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
+        num_blocks, num_state_slots = kv_memory_split(kv_cfg, config)
         layout = cfg.kv_layout()
         if layout.groups and num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
             raise ValueError(
@@ -112,12 +119,13 @@ class LLMEngine:
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
-        self.runner = ModelRunner(
-            self.loaded.model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype,
-            config.device, cpu_ops=kernels, enforce_eager=config.enforce_eager,
-            batch_invariant=config.batch_invariant, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
-            num_state_slots=num_state_slots, kv_format=config.kv_format,
-        )
+        self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
+            config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots)
+        if shard is not None:
+            from ridge.cluster.workers import Build, TensorParallelRunner
+
+            self.runner = TensorParallelRunner.start(config, shard, self.runner,
+                                                     Build(num_blocks, num_state_slots, self.max_model_len))
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -415,6 +423,10 @@ class LLMEngine:
         if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.scores_prompt:
             scored, request.prompt_logprobs_sent = first.prompt_logprobs, True
         return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens, scored)
+
+    def close(self) -> None:
+        """Stop what the engine started beside itself (tensor-parallel ranks); the engine cannot step after."""
+        self.runner.close()
 
     def check_integrity(self) -> None:
         """Assert the KV accounting holds; when idle, every block is free (or parked in the prefix cache)."""

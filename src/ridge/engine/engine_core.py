@@ -159,6 +159,8 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
     except BaseException as exc:
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         raise
+    finally:
+        engine.close()
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:

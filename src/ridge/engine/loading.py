@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from ridge.config import EngineConfig
+from ridge.cluster.shards import ShardPlan, shard_model, shard_quantized
+from ridge.config import EngineConfig, ModelConfig
 from ridge.hub import resolve
 from ridge.kernels import batch_invariance
 from ridge.linear import LinearTarget
@@ -63,9 +64,19 @@ class ModelFile:
 
 
 
-def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool) -> LoadedModel:
+def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan | None:
+    """Rank `rank`'s part of the model under config.tensor_parallel_size (None: one process holds it all)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    grouped = config.quantization in ("int4", "gptq", "awq")  # int8 / fp8: a scale per row, columns cut freely
+    return ShardPlan(cfg, rank, config.tensor_parallel_size, config.quantization_group_size if grouped else 1)
+
+
+def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
+                 rank: int = 0) -> LoadedModel:
     """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
-    made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after."""
+    made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after.
+    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): quantized whole, then cut."""
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
     if model.random is not None:
@@ -76,8 +87,15 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
                             ignore_sliding_window=config.ignore_sliding_window)
+    quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
+        if config.quantization in METHODS else iter(())
+    if (plan := shard_plan(config, loaded.config, rank)) is not None:
+        quantized = list(quantized)  # made from the whole model, before its dense weights are cut
+        cuts = shard_model(loaded.model, plan)
+        quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized]
+        loaded.weight_format += f", rank {rank} of {plan.world}"
     if config.quantization in METHODS:
-        place_quantized(loaded.model, _quantized_weights(loaded.model, model.tokenizer, config, progress), target)
+        place_quantized(loaded.model, quantized, target)
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     place_dense(loaded.model, target)

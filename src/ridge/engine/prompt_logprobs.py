@@ -36,6 +36,11 @@ def rows_to_score(seq: Sequence, start: int, end: int) -> PromptRows | None:
     return PromptRows(seq, first, last - first + 1) if last >= first else None
 
 
+def slices(count: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each projection record() makes of a sequence's `count` scored rows, in its order."""
+    return [(begin, min(SLICE_ROWS, count - begin)) for begin in range(0, count, SLICE_ROWS)]
+
+
 def record(rows: list[PromptRows], hidden: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Append the entries scored by `hidden` (the rows' final hidden states, in order) to each sequence's
     prompt_logprobs: the prompt token's logprob and its params.prompt_logprobs most likely alternatives."""
@@ -43,8 +48,7 @@ def record(rows: list[PromptRows], hidden: torch.Tensor, project: Callable[[torc
     for r in rows:
         seq = r.seq
         top = seq.params.prompt_logprobs
-        for begin in range(0, r.count, SLICE_ROWS):
-            n = min(SLICE_ROWS, r.count - begin)
+        for begin, n in slices(r.count):
             logp = project(hidden[offset + begin: offset + begin + n]).log_softmax(dim=-1)
             first = r.first_token + begin
             targets = torch.tensor(seq.token_ids[first:first + n], device=logp.device)

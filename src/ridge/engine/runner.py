@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 
 from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, make_backend
+from ridge.config import EngineConfig
 from ridge.engine.cuda_graphs import DecodeGraphs
 from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
 from ridge.engine.scheduler import ScheduledStep
@@ -50,11 +51,12 @@ class ModelRunner:
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
-        kv_format: KVFormat | None = None,
+        kv_format: KVFormat | None = None, tensor_parallel: bool = False,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
-        num_state_slots: the recurrent-state slots of a model with state-space layers."""
+        num_state_slots: the recurrent-state slots of a model with state-space layers; tensor_parallel: the model
+        is one rank's shard, its layers all-reducing between them (cluster/)."""
         cfg = model.cfg
         self.scores_prompts = scores_prompts
         self.model = model
@@ -68,18 +70,35 @@ class ModelRunner:
         self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,
                                   cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
                        if cfg.ssm_layers else None)
+        if tensor_parallel and not enforce_eager:
+            log.warning("ridge: tensor parallelism runs decode steps layer by layer (neither the fused decode stack "
+                        "nor CUDA graphs hold its all-reduces yet)")
+            enforce_eager = True
         # decode steps' layers in one C++ call where the model's layers all have a kernel there
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
         self.graphs: DecodeGraphs | None = None
-        if isinstance(self.backend, CudaBackend) and not enforce_eager and cfg.num_experts:
+        graphs = isinstance(self.backend, CudaBackend) and not enforce_eager
+        if graphs and cfg.num_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts (its routing picks the expert matmuls each "
                         "step); decode runs eagerly")
-        elif isinstance(self.backend, CudaBackend) and not enforce_eager and cfg.ssm_layers:
+        elif graphs and cfg.ssm_layers:
             log.warning("ridge: no CUDA graphs for state-space layers yet; decode runs eagerly")
-        elif isinstance(self.backend, CudaBackend) and not enforce_eager:
+        elif graphs:
             self.graphs = DecodeGraphs(model, self.backend, self.windows, block_size, max_batch,
                                        max_model_len or cfg.max_position_embeddings, self.device)
             self.graphs.capture()
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, model: DecoderModel, cpu_ops: ModuleType | None, num_blocks: int,
+                   max_model_len: int, num_state_slots: int) -> ModelRunner:
+        """The engine's runner of its (target) model, as config asks for it."""
+        return cls(model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype, config.device,
+                   cpu_ops=cpu_ops, enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
+                   max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
+                   kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1)
+
+    def close(self) -> None:
+        """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepLogits:
@@ -89,7 +108,11 @@ class ModelRunner:
         rows that score prompt tokens."""
         if self.graphs is not None and self.graphs.serves(step):
             return StepLogits(self.graphs.run(step), list(step.seqs), [])
-        inputs = self.prepare(step)
+        return self.run(self.prepare(step))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> StepLogits:
+        """The forward pass of a prepared step (prepare(), or describe() and then prepare_backend())."""
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
             hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta[0])
@@ -120,6 +143,17 @@ class ModelRunner:
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""
+        inputs = self.describe(step)
+        self.prepare_backend(inputs.meta)
+        return inputs
+
+    def prepare_backend(self, meta: list[AttentionMetadata]) -> None:
+        for group_meta in meta:
+            self.backend.prepare(group_meta)
+
+    def describe(self, step: ScheduledStep) -> StepInputs:
+        """The step's tokens, positions and slots as flat tensors, before the backend's per-step work: what another
+        tensor-parallel rank needs to run the same step (cluster/workers.py)."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -161,7 +195,7 @@ class ModelRunner:
         return StateStep(self.states, slots, step.num_decodes, chunks)
 
     def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
-        """One KV group's slots and block tables for the step, prepared by the backend."""
+        """One KV group's slots and block tables for the step."""
         bs = self.block_size
         slots: list[int] = []
         prefills: list[PrefillChunk] = []
@@ -180,7 +214,7 @@ class ModelRunner:
         width = max((len(s.block_tables[group]) for s in decodes), default=1)
         tables = [s.block_tables[group] + [0] * (width - len(s.block_tables[group])) for s in decodes]
         as_long = {"dtype": torch.long, "device": self.device}
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(slots, **as_long),
             num_decodes=step.num_decodes,
             decode_block_tables=torch.tensor(tables, **as_long).view(len(decodes), width),
@@ -188,5 +222,3 @@ class ModelRunner:
             prefills=prefills,
             window=window,
         )
-        self.backend.prepare(meta)
-        return meta

@@ -6,6 +6,7 @@ each op costs microseconds of overhead regardless of size, and a small model run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -177,6 +178,9 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.local = local
         self.residual_in_fp32 = cfg.residual_in_fp32
+        # under tensor parallelism, each rank's mixer and MLP outputs are its partial sums: summed over the ranks
+        # in place, here (cluster/collectives.py)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta, states=None
@@ -188,12 +192,16 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_norm(x, residual)
         x = self.ssm(x, states) if self.ssm is not None else self.attn(x, rope, backend, meta)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
         if self.mlp is None:
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
         x = self.mlp(x)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
         if self.mlp_out_norm is not None:
             x = self.mlp_out_norm(x)
         return x, residual

@@ -1,0 +1,119 @@
+"""A tensor-parallel group of processes over torch.distributed, and the model layers that talk through it.
+
+Two gloo process groups share one rendezvous store: `compute` carries the collectives inside
+a step (an all-reduce after each attention and each MLP, the embedding's all-reduce and the logits' gather), with a
+timeout that catches a wedged rank; `commands` carries rank 0's step descriptions to the workers, which wait on it
+while the engine is idle, for as long as it stays idle. A rank that dies closes its sockets, and the others' next
+collective fails at once rather than at a timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ridge.cluster.shards import ShardPlan
+
+STEP_TIMEOUT = timedelta(minutes=10)  # one step's collectives: a long prefill of a big model on a CPU, at most
+IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step while the engine has none to run
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    size: int
+    compute: dist.ProcessGroup
+    commands: dist.ProcessGroup
+
+    @classmethod
+    def join(cls, url: str, rank: int | None = None, size: int | None = None, timeout_s: float = 120.0) -> TPGroup:
+        """Rendezvous at `url` (tcp://host:port, or env:// for torchrun's MASTER_ADDR / MASTER_PORT / RANK /
+        WORLD_SIZE): this process as `rank` of `size`."""
+        kwargs = {} if rank is None else {"rank": rank, "world_size": size}
+        store, rank, size = next(dist.rendezvous(url, timeout=timedelta(seconds=timeout_s), **kwargs))
+        store.set_timeout(IDLE_TIMEOUT)
+        return cls(rank, size, dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, STEP_TIMEOUT),
+                   dist.ProcessGroupGloo(dist.PrefixStore("commands", store), rank, size, IDLE_TIMEOUT))
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """Sum tensor over the ranks, in place."""
+        self.compute.allreduce([tensor]).wait()
+
+    def gather_on_first(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor (all of one shape), on rank 0; [] on the others."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        pieces = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
+        self.compute.gather([pieces] if self.rank == 0 else [], [tensor.contiguous()], options).wait()
+        return pieces
+
+    def broadcast_command(self, command: Any = None) -> Any:
+        """Rank 0's command (pickled), on every rank: its length, then its bytes."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        data = pickle.dumps(command) if self.rank == 0 else b""
+        length = torch.tensor([len(data)], dtype=torch.long)
+        self.commands.broadcast([length], options).wait()
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                  else torch.empty(int(length), dtype=torch.uint8))
+        self.commands.broadcast([buffer], options).wait()
+        return command if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+
+    def all_ok(self, ok: bool) -> list[bool]:
+        """Each rank's ok, on every rank (each rank's outcome of a phase that may fail on one of them)."""
+        flags = torch.zeros(self.size, dtype=torch.long)
+        flags[self.rank] = int(ok)
+        self.commands.allreduce([flags]).wait()
+        return [bool(f) for f in flags.tolist()]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table: a token outside them looks up zeros, and the all-reduce gives every
+    rank every token's row. `weight` stays the (padded) shard, which a tied output projection multiplies by."""
+
+    def __init__(self, weight: torch.Tensor, first: int, vocab_size: int, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.first, self.stop, self.group = first, min(first + weight.shape[0], vocab_size), group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.first) | (input_ids >= self.stop)
+        rows = F.embedding((input_ids - self.first).masked_fill_(outside, 0), self.weight)
+        rows.masked_fill_(outside.unsqueeze(-1), 0)
+        self.group.all_reduce_(rows)
+        return rows
+
+
+class GatheredLogits(nn.Module):
+    """The output projection over this rank's rows of the vocabulary; the ranks' logits gathered on rank 0 (the
+    one that samples), cut back to the vocabulary from the last shard's padding. Other ranks return their own."""
+
+    def __init__(self, projection: nn.Module, vocab_size: int, group: TPGroup) -> None:
+        super().__init__()
+        self.projection, self.vocab_size, self.group = projection, vocab_size, group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.projection(hidden)
+        pieces = self.group.gather_on_first(local)
+        return torch.cat(pieces, dim=-1)[..., : self.vocab_size] if pieces else local
+
+
+def install_collectives(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
+    """Give a sharded model (shard_model, then its linears placed) the collectives that make each rank's partial
+    results whole: the layers' all-reduces, the vocabulary-parallel embedding and the gathered logits."""
+    for layer in model.layers:
+        layer.all_reduce = group.all_reduce_
+    table = model.embed_tokens.weight
+    model.embed_tokens = VocabParallelEmbedding(table.data, plan.rank * plan.vocab_shard, plan.cfg.vocab_size, group)
+    if model.output_projection is None:  # torch's own nn.Linear was the pick: the (tied or own) weight as it is
+        head = nn.Linear(table.shape[1], table.shape[0], bias=False)
+        head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.output_projection = head
+    model.output_projection = GatheredLogits(model.output_projection, plan.cfg.vocab_size, group)

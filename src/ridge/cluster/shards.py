@@ -1,0 +1,219 @@
+"""Which part of each weight a tensor-parallel rank holds, and the cutting of a loaded model down to it.
+
+Attention is split by heads: with at least as many KV heads as ranks, each rank takes whole KV heads with their
+query heads (as evenly as the counts allow: SmolLM2's 3 KV heads over 2 ranks go 1 and 2); with fewer, each KV
+head is replicated on the ranks that split its query heads between them. A rank's query heads then always share
+its KV heads evenly, so its attention is an ordinary GQA over fewer heads. The MLP (and each expert) is split
+along its intermediate width: gate and up by rows (column parallel), down by columns (row parallel); the
+vocabulary by rows of the embedding table and the output projection. Each rank's attention and MLP outputs are
+then partial sums that one all-reduce each completes (cluster/collectives.py).
+
+Quantized weights are cut after quantizing the whole model, so that every rank holds exactly the numbers a single
+process would: rows freely, columns only on the boundaries of their scale groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ridge.config import ModelConfig
+from ridge.models.layers import Attention, GatedMLP
+from ridge.models.moe import MoEBlock
+from ridge.quant.rtn import QuantizedWeight
+
+HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
+
+
+def even_ranges(n: int, parts: int) -> list[range]:
+    """0..n-1 cut into `parts` consecutive ranges whose lengths differ by at most one."""
+    return [range(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_heads: range
+    kv_heads: range
+
+
+def split_heads(num_heads: int, num_kv_heads: int, world: int) -> list[HeadShard]:
+    """Each rank's query and KV heads (global indices)."""
+    if num_heads < world:
+        raise ValueError(f"tensor_parallel_size: {world} ranks for {num_heads} attention heads would leave a rank "
+                         "without a head (heads are split, never cut); use at most "
+                         f"{num_heads} ranks")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world:
+        return [HeadShard(range(kv.start * group, kv.stop * group), kv) for kv in even_ranges(num_kv_heads, world)]
+    shards = []
+    for head, ranks in enumerate(even_ranges(world, num_kv_heads)):  # num_heads >= world: len(ranks) <= group
+        shards += [HeadShard(range(head * group + q.start, head * group + q.stop), range(head, head + 1))
+                   for q in even_ranges(group, len(ranks))]
+    return shards
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank `rank` of `world`: the split of every weight of a model of config `cfg`. granule: the column count a
+    row-parallel cut must fall on a multiple of (the quantization group size where weights are quantized)."""
+
+    cfg: ModelConfig
+    rank: int
+    world: int
+    granule: int = 1
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        unsupported = [what for what, present in (
+            ("latent attention (MLA)", cfg.is_mla), ("state-space layers", bool(cfg.ssm_layers)),
+            ("a q/k norm over all heads at once (OLMoE's qk_norm_full)", cfg.qk_norm_full)) if present]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size: {self.world} is not supported for {cfg.architecture}'s "
+                             f"{unsupported[0]} yet; run it with tensor_parallel_size=1")
+        if cfg.attention_layers:
+            split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
+        for name, width in (("intermediate_size", cfg.intermediate_size),
+                            ("moe_intermediate_size", cfg.moe_intermediate_size if cfg.num_experts else 0),
+                            ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
+            if width and width < self.world * self.granule:
+                raise ValueError(f"tensor_parallel_size: {name} {width} cannot give each of {self.world} ranks "
+                                 f"a multiple of {self.granule} columns")
+        if cfg.attention_layers and self.granule > 1:
+            for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world):
+                if (shard.q_heads.start * cfg.head_dim) % self.granule:
+                    raise ValueError(
+                        f"tensor_parallel_size: {self.world} splits o_proj's input at column "
+                        f"{shard.q_heads.start * cfg.head_dim}, inside a quantization group of {self.granule} "
+                        f"columns; use a quantization_group_size that divides it")
+
+    @property
+    def heads(self) -> HeadShard:
+        return split_heads(self.cfg.num_heads, self.cfg.num_kv_heads, self.world)[self.rank]
+
+    def local_config(self) -> ModelConfig:
+        """The model this rank computes: its heads."""
+        if not self.cfg.attention_layers:
+            return self.cfg
+        heads = self.heads
+        return dataclasses.replace(self.cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads))
+
+    def pool_config(self) -> ModelConfig:
+        """A model of as many KV heads as the rank with the most holds: what sizes each rank's KV blocks, so that
+        every rank's pool has as many blocks as rank 0 counts."""
+        cfg = self.cfg
+        if not cfg.attention_layers:
+            return cfg
+        most = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world))
+        return dataclasses.replace(cfg, num_heads=most * (cfg.num_heads // cfg.num_kv_heads), num_kv_heads=most)
+
+    def columns(self, width: int) -> torch.Tensor:
+        """This rank's share of an intermediate width, in whole granules."""
+        granules = even_ranges(width // self.granule, self.world)[self.rank]
+        stop = width if self.rank == self.world - 1 else granules.stop * self.granule
+        return torch.arange(granules.start * self.granule, stop)
+
+    @property
+    def vocab_shard(self) -> int:
+        """Rows of the vocabulary each rank holds, the last one's padded with zero rows to the same count (so that
+        the ranks' logits gather as equal pieces)."""
+        return -(-self.cfg.vocab_size // self.world)
+
+    def vocab_rows(self) -> torch.Tensor:
+        first = self.rank * self.vocab_shard
+        return torch.arange(first, min(first + self.vocab_shard, self.cfg.vocab_size))
+
+    def weight_cuts(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+        """Module path -> (dim, indices) of every weight this rank holds a part of, keyed as quantize_weights keys
+        them (and `embed_tokens`, `lm_head`): dim 0 cuts rows (output features), dim 1 columns (input features)."""
+        cfg, heads = self.cfg, self.heads if self.cfg.attention_layers else None
+        cuts: dict[str, tuple[int, torch.Tensor]] = {"embed_tokens": (0, self.vocab_rows()),
+                                                     "lm_head": (0, self.vocab_rows()), HEAD: (0, self.vocab_rows())}
+        for i, layer in enumerate(model.layers):
+            if isinstance(layer.attn, Attention) and heads is not None:
+                d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+                q_rows = torch.arange(heads.q_heads.start * d, heads.q_heads.stop * d)
+                kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
+                cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows]))
+                cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
+            mlp = layer.mlp
+            mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
+            if isinstance(mlp, MoEBlock):
+                mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
+                if mlp.shared_expert is not None:
+                    mlps["mlp.shared_expert"] = mlp.shared_expert
+            for name, gated in mlps.items():
+                cols = self.columns(gated.intermediate_size)
+                cuts[f"layers.{i}.{name}.gate_up"] = (0, torch.cat([cols, gated.intermediate_size + cols]))
+                cuts[f"layers.{i}.{name}.down"] = (1, cols)
+        return cuts
+
+
+def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch.Tensor]]:
+    """Cut the model's dense weights down to this rank's parts in place, its heads and widths with them; return
+    the cuts (for its quantized weights: shard_quantized)."""
+    cuts = plan.weight_cuts(model)
+    for path, (dim, index) in cuts.items():
+        module = getattr(model, path, None) if "." not in path else model.get_submodule(path)
+        if module is None:
+            continue
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            raise ValueError(f"tensor_parallel_size: {path} is held quantized as the file stores it "
+                             f"({type(module).__name__}), which is not cut between ranks yet; load the file "
+                             "dequantized (no quantization='gguf') or quantize it at load (int8, int4, fp8, gptq, awq)")
+        _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None)
+    local = plan.local_config()
+    for layer in model.layers:
+        if isinstance(layer.attn, Attention):
+            layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
+        for module in layer.modules() if layer.mlp is not None else ():
+            if isinstance(module, GatedMLP):
+                module.intermediate_size = module.down.weight.shape[1]
+    model.cfg = local
+    return cuts
+
+
+def _cut_module(module: nn.Linear | nn.Embedding, dim: int, index: torch.Tensor, pad_to: int | None) -> None:
+    weight = module.weight.data.index_select(dim, index)
+    if pad_to is not None and weight.shape[0] < pad_to:
+        weight = torch.cat([weight, weight.new_zeros(pad_to - weight.shape[0], weight.shape[1])])
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        if dim == 1:  # a row-parallel layer's output is summed over the ranks: its bias must be added once
+            raise ValueError("tensor_parallel_size: a row-parallel layer with a bias is not supported")
+        module.bias = nn.Parameter(bias.data.index_select(0, index), requires_grad=False)
+
+
+def shard_quantized(key: str, weight: QuantizedWeight, cuts: dict[str, tuple[int, torch.Tensor]],
+                    pad_to: int) -> QuantizedWeight:
+    """This rank's part of a quantized weight (as quantized whole), cut as its dense weight is; the output
+    projection's padded with zero rows to pad_to."""
+    if key not in cuts:
+        return weight
+    dim, index = cuts[key]
+    if dim == 0:
+        cut = dataclasses.replace(
+            weight, qweight=weight.qweight[index], scales=weight.scales[index],
+            minimums=None if weight.minimums is None else weight.minimums[index])
+        if key == HEAD and len(index) < pad_to:
+            extra = pad_to - len(index)
+            cut = dataclasses.replace(
+                cut, qweight=_pad_rows(cut.qweight, extra), scales=_pad_rows(cut.scales, extra),
+                minimums=None if cut.minimums is None else _pad_rows(cut.minimums, extra))
+        return cut
+    if weight.group_size is None:  # one scale per output row: the columns cut alone
+        return dataclasses.replace(weight, qweight=weight.qweight[:, index])
+    group = weight.group_size
+    if index[0] % group or len(index) % group:
+        raise ValueError(f"tensor_parallel_size: {key}'s columns {int(index[0])}.. are cut inside a quantization "
+                         f"group of {group}; use a quantization_group_size that divides the cut")
+    groups = index[::group] // group
+    return dataclasses.replace(weight, qweight=weight.qweight[:, index], scales=weight.scales[:, groups],
+                               minimums=None if weight.minimums is None else weight.minimums[:, groups])
+
+
+def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)])

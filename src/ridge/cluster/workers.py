@@ -1,0 +1,231 @@
+"""Tensor parallelism's processes: rank 0 is the engine, every other rank runs what rank 0 tells it.
+
+Rank 0 schedules, samples and keeps the KV accounting, as vLLM's executor does; each step, it broadcasts the
+step's flat inputs (ModelRunner.describe) and then runs them itself, while every other rank runs the same inputs
+on its shard of the weights and of the KV cache: the layers' all-reduces meet in the middle, and the logits
+gather on rank 0. Each rank holds the same number of KV blocks (rank 0 counts them, for the rank with the most
+KV heads), so rank 0's block tables index every rank's cache.
+
+Ridge starts ranks 1..N-1 itself, as processes on this machine (`python -m ridge.cluster.workers`, reading its
+rank and config on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then rank
+0 is the one that serves, and the others run `serve` from the command line (cli.py). A rank that exits breaks
+the group: the others' next collective fails, and their engine reports it.
+
+The engine layer reaches up to this module (and only when tensor_parallel_size > 1): tensor parallelism changes
+how its one model runner runs, not what the engine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ridge.cluster.collectives import TPGroup, install_collectives
+from ridge.cluster.shards import ShardPlan
+from ridge.config import EngineConfig
+from ridge.engine import prompt_logprobs
+from ridge.engine.runner import ModelRunner, StepInputs, StepLogits
+from ridge.engine.scheduler import ScheduledStep
+
+log = logging.getLogger("ridge")
+
+
+# ---- rank 0 -> the other ranks ---------------------------------------------------------------------
+@dataclass
+class Build:
+    """Make the model runner: the pool's size, as rank 0 counted it."""
+
+    num_blocks: int
+    num_state_slots: int
+    max_model_len: int
+
+
+@dataclass
+class RunStep:
+    inputs: StepInputs  # without the sequences (samplers, scored), which only rank 0 holds
+    prompt_rows: list[int]  # each scored sequence's row count: rank 0 projects them in prompt_logprobs.slices
+
+
+@dataclass
+class Score:
+    token_ids: list[int]
+    tables: list[list[int]]
+    state_slot: int | None
+
+
+@dataclass
+class Stop:
+    pass
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank where torchrun (or a launcher like it) started it, else None."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+class TensorParallelRunner:
+    """Rank 0's model runner: each step broadcast to the other ranks, then run here on rank 0's shard."""
+
+    def __init__(self, local: ModelRunner, group: TPGroup, workers: list[subprocess.Popen]) -> None:
+        self.local, self.group, self.workers = local, group, workers
+        self.broken: str | None = None
+        self._finalizer = weakref.finalize(self, _end, workers)
+
+    @classmethod
+    def start(cls, config: EngineConfig, plan: ShardPlan, local: ModelRunner, build: Build) -> TensorParallelRunner:
+        """Start (or, under torchrun, meet) the other ranks, each loading its shard; give rank 0's model its
+        collectives; have every rank build its runner for `build`. RuntimeError naming a rank that failed."""
+        url, workers = _launch(config)
+        try:
+            group = TPGroup.join(url, *((0, config.tensor_parallel_size) if workers else ()))
+        except Exception as exc:
+            _end(workers)
+            exited = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)
+                      if w.poll() is not None]
+            raise RuntimeError(f"tensor_parallel_size: the ranks did not meet at {url} "
+                               f"({'; '.join(exited) or exc})") from exc
+        try:
+            if group.size != config.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher's "
+                                 f"WORLD_SIZE is {group.size}")
+            install_collectives(local.model, plan, group)
+        except Exception:
+            group.broadcast_command(Stop())
+            _end(workers)
+            raise
+        group.broadcast_command(build)
+        failed = [rank for rank, ok in enumerate(group.all_ok(True)) if not ok]
+        if failed:
+            _end(workers)
+            raise RuntimeError(f"tensor_parallel_size: rank {failed[0]} failed to load its shard (its error is above)")
+        log.info("ridge: tensor parallel over %d ranks (gloo)", group.size)
+        return cls(local, group, workers)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.local.model
+
+    @property
+    def backend(self):  # noqa: ANN201 - the local runner's AttentionBackend
+        return self.local.backend
+
+    def execute(self, step: ScheduledStep) -> StepLogits:
+        inputs = self.local.describe(step)
+        shared = dataclasses.replace(inputs, samplers=[], scored=[])
+        return self._together(RunStep(shared, [r.count for r in inputs.scored]), self.local.run, inputs)
+
+    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
+        return self._together(Score(token_ids, tables, state_slot), self.local.score, token_ids, tables, state_slot)
+
+    def _together(self, command: RunStep | Score, run, *args):  # noqa: ANN001, ANN202 - the local runner's call
+        """Broadcast the command, then run it here. A rank that failed mid-step leaves the group's collectives out
+        of step with each other: the group is broken from then on, and says so."""
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group broke earlier ({self.broken}); restart the engine")
+        try:
+            self.group.broadcast_command(command)
+            if isinstance(command, RunStep):
+                self.local.prepare_backend(command.inputs.meta)
+            return run(*args)
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def close(self) -> None:
+        """Stop the other ranks (those ridge started wait for it; torchrun's end their `serve`)."""
+        if self.broken is None:
+            with contextlib.suppress(Exception):  # a rank already gone: nothing left to stop there
+                self.group.broadcast_command(Stop())
+        self.broken = "closed"
+        self._finalizer()
+
+
+def _end(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+
+
+def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
+    """The rendezvous URL, and ranks 1..N-1 started as processes here (none where torchrun started them)."""
+    rank = torchrun_rank()
+    if rank is not None:
+        if rank != 0:
+            raise ValueError(f"tensor_parallel_size: the engine runs on rank 0; rank {rank} runs `serve` "
+                             "(ridge.cluster.workers) instead")
+        return "env://", []
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    workers = []
+    for rank in range(1, config.tensor_parallel_size):
+        worker = subprocess.Popen([sys.executable, "-m", "ridge.cluster.workers"], stdin=subprocess.PIPE)
+        worker.stdin.write(pickle.dumps((config, rank, url)))
+        worker.stdin.close()
+        workers.append(worker)
+    return url, workers
+
+
+# ---- ranks 1..N-1 -----------------------------------------------------------------------------------
+def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") -> None:
+    """Rank `rank`'s life (None: torchrun's RANK): meet the group, load this rank's shard, build the runner rank 0
+    sizes, then run what rank 0 broadcasts until it says Stop."""
+    from ridge.engine.loading import ModelFile, load_weights, shard_plan
+    from ridge.kernels import cpu_ops
+
+    torch.set_num_threads(config.threads_per_process())
+    torch.manual_seed(config.seed)
+    group = TPGroup.join(url, *((rank, config.tensor_parallel_size) if rank is not None else ()))
+    runner, kernels, loaded = None, None, None
+    try:
+        kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
+        loaded = load_weights(ModelFile.open(config.model), config, kernels, progress=False, rank=group.rank)
+        install_collectives(loaded.model, shard_plan(config, loaded.config, group.rank), group)
+    except Exception:  # noqa: BLE001 - reported to rank 0 below, printed here
+        traceback.print_exc()
+    build = group.broadcast_command()
+    if isinstance(build, Stop):
+        return
+    if loaded is not None:
+        try:
+            runner = ModelRunner.for_engine(config, loaded.model, kernels, build.num_blocks, build.max_model_len,
+                                            build.num_state_slots)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if not all(group.all_ok(runner is not None)):
+        return
+    while True:
+        command = group.broadcast_command()
+        if isinstance(command, Stop):
+            return
+        if isinstance(command, Score):
+            runner.score(command.token_ids, command.tables, command.state_slot)
+            continue
+        runner.prepare_backend(command.inputs.meta)
+        out = runner.run(command.inputs)
+        offset = 0
+        for count in command.prompt_rows:  # the projections rank 0 makes of the prompt rows, in its order
+            for begin, n in prompt_logprobs.slices(count):
+                runner.model.compute_logits(out.prompt_hidden[offset + begin: offset + begin + n])
+            offset += count
+
+
+if __name__ == "__main__":  # a rank ridge started: through the module's own name, whose classes rank 0 pickles
+    from ridge.cluster import workers
+
+    workers.serve(*pickle.loads(sys.stdin.buffer.read()))
