@@ -444,12 +444,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_rank() -> int | None:
+    from ridge.cluster.workers import torchrun_rank
+
+    return torchrun_rank()
+
+
+def _serve_rank(args: argparse.Namespace) -> int:
+    """A rank other than 0 that torchrun started with the command: it runs rank 0's steps on its shard until rank
+    0 stops (rank 0 runs the command itself)."""
+    from ridge.cluster.workers import serve
+    from ridge.config import EngineConfig
+
+    serve(EngineConfig(model=args.model, **engine_kwargs(args)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "model_name", None):
         args.model = args.model_name
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and (_torchrun_rank() or 0) > 0:
+            return _serve_rank(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -80,7 +80,8 @@ class TensorParallelRunner:
     def __init__(self, local: ModelRunner, group: TPGroup, workers: list[subprocess.Popen]) -> None:
         self.local, self.group, self.workers = local, group, workers
         self.broken: str | None = None
-        self._finalizer = weakref.finalize(self, _end, workers)
+        # at close(), when the engine is collected, or when the interpreter exits
+        self._finalizer = weakref.finalize(self, _stop_ranks, group, workers)
 
     @classmethod
     def start(cls, config: EngineConfig, plan: ShardPlan, local: ModelRunner, build: Build) -> TensorParallelRunner:
@@ -143,12 +144,17 @@ class TensorParallelRunner:
             raise
 
     def close(self) -> None:
-        """Stop the other ranks (those ridge started wait for it; torchrun's end their `serve`)."""
-        if self.broken is None:
-            with contextlib.suppress(Exception):  # a rank already gone: nothing left to stop there
-                self.group.broadcast_command(Stop())
-        self.broken = "closed"
+        """Stop the other ranks (torchrun's end their `serve`)."""
+        if self.broken is not None and self._finalizer.detach() is not None:  # no command reaches a broken group
+            _end(self.workers)
         self._finalizer()
+        self.broken = "closed"
+
+
+def _stop_ranks(group: TPGroup, workers: list[subprocess.Popen]) -> None:
+    with contextlib.suppress(Exception):  # a rank already gone: nothing left to stop there
+        group.broadcast_command(Stop())
+    _end(workers)
 
 
 def _end(workers: list[subprocess.Popen]) -> None:

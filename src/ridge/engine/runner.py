@@ -121,7 +121,7 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, inputs.states)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
-                          hidden[num_sampled:] if inputs.scored else None)
+                          hidden[num_sampled:] if inputs.prompt_rows else None)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""Tensor parallelism over gloo, two or three processes on this machine: greedy tokens equal one process's, on the
+real models and on random configs whose heads split unevenly, and under the runtime's chunking, preemption and
+prefix cache; the splits themselves; and the configurations it refuses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import openai
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS, random_prompts, running_server
+from ridge import LLM, SamplingParams
+from ridge.cluster.shards import HEAD, ShardPlan, shard_quantized, split_heads
+from ridge.config import EngineConfig
+from ridge.models.random_weights import random_spec
+from ridge.models.registry import config_from_spec
+from ridge.quant.rtn import quantize_int4, quantize_int8
+from ridge.serve.app import ServerConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- the splits -------------------------------------------------------------------------------------
+def test_heads_split_by_whole_kv_groups_where_there_are_enough():
+    # SmolLM2: 9 query heads in 3 KV groups over 2 ranks: groups go 1 and 2, never cut
+    assert [(s.q_heads, s.kv_heads) for s in split_heads(9, 3, 2)] == [(range(0, 3), range(0, 1)),
+                                                                       (range(3, 9), range(1, 3))]
+    assert [(s.q_heads, s.kv_heads) for s in split_heads(14, 2, 2)] == [(range(0, 7), range(0, 1)),
+                                                                        (range(7, 14), range(1, 2))]
+
+
+def test_fewer_kv_heads_than_ranks_replicate_them():
+    # Gemma 3 270m: 4 query heads, 1 KV head, over 3 ranks: each holds the KV head and 1, 1 or 2 query heads
+    shards = split_heads(4, 1, 3)
+    assert [s.kv_heads for s in shards] == [range(0, 1)] * 3
+    assert [len(s.q_heads) for s in shards] == [1, 1, 2] and shards[-1].q_heads.stop == 4
+    # 8 query heads in 2 groups over 3 ranks: each rank's query heads stay inside one group
+    for shard in split_heads(8, 2, 3):
+        assert len(shard.kv_heads) == 1 and {q // 4 for q in shard.q_heads} == {shard.kv_heads.start}
+    with pytest.raises(ValueError, match="tensor_parallel_size: 5 ranks for 4 attention heads"):
+        split_heads(4, 1, 5)
+
+
+def test_every_rank_sizes_its_pool_for_the_rank_with_the_most_kv_heads():
+    cfg = config_from_spec(random_spec("random:smollm2"))
+    plans = [ShardPlan(cfg, rank, 2) for rank in range(2)]
+    assert [p.local_config().num_kv_heads for p in plans] == [1, 2]
+    assert {p.pool_config().num_kv_heads for p in plans} == {2}
+    assert sum(len(p.vocab_rows()) for p in plans) == cfg.vocab_size
+    # the intermediate width, in whole granules of the quantization group
+    assert [len(ShardPlan(cfg, rank, 2, granule=64).columns(1536)) for rank in range(2)] == [768, 768]
+
+
+def test_quantized_weights_cut_on_their_group_boundaries():
+    torch.manual_seed(0)
+    w = torch.randn(48, 256)
+    int4, int8 = quantize_int4(w, 64), quantize_int8(w)
+    cols = torch.arange(128, 256)
+    cut = shard_quantized("layers.0.mlp.down", int4, {"layers.0.mlp.down": (1, cols)}, pad_to=0)
+    assert torch.equal(cut.qweight, int4.qweight[:, 128:]) and torch.equal(cut.scales, int4.scales[:, 2:])
+    per_row = shard_quantized("layers.0.mlp.down", int8, {"layers.0.mlp.down": (1, cols)}, pad_to=0)
+    assert torch.equal(per_row.scales, int8.scales)  # a row's scale covers all its columns, on every rank
+    with pytest.raises(ValueError, match="inside a quantization group of 64"):
+        shard_quantized("layers.0.mlp.down", int4, {"layers.0.mlp.down": (1, torch.arange(96, 256))}, pad_to=0)
+    head = shard_quantized(HEAD, int4, {HEAD: (0, torch.arange(40, 48))}, pad_to=10)  # the last vocabulary shard
+    assert head.qweight.shape == (10, 256) and not head.scales[8:].any() and not head.minimums[8:].any()
+
+
+# ---- the engine over ranks --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_prompts(smollm2):
+    chats = [smollm2.render_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:6]]
+    return chats + random_prompts(10, smollm2.engine.loaded.config.vocab_size, 3, 300, seed=5)  # 16, mixed
+
+
+def test_smollm2_over_two_ranks_equals_one_process(smollm2, smollm2_path, smollm2_prompts, make_llm_for_test):
+    """16 mixed prompts (some longer than the 128-token budget: chunked), alone on one process and batched
+    over two ranks; prompt logprobs (the output projection's gathers rank 0 makes after a step) too."""
+    alone = [tokens(smollm2.generate(p, GREEDY))[0] for p in smollm2_prompts]
+    tp = make_llm_for_test(smollm2_path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=128)
+    assert "rank 0 of 2" in tp.engine.loaded.weight_format
+    assert tokens(tp.generate(smollm2_prompts, GREEDY)) == alone
+    scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=3)
+    [mine], [theirs] = tp.generate(smollm2_prompts[0], scored), smollm2.generate(smollm2_prompts[0], scored)
+    assert len(mine.prompt_logprobs) == len(theirs.prompt_logprobs) > 0
+    for a, b in zip(mine.prompt_logprobs[1:] + mine.outputs[0].logprobs,
+                    theirs.prompt_logprobs[1:] + theirs.outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-3 for k in a)
+    torch.testing.assert_close(tp.engine.prompt_logits(smollm2_prompts[1]),
+                               smollm2.engine.prompt_logits(smollm2_prompts[1]), atol=2e-3, rtol=0)
+    tp.engine.close()
+
+
+def test_the_runtime_under_two_ranks_keeps_the_tokens(smollm2, smollm2_path, smollm2_prompts, make_llm_for_test):
+    """A token budget of 16 (chunks), a pool of 24 blocks (preemption and recompute), the prefix cache (a second
+    pass hits it): the tokens stay one process's."""
+    alone = [tokens(smollm2.generate(p, GREEDY))[0] for p in smollm2_prompts[:8]]
+    per_block = 16 * 30 * 2 * 2 * 64 * 4  # the rank with 2 of the 3 KV heads sizes the pool
+    tp = make_llm_for_test(smollm2_path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16,
+                           kv_cache_memory=24 * per_block)
+    assert tp.engine.pool.num_blocks == 24
+    outs = tp.generate(smollm2_prompts[:8], GREEDY)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
+    assert tokens(outs) == alone
+    again = tp.generate(smollm2_prompts[:8], GREEDY)
+    assert tokens(again) == alone and sum(o.num_cached_tokens for o in again) > 0
+    tp.engine.close()
+
+
+def test_qwen_over_two_ranks_equals_one_process(qwen_float32, qwen_path, make_llm_for_test):
+    prompts = [qwen_float32.render_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:5]]
+    tp = make_llm_for_test(qwen_path, dtype="float32", tensor_parallel_size=2)
+    assert tokens(tp.generate(prompts, GREEDY)) == tokens(qwen_float32.generate(prompts, GREEDY))
+    tp.engine.close()
+
+
+RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
+    "gemma3-kv-replicated": ("random:gemma3-270m,num_layers=3,vocab_size=1001,hidden_size=128,head_dim=32,"
+                             "intermediate_size=160,sliding_window=24,global_every=3", 3, {}),
+    "smollm2-uneven-groups": ("random:smollm2,num_layers=2,vocab_size=999,hidden_size=144,head_dim=16,"
+                              "intermediate_size=192", 2, {}),
+    "qwen2-int4": ("random:qwen2.5-coder-0.5b,num_layers=2,vocab_size=1000,hidden_size=224,head_dim=32,"
+                   "intermediate_size=256", 2, {"quantization": "int4", "quantization_group_size": 32}),
+    "qwen3-moe": ("random:qwen3-30b-a3b,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=8,num_kv_heads=2,"
+                  "head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=64", 2, {}),
+}
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_shapes_over_ranks_equal_one_process(name, make_llm_for_test):
+    model, ranks, extra = RANDOM[name]
+    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB", **extra}
+    one = make_llm_for_test(model, **common)
+    prompts = random_prompts(6, 900, 2, 80, seed=7)
+    expected = tokens(one.generate(prompts, GREEDY))
+    tp = make_llm_for_test(model, tensor_parallel_size=ranks, **common)
+    assert tokens(tp.generate(prompts, GREEDY)) == expected
+    tp.engine.close()
+
+
+def test_the_server_serves_over_two_ranks(smollm2, smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=2)
+    messages = [{"role": "user", "content": CHAT_PROMPTS[0]}]
+    expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    with running_server(config, ServerConfig("smollm2")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=24)
+    assert got.choices[0].message.content == expected
+
+
+def test_torchrun_starts_the_ranks(smollm2, smollm2_path):
+    """`torchrun --nproc-per-node 2 -m ridge.cli generate --tensor-parallel-size 2`: rank 0 generates, rank 1
+    runs its steps, both exit 0."""
+    from ridge.serve.server import free_port
+
+    expected = smollm2.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "ridge.cli", "generate", "--model", str(smollm2_path), "--tensor-parallel-size", "2", "--dtype",
+         "float32", "--kv-cache-memory", "64MiB", "--prompt", "The capital of France is", "--max-tokens", "8",
+         "--temperature", "0"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert expected[0].outputs[0].text in done.stdout
+
+
+# ---- what it refuses --------------------------------------------------------------------------------
+def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 5 ranks for 4 attention heads"):
+        LLM("random:gemma3-270m,num_layers=1,vocab_size=512", tensor_parallel_size=5, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: .*held quantized as the file stores it"):
+        LLM(str(smollm2_path), quantization="gguf", tensor_parallel_size=2, progress=False)
+    with pytest.raises(ValueError, match="o_proj's input at column 192, inside a quantization group of 128"):
+        LLM(str(smollm2_path), quantization="int4", quantization_group_size=128, tensor_parallel_size=2,
+            progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 is not supported for mamba2's state-space"):
+        LLM("random:mamba2-2.7b,num_layers=1,vocab_size=512,hidden_size=128", tensor_parallel_size=2, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a draft model"):
+        EngineConfig(model="m", tensor_parallel_size=2, draft_model="d")
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1, got 0"):
+        EngineConfig(model="m", tensor_parallel_size=0)
