@@ -299,3 +299,35 @@ def test_doctor_on_smollm2_reports_fractions_that_add_up(smollm2_path, tmp_path,
     assert b["matmul_seconds"] + b["other_seconds"] == pytest.approx(b["step_seconds"])
     assert report["binding_wall"] in ("bandwidth", "compute", "overhead") and report["recommendation"]
     assert png.stat().st_size > 10_000
+
+
+def test_tensor_parallel_pays_for_161_all_reduces_of_a_token_s_activations_per_step():
+    """Llama-3-70B over 2 H100s (NVLink 4: 450 GB/s, 5 us a ring step), batch 1, bf16: 80 layers x 2 + the
+    embedding's = 161 all-reduces of 8192 x 2 bytes, each 2 x 5 us + 16,384 B / 450 GB/s; the logits' gather one
+    latency + half of 128,256 x 4 bytes."""
+    model, hw = resolve_model("llama-3-70b"), resolve_hardware("h100-sxm")
+    plan = build_plan(model, hw, Workload(context=4096, gpus=2))
+    tp = plan.tensor_parallel
+    assert (tp.link, tp.allreduces_per_pass, tp.decode_bytes_per_allreduce) == ("nvlink4", 161, 16384)
+    expected = 161 * (2 * 5e-6 + 16384 / 450e9) + 5e-6 + 128256 * 4 / 2 / 450e9
+    assert tp.decode_communication_seconds == pytest.approx(expected)
+    alone = build_plan(model, hw, Workload(context=4096)).decode.seconds
+    assert plan.decode_tokens_per_second == pytest.approx(1 / (alone / 2 + expected))  # bytes split, comm added
+    assert [s.gpus for s in tp.scaling] == [1, 2, 4, 8] and tp.scaling[0].communication_seconds == 0
+
+
+def test_tensor_parallel_costs_more_over_pcie_and_stops_paying_where_latency_rules():
+    """An 8B model at batch 1: each all-reduce is 8 kB, so link latency rules and 4 GPUs are slower than 2, over
+    either link; PCIe's narrower link costs more at every size."""
+    model = resolve_model("llama-3-8b")
+    tp = {link: build_plan(model, resolve_hardware("h100-sxm"), Workload(gpus=2, link=link)).tensor_parallel
+          for link in ("nvlink4", "pcie4-x16")}
+    assert tp["nvlink4"].stops_paying_at == tp["pcie4-x16"].stops_paying_at == 4
+    for nvlink, pcie in zip(tp["nvlink4"].scaling[1:], tp["pcie4-x16"].scaling[1:], strict=True):
+        assert pcie.communication_seconds > nvlink.communication_seconds
+        assert pcie.tokens_per_second < nvlink.tokens_per_second
+    with pytest.raises(ValueError, match="link: apple-m4-max lists no interconnect between devices; name one of"):
+        build_plan(model, resolve_hardware("apple-m4-max"), Workload(gpus=2))
+    with pytest.raises(ValueError, match="link: 'smoke-signals' is not known"):
+        build_plan(model, resolve_hardware("h100-sxm"), Workload(gpus=2, link="smoke-signals"))
+    assert build_plan(model, resolve_hardware("h100-sxm"), Workload()).tensor_parallel is None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ridge.engine.speculative import expected_tokens
 from ridge.kv.formats import KV_FORMATS
-from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, dtype_bytes
+from ridge.plan.specs import HardwareSpec, LinkSpec, ModelSpec, Workload, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,44 @@ def step_bound(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: in
     kv = batch * (kv_bytes(model, w.kv_dtype, w.context) + 2 * state_bytes(model))
     return bound(weights + kv, decode_step_flops(model, batch * tokens, w.context), hw, compute_dtype(w.dtype),
                  w.gpus)
+
+
+# ---- tensor parallelism's communication
+
+
+def ring_allreduce_seconds(nbytes: float, gpus: int, link: LinkSpec) -> float:
+    """A ring all-reduce of nbytes over `gpus` devices (NCCL's algorithm for large messages): 2(n-1) steps, each a
+    link latency, moving 2(n-1)/n of the bytes over each device's link."""
+    if gpus == 1:
+        return 0.0
+    return 2 * (gpus - 1) * link.latency_us * 1e-6 + 2 * (gpus - 1) / gpus * nbytes / (link.bandwidth_gb_s * 1e9)
+
+
+def gather_seconds(nbytes: float, gpus: int, link: LinkSpec) -> float:
+    """The logits gathered on one device: the others' (n-1)/n of nbytes over its link, a latency per peer."""
+    if gpus == 1:
+        return 0.0
+    return (gpus - 1) * link.latency_us * 1e-6 + (gpus - 1) / gpus * nbytes / (link.bandwidth_gb_s * 1e9)
+
+
+@dataclass(frozen=True)
+class Communication:
+    """One pass of `tokens` tokens under tensor parallelism: an all-reduce after each layer's mixer and after its
+    FFN (the embedding's too), of tokens x hidden activations each, and the float32 logits' gather."""
+
+    allreduces: int
+    bytes_per_allreduce: float
+    logits_bytes: float
+    seconds: float
+
+
+def tp_communication(m: ModelSpec, tokens: int, logit_rows: int, gpus: int, link: LinkSpec,
+                     activation_bytes: float) -> Communication:
+    allreduces = m.num_layers * (2 if m.has_ffn else 1) + 1
+    nbytes = tokens * m.hidden_size * activation_bytes
+    logits = logit_rows * m.vocab_size * 4.0
+    seconds = allreduces * ring_allreduce_seconds(nbytes, gpus, link) + gather_seconds(logits, gpus, link)
+    return Communication(allreduces, nbytes, logits, seconds)
 
 
 def compute_dtype(weight_dtype: str) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from ridge.models.presets import model_presets
-from ridge.plan.specs import BYTES_PER_VALUE, hardware_table
+from ridge.plan.specs import BYTES_PER_VALUE, hardware_table, link_table
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=dtypes, help="weight dtype (default %(default)s)")
     p.add_argument("--kv-dtype", default="bf16", choices=dtypes, help="KV-cache dtype (default %(default)s)")
     p.add_argument("--gpus", type=int, default=1, help="devices, tensor-parallel (default %(default)s)")
+    p.add_argument("--link", default=None,
+                   help="the interconnect between --gpus, one of " + ", ".join(link_table())
+                        + " (default: the hardware's own, hardware.toml)")
     p.add_argument("--price-per-hour", type=float, default=None, help="$ per hour for all --gpus (cost per token)")
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + KV (default %(default)s)")
@@ -50,7 +53,7 @@ def _resolve(args: argparse.Namespace):
     model = override(resolve_model(args.model), args.model_set)
     hw = override(resolve_hardware(args.hardware), args.hardware_set)
     workload = Workload(context=args.context, prompt=args.prompt, batch=args.batch, dtype=args.dtype,
-                        kv_dtype=args.kv_dtype, gpus=args.gpus, price_per_hour=args.price_per_hour,
+                        kv_dtype=args.kv_dtype, gpus=args.gpus, link=args.link, price_per_hour=args.price_per_hour,
                         memory_utilization=args.memory_utilization, shared_prefix=args.shared_prefix,
                         tpot_target=args.tpot_ms / 1e3 if args.tpot_ms is not None else None,
                         throughput=args.throughput).validate()

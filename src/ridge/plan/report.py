@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 from ridge.plan import arithmetic as a
 from ridge.plan.advice import Advice, recommend
-from ridge.plan.specs import HardwareSpec, ModelSpec, Workload
+from ridge.plan.specs import HardwareSpec, ModelSpec, Workload, resolve_link
 
 CONVENTIONS = ("FLOPs count a multiply-accumulate as 2 (MACs = FLOPs / 2); causal attention scores T^2/2 pairs; "
                "prefill computes the last position's logits only; decode reads every stored weight once per "
                "step except an untied input embedding table, and in MoE layers the experts the batch routes to; "
-               "GB = 1e9 bytes; bounds assume ideal kernels (no overhead) and, with --gpus, ideal tensor "
-               "parallelism (no communication).")
+               "GB = 1e9 bytes; bounds assume ideal kernels (no overhead); with --gpus, bandwidth and FLOP/s add "
+               "up across the GPUs and each pass pays tensor parallelism's ring all-reduces over --link (one after "
+               "each layer's attention and FFN, of tokens x hidden activations: 2(n-1) latencies + 2(n-1)/n of the "
+               "bytes over the link each) and the logits' gather, not overlapped with compute.")
 # GPU kernels a decoder layer launches per step without CUDA graphs or fusion (norms, projections,
 # attention, activation, residuals), and what one launch costs: the floor below which a step is
 # overhead-bound whatever its bytes
@@ -61,6 +63,33 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Scaling:
+    gpus: int
+    step_seconds: float  # a decode step: the bound split over the GPUs, plus its communication
+    communication_seconds: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What --gpus costs in communication, and where adding GPUs stops paying."""
+
+    link: str
+    link_bandwidth_gb_s: float
+    link_latency_us: float
+    allreduces_per_pass: int
+    decode_bytes_per_allreduce: float
+    decode_communication_seconds: float  # per step
+    prefill_communication_seconds: float
+    scaling: list[Scaling]  # decode at the workload's batch over 1, 2, 4, ... GPUs
+    stops_paying_at: int | None  # the first GPU count that gains less than 10% over half as many
+
+
+# a doubling of GPUs that speeds decode up by less than this no longer pays for itself
+WORTH_A_DOUBLING = 1.1
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelSpec
     hardware: HardwareSpec
@@ -79,6 +108,7 @@ class Plan:
     overhead_floor_seconds: float
     cost_per_million_tokens: float | None
     advice: list[Advice]
+    tensor_parallel: TensorParallel | None = None  # with --gpus above 1
 
     @property
     def binding_wall(self) -> str:
@@ -114,7 +144,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
 
     step = a.step_bound(model, hw, workload, workload.batch)
     decode_phase = _phase(step, floor)
-    step_seconds = max(step.seconds, floor)
+    tp = _tensor_parallel(model, hw, workload, floor) if workload.gpus > 1 else None
+    step_seconds = max(step.seconds, floor) + (tp.decode_communication_seconds if tp else 0.0)
     tokens_per_second = workload.batch / step_seconds
     priced = workload.throughput or tokens_per_second
     cost = (a.cost_per_million_tokens(workload.price_per_hour, priced)
@@ -127,8 +158,27 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
         prefill_attention_flops=fill.attention_flops, attention_overtakes_at=a.attention_crossover(model),
         decode=decode_phase, decode_bytes_per_token=step.bytes / workload.batch,
         decode_tokens_per_second=tokens_per_second, overhead_floor_seconds=floor,
-        cost_per_million_tokens=cost, advice=[])
+        cost_per_million_tokens=cost, advice=[], tensor_parallel=tp)
     return dataclasses.replace(plan, advice=recommend(plan))
+
+
+def _tensor_parallel(model: ModelSpec, hw: HardwareSpec, workload: Workload, floor: float) -> TensorParallel:
+    link = resolve_link(hw, workload.link)
+    activation = 4.0 if a.compute_dtype(workload.dtype) == "fp32" else 2.0
+    scaling, gpus = [], 1
+    while gpus <= max(8, workload.gpus):
+        at = dataclasses.replace(workload, gpus=gpus)
+        bound = a.step_bound(model, hw, at, workload.batch)
+        comm = a.tp_communication(model, workload.batch, workload.batch, gpus, link, activation).seconds
+        seconds = max(bound.seconds, floor) + comm
+        scaling.append(Scaling(gpus, seconds, comm, workload.batch / seconds))
+        gpus *= 2
+    stops = next((s.gpus for before, s in zip(scaling, scaling[1:], strict=False)
+                  if s.tokens_per_second < WORTH_A_DOUBLING * before.tokens_per_second), None)
+    decode = a.tp_communication(model, workload.batch, workload.batch, workload.gpus, link, activation)
+    prefill = a.tp_communication(model, workload.prompt_tokens, 1, workload.gpus, link, activation)
+    return TensorParallel(link.name, link.bandwidth_gb_s, link.latency_us, decode.allreduces,
+                          decode.bytes_per_allreduce, decode.seconds, prefill.seconds, scaling, stops)
 
 
 def _si(x: float, unit: str) -> str:
@@ -187,6 +237,18 @@ def render(plan: Plan) -> str:
         + (f" (overhead floor {_seconds(plan.overhead_floor_seconds)} per step without CUDA graphs)"
            if plan.decode.wall == "overhead" else ""),
     ]
+    if (tp := plan.tensor_parallel) is not None:
+        lines += ["", f"tensor parallel over {w.gpus} GPUs, {tp.link} ({tp.link_bandwidth_gb_s:g} GB/s, "
+                      f"{tp.link_latency_us:g} us a ring step)",
+                  f"  {tp.allreduces_per_pass} all-reduces a pass, {_si(tp.decode_bytes_per_allreduce, 'B')} each at "
+                  f"decode: {_seconds(tp.decode_communication_seconds)} a step; prefill "
+                  f"{_seconds(tp.prefill_communication_seconds)} (TTFT adds it)",
+                  "  decode by GPUs: " + ", ".join(
+                      f"{s.gpus}: {s.tokens_per_second:,.0f} tok/s ({s.communication_seconds / s.step_seconds:.0%} "
+                      "communication)" for s in tp.scaling),
+                  f"  stops paying at {tp.stops_paying_at} GPUs (each doubling gains under "
+                  f"{WORTH_A_DOUBLING - 1:.0%} from there)" if tp.stops_paying_at else
+                  f"  still pays at {tp.scaling[-1].gpus} GPUs"]
     if plan.cost_per_million_tokens is not None:
         priced = w.throughput or plan.decode_tokens_per_second
         lines += ["", f"cost: ${plan.cost_per_million_tokens:.3f} per million output tokens at "

@@ -26,6 +26,7 @@ class HardwareSpec:
     bandwidth_gb_s: float
     tflops: dict[str, float] = field(default_factory=dict)  # dtype -> dense TFLOP/s
     source: str = ""
+    link: str = ""  # the interconnect between two of them ([links] of hardware.toml; "" where none is listed)
 
     def flops(self, dtype: str) -> float:
         """FLOP/s for a dtype's matmuls: the dtype's own figure, else the nearest wider one listed."""
@@ -40,6 +41,16 @@ class HardwareSpec:
 
 
 @dataclass(frozen=True)
+class LinkSpec:
+    """An interconnect: what one step of a ring all-reduce costs over it."""
+
+    name: str
+    bandwidth_gb_s: float  # one way, between two devices
+    latency_us: float  # per step of the ring, whatever its size
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Workload:
     context: int = 4096  # tokens each sequence holds while decoding (prompt + output so far)
     prompt: int | None = None  # prefill length for TTFT (default: context)
@@ -47,6 +58,7 @@ class Workload:
     dtype: str = "bf16"  # weights
     kv_dtype: str = "bf16"
     gpus: int = 1
+    link: str | None = None  # the interconnect between the gpus (default: the hardware's)
     price_per_hour: float | None = None  # for all `gpus` together
     memory_utilization: float = 0.9  # of device memory for weights + KV (vLLM's default)
     shared_prefix: float = 0.0  # fraction of prompt tokens shared with earlier requests (prefix caching)
@@ -102,7 +114,24 @@ def _load_table(file: str) -> dict[str, dict]:
 
 
 def hardware_table() -> dict[str, HardwareSpec]:
-    return {name: HardwareSpec(name=name, **fields) for name, fields in _load_table("hardware.toml").items()}
+    return {name: HardwareSpec(name=name, **fields) for name, fields in _load_table("hardware.toml").items()
+            if name != "links"}
+
+
+def link_table() -> dict[str, LinkSpec]:
+    return {name: LinkSpec(name=name, **fields) for name, fields in _load_table("hardware.toml")["links"].items()}
+
+
+def resolve_link(hw: HardwareSpec, name: str | None) -> LinkSpec:
+    """The named link, or the hardware's own (ValueError naming the choices where it has none)."""
+    table = link_table()
+    chosen = name or hw.link
+    if not chosen:
+        raise ValueError(f"link: {hw.name} lists no interconnect between devices; name one of {', '.join(table)} "
+                         "(--link)")
+    if chosen not in table:
+        raise ValueError(f"link: {chosen!r} is not known; known: {', '.join(table)}")
+    return table[chosen]
 
 
 def resolve_hardware(name: str, measure_this_machine=None) -> HardwareSpec:
