@@ -26,6 +26,7 @@ from ridge.bench.report import add_report_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
 from ridge.bench.structured import add_structured_parser
+from ridge.bench.tensor_parallel import add_tp_parser
 from ridge.linear import model_weight_bytes
 from ridge.models.random_weights import hf_config, is_random
 from ridge.models.spec import ModelSpec
@@ -450,6 +451,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_capacity_parser(bsub, add_engine_args)
     add_kv_parser(bsub, add_engine_args)
     add_eviction_parser(bsub, add_engine_args)
+    add_tp_parser(bsub, add_engine_args)
     add_context_parser(bsub, common)
     add_structured_parser(bsub, add_engine_args)
     add_report_parser(bsub)

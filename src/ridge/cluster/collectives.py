@@ -10,7 +10,9 @@ collective fails at once rather than at a timeout.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,8 +23,19 @@ from torch import nn
 
 from ridge.cluster.shards import ShardPlan
 
+GATHER_LIMIT = 1 << 20  # bytes: smaller all-reduces run as an all-gather and a local sum
 STEP_TIMEOUT = timedelta(minutes=10)  # one step's collectives: a long prefill of a big model on a CPU, at most
 IDLE_TIMEOUT = timedelta(days=365)  # workers wait for the next step while the engine has none to run
+
+
+@dataclass
+class CollectiveClock:
+    """Time spent in a rank's step collectives (from the call to its completion, waits for slower ranks
+    included), for `ridge bench tp`."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
 
 
 @dataclass
@@ -31,6 +44,7 @@ class TPGroup:
     size: int
     compute: dist.ProcessGroup
     commands: dist.ProcessGroup
+    clock: CollectiveClock = field(default_factory=CollectiveClock)
 
     @classmethod
     def join(cls, url: str, rank: int | None = None, size: int | None = None, timeout_s: float = 120.0) -> TPGroup:
@@ -43,16 +57,43 @@ class TPGroup:
                    dist.ProcessGroupGloo(dist.PrefixStore("commands", store), rank, size, IDLE_TIMEOUT))
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
-        """Sum tensor over the ranks, in place."""
-        self.compute.allreduce([tensor]).wait()
+        """Sum tensor over the ranks, in place. Up to GATHER_LIMIT bytes (every decode step's), as an all-gather
+        and a sum here: gloo's all-reduce of a few hundred values took ~1 ms on a 2-core machine, its all-gather a
+        third of that (docs/notes/tensor-parallel.md). Every rank sums the same pieces in the same order, so all
+        hold the same result, as an all-reduce guarantees."""
+        start = time.perf_counter()
+        if tensor.nbytes <= GATHER_LIMIT:
+            pieces = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
+            self.compute._allgather_base(pieces.view(-1), tensor.contiguous().view(-1)).wait()
+            torch.sum(pieces, dim=0, out=tensor)
+        else:
+            self.compute.allreduce([tensor]).wait()
+        self._count(start, tensor)
 
     def gather_on_first(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (all of one shape), on rank 0; [] on the others."""
+        start = time.perf_counter()
         options = dist.GatherOptions()
         options.rootRank = 0
         pieces = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
         self.compute.gather([pieces] if self.rank == 0 else [], [tensor.contiguous()], options).wait()
+        self._count(start, tensor)
         return pieces
+
+    def _count(self, start: float, tensor: torch.Tensor) -> None:
+        self.clock.calls += 1
+        self.clock.seconds += time.perf_counter() - start
+        self.clock.bytes += tensor.nbytes
+
+    def time_all_reduce(self, numel: int, repeats: int) -> float:
+        """The median seconds of all_reduce_ of numel float32 values (every rank calls it alike)."""
+        tensor = torch.ones(numel)
+        times = []
+        for _ in range(repeats + 3):  # three to warm the connections
+            start = time.perf_counter()
+            self.all_reduce_(tensor)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:])
 
     def broadcast_command(self, command: Any = None) -> Any:
         """Rank 0's command (pickled), on every rank: its length, then its bytes."""

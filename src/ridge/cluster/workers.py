@@ -65,6 +65,14 @@ class Score:
 
 
 @dataclass
+class TimeAllReduce:
+    """Time all-reduces of each size in float32 values (`ridge bench tp`'s link)."""
+
+    sizes: list[int]
+    repeats: int
+
+
+@dataclass
 class Stop:
     pass
 
@@ -129,7 +137,12 @@ class TensorParallelRunner:
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
         return self._together(Score(token_ids, tables, state_slot), self.local.score, token_ids, tables, state_slot)
 
-    def _together(self, command: RunStep | Score, run, *args):  # noqa: ANN001, ANN202 - the local runner's call
+    def time_all_reduce(self, sizes: list[int], repeats: int = 50) -> list[float]:
+        """Median seconds of an all-reduce of each size (float32 values) over the group."""
+        return self._together(TimeAllReduce(sizes, repeats), lambda: [self.group.time_all_reduce(n, repeats)
+                                                                      for n in sizes])
+
+    def _together(self, command: RunStep | Score | TimeAllReduce, run, *args):  # noqa: ANN001, ANN202 - the local runner's call
         """Broadcast the command, then run it here. A rank that failed mid-step leaves the group's collectives out
         of step with each other: the group is broken from then on, and says so."""
         if self.broken is not None:
@@ -221,6 +234,10 @@ def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") ->
             return
         if isinstance(command, Score):
             runner.score(command.token_ids, command.tables, command.state_slot)
+            continue
+        if isinstance(command, TimeAllReduce):
+            for n in command.sizes:
+                group.time_all_reduce(n, command.repeats)
             continue
         runner.prepare_backend(command.inputs.meta)
         out = runner.run(command.inputs)
