@@ -38,6 +38,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(server)
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from ridge.cluster.router import Router, RouterConfig, build_router_app
+
+    replicas = [url for item in args.replica for url in item.split(",") if url]
+    router = Router(RouterConfig(replicas, args.policy, args.prefix_chars, args.balance_abs, args.balance_rel,
+                                 args.health_interval, api_key=args.api_key))
+
+    async def check() -> None:  # refused here, with the replica named, rather than inside uvicorn's start-up
+        try:
+            await router.start()
+        finally:
+            await router.stop()
+
+    asyncio.run(check())
+    print(f"ridge router: {router.model} over {len(replicas)} replicas ({args.policy}) at "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     names = list(hub.ALIASES) if args.all else args.names
     if not names:
@@ -302,6 +326,36 @@ def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from ridge.cluster.router import POLICIES, RouterConfig
+
+    defaults = RouterConfig(["-"])
+    p = sub.add_parser("router", help="one OpenAI endpoint in front of N ridge servers, cache-aware",
+                       description="Route OpenAI requests over replicas of one model: by a consistent hash of each "
+                                   "prompt's leading characters (requests sharing a prefix land where its KV is "
+                                   "cached), the least busy replica when that one is much busier; health checks, "
+                                   "retries of requests a replica never took, streaming passed through, /metrics, "
+                                   "and POST / DELETE /replicas {\"url\": ...} at run time.")
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a ridge server, e.g. http://127.0.0.1:8001 (repeatable, or comma-separated)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="(default %(default)s)")
+    p.add_argument("--prefix-chars", type=int, default=defaults.prefix_chars,
+                   help="leading characters of a prompt (or a chat's messages) that choose its replica "
+                        "(default %(default)s, ~256 tokens)")
+    p.add_argument("--balance-abs", type=int, default=defaults.balance_abs,
+                   help="go to the least busy replica when the prefix's has this many more requests in flight "
+                        "(default %(default)s) ...")
+    p.add_argument("--balance-rel", type=float, default=defaults.balance_rel,
+                   help="... and this many times as many (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=defaults.health_interval_s,
+                   help="seconds between health checks of each replica (default %(default)s)")
+    p.add_argument("--api-key", default=None, help="the replicas' API key, for the router's own checks (clients' "
+                                                   "Authorization headers are passed through)")
+    p.set_defaults(func=cmd_router)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     """`ridge serve` and its limits."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
@@ -434,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_pull, _add_offline_commands, _add_serve, _add_eval, _add_quantize):
+    for add in (_add_pull, _add_offline_commands, _add_serve, _add_router, _add_eval, _add_quantize):
         add(sub)
     from ridge.bench.cli import add_bench_parser
     from ridge.plan.cli import add_plan_parsers
