@@ -17,7 +17,7 @@ import uvicorn
 from conftest import running_server
 from ridge import SamplingParams
 from ridge.cluster.hash_ring import HashRing, prefix_key
-from ridge.cluster.router import Router, RouterConfig, build_router_app
+from ridge.cluster.router import Router, RouterConfig, serving_in_thread
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
 from ridge.serve.server import free_port
@@ -69,19 +69,8 @@ def test_the_prefix_owner_yields_only_to_a_much_less_busy_replica():
 @contextlib.contextmanager
 def running_router(config: RouterConfig):
     router = Router(config)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_router_app(router), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
-        time.sleep(0.05)
-    try:
-        yield router, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serving_in_thread(router) as url:
+        yield router, url
 
 
 @pytest.fixture(scope="module")

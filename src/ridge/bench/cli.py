@@ -23,6 +23,7 @@ from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.kv_formats import add_kv_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.report import add_report_parser
+from ridge.bench.router import add_router_parser
 from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
 from ridge.bench.structured import add_structured_parser
@@ -452,6 +453,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_kv_parser(bsub, add_engine_args)
     add_eviction_parser(bsub, add_engine_args)
     add_tp_parser(bsub, add_engine_args)
+    add_router_parser(bsub)
     add_context_parser(bsub, common)
     add_structured_parser(bsub, add_engine_args)
     add_report_parser(bsub)

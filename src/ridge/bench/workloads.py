@@ -99,6 +99,16 @@ def prefix_requests(vocab_size: int, num_requests: int, prefix_len: int, input_l
             for i, r in enumerate(suffixes)]
 
 
+def tenant_requests(vocab_size: int, num_requests: int, num_tenants: int, prefix_len: int, input_len: int,
+                    output_len: int, seed: int = 0) -> list[Request]:
+    """A multi-tenant workload: each request is one of num_tenants system prompts of prefix_len random tokens (the
+    tenant drawn uniformly) and a question of its own of input_len tokens."""
+    prompts = random_requests(vocab_size, num_tenants, prefix_len, 1, seed + 1)
+    questions = random_requests(vocab_size, num_requests, input_len, output_len, seed)
+    rng = random.Random(seed + 2)
+    return [Request(prompts[rng.randrange(num_tenants)].prompt_ids + q.prompt_ids, q.max_tokens) for q in questions]
+
+
 def humaneval_problems(path: Path | None = None) -> list[dict]:
     with gzip.open(path or pull_dataset("humaneval"), "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -62,6 +62,7 @@ class Replica:
     in_flight: int = 0
     healthy: bool = True
     failed_checks: int = 0  # health checks failed in a row
+    sent: int = 0  # requests sent to it, retries included
 
 
 @dataclass
@@ -219,9 +220,15 @@ class Router:
 
     def _count(self, replica: Replica, how: str) -> None:
         self.metrics.requests.labels(replica.url, how).inc()
+        replica.sent += 1
         self._routed["all"] += 1
         self._routed["prefix"] += how == "prefix"
-        self.metrics.prefix_routed.set(self._routed["prefix"] / self._routed["all"])
+        self.metrics.prefix_routed.set(self.prefix_routed_share)
+
+    @property
+    def prefix_routed_share(self) -> float:
+        """The share of requests sent to their prefix's owner (cache-aware's hit routing rate)."""
+        return self._routed["prefix"] / max(self._routed["all"], 1)
 
     async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict, stream: bool) -> Response:
         self._enter(replica)
@@ -275,6 +282,34 @@ class Router:
     def _leave(self, replica: Replica) -> None:
         replica.in_flight -= 1
         self.metrics.in_flight.labels(replica.url).set(replica.in_flight)
+
+
+@contextlib.contextmanager
+def serving_in_thread(router: Router, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """The router's app served from a background thread (tests, benchmarks): its base URL."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    if not port:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_router_app(router), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="ridge-router", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the router did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _error(status: int, message: str) -> JSONResponse:
