@@ -83,7 +83,7 @@ def replicas(smollm2_path):
 def test_the_router_keeps_a_prefix_on_one_replica_and_passes_streams(replicas, smollm2):
     with running_router(RouterConfig([r.url for r in replicas])) as (router, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        system = "You are a terse assistant for the lighthouse keepers' guild. " * 4
+        system = "You are a terse assistant for the lighthouse keepers' guild. " * 20  # past the 1,024-char key
         for question in ("What is a lamp?", "What is a lens?", "What is a storm?"):
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text

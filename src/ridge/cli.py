@@ -26,7 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
                           args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template,
-                          args.tool_call_parser)
+                          args.tool_call_parser, args.role)
     supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
                          args.max_waiting, args.grace, "info" if args.verbose else "warning",
@@ -45,9 +45,12 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from ridge.cluster.router import Router, RouterConfig, build_router_app
 
-    replicas = [url for item in args.replica for url in item.split(",") if url]
+    replicas = [url for item in args.replica + args.decode for url in item.split(",") if url]
+    prefill = [url for item in args.prefill for url in item.split(",") if url]
+    if prefill and not args.decode:
+        raise ValueError("prefill: name the decode servers its prompts' KV goes to (--decode URL)")
     router = Router(RouterConfig(replicas, args.policy, args.prefix_chars, args.balance_abs, args.balance_rel,
-                                 args.health_interval, api_key=args.api_key))
+                                 args.health_interval, api_key=args.api_key, prefill=prefill))
 
     async def check() -> None:  # refused here, with the replica named, rather than inside uvicorn's start-up
         try:
@@ -336,8 +339,13 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                                    "cached), the least busy replica when that one is much busier; health checks, "
                                    "retries of requests a replica never took, streaming passed through, /metrics, "
                                    "and POST / DELETE /replicas {\"url\": ...} at run time.")
-    p.add_argument("--replica", action="append", required=True, metavar="URL",
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a ridge server, e.g. http://127.0.0.1:8001 (repeatable, or comma-separated)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="disaggregated prefill: a `ridge serve --role prefill` server; each request's prompt runs "
+                        "there first and its KV is pushed to the decode server the request then goes to")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="disaggregated prefill: a `ridge serve --role decode` server (routed as --replica is)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(default %(default)s)")
     p.add_argument("--policy", choices=POLICIES, default=defaults.policy, help="(default %(default)s)")
@@ -376,6 +384,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "pythonic) are not implemented: their models get `tools` refused with HTTP 400")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is on wherever tools are supported")
+    p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="disaggregated prefill: prefill pushes a prompt's KV to the decode server a request's "
+                        "kv_transfer_params name ({\"push_to\": URL}); decode takes KV in at POST /kv/import; both "
+                        "(default) serves alone. `ridge router --prefill URL --decode URL` pairs them")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a request's own chat_template (in Jinja's sandbox); without it such a request gets "
                         "HTTP 400 and the model's template is the only one")
@@ -499,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _torchrun_rank() -> int | None:
-    from ridge.cluster.workers import torchrun_rank
+    from ridge.engine.tensor_parallel import torchrun_rank
 
     return torchrun_rank()
 
@@ -507,8 +519,8 @@ def _torchrun_rank() -> int | None:
 def _serve_rank(args: argparse.Namespace) -> int:
     """A rank other than 0 that torchrun started with the command: it runs rank 0's steps on its shard until rank
     0 stops (rank 0 runs the command itself)."""
-    from ridge.cluster.workers import serve
     from ridge.config import EngineConfig
+    from ridge.engine.tensor_parallel import serve
 
     serve(EngineConfig(model=args.model, **engine_kwargs(args)))
     return 0

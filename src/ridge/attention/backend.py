@@ -149,6 +149,12 @@ class AttentionBackend(ABC):
         slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         return {layer: slots[slot] for layer, slot in layout.slot_of_layer().items()}
 
+    def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor of the cache (each layout slot's, in layer order) with the dim that indexes its blocks: what
+        a block's KV is, to copy whole blocks to another engine of the same model and layout (engine/kv_transfer.py)."""
+        tensors = {id(t): t for layer in self.k_cache for t in (self.k_cache[layer], self.v_cache[layer])}
+        return [(t, 1) for t in tensors.values()]
+
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one slot's K and V tensors (the CPU kernel's layout; a backend with its own layout

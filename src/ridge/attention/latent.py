@@ -26,6 +26,9 @@ class LatentBackend(AttentionBackend):
             raise ValueError(f"latent attention caches one row per token, not {num_kv_heads} KV heads")
         return (num_blocks, block_size, head_dim), (0,)  # no separate values: they are the rows' latents
 
+    def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        return [(t, 0) for t in {id(t): t for t in self.k_cache.values()}.values()]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k: [T, 1, dim], the tokens' rows (v is the same rows)."""
         self.k_cache[layer].view(-1, self.head_dim)[slots] = k[:, 0]

@@ -41,6 +41,10 @@ class QuantizedKVBackend(PagedBackend):
         self.k_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
         self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
 
+    def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        scales = {id(t): t for layer in self.k_scales for t in (self.k_scales[layer], self.v_scales[layer])}
+        return super().block_tensors() + [(t, 1) for t in scales.values()]
+
     # PagedBackend's `ops` drives its bf16 / float32 kernel paths, which read plain caches: this backend hands
     # them nothing, and keeps the kernels for its own decode (set by the runner, as `ops` is elsewhere)
     @property

@@ -40,12 +40,14 @@ class RouterConfig:
     replicas: list[str]
     policy: str = "cache-aware"
     prefix_chars: int = 1024  # the leading characters a request is hashed by (~256 tokens)
-    balance_abs: int = 8
+    balance_abs: int = 32  # SGLang router's default
     balance_rel: float = 1.5
     health_interval_s: float = 5.0
     unhealthy_after: int = 2
     request_timeout_s: float = 600.0
     api_key: str | None = None  # sent to the replicas on the router's own checks
+    # disaggregated prefill: servers started with --role prefill; the replicas are then --role decode servers
+    prefill: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -95,6 +97,8 @@ class Router:
         self.config = config
         self.replicas = {url.rstrip("/"): Replica(url.rstrip("/")) for url in config.replicas}
         self.ring = HashRing(list(self.replicas))
+        self.prefills = {url.rstrip("/"): Replica(url.rstrip("/")) for url in config.prefill}
+        self.prefill_ring = HashRing(list(self.prefills))
         self.metrics = RouterMetrics()
         self.model: str | None = None
         self._turn = itertools.count()
@@ -110,7 +114,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout_s, connect=5.0))
         self.model = None
         try:
-            for url in list(self.replicas):
+            for url in [*self.replicas, *self.prefills]:
                 self._same_model(url, await self._models(url))
                 self.metrics.healthy.labels(url).set(1)
         except ValueError:
@@ -153,11 +157,12 @@ class Router:
         self.metrics.healthy.remove(url)
 
     def _set_health(self, replica: Replica, healthy: bool) -> None:
+        ring = self.prefill_ring if replica.url in self.prefills else self.ring
         if healthy:
             replica.failed_checks = 0
-            self.ring.add(replica.url)
+            ring.add(replica.url)
         else:
-            self.ring.remove(replica.url)
+            ring.remove(replica.url)
         if healthy != replica.healthy:
             log.warning("ridge router: replica %s %s", replica.url, "is back" if healthy else "left the ring")
         replica.healthy = healthy
@@ -165,7 +170,7 @@ class Router:
 
     async def health_loop(self) -> None:
         while True:
-            for replica in list(self.replicas.values()):
+            for replica in [*self.replicas.values(), *self.prefills.values()]:
                 try:
                     ok = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
                 except httpx.HTTPError:
@@ -210,13 +215,34 @@ class Router:
                 return _error(503, f"{exc} (tried {', '.join(sorted(tried)) or 'none'})")
             if tried:
                 how = "retry"
-            self._count(replica, how)
             try:
+                if self.prefills and (failed := await self._prefill(body, path, headers, replica)) is not None:
+                    return failed
+                self._count(replica, how)
                 return await self._send(replica, path, raw, headers, bool(body.get("stream")))
             except NotStarted as exc:
                 log.warning("ridge router: %s did not take a request (%s); trying another", replica.url, exc)
                 self.metrics.retries.labels(replica.url).inc()
                 tried.add(replica.url)
+
+    async def _prefill(self, body: dict, path: str, headers: dict, decode: Replica) -> Response | None:
+        """Have a prefill server compute the prompt and push its KV to `decode` (None when it did; its error
+        response, passed on, when it refused the request). NotStarted where no prefill server could take it: the
+        caller tries another decode replica, and so another pairing."""
+        prefill = {**body, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"push_to": decode.url}}
+        for name in ("stream_options", "min_tokens", "max_completion_tokens", "best_of"):
+            prefill.pop(name, None)
+        tried: set[str] = set()
+        for url in self.prefill_ring.owners(prefix_key(body, self.config.prefix_chars)):
+            replica = self.prefills[url]
+            self.metrics.requests.labels(url, "prefill").inc()
+            try:
+                response = await self._send(replica, path, json.dumps(prefill).encode(), headers, stream=False)
+            except NotStarted:
+                tried.add(url)
+                continue
+            return None if response.status_code == 200 else response
+        raise NotStarted(f"no prefill server took it (tried {', '.join(sorted(tried)) or 'none'})")
 
     def _count(self, replica: Replica, how: str) -> None:
         self.metrics.requests.labels(replica.url, how).inc()
@@ -354,7 +380,9 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/replicas")
     async def replicas() -> JSONResponse:
         return JSONResponse({"policy": router.config.policy, "replicas": [
-            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in router.replicas.values()]})
+            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in router.replicas.values()],
+            "prefill": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight}
+                        for r in router.prefills.values()]})
 
     @app.post("/replicas")
     async def add_replica(request: Request) -> Response:

@@ -30,7 +30,10 @@ from ridge.engine.engine_core import (
     AddRequest,
     CoreProcess,
     EngineState,
+    ExportPrefix,
     Failed,
+    ImportPrefix,
+    PrefixReply,
     QueryState,
     Rejected,
     Shutdown,
@@ -82,6 +85,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # the event loop and the reader thread both send commands
         self._states: queue.SimpleQueue[EngineState] = queue.SimpleQueue()
+        self._prefix_replies: queue.SimpleQueue[PrefixReply] = queue.SimpleQueue()
+        self._transfer_lock = threading.Lock()
         self._died = threading.Event()  # a reader saw its core die (or the supervisor found it stuck)
         self._restarts: collections.deque[float] = collections.deque()
         self.error: BaseException | None = None
@@ -289,6 +294,15 @@ class AsyncEngine:
             for request_id in ids:
                 self._send(AbortRequest(request_id), core)
 
+    def transfer(self, command: ExportPrefix | ImportPrefix, timeout_s: float = 120.0) -> PrefixReply:
+        """Export or import a cached prefix's blocks (blocking: call it from a thread; one at a time)."""
+        with self._transfer_lock:
+            try:
+                self._send(command)
+            except (OSError, ValueError) as exc:
+                raise EngineDead(f"the engine stopped: {exc}") from exc
+            return self._prefix_replies.get(timeout=timeout_s)
+
     def state(self, timeout_s: float = 30.0) -> EngineState:
         """The core's KV pool and integrity check, as of now (blocking; for tests and diagnostics)."""
         try:
@@ -318,6 +332,8 @@ class AsyncEngine:
                 self._on_report(message, core)
             elif isinstance(message, EngineState):
                 self._states.put(message)
+            elif isinstance(message, PrefixReply):
+                self._prefix_replies.put(message)
             elif isinstance(message, Rejected):
                 self._deliver(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):

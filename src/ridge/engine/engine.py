@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,14 +27,12 @@ from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
 from ridge.engine.sequence import Sequence
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.engine.structured import GrammarCompiler
+from ridge.engine.tensor_parallel import Build, TensorParallelRunner
 from ridge.kernels import cpu_ops
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.manager import KVManager
 from ridge.models.loader import LoadedModel
 from ridge.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from ridge.cluster.workers import TensorParallelRunner
 
 log = logging.getLogger("ridge")
 
@@ -122,8 +119,6 @@ class LLMEngine:
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots)
         if shard is not None:
-            from ridge.cluster.workers import Build, TensorParallelRunner
-
             self.runner = TensorParallelRunner.start(config, shard, self.runner,
                                                      Build(num_blocks, num_state_slots, self.max_model_len))
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
+from ridge.engine import kv_transfer
 from ridge.engine.engine import LLMEngine
+from ridge.engine.kv_transfer import PrefixBlocks
 from ridge.engine.limits import RequestLimits
 from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from ridge.engine.outputs import RequestDelta, StepError, StepStats
@@ -44,6 +46,21 @@ class AbortRequest:
 @dataclass
 class QueryState:
     """Asks for an EngineState (tests, and /health's idea of the KV pool)."""
+
+
+@dataclass
+class ExportPrefix:
+    """Asks for the cached blocks of a prompt's prefix (disaggregated prefill): answered by a PrefixReply."""
+
+    token_ids: list[int]
+    salt: str | None
+
+
+@dataclass
+class ImportPrefix:
+    """Blocks of a prefix another engine computed, for this one's prefix cache: answered by a PrefixReply."""
+
+    blocks: PrefixBlocks
 
 
 @dataclass
@@ -91,6 +108,13 @@ class StepReport:
     num_free_blocks: int
     num_blocks: int
     time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PrefixReply:
+    blocks: PrefixBlocks | None = None  # an export's
+    adopted: int = 0  # an import's
+    error: str | None = None  # why it could not be done (a ValueError's message)
 
 
 @dataclass
@@ -192,7 +216,8 @@ def _exit_after(delay_s: float) -> None:
     timer.start()
 
 
-def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortRequest | QueryState) -> None:
+def _apply(engine: LLMEngine, conn: Connection,
+           command: AddRequest | AbortRequest | QueryState | ExportPrefix | ImportPrefix) -> None:
     if isinstance(command, AddRequest):
         try:
             # the server checked the request against the limits this engine sent it (Ready.limits)
@@ -202,6 +227,16 @@ def _apply(engine: LLMEngine, conn: Connection, command: AddRequest | AbortReque
             conn.send(Rejected(command.request_id, str(exc)))
     elif isinstance(command, AbortRequest):
         engine.abort(command.request_id, command.index)
+    elif isinstance(command, ExportPrefix | ImportPrefix):
+        try:
+            kv_transfer.check_transferable(engine)
+            if isinstance(command, ExportPrefix):
+                reply = PrefixReply(blocks=kv_transfer.export_prefix(engine, command.token_ids, command.salt))
+            else:
+                reply = PrefixReply(adopted=kv_transfer.import_prefix(engine, command.blocks))
+        except ValueError as exc:
+            reply = PrefixReply(error=str(exc))
+        conn.send(reply)
     elif isinstance(command, QueryState):
         try:
             engine.check_integrity()

@@ -153,7 +153,7 @@ class ModelRunner:
 
     def describe(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors, before the backend's per-step work: what another
-        tensor-parallel rank needs to run the same step (cluster/workers.py)."""
+        tensor-parallel rank needs to run the same step (engine/tensor_parallel.py)."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

@@ -173,6 +173,36 @@ class KVManager:
             parent = seq.block_keys[i - 1] if i else None
             seq.block_keys.append(chain_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.params.cache_salt))
 
+    # ---- cached prefixes moved between engines (disaggregated prefill: engine/kv_transfer.py) ----------------
+    def prefix_keys(self, token_ids: list[int], salt: str | None) -> list[bytes]:
+        """The prefix-cache keys of token_ids' full blocks, as a sequence of those tokens would key them."""
+        bs, keys = self.block_size, []
+        for i in range(len(token_ids) // bs):
+            keys.append(chain_key(keys[-1] if keys else None, token_ids[i * bs:(i + 1) * bs], salt))
+        return keys
+
+    def cached_blocks(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (one full-attention group)."""
+        return self.cache.lookup(keys) if self.cache is not None else []
+
+    def adopt(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """Free blocks for the blocks of `keys` the cache does not hold yet, entered in the prefix cache and parked
+        (no sequence holds them; LRU evicts them like any other): (index in keys, block) of each, for the caller to
+        fill before anything else runs. Stops at the first key it cannot place (no free block): a later block would
+        be unreachable without it."""
+        assert self.cache is not None and len(self.layout.groups) == 1 and not self.layout.has_windows
+        placed = []
+        for i, key in enumerate(keys):
+            if self.cache.block_of(key) is not None:
+                continue
+            if self.pool.num_free < 1:
+                break
+            [block] = self.pool.allocate(1)
+            self.cache.insert(key, block)
+            placed.append((i, block))
+        self.pool.release(block for _, block in placed)
+        return placed
+
     # ---- growth ----------------------------------------------------------------------------------
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's tables to hold its first num_tokens tokens; False (and nothing taken) if the pool is short."""

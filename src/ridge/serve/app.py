@@ -13,6 +13,7 @@ import ridge
 from ridge.engine.async_engine import AsyncEngine
 from ridge.serve.errors import BearerAuth, BodyLimit, JsonOnly, answer_errors_in_the_envelope, document_errors
 from ridge.serve.gateway import Gateway, ServerConfig
+from ridge.serve.kv_transfer import IMPORT_PATH
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.routes import Routes
 
@@ -21,8 +22,9 @@ __all__ = ["ServerConfig", "build_app"]
 
 def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="ridge", version=ridge.__version__)
-    app.add_middleware(JsonOnly)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    binary = {IMPORT_PATH} if config.role == "decode" else set()  # KV blocks: raw bytes, as large as a prompt's KV
+    app.add_middleware(JsonOnly, binary_paths=binary)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, unlimited_paths=binary)
     if config.api_key:  # outermost: nothing but /health (and /metrics, if asked) answers without the key
         open_paths = {"/health"} | ({"/metrics"} if config.metrics_no_auth else set())
         app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=open_paths)
@@ -39,4 +41,6 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.post("/detokenize")(routes.detokenize)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
+    if config.role == "decode":
+        app.post(IMPORT_PATH)(routes.kv_import)
     return app

@@ -44,11 +44,12 @@ class JsonOnly:
     """A body sent as something other than JSON gets 415 (a body with no Content-Type is read as JSON,
     as FastAPI does)."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, binary_paths: set[str] = frozenset()) -> None:
+        self.app, self.binary_paths = app, binary_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+        if (scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH")
+                and scope["path"] not in self.binary_paths):
             declared = dict(scope.get("headers") or []).get(b"content-type")
             if declared is not None:
                 media = declared.split(b";")[0].strip().lower()
@@ -63,11 +64,11 @@ class JsonOnly:
 class BodyLimit:
     """A request body over max_bytes gets 413 before the route reads it whole."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, unlimited_paths: set[str] = frozenset()) -> None:
+        self.app, self.max_bytes, self.unlimited_paths = app, max_bytes, unlimited_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.unlimited_paths:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")

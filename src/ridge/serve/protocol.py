@@ -147,6 +147,12 @@ class StructuredOutputsField(Body):
         return self
 
 
+class KVTransferParams(Body):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    push_to: Text  # the decode server's base URL
+
+
 class SamplingFields(Body):
     """The sampling fields shared by completions and chat completions."""
 
@@ -192,6 +198,8 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: Text | None = None
+    # disaggregated prefill (serve/kv_transfer.py): on a --role prefill server, push the prompt's KV to a decode server
+    kv_transfer_params: KVTransferParams | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-n alternatives per prompt token, with the prompt's own
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.serve.gateway import Gateway, guard, until_disconnected
+from ridge.serve.kv_transfer import PrefixPusher, check_push, import_route
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.protocol import (
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ class Routes:
     def __init__(self, gateway: Gateway, metrics: EngineMetrics) -> None:
         self.gateway = gateway
         self.engine, self.config, self.tokenizer = gateway.engine, gateway.config, gateway.tokenizer
+        self.pusher = PrefixPusher(gateway.engine) if gateway.config.role == "prefill" else None
         self.metrics = metrics
 
     async def health(self) -> Response:
@@ -92,8 +94,12 @@ class Routes:
                                "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    async def kv_import(self, request: Request) -> Any:
+        return await import_route(self.engine, request)
+
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
         self.gateway.check_model(req.model)
+        check_push(self.config.role, req.kv_transfer_params, req.stream)
         prompts = _prompt_list(req.prompt)
         if req.suffix:
             try:
@@ -135,8 +141,13 @@ class Routes:
             completion = 0 if req.echo_only else _num_tokens(outputs)  # best_of: every sample drawn counts
             choices = [choice(i, c, True, 0) for i, o in enumerate(outputs)
                        for c in (_best(o.outputs, req.n) if req.ranks_samples else o.outputs)]
-            return {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name,
-                    "choices": choices, "usage": self.gateway.usage(ids_list, completion, outputs)}
+            reply = {"id": request_id, "object": "text_completion", "created": created,
+                     "model": self.config.model_name, "choices": choices,
+                     "usage": self.gateway.usage(ids_list, completion, outputs)}
+            if req.kv_transfer_params is not None:  # the first prompt's (a router sends one)
+                reply["kv_transfer_params"] = await self.pusher.push(ids_list[0], req.cache_salt,
+                                                                     req.kv_transfer_params)
+            return reply
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name}
@@ -165,6 +176,7 @@ class Routes:
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
         self.gateway.check_model(req.model)
+        check_push(self.config.role, req.kv_transfer_params, req.stream)
         top = req.logprobs_asked()
         tools = req.tool_dicts()
         if tools and req.stream and top is not None:
@@ -209,6 +221,8 @@ class Routes:
             if req.prompt_logprobs is not None:
                 reply["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, ids, output.prompt_logprobs,
                                                             req.prompt_logprobs)
+            if req.kv_transfer_params is not None:
+                reply["kv_transfer_params"] = await self.pusher.push(ids, req.cache_salt, req.kv_transfer_params)
             return reply
 
         async def events() -> AsyncIterator[str]:

@@ -2,17 +2,14 @@
 
 Rank 0 schedules, samples and keeps the KV accounting, as vLLM's executor does; each step, it broadcasts the
 step's flat inputs (ModelRunner.describe) and then runs them itself, while every other rank runs the same inputs
-on its shard of the weights and of the KV cache: the layers' all-reduces meet in the middle, and the logits
-gather on rank 0. Each rank holds the same number of KV blocks (rank 0 counts them, for the rank with the most
-KV heads), so rank 0's block tables index every rank's cache.
+on its shard of the weights and of the KV cache (cluster/shards.py): the layers' all-reduces meet in the middle,
+and the logits gather on rank 0 (cluster/collectives.py). Each rank holds the same number of KV blocks (rank 0
+counts them, for the rank with the most KV heads), so rank 0's block tables index every rank's cache.
 
-Ridge starts ranks 1..N-1 itself, as processes on this machine (`python -m ridge.cluster.workers`, reading its
-rank and config on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then rank
-0 is the one that serves, and the others run `serve` from the command line (cli.py). A rank that exits breaks
-the group: the others' next collective fails, and their engine reports it.
-
-The engine layer reaches up to this module (and only when tensor_parallel_size > 1): tensor parallelism changes
-how its one model runner runs, not what the engine does.
+Ridge starts ranks 1..N-1 itself, as processes on this machine (`python -m ridge.engine.tensor_parallel`, reading
+its rank and config on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then
+rank 0 is the one that serves, and the others run `serve` from the command line (cli.py). A rank that exits
+breaks the group: the others' next collective fails, and their engine reports it.
 """
 
 from __future__ import annotations
@@ -184,8 +181,8 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
     rank = torchrun_rank()
     if rank is not None:
         if rank != 0:
-            raise ValueError(f"tensor_parallel_size: the engine runs on rank 0; rank {rank} runs `serve` "
-                             "(ridge.cluster.workers) instead")
+            raise ValueError(f"tensor_parallel_size: the engine runs on rank 0; rank {rank} runs "
+                             "ridge.engine.tensor_parallel.serve instead")
         return "env://", []
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
@@ -193,7 +190,7 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
     url = f"tcp://127.0.0.1:{port}"
     workers = []
     for rank in range(1, config.tensor_parallel_size):
-        worker = subprocess.Popen([sys.executable, "-m", "ridge.cluster.workers"], stdin=subprocess.PIPE)
+        worker = subprocess.Popen([sys.executable, "-m", "ridge.engine.tensor_parallel"], stdin=subprocess.PIPE)
         worker.stdin.write(pickle.dumps((config, rank, url)))
         worker.stdin.close()
         workers.append(worker)
@@ -249,6 +246,6 @@ def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") ->
 
 
 if __name__ == "__main__":  # a rank ridge started: through the module's own name, whose classes rank 0 pickles
-    from ridge.cluster import workers
+    from ridge.engine import tensor_parallel
 
-    workers.serve(*pickle.loads(sys.stdin.buffer.read()))
+    tensor_parallel.serve(*pickle.loads(sys.stdin.buffer.read()))

@@ -1,0 +1,75 @@
+"""A cached prompt prefix's KV moved between two engines of the same model: disaggregated prefill and decode.
+
+A prefill engine runs a prompt, then exports the full blocks of it that its prefix cache holds (their K and V
+tensors, block by block, in its cache's own layout); a decode engine adopts them into its prefix cache, keyed by the
+same chained hashes of the same tokens (kv/prefix_cache.py), so that the request it then receives finds the prompt
+cached and computes only the tokens after the last full block, as any prefix-cache hit does. The tokens are the
+colocated run's by construction: a block that did not arrive (evicted before the export, or no room to adopt it)
+is computed again, never guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ridge.engine.engine import LLMEngine
+
+
+@dataclass
+class PrefixBlocks:
+    """Whole blocks of one prompt's cached prefix, in the exporting engine's cache layout."""
+
+    token_ids: list[int]  # the tokens they hold: len(data[i]) blocks of block_size each
+    salt: str | None  # the request's cache_salt (keys chain from it)
+    block_size: int
+    data: list[torch.Tensor]  # per cache tensor (AttentionBackend.block_tensors' order): [blocks, ...one block]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data[0].shape[0] if self.data else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.data)
+
+
+def check_transferable(engine: LLMEngine) -> None:
+    """ValueError naming what keeps this engine from moving cached prefixes."""
+    config, layout = engine.config, engine.kv.layout
+    if engine.kv.cache is None:
+        raise ValueError("role: disaggregated prefill moves prefix-cache blocks; enable_prefix_caching must be on")
+    if len(layout.groups) != 1 or layout.has_windows:
+        raise ValueError("role: disaggregated prefill of sliding-window or mixed attention layers is not supported yet")
+    if config.tensor_parallel_size > 1 or config.device != "cpu":
+        raise ValueError("role: disaggregated prefill runs on one CPU process so far (tensor_parallel_size=1, "
+                         "device=cpu)")
+
+
+def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:
+    """The blocks of token_ids' longest cached prefix (full blocks only)."""
+    kv = engine.kv
+    blocks = kv.cached_blocks(kv.prefix_keys(token_ids, salt))
+    index = torch.tensor(blocks, dtype=torch.long)
+    data = [t.index_select(dim, index).movedim(dim, 0).contiguous() for t, dim in engine.runner.backend.block_tensors()]
+    return PrefixBlocks(token_ids[: len(blocks) * kv.block_size], salt, kv.block_size, data)
+
+
+def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
+    """Adopt the blocks this engine's cache lacks; the number adopted. ValueError where they do not fit its cache."""
+    kv, tensors = engine.kv, engine.runner.backend.block_tensors()
+    if prefix.block_size != kv.block_size:
+        raise ValueError(f"block_size: the blocks hold {prefix.block_size} tokens, this engine's {kv.block_size}")
+    if len(prefix.data) != len(tensors) or any(
+            d.shape[1:] != t.movedim(dim, 0).shape[1:] or d.dtype != t.dtype
+            for d, (t, dim) in zip(prefix.data, tensors, strict=False)):
+        raise ValueError("kv: the blocks' layout (layers, KV heads, head size, cache dtype) is not this engine's; "
+                         "prefill and decode must run the same model with the same dtype and kv_cache_dtype")
+    placed = kv.adopt(kv.prefix_keys(prefix.token_ids, prefix.salt))
+    if placed:
+        rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
+        blocks = torch.tensor([b for _, b in placed], dtype=torch.long)
+        for data, (tensor, dim) in zip(prefix.data, tensors, strict=True):
+            tensor.index_copy_(dim, blocks, data.index_select(0, rows).movedim(0, dim).to(tensor.device))
+    return len(placed)

@@ -1,0 +1,108 @@
+"""Disaggregated prefill and decode: a prompt's KV computed by one engine, adopted by another's prefix cache, and
+the tokens the colocated run gives; over HTTP, through `ridge router --prefill --decode`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+import openai
+import pytest
+
+from conftest import CHAT_PROMPTS, random_prompts, running_server
+from ridge import SamplingParams
+from ridge.cluster.router import Router, RouterConfig, serving_in_thread
+from ridge.config import EngineConfig
+from ridge.engine.kv_transfer import check_transferable, export_prefix, import_prefix
+from ridge.serve.app import ServerConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_blocks_moved_to_another_engine_give_the_colocated_tokens(smollm2_path, make_llm_for_test, kv_cache_dtype):
+    common = {"dtype": "float32", "kv_cache_memory": "32MiB", "kv_cache_dtype": kv_cache_dtype}
+    prefill, decode = make_llm_for_test(smollm2_path, **common), make_llm_for_test(smollm2_path, **common)
+    prompts = random_prompts(3, 49152, 40, 200, seed=11)
+    colocated = [o.outputs[0].token_ids for o in prefill.generate(prompts, GREEDY)]
+    for prompt, expected in zip(prompts, colocated, strict=True):
+        prefill.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+        blocks = export_prefix(prefill.engine, prompt, None)
+        assert blocks.num_blocks == len(prompt) // 16 and blocks.token_ids == prompt[: blocks.num_blocks * 16]
+        assert import_prefix(decode.engine, blocks) == blocks.num_blocks
+        assert import_prefix(decode.engine, blocks) == 0  # cached already: nothing adopted twice
+        (out,) = decode.generate(prompt, GREEDY)
+        # the colocated engine's own run over its cached prefix; in float32 that is the cold run's too (a quantized
+        # cache's prefix-cache hit reads the prompt's K and V as codes, where a cold prefill attends to them whole)
+        (warm,) = prefill.generate(prompt, GREEDY)
+        assert out.outputs[0].token_ids == warm.outputs[0].token_ids
+        assert kv_cache_dtype != "auto" or out.outputs[0].token_ids == expected
+        assert out.num_cached_tokens == min(blocks.num_blocks, (len(prompt) - 1) // 16) * 16
+    decode.engine.check_integrity()
+    # a salted request's blocks are keyed by its salt: another salt finds none of them
+    salted = SamplingParams(temperature=0, max_tokens=1, cache_salt="tenant-a")
+    prefill.generate(prompts[0], salted)
+    assert export_prefix(prefill.engine, prompts[0], "tenant-b").num_blocks == 0
+    assert export_prefix(prefill.engine, prompts[0], "tenant-a").num_blocks == len(prompts[0]) // 16
+
+
+def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for_test):
+    f32 = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="16MiB")
+    bf16 = make_llm_for_test(smollm2_path, dtype="bfloat16", kv_cache_memory="16MiB")
+    prompt = random_prompts(1, 49152, 64, 65, seed=3)[0]
+    f32.generate(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="kv: the blocks' layout .* is not this engine's"):
+        import_prefix(bf16.engine, export_prefix(f32.engine, prompt, None))
+    no_cache = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="role: disaggregated prefill moves prefix-cache blocks"):
+        check_transferable(no_cache.engine)
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_path):
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB")
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(running_server(config, ServerConfig("smollm2", role="prefill")))
+        decode = stack.enter_context(running_server(config, ServerConfig("smollm2", role="decode")))
+        yield prefill, decode
+
+
+def test_the_router_prefills_on_one_server_and_decodes_on_another(pair, smollm2):
+    prefill, decode = pair
+    router = Router(RouterConfig([decode.url], prefill=[prefill.url]))
+    with serving_in_thread(router) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for question in CHAT_PROMPTS[:3]:
+            messages = [{"role": "system", "content": "You answer in one short sentence. " * 8},
+                        {"role": "user", "content": question}]
+            expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+            got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=16)
+            assert got.choices[0].message.content == expected
+            # the decode server found every full block before the last token's: the prefill server's
+            assert got.usage.prompt_tokens_details.cached_tokens == 16 * ((got.usage.prompt_tokens - 1) // 16)
+        stream = client.completions.create(model="smollm2", prompt="Count slowly: one, two, three,", max_tokens=8,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert text == smollm2.generate("Count slowly: one, two, three,", params)[0].outputs[0].text
+        metrics = httpx.get(url + "/metrics").text
+        assert f'ridge_router:requests_total{{replica="{prefill.url}",routed="prefill"}} 4.0' in metrics
+
+
+def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(pair, smollm2_path):
+    prefill, decode = pair
+    body = {"prompt": "Hello there", "max_tokens": 1, "kv_transfer_params": {"push_to": decode.url}}
+    refused = httpx.post(decode.url + "/v1/completions", json=body)  # a decode server pushes nothing
+    assert refused.status_code == 400 and "this server's role is decode" in refused.json()["error"]["message"]
+    streamed = httpx.post(prefill.url + "/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "not with stream" in streamed.json()["error"]["message"]
+    nowhere = httpx.post(prefill.url + "/v1/completions",
+                         json={**body, "kv_transfer_params": {"push_to": "http://127.0.0.1:9"}}, timeout=60)
+    assert nowhere.status_code == 502 and "did not take the KV" in nowhere.json()["error"]["message"]
+    pushed = httpx.post(prefill.url + "/v1/completions", json={**body, "prompt": "Hello there " * 20}, timeout=60)
+    moved = pushed.json()["kv_transfer_params"]
+    assert moved["blocks"] == moved["tokens"] // 16 > 0 and moved["bytes"] > moved["blocks"] * 16 * 30 * 2 * 3 * 64 * 4
+    junk = httpx.post(decode.url + "/kv/import", content=b"not a tensor",
+                      headers={"Content-Type": "application/octet-stream"})
+    assert junk.status_code == 400 and junk.json()["error"]["param"] == "body"
+    assert httpx.post(prefill.url + "/kv/import", content=b"x").status_code in (404, 405, 415)
