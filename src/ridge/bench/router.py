@@ -5,7 +5,8 @@
 --num-requests requests, each one of --tenants system prompts of --prefix-len tokens and a question of its own of
 --input-len tokens, --output-len tokens out. Each policy gets fresh replicas (empty caches). Per policy: the
 replicas' prefix-cache hit rate (cached prompt tokens over prompt tokens, from each response's usage), mean and p90
-time to first token, throughput, and how the requests spread over the replicas. Then what consistent hashing buys
+time to first token, throughput, and how the requests spread over the replicas; disaggregated: half the replicas
+prefill, half decode, cache-aware over each half, and the KV bytes moved per request. Then what consistent hashing buys
 when a replica joins: the share of the workload's tenant prefixes, and of 10,000 random ones, that a 5th replica
 takes from 4 (each moved one lands on the new replica; ideal: 1/5).
 """
@@ -21,11 +22,12 @@ import sys
 
 from ridge.bench import workloads
 
-POLICIES = ("cache-aware", "round-robin")
+POLICIES = ("cache-aware", "round-robin", "disaggregated")
 
 
-def replica_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--threads", str(args.replica_threads), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype)
+def replica_flags(args: argparse.Namespace, role: str = "both") -> tuple[str, ...]:
+    return ("--threads", str(args.replica_threads), "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype,
+            "--role", role)
 
 
 def run_policy(args: argparse.Namespace, policy: str, requests: list[workloads.Request]) -> dict:
@@ -33,15 +35,21 @@ def run_policy(args: argparse.Namespace, policy: str, requests: list[workloads.R
     from ridge.bench.servers import ServerSpec, running
     from ridge.cluster.router import Router, RouterConfig, serving_in_thread
 
+    disaggregated = policy == "disaggregated"  # half the replicas prefill, half decode; cache-aware over each half
     with contextlib.ExitStack() as replicas:
         print(f"[bench] {policy}: starting {args.replicas} replicas ...", file=sys.stderr, flush=True)
-        urls = [replicas.enter_context(running(ServerSpec(f"router-replica-{i}", "ridge", replica_flags(args)),
-                                               args.model)) for i in range(args.replicas)]
-        router = Router(RouterConfig(urls, policy))
+        roles = ["prefill" if disaggregated and i < args.replicas // 2 else "decode" if disaggregated else "both"
+                 for i in range(args.replicas)]
+        started = [replicas.enter_context(running(ServerSpec(f"router-replica-{i}", "ridge", replica_flags(args, role)),
+                                                  args.model)) for i, role in enumerate(roles)]
+        urls = [u for u, role in zip(started, roles, strict=True) if role != "prefill"]
+        prefill = [u for u, role in zip(started, roles, strict=True) if role == "prefill"]
+        router = Router(RouterConfig(urls, "cache-aware" if disaggregated else policy, prefill=prefill))
         with serving_in_thread(router) as url:
             results, duration = asyncio.run(run_load(url, "bench", requests, args.rate, None, True, args.seed,
                                                      progress=not args.json))
             by_replica = [router.replicas[u].sent for u in urls]
+            kv_bytes = router.metrics.kv_bytes.collect()[0].samples[0].value
     ok = [r for r in results if r.ok]
     if len(ok) < len(results):
         errors = sorted({r.error for r in results if not r.ok})
@@ -51,7 +59,8 @@ def run_policy(args: argparse.Namespace, policy: str, requests: list[workloads.R
             "mean_ttft_s": statistics.mean(ttfts), "p90_ttft_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "output_tok_s": sum(r.output_tokens for r in ok) / duration, "duration_s": duration,
             "requests_per_replica": sorted(by_replica, reverse=True),
-            "prefix_routed": router.prefix_routed_share if policy == "cache-aware" else None}
+            "prefix_routed": router.prefix_routed_share if policy != "round-robin" else None,
+            "kv_transfer_bytes_per_request": kv_bytes / len(ok) if disaggregated else None}
 
 
 def ring_movement(requests: list[workloads.Request], prefix_chars: int) -> dict:
@@ -99,11 +108,13 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def router_table(report: dict) -> list[str]:
     lines = ["| policy | prefix-cache hit rate | mean TTFT (s) | p90 TTFT (s) | output tok/s | requests per replica | "
-             "sent to the prefix's owner |", "|---|---:|---:|---:|---:|---|---:|"]
+             "sent to the prefix's owner | KV moved per request |", "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in report["policies"]:
         owner = "-" if r["prefix_routed"] is None else f"{r['prefix_routed']:.0%}"
+        moved = r.get("kv_transfer_bytes_per_request")
         lines.append(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['mean_ttft_s']:.2f} | {r['p90_ttft_s']:.2f} | "
-                     f"{r['output_tok_s']:.1f} | {', '.join(map(str, r['requests_per_replica']))} | {owner} |")
+                     f"{r['output_tok_s']:.1f} | {', '.join(map(str, r['requests_per_replica']))} | {owner} | "
+                     f"{'-' if moved is None else f'{moved / 2**20:.1f} MiB'} |")
     move = report["adding_a_replica"]
     lines.append(f"\nadding a 5th replica to 4 moves {move['tenants_moved']} of the {move['tenants']} tenant prefixes "
                  f"and {move['random_moved_fraction']:.1%} of 10,000 random ones (ideal 20%), each to the new one")
@@ -119,7 +130,8 @@ def add_router_parser(bsub) -> None:
     p.add_argument("--kv-cache-memory", default="256MiB", help="each replica's (default %(default)s)")
     p.add_argument("--dtype", default="auto", help="(default %(default)s)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
-                   help="comma-separated, run in this order (default cache-aware,round-robin)")
+                   help="comma-separated, run in this order (default cache-aware,round-robin,disaggregated: half the "
+                        "replicas --role prefill, half --role decode)")
     p.add_argument("--tenants", type=int, default=16, help="system prompts (default %(default)s)")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of each system prompt (default %(default)s)")
     p.add_argument("--input-len", type=int, default=32, help="tokens of each question (default %(default)s)")

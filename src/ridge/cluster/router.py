@@ -86,6 +86,8 @@ class RouterMetrics:
                                 ["reason"], registry=r)
         self.prefix_routed = Gauge("ridge_router:prefix_routed_ratio", "Share of requests sent to their prefix's "
                                    "owner (cache-aware routing's hit routing rate).", registry=r)
+        self.kv_bytes = Counter("ridge_router:kv_transfer_bytes", "KV bytes prefill servers pushed to decode servers "
+                                "(disaggregated prefill), as they reported them.", registry=r)
 
 
 class NotStarted(Exception):
@@ -241,7 +243,11 @@ class Router:
             except NotStarted:
                 tried.add(url)
                 continue
-            return None if response.status_code == 200 else response
+            if response.status_code != 200:
+                return response
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                self.metrics.kv_bytes.inc(json.loads(response.body)["kv_transfer_params"]["bytes"])
+            return None
         raise NotStarted(f"no prefill server took it (tried {', '.join(sorted(tried)) or 'none'})")
 
     def _count(self, replica: Replica, how: str) -> None:
