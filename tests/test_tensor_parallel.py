@@ -108,11 +108,11 @@ def test_smollm2_over_two_ranks_equals_one_process(smollm2, smollm2_path, smollm
 
 def test_the_runtime_under_two_ranks_keeps_the_tokens(smollm2_path, smollm2_prompts, one_process,
                                                       make_llm_for_test):
-    """A token budget of 16 (chunks), a pool of 24 blocks (preemption and recompute), the prefix cache (a second
+    """A token budget of 40 (chunks), a pool of 24 blocks (preemption and recompute), the prefix cache (a second
     pass hits it): the tokens stay one process's."""
     alone = one_process[:8]
     per_block = 16 * 30 * 2 * 2 * 64 * 4  # the rank with 2 of the 3 KV heads sizes the pool
-    tp = make_llm_for_test(smollm2_path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16,
+    tp = make_llm_for_test(smollm2_path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=40,
                            kv_cache_memory=24 * per_block)
     assert tp.engine.pool.num_blocks == 24
     outs = tp.generate(smollm2_prompts[:8], GREEDY)
