@@ -139,6 +139,16 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                    "intermediate_size=256", 2, {"quantization": "int4", "quantization_group_size": 32}),
     "qwen3-moe": ("random:qwen3-30b-a3b,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=8,num_kv_heads=2,"
                   "head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=64", 2, {}),
+    # latent attention: 4 heads over 3 ranks (1, 1, 2), the latent cached whole on each; V2's shared experts
+    "deepseek-v2-mla": ("random:deepseek-v2-lite,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=4,"
+                        "num_kv_heads=4,head_dim=32,kv_lora_rank=32,qk_rope_head_dim=16,qk_nope_head_dim=16,"
+                        "v_head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
+                        "intermediate_size=64", 3, {}),
+    # V3: the query's own bottleneck, sigmoid routing over groups
+    "deepseek-v3-mla": ("random:deepseek-v3,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=4,num_kv_heads=4,"
+                        "head_dim=32,kv_lora_rank=32,q_lora_rank=48,qk_rope_head_dim=16,qk_nope_head_dim=16,"
+                        "v_head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
+                        "intermediate_size=64,first_dense_layers=1,router_groups=2,router_topk_groups=1", 2, {}),
 }
 
 

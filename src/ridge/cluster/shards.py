@@ -1,6 +1,7 @@
 """Which part of each weight a tensor-parallel rank holds, and the cutting of a loaded model down to it.
 
-Attention is split by heads: with at least as many KV heads as ranks, each rank takes whole KV heads with their
+Attention is split by heads (latent attention's too, its latent and rotary key computed and cached whole on every
+rank, as they are every head's): with at least as many KV heads as ranks, each rank takes whole KV heads with their
 query heads (as evenly as the counts allow: SmolLM2's 3 KV heads over 2 ranks go 1 and 2); with fewer, each KV
 head is replicated on the ranks that split its query heads between them. A rank's query heads then always share
 its KV heads evenly, so its attention is an ordinary GQA over fewer heads. The MLP (and each expert) is split
@@ -22,6 +23,7 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.models.layers import Attention, GatedMLP
+from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.quant.rtn import QuantizedWeight
 
@@ -68,7 +70,7 @@ class ShardPlan:
     def __post_init__(self) -> None:
         cfg = self.cfg
         unsupported = [what for what, present in (
-            ("latent attention (MLA)", cfg.is_mla), ("state-space layers", bool(cfg.ssm_layers)),
+            ("state-space layers", bool(cfg.ssm_layers)),
             ("a q/k norm over all heads at once (OLMoE's qk_norm_full)", cfg.qk_norm_full)) if present]
         if unsupported:
             raise ValueError(f"tensor_parallel_size: {self.world} is not supported for {cfg.architecture}'s "
@@ -82,11 +84,12 @@ class ShardPlan:
                 raise ValueError(f"tensor_parallel_size: {name} {width} cannot give each of {self.world} ranks "
                                  f"a multiple of {self.granule} columns")
         if cfg.attention_layers and self.granule > 1:
+            value_dim = cfg.v_head_dim if cfg.is_mla else cfg.head_dim  # o_proj's input: the heads' values
             for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world):
-                if (shard.q_heads.start * cfg.head_dim) % self.granule:
+                if (shard.q_heads.start * value_dim) % self.granule:
                     raise ValueError(
                         f"tensor_parallel_size: {self.world} splits o_proj's input at column "
-                        f"{shard.q_heads.start * cfg.head_dim}, inside a quantization group of {self.granule} "
+                        f"{shard.q_heads.start * value_dim}, inside a quantization group of {self.granule} "
                         f"columns; use a quantization_group_size that divides it")
 
     @property
@@ -138,6 +141,13 @@ class ShardPlan:
                 kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
                 cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
+            elif isinstance(layer.attn, LatentAttention) and heads is not None:
+                # the latent and the rotary key (kv_a, q_a) are every head's: each rank computes and caches them whole
+                q_width, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+                query = "q_b" if cfg.q_lora_rank else "q_proj"
+                cuts[f"layers.{i}.attn.{query}"] = (0, _head_rows(heads.q_heads, q_width))
+                cuts[f"layers.{i}.attn.kv_b"] = (0, _head_rows(heads.q_heads, kv_width))
+                cuts[f"layers.{i}.attn.o_proj"] = (1, _head_rows(heads.q_heads, cfg.v_head_dim))
             mlp = layer.mlp
             mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
             if isinstance(mlp, MoEBlock):
@@ -151,13 +161,22 @@ class ShardPlan:
         return cuts
 
 
+def _head_rows(heads: range, width: int) -> torch.Tensor:
+    return torch.arange(heads.start * width, heads.stop * width)
+
+
 def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch.Tensor]]:
     """Cut the model's dense weights down to this rank's parts in place, its heads and widths with them; return
     the cuts (for its quantized weights: shard_quantized)."""
     cuts = plan.weight_cuts(model)
     for path, (dim, index) in cuts.items():
-        module = getattr(model, path, None) if "." not in path else model.get_submodule(path)
+        module = getattr(model, path, None) if "." not in path else _get(model, path)
         if module is None:
+            continue
+        if isinstance(module, nn.Parameter):  # MLA's kv_b, a parameter of its own (never quantized)
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, nn.Parameter(module.data.index_select(dim, index),
+                                                                    requires_grad=False))
             continue
         if not isinstance(module, nn.Linear | nn.Embedding):
             raise ValueError(f"tensor_parallel_size: {path} is held quantized as the file stores it "
@@ -168,11 +187,18 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
     for layer in model.layers:
         if isinstance(layer.attn, Attention):
             layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
+        elif isinstance(layer.attn, LatentAttention):
+            layer.attn.num_heads = local.num_heads
         for module in layer.modules() if layer.mlp is not None else ():
             if isinstance(module, GatedMLP):
                 module.intermediate_size = module.down.weight.shape[1]
     model.cfg = local
     return cuts
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent), name)
 
 
 def _cut_module(module: nn.Linear | nn.Embedding, dim: int, index: torch.Tensor, pad_to: int | None) -> None:
