@@ -4,9 +4,11 @@ prefix cache; the splits themselves; and the configurations it refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -191,11 +193,29 @@ def test_torchrun_starts_the_ranks(smollm2, smollm2_path):
     assert expected[0].outputs[0].text in done.stdout
 
 
+def _my_ranks() -> list[int]:
+    """The pids of this process's children that are tensor-parallel ranks."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid() and \
+                    b"ridge.engine.tensor_parallel" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path):
+    """The other ranks load beside rank 0; when rank 0 then fails (here: no room for one KV block), they stop."""
+    with pytest.raises(ValueError, match="kv_cache_memory: 4096 bytes holds no KV block"):
+        LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=4096, progress=False)
+    assert _my_ranks() == []
+
+
 # ---- what it refuses --------------------------------------------------------------------------------
 def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
     with pytest.raises(ValueError, match="tensor_parallel_size: 5 ranks for 4 attention heads"):
         LLM("random:gemma3-270m,num_layers=1,vocab_size=512", tensor_parallel_size=5, progress=False)
-    with pytest.raises(ValueError, match="tensor_parallel_size: .*held quantized as the file stores it"):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 with quantization=.gguf. is not supported yet"):
         LLM(str(smollm2_path), quantization="gguf", tensor_parallel_size=2, progress=False)
     with pytest.raises(ValueError, match="o_proj's input at column 192, inside a quantization group of 128"):
         LLM(str(smollm2_path), quantization="int4", quantization_group_size=128, tensor_parallel_size=2,

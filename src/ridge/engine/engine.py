@@ -27,7 +27,7 @@ from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
 from ridge.engine.sequence import Sequence
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.engine.structured import GrammarCompiler
-from ridge.engine.tensor_parallel import Build, TensorParallelRunner
+from ridge.engine.tensor_parallel import Build, Ranks, TensorParallelRunner
 from ridge.kernels import cpu_ops
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.manager import KVManager
@@ -72,6 +72,21 @@ class LLMEngine:
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
+        # tensor parallelism: the split checked from the model's header, then the other ranks started, each loading
+        # its shard while this one loads its own
+        ranks = None
+        if config.tensor_parallel_size > 1:
+            shard_plan(config, target.config(), rank=0)
+            ranks = Ranks.meet(config)
+        try:
+            self._build(target, ranks, progress)
+        except BaseException:
+            if ranks is not None:
+                ranks.abort()
+            raise
+
+    def _build(self, target: ModelFile, ranks: Ranks | None, progress: bool) -> None:
+        config = self.config
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
@@ -118,9 +133,8 @@ class LLMEngine:
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots)
-        if shard is not None:
-            self.runner = TensorParallelRunner.start(config, shard, self.runner,
-                                                     Build(num_blocks, num_state_slots, self.max_model_len))
+        if ranks is not None:
+            self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len))
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)

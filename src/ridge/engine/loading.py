@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ from ridge.linear.select import int8_activation_layers, place_dense, place_quant
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import LoadedModel, load_model, open_gguf, random_model
 from ridge.models.random_weights import PREFIX, is_random, random_spec
-from ridge.models.registry import check_supported
-from ridge.models.spec import ModelSpec
+from ridge.models.registry import check_supported, config_from_spec
+from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
@@ -46,6 +47,17 @@ class ModelFile:
     tokenizer: RidgeTokenizer
     random: ModelSpec | None = None  # `random:NAME`: a model of that shape with random weights, no file
 
+    def config(self) -> ModelConfig:
+        """The model's config from its header alone, no weight read (to check what it asks for before loading)."""
+        if self.random is not None:
+            spec = self.random
+        elif self.gguf is not None:
+            spec = spec_from_gguf(self.gguf, self.path.stem, f"GGUF header of {self.path.name}")
+        else:
+            spec = spec_from_hf_config(json.loads((self.path / "config.json").read_text()), self.path.name,
+                                       str(self.path / "config.json"))
+        return config_from_spec(spec)
+
     @classmethod
     def open(cls, model: str) -> ModelFile:
         if is_random(model):
@@ -68,6 +80,10 @@ def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan |
     """Rank `rank`'s part of the model under config.tensor_parallel_size (None: one process holds it all)."""
     if config.tensor_parallel_size == 1:
         return None
+    if config.quantization == "gguf":
+        raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} with quantization='gguf' is not "
+                         "supported yet (GGUF blocks kept as they are are not cut between ranks); load the file "
+                         "dequantized (no quantization) or quantize it at load (int8, int4, fp8, gptq, awq)")
     grouped = config.quantization in ("int4", "gptq", "awq")  # int8 / fp8: a scale per row, columns cut freely
     return ShardPlan(cfg, rank, config.tensor_parallel_size, config.quantization_group_size if grouped else 1)
 

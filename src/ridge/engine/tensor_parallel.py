@@ -79,6 +79,49 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
 
 
+@dataclass
+class Ranks:
+    """The group met, before any rank loads its shard: ranks load side by side, then rank 0 starts them running."""
+
+    group: TPGroup
+    workers: list[subprocess.Popen]  # the ranks ridge started (none under torchrun)
+
+    @classmethod
+    def meet(cls, config: EngineConfig) -> Ranks:
+        """Start (or, under torchrun, meet) the other ranks; they load their shards while this one loads its own.
+        RuntimeError naming a rank that did not come."""
+        url, workers = _launch(config)
+        try:
+            group = TPGroup.join(url, *((0, config.tensor_parallel_size) if workers else ()))
+        except Exception as exc:
+            _end(workers, kill=True)
+            exited = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)
+                      if w.poll() is not None]
+            raise RuntimeError(f"tensor_parallel_size: the ranks did not meet at {url} "
+                               f"({'; '.join(exited) or exc})") from exc
+        ranks = cls(group, workers)
+        if group.size != config.tensor_parallel_size:
+            ranks.abort()
+            raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher's WORLD_SIZE is "
+                             f"{group.size}")
+        return ranks
+
+    def abort(self) -> None:
+        """Rank 0 could not start: the others stop (those loading still finish their load first)."""
+        _stop_ranks(self.group, self.workers)
+
+    def start(self, plan: ShardPlan, local: ModelRunner, build: Build) -> TensorParallelRunner:
+        """Give rank 0's model its collectives; have every rank build its runner for `build`. RuntimeError naming a
+        rank that failed to load (the caller aborts the others, as after any failure of its own)."""
+        install_collectives(local.model, plan, self.group)
+        self.group.broadcast_command(build)
+        failed = [rank for rank, ok in enumerate(self.group.all_ok(True)) if not ok]
+        if failed:
+            raise RuntimeError(f"tensor_parallel_size: rank {failed[0]} failed to load its shard (its error is above)")
+        log.info("ridge: tensor parallel over %d ranks (gloo)", self.group.size)
+        return TensorParallelRunner(local, self.group, self.workers)
+
+
 class TensorParallelRunner:
     """Rank 0's model runner: each step broadcast to the other ranks, then run here on rank 0's shard."""
 
@@ -87,36 +130,6 @@ class TensorParallelRunner:
         self.broken: str | None = None
         # at close(), when the engine is collected, or when the interpreter exits
         self._finalizer = weakref.finalize(self, _stop_ranks, group, workers)
-
-    @classmethod
-    def start(cls, config: EngineConfig, plan: ShardPlan, local: ModelRunner, build: Build) -> TensorParallelRunner:
-        """Start (or, under torchrun, meet) the other ranks, each loading its shard; give rank 0's model its
-        collectives; have every rank build its runner for `build`. RuntimeError naming a rank that failed."""
-        url, workers = _launch(config)
-        try:
-            group = TPGroup.join(url, *((0, config.tensor_parallel_size) if workers else ()))
-        except Exception as exc:
-            _end(workers)
-            exited = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)
-                      if w.poll() is not None]
-            raise RuntimeError(f"tensor_parallel_size: the ranks did not meet at {url} "
-                               f"({'; '.join(exited) or exc})") from exc
-        try:
-            if group.size != config.tensor_parallel_size:
-                raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but the launcher's "
-                                 f"WORLD_SIZE is {group.size}")
-            install_collectives(local.model, plan, group)
-        except Exception:
-            group.broadcast_command(Stop())
-            _end(workers)
-            raise
-        group.broadcast_command(build)
-        failed = [rank for rank, ok in enumerate(group.all_ok(True)) if not ok]
-        if failed:
-            _end(workers)
-            raise RuntimeError(f"tensor_parallel_size: rank {failed[0]} failed to load its shard (its error is above)")
-        log.info("ridge: tensor parallel over %d ranks (gloo)", group.size)
-        return cls(local, group, workers)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -167,10 +180,11 @@ def _stop_ranks(group: TPGroup, workers: list[subprocess.Popen]) -> None:
     _end(workers)
 
 
-def _end(workers: list[subprocess.Popen]) -> None:
+def _end(workers: list[subprocess.Popen], kill: bool = False) -> None:
+    """Wait for the ranks ridge started to exit (a load in progress finishes first), or kill them."""
     for worker in workers:
         try:
-            worker.wait(timeout=10)
+            worker.wait(timeout=0 if kill else 300)
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
