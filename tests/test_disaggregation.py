@@ -15,6 +15,8 @@ from ridge.cluster.router import Router, RouterConfig, serving_in_thread
 from ridge.config import EngineConfig
 from ridge.engine.kv_transfer import check_transferable, export_prefix, import_prefix
 from ridge.serve.app import ServerConfig
+from ridge.serve.kv_transfer import check_role
+from ridge.serve.server import make_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -56,6 +58,13 @@ def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for
     no_cache = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="role: disaggregated prefill moves prefix-cache blocks"):
         check_transferable(no_cache.engine)
+    # the server refuses the role before loading anything
+    for fields, message in (({"enable_prefix_caching": False}, "enable_prefix_caching must be on"),
+                            ({"tensor_parallel_size": 2}, "one CPU process so far")):
+        with pytest.raises(ValueError, match=f"role: decode .*{message}"):
+            make_server(EngineConfig(model=str(smollm2_path), **fields), ServerConfig("m", role="decode"))
+    with pytest.raises(ValueError, match="role: 'middle' is not one of both, prefill, decode"):
+        check_role("middle", EngineConfig(model="m"))
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from ridge.config import EngineConfig
 from ridge.engine.async_engine import AsyncEngine
 from ridge.engine.supervision import Supervision
 from ridge.serve.app import ServerConfig, build_app
+from ridge.serve.kv_transfer import check_role
 from ridge.serve.metrics import EngineMetrics
 
 
@@ -66,6 +67,7 @@ def make_server(engine_config: EngineConfig, server_config: ServerConfig, host: 
                 progress: bool = True, max_queued_tokens: int | None = None,
                 supervision: Supervision | None = None) -> Server:
     """Start the engine core (loading the model) and build the server around it; run() serves."""
+    check_role(server_config.role, engine_config)
     metrics = EngineMetrics(server_config.model_name)
     server: Server | None = None
 
