@@ -18,6 +18,7 @@ from conftest import CHAT_PROMPTS, random_prompts, running_server
 from ridge import LLM, SamplingParams
 from ridge.cluster.shards import HEAD, ShardPlan, shard_quantized, split_heads
 from ridge.config import EngineConfig
+from ridge.models.moe import MoEBlock
 from ridge.models.random_weights import random_spec
 from ridge.models.registry import config_from_spec
 from ridge.quant.rtn import quantize_int4, quantize_int8
@@ -141,6 +142,10 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                    "intermediate_size=256", 2, {"quantization": "int4", "quantization_group_size": 32}),
     "qwen3-moe": ("random:qwen3-30b-a3b,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=8,num_kv_heads=2,"
                   "head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=64", 2, {}),
+    # expert parallelism: 8 whole experts over 2 ranks, 4 each
+    "qwen3-moe-expert-parallel": ("random:qwen3-30b-a3b,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=8,"
+                                  "num_kv_heads=2,head_dim=16,num_experts=8,experts_per_token=2,"
+                                  "moe_intermediate_size=64", 2, {"enable_expert_parallel": True}),
     # latent attention: 4 heads over 3 ranks (1, 1, 2), the latent cached whole on each; V2's shared experts
     "deepseek-v2-mla": ("random:deepseek-v2-lite,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=4,"
                         "num_kv_heads=4,head_dim=32,kv_lora_rank=32,qk_rope_head_dim=16,qk_nope_head_dim=16,"
@@ -157,12 +162,18 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
 @pytest.mark.parametrize("name", RANDOM)
 def test_random_shapes_over_ranks_equal_one_process(name, make_llm_for_test):
     model, ranks, extra = RANDOM[name]
-    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB", **extra}
-    one = make_llm_for_test(model, **common)
+    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB"}
+    one = make_llm_for_test(model, **common, **{k: v for k, v in extra.items() if k != "enable_expert_parallel"})
     prompts = random_prompts(6, 900, 2, 80, seed=7)
     expected = tokens(one.generate(prompts, GREEDY))
-    tp = make_llm_for_test(model, tensor_parallel_size=ranks, **common)
+    tp = make_llm_for_test(model, tensor_parallel_size=ranks, **common, **extra)
     assert tokens(tp.generate(prompts, GREEDY)) == expected
+    if extra.get("enable_expert_parallel"):  # rank 0 holds its half of each layer's experts, and only those
+        held = [sum(p.numel() for p in m.experts.parameters()) for m in tp.engine.loaded.model.modules()
+                if isinstance(m, MoEBlock)]
+        whole = [sum(p.numel() for p in m.experts.parameters()) for m in one.engine.loaded.model.modules()
+                 if isinstance(m, MoEBlock)]
+        assert held == [w // 2 for w in whole]
     tp.engine.close()
 
 
@@ -204,10 +215,17 @@ def _my_ranks() -> list[int]:
     return pids
 
 
-def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path):
-    """The other ranks load beside rank 0; when rank 0 then fails (here: no room for one KV block), they stop."""
-    with pytest.raises(ValueError, match="kv_cache_memory: 4096 bytes holds no KV block"):
-        LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory=4096, progress=False)
+def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path, monkeypatch):
+    """Rank 0 failing once the other ranks are up (a fault injected where it gives its model the collectives): they
+    stop rather than wait for steps that never come."""
+    from ridge.engine import tensor_parallel
+
+    def broken(*_):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(tensor_parallel, "install_collectives", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB", progress=False)
     assert _my_ranks() == []
 
 
@@ -224,5 +242,10 @@ def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
         LLM("random:mamba2-2.7b,num_layers=1,vocab_size=512,hidden_size=128", tensor_parallel_size=2, progress=False)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a draft model"):
         EngineConfig(model="m", tensor_parallel_size=2, draft_model="d")
+    with pytest.raises(ValueError, match="enable_expert_parallel: llama has no experts"):
+        LLM("random:smollm2,num_layers=1,vocab_size=512", tensor_parallel_size=2, enable_expert_parallel=True,
+            progress=False)
+    with pytest.raises(ValueError, match="enable_expert_parallel: splits the experts between tensor-parallel ranks"):
+        EngineConfig(model="m", enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1, got 0"):
         EngineConfig(model="m", tensor_parallel_size=0)

@@ -331,6 +331,9 @@ class EngineConfig:
         "after each attention and each MLP; ridge starts the others itself, or torchrun starts them all (MASTER_ADDR, "
         "MASTER_PORT, RANK, WORLD_SIZE). kv_cache_memory and --threads are each process's (default %(default)s)",
         flag="--tensor-parallel-size", group="cluster")
+    enable_expert_parallel: bool = knob(
+        False, "with --tensor-parallel-size: each rank holds whole experts, its share of them (vLLM's flag), instead "
+        "of a slice of every expert's width; the router and shared experts as before", group="cluster")
     # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
     # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
     seed: int = 0
@@ -416,6 +419,9 @@ class EngineConfig:
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
                           "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
         derive(self, "eviction", self._eviction())
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel: splits the experts between tensor-parallel ranks; set "
+                             "tensor_parallel_size above 1 with it")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be at least 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1:

@@ -6,8 +6,9 @@ query heads (as evenly as the counts allow: SmolLM2's 3 KV heads over 2 ranks go
 head is replicated on the ranks that split its query heads between them. A rank's query heads then always share
 its KV heads evenly, so its attention is an ordinary GQA over fewer heads. The MLP (and each expert) is split
 along its intermediate width: gate and up by rows (column parallel), down by columns (row parallel); the
-vocabulary by rows of the embedding table and the output projection. Each rank's attention and MLP outputs are
-then partial sums that one all-reduce each completes (cluster/collectives.py).
+vocabulary by rows of the embedding table and the output projection. With expert parallelism, each rank holds
+whole experts instead, its share of them; every rank routes every token, and runs the experts it holds. Each
+rank's attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py).
 
 Quantized weights are cut after quantizing the whole model, so that every rank holds exactly the numbers a single
 process would: rows freely, columns only on the boundaries of their scale groups.
@@ -16,6 +17,7 @@ process would: rows freely, columns only on the boundaries of their scale groups
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ from ridge.models.moe import MoEBlock
 from ridge.quant.rtn import QuantizedWeight
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
+_EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 def even_ranges(n: int, parts: int) -> list[range]:
@@ -66,9 +69,14 @@ class ShardPlan:
     rank: int
     world: int
     granule: int = 1
+    expert_parallel: bool = False  # whole experts per rank, rather than a slice of each
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        if self.expert_parallel and cfg.num_experts < self.world:
+            raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
+                             f"the {self.world} ranks" if cfg.num_experts else
+                             f"enable_expert_parallel: {cfg.architecture} has no experts")
         unsupported = [what for what, present in (
             ("state-space layers", bool(cfg.ssm_layers)),
             ("a q/k norm over all heads at once (OLMoE's qk_norm_full)", cfg.qk_norm_full)) if present]
@@ -128,6 +136,18 @@ class ShardPlan:
         first = self.rank * self.vocab_shard
         return torch.arange(first, min(first + self.vocab_shard, self.cfg.vocab_size))
 
+    @property
+    def held_experts(self) -> range:
+        """The experts this rank runs: all of them (each cut by width), or under expert parallelism its share."""
+        if not self.expert_parallel:
+            return range(self.cfg.num_experts)
+        return even_ranges(self.cfg.num_experts, self.world)[self.rank]
+
+    def keeps(self, key: str) -> bool:
+        """Whether this rank holds the weight at `key` (only the experts of other ranks it does not)."""
+        match = _EXPERT.match(key)
+        return match is None or int(match.group(1)) in self.held_experts
+
     def weight_cuts(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
         """Module path -> (dim, indices) of every weight this rank holds a part of, keyed as quantize_weights keys
         them (and `embed_tokens`, `lm_head`): dim 0 cuts rows (output features), dim 1 columns (input features)."""
@@ -151,7 +171,8 @@ class ShardPlan:
             mlp = layer.mlp
             mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
             if isinstance(mlp, MoEBlock):
-                mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
+                if not self.expert_parallel:  # under expert parallelism, a rank's experts stay whole
+                    mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
                 if mlp.shared_expert is not None:
                     mlps["mlp.shared_expert"] = mlp.shared_expert
             for name, gated in mlps.items():
@@ -185,6 +206,11 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
         _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None)
     local = plan.local_config()
     for layer in model.layers:
+        if isinstance(layer.mlp, MoEBlock) and plan.expert_parallel:
+            layer.mlp.held = plan.held_experts
+            for e in range(len(layer.mlp.experts)):
+                if e not in plan.held_experts:
+                    layer.mlp.experts[e] = nn.Module()  # another rank's expert: its weights freed here
         if isinstance(layer.attn, Attention):
             layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
         elif isinstance(layer.attn, LatentAttention):

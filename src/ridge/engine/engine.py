@@ -72,21 +72,8 @@ class LLMEngine:
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
-        # tensor parallelism: the split checked from the model's header, then the other ranks started, each loading
-        # its shard while this one loads its own
-        ranks = None
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1:  # the split checked from the model's header, before any weight is read
             shard_plan(config, target.config(), rank=0)
-            ranks = Ranks.meet(config)
-        try:
-            self._build(target, ranks, progress)
-        except BaseException:
-            if ranks is not None:
-                ranks.abort()
-            raise
-
-    def _build(self, target: ModelFile, ranks: Ranks | None, progress: bool) -> None:
-        config = self.config
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
@@ -133,8 +120,15 @@ class LLMEngine:
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots)
-        if ranks is not None:
-            self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len))
+        if shard is not None:
+            # the other ranks start once this one has loaded its shard: on one machine, ranks loading side by side
+            # would each hold a whole model at the same time (each reads the whole file, then cuts its share)
+            ranks = Ranks.meet(config)
+            try:
+                self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len))
+            except BaseException:
+                ranks.abort()
+                raise
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)

@@ -85,7 +85,8 @@ def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan |
                          "supported yet (GGUF blocks kept as they are are not cut between ranks); load the file "
                          "dequantized (no quantization) or quantize it at load (int8, int4, fp8, gptq, awq)")
     grouped = config.quantization in ("int4", "gptq", "awq")  # int8 / fp8: a scale per row, columns cut freely
-    return ShardPlan(cfg, rank, config.tensor_parallel_size, config.quantization_group_size if grouped else 1)
+    return ShardPlan(cfg, rank, config.tensor_parallel_size, config.quantization_group_size if grouped else 1,
+                     expert_parallel=config.enable_expert_parallel)
 
 
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
@@ -108,7 +109,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if (plan := shard_plan(config, loaded.config, rank)) is not None:
         quantized = list(quantized)  # made from the whole model, before its dense weights are cut
         cuts = shard_model(loaded.model, plan)
-        quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized]
+        quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized if plan.keeps(key)]
         loaded.weight_format += f", rank {rank} of {plan.world}"
     if config.quantization in METHODS:
         place_quantized(loaded.model, quantized, target)

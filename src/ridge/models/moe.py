@@ -44,6 +44,9 @@ class MoEBlock(nn.Module):
         # DeepSeek-V3's e_score_correction_bias: moves which experts are chosen, not their weights
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
+        # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
+        self.held = range(cfg.num_experts)
         width = cfg.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(cfg, width) if width else None
         self.shared_expert_gate = Router(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
@@ -85,6 +88,9 @@ class MoEBlock(nn.Module):
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
+                continue
+            if expert not in self.held:
+                start += count
                 continue
             rows = tokens[start:start + count]
             scaled = self.experts[expert](x[rows]) * slot_weights[start:start + count]
