@@ -6,8 +6,8 @@ on its shard of the weights and of the KV cache (cluster/shards.py): the layers'
 and the logits gather on rank 0 (cluster/collectives.py). Each rank holds the same number of KV blocks (rank 0
 counts them, for the rank with the most KV heads), so rank 0's block tables index every rank's cache.
 
-Ridge starts ranks 1..N-1 itself, as processes on this machine (`python -m ridge.engine.tensor_parallel`, reading
-its rank and config on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then
+Ridge starts ranks 1..N-1 itself, as processes on this machine (tensor_parallel.main, reading its rank and config
+on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then
 rank 0 is the one that serves, and the others run `serve` from the command line (cli.py). A rank that exits
 breaks the group: the others' next collective fails, and their engine reports it.
 """
@@ -204,7 +204,9 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
     url = f"tcp://127.0.0.1:{port}"
     workers = []
     for rank in range(1, config.tensor_parallel_size):
-        worker = subprocess.Popen([sys.executable, "-m", "ridge.engine.tensor_parallel"], stdin=subprocess.PIPE)
+        # -c, not -m: run as __main__, this module's classes would not be the ones rank 0 pickles
+        worker = subprocess.Popen([sys.executable, "-c", "from ridge.engine.tensor_parallel import main; main()"],
+                                  stdin=subprocess.PIPE)
         worker.stdin.write(pickle.dumps((config, rank, url)))
         worker.stdin.close()
         workers.append(worker)
@@ -259,7 +261,6 @@ def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") ->
             offset += count
 
 
-if __name__ == "__main__":  # a rank ridge started: through the module's own name, whose classes rank 0 pickles
-    from ridge.engine import tensor_parallel
-
-    tensor_parallel.serve(*pickle.loads(sys.stdin.buffer.read()))
+def main() -> None:
+    """A rank ridge started: its config, rank and rendezvous URL arrive pickled on stdin."""
+    serve(*pickle.loads(sys.stdin.buffer.read()))
