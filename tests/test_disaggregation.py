@@ -115,3 +115,22 @@ def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(pair, smol
                       headers={"Content-Type": "application/octet-stream"})
     assert junk.status_code == 400 and junk.json()["error"]["param"] == "body"
     assert httpx.post(prefill.url + "/kv/import", content=b"x").status_code in (404, 405, 415)
+
+
+def test_no_prefill_server_to_take_a_request_is_a_503_naming_them(pair):
+    """A request whose prefill no server can take fails with 503 naming the prefill servers, not the decode one."""
+    import asyncio
+
+    _, decode = pair
+    router = Router(RouterConfig([decode.url], prefill=["http://127.0.0.1:9"]))
+
+    async def prefill_on_a_dead_server():
+        router.client = httpx.AsyncClient(timeout=10)
+        try:
+            return await router._prefill({"prompt": "Hello"}, "/v1/completions", {}, router.replicas[decode.url])
+        finally:
+            await router.stop()
+
+    with pytest.raises(LookupError, match=r"no prefill server could take the request \(tried http://127.0.0.1:9\)"):
+        asyncio.run(prefill_on_a_dead_server())
+    assert not router.prefills["http://127.0.0.1:9"].healthy and router.prefill_ring.members == []

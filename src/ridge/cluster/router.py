@@ -220,6 +220,10 @@ class Router:
             try:
                 if self.prefills and (failed := await self._prefill(body, path, headers, replica)) is not None:
                     return failed
+            except LookupError as exc:
+                self.metrics.failures.labels("no_prefill").inc()
+                return _error(503, str(exc))
+            try:
                 self._count(replica, how)
                 return await self._send(replica, path, raw, headers, bool(body.get("stream")))
             except NotStarted as exc:
@@ -229,8 +233,7 @@ class Router:
 
     async def _prefill(self, body: dict, path: str, headers: dict, decode: Replica) -> Response | None:
         """Have a prefill server compute the prompt and push its KV to `decode` (None when it did; its error
-        response, passed on, when it refused the request). NotStarted where no prefill server could take it: the
-        caller tries another decode replica, and so another pairing."""
+        response, passed on, when it refused the request). LookupError where no prefill server could take it."""
         prefill = {**body, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"push_to": decode.url}}
         for name in ("stream_options", "min_tokens", "max_completion_tokens", "best_of"):
             prefill.pop(name, None)
@@ -248,7 +251,7 @@ class Router:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 self.metrics.kv_bytes.inc(json.loads(response.body)["kv_transfer_params"]["bytes"])
             return None
-        raise NotStarted(f"no prefill server took it (tried {', '.join(sorted(tried)) or 'none'})")
+        raise LookupError(f"no prefill server could take the request (tried {', '.join(sorted(tried)) or 'none'})")
 
     def _count(self, replica: Replica, how: str) -> None:
         self.metrics.requests.labels(replica.url, how).inc()
