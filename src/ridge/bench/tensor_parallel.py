@@ -49,6 +49,8 @@ def measure(args: argparse.Namespace, ranks: int, prompt: list[int]) -> dict:
     from ridge.flags import engine_kwargs
 
     kwargs = {**engine_kwargs(args), "tensor_parallel_size": ranks, "enable_prefix_caching": False}
+    if ranks == 1:  # one process holds every expert: --enable-expert-parallel is the parallel engine's
+        kwargs["enable_expert_parallel"] = False
     if ranks == 1 and not kwargs.get("num_threads"):  # as many threads as one rank of the parallel engine
         from ridge.config import EngineConfig
 

@@ -58,9 +58,9 @@ class TPGroup:
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum tensor over the ranks, in place. Up to GATHER_LIMIT bytes (every decode step's), as an all-gather
-        and a sum here: gloo's all-reduce of a few hundred values took ~1 ms on a 2-core machine, its all-gather a
-        third of that (docs/notes/tensor-parallel.md). Every rank sums the same pieces in the same order, so all
-        hold the same result, as an all-reduce guarantees."""
+        and a sum here: gloo's all-reduce of small messages is several times slower than its all-gather
+        (docs/notes/tensor-parallel.md). Every rank sums the same pieces in the same order, so all hold the same
+        result, as an all-reduce guarantees."""
         start = time.perf_counter()
         if tensor.nbytes <= GATHER_LIMIT:
             pieces = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 
 
@@ -35,16 +36,20 @@ class PrefixBlocks:
         return sum(t.nbytes for t in self.data)
 
 
+def check_config(config: EngineConfig, role: str) -> None:
+    """ValueError naming what keeps an engine of this config from moving cached prefixes (before it loads)."""
+    if not config.enable_prefix_caching:
+        raise ValueError(f"role: {role} moves prefix-cache blocks; enable_prefix_caching must be on")
+    if config.tensor_parallel_size > 1 or config.device != "cpu":
+        raise ValueError(f"role: {role} runs on one CPU process so far (tensor_parallel_size=1, device=cpu)")
+
+
 def check_transferable(engine: LLMEngine) -> None:
     """ValueError naming what keeps this engine from moving cached prefixes."""
-    config, layout = engine.config, engine.kv.layout
-    if engine.kv.cache is None:
-        raise ValueError("role: disaggregated prefill moves prefix-cache blocks; enable_prefix_caching must be on")
+    check_config(engine.config, "disaggregated prefill")
+    layout = engine.kv.layout
     if len(layout.groups) != 1 or layout.has_windows:
         raise ValueError("role: disaggregated prefill of sliding-window or mixed attention layers is not supported yet")
-    if config.tensor_parallel_size > 1 or config.device != "cpu":
-        raise ValueError("role: disaggregated prefill runs on one CPU process so far (tensor_parallel_size=1, "
-                         "device=cpu)")
 
 
 def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from ridge.config import EngineConfig
 from ridge.engine.async_engine import AsyncEngine
 from ridge.engine.engine_core import ExportPrefix, ImportPrefix
-from ridge.engine.kv_transfer import PrefixBlocks
+from ridge.engine.kv_transfer import PrefixBlocks, check_config
 from ridge.serve.protocol import KVTransferParams, RequestError
 
 IMPORT_PATH = "/kv/import"
@@ -32,13 +32,8 @@ def check_role(role: str, config: EngineConfig) -> None:
     """A prefill or decode role the engine config can serve, or ValueError naming what is missing (before loading)."""
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {', '.join(ROLES)}")
-    if role == "both":
-        return
-    if not config.enable_prefix_caching:
-        raise ValueError(f"role: {role} moves a prompt's KV through the prefix cache; enable_prefix_caching must be "
-                         "on")
-    if config.tensor_parallel_size > 1 or config.device != "cpu":
-        raise ValueError(f"role: {role} runs on one CPU process so far (tensor_parallel_size=1, device=cpu)")
+    if role != "both":
+        check_config(config, role)
 
 
 def check_push(role: str, params: KVTransferParams | None, stream: bool) -> None:
