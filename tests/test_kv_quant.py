@@ -99,6 +99,74 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
         assert torch.allclose(out[j], expected, atol=1e-5)
 
 
+@pytest.mark.threaded
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("kernel", [False, True])
+def test_centered_keys_attend_as_the_keys_themselves_and_round_finer(name, kernel, ops):
+    """Keys with a large constant per channel (Qwen2's key biases: a few channels at 20x the rest). Stored less
+    that constant (set_key_centers), a decode and a continuation chunk attend as over the keys themselves, within
+    the rounding of the varying part alone: several times closer to exact attention than the same keys stored
+    whole."""
+    fmt = kv_format(name)
+    torch.manual_seed(1)
+    heads, kv_heads, d, n, bs = 8, 2, 64, 80, 16
+    center = torch.zeros(kv_heads, d)
+    center[:, [5, 30, 37, 62]] = torch.tensor([60.0, -90.0, 45.0, 120.0])
+    k, v = torch.randn(n, kv_heads, d) * 3 + center, torch.randn(n, kv_heads, d)
+    q = torch.randn(6, heads, d) / 4
+    table = torch.randperm(8)[:n // bs]
+    exact = [_attention(q[0], k, v, d**-0.5)] + [_attention(q[1 + j], k[:n - 4 + j], v[:n - 4 + j], d**-0.5)
+                                                 for j in range(5)]
+    errors = []
+    for centers in ({0: center}, {}):
+        backend = QuantizedKVBackend(1, kv_heads, d, 8, bs, torch.float32, "cpu", kv_format=fmt)
+        backend.ops = ops if kernel else None
+        backend.set_key_centers(centers)
+        pos = torch.arange(n)
+        backend.write(0, k, v, table[pos // bs] * bs + pos % bs)
+        decode = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=1,
+                                   decode_block_tables=table[None], decode_context_lens=torch.tensor([n]), prefills=[])
+        backend.prepare(decode)
+        outs = [backend.attend(0, q[:1], None, None, decode)[0]]
+        chunk = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=0,
+                                  decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+                                  decode_context_lens=torch.zeros(0, dtype=torch.long),
+                                  prefills=[PrefillChunk(0, 5, n, table)])
+        backend.prepare(chunk)
+        outs += list(backend.attend(0, q[1:], k[-5:], v[-5:], chunk))
+        errors.append([(outs[0] - exact[0]).abs().max().item(),  # the decode (kernel or torch), the chunk (torch)
+                       max((o - e).abs().max().item() for o, e in zip(outs[1:], exact[1:], strict=True))])
+    # the bound: attention over keys that keep only the varying part's rounding
+    varying = fmt.dequantize(*fmt.quantize(k - center), torch.float32) + center
+    values = fmt.dequantize(*fmt.quantize(v), torch.float32)
+    rounding = [(_attention(q[0], varying, values, d**-0.5) - exact[0]).abs().max().item(),
+                max((_attention(q[1 + j], varying[:n - 4 + j], values[:n - 4 + j], d**-0.5) - exact[1 + j]).abs().max()
+                    .item() for j in range(5))]
+    for centered, whole, bound in zip(*errors, rounding, strict=True):
+        assert centered <= bound + 1e-5, (centered, bound)
+        assert centered * 2 < whole, (centered, whole)
+
+
+def test_a_key_center_is_the_key_bias_as_rotary_turns_it_averaged_over_positions():
+    """Attention.key_center against the rotary path itself: the bias rotated as a key at each position 0..P-1
+    (partial rotary: the unrotated dims keep their bias), averaged; one position is the bias itself."""
+    from ridge.config import ModelConfig
+    from ridge.models.layers import Attention, RotaryEmbedding
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, partial_rotary_factor=0.5)
+    attn = Attention(cfg, 0)
+    torch.nn.init.normal_(attn.qkv.bias)
+    rotary = RotaryEmbedding(cfg.rotary_dim, 100.0, 64)
+    bias_k = attn.qkv.bias.detach()[64:96].view(2, 16)
+    turned = bias_k.expand(40, 2, 16).clone()
+    rotary.step(torch.arange(40)).apply_(turned, 2)
+    assert torch.allclose(attn.key_center(rotary, 40), turned.mean(0), atol=1e-6)
+    assert torch.equal(attn.key_center(rotary, 1), bias_k)
+    assert not torch.allclose(turned.mean(0)[:, :8], bias_k[:, :8], atol=0.1)  # the check can fail
+    assert torch.equal(attn.key_center(rotary, 40)[:, 8:], bias_k[:, 8:])
+
+
 MORE_PROMPTS = ["Name a planet with rings.", "What is the boiling point of water?", "Write a limerick about a cat.",
                 "How do I reverse a list in Python?", "What is photosynthesis?", "Give two synonyms for happy.",
                 "What year did the first moon landing happen?", "Explain recursion to a child."]
@@ -133,11 +201,12 @@ def bf16_cache_tokens(bf16_cache):
 @pytest.mark.parametrize("quantized_cache", ["fp8", "int8"], indirect=True)
 def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near_ties(quantized_cache,
                                                                                       bf16_cache_tokens):
-    """Qwen2.5-Coder-0.5B in bf16, 20 chat prompts, 48 greedy tokens. With an 8-bit cache most answers are the
-    bf16 cache's token for token, and each that is not parts from it at a near-tie: where the bf16 cache's two
-    best tokens were within 0.5 nats (bf16 logits step by 1/16 there). Measured (docs/benchmarks.md): fp8 14,
-    int8 13 of 20 equal; the bf16 cache itself keeps 17 when only the batch changes. int4's answers part at
-    wider margins: its bar is perplexity (docs/notes/kv-compression.md)."""
+    """Qwen2.5-Coder-0.5B in bf16, 20 chat prompts, 48 greedy tokens. With an 8-bit cache (keys centered: the
+    model has key biases) most answers are the bf16 cache's token for token, and each that is not parts from it
+    at a near-tie: where the bf16 cache's two best tokens were within 0.5 nats (bf16 logits step by 1/16 there).
+    Measured (docs/benchmarks.md): fp8 17, int8 14 of 20 equal (uncentered: 14, 13; the issue asks 16), where the
+    bf16 cache itself keeps 17 when only the batch changes; the test leaves an answer of slack for another CPU's
+    near-ties. int4's answers part at wider margins: its bar is perplexity (docs/notes/kv-compression.md)."""
     name = quantized_cache.engine.config.kv_cache_dtype
     from ridge.bench.kv_formats import agreement
 
@@ -146,7 +215,7 @@ def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near
     for parted in result["parted"]:
         assert parted["margin"] < 0.5, f"{name}: parted at token {parted['token']} where bf16's margin was " \
                                        f"{parted['margin']:.3f}"
-    assert result["equal"] >= 12, f"{name}: {result['equal']} of 20 answers equal"
+    assert result["equal"] >= {"fp8": 15, "int8": 13}[name], f"{name}: {result['equal']} of 20 answers equal"
 
 
 def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):

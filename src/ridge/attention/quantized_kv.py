@@ -11,6 +11,14 @@ layout keeps four values in each 32-bit lane, four dims of a token (K) or a dim 
 int4 and everything else (continuation chunks, other CPUs) dequantize what they read (gather) and run the paged
 backend's torch path (SDPA), with codes stored as rows [kv_heads, num_blocks, block_size, code bytes]. Scales:
 [kv_heads, num_blocks, block_size, groups].
+
+Keys are stored less a constant per layer and KV head, their center (set_key_centers): softmax does not change when
+every score of a query moves by the same amount, and q . (k - c) = q . k - q . c moves each of a query's scores by
+q . c, so attention over centered keys is attention over the keys themselves, exactly (up to rounding), while the
+rounding now sees only what varies from key to key. Every key a query reads comes from the cache, centered alike
+(a whole-context prompt chunk reads its own uncentered k, and nothing else). The center is the key bias's mean
+under rotary over the first positions (Attention.key_center): Qwen2's biases put a few slow-turning channels at
+20x the rest, and one scale per row left the others 3-4 bits (docs/notes/kv-compression.md).
 """
 
 from __future__ import annotations
@@ -26,6 +34,12 @@ from ridge.kv.formats import SCALE_DTYPE, KVFormat
 
 log = logging.getLogger("ridge")
 
+# The positions a key center averages the bias's rotation over (or the engine's whole context, if shorter): where
+# most of a cache's keys sit. The slow channels that carry the large biases turn by hundredths of a radian over them
+# and keep their full bias in the center at any length; a faster channel's mean over 32k positions is near zero and
+# centers less of what 4k-token contexts hold (docs/notes/kv-compression.md).
+KEY_CENTER_POSITIONS = 4096
+
 
 class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
@@ -35,11 +49,17 @@ class QuantizedKVBackend(PagedBackend):
         self.format = kv_format
         self.lanes = kv_format.bits == 8  # the kernel's layout (above); int4 keeps rows
         self.kernels: ModuleType | None = None
+        self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)
         kv_format.check(self.head_dim)
         scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
         self.k_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
         self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
+
+    def set_key_centers(self, centers: dict[int, torch.Tensor]) -> None:
+        """The constant taken off each layer's keys before they are rounded (above); a layer without one stores its
+        keys as they are."""
+        self.key_centers = {layer: c.to(self.device, torch.float32) for layer, c in centers.items()}
 
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         scales = {id(t): t for layer in self.k_scales for t in (self.k_scales[layer], self.v_scales[layer])}
@@ -71,7 +91,8 @@ class QuantizedKVBackend(PagedBackend):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
+        center = self.key_centers.get(layer)
+        k_codes, k_scales = self.format.quantize(k if center is None else k.float() - center)  # [T, kv_heads, ...]
         v_codes, v_scales = self.format.quantize(v)
         self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
         self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)

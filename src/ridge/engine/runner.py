@@ -8,7 +8,8 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, make_backend
+from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, QuantizedKVBackend, make_backend
+from ridge.attention.quantized_kv import KEY_CENTER_POSITIONS
 from ridge.config import EngineConfig
 from ridge.engine.cuda_graphs import DecodeGraphs
 from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
@@ -67,6 +68,9 @@ class ModelRunner:
         self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device, kv_format)
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
+        if isinstance(self.backend, QuantizedKVBackend):
+            self.backend.set_key_centers(model.key_centers(min(max_model_len or cfg.max_position_embeddings,
+                                                               KEY_CENTER_POSITIONS)))
         self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,
                                   cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
                        if cfg.ssm_layers else None)

@@ -56,6 +56,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("freqs", torch.polar(torch.full_like(angles, magnitude), angles), persistent=False)
         self.ops: ModuleType | None = None
 
+    def mean_rotation(self, x: torch.Tensor, positions: int) -> torch.Tensor:
+        """x [..., head_dim] rotated as a key at each of positions 0..positions-1 would be, averaged (float32)."""
+        half = self.freqs.shape[-1]
+        out = x.float().clone()
+        z = torch.complex(out[..., :half], out[..., half:2 * half]) * self.freqs[:positions].mean(0)
+        out[..., :half], out[..., half:2 * half] = z.real, z.imag
+        return out
+
     def step(self, positions: torch.Tensor) -> RopeStep:
         # the kernel's view of the table (float pairs): made once a step, not once per layer
         return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops)
@@ -110,6 +118,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
         self.norm_full = cfg.qk_norm_full
+
+    def key_center(self, rotary: RotaryEmbedding, positions: int) -> torch.Tensor | None:
+        """The key bias as rotary turns it, averaged over positions 0..positions-1: [kv_heads, head_dim] float32,
+        the constant a quantized cache takes off every key before rounding it (attention/quantized_kv.py); None
+        where keys have no additive bias after the projection (none, or a k norm after it)."""
+        bias = self.qkv.bias
+        if bias is None or self.k_norm is not None:
+            return None
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return rotary.mean_rotation(bias.detach()[q_size:q_size + kv_size].view(self.num_kv_heads, -1), positions)
 
     def forward(
         self,

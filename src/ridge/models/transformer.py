@@ -50,6 +50,19 @@ class DecoderModel(nn.Module):
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
                              if cfg.rope_local_theta is not None else None)
 
+    def key_centers(self, positions: int) -> dict[int, torch.Tensor]:
+        """Each attention layer's key center over positions 0..positions-1 (Attention.key_center), by layer index;
+        layers whose keys have no bias are left out."""
+        centers = {}
+        for layer in self.layers:
+            if not isinstance(layer.attn, Attention):  # latent attention: a quantized cache refuses it
+                continue
+            rotary = self.rotary_local if layer.local and self.rotary_local is not None else self.rotary
+            center = layer.attn.key_center(rotary, positions)
+            if center is not None:
+                centers[layer.attn.layer_index] = center
+        return centers
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.cfg.embedding_scale:  # sqrt(hidden) rounded to the activations' dtype, as Gemma was trained
