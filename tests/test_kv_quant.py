@@ -12,7 +12,7 @@ from conftest import CHAT_PROMPTS
 from ridge import SamplingParams
 from ridge.attention import AttentionMetadata, PrefillChunk
 from ridge.attention.quantized_kv import QuantizedKVBackend
-from ridge.kv.formats import KV_FORMATS, kv_format
+from ridge.kv.formats import KV_FORMATS, decode_channel_scales, encode_channel_scales, kv_format
 
 FORMATS = list(KV_FORMATS)
 
@@ -39,6 +39,20 @@ def test_int4_packs_two_dims_a_byte_even_dim_low():
     x[0, 0], x[0, 1] = 7.0, -7.0  # scale 1: codes 15 and 1
     codes, scales = fmt.quantize(x)
     assert scales.item() == 1.0 and codes[0, 0].item() == 15 | (1 << 4) and codes[0, 1].item() == 8 | (8 << 4)
+
+
+def _round_trip(fmt, x, block_size=16, keys=False):
+    """Rows [L, kv_heads, d] of one sequence (block by block from row 0) as the cache stores them, written at once:
+    per row, or for a format's keys with channel scales, per channel of each block, its scale a byte."""
+    if not (keys and fmt.key_channels):
+        return fmt.dequantize(*fmt.quantize(x), torch.float32)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], block_size):
+        block = x[start:start + block_size]
+        scales = decode_channel_scales(encode_channel_scales(block.abs().amax(0) / fmt.code_max))
+        out[start:start + block_size] = (block / scales.clamp(min=1e-30)).round().clamp(-fmt.code_max,
+                                                                                       fmt.code_max) * scales
+    return out
 
 
 def _attention(q, k, v, scale):
@@ -81,7 +95,7 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     backend.prepare(meta)
     out = backend.attend(0, q, None, None, meta)
     for i, (k, v) in enumerate(rows):
-        deq_k, deq_v = (fmt.dequantize(*fmt.quantize(x), torch.float32) for x in (k, v))
+        deq_k, deq_v = _round_trip(fmt, k, block_size, keys=True), _round_trip(fmt, v)
         expected = _attention(q[i], deq_k, deq_v, backend.scale)
         assert torch.allclose(out[i], expected, atol=1e-5), (out[i] - expected).abs().max()
     # the longest sequence's last 5 tokens again as a chunk continuing its cached context (causal within)
@@ -93,7 +107,7 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     backend.prepare(meta)
     q5 = torch.randn(5, heads, d)
     out = backend.attend(0, q5, k[-5:], v[-5:], meta)
-    deq_k, deq_v = (fmt.dequantize(*fmt.quantize(x), torch.float32) for x in (k, v))
+    deq_k, deq_v = _round_trip(fmt, k, block_size, keys=True), _round_trip(fmt, v)
     for j in range(5):
         expected = _attention(q5[j], deq_k[:296 + j], deq_v[:296 + j], backend.scale)
         assert torch.allclose(out[j], expected, atol=1e-5)
@@ -137,8 +151,8 @@ def test_centered_keys_attend_as_the_keys_themselves_and_round_finer(name, kerne
         errors.append([(outs[0] - exact[0]).abs().max().item(),  # the decode (kernel or torch), the chunk (torch)
                        max((o - e).abs().max().item() for o, e in zip(outs[1:], exact[1:], strict=True))])
     # the bound: attention over keys that keep only the varying part's rounding
-    varying = fmt.dequantize(*fmt.quantize(k - center), torch.float32) + center
-    values = fmt.dequantize(*fmt.quantize(v), torch.float32)
+    varying = _round_trip(fmt, k - center, bs, keys=True) + center
+    values = _round_trip(fmt, v)
     rounding = [(_attention(q[0], varying, values, d**-0.5) - exact[0]).abs().max().item(),
                 max((_attention(q[1 + j], varying[:n - 4 + j], values[:n - 4 + j], d**-0.5) - exact[1 + j]).abs().max()
                     .item() for j in range(5))]
@@ -146,6 +160,29 @@ def test_centered_keys_attend_as_the_keys_themselves_and_round_finer(name, kerne
         assert centered <= bound + 1e-5, (centered, bound)
         assert centered * 2 < whole, (centered, whole)
 
+
+def test_int4_keys_grow_their_block_s_channel_scales_as_they_arrive():
+    """int4 keys one at a time (decode), larger and larger: each block's channel scale grows with them and the
+    block's earlier keys are requantized to it, so every key stays within one step of its block's final scale
+    (two roundings); a block written whole rounds once (half a step). A block taken afresh from offset 0 starts
+    from its own keys, not the scales its last holder left."""
+    fmt = kv_format("int4")
+    torch.manual_seed(2)
+    bs, n = 16, 40
+    backend = QuantizedKVBackend(1, 2, 64, 4, bs, torch.float32, "cpu", kv_format=fmt)
+    table = torch.tensor([2, 0, 3])
+    k = torch.randn(n, 2, 64) * torch.linspace(1, 10, n).view(n, 1, 1)
+    for t in range(n):
+        backend.write(0, k[t:t + 1], torch.randn(1, 2, 64), table[t // bs:t // bs + 1] * bs + t % bs)
+    stored = backend.gather(0, table)[0].transpose(0, 1)[:n]  # [n, kv_heads, d]
+    final = decode_channel_scales(backend.k_scales[0][:, table]).transpose(0, 1).repeat_interleave(bs, 0)[:n]
+    assert ((stored - k).abs() <= final * 1.0001).all()
+    assert ((stored - k).abs() > final * 0.5001).any()  # some were rounded twice
+    backend.write(0, k * 100, k, table[torch.arange(n) // bs] * bs + torch.arange(n) % bs)  # another holder
+    small = torch.randn(bs, 2, 64)
+    backend.write(0, small, small, table[0] * bs + torch.arange(bs))  # block 2 afresh, whole
+    again = backend.gather(0, table[:1])[0].transpose(0, 1)
+    assert torch.allclose(again, _round_trip(fmt, small, bs, keys=True), atol=1e-6)
 
 def test_a_key_center_is_the_key_bias_as_rotary_turns_it_averaged_over_positions():
     """Attention.key_center against the rotary path itself: the bias rotated as a key at each position 0..P-1

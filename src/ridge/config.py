@@ -193,9 +193,11 @@ class ModelConfig:
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
         row a token, read as both), in dtype or in a quantized format's codes and scales."""
-        tensors = 1 if self.is_mla else 2
-        row = kv_format.row_bytes(self.head_dim) if kv_format is not None else self.head_dim * dtype.itemsize
-        return tensors * self.kv_layout().num_slots * block_size * self.num_kv_heads * row
+        if kv_format is not None:
+            per_head = kv_format.block_bytes(self.head_dim, block_size)
+        else:
+            per_head = (1 if self.is_mla else 2) * block_size * self.head_dim * dtype.itemsize
+        return self.kv_layout().num_slots * self.num_kv_heads * per_head
 
 
 

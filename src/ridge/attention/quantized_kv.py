@@ -30,7 +30,13 @@ import torch
 
 from ridge.attention.backend import AttentionMetadata
 from ridge.attention.paged import PagedBackend
-from ridge.kv.formats import SCALE_DTYPE, KVFormat
+from ridge.kv.formats import (
+    CHANNEL_SCALE_STEPS,
+    SCALE_DTYPE,
+    KVFormat,
+    decode_channel_scales,
+    encode_channel_scales,
+)
 
 log = logging.getLogger("ridge")
 
@@ -52,8 +58,11 @@ class QuantizedKVBackend(PagedBackend):
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)
         kv_format.check(self.head_dim)
+        assert not (kv_format.key_channels and self.lanes), "the 8-bit kernel reads a K scale per row"
         scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
-        self.k_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
+        self.k_scales = (self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
+                                         torch.uint8, self.device) if kv_format.key_channels else
+                         self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device))
         self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
 
     def set_key_centers(self, centers: dict[int, torch.Tensor]) -> None:
@@ -92,10 +101,15 @@ class QuantizedKVBackend(PagedBackend):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         blocks, offsets = slots // self.block_size, slots % self.block_size
         center = self.key_centers.get(layer)
-        k_codes, k_scales = self.format.quantize(k if center is None else k.float() - center)  # [T, kv_heads, ...]
+        k = k.float() if center is None else k.float() - center
         v_codes, v_scales = self.format.quantize(v)
-        self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
-        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
+        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)  # (block, offset) first
+        if self.format.key_channels:
+            self._write_channel_keys(layer, k, blocks, offsets)
+            self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
+            return
+        k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
+        self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)
         if not self.lanes:
             self.k_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_codes)
             self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
@@ -104,6 +118,31 @@ class QuantizedKVBackend(PagedBackend):
         k_view.index_put_((blocks, offsets), k_codes.unflatten(-1, (-1, 4)))
         v_view = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/4, 4, H, d]
         v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
+
+    def _write_channel_keys(self, layer: int, k: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Keys [T, kv_heads, d] (float32) into blocks whose scales are per channel (kv/formats.py): each block this
+        step writes to grows its channel scales to its new keys, its earlier keys requantized where one grew."""
+        codes, scale_bytes = self.k_cache[layer], self.k_scales[layer]  # [H, N, bs, d / 2], [H, N, d]
+        touched, which = torch.unique(blocks, return_inverse=True)
+        # a block's keys before this step's: those below the first offset the step writes (blocks fill in order;
+        # a block written from offset 0 starts afresh, whatever scales its last holder left)
+        first = torch.full_like(touched, self.block_size).scatter_reduce_(0, which, offsets, "amin")
+        held = scale_bytes[:, touched] * (first > 0).view(1, -1, 1)  # [H, U, d]
+        amax = k.new_zeros(len(touched), *k.shape[1:]).scatter_reduce_(0, which.view(-1, 1, 1).expand_as(k), k.abs(),
+                                                                       "amax")
+        wanted = encode_channel_scales(amax.transpose(0, 1) / self.format.code_max)
+        # a scale that grows at least doubles (CHANNEL_SCALE_STEPS bytes), so that the roundings a key takes as its
+        # block fills add up to less than one step of the final scale (1/2 + 1/4 + ...), not one per growth
+        regrown = (wanted > held) & (held > 0)
+        grown = torch.where(regrown, torch.maximum(wanted, (held.int() + CHANNEL_SCALE_STEPS).clamp_(max=255).to(
+            torch.uint8)), torch.maximum(held, wanted))
+        if bool(regrown.any()):
+            ratio = decode_channel_scales(held) / decode_channel_scales(grown)  # 1 where nothing grew
+            earlier = self.format.decode(codes[:, touched]) * ratio.unsqueeze(2)  # [H, U, bs, d]
+            codes[:, touched] = self.format.encode(earlier)
+        scale_bytes[:, touched] = grown
+        scales = decode_channel_scales(grown)[:, which].transpose(0, 1)  # [T, H, d]: each key's block's
+        codes.permute(1, 2, 0, 3).index_put_((blocks, offsets), self.format.encode(k / scales.clamp(min=1e-30)))
 
     def _code_rows(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes of blocks [..., n] as rows [kv_heads, ..., n, block_size, code bytes] (copies in lanes)."""
@@ -117,7 +156,11 @@ class QuantizedKVBackend(PagedBackend):
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim], dequantized."""
         k_codes, v_codes = self._code_rows(layer, block_table)
-        k = self.format.dequantize(k_codes, self.k_scales[layer][:, block_table], self.dtype)
+        if self.format.key_channels:  # [H, ..., n, bs, d] x each block's channel scales
+            scales = decode_channel_scales(self.k_scales[layer][:, block_table]).unsqueeze(-2)
+            k = (self.format.decode(k_codes) * scales).to(self.dtype)
+        else:
+            k = self.format.dequantize(k_codes, self.k_scales[layer][:, block_table], self.dtype)
         v = self.format.dequantize(v_codes, self.v_scales[layer][:, block_table], self.dtype)
         return k.flatten(-3, -2), v.flatten(-3, -2)
 

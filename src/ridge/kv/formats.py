@@ -1,15 +1,21 @@
-"""KV-cache formats (`--kv-cache-dtype`): how one token's K or V row of one head is stored.
+"""KV-cache formats (`--kv-cache-dtype`): how one head's K and V of a token are stored.
 
 `auto` keeps the model's dtype. The quantized formats store a row as codes plus float16 scales, one scale per
 `group` values along the head dim, symmetric (value = code x scale, scale = the group's largest magnitude over
 the code's largest):
   fp8   float8 e4m3 codes (vLLM's fp8), one scale per row (amax / 448)
   int8  one scale per row (amax / 127)
-  int4  two codes a byte, one scale per 32 values (amax / 7)
-A row is written once, when its token enters the cache, and its scales with it: a block that fills token by
-token never requantizes what it holds. So the granularity is per token and head (per 32 values for int4), finer
-than a scale per block and head would be, for 2 bytes a scale: an int8 row of 64 dims takes 66 bytes against
-bf16's 128 (1.94x the tokens), an int4 row 36 (3.56x).
+  int4  two codes a byte, one scale per 32 values (amax / 7) for values; keys per channel (below)
+A row is written once, when its token enters the cache, and its scales with it, so the granularity is per token
+and head (per 32 values for int4), for 2 bytes a scale: an int8 row of 64 dims takes 66 bytes against bf16's
+128 (1.94x the tokens).
+
+int4 keys are scaled per channel of a block instead (KIVI's observation: keys vary by channel, values by token;
+at 4 bits a row's one scale is set by its largest channel and leaves the others a level or two): one scale per
+channel over the block's keys, in a byte (2^(e/8 - 20), rounded up, so nothing clips). A block fills a token at
+a time, so its channel scales grow as keys arrive: a key beyond a scale at least doubles it, and the block's
+earlier keys in that channel are requantized to the new scale (attention/quantized_kv.py); a block written whole
+rounds once. Bytes: 32 codes a key of 64 dims plus 64 scale bytes a block, 36 a value row: 3.56x bf16's tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ from dataclasses import dataclass
 import torch
 
 SCALE_DTYPE = torch.float16
+CHANNEL_SCALE_STEPS = 8  # a channel scale byte e > 0 holds 2^(e / 8 - 20): steps of 9%, 1e-6 to 3,800; 0 holds 0
+CHANNEL_SCALE_BIAS = 20
+
+
+def encode_channel_scales(wanted: torch.Tensor) -> torch.Tensor:
+    """Scales (float, >= 0) -> bytes of the next scale up that a byte holds (so that no value clips)."""
+    e = torch.ceil((torch.log2(wanted.float()) + CHANNEL_SCALE_BIAS) * CHANNEL_SCALE_STEPS).clamp_(1, 255)
+    return torch.where(wanted > 0, e, 0).to(torch.uint8)
+
+
+def decode_channel_scales(e: torch.Tensor) -> torch.Tensor:
+    scales = torch.exp2(e.float() / CHANNEL_SCALE_STEPS - CHANNEL_SCALE_BIAS)
+    return torch.where(e > 0, scales, 0.0)
 
 
 @dataclass(frozen=True)
@@ -27,6 +46,7 @@ class KVFormat:
     bits: int  # per value
     group: int | None  # values per scale; None: one scale for the whole row
     code_max: float  # the largest magnitude a code holds
+    key_channels: bool = False  # keys scaled per channel over a block, one byte a scale (above)
 
     def groups(self, head_dim: int) -> int:
         return 1 if self.group is None else -(-head_dim // self.group)
@@ -37,6 +57,12 @@ class KVFormat:
     def row_bytes(self, head_dim: int) -> int:
         """Bytes of one token's row of one head: its codes and scales."""
         return self.code_bytes(head_dim) + self.groups(head_dim) * SCALE_DTYPE.itemsize
+
+    def block_bytes(self, head_dim: int, block_size: int) -> int:
+        """Bytes of one KV head's block: block_size tokens' K and V codes and their scales."""
+        keys = (block_size * self.code_bytes(head_dim) + head_dim if self.key_channels
+                else block_size * self.row_bytes(head_dim))
+        return keys + block_size * self.row_bytes(head_dim)
 
     def check(self, head_dim: int) -> None:
         if self.group is not None and head_dim % self.group:
@@ -50,32 +76,36 @@ class KVFormat:
         # the scale as stored (float16), so that codes are made against the scale dequantization will use
         scales = (grouped.abs().amax(-1) / self.code_max).to(SCALE_DTYPE).clamp_(min=torch.finfo(SCALE_DTYPE).tiny)
         scaled = grouped / scales.float().unsqueeze(-1)
+        return self.encode(scaled.flatten(-2)), scales
+
+    def encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Values already divided by their scales [..., d] -> codes [..., code_bytes(d)]."""
         if self.name == "fp8":
-            codes = scaled.clamp_(-self.code_max, self.code_max).to(torch.float8_e4m3fn).view(torch.uint8)
-        elif self.bits == 8:
-            codes = scaled.round_().clamp_(-self.code_max, self.code_max).to(torch.int8).view(torch.uint8)
-        else:  # two 4-bit codes a byte, offset to 1..15: the even dim in the low nibble
-            nibbles = (scaled.round_().clamp_(-self.code_max, self.code_max) + 8).to(torch.uint8)
-            pairs = nibbles.flatten(-2).unflatten(-1, (-1, 2))
-            codes = pairs[..., 0] | (pairs[..., 1] << 4)
-        return codes.reshape(*x.shape[:-1], self.code_bytes(d)), scales
+            return scaled.clamp(-self.code_max, self.code_max).to(torch.float8_e4m3fn).view(torch.uint8)
+        if self.bits == 8:
+            return scaled.round().clamp_(-self.code_max, self.code_max).to(torch.int8).view(torch.uint8)
+        # two 4-bit codes a byte, offset to 1..15: the even dim in the low nibble
+        pairs = (scaled.round().clamp_(-self.code_max, self.code_max) + 8).to(torch.uint8).unflatten(-1, (-1, 2))
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [..., code_bytes] -> the values they hold before scaling [..., d], float32."""
+        if self.name == "fp8":
+            return codes.view(torch.float8_e4m3fn).float()
+        if self.bits == 8:
+            return codes.view(torch.int8).float()
+        return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float() - 8
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """codes [..., code_bytes], scales [..., groups] -> values [..., d] in dtype."""
-        if self.name == "fp8":
-            values = codes.view(torch.float8_e4m3fn).float()
-        elif self.bits == 8:
-            values = codes.view(torch.int8).float()
-        else:
-            values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float() - 8
-        grouped = values.unflatten(-1, (scales.shape[-1], -1)) * scales.float().unsqueeze(-1)
+        grouped = self.decode(codes).unflatten(-1, (scales.shape[-1], -1)) * scales.float().unsqueeze(-1)
         return grouped.flatten(-2).to(dtype)
 
 
 KV_FORMATS = {
     "fp8": KVFormat("fp8", 8, None, 448.0),
     "int8": KVFormat("int8", 8, None, 127.0),
-    "int4": KVFormat("int4", 4, 32, 7.0),
+    "int4": KVFormat("int4", 4, 32, 7.0, key_channels=True),
 }
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
