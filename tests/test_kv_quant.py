@@ -239,11 +239,12 @@ def bf16_cache_tokens(bf16_cache):
 def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near_ties(quantized_cache,
                                                                                       bf16_cache_tokens):
     """Qwen2.5-Coder-0.5B in bf16, 20 chat prompts, 48 greedy tokens. With an 8-bit cache (keys centered: the
-    model has key biases) most answers are the bf16 cache's token for token, and each that is not parts from it
-    at a near-tie: where the bf16 cache's two best tokens were within 0.5 nats (bf16 logits step by 1/16 there).
-    Measured (docs/benchmarks.md): fp8 17, int8 14 of 20 equal (uncentered: 14, 13; the issue asks 16), where the
-    bf16 cache itself keeps 17 when only the batch changes; the test leaves an answer of slack for another CPU's
-    near-ties. int4's answers part at wider margins: its bar is perplexity (docs/notes/kv-compression.md)."""
+    model has key biases; int8's scaled per channel) most answers are the bf16 cache's token for token, and each
+    that is not parts from it at a near-tie: where the bf16 cache's two best tokens were within 0.5 nats (bf16
+    logits step by 1/16 there). Measured (docs/benchmarks.md): fp8 17, int8 18 of 20 equal (the issue asks 16;
+    keys per row, uncentered: 14, 13), where the bf16 cache itself keeps 17 when only the batch changes; fp8's bar
+    leaves an answer of slack for another CPU's near-ties. int4's answers part at wider margins: its bar is
+    perplexity (docs/notes/kv-compression.md)."""
     name = quantized_cache.engine.config.kv_cache_dtype
     from ridge.bench.kv_formats import agreement
 
@@ -252,7 +253,7 @@ def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near
     for parted in result["parted"]:
         assert parted["margin"] < 0.5, f"{name}: parted at token {parted['token']} where bf16's margin was " \
                                        f"{parted['margin']:.3f}"
-    assert result["equal"] >= {"fp8": 15, "int8": 13}[name], f"{name}: {result['equal']} of 20 answers equal"
+    assert result["equal"] >= {"fp8": 15, "int8": 16}[name], f"{name}: {result['equal']} of 20 answers equal"
 
 
 def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):

@@ -45,9 +45,10 @@ def test_qwen3_8b_kv_is_2_36_8_128_2_bytes_per_token_5_9_gb_at_40k_147_gb_at_1m(
     assert close(a.kv_bytes(m, "bf16", 40_000), 5.9e9, 0.001)  # 40,000 * 147,456 = 5.898e9
     assert close(a.kv_bytes(m, "bf16", 1_000_000), 147e9, 0.004)  # 1e6 * 147,456 = 147.5e9
     # ridge's quantized rows (kv/formats.py): a byte a value and a float16 scale a row of 128; int4: half a byte
-    # a value and a scale per 32
-    assert a.kv_bytes_per_token(m, "fp8") == a.kv_bytes_per_token(m, "int8") == 2 * 36 * 8 * (128 + 2) == 74_880
-    assert a.kv_bytes_per_token(m, "int4") == 2 * 36 * 8 * (64 + 4 * 2)
+    # a value and a scale per 32; int8 / int4 keys: a byte a channel a block of 16 instead of the row's scales
+    assert a.kv_bytes_per_token(m, "fp8") == 2 * 36 * 8 * (128 + 2) == 74_880
+    assert a.kv_bytes_per_token(m, "int8") == 36 * 8 * ((128 + 128 / 16) + (128 + 2)) == 76_608
+    assert a.kv_bytes_per_token(m, "int4") == 36 * 8 * ((64 + 128 / 16) + (64 + 4 * 2))
 
 
 def test_h100_ridge_point_is_989_tflops_over_3_35_tb_s_295_flop_per_byte():

@@ -1,8 +1,9 @@
 """The paged backend over a quantized KV cache (`--kv-cache-dtype fp8|int8|int4`, kv/formats.py).
 
-Each token's K and V rows are quantized as they enter the cache (write): codes (uint8) and float16 scales, made
-once per row. A prompt chunk that is its sequence's whole context attends to its own K and V before rounding (as
-vLLM's prefill does); everything later reads the rounded rows.
+Each token's K and V rows are quantized as they enter the cache (write): codes (uint8) and scales, values' a
+float16 per row, keys' per row (fp8) or per channel of a block (int8, int4: grown as the block fills). A prompt
+chunk that is its sequence's whole context attends to its own K and V before rounding (as vLLM's prefill does);
+everything later reads the rounded rows.
 
 Decodes of an 8-bit cache (int8, fp8) run in a C++ kernel that widens the codes in registers as it reads them
 (kernels/quantized_attention.cpp), on AVX512 with blocks of 16 and head dims a multiple of 64; that kernel's
@@ -10,7 +11,7 @@ layout keeps four values in each 32-bit lane, four dims of a token (K) or a dim 
   K codes [kv_heads, num_blocks, d / 4, block_size, 4]    V codes [kv_heads, num_blocks, block_size / 4, d, 4]
 int4 and everything else (continuation chunks, other CPUs) dequantize what they read (gather) and run the paged
 backend's torch path (SDPA), with codes stored as rows [kv_heads, num_blocks, block_size, code bytes]. Scales:
-[kv_heads, num_blocks, block_size, groups].
+[kv_heads, num_blocks, block_size, groups] float16; keys per channel [kv_heads, num_blocks, head_dim], a byte each.
 
 Keys are stored less a constant per layer and KV head, their center (set_key_centers): softmax does not change when
 every score of a query moves by the same amount, and q . (k - c) = q . k - q . c moves each of a query's scores by
@@ -58,7 +59,6 @@ class QuantizedKVBackend(PagedBackend):
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)
         kv_format.check(self.head_dim)
-        assert not (kv_format.key_channels and self.lanes), "the 8-bit kernel reads a K scale per row"
         scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
         self.k_scales = (self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
                                          torch.uint8, self.device) if kv_format.key_channels else
@@ -102,27 +102,27 @@ class QuantizedKVBackend(PagedBackend):
         blocks, offsets = slots // self.block_size, slots % self.block_size
         center = self.key_centers.get(layer)
         k = k.float() if center is None else k.float() - center
-        v_codes, v_scales = self.format.quantize(v)
-        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)  # (block, offset) first
         if self.format.key_channels:
             self._write_channel_keys(layer, k, blocks, offsets)
+        else:
+            k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
+            self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
+            if self.lanes:
+                self.k_cache[layer].permute(1, 3, 0, 2, 4).index_put_((blocks, offsets), k_codes.unflatten(-1, (-1, 4)))
+            else:
+                self.k_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_codes)
+        v_codes, v_scales = self.format.quantize(v)
+        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
+        if self.lanes:
+            v_view = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/4, 4, H, d]
+            v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
+        else:
             self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
-            return
-        k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
-        self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)
-        if not self.lanes:
-            self.k_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_codes)
-            self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
-            return
-        k_view = self.k_cache[layer].permute(1, 3, 0, 2, 4)  # [N, bs, H, d/4, 4]
-        k_view.index_put_((blocks, offsets), k_codes.unflatten(-1, (-1, 4)))
-        v_view = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/4, 4, H, d]
-        v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
 
     def _write_channel_keys(self, layer: int, k: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         """Keys [T, kv_heads, d] (float32) into blocks whose scales are per channel (kv/formats.py): each block this
         step writes to grows its channel scales to its new keys, its earlier keys requantized where one grew."""
-        codes, scale_bytes = self.k_cache[layer], self.k_scales[layer]  # [H, N, bs, d / 2], [H, N, d]
+        codes, scale_bytes = self.k_cache[layer], self.k_scales[layer]  # (layout above), [H, N, d]
         touched, which = torch.unique(blocks, return_inverse=True)
         # a block's keys before this step's: those below the first offset the step writes (blocks fill in order;
         # a block written from offset 0 starts afresh, whatever scales its last holder left)
@@ -138,20 +138,31 @@ class QuantizedKVBackend(PagedBackend):
             torch.uint8)), torch.maximum(held, wanted))
         if bool(regrown.any()):
             ratio = decode_channel_scales(held) / decode_channel_scales(grown)  # 1 where nothing grew
-            earlier = self.format.decode(codes[:, touched]) * ratio.unsqueeze(2)  # [H, U, bs, d]
-            codes[:, touched] = self.format.encode(earlier)
+            earlier = self.format.decode(self._key_rows(codes[:, touched])) * ratio.unsqueeze(2)  # [H, U, bs, d]
+            codes[:, touched] = self._key_blocks(self.format.encode(earlier))
         scale_bytes[:, touched] = grown
         scales = decode_channel_scales(grown)[:, which].transpose(0, 1)  # [T, H, d]: each key's block's
-        codes.permute(1, 2, 0, 3).index_put_((blocks, offsets), self.format.encode(k / scales.clamp(min=1e-30)))
+        rows = self.format.encode(k / scales.clamp(min=1e-30))
+        if self.lanes:
+            codes.permute(1, 3, 0, 2, 4).index_put_((blocks, offsets), rows.unflatten(-1, (-1, 4)))
+        else:
+            codes.permute(1, 2, 0, 3).index_put_((blocks, offsets), rows)
+
+    def _key_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """K codes of blocks [H, ..., n, (layout)] as rows [H, ..., n, block_size, code bytes]."""
+        return blocks.transpose(-3, -2).flatten(-2) if self.lanes else blocks
+
+    def _key_blocks(self, rows: torch.Tensor) -> torch.Tensor:
+        """_key_rows' inverse."""
+        return rows.unflatten(-1, (-1, 4)).transpose(-3, -2) if self.lanes else rows
 
     def _code_rows(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes of blocks [..., n] as rows [kv_heads, ..., n, block_size, code bytes] (copies in lanes)."""
         k, v = self.k_cache[layer][:, block_table], self.v_cache[layer][:, block_table]
         if not self.lanes:
             return k, v
-        k = k.transpose(-3, -2).flatten(-2)  # [H, ..., n, d/4, bs, 4] -> [H, ..., n, bs, d]
         v = v.transpose(-2, -1).flatten(-3, -2)  # [H, ..., n, bs/4, d, 4] -> [H, ..., n, bs, d]
-        return k, v
+        return self._key_rows(k), v  # [H, ..., n, d/4, bs, 4] -> [H, ..., n, bs, d]
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim], dequantized."""

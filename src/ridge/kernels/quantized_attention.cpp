@@ -8,6 +8,10 @@
 // a different token (K) or dim (V) and no score needs a horizontal sum. Scales [kv_heads, N, bs] float16, one a
 // row: a score is q . codes times the row's K scale; a row's value weight is its probability times its V scale.
 //
+// Keys scaled per channel of a block instead (key_channels: int8, kv/formats.py): scales [kv_heads, N, d], a byte
+// each (2^(e/8 - 20), 0 for 0). A block's scores are then q times its channel scales, dotted with the codes: the
+// query is scaled once a block, G x d products, against 16 x d for the block's scores.
+//
 // AVX512, block size 16, head_dim a multiple of 64; the backend takes its torch path elsewhere. The task split
 // and the merge are decode_tasks.h's.
 #include <torch/extension.h>
@@ -15,6 +19,9 @@
 #include "decode_tasks.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -42,6 +49,16 @@ inline __m512 scales16(const uint16_t* s) {  // 16 float16 scales
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
 }
 
+// A channel scale's byte as its float (kv/formats.py's decode_channel_scales).
+const std::array<float, 256>& channel_scales() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int e = 1; e < 256; ++e) t[e] = std::exp2(e / 8.0f - 20.0f);
+    return t;
+  }();
+  return table;
+}
+
 // Scores of one K block (16 tokens) for G query heads (q already scaled, [G, d] floats) into
 // scores[g * kPartitionTokens + t], times each token's K scale. `ahead` and `v_here`: the lines of the block
 // after next's K and of this block's V to prefetch (blocks sit at random addresses, out of the hardware
@@ -67,7 +84,7 @@ inline void score_block(const float* q, const uint8_t* kb, const uint16_t* k_sca
       acc[g][3] = _mm512_fmadd_ps(_mm512_set1_ps(qg[3]), k3, acc[g][3]);
     }
   }
-  const __m512 s = scales16(k_scale);
+  const __m512 s = k_scale != nullptr ? scales16(k_scale) : _mm512_set1_ps(1.f);  // none: q carries them
   for (int g = 0; g < G; ++g)
     _mm512_storeu_ps(scores + g * kPartitionTokens,
                      _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]),
@@ -106,19 +123,29 @@ inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task&
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
 }
 
+// k_scales: a float16 per row, or (k_channels) a byte per channel of each block.
 template <Codes C>
-void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const uint16_t* k_scales,
-                      const uint16_t* v_scales, const int64_t* table, const Task& task, const Dims& dims,
-                      float* scores, Partial out) {
+void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const void* k_scales,
+                      bool k_channels, const uint16_t* v_scales, const int64_t* table, const Task& task,
+                      const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
   const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
+  std::vector<float> q_block(k_channels ? group * d : 0);  // q times a block's channel scales
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const uint8_t* kb = k_codes + block(j) * dims.block_elems();
     const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * dims.block_elems() : kb;
     const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
-    const uint16_t* ks = k_scales + block(j) * 16;
+    const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
+    const float* qj = q;
+    if (k_channels) {
+      const uint8_t* bytes = static_cast<const uint8_t*>(k_scales) + block(j) * d;
+      const auto& scale_of = channel_scales();
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < d; ++c) q_block[g * d + c] = q[g * d + c] * scale_of[bytes[c]];
+      qj = q_block.data();
+    }
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* qg = q + g0 * d;
+      const float* qg = qj + g0 * d;
       float* sg = scores + g0 * kPartitionTokens + j * 16;
       const uint8_t* pf = g0 == 0 ? ahead : nullptr;
       switch (std::min<int64_t>(4, group - g0)) {
@@ -153,9 +180,9 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
 }  // namespace
 
 // q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above);
-// k_scales, v_scales: [kv_heads, N, bs] float16; block_tables [B, width], context_lens [B], window_starts [B]
-// (int64) as paged_decode's -> (out [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are
-// e4m3, else int8.
+// k_scales: [kv_heads, N, bs] float16, or [kv_heads, N, d] uint8 (keys per channel); v_scales: [kv_heads, N,
+// bs] float16; block_tables [B, width], context_lens [B], window_starts [B] (int64) as paged_decode's -> (out
+// [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3, else int8.
 std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
     torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales, torch::Tensor v_scales,
     torch::Tensor block_tables, torch::Tensor context_lens, double scale, std::optional<torch::Tensor> window_starts,
@@ -167,15 +194,17 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   TORCH_CHECK(k_codes.dim() == 5 && v_codes.dim() == 5 && k_codes.scalar_type() == torch::kUInt8 &&
                   v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
               "quantized_paged_decode: codes uint8, K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4]");
-  TORCH_CHECK(k_scales.scalar_type() == torch::kHalf && v_scales.scalar_type() == torch::kHalf &&
+  const bool k_channels = k_scales.scalar_type() == torch::kUInt8;
+  TORCH_CHECK((k_channels || k_scales.scalar_type() == torch::kHalf) && v_scales.scalar_type() == torch::kHalf &&
                   k_scales.is_contiguous() && v_scales.is_contiguous(),
-              "quantized_paged_decode: scales float16 [kv_heads, N, bs], contiguous");
+              "quantized_paged_decode: scales float16 [kv_heads, N, bs] (K: or uint8 [kv_heads, N, d]), contiguous");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_codes.size(0), num_blocks = k_codes.size(1), bs = k_codes.size(3);
   TORCH_CHECK(bs == 16 && d % 64 == 0 && k_codes.size(2) * 4 == d && heads % kv_heads == 0,
               "quantized_paged_decode: block size 16, head_dim a multiple of 64, heads a multiple of kv_heads");
-  TORCH_CHECK(k_scales.numel() == kv_heads * num_blocks * bs && v_scales.numel() == k_scales.numel(),
-              "quantized_paged_decode: one scale per row");
+  TORCH_CHECK(k_scales.numel() == kv_heads * num_blocks * (k_channels ? d : bs) &&
+                  v_scales.numel() == kv_heads * num_blocks * bs,
+              "quantized_paged_decode: one scale per row (K: or per channel of a block)");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
@@ -186,7 +215,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   const Dims dims{heads, kv_heads, heads / kv_heads, d, num_blocks, bs};
   const auto* kc = k_codes.data_ptr<uint8_t>();
   const auto* vc = v_codes.data_ptr<uint8_t>();
-  const auto* ks = reinterpret_cast<const uint16_t*>(k_scales.data_ptr<at::Half>());
+  const void* ks = k_scales.data_ptr();
   const auto* vs = reinterpret_cast<const uint16_t*>(v_scales.data_ptr<at::Half>());
   const float softmax_scale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
@@ -198,9 +227,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
                          Partial partial) {
       for (int64_t x = 0; x < dims.group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * softmax_scale;
       if (fp8)
-        attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, vs, table, task, dims, scores, partial);
+        attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
       else
-        attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, vs, table, task, dims, scores, partial);
+        attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
     });
   });
   return {out, lse};

@@ -4,18 +4,19 @@
 `group` values along the head dim, symmetric (value = code x scale, scale = the group's largest magnitude over
 the code's largest):
   fp8   float8 e4m3 codes (vLLM's fp8), one scale per row (amax / 448)
-  int8  one scale per row (amax / 127)
+  int8  one scale per row (amax / 127) for values; keys per channel (below)
   int4  two codes a byte, one scale per 32 values (amax / 7) for values; keys per channel (below)
 A row is written once, when its token enters the cache, and its scales with it, so the granularity is per token
-and head (per 32 values for int4), for 2 bytes a scale: an int8 row of 64 dims takes 66 bytes against bf16's
-128 (1.94x the tokens).
+and head (per 32 values for int4), for 2 bytes a scale: an int8 value row of 64 dims takes 66 bytes.
 
-int4 keys are scaled per channel of a block instead (KIVI's observation: keys vary by channel, values by token;
-at 4 bits a row's one scale is set by its largest channel and leaves the others a level or two): one scale per
-channel over the block's keys, in a byte (2^(e/8 - 20), rounded up, so nothing clips). A block fills a token at
-a time, so its channel scales grow as keys arrive: a key beyond a scale at least doubles it, and the block's
-earlier keys in that channel are requantized to the new scale (attention/quantized_kv.py); a block written whole
-rounds once. Bytes: 32 codes a key of 64 dims plus 64 scale bytes a block, 36 a value row: 3.56x bf16's tokens.
+int8 and int4 keys are scaled per channel of a block instead (KIVI's observation: keys vary by channel, values by
+token; one scale per row is set by the row's largest channel and leaves the others a few levels): one scale per
+channel over the block's keys, in a byte (2^(e/8 - 20), rounded up, so nothing clips). fp8 keeps a scale per row:
+its rounding is relative to each value already. A block fills a token at a time, so its channel scales grow as
+keys arrive: a key beyond a scale at least doubles it, and the block's earlier keys in that channel are requantized
+to the new scale (attention/quantized_kv.py); a block written whole rounds once. Bytes for 64 dims and blocks of
+16: an int8 key 64 codes plus 4 bytes of its block's scales (1.91x bf16's tokens with the value rows), an int4
+key 32 + 4, a value row 36 (3.56x).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class KVFormat:
 
 KV_FORMATS = {
     "fp8": KVFormat("fp8", 8, None, 448.0),
-    "int8": KVFormat("int8", 8, None, 127.0),
+    "int8": KVFormat("int8", 8, None, 127.0, key_channels=True),
     "int4": KVFormat("int4", 4, 32, 7.0, key_channels=True),
 }
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
