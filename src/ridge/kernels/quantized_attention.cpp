@@ -19,8 +19,6 @@
 #include "decode_tasks.h"
 
 #include <algorithm>
-#include <array>
-#include <cmath>
 #include <vector>
 
 namespace {
@@ -49,14 +47,19 @@ inline __m512 scales16(const uint16_t* s) {  // 16 float16 scales
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
 }
 
-// A channel scale's byte as its float (kv/formats.py's decode_channel_scales).
-const std::array<float, 256>& channel_scales() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int e = 1; e < 256; ++e) t[e] = std::exp2(e / 8.0f - 20.0f);
-    return t;
-  }();
-  return table;
+// q [G, d] times a block's channel scales (d bytes, kv/formats.py: 2^(e/8 - 20), 0 for 0) into out [G, d], 16
+// channels a vector: e's whole eighths go into a float's exponent, its remaining eighths come from a table.
+inline void scale_query(const float* q, const uint8_t* scale_bytes, int64_t group, int64_t d, float* out) {
+  const __m512 eighths = _mm512_setr_ps(1.f, 1.0905077f, 1.1892071f, 1.2968396f, 1.4142135f, 1.5422108f, 1.6817929f,
+                                        1.8340081f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_bytes + c)));
+    const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_srli_epi32(e, 3), _mm512_set1_epi32(127 - 20)), 23);
+    const __m512 scale = _mm512_maskz_mul_ps(_mm512_test_epi32_mask(e, e), _mm512_castsi512_ps(power),
+                                             _mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(7)), eighths));
+    for (int64_t g = 0; g < group; ++g)
+      _mm512_storeu_ps(out + g * d + c, _mm512_mul_ps(_mm512_loadu_ps(q + g * d + c), scale));
+  }
 }
 
 // Scores of one K block (16 tokens) for G query heads (q already scaled, [G, d] floats) into
@@ -130,20 +133,16 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
                       const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
   const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
-  std::vector<float> q_block(k_channels ? group * d : 0);  // q times a block's channel scales
+  // keys per channel: each block's query is q times the block's channel scales, all made before the scoring
+  std::vector<float> q_blocks(k_channels ? task.num_blocks * group * d : 0);
+  for (int64_t j = 0; k_channels && j < task.num_blocks; ++j)
+    scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_blocks.data() + j * group * d);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const uint8_t* kb = k_codes + block(j) * dims.block_elems();
     const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * dims.block_elems() : kb;
     const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
     const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
-    const float* qj = q;
-    if (k_channels) {
-      const uint8_t* bytes = static_cast<const uint8_t*>(k_scales) + block(j) * d;
-      const auto& scale_of = channel_scales();
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < d; ++c) q_block[g * d + c] = q[g * d + c] * scale_of[bytes[c]];
-      qj = q_block.data();
-    }
+    const float* qj = k_channels ? q_blocks.data() + j * group * d : q;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const float* qg = qj + g0 * d;
       float* sg = scores + g0 * kPartitionTokens + j * 16;
