@@ -18,18 +18,19 @@ every score of a query moves by the same amount, and q . (k - c) = q . k - q . c
 q . c, so attention over centered keys is attention over the keys themselves, exactly (up to rounding), while the
 rounding now sees only what varies from key to key. Every key a query reads comes from the cache, centered alike
 (a whole-context prompt chunk reads its own uncentered k, and nothing else). The center is the key bias's mean
-under rotary over the first positions (Attention.key_center): Qwen2's biases put a few slow-turning channels at
-20x the rest, and one scale per row left the others 3-4 bits (docs/notes/kv-compression.md).
+under rotary over the first positions (Attention.key_center): biases like Qwen2's make a few channels far larger
+than the rest, and a scale sized for those leaves the others few levels (docs/notes/kv-compression.md).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from ridge.attention.backend import AttentionMetadata
+from ridge.attention.backend import AttentionMetadata, StepMetadata
 from ridge.attention.paged import PagedBackend
 from ridge.kv.formats import (
     CHANNEL_SCALE_STEPS,
@@ -46,6 +47,26 @@ log = logging.getLogger("ridge")
 # and keep their full bias in the center at any length; a faster channel's mean over 32k positions is near zero and
 # centers less of what 4k-token contexts hold (docs/notes/kv-compression.md).
 KEY_CENTER_POSITIONS = 4096
+
+
+@dataclass
+class BlockWrites:
+    """Where a step's keys go, by block: what channel-scaled keys need to grow each block's scales."""
+
+    blocks: torch.Tensor  # [T] each key's block
+    offsets: torch.Tensor  # [T] and offset in it
+    touched: torch.Tensor  # [U] the blocks written, each once
+    which: torch.Tensor  # [T] each key's index into touched
+    continued: torch.Tensor  # [U] whether the block holds keys from earlier steps (below the first offset written)
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, block_size: int) -> BlockWrites:
+        blocks, offsets = slots // block_size, slots % block_size
+        touched, which = torch.unique(blocks, return_inverse=True)
+        # blocks fill in order, so a block's earlier keys are those below the first offset written now; a block
+        # written from offset 0 starts afresh, whatever scales its last holder left
+        first = torch.full_like(touched, block_size).scatter_reduce_(0, which, offsets, "amin")
+        return cls(blocks, offsets, touched, which, first > 0)
 
 
 class QuantizedKVBackend(PagedBackend):
@@ -98,12 +119,25 @@ class QuantizedKVBackend(PagedBackend):
         rows = (num_kv_heads, num_blocks, block_size, self.format.code_bytes(head_dim))
         return rows, rows
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        if self.format.key_channels:  # the same for every layer of the group: worked out once a step
+            meta.backend_state = BlockWrites.of(meta.slot_mapping, self.block_size)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                step: StepMetadata) -> torch.Tensor:
+        meta = step[self.group_of_layer[layer]]
+        self.write(layer, k, v, meta.slot_mapping, meta.backend_state)
+        return self.attend(layer, q, k, v, meta)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              writes: BlockWrites | None = None) -> None:
+        """writes: slots' blocks as prepare() found them (made here when not given)."""
         blocks, offsets = slots // self.block_size, slots % self.block_size
         center = self.key_centers.get(layer)
         k = k.float() if center is None else k.float() - center
         if self.format.key_channels:
-            self._write_channel_keys(layer, k, blocks, offsets)
+            self._write_channel_keys(layer, k, writes or BlockWrites.of(slots, self.block_size))
         else:
             k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
             self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
@@ -119,24 +153,20 @@ class QuantizedKVBackend(PagedBackend):
         else:
             self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
 
-    def _write_channel_keys(self, layer: int, k: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    def _write_channel_keys(self, layer: int, k: torch.Tensor, writes: BlockWrites) -> None:
         """Keys [T, kv_heads, d] (float32) into blocks whose scales are per channel (kv/formats.py): each block this
         step writes to grows its channel scales to its new keys, its earlier keys requantized where one grew."""
         codes, scale_bytes = self.k_cache[layer], self.k_scales[layer]  # (layout above), [H, N, d]
-        touched, which = torch.unique(blocks, return_inverse=True)
-        # a block's keys before this step's: those below the first offset the step writes (blocks fill in order;
-        # a block written from offset 0 starts afresh, whatever scales its last holder left)
-        first = torch.full_like(touched, self.block_size).scatter_reduce_(0, which, offsets, "amin")
-        held = scale_bytes[:, touched] * (first > 0).view(1, -1, 1)  # [H, U, d]
+        touched, which = writes.touched, writes.which
+        held = scale_bytes[:, touched] * writes.continued.view(1, -1, 1)  # [H, U, d]; a fresh block holds none
         amax = k.new_zeros(len(touched), *k.shape[1:]).scatter_reduce_(0, which.view(-1, 1, 1).expand_as(k), k.abs(),
                                                                        "amax")
         wanted = encode_channel_scales(amax.transpose(0, 1) / self.format.code_max)
         # a scale that grows at least doubles (CHANNEL_SCALE_STEPS bytes), so that the roundings a key takes as its
         # block fills add up to less than one step of the final scale (1/2 + 1/4 + ...), not one per growth
-        regrown = (wanted > held) & (held > 0)
-        grown = torch.where(regrown, torch.maximum(wanted, (held.int() + CHANNEL_SCALE_STEPS).clamp_(max=255).to(
-            torch.uint8)), torch.maximum(held, wanted))
-        if bool(regrown.any()):
+        doubled = torch.where(held > 0, (held.int() + CHANNEL_SCALE_STEPS).clamp_(max=255), 0).to(torch.uint8)
+        grown = torch.where(wanted > held, torch.maximum(wanted, doubled), held)
+        if bool(((grown > held) & (held > 0)).any()):  # keys already there, at a scale that grew
             ratio = decode_channel_scales(held) / decode_channel_scales(grown)  # 1 where nothing grew
             earlier = self.format.decode(self._key_rows(codes[:, touched])) * ratio.unsqueeze(2)  # [H, U, bs, d]
             codes[:, touched] = self._key_blocks(self.format.encode(earlier))
@@ -144,9 +174,9 @@ class QuantizedKVBackend(PagedBackend):
         scales = decode_channel_scales(grown)[:, which].transpose(0, 1)  # [T, H, d]: each key's block's
         rows = self.format.encode(k / scales.clamp(min=1e-30))
         if self.lanes:
-            codes.permute(1, 3, 0, 2, 4).index_put_((blocks, offsets), rows.unflatten(-1, (-1, 4)))
+            codes.permute(1, 3, 0, 2, 4).index_put_((writes.blocks, writes.offsets), rows.unflatten(-1, (-1, 4)))
         else:
-            codes.permute(1, 2, 0, 3).index_put_((blocks, offsets), rows)
+            codes.permute(1, 2, 0, 3).index_put_((writes.blocks, writes.offsets), rows)
 
     def _key_rows(self, blocks: torch.Tensor) -> torch.Tensor:
         """K codes of blocks [H, ..., n, (layout)] as rows [H, ..., n, block_size, code bytes]."""

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridge.config import EngineConfig
 from ridge.engine.speculative import expected_tokens
 from ridge.kv.formats import KV_FORMATS
 from ridge.plan.specs import HardwareSpec, LinkSpec, ModelSpec, Workload, dtype_bytes
-
-KV_BLOCK_SIZE = 16  # the engine's default block size (EngineConfig.block_size)
 
 
 @dataclass(frozen=True)
@@ -113,10 +112,11 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
     """What one token of context adds to the cache across all layers (a local layer's too, until its
     window fills): K and V per KV head, or MLA's latent plus its shared rotary key. fp8 / int8 / int4 are
     ridge's quantized caches (kv/formats.py): codes and scales, a block's per-channel key scales shared by its
-    tokens (blocks of ridge's default 16)."""
+    tokens (blocks of the engine's default size)."""
     quantized = KV_FORMATS.get(kv_dtype)
     if quantized is not None and not m.is_mla:
-        per_head = quantized.block_bytes(m.head_dim, KV_BLOCK_SIZE) / KV_BLOCK_SIZE
+        block_size = EngineConfig.block_size
+        per_head = quantized.block_bytes(m.head_dim, block_size) / block_size
         return m.num_kv_heads * per_head * m.num_attention_layers
     rows, row_dim = (1, m.kv_lora_rank + m.qk_rope_head_dim) if m.is_mla else (2 * m.num_kv_heads, m.head_dim)
     row_bytes = quantized.row_bytes(row_dim) if quantized is not None else row_dim * dtype_bytes(kv_dtype)
