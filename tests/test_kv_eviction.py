@@ -1,4 +1,4 @@
-"""KV eviction (sink-window): ridge's tokens against HF transformers attending to exactly the kept tokens, the pool
+"""KV eviction (sink-window, h2o): ridge's tokens against HF transformers attending to exactly the kept tokens, the pool
 flat as a sequence grows, the plain path's tokens until the budget is reached, and the refusals.
 
 The reference: a token's K and V are computed once, in the step that computes it, over the keys its query sees
@@ -84,6 +84,66 @@ def test_greedy_tokens_equal_hf_attending_to_the_kept_tokens(llama, chunk, make_
     assert plain != reference  # eviction changed the answer: the check above could fail
 
 
+def hf_greedy_h2o(model, prompt: list[int], chunk: int, new_tokens: int, budget: int,
+                  recent: int) -> tuple[list[int], list[int]]:
+    """HF's greedy continuation under heavy-hitter eviction, simulated from HF's own attention probabilities: each
+    step's queries see every earlier token whose block is not evicted; a block's mass is the attention it got
+    from every decode query and a chunk's last 32 queries, over layers and heads; after each step the lowest-mass
+    whole blocks before the recent window go while more than `budget` tokens are cached. -> (tokens, the
+    evicted blocks in the order they went)."""
+    from ridge.kv.eviction import OBSERVED_ROWS
+
+    ids, evicted, mass = list(prompt), [], {}
+    total = len(prompt) + new_tokens
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    done = 0
+    while len(ids) < total:
+        n = min(chunk, len(prompt) - done) if done < len(prompt) else 1
+        for q in range(done, done + n):
+            visible[q, :q + 1] = True
+            for b in evicted:
+                visible[q, b * BLOCK:(b + 1) * BLOCK] = False
+        length = done + n
+        mask = torch.zeros(length, length).masked_fill_(~visible[:length, :length], float("-inf"))
+        with torch.no_grad():
+            out = model(torch.tensor([ids[:length]]), attention_mask=mask[None, None], output_attentions=True)
+        observed = range(length - min(n, OBSERVED_ROWS), length)
+        received = sum(layer[0, :, observed].sum(dim=(0, 1)) for layer in out.attentions)
+        for b in range(-(-length // BLOCK)):
+            mass[b] = mass.get(b, 0.0) + float(received[b * BLOCK:(b + 1) * BLOCK].sum())
+        done = length
+        if done >= len(prompt):
+            ids.append(int(out.logits[0, -1].argmax()))
+        cached = done - len(evicted) * BLOCK
+        if cached > budget:
+            kept = [b for b in range(done // BLOCK) if b not in evicted][:(cached - recent) // BLOCK]
+            drop = -(-(cached - budget) // BLOCK)
+            evicted += sorted(sorted(kept, key=lambda b: mass[b])[:drop])
+    return ids[len(prompt):], evicted
+
+
+@pytest.mark.parametrize(("chunk", "path_args"), [
+    (512, {}),  # the prompt in one step; decodes through the fused decode stack
+    (16, {"enforce_eager": True}),  # chunks evicting between them; decodes layer by layer through the kernel
+    (16, {"cpu_kernels": False}),  # torch alone
+])
+def test_h2o_greedy_tokens_equal_hf_evicting_by_its_own_attention(llama, chunk, path_args, make_llm_for_test):
+    """ridge's heavy-hitter run against an HF run that ranks blocks by HF's attention probabilities: the same
+    tokens, and the same number of blocks evicted; not the oldest blocks (the check could fail)."""
+    path, model = llama
+    budget, recent = 48, 16
+    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_eviction="h2o", kv_budget=budget,
+                            kv_recent_tokens=recent, max_num_batched_tokens=chunk, kv_cache_memory="4MiB",
+                            **path_args)
+    prompt = random_prompts(1, VOCAB, 70, 71, seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    reference, evicted = hf_greedy_h2o(model, prompt, chunk, 50, budget, recent)
+    assert out.outputs[0].token_ids == reference
+    assert out.metrics["kv_evicted_tokens"] == len(evicted) * BLOCK
+    oldest_first = list(range(len(evicted)))  # what dropping the oldest blocks (no sinks) would have taken
+    assert evicted != oldest_first
+
+
 def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
     """Between steps a sequence holds its budget's blocks at most, the same at 100 tokens as at 400 (and 8x
     more would not fit this pool); the plain engine's tokens until the budget is first passed."""
@@ -111,7 +171,11 @@ def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
     ({"kv_sink_tokens": 0}, "kv_sink_tokens"),
     ({"speculate": "ngram"}, "kv_eviction"),
     ({"device": "cuda"}, "device"),
-    ({"kv_eviction": "h2o"}, "kv_eviction"),
+    ({"kv_recent_tokens": 16}, "kv_recent_tokens: 16 is for kv_eviction='h2o'"),
+    ({"kv_eviction": "h2o", "kv_sink_tokens": 8}, "kv_sink_tokens: 8 is for kv_eviction='sink-window'"),
+    ({"kv_eviction": "h2o", "kv_budget": 40, "kv_recent_tokens": 36}, "kv_budget: must be at least kv_recent"),
+    ({"kv_eviction": "h2o", "batch_invariant": True}, "kv_eviction: h2o needs batch_invariant=False"),
+    ({"kv_eviction": "h2o", "tensor_parallel_size": 2}, "kv_eviction: h2o needs tensor_parallel_size=1"),
     ({"kv_eviction": "none", "kv_budget": 512}, "kv_budget"),  # a policy's setting with no policy
 ])
 def test_what_eviction_cannot_do_is_refused_by_name(llama, args, field):

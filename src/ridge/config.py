@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ridge.kv.eviction import EVICTION_POLICIES, SinkWindow
+from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.rope_scaling import RopeScaling
@@ -267,12 +267,16 @@ class EngineConfig:
         "tokens in kv_cache_memory, for a little accuracy", choices=KV_CACHE_DTYPES)
     kv_eviction: str = knob(
         "none", "sink-window: each sequence keeps its first --kv-sink-tokens and its most recent tokens, --kv-budget "
-        "in all, and gives the blocks between back as it grows (StreamingLLM; kv/eviction.py): the cache stops "
-        "growing, outputs past the budget change (each response's usage says how many tokens were evicted); "
-        "default none", choices=EVICTION_POLICIES)
-    kv_budget: int = knob(1024, "sink-window: tokens a sequence keeps cached, sinks included (default %(default)s)")
+        "in all, and gives the blocks between back as it grows (StreamingLLM); h2o: it keeps its most recent "
+        "--kv-recent-tokens and, in the rest of --kv-budget, the blocks that received the most attention so far "
+        "(heavy hitters, H2O; a prompt's blocks scored by its last queries, as SnapKV). Either way the cache stops "
+        "growing and outputs past the budget change (each response's usage says how many tokens were evicted; "
+        "kv/eviction.py); default none", choices=EVICTION_POLICIES)
+    kv_budget: int = knob(1024, "sink-window / h2o: tokens a sequence keeps cached (default %(default)s)")
     kv_sink_tokens: int = knob(4, "sink-window: the first tokens always kept (attention sinks), rounded up to whole "
                                   "KV blocks (default %(default)s)")
+    kv_recent_tokens: int | None = knob(
+        None, "h2o: the most recent tokens always kept (default: half of --kv-budget, H2O's split)")
     block_size: int = knob(16, "tokens per KV block (default %(default)s)")
     max_num_batched_tokens: int = knob(
         2048, "token budget of one step; long prompts are chunked to fit (default %(default)s, vLLM's CPU server "
@@ -347,23 +351,35 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
     kv_cache_bytes: int = field(init=False)
     kv_format: KVFormat | None = field(init=False)  # kv_cache_dtype's (None: auto)
-    eviction: SinkWindow | None = field(init=False)  # kv_eviction's (None: none)
+    eviction: Eviction | None = field(init=False)  # kv_eviction's (None: none)
 
-    def _eviction(self) -> SinkWindow | None:
+    def _eviction(self) -> Eviction | None:
         if self.kv_eviction not in EVICTION_POLICIES:
             raise ValueError(f"kv_eviction: {self.kv_eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        # each policy's own knobs: set for a policy that is not on, one is refused, not silently dropped
+        own = {"none": (), "sink-window": ("kv_budget", "kv_sink_tokens"), "h2o": ("kv_budget", "kv_recent_tokens")}
+        for name in ("kv_budget", "kv_sink_tokens", "kv_recent_tokens"):
+            default = EngineConfig.__dataclass_fields__[name].default
+            if name not in own[self.kv_eviction] and getattr(self, name) != default:
+                policies = " or ".join(repr(p) for p, knobs in own.items() if name in knobs)
+                raise ValueError(f"{name}: {getattr(self, name)} is for kv_eviction={policies}, not "
+                                 f"{self.kv_eviction!r}; set that policy with it, or leave it out")
         if self.kv_eviction == "none":
-            for name in ("kv_budget", "kv_sink_tokens"):  # set for a policy that is not on: not silently dropped
-                if getattr(self, name) != EngineConfig.__dataclass_fields__[name].default:
-                    raise ValueError(f"{name}: {getattr(self, name)} is sink-window's; set kv_eviction='sink-window' "
-                                     "with it, or leave it out")
             return None
         if self.speculate is not None:
             raise ValueError(f"kv_eviction: {self.kv_eviction} with speculate={self.speculate!r} is not defined (a "
                              "rejected draft would need evicted blocks back); turn one off")
         self._require(f"kv_eviction: {self.kv_eviction}", "CUDA graphs' steps do not map evicted positions yet",
                       device="cpu")
-        return SinkWindow.from_config(self.kv_sink_tokens, self.kv_budget, self.block_size)
+        if self.kv_eviction == "sink-window":
+            return SinkWindow.from_config(self.kv_sink_tokens, self.kv_budget, self.block_size)
+        why = "h2o ranks blocks by the attention they get, which {} does not report"
+        self._require("kv_eviction: h2o", why.format("a tensor-parallel rank (its own heads only)"),
+                      tensor_parallel_size=1)
+        self._require("kv_eviction: h2o", why.format("batch-invariant mode's kernel path over prompt rows"),
+                      batch_invariant=False)
+        self._require("kv_eviction: h2o", why.format("the reference backend"), attention_backend="paged")
+        return HeavyHitters.from_config(self.kv_recent_tokens, self.kv_budget, self.block_size)
 
     def threads_per_process(self) -> int:
         """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""

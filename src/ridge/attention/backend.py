@@ -45,6 +45,11 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes], the new token included
     prefills: list[PrefillChunk]
     window: int | None = None
+    # Where the runner asks for it (h2o eviction, kv/eviction.py): [sequences of the step, width] float32, zeros,
+    # decodes' rows first, then each chunk's; the backend adds, in every layer, each sequence's attention
+    # probabilities over the blocks of its table (summed over query heads and the tokens of each block) for every
+    # decode query and the last OBSERVED_ROWS queries of each chunk.
+    attention_mass: torch.Tensor | None = None
     # filled by the backend's prepare()
     decode_mask: torch.Tensor | None = None
     sdpa_chunks: list[SdpaChunk] | None = None

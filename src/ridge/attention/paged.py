@@ -31,6 +31,8 @@ from ridge.attention.backend import (
     SdpaChunk,
     window_mask,
 )
+from ridge.attention.mass import block_mass
+from ridge.kv.eviction import OBSERVED_ROWS
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
 # longer one gathers the context for masked SDPA, whose matmuls run faster on long chunks
@@ -65,7 +67,9 @@ class PagedBackend(AttentionBackend):
         if self.ops is not None and meta.num_decodes and not meta.prefills:  # decodes alone: their tables as they are
             self._set_kernel_rows(meta, None, meta.decode_block_tables, meta.decode_context_lens)
             return
-        in_place = self.ops is not None and self.dtype == torch.bfloat16  # the kernel's fast path
+        # the kernel's fast path; with attention mass asked for, chunks go through SDPA, whose observed rows are
+        # scored in torch, and the kernel rows are the decodes, a row a sequence
+        in_place = self.ops is not None and self.dtype == torch.bfloat16 and meta.attention_mass is None
         rows = [torch.arange(meta.num_decodes, device=device)]
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         meta.sdpa_chunks = []
@@ -88,6 +92,7 @@ class PagedBackend(AttentionBackend):
 
     def _all_kernel_rows(self, meta: AttentionMetadata) -> None:
         """Every token of the step a kernel row: the decodes, then each chunk's tokens, in the flat order."""
+        assert meta.attention_mass is None, "kv_eviction: h2o is refused with batch_invariant (config.py)"
         device = meta.slot_mapping.device
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         for chunk in meta.prefills:
@@ -121,7 +126,7 @@ class PagedBackend(AttentionBackend):
             meta.kernel_rows = KernelRows(rows, tables, lens, window_starts=meta.window_starts(lens))
             return
         prefixes = []
-        if self.cascade:
+        if self.cascade and meta.attention_mass is None:  # a prefix attended in torch would earn its blocks no mass
             prefixes, tables, lens = cascade.split_shared_prefixes(tables, lens, self.block_size)
         meta.kernel_rows = KernelRows(rows, tables, lens, prefixes)
 
@@ -131,7 +136,8 @@ class PagedBackend(AttentionBackend):
         if self.ops is None:
             decoded = self._decode(layer, q[:meta.num_decodes], meta) if meta.num_decodes else None
         else:
-            decoded = self._kernel_rows(layer, q, meta.kernel_rows) if meta.kernel_rows is not None else None
+            decoded = (self._kernel_rows(layer, q, meta.kernel_rows, meta.attention_mass)
+                       if meta.kernel_rows is not None else None)
         if not meta.prefills:
             return decoded
         out = torch.empty_like(q)
@@ -141,13 +147,15 @@ class PagedBackend(AttentionBackend):
                 out[:decoded.shape[0]] = decoded
             else:
                 out[rows] = decoded
-        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out)
+        mass = None if meta.attention_mass is None else meta.attention_mass[meta.num_decodes:]
+        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out, mass)
         return out
 
     def _attend_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       chunks: list[SdpaChunk], out: torch.Tensor) -> None:
-        """Prefill chunks through SDPA, each into its rows of `out`."""
-        for sdpa in chunks:
+                       chunks: list[SdpaChunk], out: torch.Tensor, mass: torch.Tensor | None = None) -> None:
+        """Prefill chunks through SDPA, each into its rows of `out`; with `mass` (a row per chunk), the attention
+        mass of each chunk's observed rows added to its row."""
+        for i, sdpa in enumerate(chunks):
             chunk, mask = sdpa.chunk, sdpa.mask
             rows = slice(chunk.start, chunk.start + chunk.length)
             if sdpa.first_block is None:
@@ -159,14 +167,23 @@ class PagedBackend(AttentionBackend):
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
             )
             out[rows] = o[0].transpose(0, 1)
+            if mass is not None:
+                observed = min(chunk.length, OBSERVED_ROWS)
+                visible = mask if mask is not None else window_mask(
+                    torch.arange(chunk.length, device=q.device), torch.arange(chunk.length, device=q.device), None)
+                first = sdpa.first_block or 0
+                received = block_mass(q[rows][-observed:], keys, visible[-observed:], self.scale, self.block_size)
+                mass[i, first:first + received.shape[0]] += received
 
-    def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows) -> torch.Tensor:
+    def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows,
+                     mass: torch.Tensor | None = None) -> torch.Tensor:
         """The decode kernel over every in-place row; each reads the blocks up to its own context length.
         Rows in a shared prefix read only their suffix there; the prefix, attended once for all of them,
-        merges in."""
+        merges in. mass: the step's attention mass, whose first rows are these rows' (no shared prefixes then)."""
         rows = q[:kernel.context_lens.shape[0]] if kernel.rows is None else q[kernel.rows]
         out, lse = self.ops.paged_decode(rows, self.k_cache[layer], self.v_cache[layer], kernel.block_tables,
-                                         kernel.context_lens, self.scale, kernel.window_starts)
+                                         kernel.context_lens, self.scale, kernel.window_starts,
+                                         None if mass is None else mass[:rows.shape[0]])
         for prefix in kernel.shared_prefixes:
             keys, values = self.gather(layer, prefix.block_ids)  # [kv_heads, P, d]
             prefix_out, prefix_lse = cascade.shared_prefix_attention(rows[prefix.rows], keys, values, self.scale)
@@ -180,4 +197,7 @@ class PagedBackend(AttentionBackend):
         k, v = self.gather(layer, meta.decode_block_tables)  # [H, B, L, d]
         qd = q.view(b, self.num_kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        if meta.attention_mass is not None:  # the decodes' rows come first
+            received = block_mass(q.unsqueeze(1), k, meta.decode_mask[0], self.scale, self.block_size)
+            meta.attention_mass[:b, :received.shape[1]] += received
         return o.transpose(0, 1).reshape(b, heads, d)

@@ -211,5 +211,6 @@ class QuantizedKVBackend(PagedBackend):
         out, _ = self.kernels.quantized_paged_decode(
             q, self.k_cache[layer], self.v_cache[layer], self.k_scales[layer], self.v_scales[layer],
             meta.decode_block_tables, meta.decode_context_lens, self.scale,
-            meta.window_starts(meta.decode_context_lens), fp8=self.format.name == "fp8")
+            meta.window_starts(meta.decode_context_lens), fp8=self.format.name == "fp8",
+            mass=None if meta.attention_mass is None else meta.attention_mass[:q.shape[0]])
         return out

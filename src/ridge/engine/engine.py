@@ -297,6 +297,8 @@ class LLMEngine:
             return self._report([])
         started = time.perf_counter()
         out = self.runner.execute(step)
+        if out.attention_mass is not None:  # before the scheduler commits the step (and evicts by it)
+            self.kv.record_attention(step.seqs, out.attention_mass)
         if self.speculation is not None and not stats.prefill_tokens:
             # decoding steps only: a prefill chunk's tokens cost less each than a decode's or a draft's
             self.speculation.target_cost.add(step.total_tokens, time.perf_counter() - started)

@@ -45,6 +45,7 @@ class StepLogits:
     samplers: list[Sequence]
     scored: list[PromptRows]  # prompt rows to score, and their final hidden states (prompt_hidden) in order
     prompt_hidden: torch.Tensor | None = None
+    attention_mass: torch.Tensor | None = None  # with h2o eviction: AttentionMetadata.attention_mass, a row a sequence
 
 
 class ModelRunner:
@@ -52,14 +53,16 @@ class ModelRunner:
         self, model: DecoderModel, backend_name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
-        kv_format: KVFormat | None = None, tensor_parallel: bool = False,
+        kv_format: KVFormat | None = None, tensor_parallel: bool = False, attention_mass: bool = False,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
         num_state_slots: the recurrent-state slots of a model with state-space layers; tensor_parallel: the model
-        is one rank's shard, its layers all-reducing between them (cluster/)."""
+        is one rank's shard, its layers all-reducing between them (cluster/); attention_mass: each step reports
+        the attention its sequences' blocks received (h2o eviction)."""
         cfg = model.cfg
         self.scores_prompts = scores_prompts
+        self.attention_mass = attention_mass
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
@@ -99,7 +102,8 @@ class ModelRunner:
         return cls(model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype, config.device,
                    cpu_ops=cpu_ops, enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
                    max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
-                   kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1)
+                   kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1,
+                   attention_mass=config.eviction is not None and config.eviction.needs_attention_mass)
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
@@ -120,12 +124,13 @@ class ModelRunner:
         meta = inputs.meta
         if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
             hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta[0])
-            return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [])
+            return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [],
+                              attention_mass=meta[0].attention_mass)
         num_sampled = len(inputs.sample_rows)
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, inputs.states)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
-                          hidden[num_sampled:] if inputs.prompt_rows else None)
+                          hidden[num_sampled:] if inputs.prompt_rows else None, meta[0].attention_mass)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
@@ -218,6 +223,9 @@ class ModelRunner:
         width = max((len(s.block_tables[group]) for s in decodes), default=1)
         tables = [s.block_tables[group] + [0] * (width - len(s.block_tables[group])) for s in decodes]
         as_long = {"dtype": torch.long, "device": self.device}
+        mass = None
+        if self.attention_mass:  # a row a sequence, as wide as the longest table
+            mass = torch.zeros(len(step.seqs), max(len(s.block_tables[group]) for s in step.seqs), device=self.device)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, **as_long),
             num_decodes=step.num_decodes,
@@ -225,4 +233,5 @@ class ModelRunner:
             decode_context_lens=torch.tensor([s.num_computed - s.num_evicted + 1 for s in decodes], **as_long),
             prefills=prefills,
             window=window,
+            attention_mass=mass,
         )

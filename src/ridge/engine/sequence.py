@@ -64,10 +64,12 @@ class Sequence:
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
     state_slot: int | None = None  # the recurrent state's slot (state-space layers), set by the KV manager
-    # With KV eviction (kv/eviction.py), set by the KV manager: the tokens after the sinks given back, and the
-    # most ever given back (what usage reports: a recompute after preemption evicts the same tokens again)
+    # With KV eviction (kv/eviction.py), set by the KV manager: the tokens given back, the most ever given back
+    # (what usage reports: a recompute after preemption evicts the same tokens again), and with h2o the attention
+    # each block it holds received, by block id
     num_evicted: int = 0
     max_evicted: int = 0
+    block_mass: dict[int, float] = field(default_factory=dict)
     # Prefix caching: the chained keys of the full blocks hashed so far (they depend on the tokens only, so
     # they survive preemption), how many of the table's blocks were offered to the cache, and the prompt
     # tokens the first admission found cached.

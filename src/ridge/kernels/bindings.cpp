@@ -7,11 +7,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache -> (out, logsumexp)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("window_starts") = py::none());
+        py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("mass") = py::none());
   m.def("quantized_paged_decode", &quantized_paged_decode,
         "paged_decode over int8 / fp8 codes with a float16 scale a row -> (out, logsumexp)", py::arg("q"),
         py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scales"), py::arg("v_scales"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("fp8") = false);
+        py::arg("context_lens"), py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("fp8") = false,
+        py::arg("mass") = py::none());
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; return RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
@@ -87,5 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"));
+           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"),
+           py::arg("mass") = py::none());
 }

@@ -116,7 +116,8 @@ DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, to
 
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                                   torch::Tensor block_tables, torch::Tensor context_lens) const {
+                                   torch::Tensor block_tables, torch::Tensor context_lens,
+                                   std::optional<torch::Tensor> mass) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
   const int64_t rows = x.size(0);
   TORCH_CHECK(positions.numel() == rows && slots.numel() == rows && block_tables.size(0) == rows &&
@@ -143,7 +144,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
       rotary_(qkv, positions, rope_table, heads + kv_heads);
     }
     cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
-    auto attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale));
+    auto attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
+                                                std::nullopt, mass));
     x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
     x = layer.down(silu_mul(layer.gate_up(h)));

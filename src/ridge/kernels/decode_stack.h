@@ -64,9 +64,10 @@ struct DecodeStack {
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
               int64_t kv_heads, int64_t head_dim, double eps, double scale);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
-  // writes each layer's k, v at slots and attends over block_tables up to context_lens (the token included).
+  // writes each layer's k, v at slots and attends over block_tables up to context_lens (the token included);
+  // adds every layer's attention mass per block to `mass` where given (paged_decode's).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor context_lens) const;
+                        torch::Tensor context_lens, std::optional<torch::Tensor> mass) const;
 };
 
 }  // namespace ridge_stack

@@ -46,7 +46,7 @@ class DecodeStack:
         """Embeddings [B, hidden] of a step that serves() -> the final norm's output [B, hidden]."""
         kernel = meta.kernel_rows
         return self.native.forward(embeddings, positions, meta.slot_mapping, kernel.block_tables,
-                                   kernel.context_lens)
+                                   kernel.context_lens, meta.attention_mass)
 
 
 def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None) -> DecodeStack | None:

@@ -13,6 +13,8 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <numeric>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -32,11 +34,13 @@ struct Task {
 };
 
 // Partial softmax state of one task: per query head, the running max, the sum of exp(score - max) and
-// the unnormalized weighted sum of values.
+// the unnormalized weighted sum of values; and, when the caller asks for the attention mass of each block,
+// the sum of exp(score - max) over each of the task's blocks.
 struct Partial {
-  float* max;    // [group]
-  float* denom;  // [group]
-  float* acc;    // [group, d]
+  float* max;         // [group]
+  float* denom;       // [group]
+  float* acc;         // [group, d]
+  float* block_mass;  // [group, kPartitionTokens / block_size], or nullptr: not asked for
 };
 
 // s[t] = exp(s[t] - m) for t < n; returns their sum.
@@ -72,8 +76,9 @@ inline float exp_shifted(float* s, int64_t n, float m) {
 }
 
 // exp(score - max) in place over each query head's `n` scores, the first `skip` masked to 0; records
-// max and sum.
-inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t skip, int64_t group, Partial out) {
+// max and sum, and each block's sum where out.block_mass asks for it.
+inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t skip, int64_t group,
+                            int64_t block_size, Partial out) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
     // finite on purpose: the kernel is built with -ffast-math (no infinities); exp of it is 0
@@ -82,6 +87,10 @@ inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t sk
     for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
     out.max[g] = m;
     out.denom[g] = exp_shifted(s, n, m);
+    if (out.block_mass == nullptr) continue;
+    float* mass = out.block_mass + g * (kPartitionTokens / block_size);
+    for (int64_t first = 0, j = 0; first < n; first += block_size, ++j)
+      mass[j] = std::accumulate(s + first, s + std::min(n, first + block_size), 0.f);
   }
 }
 
@@ -89,10 +98,13 @@ inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t sk
 // attend(q_heads, table, task, scores, q_scratch, partial) on each across the threads, and merge each
 // (row, kv head)'s partials into out [B, heads, d] and lse [B, heads]. q_heads: the task's `group` query
 // heads, [group, d]; scores: [group, kPartitionTokens] floats of scratch, q_scratch: [group, d].
+// mass (or nullptr): [B, mass_stride] floats, to which row b's attention probabilities over the tokens of
+// block j of its table, summed over its query heads, are added at [b, j] (what heavy-hitter eviction ranks
+// blocks by, kv/eviction.py).
 template <typename T, typename Attend>
 void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, const int64_t* lens,
                       const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
-                      const Attend& attend) {
+                      const Attend& attend, float* mass = nullptr, int64_t mass_stride = 0) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
   const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
   std::vector<Task> tasks;
@@ -112,6 +124,7 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
   first_task[batch] = tasks.size();
   const int64_t num_tasks = tasks.size();
   std::vector<float> maxes(num_tasks * group), denoms(num_tasks * group), accs(num_tasks * group * d);
+  std::vector<float> block_masses(mass == nullptr ? 0 : num_tasks * group * part_blocks);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   // Tasks run in the order of the physical block their partition starts at, so that sequences sharing
   // a prefix (a prefix-cache hit, n > 1 samples, beams, the rows of a prefill chunk) read each shared
@@ -134,7 +147,8 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
         const Task& task = tasks[i];
         const T* qh = q + (task.seq * dims.heads + task.head * group) * d;
         const int64_t* table = tables + task.seq * table_width;
-        Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d};
+        Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d,
+                        mass == nullptr ? nullptr : block_masses.data() + i * group * part_blocks};
         attend(qh, table, task, scores.data(), q_scaled.data(), partial);
       }
   });
@@ -160,6 +174,12 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
           }
           const int64_t row = b * dims.heads + h * group + g;
           lse[row] = m + logf(denom);
+          for (int64_t p = i; mass != nullptr && p < last; ++p) {  // the partials' block sums, normalized
+            const float w = expf(maxes[p * group + g] - m) / denom;
+            const float* sums = block_masses.data() + (p * group + g) * part_blocks;
+            float* row_mass = mass + b * mass_stride + tasks[p].first_block;
+            for (int64_t j = 0; j < tasks[p].num_blocks; ++j) row_mass[j] += w * sums[j];
+          }
           T* dst = out + row * d;
           const float inv = 1.f / denom;
           for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(merged[x] * inv);
@@ -168,5 +188,15 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
   });
 }
 
+// A kernel's optional `mass` argument checked against its rows' block tables: (data, row stride), or (nullptr,
+// 0) when none was given.
+inline std::pair<float*, int64_t> mass_rows(const std::optional<torch::Tensor>& mass, int64_t batch,
+                                            int64_t table_width) {
+  if (!mass.has_value()) return {nullptr, 0};
+  TORCH_CHECK(mass->scalar_type() == torch::kFloat32 && mass->dim() == 2 && mass->size(0) == batch &&
+                  mass->size(1) >= table_width && mass->stride(1) == 1,
+              "mass: float32 [B, >= block table width], its rows dense");
+  return {mass->data_ptr<float>(), mass->stride(0)};
+}
 
 }  // namespace ridge_decode

@@ -9,11 +9,12 @@
 
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           std::optional<torch::Tensor> window_starts = std::nullopt);
+                           std::optional<torch::Tensor> window_starts = std::nullopt,
+                           std::optional<torch::Tensor> mass = std::nullopt);
 std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
     torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales, torch::Tensor v_scales,
     torch::Tensor block_tables, torch::Tensor context_lens, double scale, std::optional<torch::Tensor> window_starts,
-    bool fp8);
+    bool fp8, std::optional<torch::Tensor> mass = std::nullopt);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);

@@ -53,7 +53,7 @@ void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int6
     }
   }
   for (int64_t i = 0; i < group * kPartitionTokens; ++i) scores[i] *= scale;
-  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   std::fill(out.acc, out.acc + group * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t block = table[task.first_block + t / bs], offset = t % bs;
@@ -165,7 +165,7 @@ void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16
       }
     }
   }
-  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
     std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + task.num_blocks * 16, 0.f);
   for (int64_t c = 0; c < d; c += 64)
@@ -221,7 +221,7 @@ void attend_partition_f32(const float* q, const float* k_cache, const float* v_c
       }
     }
   }
-  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
     std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + (n + 1) / 2 * 2, 0.f);
   for (int64_t g = 0; g < group; ++g) {
@@ -243,7 +243,7 @@ void attend_partition_f32(const float* q, const float* k_cache, const float* v_c
 template <typename T>
 void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables, int64_t table_width,
             const int64_t* lens, const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
-            float scale) {
+            float scale, std::pair<float*, int64_t> mass) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
   run_decode_tasks(q, tables, table_width, lens, starts, out, lse, batch, dims,
                    [&](const T* qh, const int64_t* table, const Task& task, float* scores, float* q_scaled,
@@ -267,7 +267,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
     }
 #endif
     attend_partition(qh, k_cache, v_cache, table, task, dims, scale, scores, partial);
-  });
+  }, mass.first, mass.second);
 }
 
 }  // namespace
@@ -277,9 +277,11 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 // sliding window), or none: every key -> (out [B, heads, d], lse [B, heads] float32), lse the natural log of
 // each query head's softmax denominator over its scaled scores, for merging this attention with another
 // over more keys (cascade attention over a shared prefix). Blocks before a row's window are never read.
+// mass: float32 [B, >= width] or none: each row's attention probabilities, summed over its query heads and
+// the tokens of each block of its table, are added to it (decode_tasks.h).
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           std::optional<torch::Tensor> window_starts) {
+                           std::optional<torch::Tensor> window_starts, std::optional<torch::Tensor> mass) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5,
               "paged_decode: q [B, heads, d]; K [kv_heads, N, d/2, bs, 2]; V [kv_heads, N, bs/2, d, 2]");
@@ -304,10 +306,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   TORCH_CHECK(block_size % 2 == 0 && block_size <= kPartitionTokens, "paged_decode: block size must be even, <= ",
               kPartitionTokens);
   const Dims dims{heads, kv_heads, heads / kv_heads, head_dim, num_blocks, block_size};
+  const auto mass_out = mass_rows(mass, q.size(0), block_tables.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                      block_tables.data_ptr<int64_t>(), block_tables.size(1), context_lens.data_ptr<int64_t>(),
-                     starts.defined() ? starts.data_ptr<int64_t>() : nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims, static_cast<float>(scale));
+                     starts.defined() ? starts.data_ptr<int64_t>() : nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims, static_cast<float>(scale),
+                     mass_out);
   });
   return {out, lse};
 }

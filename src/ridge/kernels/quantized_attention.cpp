@@ -158,7 +158,7 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
       }
     }
   }
-  softmax_partial(scores, kPartitionTokens, n, task.skip, group, out);
+  softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   for (int64_t g = 0; g < group; ++g) {  // the unused tokens of a final quad must add nothing
     float* p = scores + g * kPartitionTokens;
     std::fill(p + n, p + task.num_blocks * 16, 0.f);
@@ -184,11 +184,11 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
 // q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above);
 // k_scales: [kv_heads, N, bs] float16, or [kv_heads, N, d] uint8 (keys per channel); v_scales: [kv_heads, N,
 // bs] float16; block_tables [B, width], context_lens [B], window_starts [B] (int64) as paged_decode's -> (out
-// [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3, else int8.
+// [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3, else int8. mass: as paged_decode's.
 std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
     torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales, torch::Tensor v_scales,
     torch::Tensor block_tables, torch::Tensor context_lens, double scale, std::optional<torch::Tensor> window_starts,
-    bool fp8) {
+    bool fp8, std::optional<torch::Tensor> mass) {
 #if !defined(__AVX512F__)
   TORCH_CHECK(false, "quantized_paged_decode: needs AVX512 (the backend's torch path runs elsewhere)");
 #else
@@ -220,6 +220,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   const void* ks = k_scales.data_ptr();
   const auto* vs = reinterpret_cast<const uint16_t*>(v_scales.data_ptr<at::Half>());
   const float softmax_scale = static_cast<float>(scale);
+  const auto mass_out = mass_rows(mass, batch, block_tables.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
                                   "quantized_paged_decode", [&] {
     run_decode_tasks(q.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
@@ -232,7 +233,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
         attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
       else
         attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
-    });
+    }, mass_out.first, mass_out.second);
   });
   return {out, lse};
 #endif

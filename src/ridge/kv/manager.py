@@ -20,10 +20,11 @@ never written (no copy-on-write is needed). A hit of L blocks needs, in a full g
 (vLLM's rule): the hit is the longest L every group can serve. Each group caches its own blocks, under
 the same content keys tagged with the group.
 
-Eviction (kv/eviction.py, sink-window): commit() drops the oldest blocks after the sinks once a sequence holds
-more than its budget, deleting them from its tables (not nulling them: the kept tokens stay contiguous, and
-`num_evicted` maps a position to its index there). Only blocks computed before a sequence's first eviction are
-offered to the prefix cache: later ones were computed over a cache with holes.
+Eviction (kv/eviction.py): commit() drops the blocks the policy picks (sink-window: the oldest after the sinks;
+h2o: those with the least attention mass) once a sequence holds more than its budget, deleting them from its
+tables (not nulling them: the kept blocks stay side by side, and `num_evicted` maps the next position to its index
+there). Only blocks computed before a sequence's first eviction are offered to the prefix cache: later ones were
+computed over a cache with holes.
 
 Recurrent state (kv/state_cache.py): a model with state-space layers also needs one state slot per running
 sequence, taken with its first blocks and given back with them. Such a manager has no prefix cache: a state
@@ -36,8 +37,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+import torch
+
 from ridge.kv.block_pool import BlockPool
-from ridge.kv.eviction import SinkWindow
+from ridge.kv.eviction import Eviction
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.kv.state_cache import StateSlots
@@ -52,8 +55,9 @@ class Sequence(Protocol):
     params: SamplingParams
     block_tables: list[list[int]]  # one per KV group
     num_computed: int
-    num_evicted: int  # positions after the sinks whose blocks eviction gave back
+    num_evicted: int  # positions whose blocks eviction gave back
     max_evicted: int
+    block_mass: dict[int, float]  # h2o: the attention each block it holds received, by block id
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
     num_registered: int  # how many of each table's blocks were offered to the prefix cache
     state_slot: int | None  # its recurrent state's slot, while it holds one
@@ -62,7 +66,7 @@ class Sequence(Protocol):
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0,
-                 eviction: SinkWindow | None = None) -> None:
+                 eviction: Eviction | None = None) -> None:
         """num_state_slots: sequences that can hold a recurrent state at once (0: the model has none)."""
         self.layout = layout or kv_layout([None])
         self.windows = [group.window for group in self.layout.groups]
@@ -239,13 +243,22 @@ class KVManager:
             if window is not None:
                 self._drop(seq.block_tables[g], self.first_live_block(g, before),
                            self.first_live_block(g, seq.num_computed))
-        if self.eviction is not None and (drop := self.eviction.blocks_to_evict(seq.num_computed - seq.num_evicted)):
-            first = self.eviction.sink_blocks
+        if self.eviction is not None and self.eviction.blocks_to_evict(cached := seq.num_computed - seq.num_evicted):
+            victims = self.eviction.victims(cached, seq.block_tables[0], seq.block_mass)
             for table in seq.block_tables:
-                self.pool.release(table[first:first + drop])
-                del table[first:first + drop]
-            seq.num_evicted += drop * self.block_size
+                self.pool.release(table[i] for i in victims)
+                for i in reversed(victims):
+                    seq.block_mass.pop(table[i], None)
+                    del table[i]
+            seq.num_evicted += len(victims) * self.block_size
             seq.max_evicted = max(seq.max_evicted, seq.num_evicted)
+
+    def record_attention(self, seqs: list[Sequence], mass: torch.Tensor) -> None:
+        """A step's attention mass [len(seqs), width] (attention/backend.py's AttentionMetadata.attention_mass),
+        row i over the blocks of seqs[i]'s table as the step read it, added to what each block received."""
+        for seq, row in zip(seqs, mass.tolist(), strict=True):
+            for block, received in zip(seq.block_tables[0], row, strict=False):
+                seq.block_mass[block] = seq.block_mass.get(block, 0.0) + received
 
     def _drop(self, table: list[int], start: int, end: int) -> None:
         for i in range(start, min(end, len(table))):
@@ -284,6 +297,8 @@ class KVManager:
         for table in seq.block_tables:
             if len(table) > keep:
                 self.pool.release(table[keep:])
+                for block in table[keep:]:
+                    seq.block_mass.pop(block, None)
                 del table[keep:]
 
     def free(self, seq: Sequence) -> None:
@@ -295,6 +310,7 @@ class KVManager:
             seq.state_slot = None
         seq.block_tables = self.empty_tables()
         seq.num_computed = seq.num_registered = seq.num_evicted = 0
+        seq.block_mass.clear()
 
     @contextmanager
     def scratch(self, num_tokens: int) -> Iterator[tuple[list[list[int]], int | None]]:
