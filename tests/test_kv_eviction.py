@@ -144,12 +144,13 @@ def test_h2o_greedy_tokens_equal_hf_evicting_by_its_own_attention(llama, chunk, 
     assert evicted != oldest_first
 
 
-def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
+@pytest.mark.parametrize("policy", [{"kv_eviction": "sink-window"},
+                                    {"kv_eviction": "h2o", "kv_cache_dtype": "int8"}])  # over a quantized cache
+def test_the_pool_stays_flat_as_a_generation_grows(llama, policy, make_llm_for_test):
     """Between steps a sequence holds its budget's blocks at most, the same at 100 tokens as at 400 (and 8x
     more would not fit this pool); the plain engine's tokens until the budget is first passed."""
     path, _ = llama
-    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_eviction="sink-window", kv_budget=64,
-                            kv_cache_memory="4MiB")
+    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_budget=64, kv_cache_memory="4MiB", **policy)
     engine = llm.engine
     prompt = random_prompts(1, VOCAB, 20, 21, seed=4)[0]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -161,7 +162,8 @@ def test_the_pool_stays_flat_as_a_generation_grows(llama, make_llm_for_test):
         held.append(engine.kv.num_blocks - engine.kv.num_free)
     assert len(tokens) == 400 and max(held) == 64 // BLOCK
     assert set(held[100:-1]) == {64 // BLOCK}  # 57 to 64 tokens cached after each step (the last frees them)
-    plain = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB")
+    plain = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_cache_memory="4MiB",
+                              kv_cache_dtype=policy.get("kv_cache_dtype", "auto"))
     alone = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=44, ignore_eos=True))[0]
     assert tokens[:44] == alone.outputs[0].token_ids  # 20 + 44 = 64 tokens: nothing evicted yet
 

@@ -67,9 +67,9 @@ def _attention(q, k, v, scale):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("block_size,kernel", [(8, False), (16, False), (16, True), (32, False)])
 def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, kernel, ops):
-    """Three sequences of 1 to 300 tokens written in scattered blocks; their decodes (through torch, or ridge's
-    kernel over int8 / fp8 codes) and a continuation chunk equal attention over the dequantized rows, within
-    float32 rounding."""
+    """Three sequences of 1 to 300 tokens written in scattered blocks, each row as its format rounds it; their
+    decodes (through torch, or ridge's kernel over int8 / fp8 codes) and a continuation chunk equal attention over
+    the dequantized rows, within float32 rounding."""
     fmt = kv_format(name)
     torch.manual_seed(0)
     heads, kv_heads, d = 8, 2, 64
@@ -94,9 +94,14 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
         decode_context_lens=torch.tensor(lengths), prefills=[])
     backend.prepare(meta)
     out = backend.attend(0, q, None, None, meta)
+    stored = []
     for i, (k, v) in enumerate(rows):
-        deq_k, deq_v = _round_trip(fmt, k, block_size, keys=True), _round_trip(fmt, v)
-        expected = _attention(q[i], deq_k, deq_v, backend.scale)
+        keys, values = (x.transpose(0, 1)[:len(k)] for x in backend.gather(0, tables[i]))  # as the cache holds them
+        # each row as the format rounds it (the torch write, or the C++ one where the kernel runs)
+        for held, written in ((keys, _round_trip(fmt, k, block_size, keys=True)), (values, _round_trip(fmt, v))):
+            assert torch.equal(held, written)
+        stored.append((keys, values))
+        expected = _attention(q[i], keys, values, backend.scale)
         assert torch.allclose(out[i], expected, atol=1e-5), (out[i] - expected).abs().max()
     # the longest sequence's last 5 tokens again as a chunk continuing its cached context (causal within)
     k, v = rows[2]
@@ -107,10 +112,10 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     backend.prepare(meta)
     q5 = torch.randn(5, heads, d)
     out = backend.attend(0, q5, k[-5:], v[-5:], meta)
-    deq_k, deq_v = _round_trip(fmt, k, block_size, keys=True), _round_trip(fmt, v)
+    deq_k, deq_v = stored[2]
     for j in range(5):
         expected = _attention(q5[j], deq_k[:296 + j], deq_v[:296 + j], backend.scale)
-        assert torch.allclose(out[j], expected, atol=1e-5)
+        assert torch.allclose(out[j], expected, atol=1e-5), (out[j] - expected).abs().max()
 
 
 @pytest.mark.threaded
@@ -183,6 +188,35 @@ def test_int4_keys_grow_their_block_s_channel_scales_as_they_arrive():
     backend.write(0, small, small, table[0] * bs + torch.arange(bs))  # block 2 afresh, whole
     again = backend.gather(0, table[:1])[0].transpose(0, 1)
     assert torch.allclose(again, _round_trip(fmt, small, bs, keys=True), atol=1e-6)
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_the_kernel_s_cache_write_stores_the_torch_write_s_bytes(name, ops):
+    """The C++ write (where the decode kernel runs; the fused decode stack's) against the torch write: a prompt
+    chunk into fresh blocks, then keys one at a time growing past their blocks' channel scales, with a key center:
+    every code and scale byte equal."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("the kernel runs with AVX512 only; elsewhere the torch write is the only one")
+    torch.manual_seed(4)
+    bs, n, heads, d = 16, 60, 2, 64
+    fmt = kv_format(name)
+    backends = [QuantizedKVBackend(1, heads, d, 8, bs, torch.bfloat16, "cpu", kv_format=fmt) for _ in range(2)]
+    backends[1].ops = ops
+    assert backends[0].kernels is None and backends[1].kernels is not None
+    center = {0: torch.randn(heads, d)}
+    k = (torch.randn(n, heads, d) * torch.linspace(1, 8, n).view(n, 1, 1) + 3).to(torch.bfloat16)
+    v = torch.randn(n, heads, d).to(torch.bfloat16)
+    table = torch.tensor([5, 1, 7, 2])
+    slots = table[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    for backend in backends:
+        backend.set_key_centers(center)
+        backend.write(0, k[:20], v[:20], slots[:20])  # a chunk: block 5 whole, block 1 from offset 0
+        for t in range(20, n):  # decodes: one key at a time
+            backend.write(0, k[t:t + 1], v[t:t + 1], slots[t:t + 1])
+    torch_write, kernel_write = backends
+    for tensors in ("k_cache", "v_cache", "k_scales", "v_scales"):  # ties too: the C++ divides as IEEE does
+        expected, got = getattr(torch_write, tensors)[0][:, table], getattr(kernel_write, tensors)[0][:, table]
+        assert torch.equal(expected.view(torch.uint8), got.view(torch.uint8)), tensors
+
 
 def test_a_key_center_is_the_key_bias_as_rotary_turns_it_averaged_over_positions():
     """Attention.key_center against the rotary path itself: the bias rotated as a key at each position 0..P-1

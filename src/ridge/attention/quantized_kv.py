@@ -1,7 +1,8 @@
 """The paged backend over a quantized KV cache (`--kv-cache-dtype fp8|int8|int4`, kv/formats.py).
 
 Each token's K and V rows are quantized as they enter the cache (write): codes (uint8) and scales, values' a
-float16 per row, keys' per row (fp8) or per channel of a block (int8, int4: grown as the block fills). A prompt
+float16 per row, keys' per row (fp8) or per channel of a block (int8, int4: grown as the block fills); in C++
+where the decode kernel runs (quantized_cache_write_, the same rounding in one pass), else in torch. A prompt
 chunk that is its sequence's whole context attends to its own K and V before rounding (as vLLM's prefill does);
 everything later reads the rounded rows.
 
@@ -30,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention.backend import AttentionMetadata, StepMetadata
+from ridge.attention.backend import AttentionMetadata, KernelRows, StepMetadata
 from ridge.attention.paged import PagedBackend
 from ridge.kv.formats import (
     CHANNEL_SCALE_STEPS,
@@ -120,9 +121,16 @@ class QuantizedKVBackend(PagedBackend):
         return rows, rows
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        super().prepare(meta)
-        if self.format.key_channels:  # the same for every layer of the group: worked out once a step
-            meta.backend_state = BlockWrites.of(meta.slot_mapping, self.block_size)
+        if self.kernels is None:
+            super().prepare(meta)
+            if self.format.key_channels:  # the same for every layer of the group: worked out once a step
+                meta.backend_state = BlockWrites.of(meta.slot_mapping, self.block_size)
+            return
+        # decodes through the kernel, as kernel rows (what the fused decode stack serves); chunks through SDPA
+        if meta.num_decodes:
+            meta.kernel_rows = KernelRows(None, meta.decode_block_tables, meta.decode_context_lens,
+                                          window_starts=meta.window_starts(meta.decode_context_lens))
+        meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in meta.prefills]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 step: StepMetadata) -> torch.Tensor:
@@ -133,8 +141,12 @@ class QuantizedKVBackend(PagedBackend):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               writes: BlockWrites | None = None) -> None:
         """writes: slots' blocks as prepare() found them (made here when not given)."""
-        blocks, offsets = slots // self.block_size, slots % self.block_size
         center = self.key_centers.get(layer)
+        if self.kernels is not None:  # the same rounding in C++, in one pass (the fused decode stack's write)
+            self.kernels.quantized_cache_write_(self.k_cache[layer], self.v_cache[layer], self.k_scales[layer],
+                                                self.v_scales[layer], k, v, slots, center, self.format.name == "fp8")
+            return
+        blocks, offsets = slots // self.block_size, slots % self.block_size
         k = k.float() if center is None else k.float() - center
         if self.format.key_channels:
             self._write_channel_keys(layer, k, writes or BlockWrites.of(slots, self.block_size))
@@ -208,9 +220,9 @@ class QuantizedKVBackend(PagedBackend):
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.kernels is None:
             return super()._decode(layer, q, meta)
+        kernel = meta.kernel_rows
         out, _ = self.kernels.quantized_paged_decode(
             q, self.k_cache[layer], self.v_cache[layer], self.k_scales[layer], self.v_scales[layer],
-            meta.decode_block_tables, meta.decode_context_lens, self.scale,
-            meta.window_starts(meta.decode_context_lens), fp8=self.format.name == "fp8",
+            kernel.block_tables, kernel.context_lens, self.scale, kernel.window_starts, fp8=self.format.name == "fp8",
             mass=None if meta.attention_mass is None else meta.attention_mass[:q.shape[0]])
         return out

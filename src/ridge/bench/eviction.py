@@ -1,11 +1,11 @@
 """`ridge bench eviction`: the KV a long generation holds, and its time per token, with and without eviction.
 
-One request generates --tokens tokens on an engine with --kv-eviction sink-window (--kv-budget, --kv-sink-tokens);
-every --every tokens the KV memory it holds (its blocks, counted in the pool) and the time per token over the last
-interval are read. The plain engine (no eviction) holds the whole context: at each of --plain-at contexts a
-prompt of that many tokens is prefilled (untimed) and --steps decode steps timed, the same two figures read.
-The two engines' --kv-eviction is the command's own (sink-window, then none); every other engine flag applies
-to both (--kv-cache-dtype, --kv-budget, --kv-sink-tokens...), the prefix cache off. The question it answers: does
+One request generates --tokens tokens on an engine with the command's --kv-eviction (sink-window when not given;
+or h2o) and its --kv-budget, --kv-sink-tokens / --kv-recent-tokens; every --every tokens the KV memory it holds
+(its blocks, counted in the pool) and the time per token over the last interval are read. The plain engine (no
+eviction) holds the whole context: at each of --plain-at contexts a prompt of that many tokens is prefilled
+(untimed) and --steps decode steps timed, the same two figures read. Every other engine flag applies to both
+(--kv-cache-dtype...), the prefix cache off. The question it answers: does
 eviction keep a growing generation's memory and step time flat, and what would the same context cost without
 it. What eviction does to the answers is `ridge eval needle` / `ridge eval ppl`'s question, not this one's.
 """
@@ -73,29 +73,34 @@ def _block_bytes(engine) -> int:
 def cmd_eviction(args: argparse.Namespace) -> int:
     from ridge import LLM
     from ridge.config import EngineConfig
-
-    # the plain engine takes no eviction settings (EngineConfig refuses them without a policy)
-    no_eviction = {name: EngineConfig.__dataclass_fields__[name].default for name in ("kv_budget", "kv_sink_tokens")}
     from ridge.flags import engine_kwargs
 
+    # the plain engine takes no eviction settings (EngineConfig refuses them without a policy)
+    settings = ("kv_budget", "kv_sink_tokens", "kv_recent_tokens")
+    no_eviction = {name: EngineConfig.__dataclass_fields__[name].default for name in settings}
     kwargs = {**engine_kwargs(args), "enable_prefix_caching": False}
     kwargs["max_model_len"] = max(args.tokens + 64, max(args.plain_at) + args.steps + 2)
-    evicting = LLM(args.model, progress=not args.json, **{**kwargs, "kv_eviction": "sink-window"})
-    print(f"[bench] generating {args.tokens} tokens with sink-window eviction ...", file=sys.stderr)
-    rows = {"sink-window": evicting_run(evicting.engine, args.tokens, args.every)}
-    budget, sinks = evicting.engine.config.kv_budget, evicting.engine.config.kv_sink_tokens
+    policy = kwargs["kv_eviction"] if kwargs["kv_eviction"] != "none" else "sink-window"
+    evicting = LLM(args.model, progress=not args.json, **{**kwargs, "kv_eviction": policy})
+    print(f"[bench] generating {args.tokens} tokens with {policy} eviction ...", file=sys.stderr)
+    rows = {policy: evicting_run(evicting.engine, args.tokens, args.every)}
+    config = evicting.engine.config
     del evicting
     plain = LLM(args.model, progress=not args.json, **{**kwargs, **no_eviction, "kv_eviction": "none"})
     print(f"[bench] plain cache at contexts {args.plain_at} ...", file=sys.stderr)
     rows["none"] = plain_run(plain.engine, args.plain_at, args.steps)
-    report = {"benchmark": "eviction", "model": args.model, "kv_budget": budget, "kv_sink_tokens": sinks,
+    report = {"benchmark": "eviction", "model": args.model, "kv_eviction": policy, "kv_budget": config.kv_budget,
+              "kv_sink_tokens": config.kv_sink_tokens if policy == "sink-window" else None,
+              "kv_recent_tokens": config.eviction.recent_tokens if policy == "h2o" else None,
               "kv_cache_dtype": plain.engine.config.kv_cache_dtype, "rows": rows}
     if args.plot:
         plot_eviction(report, args.plot)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"\n{args.model}: one generation with sink-window eviction (budget {budget} tokens, sinks {sinks}), "
+    kept = (f"sinks {report['kv_sink_tokens']}" if policy == "sink-window"
+            else f"recent {report['kv_recent_tokens']}")
+    print(f"\n{args.model}: one generation with {policy} eviction (budget {report['kv_budget']} tokens, {kept}), "
           "against the plain cache at the same contexts")
     for line in eviction_table(report):
         print(line)
@@ -118,7 +123,7 @@ def plot_eviction(report: dict, path: str) -> None:
 
     fig, (memory, speed) = plt.subplots(1, 2, figsize=(10, 4))
     for policy, rows in report["rows"].items():
-        label = f"sink-window, budget {report['kv_budget']}" if policy == "sink-window" else "no eviction"
+        label = f"{policy}, budget {report['kv_budget']}" if policy != "none" else "no eviction"
         xs = [r["tokens"] for r in rows]
         memory.plot(xs, [r["kv_bytes"] / 2**20 for r in rows], marker="o", label=label)
         speed.plot(xs, [r["ms_per_token"] for r in rows], marker="o", label=label)
@@ -136,8 +141,9 @@ def plot_eviction(report: dict, path: str) -> None:
 
 
 def add_eviction_parser(bsub, add_engine_args) -> None:
-    p = bsub.add_parser("eviction", help="a long generation's KV memory and time per token with sink-window "
-                                         "eviction, beside the plain cache", description=__doc__.split("\n\n", 1)[1],
+    p = bsub.add_parser("eviction", help="a long generation's KV memory and time per token with eviction "
+                                         "(sink-window or h2o), beside the plain cache",
+                        description=__doc__.split("\n\n", 1)[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     p.add_argument("--tokens", type=int, default=17000, help="tokens the evicting run generates (default %(default)s)")

@@ -13,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scales"), py::arg("v_scales"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("fp8") = false,
         py::arg("mass") = py::none());
+  m.def("quantized_cache_write_", &quantized_cache_write_,
+        "k, v [T, kv_heads, d] quantized into an int8 / fp8 cache's codes and scales at slots (keys less center)",
+        py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scales"), py::arg("v_scales"), py::arg("k"), py::arg("v"),
+        py::arg("slots"), py::arg("center") = py::none(), py::arg("fp8") = false);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; return RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
@@ -77,11 +81,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
-                       torch::Tensor k_cache, torch::Tensor v_cache) {
-             return Layer{input_norm, post_attn_norm, q_norm, k_norm, qkv, o_proj, gate_up, down, k_cache, v_cache};
+                       torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
+                       c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8) {
+             return Layer{input_norm, post_attn_norm, q_norm, k_norm, qkv,      o_proj,     gate_up,
+                          down,       k_cache,        v_cache, k_scales, v_scales, key_center, fp8};
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
-           py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"));
+           py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("key_center") = py::none(),
+           py::arg("fp8") = false);
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),

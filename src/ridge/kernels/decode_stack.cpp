@@ -143,9 +143,18 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     } else {  // q and k side by side in qkv: rotated in one go
       rotary_(qkv, positions, rope_table, heads + kv_heads);
     }
-    cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
-    auto attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
-                                                std::nullopt, mass));
+    torch::Tensor attended;
+    if (layer.k_scales.has_value()) {
+      quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, slots,
+                             layer.key_center, layer.fp8);
+      attended = std::get<0>(quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales,
+                                                    *layer.v_scales, block_tables, context_lens, scale, std::nullopt,
+                                                    layer.fp8, mass));
+    } else {
+      cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
+      attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
+                                          std::nullopt, mass));
+    }
     x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
     x = layer.down(silu_mul(layer.gate_up(h)));

@@ -52,6 +52,10 @@ struct Layer {
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
   Linear qkv, o_proj, gate_up, down;
   torch::Tensor k_cache, v_cache;  // this layer's paged caches (attention/backend.py's layout)
+  // a quantized cache's (attention/quantized_kv.py): k_cache, v_cache hold int8 or fp8 codes, these their scales,
+  // and keys are stored less key_center; absent for a cache in the model's dtype
+  c10::optional<torch::Tensor> k_scales, v_scales, key_center;
+  bool fp8 = false;
 };
 
 struct DecodeStack {

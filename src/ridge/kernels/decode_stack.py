@@ -4,9 +4,9 @@ At batch 1 a layer is ~10 kernel calls of a few microseconds each, and the Pytho
 as much again (docs/notes/kernel-choices.md). The C++ stack calls the same kernels in the same order, so its
 outputs are bit-identical to models/layers.py's; it is built once per engine from the model's modules
 (references, not copies) and serves the steps it can: decodes only (no prefill chunk, no draft verification),
-each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels, float32 or
-bfloat16, at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change
-kernel there).
+each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels (or the
+quantized cache's: int8 / fp8 codes written and read in C++), float32 or bfloat16, at most MAX_ROWS rows (fewer
+than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -21,6 +21,7 @@ import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.attention.paged import PagedBackend
+from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.transformer import DecoderModel
@@ -52,7 +53,9 @@ class DecodeStack:
 def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None) -> DecodeStack | None:
     """The stack over model's layers and backend's caches, or None where the Python path must serve."""
     cfg = model.cfg
-    if ops is None or type(backend) is not PagedBackend or backend.ops is None:
+    quantized = isinstance(backend, QuantizedKVBackend)
+    if ops is None or (backend.kernels if quantized else backend.ops) is None or type(backend) not in (
+            PagedBackend, QuantizedKVBackend):
         return None
     unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
                                                 ("sandwich norms", cfg.sandwich_norms),
@@ -77,8 +80,10 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
         norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
+                 if quantized else ())
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
-                                backend.k_cache[i], backend.v_cache[i]))
+                                backend.k_cache[i], backend.v_cache[i], *cache))
     rope_table = torch.view_as_real(model.rotary.freqs)
     # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
     int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())

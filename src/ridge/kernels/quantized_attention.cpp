@@ -18,7 +18,10 @@
 
 #include "decode_tasks.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -138,6 +141,16 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
   thread_local std::vector<float> q_blocks;
   if (k_channels && q_blocks.size() < static_cast<size_t>(task.num_blocks * group * d))
     q_blocks.resize(task.num_blocks * group * d);
+  // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
+  // (score_block prefetches each later one two blocks ahead) and every block's scales, a line or two each, are
+  // asked for at once here, so that their misses overlap instead of stalling one after another as they are read.
+  for (int64_t j = 0; j < std::min<int64_t>(2, task.num_blocks); ++j)
+    for (int64_t line = 0; line < dims.block_elems(); line += 64)
+      __builtin_prefetch(k_codes + block(j) * dims.block_elems() + line, 0, 2);
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    __builtin_prefetch(static_cast<const uint8_t*>(k_scales) + block(j) * (k_channels ? d : 32), 0, 3);
+    __builtin_prefetch(v_scales + block(j) * 16, 0, 3);
+  }
   for (int64_t j = 0; k_channels && j < task.num_blocks; ++j)
     scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_blocks.data() + j * group * d);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
@@ -238,3 +251,164 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   return {out, lse};
 #endif
 }
+
+
+namespace {
+
+// The byte of the smallest channel scale 2^(e/8 - 20) >= wanted (kv/formats.py's encode_channel_scales); 0 for 0.
+inline uint8_t encode_channel_scale(float wanted) {
+  if (!(wanted > 0.f)) return 0;
+  const float e = std::ceil((std::log2(wanted) + 20.f) * 8.f);
+  return static_cast<uint8_t>(std::min(255.f, std::max(1.f, e)));
+}
+
+// kv/formats.py's decode_channel_scales, by table: the write reads a scale per channel and key
+struct ChannelScales {
+  float value[256];
+  ChannelScales() {
+    value[0] = 0.f;
+    for (int e = 1; e < 256; ++e) value[e] = std::exp2(e / 8.f - 20.f);
+  }
+};
+const ChannelScales kChannelScales;
+
+inline float decode_channel_scale(uint8_t e) { return kChannelScales.value[e]; }
+
+// x / s as IEEE divides. The build's -ffast-math would multiply by a rounded reciprocal instead, and a value at a
+// rounding tie would then round away from where torch's write rounds it (the embedded-rounding builtin is opaque to
+// that rewrite).
+inline float exact_div(float x, float s) {
+#if defined(__AVX512F__)
+  return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(x), _mm_set_ss(s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return x / s;
+#endif
+}
+
+// round half to even, as torch.round (an instruction, not a libm call, under -ffast-math)
+inline uint8_t int8_code(float scaled) {
+  return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, scaled)))));
+}
+
+inline uint8_t fp8_code(float scaled) {
+  return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, scaled))).x;
+}
+
+}  // namespace
+
+// k, v [T, kv_heads, d] (rows dense, any float dtype) into a quantized cache's lanes layout
+// (attention/quantized_kv.py) at `slots`, as that backend's torch write does: values (and fp8 keys) a float16
+// scale a row; int8 keys (k_scales uint8 [kv_heads, N, d]) less `center` (float32 [kv_heads, d]), per channel of
+// their block, each block's scales grown to the step's keys (at least doubled when they grow) and its earlier keys
+// requantized where they did. The tokens a step writes to one block are consecutive in `slots` (a sequence's), so
+// a block's keys are handled together. Reads its inputs in place: a decode step's write is a few rows, and a
+// torch conversion costs more than they do.
+void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales,
+                            torch::Tensor v_scales, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                            std::optional<torch::Tensor> center, bool fp8) {
+  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
+                  v_scales.is_contiguous() && v_scales.scalar_type() == torch::kHalf,
+              "quantized_cache_write_: contiguous codes and scales (values' float16)");
+  const bool channels = k_scales.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(!(channels && fp8), "quantized_cache_write_: fp8 keys have a scale a row");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.scalar_type() == v.scalar_type(),
+              "quantized_cache_write_: k, v [T, kv_heads, d] of one dtype, rows dense");
+  TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64, "quantized_cache_write_: slots int64");
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t num_blocks = k_codes.size(1), bs = k_codes.size(3);
+  TORCH_CHECK(k_codes.size(0) == heads && k_codes.size(2) * 4 == d && bs % 4 == 0 && slots.numel() == tokens,
+              "quantized_cache_write_: codes K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4]");
+  const float* cx = nullptr;
+  if (center.has_value()) {
+    TORCH_CHECK(center->scalar_type() == torch::kFloat && center->is_contiguous() && center->numel() == heads * d,
+                "quantized_cache_write_: center float32 [kv_heads, d]");
+    cx = center->data_ptr<float>();
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  uint8_t* kc = k_codes.data_ptr<uint8_t>();
+  uint8_t* vc = v_codes.data_ptr<uint8_t>();
+  at::Half* vs = v_scales.data_ptr<at::Half>();
+  const auto k_at = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> uint8_t& {
+    return kc[((h * num_blocks + b) * (d / 4) + c / 4) * bs * 4 + o * 4 + c % 4];
+  };
+  // a row's float16 scale (its largest magnitude over the code's, kv/formats.py's quantize), and the row in codes
+  // through `place`
+  const auto row_codes = [&](const float* x, auto&& place) {
+    float amax = 0.f;
+    for (int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const at::Half stored =
+        std::max(static_cast<float>(at::Half(exact_div(amax, fp8 ? 448.f : 127.f))), 6.103515625e-05f);
+    const float scale = static_cast<float>(stored);
+    for (int64_t c = 0; c < d; ++c) place(c, fp8 ? fp8_code(exact_div(x[c], scale)) : int8_code(exact_div(x[c], scale)));
+    return stored;
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(),
+                                  "quantized_cache_write_", [&] {
+    const scalar_t* kx = k.data_ptr<scalar_t>();
+    const scalar_t* vx = v.data_ptr<scalar_t>();
+    // row t of head h as floats, less the head's center (keys)
+    const auto load = [&](const scalar_t* x, const torch::Tensor& of, int64_t t, int64_t h, const float* less,
+                          float* out) {
+      const scalar_t* src = x + t * of.stride(0) + h * of.stride(1);
+      for (int64_t c = 0; c < d; ++c) out[c] = static_cast<float>(src[c]) - (less == nullptr ? 0.f : less[c]);
+    };
+    at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<float> row(d), amax(d), scales(d);
+      std::vector<uint8_t> held(d), grown(d);
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* ch = cx == nullptr ? nullptr : cx + h * d;
+        for (int64_t t = 0; t < tokens; ++t) {  // values, and fp8 keys: a row each
+          const int64_t b = slot[t] / bs, o = slot[t] % bs;
+          load(vx, v, t, h, nullptr, row.data());
+          uint8_t* dst = vc + ((h * num_blocks + b) * (bs / 4) + o / 4) * d * 4 + o % 4;
+          vs[(h * num_blocks + b) * bs + o] = row_codes(row.data(), [&](int64_t c, uint8_t code) { dst[c * 4] = code; });
+          if (channels) continue;
+          load(kx, k, t, h, ch, row.data());
+          k_scales.data_ptr<at::Half>()[(h * num_blocks + b) * bs + o] =
+              row_codes(row.data(), [&](int64_t c, uint8_t code) { k_at(h, b, o, c) = code; });
+        }
+        if (!channels) continue;
+        uint8_t* scale_bytes = k_scales.data_ptr<uint8_t>();
+        for (int64_t first = 0, last; first < tokens; first = last) {  // a block's run of tokens [first, last)
+          const int64_t b = slot[first] / bs, first_offset = slot[first] % bs;
+          last = first + 1;
+          while (last < tokens && slot[last] / bs == b) ++last;
+          uint8_t* block_scales = scale_bytes + (h * num_blocks + b) * d;
+          // a block written from offset 0 starts afresh, whatever scales its last holder left
+          for (int64_t c = 0; c < d; ++c) held[c] = first_offset > 0 ? block_scales[c] : 0;
+          std::fill(amax.begin(), amax.end(), 0.f);
+          for (int64_t t = first; t < last; ++t) {
+            load(kx, k, t, h, ch, row.data());
+            for (int64_t c = 0; c < d; ++c) amax[c] = std::max(amax[c], std::fabs(row[c]));
+          }
+          for (int64_t c = 0; c < d; ++c) {
+            // a key within the held scale leaves it (the common case of a decode step): no logarithm needed
+            const float wanted_scale = exact_div(amax[c], 127.f);
+            const uint8_t wanted =
+                wanted_scale <= decode_channel_scale(held[c]) ? 0 : encode_channel_scale(wanted_scale);
+            // a scale that grows at least doubles (8 steps), so that the roundings a key takes as its block fills
+            // add up to less than one step of the final scale
+            const uint8_t doubled = held[c] > 0 ? static_cast<uint8_t>(std::min(255, held[c] + 8)) : 0;
+            grown[c] = wanted > held[c] ? std::max(wanted, doubled) : held[c];
+            if (grown[c] > held[c] && held[c] > 0) {  // the block's earlier keys, at the grown scale
+              const float ratio = exact_div(decode_channel_scale(held[c]), decode_channel_scale(grown[c]));
+              for (int64_t o = 0; o < first_offset; ++o) {
+                uint8_t& code = k_at(h, b, o, c);
+                code = int8_code(static_cast<float>(static_cast<int8_t>(code)) * ratio);
+              }
+            }
+            block_scales[c] = grown[c];
+            scales[c] = std::max(decode_channel_scale(grown[c]), 1e-30f);
+          }
+          for (int64_t t = first; t < last; ++t) {
+            load(kx, k, t, h, ch, row.data());
+            const int64_t o = slot[t] % bs;
+            for (int64_t c = 0; c < d; ++c) k_at(h, b, o, c) = int8_code(exact_div(row[c], scales[c]));
+          }
+        }
+      }
+    });
+  });
+}
+
