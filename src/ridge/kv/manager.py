@@ -35,9 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.eviction import Eviction
@@ -45,6 +43,9 @@ from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.kv.state_cache import StateSlots
 from ridge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Sequence(Protocol):
