@@ -130,7 +130,8 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, inputs.states)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
-                          hidden[num_sampled:] if inputs.prompt_rows else None, meta[0].attention_mass)
+                          hidden[num_sampled:] if inputs.prompt_rows else None,
+                          meta[0].attention_mass if meta else None)  # a pure state-space model has no KV group
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
