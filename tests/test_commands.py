@@ -129,3 +129,14 @@ def test_bench_report_server_and_variant_tables():
     assert spec[2].startswith("| n-gram prompt lookup (k = 4), code-edit | plain | 1 | 6.50 | 1.00x |")
     assert spec[3] == "|  | fixed | 1 | 26.00 | 4.00x | 4.50 |"
     assert "servers: ridge = ridge serve, vllm-cpu = vllm serve" in SECTIONS["serving"].describe()
+
+
+def test_bench_eviction_runs_the_policy_asked_for(smollm2_path, capsys):
+    """`ridge bench eviction --kv-eviction h2o`: the evicting run holds its budget's blocks (128 tokens, 8 blocks of
+    16) at every reading however long it grows, where the plain cache at 256 tokens holds twice that."""
+    report = run_json(capsys, "bench", "eviction", "--model", str(smollm2_path), *TINY, "--kv-eviction", "h2o",
+                      "--kv-budget", "128", "--tokens", "300", "--every", "100", "--plain-at", "256",
+                      "--steps", "2", "--max-num-batched-tokens", "256", "--json")
+    assert report["kv_eviction"] == "h2o" and report["kv_recent_tokens"] == 64 and report["kv_sink_tokens"] is None
+    held = [row["kv_bytes"] for row in report["rows"]["h2o"]]
+    assert len(held) == 3 and max(held) == held[-1] == report["rows"]["none"][0]["kv_bytes"] // 2
