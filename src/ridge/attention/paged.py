@@ -169,10 +169,10 @@ class PagedBackend(AttentionBackend):
             out[rows] = o[0].transpose(0, 1)
             if mass is not None:
                 observed = min(chunk.length, OBSERVED_ROWS)
-                visible = mask if mask is not None else window_mask(
-                    torch.arange(chunk.length, device=q.device), torch.arange(chunk.length, device=q.device), None)
+                own = torch.arange(chunk.length, device=q.device)  # causal: only the observed rows' mask is made
+                visible = mask[-observed:] if mask is not None else window_mask(own[-observed:], own, None)
                 first = sdpa.first_block or 0
-                received = block_mass(q[rows][-observed:], keys, visible[-observed:], self.scale, self.block_size)
+                received = block_mass(q[rows][-observed:], keys, visible, self.scale, self.block_size)
                 mass[i, first:first + received.shape[0]] += received
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows,

@@ -354,7 +354,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
       for (int64_t c = 0; c < d; ++c) out[c] = static_cast<float>(src[c]) - (less == nullptr ? 0.f : less[c]);
     };
     at::parallel_for(0, heads, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<float> row(d), amax(d), scales(d);
+      std::vector<float> row(d), rows, amax(d), scales(d);
       std::vector<uint8_t> held(d), grown(d);
       for (int64_t h = h0; h < h1; ++h) {
         const float* ch = cx == nullptr ? nullptr : cx + h * d;
@@ -378,9 +378,11 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           // a block written from offset 0 starts afresh, whatever scales its last holder left
           for (int64_t c = 0; c < d; ++c) held[c] = first_offset > 0 ? block_scales[c] : 0;
           std::fill(amax.begin(), amax.end(), 0.f);
-          for (int64_t t = first; t < last; ++t) {
-            load(kx, k, t, h, ch, row.data());
-            for (int64_t c = 0; c < d; ++c) amax[c] = std::max(amax[c], std::fabs(row[c]));
+          if (rows.size() < static_cast<size_t>((last - first) * d)) rows.resize((last - first) * d);
+          for (int64_t t = first; t < last; ++t) {  // the run's keys as floats, centered, read once
+            float* r = rows.data() + (t - first) * d;
+            load(kx, k, t, h, ch, r);
+            for (int64_t c = 0; c < d; ++c) amax[c] = std::max(amax[c], std::fabs(r[c]));
           }
           for (int64_t c = 0; c < d; ++c) {
             // a key within the held scale leaves it (the common case of a decode step): no logarithm needed
@@ -402,9 +404,9 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
             scales[c] = std::max(decode_channel_scale(grown[c]), 1e-30f);
           }
           for (int64_t t = first; t < last; ++t) {
-            load(kx, k, t, h, ch, row.data());
+            const float* r = rows.data() + (t - first) * d;
             const int64_t o = slot[t] % bs;
-            for (int64_t c = 0; c < d; ++c) k_at(h, b, o, c) = int8_code(exact_div(row[c], scales[c]));
+            for (int64_t c = 0; c < d; ++c) k_at(h, b, o, c) = int8_code(exact_div(r[c], scales[c]));
           }
         }
       }
