@@ -21,9 +21,9 @@ where the question usually sits, says best which of its earlier tokens the answe
 sum it as they attend (kernels/decode_tasks.h); prompt chunks in torch (attention/mass.py). H2O ranks tokens
 per head and layer; ridge ranks whole blocks per sequence, summed over heads and layers, because a block is
 what a sequence holds and gives back (every layer's K/V of its tokens). Mass only accumulates, so older blocks
-have had more queries to earn it, as in H2O. Evicted blocks may now sit anywhere before the recent window, but
-they are still whole blocks before the one being written, so `num_evicted` still maps the next position to its
-cache index, and the kernels read the remaining blocks as a plain sequence as before.
+have had more queries to earn it, as in H2O. Evicted blocks can sit anywhere before the recent window, but they
+are whole blocks before the one being written, so `num_evicted` maps the next position to its cache index, and
+the kernels read the remaining blocks as a plain sequence.
 
 Outputs change by design: an evicting engine answers differently from a plain one once a sequence passes its
 budget, and a prompt's KV depends on how it was chunked (a chunk attends to itself whole before eviction).
