@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
-#   scripts/gpu-check.sh [PART...]     PART: env tests latency quant throughput doctor profile (default: all)
+#   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant throughput steps doctor
+#                                      profile (default: all)
+# TESTS: the test files of `tests` (default: both CUDA files); PEERS=0 leaves HF transformers out of `throughput`.
 # The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
 # Models are random-weight (`--model random:llama-3-8b`, $MODEL to change it). Each measurement's JSON and log
 # land in $OUT (default ./gpu-results); a summary line per measurement is printed.
@@ -10,7 +12,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-random:llama-3-8b}
-PARTS=${*:-env tests latency quant throughput doctor profile}
+PARTS=${*:-env tests kernels latency eager quant throughput steps doctor profile}
+TESTS=${TESTS:-tests/test_triton_kernels.py tests/test_cuda.py}
+PEERS=${PEERS:-1}
 
 # run NAME LIMIT_S COMMAND...: stdout to NAME.json, stderr to NAME.log, a summary of the JSON printed
 run() {
@@ -44,11 +48,16 @@ for part in $PARTS; do
 'transformers', transformers.__version__, torch.cuda.get_device_name())" ;;
     tests)
       echo "== tests ($(date +%T))"
-      timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda.py \
-        2>&1 | tee "$OUT/tests.log" | tail -n 25 ;;
+      # shellcheck disable=SC2086
+      timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 25 ;;
+    kernels)  # the quantized matmuls alone at one row: every tuning candidate, cuBLAS bf16 and tinygemm
+      echo "== kernels ($(date +%T))"
+      OUT="$OUT" timeout 240 "$PY" scripts/quant_kernels.py 2>"$OUT/kernels.log" | tee "$OUT/kernels.txt"
+      echo "   exit $?"; tail -n 3 "$OUT/kernels.log" ;;
     latency)
       run latency-bf16 300 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
-        --output-len 128 --repeats 3 --json
+        --output-len 128 --repeats 3 --json ;;
+    eager)
       run latency-bf16-eager 200 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
         --output-len 64 --repeats 2 --no-peers --enforce-eager --json ;;
     quant)
@@ -60,7 +69,47 @@ for part in $PARTS; do
     throughput)
       run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
         --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --kv-cache-memory 24GiB --hf-batch-size 64 --json ;;
+        --kv-cache-memory 24GiB --hf-batch-size 64 --json $( [ "$PEERS" = 0 ] && echo --no-peers ) ;;
+    steps)  # the throughput workload step by step: time in steps with prefill chunks and in pure decode steps,
+      # then the top GPU kernels of a profiled quarter of it
+      echo "== steps ($(date +%T))"
+      timeout 300 "$PY" - "$MODEL" > "$OUT/steps.txt" 2> "$OUT/steps.log" <<'PYEOF'
+import sys, time
+import torch
+from torch.profiler import ProfilerActivity, profile
+from ridge import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", progress=False, max_num_seqs=256, max_num_batched_tokens=8192,
+          kv_cache_memory="24GiB")
+engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+gen = torch.Generator().manual_seed(0)
+def prompts(n):
+    return [torch.randint(1000, 30000, (512,), generator=gen).tolist() for _ in range(n)]
+def run(batch):
+    for ids in batch:
+        engine.add_request(ids, params)
+    totals = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    started = time.perf_counter()
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        engine.step()
+        kind = "prefill" if engine.last_step.prefill_tokens else "decode"
+        totals[kind][0] += 1
+        totals[kind][1] += time.perf_counter() - t
+    return time.perf_counter() - started, totals
+run(prompts(8))
+wall, totals = run(prompts(256))
+print(f"256 x (512 + 128): {wall:.2f} s, {256 * 128 / wall:.0f} output tok/s")
+for kind, (n, s) in totals.items():
+    print(f"  steps with {kind}: {n}, {s:.2f} s, {1e3 * s / max(n, 1):.1f} ms each")
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    wall, _ = run(prompts(64))
+events = prof.key_averages()
+busy = sum(e.self_device_time_total for e in events) / 1e6
+print(f"profiled 64 requests: {wall:.2f} s wall, GPU busy {busy:.2f} s ({busy / wall:.0%})")
+print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70))
+print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+PYEOF
+      echo "   exit $?"; cut -c1-170 "$OUT/steps.txt" | head -n 50; tail -n 3 "$OUT/steps.log" ;;
     doctor)
       echo "== doctor ($(date +%T))"
       timeout 200 "$PY" -m ridge.cli doctor --model "$MODEL" --device cuda --output-len 32 --batch 16 \

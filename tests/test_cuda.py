@@ -99,6 +99,38 @@ def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_t
         assert (ours - ref).abs().max().item() < 1e-3 * max(ref.abs().max().item(), 1.0)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
+def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
+    """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each
+    Triton configuration the tuner may pick, within bfloat16's rounding of the dequantized product."""
+    from ridge.linear.triton import TritonQuantLinear
+    from ridge.quant.methods import quantize_weight
+    from ridge.quant.rtn import dequantize
+    from ridge.triton_kernels import quant_matmul, quant_tuning
+
+    torch.manual_seed(8)
+    method, _, group = fmt.partition("-g")
+    qw = quantize_weight(torch.randn(256, 1024, device="cuda"), method, int(group or 32), None)
+    layer = TritonQuantLinear(qw, None, torch.bfloat16, "cuda")
+    assert (layer.int4pack is not None) == (method == "int4")
+    if layer.int4pack is None:
+        weight = quant_matmul.PackedWeight(layer.codes, layer.kind, layer.scales, layer.minimums, layer.group_size,
+                                           256)
+    else:  # the Triton kernels on the same codes, as a float16 model would hold them
+        weight = quant_matmul.PackedWeight(quant_matmul.pack_nibbles(qw.qweight.to(torch.uint8)),
+                                           quant_matmul.NIBBLES, qw.scales.half(), qw.minimums.half(), int(group), 256)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 1024, device="cuda").bfloat16()
+        ref = x.float() @ dequantize(qw).T
+        tolerance = 2e-2 * ref.abs().max().item()
+        assert (layer(x).float() - ref).abs().max().item() < tolerance
+        # the candidates at one row (the few-rows ones are the same kernels; the tuner times them at 2-8 rows)
+        configs = {1: quant_tuning.TUNER.candidates(x, weight), 3: [], 40: [quant_matmul.LARGE]}[rows]
+        for config in configs:
+            out = quant_matmul.quant_matmul(x, weight, config, layer.multiprocessors)
+            assert (out.float() - ref).abs().max().item() < tolerance, config
+
+
 def test_seeded_sampling_repeats_on_the_device(random_model, make_llm_for_test):
     from ridge import SamplingParams
 

@@ -18,7 +18,7 @@ from ridge.attention import CudaBackend, ReferenceBackend  # noqa: E402
 from ridge.attention.backend import AttentionMetadata, PrefillChunk  # noqa: E402
 from ridge.quant.methods import quantize_weight  # noqa: E402
 from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_int8  # noqa: E402
-from ridge.triton_kernels import paged_attention, quant_matmul  # noqa: E402
+from ridge.triton_kernels import paged_attention, quant_matmul, quant_tuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -136,11 +136,7 @@ def _grouped_int8(w: torch.Tensor, group: int, with_minimum: bool) -> QuantizedW
     return QuantizedWeight(codes.view(n, k), scales, None, 8, group)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128", "fp8", "q8-groups", "u8-groups-minimum"])
-@pytest.mark.parametrize("rows", [1, 5, 40])  # the GEMV (one row, several), the tiled matmul
-def test_quant_matmul_matches_dequantized(fmt, rows):
-    torch.manual_seed(3)
-    n, k = 72, 1024  # n not a multiple of the tile; k long enough to split at few rows
+def _quantized(fmt: str, n: int, k: int) -> QuantizedWeight:
     w = torch.randn(n, k, device=DEVICE)
     if fmt == "int8":
         qw = quantize_int8(w)
@@ -151,15 +147,50 @@ def test_quant_matmul_matches_dequantized(fmt, rows):
     else:
         qw = _grouped_int8(w, 32, with_minimum=fmt == "u8-groups-minimum")
     # held as the CUDA layer holds them: float16 scales and minimums
-    qw = QuantizedWeight(qw.qweight, qw.scales.half().float(),
-                         None if qw.minimums is None else qw.minimums.half().float(), qw.bits, qw.group_size)
+    return QuantizedWeight(qw.qweight, qw.scales.half().float(),
+                           None if qw.minimums is None else qw.minimums.half().float(), qw.bits, qw.group_size)
+
+
+def _packed_weight(qw: QuantizedWeight) -> quant_matmul.PackedWeight:
     codes, kind = _packed(qw)
-    x = torch.randn(rows, k, device=DEVICE)
-    minimums = None if qw.minimums is None else qw.minimums.half()
-    out = quant_matmul.quant_matmul(x, codes.contiguous(), kind, qw.scales.half(), minimums,
-                                     qw.group_size or 0, n, multiprocessors=8)
+    return quant_matmul.PackedWeight(codes.contiguous(), kind, qw.scales.half(),
+                                     None if qw.minimums is None else qw.minimums.half(), qw.group_size or 0,
+                                     qw.shape[0])
+
+
+FORMATS = ["int8", "int4-g32", "int4-g128", "fp8", "q8-groups", "u8-groups-minimum"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 40])  # the GEMV (one row, several), the tiled matmul
+def test_quant_matmul_matches_dequantized(fmt, rows):
+    torch.manual_seed(3)
+    qw = _quantized(fmt, 72, 1024)  # n not a multiple of the tile; k long enough to split at few rows
+    x = torch.randn(rows, 1024, device=DEVICE)
+    weight = _packed_weight(qw)
+    config = quant_tuning.TUNER.config(x, weight, multiprocessors=8)
+    out = quant_matmul.quant_matmul(x, weight, config, multiprocessors=8)
     ref = x @ dequantize(qw).T
     assert (out - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "fp8", "u8-groups-minimum"])
+def test_every_tuning_candidate_matches_dequantized(fmt):
+    """Whichever configuration the GPU's measurement picks computes the same product: each candidate, on a
+    shape whose K does not fill its last tile (the masked path) and one that does (the unmasked one)."""
+    torch.manual_seed(4)
+    candidates = set(quant_tuning.ONE_ROW) | set(quant_tuning.FEW_ROWS)
+    for k in (1024 + 256, 2048):
+        qw = _quantized(fmt, 40, k)
+        weight = _packed_weight(qw)
+        for rows in (1, 3):
+            x = torch.randn(rows, k, device=DEVICE)
+            ref = x @ dequantize(qw).T
+            for config in candidates:
+                if weight.group_size and config.tile < weight.group_size:
+                    continue
+                out = quant_matmul.quant_matmul(x, weight, config, multiprocessors=4)
+                assert (out - ref).abs().max().item() < 1e-4 * ref.abs().max().item(), (config, rows, k)
 
 
 def _backends(dtype: torch.dtype):

@@ -68,7 +68,7 @@ def _dense_kind(target: LinearTarget) -> type[nn.Module]:
 def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:
     dtype, ops = target.dtype, target.cpu_ops
     if target.device.startswith("cuda"):
-        return TritonQuantLinear(weight, bias, dtype)
+        return TritonQuantLinear(weight, bias, dtype, target.device)
     if weight.qweight.dtype == torch.float8_e4m3fn:
         return Fp8Linear(weight, bias, dtype)
     n, k = weight.shape

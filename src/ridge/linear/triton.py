@@ -1,8 +1,15 @@
-"""Quantized weights on CUDA: every format (int8, int4, GPTQ, AWQ, fp8) on the Triton kernels of
-kernels/quant_matmul.py, which read the codes and dequantize them in registers.
+"""Quantized weights on CUDA, held as codes and multiplied without a dense copy.
 
-Scales and minimums are held in float16, as GPTQ / AWQ checkpoints and llama.cpp's blocks hold them: at
-int4 per 32 weights, float32 ones would add half a byte per weight to the 4 bits a decode step reads.
+int4 in a bfloat16 model runs on torch's CUDA int4 kernel (`_weight_int4pack_mm`, tinygemm: tensor cores,
+the nibbles widened by bit tricks), whose own packed layout it holds; every other format and dtype (int8,
+fp8, GPTQ / AWQ zero points in float16 models, float32 models) on the Triton kernels of
+triton_kernels/quant_matmul.py, whose configuration per shape is measured at first use (quant_tuning.py).
+
+Scales and minimums are held in float16 for the Triton kernels, as GPTQ / AWQ checkpoints and llama.cpp's
+blocks hold them: at int4 per 32 weights, float32 ones would add half a byte per weight to the 4 bits a
+decode step reads. tinygemm takes bfloat16 scales and zero points (w = (q - 8) * scale + zero): the zero
+point then carries the minimum and the code offset, rounded to bfloat16 (a relative 2^-9 of a group's
+range, well inside int4's rounding).
 """
 
 from __future__ import annotations
@@ -17,20 +24,38 @@ from ridge.quant.rtn import QuantizedWeight
 
 log = logging.getLogger("ridge")
 
+INT4PACK_GROUPS = (32, 64, 128, 256)
+INT4PACK_INNER_K_TILES = 8  # 16-byte loads of codes, the widest (gpt-fast's choice)
+
+
+def int4pack_fits(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether torch's CUDA int4 kernel takes this weight: bfloat16 activations, its group sizes, and K in
+    whole tiles of 16 x INT4PACK_INNER_K_TILES columns, N in tiles of 8 rows."""
+    n, k = weight.shape
+    return (dtype == torch.bfloat16 and weight.bits == 4 and weight.group_size in INT4PACK_GROUPS
+            and k % (16 * INT4PACK_INNER_K_TILES) == 0 and n % 8 == 0
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
+
 
 class TritonQuantLinear(KernelLinear):
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        from ridge.triton_kernels import quant_matmul  # Triton comes with CUDA torch; only on this path
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: str | torch.device) -> None:
+        from ridge.triton_kernels import quant_matmul, quant_tuning  # Triton comes with CUDA torch; only here
 
         super().__init__(*weight.shape, bias, dtype)
-        self.ops = quant_matmul
+        self.ops, self.tuner = quant_matmul, quant_tuning.TUNER
         if weight.group_size is None and weight.minimums is not None:
             raise ValueError("quantization: per-channel codes with a minimum have no CUDA kernel")
         self.group_size = weight.group_size or 0
         codes = weight.qweight
+        self.register_buffer("int4pack", None, persistent=False)
         if codes.dtype == torch.float8_e4m3fn:
             self.kind, self.kernel = quant_matmul.FP8, "triton_fp8"
             codes = codes.view(torch.uint8)
+        elif int4pack_fits(weight, dtype):
+            self.kind, self.kernel = quant_matmul.NIBBLES, "int4pack"
+            self._pack_for_tinygemm(weight, torch.device(device))
+            codes = None
         elif weight.bits == 4 and quant_matmul.fits(quant_matmul.NIBBLES, self.in_features, self.group_size):
             self.kind, self.kernel = quant_matmul.NIBBLES, "triton_int4"
             codes = quant_matmul.pack_nibbles(codes.to(torch.uint8))
@@ -40,15 +65,34 @@ class TritonQuantLinear(KernelLinear):
                             "do not start groups): twice the bytes of packed nibbles", self.in_features,
                             self.group_size)
             self.kind, self.kernel = quant_matmul.BYTES, f"triton_int{weight.bits}"
-        self.register_buffer("codes", codes.contiguous(), persistent=False)
-        self.register_buffer("scales", weight.scales.half().contiguous(), persistent=False)
-        minimums = None if weight.minimums is None else weight.minimums.half().contiguous()
+        held = codes is not None  # else tinygemm's layout holds them
+        self.register_buffer("codes", codes.contiguous() if held else None, persistent=False)
+        self.register_buffer("scales", weight.scales.half().contiguous() if held else None, persistent=False)
+        minimums = None if weight.minimums is None or not held else weight.minimums.half().contiguous()
         self.register_buffer("minimums", minimums, persistent=False)
+
+    def _pack_for_tinygemm(self, weight: QuantizedWeight, device: torch.device) -> None:
+        """Codes into tinygemm's tile layout (a byte holds k even in its high nibble, k odd in its low), scales
+        and zero points as [K / group, N, 2] bfloat16. Packed on the GPU: the CPU's int4 layout differs."""
+        q = weight.qweight.to(device=device, dtype=torch.uint8)
+        pairs = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4PACK_INNER_K_TILES)
+        scales = weight.scales.to(device).float()
+        zeros = 8 * scales + (weight.minimums.to(device).float() if weight.minimums is not None else 0)
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.int4pack = packed
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
 
     @cached_property
     def multiprocessors(self) -> int:
-        return torch.cuda.get_device_properties(self.codes.device).multi_processor_count
+        device = self.codes.device if self.codes is not None else self.int4pack.device
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.quant_matmul(x.contiguous(), self.codes, self.kind, self.scales, self.minimums,
-                                     self.group_size, self.out_features, self.multiprocessors)
+        x = x.contiguous()
+        if self.int4pack is not None:
+            return torch.ops.aten._weight_int4pack_mm(x, self.int4pack, self.group_size, self.scales_and_zeros)
+        weight = self.ops.PackedWeight(self.codes, self.kind, self.scales, self.minimums, self.group_size,
+                                       self.out_features)
+        return self.ops.quant_matmul(x, weight, self.tuner.config(x, weight, self.multiprocessors),
+                                     self.multiprocessors)

@@ -80,7 +80,8 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 MATMUL_NAMES = ("linear", "mm", "matmul", "_weight_int", "mkldnn")  # CPU ops
-CUDA_MATMUL_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "quant_matmul")  # GPU kernels
+# GPU kernels: cuBLAS (nvjet, xmma, cutlass), tinygemm, and the Triton quantized matmuls (_gemv_kernel, _matmul_kernel)
+CUDA_MATMUL_NAMES = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "tinygemm", "_matmul_kernel")
 
 
 def time_shares(llm, prompt: list[int], tokens: int, greedy) -> tuple[float, float | None]:

@@ -9,21 +9,31 @@ Codes are stored as
   - "nibbles": 4-bit codes two per byte, column j holding k = j (low nibble) and k = j + K/2 (high): each
     tile multiplies two halves of x, with no interleaving of nibbles in registers;
   - "bytes": one int8 / uint8 code per weight;
-  - "fp8": e4m3 codes as bytes, widened to float16 by moving their bits (the exponent bias differs by 8:
-    one multiply by 2^8 puts it right), which needs no fp8 support from the GPU or the interpreter.
+  - "fp8": e4m3 codes as bytes, widened to float16 either by the GPU's conversion instruction (Ada, Hopper)
+    or by moving their bits (the exponent bias differs by 8: one multiply by 2^8 puts it right), which needs
+    no fp8 support from the GPU or the interpreter.
+Integer codes become float32 by an integer add into the mantissa of 2^23 and one float subtraction, not by
+the integer-to-float instruction, which runs at a quarter of the float rate: at int8 a multiprocessor must
+widen some 13 weights a cycle to keep up with HBM.
 
-A tile is [BLOCK_N rows, GROUPS groups, GROUP columns] of codes, so that each group's scale and minimum are
-loaded once, as a [BLOCK_N, GROUPS] block, and broadcast over the group's columns rather than gathered per
-weight (docs/notes/gpu.md). Per-channel formats have one "group" of 128 columns per tile and their
-scale is applied to the output.
+A tile is [BLOCK_N rows, GROUPS groups, COLUMNS columns] of codes, so that each group's scale and minimum
+are loaded once, as a [BLOCK_N, GROUPS] block, and broadcast over the group's columns rather than gathered
+per weight. Per-channel formats have one "group" per tile and their scale is applied to the output.
 
-Two kernels: at up to GEMV_MAX_ROWS rows (decode) a GEMV that multiplies and sums along K in registers,
-a row at a time, with K split over several programs (partial sums added after) so that every multiprocessor
-streams weights; above, a tiled tl.dot on TF32 tensor cores (IEEE float32 for float32 models; a dequantized
-weight is exact in float32, and the interpreter that checks these kernels on the CPU has no bfloat16 dot).
+Two kernels, each able to split K over several programs (their float32 partial sums added after), so that
+every multiprocessor streams weights however few the output channels:
+  - a GEMV for a few rows (decode) that multiplies in registers; at one row it accumulates element-wise and
+    sums across lanes once, at the end;
+  - a tiled tl.dot on tensor cores (the rows padded to 16), in x's 16-bit type or, for float32 models, IEEE
+    float32 (a dequantized weight is exact in float32; the interpreter that checks these kernels on the CPU
+    has no 16-bit dot).
+Which kernel, tile and split serve a shape is measured on the GPU at its first call (quant_tuning.py); the
+interpreter runs DEFAULT.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,19 +41,61 @@ import triton.language as tl
 
 NIBBLES, BYTES, FP8 = 0, 1, 2
 GEMV_MAX_ROWS = 8
-TILE_COLUMNS = 128  # code columns per tile
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one call is cut into programs."""
+
+    mma: bool = False  # tl.dot on tensor cores, else the GEMV
+    block_n: int = 32  # output channels a program computes
+    tile: int = 128  # code columns a program reads per step of its loop over K
+    warps: int = 4
+    programs_per_sm: int = 4  # K is split until about this many programs per multiprocessor; 0: never split
+    native_fp8: bool = False  # fp8 codes widened by the GPU's instruction (compute capability 8.9 and up)
+
+
+DEFAULT = Config()
+LARGE = Config(mma=True, block_n=64, tile=128, programs_per_sm=0)  # above GEMV_MAX_ROWS: enough rows to fill SMs
+
+
+@dataclass
+class PackedWeight:
+    """A quantized [out_features, in_features] matrix as the kernels read it."""
+
+    codes: torch.Tensor  # [N, code columns], as `kind` stores them
+    kind: int
+    scales: torch.Tensor  # [N] (group_size 0) or [N, K / group_size]; float16 or float32
+    minimums: torch.Tensor | None
+    group_size: int  # 0: one scale per output channel
+    out_features: int
+
+    @property
+    def code_columns(self) -> int:
+        return self.codes.shape[1]
+
+
+@triton.jit
+def _widen(codes, KIND: tl.constexpr, SIGNED: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """float32 values of codes (integers, or e4m3 bits as uint8)."""
+    if KIND == 2:
+        if NATIVE_FP8:
+            return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        bits = ((codes & 0x80).to(tl.int16) << 8) | ((codes & 0x7F).to(tl.int16) << 7)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    # 2^23 + c + offset has c + offset in its mantissa's low bits: add as integers, subtract as floats
+    if SIGNED:
+        return (codes.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return (codes.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _dequantize(codes, n, group, scales_ptr, mins_ptr, stride_sn, N,
-                GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MIN: tl.constexpr):
+                GROUP: tl.constexpr, KIND: tl.constexpr, SIGNED: tl.constexpr, HAS_MIN: tl.constexpr,
+                NATIVE_FP8: tl.constexpr):
     """float32 weights of a [BLOCK_N, GROUPS, COLUMNS] tile of codes at rows n, of groups `group` ([GROUPS] group
     indices; per-channel scales (GROUP 0) are left to the caller)."""
-    if KIND == 2:
-        bits = ((codes & 0x80).to(tl.int16) << 8) | ((codes & 0x7F).to(tl.int16) << 7)
-        w = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    else:
-        w = codes.to(tl.float32)
+    w = _widen(codes, KIND, SIGNED, NATIVE_FP8)
     if GROUP > 0:
         where = n[:, None] * stride_sn + group[None, :]
         mask = (n < N)[:, None]
@@ -55,24 +107,34 @@ def _dequantize(codes, n, group, scales_ptr, mins_ptr, stride_sn, N,
 
 @triton.jit
 def _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_cn, stride_sn, N,
-          GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MIN: tl.constexpr, GROUPS: tl.constexpr,
-          COLUMNS: tl.constexpr):
+          GROUP: tl.constexpr, KIND: tl.constexpr, SIGNED: tl.constexpr, HAS_MIN: tl.constexpr,
+          NATIVE_FP8: tl.constexpr, GROUPS: tl.constexpr, COLUMNS: tl.constexpr, EVEN: tl.constexpr):
     """The float32 weights of the tile of code columns [start, start + GROUPS * COLUMNS), 3-D, and their
-    columns: (low weights, high weights or None, columns [GROUPS, COLUMNS], in-range mask of them)."""
+    columns: (low weights, high weights (nibbles; else the low ones again), columns [GROUPS, COLUMNS], in-range
+    mask of them). EVEN: the tile lies inside [start, last) (no column mask)."""
     g = tl.arange(0, GROUPS)
     e = tl.arange(0, COLUMNS)
     j = start + g[:, None] * COLUMNS + e[None, :]  # [GROUPS, COLUMNS]
     j_in = j < last
-    codes = tl.load(codes_ptr + n[:, None, None] * stride_cn + j[None, :, :],
-                    mask=(n < N)[:, None, None] & j_in[None, :, :], other=0)
+    pointers = codes_ptr + n[:, None, None] * stride_cn + j[None, :, :]
+    if EVEN:
+        codes = tl.load(pointers, mask=(n < N)[:, None, None], other=0)
+    else:
+        codes = tl.load(pointers, mask=(n < N)[:, None, None] & j_in[None, :, :], other=0)
     group = start // COLUMNS + g  # with GROUP > 0, COLUMNS == GROUP
     if KIND == 0:
-        low = _dequantize(codes & 0xF, n, group, scales_ptr, mins_ptr, stride_sn, N, GROUP, KIND, HAS_MIN)
+        low = _dequantize(codes & 0xF, n, group, scales_ptr, mins_ptr, stride_sn, N, GROUP, KIND, SIGNED,
+                          HAS_MIN, NATIVE_FP8)
         high = _dequantize(codes >> 4, n, group + code_columns // COLUMNS, scales_ptr, mins_ptr, stride_sn, N,
-                           GROUP, KIND, HAS_MIN)
-        return tl.where(j_in[None, :, :], low, 0.0), tl.where(j_in[None, :, :], high, 0.0), j, j_in
-    w = _dequantize(codes, n, group, scales_ptr, mins_ptr, stride_sn, N, GROUP, KIND, HAS_MIN)
-    return tl.where(j_in[None, :, :], w, 0.0), w, j, j_in
+                           GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8)
+        if not EVEN:  # a minimum makes padding codes nonzero weights
+            low = tl.where(j_in[None, :, :], low, 0.0)
+            high = tl.where(j_in[None, :, :], high, 0.0)
+        return low, high, j, j_in
+    w = _dequantize(codes, n, group, scales_ptr, mins_ptr, stride_sn, N, GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8)
+    if not EVEN:
+        w = tl.where(j_in[None, :, :], w, 0.0)
+    return w, w, j, j_in
 
 
 @triton.jit
@@ -80,26 +142,40 @@ def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr,
     M, N, code_columns, columns_per_split,
     stride_xm, stride_cn, stride_sn, stride_os, stride_om,
-    GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MIN: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COLUMNS: tl.constexpr,
+    GROUP: tl.constexpr, KIND: tl.constexpr, SIGNED: tl.constexpr, HAS_MIN: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    COLUMNS: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_n, split = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     first = split * columns_per_split
     last = tl.minimum(first + columns_per_split, code_columns)
-    for start in range(first, last, GROUPS * COLUMNS):
-        w, high, j, j_in = _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_cn,
-                                 stride_sn, N, GROUP, KIND, HAS_MIN, GROUPS, COLUMNS)
-        for m in tl.static_range(ROWS):
-            x_mask = j_in & (m < M)
-            x = tl.load(x_ptr + m * stride_xm + j, mask=x_mask, other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(w * x[None, :, :], 2), 1)
+    if ROWS == 1:  # products summed element-wise, across lanes once at the end
+        wide = tl.zeros([BLOCK_N, GROUPS, COLUMNS], tl.float32)
+        for start in range(first, last, GROUPS * COLUMNS):
+            w, high, j, j_in = _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_cn,
+                                     stride_sn, N, GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8, GROUPS, COLUMNS, EVEN)
+            x = tl.load(x_ptr + j, mask=j_in, other=0.0).to(tl.float32)
+            wide += w * x[None, :, :]
             if KIND == 0:
-                x_high = tl.load(x_ptr + m * stride_xm + j + code_columns, mask=x_mask, other=0.0).to(tl.float32)
-                part += tl.sum(tl.sum(high * x_high[None, :, :], 2), 1)
-            acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
+                x_high = tl.load(x_ptr + j + code_columns, mask=j_in, other=0.0).to(tl.float32)
+                wide += high * x_high[None, :, :]
+        acc = tl.sum(tl.sum(wide, 2), 1)[None, :]
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for start in range(first, last, GROUPS * COLUMNS):
+            w, high, j, j_in = _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_cn,
+                                     stride_sn, N, GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8, GROUPS, COLUMNS, EVEN)
+            for m in tl.static_range(ROWS):
+                x_mask = j_in & (m < M)
+                x = tl.load(x_ptr + m * stride_xm + j, mask=x_mask, other=0.0).to(tl.float32)
+                part = tl.sum(tl.sum(w * x[None, :, :], 2), 1)
+                if KIND == 0:
+                    x_high = tl.load(x_ptr + m * stride_xm + j + code_columns, mask=x_mask,
+                                     other=0.0).to(tl.float32)
+                    part += tl.sum(tl.sum(high * x_high[None, :, :], 2), 1)
+                acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
     if GROUP == 0:
         acc = acc * tl.load(scales_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + split * stride_os + rows[:, None] * stride_om + n[None, :]
@@ -109,30 +185,39 @@ def _gemv_kernel(
 @triton.jit
 def _matmul_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr,
-    M, N, code_columns,
-    stride_xm, stride_cn, stride_sn, stride_om,
-    GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COLUMNS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    M, N, code_columns, columns_per_split,
+    stride_xm, stride_cn, stride_sn, stride_os, stride_om,
+    GROUP: tl.constexpr, KIND: tl.constexpr, SIGNED: tl.constexpr, HAS_MIN: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    COLUMNS: tl.constexpr, EVEN: tl.constexpr, DOT16: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, code_columns, GROUPS * COLUMNS):
-        w, high, j, j_in = _tile(codes_ptr, scales_ptr, mins_ptr, n, start, code_columns, code_columns, stride_cn,
-                                 stride_sn, N, GROUP, KIND, HAS_MIN, GROUPS, COLUMNS)
+    first = split * columns_per_split
+    last = tl.minimum(first + columns_per_split, code_columns)
+    for start in range(first, last, GROUPS * COLUMNS):
+        w, high, j, j_in = _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_cn,
+                                 stride_sn, N, GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8, GROUPS, COLUMNS, EVEN)
         flat = tl.reshape(j, [GROUPS * COLUMNS])
         x_mask = (m < M)[:, None] & tl.reshape(j_in, [GROUPS * COLUMNS])[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + flat[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(tl.reshape(w, [BLOCK_N, GROUPS * COLUMNS])), input_precision=PRECISION)
+        x = tl.load(x_ptr + m[:, None] * stride_xm + flat[None, :], mask=x_mask, other=0.0)
+        w_t = tl.trans(tl.reshape(w, [BLOCK_N, GROUPS * COLUMNS]))
+        if DOT16:
+            acc += tl.dot(x, w_t.to(x.dtype))
+        else:
+            acc += tl.dot(x.to(tl.float32), w_t, input_precision="ieee")
         if KIND == 0:
-            x_high = tl.load(x_ptr + m[:, None] * stride_xm + flat[None, :] + code_columns, mask=x_mask,
-                             other=0.0).to(tl.float32)
-            acc += tl.dot(x_high, tl.trans(tl.reshape(high, [BLOCK_N, GROUPS * COLUMNS])), input_precision=PRECISION)
+            x_high = tl.load(x_ptr + m[:, None] * stride_xm + flat[None, :] + code_columns, mask=x_mask, other=0.0)
+            high_t = tl.trans(tl.reshape(high, [BLOCK_N, GROUPS * COLUMNS]))
+            if DOT16:
+                acc += tl.dot(x_high, high_t.to(x_high.dtype))
+            else:
+                acc += tl.dot(x_high.to(tl.float32), high_t, input_precision="ieee")
     if GROUP == 0:
         acc = acc * tl.load(scales_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + m[:, None] * stride_om + n[None, :]
+    out = out_ptr + split * stride_os + m[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
 
 
@@ -147,40 +232,40 @@ def fits(kind: int, in_features: int, group_size: int) -> bool:
     return kind != NIBBLES or (in_features % 2 == 0 and (in_features // 2) % max(group_size, 1) == 0)
 
 
-def quant_matmul(x: torch.Tensor, codes: torch.Tensor, kind: int, scales: torch.Tensor,
-                 minimums: torch.Tensor | None, group_size: int, out_features: int,
-                 multiprocessors: int) -> torch.Tensor:
-    """x [M, K] (contiguous rows) -> [M, out_features] in x's dtype. codes as `kind` stores them; scales (and
-    minimums) [N] with group_size 0, else [N, K / group_size] (float16 or float32)."""
-    rows = x.shape[0]
-    columns = codes.shape[1]
-    group_columns = group_size if group_size else TILE_COLUMNS
-    groups = max(1, TILE_COLUMNS // group_columns)
+def tile_shape(weight: PackedWeight, config: Config) -> tuple[int, int]:
+    """(GROUPS, COLUMNS) of a tile: per-group formats put whole groups in a tile."""
+    if not weight.group_size:
+        return 1, config.tile
+    return max(1, config.tile // weight.group_size), weight.group_size
+
+
+def quant_matmul(x: torch.Tensor, weight: PackedWeight, config: Config, multiprocessors: int) -> torch.Tensor:
+    """x [M, K] (contiguous rows) -> [M, out_features] in x's dtype, cut into programs as `config` says."""
+    rows, columns, n = x.shape[0], weight.code_columns, weight.out_features
+    groups, group_columns = tile_shape(weight, config)
     tile = groups * group_columns
-    common = dict(GROUP=group_size, KIND=kind, HAS_MIN=minimums is not None, GROUPS=groups, COLUMNS=group_columns)
-    mins = minimums if minimums is not None else scales
-    scale_stride = scales.stride(0) if scales.dim() == 2 else 0
-    if rows <= GEMV_MAX_ROWS:
-        block_n = 32
-        tiles = triton.cdiv(out_features, block_n)
-        wanted = -(-4 * multiprocessors // tiles)  # about four programs per multiprocessor
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    row_tiles = triton.cdiv(rows, block_m) if config.mma else 1
+    tiles = row_tiles * triton.cdiv(n, config.block_n)
+    splits = 1
+    if config.programs_per_sm:
+        wanted = -(-config.programs_per_sm * multiprocessors // tiles)
         splits = max(1, min(wanted, columns // (2 * tile)))
-        per_split = triton.cdiv(triton.cdiv(columns, splits), tile) * tile
-        splits = triton.cdiv(columns, per_split)
-        out = torch.empty(splits, rows, out_features, dtype=torch.float32 if splits > 1 else x.dtype,
-                          device=x.device)
-        _gemv_kernel[(tiles, splits)](
-            x, codes, scales, mins, out, rows, out_features, columns, per_split,
-            x.stride(0), codes.stride(0), scale_stride, out.stride(0), out.stride(1),
-            ROWS=triton.next_power_of_2(rows), BLOCK_N=block_n, num_warps=4, **common,
-        )
-        return out[0] if splits == 1 else out.sum(0).to(x.dtype)
-    block_m = 32 if rows <= 32 else 64
-    block_n = 64
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    _matmul_kernel[(triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))](
-        x, codes, scales, mins, out, rows, out_features, columns,
-        x.stride(0), codes.stride(0), scale_stride, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **common,
+    per_split = triton.cdiv(triton.cdiv(columns, splits), tile) * tile
+    splits = triton.cdiv(columns, per_split)
+    out = torch.empty(splits, rows, n, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    mins = weight.minimums if weight.minimums is not None else weight.scales
+    common = dict(
+        GROUP=weight.group_size, KIND=weight.kind, SIGNED=weight.codes.dtype == torch.int8,
+        HAS_MIN=weight.minimums is not None, NATIVE_FP8=config.native_fp8, BLOCK_N=config.block_n, GROUPS=groups,
+        COLUMNS=group_columns, EVEN=columns % per_split == 0 and per_split % tile == 0, num_warps=config.warps,
     )
-    return out
+    args = (x, weight.codes, weight.scales, mins, out, rows, n, columns, per_split, x.stride(0),
+            weight.codes.stride(0), weight.scales.stride(0) if weight.scales.dim() == 2 else 0, out.stride(0),
+            out.stride(1))
+    if config.mma:
+        _matmul_kernel[(row_tiles, triton.cdiv(n, config.block_n), splits)](
+            *args, BLOCK_M=block_m, DOT16=x.dtype in (torch.float16, torch.bfloat16), **common)
+    else:
+        _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](*args, ROWS=triton.next_power_of_2(rows), **common)
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
