@@ -51,8 +51,10 @@ def main() -> None:
             qw = quantize_weight(w.float(), fmt, group or 32, None)
             layer = TritonQuantLinear(qw, None, torch.bfloat16, device)
             if layer.int4pack is not None:  # tinygemm, then the Triton nibble kernels on the same codes
-                copies = quant_tuning.weight_copies(layer, device, lambda m: m.weight_bytes)
-                ms = do_bench_cudagraph(quant_tuning.cycling(copies, lambda m, x=x: m.multiply(x)), rep=20)
+                packed = (layer.int4pack, layer.scales_and_zeros)
+                copies = quant_tuning.weight_copies(packed, device, lambda p: p[0].nbytes + p[1].nbytes)
+                ms = do_bench_cudagraph(quant_tuning.cycling(copies, lambda p, x=x, g=group: torch.ops.aten.
+                                                             _weight_int4pack_mm(x, p[0], g, p[1])), rep=20)
                 results.append(dict(shape=name, n=n, k=k, format=f"{fmt}-g{group}", config="tinygemm", ms=ms,
                                     gb_s=layer.weight_bytes / ms / 1e6))
                 scales = qw.scales.half()

@@ -330,7 +330,7 @@ def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
-    from ridge.cluster.router import POLICIES, RouterConfig
+    from ridge.cluster.router_config import POLICIES, RouterConfig
 
     defaults = RouterConfig(["-"])
     p = sub.add_parser("router", help="one OpenAI endpoint in front of N ridge servers, cache-aware",

@@ -130,8 +130,21 @@ def ridge_latency(args: argparse.Namespace, llm, ids: list[int]) -> EngineResult
     return EngineResult("ridge", figures, note=llm.engine.loaded.weight_format)
 
 
+def _warm_up(llm, requests: list[workloads.Request]) -> None:
+    """The workload's shape on other tokens (each prompt reversed: no prefix in common with the measured run's),
+    prompts enough to fill more than one step, so that the kernels of chunked and mixed steps are compiled (on
+    CUDA, Triton compiles a kernel at its first launch, for seconds) before the clock starts."""
+    budget = llm.engine.config.max_num_batched_tokens
+    prompts: list[list[int]] = []
+    for request in requests[:64]:
+        prompts.append(request.prompt_ids[::-1])
+        if sum(map(len, prompts)) > budget:
+            break
+    llm.generate(prompts, _greedy(4))
+
+
 def ridge_throughput(args: argparse.Namespace, requests: list[workloads.Request], llm) -> EngineResult:
-    llm.generate(requests[0].prompt_ids, _greedy(4))  # warm-up
+    _warm_up(llm, requests)
     start = time.perf_counter()
     outs = llm.generate([r.prompt_ids for r in requests], [_greedy(r.max_tokens) for r in requests], use_tqdm=True)
     elapsed = time.perf_counter() - start

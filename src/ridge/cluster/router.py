@@ -29,33 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from ridge.cluster.hash_ring import HashRing, prefix_key
+from ridge.cluster.router_config import POLICIES, RouterConfig  # noqa: F401 (the router's API)
 
 log = logging.getLogger("ridge")
 
-POLICIES = ("cache-aware", "round-robin")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    replicas: list[str]
-    policy: str = "cache-aware"
-    prefix_chars: int = 1024  # the leading characters a request is hashed by (~256 tokens)
-    balance_abs: int = 32  # SGLang router's default
-    balance_rel: float = 1.5
-    health_interval_s: float = 5.0
-    unhealthy_after: int = 2
-    request_timeout_s: float = 600.0
-    api_key: str | None = None  # sent to the replicas on the router's own checks
-    # disaggregated prefill: servers started with --role prefill; the replicas are then --role decode servers
-    prefill: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("replica: name at least one replica URL (--replica http://host:port)")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if self.prefix_chars < 1:
-            raise ValueError(f"prefix_chars: must be at least 1, got {self.prefix_chars}")
 
 
 @dataclass

@@ -3,8 +3,8 @@
 int8: symmetric, one scale per output channel: w ~ q * scale, q in [-127, 127].
 int4: asymmetric, per group of `group_size` input columns: w ~ q * scale + minimum, q in [0, 15], in one
       of two forms:
-      - a float minimum (llama.cpp's Q4_1 form): the grid spans the group's own range. What ridge
-        quantizes to at load (torch's int4 kernel takes a float zero per group).
+      - a float minimum (llama.cpp's Q4_1 form): the grid spans the group's own range, its minimum a float16
+        number. What ridge quantizes to at load (torch's int4 kernel takes a float zero per group).
       - minimum = -zero * scale with an integer zero point: the range widened to hold 0, which lands on a
         code. The only form GPTQ / AWQ checkpoints can store (qzeros), so `ridge quantize` writes it.
       The float form costs nothing at run time and is the more accurate: on SmolLM2, whose file is Q4_1,
@@ -92,8 +92,10 @@ def int4_grid(weight: torch.Tensor, group_size: int, integer_zeros: bool) -> tup
     if integer_zeros:
         low, high = low.clamp(max=0), high.clamp(min=0)
     scales = storable_scale((high - low) / 15)
-    zeros = -low / scales
-    return scales, torch.round(zeros).clamp(0, 15) if integer_zeros else zeros
+    if integer_zeros:
+        return scales, torch.round(-low / scales).clamp(0, 15)
+    # a float minimum is a float16 number, as its scale is: what the CUDA kernels hold and GGUF's Q4_1 stores
+    return scales, -low.half().float() / scales
 
 
 def int4_codes(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

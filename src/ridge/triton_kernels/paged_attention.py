@@ -12,8 +12,9 @@ A batch-1 step has kv_heads programs without splits, a few percent of an H100's 
 context is what lets a small batch read its KV at the memory's speed. Every row divides its own context
 (from its window's first key, with a window) into the step's number of splits, so a row of 100 tokens and
 one of 100k both use all their programs, and the number of splits depends only on the batch's shape (a
-CUDA graph captures it once). Products run in float32 on TF32 tensor cores for 16-bit caches (a bf16 value
-is exact in TF32; decode is bound by the reads, not the products) and in IEEE float32 for float32 models.
+CUDA graph captures it once). Products run on tensor cores in the cache's 16-bit type, accumulated in float32
+(the probabilities rounded to that type for the second product, as flash attention does), and in IEEE float32
+for float32 models.
 
 Prefill chunks that continue a cached context run in one launch for all of them: a program per (32
 queries of a chunk, query head) reads the chunk's context from its blocks in place, causal and windowed,
@@ -44,6 +45,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    FLOAT32_DOT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,7 +64,8 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    q = q.to(tl.float32)
+    if FLOAT32_DOT:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -73,7 +76,9 @@ def _decode_split_kernel(
         block = tl.load(tables_ptr + row * stride_tb + keys // BLOCK_SIZE, mask=keys < context_len, other=0)
         offsets = block * stride_kn + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = visible[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FLOAT32_DOT:
+            k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -81,8 +86,10 @@ def _decode_split_kernel(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FLOAT32_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -182,6 +189,11 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_in[:, None] & (d < HEAD_DIM)[None, :])
 
 
+def _float32_dot(dtype: torch.dtype) -> bool:
+    """Products in float32: for float32 models, and under the interpreter, which has no 16-bit dot."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def num_splits(batch: int, kv_heads: int, max_keys: int, multiprocessors: int) -> int:
     """Splits per row that give the step about two programs per multiprocessor, no more than the widest
     row has tiles."""
@@ -209,7 +221,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE=TILE, HAS_WINDOW=window_starts is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype),
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](
@@ -254,7 +266,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     prefill_tiles' programs."""
     _, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    float32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"  # no bf16 dot there
     _prefill_kernel[(tile_chunks.shape[0], heads)](
         q, k_cache, v_cache, out, tables, tile_chunks, tile_offsets, starts, lengths, context_lens,
         scale, window or 0,
@@ -262,5 +273,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1), tables.stride(0),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_Q=PREFILL_QUERIES, TILE=TILE, HAS_WINDOW=window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=float32_dot,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype),
     )
