@@ -146,15 +146,18 @@ def _quantized(fmt: str, n: int, k: int) -> QuantizedWeight:
         qw = quantize_weight(w, "fp8", 32, None)
     else:
         qw = _grouped_int8(w, 32, with_minimum=fmt == "u8-groups-minimum")
-    # held as the CUDA layer holds them: float16 scales and minimums
+    if not qw.group_size:  # per channel: the CUDA layer holds float32 scales
+        return qw
+    # per group: held as the CUDA layer holds them, float16 scales and minimums
     return QuantizedWeight(qw.qweight, qw.scales.half().float(),
                            None if qw.minimums is None else qw.minimums.half().float(), qw.bits, qw.group_size)
 
 
 def _packed_weight(qw: QuantizedWeight) -> quant_matmul.PackedWeight:
     codes, kind = _packed(qw)
-    return quant_matmul.PackedWeight(codes.contiguous(), kind, qw.scales.half(),
-                                     None if qw.minimums is None else qw.minimums.half(), qw.group_size or 0,
+    held = torch.float16 if qw.group_size else torch.float32
+    return quant_matmul.PackedWeight(codes.contiguous(), kind, qw.scales.to(held),
+                                     None if qw.minimums is None else qw.minimums.to(held), qw.group_size or 0,
                                      qw.shape[0])
 
 

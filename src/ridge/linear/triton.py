@@ -5,11 +5,13 @@ the nibbles widened by bit tricks), whose own packed layout it holds; every othe
 fp8, GPTQ / AWQ zero points in float16 models, float32 models) on the Triton kernels of
 triton_kernels/quant_matmul.py, whose configuration per shape is measured at first use (quant_tuning.py).
 
-Scales and minimums are held in float16 for the Triton kernels, as GPTQ / AWQ checkpoints and llama.cpp's
-blocks hold them: at int4 per 32 weights, float32 ones would add half a byte per weight to the 4 bits a
-decode step reads. tinygemm takes bfloat16 scales and zero points (w = (q - 8) * scale + zero): the zero
-point then carries the minimum and the code offset, rounded to bfloat16 (a relative 2^-9 of a group's
-range, well inside int4's rounding).
+Per-group scales and minimums are held in float16 for the Triton kernels, as GPTQ / AWQ checkpoints and
+llama.cpp's blocks hold them: at int4 per 32 weights, float32 ones would add half a byte per weight to the 4
+bits a decode step reads. ridge's own int4 makes them float16 numbers (quant/rtn.py), so the GPU computes
+what the CPU does; a GPTQ / AWQ minimum (-zero * scale) is rounded. Per-channel scales stay float32.
+tinygemm takes bfloat16 scales and zero points (w = (q - 8) * scale + zero): the zero point then carries the
+minimum and the code offset, rounded to bfloat16 (a relative 2^-9 of a group's range, well inside int4's
+rounding).
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class TritonQuantLinear(KernelLinear):
             self.kind, self.kernel = quant_matmul.BYTES, f"triton_int{weight.bits}"
         held = codes is not None  # else tinygemm's layout holds them
         self.register_buffer("codes", codes.contiguous() if held else None, persistent=False)
-        self.register_buffer("scales", weight.scales.half().contiguous() if held else None, persistent=False)
+        # per group: float16, the bytes a decode reads; per channel: float32, a row's worth (fp8's scales are not
+        # float16 numbers)
+        scales = weight.scales.to(torch.float16 if self.group_size else torch.float32).contiguous()
+        self.register_buffer("scales", scales if held else None, persistent=False)
         minimums = None if weight.minimums is None or not held else weight.minimums.half().contiguous()
         self.register_buffer("minimums", minimums, persistent=False)
 
