@@ -1,6 +1,6 @@
-"""The quantized matmul kernels alone on a GPU, at one row (a batch-1 decode's GEMVs), on a model's four
-shapes: each tuning candidate's time and HBM rate, against cuBLAS on the bfloat16 weight and torch's CUDA int4
-kernel (tinygemm), every call reading weights from HBM (copies larger than L2 read in turn).
+"""The quantized matmul kernels alone on a GPU, at one row (a batch-1 decode's GEMVs) or --rows, on a model's
+four shapes: each tuning candidate's time and HBM rate, against cuBLAS on the bfloat16 weight and torch's CUDA
+int4 kernel (tinygemm), every call reading weights from HBM (copies larger than L2 read in turn).
 
     python scripts/quant_kernels.py [--hidden 4096 --intermediate 14336 --kv-heads 8 --head-dim 128 --rows 1]
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from ridge.linear import int4pack  # noqa: E402
 from ridge.linear.triton import TritonQuantLinear  # noqa: E402
 from ridge.quant.methods import quantize_weight  # noqa: E402
 from ridge.triton_kernels import quant_matmul, quant_tuning  # noqa: E402
@@ -50,22 +51,25 @@ def main() -> None:
         for fmt, group in (("int8", None), ("fp8", None), ("int4", 32), ("int4", 128)):
             qw = quantize_weight(w.float(), fmt, group or 32, None)
             layer = TritonQuantLinear(qw, None, torch.bfloat16, device)
-            if layer.int4pack is not None:  # tinygemm, then the Triton nibble kernels on the same codes
+            label = fmt if group is None else f"{fmt}-g{group}"
+            if layer.int4pack is not None:  # tinygemm (and widened for cuBLAS), then Triton on the same codes
                 packed = (layer.int4pack, layer.scales_and_zeros)
-                copies = quant_tuning.weight_copies(packed, device, lambda p: p[0].nbytes + p[1].nbytes)
-                ms = do_bench_cudagraph(quant_tuning.cycling(copies, lambda p, x=x, g=group: torch.ops.aten.
-                                                             _weight_int4pack_mm(x, p[0], g, p[1])), rep=20)
-                results.append(dict(shape=name, n=n, k=k, format=f"{fmt}-g{group}", config="tinygemm", ms=ms,
-                                    gb_s=layer.weight_bytes / ms / 1e6))
-                scales = qw.scales.half()
+                ways = {"tinygemm": lambda p, x=x, g=group: int4pack.multiply(x, *p, g),
+                        "widened + cuBLAS": lambda p, x=x, g=group: x @ int4pack.dense(*p, g, x.dtype).T}
+                if args.rows <= quant_matmul.GEMV_MAX_ROWS:
+                    del ways["widened + cuBLAS"]
+                nbytes = layer.weight_bytes
+                for way, ms in tuner.timings(ways, packed, lambda p: p[0].nbytes + p[1].nbytes, device).items():
+                    results.append(dict(shape=name, n=n, k=k, format=label, config=way, ms=ms, gb_s=nbytes / ms / 1e6))
                 weight = quant_matmul.PackedWeight(quant_matmul.pack_nibbles(qw.qweight.to(torch.uint8)),
-                                                   quant_matmul.NIBBLES, scales, qw.minimums.half(), group, n)
+                                                   quant_matmul.NIBBLES, qw.scales.half(), qw.minimums.half(), group, n)
             else:
                 weight = quant_matmul.PackedWeight(layer.codes, layer.kind, layer.scales, layer.minimums,
                                                    layer.group_size, n)
             nbytes = sum(t.nbytes for t in (weight.codes, weight.scales, weight.minimums) if t is not None)
-            timings = tuner.timings(x, weight, mp, tuner.candidates(x, weight))
-            label = fmt if group is None else f"{fmt}-g{group}"
+            options = {c: (lambda w, c=c, x=x: quant_matmul.quant_matmul(x, w, c, mp))
+                       for c in tuner.candidates(x, weight)}
+            timings = tuner.timings(options, weight, lambda w: w.codes.nbytes, device)
             for config, ms in sorted(timings.items(), key=lambda item: item[1]):
                 results.append(dict(shape=name, n=n, k=k, format=label, config=str(config), ms=ms,
                                     gb_s=nbytes / ms / 1e6))

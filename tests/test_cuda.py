@@ -103,6 +103,7 @@ def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_t
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each
     Triton configuration the tuner may pick, within bfloat16's rounding of the dequantized product."""
+    from ridge.linear import int4pack
     from ridge.linear.triton import TritonQuantLinear
     from ridge.quant.methods import quantize_weight
     from ridge.quant.rtn import dequantize
@@ -124,8 +125,11 @@ def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
         ref = x.float() @ dequantize(qw).T
         tolerance = 2e-2 * ref.abs().max().item()
         assert (layer(x).float() - ref).abs().max().item() < tolerance
-        # the candidates at one row (the few-rows ones are the same kernels; the tuner times them at 2-8 rows)
-        configs = {1: quant_tuning.TUNER.candidates(x, weight), 3: [], 40: [quant_matmul.LARGE]}[rows]
+        if layer.int4pack is not None:  # widened back from tinygemm's layout, for cuBLAS
+            widened = int4pack.dense(layer.int4pack, layer.scales_and_zeros, layer.group_size, torch.bfloat16)
+            assert (x.float() @ widened.float().T - ref).abs().max().item() < tolerance
+        # the candidates at one row and many (the few-rows ones are the same kernels as at one)
+        configs = quant_tuning.TUNER.candidates(x, weight) if rows != 3 else []
         for config in configs:
             out = quant_matmul.quant_matmul(x, weight, config, layer.multiprocessors)
             assert (out.float() - ref).abs().max().item() < tolerance, config

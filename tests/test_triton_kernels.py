@@ -182,11 +182,11 @@ def test_every_tuning_candidate_matches_dequantized(fmt):
     """Whichever configuration the GPU's measurement picks computes the same product: each candidate, on a
     shape whose K does not fill its last tile (the masked path) and one that does (the unmasked one)."""
     torch.manual_seed(4)
-    candidates = set(quant_tuning.ONE_ROW) | set(quant_tuning.FEW_ROWS)
+    candidates = set(quant_tuning.ONE_ROW) | set(quant_tuning.FEW_ROWS) | set(quant_tuning.MANY_ROWS)
     for k in (1024 + 256, 2048):
         qw = _quantized(fmt, 40, k)
         weight = _packed_weight(qw)
-        for rows in (1, 3):
+        for rows in (1, 3, 20):
             x = torch.randn(rows, k, device=DEVICE)
             ref = x @ dequantize(qw).T
             for config in candidates:

@@ -1,17 +1,15 @@
 """Quantized weights on CUDA, held as codes and multiplied without a dense copy.
 
-int4 in a bfloat16 model runs on torch's CUDA int4 kernel (`_weight_int4pack_mm`, tinygemm: tensor cores,
-the nibbles widened by bit tricks), whose own packed layout it holds; every other format and dtype (int8,
-fp8, GPTQ / AWQ zero points in float16 models, float32 models) on the Triton kernels of
-triton_kernels/quant_matmul.py, whose configuration per shape is measured at first use (quant_tuning.py).
+int4 in a bfloat16 model runs on torch's CUDA int4 kernel (tinygemm, linear/int4pack.py), whose own packed
+layout it holds; every other format and dtype (int8, fp8, GPTQ / AWQ zero points in float16 models, float32
+models) on the Triton kernels of triton_kernels/quant_matmul.py. For many rows (a prefill) either may instead
+widen the matrix once and call cuBLAS; which way serves a shape and a number of rows is measured at first use
+(triton_kernels/quant_tuning.py).
 
 Per-group scales and minimums are held in float16 for the Triton kernels, as GPTQ / AWQ checkpoints and
 llama.cpp's blocks hold them: at int4 per 32 weights, float32 ones would add half a byte per weight to the 4
 bits a decode step reads. ridge's own int4 makes them float16 numbers (quant/rtn.py), so the GPU computes
 what the CPU does; a GPTQ / AWQ minimum (-zero * scale) is rounded. Per-channel scales stay float32.
-tinygemm takes bfloat16 scales and zero points (w = (q - 8) * scale + zero): the zero point then carries the
-minimum and the code offset, rounded to bfloat16 (a relative 2^-9 of a group's range, well inside int4's
-rounding).
 """
 
 from __future__ import annotations
@@ -21,23 +19,11 @@ from functools import cached_property
 
 import torch
 
+from ridge.linear import int4pack
 from ridge.linear.base import KernelLinear
 from ridge.quant.rtn import QuantizedWeight
 
 log = logging.getLogger("ridge")
-
-INT4PACK_GROUPS = (32, 64, 128, 256)
-INT4PACK_INNER_K_TILES = 8  # 16-byte loads of codes, the widest (gpt-fast's choice)
-
-
-def int4pack_fits(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    """Whether torch's CUDA int4 kernel takes this weight: bfloat16 activations, its group sizes, and K in
-    whole tiles of 16 x INT4PACK_INNER_K_TILES columns, N in tiles of 8 rows."""
-    n, k = weight.shape
-    return (dtype == torch.bfloat16 and weight.bits == 4 and weight.group_size in INT4PACK_GROUPS
-            and k % (16 * INT4PACK_INNER_K_TILES) == 0 and n % 8 == 0
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
-
 
 class TritonQuantLinear(KernelLinear):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -54,9 +40,10 @@ class TritonQuantLinear(KernelLinear):
         if codes.dtype == torch.float8_e4m3fn:
             self.kind, self.kernel = quant_matmul.FP8, "triton_fp8"
             codes = codes.view(torch.uint8)
-        elif int4pack_fits(weight, dtype):
+        elif int4pack.fits(weight, dtype):
             self.kind, self.kernel = quant_matmul.NIBBLES, "int4pack"
-            self._pack_for_tinygemm(weight, torch.device(device))
+            self.int4pack, scales_and_zeros = int4pack.pack(weight, torch.device(device))
+            self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
             codes = None
         elif weight.bits == 4 and quant_matmul.fits(quant_matmul.NIBBLES, self.in_features, self.group_size):
             self.kind, self.kernel = quant_matmul.NIBBLES, "triton_int4"
@@ -76,18 +63,6 @@ class TritonQuantLinear(KernelLinear):
         minimums = None if weight.minimums is None or not held else weight.minimums.half().contiguous()
         self.register_buffer("minimums", minimums, persistent=False)
 
-    def _pack_for_tinygemm(self, weight: QuantizedWeight, device: torch.device) -> None:
-        """Codes into tinygemm's tile layout (a byte holds k even in its high nibble, k odd in its low), scales
-        and zero points as [K / group, N, 2] bfloat16. Packed on the GPU: the CPU's int4 layout differs."""
-        q = weight.qweight.to(device=device, dtype=torch.uint8)
-        pairs = ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()
-        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4PACK_INNER_K_TILES)
-        scales = weight.scales.to(device).float()
-        zeros = 8 * scales + (weight.minimums.to(device).float() if weight.minimums is not None else 0)
-        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.int4pack = packed
-        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
-
     @cached_property
     def multiprocessors(self) -> int:
         device = self.codes.device if self.codes is not None else self.int4pack.device
@@ -96,7 +71,10 @@ class TritonQuantLinear(KernelLinear):
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if self.int4pack is not None:
-            return torch.ops.aten._weight_int4pack_mm(x, self.int4pack, self.group_size, self.scales_and_zeros)
+            packed = (self.int4pack, self.scales_and_zeros)
+            if self.tuner.int4pack_dense(x, packed, self.group_size):
+                return x @ int4pack.dense(*packed, self.group_size, x.dtype).T
+            return int4pack.multiply(x, *packed, self.group_size)
         weight = self.ops.PackedWeight(self.codes, self.kind, self.scales, self.minimums, self.group_size,
                                        self.out_features)
         return self.ops.quant_matmul(x, weight, self.tuner.config(x, weight, self.multiprocessors),

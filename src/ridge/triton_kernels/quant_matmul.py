@@ -27,8 +27,10 @@ every multiprocessor streams weights however few the output channels:
   - a tiled tl.dot on tensor cores (the rows padded to 16), in x's 16-bit type or, for float32 models, IEEE
     float32 (a dequantized weight is exact in float32; the interpreter that checks these kernels on the CPU
     has no 16-bit dot).
-Which kernel, tile and split serve a shape is measured on the GPU at its first call (quant_tuning.py); the
-interpreter runs DEFAULT.
+and, for many rows (a prefill), a third way: the weight dequantized to x's type by torch and multiplied by
+torch's matmul (cuBLAS), a transient copy that costs a few bytes a weight once per call, amortised over the
+rows. Which of them, with which tile and split, serves a shape and a number of rows is measured on the GPU at
+its first call (quant_tuning.py); the interpreter runs DEFAULT and LARGE.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ class Config:
     warps: int = 4
     programs_per_sm: int = 4  # K is split until about this many programs per multiprocessor; 0: never split
     native_fp8: bool = False  # fp8 codes widened by the GPU's instruction (compute capability 8.9 and up)
+    dense: bool = False  # dequantized by torch and multiplied by cuBLAS, the fields above unused
 
 
 DEFAULT = Config()
 LARGE = Config(mma=True, block_n=64, tile=128, programs_per_sm=0)  # above GEMV_MAX_ROWS: enough rows to fill SMs
+DENSE = Config(dense=True)
 
 
 @dataclass
@@ -239,8 +243,31 @@ def tile_shape(weight: PackedWeight, config: Config) -> tuple[int, int]:
     return max(1, config.tile // weight.group_size), weight.group_size
 
 
+def dequantized(weight: PackedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [N, K] in `dtype`, per-output-channel scales to apply to the product, or None where W carries them):
+    the codes of a per-channel format are exact in 16 bits, so their scale is left to the [M, N] product."""
+    codes = weight.codes
+    if weight.kind == FP8:
+        values = codes.view(torch.float8_e4m3fn)
+    elif weight.kind == NIBBLES:
+        values = torch.cat([codes & 0xF, codes >> 4], dim=1)  # column j: k = j, then k = j + K/2
+    else:
+        values = codes
+    if not weight.group_size:
+        return values.to(dtype), weight.scales
+    n, k = values.shape
+    grouped = values.float().view(n, k // weight.group_size, weight.group_size) * weight.scales.float()[:, :, None]
+    if weight.minimums is not None:
+        grouped += weight.minimums.float()[:, :, None]
+    return grouped.view(n, k).to(dtype), None
+
+
 def quant_matmul(x: torch.Tensor, weight: PackedWeight, config: Config, multiprocessors: int) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, out_features] in x's dtype, cut into programs as `config` says."""
+    if config.dense:
+        w, scales = dequantized(weight, x.dtype)
+        out = x @ w.T
+        return out if scales is None else (out.float() * scales.float()).to(x.dtype)
     rows, columns, n = x.shape[0], weight.code_columns, weight.out_features
     groups, group_columns = tile_shape(weight, config)
     tile = groups * group_columns
