@@ -318,3 +318,20 @@ def test_fp8_checkpoint_round_trip_through_hf(smollm2_path, tmp_path, make_llm_f
     ours = llm.engine.prompt_logits(ids)
     assert (ours - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_a_checkpoint_over_two_ranks_equals_one_process(random_llama, tmp_path, make_llm_for_test):
+    """A quantized checkpoint's layers, kept as the file stores them, cut between tensor-parallel ranks (fp8: a
+    scale per row, so the MLP's 96 columns cut anywhere; a group of 32 would not divide their halves)."""
+    from ridge import SamplingParams
+
+    out = tmp_path / "fp8"
+    quantize_to_dir(random_llama, "fp8", 8, None, out, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
+    one = make_llm_for_test(out, dtype="float32", kv_cache_memory="16MiB")
+    tp = make_llm_for_test(out, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+    assert "rank 0 of 2" in tp.engine.loaded.weight_format
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    tp.engine.close()

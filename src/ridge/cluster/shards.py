@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.linear.select import LinearTarget, fused_linear, make_linear
 from ridge.models.layers import Attention, GatedMLP
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
-from ridge.quant.rtn import QuantizedWeight
+from ridge.quant.rtn import QuantizedWeight, dequantize
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
 _EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
@@ -186,11 +187,20 @@ def _head_rows(heads: range, width: int) -> torch.Tensor:
     return torch.arange(heads.start * width, heads.stop * width)
 
 
-def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch.Tensor]]:
+def shard_model(model: nn.Module, plan: ShardPlan, file_quantized: dict[str, list[QuantizedWeight]] | None = None,
+                target: LinearTarget | None = None) -> dict[str, tuple[int, torch.Tensor]]:
     """Cut the model's dense weights down to this rank's parts in place, its heads and widths with them; return
-    the cuts (for its quantized weights: shard_quantized)."""
+    the cuts (for the weights quantized at load: shard_quantized). The weights the file stores quantized
+    (`file_quantized`, placed whole by the loader: keyed by module path) are cut as they were read and their
+    layers made again for `target`."""
     cuts = plan.weight_cuts(model)
+    file_quantized = file_quantized or {}
     for path, (dim, index) in cuts.items():
+        if path in file_quantized:
+            _recut_file_quantized(model, path, file_quantized[path], dim, index, plan, target)
+            continue
+        if path == HEAD and "embed_tokens" in file_quantized and model.cfg.tie_word_embeddings:
+            continue  # the tied head was made from the embedding's cut
         module = getattr(model, path, None) if "." not in path else _get(model, path)
         if module is None:
             continue
@@ -199,10 +209,6 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
             setattr(model.get_submodule(parent), name, nn.Parameter(module.data.index_select(dim, index),
                                                                     requires_grad=False))
             continue
-        if not isinstance(module, nn.Linear | nn.Embedding):
-            raise ValueError(f"tensor_parallel_size: {path} is held quantized as the file stores it "
-                             f"({type(module).__name__}), which is not cut between ranks yet; load the file "
-                             "dequantized (no quantization='gguf') or quantize it at load (int8, int4, fp8, gptq, awq)")
         _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None)
     local = plan.local_config()
     for layer in model.layers:
@@ -217,9 +223,44 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
             layer.attn.num_heads = local.num_heads
         for module in layer.modules() if layer.mlp is not None else ():
             if isinstance(module, GatedMLP):
-                module.intermediate_size = module.down.weight.shape[1]
+                down = module.down
+                module.intermediate_size = down.weight.shape[1] if isinstance(down, nn.Linear) else down.in_features
     model.cfg = local
     return cuts
+
+
+def _recut_file_quantized(model: nn.Module, path: str, parts: list[QuantizedWeight], dim: int, index: torch.Tensor,
+                          plan: ShardPlan, target: LinearTarget | None) -> None:
+    """A layer the file stores quantized, made again from this rank's cut of its parts (a fused q|k|v or gate|up
+    is several parts, each with its own rows: the cut's rows are found in each)."""
+    if target is None:
+        raise ValueError(f"tensor_parallel_size: {path} is stored quantized; cutting it needs the layers' target")
+    if path == "embed_tokens":  # vocabulary-parallel: the lookup reads a dense shard, a tied head the codes
+        (weight,) = parts
+        cut = cut_quantized(path, weight, dim, index, plan.vocab_shard)
+        model.embed_tokens = nn.Embedding.from_pretrained(dequantize(cut).to(target.dtype), freeze=True)
+        if model.cfg.tie_word_embeddings:
+            model.output_projection = make_linear(cut, None, target)
+        return
+    module = _get(model, path) if "." in path else getattr(model, path)
+    bias = getattr(module, "bias", None)
+    if dim == 0:
+        cut_parts, first = [], 0
+        for part in parts:
+            rows = index[(index >= first) & (index < first + part.shape[0])] - first
+            if len(rows):
+                cut_parts.append(cut_quantized(path, part, 0, rows, None))
+            first += part.shape[0]
+        if path == HEAD:
+            (head,) = cut_parts
+            cut_parts = [cut_quantized(path, head, 0, torch.arange(head.shape[0]), plan.vocab_shard)]
+        bias = None if bias is None else bias.index_select(0, index)
+    else:
+        if bias is not None:
+            raise ValueError("tensor_parallel_size: a row-parallel layer with a bias is not supported")
+        cut_parts = [cut_quantized(path, part, 1, index, None) for part in parts]
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, fused_linear(cut_parts, bias, target))
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
@@ -246,11 +287,18 @@ def shard_quantized(key: str, weight: QuantizedWeight, cuts: dict[str, tuple[int
     if key not in cuts:
         return weight
     dim, index = cuts[key]
+    return cut_quantized(key, weight, dim, index, pad_to if key == HEAD else None)
+
+
+def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tensor,
+                  pad_to: int | None) -> QuantizedWeight:
+    """The rows (dim 0, padded with zero rows to pad_to) or columns (dim 1) `index` of a quantized weight:
+    columns only on the boundaries of its scale groups."""
     if dim == 0:
         cut = dataclasses.replace(
             weight, qweight=weight.qweight[index], scales=weight.scales[index],
             minimums=None if weight.minimums is None else weight.minimums[index])
-        if key == HEAD and len(index) < pad_to:
+        if pad_to is not None and len(index) < pad_to:
             extra = pad_to - len(index)
             cut = dataclasses.replace(
                 cut, qweight=_pad_rows(cut.qweight, extra), scales=_pad_rows(cut.scales, extra),

@@ -22,6 +22,7 @@ from ridge.models.random_weights import PREFIX, is_random, random_spec
 from ridge.models.registry import check_supported, config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
+from ridge.quant.gguf_blocks import GROUP_SIZES as GGUF_GROUPS
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
 from ridge.quantize.calibration import (
@@ -80,13 +81,11 @@ def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan |
     """Rank `rank`'s part of the model under config.tensor_parallel_size (None: one process holds it all)."""
     if config.tensor_parallel_size == 1:
         return None
-    if config.quantization == "gguf":
-        raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} with quantization='gguf' is not "
-                         "supported yet (GGUF blocks kept as they are are not cut between ranks); load the file "
-                         "dequantized (no quantization) or quantize it at load (int8, int4, fp8, gptq, awq)")
-    grouped = config.quantization in ("int4", "gptq", "awq")  # int8 / fp8: a scale per row, columns cut freely
-    return ShardPlan(cfg, rank, config.tensor_parallel_size, config.quantization_group_size if grouped else 1,
-                     expert_parallel=config.enable_expert_parallel)
+    # the granule a row-parallel layer's columns are cut in: a quantization group (int8 / fp8: a scale per row,
+    # columns cut freely; a GGUF file's blocks: groups of 16 or 32)
+    granule = {"int4": config.quantization_group_size, "gptq": config.quantization_group_size,
+               "awq": config.quantization_group_size, "gguf": max(GGUF_GROUPS.values())}.get(config.quantization, 1)
+    return ShardPlan(cfg, rank, config.tensor_parallel_size, granule, expert_parallel=config.enable_expert_parallel)
 
 
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
@@ -103,12 +102,14 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
-                            ignore_sliding_window=config.ignore_sliding_window)
+                            ignore_sliding_window=config.ignore_sliding_window,
+                            keep_file_quantized=config.tensor_parallel_size > 1)
     quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
         if config.quantization in METHODS else iter(())
     if (plan := shard_plan(config, loaded.config, rank)) is not None:
         quantized = list(quantized)  # made from the whole model, before its dense weights are cut
-        cuts = shard_model(loaded.model, plan)
+        cuts = shard_model(loaded.model, plan, loaded.file_quantized, target)
+        loaded.file_quantized = {}
         quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized if plan.keeps(key)]
         loaded.weight_format += f", rank {rank} of {plan.world}"
     if config.quantization in METHODS:

@@ -16,7 +16,7 @@ import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,10 @@ class LoadedModel:
     model: DecoderModel
     path: Path
     weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
+    # the weights the file stores quantized, by the module path they were placed at (the embedding's
+    # `embed_tokens`, the head's `output_projection`), as placed: kept only where asked (tensor parallelism
+    # cuts them after loading, cluster/shards.py)
+    file_quantized: dict[str, list[QuantizedWeight]] = field(default_factory=dict)
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -223,10 +227,12 @@ def _reorder_rows(data: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
     gguf_native: bool = False, target: LinearTarget | None = None, ignore_sliding_window: bool = False,
+    keep_file_quantized: bool = False,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
     quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels).
-    ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs)."""
+    ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs).
+    keep_file_quantized: also return those weights as read (LoadedModel.file_quantized)."""
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
@@ -281,10 +287,17 @@ def load_model(
     with torch.device("meta"):
         model = DecoderModel(cfg)
     target = target or LinearTarget(dtype, device)
+    file_quantized = {}
     for key, slots in quantized.items():
-        _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target)
+        parts = [slots[i] for i in sorted(slots)]
+        _place_quantized(model, key, parts, state, target)
+        if keep_file_quantized:
+            file_quantized[_PLACED_AT.get(key, key.removesuffix(".weight"))] = parts
     model = _with_weights(model, state, device, str(path))
-    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}", file_quantized)
+
+
+_PLACED_AT = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "output_projection"}  # see _place_quantized
 
 
 def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
