@@ -179,6 +179,13 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                         "head_dim=32,kv_lora_rank=32,q_lora_rank=48,qk_rope_head_dim=16,qk_nope_head_dim=16,"
                         "v_head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
                         "intermediate_size=64,first_dense_layers=1,router_groups=2,router_topk_groups=1", 2, {}),
+    # state-space heads over 3 ranks: group 0 whole on rank 0, group 1 split between ranks 1 and 2, whose norm over
+    # it is summed across them
+    "mamba2-split-group": ("random:mamba2-2.7b,num_layers=2,vocab_size=1000,hidden_size=128,ssm_num_heads=6,"
+                           "ssm_head_dim=16,ssm_state_size=16,ssm_groups=2", 3, {}),
+    # the hybrid: attention and Mamba-2 layers, one group of B and C split between the ranks
+    "bamba-hybrid": ("random:bamba-9b,num_layers=3,vocab_size=1000,hidden_size=128,num_heads=4,num_kv_heads=2,"
+                     "head_dim=32,ssm_num_heads=8,ssm_head_dim=16,ssm_state_size=16,intermediate_size=128", 2, {}),
 }
 
 
@@ -259,8 +266,9 @@ def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
     with pytest.raises(ValueError, match="o_proj's input at column 192, inside a quantization group of 128"):
         LLM(str(smollm2_path), quantization="int4", quantization_group_size=128, tensor_parallel_size=2,
             progress=False)
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 is not supported for mamba2's state-space"):
-        LLM("random:mamba2-2.7b,num_layers=1,vocab_size=512,hidden_size=128", tensor_parallel_size=2, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks for 2 state-space heads"):
+        LLM("random:mamba2-2.7b,num_layers=1,vocab_size=512,hidden_size=128,ssm_num_heads=2,ssm_head_dim=16",
+            tensor_parallel_size=4, progress=False)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a draft model"):
         EngineConfig(model="m", tensor_parallel_size=2, draft_model="d")
     with pytest.raises(ValueError, match="enable_expert_parallel: llama has no experts"):

@@ -26,6 +26,7 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.linear.select import LinearTarget, fused_linear, make_linear
 from ridge.models.layers import Attention, GatedMLP
+from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.quant.rtn import QuantizedWeight, dequantize
@@ -45,10 +46,11 @@ class HeadShard:
     kv_heads: range
 
 
-def split_heads(num_heads: int, num_kv_heads: int, world: int) -> list[HeadShard]:
-    """Each rank's query and KV heads (global indices)."""
+def split_heads(num_heads: int, num_kv_heads: int, world: int, what: str = "attention heads") -> list[HeadShard]:
+    """Each rank's query and KV heads (global indices). A state-space layer's heads split the same way, its
+    groups (the heads that share B and C) in the place of KV heads."""
     if num_heads < world:
-        raise ValueError(f"tensor_parallel_size: {world} ranks for {num_heads} attention heads would leave a rank "
+        raise ValueError(f"tensor_parallel_size: {world} ranks for {num_heads} {what} would leave a rank "
                          "without a head (heads are split, never cut); use at most "
                          f"{num_heads} ranks")
     group = num_heads // num_kv_heads
@@ -78,14 +80,17 @@ class ShardPlan:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
                              f"the {self.world} ranks" if cfg.num_experts else
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
-        unsupported = [what for what, present in (
-            ("state-space layers", bool(cfg.ssm_layers)),
-            ("a q/k norm over all heads at once (OLMoE's qk_norm_full)", cfg.qk_norm_full)) if present]
-        if unsupported:
+        if cfg.qk_norm_full:
             raise ValueError(f"tensor_parallel_size: {self.world} is not supported for {cfg.architecture}'s "
-                             f"{unsupported[0]} yet; run it with tensor_parallel_size=1")
+                             "q/k norm over all heads at once (OLMoE's qk_norm_full) yet; run it with "
+                             "tensor_parallel_size=1")
         if cfg.attention_layers:
             split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
+        if cfg.ssm_layers:
+            self.ssm_heads  # noqa: B018 (raises where they cannot be split)
+            if cfg.ssm_proj_bias:
+                raise ValueError("tensor_parallel_size: a state-space layer's out_proj bias (row parallel) is not "
+                                 "supported")
         for name, width in (("intermediate_size", cfg.intermediate_size),
                             ("moe_intermediate_size", cfg.moe_intermediate_size if cfg.num_experts else 0),
                             ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
@@ -105,21 +110,35 @@ class ShardPlan:
     def heads(self) -> HeadShard:
         return split_heads(self.cfg.num_heads, self.cfg.num_kv_heads, self.world)[self.rank]
 
+    @property
+    def ssm_heads(self) -> HeadShard:
+        """This rank's state-space heads (q_heads) and groups (kv_heads)."""
+        return split_heads(self.cfg.ssm_num_heads, self.cfg.ssm_groups, self.world, "state-space heads")[self.rank]
+
     def local_config(self) -> ModelConfig:
         """The model this rank computes: its heads."""
-        if not self.cfg.attention_layers:
-            return self.cfg
-        heads = self.heads
-        return dataclasses.replace(self.cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads))
+        cfg = self.cfg
+        if cfg.attention_layers:
+            heads = self.heads
+            cfg = dataclasses.replace(cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads))
+        if cfg.ssm_layers:
+            ssm = self.ssm_heads
+            cfg = dataclasses.replace(cfg, ssm_num_heads=len(ssm.q_heads), ssm_groups=len(ssm.kv_heads))
+        return cfg
 
     def pool_config(self) -> ModelConfig:
-        """A model of as many KV heads as the rank with the most holds: what sizes each rank's KV blocks, so that
-        every rank's pool has as many blocks as rank 0 counts."""
+        """A model of as many KV heads (and state-space heads and groups) as the rank with the most holds: what
+        sizes each rank's KV blocks and state slots, so that every rank's pool has as many as rank 0 counts."""
         cfg = self.cfg
-        if not cfg.attention_layers:
-            return cfg
-        most = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world))
-        return dataclasses.replace(cfg, num_heads=most * (cfg.num_heads // cfg.num_kv_heads), num_kv_heads=most)
+        if cfg.attention_layers:
+            most = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world))
+            cfg = dataclasses.replace(cfg, num_heads=most * (cfg.num_heads // cfg.num_kv_heads), num_kv_heads=most)
+        if cfg.ssm_layers:
+            shards = split_heads(cfg.ssm_num_heads, cfg.ssm_groups, self.world, "state-space heads")
+            # every rank holds whole groups, or a part of one (split_heads): heads a multiple of groups either way
+            cfg = dataclasses.replace(cfg, ssm_num_heads=max(len(s.q_heads) for s in shards),
+                                      ssm_groups=max(len(s.kv_heads) for s in shards))
+        return cfg
 
     def columns(self, width: int) -> torch.Tensor:
         """This rank's share of an intermediate width, in whole granules."""
@@ -169,6 +188,8 @@ class ShardPlan:
                 cuts[f"layers.{i}.attn.{query}"] = (0, _head_rows(heads.q_heads, q_width))
                 cuts[f"layers.{i}.attn.kv_b"] = (0, _head_rows(heads.q_heads, kv_width))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, _head_rows(heads.q_heads, cfg.v_head_dim))
+            if isinstance(layer.ssm, Mamba2Mixer):
+                cuts.update(self._ssm_cuts(f"layers.{i}.ssm"))
             mlp = layer.mlp
             mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
             if isinstance(mlp, MoEBlock):
@@ -181,6 +202,21 @@ class ShardPlan:
                 cuts[f"layers.{i}.{name}.gate_up"] = (0, torch.cat([cols, gated.intermediate_size + cols]))
                 cuts[f"layers.{i}.{name}.down"] = (1, cols)
         return cuts
+
+
+    def _ssm_cuts(self, path: str) -> dict[str, tuple[int, torch.Tensor]]:
+        """A Mamba-2 mixer's parts on this rank: its heads' rows of z, x, dt and their parameters, its groups'
+        rows of B and C, the convolution's channels (x, B, C) to match; out_proj by its heads' columns."""
+        cfg, shard = self.cfg, self.ssm_heads
+        inner, bc = cfg.ssm_inner_size, cfg.ssm_groups * cfg.ssm_state_size
+        x_rows = _head_rows(shard.q_heads, cfg.ssm_head_dim)
+        b_rows = _head_rows(shard.kv_heads, cfg.ssm_state_size)
+        heads = torch.arange(shard.q_heads.start, shard.q_heads.stop)
+        channels = torch.cat([x_rows, inner + b_rows, inner + bc + b_rows])  # the convolution's x | B | C
+        return {f"{path}.in_proj": (0, torch.cat([x_rows, inner + channels, 2 * inner + 2 * bc + heads])),
+                f"{path}.out_proj": (1, x_rows), f"{path}.conv_weight": (0, channels),
+                f"{path}.conv_bias": (0, channels), f"{path}.norm_weight": (0, x_rows),
+                **{f"{path}.{name}": (0, heads) for name in ("dt_bias", "A_log", "D")}}
 
 
 def _head_rows(heads: range, width: int) -> torch.Tensor:
@@ -221,6 +257,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, file_quantized: dict[str, lis
             layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
         elif isinstance(layer.attn, LatentAttention):
             layer.attn.num_heads = local.num_heads
+        elif isinstance(layer.ssm, Mamba2Mixer):
+            layer.ssm.shard(local, plan.ssm_heads.kv_heads, plan.cfg, plan.world)
         for module in layer.modules() if layer.mlp is not None else ():
             if isinstance(module, GatedMLP):
                 down = module.down

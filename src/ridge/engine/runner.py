@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -128,7 +129,12 @@ class ModelRunner:
                               attention_mass=meta[0].attention_mass)
         num_sampled = len(inputs.sample_rows)
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
-        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, inputs.states)
+        states = inputs.states
+        if states is not None:
+            states = dataclasses.replace(states, cache=self.states)
+            if states.fresh is not None:
+                self.states.zero_(states.fresh)
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
                           hidden[num_sampled:] if inputs.prompt_rows else None,
                           meta[0].attention_mass if meta else None)  # a pure state-space model has no KV group
@@ -189,20 +195,19 @@ class ModelRunner:
                           sample_rows, samplers, prompt_rows, scored, self._state_step(step))
 
     def _state_step(self, step: ScheduledStep) -> StateStep | None:
-        """The step's state slots; those of sequences computing their first token zeroed (a new past)."""
+        """The step's state slots; those of sequences computing their first token to be zeroed (a new past), by
+        run() in the cache of the runner that runs the step."""
         if self.states is None:
             return None
         as_long = {"dtype": torch.long, "device": self.device}
         slots = torch.tensor([seq.state_slot for seq in step.seqs], **as_long)
-        fresh = [i for i, seq in enumerate(step.seqs) if seq.num_computed == 0]
-        if fresh:
-            self.states.zero_(slots[torch.tensor(fresh, **as_long)])
+        fresh = [seq.state_slot for seq in step.seqs if seq.num_computed == 0]
         chunks, flat = [], 0
         for i, n in enumerate(step.num_tokens):
             if i >= step.num_decodes:
                 chunks.append((flat, n))
             flat += n
-        return StateStep(self.states, slots, step.num_decodes, chunks)
+        return StateStep(None, slots, step.num_decodes, chunks, torch.tensor(fresh, **as_long) if fresh else None)
 
     def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step."""

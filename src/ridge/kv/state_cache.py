@@ -68,9 +68,12 @@ class StateCache:
 @dataclass
 class StateStep:
     """The state slots a step reads and writes: the step's sequences in its order (decodes first, one token
-    each, then prefill chunks at flat[start:start + length])."""
+    each, then prefill chunks at flat[start:start + length]). Which slots, not their contents: each tensor-parallel
+    rank runs a step with its own cache (its heads' states), so the runner that runs it binds `cache` and zeroes
+    `fresh` (the slots of sequences computing their first token) in it."""
 
-    cache: StateCache
+    cache: StateCache | None
     slots: torch.Tensor  # [sequences] slot of each
     num_decodes: int
     chunks: list[tuple[int, int]]  # (start, length) of each prefill chunk in the flat tokens
+    fresh: torch.Tensor | None = None  # slots to zero before the step

@@ -16,6 +16,8 @@ and no library ridge may depend on has it for the CPU (mamba_ssm's kernels are C
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,18 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(self.heads))
         self.norm_weight = nn.Parameter(torch.empty(self.inner))  # RMSNorm of y * silu(z), per group of heads
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.ssm_proj_bias)
+        # under tensor parallelism with fewer groups than ranks, each rank holds one group or a part of one
+        # (cluster/shards.py): that group's index and width among all, and the all-reduce that sums each group's
+        # squares over the ranks (every rank takes part, whole group or not)
+        self.shared_group: tuple[int, int, int] | None = None
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
+
+    def shard(self, local: ModelConfig, groups: range, whole: ModelConfig, world: int) -> None:
+        """Become this rank's part (its weights already cut): `groups` of the model `whole`'s, over `world` ranks."""
+        self.heads, self.groups = local.ssm_num_heads, local.ssm_groups
+        self.inner, self.channels = local.ssm_inner_size, local.ssm_conv_channels
+        if whole.ssm_groups < world:
+            self.shared_group = (groups.start, whole.ssm_groups, whole.ssm_inner_size // whole.ssm_groups)
 
     def forward(self, x: torch.Tensor, step: StateStep) -> torch.Tensor:
         """x: [T, hidden] of the step's sequences (decodes first) -> [T, hidden]; their slots' states advanced."""
@@ -63,9 +77,18 @@ class Mamba2Mixer(nn.Module):
             conv_out = F.conv1d(window[None], self.conv_weight.float()[:, None], groups=self.channels)[0].T
             y[rows] = self._scan(conv_out, dt[rows], A, ssm_state, slot)
         y = y.flatten(1) * F.silu(z.float())
-        # RMSNorm per group (the heads that share B and C): y * silu(z) normed, then weighed
-        y = F.rms_norm(y.unflatten(-1, (self.groups, -1)), (self.inner // self.groups,), eps=self.eps).flatten(1)
+        y = self._group_norm(y)
         return self.out_proj((y * self.norm_weight.float()).to(x.dtype))
+
+    def _group_norm(self, y: torch.Tensor) -> torch.Tensor:
+        """RMSNorm per group (the heads that share B and C) of y * silu(z) [T, inner], before its weight."""
+        if self.shared_group is None:
+            return F.rms_norm(y.unflatten(-1, (self.groups, -1)), (self.inner // self.groups,), eps=self.eps).flatten(1)
+        group, groups, width = self.shared_group
+        squares = y.new_zeros(y.shape[0], groups)  # a column per group of the whole model: ranks add theirs
+        squares[:, group] = y.square().sum(-1)
+        self.all_reduce(squares)
+        return y * torch.rsqrt(squares[:, group:group + 1] / width + self.eps)
 
     def _activate(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [n, channels] -> x [n, heads, head_dim], and B, C [n, heads, state_size]."""
