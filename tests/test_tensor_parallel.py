@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -257,6 +258,23 @@ def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path, m
     with pytest.raises(RuntimeError, match="injected"):
         LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB", progress=False)
     assert _my_ranks() == []
+
+
+def test_olmoe_norms_over_all_heads_over_ranks(tmp_path, make_llm_for_test):
+    """OLMoE normalises q and k over all their heads at once: each rank's squares summed over the ranks, its one KV
+    head (replicated on the 3 ranks) counted once."""
+    from test_moe import VOCAB as MOE_VOCAB
+    from test_moe import hf_config as moe_config
+
+    config = {**moe_config("olmoe").to_dict(), "num_key_value_heads": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = f"random:{tmp_path / 'config.json'}"
+    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB"}
+    prompts = random_prompts(5, MOE_VOCAB, 2, 60, seed=7)
+    expected = tokens(make_llm_for_test(model, **common).generate(prompts, GREEDY))
+    tp = make_llm_for_test(model, **common, tensor_parallel_size=3)
+    assert tokens(tp.generate(prompts, GREEDY)) == expected
+    tp.engine.close()
 
 
 # ---- what it refuses --------------------------------------------------------------------------------

@@ -153,6 +153,8 @@ def install_collectives(model: nn.Module, plan: ShardPlan, group: TPGroup) -> No
         layer.all_reduce = group.all_reduce_
         if layer.ssm is not None and layer.ssm.shared_group is not None:
             layer.ssm.all_reduce = group.all_reduce_  # its norm's squares, a group split between ranks
+        if getattr(layer.attn, "sharded_norm", None) is not None:
+            layer.attn.sharded_norm.all_reduce = group.all_reduce_  # q's and k's squares over all heads
     table = model.embed_tokens.weight
     model.embed_tokens = VocabParallelEmbedding(table.data, plan.rank * plan.vocab_shard, plan.cfg.vocab_size, group)
     if model.output_projection is None:  # torch's own nn.Linear was the pick: the (tied or own) weight as it is

@@ -25,7 +25,7 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.linear.select import LinearTarget, fused_linear, make_linear
-from ridge.models.layers import Attention, GatedMLP
+from ridge.models.layers import Attention, GatedMLP, ShardedFullNorm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -80,10 +80,6 @@ class ShardPlan:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
                              f"the {self.world} ranks" if cfg.num_experts else
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
-        if cfg.qk_norm_full:
-            raise ValueError(f"tensor_parallel_size: {self.world} is not supported for {cfg.architecture}'s "
-                             "q/k norm over all heads at once (OLMoE's qk_norm_full) yet; run it with "
-                             "tensor_parallel_size=1")
         if cfg.attention_layers:
             split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
         if cfg.ssm_layers:
@@ -181,6 +177,9 @@ class ShardPlan:
                 kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
                 cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
+                if cfg.qk_norm_full:  # norms over all heads at once: a weight per row of q and of k
+                    cuts[f"layers.{i}.attn.q_norm.weight"] = (0, q_rows)
+                    cuts[f"layers.{i}.attn.k_norm.weight"] = (0, kv_rows)
             elif isinstance(layer.attn, LatentAttention) and heads is not None:
                 # the latent and the rotary key (kv_a, q_a) are every head's: each rank computes and caches them whole
                 q_width, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
@@ -255,6 +254,11 @@ def shard_model(model: nn.Module, plan: ShardPlan, file_quantized: dict[str, lis
                     layer.mlp.experts[e] = nn.Module()  # another rank's expert: its weights freed here
         if isinstance(layer.attn, Attention):
             layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
+            if plan.cfg.qk_norm_full:
+                heads, group = plan.heads, plan.cfg.num_heads // plan.cfg.num_kv_heads
+                layer.attn.sharded_norm = ShardedFullNorm(
+                    plan.cfg.num_heads * plan.cfg.head_dim, plan.cfg.num_kv_heads * plan.cfg.head_dim,
+                    counts_k=heads.q_heads.start == heads.kv_heads.start * group)  # the KV heads' first rank
         elif isinstance(layer.attn, LatentAttention):
             layer.attn.num_heads = local.num_heads
         elif isinstance(layer.ssm, Mamba2Mixer):

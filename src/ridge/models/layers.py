@@ -104,6 +104,18 @@ def apply_rotary_(x: torch.Tensor, rotations: torch.Tensor) -> None:
     pairs.copy_(torch.view_as_real(z * rotations))
 
 
+@dataclass
+class ShardedFullNorm:
+    """q and k normed over all their heads at once (OLMoE) when a tensor-parallel rank holds some of the heads
+    (cluster/shards.py): each rank's squares of q, and of k where it is the first rank to hold its KV heads (a
+    replicated head counts once), summed over the ranks by one all-reduce."""
+
+    q_width: int  # q's width over all heads
+    k_width: int
+    counts_k: bool
+    all_reduce: Callable[[torch.Tensor], None] | None = None  # set with the layers' (cluster/collectives.py)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -118,6 +130,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
         self.norm_full = cfg.qk_norm_full
+        self.sharded_norm: ShardedFullNorm | None = None
 
     def key_center(self, rotary: RotaryEmbedding, positions: int) -> torch.Tensor | None:
         """The key bias as rotary turns it, averaged over positions 0..positions-1: [kv_heads, head_dim] float32,
@@ -141,8 +154,11 @@ class Attention(nn.Module):
         # split_with_sizes: Tensor.split's Python wrapper cost as much as the split, 30 times a step
         q, k, v = qkv.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.norm_full:
-            q = self.q_norm(q.reshape(tokens, -1)).view(tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(tokens, -1)).view(tokens, self.num_kv_heads, self.head_dim)
+            if self.sharded_norm is not None:
+                q, k = self._sharded_full_norm(q, k)
+            else:
+                q = self.q_norm(q.reshape(tokens, -1)).view(tokens, self.num_heads, self.head_dim)
+                k = self.k_norm(k.reshape(tokens, -1)).view(tokens, self.num_kv_heads, self.head_dim)
             rope.apply_(q, self.num_heads)
             rope.apply_(k, self.num_kv_heads)
         elif self.q_norm is not None:
@@ -153,6 +169,15 @@ class Attention(nn.Module):
             rope.apply_(qkv, self.num_heads + self.num_kv_heads)
         out = backend.forward(self.layer_index, q, k, v, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _sharded_full_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.sharded_norm
+        k_squares = k.float().square().sum((1, 2)) if norm.counts_k else k.new_zeros(k.shape[0], dtype=torch.float32)
+        squares = torch.stack([q.float().square().sum((1, 2)), k_squares], dim=1)  # [T, 2]: this rank's share
+        norm.all_reduce(squares)
+        scale = torch.rsqrt(squares / squares.new_tensor([norm.q_width, norm.k_width]) + self.q_norm.eps)
+        return tuple((x.float() * scale[:, i, None, None] * weight.weight.float().view(x.shape[1:])).to(x.dtype)
+                     for i, (x, weight) in enumerate(((q, self.q_norm), (k, self.k_norm))))
 
 
 class GatedMLP(nn.Module):
