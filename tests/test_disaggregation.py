@@ -48,6 +48,29 @@ def test_blocks_moved_to_another_engine_give_the_colocated_tokens(smollm2_path, 
     assert export_prefix(prefill.engine, prompts[0], "tenant-a").num_blocks == len(prompts[0]) // 16
 
 
+def test_sliding_window_blocks_move_by_group(make_llm_for_test):
+    """A model of sliding-window and global layers (Gemma 3's pattern, a window of 24 tokens): its full-attention
+    group sends every block of the prefix, its window group only those of the window at the prefix's end (the
+    ones before it are the null block there), and the decode engine's hit reads both as the colocated one does."""
+    model = ("random:gemma3-270m,num_layers=3,vocab_size=1001,hidden_size=128,head_dim=32,intermediate_size=160,"
+             "sliding_window=24,global_every=3")
+    common = {"dtype": "float32", "kv_cache_memory": "16MiB"}
+    prefill, decode = make_llm_for_test(model, **common), make_llm_for_test(model, **common)
+    for prompt in random_prompts(3, 1001, 70, 150, seed=12):
+        (expected,) = prefill.generate(prompt, GREEDY)
+        blocks = export_prefix(prefill.engine, prompt, None)
+        full, *windows = blocks.groups  # the global layers' group, then each sliding-window group
+        assert full == list(range(blocks.num_blocks)) and windows
+        for window in windows:  # the window of the prefix's end, from one block earlier
+            assert 0 < len(window) < blocks.num_blocks
+            assert window == list(range(blocks.num_blocks - len(window), blocks.num_blocks))
+        assert import_prefix(decode.engine, blocks) == sum(map(len, blocks.groups))
+        (out,) = decode.generate(prompt, GREEDY)
+        assert out.num_cached_tokens == min(blocks.num_blocks, (len(prompt) - 1) // 16) * 16 > 0
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    decode.engine.check_integrity()
+
+
 def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for_test):
     f32 = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="16MiB")
     bf16 = make_llm_for_test(smollm2_path, dtype="bfloat16", kv_cache_memory="16MiB")

@@ -20,16 +20,24 @@ from ridge.engine.engine import LLMEngine
 
 @dataclass
 class PrefixBlocks:
-    """Whole blocks of one prompt's cached prefix, in the exporting engine's cache layout."""
+    """Whole blocks of one prompt's cached prefix, in the exporting engine's cache layout: of each KV group (a
+    full-attention group every block of the prefix, a sliding-window group those of the window at its end), one
+    group after the other."""
 
-    token_ids: list[int]  # the tokens they hold: len(data[i]) blocks of block_size each
+    token_ids: list[int]  # the tokens they hold: num_blocks blocks of block_size each
     salt: str | None  # the request's cache_salt (keys chain from it)
     block_size: int
-    data: list[torch.Tensor]  # per cache tensor (AttentionBackend.block_tensors' order): [blocks, ...one block]
+    data: list[torch.Tensor]  # per cache tensor (AttentionBackend.block_tensors' order): [rows, ...one block]
+    groups: list[list[int]] | None = None  # per KV group, the prefix's blocks it sent, in data's order (None: one
+    # full-attention group, all of them)
+
+    def __post_init__(self) -> None:
+        if self.groups is None:
+            self.groups = [list(range(self.num_blocks))]
 
     @property
     def num_blocks(self) -> int:
-        return self.data[0].shape[0] if self.data else 0
+        return len(self.token_ids) // self.block_size
 
     @property
     def nbytes(self) -> int:
@@ -47,18 +55,19 @@ def check_config(config: EngineConfig, role: str) -> None:
 def check_transferable(engine: LLMEngine) -> None:
     """ValueError naming what keeps this engine from moving cached prefixes."""
     check_config(engine.config, "disaggregated prefill")
-    layout = engine.kv.layout
-    if len(layout.groups) != 1 or layout.has_windows:
-        raise ValueError("role: disaggregated prefill of sliding-window or mixed attention layers is not supported yet")
+    if engine.kv.cache is None:
+        raise ValueError("role: disaggregated prefill moves prefix-cache blocks, and this model keeps no prefix "
+                         "cache (its state-space layers' state is no blocks)")
 
 
 def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:
-    """The blocks of token_ids' longest cached prefix (full blocks only)."""
+    """The blocks of token_ids' longest cached prefix (full blocks only), of every KV group."""
     kv = engine.kv
-    blocks = kv.cached_blocks(kv.prefix_keys(token_ids, salt))
-    index = torch.tensor(blocks, dtype=torch.long)
+    hit, tables = kv.exportable_tables(kv.prefix_keys(token_ids, salt))
+    groups = [[i for i, _ in table] for table in tables]
+    index = torch.tensor([block for table in tables for _, block in table], dtype=torch.long)
     data = [t.index_select(dim, index).movedim(dim, 0).contiguous() for t, dim in engine.runner.backend.block_tensors()]
-    return PrefixBlocks(token_ids[: len(blocks) * kv.block_size], salt, kv.block_size, data)
+    return PrefixBlocks(token_ids[: hit * kv.block_size], salt, kv.block_size, data, groups)
 
 
 def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
@@ -66,12 +75,14 @@ def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
     kv, tensors = engine.kv, engine.runner.backend.block_tensors()
     if prefix.block_size != kv.block_size:
         raise ValueError(f"block_size: the blocks hold {prefix.block_size} tokens, this engine's {kv.block_size}")
-    if len(prefix.data) != len(tensors) or any(
-            d.shape[1:] != t.movedim(dim, 0).shape[1:] or d.dtype != t.dtype
-            for d, (t, dim) in zip(prefix.data, tensors, strict=False)):
-        raise ValueError("kv: the blocks' layout (layers, KV heads, head size, cache dtype) is not this engine's; "
-                         "prefill and decode must run the same model with the same dtype and kv_cache_dtype")
-    placed = kv.adopt(kv.prefix_keys(prefix.token_ids, prefix.salt))
+    rows = sum(len(g) for g in prefix.groups)
+    if len(prefix.data) != len(tensors) or len(prefix.groups) != len(kv.layout.groups) or any(
+            d.shape[1:] != t.movedim(dim, 0).shape[1:] or d.dtype != t.dtype or d.shape[0] != rows
+            for d, (t, dim) in zip(prefix.data, tensors, strict=False)) or any(
+            i >= prefix.num_blocks for g in prefix.groups for i in g):
+        raise ValueError("kv: the blocks' layout (layers, KV groups, KV heads, head size, cache dtype) is not this "
+                         "engine's; prefill and decode must run the same model with the same dtype and kv_cache_dtype")
+    placed = kv.adopt(kv.prefix_keys(prefix.token_ids, prefix.salt), prefix.groups)
     if placed:
         rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
         blocks = torch.tensor([b for _, b in placed], dtype=torch.long)

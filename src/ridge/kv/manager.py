@@ -131,10 +131,16 @@ class KVManager:
         if self.eviction is not None:  # no more than a sequence may hold
             usable = min(usable, self.eviction.budget // self.block_size)
         self._hash_blocks(seq, usable)
-        keys = seq.block_keys[:usable]
+        return self.cached_tables(seq.block_keys[:usable])
+
+    def cached_tables(self, keys: list[bytes]) -> tuple[int, list[list[int]]]:
+        """The longest prefix of `keys` every group has cached, in blocks, and each group's table for it (a window
+        group's holds the null block before its window)."""
+        if self.cache is None:
+            return 0, [[] for _ in self.windows]
         found = [self.cache.lookup(self._group_keys(g, keys)) if w is None else None
                  for g, w in enumerate(self.windows)]
-        hit = min((len(blocks) for blocks in found if blocks is not None), default=usable)
+        hit = min((len(blocks) for blocks in found if blocks is not None), default=len(keys))
         while True:  # a window group's hit may end earlier; then every group's must
             shorter = min((self._window_hit(g, keys, hit) for g, w in enumerate(self.windows) if w is not None),
                           default=hit)
@@ -186,25 +192,38 @@ class KVManager:
             keys.append(chain_key(keys[-1] if keys else None, token_ids[i * bs:(i + 1) * bs], salt))
         return keys
 
-    def cached_blocks(self, keys: list[bytes]) -> list[int]:
-        """The cached blocks of the longest prefix of `keys` (one full-attention group)."""
-        return self.cache.lookup(keys) if self.cache is not None else []
+    def exportable_tables(self, keys: list[bytes]) -> tuple[int, list[list[tuple[int, int]]]]:
+        """The longest prefix of `keys` every group has cached, in blocks, and each group's cached blocks for it as
+        (index in keys, block): a window group's from the window of a hit one block shorter (the hit of a prompt
+        whose last token opens a new block: a prefix hit never takes the block holding the last token)."""
+        hit, tables = self.cached_tables(keys)
+        groups = []
+        for g, table in enumerate(tables):
+            first = self.window_start_block(g, max(hit - 1, 0) * self.block_size)
+            cached = [(i, table[i] if table[i] != self.null_block else self.cache.block_of(self._group_key(g, keys[i])))
+                      for i in range(first, hit)]
+            groups.append([(i, block) for i, block in cached if block is not None and block != self.null_block])
+        return hit, groups
 
-    def adopt(self, keys: list[bytes]) -> list[tuple[int, int]]:
-        """Free blocks for the blocks of `keys` the cache does not hold yet, entered in the prefix cache and parked
-        (no sequence holds them; LRU evicts them like any other): (index in keys, block) of each, for the caller to
-        fill before anything else runs. Stops at the first key it cannot place (no free block): a later block would
-        be unreachable without it."""
-        assert self.cache is not None and len(self.layout.groups) == 1 and not self.layout.has_windows
-        placed = []
-        for i, key in enumerate(keys):
-            if self.cache.block_of(key) is not None:
-                continue
-            if self.pool.num_free < 1:
-                break
-            [block] = self.pool.allocate(1)
-            self.cache.insert(key, block)
-            placed.append((i, block))
+    def adopt(self, keys: list[bytes], groups: list[list[int]]) -> list[tuple[int, int]]:
+        """Free blocks for the blocks the cache does not hold yet of each group's `keys` (group g's, by index
+        into keys: groups[g]), entered in the prefix cache and parked (no sequence holds them; LRU evicts them like
+        any other): (row, block) of each, the row counting the groups' blocks in order, for the caller to fill
+        before anything else runs. Stops at the first block it cannot place (no free block): a later one would be
+        unreachable without it."""
+        assert self.cache is not None and len(groups) == len(self.layout.groups)
+        placed, row = [], 0
+        for g, indices in enumerate(groups):
+            for i in indices:
+                key = self._group_key(g, keys[i])
+                if self.cache.block_of(key) is None:
+                    if self.pool.num_free < 1:
+                        self.pool.release(block for _, block in placed)
+                        return placed
+                    [block] = self.pool.allocate(1)
+                    self.cache.insert(key, block)
+                    placed.append((row, block))
+                row += 1
         self.pool.release(block for _, block in placed)
         return placed
 

@@ -62,7 +62,7 @@ class PrefixPusher:
         blocks = reply.blocks
         buffer = io.BytesIO()
         torch.save({"token_ids": blocks.token_ids, "salt": blocks.salt, "block_size": blocks.block_size,
-                    "data": blocks.data}, buffer)
+                    "data": blocks.data, "groups": blocks.groups}, buffer)
         try:
             answer = await self.client.post(params.push_to.rstrip("/") + IMPORT_PATH, content=buffer.getvalue(),
                                             headers={"Content-Type": "application/octet-stream"})
@@ -82,7 +82,7 @@ async def import_route(engine: AsyncEngine, request: Request) -> JSONResponse:
     try:
         fields = torch.load(io.BytesIO(await request.body()), weights_only=True)
         blocks = PrefixBlocks(list(fields["token_ids"]), fields["salt"], int(fields["block_size"]),
-                              list(fields["data"]))
+                              list(fields["data"]), [list(map(int, g)) for g in fields.get("groups") or []] or None)
     except Exception as exc:  # noqa: BLE001 - whatever a malformed body raises, the client gets a 400 naming it
         raise RequestError(f"body: not the blocks a prefill server pushes ({type(exc).__name__}: {exc})",
                            "body") from exc
