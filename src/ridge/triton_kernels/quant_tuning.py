@@ -81,6 +81,8 @@ class Tuner:
             return fallback
         key = (x.device.index, x.dtype, rows_bucket(rows), weight.kind, weight.group_size, weight.codes.dtype,
                tuple(weight.codes.shape))
+        if key in self.chosen:  # every call but a shape's first: nothing else to do
+            return self.chosen[key]
         options = {config: (lambda w, c=config: quant_matmul(x, w, c, multiprocessors))
                    for config in self.candidates(x, weight)}
         return self.choose(key, options, weight, lambda w: w.codes.nbytes, x.device, fallback)
@@ -93,16 +95,19 @@ class Tuner:
         if x.shape[0] <= GEMV_MAX_ROWS:
             return False
         key = (x.device.index, x.dtype, rows_bucket(x.shape[0]), "int4pack", group_size, tuple(packed[0].shape))
-        options = {False: lambda p: int4pack.multiply(x, *p, group_size),
-                   True: lambda p: x @ int4pack.dense(*p, group_size, x.dtype).T}
-        return self.choose(key, options, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, False)
+        if key not in self.chosen:
+            options = {"tinygemm": lambda p: int4pack.multiply(x, *p, group_size),
+                       "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group_size, x.dtype).T}
+            self.choose(key, options, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
+        return self.chosen.get(key) == "widened for cuBLAS"
 
     def choose(self, key: tuple, options: dict[H, Callable[[T], object]], weight: T, nbytes: Callable[[T], int],
                device: torch.device, fallback: H) -> H:
-        """The fastest of `options` (each a call on a copy of `weight`), measured once per key."""
+        """The fastest of `options` (each a call on a copy of `weight`), measured once per key (not inside a
+        CUDA graph's capture, which cannot time anything: there the fallback, unremembered)."""
         if key in self.chosen:
             return self.chosen[key]
-        if torch.cuda.is_current_stream_capturing():  # nothing can be timed inside a capture
+        if torch.cuda.is_current_stream_capturing():
             return fallback
         timings = self.timings(options, weight, nbytes, device)
         self.chosen[key] = choice = min(timings, key=timings.__getitem__) if timings else fallback
