@@ -7,11 +7,13 @@ head is replicated on the ranks that split its query heads between them. A rank'
 its KV heads evenly, so its attention is an ordinary GQA over fewer heads. The MLP (and each expert) is split
 along its intermediate width: gate and up by rows (column parallel), down by columns (row parallel); the
 vocabulary by rows of the embedding table and the output projection. With expert parallelism, each rank holds
-whole experts instead, its share of them; every rank routes every token, and runs the experts it holds. Each
-rank's attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py).
+whole experts instead, its share of them; every rank routes every token, and runs the experts it holds. A
+Mamba-2 mixer splits by heads as attention does, its groups of B and C in the place of KV heads. Each rank's
+attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py); norms
+over a whole group or all heads (Mamba-2's where a group is split, OLMoE's q/k norms) sum their squares likewise.
 
-Quantized weights are cut after quantizing the whole model, so that every rank holds exactly the numbers a single
-process would: rows freely, columns only on the boundaries of their scale groups.
+Quantized weights are cut after quantizing the whole model, or as the file stores them, so that every rank holds
+exactly the numbers a single process would: rows freely, columns only on the boundaries of their scale groups.
 """
 
 from __future__ import annotations
