@@ -4,11 +4,13 @@ Two gloo process groups share one rendezvous store: `compute` carries the collec
 a step (an all-reduce after each attention and each MLP, the embedding's all-reduce and the logits' gather), with a
 timeout that catches a wedged rank; `commands` carries rank 0's step descriptions to the workers, which wait on it
 while the engine is idle, for as long as it stays idle. A rank that dies closes its sockets, and the others' next
-collective fails at once rather than at a timeout.
+collective fails at once rather than at a timeout. Ranks of one machine run their small all-reduces (a decode step's)
+through shared memory instead (cluster/shm_reduce.py).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import statistics
 import time
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.cluster.shards import ShardPlan
+from ridge.cluster.shm_reduce import SharedMemoryReducer
 
 GATHER_LIMIT = 1 << 20  # bytes: smaller all-reduces run as an all-gather and a local sum
 STEP_TIMEOUT = timedelta(minutes=10)  # one step's collectives: a long prefill of a big model on a CPU, at most
@@ -45,6 +48,7 @@ class TPGroup:
     compute: dist.ProcessGroup
     commands: dist.ProcessGroup
     clock: CollectiveClock = field(default_factory=CollectiveClock)
+    local: SharedMemoryReducer | None = None  # ranks of one machine: small all-reduces through shared memory
 
     @classmethod
     def join(cls, url: str, rank: int | None = None, size: int | None = None, timeout_s: float = 120.0) -> TPGroup:
@@ -53,8 +57,16 @@ class TPGroup:
         kwargs = {} if rank is None else {"rank": rank, "world_size": size}
         store, rank, size = next(dist.rendezvous(url, timeout=timedelta(seconds=timeout_s), **kwargs))
         store.set_timeout(IDLE_TIMEOUT)
-        return cls(rank, size, dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, STEP_TIMEOUT),
-                   dist.ProcessGroupGloo(dist.PrefixStore("commands", store), rank, size, IDLE_TIMEOUT))
+        group = cls(rank, size, dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, STEP_TIMEOUT),
+                    dist.ProcessGroupGloo(dist.PrefixStore("commands", store), rank, size, IDLE_TIMEOUT))
+        group.local = _shared_memory(store, rank, size)
+        return group
+
+    def close(self) -> None:
+        """Release what the group holds outside its process groups (the shared-memory segment)."""
+        if self.local is not None:
+            self.local.close()
+            self.local = None
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum tensor over the ranks, in place. Up to GATHER_LIMIT bytes (every decode step's), as an all-gather
@@ -62,7 +74,9 @@ class TPGroup:
         (docs/notes/tensor-parallel.md). Every rank sums the same pieces in the same order, so all hold the same
         result, as an all-reduce guarantees."""
         start = time.perf_counter()
-        if tensor.nbytes <= GATHER_LIMIT:
+        if self.local is not None and self.local.fits(tensor) and tensor.is_contiguous():
+            self.local.all_reduce_(tensor)  # every rank makes the same choice: their tensors are alike
+        elif tensor.nbytes <= GATHER_LIMIT:
             pieces = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype)
             self.compute._allgather_base(pieces.view(-1), tensor.contiguous().view(-1)).wait()
             torch.sum(pieces, dim=0, out=tensor)
@@ -113,6 +127,21 @@ class TPGroup:
         flags[self.rank] = int(ok)
         self.commands.allreduce([flags]).wait()
         return [bool(f) for f in flags.tolist()]
+
+
+def _shared_memory(store: dist.Store, rank: int, size: int) -> SharedMemoryReducer | None:
+    """The ranks' shared-memory reducer where they all run on one machine (rank 0 makes the segment, the others
+    attach by the name it posts), else None."""
+    store.set(f"local/{rank}", f"{SharedMemoryReducer.host()} {os.getpid()}")
+    hosts, pids = zip(*(store.get(f"local/{r}").decode().split() for r in range(size)), strict=True)
+    if not SharedMemoryReducer.usable(list(hosts)):
+        return None
+    timeout = STEP_TIMEOUT.total_seconds()
+    if rank == 0:
+        local = SharedMemoryReducer.create(size, [int(p) for p in pids], timeout)
+        store.set("local/segment", local.name)
+        return local
+    return SharedMemoryReducer.attach(store.get("local/segment").decode(), rank, size, [int(p) for p in pids], timeout)
 
 
 class VocabParallelEmbedding(nn.Module):

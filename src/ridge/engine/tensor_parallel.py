@@ -170,6 +170,7 @@ class TensorParallelRunner:
         """Stop the other ranks (torchrun's end their `serve`)."""
         if self.broken is not None and self._finalizer.detach() is not None:  # no command reaches a broken group
             _end(self.workers)
+            self.group.close()
         self._finalizer()
         self.broken = "closed"
 
@@ -178,6 +179,7 @@ def _stop_ranks(group: TPGroup, workers: list[subprocess.Popen]) -> None:
     with contextlib.suppress(Exception):  # a rank already gone: nothing left to stop there
         group.broadcast_command(Stop())
     _end(workers)
+    group.close()
 
 
 def _end(workers: list[subprocess.Popen], kill: bool = False) -> None:
@@ -217,12 +219,19 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
 def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") -> None:
     """Rank `rank`'s life (None: torchrun's RANK): meet the group, load this rank's shard, build the runner rank 0
     sizes, then run what rank 0 broadcasts until it says Stop."""
-    from ridge.engine.loading import ModelFile, load_weights, shard_plan
-    from ridge.kernels import cpu_ops
-
     torch.set_num_threads(config.threads_per_process())
     torch.manual_seed(config.seed)
     group = TPGroup.join(url, *((rank, config.tensor_parallel_size) if rank is not None else ()))
+    try:
+        _serve(config, group)
+    finally:
+        group.close()
+
+
+def _serve(config: EngineConfig, group: TPGroup) -> None:
+    from ridge.engine.loading import ModelFile, load_weights, shard_plan
+    from ridge.kernels import cpu_ops
+
     runner, kernels, loaded = None, None, None
     try:
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
