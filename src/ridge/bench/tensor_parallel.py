@@ -65,6 +65,8 @@ def measure(args: argparse.Namespace, ranks: int, prompt: list[int]) -> dict:
                                          args.output_len, seed=0)
     row["batch_tok_s"] = args.batch * args.output_len / ridge_throughput(args, requests, llm).figures["elapsed_s"]
     if ranks > 1:
+        # small all-reduces through shared memory where the ranks share a machine, gloo otherwise and for large ones
+        row["transport"] = "shared memory" if engine.runner.group.local is not None else "gloo"
         # the latency at a decode step's own message (a token's activations), the bandwidth at 16 MiB
         latency, big = engine.runner.time_all_reduce([engine.loaded.config.hidden_size, LINK_BIG])
         steps = 2 * (ranks - 1)
@@ -109,8 +111,8 @@ def cmd_tp(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"\n{args.model}: one process against {args.tensor_parallel_size} tensor-parallel ranks (gloo), batch-1 "
-          f"decode and a batch of {args.batch}")
+    print(f"\n{args.model}: one process against {args.tensor_parallel_size} tensor-parallel ranks (all-reduces "
+          f"through {rows[-1]['transport']}), batch-1 decode and a batch of {args.batch}")
     for line in tp_table(report):
         print(line)
     return 0
