@@ -34,6 +34,8 @@ class SharedMemoryReducer:
                  owner: bool, timeout_s: float) -> None:
         self.segment, self.rank, self.size, self.pids, self.owner = segment, rank, size, pids, owner
         self.timeout_s = timeout_s
+        # more ranks than cores: a spinning rank would hold a core the rank it waits for needs
+        self.yield_always = size > (os.cpu_count() or 1)
         self.flags = np.ndarray((size,), dtype=np.int64, buffer=segment.buf)
         self.data = np.ndarray((2, size, SLOT_BYTES), dtype=np.uint8, buffer=segment.buf, offset=64 * size)
         self.calls = 0
@@ -83,6 +85,8 @@ class SharedMemoryReducer:
     def _wait(self, call: int) -> None:
         started = checked = time.monotonic()
         while (self.flags < call).any():
+            if self.yield_always:
+                os.sched_yield()
             now = time.monotonic()
             if now - checked > LIVENESS_CHECK_S:
                 checked = now
