@@ -25,6 +25,7 @@ from ridge.quant.rtn import QuantizedWeight
 
 log = logging.getLogger("ridge")
 
+
 class TritonQuantLinear(KernelLinear):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: str | torch.device) -> None:
