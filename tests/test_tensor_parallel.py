@@ -99,6 +99,7 @@ def test_smollm2_over_two_ranks_equals_one_process(smollm2, smollm2_path, smollm
     alone = one_process
     tp = make_llm_for_test(smollm2_path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=128)
     assert "rank 0 of 2" in tp.engine.loaded.weight_format
+    assert tp.engine.runner.local.decode_stack is not None  # decode steps in C++, all-reducing between layers
     assert tokens(tp.generate(smollm2_prompts, GREEDY)) == alone
     scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, logprobs=3)
     [mine], [theirs] = tp.generate(smollm2_prompts[0], scored), smollm2.generate(smollm2_prompts[0], scored)

@@ -78,14 +78,12 @@ class ModelRunner:
         self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,
                                   cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
                        if cfg.ssm_layers else None)
-        if tensor_parallel and not enforce_eager:
-            log.warning("ridge: tensor parallelism runs decode steps layer by layer (neither the fused decode stack "
-                        "nor CUDA graphs hold its all-reduces yet)")
-            enforce_eager = True
-        # decode steps' layers in one C++ call where the model's layers all have a kernel there
-        self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops)
+        # decode steps' layers in one C++ call where the model's layers all have a kernel there (a tensor-parallel
+        # rank's calling the group's all-reduces between them)
+        self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
+                                                                          tensor_parallel)
         self.graphs: DecodeGraphs | None = None
-        graphs = isinstance(self.backend, CudaBackend) and not enforce_eager
+        graphs = isinstance(self.backend, CudaBackend) and not enforce_eager and not tensor_parallel
         if graphs and cfg.num_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts (its routing picks the expert matmuls each "
                         "step); decode runs eagerly")

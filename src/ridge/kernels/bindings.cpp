@@ -91,9 +91,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("key_center") = py::none(),
            py::arg("fp8") = false);
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
-      .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>(),
+      .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
+                    py::object>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none())
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"),

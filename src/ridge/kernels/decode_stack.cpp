@@ -107,9 +107,11 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 }
 
 DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+                         py::object all_reduce)
     : layers(std::move(layers)), final_norm(std::move(final_norm)), rope_table(std::move(rope_table)),
-      heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale) {
+      heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale),
+      all_reduce(std::move(all_reduce)) {
   TORCH_CHECK(this->rope_table.is_contiguous() && this->rope_table.scalar_type() == torch::kFloat,
               "DecodeStack: rope_table float32 [max_positions, head_dim / 2, 2]");
 }
@@ -156,10 +158,18 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
                                           std::nullopt, mass));
     }
     x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
+    reduce_(x);
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
     x = layer.down(silu_mul(layer.gate_up(h)));
+    reduce_(x);
   }
   return add_rms_norm_(residual, x, final_norm, eps);
+}
+
+void DecodeStack::reduce_(const torch::Tensor& x) const {
+  if (all_reduce.is_none()) return;
+  py::gil_scoped_acquire gil;  // forward runs without it
+  all_reduce(x);
 }
 
 }  // namespace ridge_stack

@@ -64,14 +64,20 @@ struct DecodeStack {
   torch::Tensor rope_table;  // float32 [max_positions, head_dim / 2, 2] = (cos, sin)
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
+  // under tensor parallelism: the group's in-place sum of a layer's partial attention and MLP outputs (a Python
+  // callable, cluster/collectives.py's all_reduce_), called with the GIL taken back; None in one process
+  py::object all_reduce;
 
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
-              int64_t kv_heads, int64_t head_dim, double eps, double scale);
+              int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
   // writes each layer's k, v at slots and attends over block_tables up to context_lens (the token included);
   // adds every layer's attention mass per block to `mass` where given (paged_decode's).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor context_lens, std::optional<torch::Tensor> mass) const;
+
+ private:
+  void reduce_(const torch::Tensor& x) const;
 };
 
 }  // namespace ridge_stack

@@ -50,8 +50,12 @@ class DecodeStack:
                                    kernel.context_lens, meta.attention_mass)
 
 
-def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None) -> DecodeStack | None:
-    """The stack over model's layers and backend's caches, or None where the Python path must serve."""
+def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None,
+          tensor_parallel: bool = False) -> DecodeStack | None:
+    """The stack over model's layers and backend's caches, or None where the Python path must serve.
+    tensor_parallel: the model is a rank's shard; the stack sums its layers' partial outputs over the ranks with
+    the all-reduce the layers are given (cluster/collectives.py), at call time: rank 0's are given after its
+    runner is made."""
     cfg = model.cfg
     quantized = isinstance(backend, QuantizedKVBackend)
     if ops is None or (backend.kernels if quantized else backend.ops) is None or type(backend) not in (
@@ -87,6 +91,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     rope_table = torch.view_as_real(model.rotary.freqs)
     # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
     int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())
+    first = model.layers[0]
+    all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
-                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale),
+                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce),
                        min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS)
