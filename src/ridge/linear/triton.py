@@ -32,7 +32,7 @@ class TritonQuantLinear(KernelLinear):
         from ridge.triton_kernels import quant_matmul, quant_tuning  # Triton comes with CUDA torch; only here
 
         super().__init__(*weight.shape, bias, dtype)
-        self.ops, self.tuner = quant_matmul, quant_tuning.TUNER
+        self.ops, self.tuner, self.tuner_rows = quant_matmul, quant_tuning.TUNER, quant_tuning.rows_bucket
         if weight.group_size is None and weight.minimums is not None:
             raise ValueError("quantization: per-channel codes with a minimum have no CUDA kernel")
         self.group_size = weight.group_size or 0
@@ -73,10 +73,25 @@ class TritonQuantLinear(KernelLinear):
         x = x.contiguous()
         if self.int4pack is not None:
             packed = (self.int4pack, self.scales_and_zeros)
-            if self.tuner.int4pack_dense(x, packed, self.group_size):
+            if self._widens(x, packed):
                 return x @ int4pack.dense(*packed, self.group_size, x.dtype).T
             return int4pack.multiply(x, *packed, self.group_size)
         weight = self.ops.PackedWeight(self.codes, self.kind, self.scales, self.minimums, self.group_size,
                                        self.out_features)
         return self.ops.quant_matmul(x, weight, self.tuner.config(x, weight, self.multiprocessors),
                                      self.multiprocessors)
+
+    def _widens(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether, at x's rows (a prefill), tinygemm's matrix is better widened once and multiplied by cuBLAS than
+        multiplied by tinygemm: measured once per bucket of rows and shape."""
+        if x.shape[0] <= self.ops.GEMV_MAX_ROWS:
+            return False
+        key = (x.device.index, x.dtype, self.tuner_rows(x.shape[0]), "int4pack", self.group_size,
+               tuple(packed[0].shape))
+        choice = self.tuner.chosen.get(key)
+        if choice is None:
+            group = self.group_size
+            ways = {"tinygemm": lambda p: int4pack.multiply(x, *p, group),
+                    "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group, x.dtype).T}
+            choice = self.tuner.choose(key, ways, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
+        return choice == "widened for cuBLAS"

@@ -1,6 +1,6 @@
 """The fastest way to multiply by a quantized matrix at a number of rows (in buckets: powers of two): a
-configuration of the Triton kernels (quant_matmul.py), or tinygemm against widening the matrix for cuBLAS
-(linear/int4pack.py); measured on the GPU at the first call and remembered for the process.
+configuration of the Triton kernels (quant_matmul.py), or any ways a caller names (linear/triton.py: tinygemm
+against widening its matrix for cuBLAS); measured on the GPU at the first call and remembered for the process.
 
 A decode step's matmuls are bandwidth-bound GEMVs whose best tile, split of K and kernel (registers or tensor
 cores) depend on the format, the matrix and the GPU in ways a fixed heuristic got wrong by 2-3x (docs/notes/
@@ -86,20 +86,6 @@ class Tuner:
         options = {config: (lambda w, c=config: quant_matmul(x, w, c, multiprocessors))
                    for config in self.candidates(x, weight)}
         return self.choose(key, options, weight, lambda w: w.codes.nbytes, x.device, fallback)
-
-    def int4pack_dense(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], group_size: int) -> bool:
-        """Whether tinygemm's matrix is better widened once and multiplied by cuBLAS at x's rows (a prefill)
-        than multiplied by tinygemm."""
-        from ridge.linear import int4pack
-
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            return False
-        key = (x.device.index, x.dtype, rows_bucket(x.shape[0]), "int4pack", group_size, tuple(packed[0].shape))
-        if key not in self.chosen:
-            options = {"tinygemm": lambda p: int4pack.multiply(x, *p, group_size),
-                       "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group_size, x.dtype).T}
-            self.choose(key, options, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
-        return self.chosen.get(key) == "widened for cuBLAS"
 
     def choose(self, key: tuple, options: dict[H, Callable[[T], object]], weight: T, nbytes: Callable[[T], int],
                device: torch.device, fallback: H) -> H:
