@@ -278,6 +278,25 @@ def test_olmoe_norms_over_all_heads_over_ranks(tmp_path, make_llm_for_test):
     tp.engine.close()
 
 
+def test_ranks_that_cannot_map_shared_memory_all_reduce_through_gloo(monkeypatch, make_llm_for_test):
+    """Where rank 0 cannot make the shared-memory segment (a /dev/shm too small, say), no rank uses it: the
+    all-reduces go through gloo, with the same tokens."""
+    from ridge.cluster.shm_reduce import SharedMemoryReducer
+
+    def refuse(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    model = "random:smollm2,num_layers=2,vocab_size=999,hidden_size=144,head_dim=16,intermediate_size=192"
+    common = {"dtype": "float32", "kv_cache_memory": "16MiB"}
+    prompts = random_prompts(3, 900, 2, 40, seed=9)
+    expected = tokens(make_llm_for_test(model, **common).generate(prompts, GREEDY))
+    monkeypatch.setattr(SharedMemoryReducer, "create", refuse)
+    tp = make_llm_for_test(model, **common, tensor_parallel_size=2)
+    assert tp.engine.runner.group.local is None
+    assert tokens(tp.generate(prompts, GREEDY)) == expected
+    tp.engine.close()
+
+
 # ---- what it refuses --------------------------------------------------------------------------------
 def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
     with pytest.raises(ValueError, match="tensor_parallel_size: 5 ranks for 4 attention heads"):

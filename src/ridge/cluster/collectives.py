@@ -10,6 +10,7 @@ through shared memory instead (cluster/shm_reduce.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import statistics
@@ -25,6 +26,8 @@ from torch import nn
 
 from ridge.cluster.shards import ShardPlan
 from ridge.cluster.shm_reduce import SharedMemoryReducer
+
+log = logging.getLogger("ridge")
 
 GATHER_LIMIT = 1 << 20  # bytes: smaller all-reduces run as an all-gather and a local sum
 STEP_TIMEOUT = timedelta(minutes=10)  # one step's collectives: a long prefill of a big model on a CPU, at most
@@ -131,17 +134,30 @@ class TPGroup:
 
 def _shared_memory(store: dist.Store, rank: int, size: int) -> SharedMemoryReducer | None:
     """The ranks' shared-memory reducer where they all run on one machine (rank 0 makes the segment, the others
-    attach by the name it posts), else None."""
+    attach by the name it posts), else None. Every rank makes the same choice: where one cannot map the segment
+    (a /dev/shm too small, say), none uses it."""
     store.set(f"local/{rank}", f"{SharedMemoryReducer.host()} {os.getpid()}")
     hosts, pids = zip(*(store.get(f"local/{r}").decode().split() for r in range(size)), strict=True)
     if not SharedMemoryReducer.usable(list(hosts)):
         return None
-    timeout = STEP_TIMEOUT.total_seconds()
+    timeout, pids = STEP_TIMEOUT.total_seconds(), [int(p) for p in pids]
+    local = None
+    try:
+        if rank == 0:
+            local = SharedMemoryReducer.create(size, pids, timeout)
+        elif name := store.get("local/segment").decode():
+            local = SharedMemoryReducer.attach(name, rank, size, pids, timeout)
+    except OSError as exc:
+        log.warning("ridge: tensor-parallel rank %d cannot map a shared-memory segment (%s); all-reduces go through "
+                    "gloo", rank, exc)
     if rank == 0:
-        local = SharedMemoryReducer.create(size, [int(p) for p in pids], timeout)
-        store.set("local/segment", local.name)
+        store.set("local/segment", local.name if local is not None else "")
+    store.set(f"local/ok/{rank}", "1" if local is not None else "0")
+    if all(store.get(f"local/ok/{r}") == b"1" for r in range(size)):
         return local
-    return SharedMemoryReducer.attach(store.get("local/segment").decode(), rank, size, [int(p) for p in pids], timeout)
+    if local is not None:
+        local.close()
+    return None
 
 
 class VocabParallelEmbedding(nn.Module):
