@@ -1,9 +1,9 @@
 """The all-reduce of ranks on one machine through shared memory, where gloo would go through loopback TCP.
 
-gloo takes ~0.7 ms for a token's activations between two processes of one host (docs/benchmarks.md: 36 of a
-52 ms decode step of Qwen2.5-0.5B over 2 ranks); through shared memory it is a copy in, a wait for the others'
-flags and a sum. vLLM's CPU backend and SGLang's do the same in C++; here numpy views of one shared segment do it:
-the work is a few copies of a few kilobytes, and the wait is a loop over ranks' flags.
+Through gloo, a small all-reduce between two processes of one host is mostly loopback TCP and the wake-up of
+gloo's threads (docs/notes/tensor-parallel.md measures both); through shared memory it is a copy in, a wait for
+the others' flags and a sum. vLLM's CPU backend and SGLang's do the same in C++; here numpy views of one shared
+segment do it: the work is a few copies of a few kilobytes, and the wait is a loop over ranks' flags.
 
 The segment holds a flag per rank, then two buffers of a slot per rank. Call s of the group (every rank makes the
 same calls in the same order) writes buffer s % 2: a rank copies its tensor into its slot, then sets its flag to s

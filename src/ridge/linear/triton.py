@@ -32,7 +32,7 @@ class TritonQuantLinear(KernelLinear):
         from ridge.triton_kernels import quant_matmul, quant_tuning  # Triton comes with CUDA torch; only here
 
         super().__init__(*weight.shape, bias, dtype)
-        self.ops, self.tuner, self.tuner_rows = quant_matmul, quant_tuning.TUNER, quant_tuning.rows_bucket
+        self.ops, self.tuning = quant_matmul, quant_tuning
         if weight.group_size is None and weight.minimums is not None:
             raise ValueError("quantization: per-channel codes with a minimum have no CUDA kernel")
         self.group_size = weight.group_size or 0
@@ -78,7 +78,7 @@ class TritonQuantLinear(KernelLinear):
             return int4pack.multiply(x, *packed, self.group_size)
         weight = self.ops.PackedWeight(self.codes, self.kind, self.scales, self.minimums, self.group_size,
                                        self.out_features)
-        return self.ops.quant_matmul(x, weight, self.tuner.config(x, weight, self.multiprocessors),
+        return self.ops.quant_matmul(x, weight, self.tuning.TUNER.config(x, weight, self.multiprocessors),
                                      self.multiprocessors)
 
     def _widens(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -86,12 +86,13 @@ class TritonQuantLinear(KernelLinear):
         multiplied by tinygemm: measured once per bucket of rows and shape."""
         if x.shape[0] <= self.ops.GEMV_MAX_ROWS:
             return False
-        key = (x.device.index, x.dtype, self.tuner_rows(x.shape[0]), "int4pack", self.group_size,
+        key = (x.device.index, x.dtype, self.tuning.rows_bucket(x.shape[0]), "int4pack", self.group_size,
                tuple(packed[0].shape))
-        choice = self.tuner.chosen.get(key)
+        tuner = self.tuning.TUNER
+        choice = tuner.chosen.get(key)
         if choice is None:
             group = self.group_size
             ways = {"tinygemm": lambda p: int4pack.multiply(x, *p, group),
                     "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group, x.dtype).T}
-            choice = self.tuner.choose(key, ways, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
+            choice = tuner.choose(key, ways, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
         return choice == "widened for cuBLAS"

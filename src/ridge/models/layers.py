@@ -176,8 +176,8 @@ class Attention(nn.Module):
         squares = torch.stack([q.float().square().sum((1, 2)), k_squares], dim=1)  # [T, 2]: this rank's share
         norm.all_reduce(squares)
         scale = torch.rsqrt(squares / squares.new_tensor([norm.q_width, norm.k_width]) + self.q_norm.eps)
-        return tuple((x.float() * scale[:, i, None, None] * weight.weight.float().view(x.shape[1:])).to(x.dtype)
-                     for i, (x, weight) in enumerate(((q, self.q_norm), (k, self.k_norm))))
+        return tuple((x.float() * scale[:, i, None, None] * norm.weight.float().view(x.shape[1:])).to(x.dtype)
+                     for i, (x, norm) in enumerate(((q, self.q_norm), (k, self.k_norm))))
 
 
 class GatedMLP(nn.Module):

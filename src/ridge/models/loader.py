@@ -290,14 +290,12 @@ def load_model(
     file_quantized = {}
     for key, slots in quantized.items():
         parts = [slots[i] for i in sorted(slots)]
-        _place_quantized(model, key, parts, state, target)
+        placed = _place_quantized(model, key, parts, state, target)
         if keep_file_quantized:
-            file_quantized[_PLACED_AT.get(key, key.removesuffix(".weight"))] = parts
+            file_quantized[placed] = parts
     model = _with_weights(model, state, device, str(path))
     return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}", file_quantized)
 
-
-_PLACED_AT = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "output_projection"}  # see _place_quantized
 
 
 def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
@@ -362,22 +360,23 @@ def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: s
 
 
 def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight],
-                     state: dict[str, torch.Tensor], target: LinearTarget) -> None:
-    """Swap the module that weight `key` belongs to for one that keeps it quantized."""
+                     state: dict[str, torch.Tensor], target: LinearTarget) -> str:
+    """Swap the module that weight `key` belongs to for one that keeps it quantized; return its path."""
     if key == "embed_tokens.weight":
         tied = make_linear(parts[0], None, target) if model.cfg.tie_word_embeddings else None
         model.embed_tokens = QuantizedEmbedding(parts[0], target.dtype, tied)  # one copy of a tied table
         if tied is not None:
             model.output_projection = tied
-        return
+        return "embed_tokens"
     if key == "lm_head.weight":
         model.lm_head = None
         model.output_projection = make_linear(parts[0], None, target)
-        return
+        return "output_projection"
     path = key.removesuffix(".weight")
     parent_path, _, name = path.rpartition(".")
     bias = state.pop(f"{path}.bias", None)
     setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, target))
+    return path
 
 
 def open_gguf(path: Path) -> GGUFFile:
