@@ -27,13 +27,14 @@ def test_cache_write_and_gather_round_trip(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("kv_heads", "group", "d"), [(2, 3, 64), (2, 7, 64), (1, 6, 128), (4, 1, 64)])
 def test_paged_decode_matches_gathered_sdpa(ops, dtype, kv_heads, group, d):
-    """Lengths cover partial blocks, exact blocks and several 256-token partitions (merged by max)."""
+    """Lengths cover partial blocks, exact blocks and several partitions (merged by max): of 256 tokens, and of
+    1,024 for the longest row (decode_tasks.h)."""
     torch.manual_seed(0)
-    blocks, bs = 96, 16
+    blocks, bs = 300, 16
     backend = PagedBackend(1, kv_heads, d, blocks, bs, dtype, "cpu")
     backend.k_cache[0].normal_()
     backend.v_cache[0].normal_(std=2.0)
-    lens = torch.tensor([1, 15, 16, 17, 100, 257, 700])
+    lens = torch.tensor([1, 15, 16, 17, 100, 257, 700, 4500])
     batch = len(lens)
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])

@@ -73,7 +73,7 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     fmt = kv_format(name)
     torch.manual_seed(0)
     heads, kv_heads, d = 8, 2, 64
-    lengths = [1, 37, 300]
+    lengths = [1, 37, 300, 4500]  # the longest in the kernel's longest partitions (decode_tasks.h)
     blocks = [-(-n // block_size) for n in lengths]
     backend = QuantizedKVBackend(1, kv_heads, d, sum(blocks) + 3, block_size, torch.float32, "cpu", kv_format=fmt)
     if kernel:
@@ -99,11 +99,11 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
         keys, values = (x.transpose(0, 1)[:len(k)] for x in backend.gather(0, tables[i]))  # as the cache holds them
         # each row as the format rounds it (the torch write, or the C++ one where the kernel runs)
         for held, written in ((keys, _round_trip(fmt, k, block_size, keys=True)), (values, _round_trip(fmt, v))):
-            assert torch.equal(held, written)
+            assert torch.equal(held, written), (i, int((held != written).sum()), (held - written).abs().max())
         stored.append((keys, values))
         expected = _attention(q[i], keys, values, backend.scale)
         assert torch.allclose(out[i], expected, atol=1e-5), (out[i] - expected).abs().max()
-    # the longest sequence's last 5 tokens again as a chunk continuing its cached context (causal within)
+    # the 300-token sequence's last 5 tokens again as a chunk continuing its cached context (causal within)
     k, v = rows[2]
     chunk = PrefillChunk(0, 5, 300, tables[2])
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=0,

@@ -1,6 +1,6 @@
 // The work split of decode attention over the paged KV cache, shared by paged_attention.cpp (bf16 / float
 // caches) and quantized_attention.cpp (int8 / fp8 codes): flash-decoding style, one task per (row, kv head,
-// partition of up to 256 keys), so that a single long sequence still keeps every core busy. A task scores
+// partition of 256 to 1,024 keys), so that a single long sequence still keeps every core busy. A task scores
 // its partition, takes a softmax against its own maximum and sums probability-weighted values; a second
 // pass merges the partitions of each (row, head) by their maxima. The `group` query heads that share a K/V
 // head (GQA) read every K/V row together.
@@ -20,7 +20,13 @@
 
 namespace ridge_decode {
 
-constexpr int64_t kPartitionTokens = 256;
+// The longest partition, and the stride of a task's score rows. Longer partitions cost less per key (a task's
+// first blocks are fetched with nothing yet in flight, and each task adds a partial to merge; measured in
+// docs/notes/kv-compression.md); shorter ones spread a short context over more threads. run_decode_tasks gives a
+// row the longest partition that still makes kTasksPerThread tasks a thread of that row alone.
+constexpr int64_t kPartitionTokens = 1024;
+constexpr int64_t kShortestPartition = 256;
+constexpr int64_t kTasksPerThread = 4;
 
 struct Dims {
   int64_t heads, kv_heads, group, head_dim, num_blocks, block_size;
@@ -84,7 +90,13 @@ inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t sk
     // finite on purpose: the kernel is built with -ffast-math (no infinities); exp of it is 0
     std::fill(s, s + skip, -1e30f);
     float m = -1e30f;
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_set1_ps(m);
+    for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
+    m = _mm512_reduce_max_ps(top);
+#endif
+    for (; t < n; ++t) m = std::max(m, s[t]);
     out.max[g] = m;
     out.denom[g] = exp_shifted(s, n, m);
     if (out.block_mass == nullptr) continue;
@@ -106,7 +118,17 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
                       const int64_t* starts, T* out, float* lse, int64_t batch, const Dims& dims,
                       const Attend& attend, float* mass = nullptr, int64_t mass_stride = 0) {
   const int64_t group = dims.group, d = dims.head_dim, bs = dims.block_size;
-  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / bs);
+  const int64_t threads = at::get_num_threads();
+  const int64_t longest = std::max<int64_t>(1, kPartitionTokens / bs);  // blocks; a task's mass stride too
+  // A row's partition follows from its own length alone, never from the step's other rows, so that a row's
+  // rounding is the same in any batch (kernels/batch_invariance.py).
+  const auto partition_blocks = [&](int64_t blocks) {
+    int64_t part = longest;
+    while (part * bs > kShortestPartition && part > 1 &&
+           dims.kv_heads * ((blocks + part - 1) / part) < kTasksPerThread * threads)
+      part /= 2;
+    return part;
+  };
   std::vector<Task> tasks;
   std::vector<int64_t> first_task(batch + 1);  // tasks of sequence b: [first_task[b], first_task[b + 1])
   std::vector<int64_t> start_block(batch);  // the block of each row's first key: blocks before it are not read
@@ -114,6 +136,7 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
     first_task[b] = tasks.size();
     const int64_t blocks = (lens[b] + bs - 1) / bs, start = starts == nullptr ? 0 : starts[b];
     start_block[b] = start / bs;
+    const int64_t part_blocks = partition_blocks(blocks - start_block[b]);
     for (int64_t h = 0; h < dims.kv_heads; ++h)
       for (int64_t first = start_block[b]; first < blocks; first += part_blocks) {
         const int64_t nb = std::min(part_blocks, blocks - first);
@@ -124,8 +147,8 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
   first_task[batch] = tasks.size();
   const int64_t num_tasks = tasks.size();
   std::vector<float> maxes(num_tasks * group), denoms(num_tasks * group), accs(num_tasks * group * d);
-  std::vector<float> block_masses(mass == nullptr ? 0 : num_tasks * group * part_blocks);
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  std::vector<float> block_masses(mass == nullptr ? 0 : num_tasks * group * longest);
+  const int64_t workers = std::min<int64_t>(threads, num_tasks);
   // Tasks run in the order of the physical block their partition starts at, so that sequences sharing
   // a prefix (a prefix-cache hit, n > 1 samples, beams, the rows of a prefill chunk) read each shared
   // partition back to back: the second reader finds it in cache, and a prefix shared by many sequences
@@ -148,7 +171,7 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
         const T* qh = q + (task.seq * dims.heads + task.head * group) * d;
         const int64_t* table = tables + task.seq * table_width;
         Partial partial{maxes.data() + i * group, denoms.data() + i * group, accs.data() + i * group * d,
-                        mass == nullptr ? nullptr : block_masses.data() + i * group * part_blocks};
+                        mass == nullptr ? nullptr : block_masses.data() + i * group * longest};
         attend(qh, table, task, scores.data(), q_scaled.data(), partial);
       }
   });
@@ -176,7 +199,7 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
           lse[row] = m + logf(denom);
           for (int64_t p = i; mass != nullptr && p < last; ++p) {  // the partials' block sums, normalized
             const float w = expf(maxes[p * group + g] - m) / denom;
-            const float* sums = block_masses.data() + (p * group + g) * part_blocks;
+            const float* sums = block_masses.data() + (p * group + g) * longest;
             float* row_mass = mass + b * mass_stride + tasks[p].first_block;
             for (int64_t j = 0; j < tasks[p].num_blocks; ++j) row_mass[j] += w * sums[j];
           }

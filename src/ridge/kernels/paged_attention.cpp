@@ -12,7 +12,7 @@
 // no lane ever needs a horizontal sum. (With K rows stored whole, every score needed a 16-lane reduction;
 // the shuffles, not the memory, then set the speed.)
 //
-// Work is split by decode_tasks.h (flash-decoding style: partitions of up to 256 keys per row and kv
+// Work is split by decode_tasks.h (flash-decoding style: partitions of 256 to 1,024 keys per row and kv
 // head, merged by their maxima); this file holds what a task computes. Built with -ffast-math so that the
 // reductions vectorize; nothing here produces an infinity or NaN for that to break.
 #include <torch/extension.h>
@@ -37,7 +37,8 @@ template <typename T>
 void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, const Task& task,
                       const Dims& dims, float scale, float* scores, Partial out) {
   const int64_t d = dims.head_dim, bs = dims.block_size, group = dims.group, n = task.num_tokens;
-  std::fill(scores, scores + group * kPartitionTokens, 0.f);
+  for (int64_t g = 0; g < group; ++g)
+    std::fill(scores + g * kPartitionTokens, scores + g * kPartitionTokens + task.num_blocks * bs, 0.f);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const int64_t block = table[task.first_block + j];
     const T* kb = k_cache + (task.head * dims.num_blocks + block) * dims.block_elems();
@@ -52,7 +53,8 @@ void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int6
       }
     }
   }
-  for (int64_t i = 0; i < group * kPartitionTokens; ++i) scores[i] *= scale;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t t = 0; t < n; ++t) scores[g * kPartitionTokens + t] *= scale;
   softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   std::fill(out.acc, out.acc + group * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -129,6 +130,18 @@ inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task&
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
 }
 
+// f(std::integral_constant<int, G>) for the next G of `heads` query heads, up to 4 (what the kernels hold in
+// registers)
+template <typename F>
+inline void by_heads(int64_t heads, const F& f) {
+  switch (std::min<int64_t>(4, heads)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // k_scales: a float16 per row, or (k_channels) a byte per channel of each block.
 template <Codes C>
 void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const void* k_scales,
@@ -159,17 +172,11 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
     const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
     const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
     const float* qj = k_channels ? q_blocks.data() + j * group * d : q;
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* qg = qj + g0 * d;
-      float* sg = scores + g0 * kPartitionTokens + j * 16;
-      const uint8_t* pf = g0 == 0 ? ahead : nullptr;
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: score_block<C, 1>(qg, kb, ks, d, pf, v_here, sg); break;
-        case 2: score_block<C, 2>(qg, kb, ks, d, pf, v_here, sg); break;
-        case 3: score_block<C, 3>(qg, kb, ks, d, pf, v_here, sg); break;
-        default: score_block<C, 4>(qg, kb, ks, d, pf, v_here, sg); break;
-      }
-    }
+    for (int64_t g0 = 0; g0 < group; g0 += 4)
+      by_heads(group - g0, [&](auto heads) {
+        score_block<C, decltype(heads)::value>(qj + g0 * d, kb, ks, d, g0 == 0 ? ahead : nullptr, v_here,
+                                               scores + g0 * kPartitionTokens + j * 16);
+      });
   }
   softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   for (int64_t g = 0; g < group; ++g) {  // the unused tokens of a final quad must add nothing
@@ -179,16 +186,11 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
       _mm512_storeu_ps(p + j * 16, _mm512_mul_ps(_mm512_loadu_ps(p + j * 16), scales16(v_scales + block(j) * 16)));
   }
   for (int64_t c = 0; c < d; c += 64)
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* wg = scores + g0 * kPartitionTokens;
-      float* ag = out.acc + g0 * d;
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: sum_values<C, 1>(v_codes, table, task, dims, wg, c, ag); break;
-        case 2: sum_values<C, 2>(v_codes, table, task, dims, wg, c, ag); break;
-        case 3: sum_values<C, 3>(v_codes, table, task, dims, wg, c, ag); break;
-        default: sum_values<C, 4>(v_codes, table, task, dims, wg, c, ag); break;
-      }
-    }
+    for (int64_t g0 = 0; g0 < group; g0 += 4)
+      by_heads(group - g0, [&](auto heads) {
+        sum_values<C, decltype(heads)::value>(v_codes, table, task, dims, scores + g0 * kPartitionTokens, c,
+                                              out.acc + g0 * d);
+      });
 }
 #endif
 
@@ -255,22 +257,26 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
 
 namespace {
 
-// The byte of the smallest channel scale 2^(e/8 - 20) >= wanted (kv/formats.py's encode_channel_scales); 0 for 0.
-inline uint8_t encode_channel_scale(float wanted) {
-  if (!(wanted > 0.f)) return 0;
-  const float e = std::ceil((std::log2(wanted) + 20.f) * 8.f);
-  return static_cast<uint8_t>(std::min(255.f, std::max(1.f, e)));
-}
-
-// kv/formats.py's decode_channel_scales, by table: the write reads a scale per channel and key
+// kv/formats.py's CHANNEL_SCALE_TABLE: 2^(e/8 - 20) rounded once from double, so that both writes find the same
+// scales bit for bit
 struct ChannelScales {
   float value[256];
   ChannelScales() {
     value[0] = 0.f;
-    for (int e = 1; e < 256; ++e) value[e] = std::exp2(e / 8.f - 20.f);
+    for (int e = 1; e < 256; ++e) value[e] = static_cast<float>(std::exp2(e / 8.0 - 20.0));
   }
 };
 const ChannelScales kChannelScales;
+
+// The byte of the smallest channel scale >= wanted (kv/formats.py's encode_channel_scales); 0 for 0. log2 finds it
+// but for rounding; the table has the last word.
+inline uint8_t encode_channel_scale(float wanted) {
+  if (!(wanted > 0.f)) return 0;
+  int e = static_cast<int>(std::min(255.f, std::max(1.f, std::ceil((std::log2(wanted) + 20.f) * 8.f))));
+  while (e > 1 && kChannelScales.value[e - 1] >= wanted) --e;
+  while (e < 255 && kChannelScales.value[e] < wanted) ++e;
+  return static_cast<uint8_t>(e);
+}
 
 inline float decode_channel_scale(uint8_t e) { return kChannelScales.value[e]; }
 

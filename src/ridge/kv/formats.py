@@ -30,15 +30,23 @@ CHANNEL_SCALE_STEPS = 8  # a channel scale byte e > 0 holds 2^(e / 8 - 20): step
 CHANNEL_SCALE_BIAS = 20
 
 
+# 2^(e / 8 - 20) for every byte e (0 holds 0), each rounded once from float64. torch's float32 exp2 is an ulp off at
+# some e (and its vector and scalar paths disagree), which moved a value at a rounding tie by a code between this
+# write and the C++ one (kernels/quantized_attention.cpp), whose table is made the same way.
+CHANNEL_SCALE_TABLE = torch.exp2(torch.arange(256, dtype=torch.float64) / CHANNEL_SCALE_STEPS
+                                 - CHANNEL_SCALE_BIAS).float()
+CHANNEL_SCALE_TABLE[0] = 0.0
+
+
 def encode_channel_scales(wanted: torch.Tensor) -> torch.Tensor:
-    """Scales (float, >= 0) -> bytes of the next scale up that a byte holds (so that no value clips)."""
-    e = torch.ceil((torch.log2(wanted.float()) + CHANNEL_SCALE_BIAS) * CHANNEL_SCALE_STEPS).clamp_(1, 255)
-    return torch.where(wanted > 0, e, 0).to(torch.uint8)
+    """Scales (float, >= 0) -> bytes of the smallest scale a byte holds that is >= wanted (so that no value clips;
+    past the largest, the largest)."""
+    table = CHANNEL_SCALE_TABLE.to(wanted.device)
+    return torch.searchsorted(table, wanted.float().contiguous()).clamp_(max=255).to(torch.uint8)
 
 
 def decode_channel_scales(e: torch.Tensor) -> torch.Tensor:
-    scales = torch.exp2(e.float() / CHANNEL_SCALE_STEPS - CHANNEL_SCALE_BIAS)
-    return torch.where(e > 0, scales, 0.0)
+    return CHANNEL_SCALE_TABLE.to(e.device)[e.long()]
 
 
 @dataclass(frozen=True)
