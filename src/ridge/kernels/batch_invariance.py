@@ -8,7 +8,8 @@ chunk through the decode kernel or a masked SDPA, a shared prefix once for many 
 
 Batch invariant, ridge computes every row by one path whose reduction order is fixed per row:
 - attention: every query row through the paged decode kernel, reading its own context in place; its
-  partitions of 256 tokens start at position 0 whatever the batch (attention/paged.py);
+  partitions, sized by its own length (kernels/decode_tasks.h), start at position 0 whatever the batch
+  (attention/paged.py);
 - float32 linears: ridge's dense kernel (linear/dense.py) for every call, 32 rows at a time, where
   otherwise MKL's sgemm takes prompts and gives a row another result at every row count past one;
 - bfloat16 linears on oneDNN, padded to two rows when called with one: oneDNN multiplies a single row on
