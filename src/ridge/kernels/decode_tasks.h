@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <numeric>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -103,6 +104,18 @@ inline void softmax_partial(float* scores, int64_t stride, int64_t n, int64_t sk
     float* mass = out.block_mass + g * (kPartitionTokens / block_size);
     for (int64_t first = 0, j = 0; first < n; first += block_size, ++j)
       mass[j] = std::accumulate(s + first, s + std::min(n, first + block_size), 0.f);
+  }
+}
+
+// f(std::integral_constant<int, G>) for the next G of `heads` query heads, up to 4 (what the kernels hold
+// in registers)
+template <typename F>
+inline void by_heads(int64_t heads, const F& f) {
+  switch (std::min<int64_t>(4, heads)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
   }
 }
 

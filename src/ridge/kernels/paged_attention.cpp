@@ -155,32 +155,21 @@ void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16
     const uint16_t* kb = k_block(j);
     const char* ahead = reinterpret_cast<const char*>(j + 2 < task.num_blocks ? k_block(j + 2) : kb);
     const char* v_here = reinterpret_cast<const char*>(v_cache + (kb - k_cache));
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* qg = q + g0 * d;
-      float* sg = scores + g0 * kPartitionTokens + j * 16;
-      const char* pf = g0 == 0 ? ahead : nullptr;
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: score_block<1>(qg, kb, d, pf, v_here, sg); break;
-        case 2: score_block<2>(qg, kb, d, pf, v_here, sg); break;
-        case 3: score_block<3>(qg, kb, d, pf, v_here, sg); break;
-        default: score_block<4>(qg, kb, d, pf, v_here, sg); break;
-      }
-    }
+    for (int64_t g0 = 0; g0 < group; g0 += 4)
+      by_heads(group - g0, [&](auto heads) {
+        score_block<decltype(heads)::value>(q + g0 * d, kb, d, g0 == 0 ? ahead : nullptr, v_here,
+                                            scores + g0 * kPartitionTokens + j * 16);
+      });
   }
   softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
   for (int64_t g = 0; g < group; ++g)  // the unused half of a final token pair must add nothing
     std::fill(scores + g * kPartitionTokens + n, scores + g * kPartitionTokens + task.num_blocks * 16, 0.f);
   for (int64_t c = 0; c < d; c += 64)
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const float* pg = scores + g0 * kPartitionTokens;
-      float* ag = out.acc + g0 * d;
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 1: sum_values<1>(v_cache, table, task, dims, pg, c, ag); break;
-        case 2: sum_values<2>(v_cache, table, task, dims, pg, c, ag); break;
-        case 3: sum_values<3>(v_cache, table, task, dims, pg, c, ag); break;
-        default: sum_values<4>(v_cache, table, task, dims, pg, c, ag); break;
-      }
-    }
+    for (int64_t g0 = 0; g0 < group; g0 += 4)
+      by_heads(group - g0, [&](auto heads) {
+        sum_values<decltype(heads)::value>(v_cache, table, task, dims, scores + g0 * kPartitionTokens, c,
+                                           out.acc + g0 * d);
+      });
 }
 #endif
 

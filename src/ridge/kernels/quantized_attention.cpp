@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -128,18 +127,6 @@ inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task&
   }
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
-}
-
-// f(std::integral_constant<int, G>) for the next G of `heads` query heads, up to 4 (what the kernels hold in
-// registers)
-template <typename F>
-inline void by_heads(int64_t heads, const F& f) {
-  switch (std::min<int64_t>(4, heads)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
 }
 
 // k_scales: a float16 per row, or (k_channels) a byte per channel of each block.

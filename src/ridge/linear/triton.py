@@ -88,11 +88,9 @@ class TritonQuantLinear(KernelLinear):
             return False
         key = (x.device.index, x.dtype, self.tuning.rows_bucket(x.shape[0]), "int4pack", self.group_size,
                tuple(packed[0].shape))
-        tuner = self.tuning.TUNER
-        choice = tuner.chosen.get(key)
-        if choice is None:
-            group = self.group_size
-            ways = {"tinygemm": lambda p: int4pack.multiply(x, *p, group),
-                    "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group, x.dtype).T}
-            choice = tuner.choose(key, ways, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device, "tinygemm")
+        group = self.group_size
+        ways = {"tinygemm": lambda p: int4pack.multiply(x, *p, group),
+                "widened for cuBLAS": lambda p: x @ int4pack.dense(*p, group, x.dtype).T}
+        choice = self.tuning.TUNER.choose(key, ways, packed, lambda p: p[0].nbytes + p[1].nbytes, x.device,
+                                          "tinygemm")  # measured at a key's first call, remembered after
         return choice == "widened for cuBLAS"

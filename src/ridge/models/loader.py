@@ -297,7 +297,6 @@ def load_model(
     return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}", file_quantized)
 
 
-
 def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
     """Reorder the rows of MLA's query and kv_a projections that make rotary dims from interleaved pairs
     (x0, x1), (x2, x3)... to halves (x0, x2, ..., x1, x3, ...): DeepSeek's checkpoint layout to the rotate-half

@@ -2,13 +2,13 @@
 configuration of the Triton kernels (quant_matmul.py), or any ways a caller names (linear/triton.py: tinygemm
 against widening its matrix for cuBLAS); measured on the GPU at the first call and remembered for the process.
 
-A decode step's matmuls are bandwidth-bound GEMVs whose best tile, split of K and kernel (registers or tensor
-cores) depend on the format, the matrix and the GPU in ways no fixed heuristic caught (docs/notes/gpu.md
-measures the candidates); with more rows the tiled kernels compete with widening the matrix once for cuBLAS. Triton's
-autotuner would also choose by timing, but it times kernels launched one by one from Python, which at these
-sizes measures the launches; here each candidate is timed replayed from a CUDA graph, reading a few copies of
-the codes larger than L2 in turn, since a decode step streams every layer from HBM and a matrix that fits in
-L2 would otherwise be timed from it.
+A decode step's matmuls are bandwidth-bound GEMVs whose best tile, split of K and kernel (registers or tensor cores)
+depend on the format, the matrix and the GPU in ways no fixed heuristic caught (docs/notes/gpu.md measures the
+candidates); with more rows the tiled kernels compete with widening the matrix once for cuBLAS. Triton's autotuner
+would also choose by timing, but it times kernels launched one by one from Python, which at these sizes measures the
+launches; here each candidate is timed replayed from a CUDA graph, reading a few copies of the codes larger than L2
+in turn, since a decode step streams every layer from HBM and a matrix that fits in L2 would otherwise be timed from
+it.
 """
 
 from __future__ import annotations
