@@ -30,9 +30,9 @@ CHANNEL_SCALE_STEPS = 8  # a channel scale byte e > 0 holds 2^(e / 8 - 20): step
 CHANNEL_SCALE_BIAS = 20
 
 
-# 2^(e / 8 - 20) for every byte e (0 holds 0), each rounded once from float64. torch's float32 exp2 is an ulp off at
-# some e (and its vector and scalar paths disagree), which moved a value at a rounding tie by a code between this
-# write and the C++ one (kernels/quantized_attention.cpp), whose table is made the same way.
+# 2^(e / 8 - 20) for every byte e (0 holds 0), each rounded once from float64, as the C++ write's table is
+# (kernels/quantized_attention.cpp): torch's float32 exp2 is an ulp off at some e (and its vector and scalar paths
+# disagree), and a value at a rounding tie would then take another code in one write than in the other.
 CHANNEL_SCALE_TABLE = torch.exp2(torch.arange(256, dtype=torch.float64) / CHANNEL_SCALE_STEPS
                                  - CHANNEL_SCALE_BIAS).float()
 CHANNEL_SCALE_TABLE[0] = 0.0
