@@ -136,11 +136,11 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
                       const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
   const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
-  // keys per channel: each block's query is q times the block's channel scales, all made before the scoring, into
-  // a buffer each thread keeps, so that a task neither allocates nor zeroes one
-  thread_local std::vector<float> q_blocks;
-  if (k_channels && q_blocks.size() < static_cast<size_t>(task.num_blocks * group * d))
-    q_blocks.resize(task.num_blocks * group * d);
+  // keys per channel: each block's query is q times the block's channel scales, made just before the block is
+  // scored, into a buffer of one block's query that each thread keeps (so that it stays in L1: made for all of a
+  // task's blocks first, the queries went out to L2 and back, ~10% of the kernel's time)
+  thread_local std::vector<float> q_block;
+  if (k_channels && q_block.size() < static_cast<size_t>(group * d)) q_block.resize(group * d);
   // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
   // (score_block prefetches each later one two blocks ahead) and every block's scales, a line or two each, are
   // asked for at once here, so that their misses overlap instead of stalling one after another as they are read.
@@ -151,14 +151,13 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
     __builtin_prefetch(static_cast<const uint8_t*>(k_scales) + block(j) * (k_channels ? d : 32), 0, 3);
     __builtin_prefetch(v_scales + block(j) * 16, 0, 3);
   }
-  for (int64_t j = 0; k_channels && j < task.num_blocks; ++j)
-    scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_blocks.data() + j * group * d);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const uint8_t* kb = k_codes + block(j) * dims.block_elems();
     const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * dims.block_elems() : kb;
     const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
     const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
-    const float* qj = k_channels ? q_blocks.data() + j * group * d : q;
+    if (k_channels) scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_block.data());
+    const float* qj = k_channels ? q_block.data() : q;
     for (int64_t g0 = 0; g0 < group; g0 += 4)
       by_heads(group - g0, [&](auto heads) {
         score_block<C, decltype(heads)::value>(qj + g0 * d, kb, ks, d, g0 == 0 ? ahead : nullptr, v_here,
