@@ -1,6 +1,7 @@
-"""Quantized KV caches (--kv-cache-dtype fp8 / int8 / int4): the formats' rounding, the backend's attention against
-dequantize-then-attend at several block sizes and context lengths, greedy tokens of Qwen2.5-Coder-0.5B against
-its bf16 cache, the tokens a fixed kv_cache_memory holds, the plan's bytes against the engine's, and refusals."""
+"""Quantized KV caches (--kv-cache-dtype fp8 / int8 / int4 / int2): the formats' rounding, the backend's attention
+against dequantize-then-attend at several block sizes and context lengths, int2's tails, greedy tokens of
+Qwen2.5-Coder-0.5B against its bf16 cache, the tokens a fixed kv_cache_memory holds, the plan's bytes against the
+engine's, and refusals."""
 
 from __future__ import annotations
 
@@ -43,16 +44,36 @@ def test_int4_packs_two_dims_a_byte_even_dim_low():
 
 def _round_trip(fmt, x, block_size=16, keys=False):
     """Rows [L, kv_heads, d] of one sequence (block by block from row 0) as the cache stores them, written at once:
-    per row, or for a format's keys with channel scales, per channel of each block, its scale a byte."""
+    per row, or for a format's keys with channel scales, per channel of each block, its scale a byte; a format with
+    tails keeps a last block that is not full as it is."""
+    whole = x.shape[0] - x.shape[0] % block_size if fmt.tail else x.shape[0]
+    out = x.clone()
     if not (keys and fmt.key_channels):
-        return fmt.dequantize(*fmt.quantize(x), torch.float32)
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[0], block_size):
+        out[:whole] = fmt.dequantize(*fmt.quantize(x[:whole]), torch.float32)
+        return out
+    for start in range(0, whole, block_size):
         block = x[start:start + block_size]
         scales = decode_channel_scales(encode_channel_scales(block.abs().amax(0) / fmt.code_max))
-        out[start:start + block_size] = (block / scales.clamp(min=1e-30)).round().clamp(-fmt.code_max,
-                                                                                       fmt.code_max) * scales
+        out[start:start + block_size] = fmt.decode(fmt.encode(block / scales.clamp(min=1e-30))) * scales
     return out
+
+
+def _backend(fmt, num_blocks, block_size, num_sequences=1, dtype=torch.float32):
+    """One layer's quantized cache (a tail slot for each sequence, where the format keeps tails)."""
+    return QuantizedKVBackend(1, 2, 64, num_blocks, block_size, dtype, "cpu", kv_format=fmt,
+                              num_tail_slots=num_sequences if fmt.tail else 0)
+
+
+def _write(backend, k, v, table, slot=0):
+    """One sequence's rows [n, kv_heads, d] from position 0 into its blocks, as a step writing its prompt does."""
+    n, bs = k.shape[0], backend.block_size
+    pos = torch.arange(n)
+    meta = AttentionMetadata(slot_mapping=table[pos // bs] * bs + pos % bs, num_decodes=0,
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+                             decode_context_lens=torch.zeros(0, dtype=torch.long),
+                             prefills=[PrefillChunk(0, n, n, table[:-(-n // bs)])], tail_slots=torch.tensor([slot]))
+    backend.prepare(meta)
+    backend.write(0, k, v, meta.slot_mapping, meta.backend_state)
 
 
 def _attention(q, k, v, scale):
@@ -75,30 +96,32 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     heads, kv_heads, d = 8, 2, 64
     lengths = [1, 37, 300, 4500]  # the longest in the kernel's longest partitions (decode_tasks.h)
     blocks = [-(-n // block_size) for n in lengths]
-    backend = QuantizedKVBackend(1, kv_heads, d, sum(blocks) + 3, block_size, torch.float32, "cpu", kv_format=fmt)
+    backend = _backend(fmt, sum(blocks) + 3, block_size, len(lengths))
     if kernel:
         backend.ops = ops
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        assert (backend.kernels is not None) == (name != "int4" and avx512)  # int4: none (said at warning level)
+        # int4, int2: none (said at warning level)
+        assert (backend.kernels is not None) == (name in ("int8", "fp8") and avx512)
     order = torch.randperm(sum(blocks) + 3)[:sum(blocks)]
     tables = list(order.split(blocks))
     rows = [(torch.randn(n, kv_heads, d) * 3, torch.randn(n, kv_heads, d)) for n in lengths]
-    for table, (k, v) in zip(tables, rows, strict=True):
-        pos = torch.arange(k.shape[0])
-        backend.write(0, k, v, table[pos // block_size] * block_size + pos % block_size)
+    for i, (table, (k, v)) in enumerate(zip(tables, rows, strict=True)):
+        _write(backend, k, v, table, slot=i)
     q = torch.randn(len(lengths), heads, d)
     width = max(blocks)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
         decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
-        decode_context_lens=torch.tensor(lengths), prefills=[])
+        decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
     backend.prepare(meta)
     out = backend.attend(0, q, None, None, meta)
     stored = []
     for i, (k, v) in enumerate(rows):
-        keys, values = (x.transpose(0, 1)[:len(k)] for x in backend.gather(0, tables[i]))  # as the cache holds them
+        # as the cache holds them (int2: a last block not yet full from its tail)
+        keys, values = (x.transpose(0, 1)[:len(k)] for x in backend._context(0, tables[i], meta))
         # each row as the format rounds it (the torch write, or the C++ one where the kernel runs)
-        for held, written in ((keys, _round_trip(fmt, k, block_size, keys=True)), (values, _round_trip(fmt, v))):
+        for held, written in ((keys, _round_trip(fmt, k, block_size, keys=True)),
+                              (values, _round_trip(fmt, v, block_size))):
             assert torch.equal(held, written), (i, int((held != written).sum()), (held - written).abs().max())
         stored.append((keys, values))
         expected = _attention(q[i], keys, values, backend.scale)
@@ -108,7 +131,8 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     chunk = PrefillChunk(0, 5, 300, tables[2])
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=0,
                              decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
-                             decode_context_lens=torch.zeros(0, dtype=torch.long), prefills=[chunk])
+                             decode_context_lens=torch.zeros(0, dtype=torch.long), prefills=[chunk],
+                             tail_slots=torch.tensor([2]))
     backend.prepare(meta)
     q5 = torch.randn(5, heads, d)
     out = backend.attend(0, q5, k[-5:], v[-5:], meta)
@@ -138,32 +162,101 @@ def test_centered_keys_attend_as_the_keys_themselves_and_round_finer(name, kerne
                                                  for j in range(5)]
     errors = []
     for centers in ({0: center}, {}):
-        backend = QuantizedKVBackend(1, kv_heads, d, 8, bs, torch.float32, "cpu", kv_format=fmt)
+        backend = _backend(fmt, 8, bs)
         backend.ops = ops if kernel else None
         backend.set_key_centers(centers)
-        pos = torch.arange(n)
-        backend.write(0, k, v, table[pos // bs] * bs + pos % bs)
+        _write(backend, k, v, table)
         decode = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=1,
-                                   decode_block_tables=table[None], decode_context_lens=torch.tensor([n]), prefills=[])
+                                   decode_block_tables=table[None], decode_context_lens=torch.tensor([n]), prefills=[],
+                                   tail_slots=torch.tensor([0]))
         backend.prepare(decode)
         outs = [backend.attend(0, q[:1], None, None, decode)[0]]
         chunk = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=0,
                                   decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
                                   decode_context_lens=torch.zeros(0, dtype=torch.long),
-                                  prefills=[PrefillChunk(0, 5, n, table)])
+                                  prefills=[PrefillChunk(0, 5, n, table)], tail_slots=torch.tensor([0]))
         backend.prepare(chunk)
         outs += list(backend.attend(0, q[1:], k[-5:], v[-5:], chunk))
         errors.append([(outs[0] - exact[0]).abs().max().item(),  # the decode (kernel or torch), the chunk (torch)
                        max((o - e).abs().max().item() for o, e in zip(outs[1:], exact[1:], strict=True))])
     # the bound: attention over keys that keep only the varying part's rounding
     varying = _round_trip(fmt, k - center, bs, keys=True) + center
-    values = _round_trip(fmt, v)
+    values = _round_trip(fmt, v, bs)
     rounding = [(_attention(q[0], varying, values, d**-0.5) - exact[0]).abs().max().item(),
                 max((_attention(q[1 + j], varying[:n - 4 + j], values[:n - 4 + j], d**-0.5) - exact[1 + j]).abs().max()
                     .item() for j in range(5))]
     for centered, whole, bound in zip(*errors, rounding, strict=True):
         assert centered <= bound + 1e-5, (centered, bound)
-        assert centered * 2 < whole, (centered, whole)
+        # int2: the values' rounding (a third of a group's largest) is most of both errors; still closer
+        assert centered * (2 if fmt.bits > 2 else 1) < whole, (centered, whole)
+
+
+def _step(backend, parts):
+    """One step over a cache with tails: parts (slot, table, rows written so far, tokens now), decodes (one token
+    after the first) first. Returns its prepared metadata."""
+    bs = backend.block_size
+    parts = sorted(parts, key=lambda p: not (p[2] > 0 and p[3] == 1))
+    decodes = [p for p in parts if p[2] > 0 and p[3] == 1]
+    slots, prefills, flat = [], [], 0
+    for _, table, done, n in parts:
+        pos = torch.arange(done, done + n)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        if not (done > 0 and n == 1):
+            prefills.append(PrefillChunk(flat, n, done + n, table[:-(-(done + n) // bs)]))
+        flat += n
+    width = max(len(p[1]) for p in parts)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots), num_decodes=len(decodes),
+        decode_block_tables=torch.stack([torch.nn.functional.pad(p[1], (0, width - len(p[1]))) for p in decodes])
+        if decodes else torch.zeros(0, 1, dtype=torch.long),
+        decode_context_lens=torch.tensor([p[2] + 1 for p in decodes], dtype=torch.long), prefills=prefills,
+        tail_slots=torch.tensor([p[0] for p in parts]))
+    backend.prepare(meta)
+    return meta, parts
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_int2_blocks_wait_in_their_tails_until_full_whatever_the_steps(block_size):
+    """Two sequences of 45 and 70 tokens written in steps of different shapes (each whole; token by token as
+    decodes; in chunks of 7 beside the other's decodes): after every step each reads its rows as the format keeps
+    them (full blocks quantized once, whole, the block still filling as computed, from its tail), and the caches end
+    the same, byte for byte."""
+    fmt = kv_format("int2")
+    torch.manual_seed(2)
+    lengths = (45, 70)
+    rows = [(torch.randn(n, 2, 64) * 2, torch.randn(n, 2, 64)) for n in lengths]
+    blocks = [-(-n // block_size) for n in lengths]
+    tables = list(torch.randperm(sum(blocks) + 2)[:sum(blocks)].split(blocks))
+    schedules = {"whole": [[45], [70]], "decodes": [[1] * 45, [1] * 70],
+                 "chunks beside decodes": [[7] * 6 + [3], [1] * 20 + [50]]}
+    ends = []
+    for name, sizes in schedules.items():
+        backend = _backend(fmt, sum(blocks) + 2, block_size, num_sequences=2)
+        done = [0, 0]
+        for i in range(max(len(s) for s in sizes)):
+            parts = [(seq, tables[seq], done[seq], sizes[seq][i]) for seq in (0, 1) if i < len(sizes[seq])]
+            meta, parts = _step(backend, parts)
+            k = torch.cat([rows[seq][0][d:d + n] for seq, _, d, n in parts])
+            v = torch.cat([rows[seq][1][d:d + n] for seq, _, d, n in parts])
+            backend.write(0, k, v, meta.slot_mapping, meta.backend_state)
+            for seq, table, d, n in parts:
+                done[seq] = d + n
+                held_k, held_v = (x.transpose(0, 1)[:d + n] for x in backend._context(0, table, meta))
+                key_rows, value_rows = rows[seq][0][:d + n], rows[seq][1][:d + n]
+                assert torch.equal(held_k, _round_trip(fmt, key_rows, block_size, keys=True)), (name, seq, d + n)
+                assert torch.equal(held_v, _round_trip(fmt, value_rows, block_size)), (name, seq, d + n)
+        assert done == list(lengths)
+        ends.append([t[0] for t in (backend.k_cache, backend.v_cache, backend.k_scales, backend.v_scales)])
+    for end in ends[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ends[0], end, strict=True))
+
+
+def test_int2_rounds_to_four_levels_four_dims_a_byte():
+    fmt = kv_format("int2")
+    x = torch.tensor([[1.5, -1.5, 0.4, -0.2] + [0.0] * 28])  # scale 1: levels 3, 0, 2 (0.5), 1 (-0.5)
+    codes, scales = fmt.quantize(x)
+    assert scales.item() == 1.0 and codes[0, 0].item() == 3 | 0 << 2 | 2 << 4 | 1 << 6
+    assert fmt.decode(codes)[0, :4].tolist() == [1.5, -1.5, 0.5, -0.5]
 
 
 def test_int4_keys_grow_their_block_s_channel_scales_as_they_arrive():
@@ -292,10 +385,11 @@ def test_greedy_tokens_of_a_real_model_stay_those_of_its_bf16_cache_but_for_near
 
 def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
     """The cache the engine allocated is the bytes it counted, a block of it is what `ridge plan --kv-dtype`
-    counts, and the same kv_cache_memory holds 1.9x the 4k-token sequences of a bf16 cache (int4: 3.5x)."""
+    counts (int2: and a sequence's tail too), and the same kv_cache_memory holds 1.9x the 4k-token sequences of a
+    bf16 cache (int4: 3.5x; int2: 5.5x, 6.4x less the tails of max_num_seqs sequences, ~9% of 256 MiB here)."""
     from ridge.config import EngineConfig
     from ridge.engine.engine import kv_memory_split
-    from ridge.plan.arithmetic import kv_bytes
+    from ridge.plan.arithmetic import kv_bytes, tail_bytes
 
     engine = quantized_cache.engine
     name = engine.config.kv_cache_dtype
@@ -305,19 +399,52 @@ def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
                for t in caches.values())
     assert held == per_block * engine.kv.num_blocks
     assert per_block == kv_bytes(engine.loaded.spec, name, 16)
+    tails = sum(t.nbytes for caches in (backend.k_tails, backend.v_tails) for t in caches.values())
+    assert tails == engine.kv.states.num_slots * tail_bytes(engine.loaded.spec, name) if name == "int2" else not tails
     plain_blocks, _ = kv_memory_split(engine.loaded.config, EngineConfig(
         model="qwen", dtype="bfloat16", kv_cache_memory=engine.config.kv_cache_memory))
     per_sequence = 4096 // 16
     fits, plain_fits = engine.kv.num_blocks // per_sequence, plain_blocks // per_sequence
-    assert fits >= (3.5 if name == "int4" else 1.9) * plain_fits, (fits, plain_fits)
+    assert fits >= {"int4": 3.5, "int2": 5.5}.get(name, 1.9) * plain_fits, (fits, plain_fits)
     assert plain_blocks * 16 * kv_bytes(engine.loaded.spec, "bf16", 1) <= engine.config.kv_cache_bytes
 
 
+def test_int2_serves_batches_chunks_preemption_and_prefix_hits_and_gives_every_block_and_tail_back(
+        make_llm_for_test, smollm2_path):
+    """SmolLM2 over an int2 cache (float32). Twelve prompts of 3-150 tokens: batched, each sequence reads its own
+    tail (a step's tail slots in its sequences' order), so the answers are those of each prompt run alone. In
+    16-token chunks, two at a time, in a pool that forces preemption, with the prefix cache on and a prompt sent
+    twice: the recomputed sequences take fresh tails, the repeated prompt hits whole cached blocks, and every block
+    and slot comes back (make_llm_for_test checks the accounting)."""
+    from conftest import random_prompts
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # no prefix cache here: a prompt run again would read its first blocks back quantized, not as computed
+    llm = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_dtype="int2", kv_cache_memory="32MiB",
+                            enable_prefix_caching=False)
+    prompts = random_prompts(12, llm.engine.loaded.config.vocab_size, 3, 150, seed=5)
+    alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
+    # the tails of 2 sequences in half the memory (float32: 737 KB each), 25 blocks of 16 tokens in the rest: less
+    # than 2 sequences of up to 150 + 96 tokens need at once
+    tail = llm.engine.loaded.config.kv_tail_bytes(torch.float32, 16)
+    tight = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_dtype="int2", max_num_batched_tokens=16,
+                              max_num_seqs=2, enable_prefix_caching=True, kv_cache_memory=4 * tail)
+    assert tight.engine.kv.states.num_slots == 2 and tight.engine.kv.num_blocks == 25
+    longer = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    outs = tight.generate(prompts + [prompts[4]], longer)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
+    assert all(len(o.outputs[0].token_ids) == 96 for o in outs)
+    assert outs[-1].num_cached_tokens > 0, "the repeated prompt was meant to hit the prefix cache"
+
+
 @pytest.mark.parametrize("change,message", [
-    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype: 'int3' is not one of auto, fp8, int8, int4"),
+    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype: 'int3' is not one of auto, fp8, int8, int4, int2"),
     ({"kv_cache_dtype": "int8", "attention_backend": "reference"}, "needs attention_backend='paged'"),
     ({"kv_cache_dtype": "fp8", "batch_invariant": True}, "needs batch_invariant=False"),
     ({"kv_cache_dtype": "int8", "draft_model": "y"}, "not applied to a draft model's cache"),
+    ({"kv_cache_dtype": "int2", "speculate": "ngram"}, "kv_cache_dtype: int2 needs speculate=None, got 'ngram'"),
+    ({"kv_cache_dtype": "int2", "tensor_parallel_size": 2}, "kv_cache_dtype: int2 needs tensor_parallel_size=1"),
 ])
 def test_what_a_quantized_cache_cannot_do_is_refused_by_name(change, message):
     from ridge.config import EngineConfig

@@ -190,6 +190,11 @@ class ModelConfig:
         """The attention layers' KV groups (state-space layers hold no KV: none in a pure Mamba model)."""
         return kv_layout({i: self.layer_window(i) for i in self.attention_layers})
 
+    def kv_tail_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+        """Bytes of one sequence's tail (a kv format with tails, int2): a block's K and V rows in dtype, per attention
+        layer."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * block_size * self.head_dim * dtype.itemsize
+
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
         row a token, read as both), in dtype or in a quantized format's codes and scales."""
@@ -264,7 +269,8 @@ class EngineConfig:
     kv_cache_dtype: str = knob(
         "auto", "how K and V are stored: auto (the model's dtype), fp8 (e4m3), int8 or int4 (32-value groups), "
         "each with a float16 scale per token and head (per group for int4); fewer bytes a token, so more "
-        "tokens in kv_cache_memory, for a little accuracy", choices=KV_CACHE_DTYPES)
+        "tokens in kv_cache_memory, for a little accuracy; int2 (experimental, KIVI): 2 bits, each sequence's "
+        "last block kept in the model's dtype until it is full (kv/formats.py)", choices=KV_CACHE_DTYPES)
     kv_eviction: str = knob(
         "none", "sink-window: each sequence keeps its first --kv-sink-tokens and its most recent tokens, --kv-budget "
         "in all, and gives the blocks between back as it grows (StreamingLLM); h2o: it keeps its most recent "
@@ -436,6 +442,11 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
                           "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
+        if self.kv_format is not None and self.kv_format.tail:
+            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a rejected draft would have to be taken back out "
+                          "of a block already quantized", speculate=None)
+            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "its tails are one process's so far",
+                          tensor_parallel_size=1)
         derive(self, "eviction", self._eviction())
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("enable_expert_parallel: splits the experts between tensor-parallel ranks; set "

@@ -27,17 +27,20 @@ def backend_class(name: str, device: str | torch.device) -> type[AttentionBacken
 
 
 def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device, kv_format: KVFormat | None = None) -> AttentionBackend:
+                 device: str | torch.device, kv_format: KVFormat | None = None,
+                 num_slots: int = 0) -> AttentionBackend:
     """The backend that runs cfg's attention over num_blocks blocks: `name`'s; the reference one where the model
     caps its attention logits (the one backend that does); latent attention's own for MLA; the quantized cache's
-    for a kv_format (EngineConfig has checked the device and name)."""
+    for a kv_format (EngineConfig has checked the device and name), with num_slots tails where the format keeps
+    them."""
     args = (cfg.kv_layout(), cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
     if kv_format is not None:
         for refused, what in ((cfg.is_mla, "latent attention (MLA)"),
                               (cfg.attn_logit_softcap, "attention logit soft-capping (Gemma 2)")):
             if refused:
                 raise ValueError(f"kv_cache_dtype: {kv_format.name} is not supported with {what}; use auto")
-        return QuantizedKVBackend(*args, scale=cfg.attention_scale, kv_format=kv_format)
+        return QuantizedKVBackend(*args, scale=cfg.attention_scale, kv_format=kv_format,
+                                  num_tail_slots=num_slots if kv_format.tail else 0)
     if cfg.is_mla:  # one latent row a token, read as keys and values
         if name != "paged":
             log.warning("ridge: latent attention runs on its own backend (attention/latent.py), not %s", name)

@@ -50,6 +50,9 @@ class AttentionMetadata:
     # probabilities over the blocks of its table (summed over query heads and the tokens of each block) for every
     # decode query and the last OBSERVED_ROWS queries of each chunk.
     attention_mass: torch.Tensor | None = None
+    # Where the backend keeps each sequence's last, partly filled block outside the cache (an int2 cache's tails,
+    # attention/quantized_kv.py): [sequences of the step] the slot each holds, decodes first, then each chunk's
+    tail_slots: torch.Tensor | None = None
     # filled by the backend's prepare()
     decode_mask: torch.Tensor | None = None
     sdpa_chunks: list[SdpaChunk] | None = None

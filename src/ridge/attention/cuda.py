@@ -88,7 +88,7 @@ class CudaBackend(PagedBackend):
         out = torch.empty_like(q)
         if decoded is not None:
             out[:meta.num_decodes] = decoded
-        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out)
+        self._attend_chunks(layer, q, k, v, meta, out)
         context: ContextPrefill | None = meta.backend_state
         if context is not None:
             self.kernels.paged_prefill(q, self.k_cache[layer], self.v_cache[layer], out, context.tables,

@@ -147,21 +147,21 @@ class PagedBackend(AttentionBackend):
                 out[:decoded.shape[0]] = decoded
             else:
                 out[rows] = decoded
-        mass = None if meta.attention_mass is None else meta.attention_mass[meta.num_decodes:]
-        self._attend_chunks(layer, q, k, v, meta.sdpa_chunks, out, mass)
+        self._attend_chunks(layer, q, k, v, meta, out)
         return out
 
-    def _attend_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       chunks: list[SdpaChunk], out: torch.Tensor, mass: torch.Tensor | None = None) -> None:
-        """Prefill chunks through SDPA, each into its rows of `out`; with `mass` (a row per chunk), the attention
-        mass of each chunk's observed rows added to its row."""
-        for i, sdpa in enumerate(chunks):
+    def _attend_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                       out: torch.Tensor) -> None:
+        """The step's SDPA chunks, each into its rows of `out`; with attention mass asked for (a row per sequence,
+        the chunks' after the decodes'), the attention mass of each chunk's observed rows added to its row."""
+        mass = None if meta.attention_mass is None else meta.attention_mass[meta.num_decodes:]
+        for i, sdpa in enumerate(meta.sdpa_chunks):
             chunk, mask = sdpa.chunk, sdpa.mask
             rows = slice(chunk.start, chunk.start + chunk.length)
             if sdpa.first_block is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
             else:
-                keys, values = self.gather(layer, chunk.block_table[sdpa.first_block:])  # [H, L, d]
+                keys, values = self._context(layer, chunk.block_table[sdpa.first_block:], meta)  # [H, L, d]
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
@@ -190,11 +190,17 @@ class PagedBackend(AttentionBackend):
             self.ops.merge_attention_(out, lse, prefix.rows, prefix_out, prefix_lse)
         return out
 
+    def _context(self, layer: int, block_table: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the blocks a step's rows read, as gather() returns them (a backend that keeps some of a step's
+        rows outside its blocks overlays them)."""
+        return self.gather(layer, block_table)
+
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Without the kernel. q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
         b, heads, d = q.shape
         group = heads // self.num_kv_heads
-        k, v = self.gather(layer, meta.decode_block_tables)  # [H, B, L, d]
+        k, v = self._context(layer, meta.decode_block_tables, meta)  # [H, B, L, d]
         qd = q.view(b, self.num_kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         if meta.attention_mass is not None:  # the decodes' rows come first

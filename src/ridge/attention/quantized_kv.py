@@ -14,6 +14,14 @@ int4 and everything else (continuation chunks, other CPUs) dequantize what they 
 backend's torch path (SDPA), with codes stored as rows [kv_heads, num_blocks, block_size, code bytes]. Scales:
 [kv_heads, num_blocks, block_size, groups] float16; keys per channel [kv_heads, num_blocks, head_dim], a byte each.
 
+int2 (kv/formats.py) quantizes a block only when it is full. Until then its rows wait in the model's dtype in its
+sequence's tail: one block's K and V per layer, in the slot the KV manager hands the sequence with its first blocks
+(kv/state_cache.py's slots; AttentionMetadata.tail_slots). A write takes each block it touches whole: the tail's
+rows below the first offset written now, then the step's; a block whose last offset is written is quantized and
+stored, the others go back to their tails. A read overlays each block still filling with its tail (_context).
+Only the block a sequence is filling waits there, so every block the prefix cache or a prefill/decode transfer
+sees is whole; a rewind into a block already quantized could not take it back, so speculation is refused.
+
 Keys are stored less a constant per layer and KV head, their center (set_key_centers): softmax does not change when
 every score of a query moves by the same amount, and q . (k - c) = q . k - q . c moves each of a query's scores by
 q . c, so attention over centered keys is attention over the keys themselves, exactly (up to rounding), while the
@@ -70,17 +78,57 @@ class BlockWrites:
         return cls(blocks, offsets, touched, which, first > 0)
 
 
+@dataclass
+class TailStep:
+    """A step's writes over a cache with tails (int2): the blocks it touches, whose rows it takes whole."""
+
+    writes: BlockWrites
+    slots: torch.Tensor  # [U] the tail slot of each touched block's sequence
+    full: torch.Tensor  # [U] whether the block's last offset is written now: then it is quantized
+    slot_of_block: torch.Tensor  # [num_blocks] the tail slot of each block the step reads still filling, else -1
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int, num_blocks: int) -> TailStep:
+        assert meta.tail_slots is not None, "a cache with tails needs each sequence's tail slot (tail_slots)"
+        device = meta.tail_slots.device
+        tokens = torch.tensor([1] * meta.num_decodes + [chunk.length for chunk in meta.prefills], device=device)
+        writes = BlockWrites.of(meta.slot_mapping, block_size)
+        slots = torch.zeros_like(writes.touched).scatter_(0, writes.which, meta.tail_slots.repeat_interleave(tokens))
+        last = torch.full_like(writes.touched, -1).scatter_reduce_(0, writes.which, writes.offsets, "amax")
+        # what each sequence reads after the step's writes: its context, whose last block may still be filling
+        chunk_lens = torch.tensor([chunk.context_len for chunk in meta.prefills], dtype=torch.long, device=device)
+        lens = torch.cat([meta.decode_context_lens, chunk_lens])
+        last_blocks = torch.cat([meta.decode_block_tables[torch.arange(meta.num_decodes, device=device),
+                                                          (meta.decode_context_lens - 1) // block_size],
+                                 torch.stack([chunk.block_table[-1] for chunk in meta.prefills]) if meta.prefills
+                                 else lens.new_zeros(0)])
+        filling = lens % block_size != 0
+        slot_of_block = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        slot_of_block[last_blocks[filling]] = meta.tail_slots[filling]
+        return cls(writes, slots, last == block_size - 1, slot_of_block)
+
+
 class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
     cascade = False
 
-    def __init__(self, *args, kv_format: KVFormat, **kwargs) -> None:
+    def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
+        """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
         self.format = kv_format
-        self.lanes = kv_format.bits == 8  # the kernel's layout (above); int4 keeps rows
+        self.lanes = kv_format.bits == 8  # the kernel's layout (above); int4 and int2 keep rows
         self.kernels: ModuleType | None = None
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)
         kv_format.check(self.head_dim)
+        if kv_format.tail and num_tail_slots < 1:
+            raise ValueError(f"kv_cache_dtype: {kv_format.name} keeps each running sequence's last block in a tail "
+                             "slot; num_tail_slots must be at least 1")
+        # a layer's own (layers of two KV groups share a cache tensor at their own block ids, but a slot is a
+        # sequence's in every layer): [slots, block_size, kv_heads, head_dim] in the model's dtype, as computed
+        tail_shape = (num_tail_slots, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_tails, self.v_tails = (
+            {layer: torch.zeros(tail_shape, dtype=self.dtype, device=self.device) for layer in self.k_cache}
+            if kv_format.tail else {} for _ in range(2))
         scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
         self.k_scales = (self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
                                          torch.uint8, self.device) if kv_format.key_channels else
@@ -123,7 +171,10 @@ class QuantizedKVBackend(PagedBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         if self.kernels is None:
             super().prepare(meta)
-            if self.format.key_channels:  # the same for every layer of the group: worked out once a step
+            # the same for every layer of the group: worked out once a step
+            if self.format.tail:
+                meta.backend_state = TailStep.of(meta, self.block_size, self.num_blocks)
+            elif self.format.key_channels:
                 meta.backend_state = BlockWrites.of(meta.slot_mapping, self.block_size)
             return
         # decodes through the kernel, as kernel rows (what the fused decode stack serves); chunks through SDPA
@@ -139,8 +190,12 @@ class QuantizedKVBackend(PagedBackend):
         return self.attend(layer, q, k, v, meta)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              writes: BlockWrites | None = None) -> None:
-        """writes: slots' blocks as prepare() found them (made here when not given)."""
+              writes: BlockWrites | TailStep | None = None) -> None:
+        """writes: slots' blocks as prepare() found them (made here when not given; a format with tails needs them)."""
+        if self.format.tail:
+            assert isinstance(writes, TailStep), "a cache with tails is written with the step's TailStep"
+            self._write_through_tails(layer, k, v, writes)
+            return
         center = self.key_centers.get(layer)
         if self.kernels is not None:  # the same rounding in C++, in one pass (the fused decode stack's write)
             self.kernels.quantized_cache_write_(self.k_cache[layer], self.v_cache[layer], self.k_scales[layer],
@@ -164,6 +219,50 @@ class QuantizedKVBackend(PagedBackend):
             v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
         else:
             self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
+
+    def _write_through_tails(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: TailStep) -> None:
+        """Each touched block whole, in the model's dtype: the tail's rows below the first offset written now, then
+        this step's; full blocks quantized (rounded once), the others back to their tails."""
+        writes = step.writes
+        blocks = []
+        for tails, rows in ((self.k_tails[layer], k), (self.v_tails[layer], v)):
+            held = tails[step.slots]  # [U, bs, H, d]; a block written from offset 0 takes none of it
+            held[writes.which, writes.offsets] = rows.to(self.dtype)
+            tails[step.slots[~step.full]] = held[~step.full]  # a sequence fills one block at a time: slots unique
+            blocks.append(held[step.full].flatten(0, 1))
+        if step.full.any():
+            full = writes.touched[step.full]
+            slots = (full.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=full.device)).flatten()
+            self._quantize_blocks(layer, blocks[0], blocks[1], slots)
+
+    def _quantize_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Whole blocks' rows [T, H, d] (T a multiple of block_size, each block's from offset 0) into the cache."""
+        center = self.key_centers.get(layer)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self._write_channel_keys(layer, k.float() if center is None else k.float() - center,
+                                 BlockWrites.of(slots, self.block_size))  # from offset 0: rounded once
+        v_codes, v_scales = self.format.quantize(v)
+        self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
+        self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
+
+    def _context(self, layer: int, block_table: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """gather(), each block still filling overlaid with its tail (centered as the cache's keys are)."""
+        k, v = self.gather(layer, block_table)
+        if not self.format.tail:
+            return k, v
+        slot = meta.backend_state.slot_of_block[block_table]  # [..., n]
+        filling = slot >= 0
+        if not filling.any():
+            return k, v
+        held = slot[filling]
+        center = self.key_centers.get(layer)
+        k_rows = self.k_tails[layer][held]  # [F, bs, H, d]
+        if center is not None:
+            k_rows = (k_rows.float() - center).to(self.dtype)
+        for out, rows in ((k, k_rows), (v, self.v_tails[layer][held])):
+            out.unflatten(-2, (-1, self.block_size))[:, filling] = rows.permute(2, 0, 1, 3)  # [H, F, bs, d]
+        return k, v
 
     def _write_channel_keys(self, layer: int, k: torch.Tensor, writes: BlockWrites) -> None:
         """Keys [T, kv_heads, d] (float32) into blocks whose scales are per channel (kv/formats.py): each block this

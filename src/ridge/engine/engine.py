@@ -37,19 +37,27 @@ from ridge.sampling_params import SamplingParams
 log = logging.getLogger("ridge")
 
 
+def sequence_slot_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
+    """What a running sequence holds outside the KV blocks: its recurrent state and its KV tail (int2)."""
+    tails = config.kv_format is not None and config.kv_format.tail and cfg.attention_layers
+    return cfg.ssm_state_bytes() + (cfg.kv_tail_bytes(config.torch_dtype, config.block_size) if tails else 0)
+
+
 def kv_memory_split(cfg: ModelConfig, config: EngineConfig) -> tuple[int, int]:
-    """kv_cache_memory as (KV blocks, recurrent-state slots). A state-space model's running sequences each hold a
-    fixed state, so slots bound how many run at once: max_num_seqs of them where they fit in half the memory (all
-    of it without attention layers), as many as fit otherwise; the blocks take the rest."""
+    """kv_cache_memory as (KV blocks, sequence slots). A running sequence holds a slot where the model has
+    state-space layers (its recurrent state) or the cache keeps tails (int2: the rows of the block it is filling),
+    so slots bound how many run at once: max_num_seqs of them where they fit in half the memory (all of it without
+    attention layers), as many as fit otherwise; the blocks take the rest."""
     budget = config.kv_cache_bytes
+    slot_bytes = sequence_slot_bytes(cfg, config)
     slots = 0
-    if cfg.ssm_layers:
+    if slot_bytes:
         share = budget // 2 if cfg.attention_layers else budget
-        slots = min(config.max_num_seqs, share // cfg.ssm_state_bytes())
+        slots = min(config.max_num_seqs, share // slot_bytes)
         if slots < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes holds no recurrent state of this model "
-                             f"({cfg.ssm_state_bytes()} bytes a sequence{' in half of it' if share < budget else ''})")
-        budget -= slots * cfg.ssm_state_bytes()
+            raise ValueError(f"kv_cache_memory: {budget} bytes holds no sequence slot of this model "
+                             f"({slot_bytes} bytes a sequence{' in half of it' if share < budget else ''})")
+        budget -= slots * slot_bytes
     if not cfg.attention_layers:
         return 0, slots
     return budget // cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format), slots
@@ -144,8 +152,8 @@ class LLMEngine:
                  self.loaded.weight_format, num_blocks, config.block_size, num_blocks * per_block / 2**20,
                  config.kv_cache_dtype if config.kv_format else f"{str(config.torch_dtype).removeprefix('torch.')}")
         if num_state_slots:
-            log.info("ridge: %d recurrent-state slots of %.1f MiB (at most %d sequences run at once)", num_state_slots,
-                     cfg.ssm_state_bytes() / 2**20, num_state_slots)
+            log.info("ridge: %d sequence slots (recurrent state, KV tails) of %.1f MiB: at most %d sequences run at "
+                     "once", num_state_slots, sequence_slot_bytes(kv_cfg, config) / 2**20, num_state_slots)
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""

@@ -58,7 +58,8 @@ class ModelRunner:
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
-        num_state_slots: the recurrent-state slots of a model with state-space layers; tensor_parallel: the model
+        num_state_slots: the slots of sequences that run at once, for a model with state-space layers (their
+        recurrent state) or a kv_format with tails (their last block's rows); tensor_parallel: the model
         is one rank's shard, its layers all-reducing between them (cluster/); attention_mass: each step reports
         the attention its sequences' blocks received (h2o eviction)."""
         cfg = model.cfg
@@ -69,7 +70,9 @@ class ModelRunner:
         self.block_size = block_size
         layout = cfg.kv_layout()
         self.windows = [group.window for group in layout.groups]
-        self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device, kv_format)
+        self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device, kv_format,
+                                    num_state_slots)
+        self.tails = kv_format is not None and kv_format.tail  # the backend reads each sequence's slot
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
         if isinstance(self.backend, QuantizedKVBackend):
@@ -140,11 +143,13 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
         """Float32 logits [T, V] at every position of token_ids, run as one prefill into `tables` (scratch
-        blocks of every KV group) and `state_slot` (a scratch state slot, for state-space layers), which the
+        blocks of every KV group) and `state_slot` (a scratch slot, for state-space layers or KV tails), which the
         caller holds: no sequence's state is read or changed."""
         meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device)
                 for table, window in zip(tables, self.windows, strict=True)]
         for m in meta:
+            if self.tails:
+                m.tail_slots = torch.tensor([state_slot], dtype=torch.long, device=self.device)
             self.backend.prepare(m)
         states = None
         if self.states is not None:
@@ -238,4 +243,5 @@ class ModelRunner:
             prefills=prefills,
             window=window,
             attention_mass=mass,
+            tail_slots=torch.tensor([s.state_slot for s in step.seqs], **as_long) if self.tails else None,
         )

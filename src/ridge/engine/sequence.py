@@ -63,7 +63,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
-    state_slot: int | None = None  # the recurrent state's slot (state-space layers), set by the KV manager
+    state_slot: int | None = None  # its slot (state-space layers' state, int2's KV tail), set by the KV manager
     # With KV eviction (kv/eviction.py), set by the KV manager: the tokens given back, the most ever given back
     # (what usage reports: a recompute after preemption evicts the same tokens again), and with h2o the attention
     # each block it holds received, by block id

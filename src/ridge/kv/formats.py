@@ -6,6 +6,8 @@ the code's largest):
   fp8   float8 e4m3 codes (vLLM's fp8), one scale per row (amax / 448)
   int8  one scale per row (amax / 127) for values; keys per channel (below)
   int4  two codes a byte, one scale per 32 values (amax / 7) for values; keys per channel (below)
+  int2  four codes a byte, levels +-0.5 and +-1.5 times the scale (amax / 1.5, one per 32 values) for values; keys
+        per channel (below); experimental (KIVI): a block is quantized only when it is full (below)
 A row is written once, when its token enters the cache, and its scales with it, so the granularity is per token
 and head (per 32 values for int4), for 2 bytes a scale: an int8 value row of 64 dims takes 66 bytes.
 
@@ -16,7 +18,13 @@ its rounding is relative to each value already. A block fills a token at a time,
 keys arrive: a key beyond a scale at least doubles it, and the block's earlier keys in that channel are requantized
 to the new scale (attention/quantized_kv.py); a block written whole rounds once. Bytes for 64 dims and blocks of
 16: an int8 key 64 codes plus 4 bytes of its block's scales (1.91x bf16's tokens with the value rows), an int4
-key 32 + 4, a value row 36 (3.56x).
+key 32 + 4, a value row 36 (3.56x), an int2 key 16 + 4, a value row 20 (6.4x).
+
+int2 keeps a sequence's last, partly filled block in the model's dtype (its tail, a slot per running sequence:
+attention/quantized_kv.py), as KIVI keeps its most recent tokens in full precision: two bits cannot absorb the
+regrowth of a block's channel scales as its keys arrive, and the newest tokens are the ones attention weighs most.
+The block is quantized whole, once, when its last row arrives. Four levels and no zero: a symmetric grid of 2 bits
+either wastes a level on zero or has none; centered keys and values rarely sit at exactly zero.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class KVFormat:
     group: int | None  # values per scale; None: one scale for the whole row
     code_max: float  # the largest magnitude a code holds
     key_channels: bool = False  # keys scaled per channel over a block, one byte a scale (above)
+    tail: bool = False  # a block is quantized when full; until then its rows wait in the sequence's tail (above)
 
     def groups(self, head_dim: int) -> int:
         return 1 if self.group is None else -(-head_dim // self.group)
@@ -93,6 +102,9 @@ class KVFormat:
             return scaled.clamp(-self.code_max, self.code_max).to(torch.float8_e4m3fn).view(torch.uint8)
         if self.bits == 8:
             return scaled.round().clamp_(-self.code_max, self.code_max).to(torch.int8).view(torch.uint8)
+        if self.bits == 2:  # the nearest of -1.5, -0.5, 0.5, 1.5 as 0..3, four a byte: dim 4i + j in bits 2j
+            levels = (scaled.floor().clamp_(-2, 1) + 2).to(torch.uint8).unflatten(-1, (-1, 4))
+            return levels[..., 0] | levels[..., 1] << 2 | levels[..., 2] << 4 | levels[..., 3] << 6
         # two 4-bit codes a byte, offset to 1..15: the even dim in the low nibble
         pairs = (scaled.round().clamp_(-self.code_max, self.code_max) + 8).to(torch.uint8).unflatten(-1, (-1, 2))
         return pairs[..., 0] | (pairs[..., 1] << 4)
@@ -103,6 +115,8 @@ class KVFormat:
             return codes.view(torch.float8_e4m3fn).float()
         if self.bits == 8:
             return codes.view(torch.int8).float()
+        if self.bits == 2:
+            return torch.stack([codes >> shift & 3 for shift in (0, 2, 4, 6)], dim=-1).flatten(-2).float() - 1.5
         return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float() - 8
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +129,7 @@ KV_FORMATS = {
     "fp8": KVFormat("fp8", 8, None, 448.0),
     "int8": KVFormat("int8", 8, None, 127.0, key_channels=True),
     "int4": KVFormat("int4", 4, 32, 7.0, key_channels=True),
+    "int2": KVFormat("int2", 2, 32, 1.5, key_channels=True, tail=True),
 }
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 

@@ -26,9 +26,11 @@ tables (not nulling them: the kept blocks stay side by side, and `num_evicted` m
 there). Only blocks computed before a sequence's first eviction are offered to the prefix cache: later ones were
 computed over a cache with holes.
 
-Recurrent state (kv/state_cache.py): a model with state-space layers also needs one state slot per running
-sequence, taken with its first blocks and given back with them. Such a manager has no prefix cache: a state
-summarises all of a sequence's tokens, so a cached prefix would need a snapshot of the state at its end.
+Sequence slots (kv/state_cache.py): a model with state-space layers, or a cache that keeps tails (int2: the rows
+of the block a sequence is filling, attention/quantized_kv.py), also needs one slot per running sequence, taken
+with its first blocks and given back with them. A state-space model's manager has no prefix cache: a state
+summarises all of a sequence's tokens, so a cached prefix would need a snapshot of the state at its end (the
+engine turns it off). A tail holds less than a block, and a cached prefix is whole blocks.
 """
 
 from __future__ import annotations
@@ -61,19 +63,18 @@ class Sequence(Protocol):
     block_mass: dict[int, float]  # h2o: the attention each block it holds received, by block id
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
     num_registered: int  # how many of each table's blocks were offered to the prefix cache
-    state_slot: int | None  # its recurrent state's slot, while it holds one
+    state_slot: int | None  # its slot (recurrent state, KV tail), while it holds one
 
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0,
                  eviction: Eviction | None = None) -> None:
-        """num_state_slots: sequences that can hold a recurrent state at once (0: the model has none)."""
+        """num_state_slots: sequences that can hold a slot at once (0: the model and cache need none)."""
         self.layout = layout or kv_layout([None])
         self.windows = [group.window for group in self.layout.groups]
         assert not (eviction and (self.layout.has_windows or rewind_margin)), "eviction: full attention, no rewinds"
         self.eviction = eviction
-        assert not (enable_prefix_caching and num_state_slots), "no prefix cache for recurrent states"
         self.states = StateSlots(num_state_slots) if num_state_slots else None
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.cache)
@@ -334,7 +335,7 @@ class KVManager:
 
     @contextmanager
     def scratch(self, num_tokens: int) -> Iterator[tuple[list[list[int]], int | None]]:
-        """Tables of every group, and a state slot where the model has recurrent state, for a forward pass
+        """Tables of every group, and a slot where the model has recurrent state or the cache tails, for a forward pass
         outside any request (scoring a text), given back when it ends."""
         tables, slot = [], None
         try:

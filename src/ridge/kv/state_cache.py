@@ -1,5 +1,8 @@
 """Recurrent state: one fixed-size slot per sequence for the state-space layers.
 
+The slots (StateSlots) also index an int2 cache's tails (attention/quantized_kv.py): a slot is a running
+sequence's, whatever a model keeps in it.
+
 A Mamba-2 layer carries a sequence's past as a state of fixed size, not as K/V that grows a block at a time:
 the last conv_kernel - 1 inputs of its causal convolution and an SSM state of [heads, head_dim, state_size].
 A running sequence holds one slot, the same index in every state-space layer's tensors, from its first step

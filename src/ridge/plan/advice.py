@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ridge.plan import arithmetic as a
-from ridge.plan.specs import dtype_bytes
+from ridge.plan.specs import BYTES_PER_VALUE, dtype_bytes
 
 if TYPE_CHECKING:
     from ridge.plan.report import Plan
@@ -50,7 +50,7 @@ def _weight_quantization(plan: Plan) -> Advice | None:
 
 def _kv_quantization(plan: Plan) -> Advice | None:
     w, mem = plan.workload, plan.memory
-    if dtype_bytes(w.kv_dtype) <= 1:
+    if w.kv_dtype not in BYTES_PER_VALUE or dtype_bytes(w.kv_dtype) <= 1:  # quantized already (or one of ridge's)
         return None
     kv_share = w.batch * mem.kv_bytes_per_sequence / plan.decode.bytes
     ratio = dtype_bytes(w.kv_dtype) / 1

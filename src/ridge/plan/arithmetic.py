@@ -141,9 +141,18 @@ def state_bytes(m: ModelSpec) -> float:
     return 4.0 * per_layer * len(m.ssm_layers)
 
 
+def tail_bytes(m: ModelSpec, kv_dtype: str) -> float:
+    """A format with tails (int2) keeps the block a sequence is filling unquantized: a block's K and V per KV head
+    and attention layer, in the activations' 16 bits (blocks of the engine's default size)."""
+    quantized = KV_FORMATS.get(kv_dtype)
+    if quantized is None or not quantized.tail or m.is_mla:
+        return 0.0
+    return 2.0 * m.num_attention_layers * m.num_kv_heads * EngineConfig.block_size * m.head_dim * 2
+
+
 def sequence_cache_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
-    """What one sequence of `tokens` holds: its KV and its recurrent state."""
-    return kv_bytes(m, kv_dtype, tokens) + state_bytes(m)
+    """What one sequence of `tokens` holds: its KV (with its tail) and its recurrent state."""
+    return kv_bytes(m, kv_dtype, tokens) + tail_bytes(m, kv_dtype) + state_bytes(m)
 
 
 def ssm_flops_per_token(m: ModelSpec) -> float:
@@ -290,7 +299,7 @@ def step_bound(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: in
     read and written."""
     w = workload
     weights = decode_weight_bytes(model, w.dtype, batch * tokens)
-    kv = batch * (kv_bytes(model, w.kv_dtype, w.context) + 2 * state_bytes(model))
+    kv = batch * (kv_bytes(model, w.kv_dtype, w.context) + tail_bytes(model, w.kv_dtype) + 2 * state_bytes(model))
     return bound(weights + kv, decode_step_flops(model, batch * tokens, w.context), hw, compute_dtype(w.dtype),
                  w.gpus)
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from ridge.models.presets import model_presets
-from ridge.plan.specs import BYTES_PER_VALUE, hardware_table, link_table
+from ridge.plan.specs import BYTES_PER_VALUE, KV_DTYPES, hardware_table, link_table
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default %(default)s)")
     dtypes = list(BYTES_PER_VALUE)
     p.add_argument("--dtype", default="bf16", choices=dtypes, help="weight dtype (default %(default)s)")
-    p.add_argument("--kv-dtype", default="bf16", choices=dtypes, help="KV-cache dtype (default %(default)s)")
+    p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
+                   help="KV-cache dtype: a plain one, or ridge's quantized formats (codes and scales; int2 keeps "
+                        "each sequence's last block in 16 bits) (default %(default)s)")
     p.add_argument("--gpus", type=int, default=1, help="devices, tensor-parallel (default %(default)s)")
     p.add_argument("--link", default=None,
                    help="the interconnect between --gpus, one of " + ", ".join(link_table())

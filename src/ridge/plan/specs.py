@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ridge.kv.formats import KV_FORMATS
 from ridge.models.spec import ModelSpec
 
 DATA = Path(__file__).parent
@@ -84,7 +85,9 @@ class Workload:
             raise ValueError(f"TPOT target: {self.tpot_target} s; must be positive")
         if self.throughput is not None and self.throughput <= 0:
             raise ValueError(f"throughput: {self.throughput} tok/s; must be positive")
-        dtype_bytes(self.dtype), dtype_bytes(self.kv_dtype)  # raise on an unknown dtype
+        dtype_bytes(self.dtype)  # raise on an unknown dtype
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype: {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
         return self
 
     @property
@@ -100,6 +103,8 @@ _COMPUTE_FALLBACK = {
 
 # bytes per stored value of each weight / KV dtype (int4: one scale per group of 64 adds 1/32 byte)
 BYTES_PER_VALUE = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+# a KV cache's dtypes: the plain ones, and ridge's quantized formats (kv/formats.py: codes, scales, int2's tails)
+KV_DTYPES = [*BYTES_PER_VALUE, *(name for name in KV_FORMATS if name not in BYTES_PER_VALUE)]
 
 
 def dtype_bytes(dtype: str) -> float:
