@@ -134,6 +134,11 @@ class QuantizedKVBackend(PagedBackend):
                                          torch.uint8, self.device) if kv_format.key_channels else
                          self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device))
         self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
+        # midranges (kv/formats.py mids): keys' per channel of a block, values' as their scales
+        self.k_mids, self.v_mids = ((self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
+                                                     SCALE_DTYPE, self.device),
+                                     self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device))
+                                    if kv_format.mids else ({}, {}))
 
     def set_key_centers(self, centers: dict[int, torch.Tensor]) -> None:
         """The constant taken off each layer's keys before they are rounded (above); a layer without one stores its
@@ -141,7 +146,8 @@ class QuantizedKVBackend(PagedBackend):
         self.key_centers = {layer: c.to(self.device, torch.float32) for layer, c in centers.items()}
 
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
-        scales = {id(t): t for layer in self.k_scales for t in (self.k_scales[layer], self.v_scales[layer])}
+        scales = {id(t): t for caches in (self.k_scales, self.v_scales, self.k_mids, self.v_mids)
+                  for t in caches.values()}
         return super().block_tensors() + [(t, 1) for t in scales.values()]
 
     # PagedBackend's `ops` drives its bf16 / float32 kernel paths, which read plain caches: this backend hands
@@ -239,11 +245,31 @@ class QuantizedKVBackend(PagedBackend):
         """Whole blocks' rows [T, H, d] (T a multiple of block_size, each block's from offset 0) into the cache."""
         center = self.key_centers.get(layer)
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        self._write_channel_keys(layer, k.float() if center is None else k.float() - center,
-                                 BlockWrites.of(slots, self.block_size))  # from offset 0: rounded once
+        k = k.float() if center is None else k.float() - center
+        if self.format.mids:
+            self._write_key_blocks(layer, k, blocks[::self.block_size])
+            grouped = v.float().unflatten(-1, (self.format.groups(self.head_dim), -1))
+            mids = ((grouped.amax(-1) + grouped.amin(-1)) / 2).to(SCALE_DTYPE)
+            self.v_mids[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), mids)
+            v = (grouped - mids.float().unsqueeze(-1)).flatten(-2)
+        else:
+            self._write_channel_keys(layer, k, BlockWrites.of(slots, self.block_size))  # from offset 0: rounded once
         v_codes, v_scales = self.format.quantize(v)
         self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
         self.v_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_codes)
+
+    def _write_key_blocks(self, layer: int, k: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Whole blocks' keys [n * block_size, H, d] (float32) into blocks [n]: each channel of a block less its
+        midrange, on a scale that spans the rest (the smallest scale byte >= half the range over code_max)."""
+        rows = k.unflatten(0, (-1, self.block_size))  # [n, bs, H, d]
+        high, low = rows.amax(1), rows.amin(1)  # [n, H, d]
+        mids = ((high + low) / 2).to(SCALE_DTYPE)
+        scale_bytes = encode_channel_scales((high - low) / 2 / self.format.code_max)
+        scales = decode_channel_scales(scale_bytes).clamp(min=1e-30)
+        codes = self.format.encode((rows - mids.float().unsqueeze(1)) / scales.unsqueeze(1))  # [n, bs, H, bytes]
+        self.k_cache[layer][:, blocks] = codes.permute(2, 0, 1, 3)
+        self.k_scales[layer][:, blocks] = scale_bytes.transpose(0, 1)
+        self.k_mids[layer][:, blocks] = mids.transpose(0, 1)
 
     def _context(self, layer: int, block_table: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,10 +336,18 @@ class QuantizedKVBackend(PagedBackend):
         k_codes, v_codes = self._code_rows(layer, block_table)
         if self.format.key_channels:  # [H, ..., n, bs, d] x each block's channel scales
             scales = decode_channel_scales(self.k_scales[layer][:, block_table]).unsqueeze(-2)
-            k = (self.format.decode(k_codes) * scales).to(self.dtype)
+            k = self.format.decode(k_codes) * scales
+            if self.format.mids:
+                k += self.k_mids[layer][:, block_table].float().unsqueeze(-2)
+            k = k.to(self.dtype)
         else:
             k = self.format.dequantize(k_codes, self.k_scales[layer][:, block_table], self.dtype)
-        v = self.format.dequantize(v_codes, self.v_scales[layer][:, block_table], self.dtype)
+        v_scales = self.v_scales[layer][:, block_table]
+        if self.format.mids:  # [H, ..., n, bs, groups, values] plus each group's midrange
+            v = self.format.dequantize(v_codes, v_scales, torch.float32).unflatten(-1, (v_scales.shape[-1], -1))
+            v = (v + self.v_mids[layer][:, block_table].float().unsqueeze(-1)).flatten(-2).to(self.dtype)
+        else:
+            v = self.format.dequantize(v_codes, v_scales, self.dtype)
         return k.flatten(-3, -2), v.flatten(-3, -2)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
