@@ -20,7 +20,9 @@ sequence's tail: one block's K and V per layer, in the slot the KV manager hands
 rows below the first offset written now, then the step's; a block whose last offset is written is quantized and
 stored, the others go back to their tails. A read overlays each block still filling with its tail (_context).
 Only the block a sequence is filling waits there, so every block the prefix cache or a prefill/decode transfer
-sees is whole; a rewind into a block already quantized could not take it back, so speculation is refused.
+sees is whole; a rewind into a block already quantized could not take it back, so speculation is refused. int2's
+keys and values are stored less their midranges (k_mids [kv_heads, num_blocks, head_dim], v_mids as v_scales,
+float16), added back as they are read.
 
 Keys are stored less a constant per layer and KV head, their center (set_key_centers): softmax does not change when
 every score of a query moves by the same amount, and q . (k - c) = q . k - q . c moves each of a query's scores by
