@@ -6,8 +6,8 @@ the code's largest):
   fp8   float8 e4m3 codes (vLLM's fp8), one scale per row (amax / 448)
   int8  one scale per row (amax / 127) for values; keys per channel (below)
   int4  two codes a byte, one scale per 32 values (amax / 7) for values; keys per channel (below)
-  int2  four codes a byte, levels +-0.5 and +-1.5 times the scale (amax / 1.5, one per 32 values) for values; keys
-        per channel (below); experimental (KIVI): a block is quantized only when it is full (below)
+  int2  four codes a byte, levels +-0.5 and +-1.5 times the scale, around a midrange (below): for values a scale and
+        a midrange per 32 values; keys per channel (below); experimental (KIVI): a block is quantized when full
 A row is written once, when its token enters the cache, and its scales with it, so the granularity is per token
 and head (per 32 values for int4), for 2 bytes a scale: an int8 value row of 64 dims takes 66 bytes.
 
@@ -24,11 +24,12 @@ int2 keeps a sequence's last, partly filled block in the model's dtype (its tail
 attention/quantized_kv.py), as KIVI keeps its most recent tokens in full precision: two bits cannot absorb the
 regrowth of a block's channel scales as its keys arrive, and the newest tokens are the ones attention weighs most.
 The block is quantized whole, once, when its last row arrives. Four levels and no zero: a symmetric grid of 2 bits
-either wastes a level on zero or has none; centered keys and values rarely sit at exactly zero. Its values are
-stored less their midrange ((max + min) / 2, a float16 per channel of a block for keys, per group of a row for
-values), so that the four levels span max - min rather than -amax..amax (KIVI's asymmetric grid): rotary turns a
-key channel slowly, so over 16 tokens a channel is often an offset plus a little, which a symmetric grid rounds to
-the one level nearest the offset (Qwen2.5's perplexity at 4k: +190% without, +17% with; docs/notes).
+either wastes a level on zero or has none; centered keys and values rarely sit at exactly zero. Its keys and values
+are stored less their midrange ((max + min) / 2, a float16 per channel of a block for keys, per group of a row for
+values; value = code x scale + midrange), so that the four levels span max - min rather than -amax..amax (KIVI's
+asymmetric grid; the scale is half the range over 1.5): rotary turns a key channel slowly, so over 16 tokens a
+channel is often an offset plus a little, which a symmetric grid rounds to the one level nearest the offset
+(Qwen2.5's perplexity at 4k: +190% without, +12-17% with; docs/notes/kv-compression.md).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class KVFormat:
     code_max: float  # the largest magnitude a code holds
     key_channels: bool = False  # keys scaled per channel over a block, one byte a scale (above)
     tail: bool = False  # a block is quantized when full; until then its rows wait in the sequence's tail (above)
-    mids: bool = False  # values stored less their midrange (keys' per channel of a block, values' per group), float16
+    mids: bool = False  # keys and values stored less their midranges (per channel of a block, per group), float16
 
     def groups(self, head_dim: int) -> int:
         return 1 if self.group is None else -(-head_dim // self.group)
