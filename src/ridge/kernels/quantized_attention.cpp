@@ -137,8 +137,8 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
   const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
   // keys per channel: each block's query is q times the block's channel scales, made just before the block is
-  // scored, into a buffer of one block's query that each thread keeps (so that it stays in L1: made for all of a
-  // task's blocks first, the queries went out to L2 and back, ~10% of the kernel's time)
+  // scored, into a buffer of one block's query that each thread keeps, so that it stays in L1 (a whole task's
+  // blocks' queries do not fit there: docs/notes/kv-compression.md)
   thread_local std::vector<float> q_block;
   if (k_channels && q_block.size() < static_cast<size_t>(group * d)) q_block.resize(group * d);
   // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
