@@ -29,7 +29,7 @@ are stored less their midrange ((max + min) / 2, a float16 per channel of a bloc
 values; value = code x scale + midrange), so that the four levels span max - min rather than -amax..amax (KIVI's
 asymmetric grid; the scale is half the range over 1.5): rotary turns a key channel slowly, so over 16 tokens a
 channel is often an offset plus a little, which a symmetric grid rounds to the one level nearest the offset
-(Qwen2.5's perplexity at 4k: +190% without, +12-17% with; docs/notes/kv-compression.md).
+(what each step cost in perplexity: docs/notes/kv-compression.md).
 """
 
 from __future__ import annotations
