@@ -3,7 +3,9 @@
 A chat prompt holds held-out text (Hamlet and Macbeth, eval/perplexity.py's) of about `length` tokens with one
 sentence planted at `depth` (0: the start of the text, 1: its end, on a line boundary): "The secret number of
 the lighthouse keeper is NNNNNNN." and asks for that number; the greedy answer is right when it holds the
-number. Each cell of the length x depth grid has its own number (seeded), so that no answer carries over. All
+number. A length at or past the model's limit (max_model_len) is cut to leave the answer its tokens: "32768" on a
+32k model is a prompt of 32768 - answer tokens. Each cell of the length x depth grid has its own number (seeded), so
+that no answer carries over. All
 cells run as one batch through the engine, so the KV cache each reads is the engine's: its --kv-cache-dtype, its
 --kv-eviction (a sink-window budget loses a needle that lies outside the sinks and the recent window: the trade
 the grid shows).
@@ -33,8 +35,9 @@ class Cell:
 
 
 def haystack_prompt(llm, lines: list[str], line_tokens: list[int], length: int, depth: float, code: str) -> list[int]:
-    """A chat prompt of about `length` tokens: the text's first lines, the needle between two of them at `depth`
-    of the text's tokens, then the question. ValueError where the text is too short for `length`."""
+    """A chat prompt of at most `length` tokens (a few below it): the text's first lines, the needle between two
+    of them at `depth` of the text's tokens, then the question. ValueError where the text is too short for
+    `length`."""
     frame = llm.render_chat([{"role": "user", "content": f"Read the text, then answer.\n\n\n\n{QUESTION}"}])
     budget = length - len(frame) - len(llm.tokenizer.encode(NEEDLE.format(code=code))) - 2
     total, count = 0, 0
@@ -44,12 +47,21 @@ def haystack_prompt(llm, lines: list[str], line_tokens: list[int], length: int, 
     if count == len(lines) or budget <= 0:
         raise ValueError(f"lengths: {length} tokens is more than the held-out text holds (or less than the "
                          "prompt's frame)")
-    at, seen = 0, 0
-    while at < count and seen + line_tokens[at] <= depth * total:  # the line boundary nearest below the depth
-        seen += line_tokens[at]
-        at += 1
-    text = "\n".join(lines[:at] + [NEEDLE.format(code=code)] + lines[at:count])
-    return llm.render_chat([{"role": "user", "content": f"Read the text, then answer.\n\n{text}\n\n{QUESTION}"}])
+
+    def build(count: int) -> list[int]:
+        total = sum(line_tokens[:count])
+        at, seen = 0, 0
+        while at < count and seen + line_tokens[at] <= depth * total:  # the line boundary nearest below the depth
+            seen += line_tokens[at]
+            at += 1
+        text = "\n".join(lines[:at] + [NEEDLE.format(code=code)] + lines[at:count])
+        return llm.render_chat([{"role": "user", "content": f"Read the text, then answer.\n\n{text}\n\n{QUESTION}"}])
+
+    prompt = build(count)
+    while len(prompt) > length and count > 1:  # lines tokenized alone can count fewer tokens than joined
+        count -= max(1, (len(prompt) - length) * count // total)
+        prompt = build(count)
+    return prompt
 
 
 def run_needle(llm, lengths: list[int], depths: list[float], seed: int = 0, max_tokens: int = 16) -> list[Cell]:
@@ -60,7 +72,9 @@ def run_needle(llm, lengths: list[int], depths: list[float], seed: int = 0, max_
     line_tokens = [len(llm.tokenizer.encode(line + "\n")) for line in lines]
     rng = random.Random(seed)
     grid = [(length, depth, str(rng.randrange(1_000_000, 10_000_000))) for length in lengths for depth in depths]
-    prompts = [haystack_prompt(llm, lines, line_tokens, length, depth, code) for length, depth, code in grid]
+    room = llm.engine.max_model_len - max_tokens  # the longest prompt whose answer still fits the model
+    prompts = [haystack_prompt(llm, lines, line_tokens, min(length, room), depth, code)
+               for length, depth, code in grid]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
     return [Cell(len(prompt), depth, code, out.outputs[0].text)
             for prompt, (_, depth, code), out in zip(prompts, grid, outputs, strict=True)]
