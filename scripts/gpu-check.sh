@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
-#   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant throughput steps doctor
+#   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant kv throughput steps doctor
 #                                      profile (default: all)
 # TESTS: the test files of `tests` (default: both CUDA files); PEERS=0 leaves HF transformers out of `throughput`.
 # The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-random:llama-3-8b}
-PARTS=${*:-env tests kernels latency eager quant throughput steps doctor profile}
+PARTS=${*:-env tests kernels latency eager quant kv throughput steps doctor profile}
 TESTS=${TESTS:-tests/test_triton_kernels.py tests/test_cuda.py}
 PEERS=${PEERS:-1}
 
@@ -66,6 +66,12 @@ for part in $PARTS; do
         run "latency-$q" 200 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
           --output-len 128 --repeats 3 --no-peers --quantization "$q" "${extra[@]}" --json
       done ;;
+    kv)  # decode at long context over each KV format (issue 47): the Triton kernels reading codes, side by side
+      echo "== kv ($(date +%T))"
+      timeout 300 "$PY" -m ridge.cli bench kv --model "$MODEL" --device cuda --context 8000 --batch 16 --steps 8 \
+        --kv-cache-memory 24GiB --kv-cache-dtypes auto,fp8,int8,int4 --max-num-batched-tokens 8192 \
+        2>"$OUT/kv.log" | tee "$OUT/kv.txt"
+      echo "   exit $?"; tail -n 3 "$OUT/kv.log" ;;
     throughput)
       run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
         --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \

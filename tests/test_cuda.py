@@ -1,6 +1,7 @@
 """The CUDA path on a GPU: HF transformers' logits and greedy tokens on random llama / qwen2 / qwen3 configs,
 the same tokens with CUDA graphs on and off under every runtime variation, quantized weights on the Triton
-kernel, seeded sampling on device generators, and `random:` models.
+kernel, a quantized KV cache read by the Triton attention kernels, seeded sampling on device generators, and
+`random:` models.
 
 Skipped without a CUDA GPU (this machine and CI have none): run on a lent GPU machine with
 `pytest tests/test_cuda.py tests/test_triton_kernels.py` (scripts/gpu-check.sh does, then measures).
@@ -97,6 +98,22 @@ def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_t
     for ids in random_prompts(2, VOCAB, 5, 40, seed=5):
         ours, ref = gpu.engine.prompt_logits(ids).cpu(), cpu.engine.prompt_logits(ids)
         assert (ours - ref).abs().max().item() < 1e-3 * max(ref.abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("cache", ["fp8", "int8", "int4"])
+def test_a_quantized_kv_cache_gives_the_cpu_engine_s_tokens(random_model, make_llm_for_test, cache):
+    """The Triton kernels over a quantized cache (decodes, and chunks continuing a cached context) give the greedy
+    tokens of the CPU engine over the same format, whose writes store the same bytes (test_kv_quant.py)."""
+    from ridge import SamplingParams
+    from ridge.attention import CudaQuantizedKVBackend
+
+    path, _ = random_model
+    prompts = random_prompts(6, VOCAB, 5, 80, seed=6)
+    params = SamplingParams(**GREEDY_ARGS)
+    gpu = make_llm_for_test(path, device="cuda", dtype="float32", kv_cache_dtype=cache, max_num_batched_tokens=32)
+    assert isinstance(gpu.engine.runner.backend, CudaQuantizedKVBackend) and gpu.engine.runner.graphs is None
+    cpu = make_llm_for_test(path, dtype="float32", kv_cache_dtype=cache, max_num_batched_tokens=32)
+    assert tokens(gpu.generate(prompts, params)) == tokens(cpu.generate(prompts, params))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])

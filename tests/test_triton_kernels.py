@@ -14,11 +14,16 @@ import torch
 
 pytest.importorskip("triton", reason="triton is a test dependency: `make test` installs it")
 
-from ridge.attention import CudaBackend, ReferenceBackend  # noqa: E402
+import triton  # noqa: E402  (after the skip: a test dependency)
+import triton.language as tl  # noqa: E402
+
+from ridge.attention import CudaBackend, CudaQuantizedKVBackend, QuantizedKVBackend, ReferenceBackend  # noqa: E402
 from ridge.attention.backend import AttentionMetadata, PrefillChunk  # noqa: E402
+from ridge.kv.formats import kv_format  # noqa: E402
 from ridge.quant.methods import quantize_weight  # noqa: E402
 from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_int8  # noqa: E402
 from ridge.triton_kernels import paged_attention, quant_matmul, quant_tuning  # noqa: E402
+from ridge.triton_kernels.paged_attention import CODES, _codes  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -97,6 +102,30 @@ def test_paged_decode_reads_only_the_window():
     k_cache[8:14], v_cache[8:14] = float("nan"), float("nan")  # row 1's blocks 0-5: keys 0-95
     poisoned = paged_attention.paged_decode(q, k_cache, v_cache, tables, lens, 0.2, starts, 3)
     assert torch.equal(clean, poisoned)
+
+
+@triton.jit
+def _widen_kernel(codes_ptr, out_ptr, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr, VALUES: tl.constexpr,
+                  FORMAT: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, VALUES)
+    x = _codes(codes_ptr, r * ROW_BYTES, d, (r < ROWS)[:, None] & (d < VALUES)[None, :], FORMAT)
+    tl.store(out_ptr + r[:, None] * VALUES + d[None, :], x)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_the_kernels_widen_every_code_as_the_format_decodes_it(name):
+    """All 256 bytes (fp8's two NaNs aside: the write clamps to +-448), fp8's subnormals included, widened in
+    registers as kv/formats.py decodes them."""
+    fmt = kv_format(name)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if name == "fp8":
+        codes[[0x7F, 0xFF]] = 0
+    codes = codes.view(16, 16).to(DEVICE)
+    values = 16 * 8 // fmt.bits
+    out = torch.empty(16, values, dtype=torch.float32, device=DEVICE)
+    _widen_kernel[(1,)](codes, out, ROWS=16, ROW_BYTES=16, VALUES=values, FORMAT=CODES[name])
+    assert torch.equal(out, fmt.decode(codes))
 
 
 def test_cache_write_places_rows_and_skips_padding():
@@ -203,13 +232,29 @@ def _backends(dtype: torch.dtype):
     return cuda, ReferenceBackend(*args)
 
 
+def _quantized_backends(name: str):
+    """The CUDA backend over a quantized cache, and the CPU one it keeps its storage from (torch's write and
+    dequantize-then-SDPA attention), as _backends' pair."""
+    args = (2, 2, 32, 40, 8, torch.float32, DEVICE)
+    cuda, ref = (cls(*args, kv_format=kv_format(name)) for cls in (CudaQuantizedKVBackend, QuantizedKVBackend))
+    if DEVICE == "cpu":
+        cuda.__dict__["multiprocessors"] = 8
+    # keys stored less a center (quantized_kv.py): the kernels read them as they are, as attention allows
+    centers = {layer: torch.randn(2, 32, generator=torch.Generator().manual_seed(layer)) for layer in range(2)}
+    for backend in (cuda, ref):
+        backend.set_key_centers(centers)
+    return cuda, ref
+
+
 @pytest.mark.parametrize("window", [None, 12])
-def test_cuda_backend_matches_reference(window):
+@pytest.mark.parametrize("cache", ["auto", "fp8", "int8", "int4"])
+def test_cuda_backend_matches_reference(window, cache):
     """A step of two decodes and two prefill chunks (a fresh prompt through SDPA, and one continuing a cached
     context through the Triton prefill kernel), through both backends, layer by layer; the caches hold the same
-    tokens afterwards."""
+    tokens afterwards. A quantized cache: against the CPU backend over the same format, which attends to what
+    the cache holds, dequantized (the Triton kernels widen its codes as they read them)."""
     torch.manual_seed(4)
-    cuda, ref = _backends(torch.float32)
+    cuda, ref = _backends(torch.float32) if cache == "auto" else _quantized_backends(cache)
     history = {0: 21, 1: 9, 3: 30}  # sequences with cached tokens: seq -> tokens before this step (3: 67 after)
     tables = {s: torch.randperm(40)[i * 10:(i + 1) * 10].to(DEVICE) for i, s in enumerate((0, 1, 2, 3))}
     chunks = {2: 11, 3: 37}  # prefills: seq -> chunk length (seq 3's over two programs of the prefill kernel)
@@ -241,7 +286,7 @@ def test_cuda_backend_matches_reference(window):
         backend.prepare(meta)
         outs.append([backend.forward(layer, q, k, v, [meta]) for layer in range(2)])
     for ours, expected in zip(*outs, strict=True):
-        assert (ours - expected).abs().max().item() < 1e-5
+        assert (ours - expected).abs().max().item() < 1e-5, (ours - expected).abs().max().item()
     for seq in (0, 1, 2, 3):
         for layer in range(2):
             got, want = cuda.gather(layer, tables[seq]), ref.gather(layer, tables[seq])

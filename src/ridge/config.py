@@ -269,8 +269,8 @@ class EngineConfig:
     kv_cache_dtype: str = knob(
         "auto", "how K and V are stored: auto (the model's dtype), fp8 (e4m3), int8 or int4 (32-value groups), "
         "each with a float16 scale per token and head (per group for int4); fewer bytes a token, so more "
-        "tokens in kv_cache_memory, for a little accuracy; int2 (experimental, KIVI): 2 bits, each sequence's "
-        "last block kept in the model's dtype until it is full (kv/formats.py)", choices=KV_CACHE_DTYPES)
+        "tokens in kv_cache_memory, for a little accuracy; int2 (experimental, KIVI, CPU only): 2 bits, each "
+        "sequence's last block kept in the model's dtype until it is full (kv/formats.py)", choices=KV_CACHE_DTYPES)
     kv_eviction: str = knob(
         "none", "sink-window: each sequence keeps its first --kv-sink-tokens and its most recent tokens, --kv-budget "
         "in all, and gives the blocks between back as it grows (StreamingLLM); h2o: it keeps its most recent "
@@ -440,9 +440,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype} is not applied to a draft model's cache yet; "
                              "use kv_cache_dtype=auto with speculate='draft', or speculate='ngram'")
         if self.kv_cache_dtype != "auto":
-            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the CPU paged "
-                          "backend only, so far", device="cpu", attention_backend="paged", batch_invariant=False)
+            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a quantized cache is read by the paged "
+                          "backend's kernels", attention_backend="paged", batch_invariant=False)
         if self.kv_format is not None and self.kv_format.tail:
+            self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "its tails are overlaid on the CPU backend only; "
+                          "the CUDA kernels read fp8, int8 and int4", device="cpu")
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "a rejected draft would have to be taken back out "
                           "of a block already quantized", speculate=None)
             self._require(f"kv_cache_dtype: {self.kv_cache_dtype}", "its tails are one process's so far",

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
-from ridge.attention.cuda import CudaBackend
+from ridge.attention.cuda import CudaBackend, CudaQuantizedKVBackend
 from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
@@ -39,8 +39,9 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
                               (cfg.attn_logit_softcap, "attention logit soft-capping (Gemma 2)")):
             if refused:
                 raise ValueError(f"kv_cache_dtype: {kv_format.name} is not supported with {what}; use auto")
-        return QuantizedKVBackend(*args, scale=cfg.attention_scale, kv_format=kv_format,
-                                  num_tail_slots=num_slots if kv_format.tail else 0)
+        quantized = CudaQuantizedKVBackend if torch.device(device).type == "cuda" else QuantizedKVBackend
+        return quantized(*args, scale=cfg.attention_scale, kv_format=kv_format,
+                         num_tail_slots=num_slots if kv_format.tail else 0)
     if cfg.is_mla:  # one latent row a token, read as keys and values
         if name != "paged":
             log.warning("ridge: latent attention runs on its own backend (attention/latent.py), not %s", name)
@@ -51,5 +52,6 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
     return backend_class(name, device)(*args, scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CudaBackend", "LatentBackend", "PrefillChunk",
-           "PagedBackend", "QuantizedKVBackend", "ReferenceBackend", "backend_class", "make_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CudaBackend", "CudaQuantizedKVBackend",
+           "LatentBackend", "PrefillChunk", "PagedBackend", "QuantizedKVBackend", "ReferenceBackend", "backend_class",
+           "make_backend"]

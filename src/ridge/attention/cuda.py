@@ -6,6 +6,11 @@ Its cache layout is [num_blocks, block_size, kv_heads, head_dim] per K and V (tr
 a token's row per write, whole 128-byte lines per read. Everything a decode step does here is a fixed
 sequence of kernels on device tensors, with nothing read back to the host, so that a CUDA graph can
 capture it (engine/cuda_graphs.py).
+
+A quantized cache (`--kv-cache-dtype fp8|int8|int4`) keeps QuantizedKVBackend's storage and write (its rows
+layout, written in torch) and is read by the same Triton kernels, which widen its codes as they read them:
+CudaQuantizedKVBackend. Its write finds the blocks a step touches with host synchronisations, so its decode runs
+eagerly, without CUDA graphs (the runner says so).
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ridge.attention.backend import AttentionMetadata, PrefillChunk
+from ridge.attention.backend import AttentionMetadata, PrefillChunk, StepMetadata
 from ridge.attention.paged import PagedBackend
+from ridge.attention.quantized_kv import BlockWrites, QuantizedKVBackend
+
+if TYPE_CHECKING:
+    from ridge.triton_kernels.paged_attention import QuantizedLayer
 
 
 @dataclass
@@ -56,7 +66,7 @@ class CudaBackend(PagedBackend):
         return shape, shape
 
     @cached_property
-    def kernels(self):
+    def triton(self) -> ModuleType:
         from ridge.triton_kernels import paged_attention  # Triton comes with CUDA torch; only on this path
 
         return paged_attention
@@ -66,7 +76,7 @@ class CudaBackend(PagedBackend):
         return torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.kernels.cache_write(k, v, self.k_cache[layer], self.v_cache[layer], slots)
+        self.triton.cache_write(k, v, self.k_cache[layer], self.v_cache[layer], slots)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k_cache[layer][block_table], self.v_cache[layer][block_table]  # [..., n, bs, H, d]
@@ -77,7 +87,7 @@ class CudaBackend(PagedBackend):
         fresh = [chunk for chunk in meta.prefills if chunk.context_len == chunk.length]
         meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in fresh]
         continued = [chunk for chunk in meta.prefills if chunk.context_len > chunk.length]
-        meta.backend_state = ContextPrefill.of(continued, self.kernels) if continued else None
+        meta.backend_state = ContextPrefill.of(continued, self.triton) if continued else None
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -89,17 +99,56 @@ class CudaBackend(PagedBackend):
         if decoded is not None:
             out[:meta.num_decodes] = decoded
         self._attend_chunks(layer, q, k, v, meta, out)
-        context: ContextPrefill | None = meta.backend_state
+        context = self._context_prefill(meta)
         if context is not None:
-            self.kernels.paged_prefill(q, self.k_cache[layer], self.v_cache[layer], out, context.tables,
-                                       context.tile_chunks, context.tile_offsets, context.starts, context.lengths,
-                                       context.context_lens, self.scale, meta.window)
+            self.triton.paged_prefill(q, self.k_cache[layer], self.v_cache[layer], out, context.tables,
+                                      context.tile_chunks, context.tile_offsets, context.starts, context.lengths,
+                                      context.context_lens, self.scale, meta.window, self._quantized(layer))
         return out
 
     def decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One query per row [B, heads, d], read in place from the blocks of its table."""
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        splits = self.kernels.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
+        splits = self.triton.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
                                          self.multiprocessors)
-        return self.kernels.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
-                                         meta.window_starts(lens), splits)
+        return self.triton.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
+                                        meta.window_starts(lens), splits, self._quantized(layer))
+
+    def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:
+        return meta.backend_state
+
+    def _quantized(self, layer: int) -> QuantizedLayer | None:
+        """A quantized layer's scales, for the kernels (None: the cache holds values)."""
+        return None
+
+
+@dataclass
+class QuantizedStep:
+    """What CudaQuantizedKVBackend.prepare() keeps for a step: the write's blocks and the continued chunks."""
+
+    writes: BlockWrites | None  # channel-scaled keys' (int8, int4)
+    context: ContextPrefill | None
+
+
+class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
+    """QuantizedKVBackend's storage, write and gather (in its rows layout); CudaBackend's attention, whose kernels
+    read the codes in place."""
+
+    lane_layout = False
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        CudaBackend.prepare(self, meta)
+        writes = BlockWrites.of(meta.slot_mapping, self.block_size) if self.format.key_channels else None
+        meta.backend_state = QuantizedStep(writes, meta.backend_state)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                step: StepMetadata) -> torch.Tensor:
+        meta = step[self.group_of_layer[layer]]
+        self.write(layer, k, v, meta.slot_mapping, meta.backend_state.writes)
+        return self.attend(layer, q, k, v, meta)
+
+    def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:
+        return meta.backend_state.context
+
+    def _quantized(self, layer: int) -> QuantizedLayer:
+        return self.triton.QuantizedLayer(self.format, self.k_scales[layer], self.v_scales[layer])

@@ -113,11 +113,12 @@ class TailStep:
 class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
     cascade = False
+    lane_layout = True  # 8-bit codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
 
     def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
         """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
         self.format = kv_format
-        self.lanes = kv_format.bits == 8  # the kernel's layout (above); int4 and int2 keep rows
+        self.lanes = kv_format.bits == 8 and self.lane_layout  # int4 and int2 keep rows
         self.kernels: ModuleType | None = None
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)

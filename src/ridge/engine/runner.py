@@ -92,6 +92,9 @@ class ModelRunner:
                         "step); decode runs eagerly")
         elif graphs and cfg.ssm_layers:
             log.warning("ridge: no CUDA graphs for state-space layers yet; decode runs eagerly")
+        elif graphs and kv_format is not None:
+            log.warning("ridge: no CUDA graphs for a quantized KV cache yet (its write finds a step's blocks on the "
+                        "host); decode runs eagerly")
         elif graphs:
             self.graphs = DecodeGraphs(model, self.backend, self.windows, block_size, max_batch,
                                        max_model_len or cfg.max_position_embeddings, self.device)

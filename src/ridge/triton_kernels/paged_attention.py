@@ -20,6 +20,12 @@ Prefill chunks that continue a cached context run in one launch for all of them:
 queries of a chunk, query head) reads the chunk's context from its blocks in place, causal and windowed,
 with the same online softmax; a fresh prompt goes to SDPA's flash kernel instead.
 
+Both attention kernels also read a quantized cache (`--kv-cache-dtype fp8|int8|int4`, kv/formats.py) in
+attention/quantized_kv.py's rows layout, codes [kv_heads, num_blocks, block_size, code bytes] with their scales,
+widening each tile's codes to float32 in registers (fp8's from their bits, so that no fp8 type is needed) and
+multiplying by the scales as they are read; the products then run in tf32. Keys are stored less their center,
+which moves every score of a query by the same amount and so leaves attention as it is: nothing adds it back.
+
 The kernels run under Triton's interpreter on the CPU (TRITON_INTERPRET=1), which is how the test suite
 checks them against the torch reference without a GPU.
 """
@@ -27,25 +33,108 @@ checks them against the torch reference without a GPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from ridge.kv.formats import CHANNEL_SCALE_TABLE, KVFormat
+
 TILE = 64  # keys per iteration of the decode loop: 4 blocks of 16, 128 B rows of bf16 at head_dim 64
+
+# what a cache holds, as the kernels' FORMAT: values in the model's dtype, or codes of kv/formats.py's formats
+PLAIN: tl.constexpr = tl.constexpr(0)
+FP8: tl.constexpr = tl.constexpr(1)
+INT8: tl.constexpr = tl.constexpr(2)
+INT4: tl.constexpr = tl.constexpr(3)
+CODES = {"fp8": 1, "int8": 2, "int4": 3}
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    """A quantized cache layer's scales and format, read with its codes (attention/quantized_kv.py's rows layout):
+    k_scales a byte per channel of a block [kv_heads, N, d] (int8, int4) or float16 per row [kv_heads, N, bs, 1]
+    (fp8); v_scales float16 [kv_heads, N, bs, groups]."""
+
+    format: KVFormat
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.format.name not in CODES:
+            raise ValueError(f"kv_cache_dtype: {self.format.name} has no Triton kernel (fp8, int8 and int4 do)")
+
+
+@cache
+def _channel_scale_table(device: torch.device) -> torch.Tensor:
+    return CHANNEL_SCALE_TABLE.to(device)
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: QuantizedLayer | None) -> dict:
+    """What the kernels take about a layer's cache: its pointers, the strides of a block, a token and a KV head
+    (the same for K and V), and the format's constants."""
+    if quantized is None:  # [N, bs, H, d]; no scales: the scale pointers are never read
+        return dict(k_ptr=k_cache, v_ptr=v_cache, ks_ptr=k_cache, vs_ptr=v_cache, table_ptr=k_cache,
+                    stride_kn=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
+                    stride_ksn=0, stride_kst=0, stride_ksh=0, stride_vsn=0, stride_vst=0, stride_vsh=0,
+                    FORMAT=0, KEY_CHANNELS=False, KEY_GROUP=1, VALUE_GROUP=1)
+    fmt, ks, vs = quantized.format, quantized.k_scales, quantized.v_scales
+    head_dim = k_cache.shape[-1] * 8 // fmt.bits
+    return dict(k_ptr=k_cache, v_ptr=v_cache, ks_ptr=ks, vs_ptr=vs, table_ptr=_channel_scale_table(ks.device),
+                stride_kn=k_cache.stride(1), stride_kt=k_cache.stride(2), stride_kh=k_cache.stride(0),
+                stride_ksn=ks.stride(1), stride_kst=0 if fmt.key_channels else ks.stride(2), stride_ksh=ks.stride(0),
+                stride_vsn=vs.stride(1), stride_vst=vs.stride(2), stride_vsh=vs.stride(0),
+                FORMAT=CODES[fmt.name], KEY_CHANNELS=fmt.key_channels, KEY_GROUP=fmt.group or head_dim,
+                VALUE_GROUP=fmt.group or head_dim)
+
+
+@triton.jit
+def _codes(ptr, rows, d, mask, FORMAT: tl.constexpr):
+    """The values a tile's codes hold before scaling, float32 [rows, BLOCK_D] (rows: each row's first byte)."""
+    if FORMAT == INT4:  # two a byte, the even dim in the low nibble, offset by 8
+        b = tl.load(ptr + rows[:, None] + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
+        return ((b >> ((d[None, :] % 2) * 4)) & 15).to(tl.float32) - 8.0
+    b = tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0).to(tl.int32)
+    if FORMAT == INT8:
+        return (b - (b >= 128).to(tl.int32) * 256).to(tl.float32)
+    # fp8 e4m3: its 7 bits below the sign, placed as a float16's exponent and mantissa, hold the value over 2^8
+    # (the exponent biases 7 and 15), subnormals included
+    magnitude = ((b & 127) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where(b >= 128, -magnitude, magnitude)
+
+
+@triton.jit
+def _read_tile(ptr, scales_ptr, table_ptr, block, offset, kv_head, d, mask,
+               stride_n, stride_t, stride_h, stride_sn, stride_st, stride_sh,
+               FORMAT: tl.constexpr, CHANNELS: tl.constexpr, GROUP: tl.constexpr):
+    """One KV head's keys or values at (block, offset) [rows, BLOCK_D]: as stored, or dequantized to float32
+    (CHANNELS: a scale byte per channel of the block, through the table; else float16 per GROUP values of a row)."""
+    rows = block * stride_n + offset * stride_t + kv_head * stride_h
+    if FORMAT == PLAIN:
+        return tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0)
+    x = _codes(ptr, rows, d, mask, FORMAT)
+    if CHANNELS:
+        e = tl.load(scales_ptr + kv_head * stride_sh + block[:, None] * stride_sn + d[None, :], mask=mask, other=0)
+        return x * tl.load(table_ptr + e.to(tl.int32))
+    s = tl.load(scales_ptr + kv_head * stride_sh + block[:, None] * stride_sn + offset[:, None] * stride_st
+                + d[None, :] // GROUP, mask=mask, other=0.0)
+    return x * s.to(tl.float32)
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, lse_ptr,
     scale, num_splits,
     stride_qb, stride_qh,
-    stride_kn, stride_kt, stride_kh,
+    stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh, stride_vsn, stride_vst, stride_vsh,
     stride_tb,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    FLOAT32_DOT: tl.constexpr,
+    FLOAT32_DOT: tl.constexpr, FORMAT: tl.constexpr, KEY_CHANNELS: tl.constexpr, KEY_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,9 +163,10 @@ def _decode_split_kernel(
         keys = tile * TILE + tl.arange(0, TILE)
         visible = (keys < context_len) & (keys >= first_key)
         block = tl.load(tables_ptr + row * stride_tb + keys // BLOCK_SIZE, mask=keys < context_len, other=0)
-        offsets = block * stride_kn + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = visible[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _read_tile(k_ptr, ks_ptr, table_ptr, block, keys % BLOCK_SIZE, kv_head, d, kv_mask,
+                       stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh,
+                       FORMAT, KEY_CHANNELS, KEY_GROUP)
         if FLOAT32_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -86,7 +176,8 @@ def _decode_split_kernel(
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = _read_tile(v_ptr, vs_ptr, table_ptr, block, keys % BLOCK_SIZE, kv_head, d, kv_mask,
+                       stride_kn, stride_kt, stride_kh, stride_vsn, stride_vst, stride_vsh, FORMAT, False, VALUE_GROUP)
         if FLOAT32_DOT:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -134,13 +225,15 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, strid
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, tile_chunks_ptr, tile_offsets_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, tables_ptr, tile_chunks_ptr, tile_offsets_ptr,
     starts_ptr, lengths_ptr, context_lens_ptr,
     scale, window,
-    stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_ot, stride_oh, stride_tc,
+    stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh,
+    stride_vsn, stride_vst, stride_vsh, stride_ot, stride_oh, stride_tc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    FLOAT32_DOT: tl.constexpr,
+    FLOAT32_DOT: tl.constexpr, FORMAT: tl.constexpr, KEY_CHANNELS: tl.constexpr, KEY_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -166,10 +259,12 @@ def _prefill_kernel(
     for key_tile in range(first_key // TILE, last_position // TILE + 1):
         keys = key_tile * TILE + tl.arange(0, TILE)
         block = tl.load(tables_ptr + chunk * stride_tc + keys // BLOCK_SIZE, mask=keys < context_len, other=0)
-        offsets = block * stride_kn + (keys % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         kv_mask = (keys < context_len)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _read_tile(k_ptr, ks_ptr, table_ptr, block, keys % BLOCK_SIZE, kv_head, d, kv_mask,
+                       stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh,
+                       FORMAT, KEY_CHANNELS, KEY_GROUP)
+        v = _read_tile(v_ptr, vs_ptr, table_ptr, block, keys % BLOCK_SIZE, kv_head, d, kv_mask,
+                       stride_kn, stride_kt, stride_kh, stride_vsn, stride_vst, stride_vsh, FORMAT, False, VALUE_GROUP)
         if FLOAT32_DOT:
             k, v = k.to(tl.float32), v.to(tl.float32)
         visible = keys[None, :] <= positions[:, None]
@@ -189,9 +284,10 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_in[:, None] & (d < HEAD_DIM)[None, :])
 
 
-def _float32_dot(dtype: torch.dtype) -> bool:
-    """Products in float32: for float32 models, and under the interpreter, which has no 16-bit dot."""
-    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+def _float32_dot(dtype: torch.dtype, quantized: QuantizedLayer | None) -> bool:
+    """Products in float32: for float32 models, over a quantized cache (its tiles are widened to float32), and
+    under the interpreter, which has no 16-bit dot."""
+    return dtype == torch.float32 or quantized is not None or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def num_splits(batch: int, kv_heads: int, max_keys: int, multiprocessors: int) -> int:
@@ -203,25 +299,27 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, multiprocessors: int) -
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window_starts: torch.Tensor | None,
-                 splits: int) -> torch.Tensor:
-    """q: [B, heads, d], one query per row at position context_len - 1; caches [N, block_size, kv_heads, d];
-    block_tables [B, W]; context_lens [B] (at least 1); window_starts [B] or None -> [B, heads, d]."""
+                 splits: int, quantized: QuantizedLayer | None = None) -> torch.Tensor:
+    """q: [B, heads, d], one query per row at position context_len - 1; caches [N, block_size, kv_heads, d] (or
+    codes [kv_heads, N, block_size, bytes] with `quantized`'s scales); block_tables [B, W]; context_lens [B] (at
+    least 1); window_starts [B] or None -> [B, heads, d]."""
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    kv_heads, block_size = (k_cache.shape[0], k_cache.shape[2]) if quantized else (k_cache.shape[2], k_cache.shape[1])
     group = heads // kv_heads
     block_d = triton.next_power_of_2(head_dim)
     parts = torch.empty(batch, heads, splits, block_d, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, window_starts if window_starts is not None else context_lens,
-        parts, lse, scale, splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        q_ptr=q, tables_ptr=block_tables, lens_ptr=context_lens,
+        starts_ptr=window_starts if window_starts is not None else context_lens,
+        out_ptr=parts, lse_ptr=lse, scale=scale, num_splits=splits,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_tb=block_tables.stride(0),
+        stride_ob=parts.stride(0), stride_oh=parts.stride(1), stride_os=parts.stride(2),
+        stride_lb=lse.stride(0), stride_lh=lse.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE=TILE, HAS_WINDOW=window_starts is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
+        **_cache_args(k_cache, v_cache, quantized),
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](
@@ -259,19 +357,21 @@ def prefill_tiles(lengths: list[int]) -> tuple[list[int], list[int]]:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   tables: torch.Tensor, tile_chunks: torch.Tensor, tile_offsets: torch.Tensor, starts: torch.Tensor,
-                  lengths: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None) -> None:
+                  lengths: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
+                  quantized: QuantizedLayer | None = None) -> None:
     """Prefill chunks that attend to their sequences' cached context (their own K/V already written): chunk c's
     queries are q rows starts[c] .. starts[c] + lengths[c] - 1, at positions context_lens[c] - lengths[c] on;
     its blocks are tables[c]. Writes those rows of `out` ([T, heads, d], like q). tile_chunks / tile_offsets:
-    prefill_tiles' programs."""
+    prefill_tiles' programs. Caches as paged_decode takes them."""
     _, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    kv_heads, block_size = (k_cache.shape[0], k_cache.shape[2]) if quantized else (k_cache.shape[2], k_cache.shape[1])
     _prefill_kernel[(tile_chunks.shape[0], heads)](
-        q, k_cache, v_cache, out, tables, tile_chunks, tile_offsets, starts, lengths, context_lens,
-        scale, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), tables.stride(0),
+        q_ptr=q, out_ptr=out, tables_ptr=tables, tile_chunks_ptr=tile_chunks, tile_offsets_ptr=tile_offsets,
+        starts_ptr=starts, lengths_ptr=lengths, context_lens_ptr=context_lens, scale=scale, window=window or 0,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_tc=tables.stride(0),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_Q=PREFILL_QUERIES, TILE=TILE, HAS_WINDOW=window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
+        **_cache_args(k_cache, v_cache, quantized),
     )
