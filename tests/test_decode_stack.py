@@ -98,7 +98,8 @@ def test_serves_only_plain_decode_steps():
 
 
 @pytest.mark.parametrize("args", [{}, {"quantization": "gguf", "int8_activations": True}, {"kv_cache_dtype": "int8"},
-                                  {"kv_cache_dtype": "fp8"}], ids=["float32", "gguf+a8", "kv-int8", "kv-fp8"])
+                                  {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "int4"}],
+                         ids=["float32", "gguf+a8", "kv-int8", "kv-fp8", "kv-int4"])
 def test_smollm2_stack_equals_the_python_path(make_llm_for_test, smollm2_path, args):
     """The same tokens and the same log-probabilities to the last bit, a batch of 6 at different lengths
     (bfloat16: tests/test_models_random.py, on models small enough for CPUs that emulate bf16 matmuls)."""

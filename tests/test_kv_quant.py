@@ -97,8 +97,8 @@ def _attention(q, k, v, scale):
 @pytest.mark.parametrize("block_size,kernel", [(8, False), (16, False), (16, True), (32, False)])
 def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, kernel, ops):
     """Three sequences of 1 to 300 tokens written in scattered blocks, each row as its format rounds it; their
-    decodes (through torch, or ridge's kernel over int8 / fp8 codes) and a continuation chunk equal attention over
-    the dequantized rows, within float32 rounding."""
+    decodes (through torch, or ridge's kernel over int8 / fp8 / int4 codes) and a continuation chunk equal attention
+    over the dequantized rows, within float32 rounding."""
     fmt = kv_format(name)
     torch.manual_seed(0)
     heads, kv_heads, d = 8, 2, 64
@@ -108,8 +108,8 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     if kernel:
         backend.ops = ops
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        # int4, int2: none (said at warning level)
-        assert (backend.kernels is not None) == (name in ("int8", "fp8") and avx512)
+        # int2: none (said at warning level)
+        assert (backend.kernels is not None) == (name in ("int8", "fp8", "int4") and avx512)
     order = torch.randperm(sum(blocks) + 3)[:sum(blocks)]
     tables = list(order.split(blocks))
     rows = [(torch.randn(n, kv_heads, d) * 3, torch.randn(n, kv_heads, d)) for n in lengths]
@@ -148,6 +148,38 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     for j in range(5):
         expected = _attention(q5[j], deq_k[:296 + j], deq_v[:296 + j], backend.scale)
         assert torch.allclose(out[j], expected, atol=1e-5), (out[j] - expected).abs().max()
+
+
+@pytest.mark.threaded
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("heads,kv_heads,d,window", [(14, 2, 64, None), (8, 2, 128, None), (7, 1, 128, 100)],
+                         ids=["group7", "dim128", "mqa-window"])
+def test_the_kernel_reads_the_cache_as_the_torch_path_does(name, heads, kv_heads, d, window, ops):
+    """The decode kernel against the torch path (dequantize, then SDPA) over one cache, at the shapes the test above
+    leaves out: a group of 7 query heads (Qwen2.5-0.5B's: the kernel's heads 4 + 3, int4's values 2 + 2 + 2 + 1),
+    head dim 128 (two 64-dim passes a row), one KV head under a window."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("the kernel needs AVX512 (the torch path is all there is elsewhere)")
+    torch.manual_seed(1)
+    lengths = [3, 90, 700, 2100]
+    blocks = [-(-n // 16) for n in lengths]
+    backend = QuantizedKVBackend(1, kv_heads, d, sum(blocks) + 2, 16, torch.float32, "cpu", kv_format=kv_format(name))
+    tables = list(torch.randperm(sum(blocks) + 2)[:sum(blocks)].split(blocks))
+    for table, n in zip(tables, lengths, strict=True):
+        _write(backend, torch.randn(n, kv_heads, d) * 2, torch.randn(n, kv_heads, d), table)
+    q = torch.randn(len(lengths), heads, d)
+    width = max(blocks)
+    outs = []
+    for kernels in (None, ops):
+        backend.ops = kernels
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
+            decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
+            decode_context_lens=torch.tensor(lengths), prefills=[], window=window)
+        backend.prepare(meta)
+        outs.append(backend.attend(0, q, None, None, meta))
+    assert backend.kernels is not None
+    assert torch.allclose(outs[1], outs[0], atol=1e-5), (outs[1] - outs[0]).abs().max()
 
 
 @pytest.mark.threaded
@@ -292,7 +324,7 @@ def test_int4_keys_grow_their_block_s_channel_scales_as_they_arrive():
     again = backend.gather(0, table[:1])[0].transpose(0, 1)
     assert torch.allclose(again, _round_trip(fmt, small, bs, keys=True), atol=1e-6)
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
 def test_the_kernel_s_cache_write_stores_the_torch_write_s_bytes(name, ops):
     """The C++ write (where the decode kernel runs; the fused decode stack's) against the torch write: a prompt
     chunk into fresh blocks, then keys one at a time growing past their blocks' channel scales, with a key center:
@@ -315,10 +347,15 @@ def test_the_kernel_s_cache_write_stores_the_torch_write_s_bytes(name, ops):
         backend.write(0, k[:20], v[:20], slots[:20])  # a chunk: block 5 whole, block 1 from offset 0
         for t in range(20, n):  # decodes: one key at a time
             backend.write(0, k[t:t + 1], v[t:t + 1], slots[t:t + 1])
-    torch_write, kernel_write = backends
-    for tensors in ("k_cache", "v_cache", "k_scales", "v_scales"):  # ties too: the C++ divides as IEEE does
-        expected, got = getattr(torch_write, tensors)[0][:, table], getattr(kernel_write, tensors)[0][:, table]
-        assert torch.equal(expected.view(torch.uint8), got.view(torch.uint8)), tensors
+    # the written rows' codes and scales, ties too (the C++ divides as IEEE does); the rows past them hold what each
+    # write left there (torch's requantizes a whole block, int4's empty codes included), which nothing reads
+    written = []
+    for backend in backends:
+        k_codes, v_codes = (x.flatten(1, 2)[:, :n] for x in backend._code_rows(0, table))
+        v_scales = backend.v_scales[0][:, table].flatten(1, 2)[:, :n]
+        written.append((k_codes, v_codes, v_scales, backend.k_scales[0][:, table]))
+    for what, expected, got in zip(("k codes", "v codes", "v scales", "k scales"), *written, strict=True):
+        assert torch.equal(expected.view(torch.uint8), got.view(torch.uint8)), what
 
 
 def test_a_key_center_is_the_key_bias_as_rotary_turns_it_averaged_over_positions():

@@ -6,13 +6,15 @@ where the decode kernel runs (quantized_cache_write_, the same rounding in one p
 chunk that is its sequence's whole context attends to its own K and V before rounding (as vLLM's prefill does);
 everything later reads the rounded rows.
 
-Decodes of an 8-bit cache (int8, fp8) run in a C++ kernel that widens the codes in registers as it reads them
+Decodes of an int8, fp8 or int4 cache run in a C++ kernel that widens the codes in registers as it reads them
 (kernels/quantized_attention.cpp), on AVX512 with blocks of 16 and head dims a multiple of 64; that kernel's
-layout keeps four values in each 32-bit lane, four dims of a token (K) or a dim of four tokens (V):
-  K codes [kv_heads, num_blocks, d / 4, block_size, 4]    V codes [kv_heads, num_blocks, block_size / 4, d, 4]
-int4 and everything else (continuation chunks, other CPUs) dequantize what they read (gather) and run the paged
-backend's torch path (SDPA), with codes stored as rows [kv_heads, num_blocks, block_size, code bytes]. Scales:
-[kv_heads, num_blocks, block_size, groups] float16; keys per channel [kv_heads, num_blocks, head_dim], a byte each.
+layout keeps a 32-bit lane's values side by side, four dims of a token (K) or a dim of four tokens (V) for 8 bits,
+eight dims of a token for int4's keys:
+  K codes [kv_heads, num_blocks, code bytes / 4, block_size, 4]    V codes [kv_heads, num_blocks, block_size / 4, d, 4]
+int4's values, and int2's keys and values, are rows [kv_heads, num_blocks, block_size, code bytes]. Everything
+else (continuation chunks, int2, other CPUs) dequantizes what it reads (gather) and runs the paged backend's torch
+path (SDPA). Scales: [kv_heads, num_blocks, block_size, groups] float16; keys per channel [kv_heads, num_blocks,
+head_dim], a byte each.
 
 int2 (kv/formats.py) quantizes a block only when it is full. Until then its rows wait in the model's dtype in its
 sequence's tail: one block's K and V per layer, in the slot the KV manager hands the sequence with its first blocks
@@ -113,12 +115,13 @@ class TailStep:
 class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
     cascade = False
-    lane_layout = True  # 8-bit codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
+    lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
 
     def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
         """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
         self.format = kv_format
-        self.lanes = kv_format.bits == 8 and self.lane_layout  # int4 and int2 keep rows
+        self.key_lanes = kv_format.bits in (8, 4) and self.lane_layout
+        self.value_lanes = kv_format.bits == 8 and self.lane_layout
         self.kernels: ModuleType | None = None
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
         super().__init__(*args, **kwargs)
@@ -161,21 +164,20 @@ class QuantizedKVBackend(PagedBackend):
 
     @ops.setter
     def ops(self, kernels: ModuleType | None) -> None:
-        fast = (kernels is not None and self.lanes and self.block_size == 16 and self.head_dim % 64 == 0
+        fast = (kernels is not None and self.key_lanes and self.block_size == 16 and self.head_dim % 64 == 0
                 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
         self.kernels = kernels if fast else None
         if kernels is not None and not fast:
             log.warning("ridge: kv_cache_dtype %s: decode attention dequantizes the cache through torch (ridge's "
-                        "kernel reads int8 / fp8 with AVX512, blocks of 16 and head dims a multiple of 64), slower "
-                        "per token", self.format.name)
+                        "kernel reads int8 / fp8 / int4 with AVX512, blocks of 16 and head dims a multiple of 64), "
+                        "slower per token", self.format.name)
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        if self.lanes:
-            return ((num_kv_heads, num_blocks, head_dim // 4, block_size, 4),
-                    (num_kv_heads, num_blocks, block_size // 4, head_dim, 4))
         rows = (num_kv_heads, num_blocks, block_size, self.format.code_bytes(head_dim))
-        return rows, rows
+        keys = (num_kv_heads, num_blocks, self.format.code_bytes(head_dim) // 4, block_size, 4)
+        values = (num_kv_heads, num_blocks, block_size // 4, head_dim, 4)
+        return keys if self.key_lanes else rows, values if self.value_lanes else rows
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if self.kernels is None:
@@ -217,13 +219,13 @@ class QuantizedKVBackend(PagedBackend):
         else:
             k_codes, k_scales = self.format.quantize(k)  # [T, kv_heads, ...]
             self.k_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_scales)  # (block, offset) first
-            if self.lanes:
+            if self.key_lanes:
                 self.k_cache[layer].permute(1, 3, 0, 2, 4).index_put_((blocks, offsets), k_codes.unflatten(-1, (-1, 4)))
             else:
                 self.k_cache[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), k_codes)
         v_codes, v_scales = self.format.quantize(v)
         self.v_scales[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), v_scales)
-        if self.lanes:
+        if self.value_lanes:
             v_view = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/4, 4, H, d]
             v_view.index_put_((blocks, offsets // 4, offsets % 4), v_codes)
         else:
@@ -313,26 +315,25 @@ class QuantizedKVBackend(PagedBackend):
         scale_bytes[:, touched] = grown
         scales = decode_channel_scales(grown)[:, which].transpose(0, 1)  # [T, H, d]: each key's block's
         rows = self.format.encode(k / scales.clamp(min=1e-30))
-        if self.lanes:
+        if self.key_lanes:
             codes.permute(1, 3, 0, 2, 4).index_put_((writes.blocks, writes.offsets), rows.unflatten(-1, (-1, 4)))
         else:
             codes.permute(1, 2, 0, 3).index_put_((writes.blocks, writes.offsets), rows)
 
     def _key_rows(self, blocks: torch.Tensor) -> torch.Tensor:
         """K codes of blocks [H, ..., n, (layout)] as rows [H, ..., n, block_size, code bytes]."""
-        return blocks.transpose(-3, -2).flatten(-2) if self.lanes else blocks
+        return blocks.transpose(-3, -2).flatten(-2) if self.key_lanes else blocks
 
     def _key_blocks(self, rows: torch.Tensor) -> torch.Tensor:
         """_key_rows' inverse."""
-        return rows.unflatten(-1, (-1, 4)).transpose(-3, -2) if self.lanes else rows
+        return rows.unflatten(-1, (-1, 4)).transpose(-3, -2) if self.key_lanes else rows
 
     def _code_rows(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes of blocks [..., n] as rows [kv_heads, ..., n, block_size, code bytes] (copies in lanes)."""
         k, v = self.k_cache[layer][:, block_table], self.v_cache[layer][:, block_table]
-        if not self.lanes:
-            return k, v
-        v = v.transpose(-2, -1).flatten(-3, -2)  # [H, ..., n, bs/4, d, 4] -> [H, ..., n, bs, d]
-        return self._key_rows(k), v  # [H, ..., n, d/4, bs, 4] -> [H, ..., n, bs, d]
+        if self.value_lanes:
+            v = v.transpose(-2, -1).flatten(-3, -2)  # [H, ..., n, bs/4, d, 4] -> [H, ..., n, bs, d]
+        return self._key_rows(k), v  # [H, ..., n, bytes/4, bs, 4] -> [H, ..., n, bs, bytes]
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> K, V of shape [kv_heads, ..., n * block_size, head_dim], dequantized."""

@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("mass") = py::none());
   m.def("quantized_paged_decode", &quantized_paged_decode,
-        "paged_decode over int8 / fp8 codes with a float16 scale a row -> (out, logsumexp)", py::arg("q"),
+        "paged_decode over int8 / fp8 / int4 codes and their scales -> (out, logsumexp)", py::arg("q"),
         py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scales"), py::arg("v_scales"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window_starts") = py::none(), py::arg("fp8") = false,
         py::arg("mass") = py::none());

@@ -3,7 +3,7 @@
 - paged_attention.cpp: decode attention straight from the paged KV cache. torch has no paged attention
   for the CPU; built from torch ops it gathers every sequence's blocks into a dense copy per layer and
   step, moving three times the KV bytes the math needs.
-- quantized_attention.cpp: the same over an int8 / fp8 cache (--kv-cache-dtype), the codes widened in
+- quantized_attention.cpp: the same over an int8 / fp8 / int4 cache (--kv-cache-dtype), the codes widened in
   registers: a dequantized copy would move the bytes the format saves.
 - fused_ops.cpp: residual add + RMSNorm, silu(gate) * up, rotary, each one pass instead of 3-8 torch ops:
   at batch 1 a small model's step is bounded by per-op overhead as much as by its weight reads.

@@ -5,7 +5,7 @@ as much again (docs/notes/kernel-choices.md). The C++ stack calls the same kerne
 outputs are bit-identical to models/layers.py's; it is built once per engine from the model's modules
 (references, not copies) and serves the steps it can: decodes only (no prefill chunk, no draft verification),
 each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels (or the
-quantized cache's: int8 / fp8 codes written and read in C++), float32 or bfloat16, at most MAX_ROWS rows (fewer
+quantized cache's: int8 / fp8 / int4 codes written and read in C++), float32 or bfloat16, at most MAX_ROWS rows (fewer
 than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).

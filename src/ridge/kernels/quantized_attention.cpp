@@ -1,6 +1,6 @@
-// Decode attention over a quantized paged KV cache: int8 and fp8 (e4m3) rows of kv/formats.py, each with a
-// float16 scale, widened to float in registers as they are read (never to a dequantized copy: that copy is the
-// traffic the format exists to save).
+// Decode attention over a quantized paged KV cache: int8, fp8 (e4m3) and int4 codes of kv/formats.py, widened to
+// float in registers as they are read (never to a dequantized copy: that copy is the traffic the format exists to
+// save).
 //
 // Layout (attention/quantized_kv.py): K codes [kv_heads, N, d / 4, bs, 4] and V codes [kv_heads, N, bs / 4, d,
 // 4], a byte a value; each 32-bit lane holds four dims of one token (K) or one dim of four tokens (V), the bf16
@@ -11,6 +11,14 @@
 // Keys scaled per channel of a block instead (key_channels: int8, kv/formats.py): scales [kv_heads, N, d], a byte
 // each (2^(e/8 - 20), 0 for 0). A block's scores are then q times its channel scales, dotted with the codes: the
 // query is scaled once a block, G x d products, against 16 x d for the block's scores.
+//
+// int4: keys in the same lanes with eight dims a lane (K [kv_heads, N, d / 8, bs, 4], nibble k of a lane dim
+// 8i + k), scaled per channel of a block as int8's; values as rows (V [kv_heads, N, bs, d / 2], the torch path's),
+// a float16 scale per 32 dims of a row (V scales [kv_heads, N, bs, d / 32]). A row's 64 dims are 8 lanes, so a
+// load holds two tokens' and a lane's eight nibbles are eight dims 8i + k: eight accumulators per query head, one
+// for each k, whose lanes are put back in dim order once a task. Codes are offset by 8 (1..15): a block's scores and
+// a task's values take the offset off once (8 times the sum of q's scaled channels, of the values' weights), not per
+// code.
 //
 // AVX512, block size 16, head_dim a multiple of 64; the backend takes its torch path elsewhere. The task split
 // and the merge are decode_tasks.h's.
@@ -29,7 +37,19 @@ namespace {
 using namespace ridge_decode;
 
 #if defined(__AVX512F__)
-enum class Codes { kInt8, kFp8 };
+enum class Codes { kInt8, kFp8, kInt4 };
+
+// Bytes of one block of one KV head's codes, K or V.
+template <Codes C>
+inline int64_t block_bytes(const Dims& dims) {
+  return C == Codes::kInt4 ? dims.block_elems() / 2 : dims.block_elems();
+}
+
+// Nibble k of every 32-bit lane of x, as floats 0..15 (the code plus 8).
+template <int k>
+inline __m512 nibble(__m512i x) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, 4 * k), _mm512_set1_epi32(15)));
+}
 
 // Byte `c` of every 32-bit lane of x, as floats: an int8 code, or an fp8 e4m3 code's value. e4m3 (sign, 4
 // exponent bits of bias 7, 3 mantissa bits) placed in a float16's fields is the value times 2^-8; float16 to
@@ -129,42 +149,169 @@ inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task&
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
 }
 
+// int4's score_block: a line holds eight dims of 16 tokens (q scaled by the block's channel scales already);
+// `offset` [G]: 8 times the sum of each head's q, what the codes' offset added to every score.
+template <int G>
+inline void score_block_int4(const float* q, const uint8_t* kb, int64_t d, const float* offset, const uint8_t* ahead,
+                             const uint8_t* v_here, float* scores) {
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d / 8; ++i) {
+    if (ahead != nullptr) {
+      __builtin_prefetch(ahead + i * 64, 0, 2);
+      __builtin_prefetch(v_here + i * 64, 0, 2);
+    }
+    const __m512i k = _mm512_loadu_si512(kb + i * 64);
+    const __m512 k0 = nibble<0>(k), k1 = nibble<1>(k), k2 = nibble<2>(k), k3 = nibble<3>(k);
+    const __m512 k4 = nibble<4>(k), k5 = nibble<5>(k), k6 = nibble<6>(k), k7 = nibble<7>(k);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * d + 8 * i;
+      __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(qg[0]), k0, acc[g][0]);
+      __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(qg[1]), k1, acc[g][1]);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(qg[2]), k2, a);
+      b = _mm512_fmadd_ps(_mm512_set1_ps(qg[3]), k3, b);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(qg[4]), k4, a);
+      b = _mm512_fmadd_ps(_mm512_set1_ps(qg[5]), k5, b);
+      acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(qg[6]), k6, a);
+      acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(qg[7]), k7, b);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    _mm512_storeu_ps(scores + g * kPartitionTokens,
+                     _mm512_sub_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(offset[g])));
+}
+
+// int4's sum_values over dims [c, c + 64) for G <= 2 heads (eight accumulators each): acc_out[g][c + 8i + k] = sum
+// over the task's tokens of w * (code - 8), w the probability times the row's scale of the dim's 32. `weights`:
+// w per head, token and 32 dims of the row ([g][t * groups + group], groups = d / 32).
+template <int G>
+inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const Task& task, const Dims& dims,
+                            const float* weights, int64_t weights_stride, int64_t c, float* acc_out) {
+  const int64_t d = dims.head_dim, n = task.num_tokens, groups = d / 32, row = d / 2;
+  // lanes 0-3 and 8-11 hold dims of the first 32, 4-7 and 12-15 of the second; 0-7 one token, 8-15 the next
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[G][8], weight_sum[G];
+  for (int g = 0; g < G; ++g) {
+    for (int k = 0; k < 8; ++k) acc[g][k] = _mm512_setzero_ps();
+    weight_sum[g] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < task.num_blocks; ++j) {
+    const uint8_t* vb = v_codes + (task.head * dims.num_blocks + table[task.first_block + j]) * (dims.block_size * row);
+    const int64_t pairs = std::min<int64_t>(8, (n - j * 16 + 1) / 2);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t t = j * 16 + 2 * pair;
+      const uint8_t* first = vb + 2 * pair * row + c / 2;
+      const __m512i x = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + row)), 1);
+      __m512 w[G];
+      for (int g = 0; g < G; ++g) {
+        const float* wt = weights + g * weights_stride + t * groups + c / 32;
+        const __m128 four = _mm_setr_ps(wt[0], wt[1], wt[groups], wt[groups + 1]);
+        w[g] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+        weight_sum[g] = _mm512_add_ps(weight_sum[g], w[g]);
+      }
+      const auto add = [&](auto k_constant) {
+        constexpr int k = decltype(k_constant)::value;
+        const __m512 codes = nibble<k>(x);
+        for (int g = 0; g < G; ++g) acc[g][k] = _mm512_fmadd_ps(w[g], codes, acc[g][k]);
+      };
+      add(std::integral_constant<int, 0>{});
+      add(std::integral_constant<int, 1>{});
+      add(std::integral_constant<int, 2>{});
+      add(std::integral_constant<int, 3>{});
+      add(std::integral_constant<int, 4>{});
+      add(std::integral_constant<int, 5>{});
+      add(std::integral_constant<int, 6>{});
+      add(std::integral_constant<int, 7>{});
+    }
+  }
+  alignas(64) float lanes[16], sums[16];
+  for (int g = 0; g < G; ++g) {
+    _mm512_store_ps(sums, weight_sum[g]);
+    for (int k = 0; k < 8; ++k) {
+      _mm512_store_ps(lanes, acc[g][k]);
+      for (int i = 0; i < 8; ++i)  // the two tokens' halves, less the codes' offset
+        acc_out[g * d + c + 8 * i + k] = lanes[i] + lanes[i + 8] - 8.f * (sums[i] + sums[i + 8]);
+    }
+  }
+}
+
 // k_scales: a float16 per row, or (k_channels) a byte per channel of each block.
 template <Codes C>
 void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const void* k_scales,
                       bool k_channels, const uint16_t* v_scales, const int64_t* table, const Task& task,
                       const Dims& dims, float* scores, Partial out) {
-  const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
+  const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens, bytes = block_bytes<C>(dims);
   const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
   // keys per channel: each block's query is q times the block's channel scales, made just before the block is
   // scored, into a buffer of one block's query that each thread keeps, so that it stays in L1 (a whole task's
   // blocks' queries do not fit there: docs/notes/kv-compression.md)
-  thread_local std::vector<float> q_block;
+  thread_local std::vector<float> q_block, offsets;
   if (k_channels && q_block.size() < static_cast<size_t>(group * d)) q_block.resize(group * d);
+  if (offsets.size() < static_cast<size_t>(group)) offsets.resize(group);
   // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
   // (score_block prefetches each later one two blocks ahead) and every block's scales, a line or two each, are
   // asked for at once here, so that their misses overlap instead of stalling one after another as they are read.
+  const int64_t v_scales_per_row = C == Codes::kInt4 ? d / 32 : 1;
   for (int64_t j = 0; j < std::min<int64_t>(2, task.num_blocks); ++j)
-    for (int64_t line = 0; line < dims.block_elems(); line += 64)
-      __builtin_prefetch(k_codes + block(j) * dims.block_elems() + line, 0, 2);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k_codes + block(j) * bytes + line, 0, 2);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     __builtin_prefetch(static_cast<const uint8_t*>(k_scales) + block(j) * (k_channels ? d : 32), 0, 3);
-    __builtin_prefetch(v_scales + block(j) * 16, 0, 3);
+    __builtin_prefetch(v_scales + block(j) * 16 * v_scales_per_row, 0, 3);
   }
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    const uint8_t* kb = k_codes + block(j) * dims.block_elems();
-    const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * dims.block_elems() : kb;
-    const uint8_t* v_here = v_codes + block(j) * dims.block_elems();
+    const uint8_t* kb = k_codes + block(j) * bytes;
+    const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * bytes : kb;
+    const uint8_t* v_here = v_codes + block(j) * bytes;
     const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
     if (k_channels) scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_block.data());
     const float* qj = k_channels ? q_block.data() : q;
+    if constexpr (C == Codes::kInt4) {
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(qj + g * d + c));
+        offsets[g] = 8.f * _mm512_reduce_add_ps(sum);
+      }
+    }
     for (int64_t g0 = 0; g0 < group; g0 += 4)
       by_heads(group - g0, [&](auto heads) {
-        score_block<C, decltype(heads)::value>(qj + g0 * d, kb, ks, d, g0 == 0 ? ahead : nullptr, v_here,
-                                               scores + g0 * kPartitionTokens + j * 16);
+        float* into = scores + g0 * kPartitionTokens + j * 16;
+        if constexpr (C == Codes::kInt4)
+          score_block_int4<decltype(heads)::value>(qj + g0 * d, kb, d, offsets.data() + g0, g0 == 0 ? ahead : nullptr,
+                                                   v_here, into);
+        else
+          score_block<C, decltype(heads)::value>(qj + g0 * d, kb, ks, d, g0 == 0 ? ahead : nullptr, v_here, into);
       });
   }
   softmax_partial(scores, kPartitionTokens, n, task.skip, group, dims.block_size, out);
+  if constexpr (C == Codes::kInt4) {
+    // each token's probability times its row's scale of each 32 dims, [g][t * groups + group]
+    const int64_t groups = d / 32, stride = kPartitionTokens * groups;
+    thread_local std::vector<float> weights;
+    if (weights.size() < static_cast<size_t>(group * stride)) weights.resize(group * stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * kPartitionTokens;
+      float* w = weights.data() + g * stride;
+      for (int64_t j = 0; j < task.num_blocks; ++j) {
+        const uint16_t* s = v_scales + block(j) * 16 * groups;
+        for (int64_t t = 0; t < 16; ++t)  // a final block's tokens past the task's weigh nothing
+          for (int64_t x = 0; x < groups; ++x)
+            w[(j * 16 + t) * groups + x] =
+                j * 16 + t < n ? p[j * 16 + t] * static_cast<float>(c10::Half(s[t * groups + x], c10::Half::from_bits()))
+                               : 0.f;
+      }
+    }
+    for (int64_t c = 0; c < d; c += 64)
+      for (int64_t g0 = 0; g0 < group; g0 += 2) {
+        const float* w = weights.data() + g0 * stride;
+        if (group - g0 >= 2)
+          sum_values_int4<2>(v_codes, table, task, dims, w, stride, c, out.acc + g0 * d);
+        else
+          sum_values_int4<1>(v_codes, table, task, dims, w, stride, c, out.acc + g0 * d);
+      }
+    return;
+  }
   for (int64_t g = 0; g < group; ++g) {  // the unused tokens of a final quad must add nothing
     float* p = scores + g * kPartitionTokens;
     std::fill(p + n, p + task.num_blocks * 16, 0.f);
@@ -184,8 +331,9 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
 
 // q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above);
 // k_scales: [kv_heads, N, bs] float16, or [kv_heads, N, d] uint8 (keys per channel); v_scales: [kv_heads, N,
-// bs] float16; block_tables [B, width], context_lens [B], window_starts [B] (int64) as paged_decode's -> (out
-// [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3, else int8. mass: as paged_decode's.
+// bs] float16 (int4: [kv_heads, N, bs, d / 32]); block_tables [B, width], context_lens [B], window_starts [B]
+// (int64) as paged_decode's -> (out [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3;
+// else int4 where V codes are rows (4 dims), else int8. mass: as paged_decode's.
 std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
     torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales, torch::Tensor v_scales,
     torch::Tensor block_tables, torch::Tensor context_lens, double scale, std::optional<torch::Tensor> window_starts,
@@ -194,20 +342,24 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   TORCH_CHECK(false, "quantized_paged_decode: needs AVX512 (the backend's torch path runs elsewhere)");
 #else
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "quantized_paged_decode: q [B, heads, d] on the CPU");
-  TORCH_CHECK(k_codes.dim() == 5 && v_codes.dim() == 5 && k_codes.scalar_type() == torch::kUInt8 &&
+  const bool int4 = v_codes.dim() == 4 && !fp8;
+  TORCH_CHECK(k_codes.dim() == 5 && (v_codes.dim() == 5 || int4) && k_codes.scalar_type() == torch::kUInt8 &&
                   v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
-              "quantized_paged_decode: codes uint8, K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4]");
+              "quantized_paged_decode: codes uint8, K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4] (int4: "
+              "K [kv_heads, N, d/8, bs, 4], V [kv_heads, N, bs, d/2])");
   const bool k_channels = k_scales.scalar_type() == torch::kUInt8;
   TORCH_CHECK((k_channels || k_scales.scalar_type() == torch::kHalf) && v_scales.scalar_type() == torch::kHalf &&
                   k_scales.is_contiguous() && v_scales.is_contiguous(),
               "quantized_paged_decode: scales float16 [kv_heads, N, bs] (K: or uint8 [kv_heads, N, d]), contiguous");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_codes.size(0), num_blocks = k_codes.size(1), bs = k_codes.size(3);
-  TORCH_CHECK(bs == 16 && d % 64 == 0 && k_codes.size(2) * 4 == d && heads % kv_heads == 0,
-              "quantized_paged_decode: block size 16, head_dim a multiple of 64, heads a multiple of kv_heads");
+  TORCH_CHECK(bs == 16 && d % 64 == 0 && k_codes.size(2) * (int4 ? 8 : 4) == d && heads % kv_heads == 0 &&
+                  (!int4 || (k_channels && v_codes.size(3) * 2 == d)),
+              "quantized_paged_decode: block size 16, head_dim a multiple of 64, heads a multiple of kv_heads "
+              "(int4: keys per channel)");
   TORCH_CHECK(k_scales.numel() == kv_heads * num_blocks * (k_channels ? d : bs) &&
-                  v_scales.numel() == kv_heads * num_blocks * bs,
-              "quantized_paged_decode: one scale per row (K: or per channel of a block)");
+                  v_scales.numel() == kv_heads * num_blocks * bs * (int4 ? d / 32 : 1),
+              "quantized_paged_decode: one scale per row (K: or per channel of a block; int4 V: per 32 of a row)");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
@@ -232,6 +384,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
       for (int64_t x = 0; x < dims.group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * softmax_scale;
       if (fp8)
         attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
+      else if (int4)
+        attend_partition<Codes::kInt4>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
       else
         attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
     }, mass_out.first, mass_out.second);
@@ -282,19 +436,22 @@ inline uint8_t int8_code(float scaled) {
   return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, scaled)))));
 }
 
+// int4: the same, within +-7 (the code itself, -7..7; stored plus 8)
+inline int int4_code(float scaled) { return static_cast<int>(std::nearbyint(std::min(7.f, std::max(-7.f, scaled)))); }
+
 inline uint8_t fp8_code(float scaled) {
   return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, scaled))).x;
 }
 
 }  // namespace
 
-// k, v [T, kv_heads, d] (rows dense, any float dtype) into a quantized cache's lanes layout
-// (attention/quantized_kv.py) at `slots`, as that backend's torch write does: values (and fp8 keys) a float16
-// scale a row; int8 keys (k_scales uint8 [kv_heads, N, d]) less `center` (float32 [kv_heads, d]), per channel of
+// k, v [T, kv_heads, d] (rows dense, any float dtype) into a quantized cache's layout (attention/quantized_kv.py)
+// at `slots`, as that backend's torch write does: values (and fp8 keys) a float16 scale a row (int4: per 32 dims);
+// int8 and int4 keys (k_scales uint8 [kv_heads, N, d]) less `center` (float32 [kv_heads, d]), per channel of
 // their block, each block's scales grown to the step's keys (at least doubled when they grow) and its earlier keys
-// requantized where they did. The tokens a step writes to one block are consecutive in `slots` (a sequence's), so
-// a block's keys are handled together. Reads its inputs in place: a decode step's write is a few rows, and a
-// torch conversion costs more than they do.
+// requantized where they did. int4 where V codes are rows (4 dims). The tokens a step writes to one block are
+// consecutive in `slots` (a sequence's), so a block's keys are handled together. Reads its inputs in place: a
+// decode step's write is a few rows, and a torch conversion costs more than they do.
 void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales,
                             torch::Tensor v_scales, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                             std::optional<torch::Tensor> center, bool fp8) {
@@ -309,8 +466,13 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64, "quantized_cache_write_: slots int64");
   const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
   const int64_t num_blocks = k_codes.size(1), bs = k_codes.size(3);
-  TORCH_CHECK(k_codes.size(0) == heads && k_codes.size(2) * 4 == d && bs % 4 == 0 && slots.numel() == tokens,
-              "quantized_cache_write_: codes K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4]");
+  const bool int4 = v_codes.dim() == 4 && !fp8;
+  TORCH_CHECK(k_codes.size(0) == heads && k_codes.size(2) * (int4 ? 8 : 4) == d && bs % 4 == 0 &&
+                  slots.numel() == tokens && (!int4 || (channels && v_codes.size(3) * 2 == d && d % 32 == 0)),
+              "quantized_cache_write_: codes K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4] (int4: K "
+              "[kv_heads, N, d/8, bs, 4] scaled per channel, V [kv_heads, N, bs, d/2])");
+  const float code_max = fp8 ? 448.f : int4 ? 7.f : 127.f;
+  const int64_t value_group = int4 ? 32 : d;  // values per float16 scale of a row
   const float* cx = nullptr;
   if (center.has_value()) {
     TORCH_CHECK(center->scalar_type() == torch::kFloat && center->is_contiguous() && center->numel() == heads * d,
@@ -321,18 +483,35 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
   uint8_t* kc = k_codes.data_ptr<uint8_t>();
   uint8_t* vc = v_codes.data_ptr<uint8_t>();
   at::Half* vs = v_scales.data_ptr<at::Half>();
-  const auto k_at = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> uint8_t& {
-    return kc[((h * num_blocks + b) * (d / 4) + c / 4) * bs * 4 + o * 4 + c % 4];
+  // key code c of row o of block b, head h: int8's byte, or int4's nibble (the code plus 8) of its lane's byte
+  const auto key_byte = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> uint8_t& {
+    return int4 ? kc[((h * num_blocks + b) * (d / 8) + c / 8) * bs * 4 + o * 4 + c % 8 / 2]
+                : kc[((h * num_blocks + b) * (d / 4) + c / 4) * bs * 4 + o * 4 + c % 4];
   };
-  // a row's float16 scale (its largest magnitude over the code's, kv/formats.py's quantize), and the row in codes
-  // through `place`
-  const auto row_codes = [&](const float* x, auto&& place) {
+  const auto key_code = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> float {
+    const uint8_t byte = key_byte(h, b, o, c);
+    return int4 ? static_cast<float>((byte >> (4 * (c % 2)) & 15) - 8) : static_cast<float>(static_cast<int8_t>(byte));
+  };
+  const auto set_key_code = [&](int64_t h, int64_t b, int64_t o, int64_t c, float scaled) {
+    uint8_t& byte = key_byte(h, b, o, c);
+    if (!int4) {
+      byte = int8_code(scaled);
+      return;
+    }
+    const int shift = 4 * (c % 2);
+    byte = static_cast<uint8_t>((byte & ~(15 << shift)) | (int4_code(scaled) + 8) << shift);
+  };
+  // a span of n values' float16 scale (its largest magnitude over the code's, kv/formats.py's quantize), and its
+  // codes through `place(c, code)` (int4: the code plus 8)
+  const auto span_codes = [&](const float* x, int64_t n, auto&& place) {
     float amax = 0.f;
-    for (int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const at::Half stored =
-        std::max(static_cast<float>(at::Half(exact_div(amax, fp8 ? 448.f : 127.f))), 6.103515625e-05f);
+    for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const at::Half stored = std::max(static_cast<float>(at::Half(exact_div(amax, code_max))), 6.103515625e-05f);
     const float scale = static_cast<float>(stored);
-    for (int64_t c = 0; c < d; ++c) place(c, fp8 ? fp8_code(exact_div(x[c], scale)) : int8_code(exact_div(x[c], scale)));
+    for (int64_t c = 0; c < n; ++c) {
+      const float scaled = exact_div(x[c], scale);
+      place(c, fp8 ? fp8_code(scaled) : int4 ? static_cast<uint8_t>(int4_code(scaled) + 8) : int8_code(scaled));
+    }
     return stored;
   };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(),
@@ -353,12 +532,24 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
         for (int64_t t = 0; t < tokens; ++t) {  // values, and fp8 keys: a row each
           const int64_t b = slot[t] / bs, o = slot[t] % bs;
           load(vx, v, t, h, nullptr, row.data());
-          uint8_t* dst = vc + ((h * num_blocks + b) * (bs / 4) + o / 4) * d * 4 + o % 4;
-          vs[(h * num_blocks + b) * bs + o] = row_codes(row.data(), [&](int64_t c, uint8_t code) { dst[c * 4] = code; });
+          for (int64_t first = 0; first < d; first += value_group) {
+            uint8_t* dst = int4 ? vc + ((h * num_blocks + b) * bs + o) * (d / 2)
+                                : vc + ((h * num_blocks + b) * (bs / 4) + o / 4) * d * 4 + o % 4;
+            vs[((h * num_blocks + b) * bs + o) * (d / value_group) + first / value_group] =
+                span_codes(row.data() + first, value_group, [&](int64_t c, uint8_t code) {
+                  if (!int4) {
+                    dst[(first + c) * 4] = code;
+                    return;
+                  }
+                  const int64_t dim = first + c;  // the even dim in the low nibble
+                  dst[dim / 2] = static_cast<uint8_t>(dim % 2 ? (dst[dim / 2] & 15) | code << 4
+                                                              : (dst[dim / 2] & 0xF0) | code);
+                });
+          }
           if (channels) continue;
           load(kx, k, t, h, ch, row.data());
           k_scales.data_ptr<at::Half>()[(h * num_blocks + b) * bs + o] =
-              row_codes(row.data(), [&](int64_t c, uint8_t code) { k_at(h, b, o, c) = code; });
+              span_codes(row.data(), d, [&](int64_t c, uint8_t code) { key_byte(h, b, o, c) = code; });
         }
         if (!channels) continue;
         uint8_t* scale_bytes = k_scales.data_ptr<uint8_t>();
@@ -378,7 +569,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           }
           for (int64_t c = 0; c < d; ++c) {
             // a key within the held scale leaves it (the common case of a decode step): no logarithm needed
-            const float wanted_scale = exact_div(amax[c], 127.f);
+            const float wanted_scale = exact_div(amax[c], code_max);
             const uint8_t wanted =
                 wanted_scale <= decode_channel_scale(held[c]) ? 0 : encode_channel_scale(wanted_scale);
             // a scale that grows at least doubles (8 steps), so that the roundings a key takes as its block fills
@@ -387,10 +578,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
             grown[c] = wanted > held[c] ? std::max(wanted, doubled) : held[c];
             if (grown[c] > held[c] && held[c] > 0) {  // the block's earlier keys, at the grown scale
               const float ratio = exact_div(decode_channel_scale(held[c]), decode_channel_scale(grown[c]));
-              for (int64_t o = 0; o < first_offset; ++o) {
-                uint8_t& code = k_at(h, b, o, c);
-                code = int8_code(static_cast<float>(static_cast<int8_t>(code)) * ratio);
-              }
+              for (int64_t o = 0; o < first_offset; ++o) set_key_code(h, b, o, c, key_code(h, b, o, c) * ratio);
             }
             block_scales[c] = grown[c];
             scales[c] = std::max(decode_channel_scale(grown[c]), 1e-30f);
@@ -398,7 +586,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           for (int64_t t = first; t < last; ++t) {
             const float* r = rows.data() + (t - first) * d;
             const int64_t o = slot[t] % bs;
-            for (int64_t c = 0; c < d; ++c) k_at(h, b, o, c) = int8_code(exact_div(r[c], scales[c]));
+            for (int64_t c = 0; c < d; ++c) set_key_code(h, b, o, c, exact_div(r[c], scales[c]));
           }
         }
       }
