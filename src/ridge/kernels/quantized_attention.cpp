@@ -16,9 +16,7 @@
 // 8i + k), scaled per channel of a block as int8's; values as rows (V [kv_heads, N, bs, d / 2], the torch path's),
 // a float16 scale per 32 dims of a row (V scales [kv_heads, N, bs, d / 32]). A row's 64 dims are 8 lanes, so a
 // load holds two tokens' and a lane's eight nibbles are eight dims 8i + k: eight accumulators per query head, one
-// for each k, whose lanes are put back in dim order once a task. Codes are offset by 8 (1..15): a block's scores and
-// a task's values take the offset off once (8 times the sum of q's scaled channels, of the values' weights), not per
-// code.
+// for each k, whose lanes are put back in dim order once a task.
 //
 // AVX512, block size 16, head_dim a multiple of 64; the backend takes its torch path elsewhere. The task split
 // and the merge are decode_tasks.h's.
@@ -45,10 +43,13 @@ inline int64_t block_bytes(const Dims& dims) {
   return C == Codes::kInt4 ? dims.block_elems() / 2 : dims.block_elems();
 }
 
-// Nibble k of every 32-bit lane of x, as floats 0..15 (the code plus 8).
+// Nibble k of every 32-bit lane of x as the int4 code it holds (stored plus 8), a float: a permute of the 16
+// codes by the lane's low four bits (which is all the permute reads), no mask and no conversion.
 template <int k>
 inline __m512 nibble(__m512i x) {
-  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, 4 * k), _mm512_set1_epi32(15)));
+  const __m512 codes = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f,
+                                      6.f, 7.f);
+  return _mm512_permutexvar_ps(k == 0 ? x : _mm512_srli_epi32(x, 4 * k), codes);
 }
 
 // Byte `c` of every 32-bit lane of x, as floats: an int8 code, or an fp8 e4m3 code's value. e4m3 (sign, 4
@@ -149,10 +150,9 @@ inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task&
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_out + g * d + c + 16 * v, acc[g][v]);
 }
 
-// int4's score_block: a line holds eight dims of 16 tokens (q scaled by the block's channel scales already);
-// `offset` [G]: 8 times the sum of each head's q, what the codes' offset added to every score.
+// int4's score_block: a line holds eight dims of 16 tokens (q scaled by the block's channel scales already).
 template <int G>
-inline void score_block_int4(const float* q, const uint8_t* kb, int64_t d, const float* offset, const uint8_t* ahead,
+inline void score_block_int4(const float* q, const uint8_t* kb, int64_t d, const uint8_t* ahead,
                              const uint8_t* v_here, float* scores) {
   __m512 acc[G][2];
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
@@ -177,24 +177,21 @@ inline void score_block_int4(const float* q, const uint8_t* kb, int64_t d, const
     }
   }
   for (int g = 0; g < G; ++g)
-    _mm512_storeu_ps(scores + g * kPartitionTokens,
-                     _mm512_sub_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(offset[g])));
+    _mm512_storeu_ps(scores + g * kPartitionTokens, _mm512_add_ps(acc[g][0], acc[g][1]));
 }
 
-// int4's sum_values over dims [c, c + 64) for G <= 2 heads (eight accumulators each): acc_out[g][c + 8i + k] = sum
-// over the task's tokens of w * (code - 8), w the probability times the row's scale of the dim's 32. `weights`:
-// w per head, token and 32 dims of the row ([g][t * groups + group], groups = d / 32).
+// int4's sum_values over dims [c, c + 64) for G <= 3 heads (eight accumulators each, 24 of the 32 registers):
+// acc_out[g][c + 8i + k] = sum over the task's tokens of w * code, w the probability times the row's scale of the
+// dim's 32. `weights`: w per head, token and 32 dims of the row ([g][t * groups + group], groups = d / 32).
 template <int G>
 inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const Task& task, const Dims& dims,
                             const float* weights, int64_t weights_stride, int64_t c, float* acc_out) {
   const int64_t d = dims.head_dim, n = task.num_tokens, groups = d / 32, row = d / 2;
   // lanes 0-3 and 8-11 hold dims of the first 32, 4-7 and 12-15 of the second; 0-7 one token, 8-15 the next
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[G][8], weight_sum[G];
-  for (int g = 0; g < G; ++g) {
+  __m512 acc[G][8];
+  for (int g = 0; g < G; ++g)
     for (int k = 0; k < 8; ++k) acc[g][k] = _mm512_setzero_ps();
-    weight_sum[g] = _mm512_setzero_ps();
-  }
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const uint8_t* vb = v_codes + (task.head * dims.num_blocks + table[task.first_block + j]) * (dims.block_size * row);
     const int64_t pairs = std::min<int64_t>(8, (n - j * 16 + 1) / 2);
@@ -209,7 +206,6 @@ inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const 
         const float* wt = weights + g * weights_stride + t * groups + c / 32;
         const __m128 four = _mm_setr_ps(wt[0], wt[1], wt[groups], wt[groups + 1]);
         w[g] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
-        weight_sum[g] = _mm512_add_ps(weight_sum[g], w[g]);
       }
       const auto add = [&](auto k_constant) {
         constexpr int k = decltype(k_constant)::value;
@@ -226,15 +222,12 @@ inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const 
       add(std::integral_constant<int, 7>{});
     }
   }
-  alignas(64) float lanes[16], sums[16];
-  for (int g = 0; g < G; ++g) {
-    _mm512_store_ps(sums, weight_sum[g]);
+  alignas(64) float lanes[16];
+  for (int g = 0; g < G; ++g)
     for (int k = 0; k < 8; ++k) {
       _mm512_store_ps(lanes, acc[g][k]);
-      for (int i = 0; i < 8; ++i)  // the two tokens' halves, less the codes' offset
-        acc_out[g * d + c + 8 * i + k] = lanes[i] + lanes[i + 8] - 8.f * (sums[i] + sums[i + 8]);
+      for (int i = 0; i < 8; ++i) acc_out[g * d + c + 8 * i + k] = lanes[i] + lanes[i + 8];  // the two tokens' halves
     }
-  }
 }
 
 // k_scales: a float16 per row, or (k_channels) a byte per channel of each block.
@@ -247,9 +240,8 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
   // keys per channel: each block's query is q times the block's channel scales, made just before the block is
   // scored, into a buffer of one block's query that each thread keeps, so that it stays in L1 (a whole task's
   // blocks' queries do not fit there: docs/notes/kv-compression.md)
-  thread_local std::vector<float> q_block, offsets;
+  thread_local std::vector<float> q_block;
   if (k_channels && q_block.size() < static_cast<size_t>(group * d)) q_block.resize(group * d);
-  if (offsets.size() < static_cast<size_t>(group)) offsets.resize(group);
   // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
   // (score_block prefetches each later one two blocks ahead) and every block's scales, a line or two each, are
   // asked for at once here, so that their misses overlap instead of stalling one after another as they are read.
@@ -267,19 +259,11 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
     const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
     if (k_channels) scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_block.data());
     const float* qj = k_channels ? q_block.data() : q;
-    if constexpr (C == Codes::kInt4) {
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t c = 0; c < d; c += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(qj + g * d + c));
-        offsets[g] = 8.f * _mm512_reduce_add_ps(sum);
-      }
-    }
     for (int64_t g0 = 0; g0 < group; g0 += 4)
       by_heads(group - g0, [&](auto heads) {
         float* into = scores + g0 * kPartitionTokens + j * 16;
         if constexpr (C == Codes::kInt4)
-          score_block_int4<decltype(heads)::value>(qj + g0 * d, kb, d, offsets.data() + g0, g0 == 0 ? ahead : nullptr,
-                                                   v_here, into);
+          score_block_int4<decltype(heads)::value>(qj + g0 * d, kb, d, g0 == 0 ? ahead : nullptr, v_here, into);
         else
           score_block<C, decltype(heads)::value>(qj + g0 * d, kb, ks, d, g0 == 0 ? ahead : nullptr, v_here, into);
       });
@@ -290,25 +274,32 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
     const int64_t groups = d / 32, stride = kPartitionTokens * groups;
     thread_local std::vector<float> weights;
     if (weights.size() < static_cast<size_t>(group * stride)) weights.resize(group * stride);
+    // a block's scales are 16 x groups float16s in a row: element e is token e / groups's
+    thread_local std::vector<int32_t> token_of;
+    token_of.resize(16 * groups);
+    for (int64_t e = 0; e < 16 * groups; ++e) token_of[e] = static_cast<int32_t>(e / groups);
     for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * kPartitionTokens;
+      float* p = scores + g * kPartitionTokens;
+      std::fill(p + n, p + task.num_blocks * 16, 0.f);  // a final block's tokens past the task's weigh nothing
       float* w = weights.data() + g * stride;
       for (int64_t j = 0; j < task.num_blocks; ++j) {
+        const __m512 pj = _mm512_loadu_ps(p + j * 16);
         const uint16_t* s = v_scales + block(j) * 16 * groups;
-        for (int64_t t = 0; t < 16; ++t)  // a final block's tokens past the task's weigh nothing
-          for (int64_t x = 0; x < groups; ++x)
-            w[(j * 16 + t) * groups + x] =
-                j * 16 + t < n ? p[j * 16 + t] * static_cast<float>(c10::Half(s[t * groups + x], c10::Half::from_bits()))
-                               : 0.f;
+        for (int64_t e = 0; e < 16 * groups; e += 16) {
+          const __m512i token = _mm512_loadu_si512(token_of.data() + e);
+          _mm512_storeu_ps(w + j * 16 * groups + e, _mm512_mul_ps(_mm512_permutexvar_ps(token, pj), scales16(s + e)));
+        }
       }
     }
     for (int64_t c = 0; c < d; c += 64)
-      for (int64_t g0 = 0; g0 < group; g0 += 2) {
+      for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const float* w = weights.data() + g0 * stride;
-        if (group - g0 >= 2)
-          sum_values_int4<2>(v_codes, table, task, dims, w, stride, c, out.acc + g0 * d);
-        else
-          sum_values_int4<1>(v_codes, table, task, dims, w, stride, c, out.acc + g0 * d);
+        float* into = out.acc + g0 * d;
+        switch (std::min<int64_t>(3, group - g0)) {
+          case 1: sum_values_int4<1>(v_codes, table, task, dims, w, stride, c, into); break;
+          case 2: sum_values_int4<2>(v_codes, table, task, dims, w, stride, c, into); break;
+          default: sum_values_int4<3>(v_codes, table, task, dims, w, stride, c, into); break;
+        }
       }
     return;
   }
