@@ -110,7 +110,7 @@ class CudaBackend(PagedBackend):
         """One query per row [B, heads, d], read in place from the blocks of its table."""
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         splits = self.triton.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
-                                         self.multiprocessors)
+                                        self.multiprocessors)
         return self.triton.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
                                         meta.window_starts(lens), splits, self._quantized(layer))
 

@@ -49,7 +49,7 @@ PLAIN: tl.constexpr = tl.constexpr(0)
 FP8: tl.constexpr = tl.constexpr(1)
 INT8: tl.constexpr = tl.constexpr(2)
 INT4: tl.constexpr = tl.constexpr(3)
-CODES = {"fp8": 1, "int8": 2, "int4": 3}
+CODES = {"fp8": FP8.value, "int8": INT8.value, "int4": INT4.value}
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: Quantiz
         return dict(k_ptr=k_cache, v_ptr=v_cache, ks_ptr=k_cache, vs_ptr=v_cache, table_ptr=k_cache,
                     stride_kn=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
                     stride_ksn=0, stride_kst=0, stride_ksh=0, stride_vsn=0, stride_vst=0, stride_vsh=0,
-                    FORMAT=0, KEY_CHANNELS=False, KEY_GROUP=1, VALUE_GROUP=1)
+                    FORMAT=PLAIN.value, KEY_CHANNELS=False, KEY_GROUP=1, VALUE_GROUP=1)
     fmt, ks, vs = quantized.format, quantized.k_scales, quantized.v_scales
     head_dim = k_cache.shape[-1] * 8 // fmt.bits
     return dict(k_ptr=k_cache, v_ptr=v_cache, ks_ptr=ks, vs_ptr=vs, table_ptr=_channel_scale_table(ks.device),
