@@ -150,5 +150,10 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
     def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:
         return meta.backend_state.context
 
+    @cached_property
+    def _quantized_layers(self) -> dict[int, QuantizedLayer]:
+        return {layer: self.triton.QuantizedLayer(self.format, self.k_scales[layer], self.v_scales[layer])
+                for layer in self.k_scales}
+
     def _quantized(self, layer: int) -> QuantizedLayer:
-        return self.triton.QuantizedLayer(self.format, self.k_scales[layer], self.v_scales[layer])
+        return self._quantized_layers[layer]
