@@ -123,6 +123,45 @@ def test_quantized_experts_run_on_the_dense_kernels(moe_model, make_llm_for_test
     assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.threaded  # the experts side by side on the threads: on every core
+def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_for_test, ops):
+    """Every router (softmax and renormalised or not, DeepSeek's groups, sigmoid scores with their bias, shared
+    experts gated or not) in the C++ stack's form against MoEBlock itself, bit for bit: one token, a few, and
+    more experts than threads or fewer (the experts run side by side, or one after another on every thread)."""
+    from ridge.kernels.decode_stack import _experts
+    from ridge.models.moe import MoEBlock
+
+    path, _ = moe_model
+    model = make_llm_for_test(path, dtype="float32", enforce_eager=True).engine.loaded.model
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    g = torch.Generator().manual_seed(3)
+    cores = torch.get_num_threads()
+    with torch.inference_mode():
+        for block in blocks:
+            native = _experts(ops, block)
+            for rows in (1, 3, 16):
+                x = torch.randn(rows, block.router.in_features, generator=g)
+                for threads in {1, cores}:
+                    torch.set_num_threads(threads)
+                    assert torch.equal(native(x), block(x)), (rows, threads)
+    torch.set_num_threads(cores)
+
+
+@pytest.mark.threaded
+@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe", "qwen3_moe"], indirect=True)  # no MLA, no full qk norm
+def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, make_llm_for_test):
+    """The same tokens and log-probabilities to the last bit, a batch of 6 at different lengths."""
+    path, _ = moe_model
+    stacked = make_llm_for_test(path, dtype="float32")
+    eager = make_llm_for_test(path, dtype="float32", enforce_eager=True)
+    assert stacked.engine.runner.decode_stack is not None
+    prompts = random_prompts(6, VOCAB, 3, 40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_test):
     """Weights whose matmul a batch-1 decode step runs, counted by hooks, against the plan's bytes for the active
     parameters (the routed experts chosen, the shared expert, attention, routers, the output head)."""
@@ -130,7 +169,8 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
     from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
 
     path, _ = moe_model
-    llm = make_llm_for_test(path, dtype="float32")
+    # hooks see the Python path's modules; the C++ stack runs the same experts' kernels (the tests above)
+    llm = make_llm_for_test(path, dtype="float32", enforce_eager=True)
     engine = llm.engine
     engine.add_request(random_prompts(1, VOCAB, 20, 21, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
     engine.step()  # the prefill, which routes 20 tokens

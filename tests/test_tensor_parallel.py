@@ -206,6 +206,7 @@ def test_random_shapes_over_ranks_equal_one_process(name, make_llm_for_test):
         whole = [sum(p.numel() for p in m.experts.parameters()) for m in one.engine.loaded.model.modules()
                  if isinstance(m, MoEBlock)]
         assert held == [w // 2 for w in whole]
+        assert tp.engine.runner.local.decode_stack is not None  # which skips the experts another rank holds
     tp.engine.close()
 
 

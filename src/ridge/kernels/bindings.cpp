@@ -78,18 +78,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("parts"), py::arg("bias"))
       .def("__call__", &Linear::operator(), py::arg("x"));
+  py::class_<Experts>(m, "Experts", "a mixture-of-experts MLP: its router and experts (models/moe.py)")
+      .def(py::init([](torch::Tensor router, c10::optional<torch::Tensor> router_bias, int64_t top_k, int64_t groups,
+                       int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
+                       std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
+                       c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate) {
+             TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
+             TORCH_CHECK(!sigmoid || router_bias.has_value(), "Experts: sigmoid scoring takes its correction bias");
+             return Experts{router,   router_bias, top_k, groups, topk_groups, sigmoid, renormalize, group_top2,
+                            scaling,  gate_up,     down,  shared_gate_up, shared_down, shared_gate};
+           }),
+           py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
+           py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
+           py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
+           py::arg("shared_gate"))
+      .def("__call__", &Experts::operator(), py::arg("x"));
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
                        torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
-                       c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8) {
-             return Layer{input_norm, post_attn_norm, q_norm, k_norm, qkv,      o_proj,     gate_up,
-                          down,       k_cache,        v_cache, k_scales, v_scales, key_center, fp8};
+                       c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8,
+                       std::optional<Experts> experts) {
+             return Layer{input_norm, post_attn_norm, q_norm,   k_norm,   qkv,        o_proj, gate_up,
+                          down,       k_cache,        v_cache,  k_scales, v_scales, key_center, fp8, experts};
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("key_center") = py::none(),
-           py::arg("fp8") = false);
+           py::arg("fp8") = false, py::arg("experts") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
                     py::object>(),

@@ -7,6 +7,9 @@
 // speculative verification, shared prefixes, formats without a kernel here).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <limits>
 #include <vector>
 
 #include "decode_stack.h"
@@ -106,6 +109,72 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   return bias.has_value() ? out.add_(*bias) : out;
 }
 
+std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) const {
+  const auto logits = at::linear(x, router).to(torch::kFloat);
+  const auto scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
+  auto choice = sigmoid ? scores + router_bias->to(torch::kFloat) : scores;
+  if (groups > 1) {
+    const auto grouped = choice.view({x.size(0), groups, -1});
+    const auto rating = group_top2 ? std::get<0>(grouped.topk(2, -1)).sum(-1) : grouped.amax(-1);
+    const auto best = std::get<1>(rating.topk(topk_groups, -1));
+    const auto keep = torch::zeros_like(grouped.select(-1, 0), torch::kBool).scatter_(1, best, true);
+    choice = grouped.masked_fill(keep.logical_not().unsqueeze(-1), -std::numeric_limits<double>::infinity())
+                 .view_as(choice);
+  }
+  const auto experts = std::get<1>(choice.topk(top_k, -1));
+  auto weights = scores.gather(1, experts);
+  if (renormalize) weights = weights / (weights.sum(-1, true) + (sigmoid ? 1e-20 : 0.0));
+  return {experts, scaling != 1.0 ? weights * scaling : weights};
+}
+
+torch::Tensor Experts::operator()(const torch::Tensor& x) const {
+  const auto [chosen, weights] = route(x);
+  // each expert's tokens and weights in the order of a stable sort of the flattened choices (the Python path's)
+  const int64_t num_experts = static_cast<int64_t>(gate_up.size());
+  std::vector<std::vector<int64_t>> tokens(num_experts);
+  std::vector<std::vector<float>> token_weights(num_experts);
+  const auto chosen_a = chosen.accessor<int64_t, 2>();
+  const auto weights_a = weights.accessor<float, 2>();
+  for (int64_t t = 0; t < chosen.size(0); ++t) {
+    for (int64_t slot = 0; slot < top_k; ++slot) {
+      tokens[chosen_a[t][slot]].push_back(t);
+      token_weights[chosen_a[t][slot]].push_back(weights_a[t][slot]);
+    }
+  }
+  std::vector<int64_t> active;  // the experts this process runs that some token chose
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (!tokens[e].empty() && !gate_up[e].parts.empty()) active.push_back(e);
+  }
+  const auto long_options = torch::TensorOptions().dtype(torch::kLong);
+  std::vector<torch::Tensor> rows(active.size()), outs(active.size());
+  for (size_t i = 0; i < active.size(); ++i) {
+    rows[i] = torch::tensor(tokens[active[i]], long_options);
+  }
+  const auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = active[i];
+      outs[i] = down[e](silu_mul(gate_up[e](x.index_select(0, rows[i]))));
+    }
+  };
+  const int64_t count = static_cast<int64_t>(active.size());
+  if (count >= at::get_num_threads()) {
+    at::parallel_for(0, count, 1, run);  // the kernels inside run on their caller's thread
+  } else {
+    run(0, count);
+  }
+  auto out = torch::zeros_like(x);
+  for (size_t i = 0; i < active.size(); ++i) {
+    const auto w = torch::tensor(token_weights[active[i]], torch::TensorOptions().dtype(torch::kFloat)).unsqueeze(1);
+    out.index_add_(0, rows[i], (outs[i] * w).to(out.scalar_type()));
+  }
+  if (shared_gate_up.has_value()) {
+    auto shared = (*shared_down)(silu_mul((*shared_gate_up)(x)));
+    if (shared_gate.has_value()) shared = at::linear(x, *shared_gate).sigmoid() * shared;
+    out += shared;
+  }
+  return out;
+}
+
 DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                          py::object all_reduce)
@@ -160,7 +229,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
     reduce_(x);
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
-    x = layer.down(silu_mul(layer.gate_up(h)));
+    x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(silu_mul(layer.gate_up(h)));
     reduce_(x);
   }
   return add_rms_norm_(residual, x, final_norm, eps);

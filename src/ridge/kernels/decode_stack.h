@@ -47,15 +47,39 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 
+// A mixture of experts (models/moe.py's MoEBlock): routed as its route() routes, op for op, and each expert
+// any token chose run over its tokens with the same kernels. Where the step chose at least as many experts as
+// there are threads, the experts run side by side, one a thread, each kernel on its caller's thread alone:
+// an expert's matrices are a few MB, too small for a call over every thread to reach the memory's speed
+// (docs/notes/moe-mla.md). A kernel's result does not depend on the threads it runs on, so neither does
+// the layer's.
+struct Experts {
+  torch::Tensor router;                    // the router's weight [experts, hidden], on at::linear
+  c10::optional<torch::Tensor> router_bias;  // sigmoid scoring's correction bias: moves the choice only
+  int64_t top_k, groups, topk_groups;
+  bool sigmoid, renormalize, group_top2;   // group_top2: a group rated by its two best scores, else its best
+  double scaling;
+  std::vector<Linear> gate_up, down;       // one per expert; an expert another rank holds has no parts
+  c10::optional<Linear> shared_gate_up, shared_down;
+  c10::optional<torch::Tensor> shared_gate;  // the shared expert's sigmoid gate's weight [1, hidden]
+
+  torch::Tensor operator()(const torch::Tensor& x) const;
+
+ private:
+  // each token's experts [T, k] and their weights [T, k] (float32)
+  std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
+};
+
 struct Layer {
   torch::Tensor input_norm, post_attn_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
-  Linear qkv, o_proj, gate_up, down;
+  Linear qkv, o_proj, gate_up, down;  // gate_up and down: a dense MLP's; empty where the layer has experts
   torch::Tensor k_cache, v_cache;  // this layer's paged caches (attention/backend.py's layout)
   // a quantized cache's (attention/quantized_kv.py): k_cache, v_cache hold int8 or fp8 codes, these their scales,
   // and keys are stored less key_center; absent for a cache in the model's dtype
   c10::optional<torch::Tensor> k_scales, v_scales, key_center;
   bool fp8 = false;
+  std::optional<Experts> experts;  // the layer's MLP, where it is a mixture of experts
 };
 
 struct DecodeStack {

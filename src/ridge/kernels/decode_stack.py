@@ -6,7 +6,8 @@ outputs are bit-identical to models/layers.py's; it is built once per engine fro
 (references, not copies) and serves the steps it can: decodes only (no prefill chunk, no draft verification),
 each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels (or the
 quantized cache's: int8 / fp8 / int4 codes written and read in C++), float32 or bfloat16, at most MAX_ROWS rows (fewer
-than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there).
+than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there). A mixture of experts'
+layers route and run their experts in C++ too (decode_stack.h's Experts), side by side on the threads.
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -24,6 +25,8 @@ from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
+from ridge.models.layers import GatedMLP
+from ridge.models.moe import MoEBlock
 from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
@@ -50,6 +53,24 @@ class DecodeStack:
                                    kernel.context_lens, meta.attention_mass)
 
 
+def _experts(ops: ModuleType, moe: MoEBlock) -> Any:
+    """The stack's form of a mixture of experts (ops.Experts), or None where an expert has no kernel there. An
+    expert another rank holds (expert parallelism) has no parts: the stack skips it as MoEBlock does."""
+    def pair(mlp: GatedMLP) -> tuple[Any, Any] | None:
+        gate_up, down = native_linear(ops, mlp.gate_up), native_linear(ops, mlp.down)
+        return None if gate_up is None or down is None else (gate_up, down)
+
+    empty = ops.Linear([], None)
+    experts = [pair(e) if i in moe.held else (empty, empty) for i, e in enumerate(moe.experts)]
+    shared = pair(moe.shared_expert) if moe.shared_expert is not None else (None, None)
+    if any(e is None for e in experts) or shared is None:
+        return None
+    gate = moe.shared_expert_gate
+    return ops.Experts(moe.router.weight, moe.router_bias, moe.top_k, moe.groups, moe.topk_groups, moe.sigmoid,
+                       moe.renormalize, moe.group_rating == "top2", moe.scaling, [e[0] for e in experts],
+                       [e[1] for e in experts], *shared, None if gate is None else gate.weight)
+
+
 def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None,
           tensor_parallel: bool = False) -> DecodeStack | None:
     """The stack over model's layers and backend's caches, or None where the Python path must serve.
@@ -65,7 +86,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                                 ("sandwich norms", cfg.sandwich_norms),
                                                 ("GeGLU", cfg.hidden_act != "silu"),
                                                 ("a query scale other than head_dim", cfg.query_pre_attn_scalar),
-                                                ("mixture of experts", cfg.num_experts),
+                                                ("latent attention", cfg.is_mla),
                                                 ("q / k norms over all heads", cfg.qk_norm_full),
                                                 ("state-space layers", cfg.ssm_layers),
                                                 ("partial rotary", cfg.partial_rotary_factor != 1.0))
@@ -79,15 +100,19 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     layers = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
-        linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
-        if any(linear is None for linear in linears):
+        moe = isinstance(mlp, MoEBlock)
+        experts = _experts(ops, mlp) if moe else None
+        linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj)]
+        # a mixture's layer has no dense MLP: its gate_up and down are empty
+        linears += [ops.Linear([], None)] * 2 if moe else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)]
+        if any(linear is None for linear in linears) or (moe and experts is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
         norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
-                                backend.k_cache[i], backend.v_cache[i], *cache))
+                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts))
     rope_table = torch.view_as_real(model.rotary.freqs)
     # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
     int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())

@@ -4,6 +4,8 @@ The step's tokens are grouped by expert (one sort of the (token, slot) choices),
 token chose runs once, as one matmul over its tokens: at batch 1 only the chosen experts' weights are read,
 and no loop ever runs over tokens. Each expert is a GatedMLP with ordinary linear layers, so quantized
 formats and CPU kernels apply to experts as to any dense layer (DecoderModel.replace_linears).
+On the CPU, decode steps run this block inside the C++ decode stack (kernels/decode_stack.h's Experts): the same
+routing op for op and the same experts' kernels, the experts side by side on the threads.
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
 norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
