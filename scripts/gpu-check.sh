@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
-#   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant kv throughput steps doctor
-#                                      profile (default: all)
+#   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant kv moe throughput steps
+#                                      doctor profile (default: all)
 # TESTS: the test files of `tests` (default: both CUDA files); PEERS=0 leaves HF transformers out of `throughput`.
 # The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
 # Models are random-weight (`--model random:llama-3-8b`, $MODEL to change it). Each measurement's JSON and log
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 MODEL=${MODEL:-random:llama-3-8b}
-PARTS=${*:-env tests kernels latency eager quant kv throughput steps doctor profile}
+PARTS=${*:-env tests kernels latency eager quant kv moe throughput steps doctor profile}
 TESTS=${TESTS:-tests/test_triton_kernels.py tests/test_cuda.py}
 PEERS=${PEERS:-1}
 
@@ -72,6 +72,12 @@ for part in $PARTS; do
         --kv-cache-memory 24GiB --kv-cache-dtypes auto,fp8,int8,int4 --max-num-batched-tokens 8192 \
         2>"$OUT/kv.log" | tee "$OUT/kv.txt"
       echo "   exit $?"; tail -n 3 "$OUT/kv.log" ;;
+    moe)  # issue 46: batch-1 decode of a mixture (Qwen3-30B-A3B's layers, 24 of 48) and of latent attention
+      # (DeepSeek-V2-Lite whole): the printed roofline fraction is of the active bytes a step reads
+      run latency-moe 300 "$PY" -m ridge.cli bench latency --model "random:qwen3-30b-a3b,num_layers=24" \
+        --device cuda --input-len 128 --output-len 64 --repeats 2 --no-peers --json
+      run latency-mla 300 "$PY" -m ridge.cli bench latency --model "random:deepseek-v2-lite" --device cuda \
+        --input-len 128 --output-len 64 --repeats 2 --no-peers --json ;;
     throughput)
       run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
         --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \
