@@ -13,14 +13,14 @@ import torch
 
 from ridge import LLM
 from ridge.kernels import cpu_ops
-from ridge.kernels.decode_stack import _experts
+from ridge.kernels.decode_stack import native_experts
 
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "random:qwen3-30b-a3b,num_layers=2"
     llm = LLM(name, progress=False, kv_cache_memory="256MiB", max_model_len=512, dtype="bfloat16")
     block = llm.engine.loaded.model.layers[0].mlp
-    native = _experts(cpu_ops.load(), block)
+    native = native_experts(cpu_ops.load(), block)
     xs = [torch.randn(1, block.router.in_features, dtype=torch.bfloat16) for _ in range(64)]
     expert = block.experts[0]
     read = block.top_k * (expert.gate_up.weight_bytes + expert.down.weight_bytes)

@@ -128,7 +128,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
     """Every router (softmax and renormalised or not, DeepSeek's groups, sigmoid scores with their bias, shared
     experts gated or not) in the C++ stack's form against MoEBlock itself, bit for bit: one token, a few, and
     more experts than threads or fewer (the experts run side by side, or one after another on every thread)."""
-    from ridge.kernels.decode_stack import _experts
+    from ridge.kernels.decode_stack import native_experts
     from ridge.models.moe import MoEBlock
 
     path, _ = moe_model
@@ -138,7 +138,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
     cores = torch.get_num_threads()
     with torch.inference_mode():
         for block in blocks:
-            native = _experts(ops, block)
+            native = native_experts(ops, block)
             for rows in (1, 3, 16):
                 x = torch.randn(rows, block.router.in_features, generator=g)
                 for threads in {1, cores}:

@@ -53,7 +53,7 @@ class DecodeStack:
                                    kernel.context_lens, meta.attention_mass)
 
 
-def _experts(ops: ModuleType, moe: MoEBlock) -> Any:
+def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
     """The stack's form of a mixture of experts (ops.Experts), or None where an expert has no kernel there. An
     expert another rank holds (expert parallelism) has no parts: the stack skips it as MoEBlock does."""
     def pair(mlp: GatedMLP) -> tuple[Any, Any] | None:
@@ -101,7 +101,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
         moe = isinstance(mlp, MoEBlock)
-        experts = _experts(ops, mlp) if moe else None
+        experts = native_experts(ops, mlp) if moe else None
         linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj)]
         # a mixture's layer has no dense MLP: its gate_up and down are empty
         linears += [ops.Linear([], None)] * 2 if moe else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)]
