@@ -147,13 +147,24 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
     torch.set_num_threads(cores)
 
 
+# the stack's architectures (no MLA, no q / k norms over all heads); 4-bit groups of 32 need widths in 32s, which
+# Qwen3-MoE's config has
+STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
+               "mixtral-int8": ("mixtral", {"quantization": "int8"}),
+               "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
+               "qwen3_moe-int4-bf16": ("qwen3_moe", {"quantization": "int4", "dtype": "bfloat16"}),
+               "qwen3_moe-int8-bf16": ("qwen3_moe", {"quantization": "int8", "dtype": "bfloat16"})}
+
+
 @pytest.mark.threaded
-@pytest.mark.parametrize("moe_model", ["mixtral", "qwen2_moe", "qwen3_moe"], indirect=True)  # no MLA, no full qk norm
-def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, make_llm_for_test):
-    """The same tokens and log-probabilities to the last bit, a batch of 6 at different lengths."""
+@pytest.mark.parametrize("moe_model,args", list(STACK_CASES.values()), ids=list(STACK_CASES), indirect=["moe_model"])
+def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, args, make_llm_for_test):
+    """The same tokens and log-probabilities to the last bit, a batch of 6 at different lengths, with experts on
+    every kind of kernel the stack calls side by side (quantized ones split their work with OpenMP inside)."""
     path, _ = moe_model
-    stacked = make_llm_for_test(path, dtype="float32")
-    eager = make_llm_for_test(path, dtype="float32", enforce_eager=True)
+    args = {"dtype": "float32", **args}
+    stacked = make_llm_for_test(path, **args)
+    eager = make_llm_for_test(path, enforce_eager=True, **args)
     assert stacked.engine.runner.decode_stack is not None
     prompts = random_prompts(6, VOCAB, 3, 40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)

@@ -97,6 +97,8 @@ def test_importance_weighted_scales_spare_the_loud_columns(method: str, widest: 
 def test_group_size_must_divide_the_dimension():
     with pytest.raises(ValueError, match=r"group_size: 128 does not divide the input dimension 576.*32, 64"):
         quantize_int4(torch.randn(8, 576), 128)
+    with pytest.raises(ValueError, match=r"dimension 48; none of 32, 64, 128 does: quantize per channel"):
+        quantize_int4(torch.randn(8, 48), 32)
     with pytest.raises(ValueError, match="group_size: 48 is not one of 32, 64, 128"):
         quantize_int4(torch.randn(8, 96), 48)
     with pytest.raises(ValueError, match="quantization: 'int3' is not one of int8, int4"):

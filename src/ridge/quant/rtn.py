@@ -59,8 +59,10 @@ def check_group_size(in_features: int, group_size: int, where: str = "") -> None
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size: {group_size} is not one of {', '.join(map(str, GROUP_SIZES))}")
     if in_features % group_size:
-        raise ValueError(f"group_size: {group_size} does not divide the input dimension {in_features}{where}; "
-                         f"choose one that does (of {', '.join(str(g) for g in GROUP_SIZES if in_features % g == 0)})")
+        fits = [str(g) for g in GROUP_SIZES if in_features % g == 0]
+        hint = (f"choose one that does (of {', '.join(fits)})" if fits else
+                f"none of {', '.join(map(str, GROUP_SIZES))} does: quantize per channel (int8 or fp8)")
+        raise ValueError(f"group_size: {group_size} does not divide the input dimension {in_features}{where}; {hint}")
 
 
 def nearest_int8(u: torch.Tensor) -> torch.Tensor:
