@@ -270,6 +270,35 @@ def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smo
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
+def test_a_random_mixture_in_q8_0_blocks_runs_them_natively(smollm2_path, tmp_path, make_llm_for_test):
+    """A random Qwen3-MoE written with Q8_0 matrices (bench/random_gguf.py's block_type: what ridge and llama.cpp
+    run side by side) loads with its experts on GGUF blocks, decodes through the fused stack, and stays the drawn
+    model within Q8_0's rounding."""
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.gguf_file import read_gguf
+    from ridge.models.moe import MoEBlock
+    from ridge.models.random_weights import random_spec
+
+    config = {**hf_config("qwen3_moe").to_dict(), "vocab_size": 49152, "mlp_only_layers": []}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = random_spec(f"random:{tmp_path}")
+    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, seed=0, block_type="Q8_0")
+    assert read_gguf(path).metadata["general.file_type"] == 7  # llama.cpp's MOSTLY_Q8_0
+    from_file = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    blocks = [m for m in from_file.engine.loaded.model.modules() if isinstance(m, MoEBlock)]
+    # Q8_0's blocks of 32 as int8 codes with a scale a group, on the grouped int8 kernel, read as stored
+    assert blocks and all(e.gate_up.kernel == e.down.kernel == "grouped_int8" for b in blocks for e in b.experts)
+    assert from_file.engine.runner.decode_stack is not None
+    drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    quantized, reference = from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids)
+    assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    with pytest.raises(ValueError, match="block_type: 'Q4_K' is not one of Q8_0"):
+        write_random_gguf(spec, tmp_path / "other.gguf", smollm2_path, block_type="Q4_K")
+
+
 def _rewrite_gguf(source, target, keys: dict, tensors) -> None:
     """`source` GGUF written again at `target` with header `keys` changed (None: dropped) and its tensors passed
     through `tensors(name, array) -> [(name, array, quantization type or None)]`."""

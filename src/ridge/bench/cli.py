@@ -161,9 +161,10 @@ def _peer_job(args, mode: str, requests: list[dict], gguf: Path | None, dtype: s
             "batch_size": args.hf_batch_size, "threads": args.num_threads, "device": args.device}
 
 
-def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
-    """A float16 GGUF of `random:NAME`'s weights for the peers, written once under ~/.cache/ridge/random-gguf with
-    the vocabulary of a pulled GGUF of the same size (ValueError naming what is missing)."""
+def random_gguf_for(spec: ModelSpec, seed: int, block_type: str | None = None) -> Path:
+    """A float16 GGUF of `random:NAME`'s weights for the peers (or its matrices in a GGUF block format:
+    random_gguf.BLOCK_TYPES), written once under ~/.cache/ridge/random-gguf with the vocabulary of a pulled GGUF
+    of the same size (ValueError naming what is missing)."""
     from ridge.bench.random_gguf import WRITER_VERSION, write_random_gguf
     from ridge.hub import ALIASES, ridge_home
 
@@ -172,7 +173,7 @@ def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
     # the file is what this spec and this writer make: a changed preset or writer never reuses an old file
     digest = hashlib.sha1(f"{spec!r} writer {WRITER_VERSION}".encode()).hexdigest()[:10]
     name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec.name.removeprefix("random:"))
-    path = folder / f"{name}-seed{seed}-{digest}.gguf"
+    path = folder / f"{name}-seed{seed}-{digest}{'-' + block_type if block_type else ''}.gguf"
     if path.exists():
         return path
     vocabularies = [p for alias in ALIASES if (p := _pulled(alias)) is not None and _vocab_size(p) == spec.vocab_size]
@@ -182,7 +183,7 @@ def random_gguf_for(spec: ModelSpec, seed: int) -> Path:
     print(f"[bench] writing {spec.name} as a GGUF for the peers (llama.cpp reads it, vLLM its HF export): {path}",
           file=sys.stderr)
     tmp = path.with_suffix(".partial")
-    write_random_gguf(spec, tmp, vocabularies[0], seed)
+    write_random_gguf(spec, tmp, vocabularies[0], seed, block_type=block_type)
     tmp.rename(path)
     return path
 

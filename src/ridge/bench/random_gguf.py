@@ -3,7 +3,9 @@
 A shape with no small real checkpoint here (a mixture of experts of Qwen3-30B-A3B's layers, say) can still be
 measured side by side: the weights ridge draws for `random:NAME` (models/random_weights.py, the same seed) are
 written under llama.cpp's tensor names and header keys, in float16, with the vocabulary of a pulled GGUF of the
-same size (llama.cpp will not load a model without one). ridge reads the file back to the same model.
+same size (llama.cpp will not load a model without one). ridge reads the file back to the same model. With
+`block_type` (Q8_0, Q4_0, ...) the matrices are written in that GGUF block format, quantized by the gguf
+package's own reference code, so that ridge (`--quantization gguf`) and llama.cpp run the same blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from gguf import ExpertGatingFuncType, GGUFReader, GGUFWriter, RopeScalingType
+from gguf import (
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+    quants,
+)
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
@@ -36,10 +46,13 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight"}
 
 
-def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True) -> Path:
+def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True,
+                      block_type: str | None = None) -> Path:
     """`spec` with ridge's random weights of `seed` as a GGUF at `path` (float16, or float32: the weights of
     `random:NAME` in float32 exactly); the tokenizer copied from the GGUF `vocabulary`, whose token count must
-    be the model's vocabulary size."""
+    be the model's vocabulary size. block_type: a GGUF block format the gguf package quantizes to (Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1) for every matrix but the routers (kept as llama.cpp's quantizer keeps them)."""
+    blocks = _block_type(block_type)
     arch = GGUF_ARCHITECTURES.get(spec.architecture)
     if arch is None or spec.ssm_layers:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
@@ -51,13 +64,18 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     loaded = random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed)
     cfg = loaded.config
     writer = GGUFWriter(str(path), arch)
-    _header(writer, arch, spec, cfg, float16)
+    _header(writer, arch, spec, cfg, float16, blocks)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
     state = loaded.model.state_dict()
     for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
         # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply
         # by them in float32 only
-        writer.add_tensor(name, (tensor.float() if tensor.dim() == 1 else tensor).contiguous().numpy())
+        if tensor.dim() == 1:
+            writer.add_tensor(name, tensor.float().numpy())
+        elif blocks is not None and not name.endswith("ffn_gate_inp.weight"):
+            writer.add_tensor(name, quants.quantize(tensor.float().contiguous().numpy(), blocks), raw_dtype=blocks)
+        else:
+            writer.add_tensor(name, tensor.contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
@@ -65,7 +83,20 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     return path
 
 
-def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, float16: bool) -> None:
+# the block formats the gguf package can quantize to (its reference code; the k-quants it only reads)
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _block_type(name: str | None) -> GGMLQuantizationType | None:
+    if name is None:
+        return None
+    if name not in BLOCK_TYPES:
+        raise ValueError(f"block_type: {name!r} is not one of {', '.join(BLOCK_TYPES)}")
+    return GGMLQuantizationType[name]
+
+
+def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, float16: bool,
+            blocks: GGMLQuantizationType | None) -> None:
     writer.add_context_length(spec.max_position_embeddings)
     writer.add_embedding_length(spec.hidden_size)
     writer.add_block_count(spec.num_layers)
@@ -91,7 +122,8 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    writer.add_file_type(1 if float16 else 0)  # llama.cpp's LLAMA_FTYPE_MOSTLY_F16 / ALL_F32
+    # llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like
+    writer.add_file_type(LlamaFileType[f"MOSTLY_{blocks.name}"] if blocks is not None else 1 if float16 else 0)
     if spec.is_moe:
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.experts_per_token)
