@@ -332,3 +332,14 @@ def test_tensor_parallel_costs_more_over_pcie_and_stops_paying_where_latency_rul
     with pytest.raises(ValueError, match="link: 'smoke-signals' is not known"):
         build_plan(model, resolve_hardware("h100-sxm"), Workload(gpus=2, link="smoke-signals"))
     assert build_plan(model, resolve_hardware("h100-sxm"), Workload()).tensor_parallel is None
+
+
+def test_a_second_bandwidth_probe_keeps_the_better_ceiling():
+    """Benchmarks probe the read bandwidth before and after their runs and divide by the better of the two."""
+    from ridge.plan.roofline import Roofline, remeasured
+
+    slow = Roofline(read_gb_s=1e-3, matmul_gflop_s={"bfloat16": 5.0})
+    probed = remeasured(slow)
+    assert probed.read_gb_s > slow.read_gb_s and probed.matmul_gflop_s == slow.matmul_gflop_s
+    fast = Roofline(read_gb_s=1e6, matmul_gflop_s={})
+    assert remeasured(fast) == fast

@@ -281,9 +281,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     spec = llm.engine.loaded.spec
     del llm
     _free_device_memory(args.device)
-    # a shared host's read bandwidth moves by a third from minute to minute: the ceiling is the better of a probe
-    # before ridge's run and one after it, so that a fraction never stands on a probe taken in a slow minute alone
-    roof = max(roof, roofline.measure(dtypes=(), device=args.device), key=lambda r: r.read_gb_s)
+    roof = roofline.remeasured(roof, args.device)
     results = [ridge_result]
     if not args.no_peers:
         results += _run_peers(args, "latency", [{"prompt_ids": ids, "max_tokens": args.output_len}], gguf, dtype,

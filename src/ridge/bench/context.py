@@ -57,9 +57,12 @@ def cmd_context(args: argparse.Namespace) -> int:
                        "note": result.note, "step_bytes": step_bytes}
                 if not result.error:
                     tok_s = result.figures["decode_tok_s"]
-                    row.update(ms_per_token=1e3 / tok_s, decode_tok_s=tok_s,
-                               read_fraction=step_bytes * tok_s / 1e9 / roof.read_gb_s)
+                    row.update(ms_per_token=1e3 / tok_s, decode_tok_s=tok_s)
                 rows.append(row)
+        roof = roofline.remeasured(roof, args.device)
+    for row in rows:
+        if "decode_tok_s" in row:
+            row["read_fraction"] = row["step_bytes"] * row["decode_tok_s"] / 1e9 / roof.read_gb_s
     report = {"benchmark": "context", "device": _device_name(args.device), "new_tokens": args.output_len,
               "machine": asdict(roof), "rows": rows}
     if args.json:

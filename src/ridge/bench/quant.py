@@ -129,6 +129,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
         job = {"mode": "latency", "gguf": str(path), "dtype": "bfloat16", "repeats": args.repeats,
                "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
         peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
+    roof = roofline.remeasured(roof)
     base = next((r for r in results if r.name == args.baseline and not r.error), None)
     theirs = peer.figures["decode_tok_s"] if peer is not None and not peer.error else None
     rows = [_row(r, base, theirs, roof.read_gb_s) for r in results]

@@ -6,7 +6,7 @@ Benchmarks report a run as a fraction of these, so a figure says how close it ca
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,14 @@ def _best(fn, repeats: int) -> float:
 def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     return x.numel() * 4 / _best(lambda: x.sum(), repeats) / 1e9
+
+
+def remeasured(roof: Roofline, device: str = "cpu") -> Roofline:
+    """roof, its read bandwidth the better of its own and a probe taken now. A shared host's read bandwidth moves
+    by a third from minute to minute (docs/benchmarks.md's MoE section saw 41-75 GB/s in one session): a benchmark
+    probes again after its runs, so that no fraction of the roofline stands on one probe from a slow minute."""
+    now = measure(dtypes=(), device=device).read_gb_s
+    return replace(roof, read_gb_s=max(roof.read_gb_s, now))
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3, probe: int = 512) -> float:
