@@ -173,6 +173,27 @@ def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, arg
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.threaded
+@pytest.mark.parametrize("moe_model", ["olmoe", "deepseek_v2", "deepseek_v3"], indirect=True)
+def test_mixtures_the_stack_does_not_take_run_their_experts_in_c(moe_model, make_llm_for_test):
+    """Latent attention and all-head q / k norms keep decode steps in Python, but their MoE blocks call the C++
+    experts there: the same tokens and log-probabilities as the Python blocks (enforce_eager), prompt and decode."""
+    from ridge.models.moe import MoEBlock
+
+    path, _ = moe_model
+    native = make_llm_for_test(path, dtype="float32")
+    eager = make_llm_for_test(path, dtype="float32", enforce_eager=True)
+    assert native.engine.runner.decode_stack is None
+    blocks = [m for m in native.engine.loaded.model.modules() if isinstance(m, MoEBlock)]
+    assert blocks and all(b.native is not None for b in blocks)
+    assert all(m.native is None for m in eager.engine.loaded.model.modules() if isinstance(m, MoEBlock))
+    prompts = random_prompts(6, VOCAB, 3, 40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(native.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_test):
     """Weights whose matmul a batch-1 decode step runs, counted by hooks, against the plan's bytes for the active
     parameters (the routed experts chosen, the shared expert, attention, routers, the output head)."""

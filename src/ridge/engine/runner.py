@@ -85,6 +85,8 @@ class ModelRunner:
         # rank's calling the group's all-reduces between them)
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
                                                                           tensor_parallel)
+        if not enforce_eager and cpu_ops is not None and self.device.type == "cpu" and cfg.num_experts:
+            decode_stack.attach_native_experts(model, cpu_ops)
         self.graphs: DecodeGraphs | None = None
         graphs = isinstance(self.backend, CudaBackend) and not enforce_eager and not tensor_parallel
         if graphs and cfg.num_experts:

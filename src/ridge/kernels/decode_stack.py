@@ -71,6 +71,22 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight)
 
 
+def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
+    """Give each mixture-of-experts block of `model` its C++ form, which its forward() calls on steps of up to
+    as many rows as the stack takes (decode steps the stack does not serve: latent attention, OLMoE's norms); a
+    block with an expert that has no kernel there keeps its Python path."""
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            block.native, block.native_max_rows = native_experts(ops, block), max_rows(model)
+
+
+def max_rows(model: DecoderModel) -> int:
+    """The most rows the stack's kernel calls keep the Python path's kernels for."""
+    # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
+    int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())
+    return min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS
+
+
 def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None,
           tensor_parallel: bool = False) -> DecodeStack | None:
     """The stack over model's layers and backend's caches, or None where the Python path must serve.
@@ -114,10 +130,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i], *cache, experts=experts))
     rope_table = torch.view_as_real(model.rotary.freqs)
-    # bfloat16's 4-bit layers on torch's layout change kernel at TILED_MIN_ROWS (linear/quantized.py)
-    int4pack = any(isinstance(m, Int4Linear) for m in model.layers.modules())
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce),
-                       min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS)
+                       max_rows(model))

@@ -4,8 +4,9 @@ The step's tokens are grouped by expert (one sort of the (token, slot) choices),
 token chose runs once, as one matmul over its tokens: at batch 1 only the chosen experts' weights are read,
 and no loop ever runs over tokens. Each expert is a GatedMLP with ordinary linear layers, so quantized
 formats and CPU kernels apply to experts as to any dense layer (DecoderModel.replace_linears).
-On the CPU, decode steps run this block inside the C++ decode stack (kernels/decode_stack.h's Experts): the same
-routing op for op and the same experts' kernels, the experts side by side on the threads.
+On the CPU (unless enforce_eager), the block runs in C++ (kernels/decode_stack.h's Experts, `native`): the same
+routing op for op and the same experts' kernels, the experts side by side on the threads; decode steps call it from
+the fused decode stack, or through forward() in models the stack does not take (latent attention, OLMoE).
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
 norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
@@ -20,6 +21,7 @@ the bias (renormalised), times routed_scaling_factor; its shared experts run ung
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +54,10 @@ class MoEBlock(nn.Module):
         width = cfg.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(cfg, width) if width else None
         self.shared_expert_gate = Router(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        # this block in C++, where the runner made it (kernels/decode_stack.py), for steps of up to native_max_rows
+        # rows: its kernel calls are the Python path's up to there (the stack's limit)
+        self.native: Any = None
+        self.native_max_rows = 0
 
     def read_bytes(self, read: Callable[[nn.Module], float], batch: int) -> float:
         """Weight bytes a decode step of `batch` tokens reads here (linear.model_weight_bytes): the router, the
@@ -81,6 +87,8 @@ class MoEBlock(nn.Module):
         return experts, weights * self.scaling if self.scaling != 1.0 else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.shape[0] <= self.native_max_rows:
+            return self.native(x)
         experts, weights = self.route(x)
         choices = experts.flatten()  # choice c is token c // k's slot c % k
         order = choices.argsort(stable=True)
