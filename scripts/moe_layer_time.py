@@ -18,7 +18,8 @@ from ridge.kernels.decode_stack import native_experts
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "random:qwen3-30b-a3b,num_layers=2"
-    llm = LLM(name, progress=False, kv_cache_memory="256MiB", max_model_len=512, dtype="bfloat16")
+    # enforce_eager: the block keeps its Python path (its C++ form is made here, beside it)
+    llm = LLM(name, progress=False, kv_cache_memory="256MiB", max_model_len=512, dtype="bfloat16", enforce_eager=True)
     block = llm.engine.loaded.model.layers[0].mlp
     native = native_experts(cpu_ops.load(), block)
     xs = [torch.randn(1, block.router.in_features, dtype=torch.bfloat16) for _ in range(64)]
