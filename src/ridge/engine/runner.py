@@ -83,10 +83,10 @@ class ModelRunner:
                        if cfg.ssm_layers else None)
         # decode steps' layers in one C++ call where the model's layers all have a kernel there (a tensor-parallel
         # rank's calling the group's all-reduces between them)
+        if not enforce_eager and cpu_ops is not None and self.device.type == "cpu" and cfg.num_experts:
+            decode_stack.attach_native_experts(model, cpu_ops)  # the stack takes the same ones
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
                                                                           tensor_parallel)
-        if not enforce_eager and cpu_ops is not None and self.device.type == "cpu" and cfg.num_experts:
-            decode_stack.attach_native_experts(model, cpu_ops)
         self.graphs: DecodeGraphs | None = None
         graphs = isinstance(self.backend, CudaBackend) and not enforce_eager and not tensor_parallel
         if graphs and cfg.num_experts:

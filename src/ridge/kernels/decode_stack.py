@@ -117,7 +117,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.attn, layer.mlp
         moe = isinstance(mlp, MoEBlock)
-        experts = native_experts(ops, mlp) if moe else None
+        experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
         linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj)]
         # a mixture's layer has no dense MLP: its gate_up and down are empty
         linears += [ops.Linear([], None)] * 2 if moe else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)]
