@@ -43,8 +43,8 @@ def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
 
 def remeasured(roof: Roofline, device: str = "cpu") -> Roofline:
     """roof, its read bandwidth the better of its own and a probe taken now. A shared host's read bandwidth moves
-    by a third from minute to minute (docs/benchmarks.md's MoE section saw 41-75 GB/s in one session): a benchmark
-    probes again after its runs, so that no fraction of the roofline stands on one probe from a slow minute."""
+    from minute to minute (figures: docs/benchmarks.md's MoE section): a benchmark probes again after its runs,
+    so that no fraction of the roofline stands on one probe from a slow minute."""
     now = measure(dtypes=(), device=device).read_gb_s
     return replace(roof, read_gb_s=max(roof.read_gb_s, now))
 
