@@ -147,9 +147,11 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
     torch.set_num_threads(cores)
 
 
-# the stack's architectures (no MLA, no q / k norms over all heads); 4-bit groups of 32 need widths in 32s, which
-# Qwen3-MoE's config has
+# the stack's architectures (all but OLMoE's q / k norms over all heads); 4-bit groups of 32 need widths in 32s,
+# which Qwen3-MoE's config has
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
+               "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}),
+               "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
                "qwen3_moe-int4-bf16": ("qwen3_moe", {"quantization": "int4", "dtype": "bfloat16"}),
@@ -174,10 +176,10 @@ def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, arg
 
 
 @pytest.mark.threaded
-@pytest.mark.parametrize("moe_model", ["olmoe", "deepseek_v2", "deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("moe_model", ["olmoe"], indirect=True)
 def test_mixtures_the_stack_does_not_take_run_their_experts_in_c(moe_model, make_llm_for_test):
-    """Latent attention and all-head q / k norms keep decode steps in Python, but their MoE blocks call the C++
-    experts there: the same tokens and log-probabilities as the Python blocks (enforce_eager), prompt and decode."""
+    """All-head q / k norms keep decode steps in Python, but the model's MoE blocks call the C++ experts there:
+    the same tokens and log-probabilities as the Python blocks (enforce_eager), prompt and decode."""
     from ridge.models.moe import MoEBlock
 
     path, _ = moe_model
@@ -412,20 +414,41 @@ def test_a_quantized_deepseek2_gguf_runs_its_blocks_natively(deepseek_v2_gguf, t
     assert (ours - reference).abs().max() <= 1e-3 * reference.abs().max()
 
 
+class _CountedLatentDecode:
+    """The CPU kernels with latent_decode counting the cache bytes each call reads: every row's blocks up to its
+    context length (the kernel reads no further, kernels/latent_attention.cpp), a whole block at a time."""
+
+    def __init__(self, ops, read: list[int]) -> None:
+        self._ops, self._read = ops, read
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def latent_decode(self, q, cache, block_tables, context_lens, *args, **kwargs):
+        block_size, dim = cache.shape[1], cache.shape[2]
+        blocks = int(((context_lens + block_size - 1) // block_size).sum())
+        self._read.append(blocks * block_size * dim * cache.element_size())
+        return self._ops.latent_decode(q, cache, block_tables, context_lens, *args, **kwargs)
+
+
 @pytest.mark.parametrize("moe_model", ["deepseek_v3"], indirect=True)
-def test_latent_attention_decode_reads_the_latent_rows_only(moe_model, make_llm_for_test):
-    """The cache rows a batch-1 decode step of DeepSeek-V3's latent attention reads: the plan's KV bytes of its
-    context (to whole blocks), a quarter of what K and V per head would be on this small config."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_latent_attention_decode_reads_the_latent_rows_only(moe_model, kernel, make_llm_for_test):
+    """The cache rows a batch-1 decode step of DeepSeek-V3's latent attention reads, through the C++ kernel or
+    torch's gather: the plan's KV bytes of its context (to whole blocks), a quarter of what K and V per head would
+    be on this small config."""
     from ridge.plan.arithmetic import kv_bytes
 
     path, _ = moe_model
-    llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    # enforce_eager: the layers call the backend from Python, where its reads can be counted
+    llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False, enforce_eager=True)
     engine = llm.engine
     engine.add_request(random_prompts(1, VOCAB, 158, 159, seed=8)[0],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()  # the prefill: 158 tokens; the next step decodes at a context of 159
     backend, read = engine.runner.backend, []
-    gather = backend.gather
+    ops, gather = backend.ops, backend.gather
+    assert ops is not None and backend.kernel
 
     def counted(layer, table):
         rows, latents = gather(layer, table)
@@ -433,10 +456,11 @@ def test_latent_attention_decode_reads_the_latent_rows_only(moe_model, make_llm_
         return rows, latents
 
     backend.gather = counted
+    backend.ops = _CountedLatentDecode(ops, read) if kernel else None
     try:
         engine.step()
     finally:
-        backend.gather = gather
+        backend.gather, backend.ops = gather, ops
     while engine.has_unfinished:
         engine.step()
     spec, cfg = engine.loaded.spec, engine.loaded.config

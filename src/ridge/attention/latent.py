@@ -3,15 +3,21 @@
 A layer's cache is [num_blocks, block_size, dim]: each token's latent (value_dim = kv_lora_rank values) followed
 by its rotary key. Every query head scores the whole row and takes the weighted sum of its latent part, so one
 KV head of `dim` values a token is all the cache holds (DeepSeek-V3: 576, where K and V per head would hold
-32,768). Attention runs in torch, decodes batched over a padded gather of their blocks, prefill chunks one by
-one; softmax in float32.
+32,768). On the CPU, decodes read their rows in place in a C++ kernel (kernels/latent_attention.cpp), which the
+fused decode step calls too (kernels/decode_stack.cpp); elsewhere they are gathered into a padded batch for
+torch. Prefill chunks run in torch one by one; softmax in float32.
+
+With heavy-hitter eviction the backend reports each sequence's attention mass per block, as the paged backend
+does: the kernel sums it for decodes, torch for a chunk's observed rows.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, window_mask
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, window_mask
+from ridge.kv.eviction import OBSERVED_ROWS
 
 
 class LatentBackend(AttentionBackend):
@@ -29,9 +35,19 @@ class LatentBackend(AttentionBackend):
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         return [(t, 0) for t in {id(t): t for t in self.k_cache.values()}.values()]
 
+    @property
+    def kernel(self) -> bool:
+        """Whether decodes run in the C++ kernel (the CPU, a float32 or bfloat16 cache)."""
+        return self.ops is not None and self.dtype in (torch.float32, torch.bfloat16)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if self.kernel and meta.num_decodes:  # the decodes' own tables, as the kernel and the fused step read them
+            lens = meta.decode_context_lens
+            meta.kernel_rows = KernelRows(None, meta.decode_block_tables, lens, window_starts=meta.window_starts(lens))
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """k: [T, 1, dim], the tokens' rows (v is the same rows)."""
-        self.k_cache[layer].view(-1, self.head_dim)[slots] = k[:, 0]
+        self.k_cache[layer].view(-1, self.head_dim).index_copy_(0, slots, k[:, 0])
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> rows [..., n * block_size, dim] (as keys) and their latents (as values)."""
@@ -41,9 +57,18 @@ class LatentBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, dim] -> [T, heads, value_dim]."""
+        decodes, mass = meta.num_decodes, meta.attention_mass
+        if decodes and meta.kernel_rows is not None:
+            kernel = meta.kernel_rows
+            decoded = self.ops.latent_decode(q[:decodes], self.k_cache[layer], kernel.block_tables,
+                                             kernel.context_lens, self.scale, self.value_dim, kernel.window_starts,
+                                             None if mass is None else mass[:decodes])[..., :self.value_dim]
+            if not meta.prefills:
+                return decoded
         out = q.new_empty(q.shape[0], q.shape[1], self.value_dim)
-        decodes = meta.num_decodes
-        if decodes:
+        if decodes and meta.kernel_rows is not None:
+            out[:decodes] = decoded
+        elif decodes:
             rows, latents = self.gather(layer, meta.decode_block_tables)  # [B, L, dim], [B, L, value_dim]
             scores = torch.einsum("bhd,bld->bhl", q[:decodes].float(), rows.float()) * self.scale
             positions = torch.arange(rows.shape[1], device=q.device)
@@ -51,14 +76,23 @@ class LatentBackend(AttentionBackend):
             visible = positions < lens
             if meta.window is not None:
                 visible &= positions >= lens - meta.window
-            scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-            out[:decodes] = torch.einsum("bhl,blv->bhv", scores.softmax(-1), latents.float()).to(q.dtype)
-        for chunk in meta.prefills:
+            probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
+            out[:decodes] = torch.einsum("bhl,blv->bhv", probs, latents.float()).to(q.dtype)
+            if mass is not None:
+                self._add_mass(mass[:decodes], probs.sum(1))
+        for i, chunk in enumerate(meta.prefills):
             n, context = chunk.length, chunk.context_len
             rows, latents = self.gather(layer, chunk.block_table)
             rows, latents = rows[:context].float(), latents[:context].float()
             scores = torch.einsum("nhd,cd->hnc", q[chunk.start:chunk.start + n].float(), rows) * self.scale
             visible = window_mask(torch.arange(context - n, context), torch.arange(context), meta.window)
-            scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-            out[chunk.start:chunk.start + n] = torch.einsum("hnc,cv->nhv", scores.softmax(-1), latents).to(q.dtype)
+            probs = scores.masked_fill(~visible.to(scores.device), float("-inf")).softmax(-1)
+            out[chunk.start:chunk.start + n] = torch.einsum("hnc,cv->nhv", probs, latents).to(q.dtype)
+            if mass is not None:  # a chunk's last OBSERVED_ROWS queries (kv/eviction.py)
+                self._add_mass(mass[decodes + i:decodes + i + 1], probs[:, -OBSERVED_ROWS:].sum((0, 1))[None])
         return out
+
+    def _add_mass(self, mass: torch.Tensor, per_key: torch.Tensor) -> None:
+        """mass [R, width] += per_key [R, L] (probabilities summed over heads and queries) summed per block."""
+        blocks = F.pad(per_key, (0, -per_key.shape[-1] % self.block_size)).unflatten(-1, (-1, self.block_size)).sum(-1)
+        mass[:, :blocks.shape[1]] += blocks

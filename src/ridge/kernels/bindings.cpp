@@ -17,6 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "k, v [T, kv_heads, d] quantized into an int8 / fp8 cache's codes and scales at slots (keys less center)",
         py::arg("k_codes"), py::arg("v_codes"), py::arg("k_scales"), py::arg("v_scales"), py::arg("k"), py::arg("v"),
         py::arg("slots"), py::arg("center") = py::none(), py::arg("fp8") = false);
+  m.def("latent_decode", &latent_decode,
+        "latent attention's decode over its paged rows -> [B, heads, dim], each head's weighted sum of latents",
+        py::arg("q"), py::arg("cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("value_dim"), py::arg("window_starts") = py::none(), py::arg("mass") = py::none());
+  m.def("head_matmul", &head_matmul, "x[:, h] @ weight[h] (transposed: weight[h].T) for every head h",
+        py::arg("x"), py::arg("weight"), py::arg("transposed"));
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; return RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
@@ -93,19 +99,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
            py::arg("shared_gate"))
       .def("__call__", &Experts::operator(), py::arg("x"));
+  py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
+      .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,
+                       torch::Tensor kv_a_norm, torch::Tensor w_uk, torch::Tensor w_uv, int64_t rope) {
+             TORCH_CHECK(q_a.has_value() == q_a_norm.has_value(), "LatentProjections: q_a comes with q_a_norm");
+             TORCH_CHECK(w_uk.dim() == 3 && w_uv.dim() == 3 && w_uk.size(0) == w_uv.size(0) &&
+                             w_uk.size(2) == w_uv.size(2),
+                         "LatentProjections: w_uk [heads, nope, rank], w_uv [heads, v_dim, rank]");
+             return LatentProjections{q_a, q_a_norm, q, kv_a, kv_a_norm, w_uk, w_uv, rope};
+           }),
+           py::arg("q_a"), py::arg("q_a_norm"), py::arg("q"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
+           py::arg("w_uv"), py::arg("rope"));
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
                        torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8,
-                       std::optional<Experts> experts) {
-             return Layer{input_norm, post_attn_norm, q_norm,   k_norm,   qkv,        o_proj, gate_up,
-                          down,       k_cache,        v_cache,  k_scales, v_scales, key_center, fp8, experts};
+                       std::optional<Experts> experts, std::optional<LatentProjections> latent) {
+             return Layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
+                          k_cache,    v_cache,        k_scales,   v_scales, key_center, fp8, experts, latent};
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("key_center") = py::none(),
-           py::arg("fp8") = false, py::arg("experts") = py::none());
+           py::arg("fp8") = false, py::arg("experts") = py::none(), py::arg("latent") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
                     py::object>(),

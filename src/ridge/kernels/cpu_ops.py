@@ -18,6 +18,9 @@
 - bf16_dot_linear.cpp: 4- and 8-bit layers for bfloat16 inputs, exact, on AVX512-BF16 dot products over
   vnni_linear's layout: the float kernels above spend ~3 instructions per 16 weights and were bound by them, not
   by memory.
+- latent_attention.cpp: latent attention's (MLA's) decode over its paged rows, and the per-head products that
+  fold kv_b into the query and out of the result: from torch ops, a padded float32 copy of every row's context
+  per layer and step, and bmm over kv_b's slices copied each call, took three times its weights' read.
 - decode_stack.cpp: a decode step's decoder layers in one call over the kernels above: at batch 1 the Python
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
 
@@ -42,7 +45,7 @@ log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "quantized_attention.cpp", "fused_ops.cpp",
                      "quant_linear.cpp", "dense_linear.cpp", "int8_dot_linear.cpp", "vnni_linear.cpp",
-                     "bf16_dot_linear.cpp", "decode_stack.cpp")]
+                     "bf16_dot_linear.cpp", "latent_attention.cpp", "decode_stack.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "decode_tasks.h", "ops.h",
                                                 "vnni_layout.h")]
 

@@ -203,36 +203,70 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     } else {
       h = add_rms_norm_(residual, x, layer.input_norm, eps);
     }
-    auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
-    auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
-    torch::Tensor q = split[0], k = split[1], v = split[2];
-    if (layer.q_norm.has_value()) {
-      q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
-      k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
-      rotary_(q, positions, rope_table, heads);
-      rotary_(k, positions, rope_table, kv_heads);
-    } else {  // q and k side by side in qkv: rotated in one go
-      rotary_(qkv, positions, rope_table, heads + kv_heads);
-    }
-    torch::Tensor attended;
-    if (layer.k_scales.has_value()) {
-      quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, slots,
-                             layer.key_center, layer.fp8);
-      attended = std::get<0>(quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales,
-                                                    *layer.v_scales, block_tables, context_lens, scale, std::nullopt,
-                                                    layer.fp8, mass));
-    } else {
-      cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
-      attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
-                                          std::nullopt, mass));
-    }
-    x = layer.o_proj(attended.reshape({rows, heads * head_dim}));
+    x = layer.o_proj(layer.latent.has_value()
+                         ? latent_attention(layer, h, positions, slots, block_tables, context_lens, mass)
+                         : attention(layer, h, positions, slots, block_tables, context_lens, mass));
     reduce_(x);
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
     x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(silu_mul(layer.gate_up(h)));
     reduce_(x);
   }
   return add_rms_norm_(residual, x, final_norm, eps);
+}
+
+torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
+                                     const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens,
+                                     const std::optional<torch::Tensor>& mass) const {
+  const int64_t rows = h.size(0);
+  auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
+  auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+  torch::Tensor q = split[0], k = split[1], v = split[2];
+  if (layer.q_norm.has_value()) {
+    q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
+    k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
+    rotary_(q, positions, rope_table, heads);
+    rotary_(k, positions, rope_table, kv_heads);
+  } else {  // q and k side by side in qkv: rotated in one go
+    rotary_(qkv, positions, rope_table, heads + kv_heads);
+  }
+  torch::Tensor attended;
+  if (layer.k_scales.has_value()) {
+    quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, slots,
+                           layer.key_center, layer.fp8);
+    attended = std::get<0>(quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales,
+                                                  *layer.v_scales, block_tables, context_lens, scale, std::nullopt,
+                                                  layer.fp8, mass));
+  } else {
+    cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
+    attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
+                                        std::nullopt, mass));
+  }
+  return attended.reshape({rows, heads * head_dim});
+}
+
+// models/mla.py's LatentAttention.forward and attention/latent.py's decode, op for op
+torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Tensor& h,
+                                            const torch::Tensor& positions, const torch::Tensor& slots,
+                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                            const std::optional<torch::Tensor>& mass) const {
+  const LatentProjections& p = *layer.latent;
+  const int64_t rows = h.size(0), local_heads = p.w_uk.size(0), nope = p.w_uk.size(1), rank = p.w_uk.size(2);
+  auto q = p.q_a.has_value() ? p.q(at::rms_norm((*p.q_a)(h), {p.q_a_norm->size(0)}, *p.q_a_norm, eps)) : p.q(h);
+  q = q.view({rows, local_heads, nope + p.rope});
+  const auto q_nope = q.narrow(2, 0, nope);
+  const auto q_pe = q.narrow(2, nope, p.rope).contiguous();
+  const auto kv = p.kv_a(h);
+  const auto latent = kv.narrow(1, 0, rank);
+  const auto k_pe = kv.narrow(1, rank, p.rope).contiguous().view({rows, 1, p.rope});
+  rotary_(q_pe, positions, rope_table, local_heads);
+  rotary_(k_pe, positions, rope_table, 1);
+  const auto query = torch::cat({head_matmul(q_nope, p.w_uk, false), q_pe}, -1);
+  const auto row = torch::cat({at::rms_norm(latent, {rank}, p.kv_a_norm, eps), k_pe.view({rows, p.rope})}, -1);
+  layer.k_cache.view({-1, rank + p.rope}).index_copy_(0, slots, row);
+  const auto mixed = latent_decode(query, layer.k_cache, block_tables, context_lens, scale, rank, std::nullopt, mass)
+                         .narrow(2, 0, rank);
+  return head_matmul(mixed, p.w_uv, true).reshape({rows, local_heads * p.w_uv.size(1)});
 }
 
 void DecodeStack::reduce_(const torch::Tensor& x) const {

@@ -70,16 +70,31 @@ struct Experts {
   std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
 };
 
+// Multi-head latent attention's projections (models/mla.py's LatentAttention), run as its forward() runs them:
+// the query (through its low-rank bottleneck where q_a is given), the latent and rotary key, W_UK folded into the
+// query and W_UV applied after, both on head_matmul (kernels/latent_attention.cpp).
+struct LatentProjections {
+  c10::optional<Linear> q_a;               // with q_a_norm, the query's bottleneck before q (DeepSeek-V3)
+  c10::optional<torch::Tensor> q_a_norm;
+  Linear q, kv_a;                          // q: q_b, or q_proj where there is no bottleneck
+  torch::Tensor kv_a_norm;
+  torch::Tensor w_uk, w_uv;                // views of kv_b: [heads, nope, rank] and [heads, v_dim, rank]
+  int64_t rope;                            // qk_rope_head_dim
+};
+
 struct Layer {
   torch::Tensor input_norm, post_attn_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
   Linear qkv, o_proj, gate_up, down;  // gate_up and down: a dense MLP's; empty where the layer has experts
-  torch::Tensor k_cache, v_cache;  // this layer's paged caches (attention/backend.py's layout)
+  // this layer's paged caches (attention/backend.py's layout); latent attention's rows in k_cache
+  // (attention/latent.py's layout), v_cache unused
+  torch::Tensor k_cache, v_cache;
   // a quantized cache's (attention/quantized_kv.py): k_cache, v_cache hold int8 or fp8 codes, these their scales,
   // and keys are stored less key_center; absent for a cache in the model's dtype
   c10::optional<torch::Tensor> k_scales, v_scales, key_center;
   bool fp8 = false;
   std::optional<Experts> experts;  // the layer's MLP, where it is a mixture of experts
+  std::optional<LatentProjections> latent;  // the layer's attention, where it is latent (qkv empty then)
 };
 
 struct DecodeStack {
@@ -101,6 +116,13 @@ struct DecodeStack {
                         torch::Tensor context_lens, std::optional<torch::Tensor> mass) const;
 
  private:
+  // a layer's attention from its normed input h to o_proj's input [B, heads * v_dim]
+  torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
+                          const torch::Tensor& slots, const torch::Tensor& block_tables,
+                          const torch::Tensor& context_lens, const std::optional<torch::Tensor>& mass) const;
+  torch::Tensor latent_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
+                                 const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                 const torch::Tensor& context_lens, const std::optional<torch::Tensor>& mass) const;
   void reduce_(const torch::Tensor& x) const;
 };
 

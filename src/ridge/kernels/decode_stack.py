@@ -5,9 +5,10 @@ as much again (docs/notes/kernel-choices.md). The C++ stack calls the same kerne
 outputs are bit-identical to models/layers.py's; it is built once per engine from the model's modules
 (references, not copies) and serves the steps it can: decodes only (no prefill chunk, no draft verification),
 each row reading its own blocks (no shared prefix attended once), on the paged backend's kernels (or the
-quantized cache's: int8 / fp8 / int4 codes written and read in C++), float32 or bfloat16, at most MAX_ROWS rows (fewer
-than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel there). A mixture of experts'
-layers route and run their experts in C++ too (decode_stack.h's Experts), side by side on the threads.
+quantized cache's: int8 / fp8 / int4 codes written and read in C++, or latent attention's rows), float32 or bfloat16,
+at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel
+there). A mixture of experts' layers route and run their experts in C++ too (decode_stack.h's Experts), side by
+side on the threads.
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -21,11 +22,13 @@ from typing import Any
 import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.layers import GatedMLP
+from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.models.transformer import DecoderModel
 
@@ -71,6 +74,20 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight)
 
 
+def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
+    """The stack's form of a latent attention's projections (ops.LatentProjections), or None where one has no
+    kernel there."""
+    bottleneck = hasattr(attn, "q_a")
+    linears = [native_linear(ops, m) for m in ((attn.q_a, attn.q_b) if bottleneck else (attn.q_proj,))]
+    kv_a = native_linear(ops, attn.kv_a)
+    if kv_a is None or any(linear is None for linear in linears):
+        return None
+    up = attn.kv_b.view(attn.num_heads, attn.nope + attn.v_dim, attn.rank)
+    return ops.LatentProjections(linears[0] if bottleneck else None, attn.q_a_norm.weight if bottleneck else None,
+                                 linears[-1], kv_a, attn.kv_a_norm.weight, up[:, :attn.nope], up[:, attn.nope:],
+                                 attn.rope)
+
+
 def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
     """Give each mixture-of-experts block of `model` its C++ form, which its forward() calls on steps of up to
     as many rows as the stack takes (decode steps the stack does not serve: latent attention, OLMoE's norms); a
@@ -95,14 +112,13 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     runner is made."""
     cfg = model.cfg
     quantized = isinstance(backend, QuantizedKVBackend)
-    if ops is None or (backend.kernels if quantized else backend.ops) is None or type(backend) not in (
-            PagedBackend, QuantizedKVBackend):
+    kernels = {PagedBackend: backend.ops is not None, QuantizedKVBackend: quantized and backend.kernels is not None,
+               LatentBackend: isinstance(backend, LatentBackend) and backend.kernel}
+    if ops is None or not kernels.get(type(backend), False):
         return None
     unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
                                                 ("sandwich norms", cfg.sandwich_norms),
                                                 ("GeGLU", cfg.hidden_act != "silu"),
-                                                ("a query scale other than head_dim", cfg.query_pre_attn_scalar),
-                                                ("latent attention", cfg.is_mla),
                                                 ("q / k norms over all heads", cfg.qk_norm_full),
                                                 ("state-space layers", cfg.ssm_layers),
                                                 ("partial rotary", cfg.partial_rotary_factor != 1.0))
@@ -118,17 +134,20 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         attn, mlp = layer.attn, layer.mlp
         moe = isinstance(mlp, MoEBlock)
         experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
-        linears = [native_linear(ops, m) for m in (attn.qkv, attn.o_proj)]
+        latent = isinstance(attn, LatentAttention)
+        # a latent layer's projections are its LatentProjections; its qkv is empty
+        linears = [ops.Linear([], None) if latent else native_linear(ops, attn.qkv), native_linear(ops, attn.o_proj)]
         # a mixture's layer has no dense MLP: its gate_up and down are empty
         linears += [ops.Linear([], None)] * 2 if moe else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)]
-        if any(linear is None for linear in linears) or (moe and experts is None):
+        projections = latent_projections(ops, attn) if latent else None
+        if any(linear is None for linear in linears) or (moe and experts is None) or (latent and projections is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
-        norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        norms = (None, None) if latent or attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
-                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts))
+                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None

@@ -18,6 +18,11 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
 void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales,
                             torch::Tensor v_scales, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                             std::optional<torch::Tensor> center, bool fp8);
+torch::Tensor latent_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale, int64_t value_dim,
+                            std::optional<torch::Tensor> window_starts = std::nullopt,
+                            std::optional<torch::Tensor> mass = std::nullopt);
+torch::Tensor head_matmul(torch::Tensor x, torch::Tensor weight, bool transposed);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);

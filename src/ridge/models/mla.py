@@ -7,12 +7,16 @@ h's query, q_h' = [W_UK[h]^T q_nope_h, q_pe_h], so that every head scores the ca
 (one KV head of kv_lora_rank + qk_rope_head_dim dims, attention/latent.py), and W_UV[h] is applied to each
 head's weighted sum of c after. Decode then reads the latents only, 576 values a token a layer for DeepSeek-V3.
 Prefill runs the same absorbed form (it could expand K and V per head instead: fewer FLOPs for long prompts).
+On the CPU the per-head products run in C++ (kernels/latent_attention.cpp's head_matmul): torch's bmm copied
+kv_b's non-contiguous slices on every call.
 
 DeepSeek's checkpoints lay the rotary dimensions out in interleaved pairs; the loader reorders those rows of
 the q and kv_a projections to halves (models/loader.py), so that the shared rotary code applies.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -41,6 +45,13 @@ class LatentAttention(nn.Module):
         # ever multiplies by its per-head slices (never by the whole matrix)
         self.kv_b = nn.Parameter(torch.empty(cfg.num_heads * (self.nope + self.v_dim), self.rank))
         self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
+        self.ops: ModuleType | None = None  # the CPU kernels, set by DecoderModel.use_kernels
+
+    def _per_head(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+        """x [T, heads, in] -> x[:, h] @ weight[h] (transposed: weight[h].T) for every head."""
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            return self.ops.head_matmul(x, weight, transposed)
+        return torch.einsum("thi,hoi->tho" if transposed else "thi,hio->tho", x, weight)
 
     def forward(self, x: torch.Tensor, rope: RopeStep, backend: AttentionBackend, meta: StepMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
@@ -51,8 +62,8 @@ class LatentAttention(nn.Module):
         rope.apply_(q_pe, heads)
         rope.apply_(k_pe, 1)
         up = self.kv_b.view(heads, self.nope + self.v_dim, self.rank)
-        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up[:, :self.nope]), q_pe], dim=-1)
+        query = torch.cat([self._per_head(q_nope, up[:, :self.nope], False), q_pe], dim=-1)
         row = torch.cat([self.kv_a_norm(latent), k_pe.view(tokens, self.rope)], dim=-1).unsqueeze(1)
         mixed = backend.forward(self.layer_index, query, row, row, meta)  # [T, heads, rank]: weighted latents
-        out = torch.einsum("thr,hvr->thv", mixed, up[:, self.nope:])
+        out = self._per_head(mixed, up[:, self.nope:], True)
         return self.o_proj(out.reshape(tokens, heads * self.v_dim))

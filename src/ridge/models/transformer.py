@@ -70,9 +70,10 @@ class DecoderModel(nn.Module):
         return x
 
     def use_kernels(self, ops: ModuleType | None) -> None:
-        """Route norms, rotary and the MLP activation through fused kernels (None: plain torch ops)."""
+        """Route norms, rotary, the MLP activation and latent attention's per-head products through fused kernels
+        (None: plain torch ops)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding):
+            if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding | LatentAttention):
                 module.ops = ops
 
     def replace_linears(self, replace: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
