@@ -144,6 +144,27 @@ def test_h2o_greedy_tokens_equal_hf_evicting_by_its_own_attention(llama, chunk, 
     assert evicted != oldest_first
 
 
+@pytest.mark.parametrize("path_args", [{}, {"enforce_eager": True}, {"cpu_kernels": False}],
+                         ids=["stack", "kernel", "torch"])
+def test_h2o_ranks_latent_attention_s_blocks_by_its_own_attention(path_args, tmp_path_factory, make_llm_for_test):
+    """DeepSeek-V3's latent attention reports its attention mass (summed over heads, as HF's per-head
+    probabilities are) from the fused step, the latent kernel and torch alike: the tokens and evictions of an HF
+    run that ranks blocks by its own attention."""
+    from test_moe import random_hf_model
+
+    path, model = random_hf_model("deepseek_v3", tmp_path_factory)
+    model.set_attn_implementation("eager")  # HF returns attention probabilities only from its eager path
+    budget, recent = 48, 16
+    llm = make_llm_for_test(path, dtype="float32", block_size=BLOCK, kv_eviction="h2o", kv_budget=budget,
+                            kv_recent_tokens=recent, max_num_batched_tokens=16, kv_cache_memory="4MiB", **path_args)
+    prompt = random_prompts(1, VOCAB, 70, 71, seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    reference, evicted = hf_greedy_h2o(model, prompt, 16, 40, budget, recent)
+    assert out.outputs[0].token_ids == reference
+    assert out.metrics["kv_evicted_tokens"] == len(evicted) * BLOCK
+    assert evicted != list(range(len(evicted)))  # not simply the oldest blocks
+
+
 @pytest.mark.parametrize("policy", [{"kv_eviction": "sink-window"},
                                     {"kv_eviction": "h2o", "kv_cache_dtype": "int8"}])  # over a quantized cache
 def test_the_pool_stays_flat_as_a_generation_grows(llama, policy, make_llm_for_test):

@@ -448,7 +448,7 @@ def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
     assert per_block == kv_bytes(engine.loaded.spec, name, 16)
     tails = sum(t.nbytes for caches in (backend.k_tails, backend.v_tails) for t in caches.values())
     assert tails == engine.kv.states.num_slots * tail_bytes(engine.loaded.spec, name) if name == "int2" else not tails
-    plain_blocks, _ = kv_memory_split(engine.loaded.config, EngineConfig(
+    plain_blocks, *_ = kv_memory_split(engine.loaded.config, EngineConfig(
         model="qwen", dtype="bfloat16", kv_cache_memory=engine.config.kv_cache_memory))
     per_sequence = 4096 // 16
     fits, plain_fits = engine.kv.num_blocks // per_sequence, plain_blocks // per_sequence

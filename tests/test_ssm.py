@@ -2,8 +2,8 @@
 FFN) and Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN). Logits,
 greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3 chunks long, SSD chunks inside
 each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state slots, where sequences wait for a
-slot and, in Bamba, are preempted for KV blocks and recompute their state), the state and KV bytes the engine
-holds against the plan's, and what is refused by name."""
+slot and, in Bamba, are preempted for KV blocks and recompute their state), prefix caching from snapshots of the
+state, the state and KV bytes the engine holds against the plan's, and what is refused by name."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(ssm_model, make_llm_f
     # Bamba: and 12 KV blocks, where the longest sequence needs 10 (its state slots take at most half: 3 here)
     memory = 3 * cfg.ssm_state_bytes() + (12 * cfg.kv_bytes_per_block(torch.float32, 16) if cfg.attention_layers
                                           else 0)
-    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(memory), max_num_batched_tokens=7)
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(memory), max_num_batched_tokens=7,
+                              state_snapshots=0)
     assert tight.engine.kv.states.num_slots == 3
     assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
     if cfg.attention_layers:
@@ -135,11 +136,70 @@ def test_a_config_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "bamba"))
 
 
-def test_prefix_caching_is_turned_off_out_loud(ssm_model, make_llm_for_test, caplog):
+def test_prefix_caching_starts_from_state_snapshots(ssm_model, make_llm_for_test):
+    """Requests sharing a 70-token system prompt, one after another: the first leaves a snapshot of its state at
+    its prompt's last full block, the second (another question) at the branch point, the shared 4 blocks; the
+    third starts there and a repeat of the first at the first's snapshot. Every one's greedy tokens equal an
+    engine's without prefix caching, alone and in one batch."""
     path, _ = ssm_model
-    with caplog.at_level("WARNING", logger="ridge"):
-        llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=True)
-    assert llm.engine.kv.cache is None and "prefix caching is off" in caplog.text
+    cached = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=48)
+    plain = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    system = random_prompts(1, VOCAB, 70, 71, seed=11)[0]
+    prompts = [system + question for question in random_prompts(3, VOCAB, 20, 30, seed=12)]
+    prompts.append(prompts[0])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    outs = [cached.generate([prompt], params)[0] for prompt in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    first_end = (len(prompts[0]) - 1) // 16 * 16
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 64, first_end]
+    assert [o.outputs[0].token_ids for o in cached.generate(prompts, params)] == reference
+
+
+def test_snapshots_hold_their_accounting_under_pressure(ssm_model, make_llm_for_test):
+    """One snapshot slot and a tight pool: snapshots are evicted for newer ones, sequences are preempted while a
+    snapshot of theirs is pending, and the slots' accounting holds after every step; the tokens do not change."""
+    path, _ = ssm_model
+    cfg_probe = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False).engine.loaded.config
+    memory = 4 * cfg_probe.ssm_state_bytes() + (
+        10 * cfg_probe.kv_bytes_per_block(torch.float32, 16) if cfg_probe.attention_layers else 0)
+    llm = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(memory), max_num_batched_tokens=24,
+                            max_num_seqs=3, state_snapshots=1)
+    engine = llm.engine
+    assert engine.kv.snapshots.num_slots == 1
+    system = random_prompts(1, VOCAB, 40, 41, seed=13)[0]
+    prompts = [system + q for q in random_prompts(6, VOCAB, 10, 60, seed=14)] * 2
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for delta in engine.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.samples[0].token_ids)
+        engine.check_integrity()
+    assert engine.kv.snapshots.evictions > 0
+    if cfg_probe.attention_layers:
+        assert engine.scheduler.num_preemptions > 0
+    plain = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+
+
+def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test, tmp_path):
+    from ridge.config import EngineConfig
+
+    path, _ = ssm_model
+    with pytest.raises(ValueError, match="state_snapshots: keeps states for prefix caching"):
+        EngineConfig(model=str(path), state_snapshots=2, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="state_snapshots: must be at least 0"):
+        EngineConfig(model=str(path), state_snapshots=-1)
+    with pytest.raises(ValueError, match="state_snapshots: 100000 of"):
+        make_llm_for_test(path, dtype="float32", state_snapshots=100_000)
+
+
+def test_state_snapshots_on_a_model_without_state_is_refused(smollm2_path, make_llm_for_test):
+    with pytest.raises(ValueError, match="state_snapshots: keeps states of state-space layers"):
+        make_llm_for_test(smollm2_path, dtype="float32", state_snapshots=4)
 
 
 def test_bench_context_times_decode_by_context(ssm_model, tmp_path, capsys):

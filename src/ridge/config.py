@@ -308,6 +308,11 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(
         True, "reuse the KV of prompt prefixes seen before (kv/prefix_cache.py; default on, "
         "--no-enable-prefix-caching)")
+    state_snapshots: int | None = knob(
+        None, "prefix caching on a model with state-space layers: how many copies of a sequence's state at a cached "
+        "prefix's end to keep, each the size of one sequence's state (kv/state_snapshots.py; default: as many as "
+        "sequences run at once, within a quarter of the KV memory left after their slots where there are attention "
+        "layers)")
     schedule_policy: str = knob(
         "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
         "arrival order (default %(default)s)", choices=("lpm", "fcfs"))
@@ -410,6 +415,12 @@ class EngineConfig:
             raise ValueError(f"block_size: must be an even number of tokens up to 256, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.state_snapshots is not None:
+            if self.state_snapshots < 0:
+                raise ValueError(f"state_snapshots: must be at least 0, got {self.state_snapshots}")
+            if not self.enable_prefix_caching:
+                raise ValueError("state_snapshots: keeps states for prefix caching, which is off; turn it on or "
+                                 "leave state_snapshots out")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):

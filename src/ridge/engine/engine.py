@@ -43,11 +43,13 @@ def sequence_slot_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
     return cfg.ssm_state_bytes() + (cfg.kv_tail_bytes(config.torch_dtype, config.block_size) if tails else 0)
 
 
-def kv_memory_split(cfg: ModelConfig, config: EngineConfig) -> tuple[int, int]:
-    """kv_cache_memory as (KV blocks, sequence slots). A running sequence holds a slot where the model has
-    state-space layers (its recurrent state) or the cache keeps tails (int2: the rows of the block it is filling),
-    so slots bound how many run at once: max_num_seqs of them where they fit in half the memory (all of it without
-    attention layers), as many as fit otherwise; the blocks take the rest."""
+def kv_memory_split(cfg: ModelConfig, config: EngineConfig, snapshots: bool = False) -> tuple[int, int, int]:
+    """kv_cache_memory as (KV blocks, sequence slots, state snapshots). A running sequence holds a slot where the
+    model has state-space layers (its recurrent state) or the cache keeps tails (int2: the rows of the block it is
+    filling), so slots bound how many run at once: max_num_seqs of them where they fit in half the memory (all of it
+    without attention layers), as many as fit otherwise. snapshots: prefix caching keeps copies of states
+    (kv/state_snapshots.py): config.state_snapshots of them, or by default as many as the slots where they fit in a
+    quarter of the memory left (all of it without attention layers). The blocks take the rest."""
     budget = config.kv_cache_bytes
     slot_bytes = sequence_slot_bytes(cfg, config)
     slots = 0
@@ -58,9 +60,20 @@ def kv_memory_split(cfg: ModelConfig, config: EngineConfig) -> tuple[int, int]:
             raise ValueError(f"kv_cache_memory: {budget} bytes holds no sequence slot of this model "
                              f"({slot_bytes} bytes a sequence{' in half of it' if share < budget else ''})")
         budget -= slots * slot_bytes
+    num_snapshots = 0
+    if snapshots:
+        state_bytes = cfg.ssm_state_bytes()
+        share = budget // 4 if cfg.attention_layers else budget
+        num_snapshots = min(slots, share // state_bytes) if config.state_snapshots is None else config.state_snapshots
+        if num_snapshots * state_bytes > budget:
+            raise ValueError(f"state_snapshots: {num_snapshots} of {state_bytes} bytes each do not fit in the "
+                             f"{budget} bytes of kv_cache_memory left after the sequence slots; ask for fewer or give "
+                             "it more memory")
+        budget -= num_snapshots * state_bytes
     if not cfg.attention_layers:
-        return 0, slots
-    return budget // cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format), slots
+        return 0, slots, num_snapshots
+    per_block = cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
+    return budget // per_block, slots, num_snapshots
 
 
 @dataclass
@@ -94,16 +107,24 @@ class LLMEngine:
             raise ValueError("speculate: state-space layers cannot take back rejected draft tokens (their state has "
                              "no earlier versions); run this model without speculative decoding")
         prefix_caching = config.enable_prefix_caching
-        if cfg.ssm_layers and prefix_caching:
-            log.warning("ridge: prefix caching is off for a model with state-space layers (a cached prefix would "
-                        "need a snapshot of the state where it ends)")
+        if config.state_snapshots is not None and not cfg.ssm_layers:
+            raise ValueError("state_snapshots: keeps states of state-space layers, which this model has none of; "
+                             "leave it out")
+        if cfg.ssm_layers and prefix_caching and config.eviction is not None:
+            log.warning("ridge: prefix caching is off for a model with state-space layers under KV eviction (a "
+                        "snapshot of the state would summarise tokens whose KV was evicted)")
             prefix_caching = False
         # under tensor parallelism, each rank's pool holds its own KV heads: as many blocks as the rank with the
         # most of them fits in kv_cache_memory
         shard = shard_plan(config, cfg, rank=0)
         kv_cfg = cfg if shard is None else shard.pool_config()
         per_block = kv_cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
-        num_blocks, num_state_slots = kv_memory_split(kv_cfg, config)
+        num_blocks, num_state_slots, num_snapshots = kv_memory_split(kv_cfg, config,
+                                                                     snapshots=prefix_caching and bool(cfg.ssm_layers))
+        if cfg.ssm_layers and prefix_caching and not num_snapshots:
+            log.warning("ridge: prefix caching is off: no room for a snapshot of the recurrent state "
+                        "(state_snapshots=0), without which a cached prefix cannot be resumed")
+            prefix_caching = False
         layout = cfg.kv_layout()
         if layout.groups and num_blocks < 1 + layout.has_windows:  # a layout with windows holds one null block
             raise ValueError(
@@ -114,7 +135,7 @@ class LLMEngine:
                              f"{'sliding-window layers' if layout.groups else 'no attention layers'} is not supported "
                              "(eviction runs on full-attention caches)")
         self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots,
-                            eviction=config.eviction)
+                            eviction=config.eviction, num_snapshots=num_snapshots)
         pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens)
         if pool_tokens < config.block_size:
             raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
@@ -127,13 +148,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
-            config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots)
+            config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots)
         if shard is not None:
             # the other ranks start once this one has loaded its shard: on one machine, ranks loading side by side
             # would each hold a whole model at the same time (each reads the whole file, then cuts its share)
             ranks = Ranks.meet(config)
             try:
-                self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len))
+                self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len,
+                                                                       num_snapshots))
             except BaseException:
                 ranks.abort()
                 raise
@@ -154,6 +176,9 @@ class LLMEngine:
         if num_state_slots:
             log.info("ridge: %d sequence slots (recurrent state, KV tails) of %.1f MiB: at most %d sequences run at "
                      "once", num_state_slots, sequence_slot_bytes(kv_cfg, config) / 2**20, num_state_slots)
+        if num_snapshots:
+            log.info("ridge: prefix caching keeps up to %d snapshots of a sequence's recurrent state (%.1f MiB each)",
+                     num_snapshots, kv_cfg.ssm_state_bytes() / 2**20)
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""

@@ -55,11 +55,13 @@ class ModelRunner:
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
         kv_format: KVFormat | None = None, tensor_parallel: bool = False, attention_mass: bool = False,
+        num_snapshots: int = 0,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
         num_state_slots: the slots of sequences that run at once, for a model with state-space layers (their
-        recurrent state) or a kv_format with tails (their last block's rows); tensor_parallel: the model
+        recurrent state) or a kv_format with tails (their last block's rows), and num_snapshots state snapshots'
+        slots after them (kv/state_snapshots.py); tensor_parallel: the model
         is one rank's shard, its layers all-reducing between them (cluster/); attention_mass: each step reports
         the attention its sequences' blocks received (h2o eviction)."""
         cfg = model.cfg
@@ -78,8 +80,8 @@ class ModelRunner:
         if isinstance(self.backend, QuantizedKVBackend):
             self.backend.set_key_centers(model.key_centers(min(max_model_len or cfg.max_position_embeddings,
                                                                KEY_CENTER_POSITIONS)))
-        self.states = (StateCache(cfg.ssm_layers, num_state_slots, cfg.ssm_conv_channels, cfg.ssm_conv_kernel,
-                                  cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
+        self.states = (StateCache(cfg.ssm_layers, num_state_slots + num_snapshots, cfg.ssm_conv_channels,
+                                  cfg.ssm_conv_kernel, cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_state_size, device)
                        if cfg.ssm_layers else None)
         # decode steps' layers in one C++ call where the model's layers all have a kernel there (a tensor-parallel
         # rank's calling the group's all-reduces between them)
@@ -104,13 +106,14 @@ class ModelRunner:
 
     @classmethod
     def for_engine(cls, config: EngineConfig, model: DecoderModel, cpu_ops: ModuleType | None, num_blocks: int,
-                   max_model_len: int, num_state_slots: int) -> ModelRunner:
+                   max_model_len: int, num_state_slots: int, num_snapshots: int = 0) -> ModelRunner:
         """The engine's runner of its (target) model, as config asks for it."""
         return cls(model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype, config.device,
                    cpu_ops=cpu_ops, enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
                    max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
                    kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1,
-                   attention_mass=config.eviction is not None and config.eviction.needs_attention_mass)
+                   attention_mass=config.eviction is not None and config.eviction.needs_attention_mass,
+                   num_snapshots=num_snapshots)
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
@@ -140,7 +143,11 @@ class ModelRunner:
             states = dataclasses.replace(states, cache=self.states)
             if states.fresh is not None:
                 self.states.zero_(states.fresh)
+            if states.restores is not None:
+                self.states.copy_(states.restores)
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
+        if states is not None and states.saves is not None:
+            self.states.copy_(states.saves)
         return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
                           hidden[num_sampled:] if inputs.prompt_rows else None,
                           meta[0].attention_mass if meta else None)  # a pure state-space model has no KV group
@@ -203,19 +210,23 @@ class ModelRunner:
                           sample_rows, samplers, prompt_rows, scored, self._state_step(step))
 
     def _state_step(self, step: ScheduledStep) -> StateStep | None:
-        """The step's state slots; those of sequences computing their first token to be zeroed (a new past), by
-        run() in the cache of the runner that runs the step."""
+        """The step's state slots; those of sequences computing their first token to be zeroed (a new past), and the
+        snapshots to restore before it and take after it, by run() in the cache of the runner that runs the step."""
         if self.states is None:
             return None
         as_long = {"dtype": torch.long, "device": self.device}
         slots = torch.tensor([seq.state_slot for seq in step.seqs], **as_long)
         fresh = [seq.state_slot for seq in step.seqs if seq.num_computed == 0]
+        restores = [(seq.restore_from, seq.state_slot) for seq in step.seqs if seq.restore_from is not None]
+        saves = [(seq.state_slot, seq.pending_snapshot[1]) for seq in step.seqs if seq.pending_snapshot is not None]
         chunks, flat = [], 0
         for i, n in enumerate(step.num_tokens):
             if i >= step.num_decodes:
                 chunks.append((flat, n))
             flat += n
-        return StateStep(None, slots, step.num_decodes, chunks, torch.tensor(fresh, **as_long) if fresh else None)
+        return StateStep(None, slots, step.num_decodes, chunks, torch.tensor(fresh, **as_long) if fresh else None,
+                         torch.tensor(restores, **as_long) if restores else None,
+                         torch.tensor(saves, **as_long) if saves else None)
 
     def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step."""

@@ -15,6 +15,9 @@ A request's n > 1 samples with a prefix cache: samples 1.. are held back until s
 its first token (its prompt is then in the cache), so they find every full prompt block cached and
 compute only the last, partial one.
 
+A model with state-space layers and prefix caching: a prefill chunk ends where its sequence leaves a snapshot of
+its state (kv/state_snapshots.py), so a prompt may take one step more.
+
 Policy `lpm` (SGLang's longest prefix match) admits, among the waiting sequences, those with the longest
 cached prefix first: their prefill is short, and the blocks they would reuse are not evicted meanwhile.
 Sequences being recomputed after a preemption keep their place at the front, a sequence passed over
@@ -141,7 +144,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_pending + len(seq.draft_ids), budget)
+            n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending + len(seq.draft_ids), budget))
+            n -= seq.num_computed
             del seq.draft_ids[max(n - seq.num_pending, 0):]  # drafts beyond the budget are dropped
             while not self.kv.reserve(seq, seq.num_computed + n):
                 victim = self.running[-1]
@@ -164,7 +168,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed == 0:
                 self.kv.take_cached_prefix(seq)
-            n = min(seq.num_pending, budget)
+            n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
             if not self.kv.reserve(seq, seq.num_computed + n):
                 self.kv.free(seq)  # the cached blocks go back; it tries again next step
                 break

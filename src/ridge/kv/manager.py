@@ -28,9 +28,10 @@ computed over a cache with holes.
 
 Sequence slots (kv/state_cache.py): a model with state-space layers, or a cache that keeps tails (int2: the rows
 of the block a sequence is filling, attention/quantized_kv.py), also needs one slot per running sequence, taken
-with its first blocks and given back with them. A state-space model's manager has no prefix cache: a state
-summarises all of a sequence's tokens, so a cached prefix would need a snapshot of the state at its end (the
-engine turns it off). A tail holds less than a block, and a cached prefix is whole blocks.
+with its first blocks and given back with them. A tail holds less than a block, and a cached prefix is whole blocks.
+A state summarises all of a sequence's tokens, so a state-space model's cached prefix also needs a snapshot of the
+state where it ends (kv/state_snapshots.py): a hit is the longest cached prefix that has one, the sequence's state
+copied from it before its first step, and the chunks of a prefill end where it leaves snapshots of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ridge.kv.eviction import Eviction
 from ridge.kv.layout import KVLayout, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.kv.state_cache import StateSlots
+from ridge.kv.state_snapshots import StateSnapshots
 from ridge.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,18 +66,26 @@ class Sequence(Protocol):
     block_keys: list[bytes]  # the chained keys of the full blocks hashed so far
     num_registered: int  # how many of each table's blocks were offered to the prefix cache
     state_slot: int | None  # its slot (recurrent state, KV tail), while it holds one
+    restore_from: int | None  # the snapshot slot its state starts from, until its first step is committed
+    snapshot_points: list[int]  # positions its prefill stops at to leave a snapshot
+    pending_snapshot: tuple[int, int] | None  # (position, slot) of the snapshot its current step leaves
 
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  layout: KVLayout | None = None, rewind_margin: int = 0, num_state_slots: int = 0,
-                 eviction: Eviction | None = None) -> None:
-        """num_state_slots: sequences that can hold a slot at once (0: the model and cache need none)."""
+                 eviction: Eviction | None = None, num_snapshots: int = 0) -> None:
+        """num_state_slots: sequences that can hold a slot at once (0: the model and cache need none);
+        num_snapshots: slots for state snapshots after those (kv/state_snapshots.py), for prefix caching on a model
+        with state-space layers."""
         self.layout = layout or kv_layout([None])
         self.windows = [group.window for group in self.layout.groups]
         assert not (eviction and (self.layout.has_windows or rewind_margin)), "eviction: full attention, no rewinds"
+        assert not num_snapshots or (enable_prefix_caching and num_state_slots and eviction is None
+                                     and not self.layout.has_windows and not rewind_margin), "snapshots: see above"
         self.eviction = eviction
         self.states = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshots = StateSnapshots(num_state_slots, num_snapshots) if num_snapshots else None
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.cache)
         self.rewind_margin = rewind_margin
@@ -112,19 +122,40 @@ class KVManager:
         """How many of seq's tokens a take_cached_prefix() would find cached now (0 without a cache)."""
         if self.cache is None or seq.scores_prompt:
             return 0
-        return self._lookup(seq)[0] * self.block_size
+        hit = self._lookup(seq)[0]
+        if self.snapshots is not None:
+            hit = self.snapshots.longest(seq.block_keys[:hit])[0]
+        return hit * self.block_size
 
     def take_cached_prefix(self, seq: Sequence) -> None:
-        """seq (holding nothing) takes the cached blocks of its longest cached prefix and counts them computed."""
+        """seq (holding nothing) takes the cached blocks of its longest cached prefix and counts them computed; with
+        state snapshots, of the longest that has one, which its first step starts its state from."""
         assert not any(seq.block_tables) and seq.num_computed == 0, "only a sequence holding no KV takes a prefix"
         if self.cache is None or seq.scores_prompt:
             return
         hit, tables = self._lookup(seq)
+        if self.snapshots is not None:
+            hit, seq.restore_from = self.snapshots.longest(seq.block_keys[:hit])
+            if seq.restore_from is not None:
+                self.snapshots.use(seq.block_keys[hit - 1])
+            tables = [table[:hit] for table in tables]  # no window groups here: every table is its blocks
+            seq.snapshot_points = self._snapshot_points(seq, hit)
         for table in tables:
             self.pool.share(b for b in table if b != self.null_block)
         seq.block_tables = tables
         seq.num_computed = hit * self.block_size
         seq.num_registered = hit
+
+    def _snapshot_points(self, seq: Sequence, hit: int) -> list[int]:
+        """Where seq's prefill should leave snapshots: the end of the prefix earlier sequences computed (its branch
+        point from them) and of its prompt's last full block before the last token, past its hit."""
+        usable = (len(seq.token_ids) - 1) // self.block_size  # _lookup hashed these
+        branch = self.snapshots.seen_prefix(seq.block_keys[:usable])
+        return [blocks * self.block_size for blocks in sorted({branch, usable}) if blocks > hit]
+
+    def chunk_end(self, seq: Sequence, end: int) -> int:
+        """Where a step computing seq's tokens up to `end` must stop: at the first of its snapshot points before."""
+        return next((p for p in seq.snapshot_points if seq.num_computed < p < end), end)
 
     def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
         """The longest hit every group can serve, in blocks, and each group's table for it."""
@@ -244,6 +275,10 @@ class KVManager:
         for table, need in zip(seq.block_tables, needs, strict=True):
             if need > 0:
                 table.extend(self.pool.allocate(need))
+        # a step ending at a snapshot point takes a slot to copy the state into (none when every one is pending)
+        if (self.snapshots is not None and seq.pending_snapshot is None and num_tokens in seq.snapshot_points
+                and (slot := self.snapshots.take()) is not None):
+            seq.pending_snapshot = (num_tokens, slot)
         return True
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
@@ -259,7 +294,11 @@ class KVManager:
                     for i in range(seq.num_registered, full):
                         if table[i] != self.null_block:
                             self.cache.insert(self._group_key(g, seq.block_keys[i]), table[i])
+                if self.snapshots is not None:
+                    self.snapshots.see(seq.block_keys[seq.num_registered:full])
                 seq.num_registered = full
+        if self.snapshots is not None:
+            self._commit_snapshot(seq)
         for g, window in enumerate(self.windows):
             if window is not None:
                 self._drop(seq.block_tables[g], self.first_live_block(g, before),
@@ -273,6 +312,16 @@ class KVManager:
                     del table[i]
             seq.num_evicted += len(victims) * self.block_size
             seq.max_evicted = max(seq.max_evicted, seq.num_evicted)
+
+    def _commit_snapshot(self, seq: Sequence) -> None:
+        """After a step of seq: its restore done, the snapshot it left registered."""
+        seq.restore_from = None
+        if seq.pending_snapshot is not None:
+            position, slot = seq.pending_snapshot
+            assert seq.num_computed == position, "a step leaving a snapshot ends at its point"
+            self.snapshots.register(seq.block_keys[position // self.block_size - 1], slot)
+            seq.pending_snapshot = None
+        seq.snapshot_points = [p for p in seq.snapshot_points if p > seq.num_computed]
 
     def record_attention(self, seqs: list[Sequence], mass: torch.Tensor) -> None:
         """A step's attention mass [len(seqs), width] (attention/backend.py's AttentionMetadata.attention_mass),
@@ -329,6 +378,9 @@ class KVManager:
         if seq.state_slot is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
+        if seq.pending_snapshot is not None:
+            self.snapshots.drop(seq.pending_snapshot[1])
+        seq.restore_from, seq.snapshot_points, seq.pending_snapshot = None, [], None
         seq.block_tables = self.empty_tables()
         seq.num_computed = seq.num_registered = seq.num_evicted = 0
         seq.block_mass.clear()
@@ -365,9 +417,12 @@ class KVManager:
         for seq in waiting:
             assert not any(seq.block_tables), f"waiting sequence {seq.seq_id} holds KV blocks"
             assert seq.state_slot is None, f"waiting sequence {seq.seq_id} holds a state slot"
+            assert seq.pending_snapshot is None, f"waiting sequence {seq.seq_id} holds a snapshot slot"
         if self.states is not None:
             assert all(seq.state_slot is not None for seq in running), "a running sequence holds no state slot"
             self.states.check_integrity(seq.state_slot for seq in running)
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(s.pending_snapshot[1] for s in running if s.pending_snapshot is not None)
         for seq in running:
             assert len(seq.block_tables) == len(self.windows), f"sequence {seq.seq_id}: one table per KV group"
             cached = seq.num_computed - seq.num_evicted
@@ -393,5 +448,7 @@ class KVManager:
         assert leaked == 0, f"{leaked} KV blocks leaked with no request running"
         if self.states is not None:
             self.states.check_integrity([])
+        if self.snapshots is not None:
+            self.snapshots.check_integrity([])
         if full:
             self.pool.check_integrity(self._held([]))

@@ -57,6 +57,13 @@ class StateCache:
         self.conv = {i: torch.zeros(num_slots, conv_channels, conv_kernel - 1, device=device) for i in layers}
         self.ssm = {i: torch.zeros(num_slots, heads, head_dim, state_size, device=device) for i in self.conv}
 
+    def copy_(self, pairs: torch.Tensor) -> None:
+        """pairs [n, 2]: the state of slot pairs[i, 0] copied into slot pairs[i, 1] (snapshots taken or restored)."""
+        source, target = pairs[:, 0], pairs[:, 1]
+        for tensors in (self.conv, self.ssm):
+            for t in tensors.values():
+                t.index_copy_(0, target, t.index_select(0, source))
+
     def zero_(self, slots: torch.Tensor) -> None:
         """Start the sequences of these slots from an empty past."""
         for layer in self.conv:
@@ -72,11 +79,15 @@ class StateCache:
 class StateStep:
     """The state slots a step reads and writes: the step's sequences in its order (decodes first, one token
     each, then prefill chunks at flat[start:start + length]). Which slots, not their contents: each tensor-parallel
-    rank runs a step with its own cache (its heads' states), so the runner that runs it binds `cache` and zeroes
-    `fresh` (the slots of sequences computing their first token) in it."""
+    rank runs a step with its own cache (its heads' states), so the runner that runs it binds `cache`, zeroes `fresh`
+    (the slots of sequences computing their first token) and copies snapshots in it."""
 
     cache: StateCache | None
     slots: torch.Tensor  # [sequences] slot of each
     num_decodes: int
     chunks: list[tuple[int, int]]  # (start, length) of each prefill chunk in the flat tokens
     fresh: torch.Tensor | None = None  # slots to zero before the step
+    # with state snapshots (kv/state_snapshots.py): [n, 2] (snapshot, sequence slot) pairs copied before the step,
+    # and (sequence, snapshot slot) pairs copied after it
+    restores: torch.Tensor | None = None
+    saves: torch.Tensor | None = None
