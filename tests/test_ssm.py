@@ -185,8 +185,9 @@ def test_snapshots_hold_their_accounting_under_pressure(ssm_model, make_llm_for_
     assert [outputs[str(i)] for i in range(len(prompts))] == reference
 
 
-def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test, tmp_path):
+def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test):
     from ridge.config import EngineConfig
+    from ridge.engine.kv_transfer import check_transferable
 
     path, _ = ssm_model
     with pytest.raises(ValueError, match="state_snapshots: keeps states for prefix caching"):
@@ -195,6 +196,8 @@ def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test
         EngineConfig(model=str(path), state_snapshots=-1)
     with pytest.raises(ValueError, match="state_snapshots: 100000 of"):
         make_llm_for_test(path, dtype="float32", state_snapshots=100_000)
+    with pytest.raises(ValueError, match="role: disaggregated prefill moves KV blocks, not the snapshots"):
+        check_transferable(make_llm_for_test(path, dtype="float32").engine)
 
 
 def test_state_snapshots_on_a_model_without_state_is_refused(smollm2_path, make_llm_for_test):

@@ -56,8 +56,11 @@ def check_transferable(engine: LLMEngine) -> None:
     """ValueError naming what keeps this engine from moving cached prefixes."""
     check_config(engine.config, "disaggregated prefill")
     if engine.kv.cache is None:
-        raise ValueError("role: disaggregated prefill moves prefix-cache blocks, and this model keeps no prefix "
-                         "cache (its state-space layers' state is no blocks)")
+        raise ValueError("role: disaggregated prefill moves prefix-cache blocks, and this engine keeps no prefix "
+                         "cache")
+    if engine.loaded.config.ssm_layers:
+        raise ValueError("role: disaggregated prefill moves KV blocks, not the snapshots of a state-space model's "
+                         "recurrent state its prefixes resume from (kv/state_snapshots.py); serve it colocated")
 
 
 def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:
