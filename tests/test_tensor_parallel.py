@@ -210,6 +210,23 @@ def test_random_shapes_over_ranks_equal_one_process(name, make_llm_for_test):
     tp.engine.close()
 
 
+@pytest.mark.parametrize("name", ["mamba2-split-group", "bamba-hybrid"])
+def test_state_snapshots_resume_on_every_rank(name, make_llm_for_test):
+    """Prefix caching on state-space layers over ranks: each rank copies its own heads' states into and out of
+    its snapshot slots, so the last of three requests sharing two blocks resumes there with one process's tokens."""
+    model, ranks, _ = RANDOM[name]
+    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB"}
+    shared = random_prompts(1, 900, 40, 41, seed=3)[0]
+    prompts = [shared + own for own in random_prompts(3, 900, 5, 20, seed=4)]
+    expected = tokens(make_llm_for_test(model, enable_prefix_caching=False, **common).generate(prompts, GREEDY))
+    tp = make_llm_for_test(model, tensor_parallel_size=ranks, **common)
+    outs = [tp.generate([prompt], GREEDY)[0] for prompt in prompts]
+    assert tokens(outs) == expected
+    # the shared blocks' snapshot: left by the first (where its prompt's last full block ends there) or the second
+    assert outs[0].num_cached_tokens == 0 and outs[2].num_cached_tokens == 32
+    tp.engine.close()
+
+
 def test_the_server_serves_over_two_ranks(smollm2, smollm2_path):
     config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=2)
     messages = [{"role": "user", "content": CHAT_PROMPTS[0]}]
