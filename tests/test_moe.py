@@ -414,6 +414,32 @@ def test_a_quantized_deepseek2_gguf_runs_its_blocks_natively(deepseek_v2_gguf, t
     assert (ours - reference).abs().max() <= 1e-3 * reference.abs().max()
 
 
+@pytest.mark.parametrize("moe_model", ["deepseek_v2", "deepseek_v3"], indirect=True)
+def test_long_prompt_chunks_attend_in_the_expanded_form_as_hf_does(moe_model, make_llm_for_test, monkeypatch):
+    """Prompt chunks of EXPAND_MIN_TOKENS or more multiply K and V per head out of the latents and attend through
+    SDPA: a 300-token prompt in chunks of 160 (the second over the first's cached rows) beside a short prompt
+    decoding in the same steps, and the same in chunks of 100 (absorbed): HF's greedy choices every time."""
+    from conftest import hf_greedy_disagreements
+    from ridge.attention.latent import EXPAND_MIN_TOKENS, LatentBackend
+
+    path, hf = moe_model
+    calls = []
+    expanded = LatentBackend.attend_expanded
+    monkeypatch.setattr(LatentBackend, "attend_expanded", lambda self, layer, chunk, *rest: (
+        calls.append(chunk.length), expanded(self, layer, chunk, *rest))[1])
+    long, short = random_prompts(1, VOCAB, 300, 301, seed=21)[0], random_prompts(1, VOCAB, 6, 7, seed=22)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for budget in (160, 100):
+        calls.clear()
+        llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=budget)
+        outs = llm.generate([short, long], params)
+        for ids, out in zip([short, long], outs, strict=True):
+            assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
+        first = 160 - len(short)  # the long prompt's first chunk shares the step with the short prompt's
+        assert sorted(set(calls)) == (sorted({first, len(long) - first}) if budget == 160 else [])
+        assert all(n >= EXPAND_MIN_TOKENS for n in calls)
+
+
 class _CountedLatentDecode:
     """The CPU kernels with latent_decode counting the cache bytes each call reads: every row's blocks up to its
     context length (the kernel reads no further, kernels/latent_attention.cpp), a whole block at a time."""

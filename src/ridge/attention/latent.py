@@ -5,7 +5,8 @@ by its rotary key. Every query head scores the whole row and takes the weighted 
 KV head of `dim` values a token is all the cache holds (DeepSeek-V3: 576, where K and V per head would hold
 32,768). On the CPU, decodes read their rows in place in a C++ kernel (kernels/latent_attention.cpp), which the
 fused decode step calls too (kernels/decode_stack.cpp); elsewhere they are gathered into a padded batch for
-torch. Prefill chunks run in torch one by one; softmax in float32.
+torch. Prefill chunks run in torch one by one; softmax in float32. A chunk of EXPAND_MIN_TOKENS or more attends in
+the expanded form instead (attend_expanded): its context's latents multiplied out to K and V per head, then SDPA.
 
 With heavy-hitter eviction the backend reports each sequence's attention mass per block, as the paged backend
 does: the kernel sums it for decodes, torch for a chunk's observed rows.
@@ -16,8 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, window_mask
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, PrefillChunk, window_mask
 from ridge.kv.eviction import OBSERVED_ROWS
+
+# The absorbed form scores each of a chunk's n queries against a context token's whole row (2 * rank + rope
+# multiply-adds a head, scores and sums); the expanded form first multiplies every context token's latent out to
+# K and V per head (rank * (nope + v_dim) a head), then attends in nope + rope + v_dim. At DeepSeek's shapes (rank
+# 512, nope 128, rope 64, v_dim 128) expanding costs fewer operations from n of ~170 on, and SDPA's fused kernel
+# never holds the n x context scores; below it, as for a decode or a speculative step's few drafts over a long
+# context, expanding the whole context would cost more than the attention.
+EXPAND_MIN_TOKENS = 128
 
 
 class LatentBackend(AttentionBackend):
@@ -91,6 +100,25 @@ class LatentBackend(AttentionBackend):
             if mass is not None:  # a chunk's last OBSERVED_ROWS queries (kv/eviction.py)
                 self._add_mass(mass[decodes + i:decodes + i + 1], probs[:, -OBSERVED_ROWS:].sum((0, 1))[None])
         return out
+
+    def attend_expanded(self, layer: int, chunk: PrefillChunk, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                        w_uk: torch.Tensor, w_uv: torch.Tensor, window: int | None) -> torch.Tensor:
+        """A prefill chunk in the expanded form (its rows already written): q_nope [n, heads, nope], q_pe [n, heads,
+        rope] (rotated); w_uk [heads, nope, rank], w_uv [heads, v_dim, rank] -> [n, heads, v_dim]. Reports no
+        attention mass: with heavy-hitter eviction chunks stay absorbed (models/mla.py)."""
+        n, context = chunk.length, chunk.context_len
+        rows = self.gather(layer, chunk.block_table)[0][:context]  # [C, rank + rope]
+        latents, k_pe = rows[:, :self.value_dim], rows[:, self.value_dim:]
+        heads = q_nope.shape[1]
+        keys = torch.cat([torch.einsum("cr,hnr->hcn", latents, w_uk), k_pe.expand(heads, -1, -1)], dim=-1)
+        values = torch.einsum("cr,hvr->hcv", latents, w_uv)  # [heads, C, v_dim]
+        queries = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, n, nope + rope]
+        causal = context == n and (window is None or context <= window)  # then SDPA's causal flag is the mask
+        mask = None if causal else window_mask(torch.arange(context - n, context, device=rows.device),
+                                               torch.arange(context, device=rows.device), window)
+        out = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                             attn_mask=mask, is_causal=causal, scale=self.scale)[0]
+        return out.transpose(0, 1)
 
     def _add_mass(self, mass: torch.Tensor, per_key: torch.Tensor) -> None:
         """mass [R, width] += per_key [R, L] (probabilities summed over heads and queries) summed per block."""

@@ -6,8 +6,9 @@ W_UV[h] c. Attention runs in the absorbed form (DeepSeek-V2's paper, section 2.1
 h's query, q_h' = [W_UK[h]^T q_nope_h, q_pe_h], so that every head scores the cached [c, k_pe] rows directly
 (one KV head of kv_lora_rank + qk_rope_head_dim dims, attention/latent.py), and W_UV[h] is applied to each
 head's weighted sum of c after. Decode then reads the latents only, 576 values a token a layer for DeepSeek-V3.
-Prefill runs the same absorbed form (it could expand K and V per head instead: fewer FLOPs for long prompts).
-On the CPU the per-head products run in C++ (kernels/latent_attention.cpp's head_matmul): torch's bmm copied
+A prompt chunk of attention/latent.py's EXPAND_MIN_TOKENS or more attends in the expanded form instead, K and V per
+head multiplied out of its context's latents: fewer operations for long chunks, as vLLM and SGLang prefill. On the
+CPU the per-head products run in C++ (kernels/latent_attention.cpp's head_matmul): torch's bmm copied
 kv_b's non-contiguous slices on every call.
 
 DeepSeek's checkpoints lay the rotary dimensions out in interleaved pairs; the loader reorders those rows of
@@ -16,12 +17,14 @@ the q and kv_a projections to halves (models/loader.py), so that the shared rota
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from ridge.attention.backend import AttentionBackend, StepMetadata
+from ridge.attention.latent import EXPAND_MIN_TOKENS, LatentBackend
 from ridge.config import ModelConfig
 from ridge.models.layers import RMSNorm, RopeStep
 
@@ -62,8 +65,29 @@ class LatentAttention(nn.Module):
         rope.apply_(q_pe, heads)
         rope.apply_(k_pe, 1)
         up = self.kv_b.view(heads, self.nope + self.v_dim, self.rank)
-        query = torch.cat([self._per_head(q_nope, up[:, :self.nope], False), q_pe], dim=-1)
+        w_uk, w_uv = up[:, :self.nope], up[:, self.nope:]
         row = torch.cat([self.kv_a_norm(latent), k_pe.view(tokens, self.rope)], dim=-1).unsqueeze(1)
-        mixed = backend.forward(self.layer_index, query, row, row, meta)  # [T, heads, rank]: weighted latents
-        out = self._per_head(mixed, up[:, self.nope:], True)
+        group = meta[backend.group_of_layer[self.layer_index]]
+        # long chunks expanded (with heavy-hitter eviction every chunk stays absorbed: the backend sums their mass)
+        long = ([c for c in group.prefills if c.length >= EXPAND_MIN_TOKENS]
+                if isinstance(backend, LatentBackend) and group.attention_mass is None else [])
+        if not long:
+            query = torch.cat([self._per_head(q_nope, w_uk, False), q_pe], dim=-1)
+            mixed = backend.forward(self.layer_index, query, row, row, meta)  # [T, heads, rank]: weighted latents
+            out = self._per_head(mixed, w_uv, True)
+            return self.o_proj(out.reshape(tokens, heads * self.v_dim))
+        backend.write(self.layer_index, row, row, group.slot_mapping)
+        out = x.new_empty(tokens, heads, self.v_dim)
+        short = dataclasses.replace(group, prefills=[c for c in group.prefills if c.length < EXPAND_MIN_TOKENS])
+        absorbed = torch.cat([torch.arange(group.num_decodes, device=x.device)] + [
+            torch.arange(c.start, c.start + c.length, device=x.device) for c in short.prefills])
+        if len(absorbed):  # the step's decodes and short chunks, at their rows of a query the backend reads there
+            query = q.new_zeros(tokens, heads, self.rank + self.rope)
+            query[absorbed] = torch.cat([self._per_head(q_nope[absorbed], w_uk, False), q_pe[absorbed]], dim=-1)
+            mixed = backend.attend(self.layer_index, query, row, row, short)
+            out[absorbed] = self._per_head(mixed[absorbed].contiguous(), w_uv, True)
+        for chunk in long:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            out[rows] = backend.attend_expanded(self.layer_index, chunk, q_nope[rows], q_pe[rows], w_uk, w_uv,
+                                                group.window)
         return self.o_proj(out.reshape(tokens, heads * self.v_dim))
