@@ -140,7 +140,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // Rotate heads [0, rotated_heads) of x: [T, heads, d] in place: the two halves of a head are the real and
 // imaginary parts, turned by the angle pos * freq; table: [max_pos, d / 2, 2] = (cos, sin).
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x [T, heads, d], rows dense");
+  // one head's stride is never used (a [T, 1, d] narrow of a wider tensor keeps its parent's)
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) == x.size(2)),
+              "rotary_: x [T, heads, d], rows dense");
   TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat, "rotary_: float32 table");
   positions = positions.contiguous();
   const int64_t tokens = x.size(0), d = x.size(2), half = d / 2, row_stride = x.stride(0);
