@@ -156,6 +156,20 @@ def test_prefix_caching_starts_from_state_snapshots(ssm_model, make_llm_for_test
     assert [o.outputs[0].token_ids for o in cached.generate(prompts, params)] == reference
 
 
+def test_a_request_s_other_samples_resume_from_the_first_s_snapshot(ssm_model, make_llm_for_test):
+    """n = 3 seeded samples: the second and third wait for the first's prompt, then start from the snapshot it left
+    at its last full block; every sample's tokens equal an engine's without prefix caching."""
+    path, _ = ssm_model
+    prompt = random_prompts(1, VOCAB, 50, 51, seed=15)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    llm = make_llm_for_test(path, dtype="float32")
+    cached = llm.generate([prompt], params)[0]
+    plain = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False).generate([prompt], params)[0]
+    assert [o.token_ids for o in cached.outputs] == [o.token_ids for o in plain.outputs]
+    assert len({tuple(o.token_ids) for o in cached.outputs}) > 1  # three draws, not one path thrice
+    assert llm.engine.kv.cache.stats.hits == 2 * 48  # the other two samples found the first's 3 blocks
+
+
 def test_snapshots_hold_their_accounting_under_pressure(ssm_model, make_llm_for_test):
     """One snapshot slot and a tight pool: snapshots are evicted for newer ones, sequences are preempted while a
     snapshot of theirs is pending, and the slots' accounting holds after every step; the tokens do not change."""
