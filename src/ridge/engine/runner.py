@@ -61,9 +61,9 @@ class ModelRunner:
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
         num_state_slots: the slots of sequences that run at once, for a model with state-space layers (their
         recurrent state) or a kv_format with tails (their last block's rows), and num_snapshots state snapshots'
-        slots after them (kv/state_snapshots.py); tensor_parallel: the model
-        is one rank's shard, its layers all-reducing between them (cluster/); attention_mass: each step reports
-        the attention its sequences' blocks received (h2o eviction)."""
+        slots after them (kv/state_snapshots.py); tensor_parallel: the model is one rank's shard, its layers
+        all-reducing between them (cluster/); attention_mass: each step reports the attention its sequences' blocks
+        received (h2o eviction)."""
         cfg = model.cfg
         self.scores_prompts = scores_prompts
         self.attention_mass = attention_mass

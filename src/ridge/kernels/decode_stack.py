@@ -90,7 +90,7 @@ def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
 
 def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
     """Give each mixture-of-experts block of `model` its C++ form, which its forward() calls on steps of up to
-    as many rows as the stack takes (decode steps the stack does not serve: latent attention, OLMoE's norms); a
+    as many rows as the stack takes (decode steps the stack does not serve: OLMoE's q / k norms over all heads); a
     block with an expert that has no kernel there keeps its Python path."""
     for block in model.modules():
         if isinstance(block, MoEBlock):
