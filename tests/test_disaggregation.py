@@ -82,12 +82,34 @@ def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for
     with pytest.raises(ValueError, match="role: disaggregated prefill moves prefix-cache blocks"):
         check_transferable(no_cache.engine)
     # the server refuses the role before loading anything
-    for fields, message in (({"enable_prefix_caching": False}, "enable_prefix_caching must be on"),
-                            ({"tensor_parallel_size": 2}, "one CPU process so far")):
-        with pytest.raises(ValueError, match=f"role: decode .*{message}"):
-            make_server(EngineConfig(model=str(smollm2_path), **fields), ServerConfig("m", role="decode"))
+    with pytest.raises(ValueError, match="role: decode .*enable_prefix_caching must be on"):
+        make_server(EngineConfig(model=str(smollm2_path), enable_prefix_caching=False), ServerConfig("m", role="decode"))
     with pytest.raises(ValueError, match="role: 'middle' is not one of both, prefill, decode"):
         check_role("middle", EngineConfig(model="m"))
+
+
+def test_blocks_move_between_tensor_parallel_engines_rank_by_rank(smollm2_path, make_llm_for_test):
+    """Two engines of 2 ranks each (SmolLM2's 3 KV heads cut 1 + 2): every rank's part of a prompt's blocks moves
+    to the same rank of the other engine, whose tokens are the colocated run's; an engine of another
+    tensor_parallel_size refuses them by name."""
+    common = {"dtype": "float32", "kv_cache_memory": "32MiB"}
+    prefill = make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common)
+    decode = make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common)
+    for prompt in random_prompts(2, 49152, 60, 130, seed=13):
+        (expected,) = prefill.generate(prompt, GREEDY)
+        blocks = export_prefix(prefill.engine, prompt, None)
+        assert len(blocks.data) == 2 and blocks.num_blocks == len(prompt) // 16
+        assert [d.shape[1] for d in blocks.data[0][:1] + blocks.data[1][:1]] == [1, 2]  # each rank's KV heads
+        assert import_prefix(decode.engine, blocks) == blocks.num_blocks
+        (out,) = decode.generate(prompt, GREEDY)
+        assert out.num_cached_tokens == min(blocks.num_blocks, (len(prompt) - 1) // 16) * 16 > 0
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    decode.engine.check_integrity()
+    one = make_llm_for_test(smollm2_path, **common)
+    with pytest.raises(ValueError, match="tensor_parallel_size: the blocks come from 2 rank"):
+        import_prefix(one.engine, blocks)
+    prefill.engine.close()
+    decode.engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -163,6 +163,24 @@ class AttentionBackend(ABC):
         tensors = {id(t): t for layer in self.k_cache for t in (self.k_cache[layer], self.v_cache[layer])}
         return [(t, 1) for t in tensors.values()]
 
+    def read_blocks(self, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of these blocks of every cache tensor (block_tensors' order), on the CPU: [len(blocks), ...one
+        block] each, what another engine of the same model and layout takes with write_blocks."""
+        return [t.index_select(dim, blocks.to(t.device)).movedim(dim, 0).contiguous().cpu()
+                for t, dim in self.block_tensors()]
+
+    def takes_blocks(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+        """Whether blocks of these (shape, dtype), read_blocks' form, fit this cache's tensors."""
+        tensors = self.block_tensors()
+        return len(shapes) == len(tensors) and all(
+            tuple(shape[1:]) == tuple(t.movedim(dim, 0).shape[1:]) and dtype == t.dtype
+            for (shape, dtype), (t, dim) in zip(shapes, tensors, strict=True))
+
+    def write_blocks(self, blocks: torch.Tensor, data: list[torch.Tensor]) -> None:
+        """data (read_blocks' form, one row per block) into these blocks of the cache."""
+        for rows, (tensor, dim) in zip(data, self.block_tensors(), strict=True):
+            tensor.index_copy_(dim, blocks.to(tensor.device), rows.movedim(0, dim).to(tensor.device))
+
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one slot's K and V tensors (the CPU kernel's layout; a backend with its own layout

@@ -124,6 +124,20 @@ class TPGroup:
         self.commands.broadcast([buffer], options).wait()
         return command if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's object (pickled), on rank 0 in rank order; [] on the others."""
+        data = pickle.dumps(obj)
+        lengths = torch.zeros(self.size, dtype=torch.long)
+        lengths[self.rank] = len(data)
+        self.commands.allreduce([lengths]).wait()  # every rank pads to the longest
+        buffer = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+        buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        pieces = [torch.empty_like(buffer) for _ in range(self.size)] if self.rank == 0 else []
+        self.commands.gather([pieces] if self.rank == 0 else [], [buffer], options).wait()
+        return [pickle.loads(p[:n].numpy().tobytes()) for p, n in zip(pieces, lengths.tolist(), strict=False)]
+
     def all_ok(self, ok: bool) -> list[bool]:
         """Each rank's ok, on every rank (each rank's outcome of a phase that may fail on one of them)."""
         flags = torch.zeros(self.size, dtype=torch.long)

@@ -6,6 +6,10 @@ same chained hashes of the same tokens (kv/prefix_cache.py), so that the request
 cached and computes only the tokens after the last full block, as any prefix-cache hit does. The tokens are the
 colocated run's by construction: a block that did not arrive (evicted before the export, or no room to adopt it)
 is computed again, never guessed.
+
+Tensor-parallel engines move blocks rank to rank: each rank holds its own KV heads' part of every block, so an export
+gathers every rank's part on rank 0 and an import hands rank r the exporter's rank r part. Both sides run the same
+tensor_parallel_size (the parts are cut by it); a state-space model's snapshots do not travel (refused).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ class PrefixBlocks:
     token_ids: list[int]  # the tokens they hold: num_blocks blocks of block_size each
     salt: str | None  # the request's cache_salt (keys chain from it)
     block_size: int
-    data: list[torch.Tensor]  # per cache tensor (AttentionBackend.block_tensors' order): [rows, ...one block]
+    # by tensor-parallel rank (one in one process), per cache tensor (AttentionBackend.read_blocks' form): [rows, ...]
+    data: list[list[torch.Tensor]]
     groups: list[list[int]] | None = None  # per KV group, the prefix's blocks it sent, in data's order (None: one
     # full-attention group, all of them)
 
@@ -41,15 +46,15 @@ class PrefixBlocks:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.data)
+        return sum(t.nbytes for rank in self.data for t in rank)
 
 
 def check_config(config: EngineConfig, role: str) -> None:
     """ValueError naming what keeps an engine of this config from moving cached prefixes (before it loads)."""
     if not config.enable_prefix_caching:
         raise ValueError(f"role: {role} moves prefix-cache blocks; enable_prefix_caching must be on")
-    if config.tensor_parallel_size > 1 or config.device != "cpu":
-        raise ValueError(f"role: {role} runs on one CPU process so far (tensor_parallel_size=1, device=cpu)")
+    if config.device != "cpu":
+        raise ValueError(f"role: {role} runs on the CPU so far (device=cpu)")
 
 
 def check_transferable(engine: LLMEngine) -> None:
@@ -69,26 +74,27 @@ def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> 
     hit, tables = kv.exportable_tables(kv.prefix_keys(token_ids, salt))
     groups = [[i for i, _ in table] for table in tables]
     index = torch.tensor([block for table in tables for _, block in table], dtype=torch.long)
-    data = [t.index_select(dim, index).movedim(dim, 0).contiguous() for t, dim in engine.runner.backend.block_tensors()]
-    return PrefixBlocks(token_ids[: hit * kv.block_size], salt, kv.block_size, data, groups)
+    return PrefixBlocks(token_ids[: hit * kv.block_size], salt, kv.block_size, engine.runner.read_blocks(index), groups)
 
 
 def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
     """Adopt the blocks this engine's cache lacks; the number adopted. ValueError where they do not fit its cache."""
-    kv, tensors = engine.kv, engine.runner.backend.block_tensors()
+    kv, ranks = engine.kv, engine.config.tensor_parallel_size
     if prefix.block_size != kv.block_size:
         raise ValueError(f"block_size: the blocks hold {prefix.block_size} tokens, this engine's {kv.block_size}")
+    if len(prefix.data) != ranks:
+        raise ValueError(f"tensor_parallel_size: the blocks come from {len(prefix.data)} rank(s), this engine runs "
+                         f"{ranks}; prefill and decode must run the same tensor_parallel_size")
     rows = sum(len(g) for g in prefix.groups)
-    if len(prefix.data) != len(tensors) or len(prefix.groups) != len(kv.layout.groups) or any(
-            d.shape[1:] != t.movedim(dim, 0).shape[1:] or d.dtype != t.dtype or d.shape[0] != rows
-            for d, (t, dim) in zip(prefix.data, tensors, strict=False)) or any(
-            i >= prefix.num_blocks for g in prefix.groups for i in g):
+    shapes = [[(tuple(d.shape), d.dtype) for d in rank] for rank in prefix.data]
+    if len(prefix.groups) != len(kv.layout.groups) or any(
+            shape[0] != rows for rank in shapes for shape, _ in rank) or any(
+            i >= prefix.num_blocks for g in prefix.groups for i in g) or not engine.runner.takes_blocks(shapes):
         raise ValueError("kv: the blocks' layout (layers, KV groups, KV heads, head size, cache dtype) is not this "
                          "engine's; prefill and decode must run the same model with the same dtype and kv_cache_dtype")
     placed = kv.adopt(kv.prefix_keys(prefix.token_ids, prefix.salt), prefix.groups)
     if placed:
         rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
         blocks = torch.tensor([b for _, b in placed], dtype=torch.long)
-        for data, (tensor, dim) in zip(prefix.data, tensors, strict=True):
-            tensor.index_copy_(dim, blocks, data.index_select(0, rows).movedim(0, dim).to(tensor.device))
+        engine.runner.write_blocks(blocks, [[d.index_select(0, rows) for d in rank] for rank in prefix.data])
     return len(placed)

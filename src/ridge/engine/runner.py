@@ -172,6 +172,17 @@ class ModelRunner:
         return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta,
                           states=states)
 
+    # blocks moved between engines (engine/kv_transfer.py): one rank's cache, a list of one (TensorParallelRunner's
+    # hold a list per rank)
+    def read_blocks(self, blocks: torch.Tensor) -> list[list[torch.Tensor]]:
+        return [self.backend.read_blocks(blocks)]
+
+    def takes_blocks(self, shapes: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> bool:
+        return len(shapes) == 1 and self.backend.takes_blocks(shapes[0])
+
+    def write_blocks(self, blocks: torch.Tensor, data: list[list[torch.Tensor]]) -> None:
+        self.backend.write_blocks(blocks, data[0])
+
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""
         inputs = self.describe(step)

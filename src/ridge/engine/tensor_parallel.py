@@ -71,6 +71,28 @@ class TimeAllReduce:
 
 
 @dataclass
+class ReadBlocks:
+    """Each rank's copy of these blocks of its cache, gathered on rank 0 (engine/kv_transfer.py's export)."""
+
+    blocks: torch.Tensor
+
+
+@dataclass
+class CheckBlocks:
+    """Whether each rank's cache takes blocks of its (shape, dtype)s, before rank 0 places any."""
+
+    shapes: list[list[tuple[tuple[int, ...], torch.dtype]]]  # by rank
+
+
+@dataclass
+class WriteBlocks:
+    """Each rank's part of another engine's blocks, into these blocks of its cache."""
+
+    blocks: torch.Tensor
+    data: list[list[torch.Tensor]]  # by rank
+
+
+@dataclass
 class Stop:
     pass
 
@@ -153,7 +175,23 @@ class TensorParallelRunner:
         return self._together(TimeAllReduce(sizes, repeats), lambda: [self.group.time_all_reduce(n, repeats)
                                                                       for n in sizes])
 
-    def _together(self, command: RunStep | Score | TimeAllReduce, run, *args):  # noqa: ANN001, ANN202 - the local runner's call
+    def read_blocks(self, blocks: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Every rank's copy of these blocks (AttentionBackend.read_blocks), by rank."""
+        return self._together(ReadBlocks(blocks),
+                              lambda: self.group.gather_objects(self.local.backend.read_blocks(blocks)))
+
+    def takes_blocks(self, shapes: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> bool:
+        """Whether every rank's cache takes its blocks' (shape, dtype)s (one list a rank, as many as ranks)."""
+        if len(shapes) != self.group.size:
+            return False
+        return self._together(CheckBlocks(shapes),
+                              lambda: all(self.group.all_ok(self.local.backend.takes_blocks(shapes[0]))))
+
+    def write_blocks(self, blocks: torch.Tensor, data: list[list[torch.Tensor]]) -> None:
+        self._together(WriteBlocks(blocks, data), lambda: self.local.backend.write_blocks(blocks, data[0]))
+
+    def _together(self, command: RunStep | Score | TimeAllReduce | ReadBlocks | CheckBlocks | WriteBlocks, run,
+                  *args):  # noqa: ANN001, ANN202 - the local runner's call
         """Broadcast the command, then run it here. A rank that failed mid-step leaves the group's collectives out
         of step with each other: the group is broken from then on, and says so."""
         if self.broken is not None:
@@ -261,6 +299,15 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
         if isinstance(command, TimeAllReduce):
             for n in command.sizes:
                 group.time_all_reduce(n, command.repeats)
+            continue
+        if isinstance(command, ReadBlocks):
+            group.gather_objects(runner.backend.read_blocks(command.blocks))
+            continue
+        if isinstance(command, CheckBlocks):
+            group.all_ok(runner.backend.takes_blocks(command.shapes[group.rank]))
+            continue
+        if isinstance(command, WriteBlocks):
+            runner.backend.write_blocks(command.blocks, command.data[group.rank])
             continue
         runner.prepare_backend(command.inputs.meta)
         out = runner.run(command.inputs)

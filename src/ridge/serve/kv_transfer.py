@@ -4,7 +4,8 @@ to the decode server, which finds the prompt cached.
 
 The transport: one HTTP POST of the blocks (torch.save of their tensors, in the cache's own layout and dtype:
 the bytes are the KV itself, 2 x layers x KV heads x head size x dtype bytes a token, plus the int8 / fp8 formats'
-scales) from the prefill server to the decode server's /kv/import, over a connection the two keep open.
+scales; every tensor-parallel rank's part) from the prefill server to the decode server's /kv/import, over a
+connection the two keep open.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ async def import_route(engine: AsyncEngine, request: Request) -> JSONResponse:
     try:
         fields = torch.load(io.BytesIO(await request.body()), weights_only=True)
         blocks = PrefixBlocks(list(fields["token_ids"]), fields["salt"], int(fields["block_size"]),
-                              list(fields["data"]), [list(map(int, g)) for g in fields.get("groups") or []] or None)
+                              [list(rank) for rank in fields["data"]],
+                              [list(map(int, g)) for g in fields.get("groups") or []] or None)
     except Exception as exc:  # noqa: BLE001 - whatever a malformed body raises, the client gets a 400 naming it
         raise RequestError(f"body: not the blocks a prefill server pushes ({type(exc).__name__}: {exc})",
                            "body") from exc
