@@ -83,7 +83,8 @@ def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for
         check_transferable(no_cache.engine)
     # the server refuses the role before loading anything
     with pytest.raises(ValueError, match="role: decode .*enable_prefix_caching must be on"):
-        make_server(EngineConfig(model=str(smollm2_path), enable_prefix_caching=False), ServerConfig("m", role="decode"))
+        make_server(EngineConfig(model=str(smollm2_path), enable_prefix_caching=False),
+                    ServerConfig("m", role="decode"))
     with pytest.raises(ValueError, match="role: 'middle' is not one of both, prefill, decode"):
         check_role("middle", EngineConfig(model="m"))
 
