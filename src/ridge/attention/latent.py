@@ -66,16 +66,16 @@ class LatentBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, dim] -> [T, heads, value_dim]."""
-        decodes, mass = meta.num_decodes, meta.attention_mass
-        if decodes and meta.kernel_rows is not None:
-            kernel = meta.kernel_rows
+        decodes, mass, kernel = meta.num_decodes, meta.attention_mass, meta.kernel_rows
+        decoded = None
+        if decodes and kernel is not None:
             decoded = self.ops.latent_decode(q[:decodes], self.k_cache[layer], kernel.block_tables,
                                              kernel.context_lens, self.scale, self.value_dim, kernel.window_starts,
                                              None if mass is None else mass[:decodes])[..., :self.value_dim]
             if not meta.prefills:
                 return decoded
         out = q.new_empty(q.shape[0], q.shape[1], self.value_dim)
-        if decodes and meta.kernel_rows is not None:
+        if decoded is not None:
             out[:decodes] = decoded
         elif decodes:
             rows, latents = self.gather(layer, meta.decode_block_tables)  # [B, L, dim], [B, L, value_dim]

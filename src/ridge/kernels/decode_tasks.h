@@ -224,6 +224,17 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
   });
 }
 
+// A kernel's optional `window_starts` argument checked against its B rows: the rows' first keys as a dense int64
+// tensor, or an undefined one when none was given (every row from key 0).
+inline torch::Tensor window_start_rows(const std::optional<torch::Tensor>& window_starts, int64_t batch,
+                                       const char* kernel) {
+  if (!window_starts.has_value()) return {};
+  auto starts = window_starts->contiguous();
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && starts.numel() == batch, kernel,
+              ": window_starts must be [B] int64");
+  return starts;
+}
+
 // A kernel's optional `mass` argument checked against its rows' block tables: (data, row stride), or (nullptr,
 // 0) when none was given.
 inline std::pair<float*, int64_t> mass_rows(const std::optional<torch::Tensor>& mass, int64_t batch,

@@ -1,10 +1,9 @@
 // Multi-head latent attention's decode (models/mla.py) straight from its paged cache, and the per-head
 // products around it: W_UK folded into each head's query, W_UV applied to each head's weighted latent.
 //
-// Why by hand: built from torch ops, a decode gathered every row's blocks into a padded float32 copy per layer
-// and step, and the per-head products ran through bmm over non-contiguous slices of kv_b, copying them first:
-// 1.8 ms a layer at batch 1 on DeepSeek-V2-Lite's shape, three times what reading its weights takes
-// (docs/notes/moe-mla.md).
+// Why by hand: built from torch ops, a decode gathers every row's blocks into a padded float32 copy per layer and
+// step, and the per-head products run through bmm over non-contiguous slices of kv_b, copying them first: several
+// times what reading the layer's weights takes (docs/notes/moe-mla.md).
 //
 // Cache layout (attention/latent.py): [num_blocks, block_size, dim], one row per token, its latent (the first
 // value_dim values) then its rotary key. Every query head scores whole rows and sums their latents: one KV head
@@ -202,17 +201,6 @@ inline void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t w_stride,
     for (int r = 0; r < R; ++r) y[r * y_stride + c + ch] = static_cast<T>(sums[ch][r]);
 }
 
-// f(std::integral_constant<int, R>) for the next R of `rows`, up to 4
-template <typename F>
-inline void by_rows(int64_t rows, const F& f) {
-  switch (std::min<int64_t>(4, rows)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 }  // namespace
 
 // q: [B, heads, dim], scaled by nothing yet; cache: one layer's [num_blocks, block_size, dim]; block_tables
@@ -233,12 +221,7 @@ torch::Tensor latent_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor 
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  torch::Tensor starts;
-  if (window_starts.has_value()) {
-    starts = window_starts->contiguous();
-    TORCH_CHECK(starts.scalar_type() == torch::kInt64 && starts.numel() == q.size(0),
-                "latent_decode: window_starts must be [B] int64");
-  }
+  const torch::Tensor starts = window_start_rows(window_starts, q.size(0), "latent_decode");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32));
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
@@ -286,7 +269,7 @@ torch::Tensor head_matmul(torch::Tensor x, torch::Tensor weight, bool transposed
         for (int64_t t = 0; t < tokens; t += 4) {
           const scalar_t* xr = xp + t * x.stride(0) + h * x.stride(1);
           scalar_t* yr = yp + (t * heads + h) * out_dim;
-          by_rows(tokens - t, [&](auto rows) {
+          by_heads(tokens - t, [&](auto rows) {  // decode_tasks.h's split by up to 4, over rows here
             constexpr int R = decltype(rows)::value;
             if (transposed) {
               for (int64_t c = c0; c < c1; c += 2)

@@ -282,12 +282,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  torch::Tensor starts;
-  if (window_starts.has_value()) {
-    starts = window_starts->contiguous();
-    TORCH_CHECK(starts.scalar_type() == torch::kInt64 && starts.numel() == q.size(0),
-                "paged_decode: window_starts must be [B] int64");
-  }
+  const torch::Tensor starts = window_start_rows(window_starts, q.size(0), "paged_decode");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32));
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);

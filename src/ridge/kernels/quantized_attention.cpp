@@ -354,8 +354,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  torch::Tensor starts;
-  if (window_starts.has_value()) starts = window_starts->contiguous();
+  const torch::Tensor starts = window_start_rows(window_starts, batch, "quantized_paged_decode");
   auto out = torch::empty_like(q);
   auto lse = torch::empty({batch, heads}, q.options().dtype(torch::kFloat32));
   const Dims dims{heads, kv_heads, heads / kv_heads, d, num_blocks, bs};
