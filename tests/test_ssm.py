@@ -210,6 +210,9 @@ def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test
         EngineConfig(model=str(path), state_snapshots=-1)
     with pytest.raises(ValueError, match="state_snapshots: 100000 of"):
         make_llm_for_test(path, dtype="float32", state_snapshots=100_000)
+    if "bamba" in str(path):  # eviction runs on attention caches: the hybrid's
+        with pytest.raises(ValueError, match="state_snapshots: prefix caching is off .* kv_eviction=sink-window"):
+            make_llm_for_test(path, dtype="float32", state_snapshots=2, kv_eviction="sink-window", kv_budget=64)
     with pytest.raises(ValueError, match="role: disaggregated prefill moves KV blocks, not the snapshots"):
         check_transferable(make_llm_for_test(path, dtype="float32").engine)
 

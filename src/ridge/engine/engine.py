@@ -111,6 +111,10 @@ class LLMEngine:
             raise ValueError("state_snapshots: keeps states of state-space layers, which this model has none of; "
                              "leave it out")
         if cfg.ssm_layers and prefix_caching and config.eviction is not None:
+            if config.state_snapshots is not None:
+                raise ValueError(f"state_snapshots: prefix caching is off for a state-space model under "
+                                 f"kv_eviction={config.kv_eviction} (a snapshot of the state would summarise tokens "
+                                 "whose KV was evicted); leave one of them out")
             log.warning("ridge: prefix caching is off for a model with state-space layers under KV eviction (a "
                         "snapshot of the state would summarise tokens whose KV was evicted)")
             prefix_caching = False
