@@ -279,9 +279,9 @@ def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> 
     as HF's choice when its logit is within float32 noise (1e-4 of the row's scale) of the row's maximum: two
     logits that close are a tie that the order of a sum decides, in HF itself between its cached and whole-prompt
     passes. Empty exactly when HF's greedy decoding could have produced `tokens`, stop token included."""
-    ids = torch.tensor([prompt_ids + tokens[:-1]])
+    ids = torch.tensor([prompt_ids + tokens[:-1]], device=next(model.parameters()).device)
     with torch.inference_mode():
-        logits = model(ids, logits_to_keep=len(tokens)).logits[0].float()
+        logits = model(ids, logits_to_keep=len(tokens)).logits[0].float().cpu()
     best = logits.max(-1)
     tolerance = 1e-4 * logits.abs().amax(-1).clamp(min=1.0)
     chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]

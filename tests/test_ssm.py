@@ -32,16 +32,20 @@ def hf_config(arch: str):
 
 @pytest.fixture(scope="module", params=["mamba2", "bamba"])
 def ssm_model(request, tmp_path_factory):
+    return random_hf_model(request.param, tmp_path_factory)
+
+
+def random_hf_model(arch: str, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(request.param), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
             torch.nn.init.normal_(param, 1.0, 0.3)
         if name.endswith(("dt_bias", "A_log", ".D")):  # and A, D, dt's bias at the same value for every head
             torch.nn.init.normal_(param, 0.0, 0.5)
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
     byte_tokenizer().save(str(path / "tokenizer.json"))
     return path, model

@@ -104,6 +104,70 @@ def test_paged_decode_reads_only_the_window():
     assert torch.equal(clean, poisoned)
 
 
+def reference_latent_decode(q, cache, tables, lens, scale, value_dim, starts):
+    """Latent attention's decode from the formula: each row's context rows, scored whole, their latents summed."""
+    out = q.new_empty(*q.shape[:2], value_dim)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        rows = cache[tables[b, : -(-n // cache.shape[1])]].flatten(0, 1)[:n].float()
+        scores = torch.einsum("hd,ld->hl", q[b].float(), rows) * scale
+        if starts is not None:
+            scores[:, : int(starts[b])] = float("-inf")
+        out[b] = (scores.softmax(-1) @ rows[:, :value_dim]).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,value_dim,rope_dim,block_size,window,splits",
+    [(16, 64, 16, 16, None, 1), (20, 40, 8, 8, None, 3), (5, 32, 16, 16, 30, 2), (16, 128, 64, 16, 70, 64)],
+    ids=["one-group", "two-groups-odd-dims", "few-heads-window", "deepseek-rope-more-splits-than-tiles"],
+)
+def test_latent_decode_matches_reference(dtype, heads, value_dim, rope_dim, block_size, window, splits):
+    from ridge.triton_kernels import latent_attention
+
+    torch.manual_seed(2)
+    num_blocks, width = 40, 14
+    cache = torch.randn(num_blocks, block_size, value_dim + rope_dim, dtype=dtype, device=DEVICE)
+    lens = torch.tensor([1, 37, 150, 64, 200], device=DEVICE).clamp(max=block_size * width)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lens]).to(DEVICE)
+    q = torch.randn(len(lens), heads, value_dim + rope_dim, dtype=dtype, device=DEVICE)
+    starts = None if window is None else (lens - window).clamp(min=0)
+    scale = 0.7 * (value_dim + rope_dim) ** -0.5
+    out = latent_attention.latent_decode(q, cache, tables, lens, scale, value_dim, starts, splits)
+    ref = reference_latent_decode(q, cache, tables, lens, scale, value_dim, starts)
+    assert out.shape == ref.shape
+    assert _close(out, ref), (out.float() - ref.float()).abs().max().item()
+
+
+def test_latent_backend_decodes_through_triton_as_through_torch():
+    """LatentBackend's decode on CUDA's path (the Triton kernel, forced here on CPU tensors) and on torch's padded
+    gather: the same outputs for a step of decodes, with a window."""
+    from ridge.attention import LatentBackend
+    from ridge.triton_kernels import latent_attention
+
+    torch.manual_seed(3)
+    triton_backend, torch_backend = (LatentBackend(1, 1, 48, 30, 8, torch.float32, DEVICE, value_dim=32)
+                                     for _ in range(2))
+    triton_backend.__dict__.update(triton=latent_attention, multiprocessors=8)
+    torch_backend.__dict__["triton"] = None
+    rows, slots = torch.randn(240, 1, 48, device=DEVICE), torch.randperm(240, device=DEVICE)
+    for backend in (triton_backend, torch_backend):
+        backend.write(0, rows, rows, slots)
+    tables = torch.stack([torch.randperm(30)[:12] for _ in range(3)]).to(DEVICE)
+    q = torch.randn(3, 6, 48, device=DEVICE)
+    for window in (None, 20):
+        outs = []
+        for backend in (triton_backend, torch_backend):
+            meta = AttentionMetadata(slot_mapping=slots[:3], num_decodes=3, decode_block_tables=tables,
+                                     decode_context_lens=torch.tensor([5, 61, 96], device=DEVICE), window=window,
+                                     prefills=[])
+            backend.prepare(meta)
+            outs.append(backend.attend(0, q, q, q, meta))
+        assert outs[0].shape == (3, 6, 32)
+        assert _close(*outs)
+
+
 @triton.jit
 def _widen_kernel(codes_ptr, out_ptr, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr, VALUES: tl.constexpr,
                   FORMAT: tl.constexpr):

@@ -4,15 +4,19 @@ A layer's cache is [num_blocks, block_size, dim]: each token's latent (value_dim
 by its rotary key. Every query head scores the whole row and takes the weighted sum of its latent part, so one
 KV head of `dim` values a token is all the cache holds (DeepSeek-V3: 576, where K and V per head would hold
 32,768). On the CPU, decodes read their rows in place in a C++ kernel (kernels/latent_attention.cpp), which the
-fused decode step calls too (kernels/decode_stack.cpp); elsewhere they are gathered into a padded batch for
-torch. Prefill chunks run in torch one by one; softmax in float32. A chunk of EXPAND_MIN_TOKENS or more attends in
-the expanded form instead (attend_expanded): its context's latents multiplied out to K and V per head, then SDPA.
+fused decode step calls too (kernels/decode_stack.cpp), and on CUDA in a Triton kernel
+(triton_kernels/latent_attention.py); elsewhere they are gathered into a padded batch for torch. Prefill chunks run
+in torch one by one; softmax in float32. A chunk of EXPAND_MIN_TOKENS or more attends in the expanded form instead
+(attend_expanded): its context's latents multiplied out to K and V per head, then SDPA.
 
 With heavy-hitter eviction the backend reports each sequence's attention mass per block, as the paged backend
 does: the kernel sums it for decodes, torch for a chunk's observed rows.
 """
 
 from __future__ import annotations
+
+from functools import cached_property
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,19 @@ class LatentBackend(AttentionBackend):
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         return [(t, 0) for t in {id(t): t for t in self.k_cache.values()}.values()]
 
+    @cached_property
+    def triton(self) -> ModuleType | None:
+        """Triton's decode kernel on CUDA (Triton comes with CUDA torch); None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        from ridge.triton_kernels import latent_attention
+
+        return latent_attention
+
+    @cached_property
+    def multiprocessors(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
     @property
     def kernel(self) -> bool:
         """Whether decodes run in the C++ kernel (the CPU, a float32 or bfloat16 cache)."""
@@ -66,29 +83,13 @@ class LatentBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, dim] -> [T, heads, value_dim]."""
-        decodes, mass, kernel = meta.num_decodes, meta.attention_mass, meta.kernel_rows
-        decoded = None
-        if decodes and kernel is not None:
-            decoded = self.ops.latent_decode(q[:decodes], self.k_cache[layer], kernel.block_tables,
-                                             kernel.context_lens, self.scale, self.value_dim, kernel.window_starts,
-                                             None if mass is None else mass[:decodes])[..., :self.value_dim]
-            if not meta.prefills:
-                return decoded
+        decodes, mass = meta.num_decodes, meta.attention_mass
+        decoded = self.decode(layer, q[:decodes], meta) if decodes else None
+        if not meta.prefills:
+            return decoded
         out = q.new_empty(q.shape[0], q.shape[1], self.value_dim)
         if decoded is not None:
             out[:decodes] = decoded
-        elif decodes:
-            rows, latents = self.gather(layer, meta.decode_block_tables)  # [B, L, dim], [B, L, value_dim]
-            scores = torch.einsum("bhd,bld->bhl", q[:decodes].float(), rows.float()) * self.scale
-            positions = torch.arange(rows.shape[1], device=q.device)
-            lens = meta.decode_context_lens.unsqueeze(1)
-            visible = positions < lens
-            if meta.window is not None:
-                visible &= positions >= lens - meta.window
-            probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
-            out[:decodes] = torch.einsum("bhl,blv->bhv", probs, latents.float()).to(q.dtype)
-            if mass is not None:
-                self._add_mass(mass[:decodes], probs.sum(1))
         for i, chunk in enumerate(meta.prefills):
             n, context = chunk.length, chunk.context_len
             rows, latents = self.gather(layer, chunk.block_table)
@@ -100,6 +101,32 @@ class LatentBackend(AttentionBackend):
             if mass is not None:  # a chunk's last OBSERVED_ROWS queries (kv/eviction.py)
                 self._add_mass(mass[decodes + i:decodes + i + 1], probs[:, -OBSERVED_ROWS:].sum((0, 1))[None])
         return out
+
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's decodes, one query per row [B, heads, dim] -> [B, heads, value_dim], over the rows of its
+        table: read in place by the C++ kernel on the CPU and by Triton's on CUDA, else gathered into a padded
+        batch for torch."""
+        mass = None if meta.attention_mass is None else meta.attention_mass[:q.shape[0]]
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if meta.kernel_rows is not None:
+            kernel = meta.kernel_rows
+            return self.ops.latent_decode(q, self.k_cache[layer], kernel.block_tables, kernel.context_lens,
+                                          self.scale, self.value_dim, kernel.window_starts, mass)[..., :self.value_dim]
+        if self.triton is not None and mass is None:  # (heavy-hitter eviction runs on the CPU only)
+            splits = self.triton.num_splits(q.shape[0], q.shape[1], tables.shape[1] * self.block_size,
+                                            self.multiprocessors)
+            return self.triton.latent_decode(q, self.k_cache[layer], tables, lens, self.scale, self.value_dim,
+                                             meta.window_starts(lens), splits)
+        rows, latents = self.gather(layer, tables)  # [B, L, dim], [B, L, value_dim]
+        scores = torch.einsum("bhd,bld->bhl", q.float(), rows.float()) * self.scale
+        positions = torch.arange(rows.shape[1], device=q.device)
+        visible = positions < lens.unsqueeze(1)
+        if meta.window is not None:
+            visible &= positions >= lens.unsqueeze(1) - meta.window
+        probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
+        if mass is not None:
+            self._add_mass(mass, probs.sum(1))
+        return torch.einsum("bhl,blv->bhv", probs, latents.float()).to(q.dtype)
 
     def attend_expanded(self, layer: int, chunk: PrefillChunk, q_nope: torch.Tensor, q_pe: torch.Tensor,
                         w_uk: torch.Tensor, w_uv: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -124,6 +124,35 @@ def _read_tile(ptr, scales_ptr, table_ptr, block, offset, kv_head, d, mask,
 
 
 @triton.jit
+def _split_tiles(context_len, first_key, split, num_splits, TILE: tl.constexpr):
+    """A split's tiles [from, to) out of its row's live ones, [first_key // TILE, ceil(context_len / TILE))."""
+    live_from = first_key // TILE
+    live_tiles = tl.cdiv(context_len, TILE) - live_from
+    per_split = tl.cdiv(live_tiles, num_splits)
+    tile_from = live_from + split * per_split
+    return tile_from, tl.minimum(tile_from + per_split, live_from + live_tiles)
+
+
+@triton.jit
+def _softmax_step(scores, m_i, l_i):
+    """One tile of the online softmax: scores [rows, keys] (-inf where not visible), the running maximum m_i and
+    sum l_i [rows] -> the tile's weights, the factor that rescales what was summed before, the new m_i and l_i."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _split_result(acc, m_i, l_i):
+    """A split's output (acc normalised) and its log-sum-exp, -inf where it saw no key."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    return out, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, lse_ptr,
     scale, num_splits,
@@ -141,12 +170,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     context_len = tl.load(lens_ptr + row)
     first_key = tl.load(starts_ptr + row) if HAS_WINDOW else 0
-    # this split's tiles, out of the row's live ones [first_key // TILE, ceil(context_len / TILE))
-    live_from = first_key // TILE
-    live_tiles = tl.cdiv(context_len, TILE) - live_from
-    per_split = tl.cdiv(live_tiles, num_splits)
-    tile_from = live_from + split * per_split
-    tile_to = tl.minimum(tile_from + per_split, live_from + live_tiles)
+    tile_from, tile_to = _split_tiles(context_len, first_key, split, num_splits, TILE)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -171,11 +195,7 @@ def _decode_split_kernel(
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_step(scores, m_i, l_i)
         v = _read_tile(v_ptr, vs_ptr, table_ptr, block, keys % BLOCK_SIZE, kv_head, d, kv_mask,
                        stride_kn, stride_kt, stride_kh, stride_vsn, stride_vst, stride_vsh, FORMAT, False, VALUE_GROUP)
         if FLOAT32_DOT:
@@ -183,9 +203,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    out, lse = _split_result(acc, m_i, l_i)
     tl.store(out_ptr + row * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :], out,
              mask=q_mask)
     tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=g < GROUP)
@@ -272,11 +290,7 @@ def _prefill_kernel(
             visible &= keys[None, :] > positions[:, None] - window
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
