@@ -570,6 +570,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_one_pass_does(client, smollm2):
     assert caught.value.body["param"] == "max_tokens"
 
 
+def test_return_token_ids_gives_the_prompt_s_and_the_reply_s_ids(client, smollm2):
+    """vLLM's return_token_ids: the ids equal the engine's greedy tokens and the prompt's encoding, whole or over a
+    stream's chunks, on both endpoints; absent when not asked."""
+    prompt = "The capital of France is"
+    ids = smollm2.tokenizer.encode(prompt)
+    greedy = smollm2.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    asks = {"max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    body = {"prompt": prompt, **asks}
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_ids = smollm2.tokenizer.encode_chat(messages)
+    chat_greedy = smollm2.generate([chat_ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    for stream in (False, True):
+        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
+        chat = httpx.post(f"{client.base_url}chat/completions", headers=AUTH,
+                          json={**asks, "messages": messages, "stream": stream})
+        if stream:
+            events = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:].startswith("{")]
+            choices = [c for e in events for c in e["choices"]]
+            assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [ids]  # the first chunk
+            assert [t for c in choices for t in c["token_ids"]] == greedy
+            events = [json.loads(line[6:]) for line in chat.text.splitlines() if line[6:].startswith("{")]
+            assert [e["prompt_token_ids"] for e in events if "prompt_token_ids" in e] == [chat_ids]
+            assert [t for e in events for c in e["choices"] for t in c["token_ids"]] == chat_greedy
+        else:
+            (choice,) = reply.json()["choices"]
+            assert choice["prompt_token_ids"] == ids and choice["token_ids"] == greedy
+            assert chat.json()["prompt_token_ids"] == chat_ids and chat.json()["choices"][0]["token_ids"] == chat_greedy
+    plain = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "return_token_ids": False})
+    assert "token_ids" not in plain.json()["choices"][0] and "prompt_token_ids" not in plain.json()["choices"][0]
+
+
 def test_best_of_returns_the_likeliest_of_its_samples(client):
     kwargs = dict(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3, logprobs=0)
     drawn = client.completions.create(n=4, **kwargs)

@@ -174,6 +174,24 @@ def test_a_request_s_other_samples_resume_from_the_first_s_snapshot(ssm_model, m
     assert llm.engine.kv.cache.stats.hits == 2 * 48  # the other two samples found the first's 3 blocks
 
 
+def test_a_conversation_s_next_turn_starts_from_its_reply_s_snapshot(ssm_model, make_llm_for_test):
+    """A reply's decode leaves a snapshot at each block boundary it reaches, each replacing the one before: the next
+    turn (the first prompt, the reply, a new message) starts at the reply's last boundary, not at the first prompt's
+    last full block, with an engine's tokens without prefix caching."""
+    path, _ = ssm_model
+    cached = make_llm_for_test(path, dtype="float32")
+    plain = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    first, question = random_prompts(2, VOCAB, 45, 46, seed=16)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reply = cached.generate([first], params)[0].outputs[0].token_ids
+    assert reply == plain.generate([first], params)[0].outputs[0].token_ids
+    assert len(cached.engine.kv.snapshots) == 2  # the prompt's last full block (32) and the reply's last (80 of 84)
+    second = first + reply + question[:10]
+    out = cached.generate([second], params)[0]
+    assert out.num_cached_tokens == (len(first) + len(reply) - 1) // 16 * 16 == 80
+    assert out.outputs[0].token_ids == plain.generate([second], params)[0].outputs[0].token_ids
+
+
 def test_snapshots_hold_their_accounting_under_pressure(ssm_model, make_llm_for_test):
     """One snapshot slot and a tight pool: snapshots are evicted for newer ones, sequences are preempted while a
     snapshot of theirs is pending, and the slots' accounting holds after every step; the tokens do not change."""

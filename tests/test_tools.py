@@ -126,14 +126,16 @@ def test_the_round_trip_with_a_tool_reply(client):
 @pytest.mark.parametrize("choice,messages", [("required", ASK),
                                             ("auto", [{"role": "user", "content": "Say hello in French."}])])
 def test_a_stream_reassembles_to_the_whole_answer(client, choice, messages):
-    """Content streams as it comes, each call once whole; together they are the non-streamed reply."""
+    """Content streams as it comes, each call once whole; together they are the non-streamed reply, and so are
+    the token ids (return_token_ids) of the chunks, those of the chunks a call holds back included."""
     kwargs = dict(model="qwen", messages=messages, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False,
-                  temperature=0, max_tokens=96)
+                  temperature=0, max_tokens=96, extra_body={"return_token_ids": True})
     whole = client.chat.completions.create(**kwargs).choices[0]
-    calls, content, finish, roles = {}, [], None, []
+    calls, content, finish, roles, token_ids = {}, [], None, [], []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for delta_choice in chunk.choices:
             delta = delta_choice.delta
+            token_ids += delta_choice.model_extra["token_ids"]
             roles.append(delta.role)
             content.append(delta.content or "")
             for call in delta.tool_calls or []:
@@ -144,6 +146,7 @@ def test_a_stream_reassembles_to_the_whole_answer(client, choice, messages):
     expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
     assert [calls[i] for i in sorted(calls)] == expected and finish == whole.finish_reason
     assert ("".join(content) or None) == whole.message.content and roles[0] == "assistant"
+    assert token_ids == whole.model_extra["token_ids"]
     if choice == "auto":  # a text answer streams in pieces, not whole at the end
         assert whole.message.content and sum(1 for piece in content if piece) > 1
 

@@ -77,11 +77,12 @@ class Sequence:
     num_registered: int = 0
     num_cached_tokens: int = 0
     # State snapshots (kv/state_snapshots.py), set by the KV manager: the snapshot slot its state starts from in its
-    # first step, the positions where its prefill stops to leave a snapshot, and (position, slot) of the one this
-    # step leaves
+    # first step, the positions where its prefill stops to leave a snapshot, (position, slot) of the one this step
+    # leaves, and the key of the last one its decode left (which the next replaces)
     restore_from: int | None = None
     snapshot_points: list[int] = field(default_factory=list)
     pending_snapshot: tuple[int, int] | None = None
+    decode_snapshot: bytes | None = None
     num_reported: int = 0  # output tokens already handed out in a RequestDelta
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # With params.prompt_logprobs, for sample 0: an entry per prompt token scored so far (the first is None:

@@ -275,10 +275,14 @@ class KVManager:
         for table, need in zip(seq.block_tables, needs, strict=True):
             if need > 0:
                 table.extend(self.pool.allocate(need))
-        # a step ending at a snapshot point takes a slot to copy the state into (none when every one is pending)
-        if (self.snapshots is not None and seq.pending_snapshot is None and num_tokens in seq.snapshot_points
-                and (slot := self.snapshots.take()) is not None):
-            seq.pending_snapshot = (num_tokens, slot)
+        # a step ending at a snapshot point, or at a block boundary in the output, takes a slot to copy the state
+        # into (none when every one is pending); the output's replace the sequence's previous one
+        if self.snapshots is not None and seq.pending_snapshot is None:
+            in_output = num_tokens > seq.prompt_len and num_tokens % self.block_size == 0
+            if num_tokens in seq.snapshot_points or in_output:
+                slot = self.snapshots.take(replacing=seq.decode_snapshot if in_output else None)
+                if slot is not None:
+                    seq.pending_snapshot = (num_tokens, slot)
         return True
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
@@ -319,7 +323,9 @@ class KVManager:
         if seq.pending_snapshot is not None:
             position, slot = seq.pending_snapshot
             assert seq.num_computed == position, "a step leaving a snapshot ends at its point"
-            self.snapshots.register(seq.block_keys[position // self.block_size - 1], slot)
+            key = seq.block_keys[position // self.block_size - 1]
+            if self.snapshots.register(key, slot) and position > seq.prompt_len:
+                seq.decode_snapshot = key
             seq.pending_snapshot = None
         seq.snapshot_points = [p for p in seq.snapshot_points if p > seq.num_computed]
 
@@ -380,7 +386,7 @@ class KVManager:
             seq.state_slot = None
         if seq.pending_snapshot is not None:
             self.snapshots.drop(seq.pending_snapshot[1])
-        seq.restore_from, seq.snapshot_points, seq.pending_snapshot = None, [], None
+        seq.restore_from, seq.snapshot_points, seq.pending_snapshot, seq.decode_snapshot = None, [], None, None
         seq.block_tables = self.empty_tables()
         seq.num_computed = seq.num_registered = seq.num_evicted = 0
         seq.block_mass.clear()

@@ -13,7 +13,9 @@ states at a request's end and at branch points likewise):
   the next turn of a conversation start there;
 - the branch point: the end of the longest prefix of the prompt that earlier sequences computed (its blocks' keys
   were seen) but that has no snapshot: the shared system prompt of requests that differ after it. The first such
-  request computes through it and leaves a snapshot there; the ones after it start from it.
+  request computes through it and leaves a snapshot there; the ones after it start from it;
+- each block boundary its decode reaches, each replacing the one before (a sequence keeps one such snapshot): the
+  last one a reply reached stays, where the conversation's next turn, which repeats the reply, starts.
 The scheduler ends a prefill chunk at each of a sequence's snapshot points; the runner copies the state into the
 snapshot's slot after the step's forward pass, and the manager registers it once the step is committed.
 
@@ -38,6 +40,10 @@ class StateSnapshots:
         self._pending: set[int] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self.evictions = 0
+
+    def __len__(self) -> int:
+        """Snapshots kept (pending ones not counted)."""
+        return len(self._slot_of)
 
     def longest(self, keys: Sequence[bytes]) -> tuple[int, int | None]:
         """The longest prefix of keys (in blocks) that has a snapshot, and its slot (0, None: none)."""
@@ -66,9 +72,12 @@ class StateSnapshots:
         while len(self._seen) > SEEN_KEYS:
             self._seen.popitem(last=False)
 
-    def take(self) -> int | None:
+    def take(self, replacing: bytes | None = None) -> int | None:
         """A slot for a new snapshot, pending until register() or drop(): a free one, or the least recently used
-        snapshot's (forgotten); None when every slot is pending."""
+        snapshot's (forgotten); None when every slot is pending. replacing: the key of a snapshot the new one
+        supersedes, forgotten first (a decoding sequence's previous one)."""
+        if replacing is not None and (slot := self._slot_of.pop(replacing, None)) is not None:
+            self._free.append(slot)
         if not self._free:
             if not self._slot_of:
                 return None
@@ -79,14 +88,15 @@ class StateSnapshots:
         self._pending.add(slot)
         return slot
 
-    def register(self, key: bytes, slot: int) -> None:
-        """The pending slot now holds the state at the end of the prefix keyed `key`. Where another sequence's
-        snapshot of the same prefix got there first, that one stays and this slot is freed."""
+    def register(self, key: bytes, slot: int) -> bool:
+        """The pending slot now holds the state at the end of the prefix keyed `key`; whether it is kept: where
+        another sequence's snapshot of the same prefix got there first, that one stays and this slot is freed."""
         self._pending.remove(slot)
         if key in self._slot_of:
             self._free.append(slot)
-        else:
-            self._slot_of[key] = slot
+            return False
+        self._slot_of[key] = slot
+        return True
 
     def drop(self, slot: int) -> None:
         """A pending slot whose snapshot will not be taken (its sequence was freed first)."""

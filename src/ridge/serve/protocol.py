@@ -201,6 +201,7 @@ class SamplingFields(Body):
     # disaggregated prefill (serve/kv_transfer.py): on a --role prefill server, push the prompt's KV to a decode server
     kv_transfer_params: KVTransferParams | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-n alternatives per prompt token, with the prompt's own
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
     use_beam_search: bool = False

@@ -131,6 +131,10 @@ class Routes:
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if opens and req.prompt_logprobs is not None:
                 out["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, ids_list[i], scored[i], req.prompt_logprobs)
+            if req.return_token_ids:  # the generated ids (a stream: this chunk's), the prompt's with the first
+                out["token_ids"] = c.token_ids
+                if opens:
+                    out["prompt_token_ids"] = ids_list[i]
             return out
 
         if not req.stream:
@@ -214,10 +218,13 @@ class Routes:
             for c in output.outputs:
                 reply, called = message(c.text)
                 choices.append({"index": c.index, "message": reply, "logprobs": logprobs(c.token_ids, c.logprobs),
-                                "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason})
+                                "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason,
+                                **({"token_ids": c.token_ids} if req.return_token_ids else {})})
             reply = {"id": request_id, "object": "chat.completion", "created": created,
                      "model": self.config.model_name, "choices": choices,
                      "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
+            if req.return_token_ids:
+                reply["prompt_token_ids"] = ids
             if req.prompt_logprobs is not None:
                 reply["prompt_logprobs"] = _prompt_logprobs(self.tokenizer, ids, output.prompt_logprobs,
                                                             req.prompt_logprobs)
@@ -233,6 +240,9 @@ class Routes:
             num_calls: dict[int, int] = {}  # with tools: each choice's calls sent so far
             final: RequestOutput | None = None
             completion = 0
+            held_ids: dict[int, list[int]] = {}  # with return_token_ids: each choice's ids not sent yet
+            if req.return_token_ids:  # once, before any choice
+                yield sse({**head, "choices": [], "prompt_token_ids": ids})
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
@@ -243,6 +253,7 @@ class Routes:
                     yield sse({**head, "choices": [], "prompt_logprobs": _prompt_logprobs(
                         self.tokenizer, ids, out.prompt_logprobs, req.prompt_logprobs)})
                 for c in out.outputs:
+                    held_ids.setdefault(c.index, []).extend(c.token_ids)
                     delta: dict[str, Any] = {}
                     if tools:  # content as it comes; each call whole, once its closing tag has come
                         text, calls = parsers.setdefault(c.index, CallStream()).feed(c.text, bool(c.finish_reason))
@@ -260,10 +271,12 @@ class Routes:
                     if c.index not in opened:  # OpenAI opens every choice with the role
                         opened.add(c.index)
                         delta = {"role": "assistant", "content": None if tools else "", **delta}
-                    yield sse({**head, "choices": [{
-                        "index": c.index, "delta": delta,
-                        "logprobs": None if tools else logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": finish(c.finish_reason, num_calls.get(c.index, 0) > 0)}]})
+                    item = {"index": c.index, "delta": delta,
+                            "logprobs": None if tools else logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": finish(c.finish_reason, num_calls.get(c.index, 0) > 0)}
+                    if req.return_token_ids:  # what came since this choice's last chunk (tools hold some back)
+                        item["token_ids"] = held_ids.pop(c.index)
+                    yield sse({**head, "choices": [item]})
             if req.include_usage and final is not None:
                 yield sse({**head, "choices": [], "usage": self.gateway.usage([ids], completion, [final])})
             yield "data: [DONE]\n\n"
