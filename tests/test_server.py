@@ -442,6 +442,30 @@ def test_bench_multiturn_sessions_reuse_the_cache(server):
     assert 0 < report["prefix_cache_hit_rate"] < 1
 
 
+def test_bench_chat_turns_repeat_the_server_s_own_replies(server, smollm2):
+    """The chat workload's later turns send the conversation so far with the replies the server gave, so each finds
+    all but the last partial block of it cached; the replies are the engine's greedy continuations."""
+    from ridge.bench import serve as bench_serve
+    from ridge.bench.workloads import chat_requests
+
+    requests = chat_requests(server.engine.tokenizer.vocab_size, 2, max_turns=3, input_len=20, output_len=12, seed=4)
+    assert [(r.session, r.continues) for r in requests] == [(0, False), (0, True), (0, True),
+                                                            (1, False), (1, True), (1, True)]
+    results, duration = asyncio.run(bench_serve.run_load(
+        server.url, "smollm2", requests, request_rate=float("inf"), max_concurrency=None, ignore_eos=True, seed=0,
+        api_key=KEY, progress=False))
+    assert bench_serve.summarize(results, duration, {})["completed"] == 6
+    for session in (0, 1):
+        first, second, third = results[3 * session:3 * session + 3]
+        assert second.prompt_len == first.prompt_len + 12 + 20 and third.prompt_len == second.prompt_len + 12 + 20
+        assert third.token_ids is None  # the last turn's reply is repeated by nothing
+        conversation = requests[3 * session].prompt_ids
+        greedy = smollm2.generate([conversation], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert first.token_ids == greedy[0].outputs[0].token_ids
+        for turn in (second, third):  # the conversation so far, less the reply's last token (never computed)
+            assert turn.cached_tokens == (turn.prompt_len - 20 - 1) // 16 * 16
+
+
 def test_bench_serve_command(server, smollm2_path, tmp_path):
     """`ridge bench serve` as a user runs it, against this server: the report saved, every request served."""
     from ridge.cli import main

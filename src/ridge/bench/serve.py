@@ -34,6 +34,7 @@ class RequestResult:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    token_ids: list[int] | None = None  # the reply's, where the request asked for them (return_token_ids)
 
     @property
     def tpot_s(self) -> float:
@@ -50,6 +51,9 @@ def build_requests(args: argparse.Namespace) -> list[workloads.Request]:
     if args.workload == "multiturn":  # --num-prompts conversations
         return workloads.multiturn(tokenizer, args.num_prompts, args.max_turns, args.max_prompt_len,
                                    args.max_output_len)
+    if args.workload == "chat":  # --num-prompts conversations
+        return workloads.chat_requests(tokenizer.vocab_size, args.num_prompts, args.max_turns, args.input_len,
+                                       args.output_len, args.seed)
     if args.workload == "random":
         return workloads.random_requests(tokenizer.vocab_size, args.num_prompts, args.input_len, args.output_len,
                                          args.seed)
@@ -73,6 +77,8 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict[str, Any], result: 
                     result.output_tokens = usage.get("completion_tokens", result.output_tokens)
                     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 choices = chunk.get("choices") or []
+                if choices and result.token_ids is not None:
+                    result.token_ids += choices[0].get("token_ids") or []
                 if not choices or not choices[0].get("text"):
                     continue
                 now = time.perf_counter()
@@ -102,16 +108,32 @@ async def run_load(base_url: str, model: str | None, requests: list[workloads.Re
     bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
 
     async def send(http: httpx.AsyncClient, chain: list[int]) -> None:
-        """A session's requests in order, each sent once the previous one is answered."""
-        for i in chain:
-            r = requests[i]
-            body = {"prompt": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
+        """A session's requests in order, each sent once the previous one is answered (after its prompt and reply,
+        where it continues the conversation)."""
+        conversation: list[int] = []
+        for n, i in enumerate(chain):
+            r, result = requests[i], results[i]
+            prompt = conversation + r.prompt_ids if r.continues else r.prompt_ids
+            body = {"prompt": prompt, "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
             if model:
                 body["model"] = model
+            if n + 1 < len(chain) and requests[chain[n + 1]].continues:  # the next turn repeats this reply
+                body["return_token_ids"], result.token_ids = True, []
+            result.prompt_len = len(prompt)
             async with limit:
-                await _one(http, url, body, results[i])
+                await _one(http, url, body, result)
             bar.update(1)
+            if result.token_ids is not None:
+                if result.ok and not result.token_ids:
+                    result.ok = False
+                    result.error = "the reply had no token_ids (return_token_ids), which the next turn repeats"
+                if not result.ok:  # the conversation cannot go on without this reply
+                    for later in chain[n + 1:]:
+                        results[later].error = f"an earlier turn failed: {result.error}"
+                    bar.update(len(chain) - n - 1)
+                    return
+                conversation = prompt + result.token_ids
 
     chains: dict[object, list[int]] = {}  # session -> its requests; a request without one is a session alone
     for i, r in enumerate(requests):
@@ -269,6 +291,9 @@ def plot_latencies(per_request: dict[str, list[dict[str, Any]]], title: str, pat
 def cmd_serve(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
     targets = parse_targets(args.base_url)
+    if args.offline and args.workload == "chat":
+        raise ValueError("--offline: the chat workload's prompts repeat each server's own replies; run it without "
+                         "--offline")
     requests = build_requests(args)
     rate = float(args.request_rate)
     reports, per_request = [], {}
@@ -312,14 +337,18 @@ def add_serve_parser(bsub) -> None:
     p.add_argument("--tokenizer", default=None, help="a different model file for the tokenizer")
     p.add_argument("--served-model-name", default=None, help="the `model` field to send (default: none)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", choices=["sharegpt", "random", "prefix", "multiturn"], default="sharegpt",
-                   help="multiturn: --num-prompts ShareGPT conversations, each replayed turn by turn")
-    p.add_argument("--max-turns", type=int, default=4, help="multiturn: turns per conversation at most")
+    p.add_argument("--workload", choices=["sharegpt", "random", "prefix", "multiturn", "chat"], default="sharegpt",
+                   help="multiturn: --num-prompts ShareGPT conversations, each replayed turn by turn with its "
+                        "recorded replies; chat: --num-prompts conversations of random messages (--input-len "
+                        "tokens), each turn the conversation so far with the server's own replies (--output-len "
+                        "tokens; asked for with return_token_ids, which vLLM and ridge have)")
+    p.add_argument("--max-turns", type=int, default=4, help="multiturn, chat: turns per conversation (at most)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: truncate prompts to this")
     p.add_argument("--max-output-len", type=int, default=1024, help="sharegpt: cap reply lengths at this")
-    p.add_argument("--input-len", type=int, default=128, help="random / prefix: (suffix) prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="random / prefix: tokens to generate")
+    p.add_argument("--input-len", type=int, default=128,
+                   help="random / prefix: (suffix) prompt tokens; chat: tokens of each message")
+    p.add_argument("--output-len", type=int, default=128, help="random / prefix / chat: tokens to generate")
     p.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens of each prompt's prefix")
     p.add_argument("--prefix-fraction", type=float, default=1.0,
                    help="prefix: the fraction of prompts whose prefix is the shared one (default %(default)s)")

@@ -18,6 +18,9 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     session: int | None = None  # requests of one session go one after another, each once the last is answered
+    # the prompt continues its session's conversation: sent after the session's previous prompt and the reply the
+    # server gave it (its token ids), as a chat client sends a conversation's next turn
+    continues: bool = False
 
 
 def sharegpt(tokenizer: RidgeTokenizer, num_requests: int, max_prompt_len: int = 1024,
@@ -74,6 +77,16 @@ def multiturn(tokenizer: RidgeTokenizer, num_conversations: int, max_turns: int 
             if sessions == num_conversations:
                 break
     return requests
+
+
+def chat_requests(vocab_size: int, num_conversations: int, max_turns: int, input_len: int, output_len: int,
+                  seed: int = 0) -> list[Request]:
+    """Conversations of max_turns turns, each a message of input_len random tokens that continues the conversation
+    so far, the server's own replies included (closed loop: a turn is sent once the previous reply came, whose
+    tokens it repeats), as chat clients send them; each reply output_len tokens."""
+    messages = random_requests(vocab_size, num_conversations * max_turns, input_len, output_len, seed)
+    return [Request(m.prompt_ids, m.max_tokens, session=i // max_turns, continues=i % max_turns > 0)
+            for i, m in enumerate(messages)]
 
 
 def random_requests(vocab_size: int, num_requests: int, input_len: int, output_len: int,
