@@ -8,6 +8,7 @@ import contextlib
 import httpx
 import openai
 import pytest
+import torch
 
 from conftest import CHAT_PROMPTS, random_prompts, running_server
 from ridge import SamplingParams
@@ -89,28 +90,56 @@ def test_blocks_of_another_layout_are_refused_by_name(smollm2_path, make_llm_for
         check_role("middle", EngineConfig(model="m"))
 
 
-def test_blocks_move_between_tensor_parallel_engines_rank_by_rank(smollm2_path, make_llm_for_test):
-    """Two engines of 2 ranks each (SmolLM2's 3 KV heads cut 1 + 2): every rank's part of a prompt's blocks moves
-    to the same rank of the other engine, whose tokens are the colocated run's; an engine of another
-    tensor_parallel_size refuses them by name."""
+def test_blocks_move_between_engines_of_any_tensor_parallel_size(smollm2_path, make_llm_for_test):
+    """SmolLM2's 3 KV heads cut 1 + 2 over two ranks: an export joins the ranks' parts into whole blocks, and an
+    import cuts them again for its own ranks, so blocks move 2 ranks -> 2, 2 -> 1 and 1 -> 2, and every decode
+    engine's tokens are the colocated run's."""
     common = {"dtype": "float32", "kv_cache_memory": "32MiB"}
-    prefill = make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common)
-    decode = make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common)
-    for prompt in random_prompts(2, 49152, 60, 130, seed=13):
+    two = [make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common) for _ in range(2)]
+    one = make_llm_for_test(smollm2_path, **common)
+    for seed, (prefill, decode) in enumerate(((two[0], two[1]), (two[0], one), (one, two[1]))):
+        for prompt in random_prompts(2, 49152, 60, 130, seed=13 + seed):  # prompts new to both engines
+            (expected,) = prefill.generate(prompt, GREEDY)
+            blocks = export_prefix(prefill.engine, prompt, None)
+            assert blocks.num_blocks == len(prompt) // 16 and blocks.data[0].shape[1] == 3  # every KV head
+            assert import_prefix(decode.engine, blocks) == blocks.num_blocks
+            (out,) = decode.generate(prompt, GREEDY)
+            assert out.num_cached_tokens == min(blocks.num_blocks, (len(prompt) - 1) // 16) * 16 > 0
+            assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        decode.engine.check_integrity()
+    for llm in two:
+        llm.engine.close()
+
+
+def test_joined_heads_are_cut_back_to_each_rank_s_part():
+    """join_heads and cut_heads round-trip each rank's heads, a head replicated over ranks taken once."""
+    from ridge.engine.kv_transfer import cut_heads, join_heads
+
+    whole = [torch.arange(2 * 5 * 3).view(2, 5, 3), torch.arange(2 * 5).view(2, 5)]
+    for shards in ([range(0, 2), range(2, 5)], [range(0, 1), range(0, 1), range(1, 3), range(3, 5)]):
+        parts = cut_heads(whole, shards, len(shards))
+        assert [p[0].shape[1] for p in parts] == [len(r) for r in shards]
+        assert all(torch.equal(a, b) for a, b in zip(join_heads(parts, shards), whole, strict=True))
+    assert cut_heads(whole, None, 2) == [whole, whole] and join_heads([whole, whole], None) is whole
+
+
+def test_latent_attention_s_rows_move_whole_between_tensor_parallel_sizes(tmp_path_factory, make_llm_for_test):
+    """Latent attention caches every head's row on every rank: a 2-rank engine exports rank 0's, and a 2-rank engine
+    imports them on both ranks, from and to one process; the colocated run's tokens."""
+    import test_moe
+
+    path, _ = test_moe.random_hf_model("deepseek_v2", tmp_path_factory)
+    common = {"dtype": "float32", "kv_cache_memory": "16MiB"}
+    two, one = make_llm_for_test(path, tensor_parallel_size=2, **common), make_llm_for_test(path, **common)
+    for seed, (prefill, decode) in enumerate(((two, one), (one, two))):
+        (prompt,) = random_prompts(1, test_moe.VOCAB, 40, 60, seed=20 + seed)
         (expected,) = prefill.generate(prompt, GREEDY)
         blocks = export_prefix(prefill.engine, prompt, None)
-        assert len(blocks.data) == 2 and blocks.num_blocks == len(prompt) // 16
-        assert [d.shape[1] for d in blocks.data[0][:1] + blocks.data[1][:1]] == [1, 2]  # each rank's KV heads
-        assert import_prefix(decode.engine, blocks) == blocks.num_blocks
+        assert import_prefix(decode.engine, blocks) == blocks.num_blocks == len(prompt) // 16
         (out,) = decode.generate(prompt, GREEDY)
-        assert out.num_cached_tokens == min(blocks.num_blocks, (len(prompt) - 1) // 16) * 16 > 0
-        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
-    decode.engine.check_integrity()
-    one = make_llm_for_test(smollm2_path, **common)
-    with pytest.raises(ValueError, match="tensor_parallel_size: the blocks come from 2 rank"):
-        import_prefix(one.engine, blocks)
-    prefill.engine.close()
-    decode.engine.close()
+        assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == expected.outputs[0].token_ids
+        decode.engine.check_integrity()
+    two.engine.close()
 
 
 @pytest.fixture(scope="module")

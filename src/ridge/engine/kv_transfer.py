@@ -7,9 +7,11 @@ cached and computes only the tokens after the last full block, as any prefix-cac
 colocated run's by construction: a block that did not arrive (evicted before the export, or no room to adopt it)
 is computed again, never guessed.
 
-Tensor-parallel engines move blocks rank to rank: each rank holds its own KV heads' part of every block, so an export
-gathers every rank's part on rank 0 and an import hands rank r the exporter's rank r part. Both sides run the same
-tensor_parallel_size (the parts are cut by it); a state-space model's snapshots do not travel (refused).
+Blocks travel whole, every KV head of the model once, so that the two sides may split the model across different
+numbers of ranks (a prefill server of 2 ranks feeding a decode server of 1, say): each rank of a tensor-parallel
+engine holds its own KV heads' part of every block (cluster/shards.py), so an export gathers every rank's part on
+rank 0 and joins them by head, and an import cuts from the whole blocks each rank's heads. A state-space model's
+snapshots do not travel (refused).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ridge.cluster.shards import split_heads
 from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 
@@ -31,8 +34,9 @@ class PrefixBlocks:
     token_ids: list[int]  # the tokens they hold: num_blocks blocks of block_size each
     salt: str | None  # the request's cache_salt (keys chain from it)
     block_size: int
-    # by tensor-parallel rank (one in one process), per cache tensor (AttentionBackend.read_blocks' form): [rows, ...]
-    data: list[list[torch.Tensor]]
+    # per cache tensor, AttentionBackend.read_blocks' form [rows, ...] with every KV head of the model (a one-process
+    # engine's tensors as they are)
+    data: list[torch.Tensor]
     groups: list[list[int]] | None = None  # per KV group, the prefix's blocks it sent, in data's order (None: one
     # full-attention group, all of them)
 
@@ -46,7 +50,7 @@ class PrefixBlocks:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for rank in self.data for t in rank)
+        return sum(t.nbytes for t in self.data)
 
 
 def check_config(config: EngineConfig, role: str) -> None:
@@ -68,33 +72,68 @@ def check_transferable(engine: LLMEngine) -> None:
                          "recurrent state its prefixes resume from (kv/state_snapshots.py); serve it colocated")
 
 
+def kv_head_shards(engine: LLMEngine) -> list[range] | None:
+    """Each rank's KV heads (global indices) where the engine's blocks split by heads across ranks; None where every
+    rank holds them whole (one process; latent attention's rows, every head's)."""
+    cfg, world = engine.loaded.config, engine.config.tensor_parallel_size
+    if world == 1 or cfg.is_mla:
+        return None
+    return [shard.kv_heads for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, world)]
+
+
+def join_heads(parts: list[list[torch.Tensor]], shards: list[range] | None) -> list[torch.Tensor]:
+    """Every rank's part of each cache tensor (read_blocks' form, KV heads along dim 1) -> the whole tensors: each
+    head once, from the first rank that holds it (a head replicated over ranks is the same on each)."""
+    if shards is None:
+        return parts[0]
+    whole = []
+    for tensor in range(len(parts[0])):
+        pieces, covered = [], 0
+        for rank, heads in enumerate(shards):
+            if heads.stop > covered:
+                pieces.append(parts[rank][tensor][:, covered - heads.start:])
+                covered = heads.stop
+        whole.append(torch.cat(pieces, 1))
+    return whole
+
+
+def cut_heads(whole: list[torch.Tensor], shards: list[range] | None, ranks: int) -> list[list[torch.Tensor]]:
+    """join_heads' inverse: each of the ranks' part of the whole tensors (views), by rank; with no shards every rank
+    takes them whole."""
+    if shards is None:
+        return [whole] * ranks
+    return [[t[:, heads.start:heads.stop] for t in whole] for heads in shards]
+
+
 def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:
     """The blocks of token_ids' longest cached prefix (full blocks only), of every KV group."""
     kv = engine.kv
     hit, tables = kv.exportable_tables(kv.prefix_keys(token_ids, salt))
     groups = [[i for i, _ in table] for table in tables]
     index = torch.tensor([block for table in tables for _, block in table], dtype=torch.long)
-    return PrefixBlocks(token_ids[: hit * kv.block_size], salt, kv.block_size, engine.runner.read_blocks(index), groups)
+    data = join_heads(engine.runner.read_blocks(index), kv_head_shards(engine))
+    return PrefixBlocks(token_ids[: hit * kv.block_size], salt, kv.block_size, data, groups)
 
 
 def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
     """Adopt the blocks this engine's cache lacks; the number adopted. ValueError where they do not fit its cache."""
-    kv, ranks = engine.kv, engine.config.tensor_parallel_size
+    kv, shards = engine.kv, kv_head_shards(engine)
     if prefix.block_size != kv.block_size:
         raise ValueError(f"block_size: the blocks hold {prefix.block_size} tokens, this engine's {kv.block_size}")
-    if len(prefix.data) != ranks:
-        raise ValueError(f"tensor_parallel_size: the blocks come from {len(prefix.data)} rank(s), this engine runs "
-                         f"{ranks}; prefill and decode must run the same tensor_parallel_size")
+    layout = ValueError("kv: the blocks' layout (layers, KV groups, KV heads, head size, cache dtype) is not this "
+                        "engine's; prefill and decode must run the same model with the same dtype and kv_cache_dtype")
     rows = sum(len(g) for g in prefix.groups)
-    shapes = [[(tuple(d.shape), d.dtype) for d in rank] for rank in prefix.data]
-    if len(prefix.groups) != len(kv.layout.groups) or any(
-            shape[0] != rows for rank in shapes for shape, _ in rank) or any(
-            i >= prefix.num_blocks for g in prefix.groups for i in g) or not engine.runner.takes_blocks(shapes):
-        raise ValueError("kv: the blocks' layout (layers, KV groups, KV heads, head size, cache dtype) is not this "
-                         "engine's; prefill and decode must run the same model with the same dtype and kv_cache_dtype")
+    if len(prefix.groups) != len(kv.layout.groups) or any(d.dim() < 2 or d.shape[0] != rows for d in prefix.data) or \
+            any(i >= prefix.num_blocks for g in prefix.groups for i in g):
+        raise layout
+    if shards is not None and any(d.shape[1] != engine.loaded.config.num_kv_heads for d in prefix.data):
+        raise layout  # (cut_heads would cut fewer heads than the ranks hold)
+    parts = cut_heads(prefix.data, shards, engine.config.tensor_parallel_size)
+    if not engine.runner.takes_blocks([[(tuple(d.shape), d.dtype) for d in rank] for rank in parts]):
+        raise layout
     placed = kv.adopt(kv.prefix_keys(prefix.token_ids, prefix.salt), prefix.groups)
     if placed:
         rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
         blocks = torch.tensor([b for _, b in placed], dtype=torch.long)
-        engine.runner.write_blocks(blocks, [[d.index_select(0, rows) for d in rank] for rank in prefix.data])
+        engine.runner.write_blocks(blocks, [[d.index_select(0, rows) for d in rank] for rank in parts])
     return len(placed)

@@ -83,7 +83,7 @@ async def import_route(engine: AsyncEngine, request: Request) -> JSONResponse:
     try:
         fields = torch.load(io.BytesIO(await request.body()), weights_only=True)
         blocks = PrefixBlocks(list(fields["token_ids"]), fields["salt"], int(fields["block_size"]),
-                              [list(rank) for rank in fields["data"]],
+                              list(fields["data"]),
                               [list(map(int, g)) for g in fields.get("groups") or []] or None)
     except Exception as exc:  # noqa: BLE001 - whatever a malformed body raises, the client gets a 400 naming it
         raise RequestError(f"body: not the blocks a prefill server pushes ({type(exc).__name__}: {exc})",
