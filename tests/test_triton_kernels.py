@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is a test dependency: `make test` installs it")
 
@@ -390,3 +391,65 @@ def test_fused_elementwise_kernels_match_torch(dtype):
     gate_up = torch.randn(3, 2 * 1100, dtype=dtype, device=DEVICE)  # wider than one program's block
     gate, up = gate_up.split(1100, dim=-1)
     assert _close(fused.silu_mul(gate_up), (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 8, 2), (5, 8, 3), (40, 6, 2)],
+                         ids=["decode", "few-tokens", "chunk-past-a-block"])
+def test_fused_experts_match_one_matmul_per_expert(dtype, tokens, num_experts, top_k):
+    """The Triton grouped matmuls over the device-sorted choices equal each chosen expert run on its tokens and
+    weighted, summed per token; the block layout holds every choice once, each block one expert's."""
+    from ridge.triton_kernels import moe
+
+    torch.manual_seed(7)
+    hidden, width = 72, 40  # neither a multiple of the kernels' tiles
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * width, hidden, device=DEVICE) * hidden**-0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, width, device=DEVICE) * width**-0.5).to(dtype)
+    experts = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, device=DEVICE)
+    choices, block_experts = moe.expert_blocks(experts, num_experts)
+    placed = choices[choices >= 0]
+    assert sorted(placed.tolist()) == list(range(tokens * top_k))
+    for block, expert in enumerate(block_experts.tolist()):
+        rows = choices[block * moe.BLOCK_M:(block + 1) * moe.BLOCK_M]
+        rows = rows[rows >= 0]
+        assert (expert < 0) == (len(rows) == 0)
+        assert all(int(experts.flatten()[c]) == expert for c in rows)
+    out = moe.FusedExperts(gate_up, down, top_k)(x, experts, weights)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for slot in range(top_k):
+            e = int(experts[t, slot])
+            gate, up = (gate_up[e].float() @ x[t].float()).split(width)
+            expected[t] += weights[t, slot].cpu() * (down[e].float() @ (F.silu(gate) * up)).cpu()
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert (out.float().cpu() - expected).abs().max().item() < tol * max(1.0, expected.abs().max().item())
+
+
+def test_an_moe_block_through_the_fused_experts_equals_its_own_path():
+    """A Qwen3-MoE-shaped block (and one with a gated shared expert) forced onto the fused experts, on CPU tensors:
+    the same output as its one-matmul-per-expert path; quantized experts are refused with the reason."""
+    from ridge.config import ModelConfig
+    from ridge.models.moe import MoEBlock
+    from ridge.triton_kernels import moe
+
+    torch.manual_seed(8)
+    for shared in (0, 48):
+        cfg = ModelConfig(architecture="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96,
+                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                          shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
+        block = MoEBlock(cfg).to(DEVICE)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.2)
+        x = torch.randn(6, 64, device=DEVICE)
+        with torch.inference_mode():
+            expected = block(x)
+            block.fused, why = moe.stack_experts(block.experts, block.top_k)
+            assert why == "" and block.experts[3].gate_up.weight.data_ptr() == block.fused.gate_up[3].data_ptr()
+            got = block(x)
+        assert (got - expected).abs().max().item() < 1e-4 * max(1.0, expected.abs().max().item())
+    block.experts[0].down = torch.nn.Identity()
+    assert moe.stack_experts(block.experts, 2) == (None, "experts as Identity layers (quantized or biased)")

@@ -90,10 +90,15 @@ class ModelRunner:
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
                                                                           tensor_parallel)
         self.graphs: DecodeGraphs | None = None
+        fused_experts = False
+        if self.device.type == "cuda" and cfg.num_experts and not tensor_parallel:
+            from ridge.triton_kernels import moe  # Triton comes with CUDA torch; only on this path
+
+            fused_experts = moe.attach(model)
         graphs = isinstance(self.backend, CudaBackend) and not enforce_eager and not tensor_parallel
-        if graphs and cfg.num_experts:
-            log.warning("ridge: no CUDA graphs for a mixture of experts (its routing picks the expert matmuls each "
-                        "step); decode runs eagerly")
+        if graphs and cfg.num_experts and not fused_experts:
+            log.warning("ridge: no CUDA graphs for a mixture of experts whose experts run one matmul each (their "
+                        "routing is read on the host each step); decode runs eagerly")
         elif graphs and cfg.ssm_layers:
             log.warning("ridge: no CUDA graphs for state-space layers yet; decode runs eagerly")
         elif graphs and kv_format is not None:

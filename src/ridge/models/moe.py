@@ -58,6 +58,9 @@ class MoEBlock(nn.Module):
         # rows: its kernel calls are the Python path's up to there (the stack's limit)
         self.native: Any = None
         self.native_max_rows = 0
+        # on CUDA, the routed experts stacked for Triton's grouped matmuls (triton_kernels/moe.py), where the runner
+        # made them: no host synchronisation, so a CUDA graph captures the block
+        self.fused: Any = None
 
     def read_bytes(self, read: Callable[[nn.Module], float], batch: int) -> float:
         """Weight bytes a decode step of `batch` tokens reads here (linear.model_weight_bytes): the router, the
@@ -89,6 +92,16 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.shape[0] <= self.native_max_rows:
             return self.native(x)
+        out = self.fused(x, *self.route(x)) if self.fused is not None else self._routed(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out += shared
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, each chosen expert one matmul over its tokens."""
         experts, weights = self.route(x)
         choices = experts.flatten()  # choice c is token c // k's slot c % k
         order = choices.argsort(stable=True)
@@ -106,9 +119,4 @@ class MoEBlock(nn.Module):
             scaled = self.experts[expert](x[rows]) * slot_weights[start:start + count]
             out.index_add_(0, rows, scaled.to(out.dtype))
             start += count
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out += shared
         return out

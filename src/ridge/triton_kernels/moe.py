@@ -1,0 +1,180 @@
+"""The routed experts of a mixture-of-experts block (models/moe.py) on CUDA, as two Triton grouped matmuls.
+
+MoEBlock's own path sorts the step's (token, slot) choices by expert on the host and runs one matmul per chosen
+expert: a host synchronisation and half a dozen launches per expert per layer, which leaves a GPU idle at decode
+batch sizes and keeps CUDA graphs out. Here everything stays on the device: the choices are sorted by expert and
+laid out in blocks of BLOCK_M rows, each block one expert's (its last block padded), in a layout sized by the
+step's shape alone (at most ceil(C / BLOCK_M) + min(E, C) blocks for C choices of E experts), so a CUDA graph
+captures it. One kernel then runs each block's rows through its expert's gate and up rows with SiLU(gate) * up
+fused, one more through its down projection times the choice's weight; each expert's weights are read once per
+block of its tokens, and at batch 1 only the chosen experts' are read at all. The k choices of a token are summed
+in torch. This is vLLM's fused-MoE design (sorted, block-aligned choices and a grouped matmul); ridge's kernels and
+layout are its own.
+
+Dense experts in the model's dtype with SiLU gates only (stack_experts says why another block cannot use it).
+Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1), which is how the test suite checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ridge.triton_kernels.paged_attention import _float32_dot
+
+log = logging.getLogger("ridge")
+
+BLOCK_M = 16  # choices per block (tl.dot's smallest M)
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, choices_ptr, block_experts_ptr, out_ptr, top_k, hidden, width,
+                    stride_x, stride_we, stride_wn, stride_o,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    FLOAT32_DOT: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= 0:  # blocks past the step's last hold nothing
+        choice = tl.load(choices_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = choice >= 0
+        token = tl.where(valid, choice // top_k, 0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        weights = w_ptr + expert * stride_we
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k < hidden)[None, :],
+                        other=0.0)
+            w_mask = (k < hidden)[:, None] & (n < width)[None, :]
+            w_gate = tl.load(weights + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)  # [K, N]
+            w_up = tl.load(weights + (width + n)[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            if FLOAT32_DOT:
+                a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+            gate += tl.dot(a, w_gate, input_precision=PRECISION)
+            up += tl.dot(a, w_up, input_precision=PRECISION)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], act.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (n < width)[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, hidden, width,
+                 stride_a, stride_we, stride_wn, stride_o,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 FLOAT32_DOT: tl.constexpr):
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= 0:
+        choice = tl.load(choices_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = choice >= 0
+        rows = tl.where(valid, choice, 0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        weights = w_ptr + expert * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + rows[:, None] * stride_a + k[None, :], mask=valid[:, None] & (k < width)[None, :],
+                        other=0.0)
+            w_mask = (k < width)[:, None] & (n < hidden)[None, :]
+            w = tl.load(weights + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            if FLOAT32_DOT:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        acc *= tl.load(choice_weights_ptr + rows, mask=valid, other=0.0)[:, None]
+        tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], acc, mask=valid[:, None] & (n < hidden)[None, :])
+
+
+def expert_blocks(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [T, k] (each token's choices; choice c is token c // k's slot c % k) -> the choices sorted by expert
+    in blocks of BLOCK_M, each expert's blocks padded with -1 [blocks * BLOCK_M], and each block's expert [blocks]
+    (-1 past the last). Device operations only, no host synchronisation; the number of blocks depends on T alone."""
+    choices = experts.flatten()
+    count, device = choices.numel(), choices.device
+    per_expert = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+        0, choices, torch.ones_like(choices))
+    padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = padded.cumsum(0)
+    order = choices.argsort(stable=True)
+    expert_of = choices[order]
+    first_of_expert = per_expert.cumsum(0) - per_expert  # in `order`
+    places = ends[expert_of] - padded[expert_of] + torch.arange(count, device=device) - first_of_expert[expert_of]
+    num_blocks = triton.cdiv(count, BLOCK_M) + min(num_experts, count)
+    sorted_choices = torch.full((num_blocks * BLOCK_M,), -1, dtype=torch.long, device=device)
+    sorted_choices[places] = order
+    block_experts = torch.searchsorted(ends, torch.arange(num_blocks, device=device) * BLOCK_M, right=True)
+    return sorted_choices, torch.where(block_experts < num_experts, block_experts, -1)
+
+
+@dataclass
+class FusedExperts:
+    """A block's experts stacked: gate_up [E, 2 * width, hidden] (gate rows, then up rows) and down [E, hidden,
+    width], as the experts' GatedMLPs hold them (whose weights become views of these)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], each token's experts and weights [T, k] (MoEBlock.route) -> the weighted sum of its
+        experts' outputs [T, hidden], in x's dtype."""
+        tokens, hidden = x.shape
+        num_experts, width = self.down.shape[0], self.down.shape[2]
+        choices, block_experts = expert_blocks(experts, num_experts)
+        count = experts.numel()
+        act = x.new_empty(count, width)
+        out = torch.empty(count, hidden, dtype=torch.float32, device=x.device)
+        flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(x.dtype, None))
+        blocks = block_experts.shape[0]
+        _gate_up_kernel[(blocks, triton.cdiv(width, BLOCK_N))](
+            x, self.gate_up, choices, block_experts, act, self.top_k, hidden, width,
+            x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1), act.stride(0), **flags)
+        _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
+            act, self.down, choices, block_experts, weights.flatten().float().contiguous(), out, hidden, width,
+            act.stride(0), self.down.stride(0), self.down.stride(1), out.stride(0), **flags)
+        return out.view(tokens, self.top_k, hidden).sum(1).to(x.dtype)
+
+
+def stack_experts(experts: nn.ModuleList, top_k: int) -> tuple[FusedExperts | None, str]:
+    """The experts (GatedMLPs) stacked for the kernels, their weights then views of the stack; or None and why
+    they cannot be (quantized or biased layers, a GELU gate)."""
+    for expert in experts:
+        if getattr(expert, "gelu", False):
+            return None, "GELU-gated experts"
+        for layer in (expert.gate_up, expert.down):
+            if type(layer) is not nn.Linear or layer.bias is not None:
+                return None, f"experts as {type(layer).__name__} layers (quantized or biased)"
+    fused = FusedExperts(torch.stack([e.gate_up.weight.detach() for e in experts]),
+                         torch.stack([e.down.weight.detach() for e in experts]), top_k)
+    for i, expert in enumerate(experts):  # one copy of the weights: the experts' own read the stack
+        expert.gate_up.weight = nn.Parameter(fused.gate_up[i], requires_grad=False)
+        expert.down.weight = nn.Parameter(fused.down[i], requires_grad=False)
+    return fused, ""
+
+
+def attach(model: nn.Module) -> bool:
+    """Give each mixture-of-experts block of `model` (all of whose experts this process holds) its stacked experts,
+    which its forward() runs through the kernels above; whether every block has them. A block that cannot keeps one
+    matmul per expert, said at warning level."""
+    from ridge.models.moe import MoEBlock
+
+    every = True
+    for name, block in model.named_modules():
+        if isinstance(block, MoEBlock):
+            if len(block.held) != len(block.experts):
+                block.fused, why = None, "expert parallelism (a rank holds some experts)"
+            else:
+                block.fused, why = stack_experts(block.experts, block.top_k)
+            if block.fused is None:
+                every = False
+                log.warning("ridge: %s runs one matmul per expert on CUDA, not the fused Triton experts: %s",
+                            name, why)
+    return every
