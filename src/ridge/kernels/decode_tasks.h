@@ -121,7 +121,7 @@ inline void by_heads(int64_t heads, const F& f) {
 
 // Split B rows' attention into tasks of one (row, kv head, partition of up to kPartitionTokens keys), run
 // attend(q_heads, table, task, scores, q_scratch, partial) on each across the threads, and merge each
-// (row, kv head)'s partials into out [B, heads, d] and lse [B, heads]. q_heads: the task's `group` query
+// (row, kv head)'s partials into out [B, heads, d] and lse [B, heads] (or nullptr). q_heads: the task's `group` query
 // heads, [group, d]; scores: [group, kPartitionTokens] floats of scratch, q_scratch: [group, d].
 // mass (or nullptr): [B, mass_stride] floats, to which row b's attention probabilities over the tokens of
 // block j of its table, summed over its query heads, are added at [b, j] (what heavy-hitter eviction ranks
@@ -209,7 +209,7 @@ void run_decode_tasks(const T* q, const int64_t* tables, int64_t table_width, co
             for (int64_t x = 0; x < d; ++x) merged[x] += w * a[x];
           }
           const int64_t row = b * dims.heads + h * group + g;
-          lse[row] = m + logf(denom);
+          if (lse != nullptr) lse[row] = m + logf(denom);
           for (int64_t p = i; mass != nullptr && p < last; ++p) {  // the partials' block sums, normalized
             const float w = expf(maxes[p * group + g] - m) / denom;
             const float* sums = block_masses.data() + (p * group + g) * longest;

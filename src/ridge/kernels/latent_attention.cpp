@@ -223,7 +223,6 @@ torch::Tensor latent_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor 
   context_lens = context_lens.contiguous();
   const torch::Tensor starts = window_start_rows(window_starts, q.size(0), "latent_decode");
   auto out = torch::empty_like(q);
-  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat32));
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const Dims dims{heads, 1, heads, d, cache.size(0), cache.size(1)};
   const auto mass_out = mass_rows(mass, batch, block_tables.size(1));
@@ -232,7 +231,7 @@ torch::Tensor latent_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor 
     const scalar_t* rows = cache.data_ptr<scalar_t>();
     run_decode_tasks(q.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
                      context_lens.data_ptr<int64_t>(), starts.defined() ? starts.data_ptr<int64_t>() : nullptr,
-                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), batch, dims,
+                     out.data_ptr<scalar_t>(), nullptr, batch, dims,
                      [&](const scalar_t* qh, const int64_t* table, const Task& task, float* scores, float* q_scaled,
                          Partial partial) {
                        for (int64_t x = 0; x < heads * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * scale_f;
