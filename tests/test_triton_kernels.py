@@ -142,8 +142,8 @@ def test_latent_decode_matches_reference(dtype, heads, value_dim, rope_dim, bloc
 
 
 def test_latent_backend_decodes_through_triton_as_through_torch():
-    """LatentBackend's decode on CUDA's path (the Triton kernel, forced here on CPU tensors) and on torch's padded
-    gather: the same outputs for a step of decodes, with a window."""
+    """LatentBackend's decode on CUDA's path (the Triton kernels, forced here on CPU tensors) and on torch's padded
+    gather: the same outputs for a step of decodes, with a window; its write skips a negative slot."""
     from ridge.attention import LatentBackend
     from ridge.triton_kernels import latent_attention
 
@@ -157,6 +157,13 @@ def test_latent_backend_decodes_through_triton_as_through_torch():
         backend.write(0, rows, rows, slots)
     tables = torch.stack([torch.randperm(30)[:12] for _ in range(3)]).to(DEVICE)
     q = torch.randn(3, 6, 48, device=DEVICE)
+    padded = torch.cat([slots[:2], torch.tensor([-1], device=DEVICE)])  # a CUDA graph's padding row: no write
+    before = triton_backend.k_cache[0].clone()
+    triton_backend.write(0, rows[:3] + 1, rows[:3] + 1, padded)
+    written = triton_backend.k_cache[0].view(-1, 48)
+    assert torch.equal(written[slots[:2]], rows[:2, 0] + 1)
+    written[slots[:2]] = before.view(-1, 48)[slots[:2]]
+    assert torch.equal(triton_backend.k_cache[0], before)  # nothing else moved
     for window in (None, 20):
         outs = []
         for backend in (triton_backend, torch_backend):

@@ -72,7 +72,11 @@ class LatentBackend(AttentionBackend):
             meta.kernel_rows = KernelRows(None, meta.decode_block_tables, lens, window_starts=meta.window_starts(lens))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k: [T, 1, dim], the tokens' rows (v is the same rows)."""
+        """k: [T, 1, dim], the tokens' rows (v is the same rows); on CUDA a negative slot (a CUDA graph's padding
+        row) is written nowhere."""
+        if self.triton is not None:
+            self.triton.write_rows(k[:, 0], self.k_cache[layer], slots)
+            return
         self.k_cache[layer].view(-1, self.head_dim).index_copy_(0, slots, k[:, 0])
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,14 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention import AttentionMetadata, CudaBackend, PrefillChunk, QuantizedKVBackend, make_backend
+from ridge.attention import (
+    AttentionMetadata,
+    CudaBackend,
+    LatentBackend,
+    PrefillChunk,
+    QuantizedKVBackend,
+    make_backend,
+)
 from ridge.attention.quantized_kv import KEY_CENTER_POSITIONS
 from ridge.config import EngineConfig
 from ridge.engine.cuda_graphs import DecodeGraphs
@@ -95,7 +102,8 @@ class ModelRunner:
             from ridge.triton_kernels import moe  # Triton comes with CUDA torch; only on this path
 
             fused_experts = moe.attach(model)
-        graphs = isinstance(self.backend, CudaBackend) and not enforce_eager and not tensor_parallel
+        graphs = (self.device.type == "cuda" and isinstance(self.backend, (CudaBackend, LatentBackend))
+                  and not enforce_eager and not tensor_parallel)
         if graphs and cfg.num_experts and not fused_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts whose experts run one matmul each (their "
                         "routing is read on the host each step); decode runs eagerly")

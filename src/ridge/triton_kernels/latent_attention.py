@@ -120,3 +120,23 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         HEAD_DIM=value_dim, BLOCK_D=block_v, BLOCK_S=max(2, triton.next_power_of_2(splits)),
     )
     return out
+
+
+@triton.jit
+def _write_rows_kernel(rows_ptr, cache_ptr, slots_ptr, stride_r, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:  # a negative slot is a CUDA graph's padding row: written nowhere
+        i = tl.arange(0, BLOCK)
+        tl.store(cache_ptr + slot * DIM + i, tl.load(rows_ptr + token * stride_r + i, mask=i < DIM), mask=i < DIM)
+
+
+def write_rows(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """rows [T, dim] -> cache [N, block_size, dim] at slots [T] (slot = block * block_size + offset; negative:
+    skipped)."""
+    if rows.shape[0] == 0:
+        return
+    assert rows.stride(1) == 1 and cache.is_contiguous()
+    dim = cache.shape[2]
+    _write_rows_kernel[(rows.shape[0],)](rows, cache, slots, rows.stride(0), DIM=dim,
+                                         BLOCK=triton.next_power_of_2(dim))
