@@ -26,6 +26,7 @@ from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
 from ridge.kv.formats import KVFormat
 from ridge.kv.state_cache import StateCache, StateStep
+from ridge.models.moe import attach_fused_experts
 from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
@@ -99,9 +100,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         fused_experts = False
         if self.device.type == "cuda" and cfg.num_experts and not tensor_parallel:
-            from ridge.triton_kernels import moe  # Triton comes with CUDA torch; only on this path
-
-            fused_experts = moe.attach(model)
+            fused_experts = attach_fused_experts(model)
         graphs = (self.device.type == "cuda" and isinstance(self.backend, (CudaBackend, LatentBackend))
                   and not enforce_eager and not tensor_parallel)
         if graphs and cfg.num_experts and not fused_experts:

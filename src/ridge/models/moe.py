@@ -20,6 +20,7 @@ the bias (renormalised), times routed_scaling_factor; its shared experts run ung
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.models.layers import GatedMLP
+
+log = logging.getLogger("ridge")
 
 
 class Router(nn.Linear):
@@ -120,3 +123,23 @@ class MoEBlock(nn.Module):
             out.index_add_(0, rows, scaled.to(out.dtype))
             start += count
         return out
+
+
+def attach_fused_experts(model: nn.Module) -> bool:
+    """On CUDA: give each mixture-of-experts block of `model` (all of whose experts this process holds) its experts
+    stacked for Triton's grouped matmuls (triton_kernels/moe.py), which its forward() runs; whether every block has
+    them. A block that cannot keeps one matmul per expert, said at warning level."""
+    from ridge.triton_kernels import moe  # Triton comes with CUDA torch; only on this path
+
+    every = True
+    for name, block in model.named_modules():
+        if isinstance(block, MoEBlock):
+            if len(block.held) != len(block.experts):
+                block.fused, why = None, "expert parallelism (a rank holds some experts)"
+            else:
+                block.fused, why = moe.stack_experts(block.experts, block.top_k)
+            if block.fused is None:
+                every = False
+                log.warning("ridge: %s runs one matmul per expert on CUDA, not the fused Triton experts: %s",
+                            name, why)
+    return every

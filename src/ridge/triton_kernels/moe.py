@@ -17,7 +17,6 @@ Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1), which is how th
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +25,6 @@ import triton.language as tl
 from torch import nn
 
 from ridge.triton_kernels.paged_attention import _float32_dot
-
-log = logging.getLogger("ridge")
 
 BLOCK_M = 16  # choices per block (tl.dot's smallest M)
 BLOCK_N = 64
@@ -159,22 +156,3 @@ def stack_experts(experts: nn.ModuleList, top_k: int) -> tuple[FusedExperts | No
         expert.down.weight = nn.Parameter(fused.down[i], requires_grad=False)
     return fused, ""
 
-
-def attach(model: nn.Module) -> bool:
-    """Give each mixture-of-experts block of `model` (all of whose experts this process holds) its stacked experts,
-    which its forward() runs through the kernels above; whether every block has them. A block that cannot keeps one
-    matmul per expert, said at warning level."""
-    from ridge.models.moe import MoEBlock
-
-    every = True
-    for name, block in model.named_modules():
-        if isinstance(block, MoEBlock):
-            if len(block.held) != len(block.experts):
-                block.fused, why = None, "expert parallelism (a rank holds some experts)"
-            else:
-                block.fused, why = stack_experts(block.experts, block.top_k)
-            if block.fused is None:
-                every = False
-                log.warning("ridge: %s runs one matmul per expert on CUDA, not the fused Triton experts: %s",
-                            name, why)
-    return every
