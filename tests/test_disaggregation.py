@@ -98,7 +98,7 @@ def test_blocks_move_between_engines_of_any_tensor_parallel_size(smollm2_path, m
     two = [make_llm_for_test(smollm2_path, tensor_parallel_size=2, **common) for _ in range(2)]
     one = make_llm_for_test(smollm2_path, **common)
     for seed, (prefill, decode) in enumerate(((two[0], two[1]), (two[0], one), (one, two[1]))):
-        for prompt in random_prompts(2, 49152, 60, 130, seed=13 + seed):  # prompts new to both engines
+        for prompt in random_prompts(1, 49152, 60, 130, seed=13 + seed):  # a prompt new to both engines
             (expected,) = prefill.generate(prompt, GREEDY)
             blocks = export_prefix(prefill.engine, prompt, None)
             assert blocks.num_blocks == len(prompt) // 16 and blocks.data[0].shape[1] == 3  # every KV head
