@@ -455,6 +455,9 @@ def test_bench_chat_turns_repeat_the_server_s_own_replies(server, smollm2):
         server.url, "smollm2", requests, request_rate=float("inf"), max_concurrency=None, ignore_eos=True, seed=0,
         api_key=KEY, progress=False))
     assert bench_serve.summarize(results, duration, {})["completed"] == 6
+    by_turn = bench_serve.ttft_by_turn(requests, results)
+    assert list(by_turn) == [1, 2, 3]
+    assert by_turn[2] == pytest.approx((results[1].ttft_s + results[4].ttft_s) / 2 * 1e3)
     for session in (0, 1):
         first, second, third = results[3 * session:3 * session + 3]
         assert second.prompt_len == first.prompt_len + 12 + 20 and third.prompt_len == second.prompt_len + 12 + 20

@@ -190,6 +190,20 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict[str, 
     }
 
 
+def ttft_by_turn(requests: list[workloads.Request], results: list[RequestResult]) -> dict[int, float] | None:
+    """Mean TTFT (ms) of the served requests by their turn in their session (1 = a conversation's first), for the
+    workloads of sessions (multiturn, chat): where a prefix cache pays shows as later turns' first tokens."""
+    if all(r.session is None for r in requests):
+        return None
+    turns: dict[int, list[float]] = {}
+    seen: dict[int, int] = {}
+    for request, result in zip(requests, results, strict=True):
+        turn = seen[request.session] = seen.get(request.session, 0) + 1
+        if result.ok:
+            turns.setdefault(turn, []).append(result.ttft_s * 1e3)
+    return {turn: statistics.fmean(values) for turn, values in sorted(turns.items())}
+
+
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
     slo = {}
     for item in items or []:
@@ -213,6 +227,9 @@ def print_report(report: dict[str, Any]) -> None:
     for name in ("ttft", "tpot", "itl", "e2el"):
         s = report[name]
         print(f"{name:6s} {s['mean_ms']:9.1f} {s['median_ms']:9.1f} {s['p90_ms']:9.1f} {s['p99_ms']:9.1f}")
+    if report.get("ttft_by_turn_ms"):
+        print("ttft by turn (mean ms): " + ", ".join(f"{turn}: {ms:.0f}"
+                                                    for turn, ms in report["ttft_by_turn_ms"].items()))
     for error in report["errors"]:
         print(f"error: {error}")
 
@@ -303,7 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                  args.max_concurrency, args.ignore_eos, args.seed, args.api_key))
         report = {"name": name, "base_url": url, "workload": args.workload, "num_prompts": len(requests),
                   "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-                  **summarize(results, duration, goodput)}
+                  **summarize(results, duration, goodput), "ttft_by_turn_ms": ttft_by_turn(requests, results)}
         print_report(report)
         reports.append(report)
         per_request[name] = [asdict(r) for r in results]
