@@ -112,7 +112,7 @@ def test_blocks_move_between_engines_of_any_tensor_parallel_size(smollm2_path, m
 
 def test_joined_heads_are_cut_back_to_each_rank_s_part():
     """join_heads and cut_heads round-trip each rank's heads, a head replicated over ranks taken once."""
-    from ridge.engine.kv_transfer import cut_heads, join_heads
+    from ridge.cluster.shards import cut_heads, join_heads
 
     whole = [torch.arange(2 * 5 * 3).view(2, 5, 3), torch.arange(2 * 5).view(2, 5)]
     for shards in ([range(0, 2), range(2, 5)], [range(0, 1), range(0, 1), range(1, 3), range(3, 5)]):

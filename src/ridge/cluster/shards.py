@@ -65,6 +65,31 @@ def split_heads(num_heads: int, num_kv_heads: int, world: int, what: str = "atte
     return shards
 
 
+def join_heads(parts: list[list[torch.Tensor]], shards: list[range] | None) -> list[torch.Tensor]:
+    """Every rank's part of each cache tensor (AttentionBackend.read_blocks' form, KV heads along dim 1; the KV blocks
+    engine/kv_transfer.py moves) -> the whole tensors: each head once, from the first rank that holds it (a head
+    replicated over ranks is the same on each)."""
+    if shards is None:
+        return parts[0]
+    whole = []
+    for tensor in range(len(parts[0])):
+        pieces, covered = [], 0
+        for rank, heads in enumerate(shards):
+            if heads.stop > covered:
+                pieces.append(parts[rank][tensor][:, covered - heads.start:])
+                covered = heads.stop
+        whole.append(torch.cat(pieces, 1))
+    return whole
+
+
+def cut_heads(whole: list[torch.Tensor], shards: list[range] | None, ranks: int) -> list[list[torch.Tensor]]:
+    """join_heads' inverse: each of the ranks' part of the whole tensors (views), by rank; with no shards every rank
+    takes them whole."""
+    if shards is None:
+        return [whole] * ranks
+    return [[t[:, heads.start:heads.stop] for t in whole] for heads in shards]
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Rank `rank` of `world`: the split of every weight of a model of config `cfg`. granule: the column count a

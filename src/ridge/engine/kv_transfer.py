@@ -10,8 +10,8 @@ is computed again, never guessed.
 Blocks travel whole, every KV head of the model once, so that the two sides may split the model across different
 numbers of ranks (a prefill server of 2 ranks feeding a decode server of 1, say): each rank of a tensor-parallel
 engine holds its own KV heads' part of every block (cluster/shards.py), so an export gathers every rank's part on
-rank 0 and joins them by head, and an import cuts from the whole blocks each rank's heads. A state-space model's
-snapshots do not travel (refused).
+rank 0 and joins them by head, and an import sends the whole blocks to every rank once, each writing its own heads.
+A state-space model's snapshots do not travel (refused).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridge.cluster.shards import split_heads
+from ridge.cluster.shards import cut_heads, join_heads, split_heads
 from ridge.config import EngineConfig
 from ridge.engine.engine import LLMEngine
 
@@ -81,30 +81,6 @@ def kv_head_shards(engine: LLMEngine) -> list[range] | None:
     return [shard.kv_heads for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, world)]
 
 
-def join_heads(parts: list[list[torch.Tensor]], shards: list[range] | None) -> list[torch.Tensor]:
-    """Every rank's part of each cache tensor (read_blocks' form, KV heads along dim 1) -> the whole tensors: each
-    head once, from the first rank that holds it (a head replicated over ranks is the same on each)."""
-    if shards is None:
-        return parts[0]
-    whole = []
-    for tensor in range(len(parts[0])):
-        pieces, covered = [], 0
-        for rank, heads in enumerate(shards):
-            if heads.stop > covered:
-                pieces.append(parts[rank][tensor][:, covered - heads.start:])
-                covered = heads.stop
-        whole.append(torch.cat(pieces, 1))
-    return whole
-
-
-def cut_heads(whole: list[torch.Tensor], shards: list[range] | None, ranks: int) -> list[list[torch.Tensor]]:
-    """join_heads' inverse: each of the ranks' part of the whole tensors (views), by rank; with no shards every rank
-    takes them whole."""
-    if shards is None:
-        return [whole] * ranks
-    return [[t[:, heads.start:heads.stop] for t in whole] for heads in shards]
-
-
 def export_prefix(engine: LLMEngine, token_ids: list[int], salt: str | None) -> PrefixBlocks:
     """The blocks of token_ids' longest cached prefix (full blocks only), of every KV group."""
     kv = engine.kv
@@ -135,5 +111,5 @@ def import_prefix(engine: LLMEngine, prefix: PrefixBlocks) -> int:
     if placed:
         rows = torch.tensor([i for i, _ in placed], dtype=torch.long)
         blocks = torch.tensor([b for _, b in placed], dtype=torch.long)
-        engine.runner.write_blocks(blocks, [[d.index_select(0, rows) for d in rank] for rank in parts])
+        engine.runner.write_blocks(blocks, [d.index_select(0, rows) for d in prefix.data], shards)
     return len(placed)

@@ -18,6 +18,7 @@ from ridge.attention import (
     make_backend,
 )
 from ridge.attention.quantized_kv import KEY_CENTER_POSITIONS
+from ridge.cluster.shards import cut_heads
 from ridge.config import EngineConfig
 from ridge.engine.cuda_graphs import DecodeGraphs
 from ridge.engine.prompt_logprobs import PromptRows, rows_to_score
@@ -192,8 +193,9 @@ class ModelRunner:
     def takes_blocks(self, shapes: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> bool:
         return len(shapes) == 1 and self.backend.takes_blocks(shapes[0])
 
-    def write_blocks(self, blocks: torch.Tensor, data: list[list[torch.Tensor]]) -> None:
-        self.backend.write_blocks(blocks, data[0])
+    def write_blocks(self, blocks: torch.Tensor, data: list[torch.Tensor], shards: list[range] | None) -> None:
+        """Whole blocks (every KV head), this process's part of them as `shards` cut it (cluster/shards.py)."""
+        self.backend.write_blocks(blocks, cut_heads(data, shards, 1)[0])
 
     def prepare(self, step: ScheduledStep) -> StepInputs:
         """The step's tokens, positions and slots as flat tensors; the backend's per-step work done."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ridge.cluster.collectives import TPGroup, install_collectives
-from ridge.cluster.shards import ShardPlan
+from ridge.cluster.shards import ShardPlan, cut_heads
 from ridge.config import EngineConfig
 from ridge.engine import prompt_logprobs
 from ridge.engine.runner import ModelRunner, StepInputs, StepLogits
@@ -86,10 +86,15 @@ class CheckBlocks:
 
 @dataclass
 class WriteBlocks:
-    """Each rank's part of another engine's blocks, into these blocks of its cache."""
+    """Another engine's whole blocks (every KV head): each rank writes its part, as `shards` cut them, into these
+    blocks of its cache."""
 
     blocks: torch.Tensor
-    data: list[list[torch.Tensor]]  # by rank
+    data: list[torch.Tensor]
+    shards: list[range] | None  # by rank (None: every rank takes them whole)
+
+    def part(self, rank: int) -> list[torch.Tensor]:
+        return cut_heads(self.data, self.shards, rank + 1)[rank]
 
 
 @dataclass
@@ -187,8 +192,10 @@ class TensorParallelRunner:
         return self._together(CheckBlocks(shapes),
                               lambda: all(self.group.all_ok(self.local.backend.takes_blocks(shapes[0]))))
 
-    def write_blocks(self, blocks: torch.Tensor, data: list[list[torch.Tensor]]) -> None:
-        self._together(WriteBlocks(blocks, data), lambda: self.local.backend.write_blocks(blocks, data[0]))
+    def write_blocks(self, blocks: torch.Tensor, data: list[torch.Tensor], shards: list[range] | None) -> None:
+        """Whole blocks, broadcast once; each rank writes its part (WriteBlocks)."""
+        command = WriteBlocks(blocks, data, shards)
+        self._together(command, lambda: self.local.backend.write_blocks(blocks, command.part(0)))
 
     def _together(self, command: RunStep | Score | TimeAllReduce | ReadBlocks | CheckBlocks | WriteBlocks, run,
                   *args):  # noqa: ANN001, ANN202 - the local runner's call
@@ -307,7 +314,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
             group.all_ok(runner.backend.takes_blocks(command.shapes[group.rank]))
             continue
         if isinstance(command, WriteBlocks):
-            runner.backend.write_blocks(command.blocks, command.data[group.rank])
+            runner.backend.write_blocks(command.blocks, command.part(group.rank))
             continue
         runner.prepare_backend(command.inputs.meta)
         out = runner.run(command.inputs)
