@@ -48,9 +48,9 @@ using ridge_vnni::Geometry;
 using ridge_vnni::kBlock;
 using ridge_vnni::kChannels;
 using ridge_vnni::kChunk;
-using ridge_vnni::load_halves;
-
 #if defined(RIDGE_VNNI)
+
+using ridge_vnni::load_halves;
 
 // x quantized per row and 32-value block, with what the sums need beside the codes
 struct QuantizedRows {
