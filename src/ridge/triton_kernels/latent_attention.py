@@ -19,18 +19,19 @@ import triton
 import triton.language as tl
 
 from ridge.triton_kernels.paged_attention import (
+    STEP_SHAPED_SPLIT,
     _float32_dot,
-    _merge_splits_kernel,
     _softmax_step,
     _split_result,
     _split_tiles,
+    merge_splits,
 )
 
 TILE = 32  # tokens per iteration: 32 rows of 576 bf16 values at DeepSeek's shapes, 36 KB a tile
 HEADS_PER_PROGRAM = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SHAPED_SPLIT)
 def _latent_split_kernel(
     q_ptr, cache_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, lse_ptr,
     scale, num_splits, heads,
@@ -113,13 +114,7 @@ def latent_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         BLOCK_SIZE=block_size, TILE=TILE, HAS_WINDOW=window_starts is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, None),
     )
-    out = q.new_empty(batch, heads, value_dim)
-    _merge_splits_kernel[(batch, heads)](
-        parts, lse, out, splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=value_dim, BLOCK_D=block_v, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-    )
-    return out
+    return merge_splits(parts, lse, q.new_empty(batch, heads, value_dim))
 
 
 @triton.jit

@@ -43,6 +43,11 @@ import triton.language as tl
 from ridge.kv.formats import CHANNEL_SCALE_TABLE, KVFormat
 
 TILE = 64  # keys per iteration of the decode loop: 4 blocks of 16, 128 B rows of bf16 at head_dim 64
+# Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1, a multiple of 16, other):
+# arguments that change from step to step (the splits, a table's width, the strides they set) are left out of that,
+# or a step of a new shape stalls serving for a compile (checked by tests/test_triton_compile.py)
+MERGED_SPLITS = 16  # splits the merge kernel reads at a time
+STEP_SHAPED_SPLIT = ["num_splits", "stride_tb", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
 
 # what a cache holds, as the kernels' FORMAT: values in the model's dtype, or codes of kv/formats.py's formats
 PLAIN: tl.constexpr = tl.constexpr(0)
@@ -111,16 +116,18 @@ def _read_tile(ptr, scales_ptr, table_ptr, block, offset, kv_head, d, mask,
                FORMAT: tl.constexpr, CHANNELS: tl.constexpr, GROUP: tl.constexpr):
     """One KV head's keys or values at (block, offset) [rows, BLOCK_D]: as stored, or dequantized to float32
     (CHANNELS: a scale byte per channel of the block, through the table; else float16 per GROUP values of a row)."""
+    # one return: Triton's compiler refuses returns of two types even in branches of a constexpr `if`
     rows = block * stride_n + offset * stride_t + kv_head * stride_h
     if FORMAT == PLAIN:
-        return tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0)
-    x = _codes(ptr, rows, d, mask, FORMAT)
-    if CHANNELS:
+        tile = tl.load(ptr + rows[:, None] + d[None, :], mask=mask, other=0.0)
+    elif CHANNELS:
         e = tl.load(scales_ptr + kv_head * stride_sh + block[:, None] * stride_sn + d[None, :], mask=mask, other=0)
-        return x * tl.load(table_ptr + e.to(tl.int32))
-    s = tl.load(scales_ptr + kv_head * stride_sh + block[:, None] * stride_sn + offset[:, None] * stride_st
-                + d[None, :] // GROUP, mask=mask, other=0.0)
-    return x * s.to(tl.float32)
+        tile = _codes(ptr, rows, d, mask, FORMAT) * tl.load(table_ptr + e.to(tl.int32))
+    else:
+        s = tl.load(scales_ptr + kv_head * stride_sh + block[:, None] * stride_sn + offset[:, None] * stride_st
+                    + d[None, :] // GROUP, mask=mask, other=0.0)
+        tile = _codes(ptr, rows, d, mask, FORMAT) * s.to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -152,7 +159,7 @@ def _split_result(acc, m_i, l_i):
     return out, tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SHAPED_SPLIT)
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr, lse_ptr,
     scale, num_splits,
@@ -209,23 +216,42 @@ def _decode_split_kernel(
     tl.store(lse_ptr + row * stride_lb + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh"])
 def _merge_splits_kernel(
     parts_ptr, lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # splits BLOCK_S at a time, so that one compiled kernel merges any number of them
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * stride_lb + head * stride_lh + s, mask=s < num_splits, other=float("-inf"))
-    weights = tl.exp(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    parts = tl.load(parts_ptr + row * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0)
+    lse_row = lse_ptr + row * stride_lb + head * stride_lh
+    top = tl.full([], float("-inf"), tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        top = tl.maximum(top, tl.max(tl.load(lse_row + first + s, mask=first + s < num_splits, other=float("-inf")), 0))
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        inside = first + s < num_splits
+        weights = tl.exp(tl.load(lse_row + first + s, mask=inside, other=float("-inf")) - top)
+        parts = tl.load(parts_ptr + row * stride_pb + head * stride_ph + (first + s)[:, None] * stride_ps + d[None, :],
+                        mask=inside[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        acc += tl.sum(parts * weights[:, None], 0)
+        total += tl.sum(weights, 0)
+    out = acc / total
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def merge_splits(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The splits' outputs parts [B, heads, splits, >= d] weighted by their log-sum-exps lse [B, heads, splits] ->
+    out [B, heads, d]."""
+    batch, heads, splits, block_d = parts.shape
+    _merge_splits_kernel[(batch, heads)](
+        parts, lse, out, splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=out.shape[2], BLOCK_D=block_d, BLOCK_S=MERGED_SPLITS)
+    return out
 
 
 @triton.jit
@@ -241,7 +267,7 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, strid
         tl.store(v_cache_ptr + slot * ROW + i, v, mask=i < ROW)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tc"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, tables_ptr, tile_chunks_ptr, tile_offsets_ptr,
     starts_ptr, lengths_ptr, context_lens_ptr,
@@ -335,13 +361,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
         **_cache_args(k_cache, v_cache, quantized),
     )
-    out = torch.empty_like(q)
-    _merge_splits_kernel[(batch, heads)](
-        parts, lse, out, splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-    )
-    return out
+    return merge_splits(parts, lse, torch.empty_like(q))
 
 
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -43,6 +43,7 @@ import triton.language as tl
 
 NIBBLES, BYTES, FP8 = 0, 1, 2
 GEMV_MAX_ROWS = 8
+STEP_SHAPED = ["M", "stride_os"]  # not specialized on: the rows change from call to call (paged_attention.py says why)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_
     return w, w, j, j_in
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SHAPED)
 def _gemv_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr,
     M, N, code_columns, columns_per_split,
@@ -186,7 +187,7 @@ def _gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (n < N)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SHAPED)
 def _matmul_kernel(
     x_ptr, codes_ptr, scales_ptr, mins_ptr, out_ptr,
     M, N, code_columns, columns_per_split,
