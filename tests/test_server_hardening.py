@@ -258,7 +258,7 @@ def test_a_killed_engine_is_restarted_and_its_requests_fail_fast(smollm2_path):
 def test_sigterm_exits_within_the_grace_period_while_the_engine_is_busy(smollm2_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ridge.cli", "serve", "--model", str(smollm2_path), "--port",
-                             str(port), "--kv-cache-memory", "64MiB", "--grace", "2"],
+                             str(port), "--kv-cache-memory", "128MiB", "--grace", "2"],  # 2,800 tokens in float32
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -266,6 +266,7 @@ def test_sigterm_exits_within_the_grace_period_while_the_engine_is_busy(smollm2_
         _wait_health(url, 200, 120)
         body = {"prompt": "Count:", "max_tokens": 2800, "ignore_eos": True, "stream": True, "n": 4}
         with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as response:
+            assert response.status_code == 200, response.read()
             lines = response.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGTERM)

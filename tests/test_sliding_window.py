@@ -112,6 +112,8 @@ def test_max_sequence_tokens_counts_every_group():
     kv = windowed_manager(64)
     # 63 usable blocks; the window group holds at most ceil((8 + 16) / 4) + 1 = 7
     assert kv.max_sequence_tokens(16) == (63 - 7) * 4
+    # sequences of at most 12 tokens: the window group holds at most ceil(12 / 4) + 1 = 4
+    assert kv.max_sequence_tokens(16, max_len=12) == (63 - 4) * 4
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------

@@ -140,14 +140,14 @@ class LLMEngine:
                              "(eviction runs on full-attention caches)")
         self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots,
                             eviction=config.eviction, num_snapshots=num_snapshots)
-        pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens)
+        positions = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        pool_tokens = self.kv.max_sequence_tokens(config.max_num_batched_tokens, positions)
         if pool_tokens < config.block_size:
             raise ValueError(f"kv_cache_memory: {num_blocks} KV blocks of {per_block} bytes cannot hold one sequence "
                              f"computed in chunks of max_num_batched_tokens={config.max_num_batched_tokens} (each "
                              "sliding-window layer group holds its window and a chunk, an evicting cache its "
                              "kv_budget and a chunk); give it more memory")
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings,
-                                 pool_tokens)
+        self.max_model_len = min(positions, pool_tokens)
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))

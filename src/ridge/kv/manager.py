@@ -351,15 +351,16 @@ class KVManager:
             self.free(seq)
         seq.num_computed = min(seq.num_computed, num_computed)
 
-    def max_sequence_tokens(self, chunk_tokens: int) -> int:
-        """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens."""
+    def max_sequence_tokens(self, chunk_tokens: int, max_len: int = 2**62) -> int:
+        """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens, of at most
+        max_len tokens (what a group holds is bounded by the sequence's length too)."""
         usable = self.num_blocks - (self.null_block is not None)
         full_groups = sum(w is None for w in self.windows)
         if self.eviction is not None:  # a sequence holds its budget and a chunk, whatever its length
-            held = self.pool.blocks_for(self.eviction.budget + chunk_tokens) + 1
+            held = self.pool.blocks_for(min(self.eviction.budget + chunk_tokens, max_len)) + 1
             return 2**62 if usable >= held * full_groups else 0
         # a window group holds its window and the chunk being computed, each possibly straddling a block edge
-        windowed = sum(self.pool.blocks_for(w + self.rewind_margin + chunk_tokens) + 1
+        windowed = sum(self.pool.blocks_for(min(w + self.rewind_margin + chunk_tokens, max_len)) + 1
                        for w in self.windows if w is not None)
         if full_groups == 0:
             return 2**62 if usable >= windowed else 0  # bounded by positions alone
