@@ -116,9 +116,11 @@ def test_bench_capacity_measures_what_windows_save(gemma3_path, capsys):
 def test_an_int8_cache_keeps_the_answers_past_the_window(make_llm_for_test, gemma3_path, chat_prompts, batch_tokens):
     """Local (512-token window) and global layers on an int8 cache: the quantized decode kernel starts each local
     row at its window, the window groups give blocks back as they pass, and the answers to the prompts past the
-    window stay the float32 cache's (the kernel, not torch, read them; no block leaks: the fixture checks)."""
+    window stay the float32 cache's (on AVX512 the kernel, not torch, read them; no block leaks: the fixture
+    checks)."""
     llm = make_llm_for_test(gemma3_path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory="64MiB")
-    assert llm.engine.runner.backend.kernels is not None
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert llm.engine.runner.backend.kernels is not None
     outs = llm.generate(chat_prompts[3:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))  # 1 short, 3 long
     equal = sum(o.outputs[0].token_ids == tokens for o, tokens in zip(outs, batch_tokens[3:], strict=True))
     assert equal >= 3, f"{equal} of 4 answers equal the float32 cache's"
