@@ -43,10 +43,10 @@ import triton.language as tl
 from ridge.kv.formats import CHANNEL_SCALE_TABLE, KVFormat
 
 TILE = 64  # keys per iteration of the decode loop: 4 blocks of 16, 128 B rows of bf16 at head_dim 64
+MERGED_SPLITS = 16  # splits the merge kernel reads at a time
 # Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1, a multiple of 16, other):
 # arguments that change from step to step (the splits, a table's width, the strides they set) are left out of that,
 # or a step of a new shape stalls serving for a compile (checked by tests/test_triton_compile.py)
-MERGED_SPLITS = 16  # splits the merge kernel reads at a time
 STEP_SHAPED_SPLIT = ["num_splits", "stride_tb", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
 
 # what a cache holds, as the kernels' FORMAT: values in the model's dtype, or codes of kv/formats.py's formats
