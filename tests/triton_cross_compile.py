@@ -260,11 +260,13 @@ def _sweep_steps() -> None:
     contexts from 1 to 4,000 tokens and their tables as wide as the widest row's (as the scheduler builds them);
     chunks continuing contexts of as many lengths; DeepSeek's latent decode likewise; an int8 matmul at 1 to 64
     rows, in the configurations the tuner falls back to."""
+    from ridge.attention import LatentBackend
     from ridge.attention.backend import AttentionMetadata, PrefillChunk
-    from ridge.triton_kernels import quant_matmul
+    from ridge.triton_kernels import latent_attention, quant_matmul
 
     backend = _cuda_backend(8, 128, BF16)
-    latent_backend = None
+    latent_backend = LatentBackend(1, 1, 576, 256, 16, BF16, "cpu", value_dim=512)
+    latent_backend.__dict__.update(triton=latent_attention, multiprocessors=MULTIPROCESSORS)
     weight = quant_matmul.PackedWeight(torch.zeros(256, 4096, dtype=torch.int8), quant_matmul.BYTES,
                                        torch.ones(256), None, 0, 256)
     for batch in range(1, 65):
@@ -282,12 +284,6 @@ def _sweep_steps() -> None:
             tokens = meta.slot_mapping.shape[0]
             backend.forward(0, torch.zeros(tokens, 32, 128, dtype=BF16), torch.zeros(tokens, 8, 128, dtype=BF16),
                             torch.zeros(tokens, 8, 128, dtype=BF16), [meta])
-        if latent_backend is None:
-            from ridge.attention import LatentBackend
-            from ridge.triton_kernels import latent_attention
-
-            latent_backend = LatentBackend(1, 1, 576, 256, 16, BF16, "cpu", value_dim=512)
-            latent_backend.__dict__.update(triton=latent_attention, multiprocessors=MULTIPROCESSORS)
         meta = AttentionMetadata(slot_mapping=torch.arange(batch), num_decodes=batch, decode_block_tables=tables,
                                  decode_context_lens=lens, window=None, prefills=[])
         latent_backend.prepare(meta)
