@@ -127,6 +127,39 @@ def test_dense_linear_matches_float64(ops, rows, n, k):
     assert (ops.dense_linear(x, w, bias).double() - (expected + bias.double())).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 32])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (33, 577)])
+def test_dense_linear_widens_bf16_as_it_reads(ops, rows, n, k):
+    """bf16 rows and weights through the few-row kernel: float32 sums of the widened values, rounded to bf16
+    once, so within half a bf16 step of the exact product (plus float32's own rounding)."""
+    torch.manual_seed(rows)
+    x, w, bias = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    expected = x.double() @ w.double().T + bias.double()
+    got = ops.dense_linear(x, w, bias)
+    assert got.dtype == torch.bfloat16
+    half_step = expected.abs() * 2**-8
+    assert ((got.double() - expected).abs() <= half_step + 1e-5 * k).all()
+
+
+def test_bf16_few_rows_linear_is_its_nn_linear_at_every_row_count(ops):
+    """A bf16 FewRowsLinear, as the CPUs oneDNN cannot pack bf16 on use it: few rows on the kernel, a prompt's on
+    slices of the weight widened to float32 (more channels than a slice), both bf16 roundings of the float32 sum."""
+    from ridge.linear import FewRowsLinear
+    from ridge.linear.dense import WIDENED_CHANNELS
+    from ridge.linear.rows import FEW_ROWS
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(96, WIDENED_CHANNELS + 40).bfloat16()
+    fast = FewRowsLinear.wrap(plain.weight, plain.bias, ops)
+    with torch.inference_mode():
+        for shape in [(2, 96), (FEW_ROWS + 1, 96), (2, 50, 96)]:
+            x = torch.randn(shape).bfloat16()
+            exact = x.double() @ plain.weight.double().T + plain.bias.double()
+            got = fast(x)
+            assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+            assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+
+
 def test_few_rows_linear_is_its_nn_linear(ops):
     from ridge.linear import FewRowsLinear
     from ridge.linear.rows import FEW_ROWS

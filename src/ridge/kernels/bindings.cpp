@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_rows", &vnni_rows,
         "rows (output channels) of a pack_vnni weight dequantized to float32 [T, K]: a tied table's lookup",
         py::arg("weight"), py::arg("rows"), py::arg("k_dim"));
-  m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 rows, on every thread",
+  m.def("dense_linear", &dense_linear, "x @ weight.T (+ bias) for a few float32 or bf16 rows, on every thread",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("int4pack_linear", &int4pack_linear,
         "x @ W.T for many rows of x, W in torch's CPU int4 layout, dequantized a tile at a time");

@@ -133,6 +133,8 @@ inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
   hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
 }
 inline void vstore_bf16(void* p, fvec v) { store_bf16(p, v); }
+// kLanes consecutive bf16 values -> floats
+inline fvec vload_bf16(const void* p) { return load_bf16(p); }
 #else
 using fvec = __m256;
 constexpr int kLanes = 8;
@@ -161,6 +163,10 @@ inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000))));
+}
+inline fvec vload_bf16(const void* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 // floats -> bf16 bits, rounded to nearest even as c10::BFloat16 does (NaNs aside, which ridge never makes)
 inline void vstore_bf16(void* p, fvec v) {

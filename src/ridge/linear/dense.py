@@ -7,7 +7,10 @@ changes with the number of rows beside it (kernels/batch_invariance.py).
 
 bfloat16: torch's plain matmul re-lays out the weight on every call; oneDNN's packed format is what its
 AMX / AVX512-BF16 kernels read directly, faster at decode's one row and at prompts' hundreds. float32
-gains nothing from packing. (docs/notes/kernel-choices.md has the measurements.)
+gains nothing from packing. Where oneDNN cannot pack bf16 (CPUs without AVX512), torch's bf16 matmul is
+a slow generic loop (4-7x float32's sgemm at 20-512 rows on the AVX2 box): bf16 weights take the float32
+layer's road there, the few-row kernel widening them as it reads, and prompts' rows multiplied by slices of
+the weight widened to float32. (docs/notes/kernel-choices.md has the measurements.)
 """
 
 from __future__ import annotations
@@ -23,9 +26,14 @@ from torch import nn
 from ridge.linear.base import NO_TENSOR
 from ridge.linear.rows import FEW_ROWS
 
+# the output channels of a bf16 weight widened to float32 at a time for a prompt's rows: 8 MiB of float32 at
+# Qwen2.5-0.5B's width, where widening a whole vocabulary head at once would hold half a GB
+WIDENED_CHANNELS = 2048
+
 
 class FewRowsLinear(nn.Linear):
-    """An nn.Linear (same parameters, same results up to summation order) with a faster few-row path."""
+    """An nn.Linear (same parameters, same results up to summation order) with a faster few-row path;
+    float32, or bfloat16 where oneDNN does not pack it (onednn_packs)."""
 
     kernel = "dense"
     ops: ModuleType
@@ -46,8 +54,10 @@ class FewRowsLinear(nn.Linear):
             out = self.ops.dense_linear(rows, self.weight, self.bias)
         elif self.every_row:
             out = torch.cat([self.ops.dense_linear(tile, self.weight, self.bias) for tile in rows.split(FEW_ROWS)])
-        else:
+        elif self.weight.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
+        else:
+            out = widened_linear(rows, self.weight, self.bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -56,6 +66,16 @@ class FewRowsLinear(nn.Linear):
 
     def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any:
         return ops.LinearPart("dense", self.weight, NO_TENSOR, NO_TENSOR, 0, False, bias, 0)
+
+
+def widened_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows @ weight.T (+ bias) for many bf16 rows: sgemm over the weight widened to float32 a slice of channels
+    at a time (the slice's conversion is a small part of its matmul at a prompt's rows), rounded to bf16 once."""
+    wide = rows.float()
+    out = torch.cat([F.linear(wide, part.float()) for part in weight.split(WIDENED_CHANNELS)], dim=-1)
+    if bias is not None:
+        out += bias
+    return out.to(rows.dtype)
 
 
 def onednn_packs(dtype: torch.dtype, device: str) -> bool:

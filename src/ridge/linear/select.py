@@ -60,7 +60,9 @@ def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | Non
 def _dense_kind(target: LinearTarget) -> type[nn.Module]:
     if target.packed and onednn_packs(target.dtype, target.device):
         return PackedLinear
-    if target.cpu_ops is not None and target.dtype == torch.float32:
+    # bf16 only where oneDNN cannot pack it (whatever `packed` says): elsewhere torch's bf16 matmul is oneDNN's
+    bf16_unpackable = target.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16, target.device)
+    if target.cpu_ops is not None and (target.dtype == torch.float32 or bf16_unpackable):
         return FewRowsLinear
     return nn.Linear  # torch's own
 
