@@ -11,6 +11,7 @@ from types import ModuleType
 
 from ridge.cluster.shards import ShardPlan, shard_model, shard_quantized
 from ridge.config import EngineConfig, ModelConfig
+from ridge.engine.native_memory import trim_heap
 from ridge.hub import resolve
 from ridge.kernels import batch_invariance
 from ridge.linear import LinearTarget
@@ -135,6 +136,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if config.batch_invariant:
         batch_invariance.verify(loaded.model, config.torch_dtype)
         loaded.weight_format += ", batch invariant"
+    trim_heap()
     return loaded
 
 

@@ -279,8 +279,9 @@ def load_model(
             state[key] = tensor
         else:
             parts[key][slot] = tensor
-    for key, slots in parts.items():
-        state[key] = torch.cat([slots[i] for i in sorted(slots)], dim=0)
+    while parts:  # each fused weight's slots dropped as it is made: the weights are held once, not twice
+        key, slots = parts.popitem()
+        state[key] = torch.cat([slots.pop(i) for i in sorted(slots)], dim=0)
     if cfg.rope_interleave:
         _deinterleave_rotary(cfg, state, quantized)
 
