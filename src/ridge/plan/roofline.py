@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ridge.linear.dense import onednn_packs
+
 
 @dataclass(frozen=True)
 class Roofline:
@@ -51,8 +53,12 @@ def remeasured(roof: Roofline, device: str = "cpu") -> Roofline:
 
 def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3, probe: int = 512) -> float:
     """Square matmuls of side n; where a probe of side `probe` shows that one would take over 4 s (a
-    dtype the CPU only emulates: bf16 on an AVX2 CPU ran under 1 GFLOP/s), the side stays at the probe's,
-    which is large enough to be compute-bound and keeps the measurement from taking minutes."""
+    dtype the CPU only emulates), the side stays at the probe's, which is large enough to be compute-bound and
+    keeps the measurement from taking minutes. bf16 where oneDNN cannot pack it (CPUs without AVX512): torch's
+    bf16 matmul there ran under 1 GFLOP/s, and ridge multiplies such weights widened to float32
+    (linear/dense.py), so float32's ceiling is theirs."""
+    if dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16, "cpu"):
+        dtype = torch.float32
     a = torch.randn(probe, probe, dtype=dtype)
     probe_seconds = _best(lambda: a @ a, 1)
     if probe_seconds * (n / probe) ** 3 > 4.0:
