@@ -44,7 +44,6 @@ def test_qwen_coder_greedy_matches_hf(qwen_float32, qwen_path, tmp_path):
     assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
 
 
-
 LOAD_SCRIPT = """
 import sys
 from ridge.config import EngineConfig
@@ -63,9 +62,9 @@ print(sum(weights.values()), anonymous_bytes() - before)
 
 
 def test_a_loaded_model_holds_its_weights_and_little_more(smollm2_path):
-    """SmolLM2 dequantized to float32 (538 MB): what the load leaves resident is the weights and little more.
-    The load frees temporaries as large as what it keeps (dequantized tensors; the parts of fused q/k/v and
-    gate/up weights, once all held until the model was made); glibc kept their pages until a trim: 907 MB."""
+    """SmolLM2 dequantized to float32 (513 MiB): what the load leaves resident is the weights and little more
+    (595 MiB). The load frees temporaries as large as what it keeps (dequantized tensors; the parts of fused q/k/v
+    and gate/up weights, once all held until the model was made), whose pages glibc kept until a trim: 850 MiB."""
     import subprocess
     import sys
 
