@@ -42,8 +42,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def trim_heap() -> None:
     """Hand the heap's free pages back to the system now: a model's load frees temporaries as large as the
-    weights it keeps (dequantized tensors, the parts of fused ones), which stayed resident until the first trim
-    (Qwen2.5-0.5B in float32: 0.8 GB more than its 2.5 GB of weights)."""
+    weights it keeps (dequantized tensors, the parts of fused ones), resident until trimmed (figures:
+    docs/notes/server-hardening.md)."""
     if (trim := _malloc_trim()) is not None:
         trim(0)
 

@@ -8,9 +8,9 @@ changes with the number of rows beside it (kernels/batch_invariance.py).
 bfloat16: torch's plain matmul re-lays out the weight on every call; oneDNN's packed format is what its
 AMX / AVX512-BF16 kernels read directly, faster at decode's one row and at prompts' hundreds. float32
 gains nothing from packing. Where oneDNN cannot pack bf16 (CPUs without AVX512), torch's bf16 matmul is
-a slow generic loop (4-7x float32's sgemm at 20-512 rows on the AVX2 box): bf16 weights take the float32
-layer's road there, the few-row kernel widening them as it reads, and prompts' rows multiplied by slices of
-the weight widened to float32. (docs/notes/kernel-choices.md has the measurements.)
+a slow generic loop, several times float32's sgemm: bf16 weights take the float32 layer's road
+there, the few-row kernel widening them as it reads, and prompts' rows multiplied by slices of the weight
+widened to float32. (docs/notes/kernel-choices.md has the measurements.)
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch import nn
 from ridge.linear.base import NO_TENSOR
 from ridge.linear.rows import FEW_ROWS
 
-# the output channels of a bf16 weight widened to float32 at a time for a prompt's rows: 8 MiB of float32 at
-# Qwen2.5-0.5B's width, where widening a whole vocabulary head at once would hold half a GB
+# the output channels of a bf16 weight widened to float32 at a time for a prompt's rows: a slice stays a few MiB
+# where a whole vocabulary head widened at once would be hundreds
 WIDENED_CHANNELS = 2048
 
 

@@ -55,8 +55,8 @@ def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3, probe: i
     """Square matmuls of side n; where a probe of side `probe` shows that one would take over 4 s (a
     dtype the CPU only emulates), the side stays at the probe's, which is large enough to be compute-bound and
     keeps the measurement from taking minutes. bf16 where oneDNN cannot pack it (CPUs without AVX512): torch's
-    bf16 matmul there ran under 1 GFLOP/s, and ridge multiplies such weights widened to float32
-    (linear/dense.py), so float32's ceiling is theirs."""
+    bf16 matmul there is emulated, and ridge multiplies such weights widened to float32 (linear/dense.py), so
+    float32's ceiling is theirs."""
     if dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16, "cpu"):
         dtype = torch.float32
     a = torch.randn(probe, probe, dtype=dtype)
