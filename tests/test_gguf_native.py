@@ -59,6 +59,20 @@ def test_unpacked_codes_and_scales_equal_gguf_dequantize(kind):
     assert np.abs(dequantize(qw).numpy() - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("kind", [*gguf_blocks.SUPPORTED, "F16"])
+def test_dequantize_gives_gguf_s_values_to_the_bit(kind):
+    """The loader's dequantize (ridge's torch bit-unpacking; F16 passed on to gguf) against gguf's numpy."""
+    rows, cols = 37, cols_for(kind)
+    if kind == "F16":
+        blocks = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+    else:
+        blocks = random_blocks(kind, rows, cols, seed=len(kind))
+    ours = gguf_blocks.dequantize(blocks, GGMLQuantizationType[kind], (rows, cols))
+    expected = gguf_dequantize(blocks, GGMLQuantizationType[kind]).reshape(rows, cols)
+    assert ours.dtype == np.float32 and ours.shape == (rows, cols)
+    assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", gguf_blocks.SUPPORTED)
 # the register path (row blocks of 4, 3, 2, 1) up to 8 rows, 32 in float32; dequantized tiles beyond

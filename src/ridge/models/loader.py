@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -186,7 +185,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
             # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),
             # v_b [heads, v_head_dim, rank]; joined back to kv_b's [heads * (nope + v_head_dim), rank]
             halves = kv_b_halves[match.group(1)]
-            halves[match.group(2)] = dequantize(t.data, t.tensor_type).reshape(t.shape)
+            halves[match.group(2)] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape)
             if len(halves) == 2:
                 joined = np.concatenate([halves["k"].transpose(0, 2, 1), halves["v"]], axis=1)
                 yield f"blk.{match.group(1)}.attn_kv_b.weight", joined.reshape(-1, joined.shape[-1])
@@ -195,12 +194,12 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
             for expert in range(t.shape[0]):
                 yield f"{t.name}.{expert}", (
                     gguf_blocks.unpack(t.data[expert], t.tensor_type, t.shape[1:], f"{t.name}.{expert}") if quantized
-                    else dequantize(t.data[expert], t.tensor_type).reshape(t.shape[1:]))
+                    else gguf_blocks.dequantize(t.data[expert], t.tensor_type, t.shape[1:]))
             continue
         if quantized:
             data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, t.shape, t.name)
         else:
-            data = dequantize(t.data, t.tensor_type).reshape(t.shape)
+            data = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape)
         if t.name.endswith("ffn_gate_inp_shexp.weight"):  # a vector in GGUF, the gate's one row here
             data = data.reshape(1, -1)
         if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
