@@ -456,26 +456,31 @@ def test_the_engine_holds_the_plan_s_bytes_and_more_sequences(quantized_cache):
     assert plain_blocks * 16 * kv_bytes(engine.loaded.spec, "bf16", 1) <= engine.config.kv_cache_bytes
 
 
+INT2_MODEL = "random:smollm2,num_layers=4,vocab_size=2048,hidden_size=256,num_heads=4,num_kv_heads=2,head_dim=64"
+
+
 def test_int2_serves_batches_chunks_preemption_and_prefix_hits_and_gives_every_block_and_tail_back(
-        make_llm_for_test, smollm2_path):
-    """SmolLM2 over an int2 cache (float32). Twelve prompts of 3-150 tokens: batched, each sequence reads its own
-    tail (a step's tail slots in its sequences' order), so the answers are those of each prompt run alone. In
-    16-token chunks, two at a time, in a pool that forces preemption, with the prefix cache on and a prompt sent
-    twice: the recomputed sequences take fresh tails, the repeated prompt hits whole cached blocks, and every block
-    and slot comes back (make_llm_for_test checks the accounting)."""
+        make_llm_for_test):
+    """A SmolLM2-shaped random model (4 layers) over an int2 cache (float32). Twelve prompts of 3-150 tokens:
+    batched, each sequence reads its own tail (a step's tail slots in its sequences' order), so the answers are
+    those of each prompt run alone. In 16-token chunks, two at a time, in a pool that forces preemption, with the
+    prefix cache on and a prompt sent twice: the recomputed sequences take fresh tails, the repeated prompt hits
+    whole cached blocks, and every block and slot comes back (make_llm_for_test checks the accounting). The
+    accounting is the model's shape's, not its weights': a small random model runs it in seconds (int2's quality on
+    a real model is its perplexity: docs/notes/kv-compression.md)."""
     from conftest import random_prompts
 
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     # no prefix cache here: a prompt run again would read its first blocks back quantized, not as computed
-    llm = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_dtype="int2", kv_cache_memory="32MiB",
+    llm = make_llm_for_test(INT2_MODEL, dtype="float32", kv_cache_dtype="int2", kv_cache_memory="32MiB",
                             enable_prefix_caching=False)
     prompts = random_prompts(12, llm.engine.loaded.config.vocab_size, 3, 150, seed=5)
     alone = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
-    # the tails of 2 sequences in half the memory (float32: 737 KB each), 19 blocks of 16 tokens in the rest: less
-    # than 2 sequences of up to 150 + 96 tokens need at once
+    # the tails of 2 sequences in half the memory, 19 blocks of 16 tokens in the rest: less than 2 sequences of up
+    # to 150 + 96 tokens need at once
     tail = llm.engine.loaded.config.kv_tail_bytes(torch.float32, 16)
-    tight = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_dtype="int2", max_num_batched_tokens=16,
+    tight = make_llm_for_test(INT2_MODEL, dtype="float32", kv_cache_dtype="int2", max_num_batched_tokens=16,
                               max_num_seqs=2, enable_prefix_caching=True, kv_cache_memory=4 * tail)
     assert tight.engine.kv.states.num_slots == 2 and tight.engine.kv.num_blocks == 19
     longer = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
