@@ -16,8 +16,8 @@ tensor unpacks without loss into a QuantizedWeight (codes [N, K], scales and min
 The 4-bit ones then run on torch's int4 kernel (same group, same affine map; Q4_0's codes shifted to 0..15 with a
 minimum of -8 d); the others on ridge's grouped int8 kernel (kernels/quant_linear.cpp).
 
-The codes' bits are unpacked here, in torch, rather than by gguf's numpy dequantize: that ran at 50-180 million
-values a second on one core, most of a model's load (8 of Qwen2.5-0.5B's 20 s). dequantize() below computes
+The codes' bits are unpacked here, in torch, rather than by gguf's numpy dequantize, which was most of a model's
+load (figures: docs/notes/server-hardening.md). dequantize() below computes
 gguf's own products in the same order (scale times code, then plus the minimum), so its values are gguf's to the
 bit; formats not in the table still go through gguf.
 """
