@@ -82,8 +82,8 @@ def _codes(kind: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
     if kind == q.Q8_0:
         return blocks[:, 2:].view(torch.int8)
     if kind in (q.Q4_0, q.Q4_1):
-        codes = _nibbles(blocks[:, 2 if kind == q.Q4_0 else 4:], 16)
-        return codes.view(torch.int8) - 8 if kind == q.Q4_0 else codes.view(torch.int8)
+        codes = _nibbles(blocks[:, 2 if kind == q.Q4_0 else 4:], 16).view(torch.int8)
+        return codes - 8 if kind == q.Q4_0 else codes
     if kind in (q.Q5_0, q.Q5_1):  # qh: a little-endian uint32, bit i the fifth bit of value i
         start = 2 if kind == q.Q5_0 else 4
         high = _bits(blocks[:, start:start + 4], list(range(8)), 1)  # [n, 8 shifts * 4 bytes]
