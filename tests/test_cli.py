@@ -7,6 +7,7 @@ import sys
 import pytest
 
 RIDGE = [sys.executable, "-m", "ridge.cli"]
+RANDOM_SMOLLM2 = "random:smollm2,num_layers=4,vocab_size=2048"
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -62,7 +63,7 @@ def test_generate_bad_value_is_a_clear_error(smollm2_path):
 
 def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
     """`ridge quantize` writes a checkpoint that `generate` serves (here on int8 activations); `ridge bench
-    quant` measures two formats in one run and reports their bytes per step, tok/s and bandwidth fraction."""
+    quant` measures formats in one run and reports their bytes per step, tok/s and bandwidth fraction."""
     out = tmp_path / "int8"
     def output(*args: str) -> dict:
         assert in_process(capsys, *args) == 0
@@ -78,11 +79,14 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
                           (["bench", "quant", "smollm2", "--formats", "float32,fp8+a8"], "fp8+a8 not among"),
                           (["bench", "quant", "smollm2", "--rounds", "0"], "rounds: must be at least 1, got 0")):
         assert in_process(capsys, *args) != 0 and message in capsys.readouterr().err  # refused before any work
-    bench = output("bench", "quant", "smollm2", "--formats", "float32,int4+a8,int4+a8+eager", "--baseline", "float32",
-                   "--dtype", "float32", "--output-len", "4", "--input-len", "16", "--batch", "2", "--repeats", "1",
-                   "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png"), "--kv-cache-memory", "64MiB")
+    # the formats measured on SmolLM2's shape cut to 4 layers and a 2,048-token vocabulary: no file to read
+    bench = output("bench", "quant", RANDOM_SMOLLM2, "--formats", "float32,int4+a8,int4+a8+eager,gguf",
+                   "--baseline", "float32", "--dtype", "float32", "--output-len", "4", "--input-len", "16",
+                   "--batch", "2", "--repeats", "1", "--rounds", "2", "--json", "--plot", str(tmp_path / "formats.png"),
+                   "--kv-cache-memory", "64MiB")
     assert (tmp_path / "formats.png").stat().st_size > 0
     rows = {row["name"]: row for row in bench["formats"]}
+    assert "a random model has no file" in rows.pop("gguf")["error"]  # a row that says why, beside the others
     assert rows["int4+a8"]["weight_bytes"] < rows["float32"]["weight_bytes"] / 3  # in float32, a byte per code
     assert rows["float32"]["decode_vs_baseline"] == 1.0
     assert "int8 activations, computes in float32" in rows["int4+a8"]["weights"]

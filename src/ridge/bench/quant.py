@@ -13,6 +13,9 @@ the median of the rounds' ratios (formats measured next to each other in time).
 The quantized formats compute in --dtype, by default the engine's own choice: bfloat16 where the CPU has
 bf16 arithmetic, float32 where it would emulate it (an AVX2 CPU runs bf16 matmuls many times slower than
 float32 ones, which would hide what the weight format saves).
+
+A `random:NAME` model measures the formats on a shape that has no file to download; gguf, which runs a file's
+blocks, then shows its refusal in its row, and llama.cpp is not run.
 """
 
 from __future__ import annotations
@@ -102,8 +105,7 @@ def _measure(args: argparse.Namespace, name: str, ids: list[int]) -> FormatResul
 
 def cmd_quant(args: argparse.Namespace) -> int:
     from ridge.bench.cli import _latency_prompt, find_peers, run_peer
-    from ridge.hub import resolve
-    from ridge.tokenizer import RidgeTokenizer
+    from ridge.engine.loading import ModelFile
 
     for name in ("rounds", "repeats"):
         if getattr(args, name) < 1:
@@ -114,8 +116,8 @@ def cmd_quant(args: argparse.Namespace) -> int:
                          f"+a8 (quantized, not fp8) and +eager")
     print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
     roof = roofline.measure(dtypes=())
-    path = resolve(args.model)
-    ids = _latency_prompt(args, RidgeTokenizer.from_path(path))
+    model = ModelFile.open(args.model)  # a random model: its shape's tokenizer, and no file for gguf or llama.cpp
+    ids = _latency_prompt(args, model.tokenizer)
     measured: dict[str, list[FormatResult]] = {name: [] for name in args.formats}
     for k in range(args.rounds):
         for name in args.formats:
@@ -124,9 +126,9 @@ def cmd_quant(args: argparse.Namespace) -> int:
     results = [_over_rounds(measured[name]) for name in args.formats]
     peer = None
     found = find_peers(args.peer or [], all_installed=False)
-    if "llamacpp" in found and path.suffix == ".gguf":
+    if "llamacpp" in found and model.gguf is not None:
         print("[bench] llama.cpp ...", file=sys.stderr, flush=True)
-        job = {"mode": "latency", "gguf": str(path), "dtype": "bfloat16", "repeats": args.repeats,
+        job = {"mode": "latency", "gguf": str(model.path), "dtype": "bfloat16", "repeats": args.repeats,
                "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
         peer = run_peer("llamacpp", found["llamacpp"], job, timeout=1800)
     roof = roofline.remeasured(roof)

@@ -270,7 +270,11 @@ def load_model(
         if isinstance(array, QuantizedWeight):
             quantized[key][slot or 0] = array
             continue
-        tensor = torch.from_numpy(np.array(array)) if isinstance(array, np.ndarray) else array
+        if isinstance(array, np.ndarray):  # the file's own map is read-only: copied; a dequantized array is ours
+            array = array if array.flags.writeable else np.array(array)
+            tensor = torch.from_numpy(array)
+        else:
+            tensor = array
         tensor = tensor.to(dtype=dtype)
         if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
             tensor = tensor.flatten(1)
