@@ -56,6 +56,30 @@ def test_preemption_frees_blocks_and_requeues_newest_first():
     sched.check_integrity()
 
 
+def test_a_preempted_sequence_comes_back_when_it_fits_whole():
+    """Readmitted on its next chunk's room it would prefill beside the one that preempted it until that one grows
+    into the blocks again; it waits while others run and the pool cannot hold all its tokens."""
+    kv = KVManager(6, 4)  # 24 tokens
+    sched = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8)
+    old, new = seq(0, 8), seq(1, 12)
+    sched.add([old])
+    sched.add([new])
+    free_after_preemption = None
+    for _ in range(6):
+        step = sched.schedule()
+        if free_after_preemption is not None:
+            assert new not in step.seqs  # 13 tokens need 4 blocks
+        run(sched, step)
+        if step.num_preempted:
+            free_after_preemption = kv.num_free
+    assert free_after_preemption == 3  # its first chunk's 2 blocks would have fitted
+    assert new.status is Status.WAITING and new.num_preemptions == 1
+    sched.finish(old, "stop")
+    step = sched.schedule()
+    assert step.seqs == [new] and step.num_tokens == [8]
+    sched.check_integrity()
+
+
 def test_finish_returns_blocks_from_anywhere():
     kv = KVManager(8, 4)
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8)

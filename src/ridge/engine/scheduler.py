@@ -7,6 +7,10 @@ sequence is preempted: its blocks are freed and it goes back to the front of the
 its tokens later. The oldest sequence therefore always progresses, so nothing stalls forever:
 a single sequence always fits, because max_model_len never exceeds the pool.
 
+A preempted sequence is readmitted only when the free blocks hold all its tokens (as it will hold them, windows
+counted), or when nothing else runs: readmitted as soon as its next chunk fits, it would prefill beside the
+sequence that preempted it until that one grows into its blocks again, and recompute its prompt each round.
+
 Block tables belong to the KV manager (kv/manager.py): the scheduler asks it for room and for cached
 prefixes, and never touches a table itself. After the model ran, update() finishes the step: it tells
 the manager what was computed, appends the sampled tokens, checks token stops and settles drafts.
@@ -166,6 +170,9 @@ class Scheduler:
         admitted_up_to = -1  # the latest arrival admitted this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_preemptions and self.running and (
+                    self.kv.num_free < self.kv.blocks_to_hold(len(seq.token_ids), self.max_num_batched_tokens)):
+                break  # see the module's note on readmission
             if seq.num_computed == 0:
                 self.kv.take_cached_prefix(seq)
             n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed

@@ -351,6 +351,19 @@ class KVManager:
             self.free(seq)
         seq.num_computed = min(seq.num_computed, num_computed)
 
+    def blocks_to_hold(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds while they are computed in chunks of at most
+        chunk_tokens: a full group's every block; a window group's window and a chunk (see max_sequence_tokens)."""
+        blocks = 0
+        for window in self.windows:
+            held = num_tokens
+            if self.eviction is not None:
+                held = min(held, self.eviction.budget + chunk_tokens)
+            elif window is not None:
+                held = min(held, window + self.rewind_margin + chunk_tokens + self.block_size)
+            blocks += self.pool.blocks_for(held)
+        return blocks
+
     def max_sequence_tokens(self, chunk_tokens: int, max_len: int = 2**62) -> int:
         """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens, of at most
         max_len tokens (what a group holds is bounded by the sequence's length too)."""
