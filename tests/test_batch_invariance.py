@@ -1,5 +1,6 @@
 """--batch-invariant: a greedy output under load (batched, chunked, preempted, prefix-cached) equals the same
-prompt's output alone, token for token, in float32 and in bfloat16; and the probe that guards it can fail."""
+prompt's output alone, token for token and logprob for logprob, in float32 and in bfloat16; and the probe that
+guards it can fail."""
 
 import pytest
 import torch
