@@ -351,18 +351,23 @@ class KVManager:
             self.free(seq)
         seq.num_computed = min(seq.num_computed, num_computed)
 
+    def _bounded_blocks(self, window: int | None, num_tokens: int, chunk_tokens: int) -> int | None:
+        """The most blocks one group holds for a sequence of num_tokens tokens computed in chunks of at most
+        chunk_tokens when that is bounded: a window group's window (an evicting cache's budget) and the chunk being
+        computed, each possibly straddling a block edge. None for a full group, which holds every block."""
+        if self.eviction is not None:
+            bound = self.eviction.budget + chunk_tokens
+        elif window is not None:
+            bound = window + self.rewind_margin + chunk_tokens
+        else:
+            return None
+        return self.pool.blocks_for(min(bound, num_tokens)) + 1
+
     def blocks_to_hold(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a sequence of num_tokens tokens holds while they are computed in chunks of at most
-        chunk_tokens: a full group's every block; a window group's window and a chunk (see max_sequence_tokens)."""
-        blocks = 0
-        for window in self.windows:
-            held = num_tokens
-            if self.eviction is not None:
-                held = min(held, self.eviction.budget + chunk_tokens)
-            elif window is not None:
-                held = min(held, window + self.rewind_margin + chunk_tokens + self.block_size)
-            blocks += self.pool.blocks_for(held)
-        return blocks
+        chunk_tokens, over all groups."""
+        return sum(held if (held := self._bounded_blocks(w, num_tokens, chunk_tokens)) is not None
+                   else self.pool.blocks_for(num_tokens) for w in self.windows)
 
     def max_sequence_tokens(self, chunk_tokens: int, max_len: int = 2**62) -> int:
         """The longest sequence the pool can hold alone, computed in chunks of at most chunk_tokens, of at most
@@ -370,11 +375,9 @@ class KVManager:
         usable = self.num_blocks - (self.null_block is not None)
         full_groups = sum(w is None for w in self.windows)
         if self.eviction is not None:  # a sequence holds its budget and a chunk, whatever its length
-            held = self.pool.blocks_for(min(self.eviction.budget + chunk_tokens, max_len)) + 1
+            held = self._bounded_blocks(None, max_len, chunk_tokens)
             return 2**62 if usable >= held * full_groups else 0
-        # a window group holds its window and the chunk being computed, each possibly straddling a block edge
-        windowed = sum(self.pool.blocks_for(min(w + self.rewind_margin + chunk_tokens, max_len)) + 1
-                       for w in self.windows if w is not None)
+        windowed = sum(self._bounded_blocks(w, max_len, chunk_tokens) for w in self.windows if w is not None)
         if full_groups == 0:
             return 2**62 if usable >= windowed else 0  # bounded by positions alone
         return max(0, usable - windowed) // full_groups * self.block_size
