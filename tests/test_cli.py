@@ -77,7 +77,9 @@ def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
     for args, message in ((["quantize", "smollm2", "--method", "awq", "--bits", "8", "--out", str(tmp_path / "x")],
                            "bits"),
                           (["bench", "quant", "smollm2", "--formats", "float32,fp8+a8"], "fp8+a8 not among"),
-                          (["bench", "quant", "smollm2", "--rounds", "0"], "rounds: must be at least 1, got 0")):
+                          (["bench", "quant", "smollm2", "--rounds", "0"], "rounds: must be at least 1, got 0"),
+                          (["bench", "quant", RANDOM_SMOLLM2, "--peer", f"llamacpp={sys.executable}"],
+                           "--peer: llama.cpp runs a GGUF file")):
         assert in_process(capsys, *args) != 0 and message in capsys.readouterr().err  # refused before any work
     # the formats measured on SmolLM2's shape cut to 4 layers and a 2,048-token vocabulary: no file to read
     bench = output("bench", "quant", RANDOM_SMOLLM2, "--formats", "float32,int4+a8,int4+a8+eager,gguf",

@@ -15,7 +15,7 @@ bf16 arithmetic, float32 where it would emulate it (an AVX2 CPU runs bf16 matmul
 float32 ones, which would hide what the weight format saves).
 
 A `random:NAME` model measures the formats on a shape that has no file to download; gguf, which runs a file's
-blocks, then shows its refusal in its row, and llama.cpp is not run.
+blocks, then shows its refusal in its row, and --peer llamacpp is refused.
 """
 
 from __future__ import annotations
@@ -114,9 +114,12 @@ def cmd_quant(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"formats: {', '.join(unknown)} not among {', '.join(FORMATS)}, each optionally "
                          f"+a8 (quantized, not fp8) and +eager")
+    model = ModelFile.open(args.model)  # a random model: its shape's tokenizer, and no file for gguf or llama.cpp
+    found = find_peers(args.peer or [], all_installed=False)
+    if "llamacpp" in found and model.gguf is None:
+        raise ValueError(f"--peer: llama.cpp runs a GGUF file, and {args.model} is not one")
     print("[bench] measuring this machine's read bandwidth ...", file=sys.stderr)
     roof = roofline.measure(dtypes=())
-    model = ModelFile.open(args.model)  # a random model: its shape's tokenizer, and no file for gguf or llama.cpp
     ids = _latency_prompt(args, model.tokenizer)
     measured: dict[str, list[FormatResult]] = {name: [] for name in args.formats}
     for k in range(args.rounds):
@@ -125,8 +128,7 @@ def cmd_quant(args: argparse.Namespace) -> int:
             measured[name].append(_measure(args, name, ids))
     results = [_over_rounds(measured[name]) for name in args.formats]
     peer = None
-    found = find_peers(args.peer or [], all_installed=False)
-    if "llamacpp" in found and model.gguf is not None:
+    if "llamacpp" in found:
         print("[bench] llama.cpp ...", file=sys.stderr, flush=True)
         job = {"mode": "latency", "gguf": str(model.path), "dtype": "bfloat16", "repeats": args.repeats,
                "requests": [{"prompt_ids": ids, "max_tokens": args.output_len}], "threads": args.threads}
