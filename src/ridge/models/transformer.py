@@ -21,12 +21,17 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an empty table, not nn.Embedding's normal_ draw: the weights are always loaded or drawn after, and on the
+        # meta device (where the loader builds the model) that draw runs through torch's Python references, whose
+        # first use imports torch._dynamo (~2 s of every process's first load)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.make_rotary()
+        if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
+            self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
 
@@ -43,8 +48,8 @@ class DecoderModel(nn.Module):
         return MoEBlock(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 
     def make_rotary(self) -> None:
-        """The rotary tables (buffers, not weights: made again after loading weights onto the meta device):
-        one for global layers, and one for local layers where their base differs (Gemma 3)."""
+        """The rotary tables (buffers, not weights: made when the weights replace the meta device's): one for
+        global layers, and one for local layers where their base differs (Gemma 3)."""
         cfg = self.cfg
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
