@@ -8,18 +8,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def iter_sharegpt(path: Path) -> Iterator[dict]:
-    """Conversations one by one; the file is cut off mid-record, so stop at the first broken one."""
-    text = path.read_text(encoding="utf-8")
+def iter_sharegpt(path: Path, chunk: int = 1 << 20) -> Iterator[dict]:
+    """Conversations one by one, the file read a chunk at a time (it holds 125 MB, and most readers want its first
+    records); the file is cut off mid-record, so stop at the first broken one."""
     decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield record
+    with path.open(encoding="utf-8") as f:
+        text = f.read(chunk)
+        while "[" not in text:
+            more = f.read(chunk)
+            if not more:
+                return
+            text += more
+        pos = text.index("[") + 1
+        while True:
+            while pos < len(text) and text[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(text) and text[pos] == "]":
+                return
+            try:  # a record is an object: decoded, it is whole
+                record, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:  # cut by the chunk's end, or by the file's
+                more = f.read(chunk)
+                if not more:
+                    return
+                text, pos = text[pos:] + more, 0
+                continue
+            yield record
