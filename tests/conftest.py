@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -27,6 +28,11 @@ from ridge import LLM, SamplingParams, hub
 from ridge.kernels import cpu_ops
 
 _ENGINES: list[LLM] = []
+
+# the tests' one-off HTTP calls: httpx.get / post build a client per call, and with it a TLS context (~50 ms of
+# loading CA certificates, for plain http too) that the loops polling a starting server paid every 100 ms; no
+# connection is kept alive between calls, as with a client per call (a server may have been restarted since)
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -110,6 +116,15 @@ def make_llm() -> Callable[..., LLM]:
         return llm
 
     return make
+
+
+def module_engine(make_llm: Callable[..., LLM], model: str | Path, **engine_args) -> Iterator[LLM]:
+    """An engine for one module's tests (a module fixture yields from this): its accounting checked and the engine
+    dropped from the session's when they are done, not held to the session's end as make_llm's are."""
+    llm = make_llm(model, **engine_args)
+    yield llm
+    llm.engine.check_integrity()
+    _ENGINES.remove(llm)
 
 
 @pytest.fixture

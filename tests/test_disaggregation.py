@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS, random_prompts, running_server
+from conftest import CHAT_PROMPTS, HTTP, random_prompts, running_server
 from ridge import SamplingParams
 from ridge.cluster.router import Router, RouterConfig, serving_in_thread
 from ridge.config import EngineConfig
@@ -168,27 +168,27 @@ def test_the_router_prefills_on_one_server_and_decodes_on_another(pair, smollm2)
         text = "".join(c.choices[0].text for c in stream if c.choices)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         assert text == smollm2.generate("Count slowly: one, two, three,", params)[0].outputs[0].text
-        metrics = httpx.get(url + "/metrics").text
+        metrics = HTTP.get(url + "/metrics").text
         assert f'ridge_router:requests_total{{replica="{prefill.url}",routed="prefill"}} 4.0' in metrics
 
 
 def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(pair, smollm2_path):
     prefill, decode = pair
     body = {"prompt": "Hello there", "max_tokens": 1, "kv_transfer_params": {"push_to": decode.url}}
-    refused = httpx.post(decode.url + "/v1/completions", json=body)  # a decode server pushes nothing
+    refused = HTTP.post(decode.url + "/v1/completions", json=body)  # a decode server pushes nothing
     assert refused.status_code == 400 and "this server's role is decode" in refused.json()["error"]["message"]
-    streamed = httpx.post(prefill.url + "/v1/completions", json={**body, "stream": True})
+    streamed = HTTP.post(prefill.url + "/v1/completions", json={**body, "stream": True})
     assert streamed.status_code == 400 and "not with stream" in streamed.json()["error"]["message"]
-    nowhere = httpx.post(prefill.url + "/v1/completions",
-                         json={**body, "kv_transfer_params": {"push_to": "http://127.0.0.1:9"}}, timeout=60)
+    nowhere = HTTP.post(prefill.url + "/v1/completions",
+                        json={**body, "kv_transfer_params": {"push_to": "http://127.0.0.1:9"}}, timeout=60)
     assert nowhere.status_code == 502 and "did not take the KV" in nowhere.json()["error"]["message"]
-    pushed = httpx.post(prefill.url + "/v1/completions", json={**body, "prompt": "Hello there " * 20}, timeout=60)
+    pushed = HTTP.post(prefill.url + "/v1/completions", json={**body, "prompt": "Hello there " * 20}, timeout=60)
     moved = pushed.json()["kv_transfer_params"]
     assert moved["blocks"] == moved["tokens"] // 16 > 0 and moved["bytes"] > moved["blocks"] * 16 * 30 * 2 * 3 * 64 * 4
-    junk = httpx.post(decode.url + "/kv/import", content=b"not a tensor",
-                      headers={"Content-Type": "application/octet-stream"})
+    junk = HTTP.post(decode.url + "/kv/import", content=b"not a tensor",
+                     headers={"Content-Type": "application/octet-stream"})
     assert junk.status_code == 400 and junk.json()["error"]["param"] == "body"
-    assert httpx.post(prefill.url + "/kv/import", content=b"x").status_code in (404, 405, 415)
+    assert HTTP.post(prefill.url + "/kv/import", content=b"x").status_code in (404, 405, 415)
 
 
 def test_no_prefill_server_to_take_a_request_is_a_503_naming_them(pair):

@@ -60,14 +60,17 @@ def test_unpacked_codes_and_scales_equal_gguf_dequantize(kind):
 
 
 @pytest.mark.parametrize("kind", [*gguf_blocks.SUPPORTED, "F16"])
-def test_dequantize_gives_gguf_s_values_to_the_bit(kind):
-    """The loader's dequantize (ridge's torch bit-unpacking; F16 passed on to gguf) against gguf's numpy."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpp"])
+def test_dequantize_gives_gguf_s_values_to_the_bit(kind, kernels, request):
+    """The loader's dequantize (ridge's bit-unpacking, in torch ops or in one C++ pass; F16 passed on to gguf)
+    against gguf's numpy."""
     rows, cols = 37, cols_for(kind)
     if kind == "F16":
         blocks = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
     else:
         blocks = random_blocks(kind, rows, cols, seed=len(kind))
-    ours = gguf_blocks.dequantize(blocks, GGMLQuantizationType[kind], (rows, cols))
+    ops = request.getfixturevalue("ops") if kernels else None
+    ours = gguf_blocks.dequantize(blocks, GGMLQuantizationType[kind], (rows, cols), ops)
     expected = gguf_dequantize(blocks, GGMLQuantizationType[kind]).reshape(rows, cols)
     assert ours.dtype == np.float32 and ours.shape == (rows, cols)
     assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import conftest
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, module_engine
 from ridge import SamplingParams
 from ridge.attention import AttentionMetadata, PrefillChunk
 from ridge.attention.quantized_kv import QuantizedKVBackend
@@ -383,22 +382,14 @@ MORE_PROMPTS = ["Name a planet with rings.", "What is the boiling point of water
                 "What year did the first moon landing happen?", "Explain recursion to a child."]
 
 
-def _module_engine(make_llm, model, **engine_args):
-    """An engine for this module's tests, dropped from the session's when they are done."""
-    llm = make_llm(model, **engine_args)
-    yield llm
-    llm.engine.check_integrity()
-    conftest._ENGINES.remove(llm)
-
-
 @pytest.fixture(scope="module")
 def bf16_cache(make_llm, qwen_path):
-    yield from _module_engine(make_llm, qwen_path, dtype="bfloat16")
+    yield from module_engine(make_llm, qwen_path, dtype="bfloat16")
 
 
 @pytest.fixture(scope="module", params=FORMATS)
 def quantized_cache(request, make_llm, qwen_path):
-    yield from _module_engine(make_llm, qwen_path, dtype="bfloat16", kv_cache_dtype=request.param)
+    yield from module_engine(make_llm, qwen_path, dtype="bfloat16", kv_cache_dtype=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ import contextlib
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 import uvicorn
 
-from conftest import running_server
+from conftest import HTTP, running_server
 from ridge import SamplingParams
 from ridge.cluster.hash_ring import HashRing, prefix_key
 from ridge.cluster.router import Router, RouterConfig, serving_in_thread
@@ -89,7 +88,7 @@ def test_the_router_keeps_a_prefix_on_one_replica_and_passes_streams(replicas, s
             expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
             got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=12)
             assert got.choices[0].message.content == expected
-        served = httpx.get(url + "/metrics").text
+        served = HTTP.get(url + "/metrics").text
         routed = [line for line in served.splitlines() if line.startswith("ridge_router:requests_total{")]
         assert len(routed) == 1 and 'routed="prefix"' in routed[0] and routed[0].endswith(" 3.0"), routed
         stream = client.completions.create(model="smollm2", prompt="Count: 1, 2,", max_tokens=8, temperature=0,
@@ -97,7 +96,7 @@ def test_the_router_keeps_a_prefix_on_one_replica_and_passes_streams(replicas, s
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         expected = smollm2.generate("Count: 1, 2,", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert text == expected[0].outputs[0].text
-        assert {r["in_flight"] for r in httpx.get(url + "/replicas").json()["replicas"]} == {0}
+        assert {r["in_flight"] for r in HTTP.get(url + "/replicas").json()["replicas"]} == {0}
 
 
 def test_a_dead_replica_loses_no_request(smollm2_path, replicas):
@@ -113,7 +112,7 @@ def test_a_dead_replica_loses_no_request(smollm2_path, replicas):
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=2)
             assert len(got.choices) == 1 and got.usage.completion_tokens == 2
-            metrics = httpx.get(url + "/metrics").text
+            metrics = HTTP.get(url + "/metrics").text
             assert f'ridge_router:retries_total{{replica="{doomed.url}"}} 1.0' in metrics
             assert f'ridge_router:requests_total{{replica="{replicas[0].url}",routed="retry"}} 1.0' in metrics
             assert not router.replicas[doomed.url].healthy and router.ring.members == [replicas[0].url]
@@ -127,11 +126,11 @@ def test_replicas_of_another_model_are_refused_by_name(smollm2_path, replicas):
         with pytest.raises(ValueError, match=f"replica: {other.url} serves another-model, the others smollm2"):
             asyncio.run(Router(RouterConfig([replicas[0].url, other.url])).start())
         with running_router(RouterConfig([replicas[0].url])) as (router, url):
-            refused = httpx.post(url + "/replicas", json={"url": other.url})
+            refused = HTTP.post(url + "/replicas", json={"url": other.url})
             assert refused.status_code == 400 and "serves another-model" in refused.json()["error"]["message"]
-            added = httpx.post(url + "/replicas", json={"url": replicas[1].url})
+            added = HTTP.post(url + "/replicas", json={"url": replicas[1].url})
             assert added.status_code == 200 and replicas[1].url in router.ring.members
-            assert httpx.request("DELETE", url + "/replicas", json={"url": "http://nowhere:1"}).status_code == 404
+            assert HTTP.request("DELETE", url + "/replicas", json={"url": "http://nowhere:1"}).status_code == 404
     with pytest.raises(ValueError, match="policy: 'random' is not one of"):
         RouterConfig(["http://a"], policy="random")
     with pytest.raises(ValueError, match="replica: name at least one"):
@@ -170,12 +169,12 @@ def test_a_replica_that_fails_mid_stream_ends_the_stream_with_an_error_not_a_ret
     try:
         with running_router(RouterConfig([f"http://127.0.0.1:{port}"])) as (router, url):
             body = {"model": "smollm2", "prompt": "Hello", "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
                 lines = [line for line in response.iter_lines() if line.startswith("data: ")]
             assert lines[0] == 'data: {"choices": [{"index": 0, "text": "Hel"}]}'
             assert "failed mid-stream" in lines[-1] and f"127.0.0.1:{port}" in lines[-1]
             assert len(calls) == 1  # not retried
-            assert 'ridge_router:failures_total{reason="replica_failed"} 1.0' in httpx.get(url + "/metrics").text
+            assert 'ridge_router:failures_total{reason="replica_failed"} 1.0' in HTTP.get(url + "/metrics").text
     finally:
         replica.should_exit = True
         thread.join(timeout=10)

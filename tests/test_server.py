@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import CHAT_PROMPTS, running_server
+from conftest import CHAT_PROMPTS, HTTP, running_server
 from ridge import BeamSearchParams, SamplingParams
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
@@ -143,7 +143,7 @@ def test_stop_strings_found_by_the_server_equal_the_engine_s(client, smollm2):
 
 
 def test_models_tokenize_detokenize_version_metrics(server, smollm2):
-    models = httpx.get(server.url + "/v1/models", headers=AUTH).json()
+    models = HTTP.get(server.url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "smollm2"
     assert models["data"][0]["max_model_len"] == server.engine.max_model_len
     ids = _post(server, "/tokenize", {"prompt": "Hello world"}).json()
@@ -152,9 +152,9 @@ def test_models_tokenize_detokenize_version_metrics(server, smollm2):
     assert chat["tokens"] == smollm2.render_chat([{"role": "user", "content": "hi"}])
     text = _post(server, "/detokenize", {"tokens": ids["tokens"]}).json()["prompt"]
     assert text.endswith("Hello world")
-    assert httpx.get(server.url + "/version", headers=AUTH).json()["version"]
-    assert httpx.get(server.url + "/health").status_code == 200
-    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+    assert HTTP.get(server.url + "/version", headers=AUTH).json()["version"]
+    assert HTTP.get(server.url + "/health").status_code == 200
+    metrics = HTTP.get(server.url + "/metrics", headers=AUTH).text
     for name in ("ridge:num_requests_running", "ridge:num_requests_waiting", "ridge:kv_cache_usage_perc",
                  "ridge:prompt_tokens_total", "ridge:generation_tokens_total", "ridge:num_preemptions_total",
                  "ridge:time_to_first_token_seconds_bucket", "ridge:inter_token_latency_seconds_bucket",
@@ -180,7 +180,7 @@ def test_prefix_cache_usage_salt_and_metrics(client, server):
                                                    stream=True, stream_options={"include_usage": True}))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == prompt_blocks
     _assert_error(_post(server, CHAT, {**OK_BODY, "cache_salt": ""}), 400, "cache_salt")
-    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+    metrics = HTTP.get(server.url + "/metrics", headers=AUTH).text
     values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith("ridge:prefix_cache")}
     assert values["ridge:prefix_cache_hits_total"] >= 2 * prompt_blocks
@@ -216,7 +216,7 @@ def test_beam_search_through_the_server_equals_llm_beam_search(client, server, s
 
 
 def _post(server, path: str, body, headers=AUTH, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
+    return HTTP.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
 
 
 def _assert_error(response: httpx.Response, status: int, param: str | None = None, text: str | None = None):
@@ -303,7 +303,7 @@ def test_speculative_server_reports_its_drafts(smollm2_path, smollm2):
         spec = got.usage.model_extra["spec_decode"]
         assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
         assert spec["mean_accepted_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
-        metrics = httpx.get(srv.url + "/metrics").text
+        metrics = HTTP.get(srv.url + "/metrics").text
         values = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("ridge:spec_decode") or line.startswith("ridge:generation_tokens_total")}
         assert values["ridge:spec_decode_num_accepted_tokens_total"] == spec["num_accepted_tokens"]
@@ -318,11 +318,11 @@ def test_speculative_server_reports_its_drafts(smollm2_path, smollm2):
 def test_health_reports_a_dead_engine(server):
     server.engine.error = RuntimeError("simulated")
     try:
-        assert httpx.get(server.url + "/health").status_code == 503
+        assert HTTP.get(server.url + "/health").status_code == 503
         _assert_error(_post(server, CHAT, OK_BODY), 503)
     finally:
         server.engine.error = None
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert HTTP.get(server.url + "/health").status_code == 200
 
 
 def test_an_engine_that_cannot_start_says_why(smollm2_path):
@@ -378,12 +378,12 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(smollm2_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the server did not come up"
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if HTTP.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
         body = {"prompt": "Count:", "max_tokens": 48, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGTERM)
@@ -581,7 +581,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_one_pass_does(client, smollm2):
         assert choice.text.startswith(prompt) and (max_tokens or choice.text == prompt)
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
     for stream in (False, True):
-        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
+        reply = HTTP.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
         if stream:
             events = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:].startswith("{")]
             scored = [c["prompt_logprobs"] for e in events for c in e["choices"] if "prompt_logprobs" in c]
@@ -609,9 +609,9 @@ def test_return_token_ids_gives_the_prompt_s_and_the_reply_s_ids(client, smollm2
     chat_ids = smollm2.tokenizer.encode_chat(messages)
     chat_greedy = smollm2.generate([chat_ids], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
     for stream in (False, True):
-        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
-        chat = httpx.post(f"{client.base_url}chat/completions", headers=AUTH,
-                          json={**asks, "messages": messages, "stream": stream})
+        reply = HTTP.post(f"{client.base_url}completions", headers=AUTH, json={**body, "stream": stream})
+        chat = HTTP.post(f"{client.base_url}chat/completions", headers=AUTH,
+                         json={**asks, "messages": messages, "stream": stream})
         if stream:
             events = [json.loads(line[6:]) for line in reply.text.splitlines() if line[6:].startswith("{")]
             choices = [c for e in events for c in e["choices"]]
@@ -624,7 +624,7 @@ def test_return_token_ids_gives_the_prompt_s_and_the_reply_s_ids(client, smollm2
             (choice,) = reply.json()["choices"]
             assert choice["prompt_token_ids"] == ids and choice["token_ids"] == greedy
             assert chat.json()["prompt_token_ids"] == chat_ids and chat.json()["choices"][0]["token_ids"] == chat_greedy
-    plain = httpx.post(f"{client.base_url}completions", headers=AUTH, json={**body, "return_token_ids": False})
+    plain = HTTP.post(f"{client.base_url}completions", headers=AUTH, json={**body, "return_token_ids": False})
     assert "token_ids" not in plain.json()["choices"][0] and "prompt_token_ids" not in plain.json()["choices"][0]
 
 
@@ -638,7 +638,7 @@ def test_best_of_returns_the_likeliest_of_its_samples(client):
     hidden = client.completions.create(n=1, extra_body={"best_of": 2}, **{**kwargs, "logprobs": None})
     assert hidden.choices[0].logprobs is None  # ranked by logprobs, which were not asked to be shown
     for extra, param in (({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of")):
-        reply = httpx.post(f"{client.base_url}completions", headers=AUTH, json={"prompt": "Hi", **extra})
+        reply = HTTP.post(f"{client.base_url}completions", headers=AUTH, json={"prompt": "Hi", **extra})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
@@ -656,14 +656,14 @@ def test_allowed_token_ids_and_bad_words(client, smollm2):
 
 
 def test_tokenizer_info_one_model_and_unknown_routes(server):
-    info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
+    info = HTTP.get(server.url + "/tokenizer_info", headers=AUTH).json()
     assert info["eos_token"] == "<|im_end|>" and "{%" in info["chat_template"]
-    card = httpx.get(server.url + "/v1/models/smollm2", headers=AUTH).json()
+    card = HTTP.get(server.url + "/v1/models/smollm2", headers=AUTH).json()
     assert card["id"] == "smollm2" and card["object"] == "model"
-    _assert_error(httpx.get(server.url + "/v1/models/gpt-4", headers=AUTH), 404, "model")
-    missing = httpx.post(server.url + "/v1/embeddings", headers=AUTH, json={"input": "hi"})
+    _assert_error(HTTP.get(server.url + "/v1/models/gpt-4", headers=AUTH), 404, "model")
+    missing = HTTP.post(server.url + "/v1/embeddings", headers=AUTH, json={"input": "hi"})
     _assert_error(missing, 404, text="POST /v1/completions")  # the envelope lists what the server answers
-    _assert_error(httpx.get(server.url + "/v1/completions", headers=AUTH), 405)
+    _assert_error(HTTP.get(server.url + "/v1/completions", headers=AUTH), 405)
 
 
 def test_chat_stream_opens_each_choice_with_its_first_token(client):

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import HTTP
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
 from ridge.serve.server import free_port, make_server, start_in_thread
@@ -165,6 +166,6 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
     assert seen.get(200, 0) >= 30 and sum(v for k, v in seen.items() if 400 <= k < 500) >= 100, seen
     assert server.engine.health().status == "ok"
     # the engine still serves after all of that (the module fixture then checks that every block is free)
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    ok = HTTP.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2

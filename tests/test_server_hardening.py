@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from conftest import HTTP
 from ridge.config import EngineConfig
 from ridge.engine.supervision import Supervision
 from ridge.serve.app import ServerConfig
@@ -44,8 +45,8 @@ def server(smollm2_path):
 def post(server, path: str, body=None, headers=None, content: bytes | None = None, timeout=60) -> httpx.Response:
     headers = {**AUTH, **(headers or {})}
     if content is not None:
-        return httpx.post(server.url + path, content=content, headers=headers, timeout=timeout)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
+        return HTTP.post(server.url + path, content=content, headers=headers, timeout=timeout)
+    return HTTP.post(server.url + path, json=body, headers=headers, timeout=timeout)
 
 
 def raw_json(server, path: str, text: str) -> httpx.Response:
@@ -130,18 +131,18 @@ def test_tiny_temperature_samples_the_most_likely_token(server):
     (b"prompt=hi", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
 ])
 def test_unreadable_bodies_get_the_envelope(server, content, headers, status, param):
-    response = httpx.post(server.url + COMPLETIONS, content=content, headers={**AUTH, **headers}, timeout=60)
+    response = HTTP.post(server.url + COMPLETIONS, content=content, headers={**AUTH, **headers}, timeout=60)
     assert_refused(response, status, param)
     assert_serving(server)
 
 
 def test_unknown_routes_and_methods_get_the_envelope(server):
-    assert_refused(httpx.get(server.url + "/v1/nothing", headers=AUTH), 404)
-    assert_refused(httpx.get(server.url + CHAT, headers=AUTH), 405)
+    assert_refused(HTTP.get(server.url + "/v1/nothing", headers=AUTH), 404)
+    assert_refused(HTTP.get(server.url + CHAT, headers=AUTH), 405)
 
 
 def test_the_openapi_schema_states_what_the_server_answers(server):
-    schema = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    schema = HTTP.get(server.url + "/openapi.json", headers=AUTH).json()
     chat = schema["paths"][CHAT]["post"]["responses"]
     assert "422" not in chat
     assert {"200", "400", "401", "404", "413", "415", "429", "500", "503"} <= set(chat)
@@ -156,10 +157,10 @@ def test_the_api_key_guards_every_route_but_health(server):
               ("GET", "/openapi.json", None), ("GET", "/version", None), ("POST", CHAT, OK_CHAT),
               ("POST", COMPLETIONS, OK_COMPLETION)]
     for method, path, body in routes:
-        assert_refused(httpx.request(method, server.url + path, json=body), 401)
-        assert_refused(httpx.request(method, server.url + path, json=body, headers={"Authorization": "Bearer no"}), 401)
-        assert httpx.request(method, server.url + path, json=body, headers=AUTH, timeout=60).status_code == 200, path
-    assert httpx.get(server.url + "/health").status_code == 200
+        assert_refused(HTTP.request(method, server.url + path, json=body), 401)
+        assert_refused(HTTP.request(method, server.url + path, json=body, headers={"Authorization": "Bearer no"}), 401)
+        assert HTTP.request(method, server.url + path, json=body, headers=AUTH, timeout=60).status_code == 200, path
+    assert HTTP.get(server.url + "/health").status_code == 200
 
 
 def test_metrics_no_auth_opens_metrics_only(smollm2_path):
@@ -168,8 +169,8 @@ def test_metrics_no_auth_opens_metrics_only(smollm2_path):
                       log_level="warning", progress=False)
     thread = start_in_thread(srv)
     try:
-        assert httpx.get(srv.url + "/metrics").status_code == 200
-        assert_refused(httpx.post(srv.url + "/tokenize", json={"prompt": "hi"}), 401)
+        assert HTTP.get(srv.url + "/metrics").status_code == 200
+        assert_refused(HTTP.post(srv.url + "/tokenize", json={"prompt": "hi"}), 401)
     finally:
         srv.uvicorn.should_exit = True
         thread.join(timeout=30)
@@ -199,7 +200,7 @@ def _wait_health(url: str, status: int, timeout_s: float) -> float:
     start = time.monotonic()
     while True:
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == status:
+            if HTTP.get(url + "/health", timeout=2).status_code == status:
                 return time.monotonic() - start
         except httpx.TransportError:
             pass
@@ -234,15 +235,15 @@ def test_a_killed_engine_is_restarted_and_its_requests_fail_fast(smollm2_path):
         assert failed_within < 5, failed_within
         for response in responses:
             assert_refused(response, 503)
-        health = httpx.get(srv.url + "/health")
+        health = HTTP.get(srv.url + "/health")
         if health.status_code == 503:
             assert health.json()["status"] == "restarting" and int(health.headers["Retry-After"]) >= 1
-            refused = httpx.post(srv.url + COMPLETIONS, json=OK_COMPLETION, timeout=60)
+            refused = HTTP.post(srv.url + COMPLETIONS, json=OK_COMPLETION, timeout=60)
             if refused.status_code == 503:
                 assert int(refused.headers["Retry-After"]) >= 1
         _wait_health(srv.url, 200, 30)
         assert srv.engine.pid != first_pid
-        served = httpx.post(srv.url + COMPLETIONS, json=OK_COMPLETION, timeout=60)
+        served = HTTP.post(srv.url + COMPLETIONS, json=OK_COMPLETION, timeout=60)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
         state = srv.engine.state()
         assert state.idle and state.num_free_blocks == state.num_blocks and state.integrity_error is None
@@ -265,7 +266,7 @@ def test_sigterm_exits_within_the_grace_period_while_the_engine_is_busy(smollm2_
     try:
         _wait_health(url, 200, 120)
         body = {"prompt": "Count:", "max_tokens": 2800, "ignore_eos": True, "stream": True, "n": 4}
-        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=60) as response:
+        with HTTP.stream("POST", url + COMPLETIONS, json=body, timeout=60) as response:
             assert response.status_code == 200, response.read()
             lines = response.iter_lines()
             next(lines)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, module_engine
 from ridge import SamplingParams
 from ridge.engine.speculative import LinearCost, SpeculationPolicy, expected_tokens, verify
 
@@ -155,15 +155,27 @@ def _weaken(llm, seed: int = 0) -> None:
     norm.mul_(1 + 0.5 * torch.randn(norm.shape, generator=g))
 
 
+@pytest.fixture(scope="module")
+def drafting(make_llm, smollm2_path):
+    """SmolLM2 drafted for by its own weights, weakened, 4 drafts a step: the engine of the checks below that
+    need no other settings (engine.check_integrity between them: the session's check after every test)."""
+    for llm in module_engine(make_llm, smollm2_path, dtype="float32", draft_model=str(smollm2_path),
+                             num_speculative_tokens=4, speculation_policy="fixed"):
+        _weaken(llm)
+        yield llm
+
+
 @pytest.mark.parametrize(("drafter", "k", "policy"), [
     ("ngram", 1, "fixed"), ("ngram", 5, "fixed"), ("ngram", 4, "adaptive"),
     ("draft", 4, "fixed"),
 ])
-def test_greedy_speculation_equals_plain_decoding(make_llm_for_test, smollm2_path, plain_outputs, drafter, k, policy):
-    kw = {"draft_model": str(smollm2_path)} if drafter == "draft" else {"speculate": "ngram"}
-    llm = make_llm_for_test(smollm2_path, dtype="float32", num_speculative_tokens=k, speculation_policy=policy, **kw)
+def test_greedy_speculation_equals_plain_decoding(make_llm_for_test, smollm2_path, plain_outputs, drafter, k, policy,
+                                                request):
     if drafter == "draft":
-        _weaken(llm)
+        llm = request.getfixturevalue("drafting")
+    else:
+        llm = make_llm_for_test(smollm2_path, dtype="float32", speculate="ngram", num_speculative_tokens=k,
+                                speculation_policy=policy)
     batch = llm.generate(PROMPTS, GREEDY)  # batch 16
     alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS[-2:]]  # batch 1
     assert [o.outputs[0].token_ids for o in batch] == plain_outputs
@@ -182,11 +194,8 @@ def test_speculation_under_preemption_and_prefix_caching(make_llm_for_test, smol
     assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
 
 
-def test_sampled_speculation_with_aborts_leaks_nothing(make_llm_for_test, smollm2_path):
-    llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
-                   speculation_policy="fixed")
-    _weaken(llm, seed=2)
-    engine = llm.engine
+def test_sampled_speculation_with_aborts_leaks_nothing(drafting):
+    engine = drafting.engine
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7)
     ids = [engine.add_request(p, params) for p in PROMPTS[:8]]
     seqs = [s for i in ids for s in engine.sequences(i)]
@@ -230,7 +239,7 @@ def test_bad_speculation_settings_name_the_field(smollm2_path, qwen_path):
         LLM(str(smollm2_path), progress=False, kv_cache_memory="64MiB", draft_model=str(qwen_path))
 
 
-def test_constrained_speculation_equals_constrained_plain_decoding(make_llm_for_test, smollm2_path, smollm2):
+def test_constrained_speculation_equals_constrained_plain_decoding(drafting, smollm2):
     """Drafts are cut where the grammar refuses them and each checking row is masked by the grammar's state
     after the drafts before it: greedy output equals plain constrained decoding, sampled output follows it."""
     from ridge import StructuredOutputsParams
@@ -244,13 +253,10 @@ def test_constrained_speculation_equals_constrained_plain_decoding(make_llm_for_
     prompts = ["A shopping list as JSON:", "JSON of fruits and how many:"]
     greedy = SamplingParams(temperature=0, max_tokens=32, structured_outputs=constraint)
     plain = [o.outputs[0].token_ids for o in smollm2.generate(prompts, greedy)]
-    llm = make_llm_for_test(smollm2_path, dtype="float32", draft_model=str(smollm2_path), num_speculative_tokens=4,
-                            speculation_policy="fixed")
-    _weaken(llm)
-    outs = llm.generate(prompts, greedy)
+    outs = drafting.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.metrics["spec_accepted_tokens"] for o in outs) > 0
-    sampled = llm.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=48,
+    sampled = drafting.generate(prompts, SamplingParams(temperature=0.8, seed=5, max_tokens=48,
                                                    structured_outputs=constraint))
     for out in sampled:
         if out.outputs[0].finish_reason == "stop":  # a reply cut by max_tokens is a valid prefix only

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
-from conftest import running_server
+from conftest import HTTP, running_server
 from ridge.config import EngineConfig
 from ridge.serve.app import ServerConfig
 from ridge.serve.tools import parse_reply
@@ -181,10 +180,10 @@ def test_continue_final_message_continues_the_assistant_s_text(client, server):
     cont = client.chat.completions.create(model="qwen", messages=messages, max_tokens=8, temperature=0,
                                           extra_body=options)
     assert not cont.choices[0].message.content.lstrip().startswith("Soft rain")  # not a new turn from the top
-    opening = httpx.post(server.url + "/tokenize", json={"messages": messages[:1]}).json()["tokens"]
-    prompt = httpx.post(server.url + "/detokenize", json={"tokens": opening}).json()["prompt"] + start
-    continued = httpx.post(server.url + "/tokenize", json={"messages": messages, **options}).json()["tokens"]
-    assert continued == httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    opening = HTTP.post(server.url + "/tokenize", json={"messages": messages[:1]}).json()["tokens"]
+    prompt = HTTP.post(server.url + "/detokenize", json={"tokens": opening}).json()["prompt"] + start
+    continued = HTTP.post(server.url + "/tokenize", json={"messages": messages, **options}).json()["tokens"]
+    assert continued == HTTP.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
     assert cont.usage.prompt_tokens == len(continued)
 
 
@@ -193,7 +192,7 @@ def test_a_request_s_own_template_and_its_variables(client, server):
     out = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "one two"}],
                                          max_tokens=1, extra_body={"chat_template": template,
                                                                    "chat_template_kwargs": {"greeting": "Hola"}})
-    expected = httpx.post(server.url + "/tokenize", json={"prompt": "Hola one two"}).json()["count"]
+    expected = HTTP.post(server.url + "/tokenize", json={"prompt": "Hola one two"}).json()["count"]
     assert out.usage.prompt_tokens == expected
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="qwen", messages=ASK, max_tokens=1,
@@ -204,8 +203,8 @@ def test_a_request_s_own_template_and_its_variables(client, server):
 def test_suffix_fills_in_the_middle_with_the_model_s_tokens(client, server):
     prefix, suffix = "def fib(n):\n    ", "\n    return fib(n - 1) + fib(n - 2)\n"
     filled = client.completions.create(model="qwen", prompt=prefix, suffix=suffix, max_tokens=16, temperature=0)
-    marked = httpx.post(server.url + "/tokenize",
-                        json={"prompt": f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"}).json()["tokens"]
+    marked = HTTP.post(server.url + "/tokenize",
+                       json={"prompt": f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"}).json()["tokens"]
     by_ids = client.completions.create(model="qwen", prompt=marked, max_tokens=16, temperature=0)
     assert filled.choices[0].text == by_ids.choices[0].text and "return" in filled.choices[0].text
     assert filled.usage.prompt_tokens == len(marked)

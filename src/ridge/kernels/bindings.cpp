@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dot_linear", &int8_dot_linear,
         "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");
+  m.def("gguf_dequantize_", &gguf_dequantize_, "GGUF blocks into float32 values, gguf's to the bit",
+        py::arg("out"), py::arg("blocks"), py::arg("kind"), py::arg("scales"), py::arg("minimums") = py::none());
   py::class_<VnniWeight>(m, "VnniWeight", "a weight in vnni_linear's layout (linear/layouts.py's pack_vnni)")
       .def(py::init([](torch::Tensor packed, int64_t group, bool nibbles, bool signed_codes, bool minimums,
                        double unit, bool seven_bit) {

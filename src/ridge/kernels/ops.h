@@ -61,3 +61,8 @@ void vnni_dequantize_onednn_(torch::Tensor packed, const VnniWeight& weight);
 torch::Tensor onednn_bytes(torch::Tensor packed, int64_t nbytes);
 // Rows (output channels) of a pack_vnni weight of K columns, dequantized to float32 [T, K]
 torch::Tensor vnni_rows(const VnniWeight& weight, torch::Tensor rows, int64_t k_dim);
+
+// GGUF blocks (uint8 [n, block bytes]) of GGMLQuantizationType `kind` into out (float32, n * block values):
+// code * scales[block, group] (+ minimums[block, group]), gguf's values to the bit (gguf_blocks.cpp)
+void gguf_dequantize_(torch::Tensor out, torch::Tensor blocks, int64_t kind, torch::Tensor scales,
+                      std::optional<torch::Tensor> minimums);

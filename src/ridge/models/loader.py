@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -176,8 +177,8 @@ class LoadedModel:
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
-def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
-                  native: bool) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool, native: bool,
+                  ops: ModuleType | None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
     for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
         quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not _DENSE_UNDER_NATIVE.match(t.name)
@@ -185,7 +186,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
             # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),
             # v_b [heads, v_head_dim, rank]; joined back to kv_b's [heads * (nope + v_head_dim), rank]
             halves = kv_b_halves[match.group(1)]
-            halves[match.group(2)] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape)
+            halves[match.group(2)] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
             if len(halves) == 2:
                 joined = np.concatenate([halves["k"].transpose(0, 2, 1), halves["v"]], axis=1)
                 yield f"blk.{match.group(1)}.attn_kv_b.weight", joined.reshape(-1, joined.shape[-1])
@@ -194,12 +195,12 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool,
             for expert in range(t.shape[0]):
                 yield f"{t.name}.{expert}", (
                     gguf_blocks.unpack(t.data[expert], t.tensor_type, t.shape[1:], f"{t.name}.{expert}") if quantized
-                    else gguf_blocks.dequantize(t.data[expert], t.tensor_type, t.shape[1:]))
+                    else gguf_blocks.dequantize(t.data[expert], t.tensor_type, t.shape[1:], ops))
             continue
         if quantized:
             data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, t.shape, t.name)
         else:
-            data = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape)
+            data = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
         if t.name.endswith("ffn_gate_inp_shexp.weight"):  # a vector in GGUF, the gate's one row here
             data = data.reshape(1, -1)
         if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
@@ -249,7 +250,7 @@ def load_model(
         gguf = gguf or open_gguf(path)
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
-        tensors = _gguf_tensors(gguf, cfg, progress, gguf_native)
+        tensors = _gguf_tensors(gguf, cfg, progress, gguf_native, target.cpu_ops if target else None)
         table = (_GGUF_MLA_NAMES if cfg.is_mla else []) + _GGUF_NAMES
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")

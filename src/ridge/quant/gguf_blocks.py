@@ -25,6 +25,7 @@ through gguf.
 from __future__ import annotations
 
 import warnings
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -113,12 +114,19 @@ def _read_only(blocks: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(blocks)
 
 
-def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
-    """A GGUF tensor's raw data -> its float32 values in `shape`: gguf's dequantize, to the bit."""
+def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...],
+               ops: ModuleType | None = None) -> np.ndarray:
+    """A GGUF tensor's raw data -> its float32 values in `shape`: gguf's dequantize, to the bit. ops: ridge's CPU
+    kernels, which unpack and scale in one pass (kernels/gguf_blocks.cpp); without them, torch ops."""
     if kind.name not in GROUP_SIZES:
         return gguf_dequantize(data, kind).reshape(shape)
     blocks = _blocks(data, kind)
     scales, minimums = _scales(kind, blocks)
+    if ops is not None:
+        out = torch.empty(int(np.prod(shape)), dtype=torch.float32)
+        ops.gguf_dequantize_(out, _read_only(blocks), int(kind), torch.from_numpy(np.ascontiguousarray(scales)),
+                             None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums)))
+        return out.numpy().reshape(shape)
     groups = scales.shape[1]
     values = _codes(kind, _read_only(blocks)).to(torch.float32).reshape(len(blocks), groups, -1)
     values.mul_(torch.from_numpy(scales)[..., None])
