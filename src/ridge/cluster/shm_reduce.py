@@ -27,6 +27,9 @@ import torch
 
 SLOT_BYTES = 4 << 20  # per rank and buffer: larger tensors (long prefills' activations) go through gloo
 LIVENESS_CHECK_S = 0.005
+# a wait spins this long, then yields the core at every turn: a ring step takes 4-5 us when the ranks run, and a
+# longer wait means the rank waited for may be off its core, needing this one (another process shares the cores)
+SPIN_S = 50e-6
 
 
 class SharedMemoryReducer:
@@ -85,9 +88,9 @@ class SharedMemoryReducer:
     def _wait(self, call: int) -> None:
         started = checked = time.monotonic()
         while (self.flags < call).any():
-            if self.yield_always:
-                os.sched_yield()
             now = time.monotonic()
+            if self.yield_always or now - started > SPIN_S:
+                os.sched_yield()
             if now - checked > LIVENESS_CHECK_S:
                 checked = now
                 self._check_peers(call, now - started)
