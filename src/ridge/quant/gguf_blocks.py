@@ -17,9 +17,10 @@ The 4-bit ones then run on torch's int4 kernel (same group, same affine map; Q4_
 minimum of -8 d); the others on ridge's grouped int8 kernel (kernels/quant_linear.cpp).
 
 The codes' bits are unpacked here, in torch, rather than by gguf's numpy dequantize, which was most of a model's
-load (figures: docs/notes/server-hardening.md). dequantize() below computes gguf's own products in the same order
-(scale times code, then plus the minimum), so its values are gguf's to the bit; formats not in the table still go
-through gguf.
+load; dequantize() does it in one C++ pass where ridge's kernels built (kernels/gguf_blocks.cpp: each torch op
+here first-touched a fresh tensor; figures: docs/notes/server-hardening.md). Both compute gguf's own products in
+the same order (scale times code, then plus the minimum), so the values are gguf's to the bit; formats not in the
+table still go through gguf.
 """
 
 from __future__ import annotations
