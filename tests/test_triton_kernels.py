@@ -70,9 +70,9 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale, starts):
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,window,splits",
     [(8, 2, 64, 16, None, 1), (8, 2, 64, 16, None, 4), (6, 2, 40, 8, None, 3), (4, 4, 32, 16, 20, 2),
-     (12, 4, 64, 16, 70, 5), (5, 1, 16, 16, None, 64)],
+     (12, 4, 64, 16, 70, 5), (5, 1, 16, 16, None, 20)],
     ids=["gqa4", "gqa4-split", "odd-dim", "mha-window", "window-split", "mqa-more-splits-than-tiles"],
-)
+)  # 20 splits: more than a 200-token row's tiles, and more than the merge reads at once (MERGED_SPLITS)
 def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window, splits):
     torch.manual_seed(0)
     num_blocks, width = 48, 14
@@ -121,7 +121,7 @@ def reference_latent_decode(q, cache, tables, lens, scale, value_dim, starts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,value_dim,rope_dim,block_size,window,splits",
-    [(16, 64, 16, 16, None, 1), (20, 40, 8, 8, None, 3), (5, 32, 16, 16, 30, 2), (16, 128, 64, 16, 70, 64)],
+    [(16, 64, 16, 16, None, 1), (20, 40, 8, 8, None, 3), (5, 32, 16, 16, 30, 2), (16, 128, 64, 16, 70, 20)],
     ids=["one-group", "two-groups-odd-dims", "few-heads-window", "deepseek-rope-more-splits-than-tiles"],
 )
 def test_latent_decode_matches_reference(dtype, heads, value_dim, rope_dim, block_size, window, splits):
