@@ -29,9 +29,9 @@ from ridge.kernels import cpu_ops
 
 _ENGINES: list[LLM] = []
 
-# the tests' one-off HTTP calls: httpx.get / post build a client per call, and with it a TLS context (~50 ms of
-# loading CA certificates, for plain http too) that the loops polling a starting server paid every 100 ms; no
-# connection is kept alive between calls, as with a client per call (a server may have been restarted since)
+# the tests' one-off HTTP calls: httpx.get / post build a client per call, and with it a TLS context (loading CA
+# certificates, for plain http too) that the loops polling a starting server paid at every poll; no connection is
+# kept alive between calls, as with a client per call (a server may have been restarted since)
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 CHAT_PROMPTS = [
@@ -132,7 +132,7 @@ def make_llm_for_test(make_llm) -> Iterator[Callable[..., LLM]]:
     """make_llm for engines only one test needs: checked and freed when it ends (every engine of the session
     held at once does not fit in 24 GiB). An engine is freed by reference counting; the collection after the
     test is for what a failure's traceback ties in cycles, over the objects made since it started only (gc.freeze:
-    a full one walks every object of the session, ~0.3 s a test with HF transformers imported)."""
+    a full one walks every object of the session; docs/notes/test-suite.md)."""
     made: list[LLM] = []
     gc.freeze()
 

@@ -23,3 +23,6 @@ def test_sharegpt_records_are_the_file_s_whatever_the_chunk(tmp_path, chunk):
     cut = tmp_path / "cut.json"
     cut.write_text(text[:text.index('"score"')], encoding="utf-8")
     assert list(iter_sharegpt(cut, chunk)) == RECORDS[:3]
+    cut.write_text('{"not": "an array"}', encoding="utf-8")
+    with pytest.raises(ValueError, match="not a ShareGPT file"):
+        list(iter_sharegpt(cut, chunk))

@@ -9,15 +9,15 @@ from pathlib import Path
 
 
 def iter_sharegpt(path: Path, chunk: int = 1 << 20) -> Iterator[dict]:
-    """Conversations one by one, the file read a chunk at a time (it holds 125 MB, and most readers want its first
-    records); the file is cut off mid-record, so stop at the first broken one."""
+    """Conversations one by one, the file read a chunk at a time (most readers want only its first records); the
+    file is cut off mid-record, so stop at the first broken one."""
     decoder = json.JSONDecoder()
     with path.open(encoding="utf-8") as f:
         text = f.read(chunk)
         while "[" not in text:
             more = f.read(chunk)
             if not more:
-                return
+                raise ValueError(f"{path}: not a ShareGPT file (no JSON array of conversations)")
             text += more
         pos = text.index("[") + 1
         while True:

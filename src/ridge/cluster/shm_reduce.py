@@ -27,8 +27,8 @@ import torch
 
 SLOT_BYTES = 4 << 20  # per rank and buffer: larger tensors (long prefills' activations) go through gloo
 LIVENESS_CHECK_S = 0.005
-# a wait spins this long, then yields the core at every turn: a ring step takes 4-5 us when the ranks run, and a
-# longer wait means the rank waited for may be off its core, needing this one (another process shares the cores)
+# a wait spins this long (ten ring steps of ranks that both run), then yields the core at every turn: a longer
+# wait means the rank waited for may be off its core, needing this one (docs/notes/tensor-parallel.md)
 SPIN_S = 50e-6
 
 

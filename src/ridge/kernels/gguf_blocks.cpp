@@ -1,8 +1,8 @@
 // GGUF block formats dequantized to float32 in one pass over the blocks: each block's codes unpacked into a small
 // array, then value = code * scale (+ minimum) written straight into the output (quant/gguf_blocks.py has the
-// formats' table and computes the scales). The same unpacking as torch ops took a fresh tensor per step (nibbles,
-// high bits, their sum, the float copy), and on the machines here a fresh page costs more than the arithmetic:
-// most of a model's load was the dequantization (docs/notes/server-hardening.md).
+// formats' table and computes the scales). Unpacked with torch ops, every step (nibbles, high bits, their sum, the
+// float copy) writes a fresh tensor, and a fresh page's first touch costs more than the arithmetic: here the output
+// is the only memory written (docs/notes/server-hardening.md).
 //
 // The values are gguf's to the bit: the product and the sum are two roundings, as in gguf's numpy (the sum is a
 // second loop over the block so that the compiler cannot fuse it into the product: -ffast-math allows FMA).

@@ -23,7 +23,7 @@ class DecoderModel(nn.Module):
         self.cfg = cfg
         # an empty table, not nn.Embedding's normal_ draw: the weights are always loaded or drawn after, and on the
         # meta device (where the loader builds the model) that draw runs through torch's Python references, whose
-        # first use imports torch._dynamo (~2 s of every process's first load)
+        # first use imports torch._dynamo (docs/notes/server-hardening.md)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(

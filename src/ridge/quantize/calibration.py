@@ -49,7 +49,7 @@ def calibration_windows(tokenizer: RidgeTokenizer, num_windows: int, window: int
     def cut(text: str, count: int) -> list[list[int]]:
         # the text up to a line's end past 8 characters a token (more than any tokenizer here compresses English
         # to), not all of it: a window's margin past the last one keeps the cut from touching its tokens (the same
-        # windows as the whole text's), and the plays' 0.5 MB took ~0.5 s to encode at every load
+        # windows as the whole text's)
         size = 8 * count * window
         while True:
             end = text.find("\n", size)
