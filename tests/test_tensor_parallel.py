@@ -18,11 +18,13 @@ import torch
 
 from conftest import CHAT_PROMPTS, random_prompts, running_server
 from ridge import LLM, SamplingParams
-from ridge.cluster.shards import HEAD, ShardPlan, shard_quantized, split_heads
+from ridge.cluster.shards import HEAD, ShardPlan, shard_model, shard_quantized, split_heads
 from ridge.config import EngineConfig
+from ridge.models.loader import load_model, open_gguf
 from ridge.models.moe import MoEBlock
 from ridge.models.random_weights import random_spec
 from ridge.models.registry import config_from_spec
+from ridge.models.spec import spec_from_gguf
 from ridge.quant.rtn import quantize_int4, quantize_int8
 from ridge.serve.app import ServerConfig
 
@@ -77,6 +79,22 @@ def test_quantized_weights_cut_on_their_group_boundaries():
         shard_quantized("layers.0.mlp.down", int4, {"layers.0.mlp.down": (1, torch.arange(96, 256))}, pad_to=0)
     head = shard_quantized(HEAD, int4, {HEAD: (0, torch.arange(40, 48))}, pad_to=10)  # the last vocabulary shard
     assert head.qweight.shape == (10, 256) and not head.scales[8:].any() and not head.minimums[8:].any()
+
+
+def test_a_rank_reads_from_the_file_what_a_whole_load_cut_holds(smollm2_path):
+    """Each rank reads only its rows and columns of the file (llama's q and k rows unpermuted as they are read, the
+    vocabulary padded): to the bit the weights that loading the whole model and cutting it hold."""
+    cfg = config_from_spec(spec_from_gguf(open_gguf(smollm2_path), "smollm2", "test"))
+    for rank in range(2):
+        plan = ShardPlan(cfg, rank, 2)
+        whole = load_model(smollm2_path, torch.float32, progress=False).model
+        shard_model(whole, plan)
+        part = load_model(smollm2_path, torch.float32, progress=False, shard=plan.cut_model).model
+        expected, got = whole.state_dict(), part.state_dict()
+        assert got.keys() == expected.keys() and part.cfg == whole.cfg
+        for key, tensor in expected.items():
+            assert torch.equal(got[key], tensor), key
+        assert got["embed_tokens.weight"].shape[0] == plan.vocab_shard
 
 
 # ---- the engine over ranks --------------------------------------------------------------------------
@@ -277,6 +295,20 @@ def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path, m
         raise RuntimeError("injected")
 
     monkeypatch.setattr(tensor_parallel, "install_collectives", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB", progress=False)
+    assert _my_ranks() == []
+
+
+def test_a_rank_0_that_fails_to_load_beside_the_others_stops_them(smollm2_path, monkeypatch):
+    """Ranks that read only their part of the file meet before they load, side by side: rank 0 failing in its
+    load stops the others (which finish their own load first)."""
+    from ridge.engine import engine
+
+    def broken(*_, **__):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "load_weights", broken)
     with pytest.raises(RuntimeError, match="injected"):
         LLM(str(smollm2_path), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB", progress=False)
     assert _my_ranks() == []

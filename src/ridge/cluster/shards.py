@@ -12,8 +12,10 @@ Mamba-2 mixer splits by heads as attention does, its groups of B and C in the pl
 attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py); norms
 over a whole group or all heads (Mamba-2's where a group is split, OLMoE's q/k norms) sum their squares likewise.
 
-Quantized weights are cut after quantizing the whole model, or as the file stores them, so that every rank holds
-exactly the numbers a single process would: rows freely, columns only on the boundaries of their scale groups.
+A rank reads only its part of each weight from the file (ShardPlan.cut_model: the model cut on the meta device
+first, the loader reading into its shapes); weights quantized at load are quantized whole (calibration runs the
+whole model) and then cut. Either way every rank holds exactly the numbers a single process would: rows freely,
+quantized columns only on the boundaries of their scale groups.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.linear.select import LinearTarget, fused_linear, make_linear
 from ridge.models.layers import Attention, GatedMLP, ShardedFullNorm
+from ridge.models.loader import ShardCuts
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
-from ridge.quant.rtn import QuantizedWeight, dequantize
+from ridge.quant.rtn import QuantizedWeight, cut_quantized
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
 _EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
@@ -191,6 +193,11 @@ class ShardPlan:
         match = _EXPERT.match(key)
         return match is None or int(match.group(1)) in self.held_experts
 
+    def cut_model(self, model: nn.Module) -> ShardCuts:
+        """Cut the meta-device model being loaded to this rank's part, and say which rows and columns of each weight
+        the loader reads into it (models/loader.py's `shard`): the rank never holds the whole model."""
+        return ShardCuts(shard_model(model, self), self.vocab_shard, self.keeps)
+
     def weight_cuts(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
         """Module path -> (dim, indices) of every weight this rank holds a part of, keyed as quantize_weights keys
         them (and `embed_tokens`, `lm_head`): dim 0 cuts rows (output features), dim 1 columns (input features)."""
@@ -249,20 +256,12 @@ def _head_rows(heads: range, width: int) -> torch.Tensor:
     return torch.arange(heads.start * width, heads.stop * width)
 
 
-def shard_model(model: nn.Module, plan: ShardPlan, file_quantized: dict[str, list[QuantizedWeight]] | None = None,
-                target: LinearTarget | None = None) -> dict[str, tuple[int, torch.Tensor]]:
+def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch.Tensor]]:
     """Cut the model's dense weights down to this rank's parts in place, its heads and widths with them; return
-    the cuts (for the weights quantized at load: shard_quantized). The weights the file stores quantized
-    (`file_quantized`, placed whole by the loader: keyed by module path) are cut as they were read and their
-    layers made again for `target`."""
+    the cuts (for the weights quantized at load: shard_quantized). On the meta device, before any weight is read,
+    it gives the shapes of the rank's part that the loader reads the file into (ShardPlan.cut_model)."""
     cuts = plan.weight_cuts(model)
-    file_quantized = file_quantized or {}
     for path, (dim, index) in cuts.items():
-        if path in file_quantized:
-            _recut_file_quantized(model, path, file_quantized[path], dim, index, plan, target)
-            continue
-        if path == HEAD and "embed_tokens" in file_quantized and model.cfg.tie_word_embeddings:
-            continue  # the tied head was made from the embedding's cut
         module = getattr(model, path, None) if "." not in path else _get(model, path)
         if module is None:
             continue
@@ -298,40 +297,6 @@ def shard_model(model: nn.Module, plan: ShardPlan, file_quantized: dict[str, lis
     return cuts
 
 
-def _recut_file_quantized(model: nn.Module, path: str, parts: list[QuantizedWeight], dim: int, index: torch.Tensor,
-                          plan: ShardPlan, target: LinearTarget | None) -> None:
-    """A layer the file stores quantized, made again from this rank's cut of its parts (a fused q|k|v or gate|up
-    is several parts, each with its own rows: the cut's rows are found in each)."""
-    if target is None:
-        raise ValueError(f"tensor_parallel_size: {path} is stored quantized; cutting it needs the layers' target")
-    if path == "embed_tokens":  # vocabulary-parallel: the lookup reads a dense shard, a tied head the codes
-        (weight,) = parts
-        cut = cut_quantized(path, weight, dim, index, plan.vocab_shard)
-        model.embed_tokens = nn.Embedding.from_pretrained(dequantize(cut).to(target.dtype), freeze=True)
-        if model.cfg.tie_word_embeddings:
-            model.output_projection = make_linear(cut, None, target)
-        return
-    module = _get(model, path) if "." in path else getattr(model, path)
-    bias = getattr(module, "bias", None)
-    if dim == 0:
-        cut_parts, first = [], 0
-        for part in parts:
-            rows = index[(index >= first) & (index < first + part.shape[0])] - first
-            if len(rows):
-                cut_parts.append(cut_quantized(path, part, 0, rows, None))
-            first += part.shape[0]
-        if path == HEAD:
-            (head,) = cut_parts
-            cut_parts = [cut_quantized(path, head, 0, torch.arange(head.shape[0]), plan.vocab_shard)]
-        bias = None if bias is None else bias.index_select(0, index)
-    else:
-        if bias is not None:
-            raise ValueError("tensor_parallel_size: a row-parallel layer with a bias is not supported")
-        cut_parts = [cut_quantized(path, part, 1, index, None) for part in parts]
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, fused_linear(cut_parts, bias, target))
-
-
 def _get(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
     parent, _, name = path.rpartition(".")
     return getattr(model.get_submodule(parent), name)
@@ -357,32 +322,3 @@ def shard_quantized(key: str, weight: QuantizedWeight, cuts: dict[str, tuple[int
         return weight
     dim, index = cuts[key]
     return cut_quantized(key, weight, dim, index, pad_to if key == HEAD else None)
-
-
-def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tensor,
-                  pad_to: int | None) -> QuantizedWeight:
-    """The rows (dim 0, padded with zero rows to pad_to) or columns (dim 1) `index` of a quantized weight:
-    columns only on the boundaries of its scale groups."""
-    if dim == 0:
-        cut = dataclasses.replace(
-            weight, qweight=weight.qweight[index], scales=weight.scales[index],
-            minimums=None if weight.minimums is None else weight.minimums[index])
-        if pad_to is not None and len(index) < pad_to:
-            extra = pad_to - len(index)
-            cut = dataclasses.replace(
-                cut, qweight=_pad_rows(cut.qweight, extra), scales=_pad_rows(cut.scales, extra),
-                minimums=None if cut.minimums is None else _pad_rows(cut.minimums, extra))
-        return cut
-    if weight.group_size is None:  # one scale per output row: the columns cut alone
-        return dataclasses.replace(weight, qweight=weight.qweight[:, index])
-    group = weight.group_size
-    if index[0] % group or len(index) % group:
-        raise ValueError(f"tensor_parallel_size: {key}'s columns {int(index[0])}.. are cut inside a quantization "
-                         f"group of {group}; use a quantization_group_size that divides the cut")
-    groups = index[::group] // group
-    return dataclasses.replace(weight, qweight=weight.qweight[:, index], scales=weight.scales[:, groups],
-                               minimums=None if weight.minimums is None else weight.minimums[:, groups])
-
-
-def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
-    return torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)])

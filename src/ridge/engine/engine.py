@@ -19,7 +19,7 @@ from ridge.config import EngineConfig, ModelConfig
 from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.limits import RequestLimits
-from ridge.engine.loading import ModelFile, load_weights, shard_plan
+from ridge.engine.loading import ModelFile, load_weights, reads_its_part, shard_plan
 from ridge.engine.outputs import RequestDelta, SampleDelta, StepError, StepStats
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler, bad_word_ids
@@ -101,6 +101,23 @@ class LLMEngine:
         if config.batch_invariant and kernels is None:
             raise ValueError("batch_invariant: needs ridge's CPU kernels, which did not build here (see the warning "
                              "above)")
+        # ranks that read only their part of the file load side by side with this one; the others start once this
+        # one has loaded, so that two whole models (made whole to be quantized, or drawn) are never held at once
+        ranks = Ranks.meet(config) if reads_its_part(config) else None
+        try:
+            pool = self._build(config, target, draft_file, kernels, progress)
+            if (shard := shard_plan(config, self.loaded.config, rank=0)) is not None:
+                ranks = ranks or Ranks.meet(config)
+                self.runner = ranks.start(shard, self.runner, pool)
+        except BaseException:
+            if ranks is not None:  # the group met: the others stop (after their load, if still loading)
+                ranks.abort()
+            raise
+
+    def _build(self, config: EngineConfig, target: ModelFile, draft_file: ModelFile | None,
+               kernels: ModuleType | None, progress: bool) -> Build:
+        """The engine's model (rank 0's part of it under tensor parallelism), its pool, scheduler and runner; the
+        pool's size, as the other ranks make theirs."""
         self.loaded: LoadedModel = load_weights(target, config, kernels, progress)
         cfg = self.loaded.config
         if cfg.ssm_layers and config.speculate:
@@ -153,16 +170,6 @@ class LLMEngine:
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots)
-        if shard is not None:
-            # the other ranks start once this one has loaded its shard: on one machine, ranks loading side by side
-            # would each hold a whole model at the same time (each reads the whole file, then cuts its share)
-            ranks = Ranks.meet(config)
-            try:
-                self.runner = ranks.start(shard, self.runner, Build(num_blocks, num_state_slots, self.max_model_len,
-                                                                       num_snapshots))
-            except BaseException:
-                ranks.abort()
-                raise
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -183,6 +190,7 @@ class LLMEngine:
         if num_snapshots:
             log.info("ridge: prefix caching keeps up to %d snapshots of a sequence's recurrent state (%.1f MiB each)",
                      num_snapshots, kv_cfg.ssm_state_bytes() / 2**20)
+        return Build(num_blocks, num_state_slots, self.max_model_len, num_snapshots)
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator
@@ -41,13 +42,21 @@ log = logging.getLogger("ridge")
 
 @dataclass
 class ModelFile:
-    """A model's file or directory, opened: its GGUF header parsed once (for tokenizer and weights), its
-    tokenizer read, no weights loaded yet."""
+    """A model's file or directory, opened: its GGUF header parsed once (for tokenizer and weights), no weights
+    loaded yet; its tokenizer read when first asked for (a tensor-parallel rank never asks, but to calibrate)."""
 
     path: Path
     gguf: GGUFFile | None
-    tokenizer: RidgeTokenizer
     random: ModelSpec | None = None  # `random:NAME`: a model of that shape with random weights, no file
+    random_source: Path | None = None  # the folder of a random model's config.json: its tokenizer, if it has one
+
+    @functools.cached_property
+    def tokenizer(self) -> RidgeTokenizer:
+        if self.random is None:
+            return RidgeTokenizer.from_path(self.path, self.gguf)
+        folder = self.random_source
+        return (RidgeTokenizer.from_path(folder) if folder and (folder / "tokenizer.json").exists()
+                else RidgeTokenizer(*byte_level_tokenizer(self.random.vocab_size)))
 
     def config(self) -> ModelConfig:
         """The model's config from its header alone, no weight read (to check what it asks for before loading)."""
@@ -65,17 +74,14 @@ class ModelFile:
         if is_random(model):
             spec = random_spec(model)
             check_supported(spec.architecture)
-            source = Path(model.removeprefix(PREFIX).split(",")[0]).expanduser()  # a config.json's own tokenizer
+            source = Path(model.removeprefix(PREFIX).split(",")[0]).expanduser()
             folder = source if source.is_dir() else source.parent if source.is_file() else None
-            tokenizer = (RidgeTokenizer.from_path(folder) if folder and (folder / "tokenizer.json").exists()
-                         else RidgeTokenizer(*byte_level_tokenizer(spec.vocab_size)))
-            return cls(Path(spec.name), None, tokenizer, random=spec)
+            return cls(Path(spec.name), None, random=spec, random_source=folder)
         path = resolve(model)
         gguf = open_gguf(path) if path.is_file() else None
         if gguf is not None:  # before the tokenizer or any weight is read
             check_supported(str(gguf.fields.get("general.architecture")))
-        return cls(path, gguf, RidgeTokenizer.from_path(path, gguf))
-
+        return cls(path, gguf)
 
 
 def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan | None:
@@ -89,13 +95,23 @@ def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan |
     return ShardPlan(cfg, rank, config.tensor_parallel_size, granule, expert_parallel=config.enable_expert_parallel)
 
 
+def reads_its_part(config: EngineConfig) -> bool:
+    """Whether each tensor-parallel rank reads only its part of the weights from the file (so that ranks can load
+    side by side): not where weights are quantized at load (calibrated on the whole model's activations) or drawn
+    at random (drawn whole, as one process draws them), which are made whole and then cut."""
+    return config.tensor_parallel_size > 1 and config.quantization not in METHODS and not is_random(config.model)
+
+
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
                  rank: int = 0) -> LoadedModel:
     """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
     made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after.
-    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): quantized whole, then cut."""
+    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): read as its part of the file, or,
+    where weights are quantized at load or drawn at random, made whole and then cut."""
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
+    plan = shard_plan(config, model.config(), rank)
+    cut_after = plan is not None and not reads_its_part(config)
     if model.random is not None:
         if config.quantization == "gguf":
             raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
@@ -104,14 +120,14 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
                             ignore_sliding_window=config.ignore_sliding_window,
-                            keep_file_quantized=config.tensor_parallel_size > 1)
+                            shard=plan.cut_model if plan is not None and not cut_after else None)
     quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
         if config.quantization in METHODS else iter(())
-    if (plan := shard_plan(config, loaded.config, rank)) is not None:
+    if cut_after:
         quantized = list(quantized)  # made from the whole model, before its dense weights are cut
-        cuts = shard_model(loaded.model, plan, loaded.file_quantized, target)
-        loaded.file_quantized = {}
+        cuts = shard_model(loaded.model, plan)
         quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized if plan.keeps(key)]
+    if plan is not None:
         loaded.weight_format += f", rank {rank} of {plan.world}"
     if config.quantization in METHODS:
         place_quantized(loaded.model, quantized, target)

@@ -263,8 +263,9 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
 
 # ---- ranks 1..N-1 -----------------------------------------------------------------------------------
 def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") -> None:
-    """Rank `rank`'s life (None: torchrun's RANK): meet the group, load this rank's shard, build the runner rank 0
-    sizes, then run what rank 0 broadcasts until it says Stop."""
+    """Rank `rank`'s life (None: torchrun's RANK): meet the group, load this rank's shard (side by side with rank 0
+    where each rank reads only its part of the file, else once rank 0 has loaded and met the group), build the
+    runner rank 0 sizes, then run what rank 0 broadcasts until it says Stop."""
     torch.set_num_threads(config.threads_per_process())
     torch.manual_seed(config.seed)
     group = TPGroup.join(url, *((rank, config.tensor_parallel_size) if rank is not None else ()))

@@ -15,14 +15,15 @@ import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -34,7 +35,7 @@ from ridge.models.registry import config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
-from ridge.quant.rtn import QuantizedWeight
+from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize
 
 log = logging.getLogger("ridge")
 
@@ -168,17 +169,69 @@ class LoadedModel:
     model: DecoderModel
     path: Path
     weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
-    # the weights the file stores quantized, by the module path they were placed at (the embedding's
-    # `embed_tokens`, the head's `output_projection`), as placed: kept only where asked (tensor parallelism
-    # cuts them after loading, cluster/shards.py)
-    file_quantized: dict[str, list[QuantizedWeight]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardCuts:
+    """A tensor-parallel rank's part of the weights (cluster/shards.py), read as the file is: by module path, or a
+    parameter's own, the dim cut (0: rows, 1: columns) and the indices kept, the vocabulary's tables padded with
+    zero rows to `vocab_rows`; `keeps`: whether the rank holds a weight at all (its experts only, under expert
+    parallelism)."""
+
+    cuts: dict[str, tuple[int, torch.Tensor]]
+    vocab_rows: int
+    keeps: Callable[[str], bool]
+
+    def of(self, key: str) -> tuple[int, torch.Tensor] | None:
+        """The cut of the parameter at `key`: a cut module's weight or bias, or a parameter cut by its own path."""
+        return self.cuts.get(key) or self.cuts.get(key.rpartition(".")[0])
+
+    def pad_to(self, key: str) -> int | None:
+        return self.vocab_rows if key in ("embed_tokens.weight", "lm_head.weight") else None
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A tensor as the file holds it, read only when asked, and then only the rows asked for (a tensor-parallel
+    rank dequantizes its rows of a weight, not the whole). quantized: read() gives the file's blocks as a
+    QuantizedWeight (gguf_native), not values."""
+
+    shape: tuple[int, ...]
+    read: Callable[[torch.Tensor | None], np.ndarray | torch.Tensor | QuantizedWeight]
+    quantized: bool = False
+
+    @classmethod
+    def of(cls, value: np.ndarray | torch.Tensor | QuantizedWeight) -> _Stored:
+        """A tensor already read (a safetensors file's, or a quantized checkpoint's layer)."""
+        if isinstance(value, QuantizedWeight):
+            return cls(tuple(value.shape), lambda rows: value, quantized=True)
+        if isinstance(value, np.ndarray):
+            return cls(value.shape, lambda rows: value if rows is None else value[rows.numpy()])
+        return cls(tuple(value.shape), lambda rows: value if rows is None else value.index_select(0, rows))
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
+def _gguf_stored(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], ops: ModuleType | None,
+                 native: bool, name: str, order: np.ndarray | None = None) -> _Stored:
+    """A GGUF tensor's data (a view of the mapped file), dequantized when read, or under `native` unpacked to
+    its blocks; `order`: its rows' order in the model (the file's row i is the model's row order[i])."""
+    if native:
+        def unpacked(rows: torch.Tensor | None) -> QuantizedWeight:
+            weight = gguf_blocks.unpack(data, kind, shape, name)
+            return weight if order is None else _reorder_rows(weight, torch.from_numpy(order))
+        return _Stored(shape, unpacked, quantized=True)
+
+    def values(rows: torch.Tensor | None) -> np.ndarray:
+        picked = order if rows is None else rows.numpy() if order is None else order[rows.numpy()]
+        part = data if picked is None else data[picked]
+        return gguf_blocks.dequantize(part, kind, (len(part), *shape[1:]), ops)
+    return _Stored(shape, values)
+
+
 def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool, native: bool,
-                  ops: ModuleType | None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+                  ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
     kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
     for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
         quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not _DENSE_UNDER_NATIVE.match(t.name)
@@ -189,33 +242,27 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool, native: bool
             halves[match.group(2)] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
             if len(halves) == 2:
                 joined = np.concatenate([halves["k"].transpose(0, 2, 1), halves["v"]], axis=1)
-                yield f"blk.{match.group(1)}.attn_kv_b.weight", joined.reshape(-1, joined.shape[-1])
+                yield f"blk.{match.group(1)}.attn_kv_b.weight", _Stored.of(joined.reshape(-1, joined.shape[-1]))
             continue
         if len(t.shape) == 3:  # a mixture's experts stacked [experts, rows, columns]: one tensor each
             for expert in range(t.shape[0]):
-                yield f"{t.name}.{expert}", (
-                    gguf_blocks.unpack(t.data[expert], t.tensor_type, t.shape[1:], f"{t.name}.{expert}") if quantized
-                    else gguf_blocks.dequantize(t.data[expert], t.tensor_type, t.shape[1:], ops))
+                yield f"{t.name}.{expert}", _gguf_stored(t.data[expert], t.tensor_type, t.shape[1:], ops, quantized,
+                                                         f"{t.name}.{expert}")
             continue
-        if quantized:
-            data: np.ndarray | QuantizedWeight = gguf_blocks.unpack(t.data, t.tensor_type, t.shape, t.name)
-        else:
-            data = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
         if t.name.endswith("ffn_gate_inp_shexp.weight"):  # a vector in GGUF, the gate's one row here
-            data = data.reshape(1, -1)
+            vector = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
+            yield t.name, _Stored.of(vector.reshape(1, -1))
+            continue
+        order = None
         if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
-            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-            data = _unpermute_rotary(data, heads)
-        yield t.name, data
+            order = _rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+        yield t.name, _gguf_stored(t.data, t.tensor_type, t.shape, ops, quantized, t.name, order)
 
 
-def _unpermute_rotary(data: np.ndarray | QuantizedWeight, heads: int) -> np.ndarray | QuantizedWeight:
-    """Undo the row permutation llama.cpp's converter applies to llama q/k (interleaved -> halves rotary)."""
-    rows = data.shape[0]
-    order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
-    if isinstance(data, np.ndarray):
-        return data[order]
-    return _reorder_rows(data, torch.from_numpy(order))
+def _rotary_order(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes the permutation llama.cpp's converter applies to llama q/k (interleaved ->
+    halves rotary)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 def _reorder_rows(data: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
@@ -227,12 +274,13 @@ def _reorder_rows(data: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
     gguf_native: bool = False, target: LinearTarget | None = None, ignore_sliding_window: bool = False,
-    keep_file_quantized: bool = False,
+    shard: Callable[[DecoderModel], ShardCuts] | None = None,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
     quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels).
     ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs).
-    keep_file_quantized: also return those weights as read (LoadedModel.file_quantized)."""
+    shard: a tensor-parallel rank's cut of the model (given the meta-device model, cuts it and says how its
+    weights are cut): only that part of each weight is read and held."""
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
@@ -259,47 +307,71 @@ def load_model(
         log.warning("ridge: ignore_sliding_window: every layer attends to its whole history; outputs past the "
                     "%d-token window are not the model's", cfg.sliding_window)
         cfg = dataclasses.replace(cfg, sliding_window=0)
-    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    cuts = shard(model) if shard is not None else None  # the file's layout stays cfg's, the whole model's
+    parts: dict[str, dict[int, _Stored]] = defaultdict(dict)
     quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
     state: dict[str, torch.Tensor] = {}
-    for name, array in tensors:
+    for name, item in tensors:
         if name == "rope_freqs.weight":  # Llama 3.1's rotary divisors: the spec read them (cfg.rope_scaling)
             continue
         key, slot = _map_name(name, table)
-        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+        if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
             continue
-        if isinstance(array, QuantizedWeight):
-            quantized[key][slot or 0] = array
-            continue
-        if isinstance(array, np.ndarray):  # the file's own map is read-only: copied; a dequantized array is ours
-            array = array if array.flags.writeable else np.array(array)
-            tensor = torch.from_numpy(array)
+        stored = item if isinstance(item, _Stored) else _Stored.of(item)
+        if stored.quantized:
+            quantized[key][slot or 0] = stored.read(None)
+        elif slot is None:
+            state[key] = _read_cut(key, [stored], cuts, dtype)
+            if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
+                state[key] = state[key].flatten(1)
         else:
-            tensor = array
-        tensor = tensor.to(dtype=dtype)
-        if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
-            tensor = tensor.flatten(1)
-        if slot is None:
-            state[key] = tensor
-        else:
-            parts[key][slot] = tensor
-    while parts:  # each fused weight's slots dropped as it is made: the weights are held once, not twice
+            parts[key][slot] = stored
+    while parts:  # each fused weight read when all its slots are known: held once, not twice
         key, slots = parts.popitem()
-        state[key] = torch.cat([slots.pop(i) for i in sorted(slots)], dim=0)
+        state[key] = _read_cut(key, [slots.pop(i) for i in sorted(slots)], cuts, dtype)
     if cfg.rope_interleave:
         _deinterleave_rotary(cfg, state, quantized)
 
-    with torch.device("meta"):
-        model = DecoderModel(cfg)
     target = target or LinearTarget(dtype, device)
-    file_quantized = {}
     for key, slots in quantized.items():
-        parts = [slots[i] for i in sorted(slots)]
-        placed = _place_quantized(model, key, parts, state, target)
-        if keep_file_quantized:
-            file_quantized[placed] = parts
+        _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target, cuts)
     model = _with_weights(model, state, device, str(path))
-    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}", file_quantized)
+    return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
+
+
+def _read_cut(key: str, slots: list[_Stored], cuts: ShardCuts | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight at `key` in `dtype` (the slots of a fused one joined along its rows), only the rank's cut of it
+    read where `cuts` cut it: rows by the slots they fall in, columns after reading."""
+    cut = cuts.of(key) if cuts is not None else None
+    if cut is None or cut[0] == 1:
+        whole = torch.cat([_tensor(s.read(None), dtype) for s in slots]) if len(slots) > 1 else \
+            _tensor(slots[0].read(None), dtype)
+        return whole if cut is None else whole.index_select(1, cut[1])
+    pieces = [_tensor(stored.read(rows), dtype) for stored, rows in _rows_by_part(cut[1], slots)]
+    tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if (pad_to := cuts.pad_to(key)) and len(tensor) < pad_to:  # the last vocabulary shard, to the others' rows
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_to - len(tensor), *tensor.shape[1:])])
+    return tensor
+
+
+def _rows_by_part(index: torch.Tensor, parts: list) -> list[tuple[Any, torch.Tensor]]:
+    """The rows `index` (ascending) of parts joined along their rows (a fused q|k|v's, gate|up's): each part that
+    holds some, with its own rows among them."""
+    found, first = [], 0
+    for part in parts:
+        rows = index[(index >= first) & (index < first + part.shape[0])] - first
+        if len(rows):
+            found.append((part, rows))
+        first += part.shape[0]
+    return found
+
+
+def _tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(value, np.ndarray):  # the file's own map is read-only: copied; a dequantized array is ours
+        value = torch.from_numpy(value if value.flags.writeable else np.array(value))
+    return value.to(dtype=dtype)
 
 
 def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
@@ -363,24 +435,35 @@ def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: s
     return model.to(device).eval().requires_grad_(False)
 
 
-def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight],
-                     state: dict[str, torch.Tensor], target: LinearTarget) -> str:
-    """Swap the module that weight `key` belongs to for one that keeps it quantized; return its path."""
+def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight], state: dict[str, torch.Tensor],
+                     target: LinearTarget, cuts: ShardCuts | None) -> None:
+    """Swap the module that weight `key` belongs to for one that keeps it quantized: under `cuts`, the rank's
+    part of it (a fused q|k|v or gate|up is several parts, each with its own rows: the cut's rows are found in
+    each; columns only on the boundaries of the scale groups)."""
+    cut = cuts.of(key) if cuts is not None else None
+    if cut is not None:
+        dim, index = cut
+        if dim == 1:
+            parts = [cut_quantized(key, part, 1, index) for part in parts]
+        else:
+            parts = [cut_quantized(key, part, 0, rows, cuts.pad_to(key)) for part, rows in _rows_by_part(index, parts)]
     if key == "embed_tokens.weight":
         tied = make_linear(parts[0], None, target) if model.cfg.tie_word_embeddings else None
-        model.embed_tokens = QuantizedEmbedding(parts[0], target.dtype, tied)  # one copy of a tied table
+        if cut is not None:  # vocabulary-parallel: its lookup reads a dense shard (cluster/collectives.py)
+            state[key] = dequantize(parts[0]).to(target.dtype)
+        else:
+            model.embed_tokens = QuantizedEmbedding(parts[0], target.dtype, tied)  # one copy of a tied table
         if tied is not None:
             model.output_projection = tied
-        return "embed_tokens"
+        return
     if key == "lm_head.weight":
         model.lm_head = None
         model.output_projection = make_linear(parts[0], None, target)
-        return "output_projection"
+        return
     path = key.removesuffix(".weight")
     parent_path, _, name = path.rpartition(".")
     bias = state.pop(f"{path}.bias", None)
     setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, target))
-    return path
 
 
 def open_gguf(path: Path) -> GGUFFile:

@@ -21,6 +21,7 @@ importance-weighted squared error (importance_weighted_scales). The codes stay t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -195,3 +196,32 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         minimums = torch.cat([torch.zeros_like(p.scales) if p.minimums is None else p.minimums for p in parts])
     return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), minimums,
                            max(p.bits for p in parts), first.group_size)
+
+
+def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tensor,
+                  pad_to: int | None = None) -> QuantizedWeight:
+    """The rows (dim 0, padded with zero rows to pad_to) or columns (dim 1) `index` of a quantized weight (a
+    tensor-parallel rank's part of it, cluster/shards.py): columns only on the boundaries of its scale groups."""
+    if dim == 0:
+        cut = dataclasses.replace(
+            weight, qweight=weight.qweight[index], scales=weight.scales[index],
+            minimums=None if weight.minimums is None else weight.minimums[index])
+        if pad_to is not None and len(index) < pad_to:
+            extra = pad_to - len(index)
+            cut = dataclasses.replace(
+                cut, qweight=_pad_rows(cut.qweight, extra), scales=_pad_rows(cut.scales, extra),
+                minimums=None if cut.minimums is None else _pad_rows(cut.minimums, extra))
+        return cut
+    if weight.group_size is None:  # one scale per output row: the columns cut alone
+        return dataclasses.replace(weight, qweight=weight.qweight[:, index])
+    group = weight.group_size
+    if index[0] % group or len(index) % group:
+        raise ValueError(f"tensor_parallel_size: {key}'s columns {int(index[0])}.. are cut inside a quantization "
+                         f"group of {group}; use a quantization_group_size that divides the cut")
+    groups = index[::group] // group
+    return dataclasses.replace(weight, qweight=weight.qweight[:, index], scales=weight.scales[:, groups],
+                               minimums=None if weight.minimums is None else weight.minimums[:, groups])
+
+
+def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)])
