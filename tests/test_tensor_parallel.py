@@ -24,7 +24,7 @@ from ridge.models.loader import load_model, open_gguf
 from ridge.models.moe import MoEBlock
 from ridge.models.random_weights import random_spec
 from ridge.models.registry import config_from_spec
-from ridge.models.spec import spec_from_gguf
+from ridge.models.spec import spec_from_gguf, spec_from_hf_config
 from ridge.quant.rtn import quantize_int4, quantize_int8
 from ridge.serve.app import ServerConfig
 
@@ -81,20 +81,37 @@ def test_quantized_weights_cut_on_their_group_boundaries():
     assert head.qweight.shape == (10, 256) and not head.scales[8:].any() and not head.minimums[8:].any()
 
 
-def test_a_rank_reads_from_the_file_what_a_whole_load_cut_holds(smollm2_path):
-    """Each rank reads only its rows and columns of the file (llama's q and k rows unpermuted as they are read, the
-    vocabulary padded): to the bit the weights that loading the whole model and cutting it hold."""
-    cfg = config_from_spec(spec_from_gguf(open_gguf(smollm2_path), "smollm2", "test"))
-    for rank in range(2):
-        plan = ShardPlan(cfg, rank, 2)
-        whole = load_model(smollm2_path, torch.float32, progress=False).model
+def assert_each_rank_reads_what_a_whole_load_cut_holds(path: Path, cfg, world: int, **plan_args) -> None:
+    """Each rank's weights, read as its part of the file, equal to the bit those of the whole model loaded and cut."""
+    for rank in range(world):
+        plan = ShardPlan(cfg, rank, world, **plan_args)
+        whole = load_model(path, torch.float32, progress=False).model
         shard_model(whole, plan)
-        part = load_model(smollm2_path, torch.float32, progress=False, shard=plan.cut_model).model
+        part = load_model(path, torch.float32, progress=False, shard=plan.cut_model).model
         expected, got = whole.state_dict(), part.state_dict()
         assert got.keys() == expected.keys() and part.cfg == whole.cfg
         for key, tensor in expected.items():
             assert torch.equal(got[key], tensor), key
         assert got["embed_tokens.weight"].shape[0] == plan.vocab_shard
+
+
+def test_a_rank_reads_from_a_gguf_file_what_a_whole_load_cut_holds(smollm2_path):
+    """GGUF rows picked before they are dequantized, llama's permuted q and k rows unpermuted as they are read, the
+    vocabulary's last shard padded."""
+    cfg = config_from_spec(spec_from_gguf(open_gguf(smollm2_path), "smollm2", "test"))
+    assert_each_rank_reads_what_a_whole_load_cut_holds(smollm2_path, cfg, 2)
+
+
+@pytest.mark.parametrize(("arch", "world", "plan_args"), [("deepseek_v3", 3, {}),
+                                                          ("qwen3_moe", 2, {"expert_parallel": True})])
+def test_a_rank_reads_from_safetensors_what_a_whole_load_cut_holds(arch, world, plan_args, tmp_path_factory):
+    """Safetensors rows read as runs of slices: latent attention's interleaved rotary rows reordered and cut by
+    heads, experts cut by width or, under expert parallelism, another rank's not read at all."""
+    from test_moe import random_hf_model
+
+    path, _ = random_hf_model(arch, tmp_path_factory)
+    spec = spec_from_hf_config(json.loads((path / "config.json").read_text()), arch, "test")
+    assert_each_rank_reads_what_a_whole_load_cut_holds(path, config_from_spec(spec), world, **plan_args)
 
 
 # ---- the engine over ranks --------------------------------------------------------------------------

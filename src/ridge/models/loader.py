@@ -10,6 +10,7 @@ and scales (quant/gguf_blocks.py) for layers that multiply by them in place (lin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -193,47 +194,53 @@ class ShardCuts:
 @dataclass(frozen=True)
 class _Stored:
     """A tensor as the file holds it, read only when asked, and then only the rows asked for (a tensor-parallel
-    rank dequantizes its rows of a weight, not the whole). quantized: read() gives the file's blocks as a
-    QuantizedWeight (gguf_native), not values."""
+    rank reads and dequantizes its rows of a weight, not the whole). quantized: read() gives a QuantizedWeight
+    (the file's GGUF blocks under gguf_native, a quantized checkpoint's layer), not values."""
 
     shape: tuple[int, ...]
-    read: Callable[[torch.Tensor | None], np.ndarray | torch.Tensor | QuantizedWeight]
+    read: Callable[[torch.Tensor | None], np.ndarray | torch.Tensor | QuantizedWeight]  # rows (None: all)
     quantized: bool = False
 
     @classmethod
     def of(cls, value: np.ndarray | torch.Tensor | QuantizedWeight) -> _Stored:
-        """A tensor already read (a safetensors file's, or a quantized checkpoint's layer)."""
+        """A tensor already read."""
         if isinstance(value, QuantizedWeight):
-            return cls(tuple(value.shape), lambda rows: value, quantized=True)
+            return cls(tuple(value.shape), lambda rows: value if rows is None else cut_quantized("", value, 0, rows),
+                       quantized=True)
         if isinstance(value, np.ndarray):
             return cls(value.shape, lambda rows: value if rows is None else value[rows.numpy()])
         return cls(tuple(value.shape), lambda rows: value if rows is None else value.index_select(0, rows))
+
+    def reordered(self, order: torch.Tensor) -> _Stored:
+        """The tensor with its rows in `order`: its row i is the stored row order[i]."""
+        return dataclasses.replace(self, read=lambda rows: self.read(order if rows is None else order[rows]))
+
+    def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Stored:
+        """The tensor with `fn` applied to its values (row by row: fn must not mix rows)."""
+        return dataclasses.replace(self, read=lambda rows: fn(self.read(rows)))
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 
 
 def _gguf_stored(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], ops: ModuleType | None,
-                 native: bool, name: str, order: np.ndarray | None = None) -> _Stored:
-    """A GGUF tensor's data (a view of the mapped file), dequantized when read, or under `native` unpacked to
-    its blocks; `order`: its rows' order in the model (the file's row i is the model's row order[i])."""
+                 native: bool, name: str) -> _Stored:
+    """A GGUF tensor's data (a view of the mapped file): its rows dequantized when read, or under `native`
+    unpacked to their blocks' codes and scales."""
+    def rows_of(rows: torch.Tensor | None) -> np.ndarray:
+        return data if rows is None else data[rows.numpy()]
+
     if native:
-        def unpacked(rows: torch.Tensor | None) -> QuantizedWeight:
-            weight = gguf_blocks.unpack(data, kind, shape, name)
-            return weight if order is None else _reorder_rows(weight, torch.from_numpy(order))
-        return _Stored(shape, unpacked, quantized=True)
-
-    def values(rows: torch.Tensor | None) -> np.ndarray:
-        picked = order if rows is None else rows.numpy() if order is None else order[rows.numpy()]
-        part = data if picked is None else data[picked]
-        return gguf_blocks.dequantize(part, kind, (len(part), *shape[1:]), ops)
-    return _Stored(shape, values)
+        return _Stored(shape, lambda rows: gguf_blocks.unpack(part := rows_of(rows), kind, (len(part), shape[1]), name),
+                       quantized=True)
+    return _Stored(shape, lambda rows: gguf_blocks.dequantize(part := rows_of(rows), kind, (len(part), *shape[1:]),
+                                                              ops))
 
 
-def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool, native: bool,
+def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
                   ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
     kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
-    for t in tqdm(gguf.tensors, desc="load", unit="tensor", disable=not progress, leave=False):
+    for t in gguf.tensors:
         quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not _DENSE_UNDER_NATIVE.match(t.name)
         if match := re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", t.name):
             # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),
@@ -253,22 +260,17 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, progress: bool, native: bool
             vector = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
             yield t.name, _Stored.of(vector.reshape(1, -1))
             continue
-        order = None
+        stored = _gguf_stored(t.data, t.tensor_type, t.shape, ops, quantized, t.name)
         if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
-            order = _rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
-        yield t.name, _gguf_stored(t.data, t.tensor_type, t.shape, ops, quantized, t.name, order)
+            stored = stored.reordered(_rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
+                                                    else cfg.num_kv_heads))
+        yield t.name, stored
 
 
-def _rotary_order(rows: int, heads: int) -> np.ndarray:
+def _rotary_order(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes the permutation llama.cpp's converter applies to llama q/k (interleaved ->
     halves rotary)."""
-    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
-
-
-def _reorder_rows(data: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
-    """A quantized weight's output rows in `order` (each row's codes and scales travel together)."""
-    return QuantizedWeight(data.qweight[order], data.scales[order],
-                           None if data.minimums is None else data.minimums[order], data.bits, data.group_size)
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
 
 
 def load_model(
@@ -287,18 +289,19 @@ def load_model(
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path, progress), cfg)
+        tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path), cfg)
         table = ((_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else [])
                  + (_HF_SSM_NAMES if cfg.ssm_layers else []) + _HF_NAMES)
         fmt = "safetensors"
-        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
-            tensors = checkpoint.read_quantized(tensors, hf_config["quantization_config"])
+        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized: read whole, as found
+            tensors = checkpoint.read_quantized(((name, stored.read(None)) for name, stored in tensors),
+                                                hf_config["quantization_config"])
             fmt += f" {hf_config['quantization_config']['quant_method']}"
     else:
         gguf = gguf or open_gguf(path)
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
-        tensors = _gguf_tensors(gguf, cfg, progress, gguf_native, target.cpu_ops if target else None)
+        tensors = _gguf_tensors(gguf, cfg, gguf_native, target.cpu_ops if target else None)
         table = (_GGUF_MLA_NAMES if cfg.is_mla else []) + _GGUF_NAMES
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
@@ -310,33 +313,33 @@ def load_model(
     with torch.device("meta"):
         model = DecoderModel(cfg)
     cuts = shard(model) if shard is not None else None  # the file's layout stays cfg's, the whole model's
-    parts: dict[str, dict[int, _Stored]] = defaultdict(dict)
-    quantized: dict[str, dict[int, QuantizedWeight]] = defaultdict(dict)
-    state: dict[str, torch.Tensor] = {}
+    # every tensor found first (a GGUF tensor is a view of the mapped file, nothing read), then each weight read:
+    # a fused one's slots together, under `cuts` only the rank's rows of each
+    weights: dict[str, dict[int, _Stored]] = defaultdict(dict)
     for name, item in tensors:
         if name == "rope_freqs.weight":  # Llama 3.1's rotary divisors: the spec read them (cfg.rope_scaling)
             continue
         key, slot = _map_name(name, table)
         if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
             continue
-        stored = item if isinstance(item, _Stored) else _Stored.of(item)
-        if stored.quantized:
-            quantized[key][slot or 0] = stored.read(None)
-        elif slot is None:
-            state[key] = _read_cut(key, [stored], cuts, dtype)
-            if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
-                state[key] = state[key].flatten(1)
-        else:
-            parts[key][slot] = stored
-    while parts:  # each fused weight read when all its slots are known: held once, not twice
-        key, slots = parts.popitem()
-        state[key] = _read_cut(key, [slots.pop(i) for i in sorted(slots)], cuts, dtype)
+        weights[key][slot or 0] = item if isinstance(item, _Stored) else _Stored.of(item)
     if cfg.rope_interleave:
-        _deinterleave_rotary(cfg, state, quantized)
+        _deinterleave_rotary(cfg, weights)
 
+    state: dict[str, torch.Tensor] = {}
+    quantized: list[tuple[str, list[_Stored]]] = []
+    for key in tqdm(list(weights), desc="load", unit="tensor", disable=not progress, leave=False):
+        slots = weights.pop(key)  # dropped as read: a weight is held once, not twice
+        parts = [slots[i] for i in sorted(slots)]
+        if parts[0].quantized:
+            quantized.append((key, parts))  # placed once the dense weights (their biases) are read
+            continue
+        state[key] = _read_cut(key, parts, cuts, dtype)
+        if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
+            state[key] = state[key].flatten(1)
     target = target or LinearTarget(dtype, device)
-    for key, slots in quantized.items():
-        _place_quantized(model, key, [slots[i] for i in sorted(slots)], state, target, cuts)
+    for key, parts in quantized:
+        _place_quantized(model, key, parts, state, target, cuts)
     model = _with_weights(model, state, device, str(path))
     return LoadedModel(cfg, spec, model, path, f"{fmt} -> {str(dtype).removeprefix('torch.')}")
 
@@ -374,19 +377,14 @@ def _tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return value.to(dtype=dtype)
 
 
-def _deinterleave_rotary(cfg: ModelConfig, state: dict[str, torch.Tensor], quantized: dict) -> None:
+def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]]) -> None:
     """Reorder the rows of MLA's query and kv_a projections that make rotary dims from interleaved pairs
     (x0, x1), (x2, x3)... to halves (x0, x2, ..., x1, x3, ...): DeepSeek's checkpoint layout to the rotate-half
     layout the shared rotary code turns (the scores q . k are the same under one order for both)."""
     for i in range(cfg.num_layers):
         for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
-            key = f"layers.{i}.attn.{name}.weight"
-            rows = quantized[key][0].shape[0] if key in quantized else state[key].shape[0]
-            order = latent_rotary_order(cfg, name, rows)
-            if key in quantized:
-                quantized[key][0] = _reorder_rows(quantized[key][0], order)
-            else:
-                state[key] = state[key][order]
+            stored = weights[f"layers.{i}.attn.{name}.weight"]
+            stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
 
 
 def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool = True) -> torch.Tensor:
@@ -435,18 +433,20 @@ def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: s
     return model.to(device).eval().requires_grad_(False)
 
 
-def _place_quantized(model: DecoderModel, key: str, parts: list[QuantizedWeight], state: dict[str, torch.Tensor],
+def _place_quantized(model: DecoderModel, key: str, stored: list[_Stored], state: dict[str, torch.Tensor],
                      target: LinearTarget, cuts: ShardCuts | None) -> None:
     """Swap the module that weight `key` belongs to for one that keeps it quantized: under `cuts`, the rank's
-    part of it (a fused q|k|v or gate|up is several parts, each with its own rows: the cut's rows are found in
+    part of it (a fused q|k|v or gate|up is several parts, each with its own rows: the cut's rows are read from
     each; columns only on the boundaries of the scale groups)."""
     cut = cuts.of(key) if cuts is not None else None
-    if cut is not None:
-        dim, index = cut
-        if dim == 1:
-            parts = [cut_quantized(key, part, 1, index) for part in parts]
-        else:
-            parts = [cut_quantized(key, part, 0, rows, cuts.pad_to(key)) for part, rows in _rows_by_part(index, parts)]
+    if cut is None:
+        parts = [part.read(None) for part in stored]
+    elif cut[0] == 1:
+        parts = [cut_quantized(key, part.read(None), 1, cut[1]) for part in stored]
+    else:
+        parts = [part.read(rows) for part, rows in _rows_by_part(cut[1], stored)]
+        if (pad_to := cuts.pad_to(key)) is not None:
+            parts = [cut_quantized(key, parts[0], 0, torch.arange(parts[0].shape[0]), pad_to)]
     if key == "embed_tokens.weight":
         tied = make_linear(parts[0], None, target) if model.cfg.tie_word_embeddings else None
         if cut is not None:  # vocabulary-parallel: its lookup reads a dense shard (cluster/collectives.py)
@@ -476,23 +476,33 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from exc
 
 
-def _hf_language_model(tensors: Iterator[tuple[str, Any]], cfg: ModelConfig) -> Iterator[tuple[str, Any]]:
+def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
     """An HF checkpoint's language-model tensors under a causal LM's names, norm weights made what the norm
     multiplies by (Gemma stores w for 1 + w)."""
-    for name, tensor in tensors:
+    for name, stored in tensors:
         if _NOT_LANGUAGE_MODEL.match(name):
             continue
         for prefix, plain in _LANGUAGE_MODEL_PREFIXES:
             name = re.sub("^" + prefix, plain, name)
-        if cfg.norm_weight_offset and name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
-            tensor = tensor.float() + cfg.norm_weight_offset
-        yield name, tensor
+        if cfg.norm_weight_offset and name.endswith("norm.weight"):
+            yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)
+        else:
+            yield name, stored
 
 
-def _safetensors(path: Path, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
-    for file in tqdm(files, desc="load", unit="file", disable=not progress, leave=False):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+def _safetensors(path: Path) -> Iterator[tuple[str, _Stored]]:
+    """Every tensor of a checkpoint's files, each read when asked (its rows as runs of slices of the file)."""
+    for file in sorted(path.glob("*.safetensors")):
+        handle = safe_open(file, framework="pt")  # open while a tensor of it is unread: its reads hold it
+        for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+            yield name, _Stored(tuple(handle.get_slice(name).get_shape()), functools.partial(_read_rows, handle, name))
 
+
+def _read_rows(handle: Any, name: str, rows: torch.Tensor | None) -> torch.Tensor:
+    if rows is None:
+        return handle.get_tensor(name)
+    tensor = handle.get_slice(name)
+    breaks = torch.nonzero(rows.diff() != 1).flatten() + 1  # where a run of consecutive rows ends
+    starts, stops = [0, *breaks.tolist()], [*breaks.tolist(), len(rows)]
+    runs = [tensor[int(rows[a]):int(rows[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)]
+    return torch.cat(runs) if len(runs) > 1 else runs[0]
