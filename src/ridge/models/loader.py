@@ -5,6 +5,8 @@ Both formats are mapped onto ridge's parameter names; a name that maps to a fuse
 its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
 GGUF tensors are dequantized to the requested dtype, or, with gguf_native, kept as their blocks' codes
 and scales (quant/gguf_blocks.py) for layers that multiply by them in place (linear/).
+Every tensor is found before any is read, then read weight by weight; a tensor-parallel rank reads only its rows
+of each (ShardCuts), into a model cut to its part on the meta device.
 """
 
 from __future__ import annotations
