@@ -20,7 +20,7 @@ from conftest import CHAT_PROMPTS, random_prompts, running_server
 from ridge import LLM, SamplingParams
 from ridge.cluster.shards import HEAD, ShardPlan, shard_model, shard_quantized, split_heads
 from ridge.config import EngineConfig
-from ridge.models.loader import load_model, open_gguf
+from ridge.models.loader import load_model, open_gguf, random_model
 from ridge.models.moe import MoEBlock
 from ridge.models.random_weights import random_spec
 from ridge.models.registry import config_from_spec
@@ -112,6 +112,19 @@ def test_a_rank_reads_from_safetensors_what_a_whole_load_cut_holds(arch, world, 
     path, _ = random_hf_model(arch, tmp_path_factory)
     spec = spec_from_hf_config(json.loads((path / "config.json").read_text()), arch, "test")
     assert_each_rank_reads_what_a_whole_load_cut_holds(path, config_from_spec(spec), world, **plan_args)
+
+
+def test_a_rank_draws_a_random_model_s_part_as_one_process_draws_it():
+    """A random model's ranks draw every weight in one process's order and keep their part (vocabulary, heads and
+    widths cut unevenly over 3 ranks): to the bit the whole model's cut."""
+    spec = random_spec(RANDOM["gemma3-kv-replicated"][0])
+    for rank in range(3):
+        plan = ShardPlan(config_from_spec(spec), rank, 3)
+        whole = random_model(spec, torch.float32).model
+        shard_model(whole, plan)
+        part = random_model(spec, torch.float32, shard=plan.cut_model).model
+        expected, got = whole.state_dict(), part.state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], t) for k, t in expected.items())
 
 
 # ---- the engine over ranks --------------------------------------------------------------------------

@@ -96,31 +96,31 @@ def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan |
 
 
 def reads_its_part(config: EngineConfig) -> bool:
-    """Whether each tensor-parallel rank reads only its part of the weights from the file (so that ranks can load
-    side by side): not where weights are quantized at load (calibrated on the whole model's activations) or drawn
-    at random (drawn whole, as one process draws them), which are made whole and then cut."""
-    return config.tensor_parallel_size > 1 and config.quantization not in METHODS and not is_random(config.model)
+    """Whether each tensor-parallel rank reads (or draws) only its part of the weights, so that ranks can load side
+    by side: not where weights are quantized at load (calibrated on the whole model's activations), which are made
+    whole and then cut."""
+    return config.tensor_parallel_size > 1 and config.quantization not in METHODS
 
 
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
                  rank: int = 0) -> LoadedModel:
     """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
     made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after.
-    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): read as its part of the file, or,
-    where weights are quantized at load or drawn at random, made whole and then cut."""
+    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): read as its part of the file (or
+    drawn, for a random model), or, where weights are quantized at load, made whole and then cut."""
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
     plan = shard_plan(config, model.config(), rank)
     cut_after = plan is not None and not reads_its_part(config)
+    if model.random is not None and config.quantization == "gguf":
+        raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
+    shard = plan.cut_model if plan is not None and not cut_after else None
     if model.random is not None:
-        if config.quantization == "gguf":
-            raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
-        loaded = random_model(model.random, config.torch_dtype, config.device, config.seed)
+        loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard)
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
-                            ignore_sliding_window=config.ignore_sliding_window,
-                            shard=plan.cut_model if plan is not None and not cut_after else None)
+                            ignore_sliding_window=config.ignore_sliding_window, shard=shard)
     quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
         if config.quantization in METHODS else iter(())
     if cut_after:

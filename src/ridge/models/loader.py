@@ -33,7 +33,7 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_linear
 from ridge.models.gguf_file import GGUFFile, read_gguf
-from ridge.models.random_weights import random_state
+from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
@@ -211,7 +211,8 @@ class _Stored:
                        quantized=True)
         if isinstance(value, np.ndarray):
             return cls(value.shape, lambda rows: value if rows is None else value[rows.numpy()])
-        return cls(tuple(value.shape), lambda rows: value if rows is None else value.index_select(0, rows))
+        return cls(tuple(value.shape),
+                   lambda rows: value if rows is None else value.index_select(0, rows.to(value.device)))
 
     def reordered(self, order: torch.Tensor) -> _Stored:
         """The tensor with its rows in `order`: its row i is the stored row order[i]."""
@@ -353,7 +354,7 @@ def _read_cut(key: str, slots: list[_Stored], cuts: ShardCuts | None, dtype: tor
     if cut is None or cut[0] == 1:
         whole = torch.cat([_tensor(s.read(None), dtype) for s in slots]) if len(slots) > 1 else \
             _tensor(slots[0].read(None), dtype)
-        return whole if cut is None else whole.index_select(1, cut[1])
+        return whole if cut is None else whole.index_select(1, cut[1].to(whole.device))
     pieces = [_tensor(stored.read(rows), dtype) for stored, rows in _rows_by_part(cut[1], slots)]
     tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     if (pad_to := cuts.pad_to(key)) and len(tensor) < pad_to:  # the last vocabulary shard, to the others' rows
@@ -400,14 +401,21 @@ def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool 
     return order.flatten()
 
 
-def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> LoadedModel:
-    """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py)."""
+def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                 shard: Callable[[DecoderModel], ShardCuts] | None = None) -> LoadedModel:
+    """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py). shard: as
+    load_model's; every weight is drawn whole, in one process's order (so each rank's part holds one process's
+    numbers), and cut to the rank's part before the next is drawn."""
     cfg = config_from_spec(spec)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    _check_fits(spec.name, sum(shape.numel() for shape in shapes.values()) * dtype.itemsize, dtype, device)
-    model = _with_weights(model, random_state(shapes, dtype, device, seed), device, spec.name)
+    cuts = shard(model) if shard is not None else None
+    held = sum(tensor.numel() for tensor in model.state_dict().values())  # the rank's part
+    _check_fits(spec.name, held * dtype.itemsize, dtype, device)
+    state = {name: tensor if cuts is None else _read_cut(name, [_Stored.of(tensor)], cuts, dtype)
+             for name, tensor in random_tensors(shapes, dtype, device, seed) if cuts is None or cuts.keeps(name)}
+    model = _with_weights(model, state, device, spec.name)
     return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
                        f"{str(dtype).removeprefix('torch.')}")
 

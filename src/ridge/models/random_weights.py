@@ -9,6 +9,7 @@ are noise: everything that names such a model names it random.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,13 +90,12 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     return config
 
 
-def random_state(shapes: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device,
-                 seed: int = 0) -> dict[str, torch.Tensor]:
-    """Weights for every parameter in `shapes` (a model's state dict on the meta device): matrices drawn from
-    N(0, INIT_STD) on the device, norm weights one (the multiplier itself: an offset is folded in at load),
-    biases zero."""
+def random_tensors(shapes: dict[str, torch.Size], dtype: torch.dtype, device: str | torch.device,
+                   seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights for every parameter in `shapes` (a model's state dict on the meta device), one at a time, in its
+    order: matrices drawn from N(0, INIT_STD) on the device, norm weights one (the multiplier itself: an offset is
+    folded in at load), biases zero."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    state = {}
     for name, shape in shapes.items():
         tensor = torch.empty(shape, dtype=dtype, device=device)
         if len(shape) > 1:
@@ -104,5 +104,4 @@ def random_state(shapes: dict[str, torch.Size], dtype: torch.dtype, device: str 
             tensor.zero_()
         else:
             tensor.fill_(1.0)
-        state[name] = tensor
-    return state
+        yield name, tensor
