@@ -259,7 +259,8 @@ def _reference_beam_search(model, prompt: list[int], width: int, max_tokens: int
     for _ in range(max_tokens):
         candidates = []
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens for tokens, _ in live])).logits[:, -1].float()
+            beams = torch.tensor([prompt + tokens for tokens, _ in live])
+            logits = model(beams, logits_to_keep=1).logits[:, -1].float()  # the last position's alone
         for (tokens, total), logprobs in zip(live, torch.log_softmax(logits, -1), strict=True):
             top = torch.topk(logprobs, 2 * width)
             candidates += [(tokens + [t], total + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist(),
