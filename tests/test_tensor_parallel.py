@@ -344,6 +344,21 @@ def test_a_rank_0_that_fails_to_load_beside_the_others_stops_them(smollm2_path, 
     assert _my_ranks() == []
 
 
+def test_a_window_ignored_at_load_stays_ignored_on_every_rank(make_llm_for_test):
+    """ignore_sliding_window, on a random model too, and over ranks: every rank's part of the model attends to the
+    whole history, as one process does (prompts past the 24-token window)."""
+    common = {"dtype": "float32", "max_num_batched_tokens": 32, "kv_cache_memory": "16MiB",
+              "ignore_sliding_window": True}
+    model = RANDOM["gemma3-kv-replicated"][0]
+    prompts = random_prompts(3, 1001, 40, 80, seed=3)
+    one = make_llm_for_test(model, **common)
+    expected = tokens(one.generate(prompts, GREEDY))
+    tp = make_llm_for_test(model, **common, tensor_parallel_size=2)
+    assert one.engine.loaded.model.cfg.sliding_window == tp.engine.loaded.model.cfg.sliding_window == 0
+    assert tokens(tp.generate(prompts, GREEDY)) == expected
+    tp.engine.close()
+
+
 def test_olmoe_norms_over_all_heads_over_ranks(tmp_path, make_llm_for_test):
     """OLMoE normalises q and k over all their heads at once: each rank's squares summed over the ranks, its one KV
     head (replicated on the 3 ranks) counted once."""

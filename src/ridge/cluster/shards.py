@@ -140,9 +140,10 @@ class ShardPlan:
         """This rank's state-space heads (q_heads) and groups (kv_heads)."""
         return split_heads(self.cfg.ssm_num_heads, self.cfg.ssm_groups, self.world, "state-space heads")[self.rank]
 
-    def local_config(self) -> ModelConfig:
-        """The model this rank computes: its heads."""
-        cfg = self.cfg
+    def local_config(self, cfg: ModelConfig | None = None) -> ModelConfig:
+        """The model this rank computes: its heads, in `cfg` (the model's own config, which may differ from the
+        plan's elsewhere: a window ignored at load) or the plan's."""
+        cfg = cfg or self.cfg
         if cfg.attention_layers:
             heads = self.heads
             cfg = dataclasses.replace(cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads))
@@ -271,7 +272,7 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
                                                                     requires_grad=False))
             continue
         _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None)
-    local = plan.local_config()
+    local = plan.local_config(model.cfg)
     for layer in model.layers:
         if isinstance(layer.mlp, MoEBlock) and plan.expert_parallel:
             layer.mlp.held = plan.held_experts

@@ -102,7 +102,7 @@ class LLMEngine:
             raise ValueError("batch_invariant: needs ridge's CPU kernels, which did not build here (see the warning "
                              "above)")
         # ranks that read only their part of the file load side by side with this one; the others start once this
-        # one has loaded, so that two whole models (made whole to be quantized, or drawn) are never held at once
+        # one has loaded, so that two whole models (made whole to be quantized at load) are never held at once
         ranks = Ranks.meet(config) if reads_its_part(config) else None
         try:
             pool = self._build(config, target, draft_file, kernels, progress)

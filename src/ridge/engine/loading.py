@@ -116,7 +116,8 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
     shard = plan.cut_model if plan is not None and not cut_after else None
     if model.random is not None:
-        loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard)
+        loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard,
+                              config.ignore_sliding_window)
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,

@@ -309,10 +309,7 @@ def load_model(
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
-    if ignore_sliding_window and cfg.sliding_window:
-        log.warning("ridge: ignore_sliding_window: every layer attends to its whole history; outputs past the "
-                    "%d-token window are not the model's", cfg.sliding_window)
-        cfg = dataclasses.replace(cfg, sliding_window=0)
+    cfg = _windows(cfg, ignore_sliding_window)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     cuts = shard(model) if shard is not None else None  # the file's layout stays cfg's, the whole model's
@@ -402,11 +399,12 @@ def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool 
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
-                 shard: Callable[[DecoderModel], ShardCuts] | None = None) -> LoadedModel:
+                 shard: Callable[[DecoderModel], ShardCuts] | None = None,
+                 ignore_sliding_window: bool = False) -> LoadedModel:
     """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py). shard: as
     load_model's; every weight is drawn whole, in one process's order (so each rank's part holds one process's
-    numbers), and cut to the rank's part before the next is drawn."""
-    cfg = config_from_spec(spec)
+    numbers), and cut to the rank's part before the next is drawn. ignore_sliding_window: as load_model's."""
+    cfg = _windows(config_from_spec(spec), ignore_sliding_window)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -418,6 +416,15 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed:
     model = _with_weights(model, state, device, spec.name)
     return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
                        f"{str(dtype).removeprefix('torch.')}")
+
+
+def _windows(cfg: ModelConfig, ignore_sliding_window: bool) -> ModelConfig:
+    """cfg, or under ignore_sliding_window (a benchmark baseline) every layer attending to its whole history."""
+    if not ignore_sliding_window or not cfg.sliding_window:
+        return cfg
+    log.warning("ridge: ignore_sliding_window: every layer attends to its whole history; outputs past the "
+                "%d-token window are not the model's", cfg.sliding_window)
+    return dataclasses.replace(cfg, sliding_window=0)
 
 
 def _check_fits(name: str, needed: int, dtype: torch.dtype, device: str) -> None:
