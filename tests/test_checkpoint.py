@@ -2,6 +2,7 @@
 packing code (word by word, as the formats' specifications read), loaded back by ridge, and loaded by HF
 transformers itself (GPTQ / AWQ through gptqmodel's CPU kernels, fp8 through its own loader)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,14 @@ from safetensors.torch import load_file
 
 from conftest import random_prompts
 from ridge.quant import checkpoint
-from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_fp8, quantize_int4, quantize_int8
+from ridge.quant.rtn import (
+    QuantizedWeight,
+    cut_quantized,
+    dequantize,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 from ridge.quantize.export import quantize_to_dir
 from test_models_random import VOCAB, byte_tokenizer, hf_config
 
@@ -320,18 +328,68 @@ def test_fp8_checkpoint_round_trip_through_hf(smollm2_path, tmp_path, make_llm_f
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-def test_a_checkpoint_over_two_ranks_equals_one_process(random_llama, tmp_path, make_llm_for_test):
-    """A quantized checkpoint's layers, kept as the file stores them, cut between tensor-parallel ranks (fp8: a
-    scale per row, so the MLP's 96 columns cut anywhere; a group of 32 would not divide their halves)."""
+@pytest.mark.parametrize("layout", ["fp8", "gptq", "awq", "gptq-act-order"])
+def test_a_checkpoint_over_two_ranks_equals_one_process(layout, random_llama, tmp_path, make_llm_for_test):
+    """A quantized checkpoint's layers, kept as the file stores them, cut between tensor-parallel ranks: fp8's
+    columns anywhere (a scale per row), GPTQ's and AWQ's on the checkpoint's groups of 32 (the plan cuts the MLP's
+    96 columns 32 | 64, where an even cut would fall inside a group), and a layer no kernel here runs (act-order
+    groups) as its dequantized matrix."""
+    from safetensors.torch import save_file
+
     from ridge import SamplingParams
 
-    out = tmp_path / "fp8"
-    quantize_to_dir(random_llama, "fp8", 8, None, out, progress=False)
+    out, method = tmp_path / layout, layout.removesuffix("-act-order")
+    quantize_to_dir(random_llama, method, 8 if method == "fp8" else 4, None if method == "fp8" else 32, out,
+                    progress=False)
+    if layout.endswith("act-order"):
+        tensors = load_file(str(out / "model.safetensors"))
+        g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
+        tensors["model.layers.0.mlp.down_proj.g_idx"] = g_idx[torch.randperm(len(g_idx),
+                                                                             generator=torch.Generator().manual_seed(0))]
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
     one = make_llm_for_test(out, dtype="float32", kv_cache_memory="16MiB")
     tp = make_llm_for_test(out, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
     assert "rank 0 of 2" in tp.engine.loaded.weight_format
+    down = [layer.mlp.down for layer in tp.engine.loaded.model.layers]
+    assert isinstance(down[0], torch.nn.Linear) == layout.endswith("act-order")  # kept quantized but there
+    assert not isinstance(down[1], torch.nn.Linear) and down[1].in_features == (48 if method == "fp8" else 32)
     assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     tp.engine.close()
+
+
+def test_a_checkpoint_layer_is_read_when_its_turn_comes_and_only_its_rows_kept(tmp_path):
+    """The loader's view of a quantized checkpoint: every tensor found and none read until its layer's turn (a load
+    holds one layer more than it has placed, never the whole file), then its rows equal to the bit the whole
+    layer's decoded and cut; a layer's shape known from the header alone."""
+    from safetensors.torch import save_file
+
+    from ridge.models import loader
+
+    torch.manual_seed(3)
+    w = torch.randn(40, 128)
+    layouts = {"gptq": checkpoint.pack_gptq(quantize_int4(w, 32, integer_zeros=True)),
+               "awq": checkpoint.pack_awq(quantize_int4(w, 32, integer_zeros=True)),
+               "fp8": checkpoint.pack_fp8(quantize_fp8(w))}
+    rows = torch.tensor([1, 2, 3, 17, 30, 31])
+    for layout, tensors in layouts.items():
+        config = checkpoint.quantization_config(layout, 8 if layout == "fp8" else 4, None if layout == "fp8" else 32)
+        (tmp_path / layout).mkdir()
+        save_file({f"m.{k}": v for k, v in tensors.items()} | {"norm.weight": torch.ones(128)},
+                  str(tmp_path / layout / "model.safetensors"))
+        reads: list[str] = []
+
+        def logged(name: str, stored, log=reads):
+            return dataclasses.replace(stored, read=lambda rows: log.append(name) or stored.read(rows))
+
+        found = [(name, logged(name, stored)) for name, stored in loader._safetensors(tmp_path / layout)]
+        layers = dict(loader._checkpoint_layers(iter(found), config))
+        assert not reads and layers.keys() == {"m.weight", "norm.weight"} and not layers["norm.weight"].quantized
+        assert layers["m.weight"].shape == (40, 128) and layers["m.weight"].quantized
+        part = layers["m.weight"].read(rows)
+        assert sorted(reads) == sorted(f"m.{k}" for k in tensors)
+        whole = dict(checkpoint.read_quantized(iter((f"m.{k}", v) for k, v in tensors.items()), config))["m.weight"]
+        expected = cut_quantized("m.weight", whole, 0, rows)
+        assert all(torch.equal(getattr(part, f), getattr(expected, f)) for f in ("qweight", "scales")), layout

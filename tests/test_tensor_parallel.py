@@ -414,3 +414,22 @@ def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
         EngineConfig(model="m", enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size: must be at least 1, got 0"):
         EngineConfig(model="m", tensor_parallel_size=0)
+
+
+def test_bench_tp_measures_one_process_beside_the_ranks(capsys):
+    """`ridge bench tp`: one process and two ranks on the same model, each row with its load, decode and batch
+    figures; the ranks' step makes two all-reduces a layer, the embedding's and the logits' gather."""
+    from ridge.cli import main
+
+    layers = 2
+    assert main(["bench", "tp", "--model", f"random:smollm2,num_layers={layers},vocab_size=2048", "--dtype",
+                 "float32", "--input-len", "16", "--output-len", "4", "--batch", "2", "--repeats", "1",
+                 "--json"]) == 0
+    one, two = json.loads(capsys.readouterr().out)["rows"]
+    assert (one["ranks"], two["ranks"]) == (1, 2) and one["threads_per_rank"] == two["threads_per_rank"]
+    assert (one["collectives_per_token"], two["collectives_per_token"]) == (0, 2 * layers + 2)
+    assert 0 < two["collective_ms_per_token"] < two["ms_per_token"] and two["predicted_collective_ms_per_token"] > 0
+    for row in (one, two):
+        assert row["load_s"] > 0 and row["batch_tok_s"] > 0
+        assert row["decode_vs_one"] == pytest.approx(one["ms_per_token"] / row["ms_per_token"])
+    assert two["transport"] == "shared memory" and two["link"]["latency_us"] > 0

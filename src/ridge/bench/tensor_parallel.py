@@ -1,6 +1,7 @@
 """`ridge bench tp`: one process against --tensor-parallel-size ranks on the same model, side by side.
 
-For each engine (tensor_parallel_size 1, then N): a batch-1 decode (a prompt of --input-len tokens prefilled, then
+For each engine (tensor_parallel_size 1, then N): its load (to ready: every rank has read its part of the file),
+a batch-1 decode (a prompt of --input-len tokens prefilled, then
 --output-len steps timed one by one) and a batch of --batch random requests (tok/s). For the N-rank engine, also
 rank 0's time inside the step collectives (the all-reduces and the logits' gather, waiting for the other ranks
 included) per decode token, and the link itself measured: the median all-reduce of one token's activations (its
@@ -56,10 +57,12 @@ def measure(args: argparse.Namespace, ranks: int, prompt: list[int]) -> dict:
 
         ranks_config = EngineConfig(model=args.model, tensor_parallel_size=args.tensor_parallel_size)
         kwargs["num_threads"] = ranks_config.threads_per_process()
+    start = time.perf_counter()
     llm = LLM(args.model, progress=not args.json, **kwargs)
+    load_s = time.perf_counter() - start  # to ready: every rank loaded its part and made its pool
     engine = llm.engine
     rounds = [decode_timing(engine, prompt, args.output_len) for _ in range(args.repeats)]
-    row = {"ranks": ranks, "threads_per_rank": engine.config.threads_per_process(),
+    row = {"ranks": ranks, "threads_per_rank": engine.config.threads_per_process(), "load_s": load_s,
            **{key: statistics.median(r[key] for r in rounds) for key in rounds[0]}}
     requests = workloads.random_requests(engine.loaded.config.vocab_size, args.batch, args.input_len,
                                          args.output_len, seed=0)
@@ -119,12 +122,12 @@ def cmd_tp(args: argparse.Namespace) -> int:
 
 
 def tp_table(report: dict) -> list[str]:
-    lines = ["| ranks | threads each | decode ms/token | in collectives (measured) | (plan, measured link) | "
+    lines = ["| ranks | threads each | load s | decode ms/token | in collectives (measured) | (plan, measured link) | "
              "collectives/token | decode vs 1 | batch tok/s | batch vs 1 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         predicted = r.get("predicted_collective_ms_per_token")
-        lines.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['ms_per_token']:.1f} | "
+        lines.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['load_s']:.1f} | {r['ms_per_token']:.1f} | "
                      f"{r['collective_ms_per_token']:.1f} | {'-' if predicted is None else f'{predicted:.2f}'} | "
                      f"{r['collectives_per_token']:.0f} | {r['decode_vs_one']:.2f}x | {r['batch_tok_s']:.1f} | "
                      f"{r['batch_vs_one']:.2f}x |")

@@ -129,7 +129,8 @@ class ShardPlan:
                     raise ValueError(
                         f"tensor_parallel_size: {self.world} splits o_proj's input at column "
                         f"{shard.q_heads.start * value_dim}, inside a quantization group of {self.granule} "
-                        f"columns; use a quantization_group_size that divides it")
+                        f"columns; choose a tensor_parallel_size (or, quantizing at load, a "
+                        f"quantization_group_size) that divides it")
 
     @property
     def heads(self) -> HeadShard:
@@ -152,10 +153,11 @@ class ShardPlan:
             cfg = dataclasses.replace(cfg, ssm_num_heads=len(ssm.q_heads), ssm_groups=len(ssm.kv_heads))
         return cfg
 
-    def pool_config(self) -> ModelConfig:
+    def pool_config(self, cfg: ModelConfig | None = None) -> ModelConfig:
         """A model of as many KV heads (and state-space heads and groups) as the rank with the most holds: what
-        sizes each rank's KV blocks and state slots, so that every rank's pool has as many as rank 0 counts."""
-        cfg = self.cfg
+        sizes each rank's KV blocks and state slots, so that every rank's pool has as many as rank 0 counts (in
+        `cfg`, the model's own config, as local_config's)."""
+        cfg = cfg or self.cfg
         if cfg.attention_layers:
             most = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world))
             cfg = dataclasses.replace(cfg, num_heads=most * (cfg.num_heads // cfg.num_kv_heads), num_kv_heads=most)

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from ridge.cluster.shards import ShardPlan
 from ridge.config import EngineConfig, ModelConfig
 from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
@@ -93,8 +94,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
-        if config.tensor_parallel_size > 1:  # the split checked from the model's header, before any weight is read
-            shard_plan(config, target.config(), rank=0)
+        plan = shard_plan(config, target, rank=0)  # the split checked before any weight is read
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
@@ -105,20 +105,20 @@ class LLMEngine:
         # one has loaded, so that two whole models (made whole to be quantized at load) are never held at once
         ranks = Ranks.meet(config) if reads_its_part(config) else None
         try:
-            pool = self._build(config, target, draft_file, kernels, progress)
-            if (shard := shard_plan(config, self.loaded.config, rank=0)) is not None:
+            pool = self._build(config, target, plan, draft_file, kernels, progress)
+            if plan is not None:
                 ranks = ranks or Ranks.meet(config)
-                self.runner = ranks.start(shard, self.runner, pool)
+                self.runner = ranks.start(plan, self.runner, pool)
         except BaseException:
             if ranks is not None:  # the group met: the others stop (after their load, if still loading)
                 ranks.abort()
             raise
 
-    def _build(self, config: EngineConfig, target: ModelFile, draft_file: ModelFile | None,
+    def _build(self, config: EngineConfig, target: ModelFile, plan: ShardPlan | None, draft_file: ModelFile | None,
                kernels: ModuleType | None, progress: bool) -> Build:
         """The engine's model (rank 0's part of it under tensor parallelism), its pool, scheduler and runner; the
         pool's size, as the other ranks make theirs."""
-        self.loaded: LoadedModel = load_weights(target, config, kernels, progress)
+        self.loaded: LoadedModel = load_weights(target, config, kernels, progress, plan)
         cfg = self.loaded.config
         if cfg.ssm_layers and config.speculate:
             raise ValueError("speculate: state-space layers cannot take back rejected draft tokens (their state has "
@@ -137,8 +137,7 @@ class LLMEngine:
             prefix_caching = False
         # under tensor parallelism, each rank's pool holds its own KV heads: as many blocks as the rank with the
         # most of them fits in kv_cache_memory
-        shard = shard_plan(config, cfg, rank=0)
-        kv_cfg = cfg if shard is None else shard.pool_config()
+        kv_cfg = cfg if plan is None else plan.pool_config(cfg)
         per_block = kv_cfg.kv_bytes_per_block(config.torch_dtype, config.block_size, config.kv_format)
         num_blocks, num_state_slots, num_snapshots = kv_memory_split(kv_cfg, config,
                                                                      snapshots=prefix_caching and bool(cfg.ssm_layers))

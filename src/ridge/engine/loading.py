@@ -58,6 +58,16 @@ class ModelFile:
         return (RidgeTokenizer.from_path(folder) if folder and (folder / "tokenizer.json").exists()
                 else RidgeTokenizer(*byte_level_tokenizer(self.random.vocab_size)))
 
+    @functools.cached_property
+    def checkpoint_group_size(self) -> int:
+        """The input columns a quantized checkpoint's scale groups span (GPTQ / AWQ); 1 for any other model (a
+        scale per row, or none)."""
+        if self.random is not None or self.gguf is not None:
+            return 1
+        quantization = json.loads((self.path / "config.json").read_text()).get("quantization_config") or {}
+        return max(int(quantization.get("group_size") or 1), 1) if quantization.get("quant_method") in \
+            ("gptq", "awq") else 1
+
     def config(self) -> ModelConfig:
         """The model's config from its header alone, no weight read (to check what it asks for before loading)."""
         if self.random is not None:
@@ -84,15 +94,18 @@ class ModelFile:
         return cls(path, gguf)
 
 
-def shard_plan(config: EngineConfig, cfg: ModelConfig, rank: int) -> ShardPlan | None:
-    """Rank `rank`'s part of the model under config.tensor_parallel_size (None: one process holds it all)."""
+def shard_plan(config: EngineConfig, model: ModelFile, rank: int) -> ShardPlan | None:
+    """Rank `rank`'s part of the model under config.tensor_parallel_size (None: one process holds it all), checked
+    from the model's header alone."""
     if config.tensor_parallel_size == 1:
         return None
     # the granule a row-parallel layer's columns are cut in: a quantization group (int8 / fp8: a scale per row,
-    # columns cut freely; a GGUF file's blocks: groups of 16 or 32)
+    # columns cut freely; a GGUF file's blocks: groups of 16 or 32; a checkpoint's own groups)
     granule = {"int4": config.quantization_group_size, "gptq": config.quantization_group_size,
-               "awq": config.quantization_group_size, "gguf": max(GGUF_GROUPS.values())}.get(config.quantization, 1)
-    return ShardPlan(cfg, rank, config.tensor_parallel_size, granule, expert_parallel=config.enable_expert_parallel)
+               "awq": config.quantization_group_size, "gguf": max(GGUF_GROUPS.values())}.get(
+        config.quantization, model.checkpoint_group_size)
+    return ShardPlan(model.config(), rank, config.tensor_parallel_size, granule,
+                     expert_parallel=config.enable_expert_parallel)
 
 
 def reads_its_part(config: EngineConfig) -> bool:
@@ -103,14 +116,13 @@ def reads_its_part(config: EngineConfig) -> bool:
 
 
 def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | None, progress: bool,
-                 rank: int = 0) -> LoadedModel:
+                 plan: ShardPlan | None = None) -> LoadedModel:
     """A model's weights in the engine's dtype, each linear layer on the kernel linear/select.py picks for it,
     made once: as the file is read (natively quantized layers), as it is quantized, or, still dense, after.
-    Under tensor parallelism, rank `rank`'s shard of them (cluster/shards.py): read as its part of the file (or
+    Under tensor parallelism, `plan`'s rank's shard of them (cluster/shards.py): read as its part of the file (or
     drawn, for a random model), or, where weights are quantized at load, made whole and then cut."""
     target = LinearTarget(config.torch_dtype, config.device, kernels, packed=config.packed_linear,
                           int8_activations=config.int8_activations, batch_invariant=config.batch_invariant)
-    plan = shard_plan(config, model.config(), rank)
     cut_after = plan is not None and not reads_its_part(config)
     if model.random is not None and config.quantization == "gguf":
         raise ValueError("quantization: gguf runs a GGUF file's blocks; a random model has no file")
@@ -129,7 +141,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         cuts = shard_model(loaded.model, plan)
         quantized = [(key, shard_quantized(key, w, cuts, plan.vocab_shard)) for key, w in quantized if plan.keeps(key)]
     if plan is not None:
-        loaded.weight_format += f", rank {rank} of {plan.world}"
+        loaded.weight_format += f", rank {plan.rank} of {plan.world}"
     if config.quantization in METHODS:
         place_quantized(loaded.model, quantized, target)
         loaded.weight_format += f" -> {config.quantization}" + (

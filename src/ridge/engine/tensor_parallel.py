@@ -282,8 +282,10 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     runner, kernels, loaded = None, None, None
     try:
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        loaded = load_weights(ModelFile.open(config.model), config, kernels, progress=False, rank=group.rank)
-        install_collectives(loaded.model, shard_plan(config, loaded.config, group.rank), group)
+        model = ModelFile.open(config.model)
+        plan = shard_plan(config, model, group.rank)
+        loaded = load_weights(model, config, kernels, progress=False, plan=plan)
+        install_collectives(loaded.model, plan, group)
     except Exception:  # noqa: BLE001 - reported to rank 0 below, printed here
         traceback.print_exc()
     build = group.broadcast_command()

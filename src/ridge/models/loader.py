@@ -197,7 +197,8 @@ class ShardCuts:
 class _Stored:
     """A tensor as the file holds it, read only when asked, and then only the rows asked for (a tensor-parallel
     rank reads and dequantizes its rows of a weight, not the whole). quantized: read() gives a QuantizedWeight
-    (the file's GGUF blocks under gguf_native, a quantized checkpoint's layer), not values."""
+    (the file's GGUF blocks under gguf_native, a quantized checkpoint's layer; or, for a checkpoint layer whose
+    layout no kernel here runs, its dequantized matrix), placed once the dense weights are."""
 
     shape: tuple[int, ...]
     read: Callable[[torch.Tensor | None], np.ndarray | torch.Tensor | QuantizedWeight]  # rows (None: all)
@@ -292,13 +293,12 @@ def load_model(
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, Any]] = _hf_language_model(_safetensors(path), cfg)
+        tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
         table = ((_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else [])
                  + (_HF_SSM_NAMES if cfg.ssm_layers else []) + _HF_NAMES)
         fmt = "safetensors"
-        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized: read whole, as found
-            tensors = checkpoint.read_quantized(((name, stored.read(None)) for name, stored in tensors),
-                                                hf_config["quantization_config"])
+        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
+            tensors = _checkpoint_layers(tensors, hf_config["quantization_config"])
             fmt += f" {hf_config['quantization_config']['quant_method']}"
     else:
         gguf = gguf or open_gguf(path)
@@ -322,7 +322,7 @@ def load_model(
         key, slot = _map_name(name, table)
         if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
             continue
-        weights[key][slot or 0] = item if isinstance(item, _Stored) else _Stored.of(item)
+        weights[key][slot or 0] = item
     if cfg.rope_interleave:
         _deinterleave_rotary(cfg, weights)
 
@@ -354,9 +354,16 @@ def _read_cut(key: str, slots: list[_Stored], cuts: ShardCuts | None, dtype: tor
         return whole if cut is None else whole.index_select(1, cut[1].to(whole.device))
     pieces = [_tensor(stored.read(rows), dtype) for stored, rows in _rows_by_part(cut[1], slots)]
     tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    if (pad_to := cuts.pad_to(key)) and len(tensor) < pad_to:  # the last vocabulary shard, to the others' rows
-        tensor = torch.cat([tensor, tensor.new_zeros(pad_to - len(tensor), *tensor.shape[1:])])
-    return tensor
+    return _padded(key, tensor, cuts.pad_to(key))
+
+
+def _padded(key: str, value: torch.Tensor | QuantizedWeight, rows: int | None) -> torch.Tensor | QuantizedWeight:
+    """The last vocabulary shard with zero rows to the others' count (`rows`; None: as it is)."""
+    if rows is None or value.shape[0] >= rows:
+        return value
+    if isinstance(value, QuantizedWeight):
+        return cut_quantized(key, value, 0, torch.arange(value.shape[0]), rows)
+    return torch.cat([value, value.new_zeros(rows - value.shape[0], *value.shape[1:])])
 
 
 def _rows_by_part(index: torch.Tensor, parts: list) -> list[tuple[Any, torch.Tensor]]:
@@ -374,6 +381,9 @@ def _rows_by_part(index: torch.Tensor, parts: list) -> list[tuple[Any, torch.Ten
 def _tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, np.ndarray):  # the file's own map is read-only: copied; a dequantized array is ours
         value = torch.from_numpy(value if value.flags.writeable else np.array(value))
+    if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # codes, meaningless without their scales
+        raise ValueError("an fp8 weight without its weight_scale_inv (a truncated checkpoint, or one whose "
+                         "quantization_config is missing?)")
     return value.to(dtype=dtype)
 
 
@@ -454,16 +464,20 @@ def _place_quantized(model: DecoderModel, key: str, stored: list[_Stored], state
                      target: LinearTarget, cuts: ShardCuts | None) -> None:
     """Swap the module that weight `key` belongs to for one that keeps it quantized: under `cuts`, the rank's
     part of it (a fused q|k|v or gate|up is several parts, each with its own rows: the cut's rows are read from
-    each; columns only on the boundaries of the scale groups)."""
+    each; columns only on the boundaries of the scale groups). A checkpoint layer read as its dequantized matrix
+    joins the dense weights in `state`."""
     cut = cuts.of(key) if cuts is not None else None
     if cut is None:
         parts = [part.read(None) for part in stored]
     elif cut[0] == 1:
-        parts = [cut_quantized(key, part.read(None), 1, cut[1]) for part in stored]
+        parts = [_columns(key, part.read(None), cut[1]) for part in stored]
     else:
         parts = [part.read(rows) for part, rows in _rows_by_part(cut[1], stored)]
-        if (pad_to := cuts.pad_to(key)) is not None:
-            parts = [cut_quantized(key, parts[0], 0, torch.arange(parts[0].shape[0]), pad_to)]
+        parts[-1] = _padded(key, parts[-1], cuts.pad_to(key))
+    if not all(isinstance(part, QuantizedWeight) for part in parts):  # a checkpoint layer no kernel here runs
+        state[key] = torch.cat([_tensor(p if isinstance(p, torch.Tensor) else dequantize(p), target.dtype)
+                                for p in parts])
+        return
     if key == "embed_tokens.weight":
         tied = make_linear(parts[0], None, target) if model.cfg.tie_word_embeddings else None
         if cut is not None:  # vocabulary-parallel: its lookup reads a dense shard (cluster/collectives.py)
@@ -481,6 +495,34 @@ def _place_quantized(model: DecoderModel, key: str, stored: list[_Stored], state
     parent_path, _, name = path.rpartition(".")
     bias = state.pop(f"{path}.bias", None)
     setattr(model.get_submodule(parent_path), name, fused_linear(parts, bias, target))
+
+
+def _columns(key: str, value: torch.Tensor | QuantizedWeight, index: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    if isinstance(value, QuantizedWeight):
+        return cut_quantized(key, value, 1, index)
+    return value.index_select(1, index)
+
+
+def _checkpoint_layers(tensors: Iterator[tuple[str, _Stored]],
+                       config: dict[str, Any]) -> Iterator[tuple[str, _Stored]]:
+    """A quantized checkpoint's tensors with each quantized layer's parts as one weight, read (whole, then cut to
+    the rows asked for: the packing is decoded on whole tensors) only when the loader reaches it, so a load holds
+    its weights so far and one layer more, never the whole file."""
+    for name, item in checkpoint.group_layers(tensors, config):
+        if isinstance(item, _Stored):
+            yield name, item
+            continue
+        module = name.removesuffix(".weight")
+
+        def read(rows: torch.Tensor | None, parts: dict[str, _Stored] = item,
+                 module: str = module) -> torch.Tensor | QuantizedWeight:
+            layer = checkpoint.decode_layer({part: s.read(None) for part, s in parts.items()}, config, module)
+            if rows is None:
+                return layer
+            return cut_quantized(module, layer, 0, rows) if isinstance(layer, QuantizedWeight) else layer[rows]
+
+        shape = checkpoint.layer_shape({part: s.shape for part, s in item.items()}, config)
+        yield name, _Stored(shape, read, quantized=True)
 
 
 def open_gguf(path: Path) -> GGUFFile:

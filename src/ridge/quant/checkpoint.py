@@ -24,8 +24,8 @@ multiplied as a plain matrix; the loader says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ log = logging.getLogger("ridge")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its 8
 FP8_BLOCK_COLUMNS = 16  # divides the input dimension of every model here
+T = TypeVar("T")
 LAYOUTS = ("gptq", "awq", "fp8")
 
 
@@ -107,10 +108,9 @@ def quantization_config(layout: str, bits: int, group_size: int | None, act_orde
     raise ValueError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
 
 
-def read_quantized(tensors: Iterator[tuple[str, torch.Tensor]],
-                   config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """A checkpoint's tensors -> ("<module>.weight", QuantizedWeight or a dequantized float tensor) per
-    quantized layer; every other tensor as it is. config: config.json's quantization_config."""
+def layer_parts(config: dict[str, Any]) -> tuple[str, ...]:
+    """The tensors one quantized layer of a checkpoint holds, by config.json's quantization_config; a layout or
+    bit width no reader here knows is refused by name."""
     method = config.get("quant_method")
     if method not in LAYOUTS:
         raise ValueError(f"quantization_config.quant_method: {method!r} is not one of {', '.join(LAYOUTS)}")
@@ -122,24 +122,55 @@ def read_quantized(tensors: Iterator[tuple[str, torch.Tensor]],
         if method == "gptq" and config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization_config.checkpoint_format: {config['checkpoint_format']!r} is not one of "
                              "gptq, gptq_v2")
-    parts = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
-             "fp8": ("weight", "weight_scale_inv")}[method]
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors:
+    return {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
+            "fp8": ("weight", "weight_scale_inv")}[method]
+
+
+def group_layers(items: Iterable[tuple[str, T]], config: dict[str, Any]) -> Iterator[tuple[str, T | dict[str, T]]]:
+    """A checkpoint's tensors (any handle on them: nothing is read here) -> (name, item) for each tensor outside
+    the quantized layers, then ("<module>.weight", {part: item}) for each quantized layer. An fp8 checkpoint's
+    module with a weight and no weight_scale_inv is one it keeps in floats (norms, embeddings, the head)."""
+    parts = layer_parts(config)
+    layers: dict[str, dict[str, T]] = {}
+    for name, item in items:
         module, _, part = name.rpartition(".")
-        if part not in parts or (method == "fp8" and part == "weight" and tensor.dtype != torch.float8_e4m3fn):
-            yield name, tensor
-            continue
-        pending.setdefault(module, {})[part] = tensor
-        if len(pending[module]) == len(parts):
-            yield f"{module}.weight", _layer(method, pending.pop(module), config, module)
-    if pending:
-        module, found = next(iter(pending.items()))
-        raise ValueError(f"{module}: has {sorted(found)} but not all of {list(parts)} (a truncated checkpoint?)")
+        if part in parts:
+            layers.setdefault(module, {})[part] = item
+        else:
+            yield name, item
+    for module, found in layers.items():
+        if found.keys() == {"weight"}:
+            yield f"{module}.weight", found["weight"]
+        elif len(found) < len(parts):
+            raise ValueError(f"{module}: has {sorted(found)} but not all of {list(parts)} (a truncated checkpoint?)")
+        else:
+            yield f"{module}.weight", found
 
 
-def _layer(method: str, t: dict[str, torch.Tensor], config: dict[str, Any],
-           module: str) -> torch.Tensor | QuantizedWeight:
+def layer_shape(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> tuple[int, int]:
+    """[out N, in K] of a quantized layer, from its tensors' shapes alone."""
+    method, bits = config["quant_method"], int(config.get("bits", 4))
+    if method == "gptq":
+        packed_k, n = shapes["qweight"]
+        return n, packed_k * 32 // bits
+    if method == "awq":
+        k, packed_n = shapes["qweight"]
+        return packed_n * 8, k
+    n, k = shapes["weight"]
+    return n, k
+
+
+def read_quantized(tensors: Iterable[tuple[str, torch.Tensor]],
+                   config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A checkpoint's tensors -> ("<module>.weight", QuantizedWeight or a dequantized float tensor) per
+    quantized layer; every other tensor as it is. config: config.json's quantization_config."""
+    for name, item in group_layers(tensors, config):
+        yield name, decode_layer(item, config, name.removesuffix(".weight")) if isinstance(item, dict) else item
+
+
+def decode_layer(t: dict[str, torch.Tensor], config: dict[str, Any], module: str) -> torch.Tensor | QuantizedWeight:
+    """One quantized layer's tensors -> a QuantizedWeight a kernel here runs, or else its dequantized matrix."""
+    method = config["quant_method"]
     if method == "fp8":
         scales = t["weight_scale_inv"].float()
         if scales.shape[0] == t["weight"].shape[0] and bool((scales == scales[:, :1]).all()):

@@ -217,7 +217,8 @@ def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tens
     group = weight.group_size
     if index[0] % group or len(index) % group:
         raise ValueError(f"tensor_parallel_size: {key}'s columns {int(index[0])}.. are cut inside a quantization "
-                         f"group of {group}; use a quantization_group_size that divides the cut")
+                         f"group of {group}; choose a tensor_parallel_size (or, quantizing at load, a "
+                         "quantization_group_size) that divides the cut")
     groups = index[::group] // group
     return dataclasses.replace(weight, qweight=weight.qweight[:, index], scales=weight.scales[:, groups],
                                minimums=None if weight.minimums is None else weight.minimums[:, groups])
