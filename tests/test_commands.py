@@ -24,12 +24,14 @@ def test_bench_latency(smollm2_path, capsys):
     assert 0 < ridge["figures"]["roofline_fraction"] < 2, ridge["figures"]  # of the measured read bandwidth
 
 
-def test_bench_throughput(smollm2_path, capsys):
+def test_bench_throughput(smollm2_path, capsys, tmp_path):
     report = run_json(capsys, "bench", "throughput", "--model", str(smollm2_path), *TINY, "--no-peers",
-                      "--workload", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--json")
+                      "--workload", "random", "--num-prompts", "4", "--input-len", "16", "--output-len", "8", "--json",
+                      "--plot", str(tmp_path / "throughput.png"))
     (ridge,) = report["results"]
     assert report["output_tokens"] == 32 and ridge["figures"]["output_tok_s"] > 0
     assert 0 < ridge["figures"]["roofline_fraction"] < 2, ridge["figures"]
+    assert (tmp_path / "throughput.png").read_bytes()[:4] == b"\x89PNG"  # the plot, beside the JSON report
 
 
 def test_bench_invariance(smollm2_path, capsys):
@@ -140,3 +142,57 @@ def test_bench_eviction_runs_the_policy_asked_for(smollm2_path, capsys):
     assert report["kv_eviction"] == "h2o" and report["kv_recent_tokens"] == 64 and report["kv_sink_tokens"] is None
     held = [row["kv_bytes"] for row in report["rows"]["h2o"]]
     assert len(held) == 3 and max(held) == held[-1] == report["rows"]["none"][0]["kv_bytes"] // 2
+
+
+def test_bench_speculative_runs_each_mode_on_the_same_requests(smollm2_path, capsys, tmp_path):
+    """`ridge bench latency --speculate ngram`: plain, fixed-k and adaptive runs of the same greedy requests (their
+    outputs checked identical inside the command), each speedup over the plain run's speed, the break-even model's
+    prediction from the acceptance and draft cost it measured, and the plot."""
+    from ridge.engine.speculative import expected_tokens
+
+    plot = tmp_path / "speedup.png"
+    report = run_json(capsys, "bench", "latency", "--model", str(smollm2_path), *TINY, "--speculate", "ngram",
+                      "--num-speculative-tokens", "3", "--spec-workload", "code-edit", "--num-prompts", "2",
+                      "--batch-sizes", "1,2", "--output-len", "24", "--repeats", "1", "--plot", str(plot), "--json")
+    runs = report["runs"]
+    assert [(r["batch"], r["mode"]) for r in runs] == [(b, m) for b in (1, 2) for m in ("plain", "fixed", "adaptive")]
+    for batch in (1, 2):
+        plain, fixed, adaptive = (r for r in runs if r["batch"] == batch)
+        assert plain["speedup"] == 1.0 and plain["output_tokens"] == fixed["output_tokens"] == adaptive["output_tokens"]
+        for run in (fixed, adaptive):
+            assert run["speedup"] == pytest.approx(run["decode_tok_s"] / plain["decode_tok_s"])
+        assert 1 <= fixed["mean_accepted_length"] <= 4 and 0 <= fixed["acceptance"] <= 1  # the echo is drafted
+        assert fixed["predicted"] == pytest.approx(
+            expected_tokens(fixed["acceptance"], 3) / (1 + fixed["draft_cost"] * 3))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_structured_compares_a_schema_with_no_constraint(smollm2_path, capsys):
+    """`ridge bench structured`: the same batch constrained by JSON schemas and not, every sequence kept to the end
+    (the command raises where a schema ends one early), the masks' share of the constrained run, and TTFTs."""
+    report = run_json(capsys, "bench", "structured", "--model", str(smollm2_path), *TINY, "--batch", "3",
+                      "--max-tokens", "12", "--rounds", "1", "--json")
+    assert report["seconds"].keys() == {"unconstrained", "json schema"}
+    assert report["tok_s"]["json schema"] == pytest.approx(3 * 12 / report["seconds"]["json schema"])
+    assert report["slowdown"] == pytest.approx(report["seconds"]["json schema"] / report["seconds"]["unconstrained"])
+    assert 0 < report["mask_share_of_step"] < 1
+    assert report["ttft_s"].keys() == {"new schema", "cached schema", "unconstrained"}
+    assert all(v > 0 for v in report["ttft_s"].values())
+
+
+def test_bench_router_measures_the_policies_over_fresh_replicas(capsys):
+    """`ridge bench router` on two replica processes of a small random model: the policy's hit rate, TTFTs and the
+    requests' spread over the replicas from its own run, and what a 5th replica takes from 4 on the hash ring. (The
+    disaggregated policy's run is the same loop over --role servers: test_disaggregation checks their tokens.)"""
+    report = run_json(capsys, "bench", "router", "--model", "random:smollm2,num_layers=2,vocab_size=2048",
+                      "--replicas", "2", "--kv-cache-memory", "16MiB", "--dtype", "float32", "--policies",
+                      "cache-aware", "--tenants", "2", "--prefix-len", "64", "--prefix-chars", "200",  # 50 token ids
+                      "--input-len", "8", "--output-len", "4", "--num-requests", "8", "--rate", "5", "--json")
+    (aware,) = report["policies"]
+    assert aware["policy"] == "cache-aware" and aware["kv_transfer_bytes_per_request"] is None
+    assert sum(aware["requests_per_replica"]) == 8 and len(aware["requests_per_replica"]) == 2
+    # each tenant's 64-token prefix is computed on its replica and then found there (4 whole blocks of 16)
+    assert 0 < aware["hit_rate"] < 1 and 0 <= aware["prefix_routed"] <= 1
+    assert aware["mean_ttft_s"] > 0 and aware["p90_ttft_s"] > 0 and aware["output_tok_s"] > 0
+    move = report["adding_a_replica"]
+    assert move["tenants"] == 2 and 0 <= move["tenants_moved"] <= 2 and 0.1 < move["random_moved_fraction"] < 0.3

@@ -372,6 +372,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
               "architecture": cfg.architecture,
               "workload": args.workload, "num_requests": len(requests), "prompt_tokens": prompt_tokens,
               "output_tokens": output_tokens, "machine": asdict(roof), "results": [asdict(r) for r in results]}
+    if args.plot:
+        _plot(results, "output_tok_s", f"{args.model}: {len(requests)} {args.workload} requests", args.plot)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -382,8 +384,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     frac = 100 * ridge_fig["roofline_fraction"]
     print(f"ridge ran {ridge_fig['gflop_s']:.0f} GFLOP/s of weight matmuls = {frac:.0f}% "
           f"of the measured {dtype} matmul peak ({peak:.0f} GFLOP/s)")
-    if args.plot:
-        _plot(results, "output_tok_s", f"{args.model}: {len(requests)} {args.workload} requests", args.plot)
     return 0
 
 
@@ -413,7 +413,7 @@ def _plot(results: list[EngineResult], key: str, title: str, path: str) -> None:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    print(f"plot: {path}", file=sys.stderr)  # stdout may be the --json report
 
 
 def add_bench_parser(sub, add_engine_args) -> None:

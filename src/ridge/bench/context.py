@@ -142,7 +142,7 @@ def plot_context(rows: list[dict], path: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    print(f"plot: {path}", file=sys.stderr)  # stdout may be the --json report
 
 
 def _short(model: str) -> str:

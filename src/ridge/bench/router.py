@@ -44,7 +44,8 @@ def run_policy(args: argparse.Namespace, policy: str, requests: list[workloads.R
                                                   args.model)) for i, role in enumerate(roles)]
         urls = [u for u, role in zip(started, roles, strict=True) if role != "prefill"]
         prefill = [u for u, role in zip(started, roles, strict=True) if role == "prefill"]
-        router = Router(RouterConfig(urls, "cache-aware" if disaggregated else policy, prefill=prefill))
+        router = Router(RouterConfig(urls, "cache-aware" if disaggregated else policy, args.prefix_chars,
+                                     prefill=prefill))
         with serving_in_thread(router) as url:
             results, duration = asyncio.run(run_load(url, "bench", requests, args.rate, None, True, args.seed,
                                                      progress=not args.json))
@@ -95,7 +96,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     rows = [run_policy(args, policy, requests) for policy in args.policies]
     report = {"benchmark": "router", "model": args.model, "replicas": args.replicas, "rate": args.rate,
               "tenants": args.tenants, "prefix_len": args.prefix_len, "num_requests": args.num_requests,
-              "policies": rows, "adding_a_replica": ring_movement(requests, 1024)}
+              "policies": rows, "adding_a_replica": ring_movement(requests, args.prefix_chars)}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -122,6 +123,9 @@ def router_table(report: dict) -> list[str]:
 
 
 def add_router_parser(bsub) -> None:
+    from ridge.cluster.router_config import RouterConfig
+
+    defaults = RouterConfig(["-"])
     p = bsub.add_parser("router", help="cache-aware routing against round-robin over N ridge replicas",
                         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", "-m", default="smollm2", help="(default %(default)s)")
@@ -132,6 +136,9 @@ def add_router_parser(bsub) -> None:
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES),
                    help="comma-separated, run in this order (default cache-aware,round-robin,disaggregated: half the "
                         "replicas --role prefill, half --role decode)")
+    p.add_argument("--prefix-chars", type=int, default=defaults.prefix_chars,
+                   help="the router's: leading characters of a prompt that choose its replica, a token id counting "
+                        "4 (default %(default)s); below a tenant's prefix, or the tenant's requests scatter")
     p.add_argument("--tenants", type=int, default=16, help="system prompts (default %(default)s)")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of each system prompt (default %(default)s)")
     p.add_argument("--input-len", type=int, default=32, help="tokens of each question (default %(default)s)")

@@ -130,6 +130,8 @@ def _measure_once(llm, chosen: list[workloads.Request], batch: int, mode: str, k
 def report(args: argparse.Namespace, llm, runs: list[SpecRun], num_prompts: int) -> None:
     drafter = f"draft model {args.draft_model}" if args.draft_model else "n-gram prompt lookup"
     k = args.num_speculative_tokens
+    if args.plot:
+        _plot(runs, args.plot, f"{args.model}: {drafter}, k={k}")
     if args.json:
         print(json.dumps({"benchmark": "speculative", "model": args.model, "drafter": drafter, "k": k,
                           "workload": args.spec_workload, "prompts": num_prompts, "output_len": args.output_len,
@@ -151,8 +153,6 @@ def report(args: argparse.Namespace, llm, runs: list[SpecRun], num_prompts: int)
     print("predicted = E(a, k) / (1 + c k): a from the measured tokens per verification, c = one drafting pass "
           "over one plain target step, both measured in this run; it assumes verifying k + 1 tokens costs one "
           "plain step, which holds while the target's step is bound by its weight reads (small batches).")
-    if args.plot:
-        _plot(runs, args.plot, f"{args.model}: {drafter}, k={k}")
 
 
 def _plot(runs: list[SpecRun], path: str, title: str) -> None:
@@ -173,7 +173,7 @@ def _plot(runs: list[SpecRun], path: str, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    print(f"plot: {path}", file=sys.stderr)  # stdout may be the --json report
 
 
 def cmd_speculative(args: argparse.Namespace, llm) -> int:
