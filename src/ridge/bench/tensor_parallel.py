@@ -138,7 +138,8 @@ def tp_table(report: dict) -> list[str]:
 
 
 def add_tp_parser(bsub, add_engine_args) -> None:
-    p = bsub.add_parser("tp", help="one process against N tensor-parallel ranks: decode, throughput, all-reduce time",
+    p = bsub.add_parser("tp", help="one process against N tensor-parallel ranks: load, decode, throughput, "
+                                   "all-reduce time",
                         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
     p.set_defaults(tensor_parallel_size=2)

@@ -33,7 +33,7 @@ from ridge.models.loader import ShardCuts
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
-from ridge.quant.rtn import QuantizedWeight, cut_quantized
+from ridge.quant.rtn import QuantizedWeight, cut_quantized, pad_rows
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
 _EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
@@ -307,8 +307,8 @@ def _get(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
 
 def _cut_module(module: nn.Linear | nn.Embedding, dim: int, index: torch.Tensor, pad_to: int | None) -> None:
     weight = module.weight.data.index_select(dim, index)
-    if pad_to is not None and weight.shape[0] < pad_to:
-        weight = torch.cat([weight, weight.new_zeros(pad_to - weight.shape[0], weight.shape[1])])
+    if pad_to is not None:
+        weight = pad_rows(weight, pad_to)
     module.weight = nn.Parameter(weight, requires_grad=False)
     bias = getattr(module, "bias", None)
     if bias is not None:

@@ -38,7 +38,7 @@ from ridge.models.registry import config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
-from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize
+from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize, pad_rows
 
 log = logging.getLogger("ridge")
 
@@ -363,7 +363,7 @@ def _padded(key: str, value: torch.Tensor | QuantizedWeight, rows: int | None) -
         return value
     if isinstance(value, QuantizedWeight):
         return cut_quantized(key, value, 0, torch.arange(value.shape[0]), rows)
-    return torch.cat([value, value.new_zeros(rows - value.shape[0], *value.shape[1:])])
+    return pad_rows(value, rows)
 
 
 def _rows_by_part(index: torch.Tensor, parts: list) -> list[tuple[Any, torch.Tensor]]:

@@ -207,10 +207,9 @@ def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tens
             weight, qweight=weight.qweight[index], scales=weight.scales[index],
             minimums=None if weight.minimums is None else weight.minimums[index])
         if pad_to is not None and len(index) < pad_to:
-            extra = pad_to - len(index)
             cut = dataclasses.replace(
-                cut, qweight=_pad_rows(cut.qweight, extra), scales=_pad_rows(cut.scales, extra),
-                minimums=None if cut.minimums is None else _pad_rows(cut.minimums, extra))
+                cut, qweight=pad_rows(cut.qweight, pad_to), scales=pad_rows(cut.scales, pad_to),
+                minimums=None if cut.minimums is None else pad_rows(cut.minimums, pad_to))
         return cut
     if weight.group_size is None:  # one scale per output row: the columns cut alone
         return dataclasses.replace(weight, qweight=weight.qweight[:, index])
@@ -224,5 +223,9 @@ def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tens
                                minimums=None if weight.minimums is None else weight.minimums[:, groups])
 
 
-def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
-    return torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)])
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` (the last vocabulary shard of a tensor-parallel rank, to the others'
+    count)."""
+    if len(t) >= rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - len(t), *t.shape[1:]))])
