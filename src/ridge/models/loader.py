@@ -1,8 +1,8 @@
 """GGUF and safetensors files (plain or quantized checkpoints) -> a DecoderModel with fused q/k/v and gate/up
 weights.
 
-Both formats are mapped onto ridge's parameter names; a name that maps to a fused parameter carries
-its slot (q=0, k=1, v=2; gate=0, up=1) and the slots are concatenated along the output dimension.
+Both formats are mapped onto ridge's parameter names (models/tensor_names.py); a fused parameter's slots are
+concatenated along the output dimension.
 GGUF tensors are dequantized to the requested dtype, or, with gguf_native, kept as their blocks' codes
 and scales (quant/gguf_blocks.py) for layers that multiply by them in place (linear/).
 Every tensor is found before any is read, then read weight by weight; a tensor-parallel rank reads only its rows
@@ -36,134 +36,19 @@ from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+from ridge.models.tensor_names import (
+    DENSE_UNDER_NATIVE,
+    LANGUAGE_MODEL_PREFIXES,
+    NOT_LANGUAGE_MODEL,
+    gguf_names,
+    hf_names,
+    map_name,
+)
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize, pad_rows
 
 log = logging.getLogger("ridge")
-
-# (source-name pattern, ridge name template, slot in a fused parameter or None)
-_GGUF_NAMES = [
-    (r"token_embd\.weight", "embed_tokens.weight", None),
-    (r"output_norm\.weight", "norm.weight", None),
-    (r"output\.weight", "lm_head.weight", None),
-    (r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.input_norm.weight", None),
-    (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.post_attn_norm.weight", None),
-    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.attn_out_norm.weight", None),
-    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers.{0}.mlp_out_norm.weight", None),
-    (r"blk\.(\d+)\.attn_q\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
-    (r"blk\.(\d+)\.attn_k\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
-    (r"blk\.(\d+)\.attn_v\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
-    (r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o_proj.weight", None),
-    (r"blk\.(\d+)\.attn_q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
-    (r"blk\.(\d+)\.attn_k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
-    (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{0}.mlp.gate_up.weight", 0),
-    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", 1),
-    (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
-    # mixtures of experts: the router, each expert (a stacked tensor split by _gguf_tensors: `.{expert}` added to
-    # its name), and Qwen2-MoE's shared expert with its gate
-    (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{0}.mlp.router.weight", None),
-    (r"blk\.(\d+)\.ffn_gate_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 0),
-    (r"blk\.(\d+)\.ffn_up_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 1),
-    (r"blk\.(\d+)\.ffn_down_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.down.weight", None),
-    (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 0),
-    (r"blk\.(\d+)\.ffn_up_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 1),
-    (r"blk\.(\d+)\.ffn_down_shexp\.weight", "layers.{0}.mlp.shared_expert.down.weight", None),
-    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
-    (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{0}.mlp.router_bias", None),  # DeepSeek-V3's correction bias
-]
-# latent attention (deepseek2): its projections, attn_q among them (not a slot of a fused qkv); attn_kv_b is
-# either in the file or joined from llama.cpp's attn_k_b / attn_v_b by _gguf_tensors
-_GGUF_MLA_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.attn." + target, None) for source, target in [
-    (r"attn_q\.weight", "q_proj.weight"), (r"attn_q_a\.weight", "q_a.weight"),
-    (r"attn_q_a_norm\.weight", "q_a_norm.weight"), (r"attn_q_b\.weight", "q_b.weight"),
-    (r"attn_kv_a_mqa\.weight", "kv_a.weight"), (r"attn_kv_a_norm\.weight", "kv_a_norm.weight"),
-    (r"attn_kv_b\.weight", "kv_b")]]
-# tensors kept dense under gguf_native: a router's few weights decide which experts run (models/moe.py's Router),
-# and latent attention's kv_b is multiplied per head by slices (models/mla.py), not as a layer
-_DENSE_UNDER_NATIVE = re.compile(r"blk\.\d+\.(ffn_gate_inp|attn_kv_b|attn_k_b|attn_v_b|exp_probs_b)\.")
-# Gemma's sandwich norms: HF's post_attention_layernorm is the norm on attention's output there, not the MLP's
-# input norm as in llama
-_HF_SANDWICH_NAMES = [
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.attn_out_norm.weight", None),
-    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
-    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{0}.mlp_out_norm.weight", None),
-]
-# a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
-_LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
-                            (r"language_model\.lm_head\.", "lm_head.")]
-_NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
-_HF_NAMES = [
-    (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
-    (r"model\.norm\.weight", "norm.weight", None),
-    (r"lm_head\.weight", "lm_head.weight", None),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_norm.weight", None),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.attn.o_proj.weight", None),
-    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
-    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
-    # mixtures of experts: the router, each expert's FFN (Qwen's and OLMoE's names, Mixtral's w1 / w3 / w2), and
-    # Qwen2-MoE's shared expert with its gate
-    *[(r"model\.layers\.(\d+)\." + source, "layers.{0}.mlp." + target, slot) for source, target, slot in [
-        (r"(?:mlp|block_sparse_moe)\.gate\.weight", "router.weight", None),
-        (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "experts.{1}.gate_up.weight", 0),
-        (r"mlp\.experts\.(\d+)\.up_proj\.weight", "experts.{1}.gate_up.weight", 1),
-        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "experts.{1}.down.weight", None),
-        (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "experts.{1}.gate_up.weight", 0),
-        (r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "experts.{1}.gate_up.weight", 1),
-        (r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "experts.{1}.down.weight", None),
-        (r"mlp\.shared_expert\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),
-        (r"mlp\.shared_expert\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
-        (r"mlp\.shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
-        (r"mlp\.shared_expert_gate\.weight", "shared_expert_gate.weight", None),
-        (r"mlp\.shared_experts\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),  # DeepSeek's name
-        (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
-        (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
-        (r"mlp\.gate\.e_score_correction_bias", "router_bias", None),
-    ]],
-]
-# latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
-_HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
-                 for source, target in [
-                     (r"q_proj\.weight", "q_proj.weight"), (r"q_a_proj\.weight", "q_a.weight"),
-                     (r"q_a_layernorm\.weight", "q_a_norm.weight"), (r"q_b_proj\.weight", "q_b.weight"),
-                     (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
-                     (r"kv_b_proj\.weight", "kv_b")]]
-
-# Mamba-2's mixer (in Mamba-2's own models, and Bamba's hybrid layers), and the names around it in each
-_SSM_MIXER_NAMES = [(source, target) for source, target in [
-    (r"in_proj\.(weight|bias)", "in_proj.{1}"), (r"conv1d\.weight", "conv_weight"), (r"conv1d\.bias", "conv_bias"),
-    (r"dt_bias", "dt_bias"), (r"A_log", "A_log"), (r"D", "D"), (r"norm\.weight", "norm_weight"),
-    (r"out_proj\.(weight|bias)", "out_proj.{1}")]]
-_HF_SSM_NAMES = [
-    *[(r"backbone\.layers\.(\d+)\.mixer\." + source, "layers.{0}.ssm." + target, None)
-      for source, target in _SSM_MIXER_NAMES],
-    *[(r"model\.layers\.(\d+)\.mamba\." + source, "layers.{0}.ssm." + target, None)
-      for source, target in _SSM_MIXER_NAMES],
-    (r"backbone\.embeddings?\.weight", "embed_tokens.weight", None),
-    (r"backbone\.norm_f\.weight", "norm.weight", None),
-    (r"backbone\.layers\.(\d+)\.norm\.weight", "layers.{0}.input_norm.weight", None),
-    (r"model\.final_layernorm\.weight", "norm.weight", None),
-    (r"model\.layers\.(\d+)\.pre_ff_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
-    (r"model\.layers\.(\d+)\.feed_forward\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
-    (r"model\.layers\.(\d+)\.feed_forward\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
-    (r"model\.layers\.(\d+)\.feed_forward\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
-]
-
-
-def _map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
-    for pattern, template, slot in table:
-        match = re.fullmatch(pattern, name)
-        if match:
-            return template.format(*match.groups()), slot
-    raise ValueError(f"tensor {name!r} has no place in the model (unsupported architecture variant?)")
-
 
 @dataclass
 class LoadedModel:
@@ -245,7 +130,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
                   ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
     kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
     for t in gguf.tensors:
-        quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not _DENSE_UNDER_NATIVE.match(t.name)
+        quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not DENSE_UNDER_NATIVE.match(t.name)
         if match := re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", t.name):
             # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),
             # v_b [heads, v_head_dim, rank]; joined back to kv_b's [heads * (nope + v_head_dim), rank]
@@ -294,8 +179,7 @@ def load_model(
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
         tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
-        table = ((_HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (_HF_MLA_NAMES if cfg.is_mla else [])
-                 + (_HF_SSM_NAMES if cfg.ssm_layers else []) + _HF_NAMES)
+        table = hf_names(cfg)
         fmt = "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
             tensors = _checkpoint_layers(tensors, hf_config["quantization_config"])
@@ -305,7 +189,7 @@ def load_model(
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
         tensors = _gguf_tensors(gguf, cfg, gguf_native, target.cpu_ops if target else None)
-        table = (_GGUF_MLA_NAMES if cfg.is_mla else []) + _GGUF_NAMES
+        table = gguf_names(cfg)
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
@@ -319,7 +203,7 @@ def load_model(
     for name, item in tensors:
         if name == "rope_freqs.weight":  # Llama 3.1's rotary divisors: the spec read them (cfg.rope_scaling)
             continue
-        key, slot = _map_name(name, table)
+        key, slot = map_name(name, table)
         if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
             continue
         weights[key][slot or 0] = item
@@ -539,9 +423,9 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig)
     """An HF checkpoint's language-model tensors under a causal LM's names, norm weights made what the norm
     multiplies by (Gemma stores w for 1 + w)."""
     for name, stored in tensors:
-        if _NOT_LANGUAGE_MODEL.match(name):
+        if NOT_LANGUAGE_MODEL.match(name):
             continue
-        for prefix, plain in _LANGUAGE_MODEL_PREFIXES:
+        for prefix, plain in LANGUAGE_MODEL_PREFIXES:
             name = re.sub("^" + prefix, plain, name)
         if cfg.norm_weight_offset and name.endswith("norm.weight"):
             yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)

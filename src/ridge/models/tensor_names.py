@@ -1,0 +1,142 @@
+"""Where each tensor of a GGUF file or an HF checkpoint goes in ridge's DecoderModel: name tables per format and
+model family, and the lookup. A name that maps to a fused parameter carries its slot (q=0, k=1, v=2; gate=0,
+up=1); the loader concatenates the slots along the output dimension."""
+
+from __future__ import annotations
+
+import re
+
+from ridge.config import ModelConfig
+
+# (source-name pattern, ridge name template, slot in a fused parameter or None)
+GGUF_NAMES = [
+    (r"token_embd\.weight", "embed_tokens.weight", None),
+    (r"output_norm\.weight", "norm.weight", None),
+    (r"output\.weight", "lm_head.weight", None),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.attn_out_norm.weight", None),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers.{0}.mlp_out_norm.weight", None),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
+    (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
+    # mixtures of experts: the router, each expert (a stacked tensor split by _gguf_tensors: `.{expert}` added to
+    # its name), and Qwen2-MoE's shared expert with its gate
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{0}.mlp.router.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.down.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 0),
+    (r"blk\.(\d+)\.ffn_up_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 1),
+    (r"blk\.(\d+)\.ffn_down_shexp\.weight", "layers.{0}.mlp.shared_expert.down.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
+    (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{0}.mlp.router_bias", None),  # DeepSeek-V3's correction bias
+]
+# latent attention (deepseek2): its projections, attn_q among them (not a slot of a fused qkv); attn_kv_b is
+# either in the file or joined from llama.cpp's attn_k_b / attn_v_b by _gguf_tensors
+GGUF_MLA_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.attn." + target, None) for source, target in [
+    (r"attn_q\.weight", "q_proj.weight"), (r"attn_q_a\.weight", "q_a.weight"),
+    (r"attn_q_a_norm\.weight", "q_a_norm.weight"), (r"attn_q_b\.weight", "q_b.weight"),
+    (r"attn_kv_a_mqa\.weight", "kv_a.weight"), (r"attn_kv_a_norm\.weight", "kv_a_norm.weight"),
+    (r"attn_kv_b\.weight", "kv_b")]]
+# tensors kept dense under gguf_native: a router's few weights decide which experts run (models/moe.py's Router),
+# and latent attention's kv_b is multiplied per head by slices (models/mla.py), not as a layer
+DENSE_UNDER_NATIVE = re.compile(r"blk\.\d+\.(ffn_gate_inp|attn_kv_b|attn_k_b|attn_v_b|exp_probs_b)\.")
+# Gemma's sandwich norms: HF's post_attention_layernorm is the norm on attention's output there, not the MLP's
+# input norm as in llama
+HF_SANDWICH_NAMES = [
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.attn_out_norm.weight", None),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{0}.mlp_out_norm.weight", None),
+]
+# a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
+LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
+                            (r"language_model\.lm_head\.", "lm_head.")]
+NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
+HF_NAMES = [
+    (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
+    (r"model\.norm\.weight", "norm.weight", None),
+    (r"lm_head\.weight", "lm_head.weight", None),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
+    # mixtures of experts: the router, each expert's FFN (Qwen's and OLMoE's names, Mixtral's w1 / w3 / w2), and
+    # Qwen2-MoE's shared expert with its gate
+    *[(r"model\.layers\.(\d+)\." + source, "layers.{0}.mlp." + target, slot) for source, target, slot in [
+        (r"(?:mlp|block_sparse_moe)\.gate\.weight", "router.weight", None),
+        (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "experts.{1}.gate_up.weight", 0),
+        (r"mlp\.experts\.(\d+)\.up_proj\.weight", "experts.{1}.gate_up.weight", 1),
+        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "experts.{1}.down.weight", None),
+        (r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "experts.{1}.gate_up.weight", 0),
+        (r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "experts.{1}.gate_up.weight", 1),
+        (r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "experts.{1}.down.weight", None),
+        (r"mlp\.shared_expert\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),
+        (r"mlp\.shared_expert\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
+        (r"mlp\.shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
+        (r"mlp\.shared_expert_gate\.weight", "shared_expert_gate.weight", None),
+        (r"mlp\.shared_experts\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),  # DeepSeek's name
+        (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
+        (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
+        (r"mlp\.gate\.e_score_correction_bias", "router_bias", None),
+    ]],
+]
+# latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
+HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
+                 for source, target in [
+                     (r"q_proj\.weight", "q_proj.weight"), (r"q_a_proj\.weight", "q_a.weight"),
+                     (r"q_a_layernorm\.weight", "q_a_norm.weight"), (r"q_b_proj\.weight", "q_b.weight"),
+                     (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
+                     (r"kv_b_proj\.weight", "kv_b")]]
+
+# Mamba-2's mixer (in Mamba-2's own models, and Bamba's hybrid layers), and the names around it in each
+_SSM_MIXER_NAMES = [(source, target) for source, target in [
+    (r"in_proj\.(weight|bias)", "in_proj.{1}"), (r"conv1d\.weight", "conv_weight"), (r"conv1d\.bias", "conv_bias"),
+    (r"dt_bias", "dt_bias"), (r"A_log", "A_log"), (r"D", "D"), (r"norm\.weight", "norm_weight"),
+    (r"out_proj\.(weight|bias)", "out_proj.{1}")]]
+HF_SSM_NAMES = [
+    *[(r"backbone\.layers\.(\d+)\.mixer\." + source, "layers.{0}.ssm." + target, None)
+      for source, target in _SSM_MIXER_NAMES],
+    *[(r"model\.layers\.(\d+)\.mamba\." + source, "layers.{0}.ssm." + target, None)
+      for source, target in _SSM_MIXER_NAMES],
+    (r"backbone\.embeddings?\.weight", "embed_tokens.weight", None),
+    (r"backbone\.norm_f\.weight", "norm.weight", None),
+    (r"backbone\.layers\.(\d+)\.norm\.weight", "layers.{0}.input_norm.weight", None),
+    (r"model\.final_layernorm\.weight", "norm.weight", None),
+    (r"model\.layers\.(\d+)\.pre_ff_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"model\.layers\.(\d+)\.feed_forward\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
+    (r"model\.layers\.(\d+)\.feed_forward\.up_proj\.weight", "layers.{0}.mlp.gate_up.weight", 1),
+    (r"model\.layers\.(\d+)\.feed_forward\.down_proj\.weight", "layers.{0}.mlp.down.weight", None),
+]
+
+
+def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
+    for pattern, template, slot in table:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups()), slot
+    raise ValueError(f"tensor {name!r} has no place in the model (unsupported architecture variant?)")
+
+
+def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
+    return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
+            + (HF_SSM_NAMES if cfg.ssm_layers else []) + HF_NAMES)
+
+
+def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """The name table of a GGUF file of `cfg`'s family."""
+    return (GGUF_MLA_NAMES if cfg.is_mla else []) + GGUF_NAMES
