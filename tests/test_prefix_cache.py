@@ -218,12 +218,13 @@ def test_n_samples_share_the_prompt(engines):
 
 def test_eviction_and_preemption_under_a_small_pool(make_llm_for_test, smollm2_path, engines):
     _, off = engines
-    # 25 blocks of 16 tokens (float32)
-    small = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="18MiB")
+    # 18 blocks of 16 tokens (float32)
+    small = make_llm_for_test(smollm2_path, dtype="float32", kv_cache_memory="13MiB")
+    assert small.engine.pool.num_blocks == 18
     cache = small.engine.pool.cache
     shared = _tokens(small, LONG)
     prompts = [shared + _tokens(small, f" Part {i}.") for i in range(8)]
-    params = _greedy(64)  # 8 x 9 blocks, 4 of them shared: 44 blocks > 25
+    params = _greedy(32)  # 8 x 7 blocks, 4 of them shared: 28 blocks > 18
     got = small.generate(prompts, params)
     want = off.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
