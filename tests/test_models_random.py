@@ -114,3 +114,76 @@ def test_decode_stack_equals_the_python_path(random_model, make_llm_for_test, ar
     for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+# ---- Granite: llama with scalars on the embeddings, the residual branches, the scores and the logits ----------
+@pytest.fixture(scope="module")
+def random_granite(tmp_path_factory):
+    """A tiny random Granite with Granite 3's scalars (embeddings x12, branches x0.22, logits / 8), its score scale
+    not the head width's, and tied embeddings."""
+    from transformers import AutoModelForCausalLM, GraniteConfig
+
+    torch.manual_seed(0)
+    config = GraniteConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1,
+                           eos_token_id=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                           attention_multiplier=0.1, logits_scaling=8.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("granite")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_granite_matches_hf(random_granite, make_llm_for_test, caplog):
+    """Logits within float32 noise of HF's, and greedy tokens HF's choices in a batch of 16 with chunked prefill;
+    decode runs layer by layer, and says so (the fused decode step has no residual multiplier)."""
+    from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf
+
+    path, hf = random_granite
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    llm, *_ = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    cfg = llm.engine.loaded.config
+    assert (cfg.architecture, cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
+            cfg.logits_scaling) == ("granite", 12.0, 0.22, 0.1, 8.0)
+    if cpu_ops.load() is not None:
+        assert llm.engine.runner.decode_stack is None and "no residual multiplier" in caplog.text
+
+
+def test_granite_s_scalars_are_refused_on_another_architecture(tmp_path):
+    """A llama config carrying Granite's scalars: refused by name, not run as a plain llama."""
+    import json
+
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 96, "residual_multiplier": 0.22}
+    with pytest.raises(ValueError, match="residual_multiplier: Granite's scalars on architecture 'llama'"):
+        config_from_spec(spec_from_hf_config(json.loads(json.dumps(config)), "llama"))
+
+
+def test_a_random_granite_written_as_gguf_reads_back_as_the_same_model(random_granite, smollm2_path, tmp_path,
+                                                                        make_llm_for_test):
+    """Granite under llama.cpp's names and header (granite.embedding_scale, residual_scale, logit_scale,
+    attention.scale; q and k rows permuted as llama's: its converter's GraniteModel is a LlamaModel) loads from the
+    file as the model ridge draws for the config: the same scalars and logits."""
+    import dataclasses
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    config = {**json.loads((random_granite[0] / "config.json").read_text()), "vocab_size": 49152}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = random_spec(f"random:{tmp_path}")
+    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, seed=0, float16=False)
+    from_file = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB")
+    drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert ours.architecture == "granite" and ours.residual_multiplier == pytest.approx(0.22)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps, residual_multiplier=theirs.residual_multiplier,
+                               attention_multiplier=theirs.attention_multiplier) == theirs  # float32 in GGUF
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-4)

@@ -65,6 +65,13 @@ class ModelConfig:
     # HF checkpoints of Gemma store w for norms that multiply by (1 + w); GGUF files store 1 + w already
     norm_weight_offset: float = 0.0
     qk_norm_full: bool = False  # OLMoE: q and k normed over all their heads at once (qk_norm: per head)
+    # Granite's scalars: embeddings times embedding_multiplier, each mixer's and MLP's output times
+    # residual_multiplier before it joins the residual stream, scores scaled by attention_multiplier (None:
+    # the head width's), logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # mixture of experts (models/moe.py): an MoE layer sends each token to num_experts_per_tok of its num_experts
     # FFNs of moe_intermediate_size (softmax over all experts, then the top k, renormalised with norm_topk_prob),
     # plus a shared expert of shared_expert_intermediate_size that every token runs (Qwen2-MoE gates its
@@ -167,6 +174,8 @@ class ModelConfig:
     def attention_scale(self) -> float:
         if not self.attention_layers:
             return 1.0  # a model without attention (pure Mamba-2): never used
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         if self.is_mla and self.rope_scaling is not None:
             scale *= self.rope_scaling.latent_softmax_factor()

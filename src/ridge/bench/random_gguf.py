@@ -25,7 +25,8 @@ from gguf import (
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
-from ridge.models.loader import latent_rotary_order, random_model
+from ridge.models.loader import ROTARY_PERMUTED, latent_rotary_order, random_model
+from ridge.models.registry import check_supported
 from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
@@ -34,10 +35,9 @@ WRITER_VERSION = 3
 
 # ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there; DeepSeek-V2 and V3 are deepseek2,
 # told apart by their gating function)
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
-_ROTARY_INTERLEAVED = ("llama", "mixtral")  # llama.cpp's converter permutes these q / k rows (see loader.py)
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -53,7 +53,7 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     be the model's vocabulary size. block_type: a GGUF block format the gguf package quantizes to (Q8_0, Q4_0,
     Q4_1, Q5_0, Q5_1) for every matrix but the routers (kept as llama.cpp's quantizer keeps them)."""
     blocks = _block_type(block_type)
-    arch = GGUF_ARCHITECTURES.get(spec.architecture)
+    arch = GGUF_ARCHITECTURES.get(check_supported(spec.architecture))  # ridge's name for an HF class name too
     if arch is None or spec.ssm_layers:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
@@ -132,6 +132,12 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
         if spec.norm_topk_prob is not None:
             writer.add_expert_weights_norm(bool(spec.norm_topk_prob))
+    if arch == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+        if cfg.attention_multiplier is not None:
+            writer.add_attention_scale(cfg.attention_multiplier)
     if arch == "deepseek2":
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
@@ -196,7 +202,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:], None)):
-                    if heads and cfg.architecture in _ROTARY_INTERLEAVED:
+                    if heads and cfg.architecture in ROTARY_PERMUTED:
                         rows = _permute_rotary(rows, heads)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):

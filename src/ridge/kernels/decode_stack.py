@@ -121,7 +121,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                                 ("GeGLU", cfg.hidden_act != "silu"),
                                                 ("q / k norms over all heads", cfg.qk_norm_full),
                                                 ("state-space layers", cfg.ssm_layers),
-                                                ("partial rotary", cfg.partial_rotary_factor != 1.0))
+                                                ("partial rotary", cfg.partial_rotary_factor != 1.0),
+                                                ("residual multiplier", cfg.residual_multiplier != 1.0))
                    if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))

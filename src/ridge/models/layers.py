@@ -221,6 +221,7 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.local = local
         self.residual_in_fp32 = cfg.residual_in_fp32
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled before it joins
         # under tensor parallelism, each rank's mixer and MLP outputs are its partial sums: summed over the ranks
         # in place, here (cluster/collectives.py)
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -239,6 +240,8 @@ class DecoderLayer(nn.Module):
             self.all_reduce(x)
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         if self.mlp is None:
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
@@ -247,4 +250,6 @@ class DecoderLayer(nn.Module):
             self.all_reduce(x)
         if self.mlp_out_norm is not None:
             x = self.mlp_out_norm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         return x, residual

@@ -150,10 +150,14 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
             yield t.name, _Stored.of(vector.reshape(1, -1))
             continue
         stored = _gguf_stored(t.data, t.tensor_type, t.shape, ops, quantized, t.name)
-        if cfg.architecture in ("llama", "mixtral") and re.search(r"attn_[qk]\.", t.name):
+        if cfg.architecture in ROTARY_PERMUTED and re.search(r"attn_[qk]\.", t.name):
             stored = stored.reordered(_rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
                                                     else cfg.num_kv_heads))
         yield t.name, stored
+
+
+# the architectures whose q / k rows llama.cpp's converter permutes (LlamaModel's and its subclasses')
+ROTARY_PERMUTED = ("llama", "mixtral", "granite")
 
 
 def _rotary_order(rows: int, heads: int) -> torch.Tensor:

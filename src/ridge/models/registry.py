@@ -1,9 +1,9 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe,
-deepseek_v2 and deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a
-bias here, a norm there, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block
-(with its router's variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
+llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
+olmoe, deepseek_v2 and deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a
+bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms,
+an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ridge.rope_scaling import RopeScaling
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {},  # llama with a sliding window on every layer (from its config)
+    "granite": {},  # llama with scalars on the embeddings, the residual branches, the scores and the logits
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
@@ -47,6 +48,7 @@ _SSM = ("mamba2", "bamba")
 _HF_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "GraniteForCausalLM": "granite",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
@@ -68,6 +70,7 @@ _HF_NAMES = {
     "gemma3_text": "gemma3",
     "llama": "llama",
     "mistral": "mistral",
+    "granite": "granite",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
@@ -112,6 +115,13 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         raise ValueError(f"{spec.source}: mlp_bias: biases on the FFN's projections are not supported")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
+    granite_scalars = [name for name, value, plain in (
+        ("embedding_multiplier", spec.embedding_multiplier, 1.0), ("logits_scaling", spec.logits_scaling, 1.0),
+        ("residual_multiplier", spec.residual_multiplier, 1.0),
+        ("attention_multiplier", spec.attention_multiplier, None)) if value != plain]
+    if granite_scalars and arch != "granite":
+        raise ValueError(f"{spec.source}: {', '.join(granite_scalars)}: Granite's scalars on architecture {arch!r} "
+                         "are not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
         raise ValueError(f"{spec.source}: use_sliding_window is not supported for {arch}")
     fields: dict[str, Any] = {
@@ -139,6 +149,10 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "final_logit_softcap": spec.final_logit_softcap,
         "partial_rotary_factor": spec.partial_rotary_factor,
         "has_mlp": spec.has_ffn,
+        "embedding_multiplier": spec.embedding_multiplier,
+        "residual_multiplier": spec.residual_multiplier,
+        "attention_multiplier": spec.attention_multiplier,
+        "logits_scaling": spec.logits_scaling,
     }
     if spec.ssm_layers:
         fields.update(ssm_layers=spec.ssm_layers, ssm_state_size=spec.ssm_state_size, ssm_num_heads=spec.ssm_num_heads,

@@ -89,6 +89,11 @@ class ModelSpec:
     ssm_proj_bias: bool = field(default=False, compare=False)
     ssm_dt_limit: tuple[float, float] = field(default=(0.0, float("inf")), compare=False)
     residual_in_fp32: bool = field(default=False, compare=False)  # Mamba-2's: the residual stream kept in float32
+    # Granite's scalars (ModelConfig's fields of the same names)
+    embedding_multiplier: float = field(default=1.0, compare=False)
+    residual_multiplier: float = field(default=1.0, compare=False)
+    attention_multiplier: float | None = field(default=None, compare=False)
+    logits_scaling: float = field(default=1.0, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -238,6 +243,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         moe_layer_step=int(config.get("decoder_sparse_step") or 1),
         dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"),
         mlp_bias=bool(config.get("mlp_bias", False)),
+        embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+        attention_multiplier=config.get("attention_multiplier"),
+        logits_scaling=float(config.get("logits_scaling", 1.0)),
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),
@@ -337,6 +346,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         max_position_embeddings=int(value(f"{arch}.context_length", 4096)),
         rope_scaling=_gguf_rope_scaling(gguf, arch, value),
         **_gguf_gemma_fields(arch, value, hidden, heads),
+        **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
     return ModelSpec(**fields).validate()
@@ -403,6 +413,17 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "router_groups": groups, "router_topk_groups": int(value(f"{arch}.expert_group_used_count", 1)),
             "router_topk_method": "" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
             "rope_interleave": True, "qkv_bias": False}
+
+
+def _gguf_granite_fields(arch: str, value) -> dict:
+    """Granite's scalars, as llama.cpp's converter writes them."""
+    if arch != "granite":
+        return {}
+    scale = value(f"{arch}.attention.scale")
+    return {"embedding_multiplier": float(value(f"{arch}.embedding_scale", 1.0)),
+            "residual_multiplier": float(value(f"{arch}.residual_scale", 1.0)),
+            "attention_multiplier": None if scale is None else float(scale),
+            "logits_scaling": float(value(f"{arch}.logit_scale", 1.0))}
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)

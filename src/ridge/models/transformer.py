@@ -72,6 +72,8 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.cfg.embedding_scale:  # sqrt(hidden) rounded to the activations' dtype, as Gemma was trained
             x = x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
         return x
 
     def use_kernels(self, ops: ModuleType | None) -> None:
@@ -134,11 +136,14 @@ class DecoderModel(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The final norm's output [T, hidden] -> float32 logits [T, vocab] (soft-capped: Gemma 2)."""
+        """The final norm's output [T, hidden] -> float32 logits [T, vocab] (soft-capped: Gemma 2; divided by
+        logits_scaling: Granite)."""
         if self.output_projection is not None:
             logits = self.output_projection(hidden).float()
         else:
             logits = torch.nn.functional.linear(hidden, self.output_weight).float()
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
