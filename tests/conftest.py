@@ -351,3 +351,19 @@ def running_server(config, server_config, **kwargs):
     finally:
         srv.uvicorn.should_exit = True
         thread.join(timeout=30)
+
+
+def gguf_round_trip(config: dict, folder: Path, vocabulary: Path, make_llm_for_test):
+    """A random model of HF `config` (its vocabulary that of the GGUF `vocabulary`) written under llama.cpp's names
+    and header (bench/random_gguf.py, float32) into `folder`: (the engine on the file, the engine on the weights
+    ridge draws for the config), to be compared."""
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    (folder / "config.json").write_text(json.dumps(config))
+    spec = random_spec(f"random:{folder}")
+    path = write_random_gguf(spec, folder / "model.gguf", vocabulary, seed=0, float16=False)
+    return (make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB"),
+            make_llm_for_test(f"random:{folder}", dtype="float32", kv_cache_memory="16MiB"))

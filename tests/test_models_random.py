@@ -172,15 +172,10 @@ def test_a_random_granite_written_as_gguf_reads_back_as_the_same_model(random_gr
     import dataclasses
     import json
 
-    from ridge.bench.random_gguf import write_random_gguf
-    from ridge.models.random_weights import random_spec
+    from conftest import gguf_round_trip
 
     config = {**json.loads((random_granite[0] / "config.json").read_text()), "vocab_size": 49152}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = random_spec(f"random:{tmp_path}")
-    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, seed=0, float16=False)
-    from_file = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB")
-    drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
     assert ours.architecture == "granite" and ours.residual_multiplier == pytest.approx(0.22)
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps, residual_multiplier=theirs.residual_multiplier,

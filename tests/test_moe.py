@@ -276,17 +276,11 @@ def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smo
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the
     file as the model ridge draws for that name: the same logits."""
     import dataclasses
-    import json
 
-    from ridge.bench.random_gguf import write_random_gguf
-    from ridge.models.random_weights import random_spec
+    from conftest import gguf_round_trip
 
     config = {**hf_config(arch).to_dict(), "vocab_size": 49152, "mlp_only_layers": []}  # GGUF: experts everywhere
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = random_spec(f"random:{tmp_path}")
-    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, seed=0, float16=False)
-    from_file = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB")
-    drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs  # GGUF keeps eps in float32
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
