@@ -109,6 +109,21 @@ def test_mixtral_stores_46_7b_and_activates_12_9b_and_reads_the_same_from_its_co
                                                                               source="config.json")
 
 
+def test_gpt_oss_stores_116_8b_and_20_9b_and_activates_5_13b_and_3_61b_past_the_embedding():
+    # OpenAI's model card: 116.83B with 5.13B active, and 20.91B with 3.61B; its active count leaves out the input
+    # embedding (a lookup), which ridge's counts (0.58B); ridge's count has no biases or sinks (~40M)
+    for name, stored, active in (("gpt-oss-120b", 116.83e9, 5.13e9), ("gpt-oss-20b", 20.91e9, 3.61e9)):
+        p = a.count_parameters(PRESETS[name])
+        assert close(p.stored, stored, 0.001) and close(p.active - p.embeddings, active, 0.002)
+
+
+def test_every_preset_is_a_model_the_engine_builds():
+    from ridge.models.registry import config_from_spec
+
+    for name, spec in PRESETS.items():
+        assert config_from_spec(spec).num_layers == spec.num_layers, name
+
+
 @pytest.mark.parametrize(("accept", "expected"), [(0.6, 2.31), (0.8, 3.36), (0.9, 4.10)])
 def test_speculation_tokens_per_pass_is_1_minus_a_to_the_k_plus_1_over_1_minus_a(accept, expected):
     # k = 4: (1 - 0.6^5) / 0.4 = 2.306; (1 - 0.8^5) / 0.2 = 3.362; (1 - 0.9^5) / 0.1 = 4.095

@@ -48,6 +48,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2
+    attention_out_bias: bool = False  # a bias on o_proj too (gpt-oss)
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator and attends to nothing (an
+    # "attention sink" the head can put its weight on)
+    attention_sinks: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before rotary
     # sliding-window attention: a windowed layer's query sees the last sliding_window positions; with
     # global_every, every global_every-th layer (the last of each run) attends to all (Gemma's local:global)
@@ -56,7 +60,11 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the local layers' rotary base, if not rope_theta (Gemma 3)
     # Gemma: GeGLU, embeddings scaled by sqrt(hidden), norms on the attention's and the MLP's outputs too
     # ("sandwich"), attention scaled by query_pre_attn_scalar ** -0.5; Gemma 2 caps logits with tanh
-    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    hidden_act: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss: below)
+    # gpt-oss's gated activation: gate clamped to <= swiglu_limit, up to [-limit, limit];
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     embedding_scale: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None  # None: head_dim
@@ -80,6 +88,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    router_logit_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on the experts' gate_up and down (gpt-oss)
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     dense_layers: tuple[int, ...] = ()
@@ -124,8 +134,8 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)")
         if self.ssm_layers and self.ssm_inner_size % self.ssm_groups:
             raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide the SSM's width ({self.ssm_inner_size})")
         if self.ssm_layers and self.ssm_num_heads % self.ssm_groups:

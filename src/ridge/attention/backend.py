@@ -83,6 +83,31 @@ class AttentionMetadata:
 StepMetadata = Sequence[AttentionMetadata]
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per query head, `sinks` [heads], that attends to nothing (gpt-oss),
+    in float32. q: [n, heads, d]; k, v: [kv_heads, L, d]; visible: [n, L] (None: causal, the n queries the last of
+    the L keys) -> [n, heads, d]."""
+    group = q.shape[1] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0).float(), v.repeat_interleave(group, dim=0).float()  # [heads, L, d]
+    scores = torch.einsum("nhd,hld->hnl", q.float(), k) * scale
+    if visible is None:
+        n, length = q.shape[0], k.shape[1]
+        visible = window_mask(torch.arange(length - n, length, device=q.device), torch.arange(length, device=q.device),
+                              None)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hnl,hld->nhd", weights, v).to(q.dtype)
+
+
+def sink_correction_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Attention `out` [n, heads, d] over its keys, with `lse` [n, heads] the natural log of each softmax's
+    denominator, made the attention with `sinks` in that denominator too: scaled by Z / (Z + e^sink) =
+    sigmoid(lse - sink)."""
+    out.mul_(torch.sigmoid(lse - sinks.float()).to(out.dtype).unsqueeze(-1))
+
+
 def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """[n, L] True where a query at query_pos may see the key at key_pos: causal, within the window."""
     visible = key_pos[None, :] <= query_pos[:, None]
@@ -121,6 +146,7 @@ class AttentionBackend(ABC):
     """
 
     storage_dtype: torch.dtype | None = None  # the caches' dtype, where not the model's (a quantized cache's codes)
+    handles_sinks = False  # attends with gpt-oss's attention sinks (a model with them refuses the others)
 
     def __init__(
         self,
@@ -213,12 +239,14 @@ class AttentionBackend(ABC):
         return k.reshape(shape), v.reshape(shape)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]. sinks: [heads], the
+        layer's attention sinks, on a backend that handles_sinks."""
         meta = step[self.group_of_layer[layer]]
         self.write(layer, k, v, meta.slot_mapping)
-        return self.attend(layer, q, k, v, meta)
+        return self.attend(layer, q, k, v, meta) if sinks is None else self.attend(layer, q, k, v, meta, sinks)
 
     @abstractmethod
     def attend(

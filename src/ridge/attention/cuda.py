@@ -58,6 +58,7 @@ class ContextPrefill:
 
 
 class CudaBackend(PagedBackend):
+    handles_sinks = False  # the Triton kernels attend without them
     cascade = False
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,

@@ -29,6 +29,8 @@ from ridge.attention.backend import (
     KernelRows,
     PrefillChunk,
     SdpaChunk,
+    sink_attention,
+    sink_correction_,
     window_mask,
 )
 from ridge.attention.mass import block_mass
@@ -41,6 +43,9 @@ IN_PLACE_MAX_CHUNK = 64
 
 
 class PagedBackend(AttentionBackend):
+    # the kernel's rows corrected by their softmax denominators; SDPA's chunks and the torch decodes computed with
+    # the sink logit (attention/backend.py)
+    handles_sinks = True
     cascade = True  # kernel rows that share a prefix attend to it once, together (attention/cascade.py)
     # every query row through the decode kernel, its context read in place: a row's attention then depends on
     # its own query and context alone, not on the step's other rows, its chunking or a shared prefix
@@ -131,12 +136,13 @@ class PagedBackend(AttentionBackend):
         meta.kernel_rows = KernelRows(rows, tables, lens, prefixes)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.ops is None:
-            decoded = self._decode(layer, q[:meta.num_decodes], meta) if meta.num_decodes else None
+            decoded = self._decode(layer, q[:meta.num_decodes], meta, sinks) if meta.num_decodes else None
         else:
-            decoded = (self._kernel_rows(layer, q, meta.kernel_rows, meta.attention_mass)
+            decoded = (self._kernel_rows(layer, q, meta.kernel_rows, meta.attention_mass, sinks)
                        if meta.kernel_rows is not None else None)
         if not meta.prefills:
             return decoded
@@ -147,11 +153,11 @@ class PagedBackend(AttentionBackend):
                 out[:decoded.shape[0]] = decoded
             else:
                 out[rows] = decoded
-        self._attend_chunks(layer, q, k, v, meta, out)
+        self._attend_chunks(layer, q, k, v, meta, out, sinks)
         return out
 
     def _attend_chunks(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         """The step's SDPA chunks, each into its rows of `out`; with attention mass asked for (a row per sequence,
         the chunks' after the decodes'), the attention mass of each chunk's observed rows added to its row."""
         mass = None if meta.attention_mass is None else meta.attention_mass[meta.num_decodes:]
@@ -162,11 +168,14 @@ class PagedBackend(AttentionBackend):
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [H, n, d]
             else:
                 keys, values = self._context(layer, chunk.block_table[sdpa.first_block:], meta)  # [H, L, d]
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
-            )
-            out[rows] = o[0].transpose(0, 1)
+            if sinks is not None:  # SDPA has no extra logit: the scores made here
+                out[rows] = sink_attention(q[rows], keys, values, mask, self.scale, sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                    attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
+                )
+                out[rows] = o[0].transpose(0, 1)
             if mass is not None:
                 observed = min(chunk.length, OBSERVED_ROWS)
                 own = torch.arange(chunk.length, device=q.device)  # causal: only the observed rows' mask is made
@@ -176,7 +185,7 @@ class PagedBackend(AttentionBackend):
                 mass[i, first:first + received.shape[0]] += received
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, kernel: KernelRows,
-                     mass: torch.Tensor | None = None) -> torch.Tensor:
+                     mass: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The decode kernel over every in-place row; each reads the blocks up to its own context length.
         Rows in a shared prefix read only their suffix there; the prefix, attended once for all of them,
         merges in. mass: the step's attention mass, whose first rows are these rows' (no shared prefixes then)."""
@@ -188,6 +197,8 @@ class PagedBackend(AttentionBackend):
             keys, values = self.gather(layer, prefix.block_ids)  # [kv_heads, P, d]
             prefix_out, prefix_lse = cascade.shared_prefix_attention(rows[prefix.rows], keys, values, self.scale)
             self.ops.merge_attention_(out, lse, prefix.rows, prefix_out, prefix_lse)
+        if sinks is not None:
+            sink_correction_(out, lse, sinks)
         return out
 
     def _context(self, layer: int, block_table: torch.Tensor,
@@ -196,13 +207,18 @@ class PagedBackend(AttentionBackend):
         rows outside its blocks overlays them)."""
         return self.gather(layer, block_table)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Without the kernel. q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
         b, heads, d = q.shape
         group = heads // self.num_kv_heads
         k, v = self._context(layer, meta.decode_block_tables, meta)  # [H, B, L, d]
-        qd = q.view(b, self.num_kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        if sinks is not None:  # SDPA has no extra logit: each sequence's scores made here
+            o = torch.cat([sink_attention(q[i:i + 1], k[:, i], v[:, i], meta.decode_mask[0, i], self.scale, sinks)
+                           for i in range(b)]).view(b, self.num_kv_heads, group, d).transpose(0, 1)
+        else:
+            qd = q.view(b, self.num_kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         if meta.attention_mass is not None:  # the decodes' rows come first
             received = block_mass(q.unsqueeze(1), k, meta.decode_mask[0], self.scale, self.block_size)
             meta.attention_mass[:b, :received.shape[1]] += received

@@ -113,6 +113,7 @@ class TailStep:
 
 
 class QuantizedKVBackend(PagedBackend):
+    handles_sinks = False  # its kernel and its torch paths attend without them
     storage_dtype = torch.uint8
     cascade = False
     lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
@@ -354,7 +355,9 @@ class QuantizedKVBackend(PagedBackend):
             v = self.format.dequantize(v_codes, v_scales, self.dtype)
         return k.flatten(-3, -2), v.flatten(-3, -2)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """sinks: never given here (handles_sinks: the engine refuses a model with them on this backend)."""
         if self.kernels is None:
             return super()._decode(layer, q, meta)
         kernel = meta.kernel_rows

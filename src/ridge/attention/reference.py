@@ -12,21 +12,24 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata, window_
 
 
 class ReferenceBackend(AttentionBackend):
+    handles_sinks = True
+
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Reads everything back from the cache (this step's k, v included): that is what it checks."""
         out = torch.empty_like(q)
         for i in range(meta.num_decodes):
             ctx = int(meta.decode_context_lens[i])
-            out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx, meta.window)
+            out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx, meta.window, sinks)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window)
+            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window, sinks)
         return out
 
     def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
-             window: int | None) -> torch.Tensor:
+             window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
         k, v = self.gather(layer, block_table)
         group = q.shape[1] // self.num_kv_heads
@@ -38,4 +41,9 @@ class ReferenceBackend(AttentionBackend):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        return torch.einsum("hnc,hcd->nhd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:  # one more logit in each head's softmax, attending to nothing
+            sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
+        return torch.einsum("hnc,hcd->nhd", weights, v).to(q.dtype)

@@ -214,6 +214,8 @@ class ShardPlan:
                 kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
                 cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
+                if cfg.attention_sinks:  # a logit per query head
+                    cuts[f"layers.{i}.attn.sinks"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
                 if cfg.qk_norm_full:  # norms over all heads at once: a weight per row of q and of k
                     cuts[f"layers.{i}.attn.q_norm.weight"] = (0, q_rows)
                     cuts[f"layers.{i}.attn.k_norm.weight"] = (0, kv_rows)

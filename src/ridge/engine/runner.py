@@ -83,6 +83,9 @@ class ModelRunner:
         self.windows = [group.window for group in layout.groups]
         self.backend = make_backend(cfg, backend_name, num_blocks, block_size, dtype, device, kv_format,
                                     num_state_slots)
+        if cfg.attention_sinks and not self.backend.handles_sinks:
+            raise ValueError(f"{cfg.architecture}: its attention sinks have no path in {type(self.backend).__name__} "
+                             "(a quantized KV cache, or CUDA); run it with a float KV cache on the CPU")
         self.tails = kv_format is not None and kv_format.tail  # the backend reads each sequence's slot
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant

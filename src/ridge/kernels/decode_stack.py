@@ -63,6 +63,8 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
         gate_up, down = native_linear(ops, mlp.gate_up), native_linear(ops, mlp.down)
         return None if gate_up is None or down is None else (gate_up, down)
 
+    if not moe.plain:
+        return None
     empty = ops.Linear([], None)
     experts = [pair(e) if i in moe.held else (empty, empty) for i, e in enumerate(moe.experts)]
     shared = pair(moe.shared_expert) if moe.shared_expert is not None else (None, None)
@@ -95,6 +97,9 @@ def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
     for block in model.modules():
         if isinstance(block, MoEBlock):
             block.native, block.native_max_rows = native_experts(ops, block), max_rows(model)
+    if any(isinstance(b, MoEBlock) and not b.plain for b in model.modules()):
+        log.warning("ridge: the C++ experts have no %s activation, expert or router biases; the mixture's experts "
+                    "run in Python", model.cfg.hidden_act)
 
 
 def max_rows(model: DecoderModel) -> int:
@@ -118,7 +123,10 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         return None
     unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
                                                 ("sandwich norms", cfg.sandwich_norms),
-                                                ("GeGLU", cfg.hidden_act != "silu"),
+                                                (f"{cfg.hidden_act} activation", cfg.hidden_act != "silu"),
+                                                ("attention sinks", cfg.attention_sinks),
+                                                ("biases on o_proj or the experts",
+                                                 cfg.attention_out_bias or cfg.expert_bias),
                                                 ("q / k norms over all heads", cfg.qk_norm_full),
                                                 ("state-space layers", cfg.ssm_layers),
                                                 ("partial rotary", cfg.partial_rotary_factor != 1.0),

@@ -123,7 +123,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        # gpt-oss: each query head's sink logit, in the denominator of its softmax (attention/backend.py)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         # qk_norm: over each head (Qwen3, Gemma 3); qk_norm_full: over all of q's heads at once, and k's (OLMoE)
         q_width, k_width = (q_size, kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
         normed = cfg.qk_norm or cfg.qk_norm_full
@@ -167,7 +169,8 @@ class Attention(nn.Module):
             rope.apply_(k, self.num_kv_heads)
         else:  # q and k sit side by side in qkv: rotate both in one go
             rope.apply_(qkv, self.num_heads + self.num_kv_heads)
-        out = backend.forward(self.layer_index, q, k, v, meta)
+        out = (backend.forward(self.layer_index, q, k, v, meta) if self.sinks is None
+               else backend.forward(self.layer_index, q, k, v, meta, self.sinks))  # a backend that handles_sinks
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _sharded_full_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,23 +184,29 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate) * up): SwiGLU (silu) or GeGLU (tanh-approximated gelu, Gemma)."""
+    """down(act(gate) * up): SwiGLU (silu), GeGLU (tanh-approximated gelu, Gemma), or gpt-oss's clamped SwiGLU
+    (swiglu_oai, ModelConfig)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
-        """intermediate_size: the width, where not the model's dense FFN's (an expert's)."""
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False) -> None:
+        """intermediate_size: the width, where not the model's dense FFN's (an expert's); bias: on both
+        projections (gpt-oss's experts)."""
         super().__init__()
         self.intermediate_size = width = intermediate_size or cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * width, bias=False)
-        self.down = nn.Linear(width, cfg.hidden_size, bias=False)
-        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * width, bias=bias)
+        self.down = nn.Linear(width, cfg.hidden_size, bias=bias)
+        self.activation = cfg.hidden_act
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        if self.ops is not None and not self.gelu:
+        if self.ops is not None and self.activation == "silu":
             return self.down(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        if self.activation == "swiglu_oai":
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down(gate * torch.sigmoid(gate * self.alpha) * (up + 1))
+        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
         return self.down(act * up)
 
 

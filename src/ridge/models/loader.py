@@ -182,7 +182,7 @@ def load_model(
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
+        tensors: Iterator[tuple[str, _Stored]] = _split_experts(_hf_language_model(_safetensors(path), cfg))
         table = hf_names(cfg)
         fmt = "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
@@ -435,6 +435,35 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig)
             yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)
         else:
             yield name, stored
+
+
+_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias)?")
+
+
+def _split_experts(tensors: Iterator[tuple[str, _Stored]]) -> Iterator[tuple[str, _Stored]]:
+    """gpt-oss's experts, stacked in one tensor per projection as [experts, in, out] (gate_up's columns gate and
+    up interleaved: gate the even ones), and their biases [experts, out], as each expert's weights as ridge holds
+    them ([out, in], gate's rows then up's); each expert read on its own (its slab of the file), every other
+    tensor as it is."""
+    for name, stored in tensors:
+        match = _STACKED_EXPERTS.fullmatch(name)
+        if match is None:
+            yield name, stored
+            continue
+        prefix, kind, bias = match.group(1), match.group(2), match.group(3) is not None
+        shape = stored.shape[1:] if bias else (stored.shape[2], stored.shape[1])
+
+        def expert(rows: torch.Tensor | None, index: int, stored: _Stored = stored, bias: bool = bias,
+                   gate_up: bool = kind == "gate_up") -> torch.Tensor:
+            slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]  # [in, out], or [out] for a bias
+            if gate_up:
+                slab = torch.cat([slab[..., 0::2], slab[..., 1::2]], dim=-1)
+            weight = slab if bias else slab.T.contiguous()
+            return weight if rows is None else weight[rows]
+
+        for index in range(stored.shape[0]):
+            yield (f"{prefix}.{index}.{kind}.{'bias' if bias else 'weight'}",
+                   _Stored(tuple(shape), functools.partial(expert, index=index)))
 
 
 def _safetensors(path: Path) -> Iterator[tuple[str, _Stored]]:

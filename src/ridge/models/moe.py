@@ -9,10 +9,11 @@ routing op for op and the same experts' kernels, the experts side by side on the
 the fused decode stack, or through forward() in models the stack does not take (OLMoE).
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
-norm_topk_prob those k weights renormalised to sum to 1. Qwen2-MoE adds a shared expert that every token
-runs, its output scaled by sigmoid(shared_expert_gate(x)). DeepSeek-V2's: softmax scores, with
-group_limited_greedy the top k within the router_topk_groups groups of the best single score, the weights
-times routed_scaling_factor; its shared experts run ungated. DeepSeek-V3's: sigmoid scores; the experts split
+norm_topk_prob those k weights renormalised to sum to 1 (gpt-oss's softmax over the top k logits is that; its
+router's logits and its experts' projections have biases, its experts gpt-oss's clamped SwiGLU). Qwen2-MoE adds a
+shared expert that every token runs, its output scaled by sigmoid(shared_expert_gate(x)). DeepSeek-V2's: softmax
+scores, with group_limited_greedy the top k within the router_topk_groups groups of the best single score, the
+weights times routed_scaling_factor; its shared experts run ungated. DeepSeek-V3's: sigmoid scores; the experts split
 into router_groups groups, each group rated by its two best scores plus the per-expert correction bias, the
 top k chosen (by score + bias) within the router_topk_groups best groups, weighted by their scores without
 the bias (renormalised), times routed_scaling_factor; its shared experts run ungated.
@@ -47,10 +48,14 @@ class MoEBlock(nn.Module):
         self.sigmoid, self.scaling = cfg.router_scoring == "sigmoid", cfg.routed_scaling_factor
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.group_rating = cfg.router_group_rating
-        self.router = Router(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router = Router(cfg.hidden_size, cfg.num_experts, bias=cfg.router_logit_bias)
         # DeepSeek-V3's e_score_correction_bias: moves which experts are chosen, not their weights
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
-        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
+                                     for _ in range(cfg.num_experts))
+        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts without biases,
+        # a router without one
+        self.plain = cfg.hidden_act == "silu" and not cfg.expert_bias and not cfg.router_logit_bias
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)

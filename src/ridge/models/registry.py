@@ -28,6 +28,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"qkv_bias": True, "shared_expert_gate": True},
     "qwen3_moe": {"qk_norm": True},
     "olmoe": {"qk_norm_full": True},
+    # gpt-oss: attention sinks, alternating 128-token windows (from its layer_types), biases on every projection
+    # (o_proj's with q / k / v's, attention_bias) and on the router's logits, clamped SwiGLU experts, and a
+    # softmax over the top k logits (norm_topk_prob's renormalised top k of the softmax)
+    "gpt_oss": {"attention_sinks": True, "expert_bias": True, "router_logit_bias": True, "hidden_act": "swiglu_oai",
+                "norm_topk_prob": True},
     # latent attention (models/mla.py) and DeepSeek's routers (models/moe.py): V2's softmax one (greedy, or
     # limited to the groups of the best single scores), V3's sigmoid one (Kimi K2's too); V2's checkpoints always
     # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
@@ -38,7 +43,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mamba2": {},
     "bamba": {"partial_rotary_factor": 0.5},
 }
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
@@ -58,6 +63,7 @@ _HF_NAMES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Mamba2ForCausalLM": "mamba2",
@@ -149,6 +155,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "final_logit_softcap": spec.final_logit_softcap,
         "partial_rotary_factor": spec.partial_rotary_factor,
         "has_mlp": spec.has_ffn,
+        "attention_out_bias": arch == "gpt_oss" and spec.qkv_bias,
+        "swiglu_limit": spec.swiglu_limit,
+        "swiglu_alpha": spec.swiglu_alpha,
         "embedding_multiplier": spec.embedding_multiplier,
         "residual_multiplier": spec.residual_multiplier,
         "attention_multiplier": spec.attention_multiplier,
@@ -176,6 +185,6 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                       v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave)
     fields.update(ARCHITECTURES[arch])
-    if spec.norm_topk_prob is not None and arch != "mixtral":
+    if spec.norm_topk_prob is not None and arch not in ("mixtral", "gpt_oss"):
         fields["norm_topk_prob"] = bool(spec.norm_topk_prob)
     return ModelConfig(**fields)

@@ -94,6 +94,8 @@ class ModelSpec:
     residual_multiplier: float = field(default=1.0, compare=False)
     attention_multiplier: float | None = field(default=None, compare=False)
     logits_scaling: float = field(default=1.0, compare=False)
+    swiglu_limit: float = field(default=7.0, compare=False)  # gpt-oss's clamped SwiGLU (ModelConfig's)
+    swiglu_alpha: float = field(default=1.702, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -247,6 +249,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
         attention_multiplier=config.get("attention_multiplier"),
         logits_scaling=float(config.get("logits_scaling", 1.0)),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),

@@ -68,7 +68,8 @@ HF_NAMES = [
     (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
     (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)", "layers.{0}.attn.o_proj.{1}", None),
+    (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{0}.attn.sinks", None),  # gpt-oss
     (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
     (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
     (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up.weight", 0),
@@ -78,6 +79,9 @@ HF_NAMES = [
     # Qwen2-MoE's shared expert with its gate
     *[(r"model\.layers\.(\d+)\." + source, "layers.{0}.mlp." + target, slot) for source, target, slot in [
         (r"(?:mlp|block_sparse_moe)\.gate\.weight", "router.weight", None),
+        (r"mlp\.router\.(weight|bias)", "router.{1}", None),  # gpt-oss's, and its experts (loader.py splits them)
+        (r"mlp\.experts\.(\d+)\.gate_up\.(weight|bias)", "experts.{1}.gate_up.{2}", None),
+        (r"mlp\.experts\.(\d+)\.down\.(weight|bias)", "experts.{1}.down.{2}", None),
         (r"mlp\.experts\.(\d+)\.gate_proj\.weight", "experts.{1}.gate_up.weight", 0),
         (r"mlp\.experts\.(\d+)\.up_proj\.weight", "experts.{1}.gate_up.weight", 1),
         (r"mlp\.experts\.(\d+)\.down_proj\.weight", "experts.{1}.down.weight", None),
