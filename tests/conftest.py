@@ -308,9 +308,9 @@ def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> 
             for i in torch.nonzero(chosen < best.values - tolerance).flatten().tolist()]
 
 
-def assert_logits_match_hf(make_llm_for_test, path, hf, vocab: int) -> None:
+def assert_logits_match_hf(make_llm_for_test, path, hf, vocab: int, **engine_args) -> None:
     """A random-config model's float32 logits on 3 prompts of 5-80 tokens equal HF's within float32 noise."""
-    llm = make_llm_for_test(path, dtype="float32")
+    llm = make_llm_for_test(path, dtype="float32", **engine_args)
     for ids in random_prompts(3, vocab, 5, 80, seed=1):
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():

@@ -5,7 +5,7 @@ and interleaved. No gpt-oss checkpoint fits this machine; the shapes are small, 
 import pytest
 import torch
 
-from conftest import greedy_batch_checked_against_hf, random_prompts
+from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
 from test_models_random import VOCAB, byte_tokenizer
 
@@ -41,12 +41,7 @@ def random_gpt_oss(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["paged", "reference"])
 def test_logits_match_hf(random_gpt_oss, make_llm_for_test, backend):
     """Prompts of 5-80 tokens, past the window: the sinks in SDPA's chunks (paged) and in the plain softmax."""
-    path, hf = random_gpt_oss
-    llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
-    for ids in random_prompts(3, VOCAB, 5, 80, seed=1):
-        with torch.inference_mode():
-            ref = hf(torch.tensor([ids])).logits[0]
-        assert (llm.engine.prompt_logits(ids) - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+    assert_logits_match_hf(make_llm_for_test, *random_gpt_oss, VOCAB, attention_backend=backend)
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(random_gpt_oss, make_llm_for_test, caplog):
