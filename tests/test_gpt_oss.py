@@ -64,9 +64,32 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(random_gpt_oss, make_
     assert [o.outputs[0].token_ids for o in plain.generate(prompts[:6], params)] == batch[:6]
 
 
+def test_an_int8_cache_keeps_the_float_cache_s_tokens(random_gpt_oss, make_llm_for_test):
+    """gpt-oss on an int8 cache (its decodes with the sinks: test_kv_quant checks them against the dequantized rows):
+    the float cache's greedy tokens, which without the sinks it would not keep (their logits move the outputs by
+    far more than the codes' rounding)."""
+    path, _ = random_gpt_oss
+    prompts = random_prompts(6, VOCAB, 10, 40, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = make_llm_for_test(path, dtype="float32")
+    coded = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
+    assert [o.outputs[0].token_ids for o in coded.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+
+
+def test_the_cuda_backends_refuse_the_sinks():
+    """The Triton kernels attend without sinks: the engine refuses a model with them there (ModelRunner), on the
+    quantized CUDA cache too (whose other parent, the CPU's quantized cache, handles them)."""
+    from ridge.attention.cuda import CudaBackend, CudaQuantizedKVBackend
+    from ridge.attention.quantized_kv import QuantizedKVBackend
+
+    assert QuantizedKVBackend.handles_sinks and not CudaBackend.handles_sinks
+    assert not CudaQuantizedKVBackend.handles_sinks
+
+
 def test_what_cannot_run_the_sinks_is_refused(random_gpt_oss, make_llm_for_test, tmp_path):
-    """A quantized KV cache's kernels attend without sinks; tensor parallelism would cut o_proj's bias; the
-    published checkpoints' MXFP4 experts have no reader here: each refused by name rather than run otherwise."""
+    """Tensor parallelism would cut o_proj's bias; the published checkpoints' MXFP4 experts have no reader here:
+    each refused by name rather than run otherwise."""
     import json
     import shutil
 
@@ -77,8 +100,6 @@ def test_what_cannot_run_the_sinks_is_refused(random_gpt_oss, make_llm_for_test,
     (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method: 'mxfp4' is not one of gptq, awq, fp8"):
         make_llm_for_test(tmp_path / "mxfp4", dtype="float32")
-    with pytest.raises(ValueError, match="attention sinks have no path in QuantizedKVBackend"):
-        make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="row-parallel layer with a bias"):
         make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
     llm = make_llm_for_test(path, dtype="float32")  # the engine serves after the refusals

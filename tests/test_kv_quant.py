@@ -91,6 +91,39 @@ def _attention(q, k, v, scale):
     return torch.einsum("hl,lhd->hd", p, values)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_attention_sinks_over_the_codes_are_sink_attention_over_the_dequantized_rows(name, kernel, ops):
+    """gpt-oss's attention sinks on a quantized cache: each decode row (torch's, with the sink logit; or the C++
+    kernel's, scaled by its softmax denominator's share, where the CPU runs it) equals sink attention over the rows
+    as the cache holds them."""
+    from ridge.attention.backend import sink_attention
+
+    fmt = kv_format(name)
+    torch.manual_seed(1)
+    heads, kv_heads, d, block_size = 8, 2, 64, 16
+    lengths = [1, 37, 300]
+    blocks = [-(-n // block_size) for n in lengths]
+    backend = _backend(fmt, sum(blocks), block_size, len(lengths))
+    if kernel:
+        backend.ops = ops
+    tables = list(torch.randperm(sum(blocks)).split(blocks))
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        _write(backend, torch.randn(n, kv_heads, d) * 3, torch.randn(n, kv_heads, d), table, slot=i)
+    q, sinks = torch.randn(len(lengths), heads, d), torch.randn(heads) * 2
+    width = max(blocks)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
+        decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
+        decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
+    backend.prepare(meta)
+    out = backend.attend(0, q, None, None, meta, sinks)
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        keys, values = backend._context(0, table, meta)  # [kv_heads, L, d], dequantized
+        expected = sink_attention(q[i:i + 1], keys[:, :n], values[:, :n], None, backend.scale, sinks)[0]
+        assert torch.allclose(out[i], expected, atol=1e-5), (out[i] - expected).abs().max()
+
+
 @pytest.mark.threaded  # the decode kernel splits its work across threads: on every core
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("block_size,kernel", [(8, False), (16, False), (16, True), (32, False)])

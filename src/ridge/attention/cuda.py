@@ -135,6 +135,8 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
     """QuantizedKVBackend's storage, write and gather (in its rows layout); CudaBackend's attention, whose kernels
     read the codes in place."""
 
+    handles_sinks = False  # the Triton kernels attend without them
+
     lane_layout = False
 
     def prepare(self, meta: AttentionMetadata) -> None:

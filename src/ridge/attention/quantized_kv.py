@@ -43,7 +43,7 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention.backend import AttentionMetadata, KernelRows, StepMetadata
+from ridge.attention.backend import AttentionMetadata, KernelRows, StepMetadata, sink_correction_
 from ridge.attention.paged import PagedBackend
 from ridge.kv.formats import (
     CHANNEL_SCALE_STEPS,
@@ -113,7 +113,6 @@ class TailStep:
 
 
 class QuantizedKVBackend(PagedBackend):
-    handles_sinks = False  # its kernel and its torch paths attend without them
     storage_dtype = torch.uint8
     cascade = False
     lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
@@ -196,10 +195,10 @@ class QuantizedKVBackend(PagedBackend):
         meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in meta.prefills]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                step: StepMetadata) -> torch.Tensor:
+                step: StepMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = step[self.group_of_layer[layer]]
         self.write(layer, k, v, meta.slot_mapping, meta.backend_state)
-        return self.attend(layer, q, k, v, meta)
+        return self.attend(layer, q, k, v, meta) if sinks is None else self.attend(layer, q, k, v, meta, sinks)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               writes: BlockWrites | TailStep | None = None) -> None:
@@ -357,12 +356,13 @@ class QuantizedKVBackend(PagedBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """sinks: never given here (handles_sinks: the engine refuses a model with them on this backend)."""
         if self.kernels is None:
-            return super()._decode(layer, q, meta)
+            return super()._decode(layer, q, meta, sinks)
         kernel = meta.kernel_rows
-        out, _ = self.kernels.quantized_paged_decode(
+        out, lse = self.kernels.quantized_paged_decode(
             q, self.k_cache[layer], self.v_cache[layer], self.k_scales[layer], self.v_scales[layer],
             kernel.block_tables, kernel.context_lens, self.scale, kernel.window_starts, fp8=self.format.name == "fp8",
             mass=None if meta.attention_mass is None else meta.attention_mass[:q.shape[0]])
+        if sinks is not None:
+            sink_correction_(out, lse, sinks)
         return out

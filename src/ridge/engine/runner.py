@@ -85,7 +85,7 @@ class ModelRunner:
                                     num_state_slots)
         if cfg.attention_sinks and not self.backend.handles_sinks:
             raise ValueError(f"{cfg.architecture}: its attention sinks have no path in {type(self.backend).__name__} "
-                             "(a quantized KV cache, or CUDA); run it with a float KV cache on the CPU")
+                             "(CUDA's Triton kernels); run it on the CPU")
         self.tails = kv_format is not None and kv_format.tail  # the backend reads each sequence's slot
         self.backend.ops = cpu_ops
         self.backend.batch_invariant = batch_invariant
