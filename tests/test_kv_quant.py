@@ -71,6 +71,15 @@ def _backend(fmt, num_blocks, block_size, num_sequences=1, dtype=torch.float32):
                               num_tail_slots=num_sequences if fmt.tail else 0)
 
 
+def _decodes(tables: list[torch.Tensor], lengths: list[int]) -> AttentionMetadata:
+    """A step of one decode for each sequence of `lengths` tokens in the blocks of `tables` (sequence i in slot i)."""
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
+        decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
+        decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
+
+
 def _write(backend, k, v, table, slot=0):
     """One sequence's rows [n, kv_heads, d] from position 0 into its blocks, as a step writing its prompt does."""
     n, bs = k.shape[0], backend.block_size
@@ -111,11 +120,7 @@ def test_attention_sinks_over_the_codes_are_sink_attention_over_the_dequantized_
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         _write(backend, torch.randn(n, kv_heads, d) * 3, torch.randn(n, kv_heads, d), table, slot=i)
     q, sinks = torch.randn(len(lengths), heads, d), torch.randn(heads) * 2
-    width = max(blocks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
-        decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
-        decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
+    meta = _decodes(tables, lengths)
     backend.prepare(meta)
     out = backend.attend(0, q, None, None, meta, sinks)
     for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
@@ -148,11 +153,7 @@ def test_attention_over_the_cache_is_dequantize_then_attend(name, block_size, ke
     for i, (table, (k, v)) in enumerate(zip(tables, rows, strict=True)):
         _write(backend, k, v, table, slot=i)
     q = torch.randn(len(lengths), heads, d)
-    width = max(blocks)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
-        decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
-        decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
+    meta = _decodes(tables, lengths)
     backend.prepare(meta)
     out = backend.attend(0, q, None, None, meta)
     stored = []
