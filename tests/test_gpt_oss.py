@@ -87,9 +87,26 @@ def test_the_cuda_backends_refuse_the_sinks():
     assert not CudaQuantizedKVBackend.handles_sinks
 
 
-def test_what_cannot_run_the_sinks_is_refused(random_gpt_oss, make_llm_for_test, tmp_path):
-    """Tensor parallelism would cut o_proj's bias; the published checkpoints' MXFP4 experts have no reader here:
-    each refused by name rather than run otherwise."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_give_one_process_s_tokens(random_gpt_oss, make_llm_for_test, expert_parallel):
+    """Over two ranks: each its query heads' sinks, its share of every expert's width (or its whole experts), and
+    the row-parallel biases (o_proj's, the experts' down) added by rank 0 alone, since the ranks' outputs are
+    summed."""
+    path, _ = random_gpt_oss
+    prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB")
+    two = make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,
+                            enable_expert_parallel=expert_parallel)
+    attn = two.engine.loaded.model.layers[0].attn
+    assert attn.sinks.shape == (2,) and attn.o_proj.bias is not None  # rank 0's
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    two.engine.close()
+
+
+def test_what_cannot_run_is_refused(random_gpt_oss, make_llm_for_test, tmp_path):
+    """The published checkpoints' MXFP4 experts have no reader here: refused by name rather than run otherwise."""
     import json
     import shutil
 
@@ -100,7 +117,5 @@ def test_what_cannot_run_the_sinks_is_refused(random_gpt_oss, make_llm_for_test,
     (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method: 'mxfp4' is not one of gptq, awq, fp8"):
         make_llm_for_test(tmp_path / "mxfp4", dtype="float32")
-    with pytest.raises(ValueError, match="row-parallel layer with a bias"):
-        make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
     llm = make_llm_for_test(path, dtype="float32")  # the engine serves after the refusals
     assert llm.generate(random_prompts(1, VOCAB, 5, 6)[0], SamplingParams(max_tokens=3))[0].outputs[0].token_ids

@@ -199,7 +199,11 @@ class ShardPlan:
     def cut_model(self, model: nn.Module) -> ShardCuts:
         """Cut the meta-device model being loaded to this rank's part, and say which rows and columns of each weight
         the loader reads into it (models/loader.py's `shard`): the rank never holds the whole model."""
-        return ShardCuts(shard_model(model, self), self.vocab_shard, self.keeps)
+        cuts = shard_model(model, self)
+        # a row-parallel layer's bias is added once, by rank 0 (its output is summed over the ranks): the others
+        # read none
+        others_bias = {f"{path}.bias" for path, (dim, _) in cuts.items() if dim == 1} if self.rank else set()
+        return ShardCuts(cuts, self.vocab_shard, lambda key: self.keeps(key) and key not in others_bias)
 
     def weight_cuts(self, model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
         """Module path -> (dim, indices) of every weight this rank holds a part of, keyed as quantize_weights keys
@@ -275,7 +279,8 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
             setattr(model.get_submodule(parent), name, nn.Parameter(module.data.index_select(dim, index),
                                                                     requires_grad=False))
             continue
-        _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None)
+        _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None,
+                    keeps_bias=plan.rank == 0)
     local = plan.local_config(model.cfg)
     for layer in model.layers:
         if isinstance(layer.mlp, MoEBlock) and plan.expert_parallel:
@@ -307,16 +312,18 @@ def _get(model: nn.Module, path: str) -> nn.Module | nn.Parameter:
     return getattr(model.get_submodule(parent), name)
 
 
-def _cut_module(module: nn.Linear | nn.Embedding, dim: int, index: torch.Tensor, pad_to: int | None) -> None:
+def _cut_module(module: nn.Linear | nn.Embedding, dim: int, index: torch.Tensor, pad_to: int | None,
+                keeps_bias: bool) -> None:
+    """keeps_bias: whether a row-parallel layer (dim 1) keeps its bias, whole: on one rank only, since the ranks'
+    outputs are summed."""
     weight = module.weight.data.index_select(dim, index)
     if pad_to is not None:
         weight = pad_rows(weight, pad_to)
     module.weight = nn.Parameter(weight, requires_grad=False)
     bias = getattr(module, "bias", None)
     if bias is not None:
-        if dim == 1:  # a row-parallel layer's output is summed over the ranks: its bias must be added once
-            raise ValueError("tensor_parallel_size: a row-parallel layer with a bias is not supported")
-        module.bias = nn.Parameter(bias.data.index_select(0, index), requires_grad=False)
+        module.bias = (bias if keeps_bias else None) if dim == 1 else nn.Parameter(bias.data.index_select(0, index),
+                                                                                    requires_grad=False)
 
 
 def shard_quantized(key: str, weight: QuantizedWeight, cuts: dict[str, tuple[int, torch.Tensor]],

@@ -71,8 +71,10 @@ class ShardCuts:
     keeps: Callable[[str], bool]
 
     def of(self, key: str) -> tuple[int, torch.Tensor] | None:
-        """The cut of the parameter at `key`: a cut module's weight or bias, or a parameter cut by its own path."""
-        return self.cuts.get(key) or self.cuts.get(key.rpartition(".")[0])
+        """The cut of the parameter at `key`: a cut module's weight or bias (a row-parallel one's bias whole), or a
+        parameter cut by its own path."""
+        cut = self.cuts.get(key) or self.cuts.get(key.rpartition(".")[0])
+        return None if cut is not None and cut[0] == 1 and key.endswith(".bias") else cut
 
     def pad_to(self, key: str) -> int | None:
         return self.vocab_rows if key in ("embed_tokens.weight", "lm_head.weight") else None
