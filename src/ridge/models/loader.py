@@ -184,7 +184,9 @@ def load_model(
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, _Stored]] = _split_experts(_hf_language_model(_safetensors(path), cfg))
+        tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
+        if cfg.architecture == "gpt_oss":  # its experts stacked, in its own layout (another's would be refused)
+            tensors = _split_experts(tensors)
         table = hf_names(cfg)
         fmt = "safetensors"
         if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
