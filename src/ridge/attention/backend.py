@@ -95,10 +95,15 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: t
         n, length = q.shape[0], k.shape[1]
         visible = window_mask(torch.arange(length - n, length, device=q.device), torch.arange(length, device=q.device),
                               None)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-    weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    weights = sink_softmax(scores.masked_fill(~visible, float("-inf")), sinks)
     return torch.einsum("hnl,hld->nhd", weights, v).to(q.dtype)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax of float32 scores [heads, n, L] with one more logit per head, `sinks` [heads], in each denominator
+    (the weight it takes attends to nothing) -> [heads, n, L]."""
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def sink_correction_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, window_mask
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, sink_softmax, window_mask
 
 
 class ReferenceBackend(AttentionBackend):
@@ -41,9 +41,5 @@ class ReferenceBackend(AttentionBackend):
             scores = torch.tanh(scores / self.softcap) * self.softcap
         visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        if sinks is not None:  # one more logit in each head's softmax, attending to nothing
-            sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
-            weights = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-        else:
-            weights = scores.softmax(-1)
+        weights = scores.softmax(-1) if sinks is None else sink_softmax(scores, sinks)
         return torch.einsum("hnc,hcd->nhd", weights, v).to(q.dtype)
