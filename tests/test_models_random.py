@@ -182,3 +182,22 @@ def test_a_random_granite_written_as_gguf_reads_back_as_the_same_model(random_gr
                                attention_multiplier=theirs.attention_multiplier) == theirs  # float32 in GGUF
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-4)
+
+
+def test_llama_with_attention_bias_matches_hf(tmp_path, make_llm_for_test):
+    """HF llama's attention_bias: biases on q / k / v and on o_proj, all drawn (HF initialises them to zero)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import assert_logits_match_hf
+
+    torch.manual_seed(0)
+    config = hf_config("llama", False)
+    config.attention_bias = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for attn in (layer.self_attn for layer in model.model.layers):
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)

@@ -48,6 +48,7 @@ _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba")
+_OUT_BIAS = ("llama", "granite", "gpt_oss")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -155,7 +156,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "final_logit_softcap": spec.final_logit_softcap,
         "partial_rotary_factor": spec.partial_rotary_factor,
         "has_mlp": spec.has_ffn,
-        "attention_out_bias": arch == "gpt_oss" and spec.qkv_bias,
+        # HF's llama-family attention_bias puts a bias on o_proj too (Qwen2's q / k / v biases come without one)
+        "attention_out_bias": arch in _OUT_BIAS and spec.qkv_bias,
         "swiglu_limit": spec.swiglu_limit,
         "swiglu_alpha": spec.swiglu_alpha,
         "embedding_multiplier": spec.embedding_multiplier,

@@ -20,7 +20,7 @@ GGUF_NAMES = [
     (r"blk\.(\d+)\.attn_q\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 0),
     (r"blk\.(\d+)\.attn_k\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 1),
     (r"blk\.(\d+)\.attn_v\.(weight|bias)", "layers.{0}.attn.qkv.{1}", 2),
-    (r"blk\.(\d+)\.attn_output\.weight", "layers.{0}.attn.o_proj.weight", None),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", "layers.{0}.attn.o_proj.{1}", None),
     (r"blk\.(\d+)\.attn_q_norm\.weight", "layers.{0}.attn.q_norm.weight", None),
     (r"blk\.(\d+)\.attn_k_norm\.weight", "layers.{0}.attn.k_norm.weight", None),
     (r"blk\.(\d+)\.ffn_gate\.weight", "layers.{0}.mlp.gate_up.weight", 0),
