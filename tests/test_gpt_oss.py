@@ -105,17 +105,153 @@ def test_two_ranks_give_one_process_s_tokens(random_gpt_oss, make_llm_for_test, 
     two.engine.close()
 
 
-def test_what_cannot_run_is_refused(random_gpt_oss, make_llm_for_test, tmp_path):
-    """The published checkpoints' MXFP4 experts have no reader here: refused by name rather than run otherwise."""
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory):
+    """A random gpt-oss saved as its published checkpoints are, its experts in MXFP4 (quant/mxfp4.py: gguf's
+    quantization, HF's layout), with HF transformers' model of that checkpoint (which dequantizes it on the CPU):
+    (the dense checkpoint, the MXFP4 one, HF's model). SmolLM2's vocabulary size, so that a GGUF of it can carry
+    SmolLM2's tokenizer; experts 64 wide, two MXFP4 blocks, so that two ranks each take one."""
     import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from ridge.quant import mxfp4
+
+    torch.manual_seed(1)
+    config = GptOssConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=512,
+        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.normal_(0, 0.3)
+            layer.self_attn.sinks.normal_(0, 1.0)
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    dense, packed = root / "dense", root / "mxfp4"
+    model.save_pretrained(dense)
+    packed.mkdir()
+    state = load_file(dense / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # HF's dense experts are [experts, in, out]; MXFP4's blocks run along the input, per output row
+        state[f"{name}_blocks"], state[f"{name}_scales"] = mxfp4.to_hf(state.pop(name).transpose(1, 2).contiguous())
+    save_file(state, packed / "model.safetensors", metadata={"format": "pt"})
+    hf_config = json.loads((dense / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "mxfp4",
+                                        "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(hf_config))
+    byte_tokenizer().save(str(packed / "tokenizer.json"))
+    return dense, packed, AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32).eval()
+
+
+def test_mxfp4_layouts_hold_hf_s_and_gguf_s_numbers():
+    """quant/mxfp4.py's codes and scales, from HF's layout and from GGUF's blocks, are the numbers HF transformers'
+    and gguf's own dequantizers give, to the bit, over exponents far apart (2^-100 to 2^20: the scale's whole
+    range that float32 weights reach)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ridge.quant import gguf_blocks, mxfp4
+    from ridge.quant.rtn import dequantize
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 256, generator=generator) * torch.pow(2.0, torch.randint(-100, 20, (16, 1),
+                                                                                        generator=generator))
+    blocks, exponents = mxfp4.to_hf(weight)
+    hf = convert_moe_packed_tensors(blocks[None], exponents[None], dtype=torch.float32)[0].T  # [out, in]
+    assert torch.equal(dequantize(mxfp4.from_hf(blocks, exponents)).float(), hf)
+    raw = gguf_quantize(weight.numpy(), GGMLQuantizationType.MXFP4)
+    theirs = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.MXFP4))
+    assert torch.equal(theirs, hf)  # the two layouts hold the same numbers
+    unpacked = gguf_blocks.unpack(raw, GGMLQuantizationType.MXFP4, (16, 256))
+    assert unpacked.qweight.dtype == torch.int8 and int(unpacked.qweight.abs().max()) <= 12
+    assert torch.equal(dequantize(unpacked).float(), theirs)
+    assert np.array_equal(gguf_blocks.dequantize(raw, GGMLQuantizationType.MXFP4, (16, 256)), theirs.numpy())
+
+
+def test_mxfp4_experts_match_hf(mxfp4_gpt_oss, make_llm_for_test):
+    """The published checkpoints' form: each expert's MXFP4 blocks read as int8 codes with a power-of-two scale per
+    32 (exact), on the grouped int8 kernel; float32 logits HF's within 1e-4 of the scale."""
+    _, packed, hf = mxfp4_gpt_oss
+    assert_logits_match_hf(make_llm_for_test, packed, hf, 49152)
+    llm = make_llm_for_test(packed, dtype="float32")
+    assert "mxfp4 experts" in llm.engine.loaded.weight_format
+    experts = [e for layer in llm.engine.loaded.model.layers for e in layer.mlp.experts]
+    assert all(e.gate_up.kernel == e.down.kernel == "grouped_int8" for e in experts)
+
+
+def test_a_gguf_of_it_matches_hf_read_or_run_as_blocks(mxfp4_gpt_oss, smollm2_path, tmp_path, make_llm_for_test):
+    """The model as llama.cpp's gpt-oss GGUF holds it (bench/random_gguf.py: gate and up split, the experts'
+    biases stacked, post_attention_norm before the MLP, attn_sinks, experts in MXFP4 blocks, the rest float32):
+    the header reads back as the HF config's model, and the logits are HF's (of the MXFP4 checkpoint), dequantized
+    at load or run on the blocks (--quantization gguf)."""
+    import dataclasses
+
+    from ridge.bench.random_gguf import write_gguf
+    from ridge.models.gguf_file import read_gguf
+    from ridge.models.loader import load_model
+
+    dense, packed, hf = mxfp4_gpt_oss
+    loaded = load_model(dense, torch.float32, progress=False)
+    path = write_gguf(loaded, tmp_path / "gpt-oss.gguf", smollm2_path, float16=False, block_type="MXFP4")
+    kinds = {t.name.removeprefix("blk.0."): t.tensor_type.name for t in read_gguf(path).tensors}
+    assert kinds["ffn_gate_exps.weight"] == kinds["ffn_down_exps.weight"] == "MXFP4"
+    assert kinds["attn_q.weight"] == kinds["ffn_gate_exps.bias"] == kinds["attn_sinks.weight"] == "F32"
+    for args in ({}, {"quantization": "gguf"}):
+        assert_logits_match_hf(make_llm_for_test, path, hf, 49152, **args)
+    ours = make_llm_for_test(path, dtype="float32", quantization="gguf").engine.loaded
+    assert dataclasses.replace(ours.spec, rms_norm_eps=loaded.spec.rms_norm_eps, name=loaded.spec.name,
+                               source=loaded.spec.source) == loaded.spec  # GGUF keeps eps in float32
+    assert ours.config.rope_scaling == loaded.config.rope_scaling and not ours.config.rope_scaling.truncate
+    experts = [e for layer in ours.model.layers for e in layer.mlp.experts]
+    assert all(e.gate_up.kernel == e.down.kernel == "grouped_int8" for e in experts)
+
+
+def test_mxfp4_over_two_ranks_and_a_truncated_checkpoint(mxfp4_gpt_oss, make_llm_for_test, tmp_path):
+    """Two ranks each read their MXFP4 blocks of every expert (the down projection's columns cut on a block's
+    bounds: the plan's granule is the checkpoint's 32) and give one process's tokens; a checkpoint missing a
+    layer's scales is refused by name."""
     import shutil
 
-    path, _ = random_gpt_oss
-    shutil.copytree(path, tmp_path / "mxfp4")
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method: 'mxfp4' is not one of gptq, awq, fp8"):
-        make_llm_for_test(tmp_path / "mxfp4", dtype="float32")
-    llm = make_llm_for_test(path, dtype="float32")  # the engine serves after the refusals
-    assert llm.generate(random_prompts(1, VOCAB, 5, 6)[0], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    from safetensors.torch import load_file, save_file
+
+    _, packed, _ = mxfp4_gpt_oss
+    prompts = random_prompts(3, 49152, 5, 30, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = make_llm_for_test(packed, dtype="float32", kv_cache_memory="16MiB")
+    two = make_llm_for_test(packed, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    two.engine.close()
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(packed, truncated)
+    state = load_file(packed / "model.safetensors")
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(state, truncated / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj_blocks: MXFP4 blocks without "
+                                         r"their scales"):
+        make_llm_for_test(truncated, dtype="float32")
+
+
+def test_mxfp4_on_another_architecture_is_refused(tmp_path):
+    """MXFP4 is read for gpt-oss's experts, its only user: on another architecture's config refused by name rather
+    than loaded otherwise."""
+    import json
+
+    from ridge.models.loader import load_model
+    from test_models_random import hf_config
+
+    config = {**hf_config("llama", False).to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method: 'mxfp4' is read for gpt-oss's experts only; .* is llama"):
+        load_model(tmp_path, torch.float32, progress=False)

@@ -25,7 +25,7 @@ from gguf import (
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
-from ridge.models.loader import ROTARY_PERMUTED, latent_rotary_order, random_model
+from ridge.models.loader import ROTARY_PERMUTED, LoadedModel, latent_rotary_order, random_model
 from ridge.models.registry import check_supported
 from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
@@ -37,32 +37,36 @@ WRITER_VERSION = 3
 # told apart by their gating function)
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
                 "mlp.router.weight": "ffn_gate_inp.weight", "mlp.shared_expert.down.weight": "ffn_down_shexp.weight",
                 "mlp.router_bias": "exp_probs_b.bias", "attn.q_a.weight": "attn_q_a.weight",
-                "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight"}
+                "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
+                "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
+                "mlp.router.bias": "ffn_gate_inp.bias"}
+# gpt-oss's MLP input norm is its post_attention_norm (Gemma's sandwich norm elsewhere)
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
 
 
 def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True,
                       block_type: str | None = None) -> Path:
     """`spec` with ridge's random weights of `seed` as a GGUF at `path` (float16, or float32: the weights of
     `random:NAME` in float32 exactly); the tokenizer copied from the GGUF `vocabulary`, whose token count must
-    be the model's vocabulary size. block_type: a GGUF block format the gguf package quantizes to (Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1) for every matrix but the routers (kept as llama.cpp's quantizer keeps them)."""
+    be the model's vocabulary size. block_type: a GGUF block format the gguf package quantizes to (BLOCK_TYPES)
+    for every matrix but the routers (kept as llama.cpp's quantizer keeps them); MXFP4 for the experts only."""
+    _check_writable(spec)
+    return write_gguf(random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed), path, vocabulary,
+                      float16, block_type)
+
+
+def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool = True,
+               block_type: str | None = None) -> Path:
+    """A loaded model's dense weights as a GGUF at `path` (write_random_gguf's, for weights already held)."""
     blocks = _block_type(block_type)
-    arch = GGUF_ARCHITECTURES.get(check_supported(spec.architecture))  # ridge's name for an HF class name too
-    if arch is None or spec.ssm_layers:
-        raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
-                         f"({', '.join(GGUF_ARCHITECTURES)})")
-    leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
-    if spec.dense_layer_indices != leading:
-        raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
-                         f"header key in {arch}; llama.cpp would read experts there")
-    loaded = random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed)
-    cfg = loaded.config
+    spec, cfg = loaded.spec, loaded.config
+    arch = _check_writable(spec)
     writer = GGUFWriter(str(path), arch)
     _header(writer, arch, spec, cfg, float16, blocks)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
@@ -70,9 +74,10 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
         # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply
         # by them in float32 only
-        if tensor.dim() == 1:
+        if tensor.dim() == 1 or name.endswith(".bias"):  # the experts' biases are stacked, [experts, rows]
             writer.add_tensor(name, tensor.float().numpy())
-        elif blocks is not None and not name.endswith("ffn_gate_inp.weight"):
+        elif blocks is not None and not name.endswith("ffn_gate_inp.weight") and (
+                blocks != GGMLQuantizationType.MXFP4 or "_exps." in name):
             writer.add_tensor(name, quants.quantize(tensor.float().contiguous().numpy(), blocks), raw_dtype=blocks)
         else:
             writer.add_tensor(name, tensor.contiguous().numpy())
@@ -83,8 +88,25 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     return path
 
 
-# the block formats the gguf package can quantize to (its reference code; the k-quants it only reads)
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+def _check_writable(spec: ModelSpec) -> str:
+    """llama.cpp's name for `spec`'s architecture, if a GGUF of it can hold the model (else ValueError)."""
+    arch = GGUF_ARCHITECTURES.get(check_supported(spec.architecture))  # ridge's name for an HF class name too
+    if arch is None or spec.ssm_layers:
+        raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
+                         f"({', '.join(GGUF_ARCHITECTURES)})")
+    leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
+    if spec.dense_layer_indices != leading:
+        raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
+                         f"header key in {arch}; llama.cpp would read experts there")
+    if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
+        raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
+                         "(what llama.cpp and models/spec.py assume for it)")
+    return arch
+
+
+# the block formats the gguf package can quantize to (its reference code; the k-quants it only reads); MXFP4 for
+# the experts only, the rest kept in floats, as llama.cpp's gpt-oss files have it
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 
 
 def _block_type(name: str | None) -> GGMLQuantizationType | None:
@@ -123,7 +145,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     # llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like
-    writer.add_file_type(LlamaFileType[f"MOSTLY_{blocks.name}"] if blocks is not None else 1 if float16 else 0)
+    file_type = "MOSTLY_MXFP4_MOE" if blocks == GGMLQuantizationType.MXFP4 else f"MOSTLY_{getattr(blocks, 'name', '')}"
+    writer.add_file_type(LlamaFileType[file_type] if blocks is not None else 1 if float16 else 0)
+    if spec.sliding_window and arch == "gpt-oss":
+        writer.add_sliding_window(spec.sliding_window)
     if spec.is_moe:
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.experts_per_token)
@@ -193,7 +218,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
         layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
-        for name, gguf_name in _LAYER_NAMES.items():
+        for name, gguf_name in (_GPT_OSS_LAYER_NAMES if cfg.architecture == "gpt_oss" else _LAYER_NAMES).items():
             if name in layer:
                 yield f"blk.{i}.{gguf_name}", layer[name]
         if cfg.is_mla:
@@ -213,11 +238,13 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         if "mlp.shared_expert_gate.weight" in layer:
             yield f"blk.{i}.ffn_gate_inp_shexp.weight", layer["mlp.shared_expert_gate.weight"].flatten()
         experts = sorted({int(name.split(".")[2]) for name in layer if name.startswith("mlp.experts.")})
-        if experts:
-            gate_up = torch.stack([layer[f"mlp.experts.{e}.gate_up.weight"] for e in experts])
-            yield f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :cfg.moe_intermediate_size]
-            yield f"blk.{i}.ffn_up_exps.weight", gate_up[:, cfg.moe_intermediate_size:]
-            yield f"blk.{i}.ffn_down_exps.weight", torch.stack([layer[f"mlp.experts.{e}.down.weight"] for e in experts])
+        for kind in ("weight", "bias") if experts else ():
+            if f"mlp.experts.0.down.{kind}" not in layer:
+                continue
+            gate_up = torch.stack([layer[f"mlp.experts.{e}.gate_up.{kind}"] for e in experts])
+            yield f"blk.{i}.ffn_gate_exps.{kind}", gate_up[:, :cfg.moe_intermediate_size]
+            yield f"blk.{i}.ffn_up_exps.{kind}", gate_up[:, cfg.moe_intermediate_size:]
+            yield f"blk.{i}.ffn_down_exps.{kind}", torch.stack([layer[f"mlp.experts.{e}.down.{kind}"] for e in experts])
 
 
 def _permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ridge.models.random_weights import PREFIX, is_random, random_spec
 from ridge.models.registry import check_supported, config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
+from ridge.quant import mxfp4
 from ridge.quant.gguf_blocks import GROUP_SIZES as GGUF_GROUPS
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
@@ -60,13 +61,15 @@ class ModelFile:
 
     @functools.cached_property
     def checkpoint_group_size(self) -> int:
-        """The input columns a quantized checkpoint's scale groups span (GPTQ / AWQ); 1 for any other model (a
-        scale per row, or none)."""
+        """The input columns a quantized checkpoint's scale groups span (GPTQ / AWQ, MXFP4's blocks); 1 for any other
+        model (a scale per row, or none)."""
         if self.random is not None or self.gguf is not None:
             return 1
         quantization = json.loads((self.path / "config.json").read_text()).get("quantization_config") or {}
-        return max(int(quantization.get("group_size") or 1), 1) if quantization.get("quant_method") in \
-            ("gptq", "awq") else 1
+        method = quantization.get("quant_method")
+        if method == "mxfp4":
+            return mxfp4.GROUP
+        return max(int(quantization.get("group_size") or 1), 1) if method in ("gptq", "awq") else 1
 
     def config(self) -> ModelConfig:
         """The model's config from its header alone, no weight read (to check what it asks for before loading)."""

@@ -45,7 +45,7 @@ from ridge.models.tensor_names import (
     map_name,
 )
 from ridge.models.transformer import DecoderModel
-from ridge.quant import checkpoint, gguf_blocks
+from ridge.quant import checkpoint, gguf_blocks, mxfp4
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize, pad_rows
 
 log = logging.getLogger("ridge")
@@ -142,7 +142,8 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
                 joined = np.concatenate([halves["k"].transpose(0, 2, 1), halves["v"]], axis=1)
                 yield f"blk.{match.group(1)}.attn_kv_b.weight", _Stored.of(joined.reshape(-1, joined.shape[-1]))
             continue
-        if len(t.shape) == 3:  # a mixture's experts stacked [experts, rows, columns]: one tensor each
+        if len(t.shape) == 3 or t.name.endswith("_exps.bias"):
+            # a mixture's experts stacked, [experts, rows, columns] (their biases [experts, rows]): one tensor each
             for expert in range(t.shape[0]):
                 yield f"{t.name}.{expert}", _gguf_stored(t.data[expert], t.tensor_type, t.shape[1:], ops, quantized,
                                                          f"{t.name}.{expert}")
@@ -189,9 +190,15 @@ def load_model(
             tensors = _split_experts(tensors)
         table = hf_names(cfg)
         fmt = "safetensors"
-        if hf_config.get("quantization_config"):  # GPTQ / AWQ / fp8 layers, kept quantized
-            tensors = _checkpoint_layers(tensors, hf_config["quantization_config"])
-            fmt += f" {hf_config['quantization_config']['quant_method']}"
+        quantization = hf_config.get("quantization_config")
+        if quantization and quantization.get("quant_method") == "mxfp4":  # _split_experts reads its experts
+            if cfg.architecture != "gpt_oss":
+                raise ValueError(f"quantization_config.quant_method: 'mxfp4' is read for gpt-oss's experts only; "
+                                 f"{path} is {cfg.architecture}")
+            fmt += " mxfp4 experts"
+        elif quantization:  # GPTQ / AWQ / fp8 layers, kept quantized
+            tensors = _checkpoint_layers(tensors, quantization)
+            fmt += f" {quantization['quant_method']}"
     else:
         gguf = gguf or open_gguf(path)
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
@@ -441,24 +448,35 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig)
             yield name, stored
 
 
-_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias)?")
+_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias|_blocks|_scales)?")
 
 
 def _split_experts(tensors: Iterator[tuple[str, _Stored]]) -> Iterator[tuple[str, _Stored]]:
-    """gpt-oss's experts, stacked in one tensor per projection as [experts, in, out] (gate_up's columns gate and
-    up interleaved: gate the even ones), and their biases [experts, out], as each expert's weights as ridge holds
-    them ([out, in], gate's rows then up's); each expert read on its own (its slab of the file), every other
-    tensor as it is."""
+    """gpt-oss's experts, stacked in one tensor per projection, as each expert's weights as ridge holds them
+    ([out, in], gate's rows then up's), each expert read on its own (its slab of the file); every other tensor as
+    it is. The stacked forms: dense [experts, in, out] (gate_up's columns gate and up interleaved: gate the even
+    ones) with biases [experts, out]; or MXFP4 (quant/mxfp4.py), _blocks [experts, out, in / 32, 16] and _scales
+    [experts, out, in / 32] (gate_up's rows interleaved), read as QuantizedWeights."""
+    mxfp4_halves: dict[str, dict[str, _Stored]] = defaultdict(dict)
     for name, stored in tensors:
         match = _STACKED_EXPERTS.fullmatch(name)
         if match is None:
             yield name, stored
             continue
-        prefix, kind, bias = match.group(1), match.group(2), match.group(3) is not None
+        prefix, kind, suffix = match.group(1), match.group(2), match.group(3) or ""
+        gate_up = kind == "gate_up"
+        if suffix in ("_blocks", "_scales"):
+            halves = mxfp4_halves[f"{prefix}.{kind}_proj"]
+            halves[suffix] = stored
+            if len(halves) == 2:
+                del mxfp4_halves[f"{prefix}.{kind}_proj"]
+                yield from _mxfp4_experts(prefix, kind, halves["_blocks"], halves["_scales"])
+            continue
+        bias = suffix == "_bias"
         shape = stored.shape[1:] if bias else (stored.shape[2], stored.shape[1])
 
         def expert(rows: torch.Tensor | None, index: int, stored: _Stored = stored, bias: bool = bias,
-                   gate_up: bool = kind == "gate_up") -> torch.Tensor:
+                   gate_up: bool = gate_up) -> torch.Tensor:
             slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]  # [in, out], or [out] for a bias
             if gate_up:
                 slab = torch.cat([slab[..., 0::2], slab[..., 1::2]], dim=-1)
@@ -468,6 +486,27 @@ def _split_experts(tensors: Iterator[tuple[str, _Stored]]) -> Iterator[tuple[str
         for index in range(stored.shape[0]):
             yield (f"{prefix}.{index}.{kind}.{'bias' if bias else 'weight'}",
                    _Stored(tuple(shape), functools.partial(expert, index=index)))
+    if mxfp4_halves:  # each pair was yielded and dropped when its second half came
+        unpaired = sorted(name + half for name, halves in mxfp4_halves.items() for half in halves)
+        raise ValueError(f"{', '.join(unpaired)}: MXFP4 blocks without their scales, or scales without their blocks "
+                         "(a truncated checkpoint?)")
+
+
+def _mxfp4_experts(prefix: str, kind: str, blocks: _Stored,
+                   exponents: _Stored) -> Iterator[tuple[str, _Stored]]:
+    experts, rows, groups, _ = blocks.shape
+    # gate_up's rows interleaved in the file: gate's (the even ones) first here
+    order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]) if kind == "gate_up" else \
+        torch.arange(rows)
+
+    def expert(wanted: torch.Tensor | None, index: int) -> QuantizedWeight:
+        take = order if wanted is None else order[wanted]
+        slab = torch.as_tensor(blocks.read(torch.tensor([index])))[0]
+        return mxfp4.from_hf(slab[take], torch.as_tensor(exponents.read(torch.tensor([index])))[0][take])
+
+    for index in range(experts):
+        yield (f"{prefix}.{index}.{kind}.weight",
+               _Stored((rows, groups * mxfp4.GROUP), functools.partial(expert, index=index), quantized=True))
 
 
 def _safetensors(path: Path) -> Iterator[tuple[str, _Stored]]:

@@ -72,6 +72,7 @@ _HF_NAMES = {
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",

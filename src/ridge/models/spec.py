@@ -371,6 +371,10 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
                               ("attn_factor", "gguf_attn_factor", float)):  # not HF's attention_factor: refused
         if (read := value(f"{arch}.rope.scaling.{key}")) is not None:
             scaling[hf_key] = cast(read)
+    if arch == "gpt-oss":
+        # gpt-oss's YaRN ramps between unrounded dims (OpenAI's reference, HF's config: truncate false); llama.cpp
+        # rounds them outwards for every model, and so its rotary differs from the model's by a little
+        scaling["truncate"] = False
     if (log_mul := value(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
         if arch != "deepseek2":  # the key means something else for other architectures: refused by name
             scaling["gguf_yarn_log_multiplier"] = float(log_mul)
@@ -432,8 +436,9 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
 _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
-# the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it)
-_GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+# the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
+# windowed layers are the even ones, as its configs' layer_types list them
+_GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 
 def _gguf_gemma_fields(arch: str, value, hidden: int, heads: int) -> dict:

@@ -28,15 +28,21 @@ GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_down\.weight", "layers.{0}.mlp.down.weight", None),
     # mixtures of experts: the router, each expert (a stacked tensor split by _gguf_tensors: `.{expert}` added to
     # its name), and Qwen2-MoE's shared expert with its gate
-    (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{0}.mlp.router.weight", None),
-    (r"blk\.(\d+)\.ffn_gate_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 0),
-    (r"blk\.(\d+)\.ffn_up_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.gate_up.weight", 1),
-    (r"blk\.(\d+)\.ffn_down_exps\.weight\.(\d+)", "layers.{0}.mlp.experts.{1}.down.weight", None),
+    (r"blk\.(\d+)\.ffn_gate_inp\.(weight|bias)", "layers.{0}.mlp.router.{1}", None),
+    (r"blk\.(\d+)\.ffn_gate_exps\.(weight|bias)\.(\d+)", "layers.{0}.mlp.experts.{2}.gate_up.{1}", 0),
+    (r"blk\.(\d+)\.ffn_up_exps\.(weight|bias)\.(\d+)", "layers.{0}.mlp.experts.{2}.gate_up.{1}", 1),
+    (r"blk\.(\d+)\.ffn_down_exps\.(weight|bias)\.(\d+)", "layers.{0}.mlp.experts.{2}.down.{1}", None),
     (r"blk\.(\d+)\.ffn_gate_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 0),
     (r"blk\.(\d+)\.ffn_up_shexp\.weight", "layers.{0}.mlp.shared_expert.gate_up.weight", 1),
     (r"blk\.(\d+)\.ffn_down_shexp\.weight", "layers.{0}.mlp.shared_expert.down.weight", None),
     (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
     (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{0}.mlp.router_bias", None),  # DeepSeek-V3's correction bias
+]
+# gpt-oss (llama.cpp's gpt-oss): its post_attention_norm is the MLP's input norm (Gemma's is a sandwich norm), and
+# each attention layer has its sinks
+GGUF_GPT_OSS_NAMES = [
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.post_attn_norm.weight", None),
+    (r"blk\.(\d+)\.attn_sinks\.weight", "layers.{0}.attn.sinks", None),
 ]
 # latent attention (deepseek2): its projections, attn_q among them (not a slot of a fused qkv); attn_kv_b is
 # either in the file or joined from llama.cpp's attn_k_b / attn_v_b by _gguf_tensors
@@ -143,4 +149,5 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
 
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
-    return (GGUF_MLA_NAMES if cfg.is_mla else []) + GGUF_NAMES
+    return ((GGUF_MLA_NAMES if cfg.is_mla else []) + (GGUF_GPT_OSS_NAMES if cfg.architecture == "gpt_oss" else [])
+            + GGUF_NAMES)

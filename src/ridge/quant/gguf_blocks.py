@@ -12,6 +12,7 @@ tensor unpacks without loss into a QuantizedWeight (codes [N, K], scales and min
   Q5_K    32     0..31                 d * sc           -dmin * m
   Q6_K    16     -32..31               d * sc (int8)    -
   Q8_0    32     -128..127             d                -
+  MXFP4   32     -12..12 (doubled e2m1) 2^(e - 128)     -    (quant/mxfp4.py)
 
 The 4-bit ones then run on torch's int4 kernel (same group, same affine map; Q4_0's codes shifted to 0..15 with a
 minimum of -8 d); the others on ridge's grouped int8 kernel (kernels/quant_linear.cpp).
@@ -35,6 +36,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 
+from ridge.quant import mxfp4
 from ridge.quant.rtn import QuantizedWeight
 
 
@@ -61,6 +63,8 @@ def _scales(kind: GGMLQuantizationType, blocks: np.ndarray) -> tuple[np.ndarray,
     if kind == q.Q6_K:  # ql[128] qh[64] scales[16] (int8) d
         sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
         return _f16(blocks, 208)[:, None] * sc, None
+    if kind == q.MXFP4:  # e, then the nibbles
+        return mxfp4.scales(torch.from_numpy(blocks[:, :1].copy())).numpy(), None
     raise AssertionError(kind)
 
 
@@ -100,6 +104,8 @@ def _codes(kind: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
         low = _nibbles(blocks[:, :128], 64)
         high = torch.cat([_bits(blocks[:, 128 + 32 * h:160 + 32 * h], [0, 2, 4, 6], 3) for h in range(2)], dim=1)
         return (low | (high << 4)).view(torch.int8) - 32
+    if kind == q.MXFP4:
+        return mxfp4.codes(_nibbles(blocks[:, 1:], 16))
     raise AssertionError(kind)
 
 
@@ -123,7 +129,7 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, .
         return gguf_dequantize(data, kind).reshape(shape)
     blocks = _blocks(data, kind)
     scales, minimums = _scales(kind, blocks)
-    if ops is not None:
+    if ops is not None and kind.name in _UNPACKED_IN_CPP:
         out = torch.empty(int(np.prod(shape)), dtype=torch.float32)
         ops.gguf_dequantize_(out, _read_only(blocks), int(kind), torch.from_numpy(np.ascontiguousarray(scales)),
                              None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums)))
@@ -136,8 +142,12 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, .
     return values.numpy().reshape(shape)
 
 
-GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 16, "Q8_0": 32}
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 16, "Q8_0": 32,
+               "MXFP4": mxfp4.GROUP}
+# the bits a code is held in (4: two a byte, unsigned; more: an int8 each)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8,
+        "MXFP4": mxfp4.CODE_BITS}
+_UNPACKED_IN_CPP = tuple(GROUP_SIZES.keys() - {"MXFP4"})  # kernels/gguf_blocks.cpp's formats
 SUPPORTED = tuple(GROUP_SIZES)
 
 
