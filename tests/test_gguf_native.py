@@ -36,7 +36,9 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     values, nbytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[kind]:
+    if kind == "MXFP4":  # its scale a power of two, 2^(e - 128): exponents of weights (not of infinities)
+        blocks[:, 0] = rng.integers(100, 131, len(blocks), dtype=np.uint8)
+    for offset in SCALE_OFFSETS.get(kind, ()):
         scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
@@ -84,7 +86,9 @@ def test_native_kernel_equals_dequantize_then_matmul(ops, kind, dtype, tokens):
     rows, cols = 67, cols_for(kind)
     qw = gguf_blocks.unpack(random_blocks(kind, rows, cols, seed=tokens), GGMLQuantizationType[kind], (rows, cols))
     layer = QuantizedLinear(qw, None, dtype, ops)
-    assert layer.kernel == ("int4" if qw.bits == 4 and dtype == torch.bfloat16 else "grouped_int8")
+    # MXFP4's 4-bit codes index a table: ridge's grouped kernel looks them up (torch's int4 kernel is affine)
+    assert layer.kernel == ("int4" if qw.bits == 4 and qw.levels is None and dtype == torch.bfloat16
+                            else "grouped_int8")
     if layer.kernel == "grouped_int8":  # 4-bit codes two a byte, the others a byte each
         assert layer.qweight.nbytes == rows * cols // (2 if qw.bits == 4 else 1)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens)).to(dtype)

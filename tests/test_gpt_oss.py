@@ -173,20 +173,23 @@ def test_mxfp4_layouts_hold_hf_s_and_gguf_s_numbers():
     theirs = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.MXFP4))
     assert torch.equal(theirs, hf)  # the two layouts hold the same numbers
     unpacked = gguf_blocks.unpack(raw, GGMLQuantizationType.MXFP4, (16, 256))
-    assert unpacked.qweight.dtype == torch.int8 and int(unpacked.qweight.abs().max()) <= 12
+    assert torch.equal(unpacked.levels, mxfp4.LEVELS) and torch.equal(unpacked.qweight,
+                                                                      mxfp4.from_hf(blocks, exponents).qweight)
     assert torch.equal(dequantize(unpacked).float(), theirs)
     assert np.array_equal(gguf_blocks.dequantize(raw, GGMLQuantizationType.MXFP4, (16, 256)), theirs.numpy())
 
 
 def test_mxfp4_experts_match_hf(mxfp4_gpt_oss, make_llm_for_test):
-    """The published checkpoints' form: each expert's MXFP4 blocks read as int8 codes with a power-of-two scale per
-    32 (exact), on the grouped int8 kernel; float32 logits HF's within 1e-4 of the scale."""
+    """The published checkpoints' form: each expert's MXFP4 blocks read as 4-bit codes into MXFP4's table with a
+    power-of-two scale per 32 (exact), on the grouped kernel; float32 logits HF's within 1e-4 of the scale."""
     _, packed, hf = mxfp4_gpt_oss
     assert_logits_match_hf(make_llm_for_test, packed, hf, 49152)
     llm = make_llm_for_test(packed, dtype="float32")
     assert "mxfp4 experts" in llm.engine.loaded.weight_format
     experts = [e for layer in llm.engine.loaded.model.layers for e in layer.mlp.experts]
-    assert all(e.gate_up.kernel == e.down.kernel == "grouped_int8" for e in experts)
+    # 4-bit codes as the checkpoint holds them, two a byte, looked up in the kernel's registers
+    assert all(e.gate_up.kernel == e.down.kernel == "grouped_int8" and e.gate_up.levels.numel() == 16
+               and e.gate_up.qweight.nbytes * 2 == e.gate_up.in_features * e.gate_up.out_features for e in experts)
 
 
 def test_a_gguf_of_it_matches_hf_read_or_run_as_blocks(mxfp4_gpt_oss, smollm2_path, tmp_path, make_llm_for_test):

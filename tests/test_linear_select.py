@@ -34,7 +34,7 @@ def test_dense_weights(ops):
     packs = onednn_packs(torch.bfloat16, "cpu")
     assert pick(bf16, ops=ops) is (PackedLinear if packs else FewRowsLinear)
     assert pick(bf16, ops=ops, packed=False) is (nn.Linear if packs else FewRowsLinear)
-    assert pick(bf16) is nn.Linear
+    assert pick(bf16) is (PackedLinear if packs else nn.Linear)  # oneDNN's packing is torch's, not ridge's kernels
 
 
 def test_quantized_weights(ops):
@@ -48,6 +48,23 @@ def test_quantized_weights(ops):
         assert pick(int4, ops=ops) is Bf16DotLinear and pick(int8, ops=ops) is Bf16DotLinear
     assert pick(int4, ops=ops, bf16_dot=False) is Int4Linear
     assert pick(quantize_int4(torch.randn(72, 96), 32), ops=ops) is Int4Linear  # 72 channels: not in 16s
+
+
+def test_mxfp4_levels(ops, caplog):
+    """4-bit codes through a table (MXFP4) go to ridge's grouped kernel, which looks them up as held; where no kernel
+    has the lookup (CUDA, int8 activations) they are widened to int8 codes, the same numbers, and it says so."""
+    from ridge.linear.select import _warn_levels_widened
+    from ridge.quant import mxfp4
+
+    _warn_levels_widened.cache_clear()  # said once a process
+    weight = mxfp4.from_hf(*mxfp4.to_hf(torch.randn(64, 96)))
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = make_linear(weight, None, LinearTarget(dtype, ops=ops))
+        assert isinstance(layer, GroupedInt8Linear) and layer.levels.numel() == 16 and layer.qweight.shape == (64, 48)
+    assert "held a byte each" not in caplog.text
+    assert pick(weight, device="cuda") is TritonQuantLinear and "held a byte each on cuda" in caplog.text
+    wide = make_linear(weight, None, LinearTarget(torch.float32, ops=ops, int8_activations=True))
+    assert getattr(wide, "levels", torch.empty(0)).numel() == 0 and "with int8 activations" in caplog.text
 
 
 def test_int8_activations(ops):

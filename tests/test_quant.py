@@ -17,7 +17,8 @@ SHAPES = [(1, 64, 32), (3, 192, 77), (17, 256, 160), (64, 576, 960), (33, 64, 77
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64), ("fp8", 32)])
+@pytest.mark.parametrize(("method", "group_size"), [("int8", 32), ("int4", 32), ("int4", 64), ("fp8", 32),
+                                                    ("mxfp4", 32)])
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_kernel_equals_dequantize_then_matmul(ops, method, group_size, dtype, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
@@ -44,6 +45,24 @@ def test_rtn_error_bounds():
         assert (dequantize(q4) - w).abs().max() <= q4.scales.max() * (0.5 + 15 * 2**-11) + 1e-6
         assert q4.qweight.max() <= 15
     assert q8.qweight.abs().max() <= 127
+
+
+def test_mxfp4_rounds_each_weight_to_a_nearest_level():
+    """--quantization mxfp4: every weight within half the widest gap of its block's levels (2 of the doubled steps:
+    between 8 and 12), or, above the top level, clipped to it (the OCP spec's exponent, gguf's: a block's largest
+    magnitude in [8, 16) steps, so up to a quarter of it clipped); its blocks are 32 columns, another group size
+    refused by name."""
+    from ridge.config import EngineConfig
+
+    w = torch.randn(48, 256) * torch.logspace(-3, 1, 48)[:, None]
+    q = quantize_weight(w, "mxfp4", 32)
+    assert q.levels is not None and q.qweight.max() <= 15 and q.group_size == 32
+    step = q.scales.repeat_interleave(32, dim=1)
+    error, top = (dequantize(q) - w).abs(), 12 * step
+    assert (error[w.abs() <= top] <= 2 * step[w.abs() <= top] + 1e-12).all()
+    assert torch.equal(dequantize(q)[w.abs() > top].abs(), top[w.abs() > top]) and (w.abs() < 16 * step).all()
+    with pytest.raises(ValueError, match="quantization_group_size: mxfp4's blocks are 32 input columns, not 64"):
+        EngineConfig(model="smollm2", quantization="mxfp4", quantization_group_size=64)
 
 
 def test_int4_float_minimums_find_a_q4_1_grid_again():

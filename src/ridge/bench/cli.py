@@ -221,7 +221,10 @@ def _run_peers(args, mode: str, requests: list[dict], gguf: Path | None, dtype: 
                 results.append(EngineResult(name, error=f"not run (--peer {name}=PYTHON or --all-peers)"))
                 continue
             try:
-                path = random_gguf_for(spec, seed=0)  # the engine's weight seed (EngineConfig.seed)
+                # the engine's weight seed (EngineConfig.seed); under mxfp4, the experts in MXFP4 blocks as ridge
+                # holds them (llama.cpp's gpt-oss files' form)
+                block_type = "MXFP4" if getattr(args, "quantization", None) == "mxfp4" else None
+                path = random_gguf_for(spec, seed=0, block_type=block_type)
                 job = _peer_job(args, mode, requests, path, dtype)
                 if name == "vllm":
                     job["hf_dir"] = str(hf_export_dir(path, dtype, found.get("hf", sys.executable)))

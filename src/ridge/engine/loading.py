@@ -105,7 +105,7 @@ def shard_plan(config: EngineConfig, model: ModelFile, rank: int) -> ShardPlan |
     # the granule a row-parallel layer's columns are cut in: a quantization group (int8 / fp8: a scale per row,
     # columns cut freely; a GGUF file's blocks: groups of 16 or 32; a checkpoint's own groups)
     granule = {"int4": config.quantization_group_size, "gptq": config.quantization_group_size,
-               "awq": config.quantization_group_size, "gguf": max(GGUF_GROUPS.values())}.get(
+               "awq": config.quantization_group_size, "mxfp4": mxfp4.GROUP, "gguf": max(GGUF_GROUPS.values())}.get(
         config.quantization, model.checkpoint_group_size)
     return ShardPlan(model.config(), rank, config.tensor_parallel_size, granule,
                      expert_parallel=config.enable_expert_parallel)

@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
   m.def("grouped_int8_linear", &grouped_int8_linear,
-        "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns");
+        "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns; 4-bit codes "
+        "read as levels[code] where levels (int8 [16]; else an empty tensor) are given");
   m.def("int8_dot_linear", &int8_dot_linear,
         "grouped_int8_linear with x quantized to int8 per 32 values: integer dot products, not exact");
   m.def("int8_dot_available", &int8_dot_available, "whether int8_dot_linear was built (AVX2)");

@@ -86,7 +86,7 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       out = x.size(0) < tiled_min_rows ? bf16_dot_linear(x, *vnni) : vnni_tiled_linear(x, *vnni);
       break;
     case Kernel::kGrouped:
-      out = grouped_int8_linear(x, weight, scales, minimums, group);
+      out = grouped_int8_linear(x, weight, scales, minimums, group, torch::Tensor());  // levels: not on this path
       break;
     case Kernel::kInt4Pack:
       out = at::_weight_int4pack_mm_for_cpu(x, weight, group, scales);

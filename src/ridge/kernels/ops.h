@@ -33,7 +33,7 @@ void merge_attention_(torch::Tensor out, torch::Tensor lse, torch::Tensor rows, 
 void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                   torch::Tensor slots);
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  torch::Tensor minimums, int64_t group);
+                                  torch::Tensor minimums, int64_t group, torch::Tensor levels);
 torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor minimums,
                               int64_t group, bool signed_codes);
 bool int8_dot_available();

@@ -2,7 +2,9 @@
 //   y[m, n] = sum_k x[m, k] * (code[n, k] * scale[n, k / G] + minimum[n, k / G])
 // the layout that GGUF's block formats unpack to. torch has int8 kernels for one scale per output channel
 // only, and int4 kernels for bf16; nothing for grouped int8 scales. Codes come a byte each (int8 [N, K]) or,
-// 4-bit ones, two a byte (uint8 [N, K / 2], vec.h's nibble order): half the bytes to stream per step.
+// 4-bit ones, two a byte (uint8 [N, K / 2], vec.h's nibble order): half the bytes to stream per step. 4-bit codes
+// are either the integers 0..15 or indices into a table of 16 int8 levels (`levels`: MXFP4's numbers, which are
+// not evenly spaced), where code[n, k] above reads levels[code[n, k]].
 //
 // Few rows (decode): every code is read once, widened to float in registers and multiplied into up to
 // kRowBlock activation rows; each group's sums are scaled once (dot_rows); memory streams the codes and
@@ -39,10 +41,18 @@ constexpr int64_t kFewRowsFloat = 32;
 constexpr int64_t kTileBytes = 1 << 22;  // a tile's dequantized bytes: fits L2 + L3 share, amortizes a matmul call
 constexpr int64_t kOnednnBlock = 64;  // output channels per block of oneDNN's packed bf16 layout (OnednnPairs)
 
-// whether the codes are 4-bit ones two a byte
-bool check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-           const torch::Tensor& minimums, int64_t group) {
+// How a row's codes are held: a byte each; two a byte, as themselves; two a byte, as indices into the levels
+enum class Codes { kBytes, kNibbles, kLevels };
+
+// the levels, or nothing (an undefined or empty tensor)
+bool has_levels(const torch::Tensor& levels) { return levels.defined() && levels.numel() > 0; }
+
+Codes check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+            const torch::Tensor& minimums, int64_t group, const torch::Tensor& levels) {
   const bool packed = codes.scalar_type() == torch::kByte;
+  TORCH_CHECK(!has_levels(levels) || (packed && levels.scalar_type() == torch::kInt8 && levels.numel() == 16 &&
+                                      levels.is_contiguous()),
+              "levels: empty, or contiguous int8 [16] for 4-bit codes two a byte");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1) * (packed ? 2 : 1),
               "x [M, K] and codes [N, K] (int8) or [N, K / 2] (uint8, 4-bit codes two a byte)");
   TORCH_CHECK((codes.scalar_type() == torch::kInt8 || packed) && codes.is_contiguous(),
@@ -57,8 +67,11 @@ bool check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tens
                                         minimums.scalar_type() == torch::kFloat),
               "minimums: empty, or like scales");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
-  return packed;
+  return !packed ? Codes::kBytes : has_levels(levels) ? Codes::kLevels : Codes::kNibbles;
 }
+
+template <Codes kForm>
+constexpr bool kTwoAByte = kForm != Codes::kBytes;
 
 #if defined(RIDGE_FVEC)
 using ridge_vec::fvec;
@@ -66,13 +79,22 @@ using ridge_vec::kLanes;
 
 // Columns one step of a loop over codes covers: a 32-column block of 4-bit codes (both its halves come from the
 // same 16 bytes), else one vector
-template <bool kPacked>
-constexpr int64_t kStep = kPacked ? 32 : kLanes;
+template <Codes kForm>
+constexpr int64_t kStep = kTwoAByte<kForm> ? 32 : kLanes;
+
+// the levels in a register (a table for pshufb), or nothing
+template <Codes kForm>
+inline __m128i load_levels(const int8_t* levels) {
+  if constexpr (kForm == Codes::kLevels) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(levels));
+  else return _mm_setzero_si128();
+}
 
 // kLanes codes of a row from column j + h, as floats (j: a multiple of kStep; h: of kLanes, below kStep)
-template <bool kPacked>
-inline fvec load_codes(const int8_t* row, int64_t j, int64_t h) {
-  if constexpr (kPacked) return ridge_vec::vload_nibbles(reinterpret_cast<const uint8_t*>(row), j, h);
+template <Codes kForm>
+inline fvec load_codes(const int8_t* row, int64_t j, int64_t h, __m128i levels) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(row);
+  if constexpr (kForm == Codes::kLevels) return ridge_vec::vload_nibble_levels(bytes, j, h, levels);
+  else if constexpr (kForm == Codes::kNibbles) return ridge_vec::vload_nibbles(bytes, j, h);
   else return ridge_vec::vload_i8(row + j + h);
 }
 
@@ -83,10 +105,11 @@ inline fvec load_codes(const int8_t* row, int64_t j, int64_t h) {
 // instructions, and this machine class (2 cores, AVX2) is bound by them, not by memory: 1.6x faster at
 // batch 1 (3072 x 576, 287 -> 172 us). kChannels x kRows partial sums and as many totals stay in registers
 // (16 on AVX2): kRows and kChannels are compile-time, so the compiler spills none.
-template <bool kPacked, int64_t kChannels, int64_t kRows>
+template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* codes, const float* scales,
-              const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
+              const float* minimums, int64_t group, const int8_t* levels, float* out, int64_t out_stride) {
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);
+  const __m128i table = load_levels<kForm>(levels);
   fvec total[kChannels][kRows];
   for (int64_t c = 0; c < kChannels; c++)
     for (int64_t r = 0; r < kRows; r++) total[c][r] = ridge_vec::vset1(0.f);
@@ -94,16 +117,17 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
     fvec part[kChannels][kRows];
     for (int64_t c = 0; c < kChannels; c++)
       for (int64_t r = 0; r < kRows; r++) part[c][r] = ridge_vec::vset1(0.f);
-    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kPacked>) {
+    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kForm>) {
       // the next channel block's codes, a block ahead: without it a weight larger than the caches (the
       // vocabulary projection) streamed at a third of the rate of one that stays in them
       if (j % 64 == 0)
         for (int64_t c = 0; c < kChannels; c++)
-          _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * stride + code_row_bytes(kPacked, j)),
+          _mm_prefetch(reinterpret_cast<const char*>(codes + (c + kChannels) * stride +
+                                                     code_row_bytes(kTwoAByte<kForm>, j)),
                        _MM_HINT_T0);
-      for (int64_t h = 0; h < kStep<kPacked>; h += kLanes) {
+      for (int64_t h = 0; h < kStep<kForm>; h += kLanes) {
         fvec w[kChannels];
-        for (int64_t c = 0; c < kChannels; c++) w[c] = load_codes<kPacked>(codes + c * stride, j, h);
+        for (int64_t c = 0; c < kChannels; c++) w[c] = load_codes<kForm>(codes + c * stride, j, h, table);
         for (int64_t r = 0; r < kRows; r++) {
           const fvec xv = ridge_vec::vload(x + r * k_dim + j + h);
           for (int64_t c = 0; c < kChannels; c++) part[c][r] = ridge_vec::vfmadd(w[c], xv, part[c][r]);
@@ -127,19 +151,20 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
 // Channels [n, n_end) for kRows rows: kChannels at a time (kChannels x kRows independent FMA chains; one
 // channel alone is a chain of K / kLanes dependent FMAs, which bounds a decode step by latency), the rest one
 // by one.
-template <bool kPacked, int64_t kChannels, int64_t kRows>
+template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_channels(const float* x, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end, const int8_t* codes,
-                  const float* scales, const float* minimums, int64_t group, float* out, int64_t out_stride) {
-  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
+                  const float* scales, const float* minimums, int64_t group, const int8_t* levels, float* out,
+                  int64_t out_stride) {
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);
   for (; n < n_end; n += kChannels) {
     const float* mn = minimums ? minimums + n * groups : nullptr;
     if (n + kChannels <= n_end) {
-      dot_rows<kPacked, kChannels, kRows>(x, xsum, k_dim, codes + n * stride, scales + n * groups, mn, group,
-                                          out + n, out_stride);
+      dot_rows<kForm, kChannels, kRows>(x, xsum, k_dim, codes + n * stride, scales + n * groups, mn, group, levels,
+                                        out + n, out_stride);
     } else {
       for (int64_t t = n; t < n_end; t++)
-        dot_rows<kPacked, 1, kRows>(x, xsum, k_dim, codes + t * stride, scales + t * groups,
-                                    minimums ? minimums + t * groups : nullptr, group, out + t, out_stride);
+        dot_rows<kForm, 1, kRows>(x, xsum, k_dim, codes + t * stride, scales + t * groups,
+                                  minimums ? minimums + t * groups : nullptr, group, levels, out + t, out_stride);
     }
   }
 }
@@ -157,23 +182,27 @@ void* scratch(size_t bytes) {
 }
 
 // rows x K grouped codes -> out [rows, K] in T, all threads
-template <bool kPacked, typename T>
+template <Codes kForm, typename T>
 void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
-                        int64_t k_dim, int64_t group, T* out) {
+                        int64_t k_dim, int64_t group, const int8_t* levels, T* out) {
   const int64_t groups = rows * (k_dim / group);  // rows are contiguous: groups follow one another
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; g++) {
     const float scale = scales[g], minimum = minimums ? minimums[g] : 0.f;
 #if defined(RIDGE_FVEC)
     const fvec s = ridge_vec::vset1(scale), mn = ridge_vec::vset1(minimum);
-    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kPacked>)
-      for (int64_t h = 0; h < kStep<kPacked>; h += kLanes)
-        store(out + j + h, ridge_vec::vfmadd(load_codes<kPacked>(codes, j, h), s, mn));
+    const __m128i table = load_levels<kForm>(levels);
+    for (int64_t j = g * group; j < (g + 1) * group; j += kStep<kForm>)
+      for (int64_t h = 0; h < kStep<kForm>; h += kLanes)
+        store(out + j + h, ridge_vec::vfmadd(load_codes<kForm>(codes, j, h, table), s, mn));
 #else
-    for (int64_t j = g * group; j < (g + 1) * group; j++)
+    for (int64_t j = g * group; j < (g + 1) * group; j++) {
       // rows follow one another, and a 32-column block never straddles two: j indexes them all
-      out[j] = static_cast<T>((kPacked ? nibble_at(reinterpret_cast<const uint8_t*>(codes), j) : codes[j]) * scale +
-                              minimum);
+      int code = codes[j];
+      if constexpr (kForm != Codes::kBytes) code = nibble_at(reinterpret_cast<const uint8_t*>(codes), j);
+      if constexpr (kForm == Codes::kLevels) code = levels[code];
+      out[j] = static_cast<T>(code * scale + minimum);
+    }
 #endif
   }
 }
@@ -338,14 +367,15 @@ void dequantize_vnni(const VnniWeight& weight, const ridge_vnni::Geometry& geo, 
 }
 #endif
 
-template <bool kPacked>
+template <Codes kForm>
 torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                             const torch::Tensor& minimums, int64_t group) {
+                             const torch::Tensor& minimums, int64_t group, const torch::Tensor& levels) {
   const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = x.size(1);
   const int8_t* c = static_cast<const int8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
-  const int64_t groups = k_dim / group, stride = code_row_bytes(kPacked, k_dim);
+  const int8_t* lv = kForm == Codes::kLevels ? levels.data_ptr<int8_t>() : nullptr;
+  const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);
 #if defined(RIDGE_FVEC)
   if (m_dim <= (x.scalar_type() == torch::kFloat ? kFewRowsFloat : kFewRows)) {
     const torch::Tensor xf = x.to(torch::kFloat).contiguous();
@@ -361,18 +391,18 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes,
       const float* sm = xs + m0 * groups;
       float* om = op + m0 * n_dim;
       switch (rows) {  // registers: 2 x channels x rows + channels + 1 <= 16
-        case 1: dot_channels<kPacked, 4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        case 2: dot_channels<kPacked, 2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        case 3: dot_channels<kPacked, 2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
-        default: dot_channels<kPacked, 1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, om, n_dim); break;
+        case 1: dot_channels<kForm, 4, 1>(xm, sm, k_dim, n, n_end, c, s, mn, group, lv, om, n_dim); break;
+        case 2: dot_channels<kForm, 2, 2>(xm, sm, k_dim, n, n_end, c, s, mn, group, lv, om, n_dim); break;
+        case 3: dot_channels<kForm, 2, 3>(xm, sm, k_dim, n, n_end, c, s, mn, group, lv, om, n_dim); break;
+        default: dot_channels<kForm, 1, 4>(xm, sm, k_dim, n, n_end, c, s, mn, group, lv, om, n_dim); break;
       }
     });
     return out.to(x.scalar_type());
   }
 #endif
   const auto tile = [&](int64_t n0, int64_t rows, auto* buffer) {
-    dequantize_grouped<kPacked>(c + n0 * stride, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim,
-                                group, buffer);
+    dequantize_grouped<kForm>(c + n0 * stride, s + n0 * groups, mn ? mn + n0 * groups : nullptr, rows, k_dim,
+                              group, lv, buffer);
   };
   if (x.scalar_type() == torch::kBFloat16) return tiled_linear<c10::BFloat16>(x, n_dim, 1, false, tile);
   return tiled_linear<float>(x, n_dim, 1, false, tile);
@@ -381,9 +411,12 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes,
 }  // namespace
 
 torch::Tensor grouped_int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                  torch::Tensor minimums, int64_t group) {
-  return check(x, codes, scales, minimums, group) ? grouped_linear<true>(x, codes, scales, minimums, group)
-                                                  : grouped_linear<false>(x, codes, scales, minimums, group);
+                                  torch::Tensor minimums, int64_t group, torch::Tensor levels) {
+  switch (check(x, codes, scales, minimums, group, levels)) {
+    case Codes::kLevels: return grouped_linear<Codes::kLevels>(x, codes, scales, minimums, group, levels);
+    case Codes::kNibbles: return grouped_linear<Codes::kNibbles>(x, codes, scales, minimums, group, levels);
+    default: return grouped_linear<Codes::kBytes>(x, codes, scales, minimums, group, levels);
+  }
 }
 
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,

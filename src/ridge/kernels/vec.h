@@ -126,6 +126,12 @@ inline fvec vload_u4(const uint8_t* p, bool high) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
 }
+// kLanes 4-bit codes as vload_u4 reads them, each looked up in `levels` (16 int8 values) -> floats
+inline fvec vload_u4_levels(const uint8_t* p, bool high, __m128i levels) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i codes = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(levels, codes)));
+}
 // kLanes 32-bit words, each two bf16 values: the low halves -> lo, the high halves -> hi
 inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
   const __m512i w = _mm512_loadu_si512(p);
@@ -159,6 +165,11 @@ inline fvec vload_u4(const uint8_t* p, bool high) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
 }
+inline fvec vload_u4_levels(const uint8_t* p, bool high, __m128i levels) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i codes = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(levels, codes)));
+}
 inline void vload_bf16_pairs(const void* p, fvec& lo, fvec& hi) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -183,6 +194,10 @@ inline void vstore_bf16(void* p, fvec v) {
 // below 32 (a constant where the loop over h unrolls, so that the choice of nibble costs nothing)
 inline fvec vload_nibbles(const uint8_t* row, int64_t j, int64_t h) {
   return vload_u4(row + j / 2 + h % 16, h >= 16);
+}
+// the same codes looked up in `levels`, 16 int8 values (a table of levels: MXFP4's doubled e2m1 numbers)
+inline fvec vload_nibble_levels(const uint8_t* row, int64_t j, int64_t h, __m128i levels) {
+  return vload_u4_levels(row + j / 2 + h % 16, h >= 16, levels);
 }
 // the 32 codes of a nibble row's block b, in column order, a byte each
 inline __m256i load_nibble_block(const uint8_t* row, int64_t b) {

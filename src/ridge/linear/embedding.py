@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -29,6 +31,6 @@ class QuantizedEmbedding(nn.Module):
             return ops.vnni_rows(vnni, flat, k).to(self.dtype).view(*ids.shape, -1)
         w = self.weight_q
         # index_select, not w.qweight[flat]: advanced indexing cost ~30 us a tensor, three per decode step
-        rows = QuantizedWeight(w.qweight.index_select(0, flat), w.scales.index_select(0, flat),
-                               None if w.minimums is None else w.minimums.index_select(0, flat), w.bits, w.group_size)
+        rows = dataclasses.replace(w, qweight=w.qweight.index_select(0, flat), scales=w.scales.index_select(0, flat),
+                                   minimums=None if w.minimums is None else w.minimums.index_select(0, flat))
         return dequantize(rows).to(self.dtype).view(*ids.shape, -1)

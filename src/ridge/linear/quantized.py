@@ -6,10 +6,11 @@ dequantizes in registers. The buffers are not persistent: they are a kernel's la
 - Int4Linear: 4-bit codes per group on torch's aten._weight_int4pack_mm_for_cpu (a tiled layout torch
   converts to at load); from TILED_MIN_ROWS rows in bfloat16, ridge's tiled kernel dequantizes a tile once
   and multiplies it on oneDNN's bf16 matmul (kernels/quant_linear.cpp).
-- GroupedInt8Linear: int8 codes (or 4-bit ones two a byte) per group on ridge's grouped_int8_linear, as
-  torch has no kernel for grouped scales; float32's every int8 and 4-bit format too, torch's two kernels
-  being slow there. With int8 activations (AVX2), inputs of up to INT8_ACTIVATIONS_MAX_ROWS rows are
-  quantized to int8 and multiplied as integers (kernels/int8_dot_linear.cpp states the error bound).
+- GroupedInt8Linear: int8 codes (or 4-bit ones two a byte, read as themselves or through a table of levels:
+  MXFP4) per group on ridge's grouped_int8_linear, as torch has no kernel for grouped scales; float32's every
+  int8 and 4-bit format too, torch's two kernels being slow there. With int8 activations (AVX2), inputs of up
+  to INT8_ACTIVATIONS_MAX_ROWS rows are quantized to int8 and multiplied as integers
+  (kernels/int8_dot_linear.cpp states the error bound).
 - Fp8Linear: e4m3 codes per output channel widened to the activation dtype per call, the scale applied to
   the output. The CPU has no fp8 matmul: this halves weight memory against bfloat16, not decode time.
 - DequantizedLinear: the dequantized matrix, where no kernel runs (not the CPU): the same numbers at the
@@ -54,7 +55,7 @@ class Int8Linear(KernelLinear):
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiled_ops is not None:  # ridge's kernel at every row count, decode's few rows included
             return self.tiled_ops.grouped_int8_linear(x, self.qweight, self.channel_scales, self.no_minimums,
-                                                      self.in_features)
+                                                      self.in_features, NO_TENSOR)
         if self.unpacked is not None and x.shape[0] > FLOAT32_KERNEL_MAX_ROWS:
             return x @ dequantize(self.unpacked).T
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -118,12 +119,16 @@ class GroupedInt8Linear(KernelLinear):
         super().__init__(*weight.shape, bias, dtype)
         self.ops = ops
         self.group_size = weight.group_size or self.in_features  # int8: one group per output channel
+        if weight.levels is not None and (self.group_size % 32 or int8_activations):
+            raise ValueError("GroupedInt8Linear: levels need 4-bit codes in groups of 32s, on the float kernel")
         if weight.bits == 4 and self.group_size % 32 == 0:
             codes, self.signed_codes = pack_nibbles(weight.qweight), False
         else:
             codes = weight.qweight.to(torch.int8).contiguous()
             self.signed_codes = bool((codes < 0).any())  # the integer kernel's two forms
         self.register_buffer("qweight", codes, persistent=False)
+        levels = weight.levels if weight.levels is not None else NO_TENSOR
+        self.register_buffer("levels", levels.to(torch.int8).contiguous(), persistent=False)
         self.register_buffer("scales", weight.scales.float().reshape(self.out_features, -1).contiguous(),
                              persistent=False)
         minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
@@ -135,9 +140,11 @@ class GroupedInt8Linear(KernelLinear):
         if self.int8_activations and x.shape[0] <= self.int8_activation_max_rows:
             return self.ops.int8_dot_linear(x, self.qweight, self.scales, self.minimums, self.group_size,
                                             self.signed_codes)
-        return self.ops.grouped_int8_linear(x, self.qweight, self.scales, self.minimums, self.group_size)
+        return self.ops.grouped_int8_linear(x, self.qweight, self.scales, self.minimums, self.group_size, self.levels)
 
-    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any:
+    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any | None:
+        if self.levels.numel():  # the decode stack's parts carry no levels
+            return None
         kernel = "int8_dot" if self.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, self.qweight, self.scales, self.minimums, self.group_size, self.signed_codes,
                               bias, 0)

@@ -8,6 +8,8 @@ stay torch's nn.Linear (cuBLAS) and quantized ones take linear/triton.py's layer
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -20,7 +22,9 @@ from ridge.linear.dense import FewRowsLinear, PackedLinear, onednn_packs, prompt
 from ridge.linear.quantized import DequantizedLinear, Fp8Linear, GroupedInt8Linear, Int4Linear, Int8Linear
 from ridge.linear.triton import TritonQuantLinear
 from ridge.linear.vnni import Bf16DotLinear, VnniLinear, vnni_fits
-from ridge.quant.rtn import QuantizedWeight, concatenate
+from ridge.quant.rtn import QuantizedWeight, concatenate, with_codes_as_levels
+
+log = logging.getLogger("ridge")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,14 @@ def _dense_kind(target: LinearTarget) -> type[nn.Module]:
 
 def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:
     dtype, ops = target.dtype, target.cpu_ops
+    if weight.levels is not None:  # 4-bit codes through a table (MXFP4): ridge's grouped kernel reads them as held
+        if ops is None or weight.group_size is None or weight.group_size % 32:
+            _warn_levels_widened(f"on {target.device}")
+        elif target.int8_activations:
+            _warn_levels_widened("with int8 activations")
+        else:
+            return GroupedInt8Linear(weight, bias, dtype, ops)
+        weight = with_codes_as_levels(weight)
     if target.device.startswith("cuda"):
         return TritonQuantLinear(weight, bias, dtype, target.device)
     if weight.qweight.dtype == torch.float8_e4m3fn:
@@ -91,6 +103,12 @@ def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: Linea
     if target.device == "cpu" and weight.bits == 4:
         return Int4Linear(weight, bias, dtype, ops)
     return DequantizedLinear(weight, bias, dtype)
+
+
+@functools.cache
+def _warn_levels_widened(where: str) -> None:
+    log.warning("ridge: MXFP4's 4-bit codes are held a byte each %s (no table-lookup kernel there): the same "
+                "numbers, twice the bytes to read", where)
 
 
 def fused_linear(parts: list[QuantizedWeight], bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:

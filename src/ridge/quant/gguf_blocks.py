@@ -1,7 +1,8 @@
 """GGUF block formats as integer codes with per-group scales: w = code * scale + minimum.
 
-Every format the four pullable models use is, block by block, an affine map of small integers, so each
-tensor unpacks without loss into a QuantizedWeight (codes [N, K], scales and minimums [N, K / group]):
+Every format the four pullable models use is, block by block, an affine map of small integers (MXFP4, gpt-oss's,
+of a table's values at small integers), so each tensor unpacks without loss into a QuantizedWeight (codes [N, K],
+scales and minimums [N, K / group], the table as its levels):
 
   format  group  codes                 scale            minimum
   Q4_0    32     -8..7                 d                -
@@ -12,10 +13,12 @@ tensor unpacks without loss into a QuantizedWeight (codes [N, K], scales and min
   Q5_K    32     0..31                 d * sc           -dmin * m
   Q6_K    16     -32..31               d * sc (int8)    -
   Q8_0    32     -128..127             d                -
-  MXFP4   32     -12..12 (doubled e2m1) 2^(e - 128)     -    (quant/mxfp4.py)
+  MXFP4   32     0..15: an index into  2^(e - 128)      -    (quant/mxfp4.py)
+                 -12..12 (doubled e2m1)
 
 The 4-bit ones then run on torch's int4 kernel (same group, same affine map; Q4_0's codes shifted to 0..15 with a
-minimum of -8 d); the others on ridge's grouped int8 kernel (kernels/quant_linear.cpp).
+minimum of -8 d); the others, and MXFP4 (its 4-bit codes looked up in registers), on ridge's grouped int8 kernel
+(kernels/quant_linear.cpp).
 
 The codes' bits are unpacked here, in torch, rather than by gguf's numpy dequantize, which was most of a model's
 load; dequantize() does it in one C++ pass where ridge's kernels built (kernels/gguf_blocks.cpp: each torch op
@@ -104,8 +107,8 @@ def _codes(kind: GGMLQuantizationType, blocks: torch.Tensor) -> torch.Tensor:
         low = _nibbles(blocks[:, :128], 64)
         high = torch.cat([_bits(blocks[:, 128 + 32 * h:160 + 32 * h], [0, 2, 4, 6], 3) for h in range(2)], dim=1)
         return (low | (high << 4)).view(torch.int8) - 32
-    if kind == q.MXFP4:
-        return mxfp4.codes(_nibbles(blocks[:, 1:], 16))
+    if kind == q.MXFP4:  # indices into mxfp4.LEVELS
+        return _nibbles(blocks[:, 1:], 16).view(torch.int8)
     raise AssertionError(kind)
 
 
@@ -135,7 +138,10 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, .
                              None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums)))
         return out.numpy().reshape(shape)
     groups = scales.shape[1]
-    values = _codes(kind, _read_only(blocks)).to(torch.float32).reshape(len(blocks), groups, -1)
+    codes = _codes(kind, _read_only(blocks))
+    if kind.name in LEVELS:
+        codes = LEVELS[kind.name][codes.long()]
+    values = codes.to(torch.float32).reshape(len(blocks), groups, -1)
     values.mul_(torch.from_numpy(scales)[..., None])
     if minimums is not None:
         values.add_(torch.from_numpy(minimums)[..., None])
@@ -144,9 +150,8 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, .
 
 GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 32, "Q6_K": 16, "Q8_0": 32,
                "MXFP4": mxfp4.GROUP}
-# the bits a code is held in (4: two a byte, unsigned; more: an int8 each)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8,
-        "MXFP4": mxfp4.CODE_BITS}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "MXFP4": 4}
+LEVELS = {"MXFP4": mxfp4.LEVELS}  # the formats whose codes index a table of values
 _UNPACKED_IN_CPP = tuple(GROUP_SIZES.keys() - {"MXFP4"})  # kernels/gguf_blocks.cpp's formats
 SUPPORTED = tuple(GROUP_SIZES)
 
@@ -169,5 +174,5 @@ def unpack(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int],
         codes.contiguous(),
         torch.from_numpy(np.ascontiguousarray(scales.reshape(groups))),
         None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums.reshape(groups))),
-        BITS[kind.name], GROUP_SIZES[kind.name],
+        BITS[kind.name], GROUP_SIZES[kind.name], LEVELS.get(kind.name),
     )

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ridge.quant import mxfp4
 from ridge.quant.awq import clipped_int4
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
 
-METHODS = ("int8", "int4", "gptq", "awq", "fp8")  # quantize_weights' methods
+METHODS = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4")  # quantize_weights' methods
 CALIBRATED = ("gptq", "awq")  # methods that need X^T X statistics (quantize/calibration.py)
 
 
@@ -36,6 +37,8 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int,
         return clipped_int4(weight, group_size, hessian, integer_zeros=False)
     if method == "fp8":
         return quantize_fp8(weight, importance)
+    if method == "mxfp4":
+        return mxfp4.quantize(weight)
     if method == "gptq":
         if hessian is None:
             raise ValueError("quantization: gptq needs calibration statistics (quantize/calibration.py)")

@@ -2,10 +2,10 @@
 6 and their negatives) times its block's power of two, an e8m0 byte e: 2^(e - 127). gpt-oss ships its experts in
 it; llama.cpp's GGUF type MXFP4 holds the same numbers.
 
-Doubled, the e2m1 numbers are integers, -12..12, so a block is codes * 2^(e - 128): an int8 code per weight and a
-scale per group of 32, exactly, which the grouped-code kernels of the other GGUF formats run as they are
-(kernels/quant_linear.cpp, the Triton one on CUDA). A code takes a byte there, not half of one: the kernels have no
-table lookup for the 4-bit index.
+Doubled, the e2m1 numbers are integers, -12..12, so a block is LEVELS[index] * 2^(e - 128): a QuantizedWeight of
+4-bit codes with LEVELS as its table and a scale per group of 32, exactly. ridge's grouped CPU kernel reads the
+codes as held, two a byte, and looks each up in a register (kernels/quant_linear.cpp); kernels without the lookup
+(CUDA's) take the levels as int8 codes a byte each (rtn.with_codes_as_levels).
 
 Two layouts of the same bits, differing in where a block's exponent sits and in the order of its nibbles:
   GGUF  a block is 17 bytes: e, then 16 bytes, byte i holding value i (low nibble) and value 16 + i (high)
@@ -25,8 +25,6 @@ from ridge.quant.rtn import QuantizedWeight
 
 GROUP = 32
 LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)  # doubled
-# The bits a code is held in: its 25 levels span 5 (as GGUF's Q5 formats' codes do, a byte each)
-CODE_BITS = 5
 
 
 def scales(exponents: torch.Tensor) -> torch.Tensor:
@@ -35,17 +33,23 @@ def scales(exponents: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exponents.to(torch.float64) - 128).float()
 
 
-def codes(indices: torch.Tensor) -> torch.Tensor:
-    """4-bit indices (any integer tensor) -> their doubled e2m1 values, int8."""
-    return LEVELS[indices.long()]
-
-
 def from_hf(blocks: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight:
     """One matrix of an HF checkpoint: blocks uint8 [N, K / 32, 16], exponents uint8 [N, K / 32] -> its codes
-    and scales."""
+    (one a byte, in column order), levels and scales."""
     n, groups, _ = blocks.shape
     indices = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, groups * GROUP)
-    return QuantizedWeight(codes(indices).contiguous(), scales(exponents).contiguous(), None, CODE_BITS, GROUP)
+    return QuantizedWeight(indices.contiguous(), scales(exponents).contiguous(), None, 4, GROUP, LEVELS)
+
+
+def quantize(weight: torch.Tensor) -> QuantizedWeight:
+    """A float matrix [N, K] (K in 32s) at its nearest MXFP4 numbers: gguf's quantization, a few hundred rows at a
+    time (gguf compares each weight with all 16 levels at once: 64 bytes of scratch a weight)."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"quantization: mxfp4's blocks are {GROUP} input columns; a weight has {k}")
+    parts = [from_hf(*to_hf(rows)) for rows in weight.split(max(1, (1 << 22) // k))]
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), None, 4,
+                           GROUP, LEVELS)
 
 
 def to_hf(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,13 +43,15 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 class QuantizedWeight:
     """w[n, k] = qweight[n, k] * scale + minimum, one scale (and minimum) per output channel or per group of
     `group_size` input columns. RTN makes int8 per channel and int4 per group; GGUF files bring 4- to 8-bit
-    codes per group (quant/gguf_blocks.py)."""
+    codes per group (quant/gguf_blocks.py). With `levels`, a 4-bit code is an index: w = levels[q] * scale
+    (MXFP4, quant/mxfp4.py)."""
 
     qweight: torch.Tensor  # uint8 in [0, 15] (4 bits), int8, or float8_e4m3fn (fp8); [N, K]
     scales: torch.Tensor  # float32 [N] (per channel) or [N, K / group_size]
     minimums: torch.Tensor | None  # like scales; None: zero
     bits: int
     group_size: int | None  # None: per output channel
+    levels: torch.Tensor | None = None  # int8 [16]: the value of each 4-bit code; None: the code itself
 
     @property
     def shape(self) -> torch.Size:
@@ -176,10 +178,11 @@ def zero_points(qw: QuantizedWeight) -> torch.Tensor:
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """float32 [N, K]: the matrix the quantized layer multiplies by."""
+    codes = qw.qweight if qw.levels is None else qw.levels[qw.qweight.long()]
     if qw.group_size is None:
-        return qw.qweight.float() * qw.scales[:, None]
+        return codes.float() * qw.scales[:, None]
     n, k = qw.shape
-    w = qw.qweight.float().view(n, k // qw.group_size, qw.group_size) * qw.scales[..., None]
+    w = codes.float().view(n, k // qw.group_size, qw.group_size) * qw.scales[..., None]
     if qw.minimums is not None:
         w += qw.minimums[..., None]
     return w.view(n, k)
@@ -189,13 +192,24 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """Stack weights along the output dimension (q|k|v, gate|up), or None where their formats differ."""
     first = parts[0]
     if any((p.bits > 4) != (first.bits > 4) or p.group_size != first.group_size
-           or p.qweight.is_floating_point() != first.qweight.is_floating_point() for p in parts):
+           or p.qweight.is_floating_point() != first.qweight.is_floating_point()
+           or (p.levels is None) != (first.levels is None)
+           or (p.levels is not None and not torch.equal(p.levels, first.levels)) for p in parts):
         return None
     minimums = None
     if any(p.minimums is not None for p in parts):
         minimums = torch.cat([torch.zeros_like(p.scales) if p.minimums is None else p.minimums for p in parts])
     return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), minimums,
-                           max(p.bits for p in parts), first.group_size)
+                           max(p.bits for p in parts), first.group_size, first.levels)
+
+
+def with_codes_as_levels(qw: QuantizedWeight) -> QuantizedWeight:
+    """A weight with levels as plain int8 codes, a byte each, for kernels that have no table (the same numbers;
+    twice the bytes of 4-bit codes)."""
+    if qw.levels is None:
+        return qw
+    wide = int(qw.levels.abs().max()).bit_length() + 1  # the bits the levels span, with a sign
+    return dataclasses.replace(qw, qweight=qw.levels[qw.qweight.long()].contiguous(), bits=max(wide, 5), levels=None)
 
 
 def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tensor,

@@ -11,6 +11,7 @@ checkpoint's int4 is the less accurate of the two.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -177,8 +178,8 @@ def _hf_tensors(model: DecoderModel, cfg: ModelConfig,
 
 
 def _rows(qw: QuantizedWeight, lo: int, hi: int) -> QuantizedWeight:
-    return QuantizedWeight(qw.qweight[lo:hi], qw.scales[lo:hi], None if qw.minimums is None else qw.minimums[lo:hi],
-                           qw.bits, qw.group_size)
+    return dataclasses.replace(qw, qweight=qw.qweight[lo:hi], scales=qw.scales[lo:hi],
+                               minimums=None if qw.minimums is None else qw.minimums[lo:hi])
 
 
 def _hf_config(model_path: Path, cfg: ModelConfig, tokenizer: RidgeTokenizer) -> dict[str, Any]:
