@@ -195,3 +195,27 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
         assert llm.engine.runner.graphs is not None
         eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
         assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
+
+
+def test_gpt_oss_matches_hf_on_the_gpu(tmp_path_factory, make_llm_for_test):
+    """gpt-oss on CUDA: its sinks in the Triton decode kernel's merge and the prefill kernel's normalisation (a fresh
+    prompt's scores made in torch), its windows and biases; HF's float32 logits and greedy tokens, and the same tokens
+    with CUDA graphs as eagerly."""
+    import test_gpt_oss
+
+    from ridge import SamplingParams
+
+    path, hf = test_gpt_oss.random_hf_gpt_oss(tmp_path_factory)
+    hf = hf.cuda()
+    llm = make_llm_for_test(path, device="cuda", dtype="float32", max_num_batched_tokens=32)
+    prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 90, 100, seed=3)
+    for ids in prompts:
+        ours = llm.engine.prompt_logits(ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0]
+        assert (ours.to(ref.device) - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+    outs = llm.generate(prompts, SamplingParams(**GREEDY_ARGS))
+    for ids, out in zip(prompts, outs, strict=True):
+        assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
+    eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
+    assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)

@@ -12,8 +12,13 @@ from test_models_random import VOCAB, byte_tokenizer
 
 @pytest.fixture(scope="module")
 def random_gpt_oss(tmp_path_factory):
-    """Sinks and biases drawn (HF initialises the experts' biases to zero), a window of 8 so that the prompts
-    pass it, a clamp of 0.8 that the random activations reach."""
+    return random_hf_gpt_oss(tmp_path_factory)
+
+
+def random_hf_gpt_oss(tmp_path_factory):
+    """HF's model of a small random gpt-oss config, saved: (its directory, the model). Sinks and biases drawn (HF
+    initialises the experts' biases to zero), a window of 8 so that the prompts pass it, a clamp of 0.8 that the
+    random activations reach."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     torch.manual_seed(0)
@@ -75,16 +80,6 @@ def test_an_int8_cache_keeps_the_float_cache_s_tokens(random_gpt_oss, make_llm_f
     coded = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
     assert [o.outputs[0].token_ids for o in coded.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-
-
-def test_the_cuda_backends_refuse_the_sinks():
-    """The Triton kernels attend without sinks: the engine refuses a model with them there (ModelRunner), on the
-    quantized CUDA cache too (whose other parent, the CPU's quantized cache, handles them)."""
-    from ridge.attention.cuda import CudaBackend, CudaQuantizedKVBackend
-    from ridge.attention.quantized_kv import QuantizedKVBackend
-
-    assert QuantizedKVBackend.handles_sinks and not CudaBackend.handles_sinks
-    assert not CudaQuantizedKVBackend.handles_sinks
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

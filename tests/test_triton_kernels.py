@@ -318,13 +318,16 @@ def _quantized_backends(name: str):
     return cuda, ref
 
 
-@pytest.mark.parametrize("window", [None, 12])
-@pytest.mark.parametrize("cache", ["auto", "fp8", "int8", "int4"])
-def test_cuda_backend_matches_reference(window, cache):
+@pytest.mark.parametrize(("window", "cache", "sinks"), [
+    *[(window, cache, False) for window in (None, 12) for cache in ("auto", "fp8", "int8", "int4")],
+    (None, "auto", True), (12, "auto", True), (12, "int8", True)])
+def test_cuda_backend_matches_reference(window, cache, sinks):
     """A step of two decodes and two prefill chunks (a fresh prompt through SDPA, and one continuing a cached
     context through the Triton prefill kernel), through both backends, layer by layer; the caches hold the same
     tokens afterwards. A quantized cache: against the CPU backend over the same format, which attends to what
-    the cache holds, dequantized (the Triton kernels widen its codes as they read them)."""
+    the cache holds, dequantized (the Triton kernels widen its codes as they read them). sinks: gpt-oss's logit per
+    head in every softmax's denominator (the decode kernel's merge, the prefill kernel's normalisation, the fresh
+    prompt's scores made in torch)."""
     torch.manual_seed(4)
     cuda, ref = _backends(torch.float32) if cache == "auto" else _quantized_backends(cache)
     history = {0: 21, 1: 9, 3: 30}  # sequences with cached tokens: seq -> tokens before this step (3: 67 after)
@@ -352,11 +355,12 @@ def test_cuda_backend_matches_reference(window, cache):
                 PrefillChunk(2 + chunks[2], chunks[3], history[3] + chunks[3], tables[3][:9])]
     q = torch.randn(len(owners), 4, 32, device=DEVICE)
     k, v = torch.randn(len(owners), 2, 32, device=DEVICE), torch.randn(len(owners), 2, 32, device=DEVICE)
+    extra = (torch.randn(4, device=DEVICE) * 2,) if sinks else ()
     outs = []
     for backend in (cuda, ref):
         meta = AttentionMetadata(**meta_args, prefills=prefills)
         backend.prepare(meta)
-        outs.append([backend.forward(layer, q, k, v, [meta]) for layer in range(2)])
+        outs.append([backend.forward(layer, q, k, v, [meta], *extra) for layer in range(2)])
     for ours, expected in zip(*outs, strict=True):
         assert (ours - expected).abs().max().item() < 1e-5, (ours - expected).abs().max().item()
     for seq in (0, 1, 2, 3):

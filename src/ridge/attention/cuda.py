@@ -58,7 +58,6 @@ class ContextPrefill:
 
 
 class CudaBackend(PagedBackend):
-    handles_sinks = False  # the Triton kernels attend without them
     cascade = False
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
@@ -91,29 +90,32 @@ class CudaBackend(PagedBackend):
         meta.backend_state = ContextPrefill.of(continued, self.triton) if continued else None
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        decoded = self.decode(layer, q[:meta.num_decodes], meta) if meta.num_decodes else None
+        """sinks: gpt-oss's, in each kernel's softmax denominator (fresh prompts: sink_attention's scores)."""
+        decoded = self.decode(layer, q[:meta.num_decodes], meta, sinks) if meta.num_decodes else None
         if not meta.prefills:
             return decoded
         out = torch.empty_like(q)
         if decoded is not None:
             out[:meta.num_decodes] = decoded
-        self._attend_chunks(layer, q, k, v, meta, out)
+        self._attend_chunks(layer, q, k, v, meta, out, sinks)
         context = self._context_prefill(meta)
         if context is not None:
             self.triton.paged_prefill(q, self.k_cache[layer], self.v_cache[layer], out, context.tables,
                                       context.tile_chunks, context.tile_offsets, context.starts, context.lengths,
-                                      context.context_lens, self.scale, meta.window, self._quantized(layer))
+                                      context.context_lens, self.scale, meta.window, self._quantized(layer), sinks)
         return out
 
-    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query per row [B, heads, d], read in place from the blocks of its table."""
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         splits = self.triton.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
                                         self.multiprocessors)
         return self.triton.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
-                                        meta.window_starts(lens), splits, self._quantized(layer))
+                                        meta.window_starts(lens), splits, self._quantized(layer), sinks)
 
     def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:
         return meta.backend_state
@@ -135,8 +137,6 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
     """QuantizedKVBackend's storage, write and gather (in its rows layout); CudaBackend's attention, whose kernels
     read the codes in place."""
 
-    handles_sinks = False  # the Triton kernels attend without them
-
     lane_layout = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -144,11 +144,11 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
         writes = BlockWrites.of(meta.slot_mapping, self.block_size) if self.format.key_channels else None
         meta.backend_state = QuantizedStep(writes, meta.backend_state)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                step: StepMetadata) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = step[self.group_of_layer[layer]]
         self.write(layer, k, v, meta.slot_mapping, meta.backend_state.writes)
-        return self.attend(layer, q, k, v, meta)
+        return self.attend(layer, q, k, v, meta, sinks)
 
     def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:
         return meta.backend_state.context

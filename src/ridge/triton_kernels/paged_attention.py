@@ -218,9 +218,9 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh"])
 def _merge_splits_kernel(
-    parts_ptr, lse_ptr, out_ptr, num_splits,
+    parts_ptr, lse_ptr, out_ptr, sinks_ptr, num_splits,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # splits BLOCK_S at a time, so that one compiled kernel merges any number of them
     row = tl.program_id(0)
@@ -231,6 +231,9 @@ def _merge_splits_kernel(
     top = tl.full([], float("-inf"), tl.float32)
     for first in range(0, num_splits, BLOCK_S):
         top = tl.maximum(top, tl.max(tl.load(lse_row + first + s, mask=first + s < num_splits, other=float("-inf")), 0))
+    if HAS_SINKS:  # gpt-oss: the head's sink logit joins the denominator and attends to nothing
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for first in range(0, num_splits, BLOCK_S):
@@ -240,17 +243,21 @@ def _merge_splits_kernel(
                         mask=inside[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
         acc += tl.sum(parts * weights[:, None], 0)
         total += tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     out = acc / total
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def merge_splits(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def merge_splits(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The splits' outputs parts [B, heads, splits, >= d] weighted by their log-sum-exps lse [B, heads, splits] ->
-    out [B, heads, d]."""
+    out [B, heads, d]; sinks [heads]: one more logit per head in each softmax's denominator (gpt-oss)."""
     batch, heads, splits, block_d = parts.shape
     _merge_splits_kernel[(batch, heads)](
-        parts, lse, out, splits, parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=out.shape[2], BLOCK_D=block_d, BLOCK_S=MERGED_SPLITS)
+        parts, lse, out, sinks if sinks is not None else lse, splits, parts.stride(0), parts.stride(1),
+        parts.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=out.shape[2],
+        BLOCK_D=block_d, BLOCK_S=MERGED_SPLITS, HAS_SINKS=sinks is not None)
     return out
 
 
@@ -270,14 +277,14 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, strid
 @triton.jit(do_not_specialize=["stride_tc"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, out_ptr, tables_ptr, tile_chunks_ptr, tile_offsets_ptr,
-    starts_ptr, lengths_ptr, context_lens_ptr,
+    starts_ptr, lengths_ptr, context_lens_ptr, sinks_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh,
     stride_vsn, stride_vst, stride_vsh, stride_ot, stride_oh, stride_tc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     FLOAT32_DOT: tl.constexpr, FORMAT: tl.constexpr, KEY_CHANNELS: tl.constexpr, KEY_GROUP: tl.constexpr,
-    VALUE_GROUP: tl.constexpr,
+    VALUE_GROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -319,6 +326,8 @@ def _prefill_kernel(
         p, alpha, m_new, l_i = _softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if HAS_SINKS:  # the sink's share of each denominator (every query sees a key: m_i is finite)
+        l_i += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_i)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (start + offset + i)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_in[:, None] & (d < HEAD_DIM)[None, :])
@@ -339,10 +348,11 @@ def num_splits(batch: int, kv_heads: int, max_keys: int, multiprocessors: int) -
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window_starts: torch.Tensor | None,
-                 splits: int, quantized: QuantizedLayer | None = None) -> torch.Tensor:
+                 splits: int, quantized: QuantizedLayer | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, heads, d], one query per row at position context_len - 1; caches [N, block_size, kv_heads, d] (or
     codes [kv_heads, N, block_size, bytes] with `quantized`'s scales); block_tables [B, W]; context_lens [B] (at
-    least 1); window_starts [B] or None -> [B, heads, d]."""
+    least 1); window_starts [B] or None; sinks [heads] or None -> [B, heads, d]."""
     batch, heads, head_dim = q.shape
     kv_heads, block_size = (k_cache.shape[0], k_cache.shape[2]) if quantized else (k_cache.shape[2], k_cache.shape[1])
     group = heads // kv_heads
@@ -361,7 +371,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
         **_cache_args(k_cache, v_cache, quantized),
     )
-    return merge_splits(parts, lse, torch.empty_like(q))
+    return merge_splits(parts, lse, torch.empty_like(q), sinks)
 
 
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -392,20 +402,21 @@ def prefill_tiles(lengths: list[int]) -> tuple[list[int], list[int]]:
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   tables: torch.Tensor, tile_chunks: torch.Tensor, tile_offsets: torch.Tensor, starts: torch.Tensor,
                   lengths: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
-                  quantized: QuantizedLayer | None = None) -> None:
+                  quantized: QuantizedLayer | None = None, sinks: torch.Tensor | None = None) -> None:
     """Prefill chunks that attend to their sequences' cached context (their own K/V already written): chunk c's
     queries are q rows starts[c] .. starts[c] + lengths[c] - 1, at positions context_lens[c] - lengths[c] on;
     its blocks are tables[c]. Writes those rows of `out` ([T, heads, d], like q). tile_chunks / tile_offsets:
-    prefill_tiles' programs. Caches as paged_decode takes them."""
+    prefill_tiles' programs. Caches and sinks as paged_decode takes them."""
     _, heads, head_dim = q.shape
     kv_heads, block_size = (k_cache.shape[0], k_cache.shape[2]) if quantized else (k_cache.shape[2], k_cache.shape[1])
     _prefill_kernel[(tile_chunks.shape[0], heads)](
         q_ptr=q, out_ptr=out, tables_ptr=tables, tile_chunks_ptr=tile_chunks, tile_offsets_ptr=tile_offsets,
-        starts_ptr=starts, lengths_ptr=lengths, context_lens_ptr=context_lens, scale=scale, window=window or 0,
+        starts_ptr=starts, lengths_ptr=lengths, context_lens_ptr=context_lens,
+        sinks_ptr=sinks if sinks is not None else lengths, scale=scale, window=window or 0,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_tc=tables.stride(0),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_Q=PREFILL_QUERIES, TILE=TILE, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
-        **_cache_args(k_cache, v_cache, quantized),
+        HAS_SINKS=sinks is not None, **_cache_args(k_cache, v_cache, quantized),
     )
