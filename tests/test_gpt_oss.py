@@ -51,14 +51,17 @@ def test_logits_match_hf(random_gpt_oss, make_llm_for_test, backend):
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(random_gpt_oss, make_llm_for_test, caplog):
     """48 greedy tokens of 5 prompts equal HF's choices in a batch of 16 with 32-token chunks (decodes through the
-    C++ kernel, each row's output scaled by its softmax denominator's share of the sink); the same tokens in a
-    pool that preempts, from the prefix cache, and through torch's decode path (no C++ kernels). The fused decode
-    step and the C++ experts say they cannot serve it."""
+    C++ kernel, each row's output scaled by its softmax denominator's share of the sink, and the C++ experts); the
+    same tokens in a pool that preempts, from the prefix cache, and through torch's decode path (no C++ kernels).
+    The fused decode step says it cannot serve it."""
+    from ridge.models.moe import MoEBlock
+
     path, hf = random_gpt_oss
     llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
     cfg = llm.engine.loaded.config
     assert (cfg.architecture, cfg.attention_sinks, cfg.global_every, cfg.sliding_window) == ("gpt_oss", True, 2, 8)
-    assert "attention sinks" in caplog.text and "the mixture's experts run in Python" in caplog.text
+    assert "attention sinks" in caplog.text and "experts run in Python" not in caplog.text
+    assert all(m.native is not None for m in llm.engine.loaded.model.modules() if isinstance(m, MoEBlock))
     again = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in again] == batch and sum(o.num_cached_tokens for o in again) > 0
     room = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 224  # the longest sequence and a bit
@@ -67,6 +70,25 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(random_gpt_oss, make_
     assert tight.engine.scheduler.num_preemptions > 0
     plain = make_llm_for_test(path, dtype="float32", cpu_kernels=False)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts[:6], params)] == batch[:6]
+
+
+@pytest.mark.threaded  # the experts side by side on the threads: on every core
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_c_experts_equal_the_python_block(random_gpt_oss, mxfp4_gpt_oss, make_llm_for_test, ops, dtype):
+    """gpt-oss's mixture in the C++ stack's form (the experts' biases, the router's logit bias, the clamped SwiGLU;
+    MXFP4's codes through their table) against MoEBlock itself, bit for bit, at 1, 3 and 16 tokens."""
+    from ridge.kernels.decode_stack import native_experts
+    from ridge.models.moe import MoEBlock
+
+    g = torch.Generator().manual_seed(3)
+    for path in (random_gpt_oss[0], mxfp4_gpt_oss[1]):
+        model = make_llm_for_test(path, dtype=dtype, enforce_eager=True).engine.loaded.model
+        with torch.inference_mode():
+            for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
+                native = native_experts(ops, block)
+                for rows in (1, 3, 16):
+                    x = torch.randn(rows, block.router.in_features, generator=g).to(getattr(torch, dtype)) * 3
+                    assert torch.equal(native(x), block(x)), (path.name, rows)
 
 
 def test_an_int8_cache_keeps_the_float_cache_s_tokens(random_gpt_oss, make_llm_for_test):

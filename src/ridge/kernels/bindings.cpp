@@ -74,9 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace ridge_stack;
   py::class_<LinearPart>(m, "LinearPart", "one kernel call's weights (decode_stack.h)")
       .def(py::init<const std::string&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool,
-                    c10::optional<torch::Tensor>, int64_t>(),
+                    c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>(),
            py::arg("kernel"), py::arg("weight"), py::arg("scales"), py::arg("minimums"), py::arg("group"),
-           py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"))
+           py::arg("signed_codes"), py::arg("bias"), py::arg("out_features"), py::arg("levels") = py::none())
       .def(py::init([](const std::string& kernel, const VnniWeight& weight, c10::optional<torch::Tensor> bias,
                        int64_t tiled_min_rows) { return LinearPart(kernel, weight, std::move(bias), tiled_min_rows); }),
            py::arg("kernel"), py::arg("vnni"), py::arg("bias"), py::arg("tiled_min_rows"))
@@ -91,16 +91,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](torch::Tensor router, c10::optional<torch::Tensor> router_bias, int64_t top_k, int64_t groups,
                        int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
                        std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
-                       c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate) {
+                       c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate,
+                       c10::optional<torch::Tensor> router_logit_bias, c10::optional<double> swiglu_limit,
+                       double swiglu_alpha) {
              TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
              TORCH_CHECK(!sigmoid || router_bias.has_value(), "Experts: sigmoid scoring takes its correction bias");
-             return Experts{router,   router_bias, top_k, groups, topk_groups, sigmoid, renormalize, group_top2,
-                            scaling,  gate_up,     down,  shared_gate_up, shared_down, shared_gate};
+             return Experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
+                            renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
+                            shared_down, shared_gate, router_logit_bias, swiglu_limit, swiglu_alpha};
            }),
            py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
            py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
-           py::arg("shared_gate"))
+           py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(), py::arg("swiglu_limit") = py::none(),
+           py::arg("swiglu_alpha") = 1.0)
       .def("__call__", &Experts::operator(), py::arg("x"));
   py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
       .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,

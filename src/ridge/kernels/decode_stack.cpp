@@ -19,9 +19,12 @@ namespace ridge_stack {
 
 LinearPart::LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales,
                        torch::Tensor minimums, int64_t group, bool signed_codes,
-                       c10::optional<torch::Tensor> bias, int64_t out_features)
+                       c10::optional<torch::Tensor> bias, int64_t out_features,
+                       c10::optional<torch::Tensor> levels)
     : weight(std::move(weight)), scales(std::move(scales)), minimums(std::move(minimums)), group(group),
-      signed_codes(signed_codes), bias(std::move(bias)), out_features(out_features) {
+      signed_codes(signed_codes), bias(std::move(bias)), out_features(out_features),
+      levels(levels.has_value() ? *levels : torch::Tensor()) {
+  TORCH_CHECK(!this->levels.defined() || kernel == "grouped_int8", "LinearPart: levels are grouped_int8's");
   if (kernel == "grouped_int8") {
     this->kernel = Kernel::kGrouped;
   } else if (kernel == "int8_dot") {
@@ -86,7 +89,7 @@ torch::Tensor LinearPart::operator()(const torch::Tensor& x) const {
       out = x.size(0) < tiled_min_rows ? bf16_dot_linear(x, *vnni) : vnni_tiled_linear(x, *vnni);
       break;
     case Kernel::kGrouped:
-      out = grouped_int8_linear(x, weight, scales, minimums, group, torch::Tensor());  // levels: not on this path
+      out = grouped_int8_linear(x, weight, scales, minimums, group, levels);
       break;
     case Kernel::kInt4Pack:
       out = at::_weight_int4pack_mm_for_cpu(x, weight, group, scales);
@@ -110,7 +113,7 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 }
 
 std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) const {
-  const auto logits = at::linear(x, router).to(torch::kFloat);
+  const auto logits = at::linear(x, router, router_logit_bias).to(torch::kFloat);
   const auto scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
   auto choice = sigmoid ? scores + router_bias->to(torch::kFloat) : scores;
   if (groups > 1) {
@@ -125,6 +128,16 @@ std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) c
   auto weights = scores.gather(1, experts);
   if (renormalize) weights = weights / (weights.sum(-1, true) + (sigmoid ? 1e-20 : 0.0));
   return {experts, scaling != 1.0 ? weights * scaling : weights};
+}
+
+// GatedMLP's activation, op for op: silu_mul's SwiGLU, or gpt-oss's gate clamped above, up on both sides,
+// gate * sigmoid(alpha * gate) * (up + 1)
+torch::Tensor Experts::activate(const torch::Tensor& gate_up) const {
+  if (!swiglu_limit.has_value()) return silu_mul(gate_up);
+  const auto halves = gate_up.chunk(2, -1);
+  const double limit = *swiglu_limit;
+  const auto gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);
+  return gate * torch::sigmoid(gate * swiglu_alpha) * (up + 1);
 }
 
 torch::Tensor Experts::operator()(const torch::Tensor& x) const {
@@ -153,7 +166,7 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = active[i];
-      outs[i] = down[e](silu_mul(gate_up[e](x.index_select(0, rows[i]))));
+      outs[i] = down[e](activate(gate_up[e](x.index_select(0, rows[i]))));
     }
   };
   const int64_t count = static_cast<int64_t>(active.size());

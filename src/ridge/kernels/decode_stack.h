@@ -12,7 +12,8 @@
 namespace ridge_stack {
 
 // One kernel call's weights, as the layer's Python module calls it (kernels/decode_stack.py):
-//   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations);
+//   grouped_int8 / int8_dot: codes, scales, minimums per group (exact, or with int8 activations); grouped_int8's
+//   4-bit codes read through `levels` where given (MXFP4);
 //   vnni: the same with int8 activations in vnni_linear.cpp's layout (`vnni`, the rest empty);
 //   bf16_dot: 4- or 8-bit codes in that layout, exact, bf16 activations (bf16_dot_linear.cpp), or from
 //   `tiled_min_rows` rows on the same weight dequantized to bf16 a tile at a time (quant_linear.cpp);
@@ -28,13 +29,15 @@ struct LinearPart {
   bool signed_codes;
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
+  torch::Tensor levels;  // grouped_int8's table of 4-bit code values (int8 [16]), or undefined
 
   c10::optional<VnniWeight> vnni;  // the vnni and bf16_dot kernels' weight
   int64_t tiled_min_rows = 0;      // bf16_dot's
   int64_t min_rows = 1;            // onednn's: fewer rows are padded up to this many (PackedLinear.min_rows)
 
   LinearPart(const std::string& kernel, torch::Tensor weight, torch::Tensor scales, torch::Tensor minimums,
-             int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias, int64_t out_features);
+             int64_t group, bool signed_codes, c10::optional<torch::Tensor> bias, int64_t out_features,
+             c10::optional<torch::Tensor> levels = c10::nullopt);
   LinearPart(const std::string& kernel, VnniWeight vnni, c10::optional<torch::Tensor> bias, int64_t tiled_min_rows);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
@@ -62,12 +65,17 @@ struct Experts {
   std::vector<Linear> gate_up, down;       // one per expert; an expert another rank holds has no parts
   c10::optional<Linear> shared_gate_up, shared_down;
   c10::optional<torch::Tensor> shared_gate;  // the shared expert's sigmoid gate's weight [1, hidden]
+  c10::optional<torch::Tensor> router_logit_bias;  // a bias on the router's logits (gpt-oss)
+  // the experts' activation: SwiGLU, or with swiglu_limit set gpt-oss's clamped one (models/layers.py's GatedMLP)
+  c10::optional<double> swiglu_limit;
+  double swiglu_alpha = 1.0;
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 
  private:
   // each token's experts [T, k] and their weights [T, k] (float32)
   std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
+  torch::Tensor activate(const torch::Tensor& gate_up) const;
 };
 
 // Multi-head latent attention's projections (models/mla.py's LatentAttention), run as its forward() runs them:

@@ -71,9 +71,13 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
     if any(e is None for e in experts) or shared is None:
         return None
     gate = moe.shared_expert_gate
+    mlp = moe.experts[moe.held[0]] if len(moe.held) else None
+    clamped = mlp is not None and mlp.activation == "swiglu_oai"  # gpt-oss's
     return ops.Experts(moe.router.weight, moe.router_bias, moe.top_k, moe.groups, moe.topk_groups, moe.sigmoid,
                        moe.renormalize, moe.group_rating == "top2", moe.scaling, [e[0] for e in experts],
-                       [e[1] for e in experts], *shared, None if gate is None else gate.weight)
+                       [e[1] for e in experts], *shared, None if gate is None else gate.weight,
+                       router_logit_bias=moe.router.bias, swiglu_limit=mlp.limit if clamped else None,
+                       swiglu_alpha=mlp.alpha if clamped else 1.0)
 
 
 def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
@@ -98,8 +102,8 @@ def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
         if isinstance(block, MoEBlock):
             block.native, block.native_max_rows = native_experts(ops, block), max_rows(model)
     if any(isinstance(b, MoEBlock) and not b.plain for b in model.modules()):
-        log.warning("ridge: the C++ experts have no %s activation, expert or router biases; the mixture's experts "
-                    "run in Python", model.cfg.hidden_act)
+        log.warning("ridge: the C++ experts have no %s activation; the mixture's experts run in Python",
+                    model.cfg.hidden_act)
 
 
 def max_rows(model: DecoderModel) -> int:

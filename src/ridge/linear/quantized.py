@@ -142,12 +142,10 @@ class GroupedInt8Linear(KernelLinear):
                                             self.signed_codes)
         return self.ops.grouped_int8_linear(x, self.qweight, self.scales, self.minimums, self.group_size, self.levels)
 
-    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any | None:
-        if self.levels.numel():  # the decode stack's parts carry no levels
-            return None
+    def native_part(self, ops: ModuleType, bias: torch.Tensor | None) -> Any:
         kernel = "int8_dot" if self.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, self.qweight, self.scales, self.minimums, self.group_size, self.signed_codes,
-                              bias, 0)
+                              bias, 0, self.levels if self.levels.numel() else None)
 
 
 class Fp8Linear(KernelLinear):

@@ -53,9 +53,9 @@ class MoEBlock(nn.Module):
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
-        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts without biases,
-        # a router without one
-        self.plain = cfg.hidden_act == "silu" and not cfg.expert_bias and not cfg.router_logit_bias
+        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, or gpt-oss's
+        # clamped ones (their biases are their layers', its router's on the router's logits)
+        self.plain = cfg.hidden_act in ("silu", "swiglu_oai")
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)
