@@ -81,13 +81,15 @@ def test_graphs_on_and_off_give_the_same_tokens(random_model, make_llm_for_test,
         assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8", "mxfp4"])
 def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_test, quantization):
-    """The GPU's quantized layers hold codes, not dense copies, and score as the CPU's dequantized math does."""
+    """The GPU's quantized layers hold codes, not dense copies, and score as the CPU's dequantized math does (mxfp4:
+    e2m1 codes where a row's halves start 32-blocks, the 96-column layers widened to bytes)."""
     from ridge.linear.triton import TritonQuantLinear
 
     path, _ = random_model
-    rtn = {"calibration_windows": 0} if quantization != "int4" else {}  # plain rounding: no calibration text here
+    # plain rounding: no calibration text here
+    rtn = {"calibration_windows": 0} if quantization in ("int8", "fp8") else {}
     gpu = make_llm_for_test(path, device="cuda", dtype="float32", quantization=quantization, **rtn)
     layers = [m for m in gpu.engine.loaded.model.modules() if isinstance(m, TritonQuantLinear)]
     assert layers and all(m.codes.dtype in (torch.uint8, torch.int8) for m in layers)

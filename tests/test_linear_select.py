@@ -51,8 +51,9 @@ def test_quantized_weights(ops):
 
 
 def test_mxfp4_levels(ops, caplog):
-    """4-bit codes through a table (MXFP4) go to ridge's grouped kernel, which looks them up as held; where no kernel
-    has the lookup (CUDA, int8 activations) they are widened to int8 codes, the same numbers, and it says so."""
+    """4-bit codes through a table (MXFP4) go to ridge's grouped kernel, which looks them up as held, and on CUDA to
+    the Triton kernels' e2m1 codes; where no kernel has the lookup (int8 activations) they are widened to int8
+    codes, the same numbers, and it says so."""
     from ridge.linear.select import _warn_levels_widened
     from ridge.quant import mxfp4
 
@@ -62,7 +63,11 @@ def test_mxfp4_levels(ops, caplog):
         layer = make_linear(weight, None, LinearTarget(dtype, ops=ops))
         assert isinstance(layer, GroupedInt8Linear) and layer.levels.numel() == 16 and layer.qweight.shape == (64, 48)
     assert "held a byte each" not in caplog.text
-    assert pick(weight, device="cuda") is TritonQuantLinear and "held a byte each on cuda" in caplog.text
+    wide_rows = mxfp4.from_hf(*mxfp4.to_hf(torch.randn(64, 128)))  # each half of a row's nibbles a whole block
+    assert make_linear(wide_rows, None, LinearTarget(torch.bfloat16, device="cuda")).kernel == "triton_mxfp4"
+    assert "held a byte each" not in caplog.text
+    assert make_linear(weight, None, LinearTarget(torch.bfloat16, device="cuda")).kernel == "triton_int5"
+    assert "held a byte each on cuda" in caplog.text
     wide = make_linear(weight, None, LinearTarget(torch.float32, ops=ops, int8_activations=True))
     assert getattr(wide, "levels", torch.empty(0)).numel() == 0 and "with int8 activations" in caplog.text
 

@@ -63,6 +63,8 @@ def test_mxfp4_rounds_each_weight_to_a_nearest_level():
     assert torch.equal(dequantize(q)[w.abs() > top].abs(), top[w.abs() > top]) and (w.abs() < 16 * step).all()
     with pytest.raises(ValueError, match="quantization_group_size: mxfp4's blocks are 32 input columns, not 64"):
         EngineConfig(model="smollm2", quantization="mxfp4", quantization_group_size=64)
+    with pytest.raises(ValueError, match="calibration_windows: mxfp4 rounds each weight to its nearest level"):
+        EngineConfig(model="smollm2", quantization="mxfp4", calibration_windows=8)
 
 
 def test_int4_float_minimums_find_a_q4_1_grid_again():

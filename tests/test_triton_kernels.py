@@ -7,6 +7,7 @@ executes the same kernel code with numpy; on a GPU machine the same tests run th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -218,6 +219,8 @@ def test_cache_write_places_rows_and_skips_padding():
 def _packed(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
     if qw.qweight.dtype == torch.float8_e4m3fn:
         return qw.qweight.view(torch.uint8), quant_matmul.FP8
+    if qw.levels is not None:
+        return quant_matmul.pack_nibbles(qw.qweight), quant_matmul.E2M1
     if qw.bits == 4:
         return quant_matmul.pack_nibbles(qw.qweight.to(torch.uint8)), quant_matmul.NIBBLES
     return qw.qweight, quant_matmul.BYTES
@@ -245,6 +248,10 @@ def _quantized(fmt: str, n: int, k: int) -> QuantizedWeight:
         qw = quantize_weight(w, "int4", int(fmt.removeprefix("int4-g")), None)
     elif fmt == "fp8":
         qw = quantize_weight(w, "fp8", 32, None)
+    elif fmt == "mxfp4":  # gguf's rounding, on the CPU; its scales powers of two, float16 numbers already
+        qw = quantize_weight(w.cpu(), "mxfp4", 32, None)
+        return dataclasses.replace(qw, qweight=qw.qweight.to(DEVICE), scales=qw.scales.to(DEVICE),
+                                   levels=qw.levels.to(DEVICE))
     else:
         qw = _grouped_int8(w, 32, with_minimum=fmt == "u8-groups-minimum")
     if not qw.group_size:  # per channel: the CUDA layer holds float32 scales
@@ -262,7 +269,20 @@ def _packed_weight(qw: QuantizedWeight) -> quant_matmul.PackedWeight:
                                      qw.shape[0])
 
 
-FORMATS = ["int8", "int4-g32", "int4-g128", "fp8", "q8-groups", "u8-groups-minimum"]
+FORMATS = ["int8", "int4-g32", "int4-g128", "fp8", "q8-groups", "u8-groups-minimum", "mxfp4"]
+
+
+def test_e2m1_codes_are_mxfp4_s_levels():
+    """The Triton kernels' e2m1 codes, widened by their bits, and their table for torch's path: quant/mxfp4.py's."""
+    from ridge.quant import mxfp4
+
+    assert tuple(mxfp4.LEVELS.tolist()) == quant_matmul.E2M1_DOUBLED
+    codes = torch.arange(16, dtype=torch.uint8, device=DEVICE).repeat(8, 4)  # [8, 64]: every code in each half
+    weight = quant_matmul.PackedWeight(quant_matmul.pack_nibbles(codes), quant_matmul.E2M1,
+                                       torch.ones(8, 2, dtype=torch.float16, device=DEVICE), None, 32, 8)
+    eye = torch.eye(64, device=DEVICE)
+    through_kernel = quant_matmul.quant_matmul(eye, weight, quant_matmul.DEFAULT, multiprocessors=4).T
+    assert torch.equal(through_kernel.cpu(), mxfp4.LEVELS[codes.long().cpu()].float())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -278,7 +298,7 @@ def test_quant_matmul_matches_dequantized(fmt, rows):
     assert (out - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "fp8", "u8-groups-minimum"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "fp8", "u8-groups-minimum", "mxfp4"])
 def test_every_tuning_candidate_matches_dequantized(fmt):
     """Whichever configuration the GPU's measurement picks computes the same product: each candidate at the rows
     it is a candidate for, on a shape whose K does not fill its last tile (the masked path) and one that does."""

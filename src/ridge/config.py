@@ -448,6 +448,9 @@ class EngineConfig:
         if self.quantization == "mxfp4" and self.quantization_group_size != 32:
             raise ValueError(f"quantization_group_size: mxfp4's blocks are 32 input columns, not "
                              f"{self.quantization_group_size}")
+        if self.quantization == "mxfp4" and self.calibration_windows:
+            raise ValueError("calibration_windows: mxfp4 rounds each weight to its nearest level; it calibrates on "
+                             "no text")
         if self.device.startswith("cuda") and self.quantization == "gguf":
             raise ValueError("quantization: gguf has no CUDA kernel (the blocks run natively on the CPU); on cuda, "
                              "load the file dequantized (no --quantization) or quantize it at load: int8, int4, "

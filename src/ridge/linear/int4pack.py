@@ -25,7 +25,7 @@ def fits(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     """Whether tinygemm takes this weight: bfloat16 activations, its group sizes, and K in whole tiles of
     16 x INNER_K_TILES columns, N in tiles of 8 rows."""
     n, k = weight.shape
-    return (dtype == torch.bfloat16 and weight.bits == 4 and weight.group_size in GROUPS
+    return (dtype == torch.bfloat16 and weight.bits == 4 and weight.levels is None and weight.group_size in GROUPS
             and k % (16 * INNER_K_TILES) == 0 and n % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
 
 

@@ -22,6 +22,7 @@ from ridge.linear.dense import FewRowsLinear, PackedLinear, onednn_packs, prompt
 from ridge.linear.quantized import DequantizedLinear, Fp8Linear, GroupedInt8Linear, Int4Linear, Int8Linear
 from ridge.linear.triton import TritonQuantLinear
 from ridge.linear.vnni import Bf16DotLinear, VnniLinear, vnni_fits
+from ridge.quant import mxfp4
 from ridge.quant.rtn import QuantizedWeight, concatenate, with_codes_as_levels
 
 log = logging.getLogger("ridge")
@@ -73,8 +74,13 @@ def _dense_kind(target: LinearTarget) -> type[nn.Module]:
 
 def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:
     dtype, ops = target.dtype, target.cpu_ops
-    if weight.levels is not None:  # 4-bit codes through a table (MXFP4): ridge's grouped kernel reads them as held
-        if ops is None or weight.group_size is None or weight.group_size % 32:
+    if weight.levels is not None:  # 4-bit codes through a table (MXFP4): the kernels that read them as held
+        if target.device.startswith("cuda"):
+            # the Triton kernels' e2m1 codes: MXFP4's table, each half of a row's nibbles starting a block
+            if torch.equal(weight.levels.cpu(), mxfp4.LEVELS) and weight.shape[1] % (2 * mxfp4.GROUP) == 0:
+                return TritonQuantLinear(weight, bias, dtype, target.device)
+            _warn_levels_widened(f"on {target.device}")
+        elif ops is None or weight.group_size is None or weight.group_size % 32:
             _warn_levels_widened(f"on {target.device}")
         elif target.int8_activations:
             _warn_levels_widened("with int8 activations")

@@ -46,6 +46,12 @@ class TritonQuantLinear(KernelLinear):
             self.int4pack, scales_and_zeros = int4pack.pack(weight, torch.device(device))
             self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
             codes = None
+        elif weight.levels is not None:  # MXFP4's: select.py widens any other table
+            if not quant_matmul.fits(quant_matmul.E2M1, self.in_features, self.group_size):
+                raise ValueError(f"quantization: a {self.in_features}-column MXFP4 layer's halves do not start "
+                                 f"blocks of {self.group_size}: no CUDA layout")
+            self.kind, self.kernel = quant_matmul.E2M1, "triton_mxfp4"
+            codes = quant_matmul.pack_nibbles(codes.to(torch.uint8))
         elif weight.bits == 4 and quant_matmul.fits(quant_matmul.NIBBLES, self.in_features, self.group_size):
             self.kind, self.kernel = quant_matmul.NIBBLES, "triton_int4"
             codes = quant_matmul.pack_nibbles(codes.to(torch.uint8))

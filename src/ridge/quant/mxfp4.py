@@ -4,8 +4,9 @@ it; llama.cpp's GGUF type MXFP4 holds the same numbers.
 
 Doubled, the e2m1 numbers are integers, -12..12, so a block is LEVELS[index] * 2^(e - 128): a QuantizedWeight of
 4-bit codes with LEVELS as its table and a scale per group of 32, exactly. ridge's grouped CPU kernel reads the
-codes as held, two a byte, and looks each up in a register (kernels/quant_linear.cpp); kernels without the lookup
-(CUDA's) take the levels as int8 codes a byte each (rtn.with_codes_as_levels).
+codes as held, two a byte, and looks each up in a register (kernels/quant_linear.cpp); CUDA's Triton kernels
+decode them from their bits (triton_kernels/quant_matmul.py's e2m1 codes); kernels with neither (int8 activations)
+take the levels as int8 codes a byte each (rtn.with_codes_as_levels).
 
 Two layouts of the same bits, differing in where a block's exponent sits and in the order of its nibbles:
   GGUF  a block is 17 bytes: e, then 16 bytes, byte i holding value i (low nibble) and value 16 + i (high)

@@ -8,6 +8,8 @@ a decode step reads the quantized bytes and nothing else: the reason to quantize
 Codes are stored as
   - "nibbles": 4-bit codes two per byte, column j holding k = j (low nibble) and k = j + K/2 (high): each
     tile multiplies two halves of x, with no interleaving of nibbles in registers;
+  - "e2m1": the same nibbles read as MXFP4's 4-bit floats (quant/mxfp4.py), doubled to the integers -12..12 by
+    their bits (sign, 2-bit exponent, 1-bit mantissa), with a power-of-two scale per group of 32;
   - "bytes": one int8 / uint8 code per weight;
   - "fp8": e4m3 codes as bytes, widened to float16 either by the GPU's conversion instruction (Ada, Hopper)
     or by moving their bits (the exponent bias differs by 8: one multiply by 2^8 puts it right), which needs
@@ -41,7 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-NIBBLES, BYTES, FP8 = 0, 1, 2
+NIBBLES, BYTES, FP8, E2M1 = 0, 1, 2, 3
+# e2m1's 16 codes doubled: quant/mxfp4.py's LEVELS (this package imports nothing of ridge's; a test holds them equal)
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 GEMV_MAX_ROWS = 8
 STEP_SHAPED = ["M", "stride_os"]  # not specialized on: the rows change from call to call (paged_attention.py says why)
 
@@ -82,7 +86,12 @@ class PackedWeight:
 
 @triton.jit
 def _widen(codes, KIND: tl.constexpr, SIGNED: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """float32 values of codes (integers, or e4m3 bits as uint8)."""
+    """float32 values of codes (integers, e4m3 bits as uint8, or e2m1 nibbles doubled)."""
+    if KIND == 3:  # e2m1: exponent e and mantissa m; doubled, m (e = 0) or (2 + m) * 2^(e - 1)
+        magnitude = codes & 7
+        exponent, mantissa = (magnitude >> 1).to(tl.int32), (magnitude & 1).to(tl.int32)
+        doubled = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
+        return tl.where((codes & 8) != 0, -doubled, doubled).to(tl.float32)
     if KIND == 2:
         if NATIVE_FP8:
             return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -127,7 +136,7 @@ def _tile(codes_ptr, scales_ptr, mins_ptr, n, start, last, code_columns, stride_
     else:
         codes = tl.load(pointers, mask=(n < N)[:, None, None] & j_in[None, :, :], other=0)
     group = start // COLUMNS + g  # with GROUP > 0, COLUMNS == GROUP
-    if KIND == 0:
+    if KIND == 0 or KIND == 3:  # two codes a byte
         low = _dequantize(codes & 0xF, n, group, scales_ptr, mins_ptr, stride_sn, N, GROUP, KIND, SIGNED,
                           HAS_MIN, NATIVE_FP8)
         high = _dequantize(codes >> 4, n, group + code_columns // COLUMNS, scales_ptr, mins_ptr, stride_sn, N,
@@ -163,7 +172,7 @@ def _gemv_kernel(
                                      stride_sn, N, GROUP, KIND, SIGNED, HAS_MIN, NATIVE_FP8, GROUPS, COLUMNS, EVEN)
             x = tl.load(x_ptr + j, mask=j_in, other=0.0).to(tl.float32)
             wide += w * x[None, :, :]
-            if KIND == 0:
+            if KIND == 0 or KIND == 3:
                 x_high = tl.load(x_ptr + j + code_columns, mask=j_in, other=0.0).to(tl.float32)
                 wide += high * x_high[None, :, :]
         acc = tl.sum(tl.sum(wide, 2), 1)[None, :]
@@ -176,7 +185,7 @@ def _gemv_kernel(
                 x_mask = j_in & (m < M)
                 x = tl.load(x_ptr + m * stride_xm + j, mask=x_mask, other=0.0).to(tl.float32)
                 part = tl.sum(tl.sum(w * x[None, :, :], 2), 1)
-                if KIND == 0:
+                if KIND == 0 or KIND == 3:
                     x_high = tl.load(x_ptr + m * stride_xm + j + code_columns, mask=x_mask,
                                      other=0.0).to(tl.float32)
                     part += tl.sum(tl.sum(high * x_high[None, :, :], 2), 1)
@@ -213,7 +222,7 @@ def _matmul_kernel(
             acc += tl.dot(x, w_t.to(x.dtype))
         else:
             acc += tl.dot(x.to(tl.float32), w_t, input_precision="ieee")
-        if KIND == 0:
+        if KIND == 0 or KIND == 3:
             x_high = tl.load(x_ptr + m[:, None] * stride_xm + flat[None, :] + code_columns, mask=x_mask, other=0.0)
             high_t = tl.trans(tl.reshape(high, [BLOCK_N, GROUPS * COLUMNS]))
             if DOT16:
@@ -234,7 +243,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def fits(kind: int, in_features: int, group_size: int) -> bool:
     """Whether the kernels take this layout: a nibble's two halves must start groups of their own."""
-    return kind != NIBBLES or (in_features % 2 == 0 and (in_features // 2) % max(group_size, 1) == 0)
+    return kind not in (NIBBLES, E2M1) or (in_features % 2 == 0 and (in_features // 2) % max(group_size, 1) == 0)
 
 
 def tile_shape(weight: PackedWeight, config: Config) -> tuple[int, int]:
@@ -250,8 +259,10 @@ def dequantized(weight: PackedWeight, dtype: torch.dtype) -> tuple[torch.Tensor,
     codes = weight.codes
     if weight.kind == FP8:
         values = codes.view(torch.float8_e4m3fn)
-    elif weight.kind == NIBBLES:
+    elif weight.kind in (NIBBLES, E2M1):
         values = torch.cat([codes & 0xF, codes >> 4], dim=1)  # column j: k = j, then k = j + K/2
+        if weight.kind == E2M1:
+            values = torch.tensor(E2M1_DOUBLED, dtype=torch.int8, device=codes.device)[values.long()]
     else:
         values = codes
     if not weight.group_size:
