@@ -61,3 +61,31 @@ def test_stop_string_spanning_tokens():
     assert find_stop("the answer is ##", 14, ("###END",)) is None
     assert find_stop(text, 16, ("###END",)) == (14, "###END")
     assert find_stop(text, 16, ("END", "###")) == (14, "###")  # the earliest match wins
+
+
+@pytest.mark.parametrize("where", ["jinja", "named", "jinja over config"])
+def test_an_hf_directory_s_chat_template_is_found_where_hf_finds_it(tmp_path, where):
+    """chat_template.jinja (what HF transformers saves since 4.43: gpt-oss's and Qwen3's repositories ship it), over
+    tokenizer_config.json's; a named list's "default": the text HF transformers renders from the same directory."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from test_models_random import byte_tokenizer
+
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    jinja = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<a>{% endif %}")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if where == "named":
+        config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": jinja}]
+    else:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+        if where == "jinja over config":
+            config["chat_template"] = "{{ 'not this one' }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+    assert RidgeTokenizer.from_path(tmp_path).apply_chat_template(messages) == expected == \
+        "<user>Hi!<assistant>Hello.<a>"

@@ -85,11 +85,29 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
         bos_token_id=bos,
         eos_token_id=eos,
         add_bos=bool(cfg.get("add_bos_token", False)),
-        chat_template=cfg.get("chat_template"),
+        chat_template=hf_chat_template(path, cfg),
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
     info.fim_token_ids = _fim_ids(tok.get_vocab())
     return tok, info
+
+
+def hf_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """An HF directory's chat template, where HF transformers finds it: chat_template.jinja (what it saves since
+    4.43; gpt-oss, Qwen3 and others ship it so), else tokenizer_config.json's, whose named form (a list of
+    {name, template}) serves its "default"; else a processor's chat_template.json."""
+    if (jinja := path / "chat_template.jinja").exists():
+        return jinja.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        if "default" not in named:
+            raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template: named templates "
+                             f"{sorted(map(str, named))} have no 'default'")
+        return named["default"]
+    if template is None and (processor := path / "chat_template.json").exists():
+        return json.loads(processor.read_text()).get("chat_template")
+    return template
 
 
 def byte_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, TokenizerInfo]:
