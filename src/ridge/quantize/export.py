@@ -44,7 +44,8 @@ METHODS: dict[str, tuple[str, tuple[int, ...]]] = {
     "rtn": ("gptq", (4, 8)), "gptq": ("gptq", (4, 8)), "awq": ("awq", (4,)), "fp8": ("fp8", (8,)),
 }
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "chat_template.jinja", "chat_template.json")
 
 
 @dataclass
