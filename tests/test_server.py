@@ -547,6 +547,7 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"include_reasoning": False}, "include_reasoning"),  # no --reasoning-parser: the reply is all content
 ])
 def test_fields_not_implemented_are_refused_by_name(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:

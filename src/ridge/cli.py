@@ -14,6 +14,7 @@ from typing import Any
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from ridge.sampling_params import StructuredOutputsParams
+from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
 from ridge.serve.tools import PARSERS
 
 
@@ -26,7 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
                           args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template,
-                          args.tool_call_parser, args.role)
+                          args.tool_call_parser, args.reasoning_parser, args.role)
     supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
                          args.max_waiting, args.grace, "info" if args.verbose else "warning",
@@ -382,6 +383,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "shows; Hermes' <tool_call> tags are the one ridge parses) or hermes (parse them even where "
                         "the template does not show them). Other families' formats (llama3_json, mistral, "
                         "pythonic) are not implemented: their models get `tools` refused with HTTP 400")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a reasoning model's thinking from its answer into the chat message's "
+                        "reasoning_content: deepseek_r1 (the reply thinks until </think>: DeepSeek-R1, QwQ) or qwen3 "
+                        "(thinking only between a leading <think> and </think>); default: the reply whole in content")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is on wherever tools are supported")
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",

@@ -40,6 +40,9 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     # how the model's tool calls are parsed: "auto" (the format its chat template shows) or "hermes"
     tool_call_parser: str = "auto"
+    # a reasoning model's thinking split into reasoning_content: "deepseek_r1" or "qwen3" (serve/reasoning.py); None:
+    # the reply whole in content
+    reasoning_parser: str | None = None
     # disaggregated prefill: "prefill" pushes a prompt's KV where a request's kv_transfer_params say, "decode" takes
     # it in (POST /kv/import); "both" (the default) does neither (serve/kv_transfer.py)
     role: str = "both"

@@ -450,6 +450,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: with a --reasoning-parser, whether reasoning_content is returned
     _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
 
     def use_tool_markers(self, markers: tuple[str, str]) -> None:

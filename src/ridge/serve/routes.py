@@ -26,6 +26,7 @@ from ridge.serve.protocol import (
     RequestError,
     TokenizeRequest,
 )
+from ridge.serve.reasoning import ReasoningStream, split_reply
 from ridge.serve.tools import CallStream, call_markers, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
@@ -186,6 +187,10 @@ class Routes:
         if tools and req.stream and top is not None:
             raise RequestError("logprobs: not supported with tools in a stream (a reply with calls arrives whole)",
                                "logprobs")
+        thinks = self.config.reasoning_parser
+        if not req.include_reasoning and thinks is None:
+            raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
+                               "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
         req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
@@ -194,14 +199,19 @@ class Routes:
         created = int(time.time())
 
         def message(text: str) -> tuple[dict[str, Any], bool]:
-            """The assistant's message of a reply, and whether it holds tool calls."""
-            if not tools:
-                return {"role": "assistant", "content": text}, False
-            reply = parse_reply(text)
-            if not reply.tool_calls:
-                return {"role": "assistant", "content": text}, False
+            """The assistant's message of a reply (its thinking apart, under a reasoning parser), and whether it
+            holds tool calls (parsed from the answer)."""
+            said: dict[str, Any] = {"role": "assistant"}
+            if thinks is not None:
+                split = split_reply(text, thinks)
+                text = split.content or ""
+                if req.include_reasoning:
+                    said["reasoning_content"] = split.reasoning
+            reply = parse_reply(text) if tools else None
+            if reply is None or not reply.tool_calls:
+                return {**said, "content": text if thinks is None else text or None}, False
             calls = reply.tool_calls if req.parallel_tool_calls else reply.tool_calls[:1]  # at most one, as asked
-            return {"role": "assistant", "content": reply.content, "tool_calls": calls}, True
+            return {**said, "content": reply.content, "tool_calls": calls}, True
 
         def finish(reason: str | None, called: bool) -> str | None:
             return "tool_calls" if called and reason == "stop" else reason
@@ -237,6 +247,7 @@ class Routes:
                     "model": self.config.model_name}
             opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
             parsers: dict[int, CallStream] = {}  # with tools: each choice's calls, parsed as its text comes
+            thinking: dict[int, ReasoningStream] = {}  # with a reasoning parser: each choice's thinking, split off
             num_calls: dict[int, int] = {}  # with tools: each choice's calls sent so far
             final: RequestOutput | None = None
             completion = 0
@@ -255,19 +266,26 @@ class Routes:
                 for c in out.outputs:
                     held_ids.setdefault(c.index, []).extend(c.token_ids)
                     delta: dict[str, Any] = {}
+                    answer, thought = c.text, ""
+                    if thinks is not None:  # the thinking apart, as it comes; the answer after it
+                        thought, answer = thinking.setdefault(c.index, ReasoningStream(thinks)).feed(
+                            c.text, bool(c.finish_reason))
+                        thought = thought if req.include_reasoning else ""
+                        if thought:
+                            delta["reasoning_content"] = thought
                     if tools:  # content as it comes; each call whole, once its closing tag has come
-                        text, calls = parsers.setdefault(c.index, CallStream()).feed(c.text, bool(c.finish_reason))
+                        text, calls = parsers.setdefault(c.index, CallStream()).feed(answer, bool(c.finish_reason))
                         sent = num_calls.get(c.index, 0)
                         calls = calls if req.parallel_tool_calls else calls[:max(0, 1 - sent)]
-                        if not text and not calls and not c.finish_reason:
+                        if not text and not calls and not thought and not c.finish_reason:
                             continue
                         if text:
                             delta["content"] = text
                         if calls:
                             delta["tool_calls"] = [{"index": sent + k, **call} for k, call in enumerate(calls)]
                             num_calls[c.index] = sent + len(calls)
-                    elif c.text or not c.finish_reason:
-                        delta["content"] = c.text
+                    elif answer or not (c.finish_reason or thought):
+                        delta["content"] = answer
                     if c.index not in opened:  # OpenAI opens every choice with the role
                         opened.add(c.index)
                         delta = {"role": "assistant", "content": None if tools else "", **delta}

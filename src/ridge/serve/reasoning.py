@@ -1,0 +1,72 @@
+"""A reasoning model's thinking split from its answer, as vLLM's --reasoning-parser does: the message's
+reasoning_content holds what the model wrote between <think> and </think>, its content what follows.
+
+Two parsers, for the two ways templates open the thinking:
+  deepseek_r1  the reply is thinking until </think> (DeepSeek-R1's and QwQ's templates end the prompt with <think>,
+               so the reply has no opening tag; one the model writes anyway is dropped); a reply cut off before
+               </think> is all thinking
+  qwen3        thinking only between a leading <think> and </think> (Qwen3 with enable_thinking off writes none, or
+               an empty pair); a reply that does not open with <think> is all answer
+The text is not stripped: a streamed reply's deltas join to the whole reply's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+@dataclass
+class Split:
+    reasoning: str | None  # None where the reply has none
+    content: str | None
+
+
+def split_reply(text: str, parser: str) -> Split:
+    """A whole reply's thinking and answer."""
+    reasoning, content = ReasoningStream(parser).feed(text, final=True)
+    return Split(reasoning or None, content or None)
+
+
+class ReasoningStream:
+    """A reply's thinking and answer as its text streams in: each feed returns the new text of each, holding back
+    what may still be the start of a tag until the text that follows tells."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"reasoning_parser: {parser!r} is not one of {', '.join(PARSERS)}")
+        self.parser = parser
+        self._phase = "start"  # start (a leading <think> may still come) -> thinking -> answer
+        self._held = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """The reply's next text -> (thinking, answer) it completes; final: the reply ended."""
+        self._held += text
+        thinking = answer = ""
+        if self._phase == "start":
+            lead = self._held.lstrip()
+            if not final and len(lead) < len(START) and START.startswith(lead):
+                return "", ""  # still may open with <think>
+            if lead.startswith(START):
+                self._held, self._phase = lead[len(START):], "thinking"
+            else:
+                self._phase = "thinking" if self.parser == "deepseek_r1" else "answer"
+        if self._phase == "thinking":
+            end = self._held.find(END)
+            if end < 0:
+                keep = 0 if final else _partial_tag(self._held, END)
+                thinking, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+                return thinking, ""
+            thinking, self._held, self._phase = self._held[:end], self._held[end + len(END):], "answer"
+        answer, self._held = self._held, ""
+        return thinking, answer
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (what the next text may complete into it)."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
