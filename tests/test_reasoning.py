@@ -76,3 +76,12 @@ def test_the_server_returns_the_thinking_apart_whole_and_streamed(client):
     quiet = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=40, temperature=0,
                                            extra_body={**SHAPED, "include_reasoning": False}).choices[0].message
     assert quiet.content == answer and (quiet.model_extra or {}).get("reasoning_content") is None
+
+
+def test_a_constrained_reply_thinks_only_where_its_constraint_opens_think(client):
+    """The constraint holds the whole reply: one that allows no <think> is all answer, under deepseek_r1's parser
+    too (which would otherwise take a reply without </think> for thinking cut off)."""
+    plain = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": "[a-z]{3,8}"}}).choices[0]
+    assert re.fullmatch("[a-z]{3,8}", plain.message.content)
+    assert (plain.message.model_extra or {}).get("reasoning_content") is None

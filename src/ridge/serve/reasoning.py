@@ -8,6 +8,11 @@ Two parsers, for the two ways templates open the thinking:
   qwen3        thinking only between a leading <think> and </think> (Qwen3 with enable_thinking off writes none, or
                an empty pair); a reply that does not open with <think> is all answer
 The text is not stripped: a streamed reply's deltas join to the whole reply's fields.
+
+A structured-output constraint (a schema, a regex, tool_choice's call grammar) holds the whole reply here, the
+thinking with the answer (vLLM holds only what follows the thinking): such a reply thinks only where the
+constraint opens <think>, so it is read by the qwen3 rule whatever the parser (under deepseek_r1's, a JSON answer
+with no </think> would be taken for thinking).
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ START, END = "<think>", "</think>"
 class Split:
     reasoning: str | None  # None where the reply has none
     content: str | None
+
+
+def constrained_parser(parser: str | None, constrained: bool) -> str | None:
+    """The parser a reply is read by: under a constraint, the qwen3 rule (the module's docstring says why)."""
+    return "qwen3" if parser is not None and constrained else parser
 
 
 def split_reply(text: str, parser: str) -> Split:

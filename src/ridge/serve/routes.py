@@ -26,7 +26,7 @@ from ridge.serve.protocol import (
     RequestError,
     TokenizeRequest,
 )
-from ridge.serve.reasoning import ReasoningStream, split_reply
+from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
 from ridge.serve.tools import CallStream, call_markers, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
@@ -197,6 +197,7 @@ class Routes:
         beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        thinks = constrained_parser(thinks, params.structured_outputs is not None)
 
         def message(text: str) -> tuple[dict[str, Any], bool]:
             """The assistant's message of a reply (its thinking apart, under a reasoning parser), and whether it
