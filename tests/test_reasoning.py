@@ -8,7 +8,7 @@ import re
 import openai
 import pytest
 
-from conftest import running_server
+from conftest import HTTP, running_server
 from ridge.config import EngineConfig
 from ridge.serve.gateway import ServerConfig
 from ridge.serve.reasoning import ReasoningStream, split_reply
@@ -52,7 +52,8 @@ def test_an_unknown_parser_is_refused_by_name():
 @pytest.fixture(scope="module")
 def client(smollm2_path):
     config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB")
-    with running_server(config, ServerConfig("smollm2", reasoning_parser="deepseek_r1")) as srv:
+    with running_server(config, ServerConfig("smollm2", reasoning_parser="deepseek_r1",
+                                             trust_request_chat_template=True)) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -85,3 +86,18 @@ def test_a_constrained_reply_thinks_only_where_its_constraint_opens_think(client
                                            extra_body={"structured_outputs": {"regex": "[a-z]{3,8}"}}).choices[0]
     assert re.fullmatch("[a-z]{3,8}", plain.message.content)
     assert (plain.message.model_extra or {}).get("reasoning_content") is None
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(client):
+    """OpenAI's reasoning_effort is a variable of gpt-oss's template: rendered where a template reads it (here a
+    request's own, as gpt-oss's "Reasoning: {{ reasoning_effort }}"), refused by name where the model's does not
+    (SmolLM2's would never show it)."""
+    template = ("{{ 'Reasoning: ' + reasoning_effort }}{% for m in messages %}\n{{ m.content }}{% endfor %}\n")
+    out = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=1, reasoning_effort="high",
+                                         extra_body={"chat_template": template, "return_token_ids": True})
+    server = str(client.base_url).removesuffix("/v1/")
+    text = HTTP.post(f"{server}/detokenize", json={"tokens": out.model_extra["prompt_token_ids"]}).json()["prompt"]
+    assert text.startswith("Reasoning: high") and "Think, then answer." in text  # trim_blocks took the newline
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=1, reasoning_effort="low")
+    assert caught.value.body["param"] == "reasoning_effort" and "does not read it" in caught.value.body["message"]

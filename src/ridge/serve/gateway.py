@@ -89,7 +89,8 @@ class Gateway:
             message = str(exc)
             field = message.split(":")[0]
             raise RequestError(message, field if field in ("chat_template", "chat_template_kwargs",
-                                                           "continue_final_message") else "messages") from exc
+                                                           "continue_final_message", "reasoning_effort")
+                               else "messages") from exc
 
     def admit(self, prompts: list[list[int]], fields: SamplingFields, requested: int | None,
               logprobs: int | None, what: str) -> SamplingParams:

@@ -102,7 +102,6 @@ UNSUPPORTED = {
     "truncate_prompt_tokens": "not supported; a prompt past the context is refused",
     "store": "this server stores nothing",
     "web_search_options": "not supported",
-    "reasoning_effort": "not supported",
 }
 # Fields one endpoint honours and the other has not: refused by name where the request's body lacks them.
 ONE_ENDPOINT = {
@@ -431,6 +430,8 @@ class ChatRendering(Body):
     continue_final_message: bool = False
     chat_template: Text | None = None  # run only on a server that trusts requests' templates (the gateway checks)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: a template variable where the model's template reads it (gpt-oss's), refused elsewhere
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _template_kwargs_unicode(self) -> ChatRendering:
@@ -438,7 +439,8 @@ class ChatRendering(Body):
         return self
 
     def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {})
+        return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {},
+                           self.reasoning_effort)
 
 
 class ChatCompletionRequest(SamplingFields, ChatRendering):
