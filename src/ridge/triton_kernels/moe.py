@@ -11,7 +11,8 @@ block of its tokens, and at batch 1 only the chosen experts' are read at all. Th
 in torch. This is vLLM's fused-MoE design (sorted, block-aligned choices and a grouped matmul); ridge's kernels and
 layout are its own.
 
-Dense experts in the model's dtype with SiLU gates only (stack_experts says why another block cannot use it).
+Dense experts in the model's dtype, SwiGLU or gpt-oss's clamped SwiGLU, with or without biases (stack_experts says
+why another block cannot use it).
 Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1), which is how the test suite checks it.
 """
 
@@ -32,10 +33,10 @@ BLOCK_K = 64
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, choices_ptr, block_experts_ptr, out_ptr, top_k, hidden, width,
-                    stride_x, stride_we, stride_wn, stride_o,
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, out_ptr, top_k, hidden, width,
+                    limit, alpha, stride_x, stride_we, stride_wn, stride_be, stride_o,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    FLOAT32_DOT: tl.constexpr):
+                    FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:  # blocks past the step's last hold nothing
@@ -57,16 +58,24 @@ def _gate_up_kernel(x_ptr, w_ptr, choices_ptr, block_experts_ptr, out_ptr, top_k
                 a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
             gate += tl.dot(a, w_gate, input_precision=PRECISION)
             up += tl.dot(a, w_up, input_precision=PRECISION)
-        act = gate * tl.sigmoid(gate) * up
+        if HAS_BIAS:  # gate's, then up's, as the gate_up layer's bias holds them
+            gate += tl.load(bias_ptr + expert * stride_be + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + expert * stride_be + width + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED:  # gpt-oss's (models/layers.py's GatedMLP)
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = gate * tl.sigmoid(gate * alpha) * (up + 1)
+        else:
+            act = gate * tl.sigmoid(gate) * up
         tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], act.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & (n < width)[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, hidden, width,
-                 stride_a, stride_we, stride_wn, stride_o,
+def _down_kernel(act_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, hidden,
+                 width, stride_a, stride_we, stride_wn, stride_be, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 FLOAT32_DOT: tl.constexpr):
+                 FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:
@@ -85,6 +94,8 @@ def _down_kernel(act_ptr, w_ptr, choices_ptr, block_experts_ptr, choice_weights_
             if FLOAT32_DOT:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(a, w, input_precision=PRECISION)
+        if HAS_BIAS:  # the expert's output, bias included, is what the choice's weight scales
+            acc += tl.load(bias_ptr + expert * stride_be + n, mask=n < hidden, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(choice_weights_ptr + rows, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], acc, mask=valid[:, None] & (n < hidden)[None, :])
 
@@ -113,11 +124,16 @@ def expert_blocks(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 @dataclass
 class FusedExperts:
     """A block's experts stacked: gate_up [E, 2 * width, hidden] (gate rows, then up rows) and down [E, hidden,
-    width], as the experts' GatedMLPs hold them (whose weights become views of these)."""
+    width], as the experts' GatedMLPs hold them (whose weights become views of these), with their biases [E, rows]
+    where they have them; swiglu_limit set: gpt-oss's clamped SwiGLU (its slope swiglu_alpha)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     top_k: int
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], each token's experts and weights [T, k] (MoEBlock.route) -> the weighted sum of its
@@ -131,28 +147,43 @@ class FusedExperts:
         flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                      PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(x.dtype, None))
         blocks = block_experts.shape[0]
+        gate_up_bias = self.gate_up_bias if self.gate_up_bias is not None else self.gate_up  # unread without one
+        down_bias = self.down_bias if self.down_bias is not None else self.down
         _gate_up_kernel[(blocks, triton.cdiv(width, BLOCK_N))](
-            x, self.gate_up, choices, block_experts, act, self.top_k, hidden, width,
-            x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1), act.stride(0), **flags)
+            x, self.gate_up, gate_up_bias, choices, block_experts, act, self.top_k, hidden, width,
+            self.swiglu_limit or 0.0, self.swiglu_alpha, x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1),
+            gate_up_bias.stride(0), act.stride(0), HAS_BIAS=self.gate_up_bias is not None,
+            CLAMPED=self.swiglu_limit is not None, **flags)
         _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
-            act, self.down, choices, block_experts, weights.flatten().float().contiguous(), out, hidden, width,
-            act.stride(0), self.down.stride(0), self.down.stride(1), out.stride(0), **flags)
+            act, self.down, down_bias, choices, block_experts, weights.flatten().float().contiguous(), out, hidden,
+            width, act.stride(0), self.down.stride(0), self.down.stride(1), down_bias.stride(0), out.stride(0),
+            HAS_BIAS=self.down_bias is not None, **flags)
         return out.view(tokens, self.top_k, hidden).sum(1).to(x.dtype)
 
 
 def stack_experts(experts: nn.ModuleList, top_k: int) -> tuple[FusedExperts | None, str]:
-    """The experts (GatedMLPs) stacked for the kernels, their weights then views of the stack; or None and why
-    they cannot be (quantized or biased layers, a GELU gate)."""
+    """The experts (GatedMLPs) stacked for the kernels, their weights (and biases) then views of the stack; or None
+    and why they cannot be (quantized layers, a GELU gate)."""
     for expert in experts:
-        if getattr(expert, "gelu", False):
-            return None, "GELU-gated experts"
+        if expert.activation not in ("silu", "swiglu_oai"):
+            return None, f"{expert.activation}-gated experts"
         for layer in (expert.gate_up, expert.down):
-            if type(layer) is not nn.Linear or layer.bias is not None:
-                return None, f"experts as {type(layer).__name__} layers (quantized or biased)"
-    fused = FusedExperts(torch.stack([e.gate_up.weight.detach() for e in experts]),
-                         torch.stack([e.down.weight.detach() for e in experts]), top_k)
+            if type(layer) is not nn.Linear:
+                return None, f"experts as {type(layer).__name__} layers (quantized)"
+
+    def stacked(name: str, part: str) -> torch.Tensor | None:
+        tensors = [getattr(getattr(e, name), part) for e in experts]
+        return None if tensors[0] is None else torch.stack([t.detach() for t in tensors])
+
+    first = experts[0]
+    fused = FusedExperts(stacked("gate_up", "weight"), stacked("down", "weight"), top_k, stacked("gate_up", "bias"),
+                         stacked("down", "bias"), first.limit if first.activation == "swiglu_oai" else None,
+                         first.alpha)
     for i, expert in enumerate(experts):  # one copy of the weights: the experts' own read the stack
         expert.gate_up.weight = nn.Parameter(fused.gate_up[i], requires_grad=False)
         expert.down.weight = nn.Parameter(fused.down[i], requires_grad=False)
+        if fused.gate_up_bias is not None:
+            expert.gate_up.bias = nn.Parameter(fused.gate_up_bias[i], requires_grad=False)
+        if fused.down_bias is not None:
+            expert.down.bias = nn.Parameter(fused.down_bias[i], requires_grad=False)
     return fused, ""
-
