@@ -238,8 +238,8 @@ def test_a_gguf_of_it_matches_hf_read_or_run_as_blocks(mxfp4_gpt_oss, smollm2_pa
 
 def test_mxfp4_over_two_ranks_and_a_truncated_checkpoint(mxfp4_gpt_oss, make_llm_for_test, tmp_path):
     """Two ranks each read their MXFP4 blocks of every expert (the down projection's columns cut on a block's
-    bounds: the plan's granule is the checkpoint's 32) and give one process's tokens; a checkpoint missing a
-    layer's scales is refused by name."""
+    bounds: the plan's granule is the checkpoint's 32), or their whole experts, and give one process's tokens; a
+    checkpoint missing a layer's scales is refused by name."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -248,10 +248,12 @@ def test_mxfp4_over_two_ranks_and_a_truncated_checkpoint(mxfp4_gpt_oss, make_llm
     prompts = random_prompts(3, 49152, 5, 30, seed=4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     one = make_llm_for_test(packed, dtype="float32", kv_cache_memory="16MiB")
-    two = make_llm_for_test(packed, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == \
-        [o.outputs[0].token_ids for o in one.generate(prompts, params)]
-    two.engine.close()
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    for expert_parallel in (False, True):  # each rank its blocks of every expert, or its whole experts
+        two = make_llm_for_test(packed, dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,
+                                enable_expert_parallel=expert_parallel)
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, params)] == expected
+        two.engine.close()
 
     truncated = tmp_path / "truncated"
     shutil.copytree(packed, truncated)
