@@ -494,6 +494,7 @@ def _split_experts(tensors: Iterator[tuple[str, _Stored]]) -> Iterator[tuple[str
 
 def _mxfp4_experts(prefix: str, kind: str, blocks: _Stored,
                    exponents: _Stored) -> Iterator[tuple[str, _Stored]]:
+    """Each expert of one stacked MXFP4 projection, read (its rows asked for) as a QuantizedWeight."""
     experts, rows, groups, _ = blocks.shape
     # gate_up's rows interleaved in the file: gate's (the even ones) first here
     order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]) if kind == "gate_up" else \
