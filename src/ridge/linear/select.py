@@ -113,8 +113,8 @@ def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: Linea
 
 @functools.cache
 def _warn_levels_widened(where: str) -> None:
-    log.warning("ridge: MXFP4's 4-bit codes are held a byte each %s (no table-lookup kernel there): the same "
-                "numbers, twice the bytes to read", where)
+    log.warning("ridge: MXFP4's 4-bit codes have no table-lookup kernel %s: its layers hold them widened (the same "
+                "numbers, more bytes to read)", where)
 
 
 def fused_linear(parts: list[QuantizedWeight], bias: torch.Tensor | None, target: LinearTarget) -> nn.Module:
