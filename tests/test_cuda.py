@@ -185,14 +185,7 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
     hf = hf.cuda()
     llm = make_llm_for_test(path, device="cuda", dtype="float32")
     prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 140, 150, seed=3)
-    for ids in prompts:
-        ours = llm.engine.prompt_logits(ids)
-        with torch.inference_mode():
-            ref = hf(torch.tensor([ids], device="cuda")).logits[0]
-        assert (ours.to(ref.device) - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
-    outs = llm.generate(prompts, SamplingParams(**GREEDY_ARGS))
-    for ids, out in zip(prompts, outs, strict=True):
-        assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
+    outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
     if arch in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
         assert llm.engine.runner.graphs is not None
         eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
@@ -211,6 +204,16 @@ def test_gpt_oss_matches_hf_on_the_gpu(tmp_path_factory, make_llm_for_test):
     hf = hf.cuda()
     llm = make_llm_for_test(path, device="cuda", dtype="float32", max_num_batched_tokens=32)
     prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 90, 100, seed=3)
+    outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
+    eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
+    assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
+
+
+def _logits_and_greedy_tokens_match_hf(llm, hf, prompts: list[list[int]]) -> list:
+    """Each prompt's float32 logits within 1e-4 of HF's (its model on the GPU), and the engine's greedy tokens HF's
+    choices; the outputs, for the runtime checks that follow."""
+    from ridge import SamplingParams
+
     for ids in prompts:
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():
@@ -219,5 +222,4 @@ def test_gpt_oss_matches_hf_on_the_gpu(tmp_path_factory, make_llm_for_test):
     outs = llm.generate(prompts, SamplingParams(**GREEDY_ARGS))
     for ids, out in zip(prompts, outs, strict=True):
         assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
-    eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
-    assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
+    return outs
