@@ -145,8 +145,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     # llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like
-    file_type = "MOSTLY_MXFP4_MOE" if blocks == GGMLQuantizationType.MXFP4 else f"MOSTLY_{getattr(blocks, 'name', '')}"
-    writer.add_file_type(LlamaFileType[file_type] if blocks is not None else 1 if float16 else 0)
+    file_type = LlamaFileType.MOSTLY_F16 if float16 else LlamaFileType.ALL_F32
+    if blocks is not None:  # MXFP4: llama.cpp's type for experts alone in blocks
+        file_type = LlamaFileType.MOSTLY_MXFP4_MOE if blocks == GGMLQuantizationType.MXFP4 else \
+            LlamaFileType[f"MOSTLY_{blocks.name}"]
+    writer.add_file_type(file_type)
     if spec.sliding_window and arch == "gpt-oss":
         writer.add_sliding_window(spec.sliding_window)
     if spec.is_moe:

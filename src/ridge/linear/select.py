@@ -80,7 +80,7 @@ def _quantized(weight: QuantizedWeight, bias: torch.Tensor | None, target: Linea
             if torch.equal(weight.levels.cpu(), mxfp4.LEVELS) and weight.shape[1] % (2 * mxfp4.GROUP) == 0:
                 return TritonQuantLinear(weight, bias, dtype, target.device)
             _warn_levels_widened(f"on {target.device}")
-        elif ops is None or weight.group_size is None or weight.group_size % 32:
+        elif ops is None:
             _warn_levels_widened(f"on {target.device}")
         elif target.int8_activations:
             _warn_levels_widened("with int8 activations")

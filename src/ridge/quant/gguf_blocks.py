@@ -132,7 +132,7 @@ def dequantize(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, .
         return gguf_dequantize(data, kind).reshape(shape)
     blocks = _blocks(data, kind)
     scales, minimums = _scales(kind, blocks)
-    if ops is not None and kind.name in _UNPACKED_IN_CPP:
+    if ops is not None and kind.name not in LEVELS:  # kernels/gguf_blocks.cpp unpacks the affine formats
         out = torch.empty(int(np.prod(shape)), dtype=torch.float32)
         ops.gguf_dequantize_(out, _read_only(blocks), int(kind), torch.from_numpy(np.ascontiguousarray(scales)),
                              None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums)))
@@ -152,7 +152,6 @@ GROUP_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K
                "MXFP4": mxfp4.GROUP}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "MXFP4": 4}
 LEVELS = {"MXFP4": mxfp4.LEVELS}  # the formats whose codes index a table of values
-_UNPACKED_IN_CPP = tuple(GROUP_SIZES.keys() - {"MXFP4"})  # kernels/gguf_blocks.cpp's formats
 SUPPORTED = tuple(GROUP_SIZES)
 
 
