@@ -45,6 +45,9 @@ def test_a_streamed_reply_splits_as_the_whole_one(parser, size):
 
 
 def test_an_unknown_parser_is_refused_by_name():
+    """At the server's start (its config), not at its first request."""
+    with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3"):
+        ServerConfig("m", reasoning_parser="r2")
     with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3"):
         ReasoningStream("r2")
 

@@ -18,6 +18,7 @@ from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
+from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
 from ridge.serve.tools import supports_tools, template_messages
 from ridge.tokenizer import ChatOptions
 
@@ -46,6 +47,11 @@ class ServerConfig:
     # disaggregated prefill: "prefill" pushes a prompt's KV where a request's kv_transfer_params say, "decode" takes
     # it in (POST /kv/import); "both" (the default) does neither (serve/kv_transfer.py)
     role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(REASONING_PARSERS)}")
 
 
 class Gateway:
