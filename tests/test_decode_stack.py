@@ -87,10 +87,13 @@ def test_serves_only_plain_decode_steps():
         m.kernel_rows = KernelRows(rows, tables, lens, list(prefixes))
         return m
 
-    serves = decode_stack.DecodeStack(None).serves
-    assert serves(meta(1)) and serves(meta(decode_stack.MAX_ROWS))
+    def serves(*groups: AttentionMetadata, max_rows: int = decode_stack.MAX_ROWS) -> bool:  # a KV group's each
+        return decode_stack.DecodeStack(None, max_rows).serves(groups)
+
+    assert serves(meta(1)) and serves(meta(decode_stack.MAX_ROWS)) and serves(meta(2), meta(2))
     assert not serves(meta(decode_stack.MAX_ROWS + 1))  # past the dense layers' few-row kernel
-    assert not decode_stack.DecodeStack(None, TILED_MIN_ROWS - 1).serves(meta(TILED_MIN_ROWS))  # bf16's limit
+    assert not serves(meta(TILED_MIN_ROWS), max_rows=TILED_MIN_ROWS - 1)  # bf16's limit
+    assert not serves(meta(2), meta(2, rows=torch.tensor([1, 0])))  # every group's rows must be plain
     assert not serves(meta(1, prefills=[PrefillChunk(1, 3, 3, torch.zeros(1, dtype=torch.long))]))
     assert not serves(meta(2, tokens=5))  # drafts scored: more tokens than sequences
     assert not serves(meta(2, rows=torch.tensor([1, 0])))

@@ -124,3 +124,19 @@ def test_an_int8_cache_keeps_the_answers_past_the_window(make_llm_for_test, gemm
     outs = llm.generate(chat_prompts[3:6], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))  # 1 short, 2 long
     equal = sum(o.outputs[0].token_ids == tokens for o, tokens in zip(outs, batch_tokens[3:6], strict=True))
     assert equal >= 2, f"{equal} of 3 answers equal the float32 cache's"
+
+
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+def test_the_fused_decode_step_is_the_python_path_to_the_bit(make_llm_for_test, gemma3_path, chat_prompts):
+    """Decode steps in one C++ call (each layer over its own KV group: windows on the local layers, their rotary
+    base, the sandwich norms, GeGLU) against every layer in Python (enforce_eager), on the file's blocks in bf16 as
+    `ridge bench` runs it: the same tokens and log-probabilities to the last bit, prompts past the window."""
+    args = {"dtype": "bfloat16", "quantization": "gguf"}
+    stacked = make_llm_for_test(gemma3_path, **args)
+    eager = make_llm_for_test(gemma3_path, enforce_eager=True, **args)
+    assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    prompts = chat_prompts[3:6]  # 1 short, 2 longer than the window
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -50,17 +50,18 @@ def test_logits_match_hf(random_gpt_oss, make_llm_for_test, backend):
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(random_gpt_oss, make_llm_for_test, caplog):
-    """48 greedy tokens of 5 prompts equal HF's choices in a batch of 16 with 32-token chunks (decodes through the
-    C++ kernel, each row's output scaled by its softmax denominator's share of the sink, and the C++ experts); the
-    same tokens in a pool that preempts, from the prefix cache, and through torch's decode path (no C++ kernels).
-    The fused decode step says it cannot serve it."""
+    """48 greedy tokens of 5 prompts equal HF's choices in a batch of 16 with 32-token chunks (decodes in the fused
+    C++ step: each layer over its KV group's window, each row's output scaled by its softmax denominator's share of
+    the sink, the C++ experts); the same tokens in a pool that preempts, from the prefix cache, and through torch's
+    decode path (no C++ kernels)."""
     from ridge.models.moe import MoEBlock
 
     path, hf = random_gpt_oss
     llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
     cfg = llm.engine.loaded.config
     assert (cfg.architecture, cfg.attention_sinks, cfg.global_every, cfg.sliding_window) == ("gpt_oss", True, 2, 8)
-    assert "attention sinks" in caplog.text and "experts run in Python" not in caplog.text
+    assert "fused decode step has no" not in caplog.text and "experts run in Python" not in caplog.text
+    assert llm.engine.runner.decode_stack is not None
     assert all(m.native is not None for m in llm.engine.loaded.model.modules() if isinstance(m, MoEBlock))
     again = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in again] == batch and sum(o.num_cached_tokens for o in again) > 0
@@ -89,6 +90,31 @@ def test_the_c_experts_equal_the_python_block(random_gpt_oss, mxfp4_gpt_oss, mak
                 for rows in (1, 3, 16):
                     x = torch.randn(rows, block.router.in_features, generator=g).to(getattr(torch, dtype)) * 3
                     assert torch.equal(native(x), block(x)), (path.name, rows)
+
+
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "mxfp4 bfloat16", "int8 cache"])
+def test_the_fused_decode_step_is_the_python_path_to_the_bit(random_gpt_oss, mxfp4_gpt_oss, make_llm_for_test, form):
+    """Decode steps in one C++ call (windows on alternate layers, the sinks, o_proj's and the experts' biases)
+    against every layer in Python (enforce_eager): the same tokens and log-probabilities to the last bit, a batch
+    of 6 run past the window."""
+    args = {"dtype": form.split()[-1] if form != "int8 cache" else "float32"}
+    path = mxfp4_gpt_oss[1] if form.startswith("mxfp4") else random_gpt_oss[0]
+    if form == "int8 cache":
+        if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            pytest.skip("the stack reads a quantized cache through the AVX512 kernel only (elsewhere it stays off)")
+        # the cache kernel's heads are 64 wide: gpt-oss-20b's shape, cut down
+        path = ("random:gpt-oss-20b,num_layers=2,hidden_size=128,num_heads=4,num_kv_heads=2,num_experts=4,"
+                "experts_per_token=2,moe_intermediate_size=64,vocab_size=320,sliding_window=16")
+        args["kv_cache_dtype"] = "int8"
+    stacked = make_llm_for_test(path, **args)
+    eager = make_llm_for_test(path, enforce_eager=True, **args)
+    assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
+    prompts = random_prompts(6, VOCAB, 3, 30, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_an_int8_cache_keeps_the_float_cache_s_tokens(random_gpt_oss, make_llm_for_test):

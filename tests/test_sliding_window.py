@@ -208,6 +208,26 @@ def test_windowed_logits_match_hf(windowed, make_llm_for_test, backend):
         assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0), arch
 
 
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+def test_the_fused_decode_step_serves_windowed_models_to_the_bit(windowed, make_llm_for_test):
+    """Decode steps in one C++ call, each layer over its KV group's window (and Gemma's sandwich norms, GeGLU, local
+    rotary base), against every layer in Python (enforce_eager): the same tokens and log-probabilities to the last
+    bit, prompts past the window. Gemma 2's soft-capped scores take the reference backend, which the step has no
+    kernels for."""
+    arch, path, _ = windowed
+    stacked = make_llm_for_test(path, dtype="float32")
+    eager = make_llm_for_test(path, dtype="float32", enforce_eager=True)
+    if arch == "gemma2":
+        assert stacked.engine.runner.decode_stack is None
+        return
+    assert stacked.engine.runner.decode_stack is not None and eager.engine.runner.decode_stack is None
+    prompts = random_prompts(5, VOCAB, 2, 3 * WINDOW, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=WINDOW + 8, ignore_eos=True, logprobs=2)
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_windowed_greedy_tokens_match_hf_under_the_runtime(windowed, make_llm_for_test):
     """The same tokens as HF alone, in a batch, chunked across the window edge, under a tiny pool (preempted),
     with prefix caching; blocks behind the window are back in the pool mid-generation."""

@@ -148,8 +148,8 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> StepLogits:
         """The forward pass of a prepared step (prepare(), or describe() and then prepare_backend())."""
         meta = inputs.meta
-        if self.decode_stack is not None and self.decode_stack.serves(meta[0]):  # every row samples
-            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta[0])
+        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
+            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta)
             return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [],
                               attention_mass=meta[0].attention_mass)
         num_sampled = len(inputs.sample_rows)

@@ -87,24 +87,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("parts"), py::arg("bias"))
       .def("__call__", &Linear::operator(), py::arg("x"));
+  py::class_<Activation>(m, "Activation", "a gated MLP's activation (models/layers.py's GatedMLP)")
+      .def(py::init<const std::string&, double, double>(), py::arg("name"), py::arg("limit") = 0.0,
+           py::arg("alpha") = 1.0);
   py::class_<Experts>(m, "Experts", "a mixture-of-experts MLP: its router and experts (models/moe.py)")
       .def(py::init([](torch::Tensor router, c10::optional<torch::Tensor> router_bias, int64_t top_k, int64_t groups,
                        int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
                        std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
                        c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate,
-                       c10::optional<torch::Tensor> router_logit_bias, c10::optional<double> swiglu_limit,
-                       double swiglu_alpha) {
+                       c10::optional<torch::Tensor> router_logit_bias, Activation activation) {
              TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
              TORCH_CHECK(!sigmoid || router_bias.has_value(), "Experts: sigmoid scoring takes its correction bias");
              return Experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
                             renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
-                            shared_down, shared_gate, router_logit_bias, swiglu_limit, swiglu_alpha};
+                            shared_down, shared_gate, router_logit_bias, activation};
            }),
            py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
            py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
-           py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(), py::arg("swiglu_limit") = py::none(),
-           py::arg("swiglu_alpha") = 1.0)
+           py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(),
+           py::arg("activation") = Activation())
       .def("__call__", &Experts::operator(), py::arg("x"));
   py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
       .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,
@@ -122,14 +124,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
                        torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8,
-                       std::optional<Experts> experts, std::optional<LatentProjections> latent) {
-             return Layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
-                          k_cache,    v_cache,        k_scales,   v_scales, key_center, fp8, experts, latent};
+                       std::optional<Experts> experts, std::optional<LatentProjections> latent, Activation activation,
+                       int64_t group, c10::optional<torch::Tensor> rope_table, c10::optional<torch::Tensor> sinks,
+                       c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
+                       double residual_multiplier) {
+             TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
+                         "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
+             Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
+                         activation, k_cache,        v_cache,    k_scales, v_scales, key_center, fp8, experts, latent};
+             layer.group = group;
+             layer.rope_table = rope_table;
+             layer.sinks = sinks;
+             layer.attn_out_norm = attn_out_norm;
+             layer.mlp_out_norm = mlp_out_norm;
+             layer.residual_multiplier = residual_multiplier;
+             return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("o_proj"), py::arg("gate_up"), py::arg("down"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("key_center") = py::none(),
-           py::arg("fp8") = false, py::arg("experts") = py::none(), py::arg("latent") = py::none());
+           py::arg("fp8") = false, py::arg("experts") = py::none(), py::arg("latent") = py::none(),
+           py::arg("activation") = Activation(), py::arg("group") = 0, py::arg("rope_table") = py::none(),
+           py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
+           py::arg("residual_multiplier") = 1.0);
+  py::class_<GroupStep>(m, "GroupStep", "one KV group's part of a decode step")
+      .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
+                       std::optional<torch::Tensor> window_starts, std::optional<torch::Tensor> mass) {
+             return GroupStep{slots, block_tables, context_lens, window_starts, mass};
+           }),
+           py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"), py::arg("window_starts") = py::none(),
+           py::arg("mass") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
                     py::object>(),
@@ -137,6 +161,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none())
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("context_lens"),
-           py::arg("mass") = py::none());
+           py::arg("positions"), py::arg("groups"));
 }

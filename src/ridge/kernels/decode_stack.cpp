@@ -130,14 +130,24 @@ std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) c
   return {experts, scaling != 1.0 ? weights * scaling : weights};
 }
 
-// GatedMLP's activation, op for op: silu_mul's SwiGLU, or gpt-oss's gate clamped above, up on both sides,
-// gate * sigmoid(alpha * gate) * (up + 1)
-torch::Tensor Experts::activate(const torch::Tensor& gate_up) const {
-  if (!swiglu_limit.has_value()) return silu_mul(gate_up);
+Activation::Activation(const std::string& name, double limit, double alpha) : limit(limit), alpha(alpha) {
+  if (name == "silu") {
+    kind = Kind::kSilu;
+  } else if (name == "gelu_tanh") {
+    kind = Kind::kGeluTanh;
+  } else if (name == "swiglu_oai") {
+    kind = Kind::kSwigluOai;
+  } else {
+    TORCH_CHECK(false, "Activation: silu, gelu_tanh or swiglu_oai, not ", name);
+  }
+}
+
+torch::Tensor Activation::operator()(const torch::Tensor& gate_up) const {
+  if (kind == Kind::kSilu) return silu_mul(gate_up);
   const auto halves = gate_up.chunk(2, -1);
-  const double limit = *swiglu_limit;
+  if (kind == Kind::kGeluTanh) return at::gelu(halves[0], "tanh") * halves[1];
   const auto gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);
-  return gate * torch::sigmoid(gate * swiglu_alpha) * (up + 1);
+  return gate * torch::sigmoid(gate * alpha) * (up + 1);
 }
 
 torch::Tensor Experts::operator()(const torch::Tensor& x) const {
@@ -166,7 +176,7 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = active[i];
-      outs[i] = down[e](activate(gate_up[e](x.index_select(0, rows[i]))));
+      outs[i] = down[e](activation(gate_up[e](x.index_select(0, rows[i]))));
     }
   };
   const int64_t count = static_cast<int64_t>(active.size());
@@ -181,7 +191,7 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
     out.index_add_(0, rows[i], (outs[i] * w).to(out.scalar_type()));
   }
   if (shared_gate_up.has_value()) {
-    auto shared = (*shared_down)(silu_mul((*shared_gate_up)(x)));
+    auto shared = (*shared_down)(activation((*shared_gate_up)(x)));
     if (shared_gate.has_value()) shared = at::linear(x, *shared_gate).sigmoid() * shared;
     out += shared;
   }
@@ -199,16 +209,19 @@ DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, to
 }
 
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                                   torch::Tensor block_tables, torch::Tensor context_lens,
-                                   std::optional<torch::Tensor> mass) const {
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
   const int64_t rows = x.size(0);
-  TORCH_CHECK(positions.numel() == rows && slots.numel() == rows && block_tables.size(0) == rows &&
-                  context_lens.numel() == rows,
-              "DecodeStack: one position, slot, block table and context length per row");
+  TORCH_CHECK(positions.numel() == rows, "DecodeStack: one position per row");
+  for (const GroupStep& step : groups) {
+    TORCH_CHECK(step.slots.numel() == rows && step.block_tables.size(0) == rows && step.context_lens.numel() == rows &&
+                    (!step.window_starts.has_value() || step.window_starts->numel() == rows),
+                "DecodeStack: each group's step has one slot, block table, context length (and window start) per row");
+  }
   torch::Tensor residual;
   for (const Layer& layer : layers) {
+    TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
+    const GroupStep& step = groups[layer.group];
     torch::Tensor h;
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
       residual = x;
@@ -216,53 +229,62 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     } else {
       h = add_rms_norm_(residual, x, layer.input_norm, eps);
     }
-    x = layer.o_proj(layer.latent.has_value()
-                         ? latent_attention(layer, h, positions, slots, block_tables, context_lens, mass)
-                         : attention(layer, h, positions, slots, block_tables, context_lens, mass));
+    x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step)
+                                              : attention(layer, h, positions, step));
     reduce_(x);
+    x = branch_output(layer, x, layer.attn_out_norm);
     h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
-    x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(silu_mul(layer.gate_up(h)));
+    x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
     reduce_(x);
+    x = branch_output(layer, x, layer.mlp_out_norm);
   }
   return add_rms_norm_(residual, x, final_norm, eps);
 }
 
+// a mixer's or an MLP's output as it joins the residual stream: its sandwich norm, then the residual multiplier
+torch::Tensor DecodeStack::branch_output(const Layer& layer, torch::Tensor x,
+                                         const c10::optional<torch::Tensor>& norm) const {
+  if (norm.has_value()) x = at::rms_norm(x, {x.size(1)}, *norm, eps);
+  return layer.residual_multiplier != 1.0 ? x * layer.residual_multiplier : x;
+}
+
 torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                                     const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens,
-                                     const std::optional<torch::Tensor>& mass) const {
+                                     const GroupStep& step) const {
   const int64_t rows = h.size(0);
+  const torch::Tensor& table = layer.rope_table.has_value() ? *layer.rope_table : rope_table;
   auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
   auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
   torch::Tensor q = split[0], k = split[1], v = split[2];
   if (layer.q_norm.has_value()) {
     q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
     k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
-    rotary_(q, positions, rope_table, heads);
-    rotary_(k, positions, rope_table, kv_heads);
+    rotary_(q, positions, table, heads);
+    rotary_(k, positions, table, kv_heads);
   } else {  // q and k side by side in qkv: rotated in one go
-    rotary_(qkv, positions, rope_table, heads + kv_heads);
+    rotary_(qkv, positions, table, heads + kv_heads);
   }
-  torch::Tensor attended;
+  std::tuple<torch::Tensor, torch::Tensor> attended;  // and each row and head's log-sum-exp
   if (layer.k_scales.has_value()) {
-    quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, slots,
+    quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, step.slots,
                            layer.key_center, layer.fp8);
-    attended = std::get<0>(quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales,
-                                                  *layer.v_scales, block_tables, context_lens, scale, std::nullopt,
-                                                  layer.fp8, mass));
+    attended = quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales,
+                                      step.block_tables, step.context_lens, scale, step.window_starts, layer.fp8,
+                                      step.mass);
   } else {
-    cache_write_(layer.k_cache, layer.v_cache, k, v, slots);
-    attended = std::get<0>(paged_decode(q, layer.k_cache, layer.v_cache, block_tables, context_lens, scale,
-                                        std::nullopt, mass));
+    cache_write_(layer.k_cache, layer.v_cache, k, v, step.slots);
+    attended = paged_decode(q, layer.k_cache, layer.v_cache, step.block_tables, step.context_lens, scale,
+                            step.window_starts, step.mass);
   }
-  return attended.reshape({rows, heads * head_dim});
+  auto& [out, lse] = attended;
+  if (layer.sinks.has_value()) {  // attention/backend.py's sink_correction_: out * Z / (Z + e^sink)
+    out.mul_(torch::sigmoid(lse - layer.sinks->to(torch::kFloat)).to(out.scalar_type()).unsqueeze(-1));
+  }
+  return out.reshape({rows, heads * head_dim});
 }
 
 // models/mla.py's LatentAttention.forward and attention/latent.py's decode, op for op
 torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Tensor& h,
-                                            const torch::Tensor& positions, const torch::Tensor& slots,
-                                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                            const std::optional<torch::Tensor>& mass) const {
+                                            const torch::Tensor& positions, const GroupStep& step) const {
   const LatentProjections& p = *layer.latent;
   const int64_t rows = h.size(0), local_heads = p.w_uk.size(0), nope = p.w_uk.size(1), rank = p.w_uk.size(2);
   auto q = p.q_a.has_value() ? p.q(at::rms_norm((*p.q_a)(h), {p.q_a_norm->size(0)}, *p.q_a_norm, eps)) : p.q(h);
@@ -276,8 +298,9 @@ torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Ten
   rotary_(k_pe, positions, rope_table, 1);
   const auto query = torch::cat({head_matmul(q_nope, p.w_uk, false), q_pe}, -1);
   const auto row = torch::cat({at::rms_norm(latent, {rank}, p.kv_a_norm, eps), k_pe.view({rows, p.rope})}, -1);
-  layer.k_cache.view({-1, rank + p.rope}).index_copy_(0, slots, row);
-  const auto mixed = latent_decode(query, layer.k_cache, block_tables, context_lens, scale, rank, std::nullopt, mass)
+  layer.k_cache.view({-1, rank + p.rope}).index_copy_(0, step.slots, row);
+  const auto mixed = latent_decode(query, layer.k_cache, step.block_tables, step.context_lens, scale, rank,
+                                   step.window_starts, step.mass)
                          .narrow(2, 0, rank);
   return head_matmul(mixed, p.w_uv, true).reshape({rows, local_heads * p.w_uv.size(1)});
 }

@@ -50,6 +50,19 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 
+// A gated MLP's activation of its gate|up halves (models/layers.py's GatedMLP), op for op: SwiGLU (silu_mul), GeGLU
+// (tanh-approximated gelu: Gemma), or gpt-oss's SwiGLU with the gate clamped above and up on both sides at `limit`,
+// gate * sigmoid(alpha * gate) * (up + 1).
+struct Activation {
+  enum class Kind { kSilu, kGeluTanh, kSwigluOai };
+  Kind kind = Kind::kSilu;
+  double limit = 0.0, alpha = 1.0;  // swiglu_oai's
+
+  Activation() = default;
+  Activation(const std::string& name, double limit, double alpha);
+  torch::Tensor operator()(const torch::Tensor& gate_up) const;
+};
+
 // A mixture of experts (models/moe.py's MoEBlock): routed as its route() routes, op for op, and each expert
 // any token chose run over its tokens with the same kernels. Where the step chose at least as many experts as
 // there are threads, the experts run side by side, one a thread, each kernel on its caller's thread alone:
@@ -66,16 +79,13 @@ struct Experts {
   c10::optional<Linear> shared_gate_up, shared_down;
   c10::optional<torch::Tensor> shared_gate;  // the shared expert's sigmoid gate's weight [1, hidden]
   c10::optional<torch::Tensor> router_logit_bias;  // a bias on the router's logits (gpt-oss)
-  // the experts' activation: SwiGLU, or with swiglu_limit set gpt-oss's clamped one (models/layers.py's GatedMLP)
-  c10::optional<double> swiglu_limit;
-  double swiglu_alpha = 1.0;
+  Activation activation;                   // the experts' and the shared expert's
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 
  private:
   // each token's experts [T, k] and their weights [T, k] (float32)
   std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
-  torch::Tensor activate(const torch::Tensor& gate_up) const;
 };
 
 // Multi-head latent attention's projections (models/mla.py's LatentAttention), run as its forward() runs them:
@@ -90,10 +100,12 @@ struct LatentProjections {
   int64_t rope;                            // qk_rope_head_dim
 };
 
+// models/layers.py's DecoderLayer.
 struct Layer {
   torch::Tensor input_norm, post_attn_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
   Linear qkv, o_proj, gate_up, down;  // gate_up and down: a dense MLP's; empty where the layer has experts
+  Activation activation;              // the dense MLP's
   // this layer's paged caches (attention/backend.py's layout); latent attention's rows in k_cache
   // (attention/latent.py's layout), v_cache unused
   torch::Tensor k_cache, v_cache;
@@ -103,6 +115,20 @@ struct Layer {
   bool fp8 = false;
   std::optional<Experts> experts;  // the layer's MLP, where it is a mixture of experts
   std::optional<LatentProjections> latent;  // the layer's attention, where it is latent (qkv empty then)
+  int64_t group = 0;  // the layer's KV group (kv/layout.py): which of a step's GroupSteps it writes and reads
+  c10::optional<torch::Tensor> rope_table;  // the layer's own rotary table (Gemma 3's local layers), else the stack's
+  c10::optional<torch::Tensor> sinks;       // gpt-oss's attention sinks [heads]: one more logit in each softmax
+  // sandwich norms (Gemma): the mixer's and the MLP's outputs normed before they join the residual stream
+  c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
+  double residual_multiplier = 1.0;  // Granite: each branch's output scaled before it joins
+};
+
+// One KV group's part of a decode step (attention/backend.py's AttentionMetadata and KernelRows): each row's cache
+// slot, block table and context length (the token included), the first key where the group has a window, and the
+// attention mass per block to add to where it was asked for.
+struct GroupStep {
+  torch::Tensor slots, block_tables, context_lens;
+  std::optional<torch::Tensor> window_starts, mass;
 };
 
 struct DecodeStack {
@@ -118,19 +144,16 @@ struct DecodeStack {
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
               int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
-  // writes each layer's k, v at slots and attends over block_tables up to context_lens (the token included);
-  // adds every layer's attention mass per block to `mass` where given (paged_decode's).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor context_lens, std::optional<torch::Tensor> mass) const;
+  // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups) const;
 
  private:
   // a layer's attention from its normed input h to o_proj's input [B, heads * v_dim]
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                          const torch::Tensor& slots, const torch::Tensor& block_tables,
-                          const torch::Tensor& context_lens, const std::optional<torch::Tensor>& mass) const;
+                          const GroupStep& step) const;
   torch::Tensor latent_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                                 const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                 const torch::Tensor& context_lens, const std::optional<torch::Tensor>& mass) const;
+                                 const GroupStep& step) const;
+  torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
   void reduce_(const torch::Tensor& x) const;
 };
 

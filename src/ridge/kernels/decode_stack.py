@@ -8,7 +8,8 @@ each row reading its own blocks (no shared prefix attended once), on the paged b
 quantized cache's: int8 / fp8 / int4 codes written and read in C++, or latent attention's rows), float32 or bfloat16,
 at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel
 there). A mixture of experts' layers route and run their experts in C++ too (decode_stack.h's Experts), side by
-side on the threads.
+side on the threads. Each layer reads its own KV group's part of the step (its window, its blocks), so local:global
+models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks.
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMetadata
 from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
@@ -39,21 +40,27 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 
 class DecodeStack:
-    def __init__(self, native: Any, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None) -> None:
         self.native = native
         self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
+        self.native_ops = ops
 
-    def serves(self, meta: AttentionMetadata) -> bool:
+    def serves(self, step: StepMetadata) -> bool:
+        return all(self._serves(meta) for meta in step)
+
+    def _serves(self, meta: AttentionMetadata) -> bool:
         kernel = meta.kernel_rows
         return (not meta.prefills and 0 < meta.num_decodes <= self.max_rows
                 and meta.slot_mapping.shape[0] == meta.num_decodes  # no drafts scored
                 and kernel is not None and kernel.rows is None and not kernel.shared_prefixes)
 
-    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """Embeddings [B, hidden] of a step that serves() -> the final norm's output [B, hidden]."""
-        kernel = meta.kernel_rows
-        return self.native.forward(embeddings, positions, meta.slot_mapping, kernel.block_tables,
-                                   kernel.context_lens, meta.attention_mass)
+        groups = [self.native_ops.GroupStep(meta.slot_mapping, meta.kernel_rows.block_tables,
+                                            meta.kernel_rows.context_lens, meta.kernel_rows.window_starts,
+                                            meta.attention_mass)
+                  for meta in step]
+        return self.native.forward(embeddings, positions, groups)
 
 
 def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
@@ -71,13 +78,18 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
     if any(e is None for e in experts) or shared is None:
         return None
     gate = moe.shared_expert_gate
-    mlp = moe.experts[moe.held[0]] if len(moe.held) else None
-    clamped = mlp is not None and mlp.activation == "swiglu_oai"  # gpt-oss's
+    mlp = moe.experts[moe.held[0]] if len(moe.held) else moe.shared_expert
     return ops.Experts(moe.router.weight, moe.router_bias, moe.top_k, moe.groups, moe.topk_groups, moe.sigmoid,
                        moe.renormalize, moe.group_rating == "top2", moe.scaling, [e[0] for e in experts],
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight,
-                       router_logit_bias=moe.router.bias, swiglu_limit=mlp.limit if clamped else None,
-                       swiglu_alpha=mlp.alpha if clamped else 1.0)
+                       router_logit_bias=moe.router.bias,
+                       activation=native_activation(ops, mlp) if mlp is not None else ops.Activation("silu"))
+
+
+def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:
+    """The stack's form of a gated MLP's activation (ops.Activation)."""
+    clamped = mlp.activation == "swiglu_oai"  # gpt-oss's: its limit and alpha
+    return ops.Activation(mlp.activation, mlp.limit if clamped else 0.0, mlp.alpha if clamped else 1.0)
 
 
 def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
@@ -125,16 +137,10 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                LatentBackend: isinstance(backend, LatentBackend) and backend.kernel}
     if ops is None or not kernels.get(type(backend), False):
         return None
-    unsupported = [what for what, present in (("sliding-window attention", cfg.sliding_window),
-                                                ("sandwich norms", cfg.sandwich_norms),
-                                                (f"{cfg.hidden_act} activation", cfg.hidden_act != "silu"),
-                                                ("attention sinks", cfg.attention_sinks),
-                                                ("biases on o_proj or the experts",
-                                                 cfg.attention_out_bias or cfg.expert_bias),
-                                                ("q / k norms over all heads", cfg.qk_norm_full),
+    unsupported = [what for what, present in (("q / k norms over all heads", cfg.qk_norm_full),
                                                 ("state-space layers", cfg.ssm_layers),
                                                 ("partial rotary", cfg.partial_rotary_factor != 1.0),
-                                                ("residual multiplier", cfg.residual_multiplier != 1.0))
+                                                ("a float32 residual stream", cfg.residual_in_fp32))
                    if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
@@ -159,11 +165,20 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         norms = (None, None) if latent or attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
+        local_rope = layer.local and model.rotary_local is not None  # Gemma 3's local layers turn on their own base
+        sandwich = layer.attn_out_norm is not None
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
-                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections))
+                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections,
+                                activation=ops.Activation("silu") if moe else native_activation(ops, mlp),
+                                group=backend.group_of_layer[i],
+                                rope_table=torch.view_as_real(model.rotary_local.freqs) if local_rope else None,
+                                sinks=None if latent else attn.sinks,
+                                attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
+                                mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,
+                                residual_multiplier=layer.residual_multiplier))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce),
-                       max_rows(model))
+                       max_rows(model), ops)
