@@ -106,6 +106,7 @@ def test_bench_report_renders_kept_results_into_the_marked_tables(tmp_path):
     assert rendered == ["latency"] and "old" not in text and "kept" in text and text.startswith("# title\n")
     assert "at commit abc1234, 2026-11-26, on a CPU (read bandwidth measured at 30.0 GB/s)" in text
     assert "| ridge (bf16) | 5000 | 60.0 | 1.00x |" in text and "| llamacpp (Q4_1) | 9000 | 120.0 | 0.50x |" in text
+    assert render(page, tmp_path, ["throughput"]) == (page, [])  # --sections: a kept result of another stays out
 
 
 def test_bench_report_server_and_variant_tables():

@@ -258,14 +258,15 @@ def run_section(name: str, results: Path) -> None:
     (results / f"{name}.json").write_text(json.dumps(kept, indent=2) + "\n")
 
 
-def render(page: str, results: Path) -> tuple[str, list[str]]:
-    """The page with each marked section's table rendered from its kept result; and the sections rendered."""
+def render(page: str, results: Path, names: list[str] | None = None) -> tuple[str, list[str]]:
+    """The page with each marked section's table (of `names`; None: every section) rendered from its kept result;
+    and the sections rendered."""
     rendered = []
 
     def fill(match: re.Match) -> str:
         name = match.group(1)
         kept_path = results / f"{name}.json"
-        if name not in SECTIONS or not kept_path.exists():
+        if name not in SECTIONS or (names is not None and name not in names) or not kept_path.exists():
             return match.group(0)
         kept = json.loads(kept_path.read_text())
         report = kept["report"]
@@ -292,7 +293,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     page = Path(args.page)
     if not page.is_file():
         raise ValueError(f"page: {page} is not a file (--page names the markdown page to render into)")
-    text, rendered = render(page.read_text(), results)
+    text, rendered = render(page.read_text(), results, names)
     page.write_text(text)
     missing = [n for n in names if n not in rendered]
     print(f"{page}: rendered {', '.join(rendered) or 'nothing'}"
