@@ -14,6 +14,7 @@ from typing import Any
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from ridge.sampling_params import StructuredOutputsParams
+from ridge.serve import harmony
 from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
 from ridge.serve.tools import PARSERS
 
@@ -378,15 +379,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "--metrics-no-auth); others get HTTP 401")
     p.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+    p.add_argument("--tool-call-parser", choices=(*PARSERS, harmony.TOOL_CALL_PARSER), default="auto",
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
-                        "shows; Hermes' <tool_call> tags are the one ridge parses) or hermes (parse them even where "
-                        "the template does not show them). Other families' formats (llama3_json, mistral, "
-                        "pythonic) are not implemented: their models get `tools` refused with HTTP 400")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        "shows: Hermes' <tool_call> tags, or a gpt-oss model's harmony commentary channel), hermes "
+                        "(parse the tags even where the template does not show them) or openai (harmony: what auto "
+                        "reads on gpt-oss). Other families' formats (llama3_json, mistral, pythonic) are not "
+                        "implemented: their models get `tools` refused with HTTP 400")
+    p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER), default=None,
                    help="split a reasoning model's thinking from its answer into the chat message's "
-                        "reasoning_content: deepseek_r1 (the reply thinks until </think>: DeepSeek-R1, QwQ) or qwen3 "
-                        "(thinking only between a leading <think> and </think>); default: the reply whole in content")
+                        "reasoning_content: deepseek_r1 (the reply thinks until </think>: DeepSeek-R1, QwQ), qwen3 "
+                        "(thinking only between a leading <think> and </think>) or openai_gptoss (gpt-oss's harmony "
+                        "analysis channel, which the server reads on such a model without the flag); default: the "
+                        "reply whole in content")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice auto is on wherever tools are supported")
     p.add_argument("--role", choices=("both", "prefill", "decode"), default="both",

@@ -17,6 +17,8 @@ from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
+from ridge.serve import harmony
+from ridge.serve.harmony import HarmonyTokens
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
 from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
 from ridge.serve.tools import supports_tools, template_messages
@@ -39,19 +41,33 @@ class ServerConfig:
     metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
     # a request's own chat_template runs (sandboxed) only when the operator allows it: a template is code
     trust_request_chat_template: bool = False
-    # how the model's tool calls are parsed: "auto" (the format its chat template shows) or "hermes"
+    # how the model's tool calls are parsed: "auto" (the format its chat template shows), "hermes", or "openai"
+    # (gpt-oss's harmony channels, which auto reads on such a model: serve/harmony.py)
     tool_call_parser: str = "auto"
     # a reasoning model's thinking split into reasoning_content: "deepseek_r1" or "qwen3" (serve/reasoning.py); None:
-    # the reply whole in content
+    # the reply whole in content. A harmony model's (gpt-oss) is always split, "openai_gptoss" or None
     reasoning_parser: str | None = None
     # disaggregated prefill: "prefill" pushes a prompt's KV where a request's kv_transfer_params say, "decode" takes
     # it in (POST /kv/import); "both" (the default) does neither (serve/kv_transfer.py)
     role: str = "both"
 
     def __post_init__(self) -> None:
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of "
-                             f"{', '.join(REASONING_PARSERS)}")
+        parsers = (*REASONING_PARSERS, harmony.REASONING_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in parsers:
+            raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of {', '.join(parsers)}")
+
+    def check_model(self, harmony_tokens: HarmonyTokens | None) -> None:
+        """Refuse, at start, parsers that do not read the model's replies: harmony's on a model without its
+        markers, the tag parsers on a model that writes harmony channels."""
+        reads_harmony = {"reasoning_parser": harmony.REASONING_PARSER, "tool_call_parser": harmony.TOOL_CALL_PARSER}
+        for name, parser in reads_harmony.items():
+            given = getattr(self, name)
+            if harmony_tokens is None and given == parser:
+                raise ValueError(f"{name}: {parser} reads gpt-oss's harmony channels; this model's vocabulary has no "
+                                 "<|channel|> / <|message|> tokens")
+            if harmony_tokens is not None and given not in (None, "auto", parser):
+                raise ValueError(f"{name}: {given} reads tags this model does not write: its replies are harmony "
+                                 f"channels (gpt-oss), read by {parser}, which the server uses by default")
 
 
 class Gateway:
@@ -61,6 +77,9 @@ class Gateway:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        # a model that writes harmony (gpt-oss): its chat replies are read off their token ids (serve/harmony.py)
+        self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
+        config.check_model(self.harmony)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
@@ -76,7 +95,10 @@ class Gateway:
                                "--trust-request-chat-template; this one uses the model's", "chat_template")
         if tools:
             template = self.tokenizer.info.chat_template or ""
-            if not supports_tools(template, self.config.tool_call_parser):
+            # a harmony model's calls come on its commentary channel, which serve/harmony.py reads
+            readable = "tools" in template if self.harmony is not None else supports_tools(
+                template, self.config.tool_call_parser)
+            if not readable:
                 raise RequestError("tools: this model's chat template " + (
                     "does not render tools" if "tools" not in template else
                     "has no tool-call format ridge can parse (Hermes' <tool_call> tags; --tool-call-parser hermes "
@@ -88,9 +110,11 @@ class Gateway:
                 except ValueError as exc:
                     raise RequestError(f"tools.{i}.function.parameters: {str(exc).split(': ', 1)[1]}",
                                        f"tools.{i}.function.parameters") from exc
+        rendered = template_messages(plain_messages(messages))
+        if self.harmony is not None:
+            rendered = harmony.template_thinking(rendered)
         try:
-            return self.tokenizer.encode_chat(template_messages(plain_messages(messages)), add_generation_prompt,
-                                              tools, options)
+            return self.tokenizer.encode_chat(rendered, add_generation_prompt, tools, options)
         except ValueError as exc:
             message = str(exc)
             field = message.split(":")[0]

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.serve import harmony
 from ridge.serve.gateway import Gateway, guard, until_disconnected
+from ridge.serve.harmony import HarmonyStream
 from ridge.serve.kv_transfer import PrefixPusher, check_push, import_route
 from ridge.serve.metrics import EngineMetrics
 from ridge.serve.protocol import (
@@ -187,8 +189,11 @@ class Routes:
         if tools and req.stream and top is not None:
             raise RequestError("logprobs: not supported with tools in a stream (a reply with calls arrives whole)",
                                "logprobs")
-        thinks = self.config.reasoning_parser
-        if not req.include_reasoning and thinks is None:
+        markers = self.gateway.harmony  # a harmony model's replies are read off their token ids
+        thinks = self.config.reasoning_parser if markers is None else None
+        if markers is not None:
+            harmony.check_request(req)
+        elif not req.include_reasoning and thinks is None:
             raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
                                "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
@@ -199,9 +204,13 @@ class Routes:
         created = int(time.time())
         thinks = constrained_parser(thinks, params.structured_outputs is not None)
 
-        def message(text: str) -> tuple[dict[str, Any], bool]:
-            """The assistant's message of a reply (its thinking apart, under a reasoning parser), and whether it
-            holds tool calls (parsed from the answer)."""
+        def message(c: CompletionOutput) -> tuple[dict[str, Any], bool]:
+            """The assistant's message of a reply (its thinking apart, under a reasoning parser or harmony's
+            channels), and whether it holds tool calls (parsed from the answer)."""
+            if markers is not None:
+                reply = harmony.harmony_reply(markers, self.tokenizer, c.token_ids, bool(tools))
+                return harmony.chat_message(reply, req.include_reasoning, req.parallel_tool_calls)
+            text = c.text
             said: dict[str, Any] = {"role": "assistant"}
             if thinks is not None:
                 split = split_reply(text, thinks)
@@ -227,7 +236,7 @@ class Routes:
             (output,) = outputs
             choices = []
             for c in output.outputs:
-                reply, called = message(c.text)
+                reply, called = message(c)
                 choices.append({"index": c.index, "message": reply, "logprobs": logprobs(c.token_ids, c.logprobs),
                                 "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason,
                                 **({"token_ids": c.token_ids} if req.return_token_ids else {})})
@@ -249,10 +258,27 @@ class Routes:
             opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
             parsers: dict[int, CallStream] = {}  # with tools: each choice's calls, parsed as its text comes
             thinking: dict[int, ReasoningStream] = {}  # with a reasoning parser: each choice's thinking, split off
+            channels: dict[int, HarmonyStream] = {}  # a harmony model's: each choice's messages, read off its ids
             num_calls: dict[int, int] = {}  # with tools: each choice's calls sent so far
             final: RequestOutput | None = None
             completion = 0
             held_ids: dict[int, list[int]] = {}  # with return_token_ids: each choice's ids not sent yet
+            held = bool(tools) or markers is not None  # text that may go out later: a chunk can have none
+
+            def news(c: CompletionOutput) -> tuple[str, str, list[dict[str, Any]]]:
+                """A choice's new thinking, content and whole calls."""
+                done = bool(c.finish_reason)
+                if markers is not None:
+                    stream = channels.setdefault(c.index, HarmonyStream(markers, self.tokenizer, bool(tools)))
+                    got = stream.feed(c.token_ids, done)
+                    return got.reasoning, got.content, got.calls
+                thought, answer, calls = "", c.text, []
+                if thinks is not None:  # the thinking apart, as it comes; the answer after it
+                    thought, answer = thinking.setdefault(c.index, ReasoningStream(thinks)).feed(c.text, done)
+                if tools:  # content as it comes; each call whole, once its closing tag has come
+                    answer, calls = parsers.setdefault(c.index, CallStream()).feed(answer, done)
+                return thought, answer, calls
+
             if req.return_token_ids:  # once, before any choice
                 yield sse({**head, "choices": [], "prompt_token_ids": ids})
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
@@ -266,27 +292,18 @@ class Routes:
                         self.tokenizer, ids, out.prompt_logprobs, req.prompt_logprobs)})
                 for c in out.outputs:
                     held_ids.setdefault(c.index, []).extend(c.token_ids)
-                    delta: dict[str, Any] = {}
-                    answer, thought = c.text, ""
-                    if thinks is not None:  # the thinking apart, as it comes; the answer after it
-                        thought, answer = thinking.setdefault(c.index, ReasoningStream(thinks)).feed(
-                            c.text, bool(c.finish_reason))
-                        thought = thought if req.include_reasoning else ""
-                        if thought:
-                            delta["reasoning_content"] = thought
-                    if tools:  # content as it comes; each call whole, once its closing tag has come
-                        text, calls = parsers.setdefault(c.index, CallStream()).feed(answer, bool(c.finish_reason))
-                        sent = num_calls.get(c.index, 0)
-                        calls = calls if req.parallel_tool_calls else calls[:max(0, 1 - sent)]
-                        if not text and not calls and not thought and not c.finish_reason:
-                            continue
-                        if text:
-                            delta["content"] = text
-                        if calls:
-                            delta["tool_calls"] = [{"index": sent + k, **call} for k, call in enumerate(calls)]
-                            num_calls[c.index] = sent + len(calls)
-                    elif answer or not (c.finish_reason or thought):
-                        delta["content"] = answer
+                    thought, text, calls = news(c)
+                    thought = thought if req.include_reasoning else ""
+                    sent = num_calls.get(c.index, 0)
+                    calls = calls if req.parallel_tool_calls else calls[:max(0, 1 - sent)]
+                    if held and not text and not calls and not thought and not c.finish_reason:
+                        continue
+                    delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+                    if text or not (held or c.finish_reason or thought):
+                        delta["content"] = text
+                    if calls:
+                        delta["tool_calls"] = [{"index": sent + k, **call} for k, call in enumerate(calls)]
+                        num_calls[c.index] = sent + len(calls)
                     if c.index not in opened:  # OpenAI opens every choice with the role
                         opened.add(c.index)
                         delta = {"role": "assistant", "content": None if tools else "", **delta}
