@@ -1,5 +1,6 @@
 """linear/select.py's one decision: which layer a weight gets for (format, dtype, device, CPU features, options)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -70,6 +71,31 @@ def test_mxfp4_levels(ops, caplog):
     assert "no table-lookup kernel on cuda" in caplog.text
     wide = make_linear(weight, None, LinearTarget(torch.float32, ops=ops, int8_activations=True))
     assert getattr(wide, "levels", torch.empty(0)).numel() == 0 and "with int8 activations" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_scales_are_held_as_exponent_bytes(ops, dtype):
+    """MXFP4's power-of-two scales held as their exponent bytes (a quarter of the float32 bytes): bit for bit the
+    float scales' results, on the register path (up to 8 rows, 32 in float32) and the dequantized tiles; a scale
+    that is no normal power of two (2^-128, a float32 subnormal; a GGUF block's e8m0 can hold it) keeps the
+    layer's scales in float32."""
+    from ridge.linear.quantized import exponent_bytes
+    from ridge.quant import mxfp4
+
+    weight = mxfp4.from_hf(*mxfp4.to_hf(torch.randn(64, 128) * 0.02))
+    layer = make_linear(weight, None, LinearTarget(dtype, ops=ops))
+    floats = weight.scales.float().reshape(64, -1).contiguous()
+    assert layer.scales.dtype == torch.uint8 and layer.scales.nbytes * 4 == floats.nbytes
+    for rows in (1, 3, 9, 40):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        expected = ops.grouped_int8_linear(x, layer.qweight, floats, layer.minimums, 32, layer.levels)
+        assert torch.equal(layer(x), expected), rows
+    tiny = floats.clone()
+    tiny[0, 0] = 2.0**-128
+    assert exponent_bytes(tiny) is tiny and exponent_bytes(-floats).dtype == torch.float32  # a sign: no byte for it
+    assert exponent_bytes(floats * 1.5).dtype == torch.float32  # not powers of two
+    with pytest.raises(RuntimeError, match="uint8 exponent bytes"):  # the bytes mean scales only beside levels
+        ops.grouped_int8_linear(x, layer.qweight, layer.scales, layer.minimums, 32, torch.empty(0, dtype=torch.int8))
 
 
 def test_int8_activations(ops):

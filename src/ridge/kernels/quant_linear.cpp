@@ -4,7 +4,8 @@
 // only, and int4 kernels for bf16; nothing for grouped int8 scales. Codes come a byte each (int8 [N, K]) or,
 // 4-bit ones, two a byte (uint8 [N, K / 2], vec.h's nibble order): half the bytes to stream per step. 4-bit codes
 // are either the integers 0..15 or indices into a table of 16 int8 levels (`levels`: MXFP4's numbers, which are
-// not evenly spaced), where code[n, k] above reads levels[code[n, k]].
+// not evenly spaced), where code[n, k] above reads levels[code[n, k]]. Scales are float32, or, with levels, powers of
+// two held as their float32 exponent byte (MXFP4's e8m0 scales: a byte a group of 32 where a float takes four).
 //
 // Few rows (decode): every code is read once, widened to float in registers and multiplied into up to
 // kRowBlock activation rows; each group's sums are scaled once (dot_rows); memory streams the codes and
@@ -47,6 +48,28 @@ enum class Codes { kBytes, kNibbles, kLevels };
 // the levels, or nothing (an undefined or empty tensor)
 bool has_levels(const torch::Tensor& levels) { return levels.defined() && levels.numel() > 0; }
 
+// The groups' scales, from a float32 tensor or from exponent bytes e, each the float 2^(e - 127) (the bits e << 23:
+// a normal float's exponent with no mantissa), indexed alike.
+struct Scales {
+  const float* floats = nullptr;
+  const uint8_t* exponents = nullptr;
+
+  static Scales of(const torch::Tensor& scales) {
+    if (scales.scalar_type() == torch::kByte) return {nullptr, scales.data_ptr<uint8_t>()};
+    return {scales.data_ptr<float>(), nullptr};
+  }
+  float operator[](int64_t i) const {
+    if (exponents == nullptr) return floats[i];
+    const uint32_t bits = static_cast<uint32_t>(exponents[i]) << 23;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+  Scales operator+(int64_t n) const {
+    return {floats != nullptr ? floats + n : nullptr, exponents != nullptr ? exponents + n : nullptr};
+  }
+};
+
 Codes check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
             const torch::Tensor& minimums, int64_t group, const torch::Tensor& levels) {
   const bool packed = codes.scalar_type() == torch::kByte;
@@ -60,12 +83,13 @@ Codes check(const torch::Tensor& x, const torch::Tensor& codes, const torch::Ten
   const int64_t k_dim = x.size(1);
   TORCH_CHECK(group % (packed ? 32 : 16) == 0 && k_dim % group == 0,
               "group: a multiple of 16 (of 32 for 4-bit codes two a byte) dividing K");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == k_dim / group,
-              "scales: contiguous float32 [N, K / group]");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat ||
+               (scales.scalar_type() == torch::kByte && has_levels(levels) && minimums.numel() == 0)) &&
+                  scales.is_contiguous() && scales.size(0) == codes.size(0) && scales.size(1) == k_dim / group,
+              "scales: contiguous float32 [N, K / group], or with levels and no minimums uint8 exponent bytes");
   TORCH_CHECK(minimums.numel() == 0 || (minimums.sizes() == scales.sizes() && minimums.is_contiguous() &&
                                         minimums.scalar_type() == torch::kFloat),
-              "minimums: empty, or like scales");
+              "minimums: empty, or float32 like scales");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
   return !packed ? Codes::kBytes : has_levels(levels) ? Codes::kLevels : Codes::kNibbles;
 }
@@ -106,7 +130,7 @@ inline fvec load_codes(const int8_t* row, int64_t j, int64_t h, __m128i levels) 
 // batch 1 (3072 x 576, 287 -> 172 us). kChannels x kRows partial sums and as many totals stay in registers
 // (16 on AVX2): kRows and kChannels are compile-time, so the compiler spills none.
 template <Codes kForm, int64_t kChannels, int64_t kRows>
-void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* codes, const float* scales,
+void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* codes, Scales scales,
               const float* minimums, int64_t group, const int8_t* levels, float* out, int64_t out_stride) {
   const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);
   const __m128i table = load_levels<kForm>(levels);
@@ -153,7 +177,7 @@ void dot_rows(const float* x, const float* xsum, int64_t k_dim, const int8_t* co
 // by one.
 template <Codes kForm, int64_t kChannels, int64_t kRows>
 void dot_channels(const float* x, const float* xsum, int64_t k_dim, int64_t n, int64_t n_end, const int8_t* codes,
-                  const float* scales, const float* minimums, int64_t group, const int8_t* levels, float* out,
+                  Scales scales, const float* minimums, int64_t group, const int8_t* levels, float* out,
                   int64_t out_stride) {
   const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);
   for (; n < n_end; n += kChannels) {
@@ -183,7 +207,7 @@ void* scratch(size_t bytes) {
 
 // rows x K grouped codes -> out [rows, K] in T, all threads
 template <Codes kForm, typename T>
-void dequantize_grouped(const int8_t* codes, const float* scales, const float* minimums, int64_t rows,
+void dequantize_grouped(const int8_t* codes, Scales scales, const float* minimums, int64_t rows,
                         int64_t k_dim, int64_t group, const int8_t* levels, T* out) {
   const int64_t groups = rows * (k_dim / group);  // rows are contiguous: groups follow one another
 #pragma omp parallel for schedule(static)
@@ -372,7 +396,7 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& codes,
                              const torch::Tensor& minimums, int64_t group, const torch::Tensor& levels) {
   const int64_t m_dim = x.size(0), n_dim = codes.size(0), k_dim = x.size(1);
   const int8_t* c = static_cast<const int8_t*>(codes.data_ptr());
-  const float* s = scales.data_ptr<float>();
+  const Scales s = Scales::of(scales);
   const float* mn = minimums.numel() ? minimums.data_ptr<float>() : nullptr;
   const int8_t* lv = kForm == Codes::kLevels ? levels.data_ptr<int8_t>() : nullptr;
   const int64_t groups = k_dim / group, stride = code_row_bytes(kTwoAByte<kForm>, k_dim);

@@ -7,7 +7,8 @@ dequantizes in registers. The buffers are not persistent: they are a kernel's la
   converts to at load); from TILED_MIN_ROWS rows in bfloat16, ridge's tiled kernel dequantizes a tile once
   and multiplies it on oneDNN's bf16 matmul (kernels/quant_linear.cpp).
 - GroupedInt8Linear: int8 codes (or 4-bit ones two a byte, read as themselves or through a table of levels:
-  MXFP4) per group on ridge's grouped_int8_linear, as torch has no kernel for grouped scales; float32's every
+  MXFP4, its power-of-two scales held as exponent bytes) per group on ridge's grouped_int8_linear, as torch has
+  no kernel for grouped scales; float32's every
   int8 and 4-bit format too, torch's two kernels being slow there. With int8 activations (AVX2), inputs of up
   to INT8_ACTIVATIONS_MAX_ROWS rows are quantized to int8 and multiplied as integers
   (kernels/int8_dot_linear.cpp states the error bound).
@@ -129,8 +130,10 @@ class GroupedInt8Linear(KernelLinear):
         self.register_buffer("qweight", codes, persistent=False)
         levels = weight.levels if weight.levels is not None else NO_TENSOR
         self.register_buffer("levels", levels.to(torch.int8).contiguous(), persistent=False)
-        self.register_buffer("scales", weight.scales.float().reshape(self.out_features, -1).contiguous(),
-                             persistent=False)
+        scales = weight.scales.float().reshape(self.out_features, -1).contiguous()
+        if weight.levels is not None and weight.minimums is None:
+            scales = exponent_bytes(scales)
+        self.register_buffer("scales", scales, persistent=False)
         minimums = weight.minimums if weight.minimums is not None else torch.empty(0)
         self.register_buffer("minimums", minimums.float().contiguous(), persistent=False)
         self.int8_activations = int8_activations
@@ -146,6 +149,17 @@ class GroupedInt8Linear(KernelLinear):
         kernel = "int8_dot" if self.int8_activations else "grouped_int8"
         return ops.LinearPart(kernel, self.qweight, self.scales, self.minimums, self.group_size, self.signed_codes,
                               bias, 0, self.levels if self.levels.numel() else None)
+
+
+def exponent_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """float32 scales that are all normal powers of two (MXFP4's) as their exponent bytes e (each 2^(e - 127), the
+    float's own exponent bits: uint8, a quarter of the bytes), which the grouped kernel reads; other scales as
+    they are."""
+    bits = scales.view(torch.int32)
+    exponents = (bits >> 23) & 0xFF
+    if not bool(((bits & ~0x7F800000) == 0).all() and (exponents > 0).all() and (exponents < 255).all()):
+        return scales
+    return exponents.to(torch.uint8)
 
 
 class Fp8Linear(KernelLinear):
