@@ -6,6 +6,7 @@ tokens (as in o200k_harmony) and a few words as tokens of their own."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import openai
@@ -118,8 +119,9 @@ TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.conten
             "{%- if tools %}<|start|>developer<|message|># Tools: namespace functions"
             "{%- for t in tools %} type {{ t.function.name }} = () => any;{%- endfor %}<|end|>{%- endif %}"
             "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
-ANSWER = "<|channel|>final<|message|>Hello there<|return|>"
-CALL = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+REPLIES = {"answer": "<|channel|>final<|message|>Hello there<|return|>",
+           "call": ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+           "thought": "<|channel|>analysis<|message|>Hello there<|end|><|return|>"}
 
 
 def chain_gpt_oss(path, reply: str) -> None:
@@ -153,11 +155,19 @@ def chain_gpt_oss(path, reply: str) -> None:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
 
 
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory):
+    """A model directory per reply of REPLIES, by name."""
+    paths = {}
+    for name, reply in REPLIES.items():
+        paths[name] = tmp_path_factory.mktemp(f"harmony-{name}")
+        chain_gpt_oss(paths[name], reply)
+    return paths
+
+
 @pytest.fixture(scope="module", params=["answer", "call"])
-def client(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"harmony-{request.param}")
-    chain_gpt_oss(path, ANSWER if request.param == "answer" else CALL)
-    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+def client(request, chained):
+    config = EngineConfig(model=str(chained[request.param]), dtype="float32", kv_cache_memory="16MiB")
     with running_server(config, ServerConfig("gpt-oss")) as srv:
         yield request.param, openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
@@ -203,3 +213,16 @@ def test_what_a_harmony_reply_cannot_honour_is_refused_by_name(client, field, bo
     with pytest.raises(openai.BadRequestError) as caught:
         api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=5, extra_body=body)
     assert caught.value.body["param"] == field and "harmony" in caught.value.body["message"]
+
+
+@pytest.mark.parametrize("kind", ["answer", "thought"])
+def test_ridge_chat_prints_the_thinking_apart(chained, kind, capsys, monkeypatch):
+    """`ridge chat` on a harmony model: the answer alone on stdout (and in the history), the thinking on stderr."""
+    from ridge.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(["chat", "--model", str(chained[kind]), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                 "--temperature", "0", "--max-tokens", "20"]) == 0
+    out, err = capsys.readouterr()
+    assert out.replace(">", "").strip() == ("Hello there" if kind == "answer" else "")  # input()'s prompts aside
+    assert ("Hello there" in err) == (kind == "thought") and "analysis" not in out + err

@@ -127,6 +127,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
+    markers = harmony.HarmonyTokens.of(llm.tokenizer.tokenizer.token_to_id)  # gpt-oss: its channels read apart
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("ridge chat: type a message; /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
     while True:
@@ -144,10 +145,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply = ""
+        channels = harmony.HarmonyStream(markers, llm.tokenizer, calls_offered=False) if markers else None
         try:
-            for delta in llm.stream(llm.render_chat(history), params):
-                reply += delta
-                print(delta, end="", flush=True)
+            for delta in llm.stream_outputs(llm.render_chat(history), params):
+                if channels is None:
+                    answer = delta.text
+                else:  # the thinking to stderr, dimmed; the answer alone to stdout and the history
+                    news = channels.feed(delta.token_ids, bool(delta.finish_reason))
+                    answer = news.content
+                    if news.reasoning:
+                        print(f"\033[2m{news.reasoning}\033[0m", end="", file=sys.stderr, flush=True)
+                reply += answer
+                print(answer, end="", flush=True)
         except ValueError as exc:  # e.g. the conversation outgrew the context
             history.pop()
             print(f"error: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ from ridge.config import EngineConfig
 from ridge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ridge.engine.engine import LLMEngine
 from ridge.engine.output_processor import OutputProcessor
-from ridge.engine.outputs import OutputKind, RequestOutput
+from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
 
@@ -88,6 +88,13 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt as they are decoded (one sample: params.n must be 1)."""
+        for delta in self.stream_outputs(prompt, params):
+            if delta.text:
+                yield delta.text
+
+    def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+        """Yield one prompt's sample as it is decoded: each step's new text and token ids (a CompletionOutput of
+        deltas; one sample: params.n must be 1), the last with its finish_reason."""
         if params is not None and params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
         request_id = self._add(prompt, params or SamplingParams(), OutputKind.DELTA)
@@ -97,8 +104,8 @@ class LLM:
                 for out in self._step():
                     if out.request_id == request_id:
                         finished = out.finished
-                        if out.outputs and out.outputs[0].text:
-                            yield out.outputs[0].text
+                        if out.outputs:
+                            yield out.outputs[0]
         finally:
             if not finished:  # the caller stopped early: free its blocks now
                 self._abandon([request_id])
