@@ -67,6 +67,38 @@ def test_mxfp4_rounds_each_weight_to_a_nearest_level():
         EngineConfig(model="smollm2", quantization="mxfp4", calibration_windows=8)
 
 
+def test_mxfp4_rounding_is_gguf_s_bit_for_bit():
+    """quant/mxfp4.py's rounding (two candidate levels a weight, in torch) against gguf's (all 16 errors, in numpy),
+    exponents and codes equal: random weights over 40 binary orders of magnitude, blocks of zeros and negative zeros,
+    and weights exactly on the levels and on the midpoints between them (ties), and one float step either side."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from ridge.quant import mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(256, 512, generator=g) * torch.logspace(-20, 20, 256, base=2.0)[:, None]
+    half = 2.0**-8  # blocks whose largest magnitude is 8 half-steps: exponent 2^-8's
+    doubled = torch.tensor([0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12])  # levels and midpoints
+    exact = (doubled * half).repeat(1, 3)[:, :32].expand(64, 32).clone()
+    exact[:, 0] = 8 * half
+    sign = torch.where(torch.rand(64, 32, generator=g) < 0.5, -1.0, 1.0)
+    sign[:, 0] = 1.0
+    ties = exact * sign
+    steps = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    steps[:, 0] = 8 * half
+    zeros = torch.zeros(4, 64)
+    zeros[1] = -0.0
+    for w in (spread, steps.reshape(-1, 64), zeros):
+        raw = gguf_quantize(w.numpy(), GGMLQuantizationType.MXFP4).reshape(-1, 17)
+        nibbles = torch.from_numpy(np.ascontiguousarray(raw[:, 1:]))
+        expected = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # gguf's order: values 0..15, then 16..31
+        indices, exponents = mxfp4.blocks(w)
+        assert torch.equal(exponents.flatten(), torch.from_numpy(raw[:, 0].copy()))
+        assert torch.equal(indices.reshape(-1, 32), expected)
+
+
 def test_int4_float_minimums_find_a_q4_1_grid_again():
     """Weights already on a 16-level grid per 32 columns with a float minimum (a GGUF Q4_1 block, float16
     scale and minimum) come back exactly from float-minimum int4 at group 32; integer zero points cannot

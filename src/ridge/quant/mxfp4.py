@@ -17,10 +17,7 @@ A nibble is an index into LEVELS (sign in its top bit).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize as gguf_quantize
 
 from ridge.quant.rtn import QuantizedWeight
 
@@ -43,25 +40,52 @@ def from_hf(blocks: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight:
 
 
 def quantize(weight: torch.Tensor) -> QuantizedWeight:
-    """A float matrix [N, K] (K in 32s) at its nearest MXFP4 numbers: gguf's quantization, a few hundred rows at a
-    time (gguf compares each weight with all 16 levels at once: 64 bytes of scratch a weight)."""
+    """A float matrix [N, K] (K in 32s) at its nearest MXFP4 numbers, gguf's rounding bit for bit (blocks())."""
     n, k = weight.shape
+    indices, exponents = blocks(weight)
+    return QuantizedWeight(indices.reshape(n, k), scales(exponents), None, 4, GROUP, LEVELS)
+
+
+def blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float matrix [..., N, K] -> each weight's index into LEVELS uint8 [..., N, K / 32, 32] and each block's
+    exponent uint8 [..., N, K / 32]: gguf's MXFP4 quantization (gguf.quants.MXFP4), bit for bit, in torch: the
+    exponent e = floor(log2(max |w|)) - 2 + 127 (0 for a block of zeros), and each weight the level whose product with
+    the block's half-scale h is nearest, the first of equals. gguf measures all 16 errors |h L - w| (64 bytes of
+    scratch a weight: 30 s for a layer of gpt-oss-20b's experts); only the two magnitudes around |w| / h can be the
+    nearest, and |h L - w| = |h |L| - |w|| for levels of w's sign, so those two errors decide, ties to the smaller
+    magnitude (the first index); a negative weight's level is its magnitude's index + 8, except 0 (index 0 comes
+    first)."""
+    *lead, n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"quantization: mxfp4's blocks are {GROUP} input columns; a weight has {k}")
-    parts = [from_hf(*to_hf(rows)) for rows in weight.split(max(1, (1 << 22) // k))]
-    return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), None, 4,
-                           GROUP, LEVELS)
+    rows = weight.float().reshape(-1, k // GROUP, GROUP)
+    magnitudes = LEVELS[:8].float()  # 0, 1, 2, 3, 4, 6, 8, 12: ascending
+    indices, exponents = [], []
+    for part in rows.split(max(1, (1 << 22) // k)):
+        amax = part.abs().amax(-1)
+        exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0).to(torch.uint8)
+        half = half_scale(exponent).unsqueeze(-1)
+        size = part.abs()
+        below = (torch.searchsorted(magnitudes, size / half, right=True) - 1).clamp_(0, 7)
+        above = (below + 1).clamp_(max=7)
+        nearer = (half * magnitudes[above] - size).abs() < (half * magnitudes[below] - size).abs()
+        index = torch.where(nearer, above, below)
+        indices.append(torch.where((part < 0) & (index > 0), index + 8, index).to(torch.uint8))
+        exponents.append(exponent)
+    return (torch.cat(indices).reshape(*lead, n, k // GROUP, GROUP),
+            torch.cat(exponents).reshape(*lead, n, k // GROUP))
+
+
+def half_scale(exponents: torch.Tensor) -> torch.Tensor:
+    """e8m0 exponents -> float32 2^(e - 128) as ggml makes it from bits (ggml_e8m0_to_fp32_half: e < 2 subnormal)."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
 
 
 def to_hf(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float matrix [..., N, K] -> HF's (blocks, scales): gguf's MXFP4 quantization (a block's exponent from its
-    largest magnitude, each weight the nearest level), repacked in HF's order. Writes test checkpoints."""
-    *lead, n, k = weight.shape
-    raw = gguf_quantize(weight.float().reshape(-1, k).numpy(), GGMLQuantizationType.MXFP4)
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, k // GROUP, 1 + GROUP // 2)
-    exponents, packed = blocks[..., 0], blocks[..., 1:]
-    indices = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # GGUF's order: values 0..15, then 16..31
+    """A float matrix [..., N, K] -> HF's (blocks, scales): blocks() packed in HF's order (value 2i in byte i's low
+    nibble, 2i + 1 in its high). Writes test checkpoints."""
+    indices, exponents = blocks(weight)
     pairs = indices.reshape(*indices.shape[:-1], GROUP // 2, 2)
-    hf_blocks = pairs[..., 0] | (pairs[..., 1] << 4)
-    return (hf_blocks.reshape(*lead, n, k // GROUP, GROUP // 2).contiguous(),
-            exponents.reshape(*lead, n, k // GROUP).contiguous())
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous(), exponents.contiguous()
