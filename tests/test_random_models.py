@@ -1,10 +1,11 @@
 """`random:NAME` models: a preset's or a config's shape with random weights drawn from a fixed seed, a
 byte-level tokenizer, named random in what they report; and the HF config the benchmarks build beside them."""
 
+import pytest
 import torch
 
 from ridge import SamplingParams
-from ridge.models.random_weights import hf_config, random_spec
+from ridge.models.random_weights import hf_config, random_spec, random_tensors
 from ridge.tokenizer import RidgeTokenizer, byte_level_tokenizer
 
 SMALL = "random:smollm2,num_layers=2,vocab_size=512"
@@ -22,6 +23,34 @@ def test_the_same_seed_gives_the_same_model(make_llm_for_test):
     assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size) == (2, 512, 576)  # the preset, as changed
     (out,) = first.generate("hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(("model", "method"), [(SMALL, "int4"), (SMALL, "mxfp4"),
+                                               ("random:qwen2.5-coder-0.5b,num_layers=2,vocab_size=512", "int4")])
+def test_layers_quantized_as_drawn_are_those_quantized_after(make_llm_for_test, ops, model, method):
+    """A random model under a quantization without calibration has each layer's weights quantized as they are
+    drawn (its dense weights never whole in memory): the same layers, code for code, as the whole model drawn and
+    then quantized; a tensor's numbers are its own (seed and name), whatever was drawn before it."""
+    from ridge.linear import LinearTarget
+    from ridge.linear.select import place_quantized
+    from ridge.models.loader import random_model
+    from ridge.quant.methods import quantize_weights
+
+    lazy = make_llm_for_test(model, dtype="float32", quantization=method).engine.loaded.model
+    whole = random_model(random_spec(model), torch.float32).model
+    place_quantized(whole, quantize_weights(whole, method, 32), LinearTarget(torch.float32, ops=ops))
+    buffers = dict(whole.named_buffers())
+    compared = 0
+    for name, buffer in lazy.named_buffers():
+        if name.startswith("layers.") and not name.endswith(("freqs", "levels")):
+            assert torch.equal(buffer, buffers[name]), name
+            compared += 1
+    assert compared >= 2 * 4 * 2  # codes and scales of 2 layers' 4 linears (q|k|v, o, gate|up, down) at least
+    for layer, reference in zip(lazy.layers, whole.layers, strict=True):  # Qwen2's q|k|v bias kept with its layer
+        assert (layer.attn.qkv.bias is None) == (reference.attn.qkv.bias is None)
+    shapes = {"a.weight": torch.Size([4, 8]), "b.weight": torch.Size([4, 8])}
+    alone = dict(random_tensors({"b.weight": shapes["b.weight"]}, torch.float32, "cpu"))
+    assert torch.equal(dict(random_tensors(shapes, torch.float32, "cpu"))["b.weight"], alone["b.weight"])
 
 
 def test_byte_level_tokenizer_round_trips_text_and_names_the_other_ids():

@@ -19,14 +19,14 @@ from ridge.linear import LinearTarget
 from ridge.linear.dense import onednn_packs
 from ridge.linear.select import int8_activation_layers, place_dense, place_quantized, share_prompt_scratch
 from ridge.models.gguf_file import GGUFFile
-from ridge.models.loader import LoadedModel, load_model, open_gguf, random_model
+from ridge.models.loader import DrawnQuantization, LoadedModel, load_model, open_gguf, random_model
 from ridge.models.random_weights import PREFIX, is_random, random_spec
 from ridge.models.registry import check_supported, config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant import mxfp4
 from ridge.quant.gguf_blocks import GROUP_SIZES as GGUF_GROUPS
-from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
+from ridge.quant.methods import CALIBRATED, METHODS, quantizable, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
 from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
@@ -132,7 +132,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     shard = plan.cut_model if plan is not None and not cut_after else None
     if model.random is not None:
         loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard,
-                              config.ignore_sliding_window)
+                              config.ignore_sliding_window, drawn_quantization(config, target, plan), progress)
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
@@ -170,6 +170,18 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         loaded.weight_format += ", batch invariant"
     trim_heap()
     return loaded
+
+
+def drawn_quantization(config: EngineConfig, target: LinearTarget,
+                       plan: ShardPlan | None) -> DrawnQuantization | None:
+    """How a random model's layers are quantized as they are drawn (so that its dense weights are never whole in
+    memory): a method that needs no calibration text, in one process; None otherwise (quantized after the draw)."""
+    method = config.quantization
+    if method not in METHODS or method in CALIBRATED or windows_for(method, config.calibration_windows) or plan:
+        return None
+    group_size = config.quantization_group_size
+    return DrawnQuantization(lambda w: quantize_weight(w, method, group_size), quantizable,
+                             1.0 if method in ("int8", "fp8") else 0.6, target)
 
 
 def _quantized_weights(model: DecoderModel, tokenizer: RidgeTokenizer, config: EngineConfig,

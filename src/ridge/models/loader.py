@@ -309,22 +309,62 @@ def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
                  shard: Callable[[DecoderModel], ShardCuts] | None = None,
-                 ignore_sliding_window: bool = False) -> LoadedModel:
+                 ignore_sliding_window: bool = False, quantize: DrawnQuantization | None = None,
+                 progress: bool = False) -> LoadedModel:
     """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py). shard: as
-    load_model's; every weight is drawn whole, in one process's order (so each rank's part holds one process's
-    numbers), and cut to the rank's part before the next is drawn. ignore_sliding_window: as load_model's."""
+    load_model's; every weight is drawn whole and cut to the rank's part before the next is drawn.
+    ignore_sliding_window: as load_model's. quantize: the decoder layers' linear weights quantized as they are
+    drawn, each dense draw dropped before the next, so that a model larger than memory in `dtype` loads in its
+    quantized size (gpt-oss-20b: 42 GB in bf16, ~14 in MXFP4)."""
     cfg = _windows(config_from_spec(spec), ignore_sliding_window)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     cuts = shard(model) if shard is not None else None
-    held = sum(tensor.numel() for tensor in model.state_dict().values())  # the rank's part
-    _check_fits(spec.name, held * dtype.itemsize, dtype, device)
-    state = {name: tensor if cuts is None else _read_cut(name, [_Stored.of(tensor)], cuts, dtype)
-             for name, tensor in random_tensors(shapes, dtype, device, seed) if cuts is None or cuts.keeps(name)}
+    drawn = quantize.keys(model) if quantize is not None else set()
+    held = sum(tensor.numel() * (dtype.itemsize if name not in drawn else quantize.bytes_per_weight)
+               for name, tensor in model.state_dict().items())  # the rank's part
+    _check_fits(spec.name, int(held), dtype, device)
+    state: dict[str, torch.Tensor] = {}
+    layers: dict[str, torch.nn.Module] = {}  # the quantized layers, by module path, swapped in once the model is made
+    pending: tuple[str, QuantizedWeight] | None = None  # a quantized weight whose bias, if it has one, comes next
+    draws = random_tensors(shapes, dtype, device, seed)
+    for name, tensor in tqdm(draws, desc="draw", unit="tensor", total=len(shapes), disable=not progress, leave=False):
+        if pending is not None:  # its layer made now: the codes held packed, not as drawn
+            key, weight = pending
+            layers[key] = make_linear(weight, tensor if name == f"{key}.bias" else None, quantize.target)
+            pending = None
+        if name in drawn:  # a stride-0 stand-in for the dense weight, until the layer is swapped
+            pending = (name.removesuffix(".weight"), quantize.weight(tensor))
+            tensor = torch.zeros((), dtype=dtype, device=device).expand(tensor.shape)
+        elif cuts is not None and cuts.keeps(name):
+            tensor = _read_cut(name, [_Stored.of(tensor)], cuts, dtype)
+        elif cuts is not None:
+            continue
+        state[name] = tensor
+    if pending is not None:
+        layers[pending[0]] = make_linear(pending[1], None, quantize.target)
     model = _with_weights(model, state, device, spec.name)
+    for key, layer in layers.items():
+        parent_path, _, child = key.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, layer)
     return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
                        f"{str(dtype).removeprefix('torch.')}")
+
+
+@dataclass(frozen=True)
+class DrawnQuantization:
+    """How random_model quantizes the decoder layers' linears as it draws them (a method without calibration)."""
+
+    weight: Callable[[torch.Tensor], QuantizedWeight]
+    quantizable: Callable[[torch.nn.Module], bool]  # which linears (quant/methods.py's quantizable)
+    bytes_per_weight: float  # about, scales included: what the memory check counts
+    target: LinearTarget
+
+    def keys(self, model: DecoderModel) -> set[str]:
+        """The state-dict names of the weights it quantizes."""
+        return {f"layers.{i}.{name}.weight" for i, layer in enumerate(model.layers)
+                for name, child in layer.named_modules() if self.quantizable(child)}
 
 
 def _windows(cfg: ModelConfig, ignore_sliding_window: bool) -> ModelConfig:

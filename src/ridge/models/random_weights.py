@@ -9,6 +9,7 @@ are noise: everything that names such a model names it random.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,12 @@ def random_tensors(shapes: dict[str, torch.Size], dtype: torch.dtype, device: st
                    seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
     """Weights for every parameter in `shapes` (a model's state dict on the meta device), one at a time, in its
     order: matrices drawn from N(0, INIT_STD) on the device, norm weights one (the multiplier itself: an offset is
-    folded in at load), biases zero."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    folded in at load), biases zero. Each matrix from its own generator, seeded by `seed` and its name: its numbers
+    do not depend on which tensors were drawn before it."""
     for name, shape in shapes.items():
         tensor = torch.empty(shape, dtype=dtype, device=device)
         if len(shape) > 1:
+            generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             tensor.normal_(0.0, INIT_STD, generator=generator)
         elif name.endswith("bias"):
             tensor.zero_()
