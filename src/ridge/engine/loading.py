@@ -133,6 +133,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if model.random is not None:
         loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard,
                               config.ignore_sliding_window, drawn_quantization(config, target, plan), progress)
+        trim_heap()  # the draws' and their quantization's freed temporaries: GBs of a large shape's heap
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,

@@ -79,11 +79,17 @@ def nearest_fp8(u: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8(weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedWeight:
-    w = weight.float()
-    scales = storable_scale(w.abs().amax(dim=1) / 127)
-    if importance is not None:
-        scales = importance_weighted_scales(w, importance, scales, INT8_STRETCHES, nearest_int8, uniform_steps=True)
-    return QuantizedWeight(nearest_int8(w / scales[:, None]).to(torch.int8), scales, None, 8, None)
+    """Codes and a scale per row, a few million weights at a time (rows are independent): a vocabulary projection's
+    float32 temporaries would otherwise take several times its size (gpt-oss's: 2.3 GB each)."""
+    codes, scales = [], []
+    for rows in weight.split(max(1, (1 << 22) // weight.shape[1])):
+        w = rows.float()
+        part = storable_scale(w.abs().amax(dim=1) / 127)
+        if importance is not None:
+            part = importance_weighted_scales(w, importance, part, INT8_STRETCHES, nearest_int8, uniform_steps=True)
+        codes.append(nearest_int8(w / part[:, None]).to(torch.int8))
+        scales.append(part)
+    return QuantizedWeight(torch.cat(codes), torch.cat(scales), None, 8, None)
 
 
 def int4_grid(weight: torch.Tensor, group_size: int, integer_zeros: bool) -> tuple[torch.Tensor, torch.Tensor]:
