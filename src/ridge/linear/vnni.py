@@ -46,7 +46,9 @@ class VnniLayoutLinear(KernelLinear):
         nibbles = weight.bits == 4 and group % 32 == 0  # two 4-bit codes a byte
         codes = weight.qweight if nibbles else weight.qweight.to(torch.int8)
         signed = not nibbles and bool((codes < 0).any())
-        stored = codes.to(torch.int16) + 128 if signed else codes  # vpdpbusd's unsigned operand
+        # vpdpbusd's unsigned operand, code + 128: the sign bit flipped, in place of a widening to int16 (a
+        # vocabulary projection's codes would take twice their size again, twice)
+        stored = codes.view(torch.uint8) ^ 0x80 if signed else codes
         minimums = None if weight.minimums is None else weight.minimums.reshape(self.out_features, -1)
         packed, unit = pack_vnni(stored, 4 if nibbles else 8, weight.scales.reshape(self.out_features, -1), minimums,
                                  group)
