@@ -311,7 +311,13 @@ def test_a_random_mixture_in_q8_0_blocks_runs_them_natively(smollm2_path, tmp_pa
     drawn = make_llm_for_test(f"random:{tmp_path}", dtype="float32", kv_cache_memory="16MiB")
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     quantized, reference = from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids)
-    assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+    # Q8_0's rounding moves each row's logits by at most `error`: its top token can change only where the drawn
+    # model's two best are nearer than twice that (a random model's logits are nearly flat: half its rows here)
+    error = (quantized - reference).abs().amax(-1)
+    assert error.max() < 0.05 * reference.abs().max()
+    best = reference.topk(2, dim=-1).values
+    clear = best[:, 0] - best[:, 1] > 2 * error
+    assert clear.sum() >= 5 and (quantized.argmax(-1) == reference.argmax(-1))[clear].all()
     with pytest.raises(ValueError, match="block_type: 'Q4_K' is not one of Q8_0"):
         write_random_gguf(spec, tmp_path / "other.gguf", smollm2_path, block_type="Q4_K")
 
