@@ -316,6 +316,8 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed:
     ignore_sliding_window: as load_model's. quantize: the decoder layers' linear weights quantized as they are
     drawn, each dense draw dropped before the next, so that a model larger than memory in `dtype` loads in its
     quantized size (gpt-oss-20b: 42 GB in bf16, ~14 in MXFP4)."""
+    if quantize is not None and shard is not None:
+        raise ValueError("random_model: weights quantized as drawn are made whole, not a rank's part")
     cfg = _windows(config_from_spec(spec), ignore_sliding_window)
     with torch.device("meta"):
         model = DecoderModel(cfg)
