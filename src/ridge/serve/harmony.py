@@ -118,7 +118,7 @@ class HarmonyStream:
         tokens = self.tokens
         if self._body is None:  # in a header
             if token == tokens.message:
-                self._open(delta)
+                self._open()
             elif token == tokens.start:
                 self._header = [token]
             elif token in tokens.closing:  # a header closed without a body: a message of nothing
@@ -131,7 +131,7 @@ class HarmonyStream:
             return
         self._route(self._body.add(token), delta)
 
-    def _open(self, delta: HarmonyDelta) -> None:
+    def _open(self) -> None:
         header = parse_header(self.tokens, self._header, self._decode)
         self._header, self._opened = [], True
         self._body = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
@@ -166,7 +166,7 @@ class HarmonyStream:
 
 def tool_call(recipient: str, arguments: str) -> dict[str, Any]:
     """A call in OpenAI's shape: the function's name without harmony's `functions.` namespace; arguments that are
-    JSON passed as compact JSON text, others as the model wrote them."""
+    JSON written again as json.dumps writes them (as the Hermes calls are), others as the model wrote them."""
     name = recipient.removeprefix("functions.")
     try:
         arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
