@@ -104,14 +104,14 @@ def test_the_chat_message_of_a_reply(tokenizer, markers):
 def test_parsers_that_do_not_read_the_model_are_refused_at_start(markers):
     assert HarmonyTokens.of(byte_tokenizer().token_to_id) is None
     with pytest.raises(ValueError, match="reasoning_parser: openai_gptoss reads gpt-oss's harmony channels"):
-        ServerConfig("m", reasoning_parser="openai_gptoss").check_model(None)
+        ServerConfig("m", reasoning_parser="openai_gptoss").check_parsers(None)
     with pytest.raises(ValueError, match="tool_call_parser: openai reads gpt-oss's harmony channels"):
-        ServerConfig("m", tool_call_parser="openai").check_model(None)
+        ServerConfig("m", tool_call_parser="openai").check_parsers(None)
     with pytest.raises(ValueError, match="reasoning_parser: qwen3 reads tags this model does not write"):
-        ServerConfig("m", reasoning_parser="qwen3").check_model(markers)
+        ServerConfig("m", reasoning_parser="qwen3").check_parsers(markers)
     with pytest.raises(ValueError, match="tool_call_parser: hermes reads tags this model does not write"):
-        ServerConfig("m", tool_call_parser="hermes").check_model(markers)
-    ServerConfig("m", reasoning_parser="openai_gptoss", tool_call_parser="openai").check_model(markers)
+        ServerConfig("m", tool_call_parser="hermes").check_parsers(markers)
+    ServerConfig("m", reasoning_parser="openai_gptoss", tool_call_parser="openai").check_parsers(markers)
 
 
 # ---- through the server: a gpt-oss whose weights write one reply --------------------------------------------

@@ -26,7 +26,7 @@ from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
 from ridge.models.transformer import DecoderModel
 from ridge.quant import mxfp4
 from ridge.quant.gguf_blocks import GROUP_SIZES as GGUF_GROUPS
-from ridge.quant.methods import CALIBRATED, METHODS, quantizable, quantize_weight, quantize_weights
+from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
 from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
@@ -133,7 +133,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     if model.random is not None:
         loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard,
                               config.ignore_sliding_window, drawn_quantization(config, target, plan), progress)
-        trim_heap()  # the draws' and their quantization's freed temporaries: GBs of a large shape's heap
+        trim_heap()  # the draws' and their quantization's freed temporaries
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
@@ -181,7 +181,7 @@ def drawn_quantization(config: EngineConfig, target: LinearTarget,
     if method not in METHODS or method in CALIBRATED or windows_for(method, config.calibration_windows) or plan:
         return None
     group_size = config.quantization_group_size
-    return DrawnQuantization(lambda w: quantize_weight(w, method, group_size), quantizable,
+    return DrawnQuantization(lambda w: quantize_weight(w, method, group_size),
                              1.0 if method in ("int8", "fp8") else 0.6, target)
 
 

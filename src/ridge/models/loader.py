@@ -46,6 +46,7 @@ from ridge.models.tensor_names import (
 )
 from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint, gguf_blocks, mxfp4
+from ridge.quant.methods import quantizable
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize, pad_rows
 
 log = logging.getLogger("ridge")
@@ -315,7 +316,7 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed:
     load_model's; every weight is drawn whole and cut to the rank's part before the next is drawn.
     ignore_sliding_window: as load_model's. quantize: the decoder layers' linear weights quantized as they are
     drawn, each dense draw dropped before the next, so that a model larger than memory in `dtype` loads in its
-    quantized size (gpt-oss-20b: 42 GB in bf16, ~14 in MXFP4)."""
+    quantized size."""
     if quantize is not None and shard is not None:
         raise ValueError("random_model: weights quantized as drawn are made whole, not a rank's part")
     cfg = _windows(config_from_spec(spec), ignore_sliding_window)
@@ -348,8 +349,7 @@ def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed:
         layers[pending[0]] = make_linear(pending[1], None, quantize.target)
     model = _with_weights(model, state, device, spec.name)
     for key, layer in layers.items():
-        parent_path, _, child = key.rpartition(".")
-        setattr(model.get_submodule(parent_path), child, layer)
+        model.set_submodule(key, layer)
     return LoadedModel(cfg, spec, model, Path(spec.name), f"random weights (seed {seed}) -> "
                        f"{str(dtype).removeprefix('torch.')}")
 
@@ -359,14 +359,13 @@ class DrawnQuantization:
     """How random_model quantizes the decoder layers' linears as it draws them (a method without calibration)."""
 
     weight: Callable[[torch.Tensor], QuantizedWeight]
-    quantizable: Callable[[torch.nn.Module], bool]  # which linears (quant/methods.py's quantizable)
     bytes_per_weight: float  # about, scales included: what the memory check counts
     target: LinearTarget
 
     def keys(self, model: DecoderModel) -> set[str]:
         """The state-dict names of the weights it quantizes."""
         return {f"layers.{i}.{name}.weight" for i, layer in enumerate(model.layers)
-                for name, child in layer.named_modules() if self.quantizable(child)}
+                for name, child in layer.named_modules() if quantizable(child)}
 
 
 def _windows(cfg: ModelConfig, ignore_sliding_window: bool) -> ModelConfig:

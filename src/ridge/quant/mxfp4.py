@@ -26,9 +26,11 @@ LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
 
 
 def scales(exponents: torch.Tensor) -> torch.Tensor:
-    """e8m0 exponents -> float32 2^(e - 128), the scale of the doubled codes (exact: 2^-128 is a float32
-    subnormal)."""
-    return torch.pow(2.0, exponents.to(torch.float64) - 128).float()
+    """e8m0 exponents -> float32 2^(e - 128), the scale of the doubled codes, made from its bits as ggml makes it
+    (ggml_e8m0_to_fp32_half): e < 2 are float32 subnormals, exact."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
 
 
 def from_hf(blocks: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight:
@@ -51,7 +53,7 @@ def blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent uint8 [..., N, K / 32]: gguf's MXFP4 quantization (gguf.quants.MXFP4), bit for bit, in torch: the
     exponent e = floor(log2(max |w|)) - 2 + 127 (0 for a block of zeros), and each weight the level whose product with
     the block's half-scale h is nearest, the first of equals. gguf measures all 16 errors |h L - w| (64 bytes of
-    scratch a weight: 30 s for a layer of gpt-oss-20b's experts); only the two magnitudes around |w| / h can be the
+    scratch a weight); only the two magnitudes around |w| / h can be the
     nearest, and |h L - w| = |h |L| - |w|| for levels of w's sign, so those two errors decide, ties to the smaller
     magnitude (the first index); a negative weight's level is its magnitude's index + 8, except 0 (index 0 comes
     first)."""
@@ -64,7 +66,7 @@ def blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for part in rows.split(max(1, (1 << 22) // k)):
         amax = part.abs().amax(-1)
         exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0).to(torch.uint8)
-        half = half_scale(exponent).unsqueeze(-1)
+        half = scales(exponent).unsqueeze(-1)
         size = part.abs()
         below = (torch.searchsorted(magnitudes, size / half, right=True) - 1).clamp_(0, 7)
         above = (below + 1).clamp_(max=7)
@@ -74,13 +76,6 @@ def blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exponents.append(exponent)
     return (torch.cat(indices).reshape(*lead, n, k // GROUP, GROUP),
             torch.cat(exponents).reshape(*lead, n, k // GROUP))
-
-
-def half_scale(exponents: torch.Tensor) -> torch.Tensor:
-    """e8m0 exponents -> float32 2^(e - 128) as ggml makes it from bits (ggml_e8m0_to_fp32_half: e < 2 subnormal)."""
-    e = exponents.to(torch.int32)
-    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
-    return bits.view(torch.float32)
 
 
 def to_hf(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

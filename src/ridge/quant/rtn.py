@@ -80,7 +80,7 @@ def nearest_fp8(u: torch.Tensor) -> torch.Tensor:
 
 def quantize_int8(weight: torch.Tensor, importance: torch.Tensor | None = None) -> QuantizedWeight:
     """Codes and a scale per row, a few million weights at a time (rows are independent): a vocabulary projection's
-    float32 temporaries would otherwise take several times its size (gpt-oss's: 2.3 GB each)."""
+    float32 temporaries would otherwise take several times its size."""
     codes, scales = [], []
     for rows in weight.split(max(1, (1 << 22) // weight.shape[1])):
         w = rows.float()

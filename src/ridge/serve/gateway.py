@@ -56,7 +56,7 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in parsers:
             raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of {', '.join(parsers)}")
 
-    def check_model(self, harmony_tokens: HarmonyTokens | None) -> None:
+    def check_parsers(self, harmony_tokens: HarmonyTokens | None) -> None:
         """Refuse, at start, parsers that do not read the model's replies: harmony's on a model without its
         markers, the tag parsers on a model that writes harmony channels."""
         reads_harmony = {"reasoning_parser": harmony.REASONING_PARSER, "tool_call_parser": harmony.TOOL_CALL_PARSER}
@@ -79,7 +79,7 @@ class Gateway:
         self.tokenizer = engine.tokenizer
         # a model that writes harmony (gpt-oss): its chat replies are read off their token ids (serve/harmony.py)
         self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
-        config.check_model(self.harmony)
+        config.check_parsers(self.harmony)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
