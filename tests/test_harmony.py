@@ -62,6 +62,8 @@ PREAMBLE_THEN_CALL = ('<|channel|>commentary<|message|>Checking.<|end|><|start|>
     ("<|channel|>analysis<|message|>cut off while thin", "cut off while thin", "", []),
     ('<|channel|>commentary to=functions.f<|message|>{"a": ', "", '{"a": ', []),  # a call cut off: its text kept
     ("plain text, no harmony at all", "", "plain text, no harmony at all", []),
+    # continuing the prompt's last message (continue_final_message): its rest, then the next message
+    ("the rest.<|end|><|start|>assistant<|channel|>final<|message|>Done<|return|>", "", "the rest.Done", []),
 ])
 def test_a_whole_reply_reads_as_its_channels(tokenizer, markers, reply, reasoning, content, calls):
     ids = tokenizer.encode(reply)
@@ -207,6 +209,7 @@ def test_the_server_reads_the_reply_s_channels_whole_and_streamed(client):
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": "required"}),
     ("stop", {"stop": ["x"]}),
+    ("skip_special_tokens", {"skip_special_tokens": False}),
 ])
 def test_what_a_harmony_reply_cannot_honour_is_refused_by_name(client, field, body):
     _, api = client

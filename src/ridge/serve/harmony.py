@@ -121,8 +121,8 @@ class HarmonyStream:
                 self._open()
             elif token == tokens.start:
                 self._header = [token]
-            elif token in tokens.closing:  # a header closed without a body: a message of nothing
-                self._header = []
+            elif token in tokens.closing:  # a header closed without a body
+                self._flush_unopened(delta)
             else:
                 self._header.append(token)
             return
@@ -156,7 +156,13 @@ class HarmonyStream:
         if self._call is not None:  # cut off mid-call: its arguments as text, not a call that cannot be made
             delta.content += "".join(self._call[1])
             self._body = self._call = None
-        if not self._opened and self._header:  # not harmony: the reply whole
+        self._flush_unopened(delta)
+
+    def _flush_unopened(self, delta: HarmonyDelta) -> None:
+        """Tokens that no <|message|> followed: before any message opened, text of the reply's own (a reply that
+        is not harmony, or one that continues the prompt's last message), as content; after, an empty message's
+        header, dropped."""
+        if not self._opened and self._header:
             delta.content += self.tokenizer.decode(self._header)
         self._header = []
 
@@ -209,6 +215,9 @@ def check_request(request: ChatCompletionRequest) -> None:
     if constrained is not None:
         raise RequestError(f"{constrained}: a constraint on a harmony (gpt-oss) reply is not supported: it would hold "
                            "the channels' headers as well as the answer", constrained)
+    if not request.skip_special_tokens:
+        raise RequestError("skip_special_tokens: false is not supported on a harmony (gpt-oss) chat reply: its "
+                           "markers are read into the message's fields, not returned as text", "skip_special_tokens")
     if request.stop:
         raise RequestError("stop: stop strings are not supported on a harmony (gpt-oss) chat reply, which is read "
                            "from its token ids rather than its text", "stop")
