@@ -140,6 +140,40 @@ def test_a_config_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "bamba"))
 
 
+def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):
+    """Mamba-2 under llama.cpp's names and header (bench/random_gguf.py: A itself in ssm_a, A and D as [heads, 1],
+    the gated norm's weight per group; the heads in ssm.time_step_rank) loads from the file as the model ridge
+    draws for the config: the same shape, logits and greedy tokens. (llama.cpp's own logits on such a file:
+    docs/notes/ssm.md.)"""
+    import dataclasses
+
+    from conftest import gguf_round_trip
+
+    config = {**hf_config("mamba2").to_dict(), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.spec, drawn.engine.loaded.spec
+    assert ours.ssm_layers == (0, 1, 2) and ours.ssm_groups == 2
+    assert dataclasses.replace(ours, name=theirs.name, source=theirs.source) == theirs
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in from_file.generate([ids], params)]
+            == [o.outputs[0].token_ids for o in drawn.generate([ids], params)])
+
+
+@pytest.mark.parametrize("change,field", [({"time_step_limit": (0.0, 10.0)}, "ssm_dt_limit"),
+                                          ({"use_conv_bias": False}, "ssm_conv_bias false")])
+def test_a_mamba2_llama_cpp_would_compute_otherwise_is_not_written_as_gguf(change, field, smollm2_path, tmp_path):
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config("mamba2").to_dict(), "vocab_size": 49152, **change}))
+    with pytest.raises(ValueError, match=field):
+        write_random_gguf(random_spec(f"random:{tmp_path}"), tmp_path / "model.gguf", smollm2_path)
+
+
 def test_prefix_caching_starts_from_state_snapshots(ssm_model, make_llm_for_test):
     """Requests sharing a 70-token system prompt, one after another: the first leaves a snapshot of its state at
     its prompt's last full block, the second (another question) at the branch point, the shared 4 blocks; the

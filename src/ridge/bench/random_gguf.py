@@ -10,6 +10,8 @@ package's own reference code, so that ridge (`--quantization gguf`) and llama.cp
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -31,13 +33,14 @@ from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
-WRITER_VERSION = 3
+WRITER_VERSION = 4
 
 # ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there; DeepSeek-V2 and V3 are deepseek2,
 # told apart by their gating function)
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
+                      "mamba2": "mamba2"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -48,6 +51,12 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "mlp.router.bias": "ffn_gate_inp.bias"}
 # gpt-oss's MLP input norm is its post_attention_norm (Gemma's sandwich norm elsewhere)
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
+# a Mamba-2 mixer's (llama.cpp's ssm_a and ssm_d have no .weight suffix; ssm_dt is dt's bias alone)
+_SSM_NAMES = {"ssm.in_proj.weight": "ssm_in.weight", "ssm.conv_weight": "ssm_conv1d.weight",
+              "ssm.conv_bias": "ssm_conv1d.bias", "ssm.dt_bias": "ssm_dt.bias", "ssm.D": "ssm_d",
+              "ssm.out_proj.weight": "ssm_out.weight"}
+# matrices llama.cpp's state-space ops read in float32 only (its converter keeps them so)
+_FLOAT32_ONLY = re.compile(r"blk\.\d+\.(ssm_conv1d\.weight|ssm_a|ssm_d|ssm_norm\.weight)$")
 
 
 def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True,
@@ -74,7 +83,8 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
     for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
         # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply
         # by them in float32 only
-        if tensor.dim() == 1 or name.endswith(".bias"):  # the experts' biases are stacked, [experts, rows]
+        # (the experts' biases are stacked, [experts, rows])
+        if tensor.dim() == 1 or name.endswith(".bias") or _FLOAT32_ONLY.match(name):
             writer.add_tensor(name, tensor.float().numpy())
         elif blocks is not None and not name.endswith("ffn_gate_inp.weight") and (
                 blocks != GGMLQuantizationType.MXFP4 or "_exps." in name):
@@ -91,9 +101,11 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
 def _check_writable(spec: ModelSpec) -> str:
     """llama.cpp's name for `spec`'s architecture, if a GGUF of it can hold the model (else ValueError)."""
     arch = GGUF_ARCHITECTURES.get(check_supported(spec.architecture))  # ridge's name for an HF class name too
-    if arch is None or spec.ssm_layers:
+    if arch is None:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
+    if arch == "mamba2":
+        _check_mamba2(spec)
     leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
@@ -102,6 +114,17 @@ def _check_writable(spec: ModelSpec) -> str:
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
     return arch
+
+
+def _check_mamba2(spec: ModelSpec) -> None:
+    """What llama.cpp's mamba2 graph computes: a convolution with its bias, no projection biases, dt unclamped."""
+    unlike = [what for what, differs in (("ssm_conv_bias false", not spec.ssm_conv_bias),
+                                         ("ssm_proj_bias true", spec.ssm_proj_bias),
+                                         (f"ssm_dt_limit {spec.ssm_dt_limit}", spec.ssm_dt_limit != (0.0, math.inf)))
+              if differs]
+    if unlike:
+        raise ValueError(f"model: a mamba2 GGUF has no form for {', '.join(unlike)} (llama.cpp's graph: a "
+                         "convolution bias, no projection biases, dt not clamped)")
 
 
 # the block formats the gguf package can quantize to (its reference code; the k-quants it only reads); MXFP4 for
@@ -124,6 +147,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     writer.add_block_count(spec.num_layers)
     writer.add_feed_forward_length(spec.intermediate_size)
     writer.add_head_count(spec.num_heads)
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    writer.add_file_type(_file_type(float16, blocks))
+    if arch == "mamba2":
+        _state_space_header(writer, spec)
+        return
     if spec.is_mla:
         _latent_attention_header(writer, cfg)
     else:
@@ -143,13 +171,6 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                 raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
-    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    # llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like
-    file_type = LlamaFileType.MOSTLY_F16 if float16 else LlamaFileType.ALL_F32
-    if blocks is not None:  # MXFP4: llama.cpp's type for experts alone in blocks
-        file_type = LlamaFileType.MOSTLY_MXFP4_MOE if blocks == GGMLQuantizationType.MXFP4 else \
-            LlamaFileType[f"MOSTLY_{blocks.name}"]
-    writer.add_file_type(file_type)
     if spec.sliding_window and arch == "gpt-oss":
         writer.add_sliding_window(spec.sliding_window)
     if spec.is_moe:
@@ -176,6 +197,24 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         if cfg.router_groups > 1:
             writer.add_expert_group_count(cfg.router_groups)
             writer.add_expert_group_used_count(cfg.router_topk_groups)
+
+
+def _file_type(float16: bool, blocks: GGMLQuantizationType | None) -> LlamaFileType:
+    """llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like."""
+    if blocks is None:
+        return LlamaFileType.MOSTLY_F16 if float16 else LlamaFileType.ALL_F32
+    # MXFP4: llama.cpp's type for experts alone in blocks
+    return LlamaFileType.MOSTLY_MXFP4_MOE if blocks == GGMLQuantizationType.MXFP4 else \
+        LlamaFileType[f"MOSTLY_{blocks.name}"]
+
+
+def _state_space_header(writer: GGUFWriter, spec: ModelSpec) -> None:
+    """llama.cpp's mamba2 keys: the heads are its time_step_rank (one dt per head), their widths the inner size."""
+    writer.add_ssm_conv_kernel(spec.ssm_conv_kernel)
+    writer.add_ssm_inner_size(spec.ssm_inner_size)
+    writer.add_ssm_state_size(spec.ssm_state_size)
+    writer.add_ssm_time_step_rank(spec.ssm_num_heads)
+    writer.add_ssm_group_count(spec.ssm_groups)
 
 
 def _latent_attention_header(writer: GGUFWriter, cfg: ModelConfig) -> None:
@@ -226,6 +265,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                 yield f"blk.{i}.{gguf_name}", layer[name]
         if cfg.is_mla:
             yield from _latent_attention_tensors(cfg, i, layer)
+        if "ssm.A_log" in layer:
+            yield from _state_space_tensors(cfg, i, layer)
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
@@ -248,6 +289,16 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             yield f"blk.{i}.ffn_gate_exps.{kind}", gate_up[:, :cfg.moe_intermediate_size]
             yield f"blk.{i}.ffn_up_exps.{kind}", gate_up[:, cfg.moe_intermediate_size:]
             yield f"blk.{i}.ffn_down_exps.{kind}", torch.stack([layer[f"mlp.experts.{e}.down.{kind}"] for e in experts])
+
+
+def _state_space_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor]):
+    """A Mamba-2 mixer as llama.cpp's converter writes it: A itself (-exp(A_log)), A and D as [heads, 1], the
+    gated norm's weight as [groups, its width a group]."""
+    for name, gguf_name in _SSM_NAMES.items():
+        if name in layer:
+            yield f"blk.{i}.{gguf_name}", layer[name].reshape(-1, 1) if name == "ssm.D" else layer[name]
+    yield f"blk.{i}.ssm_a", -torch.exp(layer["ssm.A_log"].float()).reshape(-1, 1)
+    yield f"blk.{i}.ssm_norm.weight", layer["ssm.norm_weight"].reshape(cfg.ssm_groups, -1)
 
 
 def _permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:

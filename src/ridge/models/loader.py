@@ -149,6 +149,12 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
                 yield f"{t.name}.{expert}", _gguf_stored(t.data[expert], t.tensor_type, t.shape[1:], ops, quantized,
                                                          f"{t.name}.{expert}")
             continue
+        if match := re.fullmatch(r"blk\.\d+\.(ssm_a|ssm_d|ssm_norm\.weight)", t.name):
+            # a Mamba-2 mixer's vectors, stored [heads, 1] / [groups, width a group]; A itself, where the mixer
+            # holds A_log (HF's form, A = -exp(A_log))
+            vector = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops).reshape(-1)
+            yield t.name, _Stored.of(np.log(-vector) if match.group(1) == "ssm_a" else vector)
+            continue
         if t.name.endswith("ffn_gate_inp_shexp.weight"):  # a vector in GGUF, the gate's one row here
             vector = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
             yield t.name, _Stored.of(vector.reshape(1, -1))

@@ -333,7 +333,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     norm_topk = value(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK.get(arch))
     fields = dict(
         name=name, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
-        num_heads=heads, num_kv_heads=int(kv), head_dim=int(value(f"{arch}.attention.key_length", hidden // heads)),
+        num_heads=heads, num_kv_heads=int(kv),
+        head_dim=int(value(f"{arch}.attention.key_length", hidden // heads if heads else 0)),
         intermediate_size=int(value(f"{arch}.feed_forward_length")),
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         num_experts=experts, experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
@@ -352,6 +353,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
+    fields.update(_gguf_state_space_fields(arch, value, names))
     return ModelSpec(**fields).validate()
 
 
@@ -420,6 +422,21 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "router_groups": groups, "router_topk_groups": int(value(f"{arch}.expert_group_used_count", 1)),
             "router_topk_method": "" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
             "rope_interleave": True, "qkv_bias": False}
+
+
+def _gguf_state_space_fields(arch: str, value, names: set[str]) -> dict:
+    """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
+    time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32)."""
+    if arch != "mamba2":
+        return {}
+    heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
+    return {"ssm_layers": tuple(range(int(value(f"{arch}.block_count")))), "has_ffn": False,
+            "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "intermediate_size": 0,
+            "ssm_num_heads": heads, "ssm_head_dim": inner // heads,
+            "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
+            "ssm_groups": int(value(f"{arch}.ssm.group_count", 1)),
+            "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")),
+            "ssm_conv_bias": "blk.0.ssm_conv1d.bias" in names, "residual_in_fp32": True}
 
 
 def _gguf_granite_fields(arch: str, value) -> dict:

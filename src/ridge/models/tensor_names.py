@@ -133,6 +133,14 @@ HF_SSM_NAMES = [
 ]
 
 
+# a Mamba-2 mixer under llama.cpp's names (ssm_a holds A itself and is read as A_log by the loader, which also
+# flattens ssm_a / ssm_d's [heads, 1] and ssm_norm's [groups, width a group])
+GGUF_SSM_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.ssm." + target, None) for source, target in [
+    (r"ssm_in\.weight", "in_proj.weight"), (r"ssm_conv1d\.weight", "conv_weight"), (r"ssm_conv1d\.bias", "conv_bias"),
+    (r"ssm_dt\.bias", "dt_bias"), (r"ssm_a", "A_log"), (r"ssm_d", "D"), (r"ssm_norm\.weight", "norm_weight"),
+    (r"ssm_out\.weight", "out_proj.weight")]]
+
+
 def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
     for pattern, template, slot in table:
         match = re.fullmatch(pattern, name)
@@ -150,4 +158,4 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + (GGUF_GPT_OSS_NAMES if cfg.architecture == "gpt_oss" else [])
-            + GGUF_NAMES)
+            + (GGUF_SSM_NAMES if cfg.ssm_layers else []) + GGUF_NAMES)
