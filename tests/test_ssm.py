@@ -140,6 +140,46 @@ def test_a_config_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "bamba"))
 
 
+@pytest.mark.threaded
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("conv_bias,dt_limit", [(True, (0.0, float("inf"))), (False, (0.05, 0.4))])
+def test_the_c_decode_token_is_the_torch_recurrence(ops, dtype, conv_bias, dt_limit):
+    """kernels/state_space.cpp's decode token (the convolution step, dt, the recurrence, D's skip) against the
+    mixer's torch form: the same outputs and states within float32's rounding, on the rows' slots only (others
+    untouched), for 3 sequences of 2 groups of heads, a dt clamp and a convolution without bias."""
+    from ridge.kv.state_cache import StateCache, StateStep
+    from ridge.models.mamba import Mamba2Mixer
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {**hf_config("mamba2").to_dict(), "use_conv_bias": conv_bias, "time_step_limit": dt_limit}
+    cfg = config_from_spec(spec_from_hf_config(config, "mamba2"))
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(cfg, 0)
+    for param in mixer.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.5)
+    mixer = mixer.to(dtype)
+    caches = [StateCache([0], 6, cfg.ssm_conv_channels, cfg.ssm_conv_kernel, cfg.ssm_num_heads, cfg.ssm_head_dim,
+                         cfg.ssm_state_size, "cpu") for _ in range(2)]
+    for tensor in (caches[0].conv[0], caches[0].ssm[0]):
+        tensor.normal_()
+    caches[1].conv[0].copy_(caches[0].conv[0])
+    caches[1].ssm[0].copy_(caches[0].ssm[0])
+    before = caches[0].ssm[0].clone()
+    x = torch.randn(3, cfg.hidden_size).to(dtype)
+    outs = []
+    for cache, kernel in zip(caches, (ops, None), strict=True):
+        mixer.ops = kernel
+        outs.append(mixer(x, StateStep(cache, torch.tensor([4, 1, 3]), 3, [])))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output projection's input rounded
+    assert torch.allclose(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
+    for ours, theirs in ((caches[0].conv[0], caches[1].conv[0]), (caches[0].ssm[0], caches[1].ssm[0])):
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours[[0, 2, 5]], theirs[[0, 2, 5]])
+    assert torch.equal(caches[0].ssm[0][[0, 2, 5]], before[[0, 2, 5]])
+    assert not torch.allclose(caches[0].ssm[0][[4, 1, 3]], before[[4, 1, 3]], atol=1e-3)  # advanced
+
+
 def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):
     """Mamba-2 under llama.cpp's names and header (bench/random_gguf.py: A itself in ssm_a, A and D as [heads, 1],
     the gated norm's weight per group; the heads in ssm.time_step_rank) loads from the file as the model ridge

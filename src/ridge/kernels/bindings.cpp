@@ -25,6 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("transposed"));
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; return RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [.., 2F] gate|up tensor");
+  m.def("mamba2_decode_", &mamba2_decode_,
+        "a Mamba-2 mixer's decode token: the convolution step and the recurrence, in place on each row's slot of the "
+        "states -> y [rows, heads * head_dim] float32 (D's skip added)",
+        py::arg("xbc"), py::arg("dt"), py::arg("conv_state"), py::arg("ssm_state"), py::arg("slots"),
+        py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"), py::arg("A_log"), py::arg("D"),
+        py::arg("groups"), py::arg("dt_min"), py::arg("dt_max"));
   m.def("rotary_", &rotary_, "rotate the first heads of x [T, heads, d] in place by their positions");
   m.def("grouped_int8_linear", &grouped_int8_linear,
         "x @ (codes * scales + minimums).T with one scale (and minimum) per group of input columns; 4-bit codes "

@@ -23,6 +23,8 @@
   per layer and step, and bmm over kv_b's slices copied each call, took three times its weights' read.
 - decode_stack.cpp: a decode step's decoder layers in one call over the kernels above: at batch 1 the Python
   between ~300 kernel calls a step cost a third of the step (kernels/decode_stack.py).
+- state_space.cpp: a Mamba-2 mixer's decode token (convolution step and recurrence) in one pass over its state,
+  in place: from torch ops, five passes over the state and a slow bmm, most of the layer's time but its matmuls.
 - gguf_blocks.cpp: a GGUF file's block formats dequantized in one pass (loading a GGUF model to float32 or
   bfloat16): unpacked with torch ops, a fresh tensor per step, it was most of a model's load.
 
@@ -47,7 +49,8 @@ log = logging.getLogger("ridge")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("bindings.cpp", "paged_attention.cpp", "quantized_attention.cpp", "fused_ops.cpp",
                      "quant_linear.cpp", "dense_linear.cpp", "int8_dot_linear.cpp", "vnni_linear.cpp",
-                     "bf16_dot_linear.cpp", "latent_attention.cpp", "decode_stack.cpp", "gguf_blocks.cpp")]
+                     "bf16_dot_linear.cpp", "latent_attention.cpp", "decode_stack.cpp", "gguf_blocks.cpp",
+                     "state_space.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "decode_stack.h", "decode_tasks.h", "ops.h",
                                                 "vnni_layout.h")]
 

@@ -25,6 +25,10 @@ torch::Tensor latent_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor 
 torch::Tensor head_matmul(torch::Tensor x, torch::Tensor weight, bool transposed);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor mamba2_decode_(torch::Tensor xbc, torch::Tensor dt, torch::Tensor conv_state, torch::Tensor ssm_state,
+                             torch::Tensor slots, torch::Tensor conv_weight, c10::optional<torch::Tensor> conv_bias,
+                             torch::Tensor dt_bias, torch::Tensor A_log, torch::Tensor D, int64_t groups,
+                             double dt_min, double dt_max);
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads);
 std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_ids);

@@ -11,12 +11,15 @@ chunk left in the sequence's slot.
 
 The state lives in the KV manager's slots (kv/state_cache.py), in float32; which slot each sequence of a step
 uses comes in a StateStep. Written in torch here: the work is matmuls (the SSD chunks) and elementwise updates,
-and no library ridge may depend on has it for the CPU (mamba_ssm's kernels are CUDA-only).
+and no library ridge may depend on has it for the CPU (mamba_ssm's kernels are CUDA-only). A decode token on the
+CPU runs the convolution step and the recurrence in one C++ pass over the state (kernels/state_space.cpp); the
+torch form below stays for other devices and for a build without the kernels.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,7 @@ class Mamba2Mixer(nn.Module):
         # squares over the ranks (every rank takes part, whole group or not)
         self.shared_group: tuple[int, int, int] | None = None
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        self.ops: ModuleType | None = None  # the C++ decode token, set by DecoderModel.use_kernels
 
     def shard(self, local: ModelConfig, groups: range, whole: ModelConfig, world: int) -> None:
         """Become this rank's part (its weights already cut): `groups` of the model `whole`'s, over `world` ranks."""
@@ -58,18 +62,21 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StateStep) -> torch.Tensor:
         """x: [T, hidden] of the step's sequences (decodes first) -> [T, hidden]; their slots' states advanced."""
-        z, xbc, dt = self.in_proj(x).split_with_sizes([self.inner, self.channels, self.heads], dim=-1)
+        z, xbc, raw_dt = self.in_proj(x).split_with_sizes([self.inner, self.channels, self.heads], dim=-1)
         conv_state, ssm_state = step.cache.conv[self.layer_index], step.cache.ssm[self.layer_index]
         y = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=x.device)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, heads]
+        dt = F.softplus(raw_dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, heads]
         A = -torch.exp(self.A_log.float())
-        if step.num_decodes:
-            rows = slice(0, step.num_decodes)
-            slots = step.slots[rows]
-            window = torch.cat([conv_state[slots], xbc[rows, :, None].float()], dim=-1)  # [D, channels, kernel]
+        decodes = slice(0, step.num_decodes)
+        if step.num_decodes and self.ops is not None and x.device.type == "cpu":
+            y[decodes] = self.decode_token(xbc[decodes], raw_dt[decodes], step.slots[decodes], conv_state,
+                                           ssm_state).view(-1, self.heads, self.head_dim)
+        elif step.num_decodes:
+            slots = step.slots[decodes]
+            window = torch.cat([conv_state[slots], xbc[decodes, :, None].float()], dim=-1)  # [D, channels, kernel]
             conv_state[slots] = window[:, :, 1:]
             conv_out = (window * self.conv_weight.float()).sum(-1)
-            y[rows] = self._step(conv_out, dt[rows], A, ssm_state, slots)
+            y[decodes] = self._step(conv_out, dt[decodes], A, ssm_state, slots)
         for seq, (start, length) in enumerate(step.chunks, start=step.num_decodes):
             rows, slot = slice(start, start + length), int(step.slots[seq])
             window = torch.cat([conv_state[slot], xbc[rows].float().T], dim=-1)  # [channels, kernel - 1 + length]
@@ -79,6 +86,13 @@ class Mamba2Mixer(nn.Module):
         y = y.flatten(1) * F.silu(z.float())
         y = self._group_norm(y)
         return self.out_proj((y * self.norm_weight.float()).to(x.dtype))
+
+    def decode_token(self, xbc: torch.Tensor, raw_dt: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
+                     ssm_state: torch.Tensor) -> torch.Tensor:
+        """The C++ decode token (the convolution step, dt's softplus, the recurrence and D's skip) of rows whose
+        in_proj gave xbc [D, channels] and raw_dt [D, heads] -> y [D, inner] float32; the slots' states advanced."""
+        return self.ops.mamba2_decode_(xbc, raw_dt, conv_state, ssm_state, slots, self.conv_weight, self.conv_bias,
+                                       self.dt_bias, self.A_log, self.D, self.groups, *self.dt_limit)
 
     def _group_norm(self, y: torch.Tensor) -> torch.Tensor:
         """RMSNorm per group (the heads that share B and C) of y * silu(z) [T, inner], before its weight."""

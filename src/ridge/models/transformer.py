@@ -77,10 +77,10 @@ class DecoderModel(nn.Module):
         return x
 
     def use_kernels(self, ops: ModuleType | None) -> None:
-        """Route norms, rotary, the MLP activation and latent attention's per-head products through fused kernels
-        (None: plain torch ops)."""
+        """Route norms, rotary, the MLP activation, latent attention's per-head products and Mamba-2's decode
+        recurrence through fused kernels (None: plain torch ops)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding | LatentAttention):
+            if isinstance(module, RMSNorm | GatedMLP | RotaryEmbedding | LatentAttention | Mamba2Mixer):
                 module.ops = ops
 
     def replace_linears(self, replace: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
