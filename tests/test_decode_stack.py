@@ -11,6 +11,7 @@ from ridge import SamplingParams
 from ridge.attention.backend import AttentionMetadata, KernelRows, PrefillChunk
 from ridge.attention.cascade import SharedPrefix
 from ridge.kernels import decode_stack
+from ridge.kv.state_cache import StateStep
 from ridge.linear import FewRowsLinear, LinearTarget, PackedLinear, fused_linear, make_linear, native_linear
 from ridge.linear.dense import onednn_packs
 from ridge.linear.rows import TILED_MIN_ROWS
@@ -87,8 +88,12 @@ def test_serves_only_plain_decode_steps():
         m.kernel_rows = KernelRows(rows, tables, lens, list(prefixes))
         return m
 
-    def serves(*groups: AttentionMetadata, max_rows: int = decode_stack.MAX_ROWS) -> bool:  # a KV group's each
-        return decode_stack.DecodeStack(None, max_rows).serves(groups)
+    def serves(*groups: AttentionMetadata, max_rows: int = decode_stack.MAX_ROWS, states=None) -> bool:
+        """groups: a KV group's each; states: a model with state-space layers' StateStep"""
+        return decode_stack.DecodeStack(None, max_rows, state_space=states is not None).serves(groups, states)
+
+    def states(decodes: int, chunks=()) -> StateStep:
+        return StateStep(None, torch.arange(decodes + len(chunks)), decodes, list(chunks))
 
     assert serves(meta(1)) and serves(meta(decode_stack.MAX_ROWS)) and serves(meta(2), meta(2))
     assert not serves(meta(decode_stack.MAX_ROWS + 1))  # past the dense layers' few-row kernel
@@ -98,6 +103,9 @@ def test_serves_only_plain_decode_steps():
     assert not serves(meta(2, tokens=5))  # drafts scored: more tokens than sequences
     assert not serves(meta(2, rows=torch.tensor([1, 0])))
     assert not serves(meta(2, prefixes=[SharedPrefix(torch.tensor([0]), torch.tensor([0, 1]))]))
+    # state-space layers (a pure Mamba-2 has no KV group): decodes only, no prefill chunk of any sequence
+    assert serves(states=states(2)) and serves(meta(2), states=states(2))
+    assert not serves(states=states(1, chunks=[(1, 4)])) and not serves(states=states(decode_stack.MAX_ROWS + 1))
 
 
 @pytest.mark.parametrize("args", [{}, {"quantization": "gguf", "int8_activations": True}, {"kv_cache_dtype": "int8"},

@@ -180,6 +180,30 @@ def test_the_c_decode_token_is_the_torch_recurrence(ops, dtype, conv_bias, dt_li
     assert not torch.allclose(caches[0].ssm[0][[4, 1, 3]], before[[4, 1, 3]], atol=1e-3)  # advanced
 
 
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ssm_model", ["mamba2"], indirect=True)
+def test_the_fused_decode_step_serves_mamba2_to_the_bit(ssm_model, dtype, make_llm_for_test):
+    """Mamba-2's decode steps in one C++ call (the mixers over their state slots, bfloat16's float32 residual
+    stream) against every layer in Python (enforce_eager): the same tokens and log-probabilities to the last bit,
+    for 5 sequences at once, with the decode's state snapshots taken around the stack's steps; the stack serves
+    every step after the prompts'."""
+    path, _ = ssm_model
+    stacked = make_llm_for_test(path, dtype=dtype)
+    eager = make_llm_for_test(path, dtype=dtype, enforce_eager=True)
+    stack = stacked.engine.runner.decode_stack
+    assert stack is not None and eager.engine.runner.decode_stack is None
+    served = []
+    forward = stack.native.forward
+    stack.native = type("Counted", (), {"forward": lambda _, *args: served.append(1) or forward(*args)})()
+    prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert len(served) >= 39 and stacked.engine.kv.snapshots  # decodes past block boundaries left snapshots
+
+
 def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):
     """Mamba-2 under llama.cpp's names and header (bench/random_gguf.py: A itself in ssm_a, A and D as [heads, 1],
     the gated norm's weight per group; the heads in ssm.time_step_rank) loads from the file as the model ridge

@@ -100,7 +100,7 @@ class ModelRunner:
         if not enforce_eager and cpu_ops is not None and self.device.type == "cpu" and cfg.num_experts:
             decode_stack.attach_native_experts(model, cpu_ops)  # the stack takes the same ones
         self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
-                                                                          tensor_parallel)
+                                                                          tensor_parallel, self.states)
         self.graphs: DecodeGraphs | None = None
         fused_experts = False
         if self.device.type == "cuda" and cfg.num_experts and not tensor_parallel:
@@ -148,12 +148,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> StepLogits:
         """The forward pass of a prepared step (prepare(), or describe() and then prepare_backend())."""
         meta = inputs.meta
-        if self.decode_stack is not None and self.decode_stack.serves(meta):  # every row samples
-            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta)
-            return StepLogits(self.model.compute_logits(hidden), inputs.samplers, [],
-                              attention_mass=meta[0].attention_mass)
-        num_sampled = len(inputs.sample_rows)
-        rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
+        mass = meta[0].attention_mass if meta else None  # a pure state-space model has no KV group
         states = inputs.states
         if states is not None:
             states = dataclasses.replace(states, cache=self.states)
@@ -161,12 +156,18 @@ class ModelRunner:
                 self.states.zero_(states.fresh)
             if states.restores is not None:
                 self.states.copy_(states.restores)
-        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
+        if self.decode_stack is not None and self.decode_stack.serves(meta, states):  # every row samples
+            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta, states)
+            logits = StepLogits(self.model.compute_logits(hidden), inputs.samplers, [], attention_mass=mass)
+        else:
+            num_sampled = len(inputs.sample_rows)
+            rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
+            hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
+            logits = StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
+                                hidden[num_sampled:] if inputs.prompt_rows else None, mass)
         if states is not None and states.saves is not None:
             self.states.copy_(states.saves)
-        return StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
-                          hidden[num_sampled:] if inputs.prompt_rows else None,
-                          meta[0].attention_mass if meta else None)  # a pure state-space model has no KV group
+        return logits
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:

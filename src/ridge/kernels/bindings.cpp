@@ -126,14 +126,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("q_a"), py::arg("q_a_norm"), py::arg("q"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
            py::arg("w_uv"), py::arg("rope"));
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
-      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_attn_norm, c10::optional<torch::Tensor> q_norm,
+      .def(py::init([](torch::Tensor input_norm, c10::optional<torch::Tensor> post_attn_norm,
+                       c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
                        torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales, c10::optional<torch::Tensor> key_center, bool fp8,
                        std::optional<Experts> experts, std::optional<LatentProjections> latent, Activation activation,
                        int64_t group, c10::optional<torch::Tensor> rope_table, c10::optional<torch::Tensor> sinks,
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
-                       double residual_multiplier) {
+                       double residual_multiplier, std::optional<StateMixer> ssm) {
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -144,6 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.attn_out_norm = attn_out_norm;
              layer.mlp_out_norm = mlp_out_norm;
              layer.residual_multiplier = residual_multiplier;
+             layer.ssm = ssm;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -152,7 +154,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fp8") = false, py::arg("experts") = py::none(), py::arg("latent") = py::none(),
            py::arg("activation") = Activation(), py::arg("group") = 0, py::arg("rope_table") = py::none(),
            py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
-           py::arg("residual_multiplier") = 1.0);
+           py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none());
+  py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
+      .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
+                       c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
+                       torch::Tensor D, torch::Tensor norm_weight, int64_t heads, int64_t head_dim, int64_t groups,
+                       double dt_min, double dt_max, torch::Tensor conv_state, torch::Tensor ssm_state) {
+             return StateMixer{in_proj, out_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, heads,
+                               head_dim, groups, dt_min, dt_max, conv_state, ssm_state};
+           }),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"),
+           py::arg("A_log"), py::arg("D"), py::arg("norm_weight"), py::arg("heads"), py::arg("head_dim"),
+           py::arg("groups"), py::arg("dt_min"), py::arg("dt_max"), py::arg("conv_state"), py::arg("ssm_state"));
   py::class_<GroupStep>(m, "GroupStep", "one KV group's part of a decode step")
       .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
                        std::optional<torch::Tensor> window_starts, std::optional<torch::Tensor> mass) {
@@ -162,10 +175,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mass") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
-                    py::object>(),
+                    py::object, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none())
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none(),
+           py::arg("residual_in_fp32") = false)
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-           py::arg("positions"), py::arg("groups"));
+           py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none());
 }

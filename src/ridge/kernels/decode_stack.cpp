@@ -200,19 +200,21 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
 
 DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                         py::object all_reduce)
+                         py::object all_reduce, bool residual_in_fp32)
     : layers(std::move(layers)), final_norm(std::move(final_norm)), rope_table(std::move(rope_table)),
       heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale),
-      all_reduce(std::move(all_reduce)) {
+      residual_in_fp32(residual_in_fp32), all_reduce(std::move(all_reduce)) {
   TORCH_CHECK(this->rope_table.is_contiguous() && this->rope_table.scalar_type() == torch::kFloat,
               "DecodeStack: rope_table float32 [max_positions, head_dim / 2, 2]");
 }
 
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups) const {
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
+                                   c10::optional<torch::Tensor> state_slots) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
   const int64_t rows = x.size(0);
   TORCH_CHECK(positions.numel() == rows, "DecodeStack: one position per row");
+  TORCH_CHECK(!state_slots.has_value() || state_slots->numel() == rows, "DecodeStack: one state slot per row");
   for (const GroupStep& step : groups) {
     TORCH_CHECK(step.slots.numel() == rows && step.block_tables.size(0) == rows && step.context_lens.numel() == rows &&
                     (!step.window_starts.has_value() || step.window_starts->numel() == rows),
@@ -220,25 +222,53 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   }
   torch::Tensor residual;
   for (const Layer& layer : layers) {
-    TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
-    const GroupStep& step = groups[layer.group];
     torch::Tensor h;
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
-      residual = x;
+      residual = residual_in_fp32 ? x.to(torch::kFloat) : x;
       h = at::rms_norm(x, {x.size(1)}, layer.input_norm, eps);
     } else {
-      h = add_rms_norm_(residual, x, layer.input_norm, eps);
+      h = add_norm_(residual, x, layer.input_norm);
     }
-    x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step)
-                                              : attention(layer, h, positions, step));
+    if (layer.ssm.has_value()) {
+      TORCH_CHECK(state_slots.has_value(), "DecodeStack: a state-space layer needs the rows' state slots");
+      x = state_mixer(*layer.ssm, h, *state_slots);
+    } else {
+      TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
+      const GroupStep& step = groups[layer.group];
+      x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step)
+                                                : attention(layer, h, positions, step));
+    }
     reduce_(x);
     x = branch_output(layer, x, layer.attn_out_norm);
-    h = add_rms_norm_(residual, x, layer.post_attn_norm, eps);
+    if (!layer.post_attn_norm.has_value()) continue;  // no MLP
+    h = add_norm_(residual, x, *layer.post_attn_norm);
     x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
     reduce_(x);
     x = branch_output(layer, x, layer.mlp_out_norm);
   }
-  return add_rms_norm_(residual, x, final_norm, eps);
+  return add_norm_(residual, x, final_norm);
+}
+
+// models/layers.py's RMSNorm.forward with a residual: a float32 stream is added to and read back rounded
+torch::Tensor DecodeStack::add_norm_(torch::Tensor& residual, const torch::Tensor& x,
+                                     const torch::Tensor& weight) const {
+  if (residual.scalar_type() != x.scalar_type()) {
+    residual.add_(x);
+    return at::rms_norm(residual.to(x.scalar_type()), {x.size(1)}, weight, eps);
+  }
+  return add_rms_norm_(residual, x, weight, eps);
+}
+
+// models/mamba.py's Mamba2Mixer.forward for decode rows, op for op, its recurrence on kernels/state_space.cpp's
+torch::Tensor DecodeStack::state_mixer(const StateMixer& m, const torch::Tensor& h, const torch::Tensor& slots) const {
+  const int64_t rows = h.size(0), inner = m.heads * m.head_dim;
+  const auto parts = m.in_proj(h).split_with_sizes({inner, m.conv_weight.size(0), m.heads}, -1);
+  auto y = mamba2_decode_(parts[1], parts[2], m.conv_state, m.ssm_state, slots, m.conv_weight, m.conv_bias, m.dt_bias,
+                          m.A_log, m.D, m.groups, m.dt_min, m.dt_max);
+  y = y * at::silu(parts[0].to(torch::kFloat));
+  y = at::rms_norm(y.view({rows, m.groups, inner / m.groups}), {inner / m.groups}, c10::nullopt, eps)
+          .view({rows, inner});
+  return m.out_proj((y * m.norm_weight.to(torch::kFloat)).to(h.scalar_type()));
 }
 
 // a mixer's or an MLP's output as it joins the residual stream: its sandwich norm, then the residual multiplier

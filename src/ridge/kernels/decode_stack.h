@@ -100,9 +100,22 @@ struct LatentProjections {
   int64_t rope;                            // qk_rope_head_dim
 };
 
+// A Mamba-2 mixer (models/mamba.py's Mamba2Mixer): its projections, the convolution's and the recurrence's
+// parameters, and this layer's state tensors (kv/state_cache.py), which a step's rows index by their state slots.
+struct StateMixer {
+  Linear in_proj, out_proj;
+  torch::Tensor conv_weight;
+  c10::optional<torch::Tensor> conv_bias;
+  torch::Tensor dt_bias, A_log, D, norm_weight;
+  int64_t heads, head_dim, groups;
+  double dt_min, dt_max;
+  torch::Tensor conv_state, ssm_state;
+};
+
 // models/layers.py's DecoderLayer.
 struct Layer {
-  torch::Tensor input_norm, post_attn_norm;
+  torch::Tensor input_norm;
+  c10::optional<torch::Tensor> post_attn_norm;  // the MLP's input norm; absent where the layer has no MLP (Mamba-2)
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
   Linear qkv, o_proj, gate_up, down;  // gate_up and down: a dense MLP's; empty where the layer has experts
   Activation activation;              // the dense MLP's
@@ -115,6 +128,7 @@ struct Layer {
   bool fp8 = false;
   std::optional<Experts> experts;  // the layer's MLP, where it is a mixture of experts
   std::optional<LatentProjections> latent;  // the layer's attention, where it is latent (qkv empty then)
+  std::optional<StateMixer> ssm;            // the layer's mixer, where it is a state-space one (no attention then)
   int64_t group = 0;  // the layer's KV group (kv/layout.py): which of a step's GroupSteps it writes and reads
   c10::optional<torch::Tensor> rope_table;  // the layer's own rotary table (Gemma 3's local layers), else the stack's
   c10::optional<torch::Tensor> sinks;       // gpt-oss's attention sinks [heads]: one more logit in each softmax
@@ -137,15 +151,19 @@ struct DecodeStack {
   torch::Tensor rope_table;  // float32 [max_positions, head_dim / 2, 2] = (cos, sin)
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
+  bool residual_in_fp32 = false;  // Mamba-2's: the residual stream adds in float32, each norm reads it rounded
   // under tensor parallelism: the group's in-place sum of a layer's partial attention and MLP outputs (a Python
   // callable, cluster/collectives.py's all_reduce_), called with the GIL taken back; None in one process
   py::object all_reduce;
 
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
-              int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce);
+              int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce,
+              bool residual_in_fp32);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
-  // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order).
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups) const;
+  // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
+  // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
+                        c10::optional<torch::Tensor> state_slots) const;
 
  private:
   // a layer's attention from its normed input h to o_proj's input [B, heads * v_dim]
@@ -153,7 +171,11 @@ struct DecodeStack {
                           const GroupStep& step) const;
   torch::Tensor latent_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
                                  const GroupStep& step) const;
+  // a state-space layer's mixer from its normed input h to its output [B, hidden]
+  torch::Tensor state_mixer(const StateMixer& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
+  // residual += x, then the norm of the sum
+  torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weight) const;
   void reduce_(const torch::Tensor& x) const;
 };
 

@@ -9,7 +9,9 @@ quantized cache's: int8 / fp8 / int4 codes written and read in C++, or latent at
 at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel
 there). A mixture of experts' layers route and run their experts in C++ too (decode_stack.h's Experts), side by
 side on the threads. Each layer reads its own KV group's part of the step (its window, its blocks), so local:global
-models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks.
+models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks; and
+Mamba-2's layers, each mixer advancing the rows' states in their slots (kernels/state_space.cpp), its residual
+stream in float32 where the model keeps it so.
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -26,9 +28,10 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMet
 from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
+from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
-from ridge.models.layers import GatedMLP
+from ridge.models.layers import DecoderLayer, GatedMLP
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.models.transformer import DecoderModel
@@ -40,12 +43,17 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 
 class DecodeStack:
-    def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None) -> None:
+    def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None,
+                 state_space: bool = False) -> None:
         self.native = native
         self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
         self.native_ops = ops
+        self.state_space = state_space  # the model has state-space layers: a step's rows come with state slots
 
-    def serves(self, step: StepMetadata) -> bool:
+    def serves(self, step: StepMetadata, states: StateStep | None) -> bool:
+        """Whether this step is the stack's: decodes only, every KV group's rows and state slots read in place."""
+        if self.state_space and (states is None or states.chunks or not 0 < states.num_decodes <= self.max_rows):
+            return False
         return all(self._serves(meta) for meta in step)
 
     def _serves(self, meta: AttentionMetadata) -> bool:
@@ -54,13 +62,14 @@ class DecodeStack:
                 and meta.slot_mapping.shape[0] == meta.num_decodes  # no drafts scored
                 and kernel is not None and kernel.rows is None and not kernel.shared_prefixes)
 
-    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                 states: StateStep | None = None) -> torch.Tensor:
         """Embeddings [B, hidden] of a step that serves() -> the final norm's output [B, hidden]."""
         groups = [self.native_ops.GroupStep(meta.slot_mapping, meta.kernel_rows.block_tables,
                                             meta.kernel_rows.context_lens, meta.kernel_rows.window_starts,
                                             meta.attention_mass)
                   for meta in step]
-        return self.native.forward(embeddings, positions, groups)
+        return self.native.forward(embeddings, positions, groups, states.slots if self.state_space else None)
 
 
 def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
@@ -125,22 +134,23 @@ def max_rows(model: DecoderModel) -> int:
     return min(MAX_ROWS, TILED_MIN_ROWS - 1) if int4pack else MAX_ROWS
 
 
-def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None,
-          tensor_parallel: bool = False) -> DecodeStack | None:
-    """The stack over model's layers and backend's caches, or None where the Python path must serve.
-    tensor_parallel: the model is a rank's shard; the stack sums its layers' partial outputs over the ranks with
-    the all-reduce the layers are given (cluster/collectives.py), at call time: rank 0's are given after its
-    runner is made."""
+def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None, tensor_parallel: bool = False,
+          states: StateCache | None = None) -> DecodeStack | None:
+    """The stack over model's layers and backend's caches (and the state-space layers' `states`), or None where
+    the Python path must serve. tensor_parallel: the model is a rank's shard; the stack sums its layers' partial
+    outputs over the ranks with the all-reduce the layers are given (cluster/collectives.py), at call time: rank
+    0's are given after its runner is made."""
     cfg = model.cfg
     quantized = isinstance(backend, QuantizedKVBackend)
     kernels = {PagedBackend: backend.ops is not None, QuantizedKVBackend: quantized and backend.kernels is not None,
                LatentBackend: isinstance(backend, LatentBackend) and backend.kernel}
     if ops is None or not kernels.get(type(backend), False):
         return None
+    mixers = [layer.ssm for layer in model.layers if layer.ssm is not None]
     unsupported = [what for what, present in (("q / k norms over all heads", cfg.qk_norm_full),
-                                                ("state-space layers", cfg.ssm_layers),
                                                 ("partial rotary", cfg.partial_rotary_factor != 1.0),
-                                                ("a float32 residual stream", cfg.residual_in_fp32))
+                                                ("state-space groups cut across ranks",
+                                                 any(m.shared_group is not None for m in mixers)))
                    if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
@@ -150,6 +160,12 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         return None
     layers = []
     for i, layer in enumerate(model.layers):
+        if layer.ssm is not None:
+            if (native := state_space_layer(ops, layer, states)) is None:
+                log.debug("ridge: decode stack off: layer %d's mixer has a linear without a kernel there", i)
+                return None
+            layers.append(native)
+            continue
         attn, mlp = layer.attn, layer.mlp
         moe = isinstance(mlp, MoEBlock)
         experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
@@ -180,5 +196,30 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
-                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce),
-                       max_rows(model), ops)
+                                       cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
+                                       cfg.residual_in_fp32),
+                       max_rows(model), ops, state_space=bool(mixers))
+
+
+def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:
+    """The stack's form of a layer whose mixer is Mamba-2's (its dense MLP, where it has one), over its state
+    tensors; None where a linear has no kernel there."""
+    mixer = layer.ssm
+    in_proj, out_proj = native_linear(ops, mixer.in_proj), native_linear(ops, mixer.out_proj)
+    mlp = layer.mlp
+    if isinstance(mlp, MoEBlock):
+        return None
+    mlp_linears = [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)] if mlp is not None else [
+        ops.Linear([], None)] * 2
+    if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears):
+        return None
+    native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
+                            mixer.D, mixer.norm_weight, mixer.heads, mixer.head_dim, mixer.groups, *mixer.dt_limit,
+                            states.conv[mixer.layer_index], states.ssm[mixer.layer_index])
+    empty = torch.empty(0)
+    return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,
+                     ops.Linear([], None), ops.Linear([], None), *mlp_linears, empty, empty,
+                     activation=ops.Activation("silu") if mlp is None else native_activation(ops, mlp),
+                     attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight,
+                     mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
+                     residual_multiplier=layer.residual_multiplier, ssm=native)
