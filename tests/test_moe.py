@@ -155,7 +155,9 @@ STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
                "qwen3_moe-int4-bf16": ("qwen3_moe", {"quantization": "int4", "dtype": "bfloat16"}),
-               "qwen3_moe-int8-bf16": ("qwen3_moe", {"quantization": "int8", "dtype": "bfloat16"})}
+               "qwen3_moe-int8-bf16": ("qwen3_moe", {"quantization": "int8", "dtype": "bfloat16"}),
+               "olmoe": ("olmoe", {}),  # q and k normed over all their heads at once
+               "olmoe-bf16": ("olmoe", {"dtype": "bfloat16"})}
 
 
 @pytest.mark.threaded
@@ -177,15 +179,16 @@ def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, arg
 
 @pytest.mark.threaded
 @pytest.mark.parametrize("moe_model", ["olmoe"], indirect=True)
-def test_mixtures_the_stack_does_not_take_run_their_experts_in_c(moe_model, make_llm_for_test):
-    """All-head q / k norms keep decode steps in Python, but the model's MoE blocks call the C++ experts there:
-    the same tokens and log-probabilities as the Python blocks (enforce_eager), prompt and decode."""
+def test_steps_the_stack_does_not_take_run_their_experts_in_c(moe_model, make_llm_for_test):
+    """Steps outside the stack (here every one: its stack taken away, as a tensor-parallel OLMoE's is refused)
+    still call the C++ experts from the MoE blocks: the same tokens and log-probabilities as the Python blocks
+    (enforce_eager), prompt and decode."""
     from ridge.models.moe import MoEBlock
 
     path, _ = moe_model
     native = make_llm_for_test(path, dtype="float32")
     eager = make_llm_for_test(path, dtype="float32", enforce_eager=True)
-    assert native.engine.runner.decode_stack is None
+    native.engine.runner.decode_stack = None
     blocks = [m for m in native.engine.loaded.model.modules() if isinstance(m, MoEBlock)]
     assert blocks and all(b.native is not None for b in blocks)
     assert all(m.native is None for m in eager.engine.loaded.model.modules() if isinstance(m, MoEBlock))

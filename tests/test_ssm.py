@@ -182,12 +182,11 @@ def test_the_c_decode_token_is_the_torch_recurrence(ops, dtype, conv_bias, dt_li
 
 @pytest.mark.threaded  # the kernels split their work across threads: on every core
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("ssm_model", ["mamba2"], indirect=True)
-def test_the_fused_decode_step_serves_mamba2_to_the_bit(ssm_model, dtype, make_llm_for_test):
-    """Mamba-2's decode steps in one C++ call (the mixers over their state slots, bfloat16's float32 residual
-    stream) against every layer in Python (enforce_eager): the same tokens and log-probabilities to the last bit,
-    for 5 sequences at once, with the decode's state snapshots taken around the stack's steps; the stack serves
-    every step after the prompts'."""
+def test_the_fused_decode_step_serves_state_space_models_to_the_bit(ssm_model, dtype, make_llm_for_test):
+    """Decode steps in one C++ call (the mixers over their state slots; Mamba-2's float32 residual stream in
+    bfloat16, Bamba's attention layers with their half rotary) against every layer in Python (enforce_eager): the
+    same tokens and log-probabilities to the last bit, for 5 sequences at once, with the decode's state snapshots
+    taken around the stack's steps; the stack serves every step after the prompts'."""
     path, _ = ssm_model
     stacked = make_llm_for_test(path, dtype=dtype)
     eager = make_llm_for_test(path, dtype=dtype, enforce_eager=True)

@@ -285,13 +285,22 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
   auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
   torch::Tensor q = split[0], k = split[1], v = split[2];
+  // a partial rotary (a table narrower than the head) turns each head's first dims, the rest pass through
+  const int64_t rotary_dim = table.size(1) * 2;
+  const auto rotated = [&](const torch::Tensor& x) { return rotary_dim < head_dim ? x.narrow(2, 0, rotary_dim) : x; };
   if (layer.q_norm.has_value()) {
-    q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
-    k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
-    rotary_(q, positions, table, heads);
-    rotary_(k, positions, table, kv_heads);
+    if (layer.q_norm->numel() != head_dim) {  // OLMoE's: over all of q's heads at once, and all of k's
+      q = at::rms_norm(q.reshape({rows, -1}), {q.size(1) * head_dim}, *layer.q_norm, eps).view({rows, heads, head_dim});
+      k = at::rms_norm(k.reshape({rows, -1}), {k.size(1) * head_dim}, *layer.k_norm, eps)
+              .view({rows, kv_heads, head_dim});
+    } else {
+      q = at::rms_norm(q, {head_dim}, *layer.q_norm, eps);
+      k = at::rms_norm(k, {head_dim}, *layer.k_norm, eps);
+    }
+    rotary_(rotated(q), positions, table, heads);
+    rotary_(rotated(k), positions, table, kv_heads);
   } else {  // q and k side by side in qkv: rotated in one go
-    rotary_(qkv, positions, table, heads + kv_heads);
+    rotary_(rotated(qkv), positions, table, heads + kv_heads);
   }
   std::tuple<torch::Tensor, torch::Tensor> attended;  // and each row and head's log-sum-exp
   if (layer.k_scales.has_value()) {

@@ -117,8 +117,8 @@ def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
 
 def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
     """Give each mixture-of-experts block of `model` its C++ form, which its forward() calls on steps of up to
-    as many rows as the stack takes (decode steps the stack does not serve: OLMoE's q / k norms over all heads); a
-    block with an expert that has no kernel there keeps its Python path."""
+    as many rows as the stack takes (decode steps the stack does not serve: a tensor-parallel rank's OLMoE, its
+    q / k norms summed over the ranks); a block with an expert that has no kernel there keeps its Python path."""
     for block in model.modules():
         if isinstance(block, MoEBlock):
             block.native, block.native_max_rows = native_experts(ops, block), max_rows(model)
@@ -147,11 +147,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     if ops is None or not kernels.get(type(backend), False):
         return None
     mixers = [layer.ssm for layer in model.layers if layer.ssm is not None]
-    unsupported = [what for what, present in (("q / k norms over all heads", cfg.qk_norm_full),
-                                                ("partial rotary", cfg.partial_rotary_factor != 1.0),
-                                                ("state-space groups cut across ranks",
-                                                 any(m.shared_group is not None for m in mixers)))
-                   if present]
+    unsupported = [what for what, present in (
+        ("q / k norms over all heads cut across ranks",
+         any(layer.attn is not None and getattr(layer.attn, "sharded_norm", None) is not None
+             for layer in model.layers)),
+        ("state-space groups cut across ranks", any(m.shared_group is not None for m in mixers))) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None

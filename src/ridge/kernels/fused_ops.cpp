@@ -140,12 +140,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // Rotate heads [0, rotated_heads) of x: [T, heads, d] in place: the two halves of a head are the real and
 // imaginary parts, turned by the angle pos * freq; table: [max_pos, d / 2, 2] = (cos, sin).
 void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int64_t rotated_heads) {
-  // one head's stride is never used (a [T, 1, d] narrow of a wider tensor keeps its parent's)
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) == x.size(2)),
-              "rotary_: x [T, heads, d], rows dense");
+  // a head's d values contiguous, heads at least d apart: a partial rotary's first dims of wider heads too
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) >= x.size(2)),
+              "rotary_: x [T, heads, d], each head's values dense");
   TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat, "rotary_: float32 table");
   positions = positions.contiguous();
   const int64_t tokens = x.size(0), d = x.size(2), half = d / 2, row_stride = x.stride(0);
+  const int64_t head_stride = x.size(1) == 1 ? d : x.stride(1);  // one head's stride is never used
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* tab = table.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotary_", [&] {
@@ -154,7 +155,7 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor table, int6
       for (int64_t t = begin; t < end; ++t) {
         const float* cs = tab + pos[t] * half * 2;
         for (int64_t h = 0; h < rotated_heads; ++h) {
-          scalar_t* head = base + t * row_stride + h * d;
+          scalar_t* head = base + t * row_stride + h * head_stride;
           for (int64_t i = 0; i < half; ++i) {
             const float a = static_cast<float>(head[i]), b = static_cast<float>(head[i + half]);
             const float c = cs[2 * i], s = cs[2 * i + 1];

@@ -84,8 +84,8 @@ class RopeStep:
         narrower than the head), only each head's first dims, the rest pass through."""
         rotary_dim = 2 * self.freqs.shape[-1]
         if rotary_dim < x.shape[-1]:
-            x = x[..., :rotary_dim]  # a view: rotated in place below, through the torch path
-        if self.ops is not None and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+            x = x[..., :rotary_dim]  # a view: rotated in place below
+        if self.ops is not None and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) >= x.shape[2]):
             self.ops.rotary_(x, self.positions, self.table, heads)
             return
         if self._rotations is None:

@@ -6,7 +6,7 @@ and no loop ever runs over tokens. Each expert is a GatedMLP with ordinary linea
 formats and CPU kernels apply to experts as to any dense layer (DecoderModel.replace_linears).
 On the CPU (unless enforce_eager), the block runs in C++ (kernels/decode_stack.h's Experts, `native`): the same
 routing op for op and the same experts' kernels, the experts side by side on the threads; decode steps call it from
-the fused decode stack, or through forward() in models the stack does not take (OLMoE).
+the fused decode stack, or through forward() in models the stack does not take (a tensor-parallel OLMoE).
 
 The router (Mixtral, Qwen2/3-MoE, OLMoE): softmax over every expert's logit in float32, the top k, and with
 norm_topk_prob those k weights renormalised to sum to 1 (gpt-oss's softmax over the top k logits is that; its
