@@ -103,6 +103,46 @@ def test_the_chat_message_of_a_reply(tokenizer, markers):
     assert "reasoning_content" not in quiet and len(quiet["tool_calls"]) == 2
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("reply", "held"), [
+    ('<|channel|>analysis<|message|>The user greets; ✓ answer.<|end|><|start|>assistant<|channel|>final<|message|>'
+     '{"city": "Paris"}<|return|>', True),
+    ('<|channel|>final<|message|>{"city":"Oslo"}<|return|>', True),  # no thinking
+    ('<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>'
+     '<|start|>assistant<|channel|>final<|message|>{"city": "Oslo"}<|return|>', True),
+    ('<|channel|>final<|message|>Hello there<|return|>', False),  # not the schema's
+    ('<|channel|>final<|message|>{"city": "Rome"}<|return|>', False),
+    ('<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>'
+     '{"city": "Paris"}<|return|>', False),  # a preamble would join the answer's content
+    ('{"city": "Paris"}<|return|>', False),  # the answer outside the final channel
+    ('<|channel|>final<|message|>{"city": "Paris"}<|end|>', False),  # only a stop token ends it
+])
+def test_a_constraint_holds_the_final_channel_only(tokenizer, reply, held):
+    """A request's constraint on a harmony reply: free thinking first, then the final channel's message in the
+    grammar, then a stop token; the same constraint whatever form it came in."""
+    from ridge.engine.structured import GrammarCompiler
+    from ridge.sampling_params import StructuredOutputsParams
+    from ridge.serve.harmony import final_channel_constraint
+
+    info = TokenizerInfo(None, None, False, None)
+    info.stop_token_ids = frozenset(tokenizer.tokenizer.token_to_id(m) for m in ("<|return|>", "<|call|>"))
+    compiler = GrammarCompiler(RidgeTokenizer(tokenizer.tokenizer, info), VOCAB)
+    for spec in (StructuredOutputsParams(json=CITY), StructuredOutputsParams(json=json.dumps(CITY)),
+                 StructuredOutputsParams(regex=r'\{"city": ?"(Paris|Oslo)"\}'),
+                 StructuredOutputsParams(grammar='start: "{\\"city\\":" " "? CITY "}"\nCITY: "\\"Paris\\"" | '
+                                                 '"\\"Oslo\\""'),
+                 StructuredOutputsParams(grammar='root ::= "{\\"city\\":" " "? ("\\"Paris\\"" | "\\"Oslo\\"") "}"')):
+        grammar = compiler.matcher(final_channel_constraint(spec))
+        ids = tokenizer.encode(reply)
+        taken = grammar.valid_prefix(ids)
+        assert (taken == len(ids)) == held, (spec, taken, len(ids))
+    with pytest.raises(ValueError, match="structured_outputs.json: not valid JSON"):
+        final_channel_constraint(StructuredOutputsParams(json="{not json"))
+
+
 def test_parsers_that_do_not_read_the_model_are_refused_at_start(markers):
     assert HarmonyTokens.of(byte_tokenizer().token_to_id) is None
     with pytest.raises(ValueError, match="reasoning_parser: openai_gptoss reads gpt-oss's harmony channels"):
@@ -206,7 +246,7 @@ def test_the_server_reads_the_reply_s_channels_whole_and_streamed(client):
 
 
 @pytest.mark.parametrize(("field", "body"), [
-    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("response_format", {"tools": TOOLS, "response_format": {"type": "json_object"}}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": "required"}),
     ("stop", {"stop": ["x"]}),
     ("skip_special_tokens", {"skip_special_tokens": False}),
@@ -216,6 +256,29 @@ def test_what_a_harmony_reply_cannot_honour_is_refused_by_name(client, field, bo
     with pytest.raises(openai.BadRequestError) as caught:
         api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=5, extra_body=body)
     assert caught.value.body["param"] == field and "harmony" in caught.value.body["message"]
+
+
+def test_the_server_constrains_the_final_channel(chained):
+    """response_format on a harmony model: the model opens its final channel as it would, and the answer is the
+    schema's (the model's own words, "Hello there", masked), whole and streamed, finish_reason stop."""
+    config = EngineConfig(model=str(chained["answer"]), dtype="float32", kv_cache_memory="16MiB")
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+        "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    with running_server(config, ServerConfig("gpt-oss")) as srv:
+        api = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        whole = api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=30, temperature=0,
+                                            response_format=schema, extra_body={"return_token_ids": True}).choices[0]
+        assert json.loads(whole.message.content) == {"city": "Paris"} and whole.finish_reason == "stop"
+        tok = harmony_vocabulary()  # the answer came in its channel, as the model opened it
+        assert whole.model_extra["token_ids"][:3] == tok.encode("<|channel|>final<|message|>").ids
+        chunks = list(api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=30, temperature=0,
+                                                  response_format=schema, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+        with pytest.raises(openai.BadRequestError) as caught:
+            api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=5,
+                                        extra_body={"guided_json": "{not json"})
+        assert caught.value.body["param"] == "guided_json"
 
 
 @pytest.mark.parametrize("kind", ["answer", "thought"])

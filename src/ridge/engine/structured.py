@@ -93,10 +93,7 @@ class GrammarCompiler:
             self._grammars.move_to_end(key)
             return self._grammars[key]
         field = f"structured_outputs.{spec.kind}"
-        try:
-            text = _grammar_text(spec)
-        except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from exc
+        text = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise ValueError(f"{field}: {error}")
@@ -140,6 +137,15 @@ class GrammarCompiler:
         return torch.from_numpy(allowed.view(np.bool_))
 
 
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a spec, not yet checked against a vocabulary: Lark text, or llguidance's JSON
+    form of its grammars (TopLevelGrammar); ValueError naming the field where the spec is not one."""
+    try:
+        return _grammar_text(spec)
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs.{spec.kind}: {exc}") from exc
+
+
 def _grammar_text(spec: StructuredOutputsParams) -> str:
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
@@ -158,6 +164,8 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
     if spec.choice is not None:  # Lark string literals are JSON strings
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     text = spec.grammar
+    if text.lstrip().startswith('{"grammars"'):  # llguidance's own JSON form (a harmony reply's: serve/harmony.py)
+        return text
     if "::=" in text:  # GBNF / EBNF rules (llama.cpp's, vLLM's guided_grammar)
         try:
             text = gbnf_to_lark(text)

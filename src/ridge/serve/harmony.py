@@ -12,6 +12,10 @@ The markers are special tokens, which decoding skips: the reply's text (what /v1
 structure, so a chat reply is read here from its token ids, each message's body decoded on its own. A reply that
 never opens a body (no <|message|>: not harmony at all) is returned whole as content, never dropped; so is a call
 cut off before it closed.
+
+A structured-output constraint (response_format, structured_outputs, guided_*) holds the final channel's message:
+the reply may think first (analysis messages, free), then must open the final channel and write what the
+constraint allows, then end (final_channel_constraint).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ridge.engine.structured import grammar_text
+from ridge.sampling_params import StructuredOutputsParams
 from ridge.serve.protocol import ChatCompletionRequest, RequestError
 from ridge.tokenizer import IncrementalDetokenizer, RidgeTokenizer
 
@@ -209,12 +215,38 @@ def chat_message(reply: HarmonyDelta, include_reasoning: bool, parallel_tool_cal
     return message, bool(calls)
 
 
+# A constrained reply: any number of thoughts, then the final answer, whose body is the request's grammar (named
+# `answer` among llguidance's grammars). Thoughts are free text up to <|end|> (a special token, which no text
+# lexeme matches); commentary is left out: its preambles would join the answer's content and its calls the answer.
+_CONSTRAINED_REPLY = r"""
+start: thought* answer
+thought: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"
+answer: <|channel|> "final" <|message|> @answer
+TEXT: /(?s:.*)/
+"""
+
+
+def final_channel_constraint(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """A chat request's constraint as it holds a harmony reply: on the final channel's message only, the thinking
+    before it free (vLLM's, which constrains the output after the reasoning ends). ValueError naming the field
+    where `spec` is malformed."""
+    answer = grammar_text(spec)
+    inner = json.loads(answer)["grammars"][0] if answer.lstrip().startswith("{") else {"lark_grammar": answer}
+    reply = {"grammars": [{"name": "harmony_reply", "lark_grammar": _CONSTRAINED_REPLY}, {**inner, "name": "answer"}]}
+    return StructuredOutputsParams(grammar=json.dumps(reply))
+
+
 def check_request(request: ChatCompletionRequest) -> None:
     """Refuse, by name, what a chat request to a harmony model asks that its reading cannot honour."""
     constrained = request.structured_field
-    if constrained is not None:
-        raise RequestError(f"{constrained}: a constraint on a harmony (gpt-oss) reply is not supported: it would hold "
-                           "the channels' headers as well as the answer", constrained)
+    if constrained == "tool_choice":
+        raise RequestError("tool_choice: required or a named function is not supported on a harmony (gpt-oss) chat "
+                           "reply: its calls are written on the commentary channel, which the call grammar does not "
+                           "hold; use auto", "tool_choice")
+    if constrained is not None and request.calling_tools:
+        raise RequestError(f"{constrained}: a constraint together with tools is not supported on a harmony (gpt-oss) "
+                           "chat reply: the constraint holds the final answer, which leaves no call to make",
+                           constrained)
     if not request.skip_special_tokens:
         raise RequestError("skip_special_tokens: false is not supported on a harmony (gpt-oss) chat reply: its "
                            "markers are read into the message's fields, not returned as text", "skip_special_tokens")

@@ -9,6 +9,7 @@ escapes can spell a lone surrogate, which no tokenizer can encode).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
@@ -217,6 +218,13 @@ class SamplingFields(Body):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None
+    # how the model's replies hold a constraint (a harmony reply's: on its final channel), set by the route
+    _constraint_form: Callable[[StructuredOutputsParams], StructuredOutputsParams] | None = PrivateAttr(default=None)
+
+    def constrain_as(self, form: Callable[[StructuredOutputsParams], StructuredOutputsParams]) -> None:
+        """Hold the request's constraint as form(constraint) does: the route's, for a model whose replies wrap
+        their answer (serve/harmony.py)."""
+        self._constraint_form = form
 
     @property
     def num_samples(self) -> int:
@@ -244,9 +252,16 @@ class SamplingFields(Body):
                                "were given)", given[1][0])
         name, fields = given[0]
         try:
-            return StructuredOutputsParams(**fields)
+            params = StructuredOutputsParams(**fields)
         except ValueError as exc:  # "structured_outputs[.field]: ..." -> the request's own field name
             message = str(exc).replace("structured_outputs", name, 1) if name != "structured_outputs" else str(exc)
+            raise RequestError(message, message.split(":")[0]) from exc
+        if self._constraint_form is None:
+            return params
+        try:
+            return self._constraint_form(params)
+        except ValueError as exc:  # the grammar's error, named as the engine's are (Gateway.admit)
+            message = str(exc) if name == "structured_outputs" else f"{name}:{str(exc).split(':', 1)[1]}"
             raise RequestError(message, message.split(":")[0]) from exc
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:

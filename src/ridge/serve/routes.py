@@ -193,6 +193,7 @@ class Routes:
         thinks = self.config.reasoning_parser if markers is None else None
         if markers is not None:
             harmony.check_request(req)
+            req.constrain_as(harmony.final_channel_constraint)
         elif not req.include_reasoning and thinks is None:
             raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
                                "returns the reply whole in content", "include_reasoning")
