@@ -224,6 +224,38 @@ def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp
             == [o.outputs[0].token_ids for o in drawn.generate([ids], params)])
 
 
+def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path):
+    """Bamba for llama.cpp (`granitehybrid`): KV heads per layer (0 on the Mamba layers), the half rotary's width,
+    rotary switched on; q and k rows interleaved over each head's rotary dims only, the rest as drawn (the form
+    llama.cpp runs as HF's Bamba: its logits within 1e-4 of ridge's, docs/notes/ssm.md). ridge itself does not
+    read granitehybrid files (yet): refused by name."""
+    import json
+
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.gguf_file import read_gguf
+    from ridge.models.loader import random_model
+    from ridge.models.random_weights import random_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config("bamba").to_dict(), "vocab_size": 49152}))
+    spec = random_spec(f"random:{tmp_path}")
+    path = write_random_gguf(spec, tmp_path / "model.gguf", smollm2_path, float16=False)
+    gguf = read_gguf(path)
+    assert gguf.fields["general.architecture"] == "granitehybrid"
+    assert list(gguf.fields["granitehybrid.attention.head_count_kv"]) == [0, 2, 0, 2]
+    assert gguf.fields["granitehybrid.rope.dimension_count"] == 8  # half of a 16-wide head
+    drawn = random_model(spec, torch.float32, "cpu", 0).model.state_dict()["layers.1.attn.qkv.weight"]
+    written = torch.from_numpy(next(t for t in gguf.tensors if t.name == "blk.1.attn_q.weight").data.copy())
+    heads = written.view(4, 16, -1)
+    drawn_heads = drawn[:64].view(4, 16, -1)
+    assert torch.equal(heads[:, 8:], drawn_heads[:, 8:])  # past the rotary dims: as drawn
+    assert torch.equal(heads[:, 0:8:2], drawn_heads[:, 0:4]) and torch.equal(heads[:, 1:8:2], drawn_heads[:, 4:8])
+    assert "blk.0.ssm_in.weight" in {t.name for t in gguf.tensors}
+    with pytest.raises(ValueError, match="architecture 'granitehybrid' is not supported"):
+        from ridge.engine.loading import ModelFile
+
+        ModelFile.open(str(path))
+
+
 @pytest.mark.parametrize("change,field", [({"time_step_limit": (0.0, 10.0)}, "ssm_dt_limit"),
                                           ({"use_conv_bias": False}, "ssm_conv_bias false")])
 def test_a_mamba2_llama_cpp_would_compute_otherwise_is_not_written_as_gguf(change, field, smollm2_path, tmp_path):

@@ -3,7 +3,8 @@
 A shape with no small real checkpoint here (a mixture of experts of Qwen3-30B-A3B's layers, say) can still be
 measured side by side: the weights ridge draws for `random:NAME` (models/random_weights.py, the same seed) are
 written under llama.cpp's tensor names and header keys, in float16, with the vocabulary of a pulled GGUF of the
-same size (llama.cpp will not load a model without one). ridge reads the file back to the same model. With
+same size (llama.cpp will not load a model without one). ridge reads the file back to the same model (a Bamba,
+llama.cpp's `granitehybrid`, it writes only). With
 `block_type` (Q8_0, Q4_0, ...) the matrices are written in that GGUF block format, quantized by the gguf
 package's own reference code, so that ridge (`--quantization gguf`) and llama.cpp run the same blocks.
 """
@@ -40,7 +41,7 @@ WRITER_VERSION = 4
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
-                      "mamba2": "mamba2"}
+                      "mamba2": "mamba2", "bamba": "granitehybrid"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -104,7 +105,7 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch is None:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
-    if arch == "mamba2":
+    if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec)
     leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
     if spec.dense_layer_indices != leading:
@@ -151,6 +152,15 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     writer.add_file_type(_file_type(float16, blocks))
     if arch == "mamba2":
         _state_space_header(writer, spec)
+        return
+    if arch == "granitehybrid":  # Bamba: Mamba-2 layers, and attention where the per-layer KV head count is not 0
+        _state_space_header(writer, spec)
+        writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+        writer.add_rope_scaling_finetuned(True)  # llama.cpp's switch for rotary in this architecture (Bamba's: on)
+        writer.add_rope_freq_base(spec.rope_theta)
         return
     if spec.is_mla:
         _latent_attention_header(writer, cfg)
@@ -271,8 +281,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:], None)):
-                    if heads and cfg.architecture in ROTARY_PERMUTED:
-                        rows = _permute_rotary(rows, heads)
+                    if heads and cfg.architecture in (*ROTARY_PERMUTED, "bamba"):
+                        rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):
             if (gate_up := layer.get(f"{prefix}gate_up.weight")) is not None:
@@ -301,10 +311,15 @@ def _state_space_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor
     yield f"blk.{i}.ssm_norm.weight", layer["ssm.norm_weight"].reshape(cfg.ssm_groups, -1)
 
 
-def _permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's row order for llama q / k (halves -> interleaved pairs): loader._unpermute_rotary's
-    inverse."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+def _permute_rotary(rows: torch.Tensor, heads: int, rotary_dim: int) -> torch.Tensor:
+    """llama.cpp's row order for llama q / k, whose rotary turns interleaved pairs: each head's first rotary_dim
+    rows from halves to pairs (loader._unpermute_rotary's inverse), the rest as they are. (For Bamba's half rotary
+    llama.cpp's converter permutes whole heads, which turns other pairs than HF's model does; the rotary rows alone
+    give llama.cpp HF's model: docs/notes/ssm.md.)"""
+    per_head = rows.reshape(heads, rows.shape[0] // heads, *rows.shape[1:])
+    turned = per_head[:, :rotary_dim].reshape(heads, 2, rotary_dim // 2, *rows.shape[1:]).swapaxes(1, 2)
+    return torch.cat([turned.reshape(heads, rotary_dim, *rows.shape[1:]), per_head[:, rotary_dim:]], 1).reshape(
+        rows.shape)
 
 
 def _latent_attention_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor]):
