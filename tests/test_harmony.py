@@ -134,7 +134,10 @@ def test_a_constraint_holds_the_final_channel_only(tokenizer, reply, held):
                  StructuredOutputsParams(regex=r'\{"city": ?"(Paris|Oslo)"\}'),
                  StructuredOutputsParams(grammar='start: "{\\"city\\":" " "? CITY "}"\nCITY: "\\"Paris\\"" | '
                                                  '"\\"Oslo\\""'),
-                 StructuredOutputsParams(grammar='root ::= "{\\"city\\":" " "? ("\\"Paris\\"" | "\\"Oslo\\"") "}"')):
+                 StructuredOutputsParams(grammar='root ::= "{\\"city\\":" " "? ("\\"Paris\\"" | "\\"Oslo\\"") "}"'),
+                 StructuredOutputsParams(grammar=json.dumps({"grammars": [  # llguidance JSON: one naming another
+                     {"name": "city_object", "lark_grammar": 'start: "{\\"city\\":" " "? @city_name "}"'},
+                     {"name": "city_name", "lark_grammar": 'start: "\\"Paris\\"" | "\\"Oslo\\""'}]}))):
         grammar = compiler.matcher(final_channel_constraint(spec))
         ids = tokenizer.encode(reply)
         taken = grammar.valid_prefix(ids)

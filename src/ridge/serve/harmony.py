@@ -215,13 +215,13 @@ def chat_message(reply: HarmonyDelta, include_reasoning: bool, parallel_tool_cal
     return message, bool(calls)
 
 
-# A constrained reply: any number of thoughts, then the final answer, whose body is the request's grammar (named
-# `answer` among llguidance's grammars). Thoughts are free text up to <|end|> (a special token, which no text
-# lexeme matches); commentary is left out: its preambles would join the answer's content and its calls the answer.
+# A constrained reply: any number of thoughts, then the final answer, whose body is the request's grammar (by its
+# name among llguidance's grammars). Thoughts are free text up to <|end|> (a special token, which no text lexeme
+# matches); commentary is left out: its preambles would join the answer's content and its calls the answer.
 _CONSTRAINED_REPLY = r"""
 start: thought* answer
 thought: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"
-answer: <|channel|> "final" <|message|> @answer
+answer: <|channel|> "final" <|message|> @{answer}
 TEXT: /(?s:.*)/
 """
 
@@ -230,10 +230,12 @@ def final_channel_constraint(spec: StructuredOutputsParams) -> StructuredOutputs
     """A chat request's constraint as it holds a harmony reply: on the final channel's message only, the thinking
     before it free (vLLM's, which constrains the output after the reasoning ends). ValueError naming the field
     where `spec` is malformed."""
-    answer = grammar_text(spec)
-    inner = json.loads(answer)["grammars"][0] if answer.lstrip().startswith("{") else {"lark_grammar": answer}
-    reply = {"grammars": [{"name": "harmony_reply", "lark_grammar": _CONSTRAINED_REPLY}, {**inner, "name": "answer"}]}
-    return StructuredOutputsParams(grammar=json.dumps(reply))
+    text = grammar_text(spec)
+    # the request's grammars (llguidance's JSON form: its first is the start), or its one Lark grammar
+    grammars = json.loads(text)["grammars"] if text.lstrip().startswith("{") else [{"lark_grammar": text}]
+    answer = grammars[0].setdefault("name", "answer")
+    reply = {"name": "harmony_reply", "lark_grammar": _CONSTRAINED_REPLY.replace("{answer}", answer)}
+    return StructuredOutputsParams(grammar=json.dumps({"grammars": [reply, *grammars]}))
 
 
 def check_request(request: ChatCompletionRequest) -> None:
