@@ -106,7 +106,7 @@ def _check_writable(spec: ModelSpec) -> str:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid"):
-        _check_mamba2(spec)
+        _check_mamba2(spec, arch)
     leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
@@ -117,14 +117,14 @@ def _check_writable(spec: ModelSpec) -> str:
     return arch
 
 
-def _check_mamba2(spec: ModelSpec) -> None:
-    """What llama.cpp's mamba2 graph computes: a convolution with its bias, no projection biases, dt unclamped."""
+def _check_mamba2(spec: ModelSpec, arch: str) -> None:
+    """What llama.cpp's Mamba-2 layers compute: a convolution with its bias, no projection biases, dt unclamped."""
     unlike = [what for what, differs in (("ssm_conv_bias false", not spec.ssm_conv_bias),
                                          ("ssm_proj_bias true", spec.ssm_proj_bias),
                                          (f"ssm_dt_limit {spec.ssm_dt_limit}", spec.ssm_dt_limit != (0.0, math.inf)))
               if differs]
     if unlike:
-        raise ValueError(f"model: a mamba2 GGUF has no form for {', '.join(unlike)} (llama.cpp's graph: a "
+        raise ValueError(f"model: a {arch} GGUF has no form for {', '.join(unlike)} (llama.cpp's Mamba-2 layers: a "
                          "convolution bias, no projection biases, dt not clamped)")
 
 
