@@ -158,14 +158,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
-                       torch::Tensor D, torch::Tensor norm_weight, int64_t heads, int64_t head_dim, int64_t groups,
-                       double dt_min, double dt_max, torch::Tensor conv_state, torch::Tensor ssm_state) {
-             return StateMixer{in_proj, out_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, heads,
-                               head_dim, groups, dt_min, dt_max, conv_state, ssm_state};
+                       torch::Tensor D, torch::Tensor norm_weight, int64_t groups, double dt_min, double dt_max,
+                       torch::Tensor conv_state, torch::Tensor ssm_state) {
+             TORCH_CHECK(ssm_state.dim() == 4, "StateMixer: ssm_state [slots, heads, head_dim, state_size]");
+             return StateMixer{in_proj, out_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, groups,
+                               dt_min, dt_max, conv_state, ssm_state};
            }),
            py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"),
-           py::arg("A_log"), py::arg("D"), py::arg("norm_weight"), py::arg("heads"), py::arg("head_dim"),
-           py::arg("groups"), py::arg("dt_min"), py::arg("dt_max"), py::arg("conv_state"), py::arg("ssm_state"));
+           py::arg("A_log"), py::arg("D"), py::arg("norm_weight"), py::arg("groups"), py::arg("dt_min"),
+           py::arg("dt_max"), py::arg("conv_state"), py::arg("ssm_state"));
   py::class_<GroupStep>(m, "GroupStep", "one KV group's part of a decode step")
       .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
                        std::optional<torch::Tensor> window_starts, std::optional<torch::Tensor> mass) {

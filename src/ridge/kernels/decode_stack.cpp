@@ -261,14 +261,14 @@ torch::Tensor DecodeStack::add_norm_(torch::Tensor& residual, const torch::Tenso
 
 // models/mamba.py's Mamba2Mixer.forward for decode rows, op for op, its recurrence on kernels/state_space.cpp's
 torch::Tensor DecodeStack::state_mixer(const StateMixer& m, const torch::Tensor& h, const torch::Tensor& slots) const {
-  const int64_t rows = h.size(0), inner = m.heads * m.head_dim;
-  const auto parts = m.in_proj(h).split_with_sizes({inner, m.conv_weight.size(0), m.heads}, -1);
+  const int64_t rows = h.size(0), heads = m.ssm_state.size(1), inner = heads * m.ssm_state.size(2);
+  const auto parts = m.in_proj(h).split_with_sizes({inner, m.conv_weight.size(0), heads}, -1);
   auto y = mamba2_decode_(parts[1], parts[2], m.conv_state, m.ssm_state, slots, m.conv_weight, m.conv_bias, m.dt_bias,
                           m.A_log, m.D, m.groups, m.dt_min, m.dt_max);
   y = y * at::silu(parts[0].to(torch::kFloat));
   y = at::rms_norm(y.view({rows, m.groups, inner / m.groups}), {inner / m.groups}, c10::nullopt, eps)
           .view({rows, inner});
-  return m.out_proj((y * m.norm_weight.to(torch::kFloat)).to(h.scalar_type()));
+  return m.out_proj((y * m.norm_weight).to(h.scalar_type()));  // y float32: the product widens the weight
 }
 
 // a mixer's or an MLP's output as it joins the residual stream: its sandwich norm, then the residual multiplier

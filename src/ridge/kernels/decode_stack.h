@@ -107,7 +107,7 @@ struct StateMixer {
   torch::Tensor conv_weight;
   c10::optional<torch::Tensor> conv_bias;
   torch::Tensor dt_bias, A_log, D, norm_weight;
-  int64_t heads, head_dim, groups;
+  int64_t groups;  // of heads sharing B and C; the heads and their width are ssm_state's [slots, heads, head_dim, _]
   double dt_min, dt_max;
   torch::Tensor conv_state, ssm_state;
 };

@@ -31,7 +31,7 @@ from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
-from ridge.models.layers import DecoderLayer, GatedMLP
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.models.transformer import DecoderModel
@@ -149,8 +149,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     mixers = [layer.ssm for layer in model.layers if layer.ssm is not None]
     unsupported = [what for what, present in (
         ("q / k norms over all heads cut across ranks",
-         any(layer.attn is not None and getattr(layer.attn, "sharded_norm", None) is not None
-             for layer in model.layers)),
+         any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
         ("state-space groups cut across ranks", any(m.shared_group is not None for m in mixers))) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
@@ -214,7 +213,7 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
     if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears):
         return None
     native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
-                            mixer.D, mixer.norm_weight, mixer.heads, mixer.head_dim, mixer.groups, *mixer.dt_limit,
+                            mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
                             states.conv[mixer.layer_index], states.ssm[mixer.layer_index])
     empty = torch.empty(0)
     return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,

@@ -1,9 +1,10 @@
 // A Mamba-2 mixer's decode token in one pass over its state (models/mamba.py's recurrence).
 //
-// From torch ops a decode token gathers each sequence's state ([heads, head_dim, state_size] in float32, 2.6 MB
-// a layer for Mamba-2 2.7B), scales it, adds the token's outer product, scatters it back and multiplies it by C:
-// five passes over the state and a bmm that runs at a fraction of the memory's speed. Here each head's state is
-// read once and written once, in place in its slot, with the convolution step before it.
+// From torch ops a decode token gathers each sequence's state ([heads, head_dim, state_size] in float32), scales
+// it, adds the token's outer product, scatters it back and multiplies it by C: five passes over the state and a
+// bmm (docs/notes/ssm.md has what that cost). Here each head's state is read once and written once, in place in
+// its slot, with the convolution step before it. The mixer's parameters are read in the activations' dtype and
+// widened as they are used, as the torch form's .float() copies would hold them, without making those copies.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -34,8 +35,8 @@ void mamba2_decode_rows(const torch::Tensor& xbc, const torch::Tensor& dt, torch
   const T* dt_p = dt.data_ptr<T>();
   const int64_t xbc_stride = xbc.stride(0), dt_stride = dt.stride(0);
   const int64_t* slot_p = slots.data_ptr<int64_t>();
-  const float* weight = conv_weight.data_ptr<float>();
-  const float* bias = conv_bias.defined() ? conv_bias.data_ptr<float>() : nullptr;
+  const T* weight = conv_weight.data_ptr<T>();
+  const T* bias = conv_bias.defined() ? conv_bias.data_ptr<T>() : nullptr;
   float* conv = conv_state.data_ptr<float>();
   float* state = ssm_state.data_ptr<float>();
   // the convolution's activated output [rows, channels]: x, then B and C of every group
@@ -44,26 +45,27 @@ void mamba2_decode_rows(const torch::Tensor& xbc, const torch::Tensor& dt, torch
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / channels, c = i % channels;
       float* window = conv + (slot_p[row] * channels + c) * (taps - 1);  // the last taps - 1 inputs
-      const float* w = weight + c * taps;
+      const T* w = weight + c * taps;
       const float input = static_cast<float>(xbc_p[row * xbc_stride + c]);
       float out = 0.f;
-      for (int64_t k = 0; k < taps - 1; ++k) out += window[k] * w[k];
-      out += input * w[taps - 1];
+      for (int64_t k = 0; k < taps - 1; ++k) out += window[k] * static_cast<float>(w[k]);
+      out += input * static_cast<float>(w[taps - 1]);
       for (int64_t k = 0; k + 1 < taps - 1; ++k) window[k] = window[k + 1];
       window[taps - 2] = input;
-      act[i] = silu(bias != nullptr ? out + bias[c] : out);
+      act[i] = silu(bias != nullptr ? out + static_cast<float>(bias[c]) : out);
     }
   });
-  const float* dt_bias_p = dt_bias.data_ptr<float>();
-  const float* A_log_p = A_log.data_ptr<float>();
-  const float* D_p = D.data_ptr<float>();
+  const T* dt_bias_p = dt_bias.data_ptr<T>();
+  const T* A_log_p = A_log.data_ptr<T>();
+  const T* D_p = D.data_ptr<T>();
   float* y_p = y.data_ptr<float>();
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / heads, h = i % heads, g = h / per_group;
-      const float step = std::min(std::max(softplus(static_cast<float>(dt_p[row * dt_stride + h]) + dt_bias_p[h]),
-                                           dt_min), dt_max);
-      const float decay = expf(step * -expf(A_log_p[h]));
+      const float raw = static_cast<float>(dt_p[row * dt_stride + h]) + static_cast<float>(dt_bias_p[h]);
+      const float step = std::min(std::max(softplus(raw), dt_min), dt_max);
+      const float decay = expf(step * -expf(static_cast<float>(A_log_p[h])));
+      const float skip = static_cast<float>(D_p[h]);
       const float* x = act.data() + row * channels + h * head_dim;
       const float* B = act.data() + row * channels + inner + g * state_size;
       const float* C = B + groups * state_size;
@@ -76,7 +78,7 @@ void mamba2_decode_rows(const torch::Tensor& xbc, const torch::Tensor& dt, torch
           s[n] = updated;
           sum += updated * C[n];
         }
-        y_p[(row * heads + h) * head_dim + p] = sum + D_p[h] * x[p];
+        y_p[(row * heads + h) * head_dim + p] = sum + skip * x[p];
       }
     }
   });
@@ -104,13 +106,16 @@ torch::Tensor mamba2_decode_(torch::Tensor xbc, torch::Tensor dt, torch::Tensor 
                   conv_state.size(2) == conv_weight.size(1) - 1 && conv_weight.size(1) >= 2,
               "mamba2_decode_: channels = heads * head_dim + 2 * groups * state_size, conv_state [slots, channels, "
               "taps - 1]");
-  const auto as_float = [](const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); };
+  const auto dtype = xbc.scalar_type();
+  const auto in_dtype = [&](const torch::Tensor& t) { return t.scalar_type() == dtype && t.is_contiguous(); };
+  TORCH_CHECK(in_dtype(conv_weight) && in_dtype(dt_bias) && in_dtype(A_log) && in_dtype(D) &&
+                  (!conv_bias.has_value() || in_dtype(*conv_bias)),
+              "mamba2_decode_: the mixer's parameters contiguous, in the activations' dtype");
   auto y = torch::empty({rows, inner}, xbc.options().dtype(torch::kFloat));
-  const auto bias = conv_bias.has_value() ? as_float(*conv_bias) : torch::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, xbc.scalar_type(), "mamba2_decode_",
-                                  [&] {
-    mamba2_decode_rows<scalar_t>(xbc, dt, conv_state, ssm_state, slots.contiguous(), as_float(conv_weight), bias,
-                                 as_float(dt_bias), as_float(A_log), as_float(D), groups, static_cast<float>(dt_min),
+  const auto bias = conv_bias.has_value() ? *conv_bias : torch::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, dtype, "mamba2_decode_", [&] {
+    mamba2_decode_rows<scalar_t>(xbc, dt, conv_state, ssm_state, slots.contiguous(), conv_weight, bias, dt_bias, A_log,
+                                 D, groups, static_cast<float>(dt_min),
                                  static_cast<float>(std::min(dt_max, static_cast<double>(FLT_MAX))), y);
   });
   return y;

@@ -65,13 +65,16 @@ class Mamba2Mixer(nn.Module):
         z, xbc, raw_dt = self.in_proj(x).split_with_sizes([self.inner, self.channels, self.heads], dim=-1)
         conv_state, ssm_state = step.cache.conv[self.layer_index], step.cache.ssm[self.layer_index]
         y = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=x.device)
-        dt = F.softplus(raw_dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, heads]
-        A = -torch.exp(self.A_log.float())
         decodes = slice(0, step.num_decodes)
-        if step.num_decodes and self.ops is not None and x.device.type == "cpu":
+        in_kernel = step.num_decodes and self.ops is not None and x.device.type == "cpu"
+        if in_kernel:
             y[decodes] = self.decode_token(xbc[decodes], raw_dt[decodes], step.slots[decodes], conv_state,
                                            ssm_state).view(-1, self.heads, self.head_dim)
-        elif step.num_decodes:
+        if in_kernel and not step.chunks:
+            return self._output(y, z, x.dtype)
+        dt = F.softplus(raw_dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, heads]
+        A = -torch.exp(self.A_log.float())
+        if step.num_decodes and not in_kernel:
             slots = step.slots[decodes]
             window = torch.cat([conv_state[slots], xbc[decodes, :, None].float()], dim=-1)  # [D, channels, kernel]
             conv_state[slots] = window[:, :, 1:]
@@ -83,9 +86,12 @@ class Mamba2Mixer(nn.Module):
             conv_state[slot] = window[:, window.shape[1] - conv_state.shape[2]:]
             conv_out = F.conv1d(window[None], self.conv_weight.float()[:, None], groups=self.channels)[0].T
             y[rows] = self._scan(conv_out, dt[rows], A, ssm_state, slot)
-        y = y.flatten(1) * F.silu(z.float())
-        y = self._group_norm(y)
-        return self.out_proj((y * self.norm_weight.float()).to(x.dtype))
+        return self._output(y, z, x.dtype)
+
+    def _output(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The recurrence's y [T, heads, head_dim] (float32) gated by z, normed per group and projected out."""
+        y = self._group_norm(y.flatten(1) * F.silu(z.float()))
+        return self.out_proj((y * self.norm_weight).to(dtype))  # y float32: the product widens the weight
 
     def decode_token(self, xbc: torch.Tensor, raw_dt: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
                      ssm_state: torch.Tensor) -> torch.Tensor:
