@@ -292,6 +292,12 @@ def _server_idle_and_whole(request):
     assert state.num_free_blocks == state.num_blocks
 
 
+# Granite's scalars on the embeddings, the residual branches, the attention scores and the logits, for the random
+# Granite configs (binary fractions: a GGUF header's float32 holds them exactly)
+GRANITE_SCALARS = dict(embedding_multiplier=6.0, residual_multiplier=0.375, attention_multiplier=0.1875,
+                       logits_scaling=2.0)
+
+
 def hf_greedy_disagreements(model, prompt_ids: list[int], tokens: list[int]) -> list[str]:
     """Where ridge's greedy continuation `tokens` is not HF transformers' greedy choice, judged in one forward
     pass over the prompt and `tokens` (teacher forcing: a generate() call costs a step per token). A token counts

@@ -1,16 +1,16 @@
-"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe), DeepSeek-V2 (latent attention, a softmax router
-within groups, YaRN) and DeepSeek-V3 (latent attention, a sigmoid group-limited router, shared experts, a dense
-first layer) on small random configs against HF transformers:
-logits, greedy tokens in a batch of 16 mixed lengths (one longer than the chunk budget), the runtime-invariance
-checks, quantized experts, the weights a decode step reads against the plan's active bytes, and the KV the
-engine holds against the plan's (for DeepSeek-V3, one latent row a token)."""
+"""Mixtures of experts (mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe with its shared MLP), DeepSeek-V2 (latent
+attention, a softmax router within groups, YaRN) and DeepSeek-V3 (latent attention, a sigmoid group-limited router,
+shared experts, a dense first layer) on small random configs against HF transformers: logits, greedy tokens in a
+batch of 16 mixed lengths (one longer than the chunk budget), the runtime-invariance checks, quantized experts, the
+weights a decode step reads against the plan's active bytes, and the KV the engine holds against the plan's (for
+DeepSeek-V3, one latent row a token)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from conftest import GRANITE_SCALARS, assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
 from test_models_random import byte_tokenizer
 
@@ -23,6 +23,7 @@ def hf_config(arch: str):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        GraniteMoeSharedConfig,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -40,6 +41,9 @@ def hf_config(arch: str):
                               num_experts_per_tok=3, head_dim=24, norm_topk_prob=True)
     if arch == "olmoe":  # q/k norms over all heads
         return OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    if arch == "granitemoe":  # Granite 3's shared form: stacked experts, an ungated shared MLP, Granite's scalars
+        return GraniteMoeSharedConfig(**COMMON, intermediate_size=32, shared_intermediate_size=48,
+                                      num_local_experts=8, num_experts_per_tok=2, **GRANITE_SCALARS)
     if arch == "deepseek_v2":  # V2-Lite's form: no query bottleneck; a softmax router within the groups of the
         # best single scores, scaled; YaRN with DeepSeek's mscale (positions past 64 are past the original context)
         return DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
@@ -62,7 +66,8 @@ def hf_config(arch: str):
                             routed_scaling_factor=2.5)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
+                                        "deepseek_v3"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -272,8 +277,9 @@ def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "olmoe"))
 
 
-# llama's rotary rows, a shared expert, latent attention (interleaved rotary rows, kv_b split) with both routers
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+# llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
+# rotary rows, kv_b split) with both routers
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

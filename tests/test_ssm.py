@@ -1,16 +1,18 @@
 """State-space models on small random configs against HF transformers: Mamba-2 (every layer a Mamba-2 mixer, no
-FFN) and Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN). Logits,
-greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3 chunks long, SSD chunks inside
-each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state slots, where sequences wait for a
-slot and, in Bamba, are preempted for KV blocks and recompute their state), prefix caching from snapshots of the
-state, the state and KV bytes the engine holds against the plan's, and what is refused by name."""
+FFN), Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN) and Granite
+4.0-H (granitemoehybrid: Mamba-2 layers beside attention without rotary, each with a mixture of experts and a shared
+MLP, Granite's scalars). Logits, greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3
+chunks long, SSD chunks inside each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state
+slots, where sequences wait for a slot and, in the hybrids, are preempted for KV blocks and recompute their state),
+prefix caching from snapshots of the state, the state and KV bytes the engine holds against the plan's, and what is
+refused by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from conftest import GRANITE_SCALARS, assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
 from test_models_random import byte_tokenizer
 
@@ -18,28 +20,36 @@ VOCAB = 320
 SSM = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def hf_config(arch: str):
-    from transformers import BambaConfig, Mamba2Config
+def hf_config(arch: str, **change):
+    from transformers import BambaConfig, GraniteMoeHybridConfig, Mamba2Config
 
     if arch == "mamba2":  # 8 heads of 16 in 2 groups of B and C; SSD chunks of 16 tokens
         return Mamba2Config(**SSM, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
                             expand=2, conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-6)
+    if arch == "granitemoehybrid":  # Granite 4.0-H: attention without rotary, experts and a shared MLP, scalars
+        config = dict(SSM, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=48,
+                      num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+                      mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16,
+                      position_embedding_type="nope", max_position_embeddings=512, rms_norm_eps=1e-6,
+                      **GRANITE_SCALARS)
+        return GraniteMoeHybridConfig(**{**config, **change})
     return BambaConfig(**SSM, num_hidden_layers=4, attn_layer_indices=[1, 3], num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
                        mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16,
                        max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba"])
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid"])
 def ssm_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
 
-def random_hf_model(arch: str, tmp_path_factory):
+def random_hf_model(arch: str, tmp_path_factory, **change):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **change), dtype=torch.float32).eval()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
             torch.nn.init.normal_(param, 1.0, 0.3)
@@ -53,6 +63,17 @@ def random_hf_model(arch: str, tmp_path_factory):
 
 def test_logits_match_hf(ssm_model, make_llm_for_test):
     assert_logits_match_hf(make_llm_for_test, *ssm_model, VOCAB)
+
+
+@pytest.mark.parametrize("change", [{"num_local_experts": 0}, {"position_embedding_type": "rope"}],
+                         ids=["dense", "rope"])
+def test_granite_4_hybrid_s_other_forms_match_hf(change, tmp_path_factory, make_llm_for_test):
+    """Granite 4.0-H without experts (its shared MLP the whole FFN: H-1B, H-Micro) and with rotary on its
+    attention."""
+    path, hf = random_hf_model("granitemoehybrid", tmp_path_factory, **change)
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert (cfg.num_experts, cfg.rotary_dim) == ((0, 0) if "num_local_experts" in change else (8, 16))
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(ssm_model, make_llm_for_test):
@@ -128,16 +149,19 @@ def test_what_the_engine_cannot_do_with_state_is_refused_by_name(ssm_model, make
         make_llm_for_test(path, dtype="float32", **args)
 
 
-@pytest.mark.parametrize("change,field", [({"mlp_bias": True}, "mlp_bias"),
-                                          ({"mamba_expand": 3}, "expand"),
-                                          ({"mamba_n_groups": 3}, "ssm_groups")])
-def test_a_config_ridge_does_not_implement_is_refused_by_name(change, field):
+@pytest.mark.parametrize("arch,change,field", [
+    ("bamba", {"mlp_bias": True}, "mlp_bias"), ("bamba", {"mamba_expand": 3}, "expand"),
+    ("bamba", {"mamba_n_groups": 3}, "ssm_groups"),
+    ("granitemoehybrid", {"position_embedding_type": "alibi"}, "position_embedding_type: 'alibi'"),
+    ("granitemoehybrid", {"layer_types": ["mamba", "conv", "mamba", "attention"]}, "layer_types"),
+    ("granitemoehybrid", {"layer_types": ["mamba", "attention"]}, "layer_types")])
+def test_a_config_ridge_does_not_implement_is_refused_by_name(arch, change, field):
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config
 
-    config = {**hf_config("bamba").to_dict(), **change}
+    config = {**hf_config(arch).to_dict(), **change}
     with pytest.raises(ValueError, match=field):
-        config_from_spec(spec_from_hf_config(config, "bamba"))
+        config_from_spec(spec_from_hf_config(config, arch))
 
 
 @pytest.mark.threaded
@@ -228,12 +252,13 @@ def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path)
     """Bamba for llama.cpp (`granitehybrid`): KV heads per layer (0 on the Mamba layers), the half rotary's width,
     rotary switched on; q and k rows interleaved over each head's rotary dims only, the rest as drawn (the form
     llama.cpp runs as HF's Bamba: its logits within 1e-4 of ridge's, docs/notes/ssm.md). ridge itself does not
-    read granitehybrid files (yet): refused by name."""
+    read granitehybrid files with rotary: refused by name."""
     import json
 
     from ridge.bench.random_gguf import write_random_gguf
     from ridge.models.gguf_file import read_gguf
     from ridge.models.loader import random_model
+    from ridge.models.presets import resolve_model
     from ridge.models.random_weights import random_spec
 
     (tmp_path / "config.json").write_text(json.dumps({**hf_config("bamba").to_dict(), "vocab_size": 49152}))
@@ -250,10 +275,29 @@ def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path)
     assert torch.equal(heads[:, 8:], drawn_heads[:, 8:])  # past the rotary dims: as drawn
     assert torch.equal(heads[:, 0:8:2], drawn_heads[:, 0:4]) and torch.equal(heads[:, 1:8:2], drawn_heads[:, 4:8])
     assert "blk.0.ssm_in.weight" in {t.name for t in gguf.tensors}
-    with pytest.raises(ValueError, match="architecture 'granitehybrid' is not supported"):
-        from ridge.engine.loading import ModelFile
+    with pytest.raises(ValueError, match="rope.scaling.finetuned: attention with rotary in a granitehybrid file"):
+        resolve_model(str(path))
 
-        ModelFile.open(str(path))
+
+@pytest.mark.parametrize("change", [{}, {"num_local_experts": 0}], ids=["experts", "dense"])
+def test_a_granite_4_hybrid_written_as_gguf_reads_back_as_the_same_model(change, smollm2_path, tmp_path,
+                                                                          make_llm_for_test):
+    """Granite 4.0-H under llama.cpp's `granitehybrid` (its Mamba layers where the per-layer KV head count is 0,
+    rotary off, Granite's scalars, the experts stacked and the shared MLP as ffn_*_shexp; or, without experts, the
+    shared MLP as the FFN) loads from the file as the model ridge draws for the config: the same shape and logits."""
+    import dataclasses
+
+    from conftest import gguf_round_trip
+
+    config = {**hf_config("granitemoehybrid", **change).to_dict(), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert ours.ssm_layers == (0, 2) and ours.rotary_dim == 0 and ours.num_experts == (8 if not change else 0)
+    # GGUF keeps eps in float32, and no SSD chunk size (how a prompt is scanned, not what it computes)
+    unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings")}
+    assert dataclasses.replace(ours, **unstored) == theirs
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
 @pytest.mark.parametrize("change,field", [({"time_step_limit": (0.0, 10.0)}, "ssm_dt_limit"),
@@ -361,7 +405,7 @@ def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test
         EngineConfig(model=str(path), state_snapshots=-1)
     with pytest.raises(ValueError, match="state_snapshots: 100000 of"):
         make_llm_for_test(path, dtype="float32", state_snapshots=100_000)
-    if "bamba" in str(path):  # eviction runs on attention caches: the hybrid's
+    if not path.name.startswith("mamba2"):  # eviction runs on attention caches: the hybrids'
         with pytest.raises(ValueError, match="state_snapshots: prefix caching is off .* kv_eviction=sink-window"):
             make_llm_for_test(path, dtype="float32", state_snapshots=2, kv_eviction="sink-window", kv_budget=64)
     with pytest.raises(ValueError, match="role: disaggregated prefill moves KV blocks, not the snapshots"):
@@ -388,7 +432,7 @@ def test_bench_context_times_decode_by_context(ssm_model, tmp_path, capsys):
     assert [(r["engine"], r["context"]) for r in rows] == [("ridge", 16), ("ridge", 48)]
     assert all(r["ms_per_token"] > 0 and r["read_fraction"] > 0 for r in rows)
     grows = rows[1]["step_bytes"] - rows[0]["step_bytes"]
-    assert (grows > 0) == ("bamba" in str(path)) and plot.stat().st_size > 0
+    assert (grows > 0) == (not path.name.startswith("mamba2")) and plot.stat().st_size > 0
 
 
 @pytest.mark.parametrize("ssm_model", ["mamba2"], indirect=True)

@@ -109,7 +109,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rotary dims sit in interleaved pairs: reordered at load
-    partial_rotary_factor: float = 1.0  # rotary turns the first head_dim * this dims of a head (Bamba: half)
+    # rotary turns the first head_dim * this dims of a head (Bamba: half; Granite 4.0-H: none, NoPE)
+    partial_rotary_factor: float = 1.0
     # Mamba-2 state-space layers (models/mamba.py) in place of attention at ssm_layers: ssm_num_heads heads of
     # ssm_head_dim, a state of ssm_state_size per head dim, B and C shared by heads in ssm_groups groups, a causal
     # convolution of ssm_conv_kernel taps; a sequence keeps a fixed-size state instead of a growing cache.

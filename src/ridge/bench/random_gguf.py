@@ -4,7 +4,7 @@ A shape with no small real checkpoint here (a mixture of experts of Qwen3-30B-A3
 measured side by side: the weights ridge draws for `random:NAME` (models/random_weights.py, the same seed) are
 written under llama.cpp's tensor names and header keys, in float16, with the vocabulary of a pulled GGUF of the
 same size (llama.cpp will not load a model without one). ridge reads the file back to the same model (a Bamba,
-llama.cpp's `granitehybrid`, it writes only). With
+llama.cpp's `granitehybrid` with rotary, it writes only). With
 `block_type` (Q8_0, Q4_0, ...) the matrices are written in that GGUF block format, quantized by the gguf
 package's own reference code, so that ridge (`--quantization gguf`) and llama.cpp run the same blocks.
 """
@@ -41,7 +41,8 @@ WRITER_VERSION = 4
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
-                      "mamba2": "mamba2", "bamba": "granitehybrid"}
+                      "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
+                      "granitemoehybrid": "granitehybrid"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -153,19 +154,18 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if arch == "mamba2":
         _state_space_header(writer, spec)
         return
-    if arch == "granitehybrid":  # Bamba: Mamba-2 layers, and attention where the per-layer KV head count is not 0
+    if arch == "granitehybrid":  # Mamba-2 layers, and attention where the per-layer KV head count is not 0
         _state_space_header(writer, spec)
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
-        writer.add_key_length(spec.head_dim)
-        writer.add_value_length(spec.head_dim)
-        writer.add_rope_dimension_count(cfg.rotary_dim)
-        writer.add_rope_scaling_finetuned(True)  # llama.cpp's switch for rotary in this architecture (Bamba's: on)
-        writer.add_rope_freq_base(spec.rope_theta)
-        return
-    if spec.is_mla:
+        # llama.cpp's switch for rotary in this architecture: Bamba's half rotary on, Granite 4.0-H's none off
+        writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
+        if cfg.rotary_dim:
+            writer.add_rope_dimension_count(cfg.rotary_dim)
+    elif spec.is_mla:
         _latent_attention_header(writer, cfg)
     else:
         writer.add_head_count_kv(spec.num_kv_heads)
+    if not spec.is_mla:
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
@@ -191,7 +191,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_expert_shared_feed_forward_length(spec.shared_expert_intermediate_size)
         if spec.norm_topk_prob is not None:
             writer.add_expert_weights_norm(bool(spec.norm_topk_prob))
-    if arch == "granite":
+    if arch.startswith("granite"):
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
         writer.add_logit_scale(cfg.logits_scaling)

@@ -201,16 +201,17 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
 
 
 def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:
-    """The stack's form of a layer whose mixer is Mamba-2's (its dense MLP, where it has one), over its state
-    tensors; None where a linear has no kernel there."""
+    """The stack's form of a layer whose mixer is Mamba-2's (its dense MLP or its mixture of experts, where it has
+    one), over its state tensors; None where a linear has no kernel there."""
     mixer = layer.ssm
     in_proj, out_proj = native_linear(ops, mixer.in_proj), native_linear(ops, mixer.out_proj)
     mlp = layer.mlp
-    if isinstance(mlp, MoEBlock):
-        return None
-    mlp_linears = [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)] if mlp is not None else [
+    moe = isinstance(mlp, MoEBlock)
+    experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
+    mlp_linears = [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)] if mlp is not None and not moe else [
         ops.Linear([], None)] * 2
-    if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears):
+    if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears) or (
+            moe and experts is None):
         return None
     native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
                             mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
@@ -218,7 +219,8 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
     empty = torch.empty(0)
     return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,
                      ops.Linear([], None), ops.Linear([], None), *mlp_linears, empty, empty,
-                     activation=ops.Activation("silu") if mlp is None else native_activation(ops, mlp),
+                     experts=experts,
+                     activation=ops.Activation("silu") if mlp is None or moe else native_activation(ops, mlp),
                      attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight,
                      mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
                      residual_multiplier=layer.residual_multiplier, ssm=native)

@@ -81,8 +81,10 @@ class RopeStep:
 
     def apply_(self, x: torch.Tensor, heads: int) -> None:
         """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place; with a partial rotary (a table
-        narrower than the head), only each head's first dims, the rest pass through."""
+        narrower than the head), only each head's first dims, the rest pass through; with none (NoPE), nothing."""
         rotary_dim = 2 * self.freqs.shape[-1]
+        if rotary_dim == 0:
+            return
         if rotary_dim < x.shape[-1]:
             x = x[..., :rotary_dim]  # a view: rotated in place below
         if self.ops is not None and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) >= x.shape[2]):

@@ -167,7 +167,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
 
 
 # the architectures whose q / k rows llama.cpp's converter permutes (LlamaModel's and its subclasses')
-ROTARY_PERMUTED = ("llama", "mixtral", "granite")
+ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe")
 
 
 def _rotary_order(rows: int, heads: int) -> torch.Tensor:
@@ -195,6 +195,8 @@ def load_model(
         tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
         if cfg.architecture == "gpt_oss":  # its experts stacked, in its own layout (another's would be refused)
             tensors = _split_experts(tensors)
+        elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
+            tensors = _split_stacked(tensors, _GRANITE_STACKED)
         table = hf_names(cfg)
         fmt = "safetensors"
         quantization = hf_config.get("quantization_config")
@@ -493,6 +495,26 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig)
             yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)
         else:
             yield name, stored
+
+
+# Granite's experts, stacked [experts, rows, columns] in ridge's own per-expert layout (input_linear: gate's rows,
+# then up's)
+_GRANITE_STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.(input|output)_linear\.weight")
+
+
+def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) -> Iterator[tuple[str, _Stored]]:
+    """Each tensor whose name `stacked` matches, [experts, rows, columns], as one tensor an expert named
+    `{name}.{expert}`, each read on its own (its slab of the file); every other tensor as it is."""
+    def expert(rows: torch.Tensor | None, index: int, stored: _Stored) -> torch.Tensor:
+        slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]
+        return slab if rows is None else slab[rows]
+
+    for name, stored in tensors:
+        if not stacked.fullmatch(name):
+            yield name, stored
+            continue
+        for index in range(stored.shape[0]):
+            yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
 
 
 _STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias|_blocks|_scales)?")

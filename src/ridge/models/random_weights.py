@@ -85,9 +85,20 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                       n_groups=ssm["n_groups"], conv_kernel=ssm["d_conv"], expand=ssm["expand"],
                       chunk_size=ssm["chunk_size"], layer_norm_epsilon=spec.rms_norm_eps,
                       residual_in_fp32=spec.residual_in_fp32)
-    elif spec.ssm_layers:  # Bamba's
+    elif spec.ssm_layers:  # Bamba's and Granite 4.0-H's
         config.update({f"mamba_{key}": value for key, value in ssm.items()},
                       attn_layer_indices=[i for i in range(spec.num_layers) if i not in spec.ssm_layers])
+    if spec.architecture.startswith("granite"):
+        config.update(embedding_multiplier=spec.embedding_multiplier, residual_multiplier=spec.residual_multiplier,
+                      attention_multiplier=spec.attention_multiplier or spec.head_dim**-0.5,
+                      logits_scaling=spec.logits_scaling)
+    if spec.architecture in ("granitemoe", "granitemoehybrid"):  # the shared MLP: beside the experts, or the FFN
+        config["shared_intermediate_size"] = (spec.shared_expert_intermediate_size if spec.is_moe
+                                              else spec.intermediate_size)
+    if spec.architecture == "granitemoehybrid":
+        config.update(num_local_experts=spec.num_experts,
+                      position_embedding_type="rope" if spec.partial_rotary_factor else "nope",
+                      layer_types=["mamba" if i in spec.ssm_layers else "attention" for i in range(spec.num_layers)])
     return config
 
 

@@ -1,9 +1,10 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, deepseek_v2 and deepseek_v3, and the state-space mamba2 and bamba run on one DecoderModel; what differs is a
-bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms,
-an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer in place of attention.
+olmoe, granitemoe, deepseek_v2 and deepseek_v3, and the state-space mamba2, bamba and granitemoehybrid run on one
+DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled
+embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2
+mixer in place of attention.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
     "mixtral": {"norm_topk_prob": True},  # mistral's attention; its router always renormalises the top k
-    "qwen2_moe": {"qkv_bias": True, "shared_expert_gate": True},
+    "qwen2_moe": {"qkv_bias": True},  # its shared expert gated (the spec's shared_expert_gate)
     "qwen3_moe": {"qk_norm": True},
     "olmoe": {"qk_norm_full": True},
+    # Granite's mixtures: Granite's scalars, a softmax over the top k logits (norm_topk_prob's renormalised top k),
+    # and an ungated shared MLP where the config gives it a width (granitemoeshared's)
+    "granitemoe": {"norm_topk_prob": True},
     # gpt-oss: attention sinks, alternating 128-token windows (from its layer_types), biases on every projection
     # (o_proj's with q / k / v's, attention_bias) and on the router's logits, clamped SwiGLU experts, and a
     # softmax over the top k logits (norm_topk_prob's renormalised top k of the softmax)
@@ -42,13 +46,20 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
     "bamba": {"partial_rotary_factor": 0.5},
+    # Granite 4.0-H: Granite's mixture (or a dense FFN) on every layer, most layers Mamba-2, the rest attention
+    # without rotary (NoPE, partial_rotary_factor 0 from its config)
+    "granitemoehybrid": {"norm_topk_prob": True},
 }
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
+        "granitemoehybrid")
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-_SSM = ("mamba2", "bamba")
-_OUT_BIAS = ("llama", "granite", "gpt_oss")
+_SSM = ("mamba2", "bamba", "granitemoehybrid")
+# routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
+_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid")
+_GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
+_OUT_BIAS = ("llama", *_GRANITE, "gpt_oss")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -69,6 +80,11 @@ _HF_NAMES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoe",  # granitemoe with a shared MLP: its config's width says so
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "granitemoeshared": "granitemoe",
+    "granitehybrid": "granitemoehybrid",  # GGUF general.architecture (Bamba's files: refused by models/spec.py)
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",
@@ -127,7 +143,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         ("embedding_multiplier", spec.embedding_multiplier, 1.0), ("logits_scaling", spec.logits_scaling, 1.0),
         ("residual_multiplier", spec.residual_multiplier, 1.0),
         ("attention_multiplier", spec.attention_multiplier, None)) if value != plain]
-    if granite_scalars and arch != "granite":
+    if granite_scalars and arch not in _GRANITE:
         raise ValueError(f"{spec.source}: {', '.join(granite_scalars)}: Granite's scalars on architecture {arch!r} "
                          "are not supported")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
@@ -177,6 +193,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       moe_intermediate_size=spec.moe_intermediate_size,
                       shared_expert_intermediate_size=spec.shared_expert_intermediate_size
                       or spec.shared_experts * spec.moe_intermediate_size,  # DeepSeek: n_shared experts as one FFN
+                      shared_expert_gate=spec.shared_expert_gate,
                       dense_layers=spec.dense_layer_indices, router_groups=spec.router_groups,
                       router_topk_groups=spec.router_topk_groups, routed_scaling_factor=spec.routed_scaling_factor)
         if arch == "deepseek_v2" and not _V2_TOPK_METHODS[spec.router_topk_method]:
@@ -188,6 +205,6 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                       v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave)
     fields.update(ARCHITECTURES[arch])
-    if spec.norm_topk_prob is not None and arch not in ("mixtral", "gpt_oss"):
+    if spec.norm_topk_prob is not None and arch not in _ALWAYS_RENORMALISED:
         fields["norm_topk_prob"] = bool(spec.norm_topk_prob)
     return ModelConfig(**fields)

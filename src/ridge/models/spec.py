@@ -37,6 +37,7 @@ class ModelSpec:
     shared_experts: int = 0
     first_dense_layers: int = 0
     shared_expert_intermediate_size: int = 0  # a shared expert's width, where not moe_intermediate_size (Qwen2-MoE)
+    shared_expert_gate: bool = False  # Qwen2-MoE's: the shared expert's output scaled by a sigmoid of one row's product
     # multi-head latent attention (DeepSeek): the cache holds a kv_lora_rank latent and one shared rotary
     # key of qk_rope_head_dim per token and layer, instead of K and V per KV head
     kv_lora_rank: int = 0
@@ -202,6 +203,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                 fields[spec_field] = config[key]
                 break
     fields.update(_ssm_fields(config, fields.get("hidden_size", 0), source))
+    fields.update(_granite_moe_fields(config, fields, source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
@@ -216,6 +218,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
     if fields.get("shared_expert_intermediate_size") and not fields.get("shared_experts"):
         fields["shared_experts"] = 1  # Qwen2-MoE: one shared expert, of its own width
+    if config.get("model_type") == "qwen2_moe" and fields.get("shared_expert_intermediate_size"):
+        fields["shared_expert_gate"] = True
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
@@ -231,6 +235,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                          "supported")
     local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    fields.setdefault("partial_rotary_factor",
+                      float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6))),
@@ -254,7 +260,6 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),
         rope_interleave=bool(config.get("rope_interleave", False)),
-        partial_rotary_factor=float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))),
         **fields,
     ).validate()
 
@@ -276,9 +281,12 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
                 "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
                 "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "use_bias"}
         expand = config.get("expand", 2)
-    elif kind == "bamba":
-        attention = set(config.get("attn_layer_indices") or ())
-        shape = {"ssm_layers": tuple(i for i in range(config["num_hidden_layers"]) if i not in attention)}
+    elif kind in ("bamba", "granitemoehybrid"):
+        if kind == "bamba":
+            attention = set(config.get("attn_layer_indices") or ())
+            shape = {"ssm_layers": tuple(i for i in range(config["num_hidden_layers"]) if i not in attention)}
+        else:
+            shape = {"ssm_layers": _granite_mamba_layers(config, source)}
         keys = {"ssm_num_heads": "mamba_n_heads", "ssm_head_dim": "mamba_d_head", "ssm_state_size": "mamba_d_state",
                 "ssm_groups": "mamba_n_groups", "ssm_conv_kernel": "mamba_d_conv", "ssm_chunk_size": "mamba_chunk_size",
                 "ssm_conv_bias": "mamba_conv_bias", "ssm_proj_bias": "mamba_proj_bias"}
@@ -294,6 +302,43 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     if (limit := config.get("time_step_limit")) is not None:
         shape["ssm_dt_limit"] = (_json_float(limit[0]), _json_float(limit[1]))
     return shape
+
+
+# a Granite 4.0-H config's layer_types: HF's names for its two kinds, and the checkpoints' own
+_GRANITE_LAYER_KINDS = {"mamba": True, "linear_attention": True, "attention": False, "full_attention": False}
+
+
+def _granite_mamba_layers(config: dict, source: str) -> tuple[int, ...]:
+    """The Mamba-2 layers of a granitemoehybrid config (HF's default, without layer_types: every layer)."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * layers
+    if len(kinds) != layers or any(kind not in _GRANITE_LAYER_KINDS for kind in kinds):
+        raise ValueError(f"{source}: layer_types: {layers} of {', '.join(_GRANITE_LAYER_KINDS)} expected, got "
+                         f"{kinds}")
+    return tuple(i for i, kind in enumerate(kinds) if _GRANITE_LAYER_KINDS[kind])
+
+
+def _granite_moe_fields(config: dict, fields: dict, source: str) -> dict:
+    """Granite's mixtures (granitemoe, granitemoeshared, granitemoehybrid): experts as wide as intermediate_size,
+    an ungated shared MLP of shared_intermediate_size beside them (the whole FFN where there are no experts:
+    Granite 4.0-H's dense models); Granite 4.0-H's attention without rotary (NoPE) unless position_embedding_type
+    says rope."""
+    kind = config.get("model_type")
+    if kind not in ("granitemoe", "granitemoeshared", "granitemoehybrid"):
+        return {}
+    out: dict = {}
+    shared = int(config.get("shared_intermediate_size") or 0)
+    if fields.get("num_experts"):
+        if shared:
+            out.update(shared_expert_intermediate_size=shared, shared_experts=1)
+    elif kind == "granitemoehybrid":
+        out.update(intermediate_size=shared, num_experts=0, experts_per_token=0)
+    if kind == "granitemoehybrid":
+        positions = config.get("position_embedding_type")
+        if positions not in (None, "nope", "rope"):
+            raise ValueError(f"{source}: position_embedding_type: {positions!r} is not supported (rope, nope)")
+        out["partial_rotary_factor"] = 1.0 if positions == "rope" else 0.0
+    return out
 
 
 def _json_float(value: float | dict) -> float:
@@ -328,6 +373,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     vocab = (shapes["token_embd.weight"][0] if "token_embd.weight" in shapes
              else int(value(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0)))
     kv = value(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv, list):  # per layer (granitehybrid: 0 on its Mamba layers): the attention layers' count
+        kv = max(kv)
     names = set(shapes)
     experts = int(value(f"{arch}.expert_count", 0))
     norm_topk = value(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK.get(arch))
@@ -341,6 +388,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
         shared_expert_intermediate_size=int(value(f"{arch}.expert_shared_feed_forward_length", 0)),
         shared_experts=int("blk.0.ffn_gate_shexp.weight" in names),
+        shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in names,
         norm_topk_prob=None if norm_topk is None else bool(norm_topk),
         sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
         global_every=_GGUF_GLOBAL_EVERY.get(arch, 0),
@@ -353,7 +401,9 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
-    fields.update(_gguf_state_space_fields(arch, value, names))
+    fields.update(_gguf_state_space_fields(arch, value, names, source))
+    if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
+        fields["moe_intermediate_size"] = fields["intermediate_size"]
     return ModelSpec(**fields).validate()
 
 
@@ -424,24 +474,37 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "rope_interleave": True, "qkv_bias": False}
 
 
-def _gguf_state_space_fields(arch: str, value, names: set[str]) -> dict:
+def _gguf_state_space_fields(arch: str, value, names: set[str], source: str) -> dict:
     """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
-    time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32)."""
-    if arch != "mamba2":
+    time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32). A
+    granitehybrid file's (Granite 4.0-H): the layers whose KV head count is 0, beside attention without rotary
+    and an FFN on every layer."""
+    if arch not in ("mamba2", "granitehybrid"):
         return {}
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
-    return {"ssm_layers": tuple(range(int(value(f"{arch}.block_count")))), "has_ffn": False,
-            "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "intermediate_size": 0,
-            "ssm_num_heads": heads, "ssm_head_dim": inner // heads,
-            "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
-            "ssm_groups": int(value(f"{arch}.ssm.group_count", 1)),
-            "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")),
-            "ssm_conv_bias": "blk.0.ssm_conv1d.bias" in names, "residual_in_fp32": True}
+    mixers = {"ssm_num_heads": heads, "ssm_head_dim": inner // heads,
+              "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
+              "ssm_groups": int(value(f"{arch}.ssm.group_count", 1)),
+              "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")),
+              "ssm_conv_bias": "blk.0.ssm_conv1d.bias" in names}
+    if arch == "mamba2":
+        return {"ssm_layers": tuple(range(int(value(f"{arch}.block_count")))), "has_ffn": False,
+                "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "intermediate_size": 0,
+                "residual_in_fp32": True, **mixers}
+    if value(f"{arch}.rope.scaling.finetuned", False):
+        # Bamba: llama.cpp's converter interleaves q / k over whole heads, its half rotary turns other pairs than
+        # HF's Bamba (docs/notes/ssm.md); what the file means is not settled
+        raise ValueError(f"{source}: {arch}.rope.scaling.finetuned: attention with rotary in a granitehybrid file "
+                         "(Bamba) is not supported; Granite 4.0-H's (no rotary) is")
+    per_layer = value(f"{arch}.attention.head_count_kv")
+    per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * int(value(f"{arch}.block_count"))
+    return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "partial_rotary_factor": 0.0,
+            **mixers}
 
 
 def _gguf_granite_fields(arch: str, value) -> dict:
-    """Granite's scalars, as llama.cpp's converter writes them."""
-    if arch != "granite":
+    """Granite's scalars, as llama.cpp's converter writes them (its mixtures' and hybrids' too)."""
+    if arch not in ("granite", "granitemoe", "granitehybrid"):
         return {}
     scale = value(f"{arch}.attention.scale")
     return {"embedding_multiplier": float(value(f"{arch}.embedding_scale", 1.0)),
@@ -451,7 +514,7 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
-_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

@@ -112,7 +112,20 @@ HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn
                      (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
                      (r"kv_b_proj\.weight", "kv_b")]]
 
-# Mamba-2's mixer (in Mamba-2's own models, and Bamba's hybrid layers), and the names around it in each
+# Granite's mixtures (loader.py splits their stacked experts, `.{expert}` added to the names): the router, the
+# experts' fused gate / up and down, and the shared MLP, which is the whole FFN where a model has no experts
+# (Granite 4.0-H's dense ones)
+def _hf_granite_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    shared = "mlp.shared_expert" if cfg.num_experts else "mlp"
+    return [(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
+        (r"block_sparse_moe\.router\.layer\.weight", "mlp.router.weight"),
+        (r"block_sparse_moe\.input_linear\.weight\.(\d+)", "mlp.experts.{1}.gate_up.weight"),
+        (r"block_sparse_moe\.output_linear\.weight\.(\d+)", "mlp.experts.{1}.down.weight"),
+        (r"shared_mlp\.input_linear\.weight", shared + ".gate_up.weight"),
+        (r"shared_mlp\.output_linear\.weight", shared + ".down.weight")]]
+
+
+# Mamba-2's mixer (in Mamba-2's own models, and the hybrids' Mamba layers), and the names around it in each
 _SSM_MIXER_NAMES = [(source, target) for source, target in [
     (r"in_proj\.(weight|bias)", "in_proj.{1}"), (r"conv1d\.weight", "conv_weight"), (r"conv1d\.bias", "conv_bias"),
     (r"dt_bias", "dt_bias"), (r"A_log", "A_log"), (r"D", "D"), (r"norm\.weight", "norm_weight"),
@@ -151,8 +164,9 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
+    granite = _hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid") else []
     return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
-            + (HF_SSM_NAMES if cfg.ssm_layers else []) + HF_NAMES)
+            + (HF_SSM_NAMES if cfg.ssm_layers else []) + granite + HF_NAMES)
 
 
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:

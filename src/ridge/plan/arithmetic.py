@@ -84,7 +84,7 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
     expert = ffn_params(m, m.moe_intermediate_size)
     router = m.hidden_size * m.num_experts
     shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
-    if m.shared_expert_intermediate_size:  # Qwen2-MoE gates its shared expert's output: one more row
+    if m.shared_expert_gate:  # one more row
         shared += m.hidden_size
     ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
         m.num_experts * expert + shared + router)
