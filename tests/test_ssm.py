@@ -1,11 +1,11 @@
 """State-space models on small random configs against HF transformers: Mamba-2 (every layer a Mamba-2 mixer, no
-FFN), Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN) and Granite
-4.0-H (granitemoehybrid: Mamba-2 layers beside attention without rotary, each with a mixture of experts and a shared
-MLP, Granite's scalars). Logits, greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3
-chunks long, SSD chunks inside each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state
-slots, where sequences wait for a slot and, in the hybrids, are preempted for KV blocks and recompute their state),
-prefix caching from snapshots of the state, the state and KV bytes the engine holds against the plan's, and what is
-refused by name."""
+FFN), Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN), Granite 4.0-H
+(granitemoehybrid: Mamba-2 layers beside attention without rotary, each with a mixture of experts and a shared MLP,
+Granite's scalars) and LFM2 (gated short convolutions beside attention). Logits, greedy tokens in a batch of 16
+mixed lengths under chunked prefill (one prompt 3 chunks long, SSD chunks inside each), the runtime-invariance checks
+(alone; a 7-token chunk budget with 3 state slots, where sequences wait for a slot and, in the hybrids, are
+preempted for KV blocks and recompute their state), prefix caching from snapshots of the state, the state and KV
+bytes the engine holds against the plan's, and what is refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ SSM = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.2, bos_token_id
 
 
 def hf_config(arch: str, **change):
-    from transformers import BambaConfig, GraniteMoeHybridConfig, Mamba2Config
+    from transformers import BambaConfig, GraniteMoeHybridConfig, Lfm2Config, Mamba2Config
 
     if arch == "mamba2":  # 8 heads of 16 in 2 groups of B and C; SSD chunks of 16 tokens
         return Mamba2Config(**SSM, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16, n_groups=2,
@@ -34,13 +34,17 @@ def hf_config(arch: str, **change):
                       position_embedding_type="nope", max_position_embeddings=512, rms_norm_eps=1e-6,
                       **GRANITE_SCALARS)
         return GraniteMoeHybridConfig(**{**config, **change})
+    if arch == "lfm2":  # short convolutions of 3 taps beside attention with q / k norms; a SwiGLU adjusted to 96 wide
+        return Lfm2Config(**SSM, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=144, block_multiple_of=32,
+                          max_position_embeddings=512, norm_eps=1e-6, conv_L_cache=3, **change)
     return BambaConfig(**SSM, num_hidden_layers=4, attn_layer_indices=[1, 3], num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
                        mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=16,
                        max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid", "lfm2"])
 def ssm_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -63,6 +67,21 @@ def random_hf_model(arch: str, tmp_path_factory, **change):
 
 def test_logits_match_hf(ssm_model, make_llm_for_test):
     assert_logits_match_hf(make_llm_for_test, *ssm_model, VOCAB)
+
+
+def test_lfm2_s_published_config_keys_read_as_hf_s():
+    """LFM2's checkpoints write block_ff_dim, tie_embedding and full_attn_idxs where HF's saved config has
+    intermediate_size, tie_word_embeddings and layer_types: the same shape either way (the FFN's width adjusted to
+    96 as HF's model builds it)."""
+    from ridge.models.spec import spec_from_hf_config
+
+    saved = hf_config("lfm2").to_dict()
+    published = {key: value for key, value in saved.items()
+                 if key not in ("intermediate_size", "tie_word_embeddings", "layer_types")}
+    published.update(block_ff_dim=144, tie_embedding=True, full_attn_idxs=[1, 3])
+    ours = spec_from_hf_config(published, "lfm2")
+    assert ours == spec_from_hf_config(saved, "lfm2")
+    assert (ours.ssm_layers, ours.intermediate_size, ours.state_mixer) == ((0, 2), 96, "short_conv")
 
 
 @pytest.mark.parametrize("change", [{"num_local_experts": 0}, {"position_embedding_type": "rope"}],
@@ -88,7 +107,7 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(ssm_model, make_llm_f
     memory = 3 * cfg.ssm_state_bytes() + (12 * cfg.kv_bytes_per_block(torch.float32, 16) if cfg.attention_layers
                                           else 0)
     tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(memory), max_num_batched_tokens=7,
-                              state_snapshots=0)
+                              state_snapshots=0, max_num_seqs=3)  # LFM2's states are small: more would fit
     assert tight.engine.kv.states.num_slots == 3
     assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
     if cfg.attention_layers:
@@ -128,7 +147,7 @@ def test_quantized_weights_run_on_the_state_space_layers_too(ssm_model, make_llm
     path, hf = ssm_model
     llm = make_llm_for_test(path, dtype="float32", quantization="int8", calibration_windows=0)
     mixers = [layer.ssm for layer in llm.engine.loaded.model.layers if layer.ssm is not None]
-    theirs = [m for m in hf.modules() if hasattr(m, "dt_bias")]
+    theirs = [m for m in hf.modules() if hasattr(m, "in_proj") and hasattr(m, "out_proj")]  # Mamba's, LFM2's
     assert len(mixers) == len(theirs) and all(  # a byte a weight (and scales), not float32's four
         weight_bytes(ours.in_proj) < 2 * hf_mixer.in_proj.weight.numel()
         and weight_bytes(ours.out_proj) < 2 * hf_mixer.out_proj.weight.numel()
@@ -154,7 +173,8 @@ def test_what_the_engine_cannot_do_with_state_is_refused_by_name(ssm_model, make
     ("bamba", {"mamba_n_groups": 3}, "ssm_groups"),
     ("granitemoehybrid", {"position_embedding_type": "alibi"}, "position_embedding_type: 'alibi'"),
     ("granitemoehybrid", {"layer_types": ["mamba", "conv", "mamba", "attention"]}, "layer_types"),
-    ("granitemoehybrid", {"layer_types": ["mamba", "attention"]}, "layer_types")])
+    ("granitemoehybrid", {"layer_types": ["mamba", "attention"]}, "layer_types"),
+    ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"]}, "layer_types")])
 def test_a_config_ridge_does_not_implement_is_refused_by_name(arch, change, field):
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config
@@ -279,20 +299,24 @@ def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path)
         resolve_model(str(path))
 
 
-@pytest.mark.parametrize("change", [{}, {"num_local_experts": 0}], ids=["experts", "dense"])
-def test_a_granite_4_hybrid_written_as_gguf_reads_back_as_the_same_model(change, smollm2_path, tmp_path,
-                                                                          make_llm_for_test):
+@pytest.mark.parametrize("arch,change", [("granitemoehybrid", {}), ("granitemoehybrid", {"num_local_experts": 0}),
+                                         ("lfm2", {})], ids=["granite-experts", "granite-dense", "lfm2"])
+def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smollm2_path, tmp_path,
+                                                               make_llm_for_test):
     """Granite 4.0-H under llama.cpp's `granitehybrid` (its Mamba layers where the per-layer KV head count is 0,
     rotary off, Granite's scalars, the experts stacked and the shared MLP as ffn_*_shexp; or, without experts, the
-    shared MLP as the FFN) loads from the file as the model ridge draws for the config: the same shape and logits."""
+    shared MLP as the FFN), and LFM2 under its `lfm2` (its short convolutions where the KV head count is 0, the
+    taps in shortconv.l_cache, the final norm as token_embd_norm), load from the file as the model ridge draws for
+    the config: the same shape and logits."""
     import dataclasses
 
     from conftest import gguf_round_trip
 
-    config = {**hf_config("granitemoehybrid", **change).to_dict(), "vocab_size": 49152}
+    config = {**hf_config(arch, **change).to_dict(), "vocab_size": 49152}
     from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
-    assert ours.ssm_layers == (0, 2) and ours.rotary_dim == 0 and ours.num_experts == (8 if not change else 0)
+    assert ours.ssm_layers == (0, 2) and ours.num_experts == (8 if arch != "lfm2" and not change else 0)
+    assert ours.rotary_dim == (16 if arch == "lfm2" else 0)
     # GGUF keeps eps in float32, and no SSD chunk size (how a prompt is scanned, not what it computes)
     unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings")}
     assert dataclasses.replace(ours, **unstored) == theirs
@@ -403,8 +427,8 @@ def test_state_snapshots_refuse_what_they_cannot_do(ssm_model, make_llm_for_test
         EngineConfig(model=str(path), state_snapshots=2, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="state_snapshots: must be at least 0"):
         EngineConfig(model=str(path), state_snapshots=-1)
-    with pytest.raises(ValueError, match="state_snapshots: 100000 of"):
-        make_llm_for_test(path, dtype="float32", state_snapshots=100_000)
+    with pytest.raises(ValueError, match="state_snapshots: 10000000 of"):  # LFM2's are 1 KiB each
+        make_llm_for_test(path, dtype="float32", state_snapshots=10_000_000)
     if not path.name.startswith("mamba2"):  # eviction runs on attention caches: the hybrids'
         with pytest.raises(ValueError, match="state_snapshots: prefix caching is off .* kv_eviction=sink-window"):
             make_llm_for_test(path, dtype="float32", state_snapshots=2, kv_eviction="sink-window", kv_budget=64)

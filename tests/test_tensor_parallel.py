@@ -405,6 +405,9 @@ def test_what_tensor_parallelism_refuses_is_named(smollm2_path):
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks for 2 state-space heads"):
         LLM("random:mamba2-2.7b,num_layers=1,vocab_size=512,hidden_size=128,ssm_num_heads=2,ssm_head_dim=16",
             tensor_parallel_size=4, progress=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: LFM2's short-convolution layers"):
+        LLM("random:lfm2-1.2b,num_layers=3,vocab_size=512,hidden_size=128,num_heads=4,num_kv_heads=2,head_dim=32,"
+            "intermediate_size=128", tensor_parallel_size=2, progress=False)
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 with a draft model"):
         EngineConfig(model="m", tensor_parallel_size=2, draft_model="d")
     with pytest.raises(ValueError, match="enable_expert_parallel: llama has no experts"):

@@ -121,6 +121,7 @@ class ModelConfig:
     ssm_head_dim: int = 0
     ssm_groups: int = 1
     ssm_conv_kernel: int = 4
+    state_mixer: str = "mamba2"  # or "short_conv": LFM2's gated short convolution (models/short_conv.py)
     ssm_chunk_size: int = 256
     ssm_conv_bias: bool = True
     ssm_proj_bias: bool = False
@@ -171,7 +172,9 @@ class ModelConfig:
 
     @property
     def ssm_conv_channels(self) -> int:
-        """What the causal convolution runs over: the SSM's input x and its B and C."""
+        """What the causal convolution runs over: Mamba-2's input x and its B and C; LFM2's gated input."""
+        if self.state_mixer == "short_conv":
+            return self.hidden_size
         return self.ssm_inner_size + 2 * self.ssm_groups * self.ssm_state_size
 
     def ssm_state_bytes(self) -> int:

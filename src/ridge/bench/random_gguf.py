@@ -42,7 +42,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
-                      "granitemoehybrid": "granitehybrid"}
+                      "granitemoehybrid": "granitehybrid", "lfm2": "lfm2"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -57,8 +57,12 @@ _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention
 _SSM_NAMES = {"ssm.in_proj.weight": "ssm_in.weight", "ssm.conv_weight": "ssm_conv1d.weight",
               "ssm.conv_bias": "ssm_conv1d.bias", "ssm.dt_bias": "ssm_dt.bias", "ssm.D": "ssm_d",
               "ssm.out_proj.weight": "ssm_out.weight"}
+# LFM2's short convolution's
+_SHORT_CONV_NAMES = {"ssm.in_proj.weight": "shortconv.in_proj.weight", "ssm.in_proj.bias": "shortconv.in_proj.bias",
+                     "ssm.conv_weight": "shortconv.conv.weight", "ssm.conv_bias": "shortconv.conv.bias",
+                     "ssm.out_proj.weight": "shortconv.out_proj.weight", "ssm.out_proj.bias": "shortconv.out_proj.bias"}
 # matrices llama.cpp's state-space ops read in float32 only (its converter keeps them so)
-_FLOAT32_ONLY = re.compile(r"blk\.\d+\.(ssm_conv1d\.weight|ssm_a|ssm_d|ssm_norm\.weight)$")
+_FLOAT32_ONLY = re.compile(r"blk\.\d+\.(ssm_conv1d\.weight|ssm_a|ssm_d|ssm_norm\.weight|shortconv\.conv\.weight)$")
 
 
 def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int = 0, float16: bool = True,
@@ -161,6 +165,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
         if cfg.rotary_dim:
             writer.add_rope_dimension_count(cfg.rotary_dim)
+    elif arch == "lfm2":  # short convolutions where the per-layer KV head count is 0
+        writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
+        writer.add_shortconv_l_cache(spec.ssm_conv_kernel)
+        writer.add_vocab_size(spec.vocab_size)
     elif spec.is_mla:
         _latent_attention_header(writer, cfg)
     else:
@@ -264,7 +272,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         # llama.cpp's converter writes Llama 3.1's scaling as each frequency's divisor
         plain = RopeScaling("linear", 1.0).inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
         yield "rope_freqs.weight", plain / cfg.rope_scaling.inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
-    yield "output_norm.weight", state["norm.weight"]
+    yield "token_embd_norm.weight" if cfg.architecture == "lfm2" else "output_norm.weight", state["norm.weight"]
     if "lm_head.weight" in state:
         yield "output.weight", state["lm_head.weight"]
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -277,6 +285,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             yield from _latent_attention_tensors(cfg, i, layer)
         if "ssm.A_log" in layer:
             yield from _state_space_tensors(cfg, i, layer)
+        elif "ssm.conv_weight" in layer:
+            yield from ((f"blk.{i}.{gguf_name}", layer[name]) for name, gguf_name in _SHORT_CONV_NAMES.items()
+                        if name in layer)
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),

@@ -111,6 +111,9 @@ class ShardPlan:
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
         if cfg.attention_layers:
             split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
+        if cfg.ssm_layers and cfg.state_mixer == "short_conv":
+            raise ValueError("tensor_parallel_size: LFM2's short-convolution layers are not cut across ranks (run "
+                             "it on one process)")
         if cfg.ssm_layers:
             self.ssm_heads  # noqa: B018 (raises where they cannot be split)
             if cfg.ssm_proj_bias:

@@ -229,9 +229,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     } else {
       h = add_norm_(residual, x, layer.input_norm);
     }
-    if (layer.ssm.has_value()) {
+    if (layer.ssm.has_value() || layer.short_conv.has_value()) {
       TORCH_CHECK(state_slots.has_value(), "DecodeStack: a state-space layer needs the rows' state slots");
-      x = state_mixer(*layer.ssm, h, *state_slots);
+      x = layer.ssm.has_value() ? state_mixer(*layer.ssm, h, *state_slots)
+                                : short_conv(*layer.short_conv, h, *state_slots);
     } else {
       TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
       const GroupStep& step = groups[layer.group];
@@ -269,6 +270,17 @@ torch::Tensor DecodeStack::state_mixer(const StateMixer& m, const torch::Tensor&
   y = at::rms_norm(y.view({rows, m.groups, inner / m.groups}), {inner / m.groups}, c10::nullopt, eps)
           .view({rows, inner});
   return m.out_proj((y * m.norm_weight).to(h.scalar_type()));  // y float32: the product widens the weight
+}
+
+// models/short_conv.py's ShortConvMixer.forward for decode rows, op for op
+torch::Tensor DecodeStack::short_conv(const ShortConv& m, const torch::Tensor& h, const torch::Tensor& slots) const {
+  const auto parts = m.in_proj(h).chunk(3, -1);  // B, C, x
+  const auto gated = (parts[0] * parts[2]).to(torch::kFloat);
+  const auto window = at::cat({m.conv_state.index_select(0, slots), gated.unsqueeze(-1)}, -1);  // [B, hidden, taps]
+  m.conv_state.index_copy_(0, slots, window.narrow(2, 1, window.size(2) - 1));
+  auto out = (window * m.conv_weight.to(torch::kFloat)).sum(-1);
+  if (m.conv_bias.has_value()) out.add_(m.conv_bias->to(torch::kFloat));
+  return m.out_proj((parts[1].to(torch::kFloat) * out).to(h.scalar_type()));
 }
 
 // a mixer's or an MLP's output as it joins the residual stream: its sandwich norm, then the residual multiplier

@@ -112,6 +112,15 @@ struct StateMixer {
   torch::Tensor conv_state, ssm_state;
 };
 
+// LFM2's gated short convolution (models/short_conv.py's ShortConvMixer): its projections and taps, and this
+// layer's convolution state (kv/state_cache.py's conv tensor: the last taps - 1 gated inputs of each slot).
+struct ShortConv {
+  Linear in_proj, out_proj;
+  torch::Tensor conv_weight;  // [hidden, taps]
+  c10::optional<torch::Tensor> conv_bias;
+  torch::Tensor conv_state;
+};
+
 // models/layers.py's DecoderLayer.
 struct Layer {
   torch::Tensor input_norm;
@@ -129,6 +138,7 @@ struct Layer {
   std::optional<Experts> experts;  // the layer's MLP, where it is a mixture of experts
   std::optional<LatentProjections> latent;  // the layer's attention, where it is latent (qkv empty then)
   std::optional<StateMixer> ssm;            // the layer's mixer, where it is a state-space one (no attention then)
+  std::optional<ShortConv> short_conv;      // or LFM2's short convolution
   int64_t group = 0;  // the layer's KV group (kv/layout.py): which of a step's GroupSteps it writes and reads
   c10::optional<torch::Tensor> rope_table;  // the layer's own rotary table (Gemma 3's local layers), else the stack's
   c10::optional<torch::Tensor> sinks;       // gpt-oss's attention sinks [heads]: one more logit in each softmax
@@ -173,6 +183,7 @@ struct DecodeStack {
                                  const GroupStep& step) const;
   // a state-space layer's mixer from its normed input h to its output [B, hidden]
   torch::Tensor state_mixer(const StateMixer& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
+  torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
   // residual += x, then the norm of the sum
   torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weight) const;

@@ -32,8 +32,10 @@ from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP
+from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
+from ridge.models.short_conv import ShortConvMixer
 from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
@@ -150,7 +152,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     unsupported = [what for what, present in (
         ("q / k norms over all heads cut across ranks",
          any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
-        ("state-space groups cut across ranks", any(m.shared_group is not None for m in mixers))) if present]
+        ("state-space groups cut across ranks",
+         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers))) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None
@@ -201,10 +204,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
 
 
 def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:
-    """The stack's form of a layer whose mixer is Mamba-2's (its dense MLP or its mixture of experts, where it has
-    one), over its state tensors; None where a linear has no kernel there."""
+    """The stack's form of a layer whose mixer is Mamba-2's or LFM2's short convolution (its dense MLP or its
+    mixture of experts, where it has one), over its state tensors; None where a linear has no kernel there."""
     mixer = layer.ssm
     in_proj, out_proj = native_linear(ops, mixer.in_proj), native_linear(ops, mixer.out_proj)
+    short_conv = isinstance(mixer, ShortConvMixer)
     mlp = layer.mlp
     moe = isinstance(mlp, MoEBlock)
     experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
@@ -213,9 +217,12 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
     if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears) or (
             moe and experts is None):
         return None
-    native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
-                            mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
-                            states.conv[mixer.layer_index], states.ssm[mixer.layer_index])
+    if short_conv:
+        native = ops.ShortConv(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, states.conv[mixer.layer_index])
+    else:
+        native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
+                                mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
+                                states.conv[mixer.layer_index], states.ssm[mixer.layer_index])
     empty = torch.empty(0)
     return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,
                      ops.Linear([], None), ops.Linear([], None), *mlp_linears, empty, empty,
@@ -223,4 +230,5 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                      activation=ops.Activation("silu") if mlp is None or moe else native_activation(ops, mlp),
                      attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight,
                      mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
-                     residual_multiplier=layer.residual_multiplier, ssm=native)
+                     residual_multiplier=layer.residual_multiplier,
+                     **{"short_conv" if short_conv else "ssm": native})

@@ -85,9 +85,13 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                       n_groups=ssm["n_groups"], conv_kernel=ssm["d_conv"], expand=ssm["expand"],
                       chunk_size=ssm["chunk_size"], layer_norm_epsilon=spec.rms_norm_eps,
                       residual_in_fp32=spec.residual_in_fp32)
-    elif spec.ssm_layers:  # Bamba's and Granite 4.0-H's
+    elif spec.ssm_layers and spec.state_mixer == "mamba2":  # Bamba's and Granite 4.0-H's
         config.update({f"mamba_{key}": value for key, value in ssm.items()},
                       attn_layer_indices=[i for i in range(spec.num_layers) if i not in spec.ssm_layers])
+    if spec.architecture == "lfm2":  # the FFN's width as built (not adjusted again)
+        kinds = ["conv" if i in spec.ssm_layers else "full_attention" for i in range(spec.num_layers)]
+        config.update(layer_types=kinds, conv_L_cache=spec.ssm_conv_kernel, conv_bias=spec.ssm_conv_bias,
+                      block_auto_adjust_ff_dim=False, norm_eps=spec.rms_norm_eps)
     if spec.architecture.startswith("granite"):
         config.update(embedding_multiplier=spec.embedding_multiplier, residual_multiplier=spec.residual_multiplier,
                       attention_multiplier=spec.attention_multiplier or spec.head_dim**-0.5,

@@ -1,10 +1,10 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2 and deepseek_v3, and the state-space mamba2, bamba and granitemoehybrid run on one
-DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled
-embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2
-mixer in place of attention.
+olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, and lfm2 run on
+one DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU,
+scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a
+Mamba-2 mixer or LFM2's short convolution in place of attention.
 """
 
 from __future__ import annotations
@@ -49,13 +49,16 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Granite 4.0-H: Granite's mixture (or a dense FFN) on every layer, most layers Mamba-2, the rest attention
     # without rotary (NoPE, partial_rotary_factor 0 from its config)
     "granitemoehybrid": {"norm_topk_prob": True},
+    # LFM2: gated short convolutions (models/short_conv.py) beside attention with per-head q / k norms, a SwiGLU
+    # after every layer
+    "lfm2": {"qk_norm": True},
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid")
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-_SSM = ("mamba2", "bamba", "granitemoehybrid")
+_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
@@ -83,8 +86,10 @@ _HF_NAMES = {
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe",  # granitemoe with a shared MLP: its config's width says so
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "Lfm2ForCausalLM": "lfm2",
     "granitemoeshared": "granitemoe",
     "granitehybrid": "granitemoehybrid",  # GGUF general.architecture (Bamba's files: refused by models/spec.py)
+    "lfm2": "lfm2",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",
@@ -186,7 +191,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         fields.update(ssm_layers=spec.ssm_layers, ssm_state_size=spec.ssm_state_size, ssm_num_heads=spec.ssm_num_heads,
                       ssm_head_dim=spec.ssm_head_dim, ssm_groups=spec.ssm_groups, ssm_conv_kernel=spec.ssm_conv_kernel,
                       ssm_chunk_size=spec.ssm_chunk_size, ssm_conv_bias=spec.ssm_conv_bias,
-                      ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit,
+                      ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit, state_mixer=spec.state_mixer,
                       residual_in_fp32=spec.residual_in_fp32)
     if spec.is_moe:
         fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,

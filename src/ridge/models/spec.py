@@ -57,7 +57,13 @@ class ModelSpec:
     ssm_state_size: int = 0
     ssm_groups: int = 1
     ssm_conv_kernel: int = 4
+    # the mixer of those layers: "mamba2", or "short_conv" (LFM2's gated short convolution: its state the last
+    # ssm_conv_kernel - 1 inputs of a hidden-wide convolution, no SSM heads)
+    state_mixer: str = "mamba2"
     has_ffn: bool = True  # Mamba-2's own layers hold the mixer only
+    # the weights of an attention layer's q and k norms: a head's width each (Qwen3, Gemma 3, LFM2), all heads'
+    # (OLMoE), or none
+    qk_norm_params: int = 0
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -127,6 +133,13 @@ class ModelSpec:
         return self.ssm_num_heads * self.ssm_head_dim
 
     @property
+    def ssm_conv_channels(self) -> int:
+        """What a state-space layer's causal convolution runs over: Mamba-2's x, B and C; LFM2's gated input."""
+        if self.state_mixer == "short_conv":
+            return self.hidden_size
+        return self.ssm_inner_size + 2 * self.ssm_groups * self.ssm_state_size
+
+    @property
     def attention_kind(self) -> str:
         if not self.num_attention_layers:
             return "no attention"
@@ -153,7 +166,10 @@ class ModelSpec:
         if any(not 0 <= i < self.num_layers for i in self.ssm_layers):
             raise ValueError(f"model {self.name}: ssm_layers {list(self.ssm_layers)} must be layers "
                              f"0..{self.num_layers - 1}")
-        if self.ssm_layers and min(self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size) <= 0:
+        if self.state_mixer not in ("mamba2", "short_conv"):
+            raise ValueError(f"model {self.name}: state_mixer {self.state_mixer!r} is not mamba2 or short_conv")
+        if self.ssm_layers and self.state_mixer == "mamba2" and min(
+                self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size) <= 0:
             raise ValueError(f"model {self.name}: state-space layers need positive ssm_num_heads, ssm_head_dim and "
                              "ssm_state_size")
         if attention and self.num_heads % self.num_kv_heads:
@@ -174,8 +190,8 @@ _HF_KEYS = {
     "num_heads": ("num_attention_heads", "n_head"),
     "num_kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim",),
-    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
-    "tie_word_embeddings": ("tie_word_embeddings",),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner", "block_ff_dim"),
+    "tie_word_embeddings": ("tie_word_embeddings", "tie_embedding"),
     "qkv_bias": ("attention_bias",),
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
     "experts_per_token": ("num_experts_per_tok", "num_experts_per_token"),
@@ -235,11 +251,15 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                          "supported")
     local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    head_dim = fields["head_dim"]
+    per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
+    fields["qk_norm_params"] = {"qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head,
+                                "lfm2": per_head, "olmoe": all_heads}.get(config.get("model_type"), 0)
     fields.setdefault("partial_rotary_factor",
                       float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
-        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", 1e-6))),
+        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get("norm_eps", 1e-6)))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         rope_scaling=None if rope_type in ("default", None) else dict(scaling),
         max_position_embeddings=int(config.get("max_position_embeddings", fields.pop("max_position_embeddings", 4096))),
@@ -272,6 +292,8 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     """The state-space layers of a Mamba-2 model (all its layers, no FFN, no attention) or of a Bamba hybrid (the
     layers not in attn_layer_indices), from their configs' keys; {} for a model without them."""
     kind = config.get("model_type")
+    if kind == "lfm2":
+        return _lfm2_fields(config, source)
     if kind == "mamba2":
         layers = config["num_hidden_layers"]
         shape = {"ssm_layers": tuple(range(layers)), "has_ffn": False, "num_heads": 0, "num_kv_heads": 0,
@@ -302,6 +324,26 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     if (limit := config.get("time_step_limit")) is not None:
         shape["ssm_dt_limit"] = (_json_float(limit[0]), _json_float(limit[1]))
     return shape
+
+
+def _lfm2_fields(config: dict, source: str) -> dict:
+    """LFM2: gated short convolutions ("conv" layers) beside attention layers, each with a SwiGLU whose width its
+    config adjusts (block_auto_adjust_ff_dim: two thirds, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of), as HF's model builds it."""
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["full_attention" if i in (config.get("full_attn_idxs") or range(layers))
+                                          else "conv" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"conv", "full_attention"}:
+        raise ValueError(f"{source}: layer_types: {layers} of conv, full_attention expected, got {kinds}")
+    width = config.get("intermediate_size", config.get("block_ff_dim"))
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if (multiplier := config.get("block_ffn_dim_multiplier", 1.0)) is not None:
+            multiple = config.get("block_multiple_of", 256)
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return {"ssm_layers": tuple(i for i, kind in enumerate(kinds) if kind == "conv"), "state_mixer": "short_conv",
+            "ssm_conv_kernel": int(config.get("conv_L_cache", 3)), "ssm_conv_bias": bool(config.get("conv_bias")),
+            "intermediate_size": width}
 
 
 # a Granite 4.0-H config's layer_types: HF's names for its two kinds, and the checkpoints' own
@@ -389,6 +431,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         shared_expert_intermediate_size=int(value(f"{arch}.expert_shared_feed_forward_length", 0)),
         shared_experts=int("blk.0.ffn_gate_shexp.weight" in names),
         shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in names,
+        qk_norm_params=next((shapes[n][0] + shapes[n.replace("attn_q_norm", "attn_k_norm")][0] for n in sorted(shapes)
+                             if n.endswith("attn_q_norm.weight")), 0),
         norm_topk_prob=None if norm_topk is None else bool(norm_topk),
         sliding_window=int(value(f"{arch}.attention.sliding_window", 0)),
         global_every=_GGUF_GLOBAL_EVERY.get(arch, 0),
@@ -478,7 +522,12 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], source: str) -> 
     """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
     time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32). A
     granitehybrid file's (Granite 4.0-H): the layers whose KV head count is 0, beside attention without rotary
-    and an FFN on every layer."""
+    and an FFN on every layer. An lfm2 file's short convolutions: likewise, their taps in shortconv.l_cache."""
+    if arch == "lfm2":  # its short convolutions: the layers whose KV head count is 0
+        per_layer = value(f"{arch}.attention.head_count_kv")
+        return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "state_mixer": "short_conv",
+                "ssm_conv_kernel": int(value(f"{arch}.shortconv.l_cache")),
+                "ssm_conv_bias": any(n.endswith("shortconv.conv.bias") for n in names)}
     if arch not in ("mamba2", "granitehybrid"):
         return {}
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))

@@ -125,6 +125,20 @@ def _hf_granite_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
         (r"shared_mlp\.output_linear\.weight", shared + ".down.weight")]]
 
 
+# LFM2: its short convolutions (models/short_conv.py), its norms' and attention's own names, its FFN's w1 / w3 / w2,
+# and the final norm (embedding_norm, applied after the last layer)
+HF_LFM2_NAMES = [(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
+    (r"conv\.in_proj\.(weight|bias)", "ssm.in_proj.{1}", None), (r"conv\.conv\.weight", "ssm.conv_weight", None),
+    (r"conv\.conv\.bias", "ssm.conv_bias", None), (r"conv\.out_proj\.(weight|bias)", "ssm.out_proj.{1}", None),
+    (r"operator_norm\.weight", "input_norm.weight", None), (r"ffn_norm\.weight", "post_attn_norm.weight", None),
+    (r"self_attn\.out_proj\.weight", "attn.o_proj.weight", None),
+    (r"self_attn\.q_layernorm\.weight", "attn.q_norm.weight", None),
+    (r"self_attn\.k_layernorm\.weight", "attn.k_norm.weight", None),
+    (r"feed_forward\.w1\.weight", "mlp.gate_up.weight", 0), (r"feed_forward\.w3\.weight", "mlp.gate_up.weight", 1),
+    (r"feed_forward\.w2\.weight", "mlp.down.weight", None)]] + [
+    (r"model\.embedding_norm\.weight", "norm.weight", None)]
+
+
 # Mamba-2's mixer (in Mamba-2's own models, and the hybrids' Mamba layers), and the names around it in each
 _SSM_MIXER_NAMES = [(source, target) for source, target in [
     (r"in_proj\.(weight|bias)", "in_proj.{1}"), (r"conv1d\.weight", "conv_weight"), (r"conv1d\.bias", "conv_bias"),
@@ -154,6 +168,13 @@ GGUF_SSM_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.ssm." + target, None) f
     (r"ssm_out\.weight", "out_proj.weight")]]
 
 
+# LFM2's short convolutions under llama.cpp's names (the convolution's taps [hidden, taps]), and its final norm,
+# which llama.cpp calls token_embd_norm after HF's embedding_norm
+GGUF_LFM2_NAMES = [(r"blk\.(\d+)\.shortconv\." + source, "layers.{0}.ssm." + target, None) for source, target in [
+    (r"conv\.weight", "conv_weight"), (r"conv\.bias", "conv_bias"), (r"in_proj\.(weight|bias)", "in_proj.{1}"),
+    (r"out_proj\.(weight|bias)", "out_proj.{1}")]] + [(r"token_embd_norm\.weight", "norm.weight", None)]
+
+
 def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, int | None]:
     for pattern, template, slot in table:
         match = re.fullmatch(pattern, name)
@@ -164,12 +185,14 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
-    granite = _hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid") else []
+    family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
+              else HF_LFM2_NAMES if cfg.architecture == "lfm2" else [])
     return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
-            + (HF_SSM_NAMES if cfg.ssm_layers else []) + granite + HF_NAMES)
+            + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
-    return ((GGUF_MLA_NAMES if cfg.is_mla else []) + (GGUF_GPT_OSS_NAMES if cfg.architecture == "gpt_oss" else [])
-            + (GGUF_SSM_NAMES if cfg.ssm_layers else []) + GGUF_NAMES)
+    family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES}.get(cfg.architecture, [])
+    return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
+            + GGUF_NAMES)

@@ -15,6 +15,7 @@ from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, Rota
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
+from ridge.models.short_conv import ShortConvMixer
 
 
 class DecoderModel(nn.Module):
@@ -38,7 +39,7 @@ class DecoderModel(nn.Module):
     @staticmethod
     def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.is_ssm_layer(layer):
-            return Mamba2Mixer(cfg, layer)
+            return ShortConvMixer(cfg, layer) if cfg.state_mixer == "short_conv" else Mamba2Mixer(cfg, layer)
         return LatentAttention(cfg, layer) if cfg.is_mla else Attention(cfg, layer)
 
     @staticmethod

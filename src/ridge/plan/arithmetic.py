@@ -67,8 +67,13 @@ def attention_params_per_layer(m: ModelSpec) -> int:
 
 def ssm_params_per_layer(m: ModelSpec) -> int:
     """A Mamba-2 mixer: the input projection (to z, x, B, C and dt), the depthwise convolution, dt_bias, A and D
-    per head, the gated norm, the output projection (biases left out, as rounding)."""
-    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
+    per head, the gated norm, the output projection (biases left out, as rounding). LFM2's short convolution: the
+    input projection (to B, C and x), the depthwise convolution, the output projection, with conv_bias a bias on
+    each."""
+    if m.state_mixer == "short_conv":
+        h = m.hidden_size
+        return 3 * h * h + h * m.ssm_conv_kernel + h * h + (5 * h if m.ssm_conv_bias else 0)
+    channels = m.ssm_conv_channels
     in_proj = m.hidden_size * (m.ssm_inner_size + channels + m.ssm_num_heads)
     return in_proj + channels * (m.ssm_conv_kernel + 1) + 3 * m.ssm_num_heads + m.ssm_inner_size \
         + m.ssm_inner_size * m.hidden_size
@@ -96,7 +101,7 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
         attention=m.num_attention_layers * attention_params_per_layer(m),
         ssm=len(m.ssm_layers) * ssm_params_per_layer(m) if m.ssm_layers else 0,
         ffn_stored=ffn_stored, ffn_active=ffn_active,
-        norms=((2 if m.has_ffn else 1) * m.num_layers + 1) * m.hidden_size)
+        norms=((2 if m.has_ffn else 1) * m.num_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params)
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
@@ -136,8 +141,7 @@ def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
 def state_bytes(m: ModelSpec) -> float:
     """The recurrent state of one sequence, whatever its length: per state-space layer, the convolution's last
     ssm_conv_kernel - 1 inputs and the SSM state of heads x head_dim x state_size, in float32."""
-    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
-    per_layer = channels * (m.ssm_conv_kernel - 1) + m.ssm_inner_size * m.ssm_state_size
+    per_layer = m.ssm_conv_channels * (m.ssm_conv_kernel - 1) + m.ssm_inner_size * m.ssm_state_size
     return 4.0 * per_layer * len(m.ssm_layers)
 
 
@@ -158,8 +162,8 @@ def sequence_cache_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
 def ssm_flops_per_token(m: ModelSpec) -> float:
     """The scan's own work per token over all state-space layers (the recurrent form: decay, update and read
     the state; the convolution), beside the projections' 2 FLOPs a weight."""
-    channels = m.ssm_inner_size + 2 * m.ssm_groups * m.ssm_state_size
-    return len(m.ssm_layers) * (6.0 * m.ssm_inner_size * m.ssm_state_size + 2.0 * channels * m.ssm_conv_kernel)
+    return len(m.ssm_layers) * (6.0 * m.ssm_inner_size * m.ssm_state_size
+                                + 2.0 * m.ssm_conv_channels * m.ssm_conv_kernel)
 
 
 # ---- FLOPs
