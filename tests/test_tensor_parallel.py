@@ -239,6 +239,11 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
     # the hybrid: attention and Mamba-2 layers, one group of B and C split between the ranks
     "bamba-hybrid": ("random:bamba-9b,num_layers=3,vocab_size=1000,hidden_size=128,num_heads=4,num_kv_heads=2,"
                      "head_dim=32,ssm_num_heads=8,ssm_head_dim=16,ssm_state_size=16,intermediate_size=128", 2, {}),
+    # Granite 4.0-H: Mamba-2 layers and one attention layer without rotary, each with experts and a shared MLP
+    "granite-hybrid": ("random:granite-4.0-h-tiny,num_layers=6,vocab_size=1000,hidden_size=128,num_heads=4,"
+                       "num_kv_heads=2,head_dim=32,ssm_num_heads=8,ssm_head_dim=32,ssm_state_size=16,"
+                       "intermediate_size=64,moe_intermediate_size=64,num_experts=8,experts_per_token=2,"
+                       "shared_expert_intermediate_size=64", 2, {}),
 }
 
 
