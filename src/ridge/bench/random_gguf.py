@@ -42,7 +42,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
-                      "granitemoehybrid": "granitehybrid", "lfm2": "lfm2"}
+                      "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -112,10 +112,14 @@ def _check_writable(spec: ModelSpec) -> str:
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec, arch)
-    leading = tuple(range(spec.first_dense_layers)) if arch == "deepseek2" else ()  # deepseek2's header key
+    # deepseek2's and lfm2moe's header key
+    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe") else ()
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
                          f"header key in {arch}; llama.cpp would read experts there")
+    if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
+        raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
+                         "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
@@ -165,10 +169,13 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
         if cfg.rotary_dim:
             writer.add_rope_dimension_count(cfg.rotary_dim)
-    elif arch == "lfm2":  # short convolutions where the per-layer KV head count is 0
+    elif arch in ("lfm2", "lfm2moe"):  # short convolutions where the per-layer KV head count is 0
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
         writer.add_shortconv_l_cache(spec.ssm_conv_kernel)
         writer.add_vocab_size(spec.vocab_size)
+        if arch == "lfm2moe":
+            writer.add_leading_dense_block_count(spec.first_dense_layers)
+            writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     elif spec.is_mla:
         _latent_attention_header(writer, cfg)
     else:
@@ -272,7 +279,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         # llama.cpp's converter writes Llama 3.1's scaling as each frequency's divisor
         plain = RopeScaling("linear", 1.0).inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
         yield "rope_freqs.weight", plain / cfg.rope_scaling.inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
-    yield "token_embd_norm.weight" if cfg.architecture == "lfm2" else "output_norm.weight", state["norm.weight"]
+    final_norm = "token_embd_norm" if cfg.architecture in ("lfm2", "lfm2_moe") else "output_norm"
+    yield f"{final_norm}.weight", state["norm.weight"]
     if "lm_head.weight" in state:
         yield "output.weight", state["lm_head.weight"]
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

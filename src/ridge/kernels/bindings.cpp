@@ -101,18 +101,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
                        std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
                        c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate,
-                       c10::optional<torch::Tensor> router_logit_bias, Activation activation) {
+                       c10::optional<torch::Tensor> router_logit_bias, Activation activation, double norm_eps) {
              TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
              TORCH_CHECK(!sigmoid || router_bias.has_value(), "Experts: sigmoid scoring takes its correction bias");
              return Experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
                             renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
-                            shared_down, shared_gate, router_logit_bias, activation};
+                            shared_down, shared_gate, router_logit_bias, activation, norm_eps};
            }),
            py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
            py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
            py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(),
-           py::arg("activation") = Activation())
+           py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0)
       .def("__call__", &Experts::operator(), py::arg("x"));
   py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
       .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,

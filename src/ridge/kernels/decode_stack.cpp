@@ -126,7 +126,7 @@ std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) c
   }
   const auto experts = std::get<1>(choice.topk(top_k, -1));
   auto weights = scores.gather(1, experts);
-  if (renormalize) weights = weights / (weights.sum(-1, true) + (sigmoid ? 1e-20 : 0.0));
+  if (renormalize) weights = weights / (weights.sum(-1, true) + norm_eps);
   return {experts, scaling != 1.0 ? weights * scaling : weights};
 }
 

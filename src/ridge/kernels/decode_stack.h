@@ -80,6 +80,7 @@ struct Experts {
   c10::optional<torch::Tensor> shared_gate;  // the shared expert's sigmoid gate's weight [1, hidden]
   c10::optional<torch::Tensor> router_logit_bias;  // a bias on the router's logits (gpt-oss)
   Activation activation;                   // the experts' and the shared expert's
+  double norm_eps = 0.0;                   // added to the renormalised top k's sum (models/moe.py's norm_eps)
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 

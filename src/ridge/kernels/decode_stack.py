@@ -94,7 +94,8 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
                        moe.renormalize, moe.group_rating == "top2", moe.scaling, [e[0] for e in experts],
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight,
                        router_logit_bias=moe.router.bias,
-                       activation=native_activation(ops, mlp) if mlp is not None else ops.Activation("silu"))
+                       activation=native_activation(ops, mlp) if mlp is not None else ops.Activation("silu"),
+                       norm_eps=moe.norm_eps)
 
 
 def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:

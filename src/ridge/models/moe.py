@@ -46,6 +46,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.sigmoid, self.scaling = cfg.router_scoring == "sigmoid", cfg.routed_scaling_factor
+        self.norm_eps = cfg.router_norm_eps if self.sigmoid else 0.0
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.group_rating = cfg.router_group_rating
         self.router = Router(cfg.hidden_size, cfg.num_experts, bias=cfg.router_logit_bias)
@@ -94,7 +95,7 @@ class MoEBlock(nn.Module):
         experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         return experts, weights * self.scaling if self.scaling != 1.0 else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -88,10 +88,11 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     elif spec.ssm_layers and spec.state_mixer == "mamba2":  # Bamba's and Granite 4.0-H's
         config.update({f"mamba_{key}": value for key, value in ssm.items()},
                       attn_layer_indices=[i for i in range(spec.num_layers) if i not in spec.ssm_layers])
-    if spec.architecture == "lfm2":  # the FFN's width as built (not adjusted again)
+    if spec.architecture in ("lfm2", "lfm2_moe"):  # the FFN's width as built (not adjusted again)
         kinds = ["conv" if i in spec.ssm_layers else "full_attention" for i in range(spec.num_layers)]
         config.update(layer_types=kinds, conv_L_cache=spec.ssm_conv_kernel, conv_bias=spec.ssm_conv_bias,
-                      block_auto_adjust_ff_dim=False, norm_eps=spec.rms_norm_eps)
+                      block_auto_adjust_ff_dim=False, norm_eps=spec.rms_norm_eps,
+                      num_dense_layers=spec.first_dense_layers)
     if spec.architecture.startswith("granite"):
         config.update(embedding_multiplier=spec.embedding_multiplier, residual_multiplier=spec.residual_multiplier,
                       attention_multiplier=spec.attention_multiplier or spec.head_dim**-0.5,

@@ -1,10 +1,10 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, and lfm2 run on
-one DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU,
-scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a
-Mamba-2 mixer or LFM2's short convolution in place of attention.
+olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, and lfm2 and
+lfm2_moe run on one DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window,
+Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense
+FFN, and a Mamba-2 mixer or LFM2's short convolution in place of attention.
 """
 
 from __future__ import annotations
@@ -52,13 +52,16 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # LFM2: gated short convolutions (models/short_conv.py) beside attention with per-head q / k norms, a SwiGLU
     # after every layer
     "lfm2": {"qk_norm": True},
+    # LFM2-MoE: LFM2's layers with a mixture after the first few: sigmoid scores, chosen with the expert bias
+    # (DeepSeek-V3's router without groups), the top k renormalised with 1e-6 added to their sum
+    "lfm2_moe": {"qk_norm": True, "router_scoring": "sigmoid", "router_norm_eps": 1e-6},
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid")
+        "granitemoehybrid", "lfm2_moe")
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2")
+_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
@@ -87,9 +90,11 @@ _HF_NAMES = {
     "GraniteMoeSharedForCausalLM": "granitemoe",  # granitemoe with a shared MLP: its config's width says so
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "granitemoeshared": "granitemoe",
     "granitehybrid": "granitemoehybrid",  # GGUF general.architecture (Bamba's files: refused by models/spec.py)
     "lfm2": "lfm2",
+    "lfm2moe": "lfm2_moe",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
     "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",

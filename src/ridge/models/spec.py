@@ -198,7 +198,7 @@ _HF_KEYS = {
     "moe_intermediate_size": ("moe_intermediate_size",),
     "shared_experts": ("n_shared_experts",),
     "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-    "first_dense_layers": ("first_k_dense_replace",),
+    "first_dense_layers": ("first_k_dense_replace", "num_dense_layers"),
     "kv_lora_rank": ("kv_lora_rank",),
     "q_lora_rank": ("q_lora_rank",),
     "qk_rope_head_dim": ("qk_rope_head_dim",),
@@ -253,8 +253,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     head_dim = fields["head_dim"]
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
-    fields["qk_norm_params"] = {"qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head,
-                                "lfm2": per_head, "olmoe": all_heads}.get(config.get("model_type"), 0)
+    fields["qk_norm_params"] = {
+        "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
+        "lfm2_moe": per_head, "olmoe": all_heads}.get(config.get("model_type"), 0)
     fields.setdefault("partial_rotary_factor",
                       float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
     return ModelSpec(
@@ -292,7 +293,7 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     """The state-space layers of a Mamba-2 model (all its layers, no FFN, no attention) or of a Bamba hybrid (the
     layers not in attn_layer_indices), from their configs' keys; {} for a model without them."""
     kind = config.get("model_type")
-    if kind == "lfm2":
+    if kind in ("lfm2", "lfm2_moe"):
         return _lfm2_fields(config, source)
     if kind == "mamba2":
         layers = config["num_hidden_layers"]
@@ -329,14 +330,17 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
 def _lfm2_fields(config: dict, source: str) -> dict:
     """LFM2: gated short convolutions ("conv" layers) beside attention layers, each with a SwiGLU whose width its
     config adjusts (block_auto_adjust_ff_dim: two thirds, times block_ffn_dim_multiplier, rounded up to
-    block_multiple_of), as HF's model builds it."""
+    block_multiple_of), as HF's model builds it. LFM2-MoE: the same layers, a mixture of experts after all but the
+    first num_dense_layers, whose SwiGLU is intermediate_size wide as it stands."""
+    if config.get("use_expert_bias") is False:
+        raise ValueError(f"{source}: use_expert_bias: LFM2-MoE's router without its expert bias is not supported")
     layers = config["num_hidden_layers"]
     kinds = config.get("layer_types") or ["full_attention" if i in (config.get("full_attn_idxs") or range(layers))
                                           else "conv" for i in range(layers)]
     if len(kinds) != layers or set(kinds) - {"conv", "full_attention"}:
         raise ValueError(f"{source}: layer_types: {layers} of conv, full_attention expected, got {kinds}")
     width = config.get("intermediate_size", config.get("block_ff_dim"))
-    if config.get("block_auto_adjust_ff_dim", True):
+    if config["model_type"] == "lfm2" and config.get("block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         if (multiplier := config.get("block_ffn_dim_multiplier", 1.0)) is not None:
             multiple = config.get("block_multiple_of", 256)
@@ -522,12 +526,14 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], source: str) -> 
     """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
     time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32). A
     granitehybrid file's (Granite 4.0-H): the layers whose KV head count is 0, beside attention without rotary
-    and an FFN on every layer. An lfm2 file's short convolutions: likewise, their taps in shortconv.l_cache."""
-    if arch == "lfm2":  # its short convolutions: the layers whose KV head count is 0
+    and an FFN on every layer. An lfm2 (lfm2moe) file's short convolutions: likewise, their taps in
+    shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
+    if arch in ("lfm2", "lfm2moe"):  # its short convolutions: the layers whose KV head count is 0
         per_layer = value(f"{arch}.attention.head_count_kv")
         return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "state_mixer": "short_conv",
                 "ssm_conv_kernel": int(value(f"{arch}.shortconv.l_cache")),
-                "ssm_conv_bias": any(n.endswith("shortconv.conv.bias") for n in names)}
+                "ssm_conv_bias": any(n.endswith("shortconv.conv.bias") for n in names),
+                "first_dense_layers": int(value(f"{arch}.leading_dense_block_count", 0))}
     if arch not in ("mamba2", "granitehybrid"):
         return {}
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
@@ -563,7 +569,8 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
-_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True}
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
+                   "lfm2moe": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

@@ -125,8 +125,8 @@ def _hf_granite_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
         (r"shared_mlp\.output_linear\.weight", shared + ".down.weight")]]
 
 
-# LFM2: its short convolutions (models/short_conv.py), its norms' and attention's own names, its FFN's w1 / w3 / w2,
-# and the final norm (embedding_norm, applied after the last layer)
+# LFM2 (and LFM2-MoE): its short convolutions (models/short_conv.py), its norms' and attention's own names, its
+# FFN's w1 / w3 / w2, and the final norm (embedding_norm, applied after the last layer)
 HF_LFM2_NAMES = [(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
     (r"conv\.in_proj\.(weight|bias)", "ssm.in_proj.{1}", None), (r"conv\.conv\.weight", "ssm.conv_weight", None),
     (r"conv\.conv\.bias", "ssm.conv_bias", None), (r"conv\.out_proj\.(weight|bias)", "ssm.out_proj.{1}", None),
@@ -135,7 +135,12 @@ HF_LFM2_NAMES = [(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, sl
     (r"self_attn\.q_layernorm\.weight", "attn.q_norm.weight", None),
     (r"self_attn\.k_layernorm\.weight", "attn.k_norm.weight", None),
     (r"feed_forward\.w1\.weight", "mlp.gate_up.weight", 0), (r"feed_forward\.w3\.weight", "mlp.gate_up.weight", 1),
-    (r"feed_forward\.w2\.weight", "mlp.down.weight", None)]] + [
+    (r"feed_forward\.w2\.weight", "mlp.down.weight", None),
+    # LFM2-MoE's mixtures: the router, its expert bias (which moves the choice only), each expert's w1 / w3 / w2
+    (r"feed_forward\.gate\.weight", "mlp.router.weight", None), (r"feed_forward\.expert_bias", "mlp.router_bias", None),
+    (r"feed_forward\.experts\.(\d+)\.w1\.weight", "mlp.experts.{1}.gate_up.weight", 0),
+    (r"feed_forward\.experts\.(\d+)\.w3\.weight", "mlp.experts.{1}.gate_up.weight", 1),
+    (r"feed_forward\.experts\.(\d+)\.w2\.weight", "mlp.experts.{1}.down.weight", None)]] + [
     (r"model\.embedding_norm\.weight", "norm.weight", None)]
 
 
@@ -186,13 +191,14 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
-              else HF_LFM2_NAMES if cfg.architecture == "lfm2" else [])
+              else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe") else [])
     return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
-    family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES}.get(cfg.architecture, [])
+    family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES}.get(
+        cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
