@@ -170,7 +170,8 @@ def test_random_preset_model_runs_on_the_gpu(make_llm_for_test):
     assert len(out.outputs[0].token_ids) == 24 and "random" in llm.engine.loaded.weight_format
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba2", "bamba"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mamba2", "bamba", "granitemoehybrid",
+                                  "lfm2", "lfm2_moe"])
 def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp_path_factory, make_llm_for_test):
     """Issue 46's families on CUDA: HF's float32 logits, and its greedy tokens for prompts up to 150 tokens (latent
     attention's long chunks in the expanded form, its decodes through the Triton kernel; a mixture's experts through
@@ -181,7 +182,8 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
 
     from ridge import SamplingParams
 
-    path, hf = (test_ssm if arch in ("mamba2", "bamba") else test_moe).random_hf_model(arch, tmp_path_factory)
+    state_space = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe")
+    path, hf = (test_ssm if arch in state_space else test_moe).random_hf_model(arch, tmp_path_factory)
     hf = hf.cuda()
     llm = make_llm_for_test(path, device="cuda", dtype="float32")
     prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 140, 150, seed=3)
