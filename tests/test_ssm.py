@@ -93,14 +93,18 @@ def test_lfm2_s_published_config_keys_read_as_hf_s():
     assert (ours.ssm_layers, ours.intermediate_size, ours.state_mixer) == ((0, 2), 96, "short_conv")
 
 
-@pytest.mark.parametrize("change", [{"num_local_experts": 0}, {"position_embedding_type": "rope"}],
-                         ids=["dense", "rope"])
-def test_granite_4_hybrid_s_other_forms_match_hf(change, tmp_path_factory, make_llm_for_test):
-    """Granite 4.0-H without experts (its shared MLP the whole FFN: H-1B, H-Micro) and with rotary on its
-    attention."""
+@pytest.mark.parametrize("change", [
+    {"num_local_experts": 0}, {"position_embedding_type": "rope"},
+    {"num_local_experts": 0, "position_embedding_type": "rope", "layer_types": ["attention"] * 4}],
+    ids=["dense", "rope", "no-mamba"])
+def test_granite_4_s_other_forms_match_hf(change, tmp_path_factory, make_llm_for_test):
+    """Granite 4.0-H without experts (its shared MLP the whole FFN: H-1B, H-Micro), with rotary on its attention, and
+    Granite 4.0's plain transformers (Granite-4.0-Micro: the same config, every layer attention with rotary)."""
     path, hf = random_hf_model("granitemoehybrid", tmp_path_factory, **change)
     cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
-    assert (cfg.num_experts, cfg.rotary_dim) == ((0, 0) if "num_local_experts" in change else (8, 16))
+    dense, rope = "num_local_experts" in change, "position_embedding_type" in change
+    assert (cfg.num_experts, cfg.rotary_dim) == (0 if dense else 8, 16 if rope else 0)
+    assert cfg.ssm_layers == (() if "layer_types" in change else (0, 2))
     assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
 
 
