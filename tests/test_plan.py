@@ -358,3 +358,15 @@ def test_a_second_bandwidth_probe_keeps_the_better_ceiling():
     assert probed.read_gb_s > slow.read_gb_s and probed.matmul_gflop_s == slow.matmul_gflop_s
     fast = Roofline(read_gb_s=1e6, matmul_gflop_s={})
     assert remeasured(fast) == fast
+
+
+def test_lfm2_s_published_sizes_and_its_small_state():
+    """LFM2-1.2B's 1.17B parameters and LFM2-8B-A1B's 8.3B (1.5B active, as published, rounded); a short
+    convolution's state is its last 2 gated inputs, 2048 wide, per layer: 160 KiB for 10 layers, whatever the
+    context."""
+    m = PRESETS["lfm2-1.2b"]
+    assert close(a.count_parameters(m).stored, 1.17e9, 0.005)
+    assert a.state_bytes(m) == 4 * 10 * 2048 * 2
+    assert a.kv_bytes_per_token(m, "bf16") == 2 * 6 * 8 * 64 * 2  # K and V, 6 attention layers, 8 KV heads of 64
+    moe = a.count_parameters(PRESETS["lfm2-8b-a1b"])
+    assert close(moe.stored, 8.3e9, 0.01) and close(moe.active, 1.5e9, 0.05)
