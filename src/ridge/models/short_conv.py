@@ -4,8 +4,9 @@ One projection gives B, C and x (each hidden-wide); the layer convolves B * x ca
 each channel with its own taps (conv_L_cache of them, 3 in LFM2's models), and gates the result by C:
     y_t = out_proj(C_t * sum_k w_k * (B * x)_{t-k})
 so a sequence's past is the last ssm_conv_kernel - 1 values of B * x: a fixed state as a Mamba-2 layer's, kept in
-the same slots (kv/state_cache.py, whose SSM part is empty for these layers), and a prompt chunk continues from it.
-The work is two matmuls and a few elementwise ops: torch does it as well as a kernel would.
+the same slots (kv/state_cache.py, whose SSM part is empty for these layers) in float32, the convolution summed in
+float32 too, and a prompt chunk continues from it. The work is two matmuls and a few elementwise ops: torch does it
+as well as a kernel would (the fused decode step runs the same ops from C++, kernels/decode_stack.h's ShortConv).
 """
 
 from __future__ import annotations
