@@ -461,6 +461,7 @@ def test_state_snapshots_on_a_model_without_state_is_refused(smollm2_path, make_
         make_llm_for_test(smollm2_path, dtype="float32", state_snapshots=4)
 
 
+@pytest.mark.parametrize("ssm_model", ["mamba2", "bamba"], indirect=True)  # a pure one and a hybrid
 def test_bench_context_times_decode_by_context(ssm_model, tmp_path, capsys):
     """`ridge bench context` runs each model at each context and reports the bytes a step moves: a pure Mamba-2
     model's are the same at every context (weights and a fixed state), a hybrid's grow with its attention KV."""
