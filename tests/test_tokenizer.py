@@ -89,3 +89,16 @@ def test_an_hf_directory_s_chat_template_is_found_where_hf_finds_it(tmp_path, wh
                                                                             add_generation_prompt=True)
     assert RidgeTokenizer.from_path(tmp_path).apply_chat_template(messages) == expected == \
         "<user>Hi!<assistant>Hello.<a>"
+
+
+@pytest.mark.parametrize("pre,warns", [("qwen2", False), ("smollm", False), ("gpt2", False), ("lfm2", True)])
+def test_a_pre_tokenizer_split_ridge_does_not_know_is_said_at_warning_level(pre, warns, caplog):
+    """GPT-2's split stands in for a `tokenizer.ggml.pre` name ridge has no pattern for; that is said, not done
+    silently (its tokens may differ from llama.cpp's)."""
+    import logging
+
+    from ridge.gguf_vocab import _byte_level_split
+
+    with caplog.at_level(logging.WARNING, logger="ridge"):
+        _byte_level_split(pre)
+    assert any(f"tokenizer.ggml.pre {pre!r} has no split here" in r.message for r in caplog.records) == warns

@@ -10,9 +10,13 @@ its tokens are what tests compare against.
 
 from __future__ import annotations
 
+import logging
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ridge.models.gguf_file import GGUFFile
+
+log = logging.getLogger("ridge")
 
 # Pre-tokenizer split patterns by the name llama.cpp writes to `tokenizer.ggml.pre`.
 _QWEN2_SPLIT = (
@@ -65,7 +69,10 @@ def _byte_level_split(pre: str) -> pre_tokenizers.PreTokenizer:
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact"):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    return gpt2  # "gpt2", "default" and unknown names: GPT-2's own split
+    if pre not in ("gpt2", "default"):
+        log.warning("ridge: tokenizer.ggml.pre %r has no split here; text is split as GPT-2 splits it, and its tokens "
+                    "may differ from llama.cpp's for this model", pre)
+    return gpt2
 
 
 def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
