@@ -287,13 +287,12 @@ def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp
 def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path):
     """Bamba for llama.cpp (`granitehybrid`): KV heads per layer (0 on the Mamba layers), the half rotary's width,
     rotary switched on; q and k rows interleaved over each head's rotary dims only, the rest as drawn (the form
-    llama.cpp runs as HF's Bamba: its logits within 1e-4 of ridge's, docs/notes/ssm.md). ridge itself does not
-    read granitehybrid files with rotary: refused by name."""
+    llama.cpp runs as HF's Bamba: its logits within 1e-4 of ridge's, docs/notes/ssm.md), and the file marked so."""
     import json
 
     from ridge.bench.random_gguf import write_random_gguf
     from ridge.models.gguf_file import read_gguf
-    from ridge.models.loader import random_model
+    from ridge.models.loader import PARTIAL_ROTARY_ROWS, random_model
     from ridge.models.presets import resolve_model
     from ridge.models.random_weights import random_spec
 
@@ -311,8 +310,27 @@ def test_a_bamba_is_written_as_llama_cpp_s_granitehybrid(smollm2_path, tmp_path)
     assert torch.equal(heads[:, 8:], drawn_heads[:, 8:])  # past the rotary dims: as drawn
     assert torch.equal(heads[:, 0:8:2], drawn_heads[:, 0:4]) and torch.equal(heads[:, 1:8:2], drawn_heads[:, 4:8])
     assert "blk.0.ssm_in.weight" in {t.name for t in gguf.tensors}
-    with pytest.raises(ValueError, match="rope.scaling.finetuned: attention with rotary in a granitehybrid file"):
-        resolve_model(str(path))
+    assert gguf.fields[PARTIAL_ROTARY_ROWS] and resolve_model(str(path)).partial_rotary_factor == 0.5
+
+
+@pytest.mark.parametrize("layout", ["ridge", "converter"])
+def test_a_bamba_gguf_reads_back_as_the_same_model(layout, smollm2_path, tmp_path, make_llm_for_test, monkeypatch):
+    """A Bamba in ridge's granitehybrid form (each head's rotary rows interleaved, marked) and in llama.cpp's
+    converter's (whole heads interleaved, llama's permutation, no mark) both load as the model ridge draws for the
+    config: the same logits."""
+    from conftest import gguf_round_trip
+    from ridge.bench import random_gguf
+
+    if layout == "converter":
+        ridge_form = random_gguf._permute_rotary
+        monkeypatch.setattr(random_gguf, "_permute_rotary",
+                            lambda rows, heads, _: ridge_form(rows, heads, rows.shape[0] // heads))
+        monkeypatch.setattr(random_gguf, "PARTIAL_ROTARY_ROWS", "test.the_converter_writes_no_mark")
+    config = {**hf_config("bamba").to_dict(), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert from_file.engine.loaded.config.rotary_dim == 8
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
 @pytest.mark.parametrize("arch,change", [("granitemoehybrid", {}), ("granitemoehybrid", {"num_local_experts": 0}),

@@ -3,8 +3,7 @@
 A shape with no small real checkpoint here (a mixture of experts of Qwen3-30B-A3B's layers, say) can still be
 measured side by side: the weights ridge draws for `random:NAME` (models/random_weights.py, the same seed) are
 written under llama.cpp's tensor names and header keys, in float16, with the vocabulary of a pulled GGUF of the
-same size (llama.cpp will not load a model without one). ridge reads the file back to the same model (a Bamba,
-llama.cpp's `granitehybrid` with rotary, it writes only). With
+same size (llama.cpp will not load a model without one). ridge reads the file back to the same model. With
 `block_type` (Q8_0, Q4_0, ...) the matrices are written in that GGUF block format, quantized by the gguf
 package's own reference code, so that ridge (`--quantization gguf`) and llama.cpp run the same blocks.
 """
@@ -28,13 +27,19 @@ from gguf import (
 from tqdm import tqdm
 
 from ridge.config import ModelConfig
-from ridge.models.loader import ROTARY_PERMUTED, LoadedModel, latent_rotary_order, random_model
+from ridge.models.loader import (
+    PARTIAL_ROTARY_ROWS,
+    ROTARY_PERMUTED,
+    LoadedModel,
+    latent_rotary_order,
+    random_model,
+)
 from ridge.models.registry import check_supported
 from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
-WRITER_VERSION = 4
+WRITER_VERSION = 5
 
 # ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there; DeepSeek-V2 and V3 are deepseek2,
 # told apart by their gating function)
@@ -169,6 +174,8 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
         if cfg.rotary_dim:
             writer.add_rope_dimension_count(cfg.rotary_dim)
+            if cfg.rotary_dim < spec.head_dim:  # _permute_rotary's form, not the converter's (models/loader.py)
+                writer.add_bool(PARTIAL_ROTARY_ROWS, True)
     elif arch in ("lfm2", "lfm2moe"):  # short convolutions where the per-layer KV head count is 0
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
         writer.add_shortconv_l_cache(spec.ssm_conv_kernel)

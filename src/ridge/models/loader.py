@@ -160,9 +160,13 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
             yield t.name, _Stored.of(vector.reshape(1, -1))
             continue
         stored = _gguf_stored(t.data, t.tensor_type, t.shape, ops, quantized, t.name)
-        if cfg.architecture in ROTARY_PERMUTED and re.search(r"attn_[qk]\.", t.name):
+        permuted = cfg.architecture in ROTARY_PERMUTED or cfg.architecture == "granitemoehybrid" and cfg.rotary_dim
+        if permuted and re.search(r"attn_[qk]\.", t.name):
+            # llama.cpp's converter permutes whole heads; ridge's writer (bench/random_gguf.py) a Bamba's rotary
+            # dims alone, and marks its files so
+            rotary_dim = cfg.rotary_dim if gguf.fields.get(PARTIAL_ROTARY_ROWS) else None
             stored = stored.reordered(_rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
-                                                    else cfg.num_kv_heads))
+                                                    else cfg.num_kv_heads, rotary_dim))
         yield t.name, stored
 
 
@@ -170,10 +174,19 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
 ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe")
 
 
-def _rotary_order(rows: int, heads: int) -> torch.Tensor:
+# a GGUF header key ridge's writer sets where it interleaved only each head's first rotary dims (a partial rotary,
+# Bamba's), the form llama.cpp computes as HF's model does
+PARTIAL_ROTARY_ROWS = "ridge.rope.interleaved_rotary_dims_only"
+
+
+def _rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
     """The row order that undoes the permutation llama.cpp's converter applies to llama q/k (interleaved ->
-    halves rotary)."""
-    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
+    halves rotary), over each head's first rotary_dim rows (None: the whole head)."""
+    per_head = rows // heads
+    width = rotary_dim or per_head
+    head = torch.arange(per_head)
+    head[:width] = torch.arange(width).view(width // 2, 2).T.flatten()
+    return (torch.arange(heads)[:, None] * per_head + head).flatten()
 
 
 def load_model(

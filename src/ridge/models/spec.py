@@ -449,7 +449,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
-    fields.update(_gguf_state_space_fields(arch, value, names, source))
+    fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
     return ModelSpec(**fields).validate()
@@ -522,12 +522,12 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "rope_interleave": True, "qkv_bias": False}
 
 
-def _gguf_state_space_fields(arch: str, value, names: set[str], source: str) -> dict:
+def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -> dict:
     """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
     time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32). A
-    granitehybrid file's (Granite 4.0-H): the layers whose KV head count is 0, beside attention without rotary
-    and an FFN on every layer. An lfm2 (lfm2moe) file's short convolutions: likewise, their taps in
-    shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
+    granitehybrid file's (Granite 4.0-H, Bamba): the layers whose KV head count is 0, beside attention (without
+    rotary, or Bamba's on part of each head) and an FFN on every layer. An lfm2 (lfm2moe) file's short
+    convolutions: likewise, their taps in shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
     if arch in ("lfm2", "lfm2moe"):  # its short convolutions: the layers whose KV head count is 0
         per_layer = value(f"{arch}.attention.head_count_kv")
         return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "state_mixer": "short_conv",
@@ -546,15 +546,12 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], source: str) -> 
         return {"ssm_layers": tuple(range(int(value(f"{arch}.block_count")))), "has_ffn": False,
                 "num_heads": 0, "num_kv_heads": 0, "head_dim": 0, "intermediate_size": 0,
                 "residual_in_fp32": True, **mixers}
-    if value(f"{arch}.rope.scaling.finetuned", False):
-        # Bamba: llama.cpp's converter interleaves q / k over whole heads, its half rotary turns other pairs than
-        # HF's Bamba (docs/notes/ssm.md); what the file means is not settled
-        raise ValueError(f"{source}: {arch}.rope.scaling.finetuned: attention with rotary in a granitehybrid file "
-                         "(Bamba) is not supported; Granite 4.0-H's (no rotary) is")
+    # rotary switched on (Bamba: on the first rope.dimension_count dims of each head) or off (Granite 4.0-H)
+    rotary = int(value(f"{arch}.rope.dimension_count", head_dim)) if value(f"{arch}.rope.scaling.finetuned") else 0
     per_layer = value(f"{arch}.attention.head_count_kv")
     per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * int(value(f"{arch}.block_count"))
-    return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "partial_rotary_factor": 0.0,
-            **mixers}
+    return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0),
+            "partial_rotary_factor": rotary / head_dim, **mixers}
 
 
 def _gguf_granite_fields(arch: str, value) -> dict:
