@@ -92,7 +92,8 @@ _HF_NAMES = {
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "granitemoeshared": "granitemoe",
-    "granitehybrid": "granitemoehybrid",  # GGUF general.architecture (Bamba's files: refused by models/spec.py)
+    "granitehybrid": "granitemoehybrid",  # GGUF general.architecture: Granite 4.0-H's, and Bamba's (its rotary from
+    # rope.dimension_count, a dense FFN: models/spec.py)
     "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
     "qwen2moe": "qwen2_moe",  # GGUF general.architecture
