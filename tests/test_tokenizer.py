@@ -91,7 +91,8 @@ def test_an_hf_directory_s_chat_template_is_found_where_hf_finds_it(tmp_path, wh
         "<user>Hi!<assistant>Hello.<a>"
 
 
-@pytest.mark.parametrize("pre,warns", [("qwen2", False), ("smollm", False), ("gpt2", False), ("lfm2", True)])
+@pytest.mark.parametrize("pre,warns", [("qwen2", False), ("smollm", False), ("gpt2", False), ("lfm2", False),
+                                       ("kimi-k2", True)])
 def test_a_pre_tokenizer_split_ridge_does_not_know_is_said_at_warning_level(pre, warns, caplog):
     """GPT-2's split stands in for a `tokenizer.ggml.pre` name ridge has no pattern for; that is said, not done
     silently (its tokens may differ from llama.cpp's)."""
@@ -102,3 +103,23 @@ def test_a_pre_tokenizer_split_ridge_does_not_know_is_said_at_warning_level(pre,
     with caplog.at_level(logging.WARNING, logger="ridge"):
         _byte_level_split(pre)
     assert any(f"tokenizer.ggml.pre {pre!r} has no split here" in r.message for r in caplog.records) == warns
+
+
+def test_each_pre_tokenizer_split_is_hf_s():
+    """Every `tokenizer.ggml.pre` name ridge has a split for cuts text as HF transformers' GGUF reader cuts it (the
+    reference the model tests compare tokens against): LFM2's, gpt-oss's o200k, Llama 4's, Mistral's tekken..."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from ridge.gguf_vocab import _SPLITS, _byte_level_split
+
+    texts = [*TEXTS, "HelloWorld FOOBar they'RE 123456 a/b\r\n\n  x", "ÀÉÎõü Straße İstanbul 你好 Ωμέγα"]
+    assert set(_SPLITS) <= set(GGUF_PRE_TOKENIZER_SPLITS) | {"llama-bpe"}
+    for name in _SPLITS:
+        theirs = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS.get(name, GGUF_PRE_TOKENIZER_SPLITS["llama3"])),
+                                 behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        ours = _byte_level_split(name)
+        for text in texts:
+            assert ours.pre_tokenize_str(text) == theirs.pre_tokenize_str(text), (name, text)

@@ -26,6 +26,27 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's (gpt-oss, Llama 4): words split at case changes, their contractions kept on
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's tekken: o200k's without the contractions, digits one at a time
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` -> its split (the names llama.cpp writes; HF transformers reads GGUF vocabularies by the same
+# table): the model families whose split is one of the above under a name of their own
+_SPLITS = {
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "lfm2", "dbrx",
+                     "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
 
 # GGUF token types (llama.cpp's enum)
 CONTROL, USER_DEFINED = 3, 4
@@ -62,10 +83,8 @@ def _byte_level_bpe(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
 
 def _byte_level_split(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("qwen2", "deepseek-r1-qwen"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated"), byte_level_only])
-    if pre in ("llama-bpe", "llama3"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated"), byte_level_only])
+    if (split := _SPLITS.get(pre)) is not None:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), byte_level_only])
     gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact"):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
