@@ -153,7 +153,7 @@ def test_the_engine_holds_the_plan_s_state_and_kv(ssm_model, make_llm_for_test):
 
 
 # not LFM2-MoE: its mixers are LFM2's, and on random weights its sigmoid router's near-ties move a few tokens to
-# other experts under int8's rounding (mean cosine 0.986, those tokens ~0.83), which says nothing of the mixers
+# other experts under int8's rounding, which says nothing of the mixers (docs/notes/ssm.md)
 @pytest.mark.parametrize("ssm_model", ["mamba2", "bamba", "granitemoehybrid", "lfm2"], indirect=True)
 def test_quantized_weights_run_on_the_state_space_layers_too(ssm_model, make_llm_for_test):
     """The mixers' projections are quantized (int8 per channel, no calibration) on the dense layers' kernels, and

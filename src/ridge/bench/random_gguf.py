@@ -167,17 +167,17 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if arch == "mamba2":
         _state_space_header(writer, spec)
         return
-    if arch == "granitehybrid":  # Mamba-2 layers, and attention where the per-layer KV head count is not 0
-        _state_space_header(writer, spec)
+    if arch in ("granitehybrid", "lfm2", "lfm2moe"):  # attention where the per-layer KV head count is not 0
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
+    if arch == "granitehybrid":  # Mamba-2 layers beside the attention
+        _state_space_header(writer, spec)
         # llama.cpp's switch for rotary in this architecture: Bamba's half rotary on, Granite 4.0-H's none off
         writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
         if cfg.rotary_dim:
             writer.add_rope_dimension_count(cfg.rotary_dim)
             if cfg.rotary_dim < spec.head_dim:  # _permute_rotary's form, not the converter's (models/loader.py)
                 writer.add_bool(PARTIAL_ROTARY_ROWS, True)
-    elif arch in ("lfm2", "lfm2moe"):  # short convolutions where the per-layer KV head count is 0
-        writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
+    elif arch in ("lfm2", "lfm2moe"):  # short convolutions beside the attention
         writer.add_shortconv_l_cache(spec.ssm_conv_kernel)
         writer.add_vocab_size(spec.vocab_size)
         if arch == "lfm2moe":

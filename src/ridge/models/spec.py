@@ -528,9 +528,8 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     granitehybrid file's (Granite 4.0-H, Bamba): the layers whose KV head count is 0, beside attention (without
     rotary, or Bamba's on part of each head) and an FFN on every layer. An lfm2 (lfm2moe) file's short
     convolutions: likewise, their taps in shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
-    if arch in ("lfm2", "lfm2moe"):  # its short convolutions: the layers whose KV head count is 0
-        per_layer = value(f"{arch}.attention.head_count_kv")
-        return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0), "state_mixer": "short_conv",
+    if arch in ("lfm2", "lfm2moe"):
+        return {"ssm_layers": _layers_without_kv(arch, value), "state_mixer": "short_conv",
                 "ssm_conv_kernel": int(value(f"{arch}.shortconv.l_cache")),
                 "ssm_conv_bias": any(n.endswith("shortconv.conv.bias") for n in names),
                 "first_dense_layers": int(value(f"{arch}.leading_dense_block_count", 0))}
@@ -548,10 +547,15 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
                 "residual_in_fp32": True, **mixers}
     # rotary switched on (Bamba: on the first rope.dimension_count dims of each head) or off (Granite 4.0-H)
     rotary = int(value(f"{arch}.rope.dimension_count", head_dim)) if value(f"{arch}.rope.scaling.finetuned") else 0
+    return {"ssm_layers": _layers_without_kv(arch, value), "partial_rotary_factor": rotary / head_dim, **mixers}
+
+
+def _layers_without_kv(arch: str, value) -> tuple[int, ...]:
+    """A hybrid's state-space layers, as llama.cpp's converter marks them: a KV head count of 0 in the per-layer
+    list (one count for all: no such layer)."""
     per_layer = value(f"{arch}.attention.head_count_kv")
     per_layer = per_layer if isinstance(per_layer, list) else [per_layer] * int(value(f"{arch}.block_count"))
-    return {"ssm_layers": tuple(i for i, kv in enumerate(per_layer) if kv == 0),
-            "partial_rotary_factor": rotary / head_dim, **mixers}
+    return tuple(i for i, kv in enumerate(per_layer) if kv == 0)
 
 
 def _gguf_granite_fields(arch: str, value) -> dict:
