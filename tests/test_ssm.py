@@ -360,6 +360,24 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
+def test_an_lfm2moe_gguf_with_an_expert_weight_scale_is_refused_by_name(smollm2_path, tmp_path, monkeypatch):
+    """llama.cpp's lfm2moe graph scales no expert weights: a file saying otherwise is refused, not read as 1."""
+    import json
+
+    from ridge.bench import random_gguf
+    from ridge.models.presets import resolve_model
+    from ridge.models.random_weights import random_spec
+
+    config = {**hf_config("lfm2_moe", routed_scaling_factor=1.0).to_dict(), "vocab_size": 49152}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    header = random_gguf._header
+    monkeypatch.setattr(random_gguf, "_header", lambda writer, arch, *args: (
+        header(writer, arch, *args), writer.add_expert_weights_scale(2.5)))
+    path = random_gguf.write_random_gguf(random_spec(f"random:{tmp_path}"), tmp_path / "model.gguf", smollm2_path)
+    with pytest.raises(ValueError, match="lfm2moe.expert_weights_scale: 2.5 is not supported"):
+        resolve_model(str(path))
+
+
 @pytest.mark.parametrize("arch,change,field", [("mamba2", {"time_step_limit": (0.0, 10.0)}, "ssm_dt_limit"),
                                                ("mamba2", {"use_conv_bias": False}, "ssm_conv_bias false"),
                                                ("lfm2_moe", {}, "routed_scaling_factor 1.5")])

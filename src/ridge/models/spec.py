@@ -529,6 +529,8 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     rotary, or Bamba's on part of each head) and an FFN on every layer. An lfm2 (lfm2moe) file's short
     convolutions: likewise, their taps in shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
     if arch in ("lfm2", "lfm2moe"):
+        if (scale := value(f"{arch}.expert_weights_scale", 1.0)) != 1.0:  # llama.cpp's graph applies none
+            raise ValueError(f"{arch}.expert_weights_scale: {scale} is not supported for {arch} (1)")
         return {"ssm_layers": _layers_without_kv(arch, value), "state_mixer": "short_conv",
                 "ssm_conv_kernel": int(value(f"{arch}.shortconv.l_cache")),
                 "ssm_conv_bias": any(n.endswith("shortconv.conv.bias") for n in names),
