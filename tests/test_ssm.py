@@ -1,7 +1,8 @@
 """State-space models on small random configs against HF transformers: Mamba-2 (every layer a Mamba-2 mixer, no
 FFN), Bamba (Mamba-2 layers beside llama attention layers with a half rotary, each with a SwiGLU FFN), Granite 4.0-H
 (granitemoehybrid: Mamba-2 layers beside attention without rotary, each with a mixture of experts and a shared MLP,
-Granite's scalars) and LFM2 (gated short convolutions beside attention; LFM2-MoE with a sigmoid-routed mixture).
+Granite's scalars), LFM2 (gated short convolutions beside attention; LFM2-MoE with a sigmoid-routed mixture) and
+Qwen3.5 (gated DeltaNet layers beside gated attention; Qwen3.5-MoE and Qwen3-Next with a mixture).
 Logits, greedy tokens in a batch of 16 mixed lengths under chunked prefill (one prompt 3 chunks long, SSD chunks
 inside each), the runtime-invariance checks (alone; a 7-token chunk budget with 3 state slots, where sequences wait
 for a slot and, in the hybrids, are preempted for KV blocks and recompute their state), prefix caching from
@@ -18,6 +19,7 @@ from test_models_random import byte_tokenizer
 
 VOCAB = 320
 LFM2_LAYERS = ["conv", "full_attention", "conv", "full_attention"]
+QWEN3_5_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 SSM = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
@@ -40,6 +42,20 @@ def hf_config(arch: str, **change):
                              num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                              num_experts_per_tok=2, num_dense_layers=1, max_position_embeddings=512, norm_eps=1e-6,
                              conv_L_cache=3, **{"routed_scaling_factor": 1.5, **change})
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # gated DeltaNet layers (4 value heads over 2 key heads)
+        # beside gated attention, a quarter of each head rotary; Qwen3.5-MoE and Qwen3-Next: 8 experts of 32, top 2,
+        # a gated shared expert of 48
+        from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+        config = dict(SSM, num_hidden_layers=4, layer_types=QWEN3_5_LAYERS, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=96, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                      linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6)
+        if arch != "qwen3_5":
+            config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48)
+        kind = {"qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig}
+        return kind[arch](**{**config, **change})
     if arch == "lfm2":  # short convolutions of 3 taps beside attention with q / k norms; a SwiGLU adjusted to 96 wide
         return Lfm2Config(**SSM, num_hidden_layers=4, layer_types=LFM2_LAYERS,
                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=144, block_multiple_of=32,
@@ -50,7 +66,8 @@ def hf_config(arch: str, **change):
                        max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe"])
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5",
+                                              "qwen3_5_moe"])
 def ssm_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -91,6 +108,15 @@ def test_lfm2_s_published_config_keys_read_as_hf_s():
     ours = spec_from_hf_config(published, "lfm2")
     assert ours == spec_from_hf_config(saved, "lfm2")
     assert (ours.ssm_layers, ours.intermediate_size, ours.state_mixer) == ((0, 2), 96, "short_conv")
+
+
+def test_qwen3_next_s_grouped_projections_match_hf(tmp_path_factory, make_llm_for_test):
+    """Qwen3-Next's DeltaNet projections come as two, their rows key head by key head (its q, k, its value heads'
+    v and z; their b and a): read as Qwen3.5's four, the logits are HF's."""
+    path, hf = random_hf_model("qwen3_next", tmp_path_factory)
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert (cfg.state_mixer, cfg.ssm_layers, cfg.num_experts) == ("gated_delta", (0, 2), 8)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
 
 
 @pytest.mark.parametrize("change", [
@@ -190,7 +216,8 @@ def test_what_the_engine_cannot_do_with_state_is_refused_by_name(ssm_model, make
     ("granitemoehybrid", {"position_embedding_type": "alibi"}, "position_embedding_type: 'alibi'"),
     ("granitemoehybrid", {"layer_types": ["mamba", "conv", "mamba", "attention"]}, "layer_types"),
     ("granitemoehybrid", {"layer_types": ["mamba", "attention"]}, "layer_types"),
-    ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"]}, "layer_types")])
+    ("lfm2", {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"]}, "layer_types"),
+    ("qwen3_5", {"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types")])
 def test_a_config_ridge_does_not_implement_is_refused_by_name(arch, change, field):
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config
@@ -334,15 +361,19 @@ def test_a_bamba_gguf_reads_back_as_the_same_model(layout, smollm2_path, tmp_pat
 
 
 @pytest.mark.parametrize("arch,change", [("granitemoehybrid", {}), ("granitemoehybrid", {"num_local_experts": 0}),
-                                         ("lfm2", {}), ("lfm2_moe", {"routed_scaling_factor": 1.0})],
-                         ids=["granite-experts", "granite-dense", "lfm2", "lfm2-moe"])
+                                         ("lfm2", {}), ("lfm2_moe", {"routed_scaling_factor": 1.0}),
+                                         ("qwen3_5", {"linear_value_head_dim": 16}),
+                                         ("qwen3_5_moe", {"linear_value_head_dim": 16})],
+                         ids=["granite-experts", "granite-dense", "lfm2", "lfm2-moe", "qwen3.5", "qwen3.5-moe"])
 def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smollm2_path, tmp_path,
                                                                make_llm_for_test):
     """Granite 4.0-H under llama.cpp's `granitehybrid` (its Mamba layers where the per-layer KV head count is 0,
     rotary off, Granite's scalars, the experts stacked and the shared MLP as ffn_*_shexp; or, without experts, the
     shared MLP as the FFN), and LFM2 under its `lfm2` (its short convolutions where the KV head count is 0, the
-    taps in shortconv.l_cache, the final norm as token_embd_norm), load from the file as the model ridge draws for
-    the config: the same shape and logits."""
+    taps in shortconv.l_cache, the final norm as token_embd_norm), and Qwen3.5 under its `qwen35` / `qwen35moe`
+    (attention every full_attention_interval-th layer, each head's query and gate side by side in attn_q, the
+    DeltaNet's value heads in llama.cpp's tiled order, which the file's model keeps), load from the file as the
+    model ridge draws for the config: the same shape and logits."""
     import dataclasses
 
     from conftest import gguf_round_trip
@@ -350,11 +381,14 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     config = {**hf_config(arch, **change).to_dict(), "vocab_size": 49152}
     from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
-    assert ours.ssm_layers == (0, 2) and ours.num_experts == (0 if arch == "lfm2" or "num_local_experts" in change
-                                                              else 8)
-    assert ours.rotary_dim == (16 if arch.startswith("lfm2") else 0)
-    # GGUF keeps eps in float32, and no SSD chunk size (how a prompt is scanned, not what it computes)
-    unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings")}
+    dense = arch in ("lfm2", "qwen3_5") or "num_local_experts" in change
+    assert ours.ssm_layers == (0, 2) and ours.num_experts == (0 if dense else 8)
+    assert ours.rotary_dim == {"lfm2": 16, "lfm2_moe": 16, "qwen3_5": 8, "qwen3_5_moe": 8}.get(arch, 0)
+    assert ours.ssm_heads_tiled == arch.startswith("qwen3_5")
+    # GGUF keeps eps in float32, and no SSD chunk size (how a prompt is scanned, not what it computes); Qwen3.5's
+    # value heads in another order (the same model)
+    unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings",
+                                                "ssm_heads_tiled")}
     assert dataclasses.replace(ours, **unstored) == theirs
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
@@ -380,7 +414,11 @@ def test_an_lfm2moe_gguf_with_an_expert_weight_scale_is_refused_by_name(smollm2_
 
 @pytest.mark.parametrize("arch,change,field", [("mamba2", {"time_step_limit": (0.0, 10.0)}, "ssm_dt_limit"),
                                                ("mamba2", {"use_conv_bias": False}, "ssm_conv_bias false"),
-                                               ("lfm2_moe", {}, "routed_scaling_factor 1.5")])
+                                               ("lfm2_moe", {}, "routed_scaling_factor 1.5"),
+                                               ("qwen3_5", {}, "ssm_state_size 16 != ssm_head_dim 24"),
+                                               ("qwen3_5", {"layer_types": ["linear_attention", "full_attention",
+                                                                            "full_attention", "linear_attention"],
+                                                            "linear_value_head_dim": 16}, "full_attention_interval")])
 def test_a_model_llama_cpp_would_compute_otherwise_is_not_written_as_gguf(arch, change, field, smollm2_path,
                                                                           tmp_path):
     import json

@@ -53,6 +53,9 @@ class ModelConfig:
     # "attention sink" the head can put its weight on)
     attention_sinks: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before rotary
+    # Qwen3.5 / Qwen3-Next: attention's output scaled, each element, by the sigmoid of a gate the query
+    # projection also gives (one gate row per query row), before o_proj
+    attention_output_gate: bool = False
     # sliding-window attention: a windowed layer's query sees the last sliding_window positions; with
     # global_every, every global_every-th layer (the last of each run) attends to all (Gemma's local:global)
     sliding_window: int = 0
@@ -123,7 +126,13 @@ class ModelConfig:
     ssm_head_dim: int = 0
     ssm_groups: int = 1
     ssm_conv_kernel: int = 4
-    state_mixer: str = "mamba2"  # or "short_conv": LFM2's gated short convolution (models/short_conv.py)
+    # or "short_conv": LFM2's gated short convolution (models/short_conv.py); or "gated_delta": Qwen3.5's gated
+    # DeltaNet (models/gated_delta.py), in Mamba-2's terms: ssm_num_heads value heads of ssm_head_dim, whose state
+    # rows are as wide as a key (ssm_state_size), the keys and queries shared in ssm_groups groups of heads
+    state_mixer: str = "mamba2"
+    # gated DeltaNet's value heads in llama.cpp's tiled order (a GGUF's): value head j reads query / key head
+    # j % ssm_groups; else HF's grouped order, j // (ssm_num_heads / ssm_groups)
+    ssm_heads_tiled: bool = False
     ssm_chunk_size: int = 256
     ssm_conv_bias: bool = True
     ssm_proj_bias: bool = False
@@ -174,7 +183,8 @@ class ModelConfig:
 
     @property
     def ssm_conv_channels(self) -> int:
-        """What the causal convolution runs over: Mamba-2's input x and its B and C; LFM2's gated input."""
+        """What the causal convolution runs over: Mamba-2's input x and its B and C (gated DeltaNet's v, k and q);
+        LFM2's gated input."""
         if self.state_mixer == "short_conv":
             return self.hidden_size
         return self.ssm_inner_size + 2 * self.ssm_groups * self.ssm_state_size

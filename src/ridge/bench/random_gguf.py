@@ -47,7 +47,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
-                      "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe"}
+                      "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
+                      "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -56,8 +57,8 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
                 "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
                 "mlp.router.bias": "ffn_gate_inp.bias"}
-# gpt-oss's MLP input norm is its post_attention_norm (Gemma's sandwich norm elsewhere)
-_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
+# gpt-oss's and Qwen3.5's MLP input norm is their post_attention_norm (Gemma's sandwich norm elsewhere)
+_POST_ATTENTION_NORM_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
 # a Mamba-2 mixer's (llama.cpp's ssm_a and ssm_d have no .weight suffix; ssm_dt is dt's bias alone)
 _SSM_NAMES = {"ssm.in_proj.weight": "ssm_in.weight", "ssm.conv_weight": "ssm_conv1d.weight",
               "ssm.conv_bias": "ssm_conv1d.bias", "ssm.dt_bias": "ssm_dt.bias", "ssm.D": "ssm_d",
@@ -125,10 +126,25 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
         raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
                          "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")
+    if arch in ("qwen35", "qwen35moe"):
+        _full_attention_interval(spec)
+        if spec.ssm_state_size != spec.ssm_head_dim:
+            raise ValueError(f"model: a {arch} GGUF holds gated DeltaNet heads whose keys are as wide as their values "
+                             f"(llama.cpp's state is square); ssm_state_size {spec.ssm_state_size} != ssm_head_dim "
+                             f"{spec.ssm_head_dim}")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
     return arch
+
+
+def _full_attention_interval(spec: ModelSpec) -> int:
+    """A qwen35 file's one key for its layers: attention on every n-th (the last of each n), else ValueError."""
+    interval = next((i + 1 for i in range(spec.num_layers) if i not in spec.ssm_layers), spec.num_layers + 1)
+    if spec.ssm_layers != tuple(i for i in range(spec.num_layers) if (i + 1) % interval):
+        raise ValueError(f"model: gated DeltaNet layers {list(spec.ssm_layers)} are not all but every n-th layer, "
+                         "the one pattern a qwen35 GGUF holds (full_attention_interval)")
+    return interval
 
 
 def _check_mamba2(spec: ModelSpec, arch: str) -> None:
@@ -177,6 +193,15 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_rope_dimension_count(cfg.rotary_dim)
             if cfg.rotary_dim < spec.head_dim:  # _permute_rotary's form, not the converter's (models/loader.py)
                 writer.add_bool(PARTIAL_ROTARY_ROWS, True)
+    elif arch in ("qwen35", "qwen35moe"):  # gated DeltaNet layers beside the attention, every interval-th
+        _state_space_header(writer, spec)
+        writer.add_full_attention_interval(_full_attention_interval(spec))
+        writer.add_head_count_kv(spec.num_kv_heads)
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+        # llama.cpp's multimodal rotary sections (time, height, width) of the rotary pairs, as Qwen3.5's 11, 11, 10
+        # of 32: a text token's three positions are equal, so any split turns what HF's text model turns
+        pairs = cfg.rotary_dim // 2
+        writer.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
     elif arch in ("lfm2", "lfm2moe"):  # short convolutions beside the attention
         writer.add_shortconv_l_cache(spec.ssm_conv_kernel)
         writer.add_vocab_size(spec.vocab_size)
@@ -293,20 +318,28 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
         layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
-        for name, gguf_name in (_GPT_OSS_LAYER_NAMES if cfg.architecture == "gpt_oss" else _LAYER_NAMES).items():
+        names = _POST_ATTENTION_NORM_NAMES if cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe") else \
+            _LAYER_NAMES
+        for name, gguf_name in names.items():
             if name in layer:
                 yield f"blk.{i}.{gguf_name}", layer[name]
         if cfg.is_mla:
             yield from _latent_attention_tensors(cfg, i, layer)
-        if "ssm.A_log" in layer:
+        if "ssm.A_log" in layer and cfg.state_mixer == "gated_delta":
+            yield from _gated_delta_tensors(cfg, i, layer)
+        elif "ssm.A_log" in layer:
             yield from _state_space_tensors(cfg, i, layer)
         elif "ssm.conv_weight" in layer:
             yield from ((f"blk.{i}.{gguf_name}", layer[name]) for name, gguf_name in _SHORT_CONV_NAMES.items()
                         if name in layer)
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
-                for part, rows, heads in (("q", fused[:q], cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
-                                          ("v", fused[q + kv:], None)):
+                queries = fused[:q]
+                if cfg.attention_output_gate:  # each head's query rows then its gate's, as in the checkpoint
+                    queries = torch.stack([queries.unflatten(0, (cfg.num_heads, -1)),
+                                           fused[q + 2 * kv:].unflatten(0, (cfg.num_heads, -1))], 1).flatten(0, 2)
+                for part, rows, heads in (("q", queries, cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
+                                          ("v", fused[q + kv:q + 2 * kv], None)):
                     if heads and cfg.architecture in (*ROTARY_PERMUTED, "bamba"):
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
@@ -335,6 +368,34 @@ def _state_space_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor
             yield f"blk.{i}.{gguf_name}", layer[name].reshape(-1, 1) if name == "ssm.D" else layer[name]
     yield f"blk.{i}.ssm_a", -torch.exp(layer["ssm.A_log"].float()).reshape(-1, 1)
     yield f"blk.{i}.ssm_norm.weight", layer["ssm.norm_weight"].reshape(cfg.ssm_groups, -1)
+
+
+def _gated_delta_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor]):
+    """A gated DeltaNet as llama.cpp's converter writes it (qwen35): in_proj's four parts, A itself (-exp(A_log)),
+    and the value heads in llama.cpp's tiled order (value head j reading query / key head j % groups, where HF's
+    grouped order has j // (heads / groups)): their rows of q k v and of the convolution, of z, b and a, their
+    dt_bias and A, and their columns of out_proj."""
+    heads, width, inner = cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_inner_size
+    keys = cfg.ssm_conv_channels - inner  # q's and k's channels, before v's
+    order = torch.arange(heads)
+    if not cfg.ssm_heads_tiled:  # tiled position j holds grouped head order[j]
+        order = order.view(cfg.ssm_groups, -1).T.flatten()
+
+    def tiled(rows: torch.Tensor) -> torch.Tensor:  # rows of per-head blocks, the blocks in tiled order
+        return rows.unflatten(0, (heads, -1))[order].flatten(0, 1)
+
+    qkv, z, b, a = layer["ssm.in_proj.weight"].split([cfg.ssm_conv_channels, inner, heads, heads])
+    conv = layer["ssm.conv_weight"]
+    yield f"blk.{i}.attn_qkv.weight", torch.cat([qkv[:keys], tiled(qkv[keys:])])
+    yield f"blk.{i}.attn_gate.weight", tiled(z)
+    yield f"blk.{i}.ssm_beta.weight", tiled(b)
+    yield f"blk.{i}.ssm_alpha.weight", tiled(a)
+    yield f"blk.{i}.ssm_conv1d.weight", torch.cat([conv[:keys], tiled(conv[keys:])])
+    yield f"blk.{i}.ssm_dt.bias", layer["ssm.dt_bias"][order]
+    yield f"blk.{i}.ssm_a", -torch.exp(layer["ssm.A_log"].float())[order]
+    yield f"blk.{i}.ssm_norm.weight", layer["ssm.norm_weight"]
+    out = layer["ssm.out_proj.weight"]
+    yield f"blk.{i}.ssm_out.weight", out.unflatten(1, (heads, width))[:, order].flatten(1)
 
 
 def _permute_rotary(rows: torch.Tensor, heads: int, rotary_dim: int) -> torch.Tensor:

@@ -114,6 +114,9 @@ class ShardPlan:
         if cfg.ssm_layers and cfg.state_mixer == "short_conv":
             raise ValueError("tensor_parallel_size: LFM2's short-convolution layers are not cut across ranks (run "
                              "it on one process)")
+        if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
+            raise ValueError(f"tensor_parallel_size: {cfg.architecture}'s gated DeltaNet and gated attention layers "
+                             "are not cut across ranks (run it on one process)")
         if cfg.ssm_layers:
             self.ssm_heads  # noqa: B018 (raises where they cannot be split)
             if cfg.ssm_proj_bias:

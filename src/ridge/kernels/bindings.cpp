@@ -135,7 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t group, c10::optional<torch::Tensor> rope_table, c10::optional<torch::Tensor> sinks,
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
                        double residual_multiplier, std::optional<StateMixer> ssm,
-                       std::optional<ShortConv> short_conv) {
+                       std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate) {
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -148,6 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.residual_multiplier = residual_multiplier;
              layer.ssm = ssm;
              layer.short_conv = short_conv;
+             layer.gated_delta = gated_delta;
+             layer.output_gate = output_gate;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -156,7 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("fp8") = false, py::arg("experts") = py::none(), py::arg("latent") = py::none(),
            py::arg("activation") = Activation(), py::arg("group") = 0, py::arg("rope_table") = py::none(),
            py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
-           py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none());
+           py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none(),
+           py::arg("gated_delta") = py::none(), py::arg("output_gate") = false);
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
@@ -178,6 +181,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("conv_bias"),
            py::arg("conv_state"));
+  py::class_<GatedDelta>(m, "GatedDelta", "a gated DeltaNet's weights and its layer's state tensors")
+      .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
+                       c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
+                       torch::Tensor norm_weight, int64_t groups, bool tiled, torch::Tensor conv_state,
+                       torch::Tensor ssm_state) {
+             TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.scalar_type() == torch::kFloat,
+                         "GatedDelta: ssm_state float32 [slots, heads, value_dim, key_dim]");
+             TORCH_CHECK(groups > 0 && ssm_state.size(1) % groups == 0, "GatedDelta: groups must divide the heads");
+             return GatedDelta{in_proj, out_proj, conv_weight, conv_bias, dt_bias, A_log, norm_weight, groups, tiled,
+                               conv_state, ssm_state};
+           }),
+           py::arg("in_proj"), py::arg("out_proj"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_bias"),
+           py::arg("A_log"), py::arg("norm_weight"), py::arg("groups"), py::arg("tiled"), py::arg("conv_state"),
+           py::arg("ssm_state"));
   py::class_<GroupStep>(m, "GroupStep", "one KV group's part of a decode step")
       .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens,
                        std::optional<torch::Tensor> window_starts, std::optional<torch::Tensor> mass) {

@@ -229,10 +229,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     } else {
       h = add_norm_(residual, x, layer.input_norm);
     }
-    if (layer.ssm.has_value() || layer.short_conv.has_value()) {
+    if (layer.ssm.has_value() || layer.short_conv.has_value() || layer.gated_delta.has_value()) {
       TORCH_CHECK(state_slots.has_value(), "DecodeStack: a state-space layer needs the rows' state slots");
-      x = layer.ssm.has_value() ? state_mixer(*layer.ssm, h, *state_slots)
-                                : short_conv(*layer.short_conv, h, *state_slots);
+      x = layer.ssm.has_value()          ? state_mixer(*layer.ssm, h, *state_slots)
+          : layer.short_conv.has_value() ? short_conv(*layer.short_conv, h, *state_slots)
+                                         : gated_delta(*layer.gated_delta, h, *state_slots);
     } else {
       TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
       const GroupStep& step = groups[layer.group];
@@ -283,6 +284,36 @@ torch::Tensor DecodeStack::short_conv(const ShortConv& m, const torch::Tensor& h
   return m.out_proj((parts[1].to(torch::kFloat) * out).to(h.scalar_type()));
 }
 
+// models/gated_delta.py's GatedDeltaMixer.forward for decode rows (its _activate and _step), op for op
+torch::Tensor DecodeStack::gated_delta(const GatedDelta& m, const torch::Tensor& h, const torch::Tensor& slots) const {
+  const int64_t heads = m.ssm_state.size(1), value_dim = m.ssm_state.size(2), key_dim = m.ssm_state.size(3);
+  const int64_t inner = heads * value_dim, channels = m.conv_weight.size(0), width = m.groups * key_dim;
+  const auto parts = m.in_proj(h).split_with_sizes({channels, inner, heads, heads}, -1);  // q k v, z, b, alpha
+  const auto beta = at::sigmoid(parts[2].to(torch::kFloat));
+  const auto decay = -at::exp(m.A_log.to(torch::kFloat)) *
+                     at::softplus(parts[3].to(torch::kFloat) + m.dt_bias.to(torch::kFloat));
+  const auto window = at::cat({m.conv_state.index_select(0, slots), parts[0].to(torch::kFloat).unsqueeze(-1)}, -1);
+  m.conv_state.index_copy_(0, slots, window.narrow(2, 1, window.size(2) - 1));
+  auto conv_out = (window * m.conv_weight.to(torch::kFloat)).sum(-1);
+  if (m.conv_bias.has_value()) conv_out = conv_out + m.conv_bias->to(torch::kFloat);
+  const auto qkv = at::silu(conv_out).split_with_sizes({width, width, inner}, -1);
+  const auto heads_of = [&](const torch::Tensor& t) {  // each value head its group's key-wide vector, L2-normed
+    const auto grouped = t.unflatten(-1, {m.groups, key_dim});
+    const auto normed = grouped * at::rsqrt(grouped.square().sum(-1, true) + 1e-6);
+    return m.tiled ? normed.repeat({1, heads / m.groups, 1}) : normed.repeat_interleave(heads / m.groups, 1);
+  };
+  const auto q = heads_of(qkv[0]) * std::pow(static_cast<double>(key_dim), -0.5), k = heads_of(qkv[1]);
+  const auto v = qkv[2].unflatten(-1, {heads, value_dim});
+  auto state = m.ssm_state.index_select(0, slots) * at::exp(decay).unsqueeze(-1).unsqueeze(-1);
+  const auto correction = beta.unsqueeze(-1) * (v - at::matmul(state, k.unsqueeze(-1)).squeeze(-1));
+  state += correction.unsqueeze(-1) * k.unsqueeze(2);
+  m.ssm_state.index_copy_(0, slots, state);
+  const auto y = at::matmul(state, q.unsqueeze(-1)).squeeze(-1);
+  const auto normed = at::rms_norm(y, {value_dim}, c10::nullopt, eps).to(h.scalar_type()) * m.norm_weight;
+  const auto gated = normed * at::silu(parts[1].to(torch::kFloat)).view({-1, heads, value_dim});
+  return m.out_proj(gated.flatten(1).to(h.scalar_type()));
+}
+
 // a mixer's or an MLP's output as it joins the residual stream: its sandwich norm, then the residual multiplier
 torch::Tensor DecodeStack::branch_output(const Layer& layer, torch::Tensor x,
                                          const c10::optional<torch::Tensor>& norm) const {
@@ -294,8 +325,9 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
                                      const GroupStep& step) const {
   const int64_t rows = h.size(0);
   const torch::Tensor& table = layer.rope_table.has_value() ? *layer.rope_table : rope_table;
-  auto qkv = layer.qkv(h).view({rows, heads + 2 * kv_heads, head_dim});
-  auto split = qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
+  auto qkv = layer.qkv(h).view({rows, -1, head_dim});
+  auto split = layer.output_gate ? qkv.split_with_sizes({heads, kv_heads, kv_heads, heads}, 1)
+                                 : qkv.split_with_sizes({heads, kv_heads, kv_heads}, 1);
   torch::Tensor q = split[0], k = split[1], v = split[2];
   // a partial rotary (a table narrower than the head) turns each head's first dims, the rest pass through
   const int64_t rotary_dim = table.size(1) * 2;
@@ -330,6 +362,7 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   if (layer.sinks.has_value()) {  // attention/backend.py's sink_correction_: out * Z / (Z + e^sink)
     out.mul_(torch::sigmoid(lse - layer.sinks->to(torch::kFloat)).to(out.scalar_type()).unsqueeze(-1));
   }
+  if (layer.output_gate) return out.reshape({rows, heads * head_dim}) * torch::sigmoid(split[3].reshape({rows, -1}));
   return out.reshape({rows, heads * head_dim});
 }
 

@@ -122,6 +122,18 @@ struct ShortConv {
   torch::Tensor conv_state;
 };
 
+// Qwen3.5's gated DeltaNet (models/gated_delta.py's GatedDeltaMixer): its projections, taps and decay parameters,
+// and this layer's state tensors (the convolution's last inputs, and each value head's [value_dim, key_dim] state).
+struct GatedDelta {
+  Linear in_proj, out_proj;
+  torch::Tensor conv_weight;  // [channels, taps]
+  c10::optional<torch::Tensor> conv_bias;
+  torch::Tensor dt_bias, A_log, norm_weight;
+  int64_t groups;  // of value heads sharing a query and key head
+  bool tiled;      // value head j reads query / key head j % groups (a GGUF's order), else j / (heads / groups)
+  torch::Tensor conv_state, ssm_state;
+};
+
 // models/layers.py's DecoderLayer.
 struct Layer {
   torch::Tensor input_norm;
@@ -140,6 +152,8 @@ struct Layer {
   std::optional<LatentProjections> latent;  // the layer's attention, where it is latent (qkv empty then)
   std::optional<StateMixer> ssm;            // the layer's mixer, where it is a state-space one (no attention then)
   std::optional<ShortConv> short_conv;      // or LFM2's short convolution
+  std::optional<GatedDelta> gated_delta;    // or Qwen3.5's gated DeltaNet
+  bool output_gate = false;  // Qwen3.5's: qkv's rows end with a gate per query row, the output times its sigmoid
   int64_t group = 0;  // the layer's KV group (kv/layout.py): which of a step's GroupSteps it writes and reads
   c10::optional<torch::Tensor> rope_table;  // the layer's own rotary table (Gemma 3's local layers), else the stack's
   c10::optional<torch::Tensor> sinks;       // gpt-oss's attention sinks [heads]: one more logit in each softmax
@@ -185,6 +199,7 @@ struct DecodeStack {
   // a state-space layer's mixer from its normed input h to its output [B, hidden]
   torch::Tensor state_mixer(const StateMixer& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
+  torch::Tensor gated_delta(const GatedDelta& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
   // residual += x, then the norm of the sum
   torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weight) const;

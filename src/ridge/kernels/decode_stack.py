@@ -11,7 +11,8 @@ there). A mixture of experts' layers route and run their experts in C++ too (dec
 side on the threads. Each layer reads its own KV group's part of the step (its window, its blocks), so local:global
 models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks; and
 Mamba-2's layers, each mixer advancing the rows' states in their slots (kernels/state_space.cpp), its residual
-stream in float32 where the model keeps it so.
+stream in float32 where the model keeps it so; LFM2's short convolutions and Qwen3.5's gated DeltaNet and gated
+attention likewise (torch ops in the Python form's order).
 Every other step, and every model with a layer it has no kernel for, runs the Python path, as does
 `enforce_eager=True` (vLLM's name for running without captured graphs).
 """
@@ -31,6 +32,7 @@ from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
+from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
@@ -194,7 +196,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 sinks=None if latent else attn.sinks,
                                 attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
                                 mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,
-                                residual_multiplier=layer.residual_multiplier))
+                                residual_multiplier=layer.residual_multiplier,
+                                output_gate=isinstance(attn, Attention) and attn.gated))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
@@ -205,11 +208,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
 
 
 def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:
-    """The stack's form of a layer whose mixer is Mamba-2's or LFM2's short convolution (its dense MLP or its
-    mixture of experts, where it has one), over its state tensors; None where a linear has no kernel there."""
+    """The stack's form of a layer whose mixer is Mamba-2's, LFM2's short convolution or Qwen3.5's gated DeltaNet
+    (its dense MLP or its mixture of experts, where it has one), over its state tensors; None where a linear has no
+    kernel there."""
     mixer = layer.ssm
     in_proj, out_proj = native_linear(ops, mixer.in_proj), native_linear(ops, mixer.out_proj)
-    short_conv = isinstance(mixer, ShortConvMixer)
     mlp = layer.mlp
     moe = isinstance(mlp, MoEBlock)
     experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
@@ -218,12 +221,17 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
     if in_proj is None or out_proj is None or any(linear is None for linear in mlp_linears) or (
             moe and experts is None):
         return None
-    if short_conv:
-        native = ops.ShortConv(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, states.conv[mixer.layer_index])
+    conv_state, ssm_state = states.conv[mixer.layer_index], states.ssm[mixer.layer_index]
+    if isinstance(mixer, ShortConvMixer):
+        kind, native = "short_conv", ops.ShortConv(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, conv_state)
+    elif isinstance(mixer, GatedDeltaMixer):
+        kind, native = "gated_delta", ops.GatedDelta(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias,
+                                                     mixer.dt_bias, mixer.A_log, mixer.norm_weight, mixer.groups,
+                                                     mixer.tiled, conv_state, ssm_state)
     else:
-        native = ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log,
-                                mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
-                                states.conv[mixer.layer_index], states.ssm[mixer.layer_index])
+        kind, native = "ssm", ops.StateMixer(in_proj, out_proj, mixer.conv_weight, mixer.conv_bias, mixer.dt_bias,
+                                             mixer.A_log, mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
+                                             conv_state, ssm_state)
     empty = torch.empty(0)
     return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,
                      ops.Linear([], None), ops.Linear([], None), *mlp_linears, empty, empty,
@@ -232,4 +240,4 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                      attn_out_norm=None if layer.attn_out_norm is None else layer.attn_out_norm.weight,
                      mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
                      residual_multiplier=layer.residual_multiplier,
-                     **{"short_conv" if short_conv else "ssm": native})
+                     **{kind: native})

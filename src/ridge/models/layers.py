@@ -124,7 +124,9 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        # with an output gate (Qwen3.5), its rows follow v's: one projection gives all four
+        self.gated = cfg.attention_output_gate
+        self.qkv = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         # gpt-oss: each query head's sink logit, in the denominator of its softmax (attention/backend.py)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
@@ -154,9 +156,10 @@ class Attention(nn.Module):
         meta: StepMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv(x).view(tokens, -1, self.head_dim)
         # split_with_sizes: Tensor.split's Python wrapper cost as much as the split, 30 times a step
-        q, k, v = qkv.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k, v, *gate = qkv.split_with_sizes(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads] + ([self.num_heads] if self.gated else []), dim=1)
         if self.norm_full:
             if self.sharded_norm is not None:
                 q, k = self._sharded_full_norm(q, k)
@@ -173,7 +176,10 @@ class Attention(nn.Module):
             rope.apply_(qkv, self.num_heads + self.num_kv_heads)
         out = (backend.forward(self.layer_index, q, k, v, meta) if self.sinks is None
                else backend.forward(self.layer_index, q, k, v, meta, self.sinks))  # a backend that handles_sinks
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        if self.gated:
+            out = out * torch.sigmoid(gate[0].reshape(tokens, -1))
+        return self.o_proj(out)
 
     def _sharded_full_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.sharded_norm

@@ -210,6 +210,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
+        if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
+            tensors = _split_gated_attention(tensors, cfg)
         table = hf_names(cfg)
         fmt = "safetensors"
         quantization = hf_config.get("quantization_config")
@@ -226,6 +228,8 @@ def load_model(
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
         tensors = _gguf_tensors(gguf, cfg, gguf_native, target.cpu_ops if target else None)
+        if cfg.attention_output_gate:
+            tensors = _split_gated_attention(tensors, cfg)
         table = gguf_names(cfg)
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
@@ -504,10 +508,61 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig)
             continue
         for prefix, plain in LANGUAGE_MODEL_PREFIXES:
             name = re.sub("^" + prefix, plain, name)
-        if cfg.norm_weight_offset and name.endswith("norm.weight"):
+        if cfg.norm_weight_offset and name.endswith("norm.weight") and not _PLAIN_NORM.search(name):
             yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)
         else:
             yield name, stored
+
+
+# the gated DeltaNet's norm multiplies by its weight as stored, beside Qwen3.5's other norms (1 + w)
+_PLAIN_NORM = re.compile(r"linear_attn\.norm\.weight$")
+# a query projection that holds the output gate's rows too: HF's (q_proj) and llama.cpp's (attn_q); the gate's
+# name for it
+_QUERY_AND_GATE = re.compile(r"(.+)\.(self_attn\.q_proj|attn_q)\.(weight|bias)")
+_GATE_NAME = {"self_attn.q_proj": "self_attn.q_gate", "attn_q": "attn_q_gate"}
+_GROUPED_PROJECTIONS = re.compile(r"(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight")
+
+
+def _rows_of(stored: _Stored, order: torch.Tensor) -> _Stored:
+    """The stored tensor's rows `order` (its row i the stored row order[i]), as a tensor of len(order) rows."""
+    return _Stored((len(order), *stored.shape[1:]), lambda rows: stored.read(order if rows is None else order[rows]),
+                   stored.quantized)
+
+
+def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
+    """Qwen3.5's and Qwen3-Next's tensors as ridge holds them: q_proj's (attn_q's) rows, each head's query then its
+    output gate, as q_proj (the queries) and q_gate (the gates); Qwen3-Next's in_proj_qkvz and in_proj_ba, whose rows go
+    key head by key head (its q, k, its value heads' v, z; their b, a), as Qwen3.5's in_proj_qkv, _z, _b, _a."""
+    heads, width = cfg.num_heads, cfg.head_dim
+    per_head = torch.arange(heads)[:, None] * 2 * width
+    queries = (per_head + torch.arange(width)).flatten()
+    for name, stored in tensors:
+        if match := _QUERY_AND_GATE.fullmatch(name):
+            yield name, _rows_of(stored, queries)
+            prefix, projection, kind = match.groups()
+            yield f"{prefix}.{_GATE_NAME[projection]}.{kind}", _rows_of(stored, queries + width)
+        elif match := _GROUPED_PROJECTIONS.fullmatch(name):
+            yield from _ungrouped_projections(match.group(1), match.group(2), stored, cfg)
+        else:
+            yield name, stored
+
+
+def _ungrouped_projections(prefix: str, kind: str, stored: _Stored, cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
+    groups, key, value = cfg.ssm_groups, cfg.ssm_state_size, cfg.ssm_head_dim
+    per_group = cfg.ssm_num_heads // groups
+    widths = [key, key, per_group * value, per_group * value] if kind == "qkvz" else [per_group, per_group]
+    starts = torch.tensor([0, *widths[:-1]]).cumsum(0)
+    group_rows = torch.arange(groups)[:, None] * sum(widths)
+
+    def rows(part: int) -> torch.Tensor:  # the part's rows of every group, group by group
+        return (group_rows + starts[part] + torch.arange(widths[part])).flatten()
+
+    if kind == "qkvz":
+        yield f"{prefix}.in_proj_qkv.weight", _rows_of(stored, torch.cat([rows(0), rows(1), rows(2)]))
+        yield f"{prefix}.in_proj_z.weight", _rows_of(stored, rows(3))
+    else:
+        for part, name in enumerate(("b", "a")):
+            yield f"{prefix}.in_proj_{name}.weight", _rows_of(stored, rows(part))
 
 
 # Granite's experts, stacked [experts, rows, columns] in ridge's own per-expert layout (input_linear: gate's rows,

@@ -1,10 +1,11 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, and lfm2 and
-lfm2_moe run on one DecoderModel; what differs is a bias here, a norm there, Granite's scalars, a sliding window,
-Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense
-FFN, and a Mamba-2 mixer or LFM2's short convolution in place of attention.
+olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
+lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there,
+Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
+router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
+DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ridge.config import ModelConfig
 from ridge.models.spec import ModelSpec
 from ridge.rope_scaling import RopeScaling
 
+_QWEN3_5 = {"qk_norm": True, "norm_weight_offset": 1.0, "attention_output_gate": True}
 # per architecture: fixed ModelConfig fields
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
@@ -55,15 +57,21 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # LFM2-MoE: LFM2's layers with a mixture after the first few: sigmoid scores, chosen with the expert bias
     # (DeepSeek-V3's router without groups), the top k renormalised with 1e-6 added to their sum
     "lfm2_moe": {"qk_norm": True, "router_scoring": "sigmoid", "router_norm_eps": 1e-6},
+    # Qwen3.5: gated DeltaNet layers (models/gated_delta.py) beside attention whose output is gated, q / k normed
+    # per head; every norm but the DeltaNet's own multiplies by 1 + w. Qwen3.5-MoE and Qwen3-Next: a mixture with a
+    # gated shared expert (Qwen2-MoE's) after every layer
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": {**_QWEN3_5, "norm_topk_prob": True},
+    "qwen3_next": _QWEN3_5,
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid", "lfm2_moe")
+        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next")
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe")
+_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
-_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid")
+_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
 _OUT_BIAS = ("llama", *_GRANITE, "gpt_oss")
 
@@ -91,6 +99,15 @@ _HF_NAMES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its language model; the vision tower is not loaded
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen35": "qwen3_5",  # GGUF general.architecture
+    "qwen35moe": "qwen3_5_moe",
     "granitemoeshared": "granitemoe",
     "granitehybrid": "granitemoehybrid",  # GGUF general.architecture: Granite 4.0-H's, and Bamba's (its rotary from
     # rope.dimension_count, a dense FFN: models/spec.py)
@@ -198,7 +215,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       ssm_head_dim=spec.ssm_head_dim, ssm_groups=spec.ssm_groups, ssm_conv_kernel=spec.ssm_conv_kernel,
                       ssm_chunk_size=spec.ssm_chunk_size, ssm_conv_bias=spec.ssm_conv_bias,
                       ssm_proj_bias=spec.ssm_proj_bias, ssm_dt_limit=spec.ssm_dt_limit, state_mixer=spec.state_mixer,
-                      residual_in_fp32=spec.residual_in_fp32)
+                      residual_in_fp32=spec.residual_in_fp32, ssm_heads_tiled=spec.ssm_heads_tiled)
+    if spec.attention_output_gate and arch not in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        raise ValueError(f"{spec.source}: an attention output gate in architecture {arch!r} is not supported")
     if spec.is_moe:
         fields.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                       moe_intermediate_size=spec.moe_intermediate_size,

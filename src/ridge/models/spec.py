@@ -13,6 +13,8 @@ from gguf.quants import dequantize
 
 from ridge.models.gguf_file import GGUFFile
 
+STATE_MIXERS = ("mamba2", "short_conv", "gated_delta")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -58,8 +60,13 @@ class ModelSpec:
     ssm_groups: int = 1
     ssm_conv_kernel: int = 4
     # the mixer of those layers: "mamba2", or "short_conv" (LFM2's gated short convolution: its state the last
-    # ssm_conv_kernel - 1 inputs of a hidden-wide convolution, no SSM heads)
+    # ssm_conv_kernel - 1 inputs of a hidden-wide convolution, no SSM heads), or "gated_delta" (Qwen3.5's gated
+    # DeltaNet: ssm_num_heads value heads of ssm_head_dim, each a state of ssm_head_dim x ssm_state_size (the key
+    # heads' width), in ssm_groups groups that share a query and key head)
     state_mixer: str = "mamba2"
+    # Qwen3.5 / Qwen3-Next: the query projection also gives a gate per query row, the attention's output times its
+    # sigmoid
+    attention_output_gate: bool = False
     has_ffn: bool = True  # Mamba-2's own layers hold the mixer only
     # the weights of an attention layer's q and k norms: a head's width each (Qwen3, Gemma 3, LFM2), all heads'
     # (OLMoE), or none
@@ -92,6 +99,7 @@ class ModelSpec:
     rope_interleave: bool = field(default=False, compare=False)
     partial_rotary_factor: float = field(default=1.0, compare=False)  # rotary on this share of a head's dims
     ssm_chunk_size: int = field(default=256, compare=False)
+    ssm_heads_tiled: bool = field(default=False, compare=False)  # ModelConfig's: a qwen35 GGUF's value-head order
     ssm_conv_bias: bool = field(default=True, compare=False)
     ssm_proj_bias: bool = field(default=False, compare=False)
     ssm_dt_limit: tuple[float, float] = field(default=(0.0, float("inf")), compare=False)
@@ -166,9 +174,10 @@ class ModelSpec:
         if any(not 0 <= i < self.num_layers for i in self.ssm_layers):
             raise ValueError(f"model {self.name}: ssm_layers {list(self.ssm_layers)} must be layers "
                              f"0..{self.num_layers - 1}")
-        if self.state_mixer not in ("mamba2", "short_conv"):
-            raise ValueError(f"model {self.name}: state_mixer {self.state_mixer!r} is not mamba2 or short_conv")
-        if self.ssm_layers and self.state_mixer == "mamba2" and min(
+        if self.state_mixer not in STATE_MIXERS:
+            raise ValueError(f"model {self.name}: state_mixer {self.state_mixer!r} is not one of "
+                             f"{', '.join(STATE_MIXERS)}")
+        if self.ssm_layers and self.state_mixer != "short_conv" and min(
                 self.ssm_num_heads, self.ssm_head_dim, self.ssm_state_size) <= 0:
             raise ValueError(f"model {self.name}: state-space layers need positive ssm_num_heads, ssm_head_dim and "
                              "ssm_state_size")
@@ -234,8 +243,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["moe_intermediate_size"] = fields["intermediate_size"]  # Mixtral: experts as wide as a dense FFN
     if fields.get("shared_expert_intermediate_size") and not fields.get("shared_experts"):
         fields["shared_experts"] = 1  # Qwen2-MoE: one shared expert, of its own width
-    if config.get("model_type") == "qwen2_moe" and fields.get("shared_expert_intermediate_size"):
+    if config.get("model_type") in _GATED_SHARED_EXPERT and fields.get("shared_expert_intermediate_size"):
         fields["shared_expert_gate"] = True
+    if "tie_word_embeddings" in outer and outer is not config:  # a multimodal model ties (or not) as a whole
+        fields["tie_word_embeddings"] = outer["tie_word_embeddings"]
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
@@ -255,7 +266,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
-        "lfm2_moe": per_head, "olmoe": all_heads}.get(config.get("model_type"), 0)
+        "lfm2_moe": per_head, "olmoe": all_heads, **dict.fromkeys(_QWEN3_5, per_head)}.get(config.get("model_type"), 0)
     fields.setdefault("partial_rotary_factor",
                       float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
     return ModelSpec(
@@ -295,6 +306,8 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     kind = config.get("model_type")
     if kind in ("lfm2", "lfm2_moe"):
         return _lfm2_fields(config, source)
+    if kind in _QWEN3_5:
+        return _qwen3_5_fields(config, source)
     if kind == "mamba2":
         layers = config["num_hidden_layers"]
         shape = {"ssm_layers": tuple(range(layers)), "has_ffn": False, "num_heads": 0, "num_kv_heads": 0,
@@ -348,6 +361,34 @@ def _lfm2_fields(config: dict, source: str) -> dict:
     return {"ssm_layers": tuple(i for i, kind in enumerate(kinds) if kind == "conv"), "state_mixer": "short_conv",
             "ssm_conv_kernel": int(config.get("conv_L_cache", 3)), "ssm_conv_bias": bool(config.get("conv_bias")),
             "intermediate_size": width}
+
+
+# Qwen3.5's (dense and MoE; text_config's model types, and the wrappers') and Qwen3-Next's configs; those whose
+# shared expert is gated (Qwen2-MoE's form)
+_QWEN3_5 = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+_GATED_SHARED_EXPERT = ("qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def _qwen3_5_fields(config: dict, source: str) -> dict:
+    """Qwen3.5 and Qwen3-Next: gated DeltaNet layers ("linear_attention") beside gated attention layers (every
+    full_attention_interval-th, without layer_types) with a quarter of each head rotary, unless said otherwise."""
+    layers = config["num_hidden_layers"]
+    interval = config.get("full_attention_interval", 4)
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                          for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"{source}: layer_types: {layers} of linear_attention, full_attention expected, got "
+                         f"{kinds}")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return {"ssm_layers": tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+            "state_mixer": "gated_delta", "attention_output_gate": True, "ssm_conv_bias": False,
+            "ssm_num_heads": config.get("linear_num_value_heads", 32),
+            "ssm_head_dim": config.get("linear_value_head_dim", 128),
+            "ssm_state_size": config.get("linear_key_head_dim", 128),
+            "ssm_groups": config.get("linear_num_key_heads", 16),
+            "ssm_conv_kernel": config.get("linear_conv_kernel_dim", 4),
+            "partial_rotary_factor": float(config.get("partial_rotary_factor",
+                                                      rope.get("partial_rotary_factor", 0.25)))}
 
 
 # a Granite 4.0-H config's layer_types: HF's names for its two kinds, and the checkpoints' own
@@ -528,6 +569,8 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     granitehybrid file's (Granite 4.0-H, Bamba): the layers whose KV head count is 0, beside attention (without
     rotary, or Bamba's on part of each head) and an FFN on every layer. An lfm2 (lfm2moe) file's short
     convolutions: likewise, their taps in shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
+    if arch in ("qwen35", "qwen35moe"):
+        return _gguf_qwen3_5_fields(arch, value, head_dim)
     if arch in ("lfm2", "lfm2moe"):
         if (scale := value(f"{arch}.expert_weights_scale", 1.0)) != 1.0:  # llama.cpp's graph applies none
             raise ValueError(f"{arch}.expert_weights_scale: {scale} is not supported for {arch} (1)")
@@ -552,6 +595,21 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     return {"ssm_layers": _layers_without_kv(arch, value), "partial_rotary_factor": rotary / head_dim, **mixers}
 
 
+def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:
+    """A qwen35 (qwen35moe) file's gated DeltaNet layers, as llama.cpp's converter writes them: all but every
+    full_attention_interval-th; the value heads (time_step_rank) in llama.cpp's tiled order, their width the inner
+    size over them, the query / key heads the group count, their width the state size."""
+    layers, interval = int(value(f"{arch}.block_count")), int(value(f"{arch}.full_attention_interval", 4))
+    heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
+    return {"ssm_layers": tuple(i for i in range(layers) if (i + 1) % interval), "state_mixer": "gated_delta",
+            "attention_output_gate": True, "ssm_num_heads": heads, "ssm_head_dim": inner // heads,
+            "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
+            "ssm_groups": int(value(f"{arch}.ssm.group_count")),
+            "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")), "ssm_conv_bias": False,
+            "ssm_heads_tiled": True,
+            "partial_rotary_factor": int(value(f"{arch}.rope.dimension_count", head_dim)) / head_dim}
+
+
 def _layers_without_kv(arch: str, value) -> tuple[int, ...]:
     """A hybrid's state-space layers, as llama.cpp's converter marks them: a KV head count of 0 in the per-layer
     list (one count for all: no such layer)."""
@@ -573,7 +631,7 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
 _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
-                   "lfm2moe": True}
+                   "lfm2moe": True, "qwen35moe": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

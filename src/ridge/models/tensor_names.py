@@ -64,7 +64,8 @@ HF_SANDWICH_NAMES = [
 # a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
 LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
                             (r"language_model\.lm_head\.", "lm_head.")]
-NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
+# (Qwen3.5's: its vision tower `visual`, and `mtp`, its multi-token prediction layer, a drafter ridge does not run)
+NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|visual|mtp)\.")
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -165,12 +166,35 @@ HF_SSM_NAMES = [
 ]
 
 
+# Qwen3.5's gated DeltaNet (models/gated_delta.py): its four input projections one in_proj (q, k, v, then z, b, a;
+# Qwen3-Next's two grouped ones reordered to those by the loader), and an output gate as qkv's fourth slot (the
+# loader splits it from q_proj's rows, where each head's query and gate sit side by side)
+HF_GATED_DELTA_NAMES = [(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
+    (r"linear_attn\.in_proj_qkv\.weight", "ssm.in_proj.weight", 0),
+    (r"linear_attn\.in_proj_z\.weight", "ssm.in_proj.weight", 1),
+    (r"linear_attn\.in_proj_b\.weight", "ssm.in_proj.weight", 2),
+    (r"linear_attn\.in_proj_a\.weight", "ssm.in_proj.weight", 3),
+    (r"linear_attn\.conv1d\.weight", "ssm.conv_weight", None), (r"linear_attn\.dt_bias", "ssm.dt_bias", None),
+    (r"linear_attn\.A_log", "ssm.A_log", None), (r"linear_attn\.norm\.weight", "ssm.norm_weight", None),
+    (r"linear_attn\.out_proj\.weight", "ssm.out_proj.weight", None),
+    (r"self_attn\.q_gate\.(weight|bias)", "attn.qkv.{1}", 3)]]
+
+
 # a Mamba-2 mixer under llama.cpp's names (ssm_a holds A itself and is read as A_log by the loader, which also
 # flattens ssm_a / ssm_d's [heads, 1] and ssm_norm's [groups, width a group])
 GGUF_SSM_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.ssm." + target, None) for source, target in [
     (r"ssm_in\.weight", "in_proj.weight"), (r"ssm_conv1d\.weight", "conv_weight"), (r"ssm_conv1d\.bias", "conv_bias"),
     (r"ssm_dt\.bias", "dt_bias"), (r"ssm_a", "A_log"), (r"ssm_d", "D"), (r"ssm_norm\.weight", "norm_weight"),
     (r"ssm_out\.weight", "out_proj.weight")]]
+
+
+# Qwen3.5's under llama.cpp's names (qwen35, qwen35moe): the gated DeltaNet's four input projections (the rest under
+# Mamba-2's names), the output gate split from attn_q by the loader, and post_attention_norm, the FFN's input norm
+GGUF_QWEN3_5_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
+    (r"attn_qkv\.weight", "ssm.in_proj.weight", 0), (r"attn_gate\.weight", "ssm.in_proj.weight", 1),
+    (r"ssm_beta\.weight", "ssm.in_proj.weight", 2), (r"ssm_alpha\.weight", "ssm.in_proj.weight", 3),
+    (r"attn_q_gate\.(weight|bias)", "attn.qkv.{1}", 3),
+    (r"post_attention_norm\.weight", "post_attn_norm.weight", None)]]
 
 
 # LFM2's short convolutions under llama.cpp's names (the convolution's taps [hidden, taps]), and its final norm,
@@ -191,14 +215,15 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
-              else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe") else [])
+              else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
+              else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta" else [])
     return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
-    family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES}.get(
-        cfg.architecture, [])
+    family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
+              "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)

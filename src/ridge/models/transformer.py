@@ -11,6 +11,7 @@ from torch import nn
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateStep
+from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
@@ -39,7 +40,8 @@ class DecoderModel(nn.Module):
     @staticmethod
     def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:
         if cfg.is_ssm_layer(layer):
-            return ShortConvMixer(cfg, layer) if cfg.state_mixer == "short_conv" else Mamba2Mixer(cfg, layer)
+            mixer = {"short_conv": ShortConvMixer, "gated_delta": GatedDeltaMixer}.get(cfg.state_mixer, Mamba2Mixer)
+            return mixer(cfg, layer)
         return LatentAttention(cfg, layer) if cfg.is_mla else Attention(cfg, layer)
 
     @staticmethod

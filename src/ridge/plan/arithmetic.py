@@ -61,15 +61,20 @@ def attention_params_per_layer(m: ModelSpec) -> int:
         kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)  # up-projection to K, V
         return q + kv + m.num_heads * m.v_head_dim * h
     q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    bias = q_width + 2 * kv_width if m.qkv_bias else 0
-    return h * (q_width + 2 * kv_width) + q_width * h + bias
+    projected = (2 if m.attention_output_gate else 1) * q_width + 2 * kv_width  # q (and its gate), k, v
+    return h * projected + q_width * h + (projected if m.qkv_bias else 0)
 
 
 def ssm_params_per_layer(m: ModelSpec) -> int:
     """A Mamba-2 mixer: the input projection (to z, x, B, C and dt), the depthwise convolution, dt_bias, A and D
     per head, the gated norm, the output projection (biases left out, as rounding). LFM2's short convolution: the
     input projection (to B, C and x), the depthwise convolution, the output projection, with conv_bias a bias on
-    each."""
+    each. A gated DeltaNet: the input projection (to q, k, v, z, beta and the decay), the depthwise convolution,
+    dt_bias and A per head, the norm (one head's width), the output projection."""
+    if m.state_mixer == "gated_delta":
+        channels = m.ssm_conv_channels
+        return m.hidden_size * (channels + m.ssm_inner_size + 2 * m.ssm_num_heads) + channels * m.ssm_conv_kernel \
+            + 2 * m.ssm_num_heads + m.ssm_head_dim + m.ssm_inner_size * m.hidden_size
     if m.state_mixer == "short_conv":
         h = m.hidden_size
         return 3 * h * h + h * m.ssm_conv_kernel + h * h + (5 * h if m.ssm_conv_bias else 0)
