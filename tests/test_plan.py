@@ -370,3 +370,18 @@ def test_lfm2_s_published_sizes_and_its_small_state():
     assert a.kv_bytes_per_token(m, "bf16") == 2 * 6 * 8 * 64 * 2  # K and V, 6 attention layers, 8 KV heads of 64
     moe = a.count_parameters(PRESETS["lfm2-8b-a1b"])
     assert close(moe.stored, 8.3e9, 0.01) and close(moe.active, 1.5e9, 0.05)
+
+
+def test_qwen3_5_s_sizes_and_its_fixed_state():
+    """Qwen3-Next-80B-A3B's 80B parameters (3B active without the embeddings, as published), Qwen3.5-35B-A3B's text
+    model (35B with its vision tower) and Qwen3.5-9B's; a gated DeltaNet layer's state is each value head's
+    128 x 128 matrix and the convolution's last 3 inputs of q, k and v, whatever the context, and only every
+    fourth layer holds KV."""
+    next_80b = a.count_parameters(PRESETS["qwen3-next-80b-a3b"])
+    assert close(next_80b.stored, 80e9, 0.01) and close(next_80b.active - next_80b.embeddings - next_80b.output_head,
+                                                        3e9, 0.1)
+    assert close(a.count_parameters(PRESETS["qwen3.5-35b-a3b"]).stored, 34.7e9, 0.005)
+    m = PRESETS["qwen3.5-9b"]
+    assert close(a.count_parameters(m).stored, 8.95e9, 0.005)
+    assert a.state_bytes(m) == 4 * 24 * (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128))
+    assert a.kv_bytes_per_token(m, "bf16") == 2 * 8 * 4 * 256 * 2  # K and V, 8 attention layers, 4 KV heads of 256

@@ -93,6 +93,16 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config.update(layer_types=kinds, conv_L_cache=spec.ssm_conv_kernel, conv_bias=spec.ssm_conv_bias,
                       block_auto_adjust_ff_dim=False, norm_eps=spec.rms_norm_eps,
                       num_dense_layers=spec.first_dense_layers)
+    if spec.state_mixer == "gated_delta":  # Qwen3.5's text model (not its multimodal wrapper's config), Qwen3-Next
+        config.update(model_type={"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(
+                          spec.architecture, spec.architecture),
+                      layer_types=["linear_attention" if i in spec.ssm_layers else "full_attention"
+                                   for i in range(spec.num_layers)],
+                      linear_num_value_heads=spec.ssm_num_heads, linear_value_head_dim=spec.ssm_head_dim,
+                      linear_num_key_heads=spec.ssm_groups, linear_key_head_dim=spec.ssm_state_size,
+                      linear_conv_kernel_dim=spec.ssm_conv_kernel,
+                      rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                                       "partial_rotary_factor": spec.partial_rotary_factor})
     if spec.architecture.startswith("granite"):
         config.update(embedding_multiplier=spec.embedding_multiplier, residual_multiplier=spec.residual_multiplier,
                       attention_multiplier=spec.attention_multiplier or spec.head_dim**-0.5,
