@@ -244,6 +244,16 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                        "num_kv_heads=2,head_dim=32,ssm_num_heads=8,ssm_head_dim=32,ssm_state_size=16,"
                        "intermediate_size=64,moe_intermediate_size=64,num_experts=8,experts_per_token=2,"
                        "shared_expert_intermediate_size=64", 2, {}),
+    # Qwen3.5: gated DeltaNet layers (6 value heads over 2 query / key heads: the second group's split between
+    # ranks 1 and 2) beside gated attention, experts and a gated shared expert
+    "qwen3.5-moe-split-group": ("random:qwen3.5-35b-a3b,num_layers=4,vocab_size=1000,hidden_size=128,num_heads=4,"
+                                "num_kv_heads=2,head_dim=32,ssm_num_heads=6,ssm_head_dim=16,ssm_state_size=16,"
+                                "ssm_groups=2,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
+                                "shared_expert_intermediate_size=48", 3, {}),
+    # and in a GGUF's tiled order of value heads (8 over 4 groups): each rank's every other head
+    "qwen3.5-tiled-heads": ("random:qwen3.5-9b,num_layers=4,vocab_size=1000,hidden_size=128,num_heads=4,"
+                            "num_kv_heads=2,head_dim=32,ssm_num_heads=8,ssm_head_dim=16,ssm_state_size=16,"
+                            "ssm_groups=4,intermediate_size=96,ssm_heads_tiled=true", 2, {}),
 }
 
 
@@ -266,7 +276,7 @@ def test_random_shapes_over_ranks_equal_one_process(name, make_llm_for_test):
     tp.engine.close()
 
 
-@pytest.mark.parametrize("name", ["mamba2-split-group", "bamba-hybrid"])
+@pytest.mark.parametrize("name", ["mamba2-split-group", "bamba-hybrid", "qwen3.5-moe-split-group"])
 def test_state_snapshots_resume_on_every_rank(name, make_llm_for_test):
     """Prefix caching on state-space layers over ranks: each rank copies its own heads' states into and out of
     its snapshot slots, so the last of three requests sharing two blocks resumes there with one process's tokens."""

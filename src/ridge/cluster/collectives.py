@@ -210,7 +210,7 @@ def install_collectives(model: nn.Module, plan: ShardPlan, group: TPGroup) -> No
     results whole: the layers' all-reduces, the vocabulary-parallel embedding and the gathered logits."""
     for layer in model.layers:
         layer.all_reduce = group.all_reduce_
-        if layer.ssm is not None and layer.ssm.shared_group is not None:
+        if getattr(layer.ssm, "shared_group", None) is not None:  # Mamba-2's (a gated DeltaNet norms per head)
             layer.ssm.all_reduce = group.all_reduce_  # its norm's squares, a group split between ranks
         if getattr(layer.attn, "sharded_norm", None) is not None:
             layer.attn.sharded_norm.all_reduce = group.all_reduce_  # q's and k's squares over all heads

@@ -8,7 +8,8 @@ its KV heads evenly, so its attention is an ordinary GQA over fewer heads. The M
 along its intermediate width: gate and up by rows (column parallel), down by columns (row parallel); the
 vocabulary by rows of the embedding table and the output projection. With expert parallelism, each rank holds
 whole experts instead, its share of them; every rank routes every token, and runs the experts it holds. A
-Mamba-2 mixer splits by heads as attention does, its groups of B and C in the place of KV heads. Each rank's
+Mamba-2 mixer splits by heads as attention does, its groups of B and C in the place of KV heads, and a gated
+DeltaNet by value heads, its query / key heads in that place. Each rank's
 attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py); norms
 over a whole group or all heads (Mamba-2's where a group is split, OLMoE's q/k norms) sum their squares likewise.
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from ridge.config import ModelConfig
+from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, GatedMLP, ShardedFullNorm
 from ridge.models.loader import ShardCuts
 from ridge.models.mamba import Mamba2Mixer
@@ -114,9 +116,6 @@ class ShardPlan:
         if cfg.ssm_layers and cfg.state_mixer == "short_conv":
             raise ValueError("tensor_parallel_size: LFM2's short-convolution layers are not cut across ranks (run "
                              "it on one process)")
-        if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
-            raise ValueError(f"tensor_parallel_size: {cfg.architecture}'s gated DeltaNet and gated attention layers "
-                             "are not cut across ranks (run it on one process)")
         if cfg.ssm_layers:
             self.ssm_heads  # noqa: B018 (raises where they cannot be split)
             if cfg.ssm_proj_bias:
@@ -222,7 +221,8 @@ class ShardPlan:
                 d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
                 q_rows = torch.arange(heads.q_heads.start * d, heads.q_heads.stop * d)
                 kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
-                cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows]))
+                gate_rows = [q + 2 * kv + q_rows] if cfg.attention_output_gate else []  # the output gate's
+                cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows, *gate_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
                 if cfg.attention_sinks:  # a logit per query head
                     cuts[f"layers.{i}.attn.sinks"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
@@ -238,6 +238,8 @@ class ShardPlan:
                 cuts[f"layers.{i}.attn.o_proj"] = (1, _head_rows(heads.q_heads, cfg.v_head_dim))
             if isinstance(layer.ssm, Mamba2Mixer):
                 cuts.update(self._ssm_cuts(f"layers.{i}.ssm"))
+            elif isinstance(layer.ssm, GatedDeltaMixer):
+                cuts.update(self._gated_delta_cuts(f"layers.{i}.ssm"))
             mlp = layer.mlp
             mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
             if isinstance(mlp, MoEBlock):
@@ -265,6 +267,34 @@ class ShardPlan:
                 f"{path}.out_proj": (1, x_rows), f"{path}.conv_weight": (0, channels),
                 f"{path}.conv_bias": (0, channels), f"{path}.norm_weight": (0, x_rows),
                 **{f"{path}.{name}": (0, heads) for name in ("dt_bias", "A_log", "D")}}
+
+
+    def _gated_delta_cuts(self, path: str) -> dict[str, tuple[int, torch.Tensor]]:
+        """A gated DeltaNet on this rank: its groups' rows of q and k, its value heads' rows of v, z, b and alpha
+        and their dt_bias and A, the convolution's channels (q, k, v) to match; out_proj by its value heads'
+        columns. (The per-head norm needs no sum across ranks.)"""
+        cfg, shard = self.cfg, self.ssm_heads
+        keys, width, heads = cfg.ssm_groups * cfg.ssm_state_size, cfg.ssm_head_dim, self.value_heads()
+        v_rows = (heads[:, None] * width + torch.arange(width)).flatten()
+        q_rows = _head_rows(shard.kv_heads, cfg.ssm_state_size)
+        channels = torch.cat([q_rows, keys + q_rows, 2 * keys + v_rows])  # the convolution's q | k | v
+        z = cfg.ssm_conv_channels
+        b = z + cfg.ssm_inner_size
+        rows = torch.cat([channels, z + v_rows, b + heads, b + cfg.ssm_num_heads + heads])
+        return {f"{path}.in_proj": (0, rows), f"{path}.out_proj": (1, v_rows), f"{path}.conv_weight": (0, channels),
+                f"{path}.dt_bias": (0, heads), f"{path}.A_log": (0, heads)}
+
+    def value_heads(self) -> torch.Tensor:
+        """This rank's gated DeltaNet value heads (global indices) in the order its mixer holds them: split_heads'
+        (groups and their heads in HF's grouped order); in a GGUF's tiled order, where a group's heads are every
+        groups-th, sorted so that the rank's own are tiled over its groups again."""
+        cfg, shard = self.cfg, self.ssm_heads
+        grouped = torch.arange(shard.q_heads.start, shard.q_heads.stop)
+        if not cfg.ssm_heads_tiled:
+            return grouped
+        per_group = cfg.ssm_num_heads // cfg.ssm_groups
+        tiled = grouped % per_group * cfg.ssm_groups + grouped // per_group
+        return tiled.sort().values
 
 
 def _head_rows(heads: range, width: int) -> torch.Tensor:
@@ -305,6 +335,8 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
             layer.attn.num_heads = local.num_heads
         elif isinstance(layer.ssm, Mamba2Mixer):
             layer.ssm.shard(local, plan.ssm_heads.kv_heads, plan.cfg, plan.world)
+        elif isinstance(layer.ssm, GatedDeltaMixer):
+            layer.ssm.shard(local)
         for module in layer.modules() if layer.mlp is not None else ():
             if isinstance(module, GatedMLP):
                 down = module.down

@@ -49,6 +49,11 @@ class GatedDeltaMixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.value_dim))  # the per-head RMSNorm's, before the gate
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=False)
 
+    def shard(self, local: ModelConfig) -> None:
+        """Become this rank's part (its weights already cut: cluster/shards.py): `local`'s value heads and groups."""
+        self.heads, self.groups = local.ssm_num_heads, local.ssm_groups
+        self.inner, self.channels = local.ssm_inner_size, local.ssm_conv_channels
+
     def forward(self, x: torch.Tensor, step: StateStep) -> torch.Tensor:
         """x: [T, hidden] of the step's sequences (decodes first) -> [T, hidden]; their slots' states advanced."""
         qkv, z, b, alpha = self.in_proj(x).split_with_sizes([self.channels, self.inner, self.heads, self.heads], -1)
