@@ -320,13 +320,18 @@ def _device_name(device: str) -> str:
 
 
 def _free_device_memory(device: str) -> None:
-    """Give a GPU's memory back before a peer loads its own copy of the model."""
-    if device.startswith("cuda"):
-        import gc
+    """Give the engine's memory back before a peer loads its own copy of the model (or a GGUF of it is drawn and
+    written): its objects refer to each other, so dropping the last name does not free them until a collection,
+    and the freed weights stay resident on the heap until it is trimmed."""
+    import gc
 
+    from ridge.engine.native_memory import trim_heap
+
+    gc.collect()
+    trim_heap()
+    if device.startswith("cuda"):
         import torch
 
-        gc.collect()
         torch.cuda.empty_cache()
 
 
