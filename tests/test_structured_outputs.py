@@ -110,8 +110,8 @@ def test_bad_constraints_are_refused_before_anything_runs(qwen, constraint, mess
 
 
 def test_a_refused_token_ends_only_its_own_sequence():
-    """Where llguidance refuses a token its own mask allowed, that sequence ends ("abort", in the log), and the
-    step is not failed for the others."""
+    """Where llguidance refuses a token its own mask allowed, that sequence ends ("error", in the log; a server
+    answers 500 saying so), and the step is not failed for the others."""
     from ridge.engine.scheduler import StopRule
     from ridge.engine.sequence import Sequence
     from ridge.engine.structured import Grammar
@@ -130,4 +130,4 @@ def test_a_refused_token_ends_only_its_own_sequence():
     seq = Sequence(seq_id=0, request_id="r", index=0, prompt_len=1, token_ids=[1, 5],
                    params=SamplingParams(max_tokens=8), grammar=grammar)
     grammar.accept([5])
-    assert grammar.failed and StopRule(frozenset({2})).check(seq, 5) == ("abort", None)
+    assert grammar.failed and StopRule(frozenset({2})).check(seq, 5) == ("error", None)

@@ -1,4 +1,5 @@
-"""Tool calling through the OpenAI API on Qwen2.5-Coder-0.5B (Hermes' <tool_call> format): tools rendered by the
+"""Tool calling through the OpenAI API on Qwen2.5-Coder-0.5B (Hermes' <tool_call> format; Qwen3-Coder's
+<function=...> form parsed too): tools rendered by the
 chat template, calls parsed into message.tool_calls, tool_choice "required" and a named function enforced by a
 grammar over the calls, the tool's reply fed back, streams that reassemble to the whole answer. On the same server:
 the chat request's other rendering options (continue_final_message, a request's own template and its variables)
@@ -66,6 +67,69 @@ def test_parse_reply_finds_calls_and_keeps_the_rest():
     assert json.loads(reply.tool_calls[0]["function"]["arguments"]) == {"a": 1}
     assert reply.content == "Let me check.\n\n<tool_call>not json</tool_call>"
     assert parse_reply("no calls").tool_calls == []
+
+
+XML_TEMPLATE = ("{% for tool in tools %}{{ tool | tojson }}{% endfor %} reply in <tool_call>\n<function=NAME>\n"
+                "<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>")
+BOOKING = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "note": {"type": "string"}, "seats": {"type": "integer"}, "window": {"type": "boolean"},
+    "stops": {"type": "array"}, "fare": {"type": ["number", "null"]}}}}}
+
+
+def test_qwen3_coder_calls_are_read_as_their_parameters_type_them():
+    """Qwen3-Coder's form (Qwen3.5's, Qwen3-Next's templates): the template shows it; each parameter's text is a
+    string where its schema says so (kept whole across lines), else JSON; a block that is not a call stays content;
+    fed in pieces, the stream parses the same calls."""
+    from ridge.serve.tools import CallStream, call_format
+
+    assert call_format(XML_TEMPLATE) == "qwen3_coder" and call_format(XML_TEMPLATE, "hermes") == "hermes"
+    assert call_format("{% for tool in tools %}{{ tool }}{% endfor %}", "qwen3_coder") == "qwen3_coder"
+    text = ("I will book it.\n<tool_call>\n<function=book>\n<parameter=note>\nAisle, please\n42\n</parameter>\n"
+            "<parameter=seats>\n2\n</parameter>\n<parameter=window>\ntrue\n</parameter>\n<parameter=stops>\n"
+            '["Lyon", "Dijon"]\n</parameter>\n<parameter=fare>\nnull\n</parameter>\n<parameter=extra>\n7\n'
+            "</parameter>\n</function>\n</tool_call>\n<tool_call>no function</tool_call>")
+    reply = parse_reply(text, "qwen3_coder", [BOOKING])
+    (call,) = reply.tool_calls
+    assert call["function"]["name"] == "book" and json.loads(call["function"]["arguments"]) == {
+        "note": "Aisle, please\n42", "seats": 2, "window": True, "stops": ["Lyon", "Dijon"], "fare": None,
+        "extra": "7"}  # a parameter the schema does not know: its text
+    assert reply.content == "I will book it.\n\n<tool_call>no function</tool_call>"
+    stream = CallStream("qwen3_coder", [BOOKING])
+    pieces = [stream.feed(text[i:i + 7], i + 7 >= len(text)) for i in range(0, len(text), 7)]
+    assert "".join(c for c, _ in pieces) == reply.content
+    assert [json.loads(c["function"]["arguments"]) for _, calls in pieces for c in calls] == [
+        json.loads(call["function"]["arguments"])]
+
+
+@pytest.fixture(scope="module")
+def xml_client(qwen_path):
+    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
+                        ServerConfig("qwen", tool_call_parser="qwen3_coder")) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_server_reads_qwen3_coder_calls_and_refuses_what_it_cannot_enforce(xml_client):
+    """Under --tool-call-parser qwen3_coder, a reply in that form (held to it here by a grammar: Qwen2.5 writes
+    Hermes' form; its tags are tokens of their own) comes back as a call, whole or streamed; tool_choice
+    "required", which a grammar over Hermes' JSON enforces, is refused by name."""
+    url = str(xml_client.base_url).removesuffix("/").removesuffix("/v1")
+    opening, closing = (HTTP.post(url + "/tokenize", json={"prompt": tag}).json()["tokens"] for tag in
+                        ("<tool_call>", "</tool_call>"))
+    body = json.dumps("\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+                      "</parameter>\n</function>\n")
+    grammar = f"start: <[{opening[0]}]> {body} <[{closing[0]}]>"  # the tags' own tokens
+    kwargs = dict(model="qwen", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=64,
+                  extra_body={"structured_outputs": {"grammar": grammar}})
+    choice = xml_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert arguments(choice.message.tool_calls[0], WEATHER) == {"city": "Paris", "unit": "celsius"}
+    streamed = [call for chunk in xml_client.chat.completions.create(stream=True, **kwargs)
+                for c in chunk.choices for call in c.delta.tool_calls or []]
+    assert [json.loads(c.function.arguments) for c in streamed] == [{"city": "Paris", "unit": "celsius"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        xml_client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=4)
+    assert caught.value.body["param"] == "tool_choice"
 
 
 def test_required_and_named_calls_follow_the_schemas(client):

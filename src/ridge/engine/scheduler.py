@@ -85,7 +85,7 @@ class StopRule:
                 token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in self.eos_token_ids)):
             return "stop", token
         if seq.grammar is not None and seq.grammar.failed:
-            return "abort", None
+            return "error", None
         if seq.grammar is not None and token in self.eos_token_ids and seq.grammar.stopped:
             return "stop", token  # a complete grammar allows only the end (with ignore_eos too: nothing else follows)
         if seq.num_outputs >= params.max_tokens or (

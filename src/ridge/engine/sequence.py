@@ -90,7 +90,9 @@ class Sequence:
     # prefix cache; a recompute after preemption scores only what is still missing.
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    # "stop", "length", "abort" (stopped from outside), or "error" (the engine could not go on: a grammar's
+    # matcher refused a token its own mask allowed)
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     # Speculative decoding: tokens a drafter proposed for this step (the target checks them after the
     # last token, in the same pass), the drafter's distribution over each, and the running counts.

@@ -48,7 +48,7 @@ class Grammar:
     def accept(self, tokens: list[int]) -> None:
         """Advance past sampled tokens. The mask allowed them, so a refusal is llguidance disagreeing with itself
         (seen with a token whose text the grammar spells literally, when the vocabulary marks it as added): the
-        sequence then ends (finish_reason "abort", said in the log), and the step's other sequences go on."""
+        sequence then ends (finish_reason "error", said in the log), and the step's other sequences go on."""
         # one at a time: consume_tokens refuses a stop token after a complete grammar, which consume_token takes
         if not self.failed and not all(self.matcher.consume_token(token) for token in tokens):
             self.failed = True

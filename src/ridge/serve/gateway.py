@@ -21,7 +21,7 @@ from ridge.serve import harmony
 from ridge.serve.harmony import HarmonyTokens
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
 from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
-from ridge.serve.tools import supports_tools, template_messages
+from ridge.serve.tools import call_format, supports_tools, template_messages
 from ridge.tokenizer import ChatOptions
 
 T = TypeVar("T")
@@ -41,8 +41,8 @@ class ServerConfig:
     metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
     # a request's own chat_template runs (sandboxed) only when the operator allows it: a template is code
     trust_request_chat_template: bool = False
-    # how the model's tool calls are parsed: "auto" (the format its chat template shows), "hermes", or "openai"
-    # (gpt-oss's harmony channels, which auto reads on such a model: serve/harmony.py)
+    # how the model's tool calls are parsed: "auto" (the format its chat template shows), "hermes", "qwen3_coder"
+    # (serve/tools.py), or "openai" (gpt-oss's harmony channels, which auto reads on such a model: serve/harmony.py)
     tool_call_parser: str = "auto"
     # a reasoning model's thinking split into reasoning_content: "deepseek_r1" or "qwen3" (serve/reasoning.py); None:
     # the reply whole in content. A harmony model's (gpt-oss) is always split, "openai_gptoss" or None
@@ -81,6 +81,12 @@ class Gateway:
         self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
         config.check_parsers(self.harmony)
 
+    @property
+    def call_format(self) -> str:
+        """How the model's tool calls are parsed (serve/tools.py's call_format; Hermes' where the template shows
+        none: such a model's tools are refused before this is asked)."""
+        return call_format(self.tokenizer.info.chat_template, self.config.tool_call_parser) or "hermes"
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
             raise RequestError(f"The model `{name}` does not exist; this server serves `{self.config.model_name}`.",
@@ -101,8 +107,8 @@ class Gateway:
             if not readable:
                 raise RequestError("tools: this model's chat template " + (
                     "does not render tools" if "tools" not in template else
-                    "has no tool-call format ridge can parse (Hermes' <tool_call> tags; --tool-call-parser hermes "
-                    "parses them anyway)"), "tools")
+                    "has no tool-call format ridge can parse (Hermes' <tool_call> tags, Qwen3-Coder's <function=...>; "
+                    "--tool-call-parser hermes or qwen3_coder parses them anyway)"), "tools")
             for i, tool in enumerate(tools):
                 parameters = tool["function"].get("parameters")
                 try:
@@ -261,10 +267,13 @@ async def guard(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncItera
 
 
 def _unless_aborted(out: RequestOutput) -> RequestOutput:
-    """A request the server itself aborted (its client is still there: the server is shutting down) ends
-    with an error, never as a reply cut short."""
+    """A request the server itself aborted (its client is still there: the server is shutting down), or that the
+    engine could not finish, ends with an error, never as a reply cut short."""
     if any(c.finish_reason == "abort" for c in out.outputs):
         raise ShuttingDown("the server is shutting down; this request was stopped before it finished")
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise RequestFailed("structured outputs: the grammar engine (llguidance) refused a token its own mask "
+                            "allowed, and the reply was cut there (the server's log names the token)")
     return out
 
 

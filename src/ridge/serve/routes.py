@@ -198,6 +198,11 @@ class Routes:
             raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
                                "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
+        form = self.gateway.call_format
+        if tools and markers is None and form == "qwen3_coder" and req.tool_choice not in (None, "auto", "none"):
+            raise RequestError("tool_choice: 'required' and a named function are enforced by a grammar over Hermes' "
+                               "JSON calls; this model writes Qwen3-Coder's <function=...> calls: use 'auto'",
+                               "tool_choice")
         req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
@@ -218,7 +223,7 @@ class Routes:
                 text = split.content or ""
                 if req.include_reasoning:
                     said["reasoning_content"] = split.reasoning
-            reply = parse_reply(text) if tools else None
+            reply = parse_reply(text, form, tools) if tools else None
             if reply is None or not reply.tool_calls:
                 return {**said, "content": text if thinks is None else text or None}, False
             calls = reply.tool_calls if req.parallel_tool_calls else reply.tool_calls[:1]  # at most one, as asked
@@ -277,7 +282,7 @@ class Routes:
                 if thinks is not None:  # the thinking apart, as it comes; the answer after it
                     thought, answer = thinking.setdefault(c.index, ReasoningStream(thinks)).feed(c.text, done)
                 if tools:  # content as it comes; each call whole, once its closing tag has come
-                    answer, calls = parsers.setdefault(c.index, CallStream()).feed(answer, done)
+                    answer, calls = parsers.setdefault(c.index, CallStream(form, tools)).feed(answer, done)
                 return thought, answer, calls
 
             if req.return_token_ids:  # once, before any choice

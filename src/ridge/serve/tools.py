@@ -1,15 +1,18 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text, and tool_choice "required" or a named function enforced by a grammar over the calls.
 
-One format so far, Hermes' (Qwen2.5's template, NousResearch's models): each call is
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. A model whose template shows no such tags
-(unless the server runs with --tool-call-parser hermes) or does not render tools at all gets its tools refused
-by name rather than ignored.
+Two formats, both between `<tool_call>` tags: Hermes' (Qwen2.5's template, NousResearch's models), each call
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; and Qwen3-Coder's (Qwen3.5's and Qwen3-Next's
+templates too), each call `<function=NAME>` holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument, whose
+values are text read as their parameter's JSON schema types them. The chat template shows which (unless the server
+runs with --tool-call-parser); a model whose template shows neither, or does not render tools at all, gets its
+tools refused by name rather than ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,15 +23,27 @@ from ridge.sampling_params import StructuredOutputsParams
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-PARSERS = ("auto", "hermes")  # --tool-call-parser: auto reads the format off the chat template
+# --tool-call-parser: auto reads the format off the chat template
+PARSERS = ("auto", "hermes", "qwen3_coder")
+XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
+
+
+def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
+    """The format of the model's calls ("hermes" or "qwen3_coder"): the operator's --tool-call-parser, or the one
+    its template shows; None where tools cannot be offered (the template does not render them, or shows no format
+    ridge parses)."""
+    if not chat_template or "tools" not in chat_template:
+        return None  # the model would never see them
+    if parser != "auto":
+        return parser
+    if XML_FUNCTION in chat_template:
+        return "qwen3_coder"
+    return "hermes" if OPEN in chat_template else None
 
 
 def supports_tools(chat_template: str | None, parser: str = "auto") -> bool:
-    """Whether tools can be offered: the template renders them, and its calls are in a format ridge parses
-    (shown by the template, or asserted by the operator's --tool-call-parser)."""
-    if not chat_template or "tools" not in chat_template:
-        return False  # the model would never see them
-    return parser == "hermes" or OPEN in chat_template
+    """Whether tools can be offered (call_format's)."""
+    return call_format(chat_template, parser) is not None
 
 
 @dataclass
@@ -37,9 +52,10 @@ class ParsedReply:
     tool_calls: list[dict[str, Any]]  # OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}}
 
 
-def parse_reply(text: str) -> ParsedReply:
-    """The calls in a model's whole reply; a block that is not a call's JSON stays in the content."""
-    stream = CallStream()
+def parse_reply(text: str, form: str = "hermes", tools: list[dict[str, Any]] | None = None) -> ParsedReply:
+    """The calls in a model's whole reply, in `form` (call_format's; tools: the request's, whose parameters type
+    a qwen3_coder call's values); a block that is not a call stays in the content."""
+    stream = CallStream(form, tools)
     content, calls = stream.feed(text, final=True)
     return ParsedReply(content or None, calls)
 
@@ -49,7 +65,9 @@ class CallStream:
     what may still open a call, and whitespace that may still end the reply: a reply's content is stripped),
     each call once its closing tag has come. A whole reply fed at once parses as parse_reply's."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: str = "hermes", tools: list[dict[str, Any]] | None = None) -> None:
+        self._form = form
+        self._parameters = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         self._pending = ""  # text not parsed yet: what may open a call, or a call still streaming
         self._space = ""  # whitespace held: it goes out only if more content follows
         self._started = False  # content has gone out (leading whitespace is dropped until then)
@@ -67,7 +85,8 @@ class CallStream:
             if end < 0:
                 break  # a call still streaming: held until it closes (or the reply ends)
             block = self._pending[start:end + len(CLOSE)]
-            call = _call(block[len(OPEN):-len(CLOSE)])
+            body = block[len(OPEN):-len(CLOSE)]
+            call = _xml_call(body, self._parameters) if self._form == "qwen3_coder" else _call(body)
             content.append(self._pending[:start] if call is not None else self._pending[:start] + block)
             if call is not None:
                 calls.append(call)
@@ -104,9 +123,42 @@ def _call(body: str) -> dict[str, Any] | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", {})
+    return _openai_call(call["name"], call.get("arguments", {}))
+
+
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """A call in OpenAI's shape from Qwen3-Coder's form between the tags, or None when it is not one: each
+    parameter's text read as its schema types it (`parameters`: each tool's parameters by name)."""
+    match = _XML_CALL.fullmatch(body)
+    if match is None:
+        return None
+    name = match.group(1).strip()
+    properties = (parameters.get(name) or {}).get("properties") or {}
+    arguments = {key.strip(): _typed(value, properties.get(key.strip()))
+                 for key, value in _XML_PARAMETER.findall(match.group(2))}
+    return _openai_call(name, arguments)
+
+
+def _typed(text: str, schema: Any) -> Any:
+    """A parameter's text as its value: as written where its schema says string (or it has none), else read as JSON
+    (numbers, booleans, null, objects, arrays), as written where it is not JSON."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if schema is None or "string" in kinds:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 LITERAL_MARKERS = (json.dumps(OPEN), json.dumps(CLOSE))  # Lark string literals are JSON strings
