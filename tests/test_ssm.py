@@ -394,6 +394,35 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
+def test_a_qwen35_gguf_s_multi_token_prediction_block_is_left_out(smollm2_path, tmp_path, make_llm_for_test,
+                                                                   monkeypatch):
+    """llama.cpp writes Qwen3.5's multi-token prediction layer as one more block (`nextn_predict_layers` of them
+    past the decoder's): ridge reads the decoder's layers and leaves the drafter's block out, the same model."""
+    from conftest import gguf_round_trip
+    from ridge.bench import random_gguf
+
+    header, tensors = random_gguf._header, random_gguf._gguf_tensors
+
+    def with_prediction_header(writer, arch, spec, *rest):
+        add = writer.add_block_count
+        writer.add_block_count = lambda count: add(count + 1)
+        header(writer, arch, spec, *rest)
+        writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
+
+    def with_prediction_block(cfg, state):
+        yield from tensors(cfg, state)
+        yield f"blk.{cfg.num_layers}.attn_norm.weight", torch.ones(cfg.hidden_size)
+        yield f"blk.{cfg.num_layers}.nextn.eh_proj.weight", torch.ones(cfg.hidden_size, 2 * cfg.hidden_size)
+
+    monkeypatch.setattr(random_gguf, "_header", with_prediction_header)
+    monkeypatch.setattr(random_gguf, "_gguf_tensors", with_prediction_block)
+    config = {**hf_config("qwen3_5", linear_value_head_dim=16).to_dict(), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert from_file.engine.loaded.config.num_layers == 4
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
 def test_an_lfm2moe_gguf_with_an_expert_weight_scale_is_refused_by_name(smollm2_path, tmp_path, monkeypatch):
     """llama.cpp's lfm2moe graph scales no expert weights: a file saying otherwise is refused, not read as 1."""
     import json

@@ -22,6 +22,11 @@ log = logging.getLogger("ridge")
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept in words, as its tokenizer.json splits
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -46,6 +51,7 @@ _SPLITS = {
                      "smaug-bpe"), _LLAMA3_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
     "tekken": _TEKKEN_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
 }
 
 # GGUF token types (llama.cpp's enum)

@@ -35,7 +35,7 @@ from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_li
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
-from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+from ridge.models.spec import ModelSpec, decoder_layers, spec_from_gguf, spec_from_hf_config
 from ridge.models.tensor_names import (
     DENSE_UNDER_NATIVE,
     LANGUAGE_MODEL_PREFIXES,
@@ -132,7 +132,10 @@ def _gguf_stored(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int,
 def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
                   ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
     kv_b_halves: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
+    predicting = decoder_layers(gguf)  # the first multi-token prediction layer's block, where the file has them
     for t in gguf.tensors:
+        if (block := re.match(r"blk\.(\d+)\.", t.name)) and int(block.group(1)) >= predicting:
+            continue  # a drafter's layer (Qwen3.5's MTP block), which ridge does not run
         quantized = native and t.tensor_type.name not in _FLOAT_TYPES and not DENSE_UNDER_NATIVE.match(t.name)
         if match := re.fullmatch(r"blk\.(\d+)\.attn_([kv])_b\.weight", t.name):
             # llama.cpp's kv_b split for its absorbed form: k_b [heads, rank, nope] (W_UK transposed per head),

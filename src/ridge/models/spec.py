@@ -445,6 +445,14 @@ def _global_every(layer_types: list[str], source: str) -> int:
     return every
 
 
+def decoder_layers(gguf: GGUFFile) -> int:
+    """A GGUF model's decoder layers: its block count, less the multi-token prediction layers (Qwen3.5's) that
+    llama.cpp's converter writes as blocks after them (`nextn_predict_layers`)."""
+    arch = gguf.fields["general.architecture"]
+    count = int(gguf.fields[f"{arch}.block_count"])
+    return count - int(gguf.fields.get(f"{arch}.nextn_predict_layers", 0))
+
+
 def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     """A GGUF file's header (its `<arch>.*` keys and tensor table), without reading the tensors."""
 
@@ -466,7 +474,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     experts = int(value(f"{arch}.expert_count", 0))
     norm_topk = value(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK.get(arch))
     fields = dict(
-        name=name, vocab_size=vocab, hidden_size=hidden, num_layers=int(value(f"{arch}.block_count")),
+        name=name, vocab_size=vocab, hidden_size=hidden, num_layers=decoder_layers(gguf),
         num_heads=heads, num_kv_heads=int(kv),
         head_dim=int(value(f"{arch}.attention.key_length", hidden // heads if heads else 0)),
         intermediate_size=int(value(f"{arch}.feed_forward_length")),
@@ -599,7 +607,8 @@ def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:
     """A qwen35 (qwen35moe) file's gated DeltaNet layers, as llama.cpp's converter writes them: all but every
     full_attention_interval-th; the value heads (time_step_rank) in llama.cpp's tiled order, their width the inner
     size over them, the query / key heads the group count, their width the state size."""
-    layers, interval = int(value(f"{arch}.block_count")), int(value(f"{arch}.full_attention_interval", 4))
+    layers, interval = int(value(f"{arch}.block_count")) - int(value(f"{arch}.nextn_predict_layers", 0)), \
+        int(value(f"{arch}.full_attention_interval", 4))
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
     return {"ssm_layers": tuple(i for i in range(layers) if (i + 1) % interval), "state_mixer": "gated_delta",
             "attention_output_gate": True, "ssm_num_heads": heads, "ssm_head_dim": inner // heads,
