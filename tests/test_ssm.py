@@ -394,6 +394,26 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hf_transformers_reads_ridge_s_qwen35_files_as_the_model(arch, smollm2_path, tmp_path_factory,
+                                                                 make_llm_for_test):
+    """An HF model read by ridge and written as llama.cpp's qwen35 / qwen35moe (value heads tiled, each query head's
+    gate beside it in attn_q, A itself, 1 + w norms) is, read back by transformers' own GGUF loader (which undoes
+    llama.cpp's converter), the model it was: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from ridge.bench.random_gguf import write_gguf
+
+    path, hf = random_hf_model(arch, tmp_path_factory, vocab_size=49152, linear_value_head_dim=16)
+    folder = tmp_path_factory.mktemp(f"{arch}-gguf")
+    write_gguf(make_llm_for_test(path, dtype="float32").engine.loaded, folder / "model.gguf", smollm2_path,
+               float16=False)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor(random_prompts(1, 49152, 30, 31, seed=6))
+    with torch.inference_mode():
+        assert torch.allclose(theirs(ids).logits, hf(ids).logits, atol=1e-5)
+
+
 def test_a_qwen35_gguf_s_multi_token_prediction_block_is_left_out(smollm2_path, tmp_path, make_llm_for_test,
                                                                    monkeypatch):
     """llama.cpp writes Qwen3.5's multi-token prediction layer as one more block (`nextn_predict_layers` of them
