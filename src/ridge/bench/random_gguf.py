@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import (
+    GGML_QUANT_SIZES,
     ExpertGatingFuncType,
     GGMLQuantizationType,
     GGUFReader,
@@ -92,22 +95,54 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
     _header(writer, arch, spec, cfg, float16, blocks)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
     state = loaded.model.state_dict()
-    for name, tensor in tqdm(list(_gguf_tensors(cfg, state)), desc="write gguf", unit="tensor", leave=False):
-        # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply
-        # by them in float32 only
-        # (the experts' biases are stacked, [experts, rows])
-        if tensor.dim() == 1 or name.endswith(".bias") or _FLOAT32_ONLY.match(name):
-            writer.add_tensor(name, tensor.float().numpy())
-        elif blocks is not None and not name.endswith("ffn_gate_inp.weight") and (
-                blocks != GGMLQuantizationType.MXFP4 or "_exps." in name):
-            writer.add_tensor(name, quants.quantize(tensor.float().contiguous().numpy(), blocks), raw_dtype=blocks)
-        else:
-            writer.add_tensor(name, tensor.contiguous().numpy())
+    # two passes over the tensors, each made as it is needed: what each holds (its shape, type and size), then
+    # its data, written as it is made; a model as large as memory is never held twice (stacked experts, a
+    # quantized copy), only one tensor's new form at a time
+    for name, tensor in _gguf_tensors(cfg, state):
+        form = _stored_form(name, tensor, blocks)
+        writer.add_tensor_info(name, *form.shape_type_bytes(tensor), raw_dtype=form.raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
+    writer.write_ti_data_to_file()
+    tensors = tqdm(_gguf_tensors(cfg, state), total=len(writer.tensors[0]), desc="write gguf", unit="tensor",
+                   leave=False)
+    for name, tensor in tensors:
+        writer.write_tensor_data(_stored_form(name, tensor, blocks).data(tensor))
     writer.close()
     return path
+
+
+@dataclass(frozen=True)
+class _StoredForm:
+    """How a tensor is stored: float32, in GGUF blocks (raw_dtype), or as it is (the model's float type)."""
+
+    float32: bool = False
+    raw_dtype: GGMLQuantizationType | None = None
+
+    def shape_type_bytes(self, tensor: torch.Tensor) -> tuple[tuple[int, ...], np.dtype, int]:
+        """What the file's tensor info says of it (for blocks: its bytes' shape, as GGUFWriter.add_tensor does)."""
+        if self.raw_dtype is not None:
+            block, type_size = GGML_QUANT_SIZES[self.raw_dtype]
+            shape = (*tensor.shape[:-1], tensor.shape[-1] // block * type_size)
+            return shape, np.dtype(np.uint8), math.prod(shape)
+        dtype = np.dtype(np.float32) if self.float32 else np.dtype(str(tensor.dtype).removeprefix("torch."))
+        return tuple(tensor.shape), dtype, tensor.numel() * dtype.itemsize
+
+    def data(self, tensor: torch.Tensor) -> np.ndarray:
+        if self.raw_dtype is not None:
+            return quants.quantize(tensor.float().contiguous().numpy(), self.raw_dtype)
+        return (tensor.float() if self.float32 else tensor).contiguous().numpy()
+
+
+def _stored_form(name: str, tensor: torch.Tensor, blocks: GGMLQuantizationType | None) -> _StoredForm:
+    # vectors (norms, biases) in float32, as llama.cpp's converter keeps them: its CPU ops add and multiply by them
+    # in float32 only (the experts' biases are stacked, [experts, rows])
+    if tensor.dim() == 1 or name.endswith(".bias") or _FLOAT32_ONLY.match(name):
+        return _StoredForm(float32=True)
+    if blocks is not None and not name.endswith("ffn_gate_inp.weight") and (
+            blocks != GGMLQuantizationType.MXFP4 or "_exps." in name):
+        return _StoredForm(raw_dtype=blocks)
+    return _StoredForm()
 
 
 def _check_writable(spec: ModelSpec) -> str:
