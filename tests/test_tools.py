@@ -101,6 +101,29 @@ def test_qwen3_coder_calls_are_read_as_their_parameters_type_them():
         json.loads(call["function"]["arguments"])]
 
 
+def test_pythonic_calls_are_read_as_python_literals_and_nothing_runs():
+    """LFM2's form: a Python list of calls between its tags, several in one block, each keyword's value a literal
+    (True, None, tuples and nested lists to JSON's forms); a block with a name, a positional argument or an
+    expression that is not a literal stays content (literal_eval runs nothing); streamed in pieces, the same."""
+    from ridge.serve.tools import PYTHONIC_OPEN, PYTHONIC_TOOL_LIST, CallStream, call_format
+
+    assert call_format("{{ tools }}" + PYTHONIC_TOOL_LIST) == "pythonic"
+    text = (f"Checking.{PYTHONIC_OPEN}[get_weather(city='Paris', days=(1, 2), alert=True), get_time(zone=None, "
+            f"opts={{'a': [1.5]}})]<|tool_call_end|> {PYTHONIC_OPEN}[f(x=__import__('os'))]<|tool_call_end|>"
+            f"{PYTHONIC_OPEN}[g(1)]<|tool_call_end|>{PYTHONIC_OPEN}not python(<|tool_call_end|>")
+    reply = parse_reply(text, "pythonic")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2], "alert": True}), ("get_time", {"zone": None, "opts": {
+            "a": [1.5]}})]
+    assert reply.content == ("Checking. <|tool_call_start|>[f(x=__import__('os'))]<|tool_call_end|>"
+                             "<|tool_call_start|>[g(1)]<|tool_call_end|>"
+                             "<|tool_call_start|>not python(<|tool_call_end|>")
+    stream = CallStream("pythonic")
+    pieces = [stream.feed(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    assert "".join(c for c, _ in pieces) == reply.content
+    assert [c["function"]["name"] for _, calls in pieces for c in calls] == ["get_weather", "get_time"]
+
+
 @pytest.fixture(scope="module")
 def xml_client(qwen_path):
     with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),

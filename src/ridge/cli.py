@@ -390,10 +390,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
     p.add_argument("--tool-call-parser", choices=(*PARSERS, harmony.TOOL_CALL_PARSER), default="auto",
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
-                        "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, or a "
-                        "gpt-oss model's harmony commentary channel), hermes or qwen3_coder (parse that form even "
-                        "where the template does not show it) or openai (harmony: what auto reads on gpt-oss). "
-                        "Other families' formats (llama3_json, mistral, pythonic) are not "
+                        "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, LFM2's "
+                        "pythonic list, or a gpt-oss model's harmony commentary channel), hermes, qwen3_coder or "
+                        "pythonic (parse that form even where the template does not show it) or openai (harmony: "
+                        "what auto reads on gpt-oss). Other families' formats (llama3_json, mistral) are not "
                         "implemented: their models get `tools` refused with HTTP 400")
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER), default=None,
                    help="split a reasoning model's thinking from its answer into the chat message's "

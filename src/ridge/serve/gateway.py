@@ -41,8 +41,9 @@ class ServerConfig:
     metrics_no_auth: bool = False  # /metrics open without the API key (for a scraper on a private network)
     # a request's own chat_template runs (sandboxed) only when the operator allows it: a template is code
     trust_request_chat_template: bool = False
-    # how the model's tool calls are parsed: "auto" (the format its chat template shows), "hermes", "qwen3_coder"
-    # (serve/tools.py), or "openai" (gpt-oss's harmony channels, which auto reads on such a model: serve/harmony.py)
+    # how the model's tool calls are parsed: "auto" (the format its chat template shows), "hermes", "qwen3_coder",
+    # "pythonic" (serve/tools.py), or "openai" (gpt-oss's harmony channels, which auto reads on such a model:
+    # serve/harmony.py)
     tool_call_parser: str = "auto"
     # a reasoning model's thinking split into reasoning_content: "deepseek_r1" or "qwen3" (serve/reasoning.py); None:
     # the reply whole in content. A harmony model's (gpt-oss) is always split, "openai_gptoss" or None
@@ -107,8 +108,9 @@ class Gateway:
             if not readable:
                 raise RequestError("tools: this model's chat template " + (
                     "does not render tools" if "tools" not in template else
-                    "has no tool-call format ridge can parse (Hermes' <tool_call> tags, Qwen3-Coder's <function=...>; "
-                    "--tool-call-parser hermes or qwen3_coder parses them anyway)"), "tools")
+                    "has no tool-call format ridge can parse (Hermes' <tool_call> tags, Qwen3-Coder's <function=...>, "
+                    "LFM2's pythonic <|tool_call_start|>; --tool-call-parser hermes, qwen3_coder or pythonic parses "
+                    "them anyway)"), "tools")
             for i, tool in enumerate(tools):
                 parameters = tool["function"].get("parameters")
                 try:

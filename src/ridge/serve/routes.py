@@ -199,10 +199,9 @@ class Routes:
                                "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
         form = self.gateway.call_format
-        if tools and markers is None and form == "qwen3_coder" and req.tool_choice not in (None, "auto", "none"):
+        if tools and markers is None and form != "hermes" and req.tool_choice not in (None, "auto", "none"):
             raise RequestError("tool_choice: 'required' and a named function are enforced by a grammar over Hermes' "
-                               "JSON calls; this model writes Qwen3-Coder's <function=...> calls: use 'auto'",
-                               "tool_choice")
+                               f"JSON calls; this model writes {form} calls: use 'auto'", "tool_choice")
         req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)

@@ -1,16 +1,18 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text, and tool_choice "required" or a named function enforced by a grammar over the calls.
 
-Two formats, both between `<tool_call>` tags: Hermes' (Qwen2.5's template, NousResearch's models), each call
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; and Qwen3-Coder's (Qwen3.5's and Qwen3-Next's
-templates too), each call `<function=NAME>` holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument, whose
-values are text read as their parameter's JSON schema types them. The chat template shows which (unless the server
-runs with --tool-call-parser); a model whose template shows neither, or does not render tools at all, gets its
-tools refused by name rather than ignored.
+Three formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
+too), each call `<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument,
+whose values are text read as their parameter's JSON schema types them; and the pythonic one of LFM2, a Python list
+of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`. The chat
+template shows which (unless the server runs with --tool-call-parser); a model whose template shows none, or does
+not render tools at all, gets its tools refused by name rather than ignored.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -24,8 +26,11 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 # --tool-call-parser: auto reads the format off the chat template
-PARSERS = ("auto", "hermes", "qwen3_coder")
+PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic")
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
+# LFM2's: its calls' tags, and the tags its template puts the tool list in
+PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
 
 
 def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
@@ -38,6 +43,8 @@ def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
         return parser
     if XML_FUNCTION in chat_template:
         return "qwen3_coder"
+    if PYTHONIC_OPEN in chat_template or PYTHONIC_TOOL_LIST in chat_template:
+        return "pythonic"
     return "hermes" if OPEN in chat_template else None
 
 
@@ -54,7 +61,7 @@ class ParsedReply:
 
 def parse_reply(text: str, form: str = "hermes", tools: list[dict[str, Any]] | None = None) -> ParsedReply:
     """The calls in a model's whole reply, in `form` (call_format's; tools: the request's, whose parameters type
-    a qwen3_coder call's values); a block that is not a call stays in the content."""
+    a qwen3_coder call's values); a block that is not calls stays in the content."""
     stream = CallStream(form, tools)
     content, calls = stream.feed(text, final=True)
     return ParsedReply(content or None, calls)
@@ -67,6 +74,7 @@ class CallStream:
 
     def __init__(self, form: str = "hermes", tools: list[dict[str, Any]] | None = None) -> None:
         self._form = form
+        self._open, self._close = (PYTHONIC_OPEN, PYTHONIC_CLOSE) if form == "pythonic" else (OPEN, CLOSE)
         self._parameters = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         self._pending = ""  # text not parsed yet: what may open a call, or a call still streaming
         self._space = ""  # whitespace held: it goes out only if more content follows
@@ -78,30 +86,35 @@ class CallStream:
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         while True:
-            start = self._pending.find(OPEN)
+            start = self._pending.find(self._open)
             if start < 0:
                 break
-            end = self._pending.find(CLOSE, start)
+            end = self._pending.find(self._close, start)
             if end < 0:
                 break  # a call still streaming: held until it closes (or the reply ends)
-            block = self._pending[start:end + len(CLOSE)]
-            body = block[len(OPEN):-len(CLOSE)]
-            call = _xml_call(body, self._parameters) if self._form == "qwen3_coder" else _call(body)
-            content.append(self._pending[:start] if call is not None else self._pending[:start] + block)
-            if call is not None:
-                calls.append(call)
-            self._pending = self._pending[end + len(CLOSE):]
+            block = self._pending[start:end + len(self._close)]
+            found = self._calls(block[len(self._open):-len(self._close)])
+            content.append(self._pending[:start] if found is not None else self._pending[:start] + block)
+            calls += found or []
+            self._pending = self._pending[end + len(self._close):]
         if final:
             content.append(self._pending)
             self._pending = ""
             return self._out("".join(content), final), calls
-        held = self._pending.find(OPEN)
+        held = self._pending.find(self._open)
         if held < 0:  # what could still open a call waits
-            held = next((i for i in range(max(0, len(self._pending) - len(OPEN) + 1), len(self._pending))
-                         if OPEN.startswith(self._pending[i:])), len(self._pending))
+            held = next((i for i in range(max(0, len(self._pending) - len(self._open) + 1), len(self._pending))
+                         if self._open.startswith(self._pending[i:])), len(self._pending))
         content.append(self._pending[:held])
         self._pending = self._pending[held:]
         return self._out("".join(content), final), calls
+
+    def _calls(self, body: str) -> list[dict[str, Any]] | None:
+        """The calls between a block's tags, or None where it is not calls in the stream's form."""
+        if self._form == "pythonic":
+            return _pythonic_calls(body)
+        call = _xml_call(body, self._parameters) if self._form == "qwen3_coder" else _call(body)
+        return None if call is None else [call]
 
     def _out(self, text: str, final: bool) -> str:
         """Content to hand out: whitespace at the reply's start is dropped, and at its end (it is held until
@@ -141,6 +154,28 @@ def _xml_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     arguments = {key.strip(): _typed(value, properties.get(key.strip()))
                  for key, value in _XML_PARAMETER.findall(match.group(2))}
     return _openai_call(name, arguments)
+
+
+def _pythonic_calls(body: str) -> list[dict[str, Any]] | None:
+    """The calls of a Python list of them, each a function name with literal keyword arguments (read by ast's
+    literal_eval: no code runs), or None when the text is not that."""
+    try:
+        node = ast.parse(body.strip(), mode="eval").body
+    except (SyntaxError, RecursionError, MemoryError):  # not Python, or nested past what the parser takes
+        return None
+    if not isinstance(node, ast.List) or not node.elts:
+        return None
+    calls = []
+    for call in node.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                and all(keyword.arg is not None for keyword in call.keywords)):
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+            calls.append(_openai_call(call.func.id, arguments))
+        except (ValueError, TypeError):  # not a literal, or one JSON has no form for (a set, bytes)
+            return None
+    return calls
 
 
 def _typed(text: str, schema: Any) -> Any:
