@@ -91,10 +91,15 @@ class DecoderModel(nn.Module):
         output projection replace(output weight, None) if it has none (a tied table stays the embedding's)."""
         if self.output_projection is None:
             self.output_projection = replace(self.output_weight, None)
-        for parent in list(self.layers.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, replace(child.weight, child.bias))
+        # by path, one at a time: each old layer (and its weight, where replace copies it into a kernel's layout) is
+        # dropped as its replacement is made, so that the model is never held twice
+        paths = [(parent, name) for parent, module in self.layers.named_modules()
+                 for name, child in module.named_children() if type(child) is nn.Linear]
+        for parent, name in paths:
+            module = self.layers.get_submodule(parent) if parent else self.layers
+            child = getattr(module, name)
+            setattr(module, name, replace(child.weight, child.bias))
+            del child
 
     @property
     def output_weight(self) -> torch.Tensor:
