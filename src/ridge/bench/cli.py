@@ -185,6 +185,7 @@ def random_gguf_for(spec: ModelSpec, seed: int, block_type: str | None = None) -
     tmp = path.with_suffix(".partial")
     write_random_gguf(spec, tmp, vocabularies[0], seed, block_type=block_type)
     tmp.rename(path)
+    _free_device_memory("cpu")  # the weights drawn for the file, resident until trimmed, would crowd the peer's
     return path
 
 
