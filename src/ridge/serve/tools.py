@@ -34,14 +34,14 @@ PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
 
 
 def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
-    """The format of the model's calls ("hermes" or "qwen3_coder"): the operator's --tool-call-parser, or the one
-    its template shows; None where tools cannot be offered (the template does not render them, or shows no format
-    ridge parses)."""
+    """The format of the model's calls ("hermes", "qwen3_coder" or "pythonic"): the operator's --tool-call-parser,
+    or the one its template shows; None where tools cannot be offered (the template does not render them, or shows
+    no format ridge parses)."""
     if not chat_template or "tools" not in chat_template:
         return None  # the model would never see them
     if parser != "auto":
         return parser
-    if XML_FUNCTION in chat_template:
+    if XML_FUNCTION in chat_template and OPEN in chat_template:  # both: Llama 3.1's prompts show <function= alone
         return "qwen3_coder"
     if PYTHONIC_OPEN in chat_template or PYTHONIC_TOOL_LIST in chat_template:
         return "pythonic"
