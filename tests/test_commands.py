@@ -197,3 +197,18 @@ def test_bench_router_measures_the_policies_over_fresh_replicas(capsys):
     assert aware["mean_ttft_s"] > 0 and aware["p90_ttft_s"] > 0 and aware["output_tok_s"] > 0
     move = report["adding_a_replica"]
     assert move["tenants"] == 2 and 0 <= move["tenants_moved"] <= 2 and 0.1 < move["random_moved_fraction"] < 0.3
+
+
+def test_a_peer_s_gguf_that_would_not_fit_on_the_disk_is_refused_before_writing(smollm2_path, monkeypatch):
+    """The GGUF a peer reads of a random model is refused, naming the space it needs, where the disk has less free
+    (a file cut short by a full disk would be left behind, and fill it)."""
+    from collections import namedtuple
+
+    from ridge.bench import cli
+    from ridge.models.random_weights import random_spec
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda folder: usage(10**9, 10**9 - 1000, 1000))
+    spec = random_spec("random:smollm2,num_layers=1,vocab_size=49152,intermediate_size=97")
+    with pytest.raises(ValueError, match=r"needs ~0\.\d GB in .* which has 0\.0 GB free"):
+        cli.random_gguf_for(spec, seed=0)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,10 +181,19 @@ def random_gguf_for(spec: ModelSpec, seed: int, block_type: str | None = None) -
     if not vocabularies:
         raise ValueError(f"llama.cpp needs a vocabulary of {spec.vocab_size} tokens: pull a GGUF with one "
                          f"(Qwen's 151,936: ridge pull qwen2.5-coder-0.5b) or set vocab_size to a pulled one's")
+    # its float16 weights (a block type's are fewer): refused up front rather than a disk filled part way
+    needed, free = arithmetic.weight_bytes(spec, "fp16"), shutil.disk_usage(folder).free
+    if needed > free:
+        raise ValueError(f"model: a GGUF of {spec.name} for the peers needs ~{needed / 1e9:.1f} GB in {folder}, which "
+                         f"has {free / 1e9:.1f} GB free (its older files can go: they are written again when needed)")
     print(f"[bench] writing {spec.name} as a GGUF for the peers (llama.cpp reads it, vLLM its HF export): {path}",
           file=sys.stderr)
     tmp = path.with_suffix(".partial")
-    write_random_gguf(spec, tmp, vocabularies[0], seed, block_type=block_type)
+    try:
+        write_random_gguf(spec, tmp, vocabularies[0], seed, block_type=block_type)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a file cut short is not left behind
+        raise
     tmp.rename(path)
     _free_device_memory("cpu")  # the weights drawn for the file, resident until trimmed, would crowd the peer's
     return path
