@@ -212,3 +212,15 @@ def test_a_peer_s_gguf_that_would_not_fit_on_the_disk_is_refused_before_writing(
     spec = random_spec("random:smollm2,num_layers=1,vocab_size=49152,intermediate_size=97")
     with pytest.raises(ValueError, match=r"needs ~0\.\d GB in .* which has 0\.0 GB free"):
         cli.random_gguf_for(spec, seed=0)
+
+
+@pytest.mark.parametrize("peers", [[], ["llamacpp"]])
+def test_the_context_table_has_a_cell_under_every_heading(peers):
+    """With peers or without (--no-peers), each row has as many cells as the header (a table that renders)."""
+    from ridge.bench.context import context_table
+
+    rows = [{"model": "random:m", "context": ctx, "engine": engine, "error": None, "ms_per_token": 10.0 + ctx,
+             "step_bytes": 1e6, "read_fraction": 0.5} for ctx in (1, 2) for engine in ["ridge", *peers]]
+    lines = context_table({"rows": rows})
+    cells = [line.count("|") for line in lines]
+    assert len(lines) == 4 and len(set(cells)) == 1 and cells[0] == 7 + 2 * len(peers)  # six columns, two per peer

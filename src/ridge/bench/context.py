@@ -92,10 +92,10 @@ def context_table(report: dict) -> list[str]:
     share of the measured bandwidth, and each context's time against the shortest one's."""
     rows = report["rows"]
     peers = sorted({r["engine"] for r in rows if not r["error"]} - {"ridge"})  # those that ran
-    lines = ["| model | context | ridge ms/token | vs shortest context | "
-             + " | ".join(f"{p} ms/token | ridge vs {p}" for p in peers)
-             + " | MB a step moves | of read bandwidth |",
-             "|---|---:|---:|---:|" + "---:|---:|" * len(peers) + "---:|---:|"]
+    header = ["model", "context", "ridge ms/token", "vs shortest context",
+              *(cell for p in peers for cell in (f"{p} ms/token", f"ridge vs {p}")), "MB a step moves",
+              "of read bandwidth"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for model in dict.fromkeys(r["model"] for r in rows):
         ours = [r for r in rows if r["model"] == model and r["engine"] == "ridge"]
         first = ours[0].get("ms_per_token")
