@@ -268,7 +268,6 @@ class ShardPlan:
                 f"{path}.conv_bias": (0, channels), f"{path}.norm_weight": (0, x_rows),
                 **{f"{path}.{name}": (0, heads) for name in ("dt_bias", "A_log", "D")}}
 
-
     def _gated_delta_cuts(self, path: str) -> dict[str, tuple[int, torch.Tensor]]:
         """A gated DeltaNet on this rank: its groups' rows of q and k, its value heads' rows of v, z, b and alpha
         and their dt_bias and A, the convolution's channels (q, k, v) to match; out_proj by its value heads'
