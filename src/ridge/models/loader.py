@@ -104,8 +104,10 @@ class _Stored:
                    lambda rows: value if rows is None else value.index_select(0, rows.to(value.device)))
 
     def reordered(self, order: torch.Tensor) -> _Stored:
-        """The tensor with its rows in `order`: its row i is the stored row order[i]."""
-        return dataclasses.replace(self, read=lambda rows: self.read(order if rows is None else order[rows]))
+        """The tensor of the stored rows `order` (a permutation of them, or a part): its row i is the stored row
+        order[i]."""
+        return dataclasses.replace(self, shape=(len(order), *self.shape[1:]),
+                                   read=lambda rows: self.read(order if rows is None else order[rows]))
 
     def mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Stored:
         """The tensor with `fn` applied to its values (row by row: fn must not mix rows)."""
@@ -526,12 +528,6 @@ _GATE_NAME = {"self_attn.q_proj": "self_attn.q_gate", "attn_q": "attn_q_gate"}
 _GROUPED_PROJECTIONS = re.compile(r"(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight")
 
 
-def _rows_of(stored: _Stored, order: torch.Tensor) -> _Stored:
-    """The stored tensor's rows `order` (its row i the stored row order[i]), as a tensor of len(order) rows."""
-    return _Stored((len(order), *stored.shape[1:]), lambda rows: stored.read(order if rows is None else order[rows]),
-                   stored.quantized)
-
-
 def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
     """Qwen3.5's and Qwen3-Next's tensors as ridge holds them: q_proj's (attn_q's) rows, each head's query then its
     output gate, as q_proj (the queries) and q_gate (the gates); Qwen3-Next's in_proj_qkvz and in_proj_ba, whose rows go
@@ -541,9 +537,9 @@ def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelCon
     queries = (per_head + torch.arange(width)).flatten()
     for name, stored in tensors:
         if match := _QUERY_AND_GATE.fullmatch(name):
-            yield name, _rows_of(stored, queries)
+            yield name, stored.reordered(queries)
             prefix, projection, kind = match.groups()
-            yield f"{prefix}.{_GATE_NAME[projection]}.{kind}", _rows_of(stored, queries + width)
+            yield f"{prefix}.{_GATE_NAME[projection]}.{kind}", stored.reordered(queries + width)
         elif match := _GROUPED_PROJECTIONS.fullmatch(name):
             yield from _ungrouped_projections(match.group(1), match.group(2), stored, cfg)
         else:
@@ -561,11 +557,11 @@ def _ungrouped_projections(prefix: str, kind: str, stored: _Stored, cfg: ModelCo
         return (group_rows + starts[part] + torch.arange(widths[part])).flatten()
 
     if kind == "qkvz":
-        yield f"{prefix}.in_proj_qkv.weight", _rows_of(stored, torch.cat([rows(0), rows(1), rows(2)]))
-        yield f"{prefix}.in_proj_z.weight", _rows_of(stored, rows(3))
+        yield f"{prefix}.in_proj_qkv.weight", stored.reordered(torch.cat([rows(0), rows(1), rows(2)]))
+        yield f"{prefix}.in_proj_z.weight", stored.reordered(rows(3))
     else:
         for part, name in enumerate(("b", "a")):
-            yield f"{prefix}.in_proj_{name}.weight", _rows_of(stored, rows(part))
+            yield f"{prefix}.in_proj_{name}.weight", stored.reordered(rows(part))
 
 
 # Granite's experts, stacked [experts, rows, columns] in ridge's own per-expert layout (input_linear: gate's rows,
