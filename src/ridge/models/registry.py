@@ -73,7 +73,7 @@ _SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "q
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
-_OUT_BIAS = ("llama", *_GRANITE, "gpt_oss")
+_OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
