@@ -124,6 +124,88 @@ def test_pythonic_calls_are_read_as_python_literals_and_nothing_runs():
     assert [c["function"]["name"] for _, calls in pieces for c in calls] == ["get_weather", "get_time"]
 
 
+TRIP = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["note", "seats"], "$defs": {"stop": {"type": "object", "properties": {
+        "city": {"type": "string"}, "then": {"anyOf": [{"$ref": "#/$defs/stop"}, {"type": "null"}]}},
+        "required": ["city"]}},
+    "properties": {"note": {"type": "string", "maxLength": 12}, "seats": {"type": "integer", "minimum": 1},
+                   "window": {"type": "boolean"}, "fare": {"type": ["number", "null"]},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}, "route": {"$ref": "#/$defs/stop"}}}}}
+# a call in each format, and edits of it the grammar must refuse: a bound broken, a required argument left out, a
+# value outside its enum, its type or its length
+CALLS = {
+    "hermes": ('<tool_call>\n{"name": "book", "arguments": {"note": "Aisle", "seats": 2, "route": {"city": "Lyon", '
+               '"then": {"city": "Dijon", "then": null}}}}\n</tool_call>',
+               [('"seats": 2', '"seats": 0'), ('"seats": 2, ', ""), ('"Aisle"', '"A very long note"'),
+                ('"then": null', '"then": 7')]),
+    "qwen3_coder": ("<tool_call>\n<function=book>\n<parameter=note>\nAisle\nplease\n</parameter>\n<parameter=seats>\n"
+                    "2\n</parameter>\n<parameter=fare>\nnull\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+                    '<parameter=route>\n{"city": "Lyon", "then": null}\n</parameter>\n</function>\n</tool_call>',
+                    [("seats>\n2", "seats>\n0"), ("<parameter=seats>\n2\n</parameter>\n", ""),
+                     ("\ncelsius", "\nkelvin"), ("\ncelsius", '\n"celsius"'), ("Aisle\nplease", "Aisle, a window"),
+                     ("fare>\nnull", 'fare>\n"cheap"')]),
+    "pythonic": ('<|tool_call_start|>[book(note="Aisle", seats=2, window=True, fare=None, route={"city": "Lyon", '
+                 '"then": {"city": "Dijon", "then": None}})]<|tool_call_end|>',
+                 [("seats=2", "seats=0"), ("seats=2, ", ""), ("True", "true"), ("fare=None", "fare=null"),
+                  ('"Aisle"', '"A very long note"'), ('"Lyon"', "7")]),
+}
+
+
+@pytest.fixture(scope="module")
+def grammar_check(qwen_path):
+    """Whether a grammar takes a text whole (its tokens as Qwen2.5's tokenizer makes them; the tags its tokens)."""
+    from ridge.engine.structured import GrammarCompiler
+    from ridge.tokenizer import RidgeTokenizer
+
+    tokenizer = RidgeTokenizer.from_path(qwen_path)
+    compiler = GrammarCompiler(tokenizer, tokenizer.tokenizer.get_vocab_size())
+
+    def follows(spec, text: str) -> bool:
+        grammar = compiler.matcher(spec)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.valid_prefix(ids) == len(ids) and (grammar.accept(ids) or grammar.matcher.is_accepting())
+
+    return follows, tokenizer.tokenizer.token_to_id
+
+
+@pytest.mark.parametrize("form", list(CALLS))
+def test_required_calls_grammar_holds_each_format_to_the_schema(grammar_check, form):
+    """The grammar of tool_choice "required" in each call format takes a call the schema allows (through a
+    recursive $ref, a nullable number, an enum), parsed back to those arguments, and refuses each spoiled one."""
+    from ridge.serve.tool_grammars import call_markers, calls_grammar
+
+    follows, token_id = grammar_check
+    text, spoils = CALLS[form]
+    spec = calls_grammar([TRIP, TIME], None, parallel=True, form=form, markers=call_markers(form, token_id))
+    assert follows(spec, text)
+    (call,) = parse_reply(text, form, [TRIP]).tool_calls
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TRIP["function"]["parameters"])
+    two = text + ("\n" + text if form != "pythonic" else "")
+    assert follows(spec, two.replace("[book(", '[get_time(timezone="UTC"), book('))
+    for was, spoilt in spoils:
+        assert text.count(was) == 1, was
+        assert not follows(spec, text.replace(was, spoilt)), spoilt
+    named = calls_grammar([TRIP, TIME], "get_time", parallel=False, form=form, markers=call_markers(form, token_id))
+    assert not follows(named, text)
+
+
+@pytest.mark.parametrize("form,schema,field", [
+    ("qwen3_coder", {"properties": {"day": {"type": "string", "pattern": "^[0-9]+$"}}}, "properties.day.pattern"),
+    ("qwen3_coder", {"anyOf": [{"type": "object"}]}, "anyOf"),
+    ("pythonic", {"properties": {"first-name": {"type": "string"}}}, "properties.first-name"),
+    ("pythonic", {"properties": {"tags": {"type": "array", "uniqueItems": True}}}, "properties.tags.uniqueItems"),
+    ("pythonic", {"properties": {"x": {"$ref": "#/$defs/missing"}}}, "properties.x.$ref"),
+])
+def test_a_schema_a_format_cannot_hold_to_is_refused_by_name(form, schema, field):
+    from ridge.serve.tool_grammars import UnenforceableSchema, calls_grammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", **schema}}}
+    with pytest.raises(UnenforceableSchema) as caught:
+        calls_grammar([TIME, tool], None, parallel=False, form=form)
+    assert caught.value.field == f"tools.1.function.parameters.{field}"
+    assert calls_grammar([TIME, tool], None, parallel=False, form="hermes").grammar  # JSON holds to all of it
+
+
 @pytest.fixture(scope="module")
 def xml_client(qwen_path):
     with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
@@ -131,10 +213,9 @@ def xml_client(qwen_path):
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_a_server_reads_qwen3_coder_calls_and_refuses_what_it_cannot_enforce(xml_client):
-    """Under --tool-call-parser qwen3_coder, a reply in that form (held to it here by a grammar: Qwen2.5 writes
-    Hermes' form; its tags are tokens of their own) comes back as a call, whole or streamed; tool_choice
-    "required", which a grammar over Hermes' JSON enforces, is refused by name."""
+def test_a_server_reads_qwen3_coder_calls(xml_client):
+    """Under --tool-call-parser qwen3_coder, a reply in that form (held to it here by a request's own grammar:
+    Qwen2.5 writes Hermes' form; its tags are tokens of their own) comes back as a call, whole or streamed."""
     url = str(xml_client.base_url).removesuffix("/").removesuffix("/v1")
     opening, closing = (HTTP.post(url + "/tokenize", json={"prompt": tag}).json()["tokens"] for tag in
                         ("<tool_call>", "</tool_call>"))
@@ -149,10 +230,31 @@ def test_a_server_reads_qwen3_coder_calls_and_refuses_what_it_cannot_enforce(xml
     streamed = [call for chunk in xml_client.chat.completions.create(stream=True, **kwargs)
                 for c in chunk.choices for call in c.delta.tool_calls or []]
     assert [json.loads(c.function.arguments) for c in streamed] == [{"city": "Paris", "unit": "celsius"}]
-    with pytest.raises(openai.BadRequestError) as caught:
-        xml_client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=4)
-    assert caught.value.body["param"] == "tool_choice"
+
+
+@pytest.fixture(scope="module")
+def pythonic_client(qwen_path):
+    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
+                        ServerConfig("qwen", tool_call_parser="pythonic")) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic"])
+def test_required_and_named_calls_in_each_format_follow_the_schemas(xml_client, pythonic_client, form):
+    """tool_choice "required" and a named function under the Qwen3-Coder and pythonic parsers: the grammar writes
+    the calls in the model's own format, and they come back parsed, valid against their tools' schemas."""
+    client = xml_client if form == "qwen3_coder" else pythonic_client
+    out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0, max_tokens=64)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    arguments(call, WEATHER if call.function.name == "get_weather" else TIME)
+    named = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           parallel_tool_calls=False, max_tokens=64)
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and arguments(call, WEATHER)["unit"] in ("celsius", "fahrenheit")
 
 
 def test_required_and_named_calls_follow_the_schemas(client):

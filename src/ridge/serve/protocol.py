@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
-from ridge.serve.tools import LITERAL_MARKERS, calls_grammar
+from ridge.serve.tool_grammars import UnenforceableSchema, calls_grammar, literal_markers
 from ridge.tokenizer import ChatOptions
 
 log = logging.getLogger("ridge")
@@ -468,10 +468,11 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: with a --reasoning-parser, whether reasoning_content is returned
-    _tool_markers: tuple[str, str] = PrivateAttr(default=LITERAL_MARKERS)  # the model's tags, set by the route
+    # the model's call format and its tags' grammar terms (serve/tool_grammars.py), set by the route
+    _call_format: tuple[str, tuple[str, str]] = PrivateAttr(default=("hermes", literal_markers()))
 
-    def use_tool_markers(self, markers: tuple[str, str]) -> None:
-        self._tool_markers = markers
+    def use_call_format(self, form: str, markers: tuple[str, str]) -> None:
+        self._call_format = form, markers
 
     @property
     def calling_tools(self) -> bool:
@@ -501,7 +502,11 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
             if self.tool_choice != "auto":
                 raise RequestError("tool_choice: names a tool call, but the request has no tools", "tool_choice")
         elif self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            grammar = calls_grammar(self.tool_dicts(), self.named_tool(), self.parallel_tool_calls, self._tool_markers)
+            form, markers = self._call_format
+            try:
+                grammar = calls_grammar(self.tool_dicts(), self.named_tool(), self.parallel_tool_calls, form, markers)
+            except UnenforceableSchema as exc:
+                raise RequestError(str(exc), exc.field) from exc
             given.append(("tool_choice", {"grammar": grammar.grammar}))
         return given
 

@@ -29,7 +29,8 @@ from ridge.serve.protocol import (
     TokenizeRequest,
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
-from ridge.serve.tools import CallStream, call_markers, parse_reply
+from ridge.serve.tool_grammars import call_markers
+from ridge.serve.tools import CallStream, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer; nobody reads it
@@ -199,10 +200,7 @@ class Routes:
                                "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
         form = self.gateway.call_format
-        if tools and markers is None and form != "hermes" and req.tool_choice not in (None, "auto", "none"):
-            raise RequestError("tool_choice: 'required' and a named function are enforced by a grammar over Hermes' "
-                               f"JSON calls; this model writes {form} calls: use 'auto'", "tool_choice")
-        req.use_tool_markers(call_markers(self.tokenizer.tokenizer.token_to_id))
+        req.use_call_format(form, call_markers(form, self.tokenizer.tokenizer.token_to_id))
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -1,5 +1,5 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
-of its text, and tool_choice "required" or a named function enforced by a grammar over the calls.
+of its text (tool_choice "required" or a named function: serve/tool_grammars.py).
 
 Three formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
@@ -16,20 +16,14 @@ import ast
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.sampling_params import StructuredOutputsParams
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
+from ridge.serve.tool_grammars import OPEN, PYTHONIC_OPEN, raw_string, tags
 
 # --tool-call-parser: auto reads the format off the chat template
 PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic")
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
-# LFM2's: its calls' tags, and the tags its template puts the tool list in
-PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
 
 
@@ -74,7 +68,7 @@ class CallStream:
 
     def __init__(self, form: str = "hermes", tools: list[dict[str, Any]] | None = None) -> None:
         self._form = form
-        self._open, self._close = (PYTHONIC_OPEN, PYTHONIC_CLOSE) if form == "pythonic" else (OPEN, CLOSE)
+        self._open, self._close = tags(form)
         self._parameters = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         self._pending = ""  # text not parsed yet: what may open a call, or a call still streaming
         self._space = ""  # whitespace held: it goes out only if more content follows
@@ -179,11 +173,9 @@ def _pythonic_calls(body: str) -> list[dict[str, Any]] | None:
 
 
 def _typed(text: str, schema: Any) -> Any:
-    """A parameter's text as its value: as written where its schema says string (or it has none), else read as JSON
-    (numbers, booleans, null, objects, arrays), as written where it is not JSON."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if schema is None or "string" in kinds:
+    """A parameter's text as its value: as written where its schema makes it a string (tool_grammars.raw_string),
+    else read as JSON (numbers, booleans, null, objects, arrays), as written where it is not JSON."""
+    if raw_string(schema):
         return text
     try:
         return json.loads(text)
@@ -194,32 +186,6 @@ def _typed(text: str, schema: Any) -> Any:
 def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-
-LITERAL_MARKERS = (json.dumps(OPEN), json.dumps(CLOSE))  # Lark string literals are JSON strings
-
-
-def call_markers(token_id: Callable[[str], int | None]) -> tuple[str, str]:
-    """The grammar's terms for the tags: the tokens themselves where the vocabulary has one for each (Qwen's):
-    llguidance allows such a token where its text is expected but will not consume it as text."""
-    ids = [token_id(tag) for tag in (OPEN, CLOSE)]
-    if all(i is not None for i in ids):
-        return f"<[{ids[0]}]>", f"<[{ids[1]}]>"
-    return LITERAL_MARKERS
-
-
-def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool,
-                  markers: tuple[str, str] = LITERAL_MARKERS) -> StructuredOutputsParams:
-    """The grammar of a reply made of calls only (tool_choice "required", or `only` that function): one call, or
-    with parallel calls several, each naming a tool and giving arguments valid against its parameters."""
-    choices = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in tools if only is None or t["function"]["name"] == only]
-    newline = json.dumps("\n")
-    more = f" ({newline} call)*" if parallel else ""
-    call = f"{markers[0]} {newline} %json {json.dumps({'anyOf': choices})} {newline} {markers[1]}"  # %json: a schema
-    return StructuredOutputsParams(grammar=f"start: call{more}\ncall: {call}")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
