@@ -230,6 +230,12 @@ def test_a_server_reads_qwen3_coder_calls(xml_client):
     streamed = [call for chunk in xml_client.chat.completions.create(stream=True, **kwargs)
                 for c in chunk.choices for call in c.delta.tool_calls or []]
     assert [json.loads(c.function.arguments) for c in streamed] == [{"city": "Paris", "unit": "celsius"}]
+    dated = {"type": "function", "function": {"name": "on", "parameters": {"type": "object", "properties": {
+        "day": {"type": "string", "pattern": "^[0-9]{8}$"}}}}}
+    with pytest.raises(openai.BadRequestError) as caught:  # a raw-text argument cannot be held to a pattern
+        xml_client.chat.completions.create(model="qwen", messages=ASK, tools=[dated], tool_choice="required",
+                                           max_tokens=4)
+    assert caught.value.body["param"] == "tools.0.function.parameters.properties.day.pattern"
 
 
 @pytest.fixture(scope="module")
