@@ -363,8 +363,10 @@ def test_a_bamba_gguf_reads_back_as_the_same_model(layout, smollm2_path, tmp_pat
 @pytest.mark.parametrize("arch,change", [("granitemoehybrid", {}), ("granitemoehybrid", {"num_local_experts": 0}),
                                          ("lfm2", {}), ("lfm2_moe", {"routed_scaling_factor": 1.0}),
                                          ("qwen3_5", {"linear_value_head_dim": 16}),
-                                         ("qwen3_5_moe", {"linear_value_head_dim": 16})],
-                         ids=["granite-experts", "granite-dense", "lfm2", "lfm2-moe", "qwen3.5", "qwen3.5-moe"])
+                                         ("qwen3_5_moe", {"linear_value_head_dim": 16}),
+                                         ("qwen3_next", {"linear_value_head_dim": 16})],
+                         ids=["granite-experts", "granite-dense", "lfm2", "lfm2-moe", "qwen3.5", "qwen3.5-moe",
+                              "qwen3-next"])
 def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smollm2_path, tmp_path,
                                                                make_llm_for_test):
     """Granite 4.0-H under llama.cpp's `granitehybrid` (its Mamba layers where the per-layer KV head count is 0,
@@ -372,7 +374,8 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     shared MLP as the FFN), and LFM2 under its `lfm2` (its short convolutions where the KV head count is 0, the
     taps in shortconv.l_cache, the final norm as token_embd_norm), and Qwen3.5 under its `qwen35` / `qwen35moe`
     (attention every full_attention_interval-th layer, each head's query and gate side by side in attn_q, the
-    DeltaNet's value heads in llama.cpp's tiled order, which the file's model keeps), load from the file as the
+    DeltaNet's value heads in llama.cpp's tiled order, which the file's model keeps) and Qwen3-Next under its
+    `qwen3next` (HF's grouped order, b and a fused key head by key head in ssm_ba), load from the file as the
     model ridge draws for the config: the same shape and logits."""
     import dataclasses
 
@@ -383,7 +386,7 @@ def test_a_hybrid_written_as_gguf_reads_back_as_the_same_model(arch, change, smo
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
     dense = arch in ("lfm2", "qwen3_5") or "num_local_experts" in change
     assert ours.ssm_layers == (0, 2) and ours.num_experts == (0 if dense else 8)
-    assert ours.rotary_dim == {"lfm2": 16, "lfm2_moe": 16, "qwen3_5": 8, "qwen3_5_moe": 8}.get(arch, 0)
+    assert ours.rotary_dim == {"lfm2": 16, "lfm2_moe": 16, "qwen3_5": 8, "qwen3_5_moe": 8, "qwen3_next": 8}.get(arch, 0)
     assert ours.ssm_heads_tiled == arch.startswith("qwen3_5")
     # GGUF keeps eps in float32, and no SSD chunk size (how a prompt is scanned, not what it computes); Qwen3.5's
     # value heads in another order (the same model)
@@ -439,6 +442,41 @@ def test_a_qwen35_gguf_s_multi_token_prediction_block_is_left_out(smollm2_path, 
     config = {**hf_config("qwen3_5", linear_value_head_dim=16).to_dict(), "vocab_size": 49152}
     from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     assert from_file.engine.loaded.config.num_layers == 4
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+def fused_qkvz(tensors):
+    """_gguf_tensors as llama.cpp's first qwen3next files had them: each DeltaNet's q, k, v and z in one ssm_in,
+    key head by key head (HF's in_proj_qkvz), where later ones hold attn_qkv and attn_gate."""
+    def write(cfg, state):
+        held = {}
+        for name, tensor in tensors(cfg, state):
+            if not name.endswith(("attn_qkv.weight", "attn_gate.weight")):
+                yield name, tensor
+                continue
+            held[name.split(".")[2]] = tensor
+            if len(held) == 2:
+                groups, keys = cfg.ssm_groups, cfg.ssm_groups * cfg.ssm_state_size
+                qkv, z = held.pop("attn_qkv"), held.pop("attn_gate")
+                parts = [qkv[:keys], qkv[keys:2 * keys], qkv[2 * keys:], z]
+                yield (f"{name.rsplit('.', 2)[0]}.ssm_in.weight",
+                       torch.cat([part.unflatten(0, (groups, -1)) for part in parts], 1).flatten(0, 1))
+    return write
+
+
+def test_a_qwen3next_gguf_s_fused_input_projection_reads_as_its_parts(smollm2_path, tmp_path, make_llm_for_test,
+                                                                      monkeypatch):
+    """A qwen3next file whose DeltaNet input projection is one ssm_in (llama.cpp's first converter's, which its
+    loader still reads) loads as the same model as one holding attn_qkv and attn_gate."""
+    from conftest import gguf_round_trip
+    from ridge.bench import random_gguf
+    from ridge.models.loader import open_gguf
+
+    monkeypatch.setattr(random_gguf, "_gguf_tensors", fused_qkvz(random_gguf._gguf_tensors))
+    config = {**hf_config("qwen3_next", linear_value_head_dim=16).to_dict(), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert "blk.0.ssm_in.weight" in {t.name for t in open_gguf(tmp_path / "model.gguf").tensors}
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 

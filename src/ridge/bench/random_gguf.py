@@ -51,7 +51,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
-                      "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+                      "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -161,7 +161,7 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
         raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
                          "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in _GATED_DELTA:
         _full_attention_interval(spec)
         if spec.ssm_state_size != spec.ssm_head_dim:
             raise ValueError(f"model: a {arch} GGUF holds gated DeltaNet heads whose keys are as wide as their values "
@@ -171,6 +171,9 @@ def _check_writable(spec: ModelSpec) -> str:
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
     return arch
+
+
+_GATED_DELTA = ("qwen35", "qwen35moe", "qwen3next")  # llama.cpp's architectures of gated DeltaNet layers
 
 
 def _full_attention_interval(spec: ModelSpec) -> int:
@@ -228,15 +231,16 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_rope_dimension_count(cfg.rotary_dim)
             if cfg.rotary_dim < spec.head_dim:  # _permute_rotary's form, not the converter's (models/loader.py)
                 writer.add_bool(PARTIAL_ROTARY_ROWS, True)
-    elif arch in ("qwen35", "qwen35moe"):  # gated DeltaNet layers beside the attention, every interval-th
+    elif arch in _GATED_DELTA:  # gated DeltaNet layers beside the attention, every interval-th
         _state_space_header(writer, spec)
         writer.add_full_attention_interval(_full_attention_interval(spec))
         writer.add_head_count_kv(spec.num_kv_heads)
         writer.add_rope_dimension_count(cfg.rotary_dim)
-        # llama.cpp's multimodal rotary sections (time, height, width) of the rotary pairs, as Qwen3.5's 11, 11, 10
-        # of 32: a text token's three positions are equal, so any split turns what HF's text model turns
-        pairs = cfg.rotary_dim // 2
-        writer.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
+        if arch != "qwen3next":
+            # llama.cpp's multimodal rotary sections (time, height, width) of the rotary pairs, as Qwen3.5's 11, 11,
+            # 10 of 32: a text token's three positions are equal, so any split turns what HF's text model turns
+            pairs = cfg.rotary_dim // 2
+            writer.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
     elif arch in ("lfm2", "lfm2moe"):  # short convolutions beside the attention
         writer.add_shortconv_l_cache(spec.ssm_conv_kernel)
         writer.add_vocab_size(spec.vocab_size)
@@ -353,8 +357,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
         layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
-        names = _POST_ATTENTION_NORM_NAMES if cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe") else \
-            _LAYER_NAMES
+        post_attention = cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+        names = _POST_ATTENTION_NORM_NAMES if post_attention else _LAYER_NAMES
         for name, gguf_name in names.items():
             if name in layer:
                 yield f"blk.{i}.{gguf_name}", layer[name]
@@ -406,26 +410,34 @@ def _state_space_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor
 
 
 def _gated_delta_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.Tensor]):
-    """A gated DeltaNet as llama.cpp's converter writes it (qwen35): in_proj's four parts, A itself (-exp(A_log)),
-    and the value heads in llama.cpp's tiled order (value head j reading query / key head j % groups, where HF's
+    """A gated DeltaNet as llama.cpp's converter writes it: in_proj's parts, A itself (-exp(A_log)), and for qwen35
+    the value heads in llama.cpp's tiled order (value head j reading query / key head j % groups, where HF's
     grouped order has j // (heads / groups)): their rows of q k v and of the convolution, of z, b and a, their
-    dt_bias and A, and their columns of out_proj."""
+    dt_bias and A, and their columns of out_proj. A qwen3next file keeps HF's grouped order, b and a fused as
+    ssm_ba, key head by key head (HF's in_proj_ba)."""
     heads, width, inner = cfg.ssm_num_heads, cfg.ssm_head_dim, cfg.ssm_inner_size
     keys = cfg.ssm_conv_channels - inner  # q's and k's channels, before v's
-    order = torch.arange(heads)
-    if not cfg.ssm_heads_tiled:  # tiled position j holds grouped head order[j]
+    grouped = cfg.architecture == "qwen3_next"
+    order = torch.arange(heads)  # the file's head j is the model's head order[j]
+    if not grouped and not cfg.ssm_heads_tiled:  # tiled j holds grouped head (j % groups) * per_group + j // groups
         order = order.view(cfg.ssm_groups, -1).T.flatten()
+    elif grouped and cfg.ssm_heads_tiled:  # grouped g * per_group + r holds tiled head r * groups + g
+        order = order.view(-1, cfg.ssm_groups).T.flatten()
 
-    def tiled(rows: torch.Tensor) -> torch.Tensor:  # rows of per-head blocks, the blocks in tiled order
+    def in_order(rows: torch.Tensor) -> torch.Tensor:  # rows of per-head blocks, the blocks in the file's order
         return rows.unflatten(0, (heads, -1))[order].flatten(0, 1)
 
     qkv, z, b, a = layer["ssm.in_proj.weight"].split([cfg.ssm_conv_channels, inner, heads, heads])
     conv = layer["ssm.conv_weight"]
-    yield f"blk.{i}.attn_qkv.weight", torch.cat([qkv[:keys], tiled(qkv[keys:])])
-    yield f"blk.{i}.attn_gate.weight", tiled(z)
-    yield f"blk.{i}.ssm_beta.weight", tiled(b)
-    yield f"blk.{i}.ssm_alpha.weight", tiled(a)
-    yield f"blk.{i}.ssm_conv1d.weight", torch.cat([conv[:keys], tiled(conv[keys:])])
+    yield f"blk.{i}.attn_qkv.weight", torch.cat([qkv[:keys], in_order(qkv[keys:])])
+    yield f"blk.{i}.attn_gate.weight", in_order(z)
+    if grouped:
+        yield f"blk.{i}.ssm_ba.weight", torch.cat([in_order(b).unflatten(0, (cfg.ssm_groups, -1)),
+                                                   in_order(a).unflatten(0, (cfg.ssm_groups, -1))], 1).flatten(0, 1)
+    else:
+        yield f"blk.{i}.ssm_beta.weight", in_order(b)
+        yield f"blk.{i}.ssm_alpha.weight", in_order(a)
+    yield f"blk.{i}.ssm_conv1d.weight", torch.cat([conv[:keys], in_order(conv[keys:])])
     yield f"blk.{i}.ssm_dt.bias", layer["ssm.dt_bias"][order]
     yield f"blk.{i}.ssm_a", -torch.exp(layer["ssm.A_log"].float())[order]
     yield f"blk.{i}.ssm_norm.weight", layer["ssm.norm_weight"]

@@ -525,13 +525,19 @@ _PLAIN_NORM = re.compile(r"linear_attn\.norm\.weight$")
 # name for it
 _QUERY_AND_GATE = re.compile(r"(.+)\.(self_attn\.q_proj|attn_q)\.(weight|bias)")
 _GATE_NAME = {"self_attn.q_proj": "self_attn.q_gate", "attn_q": "attn_q_gate"}
-_GROUPED_PROJECTIONS = re.compile(r"(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight")
+# Qwen3-Next's projections whose rows go key head by key head: HF's, and llama.cpp's (ssm_in: qkvz; ssm_ba); the
+# names of their parts, as Qwen3.5's checkpoints (qwen35 files) hold them
+_GROUPED_PROJECTIONS = re.compile(r"(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight"
+                                  r"|(blk\.\d+)\.(ssm_in|ssm_ba)\.weight")
+_UNGROUPED_NAMES = {"qkvz": ("in_proj_qkv", "in_proj_z"), "ba": ("in_proj_b", "in_proj_a"),
+                    "ssm_in": ("attn_qkv", "attn_gate"), "ssm_ba": ("ssm_beta", "ssm_alpha")}
 
 
 def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
     """Qwen3.5's and Qwen3-Next's tensors as ridge holds them: q_proj's (attn_q's) rows, each head's query then its
-    output gate, as q_proj (the queries) and q_gate (the gates); Qwen3-Next's in_proj_qkvz and in_proj_ba, whose rows go
-    key head by key head (its q, k, its value heads' v, z; their b, a), as Qwen3.5's in_proj_qkv, _z, _b, _a."""
+    output gate, as q_proj (the queries) and q_gate (the gates); Qwen3-Next's in_proj_qkvz and in_proj_ba (a qwen3next
+    file's ssm_in and ssm_ba), whose rows go key head by key head (its q, k, its value heads' v, z; their b, a), as
+    Qwen3.5's in_proj_qkv, _z, _b, _a (attn_qkv, attn_gate, ssm_beta, ssm_alpha)."""
     heads, width = cfg.num_heads, cfg.head_dim
     per_head = torch.arange(heads)[:, None] * 2 * width
     queries = (per_head + torch.arange(width)).flatten()
@@ -540,8 +546,9 @@ def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelCon
             yield name, stored.reordered(queries)
             prefix, projection, kind = match.groups()
             yield f"{prefix}.{_GATE_NAME[projection]}.{kind}", stored.reordered(queries + width)
-        elif match := _GROUPED_PROJECTIONS.fullmatch(name):
-            yield from _ungrouped_projections(match.group(1), match.group(2), stored, cfg)
+        elif cfg.state_mixer == "gated_delta" and (match := _GROUPED_PROJECTIONS.fullmatch(name)):
+            prefix, kind = match.group(1) or match.group(3), match.group(2) or match.group(4)
+            yield from _ungrouped_projections(prefix, kind, stored, cfg)
         else:
             yield name, stored
 
@@ -549,19 +556,20 @@ def _split_gated_attention(tensors: Iterator[tuple[str, _Stored]], cfg: ModelCon
 def _ungrouped_projections(prefix: str, kind: str, stored: _Stored, cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
     groups, key, value = cfg.ssm_groups, cfg.ssm_state_size, cfg.ssm_head_dim
     per_group = cfg.ssm_num_heads // groups
-    widths = [key, key, per_group * value, per_group * value] if kind == "qkvz" else [per_group, per_group]
+    widths = [key, key, per_group * value, per_group * value] if kind in ("qkvz", "ssm_in") else [per_group, per_group]
     starts = torch.tensor([0, *widths[:-1]]).cumsum(0)
     group_rows = torch.arange(groups)[:, None] * sum(widths)
 
     def rows(part: int) -> torch.Tensor:  # the part's rows of every group, group by group
         return (group_rows + starts[part] + torch.arange(widths[part])).flatten()
 
-    if kind == "qkvz":
-        yield f"{prefix}.in_proj_qkv.weight", stored.reordered(torch.cat([rows(0), rows(1), rows(2)]))
-        yield f"{prefix}.in_proj_z.weight", stored.reordered(rows(3))
+    first, second = _UNGROUPED_NAMES[kind]
+    if len(widths) == 4:
+        yield f"{prefix}.{first}.weight", stored.reordered(torch.cat([rows(0), rows(1), rows(2)]))
+        yield f"{prefix}.{second}.weight", stored.reordered(rows(3))
     else:
-        for part, name in enumerate(("b", "a")):
-            yield f"{prefix}.in_proj_{name}.weight", stored.reordered(rows(part))
+        yield f"{prefix}.{first}.weight", stored.reordered(rows(0))
+        yield f"{prefix}.{second}.weight", stored.reordered(rows(1))
 
 
 # Granite's experts, stacked [experts, rows, columns] in ridge's own per-expert layout (input_linear: gate's rows,

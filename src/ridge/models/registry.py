@@ -108,6 +108,7 @@ _HF_NAMES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen35": "qwen3_5",  # GGUF general.architecture
     "qwen35moe": "qwen3_5_moe",
+    "qwen3next": "qwen3_next",
     "granitemoeshared": "granitemoe",
     "granitehybrid": "granitemoehybrid",  # GGUF general.architecture: Granite 4.0-H's, and Bamba's (its rotary from
     # rope.dimension_count, a dense FFN: models/spec.py)

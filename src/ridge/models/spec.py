@@ -577,7 +577,7 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     granitehybrid file's (Granite 4.0-H, Bamba): the layers whose KV head count is 0, beside attention (without
     rotary, or Bamba's on part of each head) and an FFN on every layer. An lfm2 (lfm2moe) file's short
     convolutions: likewise, their taps in shortconv.l_cache (and LFM2-MoE's leading dense layers)."""
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         return _gguf_qwen3_5_fields(arch, value, head_dim)
     if arch in ("lfm2", "lfm2moe"):
         if (scale := value(f"{arch}.expert_weights_scale", 1.0)) != 1.0:  # llama.cpp's graph applies none
@@ -604,9 +604,10 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
 
 
 def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:
-    """A qwen35 (qwen35moe) file's gated DeltaNet layers, as llama.cpp's converter writes them: all but every
-    full_attention_interval-th; the value heads (time_step_rank) in llama.cpp's tiled order, their width the inner
-    size over them, the query / key heads the group count, their width the state size."""
+    """A qwen35 (qwen35moe, qwen3next) file's gated DeltaNet layers, as llama.cpp's converter writes them: all but
+    every full_attention_interval-th; the value heads (time_step_rank) in llama.cpp's tiled order (qwen3next's in
+    HF's grouped one), their width the inner size over them, the query / key heads the group count, their width the
+    state size."""
     layers, interval = int(value(f"{arch}.block_count")) - int(value(f"{arch}.nextn_predict_layers", 0)), \
         int(value(f"{arch}.full_attention_interval", 4))
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
@@ -615,7 +616,7 @@ def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:
             "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
             "ssm_groups": int(value(f"{arch}.ssm.group_count")),
             "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")), "ssm_conv_bias": False,
-            "ssm_heads_tiled": True,
+            "ssm_heads_tiled": arch != "qwen3next",
             "partial_rotary_factor": int(value(f"{arch}.rope.dimension_count", head_dim)) / head_dim}
 
 
@@ -640,7 +641,7 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
 _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
-                   "lfm2moe": True, "qwen35moe": True}
+                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

@@ -188,8 +188,9 @@ GGUF_SSM_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.ssm." + target, None) f
     (r"ssm_out\.weight", "out_proj.weight")]]
 
 
-# Qwen3.5's under llama.cpp's names (qwen35, qwen35moe): the gated DeltaNet's four input projections (the rest under
-# Mamba-2's names), the output gate split from attn_q by the loader, and post_attention_norm, the FFN's input norm
+# Qwen3.5's under llama.cpp's names (qwen35, qwen35moe; qwen3next's, its fused ssm_ba / ssm_in split by the loader):
+# the gated DeltaNet's four input projections (the rest under Mamba-2's names), the output gate split from attn_q by
+# the loader, and post_attention_norm, the FFN's input norm
 GGUF_QWEN3_5_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
     (r"attn_qkv\.weight", "ssm.in_proj.weight", 0), (r"attn_gate\.weight", "ssm.in_proj.weight", 1),
     (r"ssm_beta\.weight", "ssm.in_proj.weight", 2), (r"ssm_alpha\.weight", "ssm.in_proj.weight", 3),
@@ -224,6 +225,7 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
-              "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES}.get(cfg.architecture, [])
+              "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
+              "qwen3_next": GGUF_QWEN3_5_NAMES}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
