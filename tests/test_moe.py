@@ -23,6 +23,7 @@ def hf_config(arch: str):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        Glm4MoeConfig,
         GraniteMoeSharedConfig,
         MixtralConfig,
         OlmoeConfig,
@@ -54,6 +55,11 @@ def hf_config(arch: str):
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                  "original_max_position_embeddings": 64, "mscale": 0.707,
                                                  "mscale_all_dim": 0.707})
+    if arch == "glm4_moe":  # GLM-4.5: DeepSeek-V3's router (here within 2 groups) and shared experts beside llama
+        # attention with q / k / v biases, per-head q / k norms and half of each head rotary; a dense first layer
+        return Glm4MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                             topk_group=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True)
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -67,7 +73,7 @@ def hf_config(arch: str):
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
-                                        "deepseek_v3"])
+                                        "deepseek_v3", "glm4_moe"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -95,6 +101,22 @@ def test_logits_match_hf(moe_model, make_llm_for_test):
 
 def test_latent_attention_without_a_query_bottleneck(tmp_path_factory, make_llm_for_test):
     assert_logits_match_hf(make_llm_for_test, *random_hf_model("deepseek_v3-q", tmp_path_factory), VOCAB)
+
+
+def test_a_checkpoint_s_multi_token_prediction_layer_is_left_out(tmp_path_factory, make_llm_for_test):
+    """GLM-4.5's and DeepSeek-V3's checkpoints store their multi-token prediction layer as one more decoder layer
+    (num_nextn_predict_layers): ridge reads the decoder's layers, HF's logits, and leaves the drafter out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path, hf = random_hf_model("glm4_moe", tmp_path_factory)
+    layers = hf.config.num_hidden_layers
+    save_file({f"model.layers.{layers}.eh_proj.weight": torch.ones(64, 128),
+               f"model.layers.{layers}.self_attn.q_proj.weight": torch.ones(64, 64)}, path / "mtp.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(moe_model, make_llm_for_test):
@@ -155,7 +177,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 # the stack's architectures (all but OLMoE's q / k norms over all heads); 4-bit groups of 32 need widths in 32s,
 # which Qwen3-MoE's config has
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
-               "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}),
+               "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -279,7 +301,8 @@ def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
 
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
+                                  "glm4_moe"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

@@ -51,7 +51,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
-                      "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+                      "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
+                      "glm4_moe": "glm4moe"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -60,7 +61,7 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
                 "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
                 "mlp.router.bias": "ffn_gate_inp.bias"}
-# gpt-oss's and Qwen3.5's MLP input norm is their post_attention_norm (Gemma's sandwich norm elsewhere)
+# gpt-oss's, Qwen3.5's and GLM-4.5's MLP input norm is their post_attention_norm (Gemma's sandwich norm elsewhere)
 _POST_ATTENTION_NORM_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
 # a Mamba-2 mixer's (llama.cpp's ssm_a and ssm_d have no .weight suffix; ssm_dt is dt's bias alone)
 _SSM_NAMES = {"ssm.in_proj.weight": "ssm_in.weight", "ssm.conv_weight": "ssm_conv1d.weight",
@@ -153,8 +154,8 @@ def _check_writable(spec: ModelSpec) -> str:
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec, arch)
-    # deepseek2's and lfm2moe's header key
-    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe") else ()
+    # deepseek2's, lfm2moe's and glm4moe's header key
+    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe", "glm4moe") else ()
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
                          f"header key in {arch}; llama.cpp would read experts there")
@@ -283,7 +284,9 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_logit_scale(cfg.logits_scaling)
         if cfg.attention_multiplier is not None:
             writer.add_attention_scale(cfg.attention_multiplier)
-    if arch == "deepseek2":
+    if arch == "glm4moe":
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch in ("deepseek2", "glm4moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)
@@ -357,7 +360,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
         layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
-        post_attention = cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+        post_attention = cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe")
         names = _POST_ATTENTION_NORM_NAMES if post_attention else _LAYER_NAMES
         for name, gguf_name in names.items():
             if name in layer:

@@ -210,7 +210,8 @@ def load_model(
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)
-        tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg)
+        predicting = int(hf_config.get("num_nextn_predict_layers") or 0)
+        tensors: Iterator[tuple[str, _Stored]] = _hf_language_model(_safetensors(path), cfg, predicting)
         if cfg.architecture == "gpt_oss":  # its experts stacked, in its own layout (another's would be refused)
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
@@ -505,20 +506,27 @@ def open_gguf(path: Path) -> GGUFFile:
         ) from exc
 
 
-def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
+def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
+                       predicting: int = 0) -> Iterator[tuple[str, _Stored]]:
     """An HF checkpoint's language-model tensors under a causal LM's names, norm weights made what the norm
-    multiplies by (Gemma stores w for 1 + w)."""
+    multiplies by (Gemma stores w for 1 + w). `predicting`: the multi-token prediction layers DeepSeek-V3's and
+    GLM-4.5's checkpoints store as layers past the decoder's (num_nextn_predict_layers), left out: a drafter ridge
+    does not run."""
+    drafter = range(cfg.num_layers, cfg.num_layers + predicting)
     for name, stored in tensors:
         if NOT_LANGUAGE_MODEL.match(name):
             continue
         for prefix, plain in LANGUAGE_MODEL_PREFIXES:
             name = re.sub("^" + prefix, plain, name)
+        if (layer := _LAYER_INDEX.match(name)) and int(layer.group(1)) in drafter:
+            continue
         if cfg.norm_weight_offset and name.endswith("norm.weight") and not _PLAIN_NORM.search(name):
             yield name, stored.mapped(lambda t: t.float() + cfg.norm_weight_offset)
         else:
             yield name, stored
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # the gated DeltaNet's norm multiplies by its weight as stored, beside Qwen3.5's other norms (1 + w)
 _PLAIN_NORM = re.compile(r"linear_attn\.norm\.weight$")
 # a query projection that holds the output gate's rows too: HF's (q_proj) and llama.cpp's (attn_q); the gate's

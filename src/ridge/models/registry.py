@@ -1,7 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2 and deepseek_v3, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
+olmoe, granitemoe, deepseek_v2, deepseek_v3 and glm4_moe, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
 lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there,
 Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
 router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
@@ -44,6 +44,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
     "deepseek_v2": {"rope_interleave": True, "router_group_rating": "max"},
     "deepseek_v3": {"router_scoring": "sigmoid"},
+    # GLM-4.5 / 4.6 / 4.7: llama attention (q / k / v biases, half of each head rotary, per-head q / k norms where
+    # its config has use_qk_norm) beside DeepSeek-V3's sigmoid router, shared experts and leading dense layers
+    "glm4_moe": {"router_scoring": "sigmoid"},
     # state-space layers (models/mamba.py): Mamba-2's own models, and Bamba's hybrid of Mamba-2 layers and llama
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
@@ -65,7 +68,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_next": _QWEN3_5,
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next")
+        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe")
+_OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
@@ -92,6 +96,8 @@ _HF_NAMES = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
     "GraniteMoeForCausalLM": "granitemoe",
@@ -236,6 +242,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                       v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave)
     fields.update(ARCHITECTURES[arch])
+    if arch in _OPTIONAL_QK_NORM:
+        fields["qk_norm"] = spec.qk_norm_params > 0
     if spec.norm_topk_prob is not None and arch not in _ALWAYS_RENORMALISED:
         fields["norm_topk_prob"] = bool(spec.norm_topk_prob)
     return ModelConfig(**fields)

@@ -266,7 +266,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
-        "lfm2_moe": per_head, "olmoe": all_heads, **dict.fromkeys(_QWEN3_5, per_head)}.get(config.get("model_type"), 0)
+        "lfm2_moe": per_head, "olmoe": all_heads, **dict.fromkeys(_QWEN3_5, per_head),
+        "glm4_moe": per_head if config.get("use_qk_norm") else 0}.get(config.get("model_type"), 0)
     fields.setdefault("partial_rotary_factor",
                       float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
     return ModelSpec(
@@ -482,7 +483,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         num_experts=experts, experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
         moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
         shared_expert_intermediate_size=int(value(f"{arch}.expert_shared_feed_forward_length", 0)),
-        shared_experts=int("blk.0.ffn_gate_shexp.weight" in names),
+        shared_experts=int(value(f"{arch}.expert_shared_count",
+                                 any(n.endswith("ffn_gate_shexp.weight") for n in names))),
         shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in names,
         qk_norm_params=next((shapes[n][0] + shapes[n.replace("attn_q_norm", "attn_k_norm")][0] for n in sorted(shapes)
                              if n.endswith("attn_q_norm.weight")), 0),
@@ -498,6 +500,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
+    fields.update(_gguf_glm4_moe_fields(arch, value, fields["head_dim"]))
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
@@ -571,6 +574,20 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "rope_interleave": True, "qkv_bias": False}
 
 
+def _gguf_glm4_moe_fields(arch: str, value, head_dim: int) -> dict:
+    """A glm4moe file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias, the chosen ones'
+    weights scaled), leading dense layers and rotary part of each head."""
+    if arch != "glm4moe":
+        return {}
+    if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
+        raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
+    return {"first_dense_layers": int(value(f"{arch}.leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(value(f"{arch}.expert_weights_scale", 1.0)),
+            "router_groups": int(value(f"{arch}.expert_group_count", 1)),
+            "router_topk_groups": int(value(f"{arch}.expert_group_used_count", 1)),
+            "partial_rotary_factor": int(value(f"{arch}.rope.dimension_count", head_dim)) / head_dim}
+
+
 def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -> dict:
     """A mamba2 file's mixers, as llama.cpp's converter writes them: every layer one, no FFN; its heads are the
     time_step_rank (a dt per head), the residual stream float32 (llama.cpp's graph adds in float32). A
@@ -641,7 +658,7 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
 _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
-                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True}
+                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True, "glm4moe": False}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them
