@@ -24,6 +24,7 @@ def hf_config(arch: str):
         DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
+        Glm4MoeLiteConfig,
         GraniteMoeSharedConfig,
         MixtralConfig,
         OlmoeConfig,
@@ -60,6 +61,13 @@ def hf_config(arch: str):
         return Glm4MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                              topk_group=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True)
+    if arch == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its dense layers listed
+        # per layer (here one among the sparse ones)
+        return Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=24,
+                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 n_shared_experts=1, routed_scaling_factor=1.8,
+                                 mlp_layer_types=["sparse", "dense", "sparse"])
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -101,6 +109,13 @@ def test_logits_match_hf(moe_model, make_llm_for_test):
 
 def test_latent_attention_without_a_query_bottleneck(tmp_path_factory, make_llm_for_test):
     assert_logits_match_hf(make_llm_for_test, *random_hf_model("deepseek_v3-q", tmp_path_factory), VOCAB)
+
+
+def test_glm_4_7_flash_runs_as_deepseek_v3(tmp_path_factory, make_llm_for_test):
+    path, hf = random_hf_model("glm4_moe_lite", tmp_path_factory)
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert (cfg.architecture, cfg.dense_layers, cfg.kv_lora_rank) == ("deepseek_v3", (1,), 32)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
 
 
 def test_a_checkpoint_s_multi_token_prediction_layer_is_left_out(tmp_path_factory, make_llm_for_test):

@@ -114,7 +114,8 @@ def test_each_pre_tokenizer_split_is_hf_s():
     from ridge.gguf_vocab import _SPLITS, _byte_level_split
 
     texts = [*TEXTS, "HelloWorld FOOBar they'RE 123456 a/b\r\n\n  x", "ÀÉÎõü Straße İstanbul 你好 Ωμέγα"]
-    assert set(_SPLITS) <= set(GGUF_PRE_TOKENIZER_SPLITS) | {"llama-bpe"}
+    # names HF's table lacks whose split llama.cpp's vocabulary code gives as Llama 3's: GLM-4's
+    assert set(_SPLITS) <= set(GGUF_PRE_TOKENIZER_SPLITS) | {"llama-bpe", "glm4", "chatglm-bpe"}
     for name in _SPLITS:
         theirs = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS.get(name, GGUF_PRE_TOKENIZER_SPLITS["llama3"])),

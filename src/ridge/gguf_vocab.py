@@ -48,7 +48,7 @@ _TEKKEN_SPLIT = (
 _SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "lfm2", "dbrx",
-                     "smaug-bpe"), _LLAMA3_SPLIT),
+                     "smaug-bpe", "glm4", "chatglm-bpe"), _LLAMA3_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
     "tekken": _TEKKEN_SPLIT,
     "qwen35": _QWEN35_SPLIT,

@@ -56,7 +56,9 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
     info = TokenizerInfo(
         bos_token_id=bos,
         eos_token_id=eos,
-        add_bos=bool(gguf.fields.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds no BOS to GLM-4's vocabulary whatever the file says: its template writes [gMASK]<sop>
+        add_bos=bool(gguf.fields.get("tokenizer.ggml.add_bos_token", False))
+        and gguf.fields.get("tokenizer.ggml.pre") not in ("glm4", "chatglm-bpe"),
         chat_template=template,
     )
     eot = gguf.fields.get("tokenizer.ggml.eot_token_id")

@@ -97,6 +97,7 @@ _HF_NAMES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeLiteForCausalLM": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router
     "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",

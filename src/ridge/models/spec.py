@@ -228,6 +228,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                 fields[spec_field] = config[key]
                 break
     fields.update(_ssm_fields(config, fields.get("hidden_size", 0), source))
+    fields.update(_mlp_layer_types(config))
+    if config.get("mlp_only_layers"):
+        fields["dense_only_layers"] = tuple(config["mlp_only_layers"])
     fields.update(_granite_moe_fields(config, fields, source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
@@ -282,7 +285,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         attn_logit_softcap=config.get("attn_logit_softcapping"),
         final_logit_softcap=config.get("final_logit_softcapping"), norm_topk_prob=config.get("norm_topk_prob"),
         moe_layer_step=int(config.get("decoder_sparse_step") or 1),
-        dense_only_layers=tuple(config.get("mlp_only_layers") or ()), clip_qkv=config.get("clip_qkv"),
+        clip_qkv=config.get("clip_qkv"),
         mlp_bias=bool(config.get("mlp_bias", False)),
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
@@ -427,6 +430,16 @@ def _granite_moe_fields(config: dict, fields: dict, source: str) -> dict:
             raise ValueError(f"{source}: position_embedding_type: {positions!r} is not supported (rope, nope)")
         out["partial_rotary_factor"] = 1.0 if positions == "rope" else 0.0
     return out
+
+
+def _mlp_layer_types(config: dict) -> dict:
+    """GLM-4.7-Flash's per-layer list of dense and sparse FFNs: its leading dense layers, as DeepSeek's
+    first_k_dense_replace says them (what a GGUF header holds), or, dense layers elsewhere, Qwen's mlp_only_layers."""
+    kinds = config.get("mlp_layer_types")
+    if not kinds:
+        return {}
+    dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    return {"first_dense_layers": len(dense)} if dense == tuple(range(len(dense))) else {"dense_only_layers": dense}
 
 
 def _json_float(value: float | dict) -> float:
