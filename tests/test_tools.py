@@ -7,6 +7,7 @@ and fill-in-the-middle completions (`suffix`), which Qwen2.5-Coder's tokens make
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import openai
@@ -101,6 +102,24 @@ def test_qwen3_coder_calls_are_read_as_their_parameters_type_them():
         json.loads(call["function"]["arguments"])]
 
 
+def test_glm_calls_are_read_as_their_parameters_type_them():
+    """GLM-4.5's form (the function's name, then an <arg_key> / <arg_value> pair per argument) and GLM-4.7's (the
+    same without newlines): the template shows which; values typed as Qwen3-Coder's are; a block that is not a call
+    (text after its pairs) stays content."""
+    from ridge.serve.tools import call_format
+
+    glm45 = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>"
+    assert call_format(glm45) == "glm45" and call_format(glm45.replace("</arg_key>\n", "</arg_key>")) == "glm47"
+    not_a_call = "<tool_call>book<arg_key>a</arg_key><arg_value>1</arg_value>x</tool_call>"
+    expected = {"glm45": {"fare": None, "unit": "celsius", "route": {"city": "Lyon", "then": None}},
+                "glm47": {"window": True}}
+    for form, extra in expected.items():
+        reply = parse_reply(f"Booking.\n{CALLS[form][0]}{not_a_call}", form, [TRIP])
+        (call,) = reply.tool_calls
+        assert call["function"]["name"] == "book" and reply.content == f"Booking.\n{not_a_call}"
+        assert json.loads(call["function"]["arguments"]) == {"note": "Aisle\nplease", "seats": 2, **extra}
+
+
 def test_pythonic_calls_are_read_as_python_literals_and_nothing_runs():
     """LFM2's form: a Python list of calls between its tags, several in one block, each keyword's value a literal
     (True, None, tuples and nested lists to JSON's forms); a block with a name, a positional argument or an
@@ -144,6 +163,17 @@ CALLS = {
                     [("seats>\n2", "seats>\n0"), ("<parameter=seats>\n2\n</parameter>\n", ""),
                      ("\ncelsius", "\nkelvin"), ("\ncelsius", '\n"celsius"'), ("Aisle\nplease", "Aisle, a window"),
                      ("fare>\nnull", 'fare>\n"cheap"')]),
+    "glm45": ("<tool_call>book\n<arg_key>note</arg_key>\n<arg_value>Aisle\nplease</arg_value>\n"
+              "<arg_key>seats</arg_key>\n<arg_value>2</arg_value>\n<arg_key>fare</arg_key>\n<arg_value>null</arg_value>\n<arg_key>unit</arg_key>\n"
+              '<arg_value>celsius</arg_value>\n<arg_key>route</arg_key>\n<arg_value>{"city": "Lyon", "then": null}'
+              "</arg_value>\n</tool_call>",
+              [("seats</arg_key>\n<arg_value>2", "seats</arg_key>\n<arg_value>0"), ("<arg_key>seats</arg_key>\n"
+               "<arg_value>2</arg_value>\n", ""), ("celsius", "kelvin"), ("Aisle\nplease", "Aisle, a window"),
+               ("<arg_value>null", '<arg_value>"cheap"')]),
+    "glm47": ("<tool_call>book<arg_key>note</arg_key><arg_value>Aisle\nplease</arg_value><arg_key>seats</arg_key>"
+              "<arg_value>2</arg_value><arg_key>window</arg_key><arg_value>true</arg_value></tool_call>",
+              [("<arg_value>2", "<arg_value>0"), ("<arg_key>seats</arg_key><arg_value>2</arg_value>", ""),
+               ("<arg_value>true", "<arg_value>True"), ("Aisle\nplease", "Aisle, a window")]),
     "pythonic": ('<|tool_call_start|>[book(note="Aisle", seats=2, window=True, fare=None, route={"city": "Lyon", '
                  '"then": {"city": "Dijon", "then": None}})]<|tool_call_end|>',
                  [("seats=2", "seats=0"), ("seats=2, ", ""), ("True", "true"), ("fare=None", "fare=null"),
@@ -180,8 +210,9 @@ def test_required_calls_grammar_holds_each_format_to_the_schema(grammar_check, f
     assert follows(spec, text)
     (call,) = parse_reply(text, form, [TRIP]).tool_calls
     jsonschema.validate(json.loads(call["function"]["arguments"]), TRIP["function"]["parameters"])
-    two = text + ("\n" + text if form != "pythonic" else "")
-    assert follows(spec, two.replace("[book(", '[get_time(timezone="UTC"), book('))
+    two = text.replace("[book(", '[get_time(timezone="UTC"), book(') if form == "pythonic" else \
+        text + ("" if form == "glm47" else "\n") + text
+    assert follows(spec, two)
     for was, spoilt in spoils:
         assert text.count(was) == 1, was
         assert not follows(spec, text.replace(was, spoilt)), spoilt
@@ -207,10 +238,25 @@ def test_a_schema_a_format_cannot_hold_to_is_refused_by_name(form, schema, field
 
 
 @pytest.fixture(scope="module")
-def xml_client(qwen_path):
-    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
-                        ServerConfig("qwen", tool_call_parser="qwen3_coder")) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+def parser_client(qwen_path):
+    """A client of a server under --tool-call-parser `parser`, the server started when a test first asks for it."""
+    with contextlib.ExitStack() as servers:
+        clients: dict[str, openai.OpenAI] = {}
+
+        def client(parser: str) -> openai.OpenAI:
+            if parser not in clients:
+                srv = servers.enter_context(running_server(
+                    EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
+                    ServerConfig("qwen", tool_call_parser=parser)))
+                clients[parser] = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            return clients[parser]
+
+        yield client
+
+
+@pytest.fixture(scope="module")
+def xml_client(parser_client):
+    return parser_client("qwen3_coder")
 
 
 def test_a_server_reads_qwen3_coder_calls(xml_client):
@@ -238,18 +284,11 @@ def test_a_server_reads_qwen3_coder_calls(xml_client):
     assert caught.value.body["param"] == "tools.0.function.parameters.properties.day.pattern"
 
 
-@pytest.fixture(scope="module")
-def pythonic_client(qwen_path):
-    with running_server(EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
-                        ServerConfig("qwen", tool_call_parser="pythonic")) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic"])
-def test_required_and_named_calls_in_each_format_follow_the_schemas(xml_client, pythonic_client, form):
-    """tool_choice "required" and a named function under the Qwen3-Coder and pythonic parsers: the grammar writes
-    the calls in the model's own format, and they come back parsed, valid against their tools' schemas."""
-    client = xml_client if form == "qwen3_coder" else pythonic_client
+@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic", "glm45"])
+def test_required_and_named_calls_in_each_format_follow_the_schemas(parser_client, form):
+    """tool_choice "required" and a named function under the Qwen3-Coder, pythonic and GLM-4.5 parsers: the grammar
+    writes the calls in the model's own format, and they come back parsed, valid against their tools' schemas."""
+    client = parser_client(form)
     out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0, max_tokens=64)
     choice = out.choices[0]

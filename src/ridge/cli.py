@@ -391,8 +391,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", choices=(*PARSERS, harmony.TOOL_CALL_PARSER), default="auto",
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
                         "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, LFM2's "
-                        "pythonic list, or a gpt-oss model's harmony commentary channel), hermes, qwen3_coder or "
-                        "pythonic (parse that form even where the template does not show it) or openai (harmony: "
+                        "pythonic list, GLM-4.5's <arg_key> pairs (glm45; GLM-4.7's without newlines, glm47), or a "
+                        "gpt-oss model's harmony commentary channel), hermes, qwen3_coder, pythonic, glm45 or glm47 "
+                        "(parse that form even where the template does not show it) or openai (harmony: "
                         "what auto reads on gpt-oss). Other families' formats (llama3_json, mistral) are not "
                         "implemented: their models get `tools` refused with HTTP 400")
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER), default=None,

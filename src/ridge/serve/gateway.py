@@ -109,8 +109,8 @@ class Gateway:
                 raise RequestError("tools: this model's chat template " + (
                     "does not render tools" if "tools" not in template else
                     "has no tool-call format ridge can parse (Hermes' <tool_call> tags, Qwen3-Coder's <function=...>, "
-                    "LFM2's pythonic <|tool_call_start|>; --tool-call-parser hermes, qwen3_coder or pythonic parses "
-                    "them anyway)"), "tools")
+                    "LFM2's pythonic <|tool_call_start|>, GLM-4.5's <arg_key>; --tool-call-parser hermes, qwen3_coder, "
+                    "pythonic, glm45 or glm47 parses them anyway)"), "tools")
             for i, tool in enumerate(tools):
                 parameters = tool["function"].get("parameters")
                 try:

@@ -2,13 +2,13 @@
 only, written in the model's own call format, each call naming a tool and giving arguments its parameters allow.
 
 Hermes' calls are JSON: one JSON schema of the call is the whole grammar. Qwen3-Coder's form writes each argument
-in a block of its own, a string as raw text up to the block's closing tag and any other value as JSON, so its
-arguments are laid out in their schema's order (the required ones always, the others optional): a raw string is
-text that cannot close its block early, any other value JSON its schema holds. LFM2's pythonic calls are Python
-literals, compiled here from the schema: strings and numbers as JSON writes them (a JSON string or number is a
-Python literal of the same value, so llguidance's JSON schema grammar holds them, with their patterns, formats and
-bounds), True / False / None, and lists and dicts built around them. A schema keyword such a layout cannot hold
-is refused by name (UnenforceableSchema), never dropped.
+in a block of its own (GLM-4.5's as an <arg_key> / <arg_value> pair), a string as raw text up to the block's closing
+tag and any other value as JSON, so its arguments are laid out in their schema's order (the required ones always,
+the others optional): a raw string is text that cannot close its block early, any other value JSON its schema
+holds. LFM2's pythonic calls are Python literals, compiled here from the schema: strings and numbers as JSON writes
+them (a JSON string or number is a Python literal of the same value, so llguidance's JSON schema grammar holds
+them, with their patterns, formats and bounds), True / False / None, and lists and dicts built around them. A
+schema keyword such a layout cannot hold is refused by name (UnenforceableSchema), never dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 from ridge.sampling_params import StructuredOutputsParams
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes' and Qwen3-Coder's tags
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes', Qwen3-Coder's and GLM-4.5's tags
+GLM_FORMS = ("glm45", "glm47")  # GLM-4.5's (and 4.6's) calls, and GLM-4.7's: the same without newlines
 PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"  # LFM2's
 
 ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "$schema", "$id", "deprecated",
@@ -83,6 +84,11 @@ def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool,
         listed = f'"[" ({calls}) (", " ({calls}))* "]"' if parallel else f'"[" ({calls}) "]"'
         grammar.rules["call"] = f"{opening} {listed} {closing}"
         start = "call"
+    elif form in GLM_FORMS:
+        newline = "\n" if form == "glm45" else ""
+        calls = " | ".join(grammar.glm_call(function, field, newline) for field, function in chosen)
+        grammar.rules["call"] = f"{opening} ({calls}) {closing}"
+        start = f"call ({_lit(newline)} call)*" if parallel and newline else "call call*" if parallel else "call"
     else:
         calls = " | ".join(grammar.xml_call(function, field) if form == "qwen3_coder" else _hermes_call(function)
                            for field, function in chosen)
@@ -123,18 +129,31 @@ class _Grammar:
         entries = []
         for key, schema, required in _arguments(parameters):
             head = _lit(f"<parameter={key}>\n")
-            value = self._raw_string(schema, f"{field}.properties.{key}") if raw_string(schema) else (
-                f"{self._json(schema)} {_lit(chr(10) + '</parameter>' + chr(10))}")
+            value = self._value(schema, f"{field}.properties.{key}", "\n</parameter>\n")
             entries.append((f"{head} {value}", required))
         name = function["name"]
         return f"{_lit(f'<function={name}>' + chr(10))} {_ordered(entries, None)} {_lit('</function>')}"
 
-    def _raw_string(self, schema: Any, field: str) -> str:
-        """A raw string argument and its block's closing tag: one of its enum's texts, or text of its length that
+    # GLM-4.5's form (GLM-4.7's without the newlines)
+    def glm_call(self, function: dict[str, Any], field: str, newline: str) -> str:
+        parameters, field = self._parameters(function, field)
+        entries = [(f"{_lit(f'<arg_key>{key}</arg_key>{newline}<arg_value>')} "
+                    f"{self._value(schema, f'{field}.properties.{key}', '</arg_value>' + newline)}", required)
+                   for key, schema, required in _arguments(parameters)]
+        return f"{_lit(function['name'] + newline)} {_ordered(entries, None)}"
+
+    def _value(self, schema: Any, field: str, closing: str) -> str:
+        """An argument's value and the tag that closes it: raw text where the parser reads it as a string, else
+        JSON."""
+        if raw_string(schema):
+            return self._raw_string(schema, field, closing)
+        return f"{self._json(schema)} {_lit(closing)}"
+
+    def _raw_string(self, schema: Any, field: str, closing: str) -> str:
+        """A raw string argument and its block's `closing` tag: one of its enum's texts, or text of its length that
         ends at the first closing tag (a lazy rule: llguidance ends it where the suffix appears)."""
         schema = schema if isinstance(schema, dict) else {}
-        _refuse_beyond(schema, RAW_STRING, field, "qwen3_coder calls write this argument as raw text")
-        closing = "\n</parameter>\n"
+        _refuse_beyond(schema, RAW_STRING, field, "calls in this format write this argument as raw text")
         choices = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
         if choices is not None:
             texts = (c if isinstance(c, str) else json.dumps(c) for c in choices)

@@ -1,10 +1,12 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text (tool_choice "required" or a named function: serve/tool_grammars.py).
 
-Three formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
+Four formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
 too), each call `<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument,
-whose values are text read as their parameter's JSON schema types them; and the pythonic one of LFM2, a Python list
+whose values are text read as their parameter's JSON schema types them; GLM-4.5's, each call the function's name
+then an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pair per argument between the same tags (its values
+typed alike; GLM-4.7's without the newlines between them); and the pythonic one of LFM2, a Python list
 of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`. The chat
 template shows which (unless the server runs with --tool-call-parser); a model whose template shows none, or does
 not render tools at all, gets its tools refused by name rather than ignored.
@@ -19,22 +21,26 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.serve.tool_grammars import OPEN, PYTHONIC_OPEN, raw_string, tags
+from ridge.serve.tool_grammars import GLM_FORMS, OPEN, PYTHONIC_OPEN, raw_string, tags
 
 # --tool-call-parser: auto reads the format off the chat template
-PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic")
+PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS)
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
+GLM_ARGUMENT, GLM47_ARGUMENT = "<arg_key>", "</arg_key><arg_value>"  # GLM's; 4.7's pairs without a newline
 PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
 
 
 def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
-    """The format of the model's calls ("hermes", "qwen3_coder" or "pythonic"): the operator's --tool-call-parser,
+    """The format of the model's calls ("hermes", "qwen3_coder", "pythonic", "glm45" or "glm47"): the operator's
+    --tool-call-parser,
     or the one its template shows; None where tools cannot be offered (the template does not render them, or shows
     no format ridge parses)."""
     if not chat_template or "tools" not in chat_template:
         return None  # the model would never see them
     if parser != "auto":
         return parser
+    if GLM_ARGUMENT in chat_template and OPEN in chat_template:
+        return "glm47" if GLM47_ARGUMENT in chat_template else "glm45"
     if XML_FUNCTION in chat_template and OPEN in chat_template:  # both: Llama 3.1's prompts show <function= alone
         return "qwen3_coder"
     if PYTHONIC_OPEN in chat_template or PYTHONIC_TOOL_LIST in chat_template:
@@ -107,7 +113,10 @@ class CallStream:
         """The calls between a block's tags, or None where it is not calls in the stream's form."""
         if self._form == "pythonic":
             return _pythonic_calls(body)
-        call = _xml_call(body, self._parameters) if self._form == "qwen3_coder" else _call(body)
+        if self._form in GLM_FORMS:
+            call = _glm_call(body, self._parameters)
+        else:
+            call = _xml_call(body, self._parameters) if self._form == "qwen3_coder" else _call(body)
         return None if call is None else [call]
 
     def _out(self, text: str, final: bool) -> str:
@@ -147,6 +156,23 @@ def _xml_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     properties = (parameters.get(name) or {}).get("properties") or {}
     arguments = {key.strip(): _typed(value, properties.get(key.strip()))
                  for key, value in _XML_PARAMETER.findall(match.group(2))}
+    return _openai_call(name, arguments)
+
+
+_GLM_CALL = re.compile(r"\s*([^\s<]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.S)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """A call in OpenAI's shape from GLM-4.5's form between the tags (the function's name, then an <arg_key> /
+    <arg_value> pair per argument, each value typed as a qwen3_coder call's is), or None when it is not one."""
+    match = _GLM_CALL.fullmatch(body)
+    if match is None:
+        return None
+    name = match.group(1)
+    properties = (parameters.get(name) or {}).get("properties") or {}
+    arguments = {key.strip(): _typed(value, properties.get(key.strip()))
+                 for key, value in _GLM_ARGUMENT.findall(match.group(2))}
     return _openai_call(name, arguments)
 
 
