@@ -26,6 +26,7 @@ def hf_config(arch: str):
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GraniteMoeSharedConfig,
+        MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -61,6 +62,10 @@ def hf_config(arch: str):
         return Glm4MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                              topk_group=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True)
+    if arch == "minimax_m2":  # q and k normed over all heads, half of each head rotary (its checkpoints' rotary_dim),
+        # a sigmoid router with the correction bias, renormalised
+        return MiniMaxM2Config(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                               rotary_dim=8)
     if arch == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its dense layers listed
         # per layer (here one among the sparse ones)
         return Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=24,
@@ -81,7 +86,7 @@ def hf_config(arch: str):
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
-                                        "deepseek_v3", "glm4_moe"])
+                                        "deepseek_v3", "glm4_moe", "minimax_m2"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -193,6 +198,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 # which Qwen3-MoE's config has
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
+               "minimax_m2": ("minimax_m2", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -314,10 +320,27 @@ def test_what_ridge_does_not_implement_is_refused_by_name(change, field):
         config_from_spec(spec_from_hf_config(config, "olmoe"))
 
 
+@pytest.mark.parametrize("change,field", [({"attn_type_list": [0, 1, 1]}, "attn_type_list"),
+                                          ({"shared_intermediate_size": 64}, "shared_intermediate_size"),
+                                          ({"scoring_func": "softmax"}, "scoring_func"),
+                                          ({"use_routing_bias": False}, "use_routing_bias")])
+def test_minimax_layers_m2_does_not_have_are_refused_by_name(change, field):
+    """MiniMax's configs can say more than M2's layers do (MiniMax-01's lightning attention, a shared expert, other
+    routers): refused by name. Its checkpoints' rotary_dim alone gives the rotary part of each head."""
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = hf_config("minimax_m2").to_dict()
+    with pytest.raises(ValueError, match=field):
+        config_from_spec(spec_from_hf_config({**config, **change}, "minimax_m2"))
+    published = {**config, "rope_parameters": {"rope_theta": 5e6, "rope_type": "default"}}
+    assert config_from_spec(spec_from_hf_config(published, "minimax_m2")).rotary_dim == 8
+
+
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe"])
+                                  "glm4_moe", "minimax_m2"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

@@ -102,18 +102,23 @@ def test_qwen3_coder_calls_are_read_as_their_parameters_type_them():
         json.loads(call["function"]["arguments"])]
 
 
-def test_glm_calls_are_read_as_their_parameters_type_them():
-    """GLM-4.5's form (the function's name, then an <arg_key> / <arg_value> pair per argument) and GLM-4.7's (the
-    same without newlines): the template shows which; values typed as Qwen3-Coder's are; a block that is not a call
-    (text after its pairs) stays content."""
+def test_glm_and_minimax_calls_are_read_as_their_parameters_type_them():
+    """GLM-4.5's form (the function's name, then an <arg_key> / <arg_value> pair per argument), GLM-4.7's (the
+    same without newlines) and MiniMax-M2's (<invoke> blocks of <parameter name=...>): the template shows which;
+    values typed as Qwen3-Coder's are; a block that is not calls (text after the pairs, inside an invoke) stays
+    content."""
     from ridge.serve.tools import call_format
 
     glm45 = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>"
     assert call_format(glm45) == "glm45" and call_format(glm45.replace("</arg_key>\n", "</arg_key>")) == "glm47"
-    not_a_call = "<tool_call>book<arg_key>a</arg_key><arg_value>1</arg_value>x</tool_call>"
+    assert call_format("{{ tools }}<minimax:tool_call>\n<invoke name=") == "minimax_m2"
+    not_a_calls = {"glm45": "<tool_call>book<arg_key>a</arg_key><arg_value>1</arg_value>x</tool_call>",
+                   "minimax_m2": '<minimax:tool_call><invoke name="book">x</invoke></minimax:tool_call>'}
     expected = {"glm45": {"fare": None, "unit": "celsius", "route": {"city": "Lyon", "then": None}},
-                "glm47": {"window": True}}
+                "glm47": {"window": True},
+                "minimax_m2": {"fare": None, "unit": "celsius", "route": {"city": "Lyon", "then": None}}}
     for form, extra in expected.items():
+        not_a_call = not_a_calls.get(form, not_a_calls["glm45"])
         reply = parse_reply(f"Booking.\n{CALLS[form][0]}{not_a_call}", form, [TRIP])
         (call,) = reply.tool_calls
         assert call["function"]["name"] == "book" and reply.content == f"Booking.\n{not_a_call}"
@@ -174,6 +179,12 @@ CALLS = {
               "<arg_value>2</arg_value><arg_key>window</arg_key><arg_value>true</arg_value></tool_call>",
               [("<arg_value>2", "<arg_value>0"), ("<arg_key>seats</arg_key><arg_value>2</arg_value>", ""),
                ("<arg_value>true", "<arg_value>True"), ("Aisle\nplease", "Aisle, a window")]),
+    "minimax_m2": ('<minimax:tool_call>\n<invoke name="book">\n<parameter name="note">Aisle\nplease</parameter>\n'
+                   '<parameter name="seats">2</parameter>\n<parameter name="fare">null</parameter>\n'
+                   '<parameter name="unit">celsius</parameter>\n<parameter name="route">{"city": "Lyon", "then": null}'
+                   "</parameter>\n</invoke>\n</minimax:tool_call>",
+                   [('"seats">2', '"seats">0'), ('<parameter name="seats">2</parameter>\n', ""), ("celsius", "kelvin"),
+                    ("Aisle\nplease", "Aisle, a window"), ('"fare">null', '"fare">"cheap"')]),
     "pythonic": ('<|tool_call_start|>[book(note="Aisle", seats=2, window=True, fare=None, route={"city": "Lyon", '
                  '"then": {"city": "Dijon", "then": None}})]<|tool_call_end|>',
                  [("seats=2", "seats=0"), ("seats=2, ", ""), ("True", "true"), ("fare=None", "fare=null"),
@@ -210,8 +221,11 @@ def test_required_calls_grammar_holds_each_format_to_the_schema(grammar_check, f
     assert follows(spec, text)
     (call,) = parse_reply(text, form, [TRIP]).tool_calls
     jsonschema.validate(json.loads(call["function"]["arguments"]), TRIP["function"]["parameters"])
-    two = text.replace("[book(", '[get_time(timezone="UTC"), book(') if form == "pythonic" else \
-        text + ("" if form == "glm47" else "\n") + text
+    if form in ("pythonic", "minimax_m2"):  # two calls in one block
+        another = '<invoke name="get_time">\n<parameter name="timezone">UTC</parameter>\n</invoke>'
+        two = text.replace("[book(", '[get_time(timezone="UTC"), book(').replace("</invoke>", f"</invoke>\n{another}")
+    else:
+        two = text + ("" if form == "glm47" else "\n") + text
     assert follows(spec, two)
     for was, spoilt in spoils:
         assert text.count(was) == 1, was
@@ -284,10 +298,11 @@ def test_a_server_reads_qwen3_coder_calls(xml_client):
     assert caught.value.body["param"] == "tools.0.function.parameters.properties.day.pattern"
 
 
-@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic", "glm45"])
+@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic", "glm45", "minimax_m2"])
 def test_required_and_named_calls_in_each_format_follow_the_schemas(parser_client, form):
-    """tool_choice "required" and a named function under the Qwen3-Coder, pythonic and GLM-4.5 parsers: the grammar
-    writes the calls in the model's own format, and they come back parsed, valid against their tools' schemas."""
+    """tool_choice "required" and a named function under the Qwen3-Coder, pythonic, GLM-4.5 and MiniMax-M2 parsers:
+    the grammar writes the calls in the model's own format, and they come back parsed, valid against their tools'
+    schemas."""
     client = parser_client(form)
     out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0, max_tokens=64)

@@ -391,8 +391,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", choices=(*PARSERS, harmony.TOOL_CALL_PARSER), default="auto",
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
                         "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, LFM2's "
-                        "pythonic list, GLM-4.5's <arg_key> pairs (glm45; GLM-4.7's without newlines, glm47), or a "
-                        "gpt-oss model's harmony commentary channel), hermes, qwen3_coder, pythonic, glm45 or glm47 "
+                        "pythonic list, GLM-4.5's <arg_key> pairs (glm45; GLM-4.7's without newlines, glm47), "
+                        "MiniMax-M2's <invoke> blocks, or a gpt-oss model's harmony commentary channel), hermes, "
+                        "qwen3_coder, pythonic, glm45, glm47 or minimax_m2 "
                         "(parse that form even where the template does not show it) or openai (harmony: "
                         "what auto reads on gpt-oss). Other families' formats (llama3_json, mistral) are not "
                         "implemented: their models get `tools` refused with HTTP 400")

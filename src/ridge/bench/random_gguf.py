@@ -52,7 +52,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-                      "glm4_moe": "glm4moe"}
+                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -284,8 +284,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_logit_scale(cfg.logits_scaling)
         if cfg.attention_multiplier is not None:
             writer.add_attention_scale(cfg.attention_multiplier)
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "minimax-m2"):  # part of each head rotary, a sigmoid router
         writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "minimax-m2":
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if arch in ("deepseek2", "glm4moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)

@@ -1,11 +1,11 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2, deepseek_v3 and glm4_moe, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
-lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there,
-Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
-router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
-DeltaNet in place of attention.
+olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2, bamba and
+granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
+is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich
+norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short
+convolution or Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # GLM-4.5 / 4.6 / 4.7: llama attention (q / k / v biases, half of each head rotary, per-head q / k norms where
     # its config has use_qk_norm) beside DeepSeek-V3's sigmoid router, shared experts and leading dense layers
     "glm4_moe": {"router_scoring": "sigmoid"},
+    # MiniMax-M2: q and k normed over all their heads (OLMoE's), part of each head rotary; sigmoid scores chosen
+    # with the correction bias, no groups, no shared expert, the top k renormalised
+    "minimax_m2": {"qk_norm_full": True, "router_scoring": "sigmoid", "norm_topk_prob": True},
     # state-space layers (models/mamba.py): Mamba-2's own models, and Bamba's hybrid of Mamba-2 layers and llama
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
@@ -68,14 +71,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_next": _QWEN3_5,
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe")
+        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
-_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe")
+_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
 _OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -98,6 +101,8 @@ _HF_NAMES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "minimax-m2": "minimax_m2",  # GGUF general.architecture
     "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",

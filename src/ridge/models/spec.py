@@ -270,9 +270,13 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
         "lfm2_moe": per_head, "olmoe": all_heads, **dict.fromkeys(_QWEN3_5, per_head),
-        "glm4_moe": per_head if config.get("use_qk_norm") else 0}.get(config.get("model_type"), 0)
+        "glm4_moe": per_head if config.get("use_qk_norm") else 0,
+        "minimax_m2": all_heads}.get(config.get("model_type"), 0)
+    if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
+        fields.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)
     fields.setdefault("partial_rotary_factor",
                       float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
+    _refuse_minimax_variants(config, source)
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get("norm_eps", 1e-6)))),
@@ -432,6 +436,20 @@ def _granite_moe_fields(config: dict, fields: dict, source: str) -> dict:
     return out
 
 
+def _refuse_minimax_variants(config: dict, source: str) -> None:
+    """What MiniMax's checkpoints say that MiniMax-M2's layers do not do: linear (lightning) attention layers
+    (MiniMax-01's and M1's attn_type_list 0), a shared expert, a routing other than sigmoid scores with the bias."""
+    if config.get("model_type") != "minimax_m2":
+        return
+    if 0 in (config.get("attn_type_list") or ()):
+        raise ValueError(f"{source}: attn_type_list: lightning (linear) attention layers are not supported")
+    if config.get("shared_intermediate_size"):
+        raise ValueError(f"{source}: shared_intermediate_size: a shared expert in minimax_m2 is not supported")
+    for key, supported in (("scoring_func", "sigmoid"), ("use_routing_bias", True), ("qk_norm_type", "per_layer")):
+        if config.get(key, supported) != supported:
+            raise ValueError(f"{source}: {key}: {config[key]!r} is not supported for minimax_m2 ({supported!r})")
+
+
 def _mlp_layer_types(config: dict) -> dict:
     """GLM-4.7-Flash's per-layer list of dense and sparse FFNs: its leading dense layers, as DeepSeek's
     first_k_dense_replace says them (what a GGUF header holds), or, dense layers elsewhere, Qwen's mlp_only_layers."""
@@ -513,7 +531,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         **_gguf_granite_fields(arch, value),
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
-    fields.update(_gguf_glm4_moe_fields(arch, value, fields["head_dim"]))
+    fields.update(_gguf_sigmoid_router_fields(arch, value, fields["head_dim"]))
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
@@ -587,10 +605,10 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "rope_interleave": True, "qkv_bias": False}
 
 
-def _gguf_glm4_moe_fields(arch: str, value, head_dim: int) -> dict:
-    """A glm4moe file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias, the chosen ones'
-    weights scaled), leading dense layers and rotary part of each head."""
-    if arch != "glm4moe":
+def _gguf_sigmoid_router_fields(arch: str, value, head_dim: int) -> dict:
+    """A glm4moe or minimax-m2 file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias, the
+    chosen ones' weights scaled), leading dense layers and rotary part of each head."""
+    if arch not in ("glm4moe", "minimax-m2"):
         return {}
     if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
         raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
@@ -671,7 +689,7 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
 _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
-                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True, "glm4moe": False}
+                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True, "glm4moe": False, "minimax-m2": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

@@ -100,7 +100,7 @@ HF_NAMES = [
         (r"mlp\.shared_experts\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),  # DeepSeek's name
         (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
         (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
-        (r"mlp\.gate\.e_score_correction_bias", "router_bias", None),
+        (r"(?:mlp\.gate|block_sparse_moe)\.e_score_correction_bias", "router_bias", None),  # MiniMax-M2's: the latter
     ]],
 ]
 # latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)

@@ -21,7 +21,7 @@ from ridge.serve import harmony
 from ridge.serve.harmony import HarmonyTokens
 from ridge.serve.protocol import ChatMessage, RequestError, SamplingFields, plain_messages
 from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
-from ridge.serve.tools import call_format, supports_tools, template_messages
+from ridge.serve.tools import PARSERS, call_format, supports_tools, template_messages
 from ridge.tokenizer import ChatOptions
 
 T = TypeVar("T")
@@ -109,8 +109,8 @@ class Gateway:
                 raise RequestError("tools: this model's chat template " + (
                     "does not render tools" if "tools" not in template else
                     "has no tool-call format ridge can parse (Hermes' <tool_call> tags, Qwen3-Coder's <function=...>, "
-                    "LFM2's pythonic <|tool_call_start|>, GLM-4.5's <arg_key>; --tool-call-parser hermes, qwen3_coder, "
-                    "pythonic, glm45 or glm47 parses them anyway)"), "tools")
+                    "LFM2's pythonic <|tool_call_start|>, GLM-4.5's <arg_key>, MiniMax-M2's <minimax:tool_call>; "
+                    f"--tool-call-parser {' / '.join(PARSERS[1:])} parses them anyway)"), "tools")
             for i, tool in enumerate(tools):
                 parameters = tool["function"].get("parameters")
                 try:

@@ -2,13 +2,14 @@
 only, written in the model's own call format, each call naming a tool and giving arguments its parameters allow.
 
 Hermes' calls are JSON: one JSON schema of the call is the whole grammar. Qwen3-Coder's form writes each argument
-in a block of its own (GLM-4.5's as an <arg_key> / <arg_value> pair), a string as raw text up to the block's closing
-tag and any other value as JSON, so its arguments are laid out in their schema's order (the required ones always,
-the others optional): a raw string is text that cannot close its block early, any other value JSON its schema
-holds. LFM2's pythonic calls are Python literals, compiled here from the schema: strings and numbers as JSON writes
-them (a JSON string or number is a Python literal of the same value, so llguidance's JSON schema grammar holds
-them, with their patterns, formats and bounds), True / False / None, and lists and dicts built around them. A
-schema keyword such a layout cannot hold is refused by name (UnenforceableSchema), never dropped.
+in a block of its own (GLM-4.5's as an <arg_key> / <arg_value> pair, MiniMax-M2's as a <parameter name=...>), a
+string as raw text up to the block's closing tag and any other value as JSON, so its arguments are laid out in
+their schema's order (the required ones always, the others optional): a raw string is text that cannot close its
+block early, any other value JSON its schema holds. LFM2's pythonic calls are Python literals, compiled here from
+the schema: strings and numbers as JSON writes them (a JSON string or number is a Python literal of the same value,
+so llguidance's JSON schema grammar holds them, with their patterns, formats and bounds), True / False / None, and
+lists and dicts built around them. A schema keyword such a layout cannot hold is refused by name
+(UnenforceableSchema), never dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ridge.sampling_params import StructuredOutputsParams
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes', Qwen3-Coder's and GLM-4.5's tags
 GLM_FORMS = ("glm45", "glm47")  # GLM-4.5's (and 4.6's) calls, and GLM-4.7's: the same without newlines
 PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"  # LFM2's
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"  # MiniMax-M2's
 
 ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "$schema", "$id", "deprecated",
                          "readOnly", "writeOnly"})
@@ -41,7 +43,9 @@ class UnenforceableSchema(ValueError):
 
 
 def tags(form: str) -> tuple[str, str]:
-    return (PYTHONIC_OPEN, PYTHONIC_CLOSE) if form == "pythonic" else (OPEN, CLOSE)
+    """The tags around a form's block of calls."""
+    return {"pythonic": (PYTHONIC_OPEN, PYTHONIC_CLOSE), "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE)}.get(
+        form, (OPEN, CLOSE))
 
 
 def call_markers(form: str, token_id: Callable[[str], int | None]) -> tuple[str, str]:
@@ -83,6 +87,11 @@ def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool,
         calls = " | ".join(grammar.pythonic_call(function, field) for field, function in chosen)
         listed = f'"[" ({calls}) (", " ({calls}))* "]"' if parallel else f'"[" ({calls}) "]"'
         grammar.rules["call"] = f"{opening} {listed} {closing}"
+        start = "call"
+    elif form == "minimax_m2":  # several calls are <invoke> blocks in one block of calls
+        calls = " | ".join(grammar.minimax_call(function, field) for field, function in chosen)
+        more = f" ({_lit(chr(10))} ({calls}))*" if parallel else ""
+        grammar.rules["call"] = f"{opening} {_lit(chr(10))} ({calls}){more} {_lit(chr(10))} {closing}"
         start = "call"
     elif form in GLM_FORMS:
         newline = "\n" if form == "glm45" else ""
@@ -141,6 +150,15 @@ class _Grammar:
                     f"{self._value(schema, f'{field}.properties.{key}', '</arg_value>' + newline)}", required)
                    for key, schema, required in _arguments(parameters)]
         return f"{_lit(function['name'] + newline)} {_ordered(entries, None)}"
+
+    # MiniMax-M2's form
+    def minimax_call(self, function: dict[str, Any], field: str) -> str:
+        parameters, field = self._parameters(function, field)
+        entries = [(f"{_lit(f'<parameter name={json.dumps(key)}>')} "
+                    f"{self._value(schema, f'{field}.properties.{key}', '</parameter>' + chr(10))}", required)
+                   for key, schema, required in _arguments(parameters)]
+        head = f'<invoke name={json.dumps(function["name"])}>\n'
+        return f"{_lit(head)} {_ordered(entries, None)} {_lit('</invoke>')}"
 
     def _value(self, schema: Any, field: str, closing: str) -> str:
         """An argument's value and the tag that closes it: raw text where the parser reads it as a string, else

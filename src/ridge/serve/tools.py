@@ -1,12 +1,14 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text (tool_choice "required" or a named function: serve/tool_grammars.py).
 
-Four formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
+Five formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
 too), each call `<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument,
 whose values are text read as their parameter's JSON schema types them; GLM-4.5's, each call the function's name
 then an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pair per argument between the same tags (its values
-typed alike; GLM-4.7's without the newlines between them); and the pythonic one of LFM2, a Python list
+typed alike; GLM-4.7's without the newlines between them); MiniMax-M2's, `<invoke name="NAME">` blocks holding a
+`<parameter name="KEY">VALUE</parameter>` per argument between `<minimax:tool_call>` tags (typed alike); and the
+pythonic one of LFM2, a Python list
 of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`. The chat
 template shows which (unless the server runs with --tool-call-parser); a model whose template shows none, or does
 not render tools at all, gets its tools refused by name rather than ignored.
@@ -21,24 +23,25 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.serve.tool_grammars import GLM_FORMS, OPEN, PYTHONIC_OPEN, raw_string, tags
+from ridge.serve.tool_grammars import GLM_FORMS, MINIMAX_OPEN, OPEN, PYTHONIC_OPEN, raw_string, tags
 
 # --tool-call-parser: auto reads the format off the chat template
-PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS)
+PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS, "minimax_m2")
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
 GLM_ARGUMENT, GLM47_ARGUMENT = "<arg_key>", "</arg_key><arg_value>"  # GLM's; 4.7's pairs without a newline
 PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
 
 
 def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
-    """The format of the model's calls ("hermes", "qwen3_coder", "pythonic", "glm45" or "glm47"): the operator's
-    --tool-call-parser,
+    """The format of the model's calls (PARSERS' but auto): the operator's --tool-call-parser,
     or the one its template shows; None where tools cannot be offered (the template does not render them, or shows
     no format ridge parses)."""
     if not chat_template or "tools" not in chat_template:
         return None  # the model would never see them
     if parser != "auto":
         return parser
+    if MINIMAX_OPEN in chat_template:
+        return "minimax_m2"
     if GLM_ARGUMENT in chat_template and OPEN in chat_template:
         return "glm47" if GLM47_ARGUMENT in chat_template else "glm45"
     if XML_FUNCTION in chat_template and OPEN in chat_template:  # both: Llama 3.1's prompts show <function= alone
@@ -113,6 +116,8 @@ class CallStream:
         """The calls between a block's tags, or None where it is not calls in the stream's form."""
         if self._form == "pythonic":
             return _pythonic_calls(body)
+        if self._form == "minimax_m2":
+            return _minimax_calls(body, self._parameters)
         if self._form in GLM_FORMS:
             call = _glm_call(body, self._parameters)
         else:
@@ -174,6 +179,29 @@ def _glm_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     arguments = {key.strip(): _typed(value, properties.get(key.strip()))
                  for key, value in _GLM_ARGUMENT.findall(match.group(2))}
     return _openai_call(name, arguments)
+
+
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+_MINIMAX_PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+
+
+def _minimax_calls(body: str, parameters: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The calls of MiniMax-M2's block (an <invoke name=...> each, holding a <parameter name=...> per argument, each
+    value typed as a qwen3_coder call's is), or None when the block is not only that."""
+    calls, rest = [], body
+    while match := _MINIMAX_INVOKE.match(rest):
+        name, inside = match.groups()
+        properties = (parameters.get(name) or {}).get("properties") or {}
+        arguments = {}
+        while argument := _MINIMAX_PARAMETER.match(inside):
+            key, value = argument.groups()
+            arguments[key] = _typed(value, properties.get(key))
+            inside = inside[argument.end():]
+        if inside.strip():
+            return None
+        calls.append(_openai_call(name, arguments))
+        rest = rest[match.end():]
+    return calls if calls and not rest.strip() else None
 
 
 def _pythonic_calls(body: str) -> list[dict[str, Any]] | None:
