@@ -12,6 +12,7 @@ import json
 
 import openai
 import pytest
+import torch
 
 from conftest import HTTP, running_server
 from ridge.config import EngineConfig
@@ -397,6 +398,36 @@ def test_a_stream_reassembles_to_the_whole_answer(client, choice, messages):
     assert token_ids == whole.model_extra["token_ids"]
     if choice == "auto":  # a text answer streams in pieces, not whole at the end
         assert whole.message.content and sum(1 for piece in content if piece) > 1
+
+
+def test_calls_whose_tags_are_control_tokens_reach_the_parser(tmp_path_factory):
+    """LFM2's tags are control tokens of its vocabulary, which a reply's text skips by default: with tools offered
+    the text keeps them (vLLM's parsers ask the same), or the call would come back as content. A random model with
+    such a vocabulary, held to a call by tool_choice "required"."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from test_models_random import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens(["<|tool_call_start|>", "<|tool_call_end|>", "<|im_end|>"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tokenizer.token_to_id("<|im_end|>")))
+    path = tmp_path_factory.mktemp("control-tags")
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = ("{% if tools %}<|tool_list_start|>{{ tools | tojson }}<|tool_list_end|>{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+    with running_server(EngineConfig(model=str(path), kv_cache_memory="16MiB"), ServerConfig("random")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        choice = client.chat.completions.create(model="random", messages=ASK, tools=[unit], tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=32).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
 
 
 @pytest.mark.parametrize("extra,param", [

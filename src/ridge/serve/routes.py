@@ -29,7 +29,7 @@ from ridge.serve.protocol import (
     TokenizeRequest,
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
-from ridge.serve.tool_grammars import call_markers
+from ridge.serve.tool_grammars import call_markers, tags_are_control_tokens
 from ridge.serve.tools import CallStream, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
@@ -200,7 +200,10 @@ class Routes:
                                "returns the reply whole in content", "include_reasoning")
         ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
         form = self.gateway.call_format
-        req.use_call_format(form, call_markers(form, self.tokenizer.tokenizer.token_to_id))
+        token_id = self.tokenizer.tokenizer.token_to_id
+        req.use_call_format(form, call_markers(form, token_id))
+        if tools and markers is None and tags_are_control_tokens(form, token_id, self.tokenizer.decode):
+            req.skip_special_tokens = False  # as vLLM's parsers do: the tags must reach the parser
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -57,6 +57,14 @@ def call_markers(form: str, token_id: Callable[[str], int | None]) -> tuple[str,
     return literal_markers(form)
 
 
+def tags_are_control_tokens(form: str, token_id: Callable[[str], int | None],
+                            decode: Callable[[list[int]], str]) -> bool:
+    """Whether the vocabulary holds the form's tags as control tokens (LFM2's, MiniMax-M2's, GLM's do), which
+    decoding that skips special tokens drops: a reply's text must then keep them, or its calls are lost as text."""
+    ids = [token_id(tag) for tag in tags(form)]
+    return any(i is not None and decode([i]) == "" for i in ids)
+
+
 def literal_markers(form: str = "hermes") -> tuple[str, str]:
     opening, closing = tags(form)
     return _lit(opening), _lit(closing)
