@@ -55,7 +55,7 @@ def test_tools_need_a_template_that_renders_them_in_a_format_ridge_parses():
     from ridge.serve.tools import supports_tools
 
     hermes = "{% for tool in tools %}{{ tool | tojson }}{% endfor %} reply in <tool_call></tool_call>"
-    unknown_format = "{% if tools %}[TOOL_CALLS] {{ tools | tojson }}{% endif %}"
+    unknown_format = "{% if tools %}<|START_ACTION|> {{ tools | tojson }}{% endif %}"  # Command R's
     assert supports_tools(hermes) and supports_tools(hermes, "hermes")
     assert not supports_tools(unknown_format) and supports_tools(unknown_format, "hermes")  # the operator says so
     for blind in (None, "", "{{ messages }} <tool_call>"):  # no template, or one that never shows the tools
@@ -126,6 +126,50 @@ def test_glm_and_minimax_calls_are_read_as_their_parameters_type_them():
         assert json.loads(call["function"]["arguments"]) == {"note": "Aisle\nplease", "seats": 2, **extra}
 
 
+@pytest.mark.parametrize("reply,calls,content", [
+    ('{"name": "book", "parameters": {"seats": 2}}', [("book", {"seats": 2})], None),
+    ('<|python_tag|>{"name": "book", "arguments": {}}; {"name": "get_time", "parameters": {"zone": "UTC"}}',
+     [("book", {}), ("get_time", {"zone": "UTC"})], None),
+    ('  {"answer": 42}', [], '{"answer": 42}'),  # JSON, but not a call: content
+    ('Let me check: {"name": "book", "parameters": {}}', [], 'Let me check: {"name": "book", "parameters": {}}'),
+])
+def test_llama3_json_calls_are_the_whole_reply(reply, calls, content):
+    """Llama 3's calls: the reply is a call's JSON (after <|python_tag|> where the model writes one), "; " between
+    several; a reply that begins as text, or JSON that is not a call, is content; streamed, the same."""
+    from ridge.serve.tools import CallStream, call_format
+
+    llama = "<|start_header_id|>system<|end_header_id|>{{ tools }} Respond in the format {\"name\": function name, " \
+            "\"parameters\": dictionary of argument name and its value}"
+    assert call_format(llama) == "llama3_json"
+    parsed = parse_reply(reply, "llama3_json")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+    assert parsed.content == content
+    stream = CallStream("llama3_json")
+    pieces = [stream.feed(reply[i:i + 4], i + 4 >= len(reply)) for i in range(0, len(reply), 4)]
+    assert ("".join(c for c, _ in pieces) or None) == content and sum(len(c) for _, c in pieces) == len(calls)
+
+
+@pytest.mark.parametrize("reply,calls,content", [
+    ('[TOOL_CALLS][{"name": "book", "arguments": {"seats": 2}}, {"name": "get_time", "arguments": {}}]',
+     [("book", {"seats": 2}), ("get_time", {})], None),
+    ('Sure.[TOOL_CALLS]book[ARGS]{"seats": 2}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
+     [("book", {"seats": 2}), ("get_time", {"zone": "UTC"})], "Sure."),
+    ("[TOOL_CALLS]book[ARGS]not json", [], "[TOOL_CALLS]book[ARGS]not json"),
+])
+def test_mistral_calls_run_from_their_tag_to_the_reply_s_end(reply, calls, content):
+    """Mistral's calls: [TOOL_CALLS] then a JSON list of calls, or (its v11 tokenizers) each call's name, [ARGS] and
+    its arguments, to the reply's end; text before the tag is content; what does not parse stays content."""
+    from ridge.serve.tools import CallStream, call_format
+
+    assert call_format("{{ tools }}[AVAILABLE_TOOLS][TOOL_CALLS]") == "mistral"
+    parsed = parse_reply(reply, "mistral")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+    assert parsed.content == content
+    stream = CallStream("mistral")
+    pieces = [stream.feed(reply[i:i + 5], i + 5 >= len(reply)) for i in range(0, len(reply), 5)]
+    assert ("".join(c for c, _ in pieces) or None) == content and sum(len(c) for _, c in pieces) == len(calls)
+
+
 def test_pythonic_calls_are_read_as_python_literals_and_nothing_runs():
     """LFM2's form: a Python list of calls between its tags, several in one block, each keyword's value a literal
     (True, None, tuples and nested lists to JSON's forms); a block with a name, a positional argument or an
@@ -186,6 +230,12 @@ CALLS = {
                    "</parameter>\n</invoke>\n</minimax:tool_call>",
                    [('"seats">2', '"seats">0'), ('<parameter name="seats">2</parameter>\n', ""), ("celsius", "kelvin"),
                     ("Aisle\nplease", "Aisle, a window"), ('"fare">null', '"fare">"cheap"')]),
+    "llama3_json": ('{"name": "book", "parameters": {"note": "Aisle", "seats": 2, "route": {"city": "Lyon", "then": '
+                    '{"city": "Dijon", "then": null}}}}',
+                    [('"seats": 2', '"seats": 0'), ('"seats": 2, ', ""), ('"Aisle"', '"A very long note"'),
+                     ('"parameters"', '"arguments"')]),
+    "mistral": ('[TOOL_CALLS]book[ARGS]{"note": "Aisle", "seats": 2, "unit": "celsius"}',
+                [('"seats": 2', '"seats": 0'), ('"seats": 2, ', ""), ("celsius", "kelvin"), ("[ARGS]", " ")]),
     "pythonic": ('<|tool_call_start|>[book(note="Aisle", seats=2, window=True, fare=None, route={"city": "Lyon", '
                  '"then": {"city": "Dijon", "then": None}})]<|tool_call_end|>',
                  [("seats=2", "seats=0"), ("seats=2, ", ""), ("True", "true"), ("fare=None", "fare=null"),
@@ -226,7 +276,7 @@ def test_required_calls_grammar_holds_each_format_to_the_schema(grammar_check, f
         another = '<invoke name="get_time">\n<parameter name="timezone">UTC</parameter>\n</invoke>'
         two = text.replace("[book(", '[get_time(timezone="UTC"), book(').replace("</invoke>", f"</invoke>\n{another}")
     else:
-        two = text + ("" if form == "glm47" else "\n") + text
+        two = text + {"glm47": "", "mistral": "", "llama3_json": "; "}.get(form, "\n") + text
     assert follows(spec, two)
     for was, spoilt in spoils:
         assert text.count(was) == 1, was
@@ -299,11 +349,10 @@ def test_a_server_reads_qwen3_coder_calls(xml_client):
     assert caught.value.body["param"] == "tools.0.function.parameters.properties.day.pattern"
 
 
-@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic", "glm45", "minimax_m2"])
+@pytest.mark.parametrize("form", ["qwen3_coder", "pythonic", "glm45", "minimax_m2", "mistral", "llama3_json"])
 def test_required_and_named_calls_in_each_format_follow_the_schemas(parser_client, form):
-    """tool_choice "required" and a named function under the Qwen3-Coder, pythonic, GLM-4.5 and MiniMax-M2 parsers:
-    the grammar writes the calls in the model's own format, and they come back parsed, valid against their tools'
-    schemas."""
+    """tool_choice "required" and a named function under each parser but Hermes' (the tests above): the grammar
+    writes the calls in the model's own format, and they come back parsed, valid against their tools' schemas."""
     client = parser_client(form)
     out = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0, max_tokens=64)

@@ -392,11 +392,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
                         "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, LFM2's "
                         "pythonic list, GLM-4.5's <arg_key> pairs (glm45; GLM-4.7's without newlines, glm47), "
-                        "MiniMax-M2's <invoke> blocks, or a gpt-oss model's harmony commentary channel), hermes, "
-                        "qwen3_coder, pythonic, glm45, glm47 or minimax_m2 "
-                        "(parse that form even where the template does not show it) or openai (harmony: "
-                        "what auto reads on gpt-oss). Other families' formats (llama3_json, mistral) are not "
-                        "implemented: their models get `tools` refused with HTTP 400")
+                        "MiniMax-M2's <invoke> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON reply "
+                        "(llama3_json), or a gpt-oss model's harmony commentary channel); or one of those by name, "
+                        "parsed even where the template does not show it, or openai (harmony: what auto reads on "
+                        "gpt-oss). A template that shows no format ridge reads gets `tools` refused with HTTP 400")
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER), default=None,
                    help="split a reasoning model's thinking from its answer into the chat message's "
                         "reasoning_content: deepseek_r1 (the reply thinks until </think>: DeepSeek-R1, QwQ), qwen3 "

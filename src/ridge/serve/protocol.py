@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from ridge.engine.beam_search import BeamSearchParams
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
-from ridge.serve.tool_grammars import UnenforceableSchema, calls_grammar, literal_markers
+from ridge.serve.tool_grammars import UnenforceableSchema, calls_grammar
 from ridge.tokenizer import ChatOptions
 
 log = logging.getLogger("ridge")
@@ -469,9 +469,9 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: with a --reasoning-parser, whether reasoning_content is returned
     # the model's call format and its tags' grammar terms (serve/tool_grammars.py), set by the route
-    _call_format: tuple[str, tuple[str, str]] = PrivateAttr(default=("hermes", literal_markers()))
+    _call_format: tuple[str, dict[str, str]] = PrivateAttr(default=("hermes", {}))
 
-    def use_call_format(self, form: str, markers: tuple[str, str]) -> None:
+    def use_call_format(self, form: str, markers: dict[str, str]) -> None:
         self._call_format = form, markers
 
     @property

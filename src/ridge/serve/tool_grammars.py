@@ -1,15 +1,15 @@
 """tool_choice "required" or a named function, enforced: the grammar (llguidance's Lark) of a reply made of calls
 only, written in the model's own call format, each call naming a tool and giving arguments its parameters allow.
 
-Hermes' calls are JSON: one JSON schema of the call is the whole grammar. Qwen3-Coder's form writes each argument
-in a block of its own (GLM-4.5's as an <arg_key> / <arg_value> pair, MiniMax-M2's as a <parameter name=...>), a
-string as raw text up to the block's closing tag and any other value as JSON, so its arguments are laid out in
-their schema's order (the required ones always, the others optional): a raw string is text that cannot close its
-block early, any other value JSON its schema holds. LFM2's pythonic calls are Python literals, compiled here from
-the schema: strings and numbers as JSON writes them (a JSON string or number is a Python literal of the same value,
-so llguidance's JSON schema grammar holds them, with their patterns, formats and bounds), True / False / None, and
-lists and dicts built around them. A schema keyword such a layout cannot hold is refused by name
-(UnenforceableSchema), never dropped.
+Hermes' calls are JSON: one JSON schema of the call is the whole grammar (Llama 3's and Mistral's alike).
+Qwen3-Coder's form writes each argument in a block of its own (GLM-4.5's as an <arg_key> / <arg_value> pair,
+MiniMax-M2's as a <parameter name=...>), a string as raw text up to the block's closing tag and any other value as
+JSON, so its arguments are laid out in their schema's order (the required ones always, the others optional): a raw
+string is text that cannot close its block early, any other value JSON its schema holds. LFM2's pythonic calls are
+Python literals, compiled here from the schema: strings and numbers as JSON writes them (a JSON string or number is
+a Python literal of the same value, so llguidance's JSON schema grammar holds them, with their patterns, formats
+and bounds), True / False / None, and lists and dicts built around them. A schema keyword such a layout cannot
+hold is refused by name (UnenforceableSchema), never dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes', Qwen3-Coder's and GLM-4.
 GLM_FORMS = ("glm45", "glm47")  # GLM-4.5's (and 4.6's) calls, and GLM-4.7's: the same without newlines
 PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"  # LFM2's
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"  # MiniMax-M2's
+# Mistral's: its calls run from the tag to the reply's end (a JSON list, or from its v11 tokenizers each call's name,
+# [ARGS] and its JSON arguments); Llama 3's: the reply is the call's JSON, after <|python_tag|> where it writes one
+MISTRAL_OPEN, MISTRAL_ARGS, PYTHON_TAG = "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
 
 ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$comment", "$schema", "$id", "deprecated",
                          "readOnly", "writeOnly"})
@@ -43,18 +46,16 @@ class UnenforceableSchema(ValueError):
 
 
 def tags(form: str) -> tuple[str, str]:
-    """The tags around a form's block of calls."""
-    return {"pythonic": (PYTHONIC_OPEN, PYTHONIC_CLOSE), "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE)}.get(
-        form, (OPEN, CLOSE))
+    """The tags around a form's block of calls ("" where the block runs to the reply's end)."""
+    return {"pythonic": (PYTHONIC_OPEN, PYTHONIC_CLOSE), "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE),
+            "mistral": (MISTRAL_OPEN, ""), "llama3_json": (PYTHON_TAG, "")}.get(form, (OPEN, CLOSE))
 
 
-def call_markers(form: str, token_id: Callable[[str], int | None]) -> tuple[str, str]:
-    """The grammar's terms for the form's tags: the tokens themselves where the vocabulary has one for each (Qwen's,
-    LFM2's): llguidance allows such a token where its text is expected but will not consume it as text."""
-    ids = [token_id(tag) for tag in tags(form)]
-    if all(i is not None for i in ids):
-        return f"<[{ids[0]}]>", f"<[{ids[1]}]>"
-    return literal_markers(form)
+def call_markers(form: str, token_id: Callable[[str], int | None]) -> dict[str, str]:
+    """The grammar's terms for the form's tags that are tokens of the vocabulary (Qwen's, LFM2's, Mistral's): the
+    tokens themselves, since llguidance allows such a token where its text is expected but will not consume it as
+    text. A tag missing here is written as its text."""
+    return {tag: f"<[{i}]>" for tag in (*tags(form), MISTRAL_ARGS) if tag and (i := token_id(tag)) is not None}
 
 
 def tags_are_control_tokens(form: str, token_id: Callable[[str], int | None],
@@ -63,11 +64,6 @@ def tags_are_control_tokens(form: str, token_id: Callable[[str], int | None],
     decoding that skips special tokens drops: a reply's text must then keep them, or its calls are lost as text."""
     ids = [token_id(tag) for tag in tags(form)]
     return any(i is not None and decode([i]) == "" for i in ids)
-
-
-def literal_markers(form: str = "hermes") -> tuple[str, str]:
-    opening, closing = tags(form)
-    return _lit(opening), _lit(closing)
 
 
 def raw_string(schema: Any) -> bool:
@@ -83,15 +79,32 @@ def raw_string(schema: Any) -> bool:
 
 
 def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool, form: str = "hermes",
-                  markers: tuple[str, str] | None = None) -> StructuredOutputsParams:
+                  markers: dict[str, str] | None = None) -> StructuredOutputsParams:
     """The grammar of a reply made of calls only (tool_choice "required", or `only` that function) in `form`
     (serve/tools.py's call_format): one call, or with parallel calls several. `markers`: the tags' grammar terms
     (call_markers'). UnenforceableSchema where a tool's parameters say what the form cannot hold to."""
     chosen = [(f"tools.{i}.function", t["function"]) for i, t in enumerate(tools)
               if only is None or t["function"]["name"] == only]
-    opening, closing = markers or literal_markers(form)
+
+    def term(tag: str) -> str:
+        return (markers or {}).get(tag, _lit(tag))
+
+    opening, closing = (term(tag) for tag in tags(form))
     grammar = _Grammar()
-    if form == "pythonic":
+    if form == "llama3_json":  # the reply is the calls' JSON, "; " between them
+        calls = " | ".join(_json_call(function, "parameters") for _, function in chosen)
+        grammar.rules["call"] = calls
+        start = f"call ({_lit('; ')} call)*" if parallel else "call"
+    elif form == "mistral":  # a JSON list of calls, or (v11 tokenizers) each call's name, [ARGS] and its arguments
+        choices = [_call_schema(f, "arguments") for _, f in chosen]
+        listed = {"type": "array", "items": {"anyOf": choices}, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                  **_shared_definitions([(field, f) for field, f in chosen])}
+        named = " | ".join(f"{_lit(f['name'])} {term(MISTRAL_ARGS)} {_json_schema_term(f.get('parameters'))}"
+                           for _, f in chosen)
+        more = f" ({opening} ({named}))*" if parallel else ""
+        grammar.rules["call"] = f"{opening} (%json {json.dumps(listed)} | ({named}){more})"
+        start = "call"
+    elif form == "pythonic":
         calls = " | ".join(grammar.pythonic_call(function, field) for field, function in chosen)
         listed = f'"[" ({calls}) (", " ({calls}))* "]"' if parallel else f'"[" ({calls}) "]"'
         grammar.rules["call"] = f"{opening} {listed} {closing}"
@@ -115,13 +128,39 @@ def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool,
 
 
 def _hermes_call(function: dict[str, Any]) -> str:
-    """The call as one JSON schema; the parameters' definitions lifted to its root, where their $refs
-    ("#/$defs/...") point once the parameters sit under "arguments"."""
+    return _json_call(function, "arguments")
+
+
+def _json_call(function: dict[str, Any], arguments: str) -> str:
+    return f"%json {json.dumps(_call_schema(function, arguments))}"
+
+
+def _call_schema(function: dict[str, Any], arguments: str) -> dict[str, Any]:
+    """The call as one JSON schema, its arguments under `arguments` ("parameters" in Llama 3's calls); the
+    parameters' definitions lifted to its root, where their $refs ("#/$defs/...") point once the parameters sit
+    under that key."""
     parameters = function.get("parameters") or {"type": "object"}
-    call = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False,
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, arguments: parameters},
+            "required": ["name", arguments], "additionalProperties": False,
             **{key: parameters[key] for key in DEFINITIONS if key in parameters}}
-    return f"%json {json.dumps(call)}"
+
+
+def _shared_definitions(chosen: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The tools' parameters' definitions at the root of a schema that holds several calls (a list of them), where
+    their $refs point; two tools defining one name differently cannot share that root."""
+    shared: dict[str, dict[str, Any]] = {}
+    for field, function in chosen:
+        parameters = function.get("parameters") or {}
+        for key in DEFINITIONS:
+            for name, definition in (parameters.get(key) or {}).items():
+                if shared.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise UnenforceableSchema("defined differently by another tool, in a grammar holding both",
+                                              f"{field}.parameters.{key}.{name}")
+    return shared
+
+
+def _json_schema_term(parameters: dict[str, Any] | None) -> str:
+    return f"%json {json.dumps(parameters or {'type': 'object'})}"
 
 
 class _Grammar:

@@ -1,13 +1,15 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text (tool_choice "required" or a named function: serve/tool_grammars.py).
 
-Five formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
+Seven formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
 too), each call `<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument,
 whose values are text read as their parameter's JSON schema types them; GLM-4.5's, each call the function's name
 then an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pair per argument between the same tags (its values
 typed alike; GLM-4.7's without the newlines between them); MiniMax-M2's, `<invoke name="NAME">` blocks holding a
-`<parameter name="KEY">VALUE</parameter>` per argument between `<minimax:tool_call>` tags (typed alike); and the
+`<parameter name="KEY">VALUE</parameter>` per argument between `<minimax:tool_call>` tags (typed alike); Mistral's,
+`[TOOL_CALLS]` then a JSON list of calls to the reply's end (from its v11 tokenizers each call's name, `[ARGS]` and
+its JSON arguments); Llama 3's, the whole reply a call's JSON, `{"name": ..., "parameters": {...}}`; and the
 pythonic one of LFM2, a Python list
 of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`. The chat
 template shows which (unless the server runs with --tool-call-parser); a model whose template shows none, or does
@@ -23,10 +25,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ridge.serve.tool_grammars import GLM_FORMS, MINIMAX_OPEN, OPEN, PYTHONIC_OPEN, raw_string, tags
+from ridge.serve.tool_grammars import (
+    GLM_FORMS,
+    MINIMAX_OPEN,
+    MISTRAL_ARGS,
+    MISTRAL_OPEN,
+    OPEN,
+    PYTHON_TAG,
+    PYTHONIC_OPEN,
+    raw_string,
+    tags,
+)
 
 # --tool-call-parser: auto reads the format off the chat template
-PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS, "minimax_m2")
+PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS, "minimax_m2", "mistral", "llama3_json")
+# what Llama 3.1-3.3's templates show: their headers, and the JSON form they ask calls in
+LLAMA_HEADER, LLAMA_CALL_FORM = "<|start_header_id|>", '"parameters": dictionary of argument name'
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
 GLM_ARGUMENT, GLM47_ARGUMENT = "<arg_key>", "</arg_key><arg_value>"  # GLM's; 4.7's pairs without a newline
 PYTHONIC_TOOL_LIST = "<|tool_list_start|>"
@@ -42,6 +56,10 @@ def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
         return parser
     if MINIMAX_OPEN in chat_template:
         return "minimax_m2"
+    if MISTRAL_OPEN in chat_template:
+        return "mistral"
+    if LLAMA_HEADER in chat_template and (PYTHON_TAG in chat_template or LLAMA_CALL_FORM in chat_template):
+        return "llama3_json"
     if GLM_ARGUMENT in chat_template and OPEN in chat_template:
         return "glm47" if GLM47_ARGUMENT in chat_template else "glm45"
     if XML_FUNCTION in chat_template and OPEN in chat_template:  # both: Llama 3.1's prompts show <function= alone
@@ -86,20 +104,24 @@ class CallStream:
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Take the reply's next text; return the content and the calls it completes (final: the reply ended)."""
         self._pending += text
+        if self._form == "llama3_json":
+            return self._feed_leading_calls(final)
         content: list[str] = []
         calls: list[dict[str, Any]] = []
-        while True:
-            start = self._pending.find(self._open)
-            if start < 0:
+        while (start := self._pending.find(self._open)) >= 0:
+            if self._close:
+                end = self._pending.find(self._close, start)
+                if end < 0:
+                    break  # a call still streaming: held until it closes (or the reply ends)
+                stop = end + len(self._close)
+            elif final:  # Mistral's: the calls run to the reply's end
+                end = stop = len(self._pending)
+            else:
                 break
-            end = self._pending.find(self._close, start)
-            if end < 0:
-                break  # a call still streaming: held until it closes (or the reply ends)
-            block = self._pending[start:end + len(self._close)]
-            found = self._calls(block[len(self._open):-len(self._close)])
-            content.append(self._pending[:start] if found is not None else self._pending[:start] + block)
+            found = self._calls(self._pending[start + len(self._open):end])
+            content.append(self._pending[:start] if found is not None else self._pending[:stop])
             calls += found or []
-            self._pending = self._pending[end + len(self._close):]
+            self._pending = self._pending[stop:]
         if final:
             content.append(self._pending)
             self._pending = ""
@@ -112,10 +134,24 @@ class CallStream:
         self._pending = self._pending[held:]
         return self._out("".join(content), final), calls
 
+    def _feed_leading_calls(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Llama 3's calls are the whole reply, JSON from its start (after <|python_tag|>): a reply that may still be
+        calls is held until it ends; one that began as text streams as content."""
+        head = self._pending.lstrip()
+        may_be_calls = not self._started and (head[:1] == "{" or head.startswith(PYTHON_TAG)
+                                              or PYTHON_TAG.startswith(head))
+        if may_be_calls and not final:
+            return "", []
+        calls = _llama_calls(head) if may_be_calls else None
+        content, self._pending = ("" if calls else self._pending), ""
+        return self._out(content, final), calls or []
+
     def _calls(self, body: str) -> list[dict[str, Any]] | None:
         """The calls between a block's tags, or None where it is not calls in the stream's form."""
         if self._form == "pythonic":
             return _pythonic_calls(body)
+        if self._form == "mistral":
+            return _mistral_calls(body)
         if self._form == "minimax_m2":
             return _minimax_calls(body, self._parameters)
         if self._form in GLM_FORMS:
@@ -202,6 +238,55 @@ def _minimax_calls(body: str, parameters: dict[str, dict[str, Any]]) -> list[dic
         calls.append(_openai_call(name, arguments))
         rest = rest[match.end():]
     return calls if calls and not rest.strip() else None
+
+
+def _json_calls(objects: list[Any], arguments: tuple[str, ...] = ("arguments",)) -> list[dict[str, Any]] | None:
+    """JSON calls ({"name": ..., "arguments": {...}}) in OpenAI's shape, or None where one is not a call."""
+    calls = []
+    for call in objects:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        given = next((call[key] for key in arguments if key in call), {})
+        if not isinstance(given, dict):
+            return None
+        calls.append(_openai_call(call["name"], given))
+    return calls or None
+
+
+def _llama_calls(text: str) -> list[dict[str, Any]] | None:
+    """Llama 3's calls: JSON objects {"name": ..., "parameters": {...}} (or "arguments"), "; " between them, after
+    <|python_tag|> where the model writes one; None where the text is not only that."""
+    text, objects, decoder = text.removeprefix(PYTHON_TAG).strip(), [], json.JSONDecoder()
+    while text:
+        try:
+            obj, end = decoder.raw_decode(text)
+        except json.JSONDecodeError:
+            return None
+        objects.append(obj)
+        text = text[end:].lstrip().removeprefix(";").lstrip()
+    return _json_calls(objects, ("parameters", "arguments"))
+
+
+def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
+    """Mistral's calls after [TOOL_CALLS]: from its v11 tokenizers each call's name, [ARGS] and its JSON arguments,
+    the next after [TOOL_CALLS] again; before them a JSON list of {"name", "arguments"} calls."""
+    if MISTRAL_ARGS not in body:
+        try:
+            listed = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        return _json_calls(listed if isinstance(listed, list) else [listed])
+    calls = []
+    for piece in body.split(MISTRAL_OPEN):
+        name, separator, arguments = piece.partition(MISTRAL_ARGS)
+        try:
+            given = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+        if not separator or not name.strip() or not isinstance(given, dict):
+            return None
+        calls.append(_openai_call(name.strip(), given))
+    return calls
 
 
 def _pythonic_calls(body: str) -> list[dict[str, Any]] | None:
