@@ -164,6 +164,7 @@ def test_mistral_calls_run_from_their_tag_to_the_reply_s_end(reply, calls, conte
     assert call_format("{{ tools }}[AVAILABLE_TOOLS][TOOL_CALLS]") == "mistral"
     parsed = parse_reply(reply, "mistral")
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in parsed.tool_calls)  # what its templates accept
     assert parsed.content == content
     stream = CallStream("mistral")
     pieces = [stream.feed(reply[i:i + 5], i + 5 >= len(reply)) for i in range(0, len(reply), 5)]

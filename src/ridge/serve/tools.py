@@ -275,7 +275,8 @@ def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
             listed = json.loads(body)
         except json.JSONDecodeError:
             return None
-        return _json_calls(listed if isinstance(listed, list) else [listed])
+        calls = _json_calls(listed if isinstance(listed, list) else [listed])
+        return [{**call, "id": _mistral_id()} for call in calls] if calls else None
     calls = []
     for piece in body.split(MISTRAL_OPEN):
         name, separator, arguments = piece.partition(MISTRAL_ARGS)
@@ -285,7 +286,7 @@ def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
             return None
         if not separator or not name.strip() or not isinstance(given, dict):
             return None
-        calls.append(_openai_call(name.strip(), given))
+        calls.append(_openai_call(name.strip(), given, _mistral_id()))
     return calls
 
 
@@ -322,9 +323,14 @@ def _typed(text: str, schema: Any) -> Any:
         return text
 
 
-def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def _openai_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _mistral_id() -> str:
+    """Mistral's templates refuse a conversation whose call ids are not 9 letters and digits (as vLLM makes them)."""
+    return uuid.uuid4().hex[:9]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
