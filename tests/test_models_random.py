@@ -201,3 +201,67 @@ def test_llama_with_attention_bias_matches_hf(tmp_path, make_llm_for_test):
     model.save_pretrained(tmp_path)
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
+
+
+# ---- SmolLM3: llama with every fourth layer's attention unturned (NoPE) ------------------------------------------
+@pytest.fixture(scope="module")
+def random_smollm3(tmp_path_factory):
+    """A tiny random SmolLM3 of 4 layers (the last without rotary, its config's no_rope_layers) with attention
+    biases on q / k / v and o_proj, all drawn."""
+    from transformers import AutoModelForCausalLM, SmolLM3Config
+
+    torch.manual_seed(0)
+    config = SmolLM3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, attention_bias=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for attn in (layer.self_attn for layer in model.model.layers):
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp("smollm3")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_smollm3_matches_hf_with_its_nope_layers(random_smollm3, make_llm_for_test):
+    """Its NoPE layer reads q and k unturned: HF's logits and greedy tokens, and the fused decode step's tokens and
+    log-probabilities equal the Python path's (the layer's rotary table zero dims wide there)."""
+    from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_smollm3
+    assert make_llm_for_test(path, dtype="float32").engine.loaded.config.nope_layers == (3,)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    for dtype in ("float32", "bfloat16"):
+        stacked = make_llm_for_test(path, dtype=dtype)
+        eager = make_llm_for_test(path, dtype=dtype, enforce_eager=True)
+        assert stacked.engine.runner.decode_stack is not None
+        prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_random_smollm3_written_as_gguf_reads_back_as_the_same_model(random_smollm3, smollm2_path, tmp_path,
+                                                                        make_llm_for_test):
+    """SmolLM3 under llama.cpp's smollm3 (llama's names and permuted q / k rows; the NoPE layers every fourth, which
+    the file does not say: llama.cpp's graph fixes them) loads as the model ridge draws; another NoPE pattern is
+    refused by the writer, not written as a file llama.cpp would run otherwise."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = {**json.loads((random_smollm3[0] / "config.json").read_text()), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert from_file.engine.loaded.config.nope_layers == (3,)
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ValueError, match="NoPE layers"):
+        gguf_round_trip({**config, "no_rope_layers": [1, 0, 1, 1]}, other, smollm2_path, make_llm_for_test)

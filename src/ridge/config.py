@@ -61,6 +61,7 @@ class ModelConfig:
     sliding_window: int = 0
     global_every: int = 0
     rope_local_theta: float | None = None  # the local layers' rotary base, if not rope_theta (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # attention layers without rotary (SmolLM3's every fourth: NoPE)
     # Gemma: GeGLU, embeddings scaled by sqrt(hidden), norms on the attention's and the MLP's outputs too
     # ("sandwich"), attention scaled by query_pre_attn_scalar ** -0.5; Gemma 2 caps logits with tanh
     hidden_act: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss: below)

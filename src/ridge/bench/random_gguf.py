@@ -38,7 +38,7 @@ from ridge.models.loader import (
     random_model,
 )
 from ridge.models.registry import check_supported
-from ridge.models.spec import ModelSpec
+from ridge.models.spec import SMOLLM3_NOPE_EVERY, ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
@@ -52,7 +52,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
+                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -162,6 +162,10 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
         raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
                          "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")
+    if arch == "smollm3" and spec.nope_layers != tuple(
+            i for i in range(spec.num_layers) if (i + 1) % SMOLLM3_NOPE_EVERY == 0):
+        raise ValueError(f"model: NoPE layers {list(spec.nope_layers)} are not every {SMOLLM3_NOPE_EVERY}th, the one "
+                         "pattern llama.cpp's smollm3 graph has (a GGUF does not say it)")
     if arch in _GATED_DELTA:
         _full_attention_interval(spec)
         if spec.ssm_state_size != spec.ssm_head_dim:

@@ -186,13 +186,13 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         norms = (None, None) if latent or attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
-        local_rope = layer.local and model.rotary_local is not None  # Gemma 3's local layers turn on their own base
+        rotary = model.layer_rotary(layer)  # Gemma 3's local layers turn on their own base; NoPE layers on none
         sandwich = layer.attn_out_norm is not None
         layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections,
                                 activation=ops.Activation("silu") if moe else native_activation(ops, mlp),
                                 group=backend.group_of_layer[i],
-                                rope_table=torch.view_as_real(model.rotary_local.freqs) if local_rope else None,
+                                rope_table=None if rotary is model.rotary else torch.view_as_real(rotary.freqs),
                                 sinks=None if latent else attn.sinks,
                                 attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
                                 mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,

@@ -226,8 +226,9 @@ class DecoderLayer(nn.Module):
     sparse layers, or None (Mamba-2's own layers hold the mixer alone)."""
 
     def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module | None, local: bool,
-                 ssm: bool = False) -> None:
-        """local: a layer of the model's local kind, whose rotary turns on the local base where it has one."""
+                 ssm: bool = False, nope: bool = False) -> None:
+        """local: a layer of the model's local kind, whose rotary turns on the local base where it has one; nope: a
+        layer whose attention takes no rotary (NoPE)."""
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = None if ssm else mixer
@@ -236,7 +237,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
-        self.local = local
+        self.local, self.nope = local, nope
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled before it joins
         # under tensor parallelism, each rank's mixer and MLP outputs are its partial sums: summed over the ranks

@@ -26,13 +26,15 @@ def model_presets() -> dict[str, ModelSpec]:
 
 def _spec_fields(preset: dict) -> dict:
     """A preset's ModelSpec fields; its state-space layers written as "all", or as the rest of the layers
-    beside attention_layer_indices (Bamba's own key)."""
+    beside attention_layer_indices (Bamba's own key); NoPE layers as nope_every."""
     fields = dict(preset)
     layers = fields.get("num_layers", 0)
     if fields.get("ssm_layers") == "all":
         fields["ssm_layers"] = tuple(range(layers))
     if (attention := fields.pop("attention_layer_indices", None)) is not None:
         fields["ssm_layers"] = tuple(i for i in range(layers) if i not in attention)
+    if (every := fields.pop("nope_every", None)) is not None:  # SmolLM3's NoPE layers: the last of every n
+        fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % every == 0)
     return fields
 
 

@@ -1,11 +1,11 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe,
-olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2, bamba and
+llama, mistral, granite, qwen2, qwen3, smollm3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe,
+qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2, bamba and
 granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
-is a bias here, a norm there, Granite's scalars, a sliding window, Gemma's GeGLU, scaled embeddings and sandwich
-norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short
-convolution or Qwen3.5's gated DeltaNet in place of attention.
+is a bias here, a norm there, Granite's scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
+embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2
+mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "granite": {},  # llama with scalars on the embeddings, the residual branches, the scores and the logits
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "smollm3": {},  # llama with every fourth layer's attention unturned (NoPE: its config's no_rope_layers)
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -80,7 +81,7 @@ _SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "q
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
-_OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+_OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "smollm3")
 
 # HF `architectures[0]` / `model_type` -> our name
 _HF_NAMES = {
@@ -89,6 +90,8 @@ _HF_NAMES = {
     "GraniteForCausalLM": "granite",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "smollm3": "smollm3",  # GGUF general.architecture too
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded
@@ -208,6 +211,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "sliding_window": spec.sliding_window,
         "global_every": spec.global_every,
         "rope_local_theta": spec.rope_local_theta,
+        "nope_layers": spec.nope_layers,
         "hidden_act": spec.hidden_act,
         "query_pre_attn_scalar": spec.query_pre_attn_scalar,
         "attn_logit_softcap": spec.attn_logit_softcap,

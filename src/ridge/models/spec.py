@@ -50,6 +50,7 @@ class ModelSpec:
     # local / global attention (Gemma 3): all but every global_every-th layer see only sliding_window tokens
     sliding_window: int = 0
     global_every: int = 0
+    nope_layers: tuple[int, ...] = ()  # attention layers without rotary (SmolLM3's no_rope_layers)
     # Mamba-2 state-space layers in place of attention at ssm_layers (all of them in Mamba-2's own models, some in a
     # hybrid: Bamba): each keeps a fixed state per sequence, ssm_num_heads x ssm_head_dim x ssm_state_size, and
     # the last ssm_conv_kernel - 1 inputs of its convolution, instead of K and V per token
@@ -229,6 +230,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                 break
     fields.update(_ssm_fields(config, fields.get("hidden_size", 0), source))
     fields.update(_mlp_layer_types(config))
+    if config.get("no_rope_layers"):  # SmolLM3's: 1 where a layer turns q and k, 0 where it does not
+        fields["nope_layers"] = tuple(i for i, rope in enumerate(config["no_rope_layers"]) if not rope)
     if config.get("mlp_only_layers"):
         fields["dense_only_layers"] = tuple(config["mlp_only_layers"])
     fields.update(_granite_moe_fields(config, fields, source))
@@ -477,6 +480,9 @@ def _global_every(layer_types: list[str], source: str) -> int:
     return every
 
 
+SMOLLM3_NOPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3, fixed by the architecture
+
+
 def decoder_layers(gguf: GGUFFile) -> int:
     """A GGUF model's decoder layers: its block count, less the multi-token prediction layers (Qwen3.5's) that
     llama.cpp's converter writes as blocks after them (`nextn_predict_layers`)."""
@@ -532,6 +538,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     )
     fields.update(_gguf_deepseek_fields(arch, value, heads))
     fields.update(_gguf_sigmoid_router_fields(arch, value, fields["head_dim"]))
+    if arch == "smollm3":  # llama.cpp's graph leaves every fourth layer without rotary; the file does not say it
+        fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]

@@ -12,7 +12,7 @@ from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateStep
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -29,7 +29,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i))
+            DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i),
+                         nope=i in cfg.nope_layers)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
@@ -57,6 +58,15 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
                              if cfg.rope_local_theta is not None else None)
+        # NoPE layers' (SmolLM3's): a rotary of no dims, whose turn leaves q and k as they are
+        self.rotary_none = (RotaryEmbedding(0, cfg.rope_theta, cfg.max_position_embeddings)
+                            if cfg.nope_layers else None)
+
+    def layer_rotary(self, layer: DecoderLayer) -> RotaryEmbedding:
+        """The rotary a layer's attention turns q and k with: the model's, its local layers', or none (NoPE)."""
+        if layer.nope and self.rotary_none is not None:
+            return self.rotary_none
+        return self.rotary_local if layer.local and self.rotary_local is not None else self.rotary
 
     def key_centers(self, positions: int) -> dict[int, torch.Tensor]:
         """Each attention layer's key center over positions 0..positions-1 (Attention.key_center), by layer index;
@@ -65,8 +75,7 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             if not isinstance(layer.attn, Attention):  # latent attention: a quantized cache refuses it
                 continue
-            rotary = self.rotary_local if layer.local and self.rotary_local is not None else self.rotary
-            center = layer.attn.key_center(rotary, positions)
+            center = layer.attn.key_center(self.layer_rotary(layer), positions)
             if center is not None:
                 centers[layer.attn.layer_index] = center
         return centers
@@ -133,11 +142,12 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
         x = self.embed(input_ids)
-        rope = self.rotary.step(positions)
-        local = self.rotary_local.step(positions) if self.rotary_local is not None else rope
+        steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, local if layer.local else rope, backend, meta, states)
+            rotary = self.layer_rotary(layer)
+            rope = steps.get(id(rotary)) or steps.setdefault(id(rotary), rotary.step(positions))
+            x, residual = layer(x, residual, rope, backend, meta, states)
         if indices is not None:
             x, residual = x[indices], residual[indices]
         x, _ = self.norm(x, residual)

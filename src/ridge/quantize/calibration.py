@@ -163,12 +163,11 @@ class LayerInput:
 
     x: torch.Tensor  # [T, hidden]: the previous layer's output, not yet added to the residual stream
     residual: torch.Tensor | None  # None before the first layer
-    rope: RopeStep
-    local_rope: RopeStep  # the local layers' (the same as rope unless their base differs)
+    ropes: dict[int, RopeStep]  # the rotary step each layer turns with (DecoderModel.layer_rotary), by id(layer)
     meta: StepMetadata  # one per KV group
 
     def rope_for(self, layer: DecoderLayer) -> RopeStep:
-        return self.local_rope if layer.local else self.rope
+        return self.ropes[id(layer)]
 
 
 @torch.inference_mode()
@@ -182,9 +181,12 @@ def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: tor
         for group_meta in meta:
             backend.prepare(group_meta)
         positions = torch.arange(len(ids), device=device)
-        rope = model.rotary.step(positions)
-        local = model.rotary_local.step(positions) if model.rotary_local is not None else rope
-        states.append(LayerInput(model.embed(ids), None, rope, local, meta))
+        steps: dict[int, RopeStep] = {}  # each rotary's, made once
+        ropes = {}
+        for layer in model.layers:
+            rotary = model.layer_rotary(layer)
+            ropes[id(layer)] = steps.get(id(rotary)) or steps.setdefault(id(rotary), rotary.step(positions))
+        states.append(LayerInput(model.embed(ids), None, ropes, meta))
     return backend, states
 
 
