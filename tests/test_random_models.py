@@ -62,10 +62,14 @@ def test_byte_level_tokenizer_round_trips_text_and_names_the_other_ids():
     assert tok.decode([299]) == "<r299>" and tok.vocab_size == 300 and not tok.stop_token_ids
 
 
-def test_hf_config_builds_the_same_shape():
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b,num_layers=2", "smollm3-3b,num_layers=4,vocab_size=49152",
+                                  "glm-4.6,num_layers=4,num_experts=8", "minimax-m2,num_layers=2,num_experts=8"])
+def test_hf_config_builds_the_same_shape(name):
+    """The HF baseline of `ridge bench` is the model ridge draws: as many parameters (GLM-4.6's q / k norms and
+    biases, SmolLM3's vocabulary cut below its padding token)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = random_spec("random:qwen2.5-coder-0.5b,num_layers=2")
+    spec = random_spec(f"random:{name}")
     fields = hf_config(spec)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
@@ -75,4 +79,5 @@ def test_hf_config_builds_the_same_shape():
 
     with torch.device("meta"):
         ours = DecoderModel(config_from_spec(spec))
-    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
+    biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))  # HF: buffers
+    assert sum(p.numel() for p in hf.parameters()) + biases == sum(p.numel() for p in ours.parameters())

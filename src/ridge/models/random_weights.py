@@ -58,7 +58,18 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
         "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
         "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.qkv_bias,
+        # a family's default padding token can lie past a cut vocabulary (SmolLM3's 128004): none
+        "pad_token_id": None,
     }
+    if spec.partial_rotary_factor != 1.0:  # GLM-4.5's half, MiniMax-M2's rotary_dim
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.rope_theta,
+                                     "partial_rotary_factor": spec.partial_rotary_factor}
+        config["rotary_dim"] = int(spec.head_dim * spec.partial_rotary_factor)
+    if spec.nope_layers:  # SmolLM3's
+        config["no_rope_layers"] = [int(i not in spec.nope_layers) for i in range(spec.num_layers)]
+    if spec.architecture == "glm4_moe":
+        config["use_qk_norm"] = spec.qk_norm_params > 0
     if spec.is_moe:  # Qwen's and OLMoE's, Mixtral's and DeepSeek's names for the same numbers
         config.update(num_experts=spec.num_experts, num_local_experts=spec.num_experts,
                       n_routed_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
