@@ -305,29 +305,28 @@ def test_a_schema_a_format_cannot_hold_to_is_refused_by_name(form, schema, field
 
 @pytest.fixture(scope="module")
 def parser_client(qwen_path):
-    """A client of a server under --tool-call-parser `parser`, the server started when a test first asks for it."""
+    """A client of a server under --tool-call-parser `parser`, started when a test asks for that parser: one such
+    server at a time (each holds an engine; six side by side crowded a worker of the suite out of memory)."""
+    current: dict[str, object] = {}
     with contextlib.ExitStack() as servers:
-        clients: dict[str, openai.OpenAI] = {}
 
         def client(parser: str) -> openai.OpenAI:
-            if parser not in clients:
+            if current.get("parser") != parser:
+                servers.close()  # the previous parser's server
                 srv = servers.enter_context(running_server(
                     EngineConfig(model=str(qwen_path), kv_cache_memory="128MiB"),
                     ServerConfig("qwen", tool_call_parser=parser)))
-                clients[parser] = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-            return clients[parser]
+                current.update(parser=parser, client=openai.OpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                                                   max_retries=0))
+            return current["client"]
 
         yield client
 
 
-@pytest.fixture(scope="module")
-def xml_client(parser_client):
-    return parser_client("qwen3_coder")
-
-
-def test_a_server_reads_qwen3_coder_calls(xml_client):
+def test_a_server_reads_qwen3_coder_calls(parser_client):
     """Under --tool-call-parser qwen3_coder, a reply in that form (held to it here by a request's own grammar:
     Qwen2.5 writes Hermes' form; its tags are tokens of their own) comes back as a call, whole or streamed."""
+    xml_client = parser_client("qwen3_coder")
     url = str(xml_client.base_url).removesuffix("/").removesuffix("/v1")
     opening, closing = (HTTP.post(url + "/tokenize", json={"prompt": tag}).json()["tokens"] for tag in
                         ("<tool_call>", "</tool_call>"))

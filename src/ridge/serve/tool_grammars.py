@@ -168,7 +168,8 @@ class _Grammar:
 
     def __init__(self) -> None:
         self.rules: dict[str, str] = {}
-        self._refs: dict[str, str] = {}  # a $ref's rule, made once (so a recursive schema is a recursive rule)
+        # a $ref's rule by its tool's parameters and the ref, made once (so a recursive schema is a recursive rule)
+        self._refs: dict[tuple[int, str], str] = {}
         self._root: dict[str, Any] = {}  # the parameters schema being compiled: its $refs resolve there
 
     def text(self, start: str) -> str:
@@ -307,14 +308,15 @@ class _Grammar:
         return f'"{{" {_ordered(entries, _lit(", "))} "}}"'
 
     def _ref(self, ref: str, field: str) -> str:
-        if ref not in self._refs:
+        key = (id(self._root), ref)  # two tools may define one name differently
+        if key not in self._refs:
             parts = ref.split("/")
             target = self._root.get(parts[1]) if len(parts) == 3 and parts[0] == "#" else None
             if not isinstance(target, dict) or not isinstance(target.get(parts[2]), dict):
                 raise UnenforceableSchema(f"{ref!r} is not a definition of these parameters", f"{field}.$ref")
-            self._refs[ref] = name = self._rule("", "ref")  # named first: the definition may refer to itself
+            self._refs[key] = name = self._rule("", "ref")  # named first: the definition may refer to itself
             self.rules[name] = self._python(target[parts[2]], f"{field}.$ref")
-        return self._refs[ref]
+        return self._refs[key]
 
     def _any_python(self) -> str:
         if "any_python" not in self.rules:
