@@ -286,6 +286,22 @@ def test_required_calls_grammar_holds_each_format_to_the_schema(grammar_check, f
     assert not follows(named, text)
 
 
+def test_each_tool_s_definitions_are_its_own(grammar_check):
+    """Two tools may define one name differently: a pythonic call's $ref reads its own tool's definition."""
+    from ridge.serve.tool_grammars import call_markers, calls_grammar
+
+    def tool(name: str, unit: str) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": {"unit": {"enum": [unit]}}, "properties": {"u": {"$ref": "#/$defs/unit"}},
+            "required": ["u"]}}}
+
+    follows, token_id = grammar_check
+    spec = calls_grammar([tool("f", "a"), tool("g", "b")], None, parallel=True, form="pythonic",
+                         markers=call_markers("pythonic", token_id))
+    assert follows(spec, '<|tool_call_start|>[f(u="a"), g(u="b")]<|tool_call_end|>')
+    assert not follows(spec, '<|tool_call_start|>[g(u="a")]<|tool_call_end|>')
+
+
 @pytest.mark.parametrize("form,schema,field", [
     ("qwen3_coder", {"properties": {"day": {"type": "string", "pattern": "^[0-9]+$"}}}, "properties.day.pattern"),
     ("qwen3_coder", {"anyOf": [{"type": "object"}]}, "anyOf"),
