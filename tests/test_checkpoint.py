@@ -293,7 +293,7 @@ def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
         for layer in model.layers:
             scale_layer(layer, inputs, backend, 32, integer_zeros=False)
             for w in inputs:
-                w.x, w.residual = layer(w.x, w.residual, w.rope, backend, w.meta)
+                w.x, w.residual = layer(w.x, w.residual, w.rope_for(layer), backend, w.meta)
     assert any(not torch.equal(layer.input_norm.weight, norm)
                for layer, norm in zip(model.layers, norms_before, strict=True))
     torch.testing.assert_close(llm.engine.prompt_logits(ids), before, rtol=1e-4, atol=1e-4)
