@@ -193,11 +193,7 @@ def _xml_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     match = _XML_CALL.fullmatch(body)
     if match is None:
         return None
-    name = match.group(1).strip()
-    properties = (parameters.get(name) or {}).get("properties") or {}
-    arguments = {key.strip(): _typed(value, properties.get(key.strip()))
-                 for key, value in _XML_PARAMETER.findall(match.group(2))}
-    return _openai_call(name, arguments)
+    return _typed_call(match.group(1).strip(), _XML_PARAMETER.findall(match.group(2)), parameters)
 
 
 _GLM_CALL = re.compile(r"\s*([^\s<]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.S)
@@ -210,11 +206,7 @@ def _glm_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     match = _GLM_CALL.fullmatch(body)
     if match is None:
         return None
-    name = match.group(1)
-    properties = (parameters.get(name) or {}).get("properties") or {}
-    arguments = {key.strip(): _typed(value, properties.get(key.strip()))
-                 for key, value in _GLM_ARGUMENT.findall(match.group(2))}
-    return _openai_call(name, arguments)
+    return _typed_call(match.group(1), _GLM_ARGUMENT.findall(match.group(2)), parameters)
 
 
 _MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
@@ -227,15 +219,13 @@ def _minimax_calls(body: str, parameters: dict[str, dict[str, Any]]) -> list[dic
     calls, rest = [], body
     while match := _MINIMAX_INVOKE.match(rest):
         name, inside = match.groups()
-        properties = (parameters.get(name) or {}).get("properties") or {}
-        arguments = {}
+        pairs = []
         while argument := _MINIMAX_PARAMETER.match(inside):
-            key, value = argument.groups()
-            arguments[key] = _typed(value, properties.get(key))
+            pairs.append(argument.groups())
             inside = inside[argument.end():]
         if inside.strip():
             return None
-        calls.append(_openai_call(name, arguments))
+        calls.append(_typed_call(name, pairs, parameters))
         rest = rest[match.end():]
     return calls if calls and not rest.strip() else None
 
@@ -310,6 +300,13 @@ def _pythonic_calls(body: str) -> list[dict[str, Any]] | None:
         except (ValueError, TypeError):  # not a literal, or one JSON has no form for (a set, bytes)
             return None
     return calls
+
+
+def _typed_call(name: str, pairs: list[tuple[str, str]], parameters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A call in OpenAI's shape from a function's name and its arguments' (key, text) pairs, each text read as its
+    parameter's schema types it (`parameters`: each tool's parameters by name)."""
+    properties = (parameters.get(name) or {}).get("properties") or {}
+    return _openai_call(name, {key.strip(): _typed(value, properties.get(key.strip())) for key, value in pairs})
 
 
 def _typed(text: str, schema: Any) -> Any:
