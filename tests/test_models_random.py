@@ -265,3 +265,37 @@ def test_a_random_smollm3_written_as_gguf_reads_back_as_the_same_model(random_sm
     other.mkdir()
     with pytest.raises(ValueError, match="NoPE layers"):
         gguf_round_trip({**config, "no_rope_layers": [1, 0, 1, 1]}, other, smollm2_path, make_llm_for_test)
+
+
+# ---- Seed-OSS: llama with q / k / v biases, o_proj's as its config says -------------------------------------------
+@pytest.mark.parametrize("out_bias", [False, True], ids=["seed-oss", "o_proj-bias"])
+def test_seed_oss_matches_hf_and_reads_back_from_gguf(out_bias, tmp_path, smollm2_path, make_llm_for_test):
+    """Seed-OSS's attention_out_bias (False in its checkpoints) decides o_proj's bias apart from q / k / v's: HF's
+    logits either way, and its GGUF (llama.cpp's seed_oss, the bias's presence in the file) reads back the same."""
+    import json
+
+    from transformers import AutoModelForCausalLM, SeedOssConfig
+
+    from conftest import assert_logits_match_hf, gguf_round_trip
+
+    torch.manual_seed(0)
+    config = SeedOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, initializer_range=0.2, pad_token_id=0, attention_out_bias=out_bias)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for attn in (layer.self_attn for layer in model.model.layers):
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                if proj.bias is not None:
+                    torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(tmp_path / "hf")
+    byte_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    llm = make_llm_for_test(tmp_path / "hf", dtype="float32")
+    assert llm.engine.loaded.config.attention_out_bias == out_bias
+    assert_logits_match_hf(make_llm_for_test, tmp_path / "hf", model, VOCAB)
+    hf_config = {**json.loads((tmp_path / "hf" / "config.json").read_text()), "vocab_size": 49152}
+    (tmp_path / "gguf").mkdir()
+    from_file, drawn = gguf_round_trip(hf_config, tmp_path / "gguf", smollm2_path, make_llm_for_test)
+    assert from_file.engine.loaded.config.attention_out_bias == out_bias
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)

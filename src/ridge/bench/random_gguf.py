@@ -52,7 +52,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3"}
+                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -61,7 +61,8 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
                 "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
                 "mlp.router.bias": "ffn_gate_inp.bias"}
-# gpt-oss's, Qwen3.5's and GLM-4.5's MLP input norm is their post_attention_norm (Gemma's sandwich norm elsewhere)
+# gpt-oss's, Qwen3.5's, GLM-4.5's and Seed-OSS's MLP input norm is their post_attention_norm (Gemma's sandwich norm
+# elsewhere)
 _POST_ATTENTION_NORM_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
 # a Mamba-2 mixer's (llama.cpp's ssm_a and ssm_d have no .weight suffix; ssm_dt is dt's bias alone)
 _SSM_NAMES = {"ssm.in_proj.weight": "ssm_in.weight", "ssm.conv_weight": "ssm_conv1d.weight",
@@ -366,7 +367,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in range(cfg.num_layers):
         layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
-        post_attention = cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe")
+        post_attention = cfg.architecture in ("gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "glm4_moe", "seed_oss")
         names = _POST_ATTENTION_NORM_NAMES if post_attention else _LAYER_NAMES
         for name, gguf_name in names.items():
             if name in layer:

@@ -1,6 +1,6 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe,
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe,
 qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2, bamba and
 granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
 is a bias here, a norm there, Granite's scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "smollm3": {},  # llama with every fourth layer's attention unturned (NoPE: its config's no_rope_layers)
+    "seed_oss": {},  # llama with q / k / v biases, and o_proj's where its config's attention_out_bias says
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -91,6 +92,8 @@ _HF_NAMES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
+    "SeedOssForCausalLM": "seed_oss",
+    "seed_oss": "seed_oss",  # GGUF general.architecture too
     "smollm3": "smollm3",  # GGUF general.architecture too
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -219,7 +222,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "partial_rotary_factor": spec.partial_rotary_factor,
         "has_mlp": spec.has_ffn,
         # HF's llama-family attention_bias puts a bias on o_proj too (Qwen2's q / k / v biases come without one)
-        "attention_out_bias": arch in _OUT_BIAS and spec.qkv_bias,
+        "attention_out_bias": (spec.attention_out_bias if spec.attention_out_bias is not None
+                               else arch in _OUT_BIAS and spec.qkv_bias),
         "swiglu_limit": spec.swiglu_limit,
         "swiglu_alpha": spec.swiglu_alpha,
         "embedding_multiplier": spec.embedding_multiplier,

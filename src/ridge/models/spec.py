@@ -51,6 +51,9 @@ class ModelSpec:
     sliding_window: int = 0
     global_every: int = 0
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary (SmolLM3's no_rope_layers)
+    # a bias on o_proj, where the checkpoint says so apart from q / k / v's (Seed-OSS's attention_out_bias); None:
+    # the architecture's rule (registry.py)
+    attention_out_bias: bool | None = field(default=None, compare=False)
     # Mamba-2 state-space layers in place of attention at ssm_layers (all of them in Mamba-2's own models, some in a
     # hybrid: Bamba): each keeps a fixed state per sequence, ssm_num_heads x ssm_head_dim x ssm_state_size, and
     # the last ssm_conv_kernel - 1 inputs of its convolution, instead of K and V per token
@@ -230,6 +233,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                 break
     fields.update(_ssm_fields(config, fields.get("hidden_size", 0), source))
     fields.update(_mlp_layer_types(config))
+    if config.get("attention_out_bias") is not None:
+        fields["attention_out_bias"] = bool(config["attention_out_bias"])
     if config.get("no_rope_layers"):  # SmolLM3's: 1 where a layer turns q and k, 0 where it does not
         fields["nope_layers"] = tuple(i for i, rope in enumerate(config["no_rope_layers"]) if not rope)
     if config.get("mlp_only_layers"):
@@ -540,6 +545,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     fields.update(_gguf_sigmoid_router_fields(arch, value, fields["head_dim"]))
     if arch == "smollm3":  # llama.cpp's graph leaves every fourth layer without rotary; the file does not say it
         fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
+    if arch == "seed_oss":
+        fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]

@@ -38,8 +38,8 @@ GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{0}.mlp.shared_expert_gate.weight", None),
     (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{0}.mlp.router_bias", None),  # DeepSeek-V3's correction bias
 ]
-# gpt-oss (llama.cpp's gpt-oss) and GLM-4.5 (glm4moe): their post_attention_norm is the MLP's input norm (Gemma's is
-# a sandwich norm); and each of gpt-oss's attention layers has its sinks
+# gpt-oss (llama.cpp's gpt-oss), GLM-4.5 (glm4moe) and Seed-OSS: their post_attention_norm is the MLP's input norm
+# (Gemma's is a sandwich norm); and each of gpt-oss's attention layers has its sinks
 GGUF_MLP_INPUT_NORM = [(r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{0}.post_attn_norm.weight", None)]
 GGUF_GPT_OSS_NAMES = [*GGUF_MLP_INPUT_NORM, (r"blk\.(\d+)\.attn_sinks\.weight", "layers.{0}.attn.sinks", None)]
 # latent attention (deepseek2): its projections, attn_q among them (not a slot of a fused qkv); attn_kv_b is
@@ -224,6 +224,7 @@ def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
-              "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM}.get(cfg.architecture, [])
+              "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
+              "seed_oss": GGUF_MLP_INPUT_NORM}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
