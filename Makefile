@@ -38,7 +38,7 @@ demo: $(STAMP)
 # two workers of one thread each (whole files per worker): the engine's Python between kernels keeps one core
 # busy for most of a test, so two tests at once use both cores; the kernels' own tests still run on every core
 # (tests/conftest.py). OpenMP threads wait passively: two workers' kernel tests at once put four threads on two
-# cores, and spinning threads waited on descheduled ones (a 0.3 s test took 110 s; docs/notes/test-suite.md)
+# cores, where a spinning thread waits on a descheduled sibling (docs/notes/test-suite.md)
 test: models
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 

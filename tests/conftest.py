@@ -324,6 +324,18 @@ def assert_logits_match_hf(make_llm_for_test, path, hf, vocab: int, **engine_arg
         assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
 
 
+def assert_stack_equals_eager(make_llm_for_test, path, prompts: list[list[int]], params: SamplingParams,
+                              **engine_args) -> None:
+    """Decode steps in the fused C++ stack give the Python path's (enforce_eager) tokens and log-probabilities to
+    the last bit."""
+    stacked = make_llm_for_test(path, **engine_args)
+    eager = make_llm_for_test(path, enforce_eager=True, **engine_args)
+    assert stacked.engine.runner.decode_stack is not None
+    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab: int):
     """A random-config model's 48 greedy tokens for a batch of 16 prompts of mixed lengths (one of 90-100 tokens:
     3 chunks of the 32-token budget), the first 5 checked against HF's choices and the first 2 run alone too:

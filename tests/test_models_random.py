@@ -229,22 +229,16 @@ def random_smollm3(tmp_path_factory):
 def test_smollm3_matches_hf_with_its_nope_layers(random_smollm3, make_llm_for_test):
     """Its NoPE layer reads q and k unturned: HF's logits and greedy tokens, and the fused decode step's tokens and
     log-probabilities equal the Python path's (the layer's rotary table zero dims wide there)."""
-    from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf
+    from conftest import assert_logits_match_hf, assert_stack_equals_eager, greedy_batch_checked_against_hf
     from ridge import SamplingParams
 
     path, hf = random_smollm3
     assert make_llm_for_test(path, dtype="float32").engine.loaded.config.nope_layers == (3,)
     assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
     greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     for dtype in ("float32", "bfloat16"):
-        stacked = make_llm_for_test(path, dtype=dtype)
-        eager = make_llm_for_test(path, dtype=dtype, enforce_eager=True)
-        assert stacked.engine.runner.decode_stack is not None
-        prompts = random_prompts(4, VOCAB, 5, 40, seed=4)
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-        for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 40, seed=4), params, dtype=dtype)
 
 
 def test_a_random_smollm3_written_as_gguf_reads_back_as_the_same_model(random_smollm3, smollm2_path, tmp_path,

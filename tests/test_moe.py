@@ -213,16 +213,12 @@ STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen
 def test_the_decode_stack_serves_mixtures_as_the_python_path_does(moe_model, args, make_llm_for_test):
     """The same tokens and log-probabilities to the last bit, a batch of 6 at different lengths, with experts on
     every kind of kernel the stack calls side by side (quantized ones split their work with OpenMP inside)."""
+    from conftest import assert_stack_equals_eager
+
     path, _ = moe_model
-    args = {"dtype": "float32", **args}
-    stacked = make_llm_for_test(path, **args)
-    eager = make_llm_for_test(path, enforce_eager=True, **args)
-    assert stacked.engine.runner.decode_stack is not None
-    prompts = random_prompts(6, VOCAB, 3, 40, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_stack_equals_eager(make_llm_for_test, path, random_prompts(6, VOCAB, 3, 40, seed=5), params,
+                              **{"dtype": "float32", **args})
 
 
 @pytest.mark.threaded

@@ -322,7 +322,7 @@ def test_a_schema_a_format_cannot_hold_to_is_refused_by_name(form, schema, field
 @pytest.fixture(scope="module")
 def parser_client(qwen_path):
     """A client of a server under --tool-call-parser `parser`, started when a test asks for that parser: one such
-    server at a time (each holds an engine; six side by side crowded a worker of the suite out of memory)."""
+    server at a time, since each holds an engine."""
     current: dict[str, object] = {}
     with contextlib.ExitStack() as servers:
 
