@@ -293,3 +293,73 @@ def test_seed_oss_matches_hf_and_reads_back_from_gguf(out_bias, tmp_path, smollm
     assert from_file.engine.loaded.config.attention_out_bias == out_bias
     ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+# ---- Phi-3 / Phi-4: q / k / v and gate / up stored fused, LongRoPE, three quarters of each head rotary ---------
+PHI3_ORIGINAL = 32  # the "pretraining" context of LongRoPE's short factors
+
+
+@pytest.fixture(scope="module")
+def random_phi3(tmp_path_factory):
+    """A tiny random Phi-4-mini-like model: LongRoPE over 128 positions from an original 32, rotary on 12 of each
+    head's 16 dims, and Phi-3-mini-4k's sliding window on every layer (48 tokens here)."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    torch.manual_seed(0)
+    pairs = 6
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * PHI3_ORIGINAL,
+                        original_max_position_embeddings=PHI3_ORIGINAL, partial_rotary_factor=0.75,
+                        sliding_window=48, rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(pairs)],
+                                      "long_factor": [3.0 + 4.0 * i for i in range(pairs)]})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("phi3")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_phi3_matches_hf_with_either_longrope_factor_set(random_phi3, make_llm_for_test):
+    """Serving no more than the original context, the short factors (HF's for such a sequence); serving more, the
+    long ones for every position (HF's for a sequence past the original, vLLM's choice by max_model_len): HF's
+    logits either way, and the two sets differ (the check can fail); greedy tokens of a batch equal HF's, and the
+    fused decode step equals the Python path."""
+    from conftest import assert_stack_equals_eager, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_phi3
+    short = make_llm_for_test(path, dtype="float32", max_model_len=PHI3_ORIGINAL)
+    long = make_llm_for_test(path, dtype="float32")
+    assert not short.engine.loaded.config.rope_scaling.use_long_factor
+    assert long.engine.loaded.config.rope_scaling.use_long_factor and long.engine.loaded.config.sliding_window == 48
+    for llm, (low, high) in ((short, (5, PHI3_ORIGINAL - 1)), (long, (PHI3_ORIGINAL + 1, 110))):
+        for ids in random_prompts(3, VOCAB, low, high, seed=1):
+            with torch.inference_mode():
+                ref = hf(torch.tensor([ids])).logits[0]
+            assert (llm.engine.prompt_logits(ids) - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1)
+    ids = random_prompts(1, VOCAB, 20, 21, seed=3)[0]
+    assert not torch.allclose(short.engine.prompt_logits(ids), long.engine.prompt_logits(ids), atol=1e-3)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params, dtype=dtype)
+
+
+def test_a_random_phi3_written_as_gguf_reads_back_as_the_same_model(random_phi3, smollm2_path, tmp_path,
+                                                                     make_llm_for_test):
+    """Phi-3 under llama.cpp's phi3 (attn_qkv fused, ffn_up holding gate and up, the LongRoPE factors as the
+    rope_factors_long / _short tensors and its attention factor a key) loads as the model ridge draws."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = {**json.loads((random_phi3[0] / "config.json").read_text()), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert ours.rope_scaling.use_long_factor and ours.rotary_dim == theirs.rotary_dim == 12
+    assert ours.sliding_window == theirs.sliding_window == 48
+    assert torch.allclose(from_file.engine.loaded.model.rotary.freqs, drawn.engine.loaded.model.rotary.freqs, atol=1e-6)
+    ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)

@@ -1,7 +1,7 @@
-"""Scaled rotary (linear, Llama 3.1's, YaRN): the frequencies equal HF transformers', a small random model's
-logits and greedy tokens equal HF's at positions past the original context, a GGUF of the same model (Llama
-3.1's divisors as llama.cpp's rope_freqs tensor, YaRN as header keys) reads back to the same logits, and what is
-not implemented is refused by name."""
+"""Scaled rotary (linear, Llama 3.1's, YaRN, LongRoPE): the frequencies equal HF transformers', a small random
+model's logits and greedy tokens equal HF's at positions past the original context, a GGUF of the same model
+(Llama 3.1's divisors as llama.cpp's rope_freqs tensor, YaRN as header keys) reads back to the same logits, and
+what is not implemented is refused by name."""
 
 from __future__ import annotations
 
@@ -45,6 +45,22 @@ def test_frequencies_and_magnitude_equal_hf(kind):
     assert torch.allclose(ours.inverse_frequencies(16, 500.0), inv_freq, rtol=1e-6)
     assert ours.rotation_magnitude() == pytest.approx(attention_factor)
     assert not torch.allclose(inv_freq, RopeScaling("linear", 1.0).inverse_frequencies(16, 500.0))  # it scales
+
+
+@pytest.mark.parametrize("served", [ORIGINAL, 4 * ORIGINAL], ids=["short", "long"])
+def test_longrope_frequencies_and_magnitude_equal_hf(served):
+    """LongRoPE (Phi-3's): HF's inverse frequencies for a sequence of `served` positions (its short set up to the
+    original context, the long set past it) and its attention factor, taken from the context ridge serves."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+               "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": ORIGINAL}
+    config = hf_config("llama", scaling)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=served)
+    ours = RopeScaling.from_hf(dict(config.rope_parameters), config.max_position_embeddings).served_context(served)
+    assert ours.use_long_factor == (served > ORIGINAL)
+    assert torch.allclose(ours.inverse_frequencies(16, 500.0), inv_freq, rtol=1e-6)
+    assert ours.rotation_magnitude() == pytest.approx(attention_factor) and attention_factor > 1
 
 
 @pytest.fixture(scope="module", params=[("llama", "llama3"), ("qwen2", "yarn")], ids=lambda p: "-".join(p))
@@ -105,7 +121,8 @@ def test_yarn_serves_its_stretched_context():
 
 @pytest.mark.parametrize("scaling,message", [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
-    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "long_factor, short_factor not supp"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7,
+      "original_max_position_embeddings": ORIGINAL}, "longrope needs short_factor and long_factor of one length"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}, "llama3 needs original_max_position_emb"),
     ({"rope_type": "linear", "factor": 0.0}, "factor must be positive"),
     ({"rope_type": "yarn", "factor": 4.0, "extrapolation_factor": 2.0}, "extrapolation_factor not supported"),

@@ -3,9 +3,12 @@
 Each kind changes the rotary's inverse frequencies, and YaRN also the rotation's magnitude (its attention
 factor, which scales q.k by its square). The kinds HF transformers calls linear (every frequency divided by
 the factor), llama3 (Llama 3.1: low frequencies divided, high ones kept, a smooth ramp between) and yarn
-(YaRN: the same idea by counted rotations, plus the attention factor) are computed here as HF computes them.
-"dynamic" (NTK scaling that changes with the sequence's length, so a token's rotation depends on how long its
-sequence has grown) and "longrope" (Phi-3's per-frequency factors, switched at a length) are refused by name.
+(YaRN: the same idea by counted rotations, plus the attention factor) are computed here as HF computes them, and
+so is "longrope" (Phi-3 / Phi-4: a divisor per frequency, one set for contexts up to the original and another
+beyond it, and an attention factor). HF switches a sequence to the long set once it grows past the original
+context, recomputing its cache; ridge, as vLLM and llama.cpp, picks one set for the whole run by the context it
+serves (`use_long_factor`: the long set where that passes the original), so a token's rotation never depends on
+how long its sequence grows. "dynamic" (NTK scaling that changes with the sequence's length) is refused by name.
 
 GGUF files say the same in `<arch>.rope.scaling.*` keys; for llama3 the converter stores the divisors
 themselves, one per frequency, as the `rope_freqs.weight` tensor (kept here as `frequency_divisors`).
@@ -13,45 +16,54 @@ themselves, one per frequency, as the `rope_freqs.weight` tensor (kept here as `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-SUPPORTED = ("linear", "llama3", "yarn")
+SUPPORTED = ("linear", "llama3", "yarn", "longrope")
 # the keys read below, and those HF keeps in the same dict that are read elsewhere (or change nothing here)
 _KNOWN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
                "high_freq_factor", "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale",
-               "mscale_all_dim", "frequency_divisors", "rope_theta", "partial_rotary_factor"}
+               "mscale_all_dim", "frequency_divisors", "rope_theta", "partial_rotary_factor", "short_factor",
+               "long_factor"}
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     kind: str  # one of SUPPORTED
     factor: float
-    original_max_positions: int = 0  # the pretraining context (llama3, yarn)
+    original_max_positions: int = 0  # the pretraining context (llama3, yarn, longrope)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0  # yarn: the correction range, in rotations over the original context
     beta_slow: float = 1.0
     truncate: bool = True
-    attention_factor: float | None = None  # yarn: None derives it from factor (and mscale / mscale_all_dim)
+    # yarn, longrope: None derives it from factor (and yarn's mscale / mscale_all_dim)
+    attention_factor: float | None = None
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
     frequency_divisors: tuple[float, ...] = ()  # GGUF's rope_freqs: the divisors themselves, one per frequency
+    short_factor: tuple[float, ...] = ()  # longrope: each frequency's divisor up to the original context
+    long_factor: tuple[float, ...] = ()  # and past it
+    use_long_factor: bool = False  # longrope: the served context passes the original (set by served_context)
 
     def __post_init__(self) -> None:
         if self.kind not in SUPPORTED:
             raise ValueError(f"rope_scaling: rope_type {self.kind!r} is not supported ({', '.join(SUPPORTED)}; "
-                             "dynamic NTK and longrope are not)")
+                             "dynamic NTK is not)")
         if not self.factor > 0:
             raise ValueError(f"rope_scaling: factor must be positive, got {self.factor}")
         if self.kind == "llama3" and not self.frequency_divisors and not (
                 self.original_max_positions > 0 and self.high_freq_factor > self.low_freq_factor):
             raise ValueError("rope_scaling: llama3 needs original_max_position_embeddings and "
                              "high_freq_factor > low_freq_factor")
-        if self.kind == "yarn" and self.original_max_positions <= 0:
-            raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
+        if self.kind in ("yarn", "longrope") and self.original_max_positions <= 0:
+            raise ValueError(f"rope_scaling: {self.kind} needs original_max_position_embeddings")
+        if self.kind == "longrope" and not (self.short_factor and len(self.short_factor) == len(self.long_factor)):
+            raise ValueError(f"rope_scaling: longrope needs short_factor and long_factor of one length (got "
+                             f"{len(self.short_factor)} and {len(self.long_factor)})")
 
     @classmethod
     def from_hf(cls, params: dict, max_positions: int) -> RopeScaling | None:
@@ -66,7 +78,7 @@ class RopeScaling:
             raise ValueError(f"rope_scaling: {', '.join(unknown)} not supported")
         original = int(params.get("original_max_position_embeddings") or max_positions)
         factor = params.get("factor")
-        if factor is None and kind == "yarn":
+        if factor is None and kind in ("yarn", "longrope"):
             factor = max_positions / original
         if factor is None:
             raise ValueError(f"rope_scaling: {kind} needs a factor")
@@ -76,7 +88,17 @@ class RopeScaling:
                    beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
                    truncate=bool(params.get("truncate", True)), attention_factor=params.get("attention_factor"),
                    mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-                   frequency_divisors=tuple(params.get("frequency_divisors") or ()))
+                   frequency_divisors=tuple(params.get("frequency_divisors") or ()),
+                   short_factor=tuple(map(float, params.get("short_factor") or ())),
+                   long_factor=tuple(map(float, params.get("long_factor") or ())),
+                   use_long_factor=max_positions > original)
+
+    def served_context(self, positions: int) -> RopeScaling:
+        """This scaling for a run that serves `positions` positions: longrope's long set where they pass the
+        original context (what vLLM picks from its max_model_len), the short set otherwise."""
+        if self.kind != "longrope":
+            return self
+        return dataclasses.replace(self, use_long_factor=positions > self.original_max_positions)
 
     def inverse_frequencies(self, dim: int, theta: float) -> torch.Tensor:
         """The scaled inverse frequencies of a rotary over `dim` dims (dim / 2 of them), float32."""
@@ -90,6 +112,12 @@ class RopeScaling:
             return plain / self.factor
         if self.kind == "llama3":
             return self._llama3(plain)
+        if self.kind == "longrope":
+            factors = self.long_factor if self.use_long_factor else self.short_factor
+            if len(factors) != dim // 2:
+                raise ValueError(f"rope_scaling: longrope's {len(factors)} factors for a rotary of {dim // 2} "
+                                 "frequencies")
+            return plain / torch.tensor(factors, dtype=torch.float32)
         return self._yarn(dim, theta)
 
     def _llama3(self, plain: torch.Tensor) -> torch.Tensor:
@@ -117,11 +145,16 @@ class RopeScaling:
         return (1.0 / (self.factor * powers)) * (1 - kept) + (1.0 / powers) * kept
 
     def rotation_magnitude(self) -> float:
-        """What the rotary multiplies q and k's rotated dims by (YaRN's attention factor; 1 otherwise)."""
-        if self.kind != "yarn":
+        """What the rotary multiplies q and k's rotated dims by (YaRN's and LongRoPE's attention factor; 1
+        otherwise)."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
+        if self.kind == "longrope":  # the same factor for either set (HF's, vLLM's, llama.cpp's converter's)
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_positions))
         if self.mscale and self.mscale_all_dim:
             return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
         return _yarn_mscale(self.factor)

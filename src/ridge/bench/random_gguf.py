@@ -52,7 +52,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
-                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss"}
+                      "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
+                      "phi3": "phi3"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -261,7 +262,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
-    if (scaling := cfg.rope_scaling) is not None and scaling.kind != "llama3":  # llama3's: the rope_freqs tensor
+    if (scaling := cfg.rope_scaling) is not None and scaling.kind == "longrope":
+        # as llama.cpp's converter writes Phi-3's: no scaling type, the factors as tensors (_gguf_tensors)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_positions)
+        writer.add_rope_scaling_attn_factors(scaling.rotation_magnitude())
+    elif scaling is not None and scaling.kind != "llama3":  # llama3's: the rope_freqs tensor
         writer.add_rope_scaling_type(RopeScalingType(scaling.kind))
         writer.add_rope_scaling_factor(scaling.factor)
         writer.add_rope_scaling_orig_ctx_len(scaling.original_max_positions)
@@ -289,8 +294,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_logit_scale(cfg.logits_scaling)
         if cfg.attention_multiplier is not None:
             writer.add_attention_scale(cfg.attention_multiplier)
-    if arch in ("glm4moe", "minimax-m2"):  # part of each head rotary, a sigmoid router
+    if arch in ("glm4moe", "minimax-m2", "phi3"):  # part of each head rotary (GLM's and MiniMax's, Phi-4-mini's)
         writer.add_rope_dimension_count(cfg.rotary_dim)
+    if arch == "phi3":  # 0: none, as the converter writes Phi-4's
+        writer.add_sliding_window(spec.sliding_window)
     if arch == "minimax-m2":
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if arch in ("deepseek2", "glm4moe"):
@@ -360,6 +367,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         # llama.cpp's converter writes Llama 3.1's scaling as each frequency's divisor
         plain = RopeScaling("linear", 1.0).inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
         yield "rope_freqs.weight", plain / cfg.rope_scaling.inverse_frequencies(cfg.rotary_dim, cfg.rope_theta)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope":  # Phi-3's, as its converter writes them
+        yield "rope_factors_long.weight", torch.tensor(cfg.rope_scaling.long_factor)
+        yield "rope_factors_short.weight", torch.tensor(cfg.rope_scaling.short_factor)
     final_norm = "token_embd_norm" if cfg.architecture in ("lfm2", "lfm2_moe") else "output_norm"
     yield f"{final_norm}.weight", state["norm.weight"]
     if "lm_head.weight" in state:
@@ -381,6 +391,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         elif "ssm.conv_weight" in layer:
             yield from ((f"blk.{i}.{gguf_name}", layer[name]) for name, gguf_name in _SHORT_CONV_NAMES.items()
                         if name in layer)
+        if cfg.architecture == "phi3":  # its q / k / v and gate / up kept fused (llama.cpp's ffn_up holds both)
+            yield f"blk.{i}.attn_qkv.weight", layer.pop("attn.qkv.weight")
+            yield f"blk.{i}.ffn_up.weight", layer.pop("mlp.gate_up.weight")
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 queries = fused[:q]

@@ -132,12 +132,14 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
     shard = plan.cut_model if plan is not None and not cut_after else None
     if model.random is not None:
         loaded = random_model(model.random, config.torch_dtype, config.device, config.seed, shard,
-                              config.ignore_sliding_window, drawn_quantization(config, target, plan), progress)
+                              config.ignore_sliding_window, drawn_quantization(config, target, plan), progress,
+                              config.max_model_len)
         trim_heap()  # the draws' and their quantization's freed temporaries
     else:
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
-                            ignore_sliding_window=config.ignore_sliding_window, shard=shard)
+                            ignore_sliding_window=config.ignore_sliding_window, shard=shard,
+                            max_model_len=config.max_model_len)
     quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
         if config.quantization in METHODS else iter(())
     if cut_after:

@@ -197,11 +197,12 @@ def _rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
     gguf_native: bool = False, target: LinearTarget | None = None, ignore_sliding_window: bool = False,
-    shard: Callable[[DecoderModel], ShardCuts] | None = None,
+    shard: Callable[[DecoderModel], ShardCuts] | None = None, max_model_len: int | None = None,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
     quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels).
     ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs).
+    max_model_len: the context the model will serve (None: its own), which picks a LongRoPE rotary's factors.
     shard: a tensor-parallel rank's cut of the model (given the meta-device model, cuts it and says how its
     weights are cut): only that part of each weight is read and held."""
     if path.is_dir():
@@ -240,7 +241,7 @@ def load_model(
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 
-    cfg = _windows(cfg, ignore_sliding_window)
+    cfg = _served_context(_windows(cfg, ignore_sliding_window), max_model_len)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     cuts = shard(model) if shard is not None else None  # the file's layout stays cfg's, the whole model's
@@ -248,7 +249,7 @@ def load_model(
     # a fused one's slots together, under `cuts` only the rank's rows of each
     weights: dict[str, dict[int, _Stored]] = defaultdict(dict)
     for name, item in tensors:
-        if name == "rope_freqs.weight":  # Llama 3.1's rotary divisors: the spec read them (cfg.rope_scaling)
+        if name.startswith("rope_"):  # Llama 3.1's and Phi-3's rotary divisors: the spec read them (cfg.rope_scaling)
             continue
         key, slot = map_name(name, table)
         if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
@@ -342,15 +343,15 @@ def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
                  shard: Callable[[DecoderModel], ShardCuts] | None = None,
                  ignore_sliding_window: bool = False, quantize: DrawnQuantization | None = None,
-                 progress: bool = False) -> LoadedModel:
+                 progress: bool = False, max_model_len: int | None = None) -> LoadedModel:
     """A model of `spec`'s shape with random weights drawn on `device` (models/random_weights.py). shard: as
     load_model's; every weight is drawn whole and cut to the rank's part before the next is drawn.
-    ignore_sliding_window: as load_model's. quantize: the decoder layers' linear weights quantized as they are
-    drawn, each dense draw dropped before the next, so that a model larger than memory in `dtype` loads in its
-    quantized size."""
+    ignore_sliding_window, max_model_len: as load_model's. quantize: the decoder layers' linear weights quantized as
+    they are drawn, each dense draw dropped before the next, so that a model larger than memory in `dtype` loads in
+    its quantized size."""
     if quantize is not None and shard is not None:
         raise ValueError("random_model: weights quantized as drawn are made whole, not a rank's part")
-    cfg = _windows(config_from_spec(spec), ignore_sliding_window)
+    cfg = _served_context(_windows(config_from_spec(spec), ignore_sliding_window), max_model_len)
     with torch.device("meta"):
         model = DecoderModel(cfg)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
@@ -406,6 +407,18 @@ def _windows(cfg: ModelConfig, ignore_sliding_window: bool) -> ModelConfig:
     log.warning("ridge: ignore_sliding_window: every layer attends to its whole history; outputs past the "
                 "%d-token window are not the model's", cfg.sliding_window)
     return dataclasses.replace(cfg, sliding_window=0)
+
+
+def _served_context(cfg: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """cfg for a run of at most max_model_len positions (None: the model's own context): a LongRoPE rotary takes
+    its long factors only where that passes the original context."""
+    if cfg.rope_scaling is None or cfg.rope_scaling.kind != "longrope":
+        return cfg
+    positions = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    scaling = cfg.rope_scaling.served_context(positions)
+    log.info("ridge: LongRoPE's %s factors: serving %d positions, the original context %d",
+             "long" if scaling.use_long_factor else "short", positions, scaling.original_max_positions)
+    return dataclasses.replace(cfg, rope_scaling=scaling)
 
 
 def _check_fits(name: str, needed: int, dtype: torch.dtype, device: str) -> None:

@@ -83,7 +83,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         if spec.router_topk_method:
             config["topk_method"] = spec.router_topk_method
     if spec.rope_scaling:
-        config["rope_parameters"] = {"rope_theta": spec.rope_theta, **spec.rope_scaling}
+        config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": spec.rope_theta,
+                                     **spec.rope_scaling}
     if spec.is_mla:
         config.update(kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None,
                       qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,

@@ -1,11 +1,11 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe,
-qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2, bamba and
-granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
-is a bias here, a norm there, Granite's scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
-embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2
-mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, gemma2, gemma3, the mixtures of experts mixtral,
+qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2,
+bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what
+differs is a bias here, a norm there, Granite's scalars, a sliding window, a layer without rotary, Gemma's GeGLU,
+scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a
+Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "smollm3": {},  # llama with every fourth layer's attention unturned (NoPE: its config's no_rope_layers)
     "seed_oss": {},  # llama with q / k / v biases, and o_proj's where its config's attention_out_bias says
+    "phi3": {},  # Phi-3 / Phi-4: llama with q / k / v and gate / up stored fused, LongRoPE, part of each head rotary
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -93,6 +94,8 @@ _HF_NAMES = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
     "SeedOssForCausalLM": "seed_oss",
+    "Phi3ForCausalLM": "phi3",  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
+    "phi3": "phi3",  # GGUF general.architecture too
     "seed_oss": "seed_oss",  # GGUF general.architecture too
     "smollm3": "smollm3",  # GGUF general.architecture too
     "Gemma2ForCausalLM": "gemma2",
@@ -211,7 +214,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                                     else spec.max_position_embeddings),
         "tie_word_embeddings": spec.tie_word_embeddings,
         "qkv_bias": spec.qkv_bias,
-        "sliding_window": spec.sliding_window,
+        # a window as long as the context is no window (Phi-3-mini-128k's 262,144 of 131,072 positions)
+        "sliding_window": spec.sliding_window if spec.sliding_window < spec.max_position_embeddings else 0,
         "global_every": spec.global_every,
         "rope_local_theta": spec.rope_local_theta,
         "nope_layers": spec.nope_layers,

@@ -267,6 +267,11 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     local_scaling = scaling.get("sliding_attention") or {}
     scaling = scaling.get("full_attention", scaling)  # Gemma 3: one rotary per kind of layer
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # HF's Phi3Config reads both as longrope
+        rope_type, scaling = "longrope", {**scaling, "rope_type": "longrope"}
+        scaling.pop("type", None)
+    if rope_type == "longrope" and config.get("original_max_position_embeddings"):  # Phi-3's: beside the dict
+        scaling = {"original_max_position_embeddings": config["original_max_position_embeddings"], **scaling}
     local_type = local_scaling.get("rope_type", local_scaling.get("type", "default"))
     if local_type not in ("default", None):
         raise ValueError(f"{source}: rope_scaling: a scaled rotary on the sliding layers ({local_type}) is not "
@@ -547,6 +552,9 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
     if arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
+    if arch == "phi3":  # Phi-4-mini turns three quarters of each head
+        fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
+            "head_dim"]
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
@@ -554,12 +562,23 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
 
 
 def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
-    """A GGUF header's rotary scaling in HF's keys. llama.cpp's converter writes linear and YaRN as keys, and
-    Llama 3.1's scaling as the divisors themselves, a tensor of head_dim / 2 floats (read here: 256 bytes)."""
-    divisors = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
-    if divisors is not None:
-        values = dequantize(divisors.data, divisors.tensor_type).reshape(-1)
-        return {"rope_type": "llama3", "factor": 1.0, "frequency_divisors": [float(v) for v in values]}
+    """A GGUF header's rotary scaling in HF's keys. llama.cpp's converter writes linear and YaRN as keys, Llama
+    3.1's scaling as the divisors themselves, a tensor of head_dim / 2 floats (read here: 256 bytes), and Phi-3's
+    LongRoPE as two such tensors, its attention factor a key."""
+    tensors = {t.name: t for t in gguf.tensors if t.name.startswith("rope_")}
+
+    def floats(name: str) -> list[float]:
+        return [float(v) for v in dequantize(tensors[name].data, tensors[name].tensor_type).reshape(-1)]
+
+    if "rope_freqs.weight" in tensors:
+        return {"rope_type": "llama3", "factor": 1.0, "frequency_divisors": floats("rope_freqs.weight")}
+    if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE: both sets of divisors, and the attention factor
+        scaling = {"rope_type": "longrope", "long_factor": floats("rope_factors_long.weight"),
+                   "short_factor": floats("rope_factors_short.weight"),
+                   "original_max_position_embeddings": int(value(f"{arch}.rope.scaling.original_context_length"))}
+        if (factor := value(f"{arch}.rope.scaling.attn_factor")) is not None:
+            scaling["attention_factor"] = float(factor)
+        return scaling
     kind = value(f"{arch}.rope.scaling.type", "none")
     if kind in ("none", None):
         return None

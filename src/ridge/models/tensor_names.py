@@ -103,6 +103,12 @@ HF_NAMES = [
         (r"(?:mlp\.gate|block_sparse_moe)\.e_score_correction_bias", "router_bias", None),  # MiniMax-M2's: the latter
     ]],
 ]
+# Phi-3 / Phi-4: q / k / v and gate / up stored fused, as ridge holds them
+HF_PHI3_NAMES = [(r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", "layers.{0}.attn.qkv.weight", None),
+                 (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{0}.mlp.gate_up.weight", None)]
+# and under llama.cpp's names: attn_qkv, and ffn_up holding gate and up
+GGUF_PHI3_NAMES = [(r"blk\.(\d+)\.attn_qkv\.weight", "layers.{0}.attn.qkv.weight", None),
+                   (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
 # latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
 HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
                  for source, target in [
@@ -215,7 +221,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
               else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
-              else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta" else [])
+              else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"
+              else HF_PHI3_NAMES if cfg.architecture == "phi3" else [])
     return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
@@ -225,6 +232,6 @@ def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
-              "seed_oss": GGUF_MLP_INPUT_NORM}.get(cfg.architecture, [])
+              "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
