@@ -363,3 +363,67 @@ def test_a_random_phi3_written_as_gguf_reads_back_as_the_same_model(random_phi3,
     assert torch.allclose(from_file.engine.loaded.model.rotary.freqs, drawn.engine.loaded.model.rotary.freqs, atol=1e-6)
     ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+# ---- OLMo-2 / OLMo-3: no pre-norms, each sublayer's output normed; OLMo-3's windows with unscaled rotary ---------
+@pytest.fixture(scope="module", params=["olmo2", "olmo3"])
+def random_olmo(request, tmp_path_factory):
+    """A tiny random OLMo-2 (4 layers), or OLMo-3 (3 of 4 layers windowed at 24 tokens, YaRN on the global layer
+    only), every norm's weight drawn."""
+    from transformers import AutoModelForCausalLM, Olmo2Config, Olmo3Config
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Olmo2Config(**common) if request.param == "olmo2" else Olmo3Config(
+        **common, sliding_window=24,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm, layer.self_attn.q_norm,
+                         layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_olmo_matches_hf_without_pre_norms(random_olmo, make_llm_for_test):
+    """Each layer reads the residual stream itself and norms its attention's and MLP's outputs (q and k normed over
+    all heads): HF's logits and greedy tokens, and the fused decode step (a layer with no input norms there) equals
+    the Python path. OLMo-3's windowed layers turn an unscaled rotary beside the global layer's YaRN."""
+    from conftest import assert_logits_match_hf, assert_stack_equals_eager, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_olmo
+    llm = make_llm_for_test(path, dtype="float32")
+    model = llm.engine.loaded.model
+    assert all(not hasattr(layer.input_norm, "weight") for layer in model.layers)
+    if model.cfg.architecture == "olmo3":
+        assert [model.cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+        assert not torch.allclose(model.rotary_local.freqs, model.rotary.freqs)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params, dtype=dtype)
+
+
+def test_a_random_olmo_written_as_gguf_reads_back_as_the_same_model(random_olmo, smollm2_path, tmp_path,
+                                                                     make_llm_for_test):
+    """OLMo-2 and OLMo-3 under llama.cpp's olmo2 (Gemma's post-norm names; OLMo-3's window, its pattern and the
+    windowed layers' unscaled base as header keys) load as the model ridge draws."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = {**json.loads((random_olmo[0] / "config.json").read_text()), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert (ours.sliding_window, ours.global_every, ours.rope_local_theta, ours.pre_norms) == (
+        theirs.sliding_window, theirs.global_every, theirs.rope_local_theta, False)
+    ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)

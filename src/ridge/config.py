@@ -70,7 +70,8 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     embedding_scale: bool = False
-    sandwich_norms: bool = False
+    sandwich_norms: bool = False  # the mixer's and the MLP's outputs normed before they join the residual (Gemma)
+    pre_norms: bool = True  # their inputs normed; OLMo-2 norms the outputs only (sandwich_norms without these)
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

@@ -53,7 +53,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
-                      "phi3": "phi3"}
+                      "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -61,7 +61,8 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "mlp.router_bias": "exp_probs_b.bias", "attn.q_a.weight": "attn_q_a.weight",
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
                 "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
-                "mlp.router.bias": "ffn_gate_inp.bias"}
+                "mlp.router.bias": "ffn_gate_inp.bias", "attn_out_norm.weight": "post_attention_norm.weight",
+                "mlp_out_norm.weight": "post_ffw_norm.weight"}
 # gpt-oss's, Qwen3.5's, GLM-4.5's and Seed-OSS's MLP input norm is their post_attention_norm (Gemma's sandwich norm
 # elsewhere)
 _POST_ATTENTION_NORM_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
@@ -174,6 +175,10 @@ def _check_writable(spec: ModelSpec) -> str:
             raise ValueError(f"model: a {arch} GGUF holds gated DeltaNet heads whose keys are as wide as their values "
                              f"(llama.cpp's state is square); ssm_state_size {spec.ssm_state_size} != ssm_head_dim "
                              f"{spec.ssm_head_dim}")
+    if arch == "olmo2" and (spec.tie_word_embeddings or spec.sliding_window and (
+            not spec.global_every or spec.rope_scaling and spec.rope_local_theta is None)):
+        raise ValueError("model: an olmo2 GGUF holds an output matrix of its own, and windows on all but every n-th "
+                         "layer, their rotary unscaled (llama.cpp's olmo2 graph)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
@@ -278,8 +283,12 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                 raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
-    if spec.sliding_window and arch == "gpt-oss":
+    if spec.sliding_window and arch in ("gpt-oss", "olmo2"):
         writer.add_sliding_window(spec.sliding_window)
+    if spec.sliding_window and arch == "olmo2":  # OLMo-3's: every n-th layer global, the rest windowed
+        writer.add_sliding_window_pattern(spec.global_every)
+        if cfg.rope_local_theta is not None:
+            writer.add_rope_freq_base_swa(cfg.rope_local_theta)
     if spec.is_moe:
         writer.add_expert_count(spec.num_experts)
         writer.add_expert_used_count(spec.experts_per_token)

@@ -70,9 +70,9 @@ def _row_functions(model: DecoderModel) -> Iterator[tuple[str, Callable[[torch.T
             if key not in seen:
                 seen.add(key)
                 yield f"layers.{i}.{part} ({type(module).__name__})", module, module.in_features
-    norm = model.layers[0].post_attn_norm
+    norm = model.norm  # the layers' norms run the same kernels (OLMo-2's layers have no input norms)
     yield "the fused residual add and RMSNorm", lambda x: norm(x, torch.ones_like(x))[0], model.cfg.hidden_size
-    yield "RMSNorm", model.layers[0].input_norm, model.cfg.hidden_size
+    yield "RMSNorm", norm, model.cfg.hidden_size
     yield "the output projection", model.compute_logits, model.cfg.hidden_size
 
 

@@ -126,7 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("q_a"), py::arg("q_a_norm"), py::arg("q"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
            py::arg("w_uv"), py::arg("rope"));
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
-      .def(py::init([](torch::Tensor input_norm, c10::optional<torch::Tensor> post_attn_norm,
+      .def(py::init([](c10::optional<torch::Tensor> input_norm, c10::optional<torch::Tensor> post_attn_norm,
                        c10::optional<torch::Tensor> q_norm,
                        c10::optional<torch::Tensor> k_norm, Linear qkv, Linear o_proj, Linear gate_up, Linear down,
                        torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scales,

@@ -225,7 +225,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     torch::Tensor h;
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
       residual = residual_in_fp32 ? x.to(torch::kFloat) : x;
-      h = at::rms_norm(x, {x.size(1)}, layer.input_norm, eps);
+      h = layer.input_norm.has_value() ? at::rms_norm(x, {x.size(1)}, *layer.input_norm, eps) : x;
     } else {
       h = add_norm_(residual, x, layer.input_norm);
     }
@@ -242,8 +242,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     }
     reduce_(x);
     x = branch_output(layer, x, layer.attn_out_norm);
-    if (!layer.post_attn_norm.has_value()) continue;  // no MLP
-    h = add_norm_(residual, x, *layer.post_attn_norm);
+    if (!layer.has_mlp()) continue;
+    h = add_norm_(residual, x, layer.post_attn_norm);
     x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
     reduce_(x);
     x = branch_output(layer, x, layer.mlp_out_norm);
@@ -251,14 +251,19 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   return add_norm_(residual, x, final_norm);
 }
 
-// models/layers.py's RMSNorm.forward with a residual: a float32 stream is added to and read back rounded
+// models/layers.py's RMSNorm.forward with a residual: a float32 stream is added to and read back rounded; without a
+// norm, ResidualAdd.forward's: the stream itself, a copy in x's dtype
 torch::Tensor DecodeStack::add_norm_(torch::Tensor& residual, const torch::Tensor& x,
-                                     const torch::Tensor& weight) const {
+                                     const c10::optional<torch::Tensor>& weight) const {
+  if (!weight.has_value()) {
+    residual.add_(x);
+    return residual.to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  }
   if (residual.scalar_type() != x.scalar_type()) {
     residual.add_(x);
-    return at::rms_norm(residual.to(x.scalar_type()), {x.size(1)}, weight, eps);
+    return at::rms_norm(residual.to(x.scalar_type()), {x.size(1)}, *weight, eps);
   }
-  return add_rms_norm_(residual, x, weight, eps);
+  return add_rms_norm_(residual, x, *weight, eps);
 }
 
 // models/mamba.py's Mamba2Mixer.forward for decode rows, op for op, its recurrence on kernels/state_space.cpp's

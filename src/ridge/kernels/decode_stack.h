@@ -136,8 +136,9 @@ struct GatedDelta {
 
 // models/layers.py's DecoderLayer.
 struct Layer {
-  torch::Tensor input_norm;
-  c10::optional<torch::Tensor> post_attn_norm;  // the MLP's input norm; absent where the layer has no MLP (Mamba-2)
+  // the mixer's and the MLP's input norms; absent where the layer norms its outputs only (OLMo-2: the sublayer reads
+  // the residual stream itself), or has no MLP (Mamba-2's own layers)
+  c10::optional<torch::Tensor> input_norm, post_attn_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // qwen3's per-head norms
   Linear qkv, o_proj, gate_up, down;  // gate_up and down: a dense MLP's; empty where the layer has experts
   Activation activation;              // the dense MLP's
@@ -160,6 +161,9 @@ struct Layer {
   // sandwich norms (Gemma): the mixer's and the MLP's outputs normed before they join the residual stream
   c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
   double residual_multiplier = 1.0;  // Granite: each branch's output scaled before it joins
+
+  // an MLP after the mixer: a dense one or a mixture (Mamba-2's own layers have none)
+  bool has_mlp() const { return experts.has_value() || !down.parts.empty(); }
 };
 
 // One KV group's part of a decode step (attention/backend.py's AttentionMetadata and KernelRows): each row's cache
@@ -202,7 +206,8 @@ struct DecodeStack {
   torch::Tensor gated_delta(const GatedDelta& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
   // residual += x, then the norm of the sum
-  torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x, const torch::Tensor& weight) const;
+  torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x,
+                          const c10::optional<torch::Tensor>& weight) const;
   void reduce_(const torch::Tensor& x) const;
 };
 

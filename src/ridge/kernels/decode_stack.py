@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import nn
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMetadata
 from ridge.attention.latent import LatentBackend
@@ -33,7 +34,7 @@ from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -188,7 +189,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                  if quantized else ())
         rotary = model.layer_rotary(layer)  # Gemma 3's local layers turn on their own base; NoPE layers on none
         sandwich = layer.attn_out_norm is not None
-        layers.append(ops.Layer(layer.input_norm.weight, layer.post_attn_norm.weight, *norms, *linears,
+        layers.append(ops.Layer(_norm_weight(layer.input_norm), _norm_weight(layer.post_attn_norm), *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections,
                                 activation=ops.Activation("silu") if moe else native_activation(ops, mlp),
                                 group=backend.group_of_layer[i],
@@ -233,7 +234,7 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                                              mixer.A_log, mixer.D, mixer.norm_weight, mixer.groups, *mixer.dt_limit,
                                              conv_state, ssm_state)
     empty = torch.empty(0)
-    return ops.Layer(layer.input_norm.weight, None if mlp is None else layer.post_attn_norm.weight, None, None,
+    return ops.Layer(_norm_weight(layer.input_norm), _norm_weight(layer.post_attn_norm), None, None,
                      ops.Linear([], None), ops.Linear([], None), *mlp_linears, empty, empty,
                      experts=experts,
                      activation=ops.Activation("silu") if mlp is None or moe else native_activation(ops, mlp),
@@ -241,3 +242,8 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                      mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
                      residual_multiplier=layer.residual_multiplier,
                      **{kind: native})
+
+
+def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """A pre-norm's weight; None where the layer has none there (OLMo-2's ResidualAdd, or no MLP)."""
+    return norm.weight if isinstance(norm, RMSNorm) else None

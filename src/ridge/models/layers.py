@@ -43,6 +43,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
+class ResidualAdd(nn.Module):
+    """A layer's input where it has no pre-norm (OLMo-2 norms its mixer's and MLP's outputs instead): RMSNorm's
+    (x, residual) convention without the norm."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x; or, given a residual: residual += x (in place), return (a copy of residual in x's dtype, residual)."""
+        if residual is None:
+            return x
+        residual += x
+        # a copy: the stream is added to in place while the sublayer's input may still be held (a captured state)
+        return residual.to(x.dtype, copy=True), residual
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
@@ -222,7 +237,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm token mixer and MLP. The mixer is attention (an Attention, or latent attention: models/mla.py),
     held as `attn`, or a Mamba-2 state-space mixer (models/mamba.py), held as `ssm`. post_attn_norm is the MLP's
     input norm (HF llama's name for it); with sandwich norms (Gemma), the mixer's and the MLP's outputs are normed
-    too before they join the residual. mlp is a GatedMLP, a mixture of experts (models/moe.py) in an MoE model's
+    too before they join the residual, and without pre-norms (OLMo-2) only they are (the two input norms are
+    ResidualAdds then). mlp is a GatedMLP, a mixture of experts (models/moe.py) in an MoE model's
     sparse layers, or None (Mamba-2's own layers hold the mixer alone)."""
 
     def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module | None, local: bool,
@@ -230,10 +246,11 @@ class DecoderLayer(nn.Module):
         """local: a layer of the model's local kind, whose rotary turns on the local base where it has one; nope: a
         layer whose attention takes no rotary (NoPE)."""
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else ResidualAdd()
         self.attn = None if ssm else mixer
         self.ssm = mixer if ssm else None
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if mlp is not None else None
+        self.post_attn_norm = (None if mlp is None else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms
+                               else ResidualAdd())
         self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None

@@ -66,6 +66,11 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.rope_theta,
                                      "partial_rotary_factor": spec.partial_rotary_factor}
         config["rotary_dim"] = int(spec.head_dim * spec.partial_rotary_factor)
+    if spec.sliding_window:  # Mistral's on every layer; Gemma's, gpt-oss's and OLMo-3's on all but every n-th
+        config["sliding_window"] = spec.sliding_window
+        if spec.global_every:
+            config["layer_types"] = ["full_attention" if (i + 1) % spec.global_every == 0 else "sliding_attention"
+                                     for i in range(spec.num_layers)]
     if spec.nope_layers:  # SmolLM3's
         config["no_rope_layers"] = [int(i not in spec.nope_layers) for i in range(spec.num_layers)]
     if spec.architecture == "glm4_moe":
@@ -85,6 +90,10 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.rope_scaling:
         config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": spec.rope_theta,
                                      **spec.rope_scaling}
+    if spec.architecture == "olmo3":  # a rotary per kind of layer: the windowed ones' never scaled
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})},
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta or spec.rope_theta}}
     if spec.is_mla:
         config.update(kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None,
                       qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,

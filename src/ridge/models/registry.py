@@ -1,11 +1,12 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, gemma2, gemma3, the mixtures of experts mixtral,
-qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the state-space mamba2,
-bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what
-differs is a bias here, a norm there, Granite's scalars, a sliding window, a layer without rotary, Gemma's GeGLU,
-scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a
-Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, gemma2, gemma3, the mixtures of
+experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the
+state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on
+one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's scalars, a
+sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
+router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
+DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "smollm3": {},  # llama with every fourth layer's attention unturned (NoPE: its config's no_rope_layers)
     "seed_oss": {},  # llama with q / k / v biases, and o_proj's where its config's attention_out_bias says
     "phi3": {},  # Phi-3 / Phi-4: llama with q / k / v and gate / up stored fused, LongRoPE, part of each head rotary
+    # OLMo-2: no pre-norms, the attention's and the MLP's outputs normed before they join the residual; q and k normed
+    # over all their heads (OLMoE's). OLMo-3: the same, with 3 of 4 layers windowed (their rotary never scaled)
+    "olmo2": {"qk_norm_full": True, "sandwich_norms": True, "pre_norms": False},
+    "olmo3": {"qk_norm_full": True, "sandwich_norms": True, "pre_norms": False},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -98,6 +103,9 @@ _HF_NAMES = {
     "phi3": "phi3",  # GGUF general.architecture too
     "seed_oss": "seed_oss",  # GGUF general.architecture too
     "smollm3": "smollm3",  # GGUF general.architecture too
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
+    "olmo2": "olmo2",  # GGUF general.architecture: OLMo-3's too (its windows in the header)
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded

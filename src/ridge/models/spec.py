@@ -277,12 +277,15 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         raise ValueError(f"{source}: rope_scaling: a scaled rotary on the sliding layers ({local_type}) is not "
                          "supported")
     local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
+    if config.get("model_type") == "olmo3" and rope_type not in ("default", None) and local_theta is None:
+        local_theta = config.get("rope_theta", scaling.get("rope_theta"))  # its windowed layers' rotary: unscaled
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     head_dim = fields["head_dim"]
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
-        "lfm2_moe": per_head, "olmoe": all_heads, **dict.fromkeys(_QWEN3_5, per_head),
+        "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads,
+        **dict.fromkeys(_QWEN3_5, per_head),
         "glm4_moe": per_head if config.get("use_qk_norm") else 0,
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
     if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
@@ -552,6 +555,11 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
     if arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
+    if arch == "olmo2" and fields["sliding_window"]:  # OLMo-3: 3 of 4 layers windowed, their rotary never scaled
+        fields["global_every"] = int(value(f"{arch}.attention.sliding_window_pattern", 4))
+        local_theta = value(f"{arch}.rope.freq_base_swa")
+        if fields["rope_scaling"] is not None or local_theta is not None:
+            fields["rope_local_theta"] = float(local_theta if local_theta is not None else fields["rope_theta"])
     if arch == "phi3":  # Phi-4-mini turns three quarters of each head
         fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
             "head_dim"]

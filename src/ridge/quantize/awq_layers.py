@@ -29,7 +29,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
     quantize/calibration.py's awq_layerwise, which calls this, carries them."""
     if layer.attn_out_norm is not None:  # the search below feeds attention's output straight to the MLP's norm
-        raise ValueError("quantization: awq does not support sandwich norms (Gemma) yet; use gptq or int4")
+        raise ValueError("quantization: awq does not support sandwich norms (Gemma, OLMo-2) yet; use gptq or int4")
     attn, mlp = layer.attn, layer.mlp
     windows = inputs[:SEARCH_WINDOWS]
     attn_in, attn_ref, mlp_in, mlp_ref = [], [], [], []
