@@ -199,7 +199,9 @@ def _quantized_weights(model: DecoderModel, tokenizer: RidgeTokenizer, config: E
     if num_windows and model.cfg.ssm_layers:
         raise ValueError(f"quantization: {method} calibrates on text run layer by layer, which state-space layers "
                          "do not support yet; int4, or int8 / fp8 with calibration_windows=0, quantize them without")
-    windows = calibration_windows(tokenizer, num_windows, CALIBRATION_WINDOW, progress) if num_windows else []
+    # windows no longer than the model's context (its rotary table's length)
+    window = min(CALIBRATION_WINDOW, model.cfg.max_position_embeddings)
+    windows = calibration_windows(tokenizer, num_windows, window, progress) if num_windows else []
     if method == "awq":
         fitted = awq_layerwise(model, windows, group_size, integer_zeros=False, dtype=dtype, device=device,
                                progress=progress)
