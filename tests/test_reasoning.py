@@ -24,17 +24,22 @@ REPLIES = ["<think>\nabc\n</think>\n\nhello", "abc</think>done", "<think>abc", "
     ("qwen3", "<think>\nabc\n</think>\n\nhello", "\nabc\n", "\n\nhello"),
     ("qwen3", "abc</think>done", None, "abc</think>done"),  # no leading <think>: thinking was off
     ("qwen3", "<think>\n\n</think>\n\nhi", "\n\n", "\n\nhi"),
+    ("seed_oss", "<seed:think>abc</seed:think>hello", "abc", "hello"),  # Seed-OSS's own tags, qwen3's rule
+    ("seed_oss", "<think>abc</think>hello", None, "<think>abc</think>hello"),
+    ("seed_oss", "abc</seed:think>done", None, "abc</seed:think>done"),
 ])
 def test_a_whole_reply_splits_at_the_tags(parser, reply, thinking, answer):
     split = split_reply(reply, parser)
     assert (split.reasoning, split.content) == (thinking, answer)
 
 
-@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3", "seed_oss"])
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_a_streamed_reply_splits_as_the_whole_one(parser, size):
     """Fed a few characters at a time (a tag split anywhere), the deltas join to the whole reply's fields."""
-    for reply in REPLIES:
+    replies = [r.replace("think>", "seed:think>").replace("<thin", "<seed:th") for r in REPLIES] \
+        if parser == "seed_oss" else REPLIES
+    for reply in replies:
         stream, thinking, answer = ReasoningStream(parser), "", ""
         pieces = [reply[i:i + size] for i in range(0, len(reply), size)] or [""]
         for k, piece in enumerate(pieces):
@@ -46,9 +51,9 @@ def test_a_streamed_reply_splits_as_the_whole_one(parser, size):
 
 def test_an_unknown_parser_is_refused_by_name():
     """At the server's start (its config), not at its first request."""
-    with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3, seed_oss"):
         ServerConfig("m", reasoning_parser="r2")
-    with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="reasoning_parser: 'r2' is not one of deepseek_r1, qwen3, seed_oss"):
         ReasoningStream("r2")
 
 

@@ -126,6 +126,28 @@ def test_glm_and_minimax_calls_are_read_as_their_parameters_type_them():
         assert json.loads(call["function"]["arguments"]) == {"note": "Aisle\nplease", "seats": 2, **extra}
 
 
+def test_seed_oss_calls_are_qwen3_coder_s_in_its_own_tags():
+    """Seed-OSS's form: the template shows its <seed:tool_call> tags; a block holds one call or several in
+    Qwen3-Coder's form, each value inside its parameter's tags, typed as its schema says; a block that is not only
+    calls stays content; fed in pieces, the stream parses the same calls."""
+    from ridge.serve.tools import CallStream, call_format
+
+    assert call_format("{{ tools }}<seed:tool_call>\n<function=") == "seed_oss"
+    time = "<function=get_time>\n<parameter=timezone>UTC</parameter>\n</function>"
+    text = (f"Booking.\n{CALLS['seed_oss'][0].replace('</function>', '</function>' + chr(10) + time)}"
+            f"<seed:tool_call>{time}text</seed:tool_call>")
+    reply = parse_reply(text, "seed_oss", [TRIP, TIME])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls] == [
+        ("book", {"note": "Aisle\nplease", "seats": 2, "fare": None, "unit": "celsius",
+                  "route": {"city": "Lyon", "then": None}}), ("get_time", {"timezone": "UTC"})]
+    assert reply.content == f"Booking.\n<seed:tool_call>{time}text</seed:tool_call>"
+    stream = CallStream("seed_oss", [TRIP, TIME])
+    pieces = [stream.feed(text[i:i + 5], i + 5 >= len(text)) for i in range(0, len(text), 5)]
+    assert "".join(c for c, _ in pieces) == reply.content
+    assert [c for _, calls in pieces for c in calls] == [
+        {**c, "id": got["id"]} for c, got in zip(reply.tool_calls, [c for _, cs in pieces for c in cs], strict=True)]
+
+
 @pytest.mark.parametrize("reply,calls,content", [
     ('{"name": "book", "parameters": {"seats": 2}}', [("book", {"seats": 2})], None),
     ('<|python_tag|>{"name": "book", "arguments": {}}; {"name": "get_time", "parameters": {"zone": "UTC"}}',
@@ -214,6 +236,11 @@ CALLS = {
                     [("seats>\n2", "seats>\n0"), ("<parameter=seats>\n2\n</parameter>\n", ""),
                      ("\ncelsius", "\nkelvin"), ("\ncelsius", '\n"celsius"'), ("Aisle\nplease", "Aisle, a window"),
                      ("fare>\nnull", 'fare>\n"cheap"')]),
+    "seed_oss": ("<seed:tool_call>\n<function=book>\n<parameter=note>Aisle\nplease</parameter>\n<parameter=seats>2"
+                 "</parameter>\n<parameter=fare>null</parameter>\n<parameter=unit>celsius</parameter>\n"
+                 '<parameter=route>{"city": "Lyon", "then": null}</parameter>\n</function>\n</seed:tool_call>',
+                 [("seats>2", "seats>0"), ("<parameter=seats>2</parameter>\n", ""), ("celsius", "kelvin"),
+                  ("Aisle\nplease", "Aisle, a window"), ("fare>null", 'fare>"cheap"'), ("seats>2", "seats>\n2")]),
     "glm45": ("<tool_call>book\n<arg_key>note</arg_key>\n<arg_value>Aisle\nplease</arg_value>\n"
               "<arg_key>seats</arg_key>\n<arg_value>2</arg_value>\n<arg_key>fare</arg_key>\n<arg_value>null</arg_value>\n<arg_key>unit</arg_key>\n"
               '<arg_value>celsius</arg_value>\n<arg_key>route</arg_key>\n<arg_value>{"city": "Lyon", "then": null}'
@@ -470,13 +497,15 @@ def test_a_stream_reassembles_to_the_whole_answer(client, choice, messages):
 def test_calls_whose_tags_are_control_tokens_reach_the_parser(tmp_path_factory):
     """LFM2's tags are control tokens of its vocabulary, which a reply's text skips by default: with tools offered
     the text keeps them (vLLM's parsers ask the same), or the call would come back as content. A random model with
-    such a vocabulary, held to a call by tool_choice "required"."""
+    such a vocabulary, held to a call by tool_choice "required"; and a reasoning parser's tags (Seed-OSS's) alike,
+    a reply held to thinking then an answer by a grammar of those tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from test_models_random import byte_tokenizer
 
     tokenizer = byte_tokenizer()
-    tokenizer.add_special_tokens(["<|tool_call_start|>", "<|tool_call_end|>", "<|im_end|>"])
+    tokenizer.add_special_tokens(["<|tool_call_start|>", "<|tool_call_end|>", "<|im_end|>", "<seed:think>",
+                                  "</seed:think>"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -489,12 +518,18 @@ def test_calls_whose_tags_are_control_tokens_reach_the_parser(tmp_path_factory):
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
     unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
         "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
-    with running_server(EngineConfig(model=str(path), kv_cache_memory="16MiB"), ServerConfig("random")) as srv:
+    think = [tokenizer.token_to_id(tag) for tag in ("<seed:think>", "</seed:think>")]
+    with running_server(EngineConfig(model=str(path), kv_cache_memory="16MiB"),
+                        ServerConfig("random", reasoning_parser="seed_oss")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         choice = client.chat.completions.create(model="random", messages=ASK, tools=[unit], tool_choice="required",
                                                 parallel_tool_calls=False, max_tokens=32).choices[0]
+        grammar = f'start: <[{think[0]}]> "abc" <[{think[1]}]> "ok"'
+        thought = client.chat.completions.create(model="random", messages=ASK, max_tokens=16, extra_body={
+            "structured_outputs": {"grammar": grammar}}).choices[0].message
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert (thought.reasoning_content, thought.content) == ("abc", "ok")
 
 
 @pytest.mark.parametrize("extra,param", [

@@ -390,7 +390,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="with --api-key, leave /metrics open (for a Prometheus scraper without the key)")
     p.add_argument("--tool-call-parser", choices=(*PARSERS, harmony.TOOL_CALL_PARSER), default="auto",
                    help="how tool calls are read from the model's replies: auto (the format its chat template "
-                        "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, LFM2's "
+                        "shows: Hermes' <tool_call> JSON, Qwen3-Coder's / Qwen3.5's <function=...> form, the same "
+                        "in Seed-OSS's <seed:tool_call> blocks (seed_oss), LFM2's "
                         "pythonic list, GLM-4.5's <arg_key> pairs (glm45; GLM-4.7's without newlines, glm47), "
                         "MiniMax-M2's <invoke> blocks, Mistral's [TOOL_CALLS], Llama 3's JSON reply "
                         "(llama3_json), or a gpt-oss model's harmony commentary channel); or one of those by name, "
@@ -399,7 +400,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, harmony.REASONING_PARSER), default=None,
                    help="split a reasoning model's thinking from its answer into the chat message's "
                         "reasoning_content: deepseek_r1 (the reply thinks until </think>: DeepSeek-R1, QwQ), qwen3 "
-                        "(thinking only between a leading <think> and </think>) or openai_gptoss (gpt-oss's harmony "
+                        "(thinking only between a leading <think> and </think>), seed_oss (qwen3's rule between "
+                        "Seed-OSS's <seed:think> tags) or openai_gptoss (gpt-oss's harmony "
                         "analysis channel, which the server reads on such a model without the flag); default: the "
                         "reply whole in content")
     p.add_argument("--enable-auto-tool-choice", action="store_true",

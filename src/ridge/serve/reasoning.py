@@ -1,12 +1,13 @@
 """A reasoning model's thinking split from its answer, as vLLM's --reasoning-parser does: the message's
 reasoning_content holds what the model wrote between <think> and </think>, its content what follows.
 
-Two parsers, for the two ways templates open the thinking:
+Three parsers, for the two ways templates open the thinking:
   deepseek_r1  the reply is thinking until </think> (DeepSeek-R1's and QwQ's templates end the prompt with <think>,
                so the reply has no opening tag; one the model writes anyway is dropped); a reply cut off before
                </think> is all thinking
   qwen3        thinking only between a leading <think> and </think> (Qwen3 with enable_thinking off writes none, or
                an empty pair); a reply that does not open with <think> is all answer
+  seed_oss     qwen3's rule between Seed-OSS's own tags, <seed:think> and </seed:think>
 The text is not stripped: a streamed reply's deltas join to the whole reply's fields.
 
 A structured-output constraint (a schema, a regex, tool_choice's call grammar) holds the whole reply here, the
@@ -19,8 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "seed_oss")
 START, END = "<think>", "</think>"
+# the tags each parser reads the thinking between (deepseek_r1's and qwen3's: START, END)
+TAGS = {"seed_oss": ("<seed:think>", "</seed:think>")}
+
+
+def tags(parser: str) -> tuple[str, str]:
+    return TAGS.get(parser, (START, END))
 
 
 @dataclass
@@ -30,8 +37,9 @@ class Split:
 
 
 def constrained_parser(parser: str | None, constrained: bool) -> str | None:
-    """The parser a reply is read by: under a constraint, the qwen3 rule (the module's docstring says why)."""
-    return "qwen3" if parser is not None and constrained else parser
+    """The parser a reply is read by: under a constraint, the qwen3 rule (the module's docstring says why), which
+    seed_oss's is."""
+    return "qwen3" if parser == "deepseek_r1" and constrained else parser
 
 
 def split_reply(text: str, parser: str) -> Split:
@@ -48,6 +56,7 @@ class ReasoningStream:
         if parser not in PARSERS:
             raise ValueError(f"reasoning_parser: {parser!r} is not one of {', '.join(PARSERS)}")
         self.parser = parser
+        self._start, self._end = tags(parser)
         self._phase = "start"  # start (a leading <think> may still come) -> thinking -> answer
         self._held = ""
 
@@ -57,19 +66,19 @@ class ReasoningStream:
         thinking = answer = ""
         if self._phase == "start":
             lead = self._held.lstrip()
-            if not final and len(lead) < len(START) and START.startswith(lead):
-                return "", ""  # still may open with <think>
-            if lead.startswith(START):
-                self._held, self._phase = lead[len(START):], "thinking"
+            if not final and len(lead) < len(self._start) and self._start.startswith(lead):
+                return "", ""  # still may open with the tag
+            if lead.startswith(self._start):
+                self._held, self._phase = lead[len(self._start):], "thinking"
             else:
                 self._phase = "thinking" if self.parser == "deepseek_r1" else "answer"
         if self._phase == "thinking":
-            end = self._held.find(END)
+            end = self._held.find(self._end)
             if end < 0:
-                keep = 0 if final else _partial_tag(self._held, END)
+                keep = 0 if final else _partial_tag(self._held, self._end)
                 thinking, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
                 return thinking, ""
-            thinking, self._held, self._phase = self._held[:end], self._held[end + len(END):], "answer"
+            thinking, self._held, self._phase = self._held[:end], self._held[end + len(self._end):], "answer"
         answer, self._held = self._held, ""
         return thinking, answer
 

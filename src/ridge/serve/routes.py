@@ -29,7 +29,8 @@ from ridge.serve.protocol import (
     TokenizeRequest,
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
-from ridge.serve.tool_grammars import call_markers, tags_are_control_tokens
+from ridge.serve.reasoning import tags as reasoning_tags
+from ridge.serve.tool_grammars import are_control_tokens, call_markers, tags
 from ridge.serve.tools import CallStream, parse_reply
 from ridge.tokenizer import RidgeTokenizer
 
@@ -202,7 +203,8 @@ class Routes:
         form = self.gateway.call_format
         token_id = self.tokenizer.tokenizer.token_to_id
         req.use_call_format(form, call_markers(form, token_id))
-        if tools and markers is None and tags_are_control_tokens(form, token_id, self.tokenizer.decode):
+        marked = (tags(form) if tools and markers is None else ()) + (reasoning_tags(thinks) if thinks else ())
+        if are_control_tokens(marked, token_id, self.tokenizer.decode):
             req.skip_special_tokens = False  # as vLLM's parsers do: the tags must reach the parser
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)

@@ -24,6 +24,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"  # Hermes', Qwen3-Coder's and GLM-4.
 GLM_FORMS = ("glm45", "glm47")  # GLM-4.5's (and 4.6's) calls, and GLM-4.7's: the same without newlines
 PYTHONIC_OPEN, PYTHONIC_CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"  # LFM2's
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"  # MiniMax-M2's
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"  # Seed-OSS's: Qwen3-Coder's calls in its own tags
 # Mistral's: its calls run from the tag to the reply's end (a JSON list, or from its v11 tokenizers each call's name,
 # [ARGS] and its JSON arguments); Llama 3's: the reply is the call's JSON, after <|python_tag|> where it writes one
 MISTRAL_OPEN, MISTRAL_ARGS, PYTHON_TAG = "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"
@@ -48,6 +49,7 @@ class UnenforceableSchema(ValueError):
 def tags(form: str) -> tuple[str, str]:
     """The tags around a form's block of calls ("" where the block runs to the reply's end)."""
     return {"pythonic": (PYTHONIC_OPEN, PYTHONIC_CLOSE), "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE),
+            "seed_oss": (SEED_OPEN, SEED_CLOSE),
             "mistral": (MISTRAL_OPEN, ""), "llama3_json": (PYTHON_TAG, "")}.get(form, (OPEN, CLOSE))
 
 
@@ -58,11 +60,12 @@ def call_markers(form: str, token_id: Callable[[str], int | None]) -> dict[str, 
     return {tag: f"<[{i}]>" for tag in (*tags(form), MISTRAL_ARGS) if tag and (i := token_id(tag)) is not None}
 
 
-def tags_are_control_tokens(form: str, token_id: Callable[[str], int | None],
-                            decode: Callable[[list[int]], str]) -> bool:
-    """Whether the vocabulary holds the form's tags as control tokens (LFM2's, MiniMax-M2's, GLM's do), which
-    decoding that skips special tokens drops: a reply's text must then keep them, or its calls are lost as text."""
-    ids = [token_id(tag) for tag in tags(form)]
+def are_control_tokens(texts: tuple[str, ...], token_id: Callable[[str], int | None],
+                       decode: Callable[[list[int]], str]) -> bool:
+    """Whether the vocabulary holds any of `texts` (a call format's tags: LFM2's, MiniMax-M2's, GLM's; a reasoning
+    parser's) as control tokens, which decoding that skips special tokens drops: a reply's text must then keep them,
+    or what they mark is lost as text."""
+    ids = [token_id(text) for text in texts if text]
     return any(i is not None and decode([i]) == "" for i in ids)
 
 
@@ -120,7 +123,8 @@ def calls_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool,
         grammar.rules["call"] = f"{opening} ({calls}) {closing}"
         start = f"call ({_lit(newline)} call)*" if parallel and newline else "call call*" if parallel else "call"
     else:
-        calls = " | ".join(grammar.xml_call(function, field) if form == "qwen3_coder" else _hermes_call(function)
+        calls = " | ".join(grammar.xml_call(function, field, value_lines=form == "qwen3_coder")
+                           if form in ("qwen3_coder", "seed_oss") else _hermes_call(function)
                            for field, function in chosen)
         grammar.rules["call"] = f"{opening} {_lit(chr(10))} ({calls}) {_lit(chr(10))} {closing}"
         start = f"call ({_lit(chr(10))} call)*" if parallel else "call"
@@ -180,13 +184,14 @@ class _Grammar:
         self.rules[name] = body
         return name
 
-    # Qwen3-Coder's form
-    def xml_call(self, function: dict[str, Any], field: str) -> str:
+    # Qwen3-Coder's form (value_lines: each value on lines of its own), and Seed-OSS's (each value inside its tags)
+    def xml_call(self, function: dict[str, Any], field: str, value_lines: bool = True) -> str:
         parameters, field = self._parameters(function, field)
         entries = []
+        newline = "\n" if value_lines else ""
         for key, schema, required in _arguments(parameters):
-            head = _lit(f"<parameter={key}>\n")
-            value = self._value(schema, f"{field}.properties.{key}", "\n</parameter>\n")
+            head = _lit(f"<parameter={key}>{newline}")
+            value = self._value(schema, f"{field}.properties.{key}", f"{newline}</parameter>\n")
             entries.append((f"{head} {value}", required))
         name = function["name"]
         return f"{_lit(f'<function={name}>' + chr(10))} {_ordered(entries, None)} {_lit('</function>')}"

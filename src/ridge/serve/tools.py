@@ -1,19 +1,19 @@
 """Tool calling: the request's tools rendered through the model's chat template, the model's calls parsed out
 of its text (tool_choice "required" or a named function: serve/tool_grammars.py).
 
-Seven formats: Hermes' (Qwen2.5's template, NousResearch's models), each call
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates
-too), each call `<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument,
-whose values are text read as their parameter's JSON schema types them; GLM-4.5's, each call the function's name
-then an `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pair per argument between the same tags (its values
-typed alike; GLM-4.7's without the newlines between them); MiniMax-M2's, `<invoke name="NAME">` blocks holding a
-`<parameter name="KEY">VALUE</parameter>` per argument between `<minimax:tool_call>` tags (typed alike); Mistral's,
+Eight formats: Hermes' (Qwen2.5's template, NousResearch's models), each call `<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>`; Qwen3-Coder's (Qwen3.5's and Qwen3-Next's templates too), each call
+`<function=NAME>` between the same tags holding `<parameter=KEY>\\nVALUE\\n</parameter>` per argument, whose values
+are text read as their parameter's JSON schema types them; Seed-OSS's, the same calls between `<seed:tool_call>`
+tags, each value inside its parameter's tags without newlines; GLM-4.5's, each call the function's name then an
+`<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pair per argument between the same tags (its values typed alike;
+GLM-4.7's without the newlines between them); MiniMax-M2's, `<invoke name="NAME">` blocks holding a `<parameter
+name="KEY">VALUE</parameter>` per argument between `<minimax:tool_call>` tags (typed alike); Mistral's,
 `[TOOL_CALLS]` then a JSON list of calls to the reply's end (from its v11 tokenizers each call's name, `[ARGS]` and
-its JSON arguments); Llama 3's, the whole reply a call's JSON, `{"name": ..., "parameters": {...}}`; and the
-pythonic one of LFM2, a Python list
-of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`. The chat
-template shows which (unless the server runs with --tool-call-parser); a model whose template shows none, or does
-not render tools at all, gets its tools refused by name rather than ignored.
+its JSON arguments); Llama 3's, the whole reply a call's JSON, `{"name": ..., "parameters": {...}}`; and the pythonic
+one of LFM2, a Python list of calls with literal keyword arguments, `<|tool_call_start|>[f(a=1),
+g(b="x")]<|tool_call_end|>`. The chat template shows which (unless the server runs with --tool-call-parser); a model
+whose template shows none, or does not render tools at all, gets its tools refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ from ridge.serve.tool_grammars import (
     OPEN,
     PYTHON_TAG,
     PYTHONIC_OPEN,
+    SEED_OPEN,
     raw_string,
     tags,
 )
 
 # --tool-call-parser: auto reads the format off the chat template
-PARSERS = ("auto", "hermes", "qwen3_coder", "pythonic", *GLM_FORMS, "minimax_m2", "mistral", "llama3_json")
+PARSERS = ("auto", "hermes", "qwen3_coder", "seed_oss", "pythonic", *GLM_FORMS, "minimax_m2", "mistral",
+           "llama3_json")
 # what Llama 3.1-3.3's templates show: their headers, and the JSON form they ask calls in
 LLAMA_HEADER, LLAMA_CALL_FORM = "<|start_header_id|>", '"parameters": dictionary of argument name'
 XML_FUNCTION = "<function="  # what Qwen3-Coder's templates show of its calls
@@ -56,6 +58,8 @@ def call_format(chat_template: str | None, parser: str = "auto") -> str | None:
         return parser
     if MINIMAX_OPEN in chat_template:
         return "minimax_m2"
+    if SEED_OPEN in chat_template:
+        return "seed_oss"
     if MISTRAL_OPEN in chat_template:
         return "mistral"
     if LLAMA_HEADER in chat_template and (PYTHON_TAG in chat_template or LLAMA_CALL_FORM in chat_template):
@@ -154,6 +158,8 @@ class CallStream:
             return _mistral_calls(body)
         if self._form == "minimax_m2":
             return _minimax_calls(body, self._parameters)
+        if self._form == "seed_oss":
+            return _xml_calls(body, self._parameters)
         if self._form in GLM_FORMS:
             call = _glm_call(body, self._parameters)
         else:
@@ -194,6 +200,15 @@ def _xml_call(body: str, parameters: dict[str, dict[str, Any]]) -> dict[str, Any
     if match is None:
         return None
     return _typed_call(match.group(1).strip(), _XML_PARAMETER.findall(match.group(2)), parameters)
+
+
+def _xml_calls(body: str, parameters: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Seed-OSS's block: one or more calls in Qwen3-Coder's form, or None when it is not only that."""
+    functions = re.findall(r"\s*<function=.*?</function>", body, re.S)
+    if "".join(functions).strip() != body.strip() or not functions:
+        return None
+    calls = [_xml_call(function, parameters) for function in functions]
+    return None if None in calls else calls  # type: ignore[return-value]
 
 
 _GLM_CALL = re.compile(r"\s*([^\s<]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)", re.S)
