@@ -427,3 +427,69 @@ def test_a_random_olmo_written_as_gguf_reads_back_as_the_same_model(random_olmo,
         theirs.sliding_window, theirs.global_every, theirs.rope_local_theta, False)
     ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+# ---- EXAONE 4: OLMo-2's norms with per-head q / k norms; windows on 3 of 4 layers, the global ones without rotary --
+def exaone4_config(windowed: bool, vocab: int = VOCAB):
+    from transformers import Exaone4Config
+
+    layers = 4
+    return Exaone4Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=not windowed,
+        sliding_window=24 if windowed else None, sliding_window_pattern=4 if windowed else None,
+        layer_types=None if windowed else ["full_attention"] * layers,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="module")
+def random_exaone4(tmp_path_factory):
+    """A tiny random EXAONE 4 of the 32B's kind: 3 of 4 layers windowed (24 tokens), the global one turning no
+    rotary, Llama 3.1's scaled rotary elsewhere, every norm's weight drawn."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(exaone4_config(windowed=True), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm, layer.self_attn.q_norm,
+                         layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    path = tmp_path_factory.mktemp("exaone4")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_exaone4_matches_hf_with_its_rotary_free_global_layers(random_exaone4, make_llm_for_test):
+    """HF's logits and greedy tokens past the window and the original context, and the fused decode step equals the
+    Python path."""
+    from conftest import assert_logits_match_hf, assert_stack_equals_eager, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_exaone4
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params, dtype=dtype)
+
+
+def test_a_random_exaone4_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):
+    """EXAONE-4.0-1.2B's kind (no windows, the head tied) under llama.cpp's exaone4 loads as the model ridge draws;
+    a windowed shape other than the 32B's, which llama.cpp would run unwindowed, is refused by the writer."""
+    from conftest import gguf_round_trip
+
+    from_file, drawn = gguf_round_trip(exaone4_config(windowed=False, vocab=49152).to_dict(), tmp_path, smollm2_path,
+                                       make_llm_for_test)
+    assert from_file.engine.loaded.config.pre_norms is False and from_file.engine.loaded.config.nope_layers == ()
+    ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    windowed = tmp_path / "windowed"
+    windowed.mkdir()
+    with pytest.raises(ValueError, match="llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only"):
+        gguf_round_trip(exaone4_config(windowed=True, vocab=49152).to_dict(), windowed, smollm2_path, make_llm_for_test)

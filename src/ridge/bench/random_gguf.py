@@ -53,7 +53,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
-                      "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2"}
+                      "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -179,6 +179,10 @@ def _check_writable(spec: ModelSpec) -> str:
             not spec.global_every or spec.rope_scaling and spec.rope_local_theta is None)):
         raise ValueError("model: an olmo2 GGUF holds an output matrix of its own, and windows on all but every n-th "
                          "layer, their rotary unscaled (llama.cpp's olmo2 graph)")
+    if arch == "exaone4" and spec.sliding_window and (spec.num_layers, spec.sliding_window, spec.global_every) != (
+            64, 4096, 4):
+        raise ValueError("model: llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only (64 layers, 4,096-token "
+                         "windows on 3 of 4): another windowed shape would run unwindowed there")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
@@ -283,7 +287,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                 raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
-    if spec.sliding_window and arch in ("gpt-oss", "olmo2"):
+    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4"):
         writer.add_sliding_window(spec.sliding_window)
     if spec.sliding_window and arch == "olmo2":  # OLMo-3's: every n-th layer global, the rest windowed
         writer.add_sliding_window_pattern(spec.global_every)

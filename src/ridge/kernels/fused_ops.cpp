@@ -128,7 +128,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 #endif
         for (int64_t i = 0; i < width; ++i) {
           const float gv = static_cast<float>(g[i]);
-          const scalar_t act = static_cast<scalar_t>(gv / (1.f + expf(-gv)));
+          const scalar_t act = static_cast<scalar_t>(ridge_scalar::silu(gv));
           orow[i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
         }
       }

@@ -402,7 +402,7 @@ void merge_attention_(torch::Tensor out, torch::Tensor lse, torch::Tensor rows, 
           const int64_t folded = r * group + h % group, kv = h / group;
           const float a = plse[kv * ls0 + folded * ls1], b = total[row[r] * heads + h];
           const float diff = std::min(std::max(a - b, -80.f), 80.f);  // finite exps (-ffast-math)
-          const float w = 1.f / (1.f + expf(-diff));  // sigmoid(a - b)
+          const float w = ridge_scalar::sigmoid(diff);  // of a - b
           total[row[r] * heads + h] = std::max(a, b) + log1pf(expf(-fabsf(diff)));
           scalar_t* dst = o + (row[r] * heads + h) * d;
           const scalar_t* src = pp + kv * ps0 + folded * ps1;

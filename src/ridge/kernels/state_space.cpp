@@ -15,13 +15,13 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec.h"
 
 namespace {
 
 // torch's softplus (beta 1, threshold 20)
 inline float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-inline float silu(float x) { return x / (1.f + expf(-x)); }
 
 template <typename T>
 void mamba2_decode_rows(const torch::Tensor& xbc, const torch::Tensor& dt, torch::Tensor& conv_state,
@@ -52,7 +52,7 @@ void mamba2_decode_rows(const torch::Tensor& xbc, const torch::Tensor& dt, torch
       out += input * static_cast<float>(w[taps - 1]);
       for (int64_t k = 0; k + 1 < taps - 1; ++k) window[k] = window[k + 1];
       window[taps - 2] = input;
-      act[i] = silu(bias != nullptr ? out + static_cast<float>(bias[c]) : out);
+      act[i] = ridge_scalar::silu(bias != nullptr ? out + static_cast<float>(bias[c]) : out);
     }
   });
   const T* dt_bias_p = dt_bias.data_ptr<T>();

@@ -10,9 +10,17 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
+
+// Scalar sigmoid and SiLU whose e^-x cannot overflow: the kernels build with -ffast-math, which assumes no
+// infinities, and an exp that overflowed there gave NaN (SiLU of a gate below -88.7) where the value is 0
+namespace ridge_scalar {
+inline float sigmoid(float x) { return 1.f / (1.f + expf(std::min(-x, 88.f))); }
+inline float silu(float x) { return x / (1.f + expf(std::min(-x, 88.f))); }
+}  // namespace ridge_scalar
 
 // The float sum of each of `count` consecutive runs of `group` values of x (float32 or bf16), in order: the
 // grouped linear kernels' minimums term, sum_g minimum[n, g] * (sum of x over group g), shares these among all

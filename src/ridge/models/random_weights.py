@@ -41,8 +41,9 @@ def random_spec(model: str) -> ModelSpec:
         current = getattr(spec, key)
         kind = type(current) if current is not None else str
         changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    if "num_layers" in changes:  # fewer layers (to fit this machine): the state-space ones among them stay so
-        changes.setdefault("ssm_layers", tuple(i for i in spec.ssm_layers if i < changes["num_layers"]))
+    if "num_layers" in changes:  # fewer layers (to fit this machine): the state-space and NoPE ones among them stay so
+        for key in ("ssm_layers", "nope_layers", "dense_only_layers"):
+            changes.setdefault(key, tuple(i for i in getattr(spec, key) if i < changes["num_layers"]))
     spec = dataclasses.replace(spec, **changes, name=model)
     if not spec.architecture:
         raise ValueError(f"model: {model!r} names no architecture; add architecture to its preset or config")
@@ -66,11 +67,13 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.rope_theta,
                                      "partial_rotary_factor": spec.partial_rotary_factor}
         config["rotary_dim"] = int(spec.head_dim * spec.partial_rotary_factor)
-    if spec.sliding_window:  # Mistral's on every layer; Gemma's, gpt-oss's and OLMo-3's on all but every n-th
+    if spec.sliding_window:  # Mistral's on every layer; Gemma's, gpt-oss's, OLMo-3's, EXAONE 4's on all but every n-th
         config["sliding_window"] = spec.sliding_window
         if spec.global_every:
             config["layer_types"] = ["full_attention" if (i + 1) % spec.global_every == 0 else "sliding_attention"
                                      for i in range(spec.num_layers)]
+    else:  # none, where a family's config has one by default (Mistral's, EXAONE 4's)
+        config.update(sliding_window=None, layer_types=["full_attention"] * spec.num_layers)
     if spec.nope_layers:  # SmolLM3's
         config["no_rope_layers"] = [int(i not in spec.nope_layers) for i in range(spec.num_layers)]
     if spec.architecture == "glm4_moe":

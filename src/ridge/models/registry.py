@@ -1,7 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, gemma2, gemma3, the mixtures of
-experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, gemma2, gemma3, the mixtures
+of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the
 state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on
 one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's scalars, a
 sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # over all their heads (OLMoE's). OLMo-3: the same, with 3 of 4 layers windowed (their rotary never scaled)
     "olmo2": {"qk_norm_full": True, "sandwich_norms": True, "pre_norms": False},
     "olmo3": {"qk_norm_full": True, "sandwich_norms": True, "pre_norms": False},
+    # EXAONE 4: OLMo-2's norms with q and k normed per head; windows on 3 of 4 layers, the global ones without rotary
+    "exaone4": {"qk_norm": True, "sandwich_norms": True, "pre_norms": False},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -105,6 +107,8 @@ _HF_NAMES = {
     "smollm3": "smollm3",  # GGUF general.architecture too
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
+    "exaone4": "exaone4",  # GGUF general.architecture too
     "olmo2": "olmo2",  # GGUF general.architecture: OLMo-3's too (its windows in the header)
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",

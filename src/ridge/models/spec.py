@@ -258,8 +258,12 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["shared_expert_gate"] = True
     if "tie_word_embeddings" in outer and outer is not config:  # a multimodal model ties (or not) as a whole
         fields["tie_word_embeddings"] = outer["tie_word_embeddings"]
+    if isinstance(fields.get("global_every"), str):  # EXAONE 4's "LLLG": local layers, then a global one
+        fields["global_every"] = _pattern_period(fields["global_every"], source)
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
+    if config.get("model_type") == "exaone4" and fields.get("sliding_window"):  # its global layers turn no rotary
+        fields["nope_layers"] = _global_layers(fields["num_layers"], fields.get("global_every"), source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
     if fields.get("q_lora_rank") is None:
         fields.pop("q_lora_rank", None)
@@ -284,7 +288,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
-        "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads,
+        "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
         "glm4_moe": per_head if config.get("use_qk_norm") else 0,
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
@@ -493,6 +497,20 @@ def _global_every(layer_types: list[str], source: str) -> int:
     return every
 
 
+def _pattern_period(pattern: str, source: str) -> int:
+    """A layer pattern's period, as "LLLG" says it (local layers, then the global one that closes each run)."""
+    if not pattern or pattern.strip("L") != "G" or not pattern.endswith("G"):
+        raise ValueError(f"{source}: sliding_window_pattern {pattern!r} is not local layers then one global ('LLLG')")
+    return len(pattern)
+
+
+def _global_layers(num_layers: int, every: int | None, source: str) -> tuple[int, ...]:
+    """The layers that attend to all in a pattern of every-th global layers."""
+    if not every:
+        raise ValueError(f"{source}: sliding_window without a pattern of global layers (sliding_window_pattern)")
+    return tuple(i for i in range(num_layers) if (i + 1) % every == 0)
+
+
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3, fixed by the architecture
 
 
@@ -555,6 +573,12 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
     if arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
+    if arch == "exaone4" and fields["sliding_window"]:  # 3 of 4 layers windowed, the global ones without rotary
+        pattern = value(f"{arch}.attention.sliding_window_pattern", 4)  # a period, or each layer's: windowed or not
+        fields["global_every"] = _global_every(["sliding_attention" if windowed else "full_attention"
+                                                for windowed in pattern], source) if isinstance(pattern, list) \
+            else int(pattern)
+        fields["nope_layers"] = _global_layers(fields["num_layers"], fields["global_every"], source)
     if arch == "olmo2" and fields["sliding_window"]:  # OLMo-3: 3 of 4 layers windowed, their rotary never scaled
         fields["global_every"] = int(value(f"{arch}.attention.sliding_window_pattern", 4))
         local_theta = value(f"{arch}.rope.freq_base_swa")
