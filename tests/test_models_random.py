@@ -493,3 +493,58 @@ def test_a_random_exaone4_written_as_gguf_reads_back_as_the_same_model(smollm2_p
     windowed.mkdir()
     with pytest.raises(ValueError, match="llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only"):
         gguf_round_trip(exaone4_config(windowed=True, vocab=49152).to_dict(), windowed, smollm2_path, make_llm_for_test)
+
+
+# ---- GLM-4 (0414): pre-norms and sandwich norms, q / k / v biases, half of each head rotary in interleaved pairs --
+@pytest.fixture(scope="module")
+def random_glm4(tmp_path_factory):
+    """A tiny random GLM-4: its four norms a layer (their weights drawn), q / k / v biases drawn, rotary on 8 of
+    each head's 16 dims in interleaved pairs (the rows reordered to halves at load)."""
+    from transformers import AutoModelForCausalLM, Glm4Config
+
+    torch.manual_seed(0)
+    config = Glm4Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                        rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        attention_bias=True, partial_rotary_factor=0.5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+            for norm in (layer.post_self_attn_layernorm, layer.post_attention_layernorm, layer.post_mlp_layernorm):
+                torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    path = tmp_path_factory.mktemp("glm4")
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_glm4_matches_hf_with_its_interleaved_rotary(random_glm4, make_llm_for_test):
+    """HF's logits and greedy tokens, and the fused decode step equals the Python path."""
+    from conftest import assert_logits_match_hf, assert_stack_equals_eager, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_glm4
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert (cfg.rotary_dim, cfg.qkv_bias, cfg.attention_out_bias, cfg.sandwich_norms) == (8, True, False, True)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params, dtype=dtype)
+
+
+def test_a_random_glm4_written_as_gguf_reads_back_as_the_same_model(random_glm4, smollm2_path, tmp_path,
+                                                                     make_llm_for_test):
+    """GLM-4 under llama.cpp's glm4 (q / k rows in their interleaved pairs, as its converter leaves them; ffn_up
+    holding gate and up; the sandwich norms under Gemma's names) loads as the model ridge draws."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = {**json.loads((random_glm4[0] / "config.json").read_text()), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert from_file.engine.loaded.config.rotary_dim == 8 and from_file.engine.loaded.config.qkv_bias
+    ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)

@@ -53,7 +53,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "granitemoehybrid": "granitehybrid", "lfm2": "lfm2", "lfm2_moe": "lfm2moe",
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
-                      "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4"}
+                      "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
+                      "glm4": "glm4"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -307,7 +308,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_logit_scale(cfg.logits_scaling)
         if cfg.attention_multiplier is not None:
             writer.add_attention_scale(cfg.attention_multiplier)
-    if arch in ("glm4moe", "minimax-m2", "phi3"):  # part of each head rotary (GLM's and MiniMax's, Phi-4-mini's)
+    if arch in ("glm4moe", "minimax-m2", "phi3", "glm4"):  # part of each head rotary (GLM's, MiniMax's, Phi-4-mini's)
         writer.add_rope_dimension_count(cfg.rotary_dim)
     if arch == "phi3":  # 0: none, as the converter writes Phi-4's
         writer.add_sliding_window(spec.sliding_window)
@@ -404,8 +405,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         elif "ssm.conv_weight" in layer:
             yield from ((f"blk.{i}.{gguf_name}", layer[name]) for name, gguf_name in _SHORT_CONV_NAMES.items()
                         if name in layer)
-        if cfg.architecture == "phi3":  # its q / k / v and gate / up kept fused (llama.cpp's ffn_up holds both)
+        if cfg.architecture == "phi3":  # its q / k / v kept fused
             yield f"blk.{i}.attn_qkv.weight", layer.pop("attn.qkv.weight")
+        if cfg.architecture in ("phi3", "glm4"):  # gate / up kept fused: llama.cpp's ffn_up holds both
             yield f"blk.{i}.ffn_up.weight", layer.pop("mlp.gate_up.weight")
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
@@ -415,7 +417,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                                            fused[q + 2 * kv:].unflatten(0, (cfg.num_heads, -1))], 1).flatten(0, 2)
                 for part, rows, heads in (("q", queries, cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:q + 2 * kv], None)):
-                    if heads and cfg.architecture in (*ROTARY_PERMUTED, "bamba"):
+                    if heads and cfg.architecture in (*ROTARY_PERMUTED, "bamba", "glm4"):  # GLM-4's: its own pairs
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):

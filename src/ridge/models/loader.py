@@ -320,13 +320,27 @@ def _tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]]) -> None:
-    """Reorder the rows of MLA's query and kv_a projections that make rotary dims from interleaved pairs
-    (x0, x1), (x2, x3)... to halves (x0, x2, ..., x1, x3, ...): DeepSeek's checkpoint layout to the rotate-half
-    layout the shared rotary code turns (the scores q . k are the same under one order for both)."""
+    """Reorder the rows that make rotary dims from interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ...,
+    x1, x3, ...): MLA's query and kv_a projections (DeepSeek's checkpoints), or attention's q and k rows with their
+    biases (GLM-4's), to the rotate-half layout the shared rotary code turns (the scores q . k are the same under
+    one order for both)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv_order = torch.cat([_rotary_order(q, cfg.num_heads, cfg.rotary_dim),
+                           q + _rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
     for i in range(cfg.num_layers):
-        for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
-            stored = weights[f"layers.{i}.attn.{name}.weight"]
-            stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
+        if cfg.is_mla:
+            for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
+                stored = weights[f"layers.{i}.attn.{name}.weight"]
+                stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
+            continue
+        for kind in ("weight", "bias"):
+            slots = weights.get(f"layers.{i}.attn.qkv.{kind}")
+            if not slots:
+                continue
+            if len(slots) == 1:  # q, k and v stored fused (a GGUF's attn_qkv)
+                slots[0] = slots[0].reordered(qkv_order)
+            else:
+                slots[0], slots[1] = slots[0].reordered(qkv_order[:q]), slots[1].reordered(qkv_order[q:q + kv] - q)
 
 
 def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool = True) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, gemma2, gemma3, the mixtures
-of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and minimax_m2, the
-state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on
-one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's scalars, a
-sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its
-router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
-DeltaNet in place of attention.
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, gemma2, gemma3, the
+mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and
+minimax_m2, the state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and
+qwen3_next run on one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's
+scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block
+(with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's
+gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "olmo3": {"qk_norm_full": True, "sandwich_norms": True, "pre_norms": False},
     # EXAONE 4: OLMo-2's norms with q and k normed per head; windows on 3 of 4 layers, the global ones without rotary
     "exaone4": {"qk_norm": True, "sandwich_norms": True, "pre_norms": False},
+    # GLM-4 (the 0414 models): pre-norms and sandwich norms, q / k / v biases, half of each head rotary in interleaved
+    # pairs (reordered to halves at load)
+    "glm4": {"sandwich_norms": True, "rope_interleave": True},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -108,6 +111,8 @@ _HF_NAMES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
+    "Glm4ForCausalLM": "glm4",
+    "glm4": "glm4",  # GGUF general.architecture too
     "exaone4": "exaone4",  # GGUF general.architecture too
     "olmo2": "olmo2",  # GGUF general.architecture: OLMo-3's too (its windows in the header)
     "Gemma2ForCausalLM": "gemma2",

@@ -294,8 +294,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
     if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
         fields.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)
-    fields.setdefault("partial_rotary_factor",
-                      float(config.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))))
+    half = config.get("model_type") == "glm4"  # HF's Glm4Config: half of each head where a config does not say
+    fields.setdefault("partial_rotary_factor", float(config.get("partial_rotary_factor", scaling.get(
+        "partial_rotary_factor", 0.5 if half else 1.0))))
     _refuse_minimax_variants(config, source)
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
@@ -547,7 +548,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         num_heads=heads, num_kv_heads=int(kv),
         head_dim=int(value(f"{arch}.attention.key_length", hidden // heads if heads else 0)),
         intermediate_size=int(value(f"{arch}.feed_forward_length")),
-        tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         num_experts=experts, experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
         moe_intermediate_size=int(value(f"{arch}.expert_feed_forward_length", 0)),
         shared_expert_intermediate_size=int(value(f"{arch}.expert_shared_feed_forward_length", 0)),
@@ -584,7 +586,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         local_theta = value(f"{arch}.rope.freq_base_swa")
         if fields["rope_scaling"] is not None or local_theta is not None:
             fields["rope_local_theta"] = float(local_theta if local_theta is not None else fields["rope_theta"])
-    if arch == "phi3":  # Phi-4-mini turns three quarters of each head
+    if arch in ("phi3", "glm4"):  # part of each head rotary: Phi-4-mini's three quarters, GLM-4's half
         fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
             "head_dim"]
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))

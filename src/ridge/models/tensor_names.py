@@ -106,8 +106,11 @@ HF_NAMES = [
 # Phi-3 / Phi-4: q / k / v and gate / up stored fused, as ridge holds them
 HF_PHI3_NAMES = [(r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.weight", "layers.{0}.attn.qkv.weight", None),
                  (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "layers.{0}.mlp.gate_up.weight", None)]
-# and under llama.cpp's names: attn_qkv, and ffn_up holding gate and up
-GGUF_PHI3_NAMES = [(r"blk\.(\d+)\.attn_qkv\.weight", "layers.{0}.attn.qkv.weight", None),
+# GLM-4's norms: post_attention_layernorm is the MLP's input norm (llama's), its sandwich norms named apart
+HF_GLM4_NAMES = [(r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "layers.{0}.attn_out_norm.weight", None),
+                 (r"model\.layers\.(\d+)\.post_mlp_layernorm\.weight", "layers.{0}.mlp_out_norm.weight", None)]
+# and under llama.cpp's names: attn_qkv, and ffn_up holding gate and up (Phi-3's, GLM-4's)
+GGUF_PHI3_NAMES = [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", "layers.{0}.attn.qkv.{1}", None),
                    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
 # latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
 HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
@@ -222,8 +225,10 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
               else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
               else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"
-              else HF_PHI3_NAMES if cfg.architecture == "phi3" else [])
-    return ((HF_SANDWICH_NAMES if cfg.sandwich_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
+              else HF_PHI3_NAMES if cfg.architecture == "phi3"
+              else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4" else [])
+    gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
+    return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
@@ -232,6 +237,7 @@ def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
-              "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES}.get(cfg.architecture, [])
+              "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES,
+              "glm4": GGUF_PHI3_NAMES}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
