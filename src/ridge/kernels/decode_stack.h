@@ -205,7 +205,7 @@ struct DecodeStack {
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor gated_delta(const GatedDelta& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
-  // residual += x, then the norm of the sum
+  // residual += x, then the norm of the sum (without a norm: a copy of the sum)
   torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x,
                           const c10::optional<torch::Tensor>& weight) const;
   void reduce_(const torch::Tensor& x) const;
