@@ -548,3 +548,34 @@ def test_a_random_glm4_written_as_gguf_reads_back_as_the_same_model(random_glm4,
     assert from_file.engine.loaded.config.rotary_dim == 8 and from_file.engine.loaded.config.qkv_bias
     ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+# ---- Qwen2.5-VL / Qwen3-VL: their language models, for text ----------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path, make_llm_for_test):
+    """A multimodal Qwen's checkpoint (its vision tower beside the language model, Qwen3-VL's under
+    model.language_model) loads its language model alone, whose multimodal rotary turns a text token's three equal
+    positions as one plain rotary: HF's logits on text."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
+
+    from conftest import assert_logits_match_hf
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64}
+    if name == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+                                  vision_config=vision)
+    else:
+        config = Qwen3VLConfig(text_config={**text, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                     "mrope_interleaved": True}},
+                               vision_config=vision)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    llm = make_llm_for_test(tmp_path, dtype="float32")
+    assert llm.engine.loaded.config.architecture == ("qwen2" if name == "qwen2_5_vl" else "qwen3")
+    assert not any("visual" in key for key in llm.engine.loaded.model.state_dict())
+    assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)

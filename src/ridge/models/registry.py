@@ -137,6 +137,11 @@ _HF_NAMES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models (their vision towers are not loaded): a text token's
+    # three multimodal rotary positions are equal, so their sections turn as one plain rotary
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Qwen3VLForConditionalGeneration": "qwen3",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its language model; the vision tower is not loaded
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

@@ -271,6 +271,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     local_scaling = scaling.get("sliding_attention") or {}
     scaling = scaling.get("full_attention", scaling)  # Gemma 3: one rotary per kind of layer
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "mrope" or "mrope_section" in scaling:  # Qwen-VL's: a text token turns a plain rotary
+        rope_type, scaling = "default", {key: value for key, value in scaling.items() if key == "rope_theta"}
     if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # HF's Phi3Config reads both as longrope
         rope_type, scaling = "longrope", {**scaling, "rope_type": "longrope"}
         scaling.pop("type", None)
@@ -287,7 +289,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     head_dim = fields["head_dim"]
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
-        "qwen3": per_head, "qwen3_moe": per_head, "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
+        "qwen3": per_head, "qwen3_moe": per_head, "qwen3_vl": per_head, "qwen3_vl_text": per_head,
+        "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
         "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
         "glm4_moe": per_head if config.get("use_qk_norm") else 0,
