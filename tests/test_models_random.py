@@ -579,3 +579,48 @@ def test_a_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path, make_llm
     assert llm.engine.loaded.config.architecture == ("qwen2" if name == "qwen2_5_vl" else "qwen3")
     assert not any("visual" in key for key in llm.engine.loaded.model.state_dict())
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
+
+
+# ---- Ernie 4.5: llama with every head's rotary in interleaved pairs (its mixture: tests/test_moe.py) -------------
+def test_ernie4_5_matches_hf_and_reads_back_from_gguf(tmp_path, smollm2_path, make_llm_for_test):
+    """Ernie 4.5's dense model (ERNIE-4.5-0.3B's kind: the head tied): HF's logits and greedy tokens, the fused step
+    equal to the Python path, and its GGUF (llama.cpp's ernie4_5, q / k rows in their pairs) read back the same;
+    the layouts ridge does not run are refused by name."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Ernie4_5Config
+
+    from conftest import (
+        assert_logits_match_hf,
+        assert_stack_equals_eager,
+        gguf_round_trip,
+        greedy_batch_checked_against_hf,
+    )
+    from ridge import SamplingParams
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    torch.manual_seed(0)
+    config = Ernie4_5Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                            rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / "hf"
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    assert make_llm_for_test(path, dtype="float32").engine.loaded.config.rope_interleave
+    assert_logits_match_hf(make_llm_for_test, path, model, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, model, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params,
+                              dtype="bfloat16")
+    hf_config = {**json.loads((path / "config.json").read_text()), "vocab_size": 49152}
+    (tmp_path / "gguf").mkdir()
+    from_file, drawn = gguf_round_trip(hf_config, tmp_path / "gguf", smollm2_path, make_llm_for_test)
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    for change, message in (({"use_bias": True}, "use_bias: biases on Ernie 4.5's projections"),
+                            ({"model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2,
+                              "moe_layer_interval": 2}, "moe_layer_interval / moe_layer_end_index")):
+        with pytest.raises(ValueError, match=message):
+            config_from_spec(spec_from_hf_config({**hf_config, **change}, "ernie"))

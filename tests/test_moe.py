@@ -23,6 +23,7 @@ def hf_config(arch: str):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        Ernie4_5_MoeConfig,
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GraniteMoeSharedConfig,
@@ -66,6 +67,10 @@ def hf_config(arch: str):
         # a sigmoid router with the correction bias, renormalised
         return MiniMaxM2Config(**COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
                                rotary_dim=8)
+    if arch == "ernie4_5_moe":  # Ernie 4.5: softmax scores chosen with a per-expert bias, renormalised, beside a
+        # shared expert after a dense first layer; every head's rotary in interleaved pairs
+        return Ernie4_5_MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                                  moe_num_shared_experts=1, moe_layer_start_index=1)
     if arch == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router, its dense layers listed
         # per layer (here one among the sparse ones)
         return Glm4MoeLiteConfig(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=24,
@@ -86,7 +91,7 @@ def hf_config(arch: str):
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
-                                        "deepseek_v3", "glm4_moe", "minimax_m2"])
+                                        "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -99,9 +104,10 @@ def random_hf_model(arch: str, tmp_path_factory):
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
             torch.nn.init.normal_(param, 1.0, 0.3)
-    for name, buffer in model.named_buffers():
+    for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
         if name.endswith("e_score_correction_bias"):  # HF starts it at 0: make it move the choice
-            torch.nn.init.normal_(buffer, 0.0, 0.1)
+            with torch.no_grad():
+                torch.nn.init.normal_(tensor, 0.0, 0.1)
     path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
     byte_tokenizer().save(str(path / "tokenizer.json"))
@@ -198,7 +204,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 # which Qwen3-MoE's config has
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
-               "minimax_m2": ("minimax_m2", {}),
+               "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -336,7 +342,7 @@ def test_minimax_layers_m2_does_not_have_are_refused_by_name(change, field):
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe", "minimax_m2"])
+                                  "glm4_moe", "minimax_m2", "ernie4_5_moe"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

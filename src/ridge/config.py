@@ -101,6 +101,8 @@ class ModelConfig:
     # DeepSeek's routers: the experts in router_groups groups of which the router_topk_groups best are searched;
     # V3's sigmoid scores, with a bias added to choose (not to weigh); the weights scaled by routed_scaling_factor
     router_scoring: str = "softmax"  # or "sigmoid"
+    # a per-expert bias added to the scores to choose (not to weigh): sigmoid routers' always; Ernie 4.5's softmax one
+    router_choice_bias: bool = False
     # sigmoid scores' renormalised top k: their sum plus this (DeepSeek-V3's 1e-20, LFM2-MoE's 1e-6)
     router_norm_eps: float = 1e-20
     router_group_rating: str = "top2"  # a group's rating: its two best scores (V3), or its best one ("max": V2)

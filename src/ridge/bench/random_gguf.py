@@ -54,7 +54,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
-                      "glm4": "glm4"}
+                      "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -159,7 +159,8 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec, arch)
     # deepseek2's, lfm2moe's and glm4moe's header key
-    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe", "glm4moe") else ()
+    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe", "glm4moe",
+                                                                 "ernie4_5-moe") else ()
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
                          f"header key in {arch}; llama.cpp would read experts there")
@@ -314,6 +315,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_sliding_window(spec.sliding_window)
     if arch == "minimax-m2":
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if arch == "ernie4_5-moe":  # its leading dense layers, experts on every layer after, shared experts as one FFN
+        writer.add_leading_dense_block_count(spec.first_dense_layers)
+        writer.add_interleave_moe_layer_step(1)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("deepseek2", "glm4moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
@@ -417,7 +422,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                                            fused[q + 2 * kv:].unflatten(0, (cfg.num_heads, -1))], 1).flatten(0, 2)
                 for part, rows, heads in (("q", queries, cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:q + 2 * kv], None)):
-                    if heads and cfg.architecture in (*ROTARY_PERMUTED, "bamba", "glm4"):  # GLM-4's: its own pairs
+                    if heads and (cfg.architecture in (*ROTARY_PERMUTED, "bamba") or cfg.rope_interleave):
+                        # llama's and Bamba's rows as llama.cpp's converter permutes them; GLM-4's and Ernie's as
+                        # their checkpoints pair them (llama.cpp turns pairs there)
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):

@@ -115,7 +115,7 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) const {
   const auto logits = at::linear(x, router, router_logit_bias).to(torch::kFloat);
   const auto scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
-  auto choice = sigmoid ? scores + router_bias->to(torch::kFloat) : scores;
+  auto choice = router_bias.has_value() ? scores + router_bias->to(torch::kFloat) : scores;
   if (groups > 1) {
     const auto grouped = choice.view({x.size(0), groups, -1});
     const auto rating = group_top2 ? std::get<0>(grouped.topk(2, -1)).sum(-1) : grouped.amax(-1);

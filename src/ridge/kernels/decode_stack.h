@@ -71,7 +71,7 @@ struct Activation {
 // the layer's.
 struct Experts {
   torch::Tensor router;                    // the router's weight [experts, hidden], on at::linear
-  c10::optional<torch::Tensor> router_bias;  // sigmoid scoring's correction bias: moves the choice only
+  c10::optional<torch::Tensor> router_bias;  // a correction bias (sigmoid scoring's; Ernie's): moves the choice only
   int64_t top_k, groups, topk_groups;
   bool sigmoid, renormalize, group_top2;   // group_top2: a group rated by its two best scores, else its best
   double scaling;

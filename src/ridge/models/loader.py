@@ -269,6 +269,8 @@ def load_model(
         state[key] = _read_cut(key, parts, cuts, dtype)
         if key.endswith(".ssm.conv_weight"):  # a depthwise Conv1d's [channels, 1, taps]: the taps per channel
             state[key] = state[key].flatten(1)
+        elif key.endswith(".mlp.router_bias"):  # Ernie 4.5 keeps it as [1, experts]
+            state[key] = state[key].flatten()
     target = target or LinearTarget(dtype, device)
     for key, parts in quantized:
         _place_quantized(model, key, parts, state, target, cuts)

@@ -16,7 +16,8 @@ scores, with group_limited_greedy the top k within the router_topk_groups groups
 weights times routed_scaling_factor; its shared experts run ungated. DeepSeek-V3's: sigmoid scores; the experts split
 into router_groups groups, each group rated by its two best scores plus the per-expert correction bias, the
 top k chosen (by score + bias) within the router_topk_groups best groups, weighted by their scores without
-the bias (renormalised), times routed_scaling_factor; its shared experts run ungated.
+the bias (renormalised), times routed_scaling_factor; its shared experts run ungated. Ernie 4.5's: softmax scores,
+the top k chosen by score + bias, weighted by their scores renormalised, beside ungated shared experts.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ class MoEBlock(nn.Module):
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.group_rating = cfg.router_group_rating
         self.router = Router(cfg.hidden_size, cfg.num_experts, bias=cfg.router_logit_bias)
-        # DeepSeek-V3's e_score_correction_bias: moves which experts are chosen, not their weights
-        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if self.sigmoid else None
+        # DeepSeek-V3's e_score_correction_bias (Ernie 4.5's moe_statics): moves which experts are chosen, not their
+        # weights
+        choice_bias = self.sigmoid or cfg.router_choice_bias
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if choice_bias else None
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
         # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, or gpt-oss's
@@ -85,7 +88,7 @@ class MoEBlock(nn.Module):
         """Each token's experts [T, k] and their weights [T, k] (float32)."""
         logits = self.router(x).float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        choice = scores + self.router_bias.float() if self.sigmoid else scores
+        choice = scores + self.router_bias.float() if self.router_bias is not None else scores
         if self.groups > 1:
             grouped = choice.view(x.shape[0], self.groups, -1)
             rating = grouped.topk(2, dim=-1).values.sum(dim=-1) if self.group_rating == "top2" else grouped.amax(-1)

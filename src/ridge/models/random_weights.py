@@ -93,6 +93,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.rope_scaling:
         config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": spec.rope_theta,
                                      **spec.rope_scaling}
+    if spec.architecture == "ernie4_5_moe":  # its own names for the shared experts and the leading dense layers
+        config.update(moe_num_shared_experts=spec.shared_experts, moe_layer_start_index=spec.first_dense_layers)
     if spec.architecture == "olmo3":  # a rotary per kind of layer: the windowed ones' never scaled
         config["rope_parameters"] = {
             "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta, **(spec.rope_scaling or {})},

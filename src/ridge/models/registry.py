@@ -1,7 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, gemma2, gemma3, the
-mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5, gemma2, gemma3,
+the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and
 minimax_m2, the state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and
 qwen3_next run on one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's
 scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block
@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # GLM-4 (the 0414 models): pre-norms and sandwich norms, q / k / v biases, half of each head rotary in interleaved
     # pairs (reordered to halves at load)
     "glm4": {"sandwich_norms": True, "rope_interleave": True},
+    # Ernie 4.5: llama with every head's rotary in interleaved pairs; its mixture (Ernie-4.5-21B-A3B) softmax scores
+    # chosen with a per-expert bias, the top k renormalised, beside shared experts, after a leading dense layer
+    "ernie4_5": {"rope_interleave": True},
+    "ernie4_5_moe": {"rope_interleave": True, "norm_topk_prob": True, "router_choice_bias": True},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -84,14 +88,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_next": _QWEN3_5,
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2")
+        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
-_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2")
+_ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2",
+                        "ernie4_5_moe")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
 _OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "smollm3")
 
@@ -112,6 +117,10 @@ _HF_NAMES = {
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "ernie4_5": "ernie4_5",  # GGUF general.architecture too
+    "ernie4_5-moe": "ernie4_5_moe",  # GGUF general.architecture
     "glm4": "glm4",  # GGUF general.architecture too
     "exaone4": "exaone4",  # GGUF general.architecture too
     "olmo2": "olmo2",  # GGUF general.architecture: OLMo-3's too (its windows in the header)

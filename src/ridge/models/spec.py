@@ -206,12 +206,12 @@ _HF_KEYS = {
     "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner", "block_ff_dim"),
     "tie_word_embeddings": ("tie_word_embeddings", "tie_embedding"),
     "qkv_bias": ("attention_bias",),
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "experts_per_token": ("num_experts_per_tok", "num_experts_per_token"),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    "experts_per_token": ("num_experts_per_tok", "num_experts_per_token", "moe_k"),
     "moe_intermediate_size": ("moe_intermediate_size",),
-    "shared_experts": ("n_shared_experts",),
+    "shared_experts": ("n_shared_experts", "moe_num_shared_experts"),
     "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-    "first_dense_layers": ("first_k_dense_replace", "num_dense_layers"),
+    "first_dense_layers": ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"),
     "kv_lora_rank": ("kv_lora_rank",),
     "q_lora_rank": ("q_lora_rank",),
     "qk_rope_head_dim": ("qk_rope_head_dim",),
@@ -301,6 +301,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     fields.setdefault("partial_rotary_factor", float(config.get("partial_rotary_factor", scaling.get(
         "partial_rotary_factor", 0.5 if half else 1.0))))
     _refuse_minimax_variants(config, source)
+    _refuse_ernie_variants(config, fields, source)
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get("norm_eps", 1e-6)))),
@@ -474,6 +475,20 @@ def _refuse_minimax_variants(config: dict, source: str) -> None:
             raise ValueError(f"{source}: {key}: {config[key]!r} is not supported for minimax_m2 ({supported!r})")
 
 
+def _refuse_ernie_variants(config: dict, fields: dict, source: str) -> None:
+    """Ernie 4.5's layouts ridge does not run, by name: biases on its projections, and experts on other than every
+    layer from moe_layer_start_index to the last."""
+    if not config.get("model_type", "").startswith("ernie4_5"):
+        return
+    if config.get("use_bias"):
+        raise ValueError(f"{source}: use_bias: biases on Ernie 4.5's projections are not supported")
+    last = config.get("moe_layer_end_index", -1)
+    if fields.get("num_experts") and (int(config.get("moe_layer_interval") or 1) != 1
+                                      or last not in (-1, None, fields["num_layers"] - 1)):
+        raise ValueError(f"{source}: moe_layer_interval / moe_layer_end_index: experts on every layer from "
+                         "moe_layer_start_index to the last are supported, not another pattern")
+
+
 def _mlp_layer_types(config: dict) -> dict:
     """GLM-4.7-Flash's per-layer list of dense and sparse FFNs: its leading dense layers, as DeepSeek's
     first_k_dense_replace says them (what a GGUF header holds), or, dense layers elsewhere, Qwen's mlp_only_layers."""
@@ -589,6 +604,11 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         local_theta = value(f"{arch}.rope.freq_base_swa")
         if fields["rope_scaling"] is not None or local_theta is not None:
             fields["rope_local_theta"] = float(local_theta if local_theta is not None else fields["rope_theta"])
+    if arch == "ernie4_5-moe":  # leading dense layers, then experts on every layer
+        fields["first_dense_layers"] = int(value(f"{arch}.leading_dense_block_count", 0))
+        if (step := int(value(f"{arch}.interleave_moe_layer_step", 1))) != 1:
+            raise ValueError(f"{source}: {arch}.interleave_moe_layer_step: experts on every {step}-th layer are not "
+                             "supported (1)")
     if arch in ("phi3", "glm4"):  # part of each head rotary: Phi-4-mini's three quarters, GLM-4's half
         fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
             "head_dim"]

@@ -101,6 +101,7 @@ HF_NAMES = [
         (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
         (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
         (r"(?:mlp\.gate|block_sparse_moe)\.e_score_correction_bias", "router_bias", None),  # MiniMax-M2's: the latter
+        (r"mlp\.moe_statics\.e_score_correction_bias", "router_bias", None),  # Ernie 4.5's, [1, experts]
     ]],
 ]
 # Phi-3 / Phi-4: q / k / v and gate / up stored fused, as ridge holds them
