@@ -624,3 +624,63 @@ def test_ernie4_5_matches_hf_and_reads_back_from_gguf(tmp_path, smollm2_path, ma
                               "moe_layer_interval": 2}, "moe_layer_interval / moe_layer_end_index")):
         with pytest.raises(ValueError, match=message):
             config_from_spec(spec_from_hf_config({**hf_config, **change}, "ernie"))
+
+
+# ---- Command R / R7B / A: LayerNorm, attention and the MLP side by side, interleaved rotary, scaled logits -------
+@pytest.fixture(scope="module", params=["cohere", "cohere2"])
+def random_cohere(request, tmp_path_factory):
+    """A tiny random Command R (cohere), or Command R7B's kind (cohere2: windows of 24 on 3 of 4 layers, the global
+    one turning no rotary), logits scaled by 0.25, every norm's weight drawn."""
+    from transformers import AutoModelForCausalLM, Cohere2Config, CohereConfig
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, layer_norm_eps=1e-5, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, logit_scale=0.25)
+    config = CohereConfig(**common) if request.param == "cohere" else Cohere2Config(
+        **common, sliding_window=24, sliding_window_pattern=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, 1.0, 0.3)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def test_cohere_matches_hf_with_its_parallel_blocks(random_cohere, make_llm_for_test):
+    """Each layer's attention and MLP read one LayerNorm's output and join the residual together: HF's logits and
+    greedy tokens, and the fused decode step (LayerNorm and parallel layers there) equals the Python path."""
+    from conftest import assert_logits_match_hf, assert_stack_equals_eager, greedy_batch_checked_against_hf
+    from ridge import SamplingParams
+
+    path, hf = random_cohere
+    cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
+    assert (cfg.norm_kind, cfg.parallel_block, cfg.logits_scaling) == ("layer", True, 4.0)
+    if cfg.architecture == "cohere2":
+        assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in ("float32", "bfloat16"):
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, VOCAB, 5, 60, seed=4), params, dtype=dtype)
+
+
+def test_a_random_cohere_written_as_gguf_reads_back_as_the_same_model(random_cohere, smollm2_path, tmp_path,
+                                                                       make_llm_for_test):
+    """Command R under llama.cpp's command-r, R7B's kind under its cohere2 (the windows' pattern and the rotary-free
+    global layers fixed by llama.cpp, not in the file): LayerNorm's epsilon and the logits' scale as header keys, q /
+    k rows in their pairs; the file loads as the model ridge draws."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = {**json.loads((random_cohere[0] / "config.json").read_text()), "vocab_size": 49152}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert (ours.logits_scaling, ours.nope_layers, ours.sliding_window) == (
+        theirs.logits_scaling, theirs.nope_layers, theirs.sliding_window)
+    ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)

@@ -67,7 +67,8 @@ def test_byte_level_tokenizer_round_trips_text_and_names_the_other_ids():
                                   "phi-4-mini,num_layers=2,vocab_size=49152",
                                   "olmo-3-7b,num_layers=4,vocab_size=49152", "exaone-4.0-32b,num_layers=4",
                                   "glm-4-9b,num_layers=2,vocab_size=49152",
-                                  "ernie-4.5-21b-a3b,num_layers=3,num_experts=8,vocab_size=49152"])
+                                  "ernie-4.5-21b-a3b,num_layers=3,num_experts=8,vocab_size=49152",
+                                  "command-r7b,num_layers=4,vocab_size=49152"])
 def test_hf_config_builds_the_same_shape(name):
     """The HF baseline of `ridge bench` is the model ridge draws: as many parameters (GLM-4.6's q / k norms and
     biases, SmolLM3's vocabulary cut below its padding token)."""

@@ -72,6 +72,8 @@ class ModelConfig:
     embedding_scale: bool = False
     sandwich_norms: bool = False  # the mixer's and the MLP's outputs normed before they join the residual (Gemma)
     pre_norms: bool = True  # their inputs normed; OLMo-2 norms the outputs only (sandwich_norms without these)
+    norm_kind: str = "rms"  # or "layer": Cohere's LayerNorm without a bias (mean-centred)
+    parallel_block: bool = False  # Cohere's: attention and the MLP read one normed input, their outputs summed
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

@@ -38,7 +38,7 @@ from ridge.models.loader import (
     random_model,
 )
 from ridge.models.registry import check_supported
-from ridge.models.spec import SMOLLM3_NOPE_EVERY, ModelSpec
+from ridge.models.spec import COHERE2_GLOBAL_EVERY, SMOLLM3_NOPE_EVERY, ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
@@ -54,7 +54,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next",
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
-                      "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}
+                      "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
+                      "cohere": "command-r", "cohere2": "cohere2"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -181,6 +182,11 @@ def _check_writable(spec: ModelSpec) -> str:
             not spec.global_every or spec.rope_scaling and spec.rope_local_theta is None)):
         raise ValueError("model: an olmo2 GGUF holds an output matrix of its own, and windows on all but every n-th "
                          "layer, their rotary unscaled (llama.cpp's olmo2 graph)")
+    global_layers = tuple(i for i in range(spec.num_layers) if (i + 1) % COHERE2_GLOBAL_EVERY == 0)
+    if arch == "cohere2" and spec.sliding_window and (spec.global_every, spec.nope_layers) != (COHERE2_GLOBAL_EVERY,
+                                                                                               global_layers):
+        raise ValueError(f"model: llama.cpp's cohere2 windows all but every {COHERE2_GLOBAL_EVERY}th layer, which "
+                         "turns no rotary (a GGUF does not say it)")
     if arch == "exaone4" and spec.sliding_window and (spec.num_layers, spec.sliding_window, spec.global_every) != (
             64, 4096, 4):
         raise ValueError("model: llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only (64 layers, 4,096-token "
@@ -289,7 +295,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                 raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
-    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4"):
+    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2"):
         writer.add_sliding_window(spec.sliding_window)
     if spec.sliding_window and arch == "olmo2":  # OLMo-3's: every n-th layer global, the rest windowed
         writer.add_sliding_window_pattern(spec.global_every)
@@ -315,6 +321,9 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_sliding_window(spec.sliding_window)
     if arch == "minimax-m2":
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon; the logits' scale (Granite's divisor inverted)
+        writer.add_layer_norm_eps(spec.rms_norm_eps)
+        writer.add_logit_scale(1 / cfg.logits_scaling)
     if arch == "ernie4_5-moe":  # its leading dense layers, experts on every layer after, shared experts as one FFN
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)

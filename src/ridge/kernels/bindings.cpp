@@ -135,7 +135,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t group, c10::optional<torch::Tensor> rope_table, c10::optional<torch::Tensor> sinks,
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
                        double residual_multiplier, std::optional<StateMixer> ssm,
-                       std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate) {
+                       std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate,
+                       bool parallel) {
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -150,6 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.short_conv = short_conv;
              layer.gated_delta = gated_delta;
              layer.output_gate = output_gate;
+             layer.parallel = parallel;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -159,7 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("activation") = Activation(), py::arg("group") = 0, py::arg("rope_table") = py::none(),
            py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
            py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none(),
-           py::arg("gated_delta") = py::none(), py::arg("output_gate") = false);
+           py::arg("gated_delta") = py::none(), py::arg("output_gate") = false, py::arg("parallel") = false);
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
@@ -204,10 +206,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mass") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
-                    py::object, bool>(),
+                    py::object, bool, bool>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none(),
-           py::arg("residual_in_fp32") = false)
+           py::arg("residual_in_fp32") = false, py::arg("layer_norm") = false)
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none());

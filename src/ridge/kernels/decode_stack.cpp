@@ -200,10 +200,10 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
 
 DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                         py::object all_reduce, bool residual_in_fp32)
+                         py::object all_reduce, bool residual_in_fp32, bool layer_norm)
     : layers(std::move(layers)), final_norm(std::move(final_norm)), rope_table(std::move(rope_table)),
       heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale),
-      residual_in_fp32(residual_in_fp32), all_reduce(std::move(all_reduce)) {
+      residual_in_fp32(residual_in_fp32), layer_norm(layer_norm), all_reduce(std::move(all_reduce)) {
   TORCH_CHECK(this->rope_table.is_contiguous() && this->rope_table.scalar_type() == torch::kFloat,
               "DecodeStack: rope_table float32 [max_positions, head_dim / 2, 2]");
 }
@@ -225,7 +225,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     torch::Tensor h;
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
       residual = residual_in_fp32 ? x.to(torch::kFloat) : x;
-      h = layer.input_norm.has_value() ? at::rms_norm(x, {x.size(1)}, *layer.input_norm, eps) : x;
+      h = layer.input_norm.has_value() ? norm_(x, *layer.input_norm) : x;
     } else {
       h = add_norm_(residual, x, layer.input_norm);
     }
@@ -240,9 +240,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step)
                                                 : attention(layer, h, positions, step));
     }
+    if (layer.parallel) x = x + layer.down(layer.activation(layer.gate_up(h)));  // the MLP on the mixer's input
     reduce_(x);
     x = branch_output(layer, x, layer.attn_out_norm);
-    if (!layer.has_mlp()) continue;
+    if (layer.parallel || !layer.has_mlp()) continue;
     h = add_norm_(residual, x, layer.post_attn_norm);
     x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
     reduce_(x);
@@ -259,11 +260,18 @@ torch::Tensor DecodeStack::add_norm_(torch::Tensor& residual, const torch::Tenso
     residual.add_(x);
     return residual.to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
-  if (residual.scalar_type() != x.scalar_type()) {
+  if (layer_norm || residual.scalar_type() != x.scalar_type()) {
     residual.add_(x);
-    return at::rms_norm(residual.to(x.scalar_type()), {x.size(1)}, *weight, eps);
+    return norm_(residual.to(x.scalar_type()), *weight);
   }
   return add_rms_norm_(residual, x, *weight, eps);
+}
+
+// models/layers.py's RMSNorm, or its LayerNorm (Cohere's: no bias, computed in float32)
+torch::Tensor DecodeStack::norm_(const torch::Tensor& x, const torch::Tensor& weight) const {
+  if (!layer_norm) return at::rms_norm(x, {x.size(1)}, weight, eps);
+  return at::layer_norm(x.to(torch::kFloat), {x.size(1)}, weight.to(torch::kFloat), c10::nullopt, eps)
+      .to(x.scalar_type());
 }
 
 // models/mamba.py's Mamba2Mixer.forward for decode rows, op for op, its recurrence on kernels/state_space.cpp's

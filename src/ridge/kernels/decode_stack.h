@@ -161,6 +161,7 @@ struct Layer {
   // sandwich norms (Gemma): the mixer's and the MLP's outputs normed before they join the residual stream
   c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
   double residual_multiplier = 1.0;  // Granite: each branch's output scaled before it joins
+  bool parallel = false;  // Cohere's: the MLP reads the mixer's normed input, the two outputs join as one branch
 
   // an MLP after the mixer: a dense one or a mixture (Mamba-2's own layers have none)
   bool has_mlp() const { return experts.has_value() || !down.parts.empty(); }
@@ -181,13 +182,14 @@ struct DecodeStack {
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
   bool residual_in_fp32 = false;  // Mamba-2's: the residual stream adds in float32, each norm reads it rounded
+  bool layer_norm = false;  // Cohere's norms: LayerNorm without a bias (mean-centred, in float32); else RMSNorm
   // under tensor parallelism: the group's in-place sum of a layer's partial attention and MLP outputs (a Python
   // callable, cluster/collectives.py's all_reduce_), called with the GIL taken back; None in one process
   py::object all_reduce;
 
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
               int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce,
-              bool residual_in_fp32);
+              bool residual_in_fp32, bool layer_norm);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
   // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
   // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers).
@@ -205,6 +207,8 @@ struct DecodeStack {
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor gated_delta(const GatedDelta& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
+  // the stack's norm of x (RMSNorm, or LayerNorm under layer_norm)
+  torch::Tensor norm_(const torch::Tensor& x, const torch::Tensor& weight) const;
   // residual += x, then the norm of the sum (without a norm: a copy of the sum)
   torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x,
                           const c10::optional<torch::Tensor>& weight) const;

@@ -198,13 +198,13 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
                                 mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,
                                 residual_multiplier=layer.residual_multiplier,
-                                output_gate=isinstance(attn, Attention) and attn.gated))
+                                output_gate=isinstance(attn, Attention) and attn.gated, parallel=layer.parallel))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
-                                       cfg.residual_in_fp32),
+                                       cfg.residual_in_fp32, cfg.norm_kind == "layer"),
                        max_rows(model), ops, state_space=bool(mixers))
 
 

@@ -43,6 +43,27 @@ class RMSNorm(nn.Module):
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
+class LayerNorm(RMSNorm):
+    """Cohere's LayerNorm: mean-centred, a weight and no bias, computed in float32; RMSNorm's (x, residual)
+    convention."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual += x
+        return self._norm(residual.to(x.dtype)), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> RMSNorm:
+    """A hidden-wide norm of the model's kind (RMSNorm, or Cohere's LayerNorm)."""
+    return (LayerNorm if cfg.norm_kind == "layer" else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class ResidualAdd(nn.Module):
     """A layer's input where it has no pre-norm (OLMo-2 norms its mixer's and MLP's outputs instead): RMSNorm's
     (x, residual) convention without the norm."""
@@ -238,7 +259,8 @@ class DecoderLayer(nn.Module):
     held as `attn`, or a Mamba-2 state-space mixer (models/mamba.py), held as `ssm`. post_attn_norm is the MLP's
     input norm (HF llama's name for it); with sandwich norms (Gemma), the mixer's and the MLP's outputs are normed
     too before they join the residual, and without pre-norms (OLMo-2) only they are (the two input norms are
-    ResidualAdds then). mlp is a GatedMLP, a mixture of experts (models/moe.py) in an MoE model's
+    ResidualAdds then); in Cohere's parallel block the MLP reads the mixer's normed input and the two outputs join
+    as one branch. mlp is a GatedMLP, a mixture of experts (models/moe.py) in an MoE model's
     sparse layers, or None (Mamba-2's own layers hold the mixer alone)."""
 
     def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module | None, local: bool,
@@ -246,10 +268,12 @@ class DecoderLayer(nn.Module):
         """local: a layer of the model's local kind, whose rotary turns on the local base where it has one; nope: a
         layer whose attention takes no rotary (NoPE)."""
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms else ResidualAdd()
+        self.input_norm = make_norm(cfg) if cfg.pre_norms else ResidualAdd()
         self.attn = None if ssm else mixer
         self.ssm = mixer if ssm else None
-        self.post_attn_norm = (None if mlp is None else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.pre_norms
+        # Cohere's parallel block: the MLP reads the mixer's normed input, so has no norm of its own
+        self.parallel = cfg.parallel_block
+        self.post_attn_norm = (None if mlp is None or self.parallel else make_norm(cfg) if cfg.pre_norms
                                else ResidualAdd())
         self.mlp = mlp
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
@@ -270,14 +294,17 @@ class DecoderLayer(nn.Module):
             residual, x = x.float() if self.residual_in_fp32 else x, self.input_norm(x)
         else:
             x, residual = self.input_norm(x, residual)
-        x = self.ssm(x, states) if self.ssm is not None else self.attn(x, rope, backend, meta)
+        h = x
+        x = self.ssm(h, states) if self.ssm is not None else self.attn(h, rope, backend, meta)
+        if self.parallel:  # the two outputs join the residual as one branch
+            x = x + self.mlp(h)
         if self.all_reduce is not None:
             self.all_reduce(x)
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
-        if self.mlp is None:
+        if self.mlp is None or self.parallel:
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
         x = self.mlp(x)

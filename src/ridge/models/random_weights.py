@@ -93,6 +93,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.rope_scaling:
         config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": spec.rope_theta,
                                      **spec.rope_scaling}
+    if spec.architecture in ("cohere", "cohere2"):  # its LayerNorms' epsilon; its logit_scale multiplies
+        config.update(layer_norm_eps=spec.rms_norm_eps, logit_scale=1 / spec.logits_scaling)
     if spec.architecture == "ernie4_5_moe":  # its own names for the shared experts and the leading dense layers
         config.update(moe_num_shared_experts=spec.shared_experts, moe_layer_start_index=spec.first_dense_layers)
     if spec.architecture == "olmo3":  # a rotary per kind of layer: the windowed ones' never scaled

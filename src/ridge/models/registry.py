@@ -41,6 +41,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # chosen with a per-expert bias, the top k renormalised, beside shared experts, after a leading dense layer
     "ernie4_5": {"rope_interleave": True},
     "ernie4_5_moe": {"rope_interleave": True, "norm_topk_prob": True, "router_choice_bias": True},
+    # Command R (cohere) and Command R7B / Command A (cohere2): LayerNorm without a bias, attention and the MLP side
+    # by side on one normed input, rotary in interleaved pairs, the logits scaled; cohere2's windows on 3 of 4
+    # layers, the global ones without rotary
+    "cohere": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
+    "cohere2": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -118,6 +123,10 @@ _HF_NAMES = {
     "Exaone4ForCausalLM": "exaone4",
     "Glm4ForCausalLM": "glm4",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
+    "command-r": "cohere",  # GGUF general.architecture
+    "cohere2": "cohere2",  # GGUF general.architecture too
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "ernie4_5": "ernie4_5",  # GGUF general.architecture too
     "ernie4_5-moe": "ernie4_5_moe",  # GGUF general.architecture
@@ -224,6 +233,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         ("embedding_multiplier", spec.embedding_multiplier, 1.0), ("logits_scaling", spec.logits_scaling, 1.0),
         ("residual_multiplier", spec.residual_multiplier, 1.0),
         ("attention_multiplier", spec.attention_multiplier, None)) if value != plain]
+    if arch in ("cohere", "cohere2"):  # Cohere's logit_scale, Granite's logits_scaling inverted
+        granite_scalars = [name for name in granite_scalars if name != "logits_scaling"]
     if granite_scalars and arch not in _GRANITE:
         raise ValueError(f"{spec.source}: {', '.join(granite_scalars)}: Granite's scalars on architecture {arch!r} "
                          "are not supported")

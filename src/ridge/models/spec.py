@@ -262,7 +262,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["global_every"] = _pattern_period(fields["global_every"], source)
     if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
-    if config.get("model_type") == "exaone4" and fields.get("sliding_window"):  # its global layers turn no rotary
+    if config.get("use_qk_norm") and config.get("model_type") in ("cohere", "cohere2"):
+        raise ValueError(f"{source}: use_qk_norm: Command R+'s q / k LayerNorms are not supported")
+    if config.get("model_type") in ("exaone4", "cohere2") and fields.get("sliding_window"):  # the global layers: NoPE
         fields["nope_layers"] = _global_layers(fields["num_layers"], fields.get("global_every"), source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
     if fields.get("q_lora_rank") is None:
@@ -304,7 +306,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     _refuse_ernie_variants(config, fields, source)
     return ModelSpec(
         name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
-        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get("norm_eps", 1e-6)))),
+        rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get(
+            "layer_norm_eps", config.get("norm_eps", 1e-6))))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         rope_scaling=None if rope_type in ("default", None) else dict(scaling),
         max_position_embeddings=int(config.get("max_position_embeddings", fields.pop("max_position_embeddings", 4096))),
@@ -319,7 +322,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
         attention_multiplier=config.get("attention_multiplier"),
-        logits_scaling=float(config.get("logits_scaling", 1.0)),
+        # Cohere's logit_scale multiplies the logits that Granite's logits_scaling divides
+        logits_scaling=float(config.get("logits_scaling", 1 / config.get("logit_scale", 1.0))),
         swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
@@ -530,6 +534,7 @@ def _global_layers(num_layers: int, every: int | None, source: str) -> tuple[int
     return tuple(i for i in range(num_layers) if (i + 1) % every == 0)
 
 
+COHERE2_GLOBAL_EVERY = 4  # llama.cpp's swa pattern for cohere2, fixed by the architecture
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3, fixed by the architecture
 
 
@@ -604,6 +609,12 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         local_theta = value(f"{arch}.rope.freq_base_swa")
         if fields["rope_scaling"] is not None or local_theta is not None:
             fields["rope_local_theta"] = float(local_theta if local_theta is not None else fields["rope_theta"])
+    if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, the logits' scale; cohere2's windows on 3 of 4 layers
+        fields["rms_norm_eps"] = float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+        fields["logits_scaling"] = 1 / float(value(f"{arch}.logit_scale", 1.0))
+        if arch == "cohere2" and fields["sliding_window"]:  # llama.cpp's pattern, the global layers without rotary
+            fields["global_every"] = COHERE2_GLOBAL_EVERY
+            fields["nope_layers"] = _global_layers(fields["num_layers"], COHERE2_GLOBAL_EVERY, source)
     if arch == "ernie4_5-moe":  # leading dense layers, then experts on every layer
         fields["first_dense_layers"] = int(value(f"{arch}.leading_dense_block_count", 0))
         if (step := int(value(f"{arch}.interleave_moe_layer_step", 1))) != 1:

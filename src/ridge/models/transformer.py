@@ -12,7 +12,7 @@ from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateStep
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RopeStep, RotaryEmbedding
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RopeStep, RotaryEmbedding, make_norm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -32,7 +32,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i),
                          nope=i in cfg.nope_layers)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg)
         if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
             self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

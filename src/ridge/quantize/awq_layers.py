@@ -28,6 +28,8 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     by the attention block's output, gate|up's by the MLP's output (the error after softmax, SiLU and the
     product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
     quantize/calibration.py's awq_layerwise, which calls this, carries them."""
+    if layer.parallel:  # its MLP has no input norm to fold the scales into
+        raise ValueError("quantization: awq does not support parallel blocks (Cohere) yet; use gptq or int4")
     if layer.attn_out_norm is not None:  # the search below feeds attention's output straight to the MLP's norm
         raise ValueError("quantization: awq does not support sandwich norms (Gemma, OLMo-2) yet; use gptq or int4")
     attn, mlp = layer.attn, layer.mlp
