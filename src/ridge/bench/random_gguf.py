@@ -182,9 +182,8 @@ def _check_writable(spec: ModelSpec) -> str:
             not spec.global_every or spec.rope_scaling and spec.rope_local_theta is None)):
         raise ValueError("model: an olmo2 GGUF holds an output matrix of its own, and windows on all but every n-th "
                          "layer, their rotary unscaled (llama.cpp's olmo2 graph)")
-    global_layers = tuple(i for i in range(spec.num_layers) if (i + 1) % COHERE2_GLOBAL_EVERY == 0)
-    if arch == "cohere2" and spec.sliding_window and (spec.global_every, spec.nope_layers) != (COHERE2_GLOBAL_EVERY,
-                                                                                               global_layers):
+    fixed = (COHERE2_GLOBAL_EVERY, tuple(i for i in range(spec.num_layers) if (i + 1) % COHERE2_GLOBAL_EVERY == 0))
+    if arch == "cohere2" and spec.sliding_window and (spec.global_every, spec.nope_layers) != fixed:
         raise ValueError(f"model: llama.cpp's cohere2 windows all but every {COHERE2_GLOBAL_EVERY}th layer, which "
                          "turns no rotary (a GGUF does not say it)")
     if arch == "exaone4" and spec.sliding_window and (spec.num_layers, spec.sliding_window, spec.global_every) != (
@@ -432,8 +431,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                 for part, rows, heads in (("q", queries, cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:q + 2 * kv], None)):
                     if heads and (cfg.architecture in (*ROTARY_PERMUTED, "bamba") or cfg.rope_interleave):
-                        # llama's and Bamba's rows as llama.cpp's converter permutes them; GLM-4's and Ernie's as
-                        # their checkpoints pair them (llama.cpp turns pairs there)
+                        # llama's and Bamba's rows as llama.cpp's converter permutes them; GLM-4's, Ernie's and
+                        # Cohere's as their checkpoints pair them (llama.cpp turns pairs there)
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):

@@ -598,23 +598,10 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         fields["nope_layers"] = tuple(i for i in range(fields["num_layers"]) if (i + 1) % SMOLLM3_NOPE_EVERY == 0)
     if arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
-    if arch == "exaone4" and fields["sliding_window"]:  # 3 of 4 layers windowed, the global ones without rotary
-        pattern = value(f"{arch}.attention.sliding_window_pattern", 4)  # a period, or each layer's: windowed or not
-        fields["global_every"] = _global_every(["sliding_attention" if windowed else "full_attention"
-                                                for windowed in pattern], source) if isinstance(pattern, list) \
-            else int(pattern)
-        fields["nope_layers"] = _global_layers(fields["num_layers"], fields["global_every"], source)
-    if arch == "olmo2" and fields["sliding_window"]:  # OLMo-3: 3 of 4 layers windowed, their rotary never scaled
-        fields["global_every"] = int(value(f"{arch}.attention.sliding_window_pattern", 4))
-        local_theta = value(f"{arch}.rope.freq_base_swa")
-        if fields["rope_scaling"] is not None or local_theta is not None:
-            fields["rope_local_theta"] = float(local_theta if local_theta is not None else fields["rope_theta"])
-    if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, the logits' scale; cohere2's windows on 3 of 4 layers
+    fields.update(_gguf_window_fields(arch, value, fields, source))
+    if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, and the logits' scale (Granite's divisor inverted)
         fields["rms_norm_eps"] = float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5))
         fields["logits_scaling"] = 1 / float(value(f"{arch}.logit_scale", 1.0))
-        if arch == "cohere2" and fields["sliding_window"]:  # llama.cpp's pattern, the global layers without rotary
-            fields["global_every"] = COHERE2_GLOBAL_EVERY
-            fields["nope_layers"] = _global_layers(fields["num_layers"], COHERE2_GLOBAL_EVERY, source)
     if arch == "ernie4_5-moe":  # leading dense layers, then experts on every layer
         fields["first_dense_layers"] = int(value(f"{arch}.leading_dense_block_count", 0))
         if (step := int(value(f"{arch}.interleave_moe_layer_step", 1))) != 1:
@@ -627,6 +614,23 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
     return ModelSpec(**fields).validate()
+
+
+def _gguf_window_fields(arch: str, value, fields: dict, source: str) -> dict:
+    """The layers of an architecture that windows all but every n-th (the global ones), where its header has a window:
+    OLMo-3's (olmo2; its windowed layers' rotary never scaled), and EXAONE 4's and Command R7B's (their global layers
+    turn no rotary). n is the header's pattern (a period, or each layer's flag), cohere2's fixed by llama.cpp."""
+    if arch not in ("olmo2", "exaone4", "cohere2") or not fields["sliding_window"]:
+        return {}
+    pattern = COHERE2_GLOBAL_EVERY if arch == "cohere2" else value(f"{arch}.attention.sliding_window_pattern", 4)
+    every = _global_every(["sliding_attention" if windowed else "full_attention" for windowed in pattern],
+                          source) if isinstance(pattern, list) else int(pattern)
+    if arch != "olmo2":
+        return {"global_every": every, "nope_layers": _global_layers(fields["num_layers"], every, source)}
+    local_theta = value(f"{arch}.rope.freq_base_swa")
+    unscaled = fields["rope_scaling"] is not None or local_theta is not None
+    return {"global_every": every, **({"rope_local_theta": float(local_theta if local_theta is not None
+                                                                  else fields["rope_theta"])} if unscaled else {})}
 
 
 def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
