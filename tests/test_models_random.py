@@ -684,3 +684,35 @@ def test_a_random_cohere_written_as_gguf_reads_back_as_the_same_model(random_coh
         theirs.logits_scaling, theirs.nope_layers, theirs.sliding_window)
     ids = random_prompts(1, 49152, 70, 71, seed=5)[0]
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
+def test_qwen3_vl_moe_reads_its_stacked_experts_in_either_layout(tmp_path, make_llm_for_test):
+    """Qwen3-VL-MoE's language model: its experts stacked one tensor per projection, as HF transformers saves them
+    ([experts, out, in]) and as the published checkpoints hold them ([experts, in, out]): HF's logits from both, the
+    router renormalising its top k as HF's always does."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
+
+    from conftest import assert_logits_match_hf
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                initializer_range=0.2, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64}
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(Qwen3VLMoeConfig(text_config=text, vision_config=vision),
+                                                    dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    cfg = make_llm_for_test(tmp_path, dtype="float32").engine.loaded.config
+    assert (cfg.architecture, cfg.num_experts, cfg.norm_topk_prob) == ("qwen3_moe", 8, True)
+    assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
+    (weights,) = glob.glob(str(tmp_path / "*.safetensors"))
+    published = {name: tensor.transpose(1, 2).contiguous() if ".mlp.experts." in name else tensor
+                 for name, tensor in load_file(weights).items()}
+    save_file(published, weights, metadata={"format": "pt"})
+    assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)

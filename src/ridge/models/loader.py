@@ -217,6 +217,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
+        elif cfg.architecture == "qwen3_moe":  # Qwen3-VL-MoE's experts come stacked
+            tensors = _split_qwen_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)
         table = hf_names(cfg)
@@ -627,6 +629,37 @@ def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) 
             continue
         for index in range(stored.shape[0]):
             yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
+
+
+_QWEN_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj")
+
+
+def _split_qwen_experts(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
+    """Qwen3-VL-MoE's experts, stacked in one tensor per projection, as each expert's weights as ridge holds them
+    ([out, in], gate's rows then up's), each read on its own; every other tensor as it is. Its published checkpoints
+    stack [experts, in, out], HF transformers saves [experts, out, in]: the shape tells which (as HF's loader reads
+    it, a square one as the latter)."""
+    for name, stored in tensors:
+        match = _QWEN_STACKED.fullmatch(name)
+        if match is None:
+            yield name, stored
+            continue
+        prefix, kind = match.groups()
+        shape = ((2 * cfg.moe_intermediate_size, cfg.hidden_size) if kind == "gate_up"
+                 else (cfg.hidden_size, cfg.moe_intermediate_size))  # [out, in], as ridge holds an expert's
+        if tuple(stored.shape[1:]) not in (shape, shape[::-1]):
+            raise ValueError(f"{name}: shape {list(stored.shape)}, not [experts, {shape[0]}, {shape[1]}] or its "
+                             "transpose")
+        transposed = tuple(stored.shape[1:]) != shape
+
+        def expert(rows: torch.Tensor | None, index: int, stored: _Stored = stored,
+                   transposed: bool = transposed) -> torch.Tensor:
+            slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]
+            weight = slab.T.contiguous() if transposed else slab
+            return weight if rows is None else weight[rows]
+
+        for index in range(stored.shape[0]):
+            yield f"{prefix}.{index}.{kind}.weight", _Stored(shape, functools.partial(expert, index=index))
 
 
 _STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias|_blocks|_scales)?")

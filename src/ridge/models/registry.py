@@ -160,6 +160,7 @@ _HF_NAMES = {
     "Qwen2VLForConditionalGeneration": "qwen2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Qwen3VLForConditionalGeneration": "qwen3",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_moe",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its language model; the vision tower is not loaded
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",

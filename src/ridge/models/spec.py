@@ -292,6 +292,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
         "qwen3": per_head, "qwen3_moe": per_head, "qwen3_vl": per_head, "qwen3_vl_text": per_head,
+        "qwen3_vl_moe": per_head, "qwen3_vl_moe_text": per_head,
         "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
         "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
@@ -315,7 +316,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
         rope_local_theta=float(local_theta) if local_theta is not None else None,
         attn_logit_softcap=config.get("attn_logit_softcapping"),
-        final_logit_softcap=config.get("final_logit_softcapping"), norm_topk_prob=config.get("norm_topk_prob"),
+        final_logit_softcap=config.get("final_logit_softcapping"),
+        # Qwen3-VL-MoE's router always renormalises its top k, and its config does not say so
+        norm_topk_prob=config.get("norm_topk_prob", True if config.get("model_type", "").startswith("qwen3_vl_moe")
+                                  else None),
         moe_layer_step=int(config.get("decoder_sparse_step") or 1),
         clip_qkv=config.get("clip_qkv"),
         mlp_bias=bool(config.get("mlp_bias", False)),
