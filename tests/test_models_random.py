@@ -716,3 +716,38 @@ def test_qwen3_vl_moe_reads_its_stacked_experts_in_either_layout(tmp_path, make_
                  for name, tensor in load_file(weights).items()}
     save_file(published, weights, metadata={"format": "pt"})
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
+
+
+@pytest.mark.parametrize("wrapper", ["mistral3", "llava"])
+def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapper, tmp_path, make_llm_for_test):
+    """Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2) and LlavaForConditionalGeneration (Pixtral) hold a
+    language model of whichever family their text_config names: served as that family for text (HF's logits), the
+    vision tower not loaded; a family ridge does not run is refused by its name."""
+    import json
+
+    from transformers import AutoModelForImageTextToText, LlavaConfig, Mistral3Config
+
+    from conftest import assert_logits_match_hf
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    text = dict(model_type="mistral", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-5, initializer_range=0.2, sliding_window=None, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0)
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": 64, "patch_size": 16}
+    torch.manual_seed(0)
+    kind = Mistral3Config if wrapper == "mistral3" else LlavaConfig
+    model = AutoModelForImageTextToText.from_config(kind(text_config=text, vision_config=vision),
+                                                    dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    llm = make_llm_for_test(tmp_path, dtype="float32")
+    assert llm.engine.loaded.config.architecture == "mistral"
+    assert not any("vision" in key or "projector" in key for key in llm.engine.loaded.model.state_dict())
+    assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["model_type"] = "ministral3"
+    with pytest.raises(ValueError, match="architecture 'ministral3' is not supported"):
+        config_from_spec(spec_from_hf_config(config, "wrapped"))

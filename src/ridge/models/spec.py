@@ -305,8 +305,11 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         "partial_rotary_factor", 0.5 if half else 1.0))))
     _refuse_minimax_variants(config, source)
     _refuse_ernie_variants(config, fields, source)
+    architecture = (outer.get("architectures") or [outer.get("model_type", "")])[0]
+    if architecture in TEXT_MODEL_WRAPPERS:  # a vision model around a language model of any family: that family's
+        architecture = config.get("model_type", architecture)
     return ModelSpec(
-        name=name, source=source, architecture=(outer.get("architectures") or [outer.get("model_type", "")])[0],
+        name=name, source=source, architecture=architecture,
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get(
             "layer_norm_eps", config.get("norm_eps", 1e-6))))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
@@ -335,6 +338,11 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rope_interleave=bool(config.get("rope_interleave", False)),
         **fields,
     ).validate()
+
+
+# multimodal checkpoints whose language model is of whichever family their text_config names (Mistral Small 3.1 /
+# 3.2's, Pixtral's): served for text, the vision tower not loaded
+TEXT_MODEL_WRAPPERS = ("Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration")
 
 
 # the context of a model without positions (no attention, no rotary): a state-space model's is unbounded
