@@ -371,6 +371,26 @@ def running_server(config, server_config, **kwargs):
         thread.join(timeout=30)
 
 
+def assert_family_matches_hf(make_llm_for_test, path, hf, vocab: int, longest: int = 60,
+                             dtypes: tuple[str, ...] = ("float32", "bfloat16"), logits: bool = True) -> None:
+    """A random-config model of a family: HF's float32 logits (unless `logits` is false: a caller that checks them
+    its own way) and greedy tokens of a batch, and the fused decode step equal to the Python path in each of
+    `dtypes` (prompts of up to `longest` tokens)."""
+    if logits:
+        assert_logits_match_hf(make_llm_for_test, path, hf, vocab)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in dtypes:
+        assert_stack_equals_eager(make_llm_for_test, path, random_prompts(4, vocab, 5, longest, seed=4), params,
+                                  dtype=dtype)
+
+
+def assert_same_logits(from_file, drawn, tokens: int = 70) -> None:
+    """Two engines of one model (a GGUF written from it, the weights ridge draws) give the same prompt logits."""
+    ids = random_prompts(1, 49152, tokens, tokens + 1, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+
+
 def gguf_round_trip(config: dict, folder: Path, vocabulary: Path, make_llm_for_test):
     """A random model of HF `config` (its vocabulary that of the GGUF `vocabulary`) written under llama.cpp's names
     and header (bench/random_gguf.py, float32) into `folder`: (the engine on the file, the engine on the weights
