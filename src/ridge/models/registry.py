@@ -1,12 +1,13 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5, gemma2, gemma3,
-the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe and
-minimax_m2, the state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and
-qwen3_next run on one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer), Granite's
-scalars, a sliding window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block
-(with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's
-gated DeltaNet in place of attention.
+llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5, cohere,
+cohere2, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2,
+deepseek_v3, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
+lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there
+(or none before a sublayer, or a LayerNorm), attention and the MLP side by side, Granite's scalars, a sliding
+window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's
+variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in
+place of attention.
 """
 
 from __future__ import annotations
