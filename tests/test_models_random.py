@@ -686,3 +686,28 @@ def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapp
     config["text_config"]["model_type"] = "ministral3"
     with pytest.raises(ValueError, match="architecture 'ministral3' is not supported"):
         config_from_spec(spec_from_hf_config(config, "wrapped"))
+
+
+def test_gemma_matches_hf_and_reads_back_from_gguf(tmp_path, smollm2_path, make_llm_for_test):
+    """Gemma 1 (CodeGemma's too): scaled embeddings, norms multiplying by 1 + w, GeGLU under its legacy "gelu" name
+    (HF reads the tanh form): HF's logits, greedy tokens and the fused step, and its GGUF (llama.cpp's gemma, the
+    norms stored as 1 + w) read back the same."""
+    import json
+
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    from conftest import gguf_round_trip
+
+    torch.manual_seed(0)
+    config = GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         hidden_act="gelu", hidden_activation=None)
+    path, model = saved(with_drawn_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()),
+                        tmp_path / "hf")
+    assert make_llm_for_test(path, dtype="float32").engine.loaded.config.hidden_act == "gelu_tanh"
+    assert_family_matches_hf(make_llm_for_test, path, model, VOCAB)
+    (tmp_path / "gguf").mkdir()
+    from_file, drawn = gguf_round_trip({**json.loads((path / "config.json").read_text()), "vocab_size": 49152},
+                                       tmp_path / "gguf", smollm2_path, make_llm_for_test)
+    assert_same_logits(from_file, drawn)

@@ -1,7 +1,7 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5, cohere,
-cohere2, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2,
+cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2,
 deepseek_v3, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
 lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there
 (or none before a sublayer, or a LayerNorm), attention and the MLP side by side, Granite's scalars, a sliding
@@ -47,6 +47,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # layers, the global ones without rotary
     "cohere": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
     "cohere2": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
+    "gemma": {"embedding_scale": True, "norm_weight_offset": 1.0},  # Gemma 1, CodeGemma: GeGLU (its config's)
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
     # mixtures of experts (models/moe.py)
@@ -134,6 +135,7 @@ _HF_NAMES = {
     "glm4": "glm4",  # GGUF general.architecture too
     "exaone4": "exaone4",  # GGUF general.architecture too
     "olmo2": "olmo2",  # GGUF general.architecture: OLMo-3's too (its windows in the header)
+    "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded
@@ -181,6 +183,7 @@ _HF_NAMES = {
     "deepseek2": "deepseek_v2",  # or V3: the header's gating function tells (models/spec.py)
     "qwen3moe": "qwen3_moe",
     "gpt-oss": "gpt_oss",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",

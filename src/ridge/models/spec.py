@@ -288,6 +288,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if config.get("model_type") == "olmo3" and rope_type not in ("default", None) and local_theta is None:
         local_theta = config.get("rope_theta", scaling.get("rope_theta"))  # its windowed layers' rotary: unscaled
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation == "gelu" and config.get("model_type") == "gemma":  # Gemma 1's legacy name: HF reads the tanh form
+        activation = "gelu_tanh"
     head_dim = fields["head_dim"]
     per_head, all_heads = 2 * head_dim, (fields["num_heads"] + fields["num_kv_heads"]) * head_dim
     fields["qk_norm_params"] = {
@@ -815,12 +817,12 @@ _GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 
 def _gguf_gemma_fields(arch: str, value, hidden: int, heads: int) -> dict:
-    """What llama.cpp knows of Gemma 2 and 3 by architecture: the local layers' rotary base, and the 27B
+    """What llama.cpp knows of Gemma 1, 2 and 3 by architecture: GeGLU, the local layers' rotary base, and the 27B
     models' attention scale from hidden / heads (head_dim elsewhere)."""
-    if arch not in ("gemma2", "gemma3"):
+    if arch not in ("gemma", "gemma2", "gemma3"):
         return {}
     layers = int(value(f"{arch}.block_count"))
-    big = layers == (46 if arch == "gemma2" else 62)
+    big = layers == {"gemma2": 46, "gemma3": 62}.get(arch)
     softcaps = {f"{kind}_logit_softcap": float(cap) for kind in ("attn", "final")
                 if (cap := value(f"{arch}.{kind}_logit_softcapping")) is not None}
     return {"hidden_act": "gelu_tanh", "query_pre_attn_scalar": hidden / heads if big else None,
