@@ -108,7 +108,7 @@ def test_add_rms_norm_matches_torch(ops, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_torch(ops, dtype):
     """Gates far below zero included, where e^-gate overflows (the kernels build with -ffast-math, which assumes it
-    never does: such a gate had given NaN in float32)."""
+    never does: unclamped, such a gate gives NaN in float32)."""
     gate_up = torch.randn(4, 2 * 96, dtype=dtype)
     gate_up[:, :8] = torch.tensor([-200.0, -93.0, -89.0, -88.5, -87.0, 89.0, 200.0, 1e4], dtype=dtype)
     gate, up = gate_up.split(96, dim=-1)

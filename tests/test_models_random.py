@@ -570,7 +570,9 @@ def test_ernie4_5_matches_hf_and_reads_back_from_gguf(tmp_path, smollm2_path, ma
     assert_same_logits(from_file, drawn, tokens=20)
     for change, message in (({"use_bias": True}, "use_bias: biases on Ernie 4.5's projections"),
                             ({"model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2,
-                              "moe_layer_interval": 2}, "moe_layer_interval / moe_layer_end_index")):
+                              "moe_layer_interval": 2}, "moe_layer_interval / moe_layer_end_index"),
+                            ({"model_type": "ernie4_5_moe", "moe_num_experts": 8, "moe_k": 2, "moe_norm_min": 0.5},
+                             "moe_norm_min: a floor of 0.5")):
         with pytest.raises(ValueError, match=message):
             config_from_spec(spec_from_hf_config({**hf_config, **change}, "ernie"))
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 // Scalar sigmoid and SiLU whose e^-x cannot overflow: the kernels build with -ffast-math, which assumes no
-// infinities, and an exp that overflowed there gave NaN (SiLU of a gate below -88.7) where the value is 0
+// infinities, and an exp that overflows there gives NaN (SiLU of a gate below -88.7) where the value is 0
 namespace ridge_scalar {
 inline float sigmoid(float x) { return 1.f / (1.f + expf(std::min(-x, 88.f))); }
 inline float silu(float x) { return x / (1.f + expf(std::min(-x, 88.f))); }

@@ -494,12 +494,17 @@ def _refuse_minimax_variants(config: dict, source: str) -> None:
 
 
 def _refuse_ernie_variants(config: dict, fields: dict, source: str) -> None:
-    """Ernie 4.5's layouts ridge does not run, by name: biases on its projections, and experts on other than every
-    layer from moe_layer_start_index to the last."""
+    """Ernie 4.5's layouts ridge does not run, by name: biases on its projections, a renormalisation floor a top k's
+    sum can reach, and experts on other than every layer from moe_layer_start_index to the last."""
     if not config.get("model_type", "").startswith("ernie4_5"):
         return
     if config.get("use_bias"):
         raise ValueError(f"{source}: use_bias: biases on Ernie 4.5's projections are not supported")
+    experts, top_k = fields.get("num_experts") or 0, fields.get("experts_per_token") or 0
+    floor = float(config.get("moe_norm_min") or 0.0)
+    if experts and floor > top_k / experts:  # the top k's sum is never below k / experts: a lower floor changes nothing
+        raise ValueError(f"{source}: moe_norm_min: a floor of {floor} on the top {top_k}'s sum above {top_k}/{experts} "
+                         "is not supported (only a floor no sum reaches)")
     last = config.get("moe_layer_end_index", -1)
     if fields.get("num_experts") and (int(config.get("moe_layer_interval") or 1) != 1
                                       or last not in (-1, None, fields["num_layers"] - 1)):
