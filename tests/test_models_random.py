@@ -655,6 +655,76 @@ def test_qwen3_vl_moe_reads_its_stacked_experts_in_either_layout(tmp_path, make_
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
 
 
+# ---- Ministral 3: llama with YaRN, its queries sharpened past the original context --------------------------------
+MINISTRAL3_ORIGINAL = 16  # the temperature's period here: 1 + beta * ln(1 + floor(position / 16))
+
+
+@pytest.fixture(scope="module")
+def random_ministral3(tmp_path_factory):
+    """A tiny random Ministral 3, as its vision model wraps it (Mistral3ForConditionalGeneration): YaRN 4x over an
+    original 16 positions, and a temperature of beta 0.5 (the real models' 0.1 over 16,384), so that prompts of a
+    few dozen tokens cross several of its steps."""
+    from transformers import AutoModelForImageTextToText, Mistral3Config
+
+    text = dict(model_type="ministral3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": MINISTRAL3_ORIGINAL, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "max_position_embeddings": 512,
+                                 "llama_4_scaling_beta": 0.5})
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "head_dim": 16, "image_size": 64, "patch_size": 16}
+    torch.manual_seed(0)
+    model = with_drawn_norms(AutoModelForImageTextToText.from_config(
+        Mistral3Config(text_config=text, vision_config=vision), dtype=torch.float32).eval())
+    return saved(model, tmp_path_factory.mktemp("ministral3"))
+
+
+def test_ministral3_matches_hf_with_its_attention_temperature(random_ministral3, make_llm_for_test):
+    """Ministral 3 (the language model of its vision checkpoint): HF's logits over prompts of up to 80 tokens (five
+    temperature steps), greedy tokens of a batch, and the fused decode step equal to the Python path; HF without the
+    temperature gives other logits (the check can fail)."""
+    from ridge.rope_scaling import AttentionTemperature
+
+    path, hf = random_ministral3
+    llm = make_llm_for_test(path, dtype="float32")
+    cfg = llm.engine.loaded.config
+    assert cfg.architecture == "ministral3" and cfg.rope_scaling.kind == "yarn"
+    assert cfg.attention_temperature == AttentionTemperature(scale=0.5, length=MINISTRAL3_ORIGINAL)
+    assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
+    ids = random_prompts(1, VOCAB, 60, 61, seed=2)[0]
+    with torch.inference_mode():
+        hf.config.text_config.rope_parameters["llama_4_scaling_beta"] = 0.0
+        try:
+            untempered = hf(torch.tensor([ids])).logits[0]
+        finally:
+            hf.config.text_config.rope_parameters["llama_4_scaling_beta"] = 0.5
+        tempered = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.prompt_logits(ids)
+    assert (ours - tempered).abs().max() < 1e-4 * tempered.abs().max() < (ours - untempered).abs().max()
+    # within the first period every query's factor is 1: the two agree there
+    assert torch.allclose(untempered[:MINISTRAL3_ORIGINAL], tempered[:MINISTRAL3_ORIGINAL])
+
+
+def test_a_random_ministral3_written_as_gguf_reads_back_as_the_same_model(random_ministral3, smollm2_path, tmp_path,
+                                                                          make_llm_for_test):
+    """Ministral 3 under llama.cpp's mistral3 (llama's tensors, q / k rows permuted; YaRN's keys, mscale_all_dim as
+    the log multiplier, the temperature's scale and period) loads as the model ridge draws."""
+    import json
+
+    from conftest import gguf_round_trip
+
+    config = json.loads((random_ministral3[0] / "config.json").read_text())
+    config = {**config, "text_config": {**config["text_config"], "vocab_size": 49152}}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert ours.architecture == "ministral3" and ours.attention_temperature == theirs.attention_temperature
+    assert ours.rope_scaling.rotation_magnitude() == theirs.rope_scaling.rotation_magnitude() == 1.0
+    assert torch.allclose(from_file.engine.loaded.model.rotary.freqs, drawn.engine.loaded.model.rotary.freqs, atol=1e-6)
+    assert_same_logits(from_file, drawn)
+
+
 @pytest.mark.parametrize("wrapper", ["mistral3", "llava"])
 def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapper, tmp_path, make_llm_for_test):
     """Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2) and LlavaForConditionalGeneration (Pixtral) hold a
@@ -685,8 +755,8 @@ def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapp
     assert not any("vision" in key or "projector" in key for key in llm.engine.loaded.model.state_dict())
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["text_config"]["model_type"] = "ministral3"
-    with pytest.raises(ValueError, match="architecture 'ministral3' is not supported"):
+    config["text_config"]["model_type"] = "jamba"
+    with pytest.raises(ValueError, match="architecture 'jamba' is not supported"):
         config_from_spec(spec_from_hf_config(config, "wrapped"))
 
 

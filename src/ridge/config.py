@@ -14,7 +14,7 @@ import torch
 from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, kv_layout
-from ridge.rope_scaling import RopeScaling
+from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -45,6 +45,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # the global layers' rotary, stretched past its training context
+    attention_temperature: AttentionTemperature | None = None  # queries sharpened by position (Ministral 3)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # qwen2

@@ -12,6 +12,10 @@ how long its sequence grows. "dynamic" (NTK scaling that changes with the sequen
 
 GGUF files say the same in `<arch>.rope.scaling.*` keys; for llama3 the converter stores the divisors
 themselves, one per frequency, as the `rope_freqs.weight` tensor (kept here as `frequency_divisors`).
+
+Beside the rotary, some models also sharpen attention past the original context: Ministral 3's and Mistral 4's
+`llama_4_scaling_beta` (in the same dict) multiplies each query by a factor of its position
+(`AttentionTemperature`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ SUPPORTED = ("linear", "llama3", "yarn", "longrope")
 _KNOWN_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings", "low_freq_factor",
                "high_freq_factor", "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale",
                "mscale_all_dim", "frequency_divisors", "rope_theta", "partial_rotary_factor", "short_factor",
-               "long_factor"}
+               "long_factor", "llama_4_scaling_beta", "temperature_length", "max_position_embeddings"}
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,38 @@ class RopeScaling:
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class AttentionTemperature:
+    """Queries at long positions sharpened, so that attention stays as peaked over a context many times the one a
+    model was trained on (Llama 4's temperature tuning, which Ministral 3 and Mistral 4 took up): each query is
+    multiplied by 1 + scale * ln(1 + floor((position + offset) / length)), exactly 1 within the first `length`
+    positions. llama.cpp's GGUF keys: `<arch>.attention.temperature_scale` and `.temperature_length`."""
+
+    scale: float
+    length: int
+    offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.length <= 0:
+            raise ValueError(f"llama_4_scaling_beta: the temperature's period (original_max_position_embeddings) must "
+                             f"be positive, got {self.length}")
+
+    @classmethod
+    def from_hf(cls, params: dict | None) -> AttentionTemperature | None:
+        """From an HF config's rope_parameters (Ministral 3's, Mistral 4's): None where it has no
+        llama_4_scaling_beta; the period is the original context (or a GGUF header's temperature_length)."""
+        if not params or not params.get("llama_4_scaling_beta"):
+            return None
+        period = params.get("temperature_length") or params.get("original_max_position_embeddings")
+        if not period:
+            raise ValueError("rope_scaling: llama_4_scaling_beta needs original_max_position_embeddings (the "
+                             "temperature's period)")
+        return cls(scale=float(params["llama_4_scaling_beta"]), length=int(period))
+
+    def query_scales(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each position's query multiplier, float32 (made on the positions' device: no host sync, so a CUDA
+        graph captures it)."""
+        steps = torch.floor((positions.float() + self.offset) / self.length)
+        return 1.0 + self.scale * torch.log1p(steps)

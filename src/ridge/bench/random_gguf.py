@@ -55,7 +55,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma"}
+                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -190,6 +190,8 @@ def _check_writable(spec: ModelSpec) -> str:
             64, 4096, 4):
         raise ValueError("model: llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only (64 layers, 4,096-token "
                          "windows on 3 of 4): another windowed shape would run unwindowed there")
+    if (spec.rope_scaling or {}).get("llama_4_scaling_beta") and arch != "mistral3":
+        raise ValueError(f"model: llama.cpp's {arch} has no attention temperature (llama_4_scaling_beta)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
                          "(what llama.cpp and models/spec.py assume for it)")
@@ -293,7 +295,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             if scaling.mscale != scaling.mscale_all_dim:
                 raise ValueError(f"rope_scaling: mscale {scaling.mscale} != mscale_all_dim "
                                  f"{scaling.mscale_all_dim} has no GGUF form")
-            writer.add_rope_scaling_yarn_log_mul(0.1 * scaling.mscale_all_dim)
+            # the converter writes mistral3's as it is, deepseek2's times 0.1
+            writer.add_rope_scaling_yarn_log_mul(scaling.mscale_all_dim * (1.0 if arch == "mistral3" else 0.1))
+    if (temperature := cfg.attention_temperature) is not None:  # mistral3's only (_check_writable)
+        writer.add_attn_temperature_scale(temperature.scale)
+        writer.add_attn_temperature_length(temperature.length)
     if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2"):
         writer.add_sliding_window(spec.sliding_window)
     if spec.sliding_window and arch == "olmo2":  # OLMo-3's: every n-th layer global, the rest windowed

@@ -212,5 +212,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("residual_in_fp32") = false, py::arg("layer_norm") = false)
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-           py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none());
+           py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none(),
+           py::arg("query_scales") = py::none());
 }

@@ -210,11 +210,16 @@ DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, to
 
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
-                                   c10::optional<torch::Tensor> state_slots) const {
+                                   c10::optional<torch::Tensor> state_slots,
+                                   c10::optional<torch::Tensor> query_scales) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
   const int64_t rows = x.size(0);
   TORCH_CHECK(positions.numel() == rows, "DecodeStack: one position per row");
   TORCH_CHECK(!state_slots.has_value() || state_slots->numel() == rows, "DecodeStack: one state slot per row");
+  if (query_scales.has_value()) {  // as the rows' queries' dtype, shaped to multiply [B, heads, dim]
+    TORCH_CHECK(query_scales->numel() == rows, "DecodeStack: one query scale per row");
+    query_scales = query_scales->to(x.scalar_type()).view({rows, 1, 1});
+  }
   for (const GroupStep& step : groups) {
     TORCH_CHECK(step.slots.numel() == rows && step.block_tables.size(0) == rows && step.context_lens.numel() == rows &&
                     (!step.window_starts.has_value() || step.window_starts->numel() == rows),
@@ -237,8 +242,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     } else {
       TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
       const GroupStep& step = groups[layer.group];
-      x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step)
-                                                : attention(layer, h, positions, step));
+      x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step, query_scales)
+                                                : attention(layer, h, positions, step, query_scales));
     }
     if (layer.parallel) x = x + layer.down(layer.activation(layer.gate_up(h)));  // the MLP on the mixer's input
     reduce_(x);
@@ -335,7 +340,7 @@ torch::Tensor DecodeStack::branch_output(const Layer& layer, torch::Tensor x,
 }
 
 torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                                     const GroupStep& step) const {
+                                     const GroupStep& step, const c10::optional<torch::Tensor>& query_scales) const {
   const int64_t rows = h.size(0);
   const torch::Tensor& table = layer.rope_table.has_value() ? *layer.rope_table : rope_table;
   auto qkv = layer.qkv(h).view({rows, -1, head_dim});
@@ -359,6 +364,7 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   } else {  // q and k side by side in qkv: rotated in one go
     rotary_(rotated(qkv), positions, table, heads + kv_heads);
   }
+  if (query_scales.has_value()) q.mul_(*query_scales);
   std::tuple<torch::Tensor, torch::Tensor> attended;  // and each row and head's log-sum-exp
   if (layer.k_scales.has_value()) {
     quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, step.slots,
@@ -381,11 +387,13 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
 
 // models/mla.py's LatentAttention.forward and attention/latent.py's decode, op for op
 torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Tensor& h,
-                                            const torch::Tensor& positions, const GroupStep& step) const {
+                                            const torch::Tensor& positions, const GroupStep& step,
+                                            const c10::optional<torch::Tensor>& query_scales) const {
   const LatentProjections& p = *layer.latent;
   const int64_t rows = h.size(0), local_heads = p.w_uk.size(0), nope = p.w_uk.size(1), rank = p.w_uk.size(2);
   auto q = p.q_a.has_value() ? p.q(at::rms_norm((*p.q_a)(h), {p.q_a_norm->size(0)}, *p.q_a_norm, eps)) : p.q(h);
   q = q.view({rows, local_heads, nope + p.rope});
+  if (query_scales.has_value()) q = q * *query_scales;  // before the rotary, as models/mla.py: the two commute
   const auto q_nope = q.narrow(2, 0, nope);
   const auto q_pe = q.narrow(2, nope, p.rope).contiguous();
   const auto kv = p.kv_a(h);

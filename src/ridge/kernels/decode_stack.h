@@ -192,16 +192,18 @@ struct DecodeStack {
               bool residual_in_fp32, bool layer_norm);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
   // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
-  // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers).
+  // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers);
+  // query_scales [B] float32: each row's queries multiplied by it in every attention layer (a model's attention
+  // temperature, rope_scaling.py's AttentionTemperature), absent for none.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
-                        c10::optional<torch::Tensor> state_slots) const;
+                        c10::optional<torch::Tensor> state_slots, c10::optional<torch::Tensor> query_scales) const;
 
  private:
   // a layer's attention from its normed input h to o_proj's input [B, heads * v_dim]
   torch::Tensor attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                          const GroupStep& step) const;
+                          const GroupStep& step, const c10::optional<torch::Tensor>& query_scales) const;
   torch::Tensor latent_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
-                                 const GroupStep& step) const;
+                                 const GroupStep& step, const c10::optional<torch::Tensor>& query_scales) const;
   // a state-space layer's mixer from its normed input h to its output [B, hidden]
   torch::Tensor state_mixer(const StateMixer& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;

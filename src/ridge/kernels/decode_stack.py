@@ -40,6 +40,7 @@ from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
 from ridge.models.short_conv import ShortConvMixer
 from ridge.models.transformer import DecoderModel
+from ridge.rope_scaling import AttentionTemperature
 
 log = logging.getLogger("ridge")
 
@@ -49,8 +50,9 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 class DecodeStack:
     def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None,
-                 state_space: bool = False) -> None:
+                 state_space: bool = False, temperature: AttentionTemperature | None = None) -> None:
         self.native = native
+        self.temperature = temperature  # the model's: each row's queries scaled by its position
         self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
         self.native_ops = ops
         self.state_space = state_space  # the model has state-space layers: a step's rows come with state slots
@@ -74,7 +76,8 @@ class DecodeStack:
                                             meta.kernel_rows.context_lens, meta.kernel_rows.window_starts,
                                             meta.attention_mass)
                   for meta in step]
-        return self.native.forward(embeddings, positions, groups, states.slots if self.state_space else None)
+        scales = self.temperature.query_scales(positions) if self.temperature is not None else None
+        return self.native.forward(embeddings, positions, groups, states.slots if self.state_space else None, scales)
 
 
 def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
@@ -205,7 +208,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
                                        cfg.residual_in_fp32, cfg.norm_kind == "layer"),
-                       max_rows(model), ops, state_space=bool(mixers))
+                       max_rows(model), ops, state_space=bool(mixers), temperature=cfg.attention_temperature)
 
 
 def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.config import ModelConfig
-from ridge.rope_scaling import RopeScaling
+from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +82,10 @@ class ResidualAdd(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
+                 temperature: AttentionTemperature | None = None) -> None:
         super().__init__()
+        self.temperature = temperature  # the queries of the layers that turn with this rotary: sharpened by position
         if scaling is None:
             inv_freq, magnitude = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
         else:  # a scaled rotary's own frequencies, and YaRN's rotation magnitude (q.k scaled by its square)
@@ -102,7 +104,8 @@ class RotaryEmbedding(nn.Module):
 
     def step(self, positions: torch.Tensor) -> RopeStep:
         # the kernel's view of the table (float pairs): made once a step, not once per layer
-        return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops)
+        scales = self.temperature.query_scales(positions) if self.temperature is not None else None
+        return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops, scales)
 
 
 @dataclass
@@ -113,7 +116,13 @@ class RopeStep:
     freqs: torch.Tensor  # complex64 [max_positions, head_dim / 2]
     table: torch.Tensor  # freqs as float32 pairs [max_positions, head_dim / 2, 2], for the kernel
     ops: ModuleType | None
+    query_scales: torch.Tensor | None = None  # float32 [T]: each token's query multiplier (AttentionTemperature)
     _rotations: torch.Tensor | None = None
+
+    def temper_(self, q: torch.Tensor) -> None:
+        """Multiply each token's queries q [T, ...] in place by its position's temperature, where there is one."""
+        if self.query_scales is not None:
+            q.mul_(self.query_scales.view(-1, *(1,) * (q.dim() - 1)).to(q.dtype))
 
     def apply_(self, x: torch.Tensor, heads: int) -> None:
         """Rotate heads [0, heads) of x: [T, all_heads, head_dim] in place; with a partial rotary (a table
@@ -210,6 +219,7 @@ class Attention(nn.Module):
             rope.apply_(k, self.num_kv_heads)
         else:  # q and k sit side by side in qkv: rotate both in one go
             rope.apply_(qkv, self.num_heads + self.num_kv_heads)
+        rope.temper_(q)
         out = (backend.forward(self.layer_index, q, k, v, meta) if self.sinks is None
                else backend.forward(self.layer_index, q, k, v, meta, self.sinks))  # a backend that handles_sinks
         out = out.reshape(tokens, self.num_heads * self.head_dim)

@@ -176,7 +176,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
 
 
 # the architectures whose q / k rows llama.cpp's converter permutes (LlamaModel's and its subclasses')
-ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3")
+ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3", "ministral3")
 
 
 # a GGUF header key ridge's writer sets where it interleaved only each head's first rotary dims (a partial rotary,

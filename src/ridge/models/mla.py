@@ -59,6 +59,7 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeStep, backend: AttentionBackend, meta: StepMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
         q = self.q_b(self.q_a_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q_proj(x)
+        rope.temper_(q)  # before the rotary: both are linear in q, so they commute
         q_nope, q_pe = q.view(tokens, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a(x).split([self.rank, self.rope], dim=-1)
         q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous().view(tokens, 1, self.rope)

@@ -1,13 +1,13 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
-llama, mistral, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5, cohere,
-cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe, deepseek_v2,
-deepseek_v3, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and granitemoehybrid, lfm2 and
-lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a norm there
-(or none before a sublayer, or a LayerNorm), attention and the MLP side by side, Granite's scalars, a sliding
-window, a layer without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's
-variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in
-place of attention.
+llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
+cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
+deepseek_v2, deepseek_v3, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and
+granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
+is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side,
+Granite's scalars, queries sharpened by position, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
+embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2
+mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from typing import Any
 
 from ridge.config import ModelConfig
 from ridge.models.spec import ModelSpec
-from ridge.rope_scaling import RopeScaling
+from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _QWEN3_5 = {"qk_norm": True, "norm_weight_offset": 1.0, "attention_output_gate": True}
 # per architecture: fixed ModelConfig fields
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {},  # llama with a sliding window on every layer (from its config)
+    # Ministral 3 (3B / 8B / 14B, the language model of Mistral3ForConditionalGeneration): llama with YaRN and the
+    # queries sharpened past the original context (its rope_parameters' llama_4_scaling_beta)
+    "ministral3": {},
     "granite": {},  # llama with scalars on the embeddings, the residual branches, the scores and the logits
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
@@ -111,6 +114,8 @@ _OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_nex
 _HF_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Ministral3ForCausalLM": "ministral3",
+    "mistral3": "ministral3",  # GGUF general.architecture (llama.cpp's name for Ministral 3's language model)
     "GraniteForCausalLM": "granite",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
@@ -207,10 +212,11 @@ def check_supported(architecture: str) -> str:
 def config_from_spec(spec: ModelSpec) -> ModelConfig:
     """What the engine runs of a model read by models/spec.py; ValueError naming what it cannot run."""
     arch = check_supported(spec.architecture)
-    rope_scaling = None
+    rope_scaling = temperature = None
     try:
         if spec.rope_scaling:
             rope_scaling = RopeScaling.from_hf(spec.rope_scaling, spec.max_position_embeddings)
+            temperature = AttentionTemperature.from_hf(spec.rope_scaling)
     except ValueError as err:
         raise ValueError(f"{spec.source}: {err}") from None
     if spec.is_mla and arch not in _MLA:
@@ -257,6 +263,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
         "rope_scaling": rope_scaling,
+        "attention_temperature": temperature,
         "max_position_embeddings": (rope_scaling.context_limit(spec.max_position_embeddings) if rope_scaling
                                     else spec.max_position_embeddings),
         "tie_word_embeddings": spec.tie_word_embeddings,

@@ -315,7 +315,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get(
             "layer_norm_eps", config.get("norm_eps", 1e-6))))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
-        rope_scaling=None if rope_type in ("default", None) else dict(scaling),
+        # kept for a temperature too (models/registry.py reads it), where the rotary itself is plain
+        rope_scaling=None if rope_type in ("default", None) and not scaling.get("llama_4_scaling_beta")
+        else dict(scaling),
         max_position_embeddings=int(config.get("max_position_embeddings", fields.pop("max_position_embeddings", 4096))),
         hidden_act="gelu_tanh" if activation in ("gelu_pytorch_tanh", "gelu_tanh") else activation,
         query_pre_attn_scalar=config.get("query_pre_attn_scalar"),
@@ -671,9 +673,8 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
             scaling["attention_factor"] = float(factor)
         return scaling
     kind = value(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", None):
-        return None
-    scaling = {"rope_type": str(kind), "factor": float(value(f"{arch}.rope.scaling.factor", 1.0))}
+    scaling = ({"rope_type": "default"} if kind in ("none", None)
+               else {"rope_type": str(kind), "factor": float(value(f"{arch}.rope.scaling.factor", 1.0))})
     for key, hf_key, cast in (("original_context_length", "original_max_position_embeddings", int),
                               ("yarn_beta_fast", "beta_fast", float), ("yarn_beta_slow", "beta_slow", float),
                               ("attn_factor", "gguf_attn_factor", float)):  # not HF's attention_factor: refused
@@ -684,11 +685,18 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
         # rounds them outwards for every model, and so its rotary differs from the model's by a little
         scaling["truncate"] = False
     if (log_mul := value(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
-        if arch != "deepseek2":  # the key means something else for other architectures: refused by name
-            scaling["gguf_yarn_log_multiplier"] = float(log_mul)
-        else:  # llama.cpp's converter writes 0.1 * mscale_all_dim, and its graph takes mscale to equal it
+        if arch == "deepseek2":  # llama.cpp's converter writes 0.1 * mscale_all_dim, its graph takes mscale to equal it
             scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
-    return scaling
+        elif arch == "mistral3":  # mscale_all_dim itself (1: no attention factor, as Ministral 3's mscale is 1 too)
+            scaling["mscale"] = scaling["mscale_all_dim"] = float(log_mul)
+        else:  # the key means something else for other architectures: refused by name
+            scaling["gguf_yarn_log_multiplier"] = float(log_mul)
+    if temperature := value(f"{arch}.attention.temperature_scale"):  # Ministral 3's llama_4_scaling_beta
+        scaling["llama_4_scaling_beta"] = float(temperature)
+        # its period: the original context, where the header does not give its own (llama.cpp's reading)
+        period = value(f"{arch}.attention.temperature_length") or scaling.get("original_max_position_embeddings")
+        scaling["temperature_length"] = int(period or value(f"{arch}.context_length"))
+    return None if scaling == {"rope_type": "default"} else scaling
 
 
 def _gguf_architecture(arch: str, experts: int, value) -> str:

@@ -53,13 +53,16 @@ class DecoderModel(nn.Module):
 
     def make_rotary(self) -> None:
         """The rotary tables (buffers, not weights: made when the weights replace the meta device's): one for
-        global layers, and one for local layers where their base differs (Gemma 3)."""
-        cfg = self.cfg
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling)
-        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings)
+        global layers, and one for local layers where their base differs (Gemma 3). A temperature (Ministral 3's)
+        sharpens every attention layer's queries, whichever rotary it turns with."""
+        cfg, temperature = self.cfg, self.cfg.attention_temperature
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
+                                      temperature)
+        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings,
+                                             temperature=temperature)
                              if cfg.rope_local_theta is not None else None)
         # NoPE layers' (SmolLM3's): a rotary of no dims, whose turn leaves q and k as they are
-        self.rotary_none = (RotaryEmbedding(0, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary_none = (RotaryEmbedding(0, cfg.rope_theta, cfg.max_position_embeddings, temperature=temperature)
                             if cfg.nope_layers else None)
 
     def layer_rotary(self, layer: DecoderLayer) -> RotaryEmbedding:
