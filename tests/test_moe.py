@@ -78,6 +78,19 @@ def hf_config(arch: str):
                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                  n_shared_experts=1, routed_scaling_factor=1.8,
                                  mlp_layer_types=["sparse", "dense", "sparse"])
+    if arch == "mistral4":  # Mistral 4: DeepSeek-V3's latent attention and layout, softmax scores in groups rated
+        # by their two best, no correction bias; YaRN over an original 32 positions and the attention temperature
+        from transformers import Mistral4Config
+
+        return Mistral4Config(**{**COMMON, "num_key_value_heads": 4},
+                              intermediate_size=96, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                              qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
+                              topk_group=1, routed_scaling_factor=1.5,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                               "llama_4_scaling_beta": 0.5})
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -91,7 +104,7 @@ def hf_config(arch: str):
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
-                                        "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe"])
+                                        "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4"])
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -100,7 +113,13 @@ def random_hf_model(arch: str, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+    config = hf_config(arch)
+    if arch == "mistral4":  # not among AutoModelForCausalLM's classes
+        from transformers.models.mistral4.modeling_mistral4 import Mistral4ForCausalLM
+
+        model = Mistral4ForCausalLM(config).float().eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # HF starts norms at 1: make them matter
             torch.nn.init.normal_(param, 1.0, 0.3)
@@ -204,7 +223,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 # which Qwen3-MoE's config has
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
-               "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}),
+               "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}), "mistral4": ("mistral4", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -342,7 +361,7 @@ def test_minimax_layers_m2_does_not_have_are_refused_by_name(change, field):
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe", "minimax_m2", "ernie4_5_moe"])
+                                  "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

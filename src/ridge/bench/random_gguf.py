@@ -55,7 +55,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3"}
+                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
+                      "mistral4": "mistral4"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -159,8 +160,8 @@ def _check_writable(spec: ModelSpec) -> str:
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec, arch)
-    # deepseek2's, lfm2moe's and glm4moe's header key
-    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "lfm2moe", "glm4moe",
+    # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key
+    leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
                                                                  "ernie4_5-moe") else ()
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
@@ -190,7 +191,7 @@ def _check_writable(spec: ModelSpec) -> str:
             64, 4096, 4):
         raise ValueError("model: llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only (64 layers, 4,096-token "
                          "windows on 3 of 4): another windowed shape would run unwindowed there")
-    if (spec.rope_scaling or {}).get("llama_4_scaling_beta") and arch != "mistral3":
+    if (spec.rope_scaling or {}).get("llama_4_scaling_beta") and arch not in ("mistral3", "mistral4"):
         raise ValueError(f"model: llama.cpp's {arch} has no attention temperature (llama_4_scaling_beta)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
         raise ValueError("model: a gpt-oss GGUF holds windows on every other layer and YaRN without truncation "
@@ -297,7 +298,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             # the converter writes mistral3's as it is, deepseek2's times 0.1
             writer.add_rope_scaling_yarn_log_mul(scaling.mscale_all_dim * (1.0 if arch == "mistral3" else 0.1))
-    if (temperature := cfg.attention_temperature) is not None:  # mistral3's only (_check_writable)
+    if (temperature := cfg.attention_temperature) is not None:  # mistral3's and mistral4's (_check_writable)
         writer.add_attn_temperature_scale(temperature.scale)
         writer.add_attn_temperature_length(temperature.length)
     if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2"):
@@ -333,7 +334,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("deepseek2", "glm4moe"):
+    if arch in ("deepseek2", "mistral4", "glm4moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)

@@ -217,8 +217,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
-        elif cfg.architecture == "qwen3_moe":  # Qwen3-VL-MoE's experts come stacked
-            tensors = _split_qwen_experts(tensors, cfg)
+        elif cfg.architecture in ("qwen3_moe", "mistral4"):  # Qwen3-VL-MoE's and Mistral 4's experts come stacked
+            tensors = _split_hf_stacked_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)
         table = hf_names(cfg)
@@ -631,16 +631,17 @@ def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) 
             yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
 
 
-_QWEN_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj")
+_HF_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj")
 
 
-def _split_qwen_experts(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
-    """Qwen3-VL-MoE's experts, stacked in one tensor per projection, as each expert's weights as ridge holds them
-    ([out, in], gate's rows then up's), each read on its own; every other tensor as it is. Its published checkpoints
-    stack [experts, in, out], HF transformers saves [experts, out, in]: the shape tells which (as HF's loader reads
-    it, a square one as the latter)."""
+def _split_hf_stacked_experts(tensors: Iterator[tuple[str, _Stored]],
+                              cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
+    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's, Mistral 4's), as each expert's weights as ridge
+    holds them ([out, in], gate's rows then up's), each read on its own; every other tensor as it is. Qwen3-VL-MoE's
+    published checkpoints stack [experts, in, out], HF transformers saves [experts, out, in]: the shape tells which
+    (as HF's loader reads it, a square one as the latter)."""
     for name, stored in tensors:
-        match = _QWEN_STACKED.fullmatch(name)
+        match = _HF_STACKED.fullmatch(name)
         if match is None:
             yield name, stored
             continue

@@ -2,7 +2,7 @@
 
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
 cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
-deepseek_v2, deepseek_v3, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and
+deepseek_v2, deepseek_v3, mistral4, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and
 granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
 is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side,
 Granite's scalars, queries sharpened by position, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
@@ -71,6 +71,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
     "deepseek_v2": {"rope_interleave": True, "router_group_rating": "max"},
     "deepseek_v3": {"router_scoring": "sigmoid"},
+    # Mistral 4 (Mistral Small 4): DeepSeek-V3's latent attention and layout, its router's groups rated by their two
+    # best softmax scores (no correction bias), and Ministral 3's attention temperature
+    "mistral4": {},
     # GLM-4.5 / 4.6 / 4.7: llama attention (q / k / v biases, half of each head rotary, per-head q / k norms where
     # its config has use_qk_norm) beside DeepSeek-V3's sigmoid router, shared experts and leading dense layers
     "glm4_moe": {"router_scoring": "sigmoid"},
@@ -98,9 +101,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_next": _QWEN3_5,
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
-        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe")
+        "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
+        "mistral4")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
-_MLA = ("deepseek_v2", "deepseek_v3")
+_MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -115,6 +119,8 @@ _HF_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Ministral3ForCausalLM": "ministral3",
+    "Mistral4ForCausalLM": "mistral4",
+    "mistral4": "mistral4",  # GGUF general.architecture too
     "mistral3": "ministral3",  # GGUF general.architecture (llama.cpp's name for Ministral 3's language model)
     "GraniteForCausalLM": "granite",
     "Qwen2ForCausalLM": "qwen2",
@@ -312,7 +318,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       query_pre_attn_scalar=spec.qk_nope_head_dim + spec.qk_rope_head_dim,
                       kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or 0,
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
-                      v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave)
+                      v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave,
+                      partial_rotary_factor=1.0)  # the rotary part is qk_rope_head_dim (Mistral 4's config says it
+        # as a factor too)
     fields.update(ARCHITECTURES[arch])
     if arch in _OPTIONAL_QK_NORM:
         fields["qk_norm"] = spec.qk_norm_params > 0

@@ -339,7 +339,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),
-        rope_interleave=bool(config.get("rope_interleave", False)),
+        rope_interleave=bool(config.get("rope_interleave", config.get("model_type") == "mistral4")),  # HF's default
         **fields,
     ).validate()
 
@@ -685,7 +685,7 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
         # rounds them outwards for every model, and so its rotary differs from the model's by a little
         scaling["truncate"] = False
     if (log_mul := value(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
-        if arch == "deepseek2":  # llama.cpp's converter writes 0.1 * mscale_all_dim, its graph takes mscale to equal it
+        if arch in ("deepseek2", "mistral4"):  # the converter writes 0.1 * mscale_all_dim, the graph takes mscale = it
             scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
         elif arch == "mistral3":  # mscale_all_dim itself (1: no attention factor, as Ministral 3's mscale is 1 too)
             scaling["mscale"] = scaling["mscale_all_dim"] = float(log_mul)
@@ -710,6 +710,8 @@ def _gguf_architecture(arch: str, experts: int, value) -> str:
             raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported (1: softmax, DeepSeek-V2; "
                              "2: sigmoid, DeepSeek-V3)")
         return "deepseek_v3" if gating == 2 else "deepseek_v2"
+    if arch == "mistral4" and (gating := int(value(f"{arch}.expert_gating_func", 1))) != 1:
+        raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (1: softmax)")
     return arch
 
 
@@ -718,7 +720,7 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
     attention as one KV head of the latent: key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank,
     and the per-head widths in key_length_mla / value_length_mla; older files have the per-head widths in
     key_length / value_length. Rotary dims stay in the checkpoint's interleaved pairs (llama.cpp's "norm" rope)."""
-    if arch != "deepseek2":
+    if arch not in ("deepseek2", "mistral4"):  # Mistral 4's: deepseek2's keys under its own name
         return {}
     rope = int(value(f"{arch}.rope.dimension_count"))
     key, val = value(f"{arch}.attention.key_length_mla"), value(f"{arch}.attention.value_length_mla")
