@@ -13,6 +13,7 @@ from ridge import SamplingParams
 from ridge.attention import AttentionMetadata, PrefillChunk
 from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.kv.formats import KV_FORMATS, decode_channel_scales, encode_channel_scales, kv_format
+from ridge.kv.layout import Window
 
 FORMATS = list(KV_FORMATS)
 
@@ -208,7 +209,7 @@ def test_the_kernel_reads_the_cache_as_the_torch_path_does(name, heads, kv_heads
         meta = AttentionMetadata(
             slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lengths),
             decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in tables]),
-            decode_context_lens=torch.tensor(lengths), prefills=[], window=window)
+            decode_context_lens=torch.tensor(lengths), prefills=[], window=window and Window(window))
         backend.prepare(meta)
         outs.append(backend.attend(0, q, None, None, meta))
     assert backend.kernels is not None

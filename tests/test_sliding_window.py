@@ -8,7 +8,7 @@ from conftest import random_prompts
 from ridge.attention import AttentionMetadata, PagedBackend
 from ridge.attention.backend import PrefillChunk
 from ridge.engine.sequence import Sequence
-from ridge.kv.layout import kv_layout
+from ridge.kv.layout import Window, kv_layout
 from ridge.kv.manager import KVManager
 from ridge.sampling_params import SamplingParams
 
@@ -23,10 +23,10 @@ def seq(i: int, tokens: list[int]) -> Sequence:
 
 # ---- layout ----------------------------------------------------------------------------------------------
 def test_gemma3_pattern_groups_into_equal_groups_over_shared_slots():
-    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    windows = [None if (i + 1) % 6 == 0 else Window(512) for i in range(18)]
     layout = kv_layout(windows)
     assert layout.num_slots == 3
-    assert [g.window for g in layout.groups] == [None] + [512] * 5
+    assert [g.window for g in layout.groups] == [None] + [Window(512)] * 5
     assert layout.groups[0].layers == (5, 11, 17)
     slots, groups = layout.slot_of_layer(), layout.group_of_layer()
     # no two layers of one group share a slot, and a slot's layers are in different groups
@@ -37,9 +37,9 @@ def test_gemma3_pattern_groups_into_equal_groups_over_shared_slots():
 
 
 # ---- the manager -----------------------------------------------------------------------------------------
-def windowed_manager(num_blocks: int = 64, prefix: bool = False) -> KVManager:
+def windowed_manager(num_blocks: int = 64, prefix: bool = False, chunked: bool = False) -> KVManager:
     # 2 full layers, 2 windowed (window 8 over blocks of 4): one group of each kind
-    return KVManager(num_blocks, 4, prefix, kv_layout([None, 8, None, 8]))
+    return KVManager(num_blocks, 4, prefix, kv_layout([None, Window(8, chunked), None, Window(8, chunked)]))
 
 
 def test_window_group_drops_blocks_behind_the_window():
@@ -58,6 +58,41 @@ def test_window_group_drops_blocks_behind_the_window():
     s.token_ids.append(40)
     assert kv.reserve(s, 41)
     kv.commit(s, 1)
+    kv.check_integrity([s])
+    kv.free(s)
+    kv.check_idle()
+
+
+def test_window_first_keys_and_masks_follow_their_definitions():
+    """A sliding window of 8 sees a query's last 8 positions; a chunked one of 8 the query's own aligned chunk of 8
+    (so the first query of each chunk sees itself alone): first_key on ints and tensors, and window_mask, against
+    the definitions written out."""
+    from ridge.attention.backend import window_mask
+
+    positions = torch.arange(40)
+    for window, first in ((Window(8), lambda p: max(0, p - 7)), (Window(8, chunked=True), lambda p: p - p % 8)):
+        assert [window.first_key(p) for p in range(40)] == [first(p) for p in range(40)]
+        assert window.first_key(positions).tolist() == [first(p) for p in range(40)]
+        expected = torch.tensor([[first(p) <= j <= p for j in range(40)] for p in range(40)])
+        assert torch.equal(window_mask(positions, positions, window), expected)
+    assert Window(8, chunked=True).first_key(16) == 16 and Window(8).first_key(16) == 9
+
+
+def test_chunked_window_group_drops_the_blocks_before_the_chunk():
+    """A chunked window of 8 over blocks of 4: at 40 computed tokens the next query (40) starts a chunk and sees
+    itself alone, so every earlier block goes back; at 45 it sees 40.. (block 10 on), and the 44th's block stays."""
+    kv = windowed_manager(chunked=True)
+    free_at_start = kv.num_free
+    s = seq(0, list(range(40)))
+    assert kv.reserve(s, 40)
+    kv.commit(s, 40)
+    full, chunked = s.block_tables
+    assert chunked == [kv.null_block] * 10 and kv.null_block not in full
+    assert kv.num_free == free_at_start - 10
+    s.token_ids.extend(range(40, 46))
+    assert kv.reserve(s, 46)
+    kv.commit(s, 6)  # the next query, 46, sees 40..46: blocks 10 and 11
+    assert s.block_tables[1][:10] == [kv.null_block] * 10 and kv.null_block not in s.block_tables[1][10:]
     kv.check_integrity([s])
     kv.free(s)
     kv.check_idle()
@@ -117,11 +152,12 @@ def test_max_sequence_tokens_counts_every_group():
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunked", [False, True], ids=["sliding", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_rows_read_only_the_window(ops, dtype):
+def test_kernel_rows_read_only_the_window(ops, dtype, chunked):
     """Decodes, a short continuation chunk (kernel rows) and long chunks (SDPA, from the cache and fresh), all
-    windowed, against the kernel-free float32 path; blocks before every window hold NaN, so a read of one
-    shows."""
+    windowed (sliding, or chunked: Llama 4's), against the kernel-free float32 path; blocks before every window
+    hold NaN, so a read of one shows."""
     torch.manual_seed(3)
     kv_heads, group, d, blocks, bs, window = 2, 3, 64, 80, 16, 40
     backend = PagedBackend(1, kv_heads, d, blocks, bs, dtype, "cpu")
@@ -153,7 +189,7 @@ def test_kernel_rows_read_only_the_window(ops, dtype):
     outs = []
     for b, qq, kk, vv in ((backend, q, k, v), (exact, q.float(), k.float(), v.float())):
         meta = AttentionMetadata(torch.zeros(tokens, dtype=torch.long), 3, decode_tables, decode_lens, chunks,
-                                 window=window)
+                                 window=Window(window, chunked))
         b.prepare(meta)
         outs.append(b.attend(0, qq, kk, vv, meta))
     assert not outs[0].isnan().any()  # the exact copy holds numbers there: it checks the math, not the reads
@@ -200,7 +236,7 @@ def windowed(request, tmp_path_factory):
 def test_windowed_logits_match_hf(windowed, make_llm_for_test, backend):
     arch, path, hf = windowed
     llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
-    assert WINDOW in llm.engine.runner.windows
+    assert Window(WINDOW) in llm.engine.runner.windows
     for ids in random_prompts(3, VOCAB, 3 * WINDOW, 6 * WINDOW, seed=1):  # several windows long
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():
@@ -242,7 +278,8 @@ def test_windowed_greedy_tokens_match_hf_under_the_runtime(windowed, make_llm_fo
     cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
     longest = max(len(p) for p in prompts) + 40
     # blocks one sequence holds at most: all of a full group's, a window and a 16-token chunk of a windowed one's
-    one = sum(-(-longest // 16) if g.window is None else -(-(g.window + 16) // 16) + 1 for g in cfg.kv_layout().groups)
+    one = sum(-(-longest // 16) if g.window is None else -(-(g.window.size + 16) // 16) + 1
+              for g in cfg.kv_layout().groups)
     engines = {
         "batch": {},
         "chunked": {"max_num_batched_tokens": 7},

@@ -22,6 +22,7 @@ import triton.language as tl  # noqa: E402
 from ridge.attention import CudaBackend, CudaQuantizedKVBackend, QuantizedKVBackend, ReferenceBackend  # noqa: E402
 from ridge.attention.backend import AttentionMetadata, PrefillChunk  # noqa: E402
 from ridge.kv.formats import kv_format  # noqa: E402
+from ridge.kv.layout import Window  # noqa: E402
 from ridge.quant.methods import quantize_weight  # noqa: E402
 from ridge.quant.rtn import QuantizedWeight, dequantize, quantize_int8  # noqa: E402
 from ridge.triton_kernels import paged_attention, quant_matmul, quant_tuning  # noqa: E402
@@ -165,7 +166,7 @@ def test_latent_backend_decodes_through_triton_as_through_torch():
     assert torch.equal(written[slots[:2]], rows[:2, 0] + 1)
     written[slots[:2]] = before.view(-1, 48)[slots[:2]]
     assert torch.equal(triton_backend.k_cache[0], before)  # nothing else moved
-    for window in (None, 20):
+    for window in (None, Window(20), Window(20, chunked=True)):
         outs = []
         for backend in (triton_backend, torch_backend):
             meta = AttentionMetadata(slot_mapping=slots[:3], num_decodes=3, decode_block_tables=tables,
@@ -339,8 +340,9 @@ def _quantized_backends(name: str):
 
 
 @pytest.mark.parametrize(("window", "cache", "sinks"), [
-    *[(window, cache, False) for window in (None, 12) for cache in ("auto", "fp8", "int8", "int4")],
-    (None, "auto", True), (12, "auto", True), (12, "int8", True)])
+    *[(window, cache, False) for window in (None, Window(12)) for cache in ("auto", "fp8", "int8", "int4")],
+    (Window(12, chunked=True), "auto", False), (Window(12, chunked=True), "int8", False),
+    (None, "auto", True), (Window(12), "auto", True), (Window(12), "int8", True)])
 def test_cuda_backend_matches_reference(window, cache, sinks):
     """A step of two decodes and two prefill chunks (a fresh prompt through SDPA, and one continuing a cached
     context through the Triton prefill kernel), through both backends, layer by layer; the caches hold the same

@@ -114,6 +114,7 @@ def _attention_step(backend, heads: int, window: int | None) -> None:
     """One step of three decodes (short, mid, long context), a fresh prompt and a chunk that continues a cached
     context of 300 tokens, through a CUDA backend's write and attention, two layers."""
     from ridge.attention.backend import AttentionMetadata, PrefillChunk
+    from ridge.kv.layout import Window
 
     bs, kv_heads, d = backend.block_size, backend.num_kv_heads, backend.head_dim
     tables = torch.arange(4 * 32, dtype=torch.int32).view(4, 32)
@@ -122,8 +123,8 @@ def _attention_step(backend, heads: int, window: int | None) -> None:
     tokens = 3 + 40 + 70
     meta = AttentionMetadata(slot_mapping=torch.arange(tokens), num_decodes=3,
                              decode_block_tables=tables[:3, : -(-max(lens) // bs)],
-                             decode_context_lens=torch.tensor(lens, dtype=torch.int32), window=window,
-                             prefills=chunks)
+                             decode_context_lens=torch.tensor(lens, dtype=torch.int32),
+                             window=window and Window(window), prefills=chunks)
     backend.prepare(meta)
     dtype = backend.dtype
     q = torch.zeros(tokens, heads, d, dtype=dtype)
@@ -154,6 +155,7 @@ def latent(heads: int, dtype: torch.dtype, window: int | None = None) -> Callabl
     def run() -> None:
         from ridge.attention import LatentBackend
         from ridge.attention.backend import AttentionMetadata
+        from ridge.kv.layout import Window
         from ridge.triton_kernels import latent_attention
 
         backend = LatentBackend(1, 1, 576, 256, 16, dtype, "cpu", value_dim=512)
@@ -163,7 +165,7 @@ def latent(heads: int, dtype: torch.dtype, window: int | None = None) -> Callabl
         tables = torch.arange(96, dtype=torch.int32).view(3, 32)
         meta = AttentionMetadata(slot_mapping=torch.arange(3), num_decodes=3, decode_block_tables=tables,
                                  decode_context_lens=torch.tensor([17, 200, 511], dtype=torch.int32),
-                                 window=window, prefills=[])
+                                 window=window and Window(window), prefills=[])
         backend.prepare(meta)
         q = torch.zeros(3, heads, 576, dtype=dtype)
         backend.attend(0, q, q, q, meta)

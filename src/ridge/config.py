@@ -13,7 +13,7 @@ import torch
 
 from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
-from ridge.kv.layout import KVLayout, kv_layout
+from ridge.kv.layout import KVLayout, Window, kv_layout
 from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
@@ -57,9 +57,11 @@ class ModelConfig:
     # Qwen3.5 / Qwen3-Next: attention's output scaled, each element, by the sigmoid of a gate the query
     # projection also gives (one gate row per query row), before o_proj
     attention_output_gate: bool = False
-    # sliding-window attention: a windowed layer's query sees the last sliding_window positions; with
-    # global_every, every global_every-th layer (the last of each run) attends to all (Gemma's local:global)
+    # sliding-window attention: a windowed layer's query sees the last sliding_window positions (chunked: those of
+    # its own aligned chunk of sliding_window, Llama 4's); with global_every, every global_every-th layer (the last
+    # of each run) attends to all (Gemma's local:global)
     sliding_window: int = 0
+    chunked_window: bool = False
     global_every: int = 0
     rope_local_theta: float | None = None  # the local layers' rotary base, if not rope_theta (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary (SmolLM3's every fourth: NoPE)
@@ -224,9 +226,11 @@ class ModelConfig:
             return (layer + 1) % self.global_every != 0
         return bool(self.sliding_window)
 
-    def layer_window(self, layer: int) -> int | None:
-        """The layer's sliding window, None for full attention."""
-        return self.sliding_window if self.sliding_window and self.is_local(layer) else None
+    def layer_window(self, layer: int) -> Window | None:
+        """The layer's window, None for full attention."""
+        if not (self.sliding_window and self.is_local(layer)):
+            return None
+        return Window(self.sliding_window, self.chunked_window)
 
     def kv_layout(self) -> KVLayout:
         """The attention layers' KV groups (state-space layers hold no KV: none in a pure Mamba model)."""

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 from ridge.attention.cascade import SharedPrefix
-from ridge.kv.layout import KVLayout, kv_layout
+from ridge.kv.layout import KVLayout, Window, kv_layout
 
 
 @dataclass
@@ -36,15 +36,15 @@ class PrefillChunk:
 @dataclass
 class AttentionMetadata:
     """Where each token of a step goes and what it attends to, for the layers of one KV group (kv/layout.py).
-    Decode tokens come first in the flat batch. A query at position p sees keys j <= p, and j > p - window
-    when the group has a window."""
+    Decode tokens come first in the flat batch. A query at position p sees keys j <= p, from its window's first
+    key on when the group has a window (kv/layout.py)."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of every token
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor  # [num_decodes], the new token included
     prefills: list[PrefillChunk]
-    window: int | None = None
+    window: Window | None = None
     # Where the runner asks for it (h2o eviction, kv/eviction.py): [sequences of the step, width] float32, zeros,
     # decodes' rows first, then each chunk's; the backend adds, in every layer, each sequence's attention
     # probabilities over the blocks of its table (summed over query heads and the tokens of each block) for every
@@ -60,7 +60,7 @@ class AttentionMetadata:
     backend_state: object | None = None  # what another backend's prepare() keeps for its attend()
 
     @classmethod
-    def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int, window: int | None = None,
+    def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int, window: Window | None = None,
                      device: torch.device | str = "cpu") -> AttentionMetadata:
         """One sequence's tokens 0..num_tokens-1 in one chunk over an empty cache: scoring a text."""
         table = torch.tensor(block_table, dtype=torch.long, device=device)
@@ -76,7 +76,7 @@ class AttentionMetadata:
 
     def window_starts(self, context_lens: torch.Tensor) -> torch.Tensor | None:
         """The first key of rows whose query sits at context_len - 1 (None without a window: key 0)."""
-        return None if self.window is None else (context_lens - self.window).clamp_(min=0)
+        return None if self.window is None else self.window.first_key(context_lens - 1)
 
 
 # A step's attention metadata: one per KV group, in the layout's order.
@@ -113,11 +113,11 @@ def sink_correction_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) 
     out.mul_(torch.sigmoid(lse - sinks.float()).to(out.dtype).unsqueeze(-1))
 
 
-def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: Window | None) -> torch.Tensor:
     """[n, L] True where a query at query_pos may see the key at key_pos: causal, within the window."""
     visible = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
-        visible &= key_pos[None, :] > query_pos[:, None] - window
+        visible &= key_pos[None, :] >= window.first_key(query_pos)[:, None]
     return visible
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, PrefillChunk, window_mask
 from ridge.kv.eviction import OBSERVED_ROWS
+from ridge.kv.layout import Window
 
 # The absorbed form scores each of a chunk's n queries against a context token's whole row (2 * rank + rope
 # multiply-adds a head, scores and sums); the expanded form first multiplies every context token's latent out to
@@ -126,14 +127,14 @@ class LatentBackend(AttentionBackend):
         positions = torch.arange(rows.shape[1], device=q.device)
         visible = positions < lens.unsqueeze(1)
         if meta.window is not None:
-            visible &= positions >= lens.unsqueeze(1) - meta.window
+            visible &= positions >= meta.window_starts(lens).unsqueeze(1)
         probs = scores.masked_fill(~visible.unsqueeze(1), float("-inf")).softmax(-1)
         if mass is not None:
             self._add_mass(mass, probs.sum(1))
         return torch.einsum("bhl,blv->bhv", probs, latents.float()).to(q.dtype)
 
     def attend_expanded(self, layer: int, chunk: PrefillChunk, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        w_uk: torch.Tensor, w_uv: torch.Tensor, window: int | None) -> torch.Tensor:
+                        w_uk: torch.Tensor, w_uv: torch.Tensor, window: Window | None) -> torch.Tensor:
         """A prefill chunk in the expanded form (its rows already written): q_nope [n, heads, nope], q_pe [n, heads,
         rope] (rotated); w_uk [heads, nope, rank], w_uv [heads, v_dim, rank] -> [n, heads, v_dim]. Reports no
         attention mass: with heavy-hitter eviction chunks stay absorbed (models/mla.py)."""
@@ -144,7 +145,8 @@ class LatentBackend(AttentionBackend):
         keys = torch.cat([torch.einsum("cr,hnr->hcn", latents, w_uk), k_pe.expand(heads, -1, -1)], dim=-1)
         values = torch.einsum("cr,hvr->hcv", latents, w_uv)  # [heads, C, v_dim]
         queries = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, n, nope + rope]
-        causal = context == n and (window is None or context <= window)  # then SDPA's causal flag is the mask
+        # then SDPA's causal flag is the mask
+        causal = context == n and (window is None or window.first_key(context - 1) == 0)
         mask = None if causal else window_mask(torch.arange(context - n, context, device=rows.device),
                                                torch.arange(context, device=rows.device), window)
         out = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),

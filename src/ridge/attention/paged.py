@@ -35,6 +35,7 @@ from ridge.attention.backend import (
 )
 from ridge.attention.mass import block_mass
 from ridge.kv.eviction import OBSERVED_ROWS
+from ridge.kv.layout import Window
 
 # A continuation chunk up to this many tokens reads its context in place through the decode kernel; a
 # longer one gathers the context for masked SDPA, whose matmuls run faster on long chunks
@@ -110,16 +111,16 @@ class PagedBackend(AttentionBackend):
         all_lens = torch.cat(lens)
         meta.kernel_rows = KernelRows(None, torch.cat(padded), all_lens, window_starts=meta.window_starts(all_lens))
 
-    def _sdpa_chunk(self, chunk: PrefillChunk, window: int | None) -> SdpaChunk:
+    def _sdpa_chunk(self, chunk: PrefillChunk, window: Window | None) -> SdpaChunk:
         """How SDPA attends a prefill chunk: to this step's k, v when the chunk is its sequence's whole context,
         else to its cached context from the block its first query's window starts in."""
         device = chunk.block_table.device
         if chunk.context_len == chunk.length:
-            within = window is None or chunk.length <= window  # then causal is the whole mask
+            within = window is None or window.first_key(chunk.length - 1) == 0  # then causal is the whole mask
             pos = torch.arange(chunk.length, device=device)
             return SdpaChunk(chunk, None if within else window_mask(pos, pos, window))
         query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
-        first_key = 0 if window is None else max(0, chunk.context_len - chunk.length - window + 1)
+        first_key = 0 if window is None else window.first_key(chunk.context_len - chunk.length)
         first_block = first_key // self.block_size
         width = (chunk.block_table.shape[0] - first_block) * self.block_size
         key_pos = torch.arange(first_block * self.block_size, first_block * self.block_size + width, device=device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata, sink_softmax, window_mask
+from ridge.kv.layout import Window
 
 
 class ReferenceBackend(AttentionBackend):
@@ -29,7 +30,7 @@ class ReferenceBackend(AttentionBackend):
         return out
 
     def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
-             window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+             window: Window | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
         k, v = self.gather(layer, block_table)
         group = q.shape[1] // self.num_kv_heads

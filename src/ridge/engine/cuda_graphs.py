@@ -20,6 +20,7 @@ import torch
 
 from ridge.attention.backend import AttentionBackend, AttentionMetadata
 from ridge.engine.scheduler import ScheduledStep
+from ridge.kv.layout import Window
 from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
@@ -28,7 +29,7 @@ BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))  # vLLM's capture sizes up to 256
 
 
 class DecodeGraphs:
-    def __init__(self, model: DecoderModel, backend: AttentionBackend, windows: list[int | None], block_size: int,
+    def __init__(self, model: DecoderModel, backend: AttentionBackend, windows: list[Window | None], block_size: int,
                  max_batch: int, max_model_len: int, device: torch.device) -> None:
         self.model, self.backend, self.windows, self.block_size = model, backend, windows, block_size
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [min(max_batch, BATCH_BUCKETS[-1])]

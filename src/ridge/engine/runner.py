@@ -26,6 +26,7 @@ from ridge.engine.scheduler import ScheduledStep
 from ridge.engine.sequence import Sequence
 from ridge.kernels import decode_stack
 from ridge.kv.formats import KVFormat
+from ridge.kv.layout import Window
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.models.moe import attach_fused_experts
 from ridge.models.transformer import DecoderModel
@@ -257,7 +258,7 @@ class ModelRunner:
                          torch.tensor(restores, **as_long) if restores else None,
                          torch.tensor(saves, **as_long) if saves else None)
 
-    def _group_metadata(self, step: ScheduledStep, group: int, window: int | None) -> AttentionMetadata:
+    def _group_metadata(self, step: ScheduledStep, group: int, window: Window | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step."""
         bs = self.block_size
         slots: list[int] = []

@@ -1,9 +1,10 @@
 """Which layers share a block table, and how their K/V tensors share the pool's memory.
 
 A KV group is a set of layers whose K/V follow one lifetime rule: full attention keeps every block of a
-sequence; a sliding window of w keeps only the blocks that hold a sequence's last w positions (a query at
-position p sees keys p - w < j <= p, as in HF transformers and llama.cpp). Each sequence holds one block
-table per group.
+sequence; a window keeps only the blocks its next queries can see: a sliding window of w a sequence's last w
+positions (a query at position p sees keys p - w < j <= p, as in HF transformers and llama.cpp), a chunked one
+(Llama 4's local layers) those of the aligned chunk of w positions the next query falls in. Each sequence holds one
+block table per group.
 
 The groups draw their blocks from one pool, so memory moves freely between them: a short sequence needs
 as many window blocks as full ones, a long one far fewer. That needs every block id to mean the same
@@ -18,12 +19,35 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+Positions = TypeVar("Positions", int, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The keys a query sees beside the causal rule: the last `size` positions (a sliding window: a query at p sees
+    p - size < j <= p), or, chunked, those of its own chunk of `size` positions aligned to 0 (p // size * size <=
+    j <= p: Llama 4's local layers, whose first query of each chunk sees itself alone)."""
+
+    size: int
+    chunked: bool = False
+
+    def first_key(self, position: Positions) -> Positions:
+        """The first key a query at `position` sees (an int, or a tensor of positions); a later query's is never
+        earlier, which is what lets a cache drop the blocks before the next query's first key."""
+        if self.chunked:
+            return position // self.size * self.size
+        first = position - self.size + 1
+        return first.clamp(min=0) if isinstance(first, torch.Tensor) else max(first, 0)
 
 
 @dataclass(frozen=True)
 class KVGroup:
     layers: tuple[int, ...]
-    window: int | None  # sliding window in positions; None: full attention
+    window: Window | None  # None: full attention
 
 
 @dataclass(frozen=True)
@@ -44,12 +68,12 @@ class KVLayout:
         return {layer: slot for group in self.groups for slot, layer in enumerate(group.layers)}
 
 
-def kv_layout(layer_windows: Sequence[int | None] | Mapping[int, int | None]) -> KVLayout:
+def kv_layout(layer_windows: Sequence[Window | None] | Mapping[int, Window | None]) -> KVLayout:
     """Group the attention layers by their window (None: full attention), given for every layer in order or by
     layer index (a hybrid model's attention layers); groups of the smallest kind's size, the last of a kind
     possibly shorter (its unused slots then hold nothing)."""
     windows = layer_windows if isinstance(layer_windows, Mapping) else dict(enumerate(layer_windows))
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[Window | None, list[int]] = {}
     for layer, window in sorted(windows.items()):
         kinds.setdefault(window, []).append(layer)
     if not kinds:

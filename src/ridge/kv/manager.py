@@ -6,8 +6,9 @@ Only this manager changes either, and a sequence's prefix-cache registration: th
 runs and asks it for room, the engine tells it what a step computed, and the sequence itself only carries
 the data.
 
-Sliding-window groups: once a sequence has computed n tokens, its next query sits at position n or later
-and sees no key before n - window + 1, so commit() gives every block wholly before that back to the pool
+Window groups: once a sequence has computed n tokens, its next query sits at position n or later and sees no key
+before its window's first key (n - window + 1 for a sliding one, n's chunk start for a chunked one), so commit()
+gives every block wholly before that back to the pool
 (a cached one stays findable, parked). The table keeps its length; a dropped entry holds the null block,
 a block id reserved for that which no kernel reads (the backends read a window group from its window's
 start). A manager that must rewind (the draft model's) keeps `rewind_margin` more positions.
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.eviction import Eviction
-from ridge.kv.layout import KVLayout, kv_layout
+from ridge.kv.layout import KVLayout, Window, kv_layout
 from ridge.kv.prefix_cache import PrefixCache, chain_key
 from ridge.kv.state_cache import StateSlots
 from ridge.kv.state_snapshots import StateSnapshots
@@ -111,7 +112,7 @@ class KVManager:
     def window_start_block(self, group: int, num_computed: int) -> int:
         """The first block the window of a query at position num_computed reaches (0 in a full group)."""
         window = self.windows[group]
-        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+        return 0 if window is None else window.first_key(num_computed) // self.block_size
 
     def first_live_block(self, group: int, num_computed: int) -> int:
         """The first block of `group` a sequence with num_computed tokens computed still holds."""
@@ -351,14 +352,14 @@ class KVManager:
             self.free(seq)
         seq.num_computed = min(seq.num_computed, num_computed)
 
-    def _bounded_blocks(self, window: int | None, num_tokens: int, chunk_tokens: int) -> int | None:
+    def _bounded_blocks(self, window: Window | None, num_tokens: int, chunk_tokens: int) -> int | None:
         """The most blocks one group holds for a sequence of num_tokens tokens computed in chunks of at most
         chunk_tokens when that is bounded: a window group's window (an evicting cache's budget) and the chunk being
         computed, each possibly straddling a block edge. None for a full group, which holds every block."""
         if self.eviction is not None:
             bound = self.eviction.budget + chunk_tokens
         elif window is not None:
-            bound = window + self.rewind_margin + chunk_tokens
+            bound = window.size + self.rewind_margin + chunk_tokens  # a chunked window holds no more
         else:
             return None
         return self.pool.blocks_for(min(bound, num_tokens)) + 1

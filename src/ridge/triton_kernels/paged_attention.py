@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ridge.kv.formats import CHANNEL_SCALE_TABLE, KVFormat
+from ridge.kv.layout import Window
 
 TILE = 64  # keys per iteration of the decode loop: 4 blocks of 16, 128 B rows of bf16 at head_dim 64
 MERGED_SPLITS = 16  # splits the merge kernel reads at a time
@@ -282,9 +283,9 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kn, stride_kt, stride_kh, stride_ksn, stride_kst, stride_ksh,
     stride_vsn, stride_vst, stride_vsh, stride_ot, stride_oh, stride_tc,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    FLOAT32_DOT: tl.constexpr, FORMAT: tl.constexpr, KEY_CHANNELS: tl.constexpr, KEY_GROUP: tl.constexpr,
-    VALUE_GROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, CHUNKED: tl.constexpr,
+    PRECISION: tl.constexpr, FLOAT32_DOT: tl.constexpr, FORMAT: tl.constexpr, KEY_CHANNELS: tl.constexpr,
+    KEY_GROUP: tl.constexpr, VALUE_GROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -302,7 +303,12 @@ def _prefill_kernel(
     if FLOAT32_DOT:
         q = q.to(tl.float32)
     last_position = context_len - length + tl.minimum(offset + BLOCK_Q, length) - 1
-    first_key = tl.maximum(context_len - length + offset - window + 1, 0) if HAS_WINDOW else 0
+    first_key = 0  # the tile's first query's (kv/layout.py's Window.first_key)
+    if HAS_WINDOW:
+        if CHUNKED:
+            first_key = (context_len - length + offset) // window * window
+        else:
+            first_key = tl.maximum(context_len - length + offset - window + 1, 0)
     kv_head = head // GROUP
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
@@ -320,7 +326,10 @@ def _prefill_kernel(
             k, v = k.to(tl.float32), v.to(tl.float32)
         visible = keys[None, :] <= positions[:, None]
         if HAS_WINDOW:
-            visible &= keys[None, :] > positions[:, None] - window
+            if CHUNKED:
+                visible &= keys[None, :] >= (positions // window * window)[:, None]
+            else:
+                visible &= keys[None, :] > positions[:, None] - window
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(visible, scores, float("-inf"))
         p, alpha, m_new, l_i = _softmax_step(scores, m_i, l_i)
@@ -401,7 +410,7 @@ def prefill_tiles(lengths: list[int]) -> tuple[list[int], list[int]]:
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   tables: torch.Tensor, tile_chunks: torch.Tensor, tile_offsets: torch.Tensor, starts: torch.Tensor,
-                  lengths: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None,
+                  lengths: torch.Tensor, context_lens: torch.Tensor, scale: float, window: Window | None,
                   quantized: QuantizedLayer | None = None, sinks: torch.Tensor | None = None) -> None:
     """Prefill chunks that attend to their sequences' cached context (their own K/V already written): chunk c's
     queries are q rows starts[c] .. starts[c] + lengths[c] - 1, at positions context_lens[c] - lengths[c] on;
@@ -412,11 +421,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[(tile_chunks.shape[0], heads)](
         q_ptr=q, out_ptr=out, tables_ptr=tables, tile_chunks_ptr=tile_chunks, tile_offsets_ptr=tile_offsets,
         starts_ptr=starts, lengths_ptr=lengths, context_lens_ptr=context_lens,
-        sinks_ptr=sinks if sinks is not None else lengths, scale=scale, window=window or 0,
+        sinks_ptr=sinks if sinks is not None else lengths, scale=scale, window=window.size if window else 0,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_tc=tables.stride(0),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_Q=PREFILL_QUERIES, TILE=TILE, HAS_WINDOW=window is not None,
+        CHUNKED=window is not None and window.chunked,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FLOAT32_DOT=_float32_dot(q.dtype, quantized),
         HAS_SINKS=sinks is not None, **_cache_args(k_cache, v_cache, quantized),
     )
