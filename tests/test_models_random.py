@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from conftest import assert_family_matches_hf, assert_same_logits, random_prompts
 from ridge.kernels import cpu_ops
+from ridge.kv.layout import Window
 
 VOCAB = 320
 
@@ -395,7 +396,7 @@ def test_olmo_matches_hf_without_pre_norms(random_olmo, make_llm_for_test):
     model = llm.engine.loaded.model
     assert all(not hasattr(layer.input_norm, "weight") for layer in model.layers)
     if model.cfg.architecture == "olmo3":
-        assert [model.cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+        assert [model.cfg.layer_window(i) for i in range(4)] == [Window(24)] * 3 + [None]
         assert not torch.allclose(model.rotary_local.freqs, model.rotary.freqs)
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
 
@@ -448,7 +449,7 @@ def test_exaone4_matches_hf_with_its_rotary_free_global_layers(random_exaone4, m
 
     path, hf = random_exaone4
     cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
-    assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+    assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [Window(24)] * 3 + [None]
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
 
 
@@ -602,7 +603,7 @@ def test_cohere_matches_hf_with_its_parallel_blocks(random_cohere, make_llm_for_
     cfg = make_llm_for_test(path, dtype="float32").engine.loaded.config
     assert (cfg.norm_kind, cfg.parallel_block, cfg.logits_scaling) == ("layer", True, 4.0)
     if cfg.architecture == "cohere2":
-        assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [24, 24, 24, None]
+        assert cfg.nope_layers == (3,) and [cfg.layer_window(i) for i in range(4)] == [Window(24)] * 3 + [None]
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
 
 

@@ -91,6 +91,17 @@ def hf_config(arch: str):
                                                "original_max_position_embeddings": 32, "beta_fast": 32.0,
                                                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                "llama_4_scaling_beta": 0.5})
+    if arch == "llama4":  # Llama 4: a sigmoid router whose experts read their tokens times the scores, a shared
+        # expert, experts on every second layer; chunked attention (32) on 3 of 4 layers, the fourth NoPE with its
+        # queries tempered (every 16 positions here), q / k L2-normed; llama3 rotary in interleaved pairs
+        from transformers import Llama4TextConfig
+
+        return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size=32,
+                                intermediate_size_mlp=96, num_local_experts=8, num_experts_per_tok=2,
+                                interleave_moe_layer_step=2, attention_chunk_size=32, floor_scale=16, attn_scale=0.5,
+                                rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 64})
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -103,8 +114,12 @@ def hf_config(arch: str):
                             routed_scaling_factor=2.5)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2",
-                                        "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4"])
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                "minimax_m2", "ernie4_5_moe", "mistral4", "llama4"]
+WINDOWED = ("llama4",)  # its chunked windows' blocks: tests/test_sliding_window.py
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
 def moe_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -224,6 +239,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
                "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}), "mistral4": ("mistral4", {}),
+               "llama4": ("llama4", {}), "llama4-bf16": ("llama4", {"dtype": "bfloat16"}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -305,6 +321,7 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
     assert model_weight_bytes(model, batch=1) == pytest.approx(read + unhooked)  # what the benchmarks divide by
 
 
+@pytest.mark.parametrize("moe_model", [f for f in MOE_FAMILIES if f not in WINDOWED], indirect=True)
 def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
     from ridge.plan.arithmetic import kv_bytes
 
@@ -323,6 +340,31 @@ def test_the_kv_the_engine_holds_is_the_plan_s(moe_model, make_llm_for_test):
     assert held * per_token == kv_bytes(engine.loaded.spec, "fp32", held)  # whole blocks of the same bytes
     while engine.has_unfinished:
         engine.step()
+
+
+def test_llama4_as_llama_cpp_fixes_it_round_trips_through_gguf(smollm2_path, tmp_path, make_llm_for_test):
+    """llama.cpp's llama4 fixes the 8,192-token chunks, the NoPE layers' temperature (0.1 every 8,192 positions) and
+    whether q / k are L2-normed (unless 128 experts): a Llama 4 of those, written as a GGUF, reads back as the model
+    ridge draws (the same config and logits); one with other chunks is refused by name rather than written as what
+    llama.cpp would run differently."""
+    import dataclasses
+
+    from conftest import gguf_round_trip
+
+    config = {**hf_config("llama4").to_dict(), "vocab_size": 49152, "attention_chunk_size": 8192,
+              "floor_scale": 8192, "attn_scale": 0.1}
+    (tmp_path / "fixed").mkdir()
+    from_file, drawn = gguf_round_trip(config, tmp_path / "fixed", smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    # the file holds llama3's scaling as its divisors (rope_freqs): the same frequencies
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps, rope_scaling=theirs.rope_scaling) == theirs
+    assert torch.allclose(from_file.engine.loaded.model.rotary.freqs, drawn.engine.loaded.model.rotary.freqs, atol=1e-6)
+    assert ours.chunked_window and ours.dense_layers == (0, 2) and ours.attention_temperature.nope_layers_only
+    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="llama4 has 8192-token chunks"):
+        gguf_round_trip({**config, "attention_chunk_size": 32}, tmp_path / "other", smollm2_path, make_llm_for_test)
 
 
 @pytest.mark.parametrize("change,field", [({"clip_qkv": 8.0}, "clip_qkv"),

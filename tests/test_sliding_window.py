@@ -1,5 +1,6 @@
-"""Sliding-window attention end to end: the KV layout's groups, the manager dropping blocks behind the window,
-the kernels reading only the window, and a windowed model against HF transformers and under the runtime."""
+"""Sliding-window and chunked attention end to end: the KV layout's groups, the manager dropping blocks behind the
+window, the kernels reading only the window, and windowed models (Llama 4's chunked) against HF transformers and
+under the runtime."""
 
 import pytest
 import torch
@@ -209,11 +210,20 @@ def hf_config(arch: str):
     if arch == "gemma2":  # alternating, soft-capped logits, a query scale other than head_dim
         return Gemma2Config(**common, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24,
                             attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+    if arch == "llama4":  # chunked windows on 3 of 4 layers, the fourth global without rotary (its queries tempered
+        # every 32 positions), q / k L2-normed, a mixture on every second layer whose experts read scaled inputs
+        from transformers import Llama4TextConfig
+
+        common = {key: value for key, value in common.items() if key not in ("sliding_window", "intermediate_size")}
+        return Llama4TextConfig(**common, num_hidden_layers=4, head_dim=16, intermediate_size=32,
+                                intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                                interleave_moe_layer_step=2, attention_chunk_size=WINDOW, floor_scale=32,
+                                attn_scale=0.5)
     # 5 local : 1 global, two rotary bases, QK norm
     return Gemma3TextConfig(**common, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=24)
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["mistral", "gemma2", "gemma3", "llama4"])
 def windowed(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -224,7 +234,7 @@ def windowed(request, tmp_path_factory):
                                              attn_implementation="eager").eval()
     for name, weight in model.named_parameters():
         if name.endswith("norm.weight"):  # Gemma's norms multiply by 1 + w, initialised 0: make w matter
-            torch.nn.init.normal_(weight, 0.0 if request.param != "mistral" else 1.0, 0.3)
+            torch.nn.init.normal_(weight, 1.0 if request.param in ("mistral", "llama4") else 0.0, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None  # as ignore_eos: min_new_tokens would forbid EOS instead
@@ -236,7 +246,7 @@ def windowed(request, tmp_path_factory):
 def test_windowed_logits_match_hf(windowed, make_llm_for_test, backend):
     arch, path, hf = windowed
     llm = make_llm_for_test(path, dtype="float32", attention_backend=backend)
-    assert Window(WINDOW) in llm.engine.runner.windows
+    assert Window(WINDOW, chunked=arch == "llama4") in llm.engine.runner.windows
     for ids in random_prompts(3, VOCAB, 3 * WINDOW, 6 * WINDOW, seed=1):  # several windows long
         ours = llm.engine.prompt_logits(ids)
         with torch.inference_mode():

@@ -462,9 +462,10 @@ def test_fused_experts_match_one_matmul_per_expert(dtype, tokens, num_experts, t
 
 
 def test_an_moe_block_through_the_fused_experts_equals_its_own_path():
-    """A Qwen3-MoE-shaped block (one with a gated shared expert, and gpt-oss's: biases on the experts and the router,
-    the clamped SwiGLU at a limit the activations reach) forced onto the fused experts, on CPU tensors: the same output
-    as its one-matmul-per-expert path; quantized experts are refused with the reason."""
+    """A Qwen3-MoE-shaped block (one with a gated shared expert, gpt-oss's: biases on the experts and the router,
+    the clamped SwiGLU at a limit the activations reach, and Llama 4's: experts reading their tokens times the
+    scores) forced onto the fused experts, on CPU tensors: the same output as its one-matmul-per-expert path;
+    quantized experts are refused with the reason."""
     from ridge.config import ModelConfig
     from ridge.models.moe import MoEBlock
     from ridge.triton_kernels import moe
@@ -472,18 +473,20 @@ def test_an_moe_block_through_the_fused_experts_equals_its_own_path():
     torch.manual_seed(8)
     gpt_oss = dict(architecture="gpt_oss", expert_bias=True, router_logit_bias=True, hidden_act="swiglu_oai",
                    swiglu_limit=0.5)
-    for shared, variant in ((0, {}), (48, {}), (0, gpt_oss)):
-        cfg = ModelConfig(**{"architecture": "qwen3_moe", **variant}, vocab_size=64, hidden_size=64,
+    llama4 = dict(architecture="llama4", router_scoring="sigmoid", router_scales_input=True, norm_topk_prob=False,
+                  shared_expert_gate=False)
+    for shared, variant in ((0, {}), (48, {}), (0, gpt_oss), (32, llama4)):
+        qwen = {"architecture": "qwen3_moe", "norm_topk_prob": True, "shared_expert_gate": bool(shared)}
+        cfg = ModelConfig(**{**qwen, **variant}, vocab_size=64, hidden_size=64,
                           intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
-                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                          shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared))
+                          num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=shared)
         block = MoEBlock(cfg).to(DEVICE)
         for p in block.parameters():
             torch.nn.init.normal_(p, 0.0, 0.2)
         x = torch.randn(6, 64, device=DEVICE)
         with torch.inference_mode():
             expected = block(x)
-            block.fused, why = moe.stack_experts(block.experts, block.top_k)
+            block.fused, why = moe.stack_experts(block.experts, block.top_k, block.scales_input)
             assert why == "" and block.experts[3].gate_up.weight.data_ptr() == block.fused.gate_up[3].data_ptr()
             got = block(x)
         assert (got - expected).abs().max().item() < 1e-4 * max(1.0, expected.abs().max().item())

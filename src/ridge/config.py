@@ -54,6 +54,9 @@ class ModelConfig:
     # "attention sink" the head can put its weight on)
     attention_sinks: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k before rotary
+    # Llama 4: q and k of each head divided by their RMS (no weight) on the layers that turn rotary; the norm
+    # commutes with a rotary of magnitude 1, so it runs where qk_norm's does
+    qk_l2_norm: bool = False
     # Qwen3.5 / Qwen3-Next: attention's output scaled, each element, by the sigmoid of a gate the query
     # projection also gives (one gate row per query row), before o_proj
     attention_output_gate: bool = False
@@ -106,8 +109,11 @@ class ModelConfig:
     # DeepSeek's routers: the experts in router_groups groups of which the router_topk_groups best are searched;
     # V3's sigmoid scores, with a bias added to choose (not to weigh); the weights scaled by routed_scaling_factor
     router_scoring: str = "softmax"  # or "sigmoid"
-    # a per-expert bias added to the scores to choose (not to weigh): sigmoid routers' always; Ernie 4.5's softmax one
+    # a per-expert bias added to the scores to choose (not to weigh): DeepSeek-V3's sigmoid router's, Ernie 4.5's
+    # softmax one
     router_choice_bias: bool = False
+    # Llama 4's: a chosen expert reads its token times the token's weight for it, and its output joins unweighted
+    router_scales_input: bool = False
     # sigmoid scores' renormalised top k: their sum plus this (DeepSeek-V3's 1e-20, LFM2-MoE's 1e-6)
     router_norm_eps: float = 1e-20
     router_group_rating: str = "top2"  # a group's rating: its two best scores (V3), or its best one ("max": V2)

@@ -183,13 +183,15 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 @dataclass(frozen=True)
 class AttentionTemperature:
     """Queries at long positions sharpened, so that attention stays as peaked over a context many times the one a
-    model was trained on (Llama 4's temperature tuning, which Ministral 3 and Mistral 4 took up): each query is
-    multiplied by 1 + scale * ln(1 + floor((position + offset) / length)), exactly 1 within the first `length`
-    positions. llama.cpp's GGUF keys: `<arch>.attention.temperature_scale` and `.temperature_length`."""
+    model was trained on (Llama 4's temperature tuning on its layers without rotary, which Ministral 3 and Mistral 4
+    took up for every layer): each query is multiplied by 1 + scale * ln(1 + floor((position + offset) / length)),
+    exactly 1 within the first `length` positions (less the offset). llama.cpp's GGUF keys:
+    `<arch>.attention.temperature_scale` and `.temperature_length`."""
 
     scale: float
     length: int
     offset: float = 0.0
+    nope_layers_only: bool = False  # Llama 4's: on the layers without rotary alone
 
     def __post_init__(self) -> None:
         if self.length <= 0:

@@ -38,7 +38,7 @@ from ridge.models.loader import (
     random_model,
 )
 from ridge.models.registry import check_supported
-from ridge.models.spec import COHERE2_GLOBAL_EVERY, SMOLLM3_NOPE_EVERY, ModelSpec
+from ridge.models.spec import COHERE2_GLOBAL_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, SMOLLM3_NOPE_EVERY, ModelSpec
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
@@ -56,7 +56,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
-                      "mistral4": "mistral4"}
+                      "mistral4": "mistral4", "llama4": "llama4"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -160,9 +160,14 @@ def _check_writable(spec: ModelSpec) -> str:
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid"):
         _check_mamba2(spec, arch)
-    # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key
+    # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
                                                                  "ernie4_5-moe") else ()
+    if arch == "llama4":
+        leading = tuple(i for i in range(spec.num_layers) if (i + 1) % spec.moe_layer_step) if spec.is_moe else ()
+        _check_llama4(spec)
+    elif spec.chunked_window:
+        raise ValueError(f"model: llama.cpp's {arch} has no chunked attention (llama4's alone)")
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
                          f"header key in {arch}; llama.cpp would read experts there")
@@ -209,6 +214,23 @@ def _full_attention_interval(spec: ModelSpec) -> int:
         raise ValueError(f"model: gated DeltaNet layers {list(spec.ssm_layers)} are not all but every n-th layer, "
                          "the one pattern a qwen35 GGUF holds (full_attention_interval)")
     return interval
+
+
+def _check_llama4(spec: ModelSpec) -> None:
+    """llama.cpp's llama4 graph fixes what Llama 4's config says apart (models/spec.py's _gguf_llama4_fields): the
+    chunks, the NoPE layers and their temperature, or (a sliding_window key of 0) none of them; and q / k L2 norms
+    unless the model has 128 experts."""
+    chunked = (LLAMA4_CHUNK, True, 4, tuple(i for i in range(spec.num_layers) if (i + 1) % 4 == 0),
+               LLAMA4_TEMPERATURE)
+    have = (spec.sliding_window, spec.chunked_window, spec.global_every, spec.nope_layers, spec.nope_temperature)
+    if have not in (chunked, (0, False, 0, (), None)):
+        raise ValueError(f"model: llama.cpp's llama4 has {LLAMA4_CHUNK}-token chunks on 3 of 4 layers, the fourth "
+                         f"without rotary and tempered {LLAMA4_TEMPERATURE}, or none of them (a GGUF does not say "
+                         f"them); this model has chunks of {spec.sliding_window}, NoPE layers "
+                         f"{list(spec.nope_layers)[:4]}, temperature {spec.nope_temperature}")
+    if spec.qk_l2_norm != (spec.num_experts != 128):
+        raise ValueError(f"model: llama.cpp's llama4 L2-norms q and k unless a model has 128 experts (Maverick); "
+                         f"this one has {spec.num_experts} experts and use_qk_norm {spec.qk_l2_norm}")
 
 
 def _check_mamba2(spec: ModelSpec, arch: str) -> None:
@@ -298,7 +320,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                                  f"{scaling.mscale_all_dim} has no GGUF form")
             # the converter writes mistral3's as it is, deepseek2's times 0.1
             writer.add_rope_scaling_yarn_log_mul(scaling.mscale_all_dim * (1.0 if arch == "mistral3" else 0.1))
-    if (temperature := cfg.attention_temperature) is not None:  # mistral3's and mistral4's (_check_writable)
+    if (temperature := cfg.attention_temperature) is not None and arch != "llama4":  # mistral3's, mistral4's
         writer.add_attn_temperature_scale(temperature.scale)
         writer.add_attn_temperature_length(temperature.length)
     if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2"):
@@ -330,6 +352,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon; the logits' scale (Granite's divisor inverted)
         writer.add_layer_norm_eps(spec.rms_norm_eps)
         writer.add_logit_scale(1 / cfg.logits_scaling)
+    if arch == "llama4":  # its experts' layer step; a window of 0: no chunks, NoPE or temperature (_check_llama4)
+        writer.add_interleave_moe_layer_step(spec.moe_layer_step)
+        if not spec.sliding_window:
+            writer.add_sliding_window(0)
     if arch == "ernie4_5-moe":  # its leading dense layers, experts on every layer after, shared experts as one FFN
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)

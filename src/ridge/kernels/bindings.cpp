@@ -101,18 +101,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
                        std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
                        c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate,
-                       c10::optional<torch::Tensor> router_logit_bias, Activation activation, double norm_eps) {
+                       c10::optional<torch::Tensor> router_logit_bias, Activation activation, double norm_eps,
+                       bool scale_input) {
              TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
-             TORCH_CHECK(!sigmoid || router_bias.has_value(), "Experts: sigmoid scoring takes its correction bias");
              return Experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
                             renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
-                            shared_down, shared_gate, router_logit_bias, activation, norm_eps};
+                            shared_down, shared_gate, router_logit_bias, activation, norm_eps, scale_input};
            }),
            py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
            py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
            py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(),
-           py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0)
+           py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0, py::arg("scale_input") = false)
       .def("__call__", &Experts::operator(), py::arg("x"));
   py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
       .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,
@@ -136,7 +136,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
                        double residual_multiplier, std::optional<StateMixer> ssm,
                        std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate,
-                       bool parallel) {
+                       bool parallel, bool tempered) {
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -152,6 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.gated_delta = gated_delta;
              layer.output_gate = output_gate;
              layer.parallel = parallel;
+             layer.tempered = tempered;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -161,7 +162,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("activation") = Activation(), py::arg("group") = 0, py::arg("rope_table") = py::none(),
            py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
            py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none(),
-           py::arg("gated_delta") = py::none(), py::arg("output_gate") = false, py::arg("parallel") = false);
+           py::arg("gated_delta") = py::none(), py::arg("output_gate") = false, py::arg("parallel") = false,
+           py::arg("tempered") = false);
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,

@@ -173,10 +173,16 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   for (size_t i = 0; i < active.size(); ++i) {
     rows[i] = torch::tensor(tokens[active[i]], long_options);
   }
+  // the i-th active expert's tokens' weights [n, 1] float32
+  const auto weights_of = [&](size_t i) {
+    return torch::tensor(token_weights[active[i]], torch::TensorOptions().dtype(torch::kFloat)).unsqueeze(1);
+  };
   const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = active[i];
-      outs[i] = down[e](activation(gate_up[e](x.index_select(0, rows[i]))));
+      auto input = x.index_select(0, rows[i]);
+      if (scale_input) input = input * weights_of(i).to(x.scalar_type());
+      outs[i] = down[e](activation(gate_up[e](input)));
     }
   };
   const int64_t count = static_cast<int64_t>(active.size());
@@ -187,8 +193,8 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
   }
   auto out = torch::zeros_like(x);
   for (size_t i = 0; i < active.size(); ++i) {
-    const auto w = torch::tensor(token_weights[active[i]], torch::TensorOptions().dtype(torch::kFloat)).unsqueeze(1);
-    out.index_add_(0, rows[i], (outs[i] * w).to(out.scalar_type()));
+    out.index_add_(0, rows[i], scale_input ? outs[i].to(out.scalar_type())
+                                           : (outs[i] * weights_of(i)).to(out.scalar_type()));
   }
   if (shared_gate_up.has_value()) {
     auto shared = (*shared_down)(activation((*shared_gate_up)(x)));
@@ -364,7 +370,7 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   } else {  // q and k side by side in qkv: rotated in one go
     rotary_(rotated(qkv), positions, table, heads + kv_heads);
   }
-  if (query_scales.has_value()) q.mul_(*query_scales);
+  if (layer.tempered && query_scales.has_value()) q.mul_(*query_scales);
   std::tuple<torch::Tensor, torch::Tensor> attended;  // and each row and head's log-sum-exp
   if (layer.k_scales.has_value()) {
     quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, step.slots,
@@ -393,7 +399,8 @@ torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Ten
   const int64_t rows = h.size(0), local_heads = p.w_uk.size(0), nope = p.w_uk.size(1), rank = p.w_uk.size(2);
   auto q = p.q_a.has_value() ? p.q(at::rms_norm((*p.q_a)(h), {p.q_a_norm->size(0)}, *p.q_a_norm, eps)) : p.q(h);
   q = q.view({rows, local_heads, nope + p.rope});
-  if (query_scales.has_value()) q = q * *query_scales;  // before the rotary, as models/mla.py: the two commute
+  // before the rotary, as models/mla.py: the two commute
+  if (layer.tempered && query_scales.has_value()) q = q * *query_scales;
   const auto q_nope = q.narrow(2, 0, nope);
   const auto q_pe = q.narrow(2, nope, p.rope).contiguous();
   const auto kv = p.kv_a(h);

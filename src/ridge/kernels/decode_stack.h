@@ -81,6 +81,7 @@ struct Experts {
   c10::optional<torch::Tensor> router_logit_bias;  // a bias on the router's logits (gpt-oss)
   Activation activation;                   // the experts' and the shared expert's
   double norm_eps = 0.0;                   // added to the renormalised top k's sum (models/moe.py's norm_eps)
+  bool scale_input = false;  // Llama 4's: an expert reads its tokens times their weights, its outputs join as they are
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 
@@ -162,6 +163,7 @@ struct Layer {
   c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
   double residual_multiplier = 1.0;  // Granite: each branch's output scaled before it joins
   bool parallel = false;  // Cohere's: the MLP reads the mixer's normed input, the two outputs join as one branch
+  bool tempered = false;  // its queries times the step's query_scales (a model's attention temperature), where given
 
   // an MLP after the mixer: a dense one or a mixture (Mamba-2's own layers have none)
   bool has_mlp() const { return experts.has_value() || !down.parts.empty(); }
@@ -193,8 +195,8 @@ struct DecodeStack {
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
   // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
   // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers);
-  // query_scales [B] float32: each row's queries multiplied by it in every attention layer (a model's attention
-  // temperature, rope_scaling.py's AttentionTemperature), absent for none.
+  // query_scales [B] float32: each row's queries multiplied by it in the attention layers that are `tempered` (a
+  // model's attention temperature, rope_scaling.py's AttentionTemperature), absent for none.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
                         c10::optional<torch::Tensor> state_slots, c10::optional<torch::Tensor> query_scales) const;
 

@@ -34,7 +34,7 @@ from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, L2Norm, RMSNorm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -101,7 +101,7 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight,
                        router_logit_bias=moe.router.bias,
                        activation=native_activation(ops, mlp) if mlp is not None else ops.Activation("silu"),
-                       norm_eps=moe.norm_eps)
+                       norm_eps=moe.norm_eps, scale_input=moe.scales_input)
 
 
 def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:
@@ -187,7 +187,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         if any(linear is None for linear in linears) or (moe and experts is None) or (latent and projections is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
-        norms = (None, None) if latent or attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        norms = (None, None) if latent or attn.q_norm is None else _qk_norm_weights(attn, dtype)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
         rotary = model.layer_rotary(layer)  # Gemma 3's local layers turn on their own base; NoPE layers on none
@@ -201,7 +201,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
                                 mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,
                                 residual_multiplier=layer.residual_multiplier,
-                                output_gate=isinstance(attn, Attention) and attn.gated, parallel=layer.parallel))
+                                output_gate=isinstance(attn, Attention) and attn.gated, parallel=layer.parallel,
+                                tempered=rotary.temperature is not None))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
@@ -245,6 +246,14 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                      mlp_out_norm=None if layer.mlp_out_norm is None else layer.mlp_out_norm.weight,
                      residual_multiplier=layer.residual_multiplier,
                      **{kind: native})
+
+
+def _qk_norm_weights(attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's q and k norms' weights; Llama 4's norms have none, they multiply by ones."""
+    if isinstance(attn.q_norm, L2Norm):
+        ones = torch.ones(attn.head_dim, dtype=dtype)
+        return ones, ones
+    return attn.q_norm.weight, attn.k_norm.weight
 
 
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:

@@ -59,6 +59,17 @@ class LayerNorm(RMSNorm):
         return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
 
 
+class L2Norm(nn.Module):
+    """Llama 4's q / k norm: each head divided by its RMS, without a weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.dim,), None, self.eps)
+
+
 def make_norm(cfg: ModelConfig) -> RMSNorm:
     """A hidden-wide norm of the model's kind (RMSNorm, or Cohere's LayerNorm)."""
     return (LayerNorm if cfg.norm_kind == "layer" else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
@@ -178,8 +189,10 @@ class Attention(nn.Module):
         # qk_norm: over each head (Qwen3, Gemma 3); qk_norm_full: over all of q's heads at once, and k's (OLMoE)
         q_width, k_width = (q_size, kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
         normed = cfg.qk_norm or cfg.qk_norm_full
-        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
-        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
+        self.q_norm: nn.Module | None = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
+        self.k_norm: nn.Module | None = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
+        if cfg.qk_l2_norm and layer_index not in cfg.nope_layers:  # Llama 4's, on its rotary layers
+            self.q_norm = self.k_norm = L2Norm(cfg.head_dim, cfg.rms_norm_eps)
         self.norm_full = cfg.qk_norm_full
         self.sharded_norm: ShardedFullNorm | None = None
 

@@ -217,7 +217,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
-        elif cfg.architecture in ("qwen3_moe", "mistral4"):  # Qwen3-VL-MoE's and Mistral 4's experts come stacked
+        elif cfg.architecture in ("qwen3_moe", "mistral4", "llama4"):  # Qwen3-VL-MoE's, Mistral 4's, Llama 4's
+            # experts come stacked
             tensors = _split_hf_stacked_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)
@@ -447,9 +448,10 @@ def _check_fits(name: str, needed: int, dtype: torch.dtype, device: str) -> None
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if needed > free:
+        fewer = "num_experts=8" if "num_layers=" in name else "num_layers=4"
         raise ValueError(f"model: {name}'s weights take {needed / 2**30:.1f} GiB in "
                          f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.1f} GiB {device} has "
-                         f"free; give it fewer layers or experts ('{name},num_layers=4')")
+                         f"free; give it fewer layers or experts ('{name},{fewer}')")
 
 
 def _with_weights(model: DecoderModel, state: dict[str, torch.Tensor], device: str, source: str) -> DecoderModel:
@@ -631,15 +633,16 @@ def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) 
             yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
 
 
-_HF_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj")
+_HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(gate_up|down)_proj")
 
 
 def _split_hf_stacked_experts(tensors: Iterator[tuple[str, _Stored]],
                               cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
-    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's, Mistral 4's), as each expert's weights as ridge
-    holds them ([out, in], gate's rows then up's), each read on its own; every other tensor as it is. Qwen3-VL-MoE's
-    published checkpoints stack [experts, in, out], HF transformers saves [experts, out, in]: the shape tells which
-    (as HF's loader reads it, a square one as the latter)."""
+    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's, Mistral 4's, Llama 4's), as each expert's
+    weights as ridge holds them ([out, in], gate's rows then up's), each read on its own; every other tensor as it
+    is. Llama 4's are [experts, in, out] always; Qwen3-VL-MoE's published checkpoints stack [experts, in, out], HF
+    transformers saves [experts, out, in]: the shape tells which (as HF's loader reads it, a square one as the
+    latter)."""
     for name, stored in tensors:
         match = _HF_STACKED.fullmatch(name)
         if match is None:
@@ -651,7 +654,9 @@ def _split_hf_stacked_experts(tensors: Iterator[tuple[str, _Stored]],
         if tuple(stored.shape[1:]) not in (shape, shape[::-1]):
             raise ValueError(f"{name}: shape {list(stored.shape)}, not [experts, {shape[0]}, {shape[1]}] or its "
                              "transpose")
-        transposed = tuple(stored.shape[1:]) != shape
+        transposed = cfg.architecture == "llama4" or tuple(stored.shape[1:]) != shape
+        if transposed and tuple(stored.shape[1:]) != shape[::-1]:
+            raise ValueError(f"{name}: shape {list(stored.shape)}, not [experts, {shape[1]}, {shape[0]}]")
 
         def expert(rows: torch.Tensor | None, index: int, stored: _Stored = stored,
                    transposed: bool = transposed) -> torch.Tensor:

@@ -17,7 +17,9 @@ weights times routed_scaling_factor; its shared experts run ungated. DeepSeek-V3
 into router_groups groups, each group rated by its two best scores plus the per-expert correction bias, the
 top k chosen (by score + bias) within the router_topk_groups best groups, weighted by their scores without
 the bias (renormalised), times routed_scaling_factor; its shared experts run ungated. Ernie 4.5's: softmax scores,
-the top k chosen by score + bias, weighted by their scores renormalised, beside ungated shared experts.
+the top k chosen by score + bias, weighted by their scores renormalised, beside ungated shared experts. Llama 4's:
+sigmoid scores of the top k logits, each chosen expert reading its token times that score (not weighing its
+output), beside an ungated shared expert.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ class MoEBlock(nn.Module):
         self.router = Router(cfg.hidden_size, cfg.num_experts, bias=cfg.router_logit_bias)
         # DeepSeek-V3's e_score_correction_bias (Ernie 4.5's moe_statics): moves which experts are chosen, not their
         # weights
-        choice_bias = self.sigmoid or cfg.router_choice_bias
-        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if choice_bias else None
+        self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_choice_bias else None
+        self.scales_input = cfg.router_scales_input
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
         # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, or gpt-oss's
@@ -127,8 +129,9 @@ class MoEBlock(nn.Module):
             if expert not in self.held:
                 start += count
                 continue
-            rows = tokens[start:start + count]
-            scaled = self.experts[expert](x[rows]) * slot_weights[start:start + count]
+            rows, weight = tokens[start:start + count], slot_weights[start:start + count]
+            scaled = (self.experts[expert](x[rows] * weight.to(x.dtype)) if self.scales_input
+                      else self.experts[expert](x[rows]) * weight)
             out.index_add_(0, rows, scaled.to(out.dtype))
             start += count
         return out
@@ -146,7 +149,7 @@ def attach_fused_experts(model: nn.Module) -> bool:
             if len(block.held) != len(block.experts):
                 block.fused, why = None, "expert parallelism (a rank holds some experts)"
             else:
-                block.fused, why = moe.stack_experts(block.experts, block.top_k)
+                block.fused, why = moe.stack_experts(block.experts, block.top_k, block.scales_input)
             if block.fused is None:
                 every = False
                 log.warning("ridge: %s runs one matmul per expert on CUDA, not the fused Triton experts: %s",

@@ -35,6 +35,8 @@ def _spec_fields(preset: dict) -> dict:
         fields["ssm_layers"] = tuple(i for i in range(layers) if i not in attention)
     if (every := fields.pop("nope_every", None)) is not None:  # SmolLM3's NoPE layers: the last of every n
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % every == 0)
+    if "nope_temperature" in fields:  # Llama 4's (scale, period)
+        fields["nope_temperature"] = tuple(fields["nope_temperature"])
     return fields
 
 

@@ -142,6 +142,15 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config.update(num_local_experts=spec.num_experts,
                       position_embedding_type="rope" if spec.partial_rotary_factor else "nope",
                       layer_types=["mamba" if i in spec.ssm_layers else "attention" for i in range(spec.num_layers)])
+    if spec.architecture == "llama4":  # its text model: the experts' width its intermediate_size, chunked windows
+        step = spec.moe_layer_step
+        config.update(model_type="llama4_text", intermediate_size=spec.moe_intermediate_size,
+                      intermediate_size_mlp=spec.intermediate_size, interleave_moe_layer_step=step,
+                      moe_layers=[i for i in range(spec.num_layers) if i not in spec.dense_layer_indices],
+                      attention_chunk_size=spec.sliding_window or None, use_qk_norm=spec.qk_l2_norm,
+                      attn_temperature_tuning=spec.nope_temperature is not None, layer_types=None)
+        if spec.nope_temperature is not None:
+            config.update(attn_scale=spec.nope_temperature[0], floor_scale=spec.nope_temperature[1])
     return config
 
 

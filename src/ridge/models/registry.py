@@ -2,7 +2,7 @@
 
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
 cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
-deepseek_v2, deepseek_v3, mistral4, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and
+deepseek_v2, deepseek_v3, mistral4, llama4, glm4_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba and
 granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
 is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side,
 Granite's scalars, queries sharpened by position, a sliding window, a layer without rotary, Gemma's GeGLU, scaled
@@ -70,16 +70,22 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # limited to the groups of the best single scores), V3's sigmoid one (Kimi K2's too); V2's checkpoints always
     # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
     "deepseek_v2": {"rope_interleave": True, "router_group_rating": "max"},
-    "deepseek_v3": {"router_scoring": "sigmoid"},
+    "deepseek_v3": {"router_scoring": "sigmoid", "router_choice_bias": True},
     # Mistral 4 (Mistral Small 4): DeepSeek-V3's latent attention and layout, its router's groups rated by their two
     # best softmax scores (no correction bias), and Ministral 3's attention temperature
     "mistral4": {},
+    # Llama 4 (Scout, Maverick): llama attention turning every head's rotary in interleaved pairs, chunked windows on
+    # the rotary layers and q / k L2-normed there, every fourth layer global without rotary, its queries tempered; a
+    # sigmoid router whose chosen expert reads its token times the score, beside a shared expert (models/spec.py's
+    # _llama4_fields reads the rest)
+    "llama4": {"rope_interleave": True, "router_scoring": "sigmoid", "router_scales_input": True},
     # GLM-4.5 / 4.6 / 4.7: llama attention (q / k / v biases, half of each head rotary, per-head q / k norms where
     # its config has use_qk_norm) beside DeepSeek-V3's sigmoid router, shared experts and leading dense layers
-    "glm4_moe": {"router_scoring": "sigmoid"},
+    "glm4_moe": {"router_scoring": "sigmoid", "router_choice_bias": True},
     # MiniMax-M2: q and k normed over all their heads (OLMoE's), part of each head rotary; sigmoid scores chosen
     # with the correction bias, no groups, no shared expert, the top k renormalised
-    "minimax_m2": {"qk_norm_full": True, "router_scoring": "sigmoid", "norm_topk_prob": True},
+    "minimax_m2": {"qk_norm_full": True, "router_scoring": "sigmoid", "router_choice_bias": True,
+                   "norm_topk_prob": True},
     # state-space layers (models/mamba.py): Mamba-2's own models, and Bamba's hybrid of Mamba-2 layers and llama
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
@@ -92,7 +98,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "lfm2": {"qk_norm": True},
     # LFM2-MoE: LFM2's layers with a mixture after the first few: sigmoid scores, chosen with the expert bias
     # (DeepSeek-V3's router without groups), the top k renormalised with 1e-6 added to their sum
-    "lfm2_moe": {"qk_norm": True, "router_scoring": "sigmoid", "router_norm_eps": 1e-6},
+    "lfm2_moe": {"qk_norm": True, "router_scoring": "sigmoid", "router_choice_bias": True, "router_norm_eps": 1e-6},
     # Qwen3.5: gated DeltaNet layers (models/gated_delta.py) beside attention whose output is gated, q / k normed
     # per head; every norm but the DeltaNet's own multiplies by 1 + w. Qwen3.5-MoE and Qwen3-Next: a mixture with a
     # gated shared expert (Qwen2-MoE's) after every layer
@@ -102,7 +108,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-        "mistral4")
+        "mistral4", "llama4")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
@@ -120,6 +126,9 @@ _HF_NAMES = {
     "MistralForCausalLM": "mistral",
     "Ministral3ForCausalLM": "ministral3",
     "Mistral4ForCausalLM": "mistral4",
+    "Llama4ForConditionalGeneration": "llama4",  # its language model; the vision tower is not loaded
+    "Llama4ForCausalLM": "llama4",
+    "llama4_text": "llama4",  # its text config's model_type
     "mistral4": "mistral4",  # GGUF general.architecture too
     "mistral3": "ministral3",  # GGUF general.architecture (llama.cpp's name for Ministral 3's language model)
     "GraniteForCausalLM": "granite",
@@ -255,6 +264,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if granite_scalars and arch not in _GRANITE:
         raise ValueError(f"{spec.source}: {', '.join(granite_scalars)}: Granite's scalars on architecture {arch!r} "
                          "are not supported")
+    if spec.qk_l2_norm and rope_scaling is not None and rope_scaling.rotation_magnitude() != 1.0:
+        raise ValueError(f"{spec.source}: use_qk_norm: q / k L2 norms after a rotary of magnitude "
+                         f"{rope_scaling.rotation_magnitude()} are not supported (1: Llama 4's llama3 scaling)")
     if spec.sliding_window and arch.startswith("qwen"):  # Qwen's windows start at max_window_layers
         raise ValueError(f"{spec.source}: use_sliding_window is not supported for {arch}")
     fields: dict[str, Any] = {
@@ -269,7 +281,11 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
         "rope_scaling": rope_scaling,
-        "attention_temperature": temperature,
+        "attention_temperature": temperature or (
+            AttentionTemperature(*spec.nope_temperature, offset=1.0, nope_layers_only=True)
+            if spec.nope_temperature else None),
+        "chunked_window": spec.chunked_window,
+        "qk_l2_norm": spec.qk_l2_norm,
         "max_position_embeddings": (rope_scaling.context_limit(spec.max_position_embeddings) if rope_scaling
                                     else spec.max_position_embeddings),
         "tie_word_embeddings": spec.tie_word_embeddings,

@@ -115,6 +115,11 @@ class ModelSpec:
     logits_scaling: float = field(default=1.0, compare=False)
     swiglu_limit: float = field(default=7.0, compare=False)  # gpt-oss's clamped SwiGLU (ModelConfig's)
     swiglu_alpha: float = field(default=1.702, compare=False)
+    # Llama 4's: chunked windows (kv/layout.py's Window), q / k L2-normed, and the NoPE layers' temperature (scale,
+    # period: rope_scaling.py's AttentionTemperature)
+    chunked_window: bool = field(default=False, compare=False)
+    qk_l2_norm: bool = field(default=False, compare=False)
+    nope_temperature: tuple[float, int] | None = field(default=None, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -240,6 +245,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if config.get("mlp_only_layers"):
         fields["dense_only_layers"] = tuple(config["mlp_only_layers"])
     fields.update(_granite_moe_fields(config, fields, source))
+    fields.update(_llama4_fields(config, fields, source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
@@ -260,7 +266,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["tie_word_embeddings"] = outer["tie_word_embeddings"]
     if isinstance(fields.get("global_every"), str):  # EXAONE 4's "LLLG": local layers, then a global one
         fields["global_every"] = _pattern_period(fields["global_every"], source)
-    if config.get("layer_types") and fields.get("sliding_window"):  # newer configs list each layer's kind
+    if config.get("layer_types") and fields.get("sliding_window") and not fields.get("chunked_window"):
+        # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
     if config.get("use_qk_norm") and config.get("model_type") in ("cohere", "cohere2"):
         raise ValueError(f"{source}: use_qk_norm: Command R+'s q / k LayerNorms are not supported")
@@ -327,7 +334,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         # Qwen3-VL-MoE's router always renormalises its top k, and its config does not say so
         norm_topk_prob=config.get("norm_topk_prob", True if config.get("model_type", "").startswith("qwen3_vl_moe")
                                   else None),
-        moe_layer_step=int(config.get("decoder_sparse_step") or 1),
+        moe_layer_step=int(config.get("decoder_sparse_step") or fields.pop("moe_layer_step", 1)),
         clip_qkv=config.get("clip_qkv"),
         mlp_bias=bool(config.get("mlp_bias", False)),
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
@@ -342,6 +349,11 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rope_interleave=bool(config.get("rope_interleave", config.get("model_type") == "mistral4")),  # HF's default
         **fields,
     ).validate()
+
+
+# what llama.cpp's llama4 graph fixes: the chunks of its local layers, and its NoPE layers' temperature (scale, period)
+LLAMA4_CHUNK = 8192
+LLAMA4_TEMPERATURE = (0.1, 8192)
 
 
 # multimodal checkpoints whose language model is of whichever family their text_config names (Mistral Small 3.1 /
@@ -514,6 +526,37 @@ def _refuse_ernie_variants(config: dict, fields: dict, source: str) -> None:
                          "moe_layer_start_index to the last are supported, not another pattern")
 
 
+def _llama4_fields(config: dict, fields: dict, source: str) -> dict:
+    """Llama 4's text model (HF's defaults where its config leaves a key out): experts as wide as its
+    intermediate_size on every interleave_moe_layer_step-th layer (moe_layers), one shared expert of that width, the
+    other layers' FFN intermediate_size_mlp wide; NoPE on every fourth layer (no_rope_layers: 0 there), chunked
+    attention (attention_chunk_size) on the others; q / k L2-normed where use_qk_norm; the NoPE layers' queries
+    tempered (attn_temperature_tuning: attn_scale, floor_scale)."""
+    if config.get("model_type") != "llama4_text":
+        return {}
+    layers = fields["num_layers"]
+    step = int(config.get("interleave_moe_layer_step", 1))
+    moe = list(config.get("moe_layers") or range(step - 1, layers, step))
+    out: dict = {"moe_intermediate_size": int(config.get("intermediate_size", 8192)),
+                 "intermediate_size": int(config.get("intermediate_size_mlp", 16384)), "shared_experts": 1,
+                 "num_experts": int(config.get("num_local_experts", 16)),
+                 "experts_per_token": int(config.get("num_experts_per_tok", 1)),
+                 "qk_l2_norm": bool(config.get("use_qk_norm", True))}
+    if moe == list(range(step - 1, layers, step)):
+        out["moe_layer_step"] = step
+    else:
+        out["dense_only_layers"] = tuple(i for i in range(layers) if i not in moe)
+    interval = int(config.get("no_rope_layer_interval", 4))
+    rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    out["nope_layers"] = tuple(i for i, turns in enumerate(rope) if not turns)
+    if chunk := config.get("attention_chunk_size"):
+        kinds = ["chunked_attention" if turns else "full_attention" for turns in rope]
+        out.update(sliding_window=int(chunk), chunked_window=True, global_every=_global_every(kinds, source))
+    if config.get("attn_temperature_tuning", True) and out["nope_layers"]:
+        out["nope_temperature"] = (float(config.get("attn_scale", 0.1)), int(config.get("floor_scale", 8192)))
+    return out
+
+
 def _mlp_layer_types(config: dict) -> dict:
     """GLM-4.7-Flash's per-layer list of dense and sparse FFNs: its leading dense layers, as DeepSeek's
     first_k_dense_replace says them (what a GGUF header holds), or, dense layers elsewhere, Qwen's mlp_only_layers."""
@@ -620,6 +663,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if arch == "seed_oss":
         fields["attention_out_bias"] = "blk.0.attn_output.bias" in names
     fields.update(_gguf_window_fields(arch, value, fields, source))
+    fields.update(_gguf_llama4_fields(arch, value, fields))
     if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, and the logits' scale (Granite's divisor inverted)
         fields["rms_norm_eps"] = float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5))
         fields["logits_scaling"] = 1 / float(value(f"{arch}.logit_scale", 1.0))
@@ -635,6 +679,22 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
     return ModelSpec(**fields).validate()
+
+
+def _gguf_llama4_fields(arch: str, value, fields: dict) -> dict:
+    """A llama4 file's: llama.cpp's graph fixes what Llama 4's config says apart (LLAMA4_CHUNK-token chunks on 3 of
+    4 layers, the fourth without rotary, its queries tempered LLAMA4_TEMPERATURE; q / k L2-normed unless the model
+    has 128 experts, Maverick's), and a sliding_window key of 0 turns the chunks, NoPE and temperature off; the
+    header holds the experts' layer step."""
+    if arch != "llama4":
+        return {}
+    out = {"moe_layer_step": int(value(f"{arch}.interleave_moe_layer_step", 1)),
+           "qk_l2_norm": fields["num_experts"] != 128}
+    if value(f"{arch}.attention.sliding_window") == 0:
+        return {**out, "sliding_window": 0}
+    nope = tuple(i for i in range(fields["num_layers"]) if (i + 1) % 4 == 0)
+    return {**out, "sliding_window": LLAMA4_CHUNK, "chunked_window": True, "global_every": 4, "nope_layers": nope,
+            "nope_temperature": LLAMA4_TEMPERATURE}
 
 
 def _gguf_window_fields(arch: str, value, fields: dict, source: str) -> dict:

@@ -62,8 +62,9 @@ HF_SANDWICH_NAMES = [
 # a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
 LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
                             (r"language_model\.lm_head\.", "lm_head.")]
-# (Qwen3.5's: its vision tower `visual`, and `mtp`, its multi-token prediction layer, a drafter ridge does not run)
-NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|visual|mtp)\.")
+# (Qwen3.5's: its vision tower `visual`, and `mtp`, its multi-token prediction layer, a drafter ridge does not run;
+# Llama 4's vision tower: `vision_model`)
+NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp)\.")
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -113,6 +114,17 @@ HF_GLM4_NAMES = [(r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "la
 # and under llama.cpp's names: attn_qkv, and ffn_up holding gate and up (Phi-3's, GLM-4's)
 GGUF_PHI3_NAMES = [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", "layers.{0}.attn.qkv.{1}", None),
                    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
+# Llama 4: its FFN's own name (feed_forward), its router, shared expert and dense FFN there (the loader splits its
+# stacked experts into these names)
+HF_LLAMA4_NAMES = [(r"model\.layers\.(\d+)\.feed_forward\." + source, "layers.{0}.mlp." + target, slot)
+                   for source, target, slot in [
+                       (r"router\.weight", "router.weight", None),
+                       (r"experts\.(\d+)\.(gate_up|down)\.weight", "experts.{1}.{2}.weight", None),
+                       (r"shared_expert\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),
+                       (r"shared_expert\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
+                       (r"shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
+                       (r"gate_proj\.weight", "gate_up.weight", 0), (r"up_proj\.weight", "gate_up.weight", 1),
+                       (r"down_proj\.weight", "down.weight", None)]]
 # latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
 HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
                  for source, target in [
@@ -227,7 +239,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
               else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"
               else HF_PHI3_NAMES if cfg.architecture == "phi3"
-              else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4" else [])
+              else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4"
+              else HF_LLAMA4_NAMES if cfg.architecture == "llama4" else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
     return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)

@@ -53,13 +53,14 @@ class DecoderModel(nn.Module):
 
     def make_rotary(self) -> None:
         """The rotary tables (buffers, not weights: made when the weights replace the meta device's): one for
-        global layers, and one for local layers where their base differs (Gemma 3). A temperature (Ministral 3's)
-        sharpens every attention layer's queries, whichever rotary it turns with."""
+        global layers, and one for local layers where their base differs (Gemma 3). A temperature sharpens the
+        queries of every attention layer (Ministral 3's), or of those without rotary (Llama 4's)."""
         cfg, temperature = self.cfg, self.cfg.attention_temperature
+        turning = None if temperature is not None and temperature.nope_layers_only else temperature
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
-                                      temperature)
+                                      turning)
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings,
-                                             temperature=temperature)
+                                             temperature=turning)
                              if cfg.rope_local_theta is not None else None)
         # NoPE layers' (SmolLM3's): a rotary of no dims, whose turn leaves q and k as they are
         self.rotary_none = (RotaryEmbedding(0, cfg.rope_theta, cfg.max_position_embeddings, temperature=temperature)

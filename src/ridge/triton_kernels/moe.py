@@ -33,10 +33,11 @@ BLOCK_K = 64
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, out_ptr, top_k, hidden, width,
-                    limit, alpha, stride_x, stride_we, stride_wn, stride_be, stride_o,
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, top_k,
+                    hidden, width, limit, alpha, stride_x, stride_we, stride_wn, stride_be, stride_o,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+                    FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                    SCALE_INPUT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:  # blocks past the step's last hold nothing
@@ -58,6 +59,10 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, out_
                 a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
             gate += tl.dot(a, w_gate, input_precision=PRECISION)
             up += tl.dot(a, w_up, input_precision=PRECISION)
+        if SCALE_INPUT:  # Llama 4's: the expert reads its token times the choice's weight, which is linear in it
+            scale = tl.load(choice_weights_ptr + choice, mask=valid, other=0.0)[:, None]
+            gate *= scale
+            up *= scale
         if HAS_BIAS:  # gate's, then up's, as the gate_up layer's bias holds them
             gate += tl.load(bias_ptr + expert * stride_be + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + expert * stride_be + width + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
@@ -75,7 +80,7 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, out_
 def _down_kernel(act_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, hidden,
                  width, stride_a, stride_we, stride_wn, stride_be, stride_o,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_INPUT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= 0:
@@ -96,7 +101,8 @@ def _down_kernel(act_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choic
             acc += tl.dot(a, w, input_precision=PRECISION)
         if HAS_BIAS:  # the expert's output, bias included, is what the choice's weight scales
             acc += tl.load(bias_ptr + expert * stride_be + n, mask=n < hidden, other=0.0).to(tl.float32)[None, :]
-        acc *= tl.load(choice_weights_ptr + rows, mask=valid, other=0.0)[:, None]
+        if not SCALE_INPUT:  # scaled on the way in otherwise
+            acc *= tl.load(choice_weights_ptr + rows, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], acc, mask=valid[:, None] & (n < hidden)[None, :])
 
 
@@ -125,7 +131,8 @@ def expert_blocks(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 class FusedExperts:
     """A block's experts stacked: gate_up [E, 2 * width, hidden] (gate rows, then up rows) and down [E, hidden,
     width], as the experts' GatedMLPs hold them (whose weights become views of these), with their biases [E, rows]
-    where they have them; swiglu_limit set: gpt-oss's clamped SwiGLU (its slope swiglu_alpha)."""
+    where they have them; swiglu_limit set: gpt-oss's clamped SwiGLU (its slope swiglu_alpha); scale_input: Llama
+    4's experts, which read their tokens times the choices' weights and whose outputs join unweighted."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -134,6 +141,7 @@ class FusedExperts:
     down_bias: torch.Tensor | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    scale_input: bool = False
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], each token's experts and weights [T, k] (MoEBlock.route) -> the weighted sum of its
@@ -149,21 +157,22 @@ class FusedExperts:
         blocks = block_experts.shape[0]
         gate_up_bias = self.gate_up_bias if self.gate_up_bias is not None else self.gate_up  # unread without one
         down_bias = self.down_bias if self.down_bias is not None else self.down
+        choice_weights = weights.flatten().float().contiguous()
         _gate_up_kernel[(blocks, triton.cdiv(width, BLOCK_N))](
-            x, self.gate_up, gate_up_bias, choices, block_experts, act, self.top_k, hidden, width,
+            x, self.gate_up, gate_up_bias, choices, block_experts, choice_weights, act, self.top_k, hidden, width,
             self.swiglu_limit or 0.0, self.swiglu_alpha, x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1),
             gate_up_bias.stride(0), act.stride(0), HAS_BIAS=self.gate_up_bias is not None,
-            CLAMPED=self.swiglu_limit is not None, **flags)
+            CLAMPED=self.swiglu_limit is not None, SCALE_INPUT=self.scale_input, **flags)
         _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
-            act, self.down, down_bias, choices, block_experts, weights.flatten().float().contiguous(), out, hidden,
+            act, self.down, down_bias, choices, block_experts, choice_weights, out, hidden,
             width, act.stride(0), self.down.stride(0), self.down.stride(1), down_bias.stride(0), out.stride(0),
-            HAS_BIAS=self.down_bias is not None, **flags)
+            HAS_BIAS=self.down_bias is not None, SCALE_INPUT=self.scale_input, **flags)
         return out.view(tokens, self.top_k, hidden).sum(1).to(x.dtype)
 
 
-def stack_experts(experts: nn.ModuleList, top_k: int) -> tuple[FusedExperts | None, str]:
+def stack_experts(experts: nn.ModuleList, top_k: int, scale_input: bool = False) -> tuple[FusedExperts | None, str]:
     """The experts (GatedMLPs) stacked for the kernels, their weights (and biases) then views of the stack; or None
-    and why they cannot be (quantized layers, a GELU gate)."""
+    and why they cannot be (quantized layers, a GELU gate). scale_input: FusedExperts'."""
     for expert in experts:
         if expert.activation not in ("silu", "swiglu_oai"):
             return None, f"{expert.activation}-gated experts"
@@ -178,7 +187,7 @@ def stack_experts(experts: nn.ModuleList, top_k: int) -> tuple[FusedExperts | No
     first = experts[0]
     fused = FusedExperts(stacked("gate_up", "weight"), stacked("down", "weight"), top_k, stacked("gate_up", "bias"),
                          stacked("down", "bias"), first.limit if first.activation == "swiglu_oai" else None,
-                         first.alpha)
+                         first.alpha, scale_input)
     for i, expert in enumerate(experts):  # one copy of the weights: the experts' own read the stack
         expert.gate_up.weight = nn.Parameter(fused.gate_up[i], requires_grad=False)
         expert.down.weight = nn.Parameter(fused.down[i], requires_grad=False)
