@@ -58,7 +58,13 @@ def hf(job) -> dict:
         fields = dict(job["hf_config"])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            try:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            except ValueError:  # a family the auto classes leave out (Mistral 4): its own causal LM class
+                import transformers
+
+                causal_lm = getattr(transformers, type(config).__name__.removesuffix("Config") + "ForCausalLM")
+                model = causal_lm(config).to(dtype).eval()
     else:
         folder, name = os.path.split(job["gguf"])
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype).eval()
