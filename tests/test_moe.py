@@ -102,6 +102,14 @@ def hf_config(arch: str):
                                 rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                  "original_max_position_embeddings": 64})
+    if arch == "dots1":  # dots.llm1: Qwen3's attention (a KV head per query head, as its checkpoints) beside
+        # DeepSeek-V3's router (within 2 groups), shared experts and a dense first layer
+        from transformers import Dots1Config
+
+        return Dots1Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
+                           n_routed_experts=8,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                           topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0, sliding_window=None)
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -115,7 +123,7 @@ def hf_config(arch: str):
 
 
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                "minimax_m2", "ernie4_5_moe", "mistral4", "llama4"]
+                "minimax_m2", "ernie4_5_moe", "mistral4", "llama4", "dots1"]
 WINDOWED = ("llama4",)  # its chunked windows' blocks: tests/test_sliding_window.py
 
 
@@ -239,7 +247,7 @@ def test_the_decode_stack_s_experts_equal_the_python_block(moe_model, make_llm_f
 STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
                "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}), "mistral4": ("mistral4", {}),
-               "llama4": ("llama4", {}), "llama4-bf16": ("llama4", {"dtype": "bfloat16"}),
+               "llama4": ("llama4", {}), "llama4-bf16": ("llama4", {"dtype": "bfloat16"}), "dots1": ("dots1", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),
@@ -403,7 +411,7 @@ def test_minimax_layers_m2_does_not_have_are_refused_by_name(change, field):
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4"])
+                                  "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4", "dots1"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the
@@ -413,6 +421,8 @@ def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smo
     from conftest import gguf_round_trip
 
     config = {**hf_config(arch).to_dict(), "vocab_size": 49152, "mlp_only_layers": []}  # GGUF: experts everywhere
+    if arch == "dots1":  # llama.cpp's dots1 routes without groups (the writer refuses them)
+        config.update(n_group=1, topk_group=1)
     from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
     ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
     assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs  # GGUF keeps eps in float32

@@ -56,7 +56,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
-                      "mistral4": "mistral4", "llama4": "llama4"}
+                      "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -162,7 +162,7 @@ def _check_writable(spec: ModelSpec) -> str:
         _check_mamba2(spec, arch)
     # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
-                                                                 "ernie4_5-moe") else ()
+                                                                 "ernie4_5-moe", "dots1") else ()
     if arch == "llama4":
         leading = tuple(i for i in range(spec.num_layers) if (i + 1) % spec.moe_layer_step) if spec.is_moe else ()
         _check_llama4(spec)
@@ -171,6 +171,10 @@ def _check_writable(spec: ModelSpec) -> str:
     if spec.dense_layer_indices != leading:
         raise ValueError(f"model: dense layers {list(spec.dense_layer_indices)} among the experts' have no GGUF "
                          f"header key in {arch}; llama.cpp would read experts there")
+    if arch == "dots1" and (spec.num_kv_heads != spec.num_heads or spec.router_groups > 1):
+        raise ValueError(f"model: llama.cpp's dots1 holds a key and value head per query head and routes without "
+                         f"groups (dots.llm1's shape); this model has {spec.num_kv_heads} KV heads for "
+                         f"{spec.num_heads} and {spec.router_groups} router groups")
     if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
         raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
                          "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")
@@ -360,7 +364,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("deepseek2", "mistral4", "glm4moe"):
+    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)

@@ -217,8 +217,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
-        elif cfg.architecture in ("qwen3_moe", "mistral4", "llama4"):  # Qwen3-VL-MoE's, Mistral 4's, Llama 4's
-            # experts come stacked
+        elif cfg.architecture in ("qwen3_moe", "mistral4", "llama4", "dots1"):  # Qwen3-VL-MoE's, Mistral 4's,
+            # Llama 4's and dots.llm1's experts come stacked
             tensors = _split_hf_stacked_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)

@@ -305,7 +305,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
         "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
-        "glm4_moe": per_head if config.get("use_qk_norm") else 0,
+        "glm4_moe": per_head if config.get("use_qk_norm") else 0, "dots1": per_head,
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
     if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
         fields.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)
@@ -801,9 +801,9 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
 
 
 def _gguf_sigmoid_router_fields(arch: str, value, head_dim: int) -> dict:
-    """A glm4moe or minimax-m2 file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias, the
-    chosen ones' weights scaled), leading dense layers and rotary part of each head."""
-    if arch not in ("glm4moe", "minimax-m2"):
+    """A glm4moe, minimax-m2 or dots1 file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias,
+    the chosen ones' weights scaled), leading dense layers and rotary part of each head."""
+    if arch not in ("glm4moe", "minimax-m2", "dots1"):
         return {}
     if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
         raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
