@@ -110,6 +110,14 @@ def hf_config(arch: str):
                            n_routed_experts=8,
                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
                            topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0, sliding_window=None)
+    if arch == "exaone_moe":  # K-EXAONE: EXAONE 4's attention (windows of 24 on 3 of 4 layers, the fourth global
+        # without rotary) with pre-norms, DeepSeek-V3's router within 2 groups, a shared expert, a dense first layer
+        from transformers import ExaoneMoeConfig
+
+        return ExaoneMoeConfig(**{**COMMON, "num_hidden_layers": 4}, intermediate_size=96, moe_intermediate_size=32,
+                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+                               n_group=2, topk_group=1, routed_scaling_factor=2.0, sliding_window=24,
+                               sliding_window_pattern=4)
     if arch == "deepseek_v3-q":  # the query without its bottleneck, every layer dense
         return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, q_lora_rank=None,
                                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -123,8 +131,8 @@ def hf_config(arch: str):
 
 
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                "minimax_m2", "ernie4_5_moe", "mistral4", "llama4", "dots1"]
-WINDOWED = ("llama4",)  # its chunked windows' blocks: tests/test_sliding_window.py
+                "minimax_m2", "ernie4_5_moe", "mistral4", "llama4", "dots1", "exaone_moe"]
+WINDOWED = ("llama4", "exaone_moe")  # their windows' blocks: tests/test_sliding_window.py
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -248,6 +256,7 @@ STACK_CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen
                "deepseek_v2": ("deepseek_v2", {}), "deepseek_v3": ("deepseek_v3", {}), "glm4_moe": ("glm4_moe", {}),
                "minimax_m2": ("minimax_m2", {}), "ernie4_5_moe": ("ernie4_5_moe", {}), "mistral4": ("mistral4", {}),
                "llama4": ("llama4", {}), "llama4-bf16": ("llama4", {"dtype": "bfloat16"}), "dots1": ("dots1", {}),
+               "exaone_moe": ("exaone_moe", {}),
                "deepseek_v2-int8-bf16": ("deepseek_v2", {"quantization": "int8", "dtype": "bfloat16"}),
                "mixtral-int8": ("mixtral", {"quantization": "int8"}),
                "qwen2_moe-int8": ("qwen2_moe", {"quantization": "int8"}),

@@ -2,12 +2,13 @@
 
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
 cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
-deepseek_v2, deepseek_v3, mistral4, llama4, glm4_moe, dots1, minimax_m2 and ernie4_5_moe, the state-space mamba2,
-bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel;
-what differs is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by
-side, Granite's scalars, queries sharpened by position, a sliding or chunked window, a layer without rotary, Gemma's
-GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense FFN, and
-a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of attention.
+deepseek_v2, deepseek_v3, mistral4, llama4, glm4_moe, dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the
+state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on
+one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention
+and the MLP side by side, Granite's scalars, queries sharpened by position, a sliding or chunked window, a layer
+without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in
+place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of
+attention.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # dots.llm1 (rednote): Qwen3's attention (q / k normed per head) beside DeepSeek-V3's sigmoid router, shared
     # experts and leading dense layers
     "dots1": {"qk_norm": True, "router_scoring": "sigmoid", "router_choice_bias": True},
+    # K-EXAONE (exaone_moe): EXAONE 4's attention (q / k normed per head, windows on 3 of 4 layers, the global ones
+    # without rotary) with pre-norms, beside DeepSeek-V3's router, a shared expert and leading dense layers
+    "exaone_moe": {"qk_norm": True, "router_scoring": "sigmoid", "router_choice_bias": True},
     # MiniMax-M2: q and k normed over all their heads (OLMoE's), part of each head rotary; sigmoid scores chosen
     # with the correction bias, no groups, no shared expert, the top k renormalised
     "minimax_m2": {"qk_norm_full": True, "router_scoring": "sigmoid", "router_choice_bias": True,
@@ -111,7 +115,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-        "mistral4", "llama4", "dots1")
+        "mistral4", "llama4", "dots1", "exaone_moe")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
@@ -175,6 +179,7 @@ _HF_NAMES = {
     "minimax-m2": "minimax_m2",  # GGUF general.architecture
     "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Dots1ForCausalLM": "dots1",
+    "ExaoneMoeForCausalLM": "exaone_moe",
     "dots1": "dots1",  # GGUF general.architecture too
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",

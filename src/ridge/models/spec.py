@@ -214,7 +214,7 @@ _HF_KEYS = {
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
     "experts_per_token": ("num_experts_per_tok", "num_experts_per_token", "moe_k"),
     "moe_intermediate_size": ("moe_intermediate_size",),
-    "shared_experts": ("n_shared_experts", "moe_num_shared_experts"),
+    "shared_experts": ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"),
     "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
     "first_dense_layers": ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"),
     "kv_lora_rank": ("kv_lora_rank",),
@@ -271,7 +271,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["global_every"] = _global_every(config["layer_types"], source)
     if config.get("use_qk_norm") and config.get("model_type") in ("cohere", "cohere2"):
         raise ValueError(f"{source}: use_qk_norm: Command R+'s q / k LayerNorms are not supported")
-    if config.get("model_type") in ("exaone4", "cohere2") and fields.get("sliding_window"):  # the global layers: NoPE
+    if config.get("model_type") in ("exaone4", "exaone_moe", "cohere2") and fields.get("sliding_window"):
+        # the global layers: NoPE
         fields["nope_layers"] = _global_layers(fields["num_layers"], fields.get("global_every"), source)
     fields["qkv_bias"] = bool(fields.get("qkv_bias", False))
     if fields.get("q_lora_rank") is None:
@@ -305,7 +306,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         "gemma3": per_head, "gemma3_text": per_head, "lfm2": per_head,
         "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
-        "glm4_moe": per_head if config.get("use_qk_norm") else 0, "dots1": per_head,
+        "glm4_moe": per_head if config.get("use_qk_norm") else 0, "dots1": per_head, "exaone_moe": per_head,
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
     if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
         fields.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)

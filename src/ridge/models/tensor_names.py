@@ -101,7 +101,8 @@ HF_NAMES = [
         (r"mlp\.shared_experts\.gate_proj\.weight", "shared_expert.gate_up.weight", 0),  # DeepSeek's name
         (r"mlp\.shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight", 1),
         (r"mlp\.shared_experts\.down_proj\.weight", "shared_expert.down.weight", None),
-        (r"(?:mlp\.gate|block_sparse_moe)\.e_score_correction_bias", "router_bias", None),  # MiniMax-M2's: the latter
+        # MiniMax-M2's: the second; K-EXAONE's: the third
+        (r"(?:mlp\.gate|block_sparse_moe|mlp)\.e_score_correction_bias", "router_bias", None),
         (r"mlp\.moe_statics\.e_score_correction_bias", "router_bias", None),  # Ernie 4.5's, [1, experts]
     ]],
 ]
