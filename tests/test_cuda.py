@@ -171,8 +171,8 @@ def test_random_preset_model_runs_on_the_gpu(make_llm_for_test):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-                                  "mistral4", "llama4", "mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe",
-                                  "qwen3_5", "qwen3_5_moe"])
+                                  "mistral4", "llama4", "dots1", "exaone_moe", "mamba2", "bamba", "granitemoehybrid",
+                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe"])
 def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp_path_factory, make_llm_for_test):
     """Issue 46's families on CUDA: HF's float32 logits, and its greedy tokens for prompts up to 150 tokens (latent
     attention's long chunks in the expanded form, its decodes through the Triton kernel; a mixture's experts through
@@ -190,7 +190,7 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
     prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 140, 150, seed=3)
     outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
     if arch in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4",
-                "llama4"):
+                "llama4", "dots1", "exaone_moe"):
         assert llm.engine.runner.graphs is not None
         eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
         assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
