@@ -181,6 +181,29 @@ def test_sliding_window_layers_cap_their_kv_at_the_window():
     assert a.kv_bytes(m, "bf16", 100) == a.kv_bytes_per_token(m, "bf16") * 100
 
 
+def test_llama_4_scout_is_108b_with_17b_active_and_its_chunked_layers_attend_within_their_chunk():
+    """Llama-4-Scout: 16 experts of 8192 (one chosen) beside a shared one, 48 layers; 36 of them attend within
+    8,192-token chunks: a prompt's query-key pairs and a decode step's keys counted chunk by chunk, against the
+    definition summed position by position (a sliding window's would count a whole window for every query past it)."""
+    m = PRESETS["llama-4-scout"]
+    assert close(a.count_parameters(m).stored, 108e9, 0.01) and close(a.count_parameters(m).active, 17e9, 0.02)
+    assert m.local_layers == 36 and m.chunked_window
+    chunk = m.sliding_window
+    qk, v = m.head_dim, m.head_dim
+
+    def local_pairs(tokens: int) -> int:  # each position p sees p % chunk + 1 keys
+        return sum(p % chunk + 1 for p in range(tokens))
+
+    for tokens in (100, chunk, chunk + 1, 3 * chunk + 17):
+        attention = a.prefill(m, tokens).attention_flops
+        pairs = 12 * tokens * (tokens + 1) / 2 + 36 * local_pairs(tokens)
+        assert close(attention, 2.0 * m.num_heads * (qk + v) * pairs, 1e-9)
+    at = {context: a.decode_step_flops(m, 1, context) for context in (chunk, chunk + 1, 2 * chunk)}
+    per_key = 2.0 * m.num_heads * (qk + v)
+    assert close(at[chunk] - at[chunk + 1], per_key * (36 * (chunk - 1) - 12), 1e-9)  # a new chunk: one key
+    assert at[2 * chunk] == at[chunk] + per_key * 12 * chunk
+
+
 def test_mamba2_2_7b_has_2_7b_parameters_and_a_172_mb_state_at_any_context():
     # 64 layers of a Mamba-2 mixer, 2560 wide, inner 5120 in 80 heads of 64, a 128-state, 1 group, 4 taps:
     # in_proj 2560 x (5120 + 5376 + 80), out_proj 5120 x 2560, conv 5376 x 5: ~40.2M a layer; tied embeddings

@@ -134,7 +134,8 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
 
 
 def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
-    """The cache of one sequence of `tokens`: local layers keep their last sliding_window tokens only."""
+    """The cache of one sequence of `tokens`: local layers keep their last sliding_window tokens only (a chunked
+    window at most a chunk: its bound)."""
     if not m.num_attention_layers:
         return 0.0
     per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers
@@ -174,11 +175,21 @@ def ssm_flops_per_token(m: ModelSpec) -> float:
 # ---- FLOPs
 
 
-def _attended_pairs(tokens: int, window: int) -> float:
-    """Query-key pairs a causal layer scores over a prompt: sum over positions of min(position + 1, window)."""
+def _attended_pairs(tokens: int, window: int, chunked: bool = False) -> float:
+    """Query-key pairs a causal layer scores over a prompt: sum over positions of the keys each sees, min(position +
+    1, window); a chunked window's query sees the keys of its own chunk (each whole chunk C(C + 1) / 2 pairs)."""
     if not window or tokens <= window:
         return tokens * (tokens + 1) / 2
+    if chunked:
+        rest = tokens % window
+        return tokens // window * window * (window + 1) / 2 + rest * (rest + 1) / 2
     return window * (window + 1) / 2 + (tokens - window) * window
+
+
+def _local_keys(m: ModelSpec, context: int) -> int:
+    """The keys a local layer's query sees with `context` tokens of context (itself included)."""
+    window = m.sliding_window or context
+    return (context - 1) % window + 1 if m.chunked_window else min(context, window)
 
 
 def _attention_dims(m: ModelSpec) -> tuple[int, int]:
@@ -210,7 +221,7 @@ def prefill(m: ModelSpec, tokens: int) -> Prefill:
     qk, v = _attention_dims(m)
     local = m.local_layers
     pairs = ((m.num_attention_layers - local) * _attended_pairs(tokens, 0)
-             + local * _attended_pairs(tokens, m.sliding_window))
+             + local * _attended_pairs(tokens, m.sliding_window, m.chunked_window))
     return Prefill(tokens, linear_flops=per_token * tokens + 2.0 * p.head,
                    attention_flops=2.0 * m.num_heads * (qk + v) * pairs)
 
@@ -257,7 +268,7 @@ def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
     p = count_parameters(m)
     qk, v = _attention_dims(m)
     local = m.local_layers
-    attended = (m.num_attention_layers - local) * context + local * min(context, m.sliding_window or context)
+    attended = (m.num_attention_layers - local) * context + local * _local_keys(m, context)
     per_sequence = (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)
                     + 2.0 * m.num_heads * (qk + v) * attended)
     return batch * per_sequence
@@ -268,8 +279,8 @@ def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float
     further token."""
     p = count_parameters(m)  # once, not once a step: a benchmark sums thousands of steps
     qk, v = _attention_dims(m)
-    local, window = m.local_layers, m.sliding_window
-    attended = sum((m.num_attention_layers - local) * ctx + local * min(ctx, window or ctx)
+    local = m.local_layers
+    attended = sum((m.num_attention_layers - local) * ctx + local * _local_keys(m, ctx)
                    for ctx in range(prompt_tokens + 1, prompt_tokens + new_tokens))
     steps = new_tokens - 1
     return (prefill(m, prompt_tokens).flops + (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)) * steps
