@@ -250,6 +250,11 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                                 "num_kv_heads=2,head_dim=32,ssm_num_heads=6,ssm_head_dim=16,ssm_state_size=16,"
                                 "ssm_groups=2,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
                                 "shared_expert_intermediate_size=48", 3, {}),
+    # Llama 4: chunked windows (16 tokens here) beside a global NoPE layer, q / k L2-normed per head, 6 query heads
+    # over 3 ranks (2 KV heads replicated), experts reading score-scaled inputs on every second layer
+    "llama4-chunked": ("random:llama-4-scout,num_layers=4,vocab_size=1000,hidden_size=128,num_heads=6,num_kv_heads=2,"
+                       "head_dim=16,num_experts=8,moe_intermediate_size=32,intermediate_size=64,sliding_window=16,"
+                       "moe_layer_step=2", 3, {}),
     # and in a GGUF's tiled order of value heads (8 over 4 groups): each rank's every other head
     "qwen3.5-tiled-heads": ("random:qwen3.5-9b,num_layers=4,vocab_size=1000,hidden_size=128,num_heads=4,"
                             "num_kv_heads=2,head_dim=32,ssm_num_heads=8,ssm_head_dim=16,ssm_state_size=16,"
