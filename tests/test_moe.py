@@ -420,7 +420,7 @@ def test_minimax_layers_m2_does_not_have_are_refused_by_name(change, field):
 # llama's rotary rows, a shared expert (gated; Granite's ungated, with its scalars), latent attention (interleaved
 # rotary rows, kv_b split) with both routers
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4", "dots1"])
+                                  "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4", "dots1", "exaone_moe"])
 def test_a_random_mixture_written_as_gguf_reads_back_as_the_same_model(arch, smollm2_path, tmp_path,
                                                                       make_llm_for_test):
     """`random:NAME` written under llama.cpp's names and header (bench/random_gguf.py, in float32) loads from the

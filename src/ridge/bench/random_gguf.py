@@ -56,7 +56,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
-                      "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1"}
+                      "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -162,7 +162,7 @@ def _check_writable(spec: ModelSpec) -> str:
         _check_mamba2(spec, arch)
     # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
-                                                                 "ernie4_5-moe", "dots1") else ()
+                                                                 "ernie4_5-moe", "dots1", "exaone-moe") else ()
     if arch == "llama4":
         leading = tuple(i for i in range(spec.num_layers) if (i + 1) % spec.moe_layer_step) if spec.is_moe else ()
         _check_llama4(spec)
@@ -327,8 +327,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if (temperature := cfg.attention_temperature) is not None and arch != "llama4":  # mistral3's, mistral4's
         writer.add_attn_temperature_scale(temperature.scale)
         writer.add_attn_temperature_length(temperature.length)
-    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2"):
+    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2", "exaone-moe"):
         writer.add_sliding_window(spec.sliding_window)
+    if spec.sliding_window and arch == "exaone-moe":
+        writer.add_sliding_window_pattern(spec.global_every)
     if spec.sliding_window and arch == "olmo2":  # OLMo-3's: every n-th layer global, the rest windowed
         writer.add_sliding_window_pattern(spec.global_every)
         if cfg.rope_local_theta is not None:
@@ -364,7 +366,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1"):
+    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1", "exaone-moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)

@@ -180,6 +180,7 @@ _HF_NAMES = {
     "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Dots1ForCausalLM": "dots1",
     "ExaoneMoeForCausalLM": "exaone_moe",
+    "exaone-moe": "exaone_moe",  # GGUF general.architecture
     "dots1": "dots1",  # GGUF general.architecture too
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",

@@ -700,9 +700,10 @@ def _gguf_llama4_fields(arch: str, value, fields: dict) -> dict:
 
 def _gguf_window_fields(arch: str, value, fields: dict, source: str) -> dict:
     """The layers of an architecture that windows all but every n-th (the global ones), where its header has a window:
-    OLMo-3's (olmo2; its windowed layers' rotary never scaled), and EXAONE 4's and Command R7B's (their global layers
-    turn no rotary). n is the header's pattern (a period, or each layer's flag), cohere2's fixed by llama.cpp."""
-    if arch not in ("olmo2", "exaone4", "cohere2") or not fields["sliding_window"]:
+    OLMo-3's (olmo2; its windowed layers' rotary never scaled), and EXAONE 4's, K-EXAONE's and Command R7B's (their
+    global layers turn no rotary). n is the header's pattern (a period, or each layer's flag), cohere2's fixed by
+    llama.cpp."""
+    if arch not in ("olmo2", "exaone4", "exaone-moe", "cohere2") or not fields["sliding_window"]:
         return {}
     pattern = COHERE2_GLOBAL_EVERY if arch == "cohere2" else value(f"{arch}.attention.sliding_window_pattern", 4)
     every = _global_every(["sliding_attention" if windowed else "full_attention" for windowed in pattern],
@@ -802,9 +803,9 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
 
 
 def _gguf_sigmoid_router_fields(arch: str, value, head_dim: int) -> dict:
-    """A glm4moe, minimax-m2 or dots1 file's router (DeepSeek-V3's: sigmoid scores chosen with the correction bias,
-    the chosen ones' weights scaled), leading dense layers and rotary part of each head."""
-    if arch not in ("glm4moe", "minimax-m2", "dots1"):
+    """A glm4moe, minimax-m2, dots1 or exaone-moe file's router (DeepSeek-V3's: sigmoid scores chosen with the
+    correction bias, the chosen ones' weights scaled), leading dense layers and rotary part of each head."""
+    if arch not in ("glm4moe", "minimax-m2", "dots1", "exaone-moe"):
         return {}
     if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
         raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
