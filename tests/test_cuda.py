@@ -172,7 +172,7 @@ def test_random_preset_model_runs_on_the_gpu(make_llm_for_test):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe",
                                   "mistral4", "llama4", "dots1", "exaone_moe", "mamba2", "bamba", "granitemoehybrid",
-                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe"])
+                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "nemotron_h_moe"])
 def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp_path_factory, make_llm_for_test):
     """Issue 46's families on CUDA: HF's float32 logits, and its greedy tokens for prompts up to 150 tokens (latent
     attention's long chunks in the expanded form, its decodes through the Triton kernel; a mixture's experts through
@@ -183,7 +183,8 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
 
     from ridge import SamplingParams
 
-    state_space = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe")
+    state_space = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h",
+                   "nemotron_h_moe")
     path, hf = (test_ssm if arch in state_space else test_moe).random_hf_model(arch, tmp_path_factory)
     hf = hf.cuda()
     llm = make_llm_for_test(path, device="cuda", dtype="float32")

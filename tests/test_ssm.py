@@ -56,6 +56,20 @@ def hf_config(arch: str, **change):
                           shared_expert_intermediate_size=48)
         kind = {"qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig}
         return kind[arch](**{**config, **change})
+    if arch in ("nemotron_h", "nemotron_h_moe"):  # blocks of one sublayer each: Mamba-2 mixers (two in a row, the
+        # first then without an MLP) and attention without rotary, each with the squared-ReLU MLP after it; the
+        # mixture's: 8 ungated experts of 32 under DeepSeek-V3's router, top 2, a shared expert of 48
+        from transformers import NemotronHConfig
+
+        blocks = (["mamba", "mlp", "mamba", "mamba", "mlp", "attention", "mlp", "attention", "mlp"]
+                  if arch == "nemotron_h"
+                  else ["mamba", "moe", "attention", "moe", "mamba", "mamba", "mlp", "attention", "moe"])
+        return NemotronHConfig(**SSM, layers_block_type=blocks, num_attention_heads=4, num_key_value_heads=4,
+                               head_dim=32, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+                               ssm_state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16,
+                               layer_norm_epsilon=1e-6, max_position_embeddings=512, n_routed_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                               routed_scaling_factor=1.5, **change)
     if arch == "lfm2":  # short convolutions of 3 taps beside attention with q / k norms; a SwiGLU adjusted to 96 wide
         return Lfm2Config(**SSM, num_hidden_layers=4, layer_types=LFM2_LAYERS,
                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=144, block_multiple_of=32,
@@ -67,7 +81,7 @@ def hf_config(arch: str, **change):
 
 
 @pytest.fixture(scope="module", params=["mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5",
-                                              "qwen3_5_moe"])
+                                              "qwen3_5_moe", "nemotron_h", "nemotron_h_moe"])
 def ssm_model(request, tmp_path_factory):
     return random_hf_model(request.param, tmp_path_factory)
 
@@ -83,7 +97,7 @@ def random_hf_model(arch: str, tmp_path_factory, **change):
         if name.endswith(("dt_bias", "A_log", ".D")):  # and A, D, dt's bias at the same value for every head
             torch.nn.init.normal_(param, 0.0, 0.5)
     for name, buffer in model.named_buffers():
-        if name.endswith("expert_bias"):  # HF starts LFM2-MoE's at 0: make it move the choice
+        if name.endswith(("expert_bias", "e_score_correction_bias")):  # HF starts them at 0: make them move the choice
             torch.nn.init.normal_(buffer, 0.0, 0.1)
     path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
@@ -93,6 +107,28 @@ def random_hf_model(arch: str, tmp_path_factory, **change):
 
 def test_logits_match_hf(ssm_model, make_llm_for_test):
     assert_logits_match_hf(make_llm_for_test, *ssm_model, VOCAB)
+
+
+def test_nemotron_h_s_published_config_keys_read_as_hf_s():
+    """Nemotron-H's checkpoints may say their blocks as hybrid_override_pattern ("M-MM-*-") and their Mamba-2 keys
+    under older names (mamba_n_groups, mamba_d_conv, ...), which HF reads as layers_block_type and the new names: the
+    same model. Blocks ridge cannot lay out (an FFN after no mixer) and experts in a latent space are refused by
+    name."""
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    config = hf_config("nemotron_h").to_dict()
+    legacy = {key: value for key, value in config.items()
+              if key not in ("layers_block_type", "n_groups", "conv_kernel", "chunk_size", "use_conv_bias")}
+    legacy.update(hybrid_override_pattern="M-MM-*-*-", mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16,
+                  mamba_conv_bias=True)
+    ours = config_from_spec(spec_from_hf_config(config, "new"))
+    assert ours == config_from_spec(spec_from_hf_config(legacy, "legacy"))
+    assert (ours.num_layers, ours.ssm_layers, ours.mlp_free_layers, ours.rotary_dim) == (5, (0, 1, 2), (1,), 0)
+    for change, field in (({"layers_block_type": ["mlp", "mamba"]}, "layers_block_type"),
+                          ({"moe_latent_size": 16}, "moe_latent_size")):
+        with pytest.raises(ValueError, match=field):
+            config_from_spec(spec_from_hf_config({**config, **change}, "nemotron_h"))
 
 
 def test_lfm2_s_published_config_keys_read_as_hf_s():

@@ -70,7 +70,9 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()  # attention layers without rotary (SmolLM3's every fourth: NoPE)
     # Gemma: GeGLU, embeddings scaled by sqrt(hidden), norms on the attention's and the MLP's outputs too
     # ("sandwich"), attention scaled by query_pre_attn_scalar ** -0.5; Gemma 2 caps logits with tanh
-    hidden_act: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss: below)
+    # "silu" (SwiGLU), "gelu_tanh" (GeGLU), "swiglu_oai" (gpt-oss: below), or "relu2": up and down alone, the
+    # squared ReLU between (Nemotron-H's)
+    hidden_act: str = "silu"
     # gpt-oss's gated activation: gate clamped to <= swiglu_limit, up to [-limit, limit];
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: float = 7.0
@@ -153,6 +155,7 @@ class ModelConfig:
     ssm_proj_bias: bool = False
     ssm_dt_limit: tuple[float, float] = (0.0, float("inf"))
     has_mlp: bool = True
+    mlp_free_layers: tuple[int, ...] = ()  # layers without an MLP after their mixer (Nemotron-H's)
     # Mamba-2's residual_in_fp32: the residual stream adds in float32 whatever the model's dtype (each norm reads
     # it rounded to the model's dtype, as HF's Mamba-2 blocks do)
     residual_in_fp32: bool = False
@@ -162,8 +165,8 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
-            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai", "relu2"):
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai, relu2)")
         if self.ssm_layers and self.ssm_inner_size % self.ssm_groups:
             raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide the SSM's width ({self.ssm_inner_size})")
         if self.ssm_layers and self.ssm_num_heads % self.ssm_groups:

@@ -137,13 +137,16 @@ Activation::Activation(const std::string& name, double limit, double alpha) : li
     kind = Kind::kGeluTanh;
   } else if (name == "swiglu_oai") {
     kind = Kind::kSwigluOai;
+  } else if (name == "relu2") {
+    kind = Kind::kRelu2;
   } else {
-    TORCH_CHECK(false, "Activation: silu, gelu_tanh or swiglu_oai, not ", name);
+    TORCH_CHECK(false, "Activation: silu, gelu_tanh, swiglu_oai or relu2, not ", name);
   }
 }
 
 torch::Tensor Activation::operator()(const torch::Tensor& gate_up) const {
   if (kind == Kind::kSilu) return silu_mul(gate_up);
+  if (kind == Kind::kRelu2) return at::relu(gate_up).square();  // up alone: no gate
   const auto halves = gate_up.chunk(2, -1);
   if (kind == Kind::kGeluTanh) return at::gelu(halves[0], "tanh") * halves[1];
   const auto gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);

@@ -52,9 +52,9 @@ struct Linear {
 
 // A gated MLP's activation of its gate|up halves (models/layers.py's GatedMLP), op for op: SwiGLU (silu_mul), GeGLU
 // (tanh-approximated gelu: Gemma), or gpt-oss's SwiGLU with the gate clamped above and up on both sides at `limit`,
-// gate * sigmoid(alpha * gate) * (up + 1).
+// gate * sigmoid(alpha * gate) * (up + 1); or, ungated, Nemotron-H's squared ReLU of up alone.
 struct Activation {
-  enum class Kind { kSilu, kGeluTanh, kSwigluOai };
+  enum class Kind { kSilu, kGeluTanh, kSwigluOai, kRelu2 };
   Kind kind = Kind::kSilu;
   double limit = 0.0, alpha = 1.0;  // swiglu_oai's
 

@@ -181,8 +181,9 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         latent = isinstance(attn, LatentAttention)
         # a latent layer's projections are its LatentProjections; its qkv is empty
         linears = [ops.Linear([], None) if latent else native_linear(ops, attn.qkv), native_linear(ops, attn.o_proj)]
-        # a mixture's layer has no dense MLP: its gate_up and down are empty
-        linears += [ops.Linear([], None)] * 2 if moe else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)]
+        # a mixture's layer, or one without an MLP (Nemotron-H's), has no dense MLP: its gate_up and down are empty
+        linears += ([ops.Linear([], None)] * 2 if moe or mlp is None
+                    else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)])
         projections = latent_projections(ops, attn) if latent else None
         if any(linear is None for linear in linears) or (moe and experts is None) or (latent and projections is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
@@ -194,7 +195,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         sandwich = layer.attn_out_norm is not None
         layers.append(ops.Layer(_norm_weight(layer.input_norm), _norm_weight(layer.post_attn_norm), *norms, *linears,
                                 backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections,
-                                activation=ops.Activation("silu") if moe else native_activation(ops, mlp),
+                                activation=(ops.Activation("silu") if moe or mlp is None
+                                            else native_activation(ops, mlp)),
                                 group=backend.group_of_layer[i],
                                 rope_table=None if rotary is model.rotary else torch.view_as_real(rotary.freqs),
                                 sinks=None if latent else attn.sinks,

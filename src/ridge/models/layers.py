@@ -252,14 +252,15 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate) * up): SwiGLU (silu), GeGLU (tanh-approximated gelu, Gemma), or gpt-oss's clamped SwiGLU
-    (swiglu_oai, ModelConfig)."""
+    (swiglu_oai, ModelConfig); or, ungated, down(relu(up)^2) (relu2, Nemotron-H's: gate_up holds up alone)."""
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False) -> None:
         """intermediate_size: the width, where not the model's dense FFN's (an expert's); bias: on both
         projections (gpt-oss's experts)."""
         super().__init__()
         self.intermediate_size = width = intermediate_size or cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * width, bias=bias)
+        self.gated = cfg.hidden_act != "relu2"
+        self.gate_up = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * width, bias=bias)
         self.down = nn.Linear(width, cfg.hidden_size, bias=bias)
         self.activation = cfg.hidden_act
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
@@ -267,6 +268,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
+        if not self.gated:
+            return self.down(torch.relu(gate_up).square())
         if self.ops is not None and self.activation == "silu":
             return self.down(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -35,7 +35,7 @@ from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_li
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
-from ridge.models.spec import ModelSpec, decoder_layers, spec_from_gguf, spec_from_hf_config
+from ridge.models.spec import ModelSpec, decoder_layers, nemotron_h_layers, spec_from_gguf, spec_from_hf_config
 from ridge.models.tensor_names import (
     DENSE_UNDER_NATIVE,
     LANGUAGE_MODEL_PREFIXES,
@@ -222,6 +222,8 @@ def load_model(
             tensors = _split_hf_stacked_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)
+        if cfg.architecture == "nemotron_h":
+            tensors = _nemotron_h_blocks(tensors, hf_config.get("text_config", hf_config))
         table = hf_names(cfg)
         fmt = "safetensors"
         quantization = hf_config.get("quantization_config")
@@ -631,6 +633,35 @@ def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) 
             continue
         for index in range(stored.shape[0]):
             yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
+
+
+_NEMOTRON_H_BLOCK = re.compile(r"(?:backbone|model)\.layers\.(\d+)\.(?:norm\.weight|mixer\.(.+))")
+_NEMOTRON_H_OTHERS = {"backbone.embeddings.weight": "model.embed_tokens.weight",
+                      "model.embeddings.weight": "model.embed_tokens.weight",
+                      "backbone.norm_f.weight": "model.norm.weight", "model.norm_f.weight": "model.norm.weight"}
+
+
+def _nemotron_h_blocks(tensors: Iterator[tuple[str, _Stored]], config: dict) -> Iterator[tuple[str, _Stored]]:
+    """Nemotron-H's blocks under the names of ridge's layers (models/spec.py's nemotron_h_layers): a mixer block's
+    norm is its layer's input norm and its mixer the layer's Mamba-2 mixer or attention, the FFN block after it the
+    layer's MLP (or mixture) behind the post-attention norm."""
+    kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern") or "")
+    where: dict[int, tuple[int, str]] = {}
+    for layer, (mixer, ffn) in enumerate(nemotron_h_layers(config)):
+        where[mixer] = (layer, "mamba" if kinds[mixer] in ("M", "mamba", "linear_attention") else "self_attn")
+        if ffn is not None:
+            where[ffn] = (layer, "mlp")
+    for name, stored in tensors:
+        match = _NEMOTRON_H_BLOCK.fullmatch(name)
+        if match is None:
+            yield _NEMOTRON_H_OTHERS.get(name, name), stored
+            continue
+        layer, role = where[int(match.group(1))]
+        if match.group(2) is None:  # the block's norm
+            norm = "post_attention_layernorm" if role == "mlp" else "input_layernorm"
+            yield f"model.layers.{layer}.{norm}.weight", stored
+        else:
+            yield f"model.layers.{layer}.{role}.{match.group(2)}", stored
 
 
 _HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(gate_up|down)_proj")

@@ -59,9 +59,9 @@ class MoEBlock(nn.Module):
         self.scales_input = cfg.router_scales_input
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
-        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, or gpt-oss's
-        # clamped ones (their biases are their layers', its router's on the router's logits)
-        self.plain = cfg.hidden_act in ("silu", "swiglu_oai")
+        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, gpt-oss's
+        # clamped ones (their biases are their layers', its router's on the router's logits), or squared-ReLU ones
+        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2")
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)

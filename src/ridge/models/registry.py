@@ -3,12 +3,12 @@
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
 cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
 deepseek_v2, deepseek_v3, mistral4, llama4, glm4_moe, dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the
-state-space mamba2, bamba and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on
-one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention
-and the MLP side by side, Granite's scalars, queries sharpened by position, a sliding or chunked window, a layer
-without rotary, Gemma's GeGLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in
-place of the dense FFN, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated DeltaNet in place of
-attention.
+state-space mamba2, bamba, nemotron_h and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and
+qwen3_next run on one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer, or a
+LayerNorm), attention and the MLP side by side (or no MLP), Granite's scalars, queries sharpened by position, a
+sliding or chunked window, a layer without rotary, Gemma's GeGLU or a squared ReLU, scaled embeddings and sandwich
+norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short
+convolution or Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # attention layers (rotary on half of each head, as HF transformers fixes it), each followed by a SwiGLU FFN
     "mamba2": {},
     "bamba": {"partial_rotary_factor": 0.5},
+    # Nemotron-H (Nemotron Nano 2, Nemotron 3): blocks of one sublayer each, read as layers of a Mamba-2 mixer or
+    # attention without rotary with the squared-ReLU MLP (or mixture) that follows it, where one does (spec.py)
+    "nemotron_h": {"router_scoring": "sigmoid", "router_choice_bias": True},  # its mixture: DeepSeek-V3's router
     # Granite 4.0-H: Granite's mixture (or a dense FFN) on every layer, most layers Mamba-2, the rest attention
     # without rotary (NoPE, partial_rotary_factor 0 from its config)
     "granitemoehybrid": {"norm_topk_prob": True},
@@ -115,12 +118,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-        "mistral4", "llama4", "dots1", "exaone_moe")
+        "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h")
 _OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-_SSM = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+_SSM = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2",
                         "ernie4_5_moe")
@@ -180,6 +183,7 @@ _HF_NAMES = {
     "glm4moe": "glm4_moe",  # GGUF general.architecture
     "Dots1ForCausalLM": "dots1",
     "ExaoneMoeForCausalLM": "exaone_moe",
+    "NemotronHForCausalLM": "nemotron_h",
     "exaone-moe": "exaone_moe",  # GGUF general.architecture
     "dots1": "dots1",  # GGUF general.architecture too
     "Mamba2ForCausalLM": "mamba2",
@@ -312,6 +316,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "final_logit_softcap": spec.final_logit_softcap,
         "partial_rotary_factor": spec.partial_rotary_factor,
         "has_mlp": spec.has_ffn,
+        "mlp_free_layers": spec.mlp_free_layers,
         # HF's llama-family attention_bias puts a bias on o_proj too (Qwen2's q / k / v biases come without one)
         "attention_out_bias": (spec.attention_out_bias if spec.attention_out_bias is not None
                                else arch in _OUT_BIAS and spec.qkv_bias),

@@ -72,6 +72,7 @@ class ModelSpec:
     # sigmoid
     attention_output_gate: bool = False
     has_ffn: bool = True  # Mamba-2's own layers hold the mixer only
+    mlp_free_layers: tuple[int, ...] = ()  # layers whose mixer has no FFN after it (Nemotron-H's mixer after mixer)
     # the weights of an attention layer's q and k norms: a head's width each (Qwen3, Gemma 3, LFM2), all heads'
     # (OLMoE), or none
     qk_norm_params: int = 0
@@ -130,12 +131,17 @@ class ModelSpec:
         """The layers of an MoE model that keep a dense FFN (none where the model has no experts)."""
         if not self.is_moe:
             return ()
-        return tuple(i for i in range(self.num_layers) if i < self.first_dense_layers
-                     or i in self.dense_only_layers or (i + 1) % self.moe_layer_step)
+        return tuple(i for i in range(self.num_layers) if i not in self.mlp_free_layers and (
+            i < self.first_dense_layers or i in self.dense_only_layers or (i + 1) % self.moe_layer_step))
+
+    @property
+    def num_ffn_layers(self) -> int:
+        """The layers with an FFN (dense or a mixture) after their mixer."""
+        return self.num_layers - len(self.mlp_free_layers) if self.has_ffn else 0
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - len(self.dense_layer_indices) if self.is_moe else 0
+        return self.num_ffn_layers - len(self.dense_layer_indices) if self.is_moe else 0
 
     @property
     def is_mla(self) -> bool:
@@ -215,7 +221,7 @@ _HF_KEYS = {
     "experts_per_token": ("num_experts_per_tok", "num_experts_per_token", "moe_k"),
     "moe_intermediate_size": ("moe_intermediate_size",),
     "shared_experts": ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"),
-    "shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
+    "shared_expert_intermediate_size": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
     "first_dense_layers": ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"),
     "kv_lora_rank": ("kv_lora_rank",),
     "q_lora_rank": ("q_lora_rank",),
@@ -295,7 +301,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     local_theta = local_scaling.get("rope_theta", config.get("rope_local_base_freq"))
     if config.get("model_type") == "olmo3" and rope_type not in ("default", None) and local_theta is None:
         local_theta = config.get("rope_theta", scaling.get("rope_theta"))  # its windowed layers' rotary: unscaled
-    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    activation = config.get("hidden_activation") or config.get("mlp_hidden_act") or config.get("hidden_act") or "silu"
     if activation == "gelu" and config.get("model_type") == "gemma":  # Gemma 1's legacy name: HF reads the tanh form
         activation = "gelu_tanh"
     head_dim = fields["head_dim"]
@@ -372,6 +378,8 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     kind = config.get("model_type")
     if kind in ("lfm2", "lfm2_moe"):
         return _lfm2_fields(config, source)
+    if kind == "nemotron_h":
+        return _nemotron_h_fields(config, hidden, source)
     if kind in _QWEN3_5:
         return _qwen3_5_fields(config, source)
     if kind == "mamba2":
@@ -398,6 +406,71 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
     shape.update({name: config[key] for name, key in keys.items() if config.get(key) is not None})
     if shape.get("ssm_head_dim") in (None, "auto"):  # Bamba's default: the inner width split over the heads
         shape["ssm_head_dim"] = expand * hidden // shape["ssm_num_heads"]
+    if shape["ssm_num_heads"] * shape["ssm_head_dim"] != expand * hidden:
+        raise ValueError(f"{source}: the SSM's heads ({shape['ssm_num_heads']} x {shape['ssm_head_dim']}) must span "
+                         f"expand x hidden_size ({expand} x {hidden})")
+    if (limit := config.get("time_step_limit")) is not None:
+        shape["ssm_dt_limit"] = (_json_float(limit[0]), _json_float(limit[1]))
+    return shape
+
+
+# Nemotron-H's kinds of block, as its configs spell them (layers_block_type, or the older hybrid_override_pattern)
+_NEMOTRON_H_BLOCKS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe", "mamba": "mamba",
+                      "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+                      "mlp": "mlp", "moe": "moe"}
+
+
+# the older names of Nemotron-H's Mamba-2 keys, which its published configs may hold (HF reads both)
+_NEMOTRON_H_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                           "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
+                           "mamba_dt_limit": "time_step_limit"}
+
+
+def nemotron_h_layers(config: dict, source: str = "config.json") -> list[tuple[int, int | None]]:
+    """Nemotron-H's blocks, each one sublayer (a Mamba-2 mixer, attention, an MLP or a mixture) after its own norm,
+    as ridge's layers: each mixer block with the FFN block that follows it, if one does: [(mixer block, FFN block or
+    None)]. An FFN block that follows no mixer has no place: refused by name."""
+    kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern") or "")
+    if not kinds or set(kinds) - set(_NEMOTRON_H_BLOCKS):
+        raise ValueError(f"{source}: layers_block_type: Nemotron-H's blocks (mamba, attention, mlp, moe) expected, got "
+                         f"{kinds}")
+    blocks = [_NEMOTRON_H_BLOCKS[kind] for kind in kinds]
+    layers: list[tuple[int, int | None]] = []
+    for i, kind in enumerate(blocks):
+        if kind in ("mamba", "attention"):
+            layers.append((i, None))
+        elif layers and layers[-1][1] is None and blocks[layers[-1][0]] in ("mamba", "attention") and \
+                layers[-1][0] == i - 1:
+            layers[-1] = (i - 1, i)
+        else:
+            raise ValueError(f"{source}: layers_block_type: block {i} ({kind}) follows no mixer; ridge runs an FFN "
+                             "after a Mamba-2 or attention block only")
+    return layers
+
+
+def _nemotron_h_fields(config: dict, hidden: int, source: str) -> dict:
+    """Nemotron-H (Nemotron Nano 2, Nemotron 3): one sublayer a block, read as ridge's layers (nemotron_h_layers):
+    Mamba-2 mixers and attention without rotary, each with the squared-ReLU MLP (or mixture) that follows it."""
+    if config.get("moe_latent_size"):
+        raise ValueError(f"{source}: moe_latent_size: Nemotron-H's experts in a latent space are not supported")
+    layers = nemotron_h_layers(config, source)
+    blocks = [_NEMOTRON_H_BLOCKS[kind] for kind in config.get("layers_block_type")
+              or list(config.get("hybrid_override_pattern"))]
+    config = {**config, **{new: config[old] for old, new in _NEMOTRON_H_LEGACY_KEYS.items() if old in config}}
+    expand = config.get("expand", 2)
+    shape = {"num_layers": len(layers), "ssm_layers": tuple(i for i, (mixer, _) in enumerate(layers)
+                                                             if blocks[mixer] == "mamba"),
+             "mlp_free_layers": tuple(i for i, (_, ffn) in enumerate(layers) if ffn is None),
+             "partial_rotary_factor": 0.0, "gated_ffn": False}
+    if any(blocks[ffn] == "moe" for _, ffn in layers if ffn is not None):
+        shape["dense_only_layers"] = tuple(i for i, (_, ffn) in enumerate(layers)
+                                           if ffn is not None and blocks[ffn] == "mlp")
+    else:  # HF's config holds its router's defaults whether or not a block is a mixture
+        shape.update(num_experts=0, experts_per_token=0)
+    keys = {"ssm_num_heads": "mamba_num_heads", "ssm_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
+            "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
+            "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "mamba_proj_bias"}
+    shape.update({name: config[key] for name, key in keys.items() if config.get(key) is not None})
     if shape["ssm_num_heads"] * shape["ssm_head_dim"] != expand * hidden:
         raise ValueError(f"{source}: the SSM's heads ({shape['ssm_num_heads']} x {shape['ssm_head_dim']}) must span "
                          f"expand x hidden_size ({expand} x {hidden})")

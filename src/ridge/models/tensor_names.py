@@ -126,6 +126,11 @@ HF_LLAMA4_NAMES = [(r"model\.layers\.(\d+)\.feed_forward\." + source, "layers.{0
                        (r"shared_expert\.down_proj\.weight", "shared_expert.down.weight", None),
                        (r"gate_proj\.weight", "gate_up.weight", 0), (r"up_proj\.weight", "gate_up.weight", 1),
                        (r"down_proj\.weight", "down.weight", None)]]
+# Nemotron-H's ungated MLPs (the loader names its blocks as ridge's layers): up_proj alone is gate_up
+HF_NEMOTRON_H_NAMES = [(r"model\.layers\.(\d+)\.mlp\." + source, "layers.{0}.mlp." + target, None)
+                       for source, target in [(r"up_proj\.weight", "gate_up.weight"),
+                                              (r"experts\.(\d+)\.up_proj\.weight", "experts.{1}.gate_up.weight"),
+                                              (r"shared_experts\.up_proj\.weight", "shared_expert.gate_up.weight")]]
 # latent attention (DeepSeek-V3): its projections, q_proj among them (not a slot of a fused qkv)
 HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn." + target, None)
                  for source, target in [
@@ -241,7 +246,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"
               else HF_PHI3_NAMES if cfg.architecture == "phi3"
               else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4"
-              else HF_LLAMA4_NAMES if cfg.architecture == "llama4" else [])
+              else HF_LLAMA4_NAMES if cfg.architecture == "llama4"
+              else HF_NEMOTRON_H_NAMES if cfg.architecture == "nemotron_h" else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
     return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)

@@ -47,7 +47,7 @@ class DecoderModel(nn.Module):
 
     @staticmethod
     def _mlp(cfg: ModelConfig, layer: int) -> nn.Module | None:
-        if not cfg.has_mlp:
+        if not cfg.has_mlp or layer in cfg.mlp_free_layers:
             return None
         return MoEBlock(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 

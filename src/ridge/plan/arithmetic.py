@@ -90,7 +90,7 @@ def ffn_params(m: ModelSpec, width: int) -> int:
 
 def count_parameters(m: ModelSpec) -> ParameterCounts:
     moe_layers = m.num_moe_layers
-    dense_layers = m.num_layers - moe_layers if m.has_ffn else 0
+    dense_layers = m.num_ffn_layers - moe_layers
     expert = ffn_params(m, m.moe_intermediate_size)
     router = m.hidden_size * m.num_experts
     shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
@@ -106,7 +106,7 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
         attention=m.num_attention_layers * attention_params_per_layer(m),
         ssm=len(m.ssm_layers) * ssm_params_per_layer(m) if m.ssm_layers else 0,
         ffn_stored=ffn_stored, ffn_active=ffn_active,
-        norms=((2 if m.has_ffn else 1) * m.num_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params)
+        norms=(m.num_layers + m.num_ffn_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params)
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
@@ -355,7 +355,7 @@ class Communication:
 
 def tp_communication(m: ModelSpec, tokens: int, logit_rows: int, gpus: int, link: LinkSpec,
                      activation_bytes: float) -> Communication:
-    allreduces = m.num_layers * (2 if m.has_ffn else 1) + 1
+    allreduces = m.num_layers + m.num_ffn_layers + 1
     nbytes = tokens * m.hidden_size * activation_bytes
     logits = logit_rows * m.vocab_size * 4.0
     seconds = allreduces * ring_allreduce_seconds(nbytes, gpus, link) + gather_seconds(logits, gpus, link)
