@@ -403,7 +403,13 @@ def _ssm_fields(config: dict, hidden: int, source: str) -> dict:
         expand = config.get("mamba_expand", 2)
     else:
         return {}
-    shape.update({name: config[key] for name, key in keys.items() if config.get(key) is not None})
+    return {**shape, **_mamba2_shape(config, keys, expand, hidden, source)}
+
+
+def _mamba2_shape(config: dict, keys: dict[str, str], expand: int, hidden: int, source: str) -> dict:
+    """The Mamba-2 mixers' fields from `config`'s keys (ridge's name -> the config's), their heads checked to span
+    expand x hidden_size, and dt's limit."""
+    shape = {name: config[key] for name, key in keys.items() if config.get(key) is not None}
     if shape.get("ssm_head_dim") in (None, "auto"):  # Bamba's default: the inner width split over the heads
         shape["ssm_head_dim"] = expand * hidden // shape["ssm_num_heads"]
     if shape["ssm_num_heads"] * shape["ssm_head_dim"] != expand * hidden:
@@ -470,13 +476,7 @@ def _nemotron_h_fields(config: dict, hidden: int, source: str) -> dict:
     keys = {"ssm_num_heads": "mamba_num_heads", "ssm_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
             "ssm_groups": "n_groups", "ssm_conv_kernel": "conv_kernel", "ssm_chunk_size": "chunk_size",
             "ssm_conv_bias": "use_conv_bias", "ssm_proj_bias": "mamba_proj_bias"}
-    shape.update({name: config[key] for name, key in keys.items() if config.get(key) is not None})
-    if shape["ssm_num_heads"] * shape["ssm_head_dim"] != expand * hidden:
-        raise ValueError(f"{source}: the SSM's heads ({shape['ssm_num_heads']} x {shape['ssm_head_dim']}) must span "
-                         f"expand x hidden_size ({expand} x {hidden})")
-    if (limit := config.get("time_step_limit")) is not None:
-        shape["ssm_dt_limit"] = (_json_float(limit[0]), _json_float(limit[1]))
-    return shape
+    return {**shape, **_mamba2_shape(config, keys, expand, hidden, source)}
 
 
 def _lfm2_fields(config: dict, source: str) -> dict:
