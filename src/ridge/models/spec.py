@@ -445,8 +445,7 @@ def nemotron_h_layers(config: dict, source: str = "config.json") -> list[tuple[i
     for i, kind in enumerate(blocks):
         if kind in ("mamba", "attention"):
             layers.append((i, None))
-        elif layers and layers[-1][1] is None and blocks[layers[-1][0]] in ("mamba", "attention") and \
-                layers[-1][0] == i - 1:
+        elif layers and layers[-1] == (i - 1, None):  # the FFN of the mixer just before it
             layers[-1] = (i - 1, i)
         else:
             raise ValueError(f"{source}: layers_block_type: block {i} ({kind}) follows no mixer; ridge runs an FFN "
@@ -610,7 +609,8 @@ def _llama4_fields(config: dict, fields: dict, source: str) -> dict:
         return {}
     layers = fields["num_layers"]
     step = int(config.get("interleave_moe_layer_step", 1))
-    moe = list(config.get("moe_layers") or range(step - 1, layers, step))
+    listed = config.get("moe_layers")
+    moe = list(listed if listed is not None else range(step - 1, layers, step))
     out: dict = {"moe_intermediate_size": int(config.get("intermediate_size", 8192)),
                  "intermediate_size": int(config.get("intermediate_size_mlp", 16384)), "shared_experts": 1,
                  "num_experts": int(config.get("num_local_experts", 16)),
