@@ -645,10 +645,9 @@ def _nemotron_h_blocks(tensors: Iterator[tuple[str, _Stored]], config: dict) -> 
     """Nemotron-H's blocks under the names of ridge's layers (models/spec.py's nemotron_h_layers): a mixer block's
     norm is its layer's input norm and its mixer the layer's Mamba-2 mixer or attention, the FFN block after it the
     layer's MLP (or mixture) behind the post-attention norm."""
-    kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern") or "")
-    where: dict[int, tuple[int, str]] = {}
-    for layer, (mixer, ffn) in enumerate(nemotron_h_layers(config)):
-        where[mixer] = (layer, "mamba" if kinds[mixer] in ("M", "mamba", "linear_attention") else "self_attn")
+    where: dict[int, tuple[int, str]] = {}  # block -> (ridge's layer, the part of it the block holds)
+    for layer, (mixer, kind, ffn) in enumerate(nemotron_h_layers(config)):
+        where[mixer] = (layer, "mamba" if kind == "mamba" else "self_attn")
         if ffn is not None:
             where[ffn] = (layer, "mlp")
     for name, stored in tensors:

@@ -432,21 +432,20 @@ _NEMOTRON_H_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_k
                            "mamba_dt_limit": "time_step_limit"}
 
 
-def nemotron_h_layers(config: dict, source: str = "config.json") -> list[tuple[int, int | None]]:
+def nemotron_h_layers(config: dict, source: str = "config.json") -> list[tuple[int, str, int | None]]:
     """Nemotron-H's blocks, each one sublayer (a Mamba-2 mixer, attention, an MLP or a mixture) after its own norm,
-    as ridge's layers: each mixer block with the FFN block that follows it, if one does: [(mixer block, FFN block or
-    None)]. An FFN block that follows no mixer has no place: refused by name."""
+    as ridge's layers: each mixer block with the FFN block that follows it, if one does: [(mixer block, "mamba" or
+    "attention", FFN block or None)]. An FFN block that follows no mixer has no place: refused by name."""
     kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern") or "")
     if not kinds or set(kinds) - set(_NEMOTRON_H_BLOCKS):
         raise ValueError(f"{source}: layers_block_type: Nemotron-H's blocks (mamba, attention, mlp, moe) expected, got "
                          f"{kinds}")
-    blocks = [_NEMOTRON_H_BLOCKS[kind] for kind in kinds]
-    layers: list[tuple[int, int | None]] = []
-    for i, kind in enumerate(blocks):
+    layers: list[tuple[int, str, int | None]] = []
+    for i, kind in enumerate(_NEMOTRON_H_BLOCKS[kind] for kind in kinds):
         if kind in ("mamba", "attention"):
-            layers.append((i, None))
-        elif layers and layers[-1] == (i - 1, None):  # the FFN of the mixer just before it
-            layers[-1] = (i - 1, i)
+            layers.append((i, kind, None))
+        elif layers and layers[-1][0] == i - 1 and layers[-1][2] is None:  # the FFN of the mixer just before it
+            layers[-1] = (*layers[-1][:2], i)
         else:
             raise ValueError(f"{source}: layers_block_type: block {i} ({kind}) follows no mixer; ridge runs an FFN "
                              "after a Mamba-2 or attention block only")
@@ -459,17 +458,16 @@ def _nemotron_h_fields(config: dict, hidden: int, source: str) -> dict:
     if config.get("moe_latent_size"):
         raise ValueError(f"{source}: moe_latent_size: Nemotron-H's experts in a latent space are not supported")
     layers = nemotron_h_layers(config, source)
-    blocks = [_NEMOTRON_H_BLOCKS[kind] for kind in config.get("layers_block_type")
-              or list(config.get("hybrid_override_pattern"))]
+    kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern"))
+    ffn_kinds = {i: _NEMOTRON_H_BLOCKS[kinds[ffn]] for i, (_, _, ffn) in enumerate(layers) if ffn is not None}
     config = {**config, **{new: config[old] for old, new in _NEMOTRON_H_LEGACY_KEYS.items() if old in config}}
     expand = config.get("expand", 2)
-    shape = {"num_layers": len(layers), "ssm_layers": tuple(i for i, (mixer, _) in enumerate(layers)
-                                                             if blocks[mixer] == "mamba"),
-             "mlp_free_layers": tuple(i for i, (_, ffn) in enumerate(layers) if ffn is None),
+    shape = {"num_layers": len(layers),
+             "ssm_layers": tuple(i for i, (_, kind, _) in enumerate(layers) if kind == "mamba"),
+             "mlp_free_layers": tuple(i for i in range(len(layers)) if i not in ffn_kinds),
              "partial_rotary_factor": 0.0, "gated_ffn": False}
-    if any(blocks[ffn] == "moe" for _, ffn in layers if ffn is not None):
-        shape["dense_only_layers"] = tuple(i for i, (_, ffn) in enumerate(layers)
-                                           if ffn is not None and blocks[ffn] == "mlp")
+    if "moe" in ffn_kinds.values():
+        shape["dense_only_layers"] = tuple(i for i, kind in ffn_kinds.items() if kind == "mlp")
     else:  # HF's config holds its router's defaults whether or not a block is a mixture
         shape.update(num_experts=0, experts_per_token=0)
     keys = {"ssm_num_heads": "mamba_num_heads", "ssm_head_dim": "mamba_head_dim", "ssm_state_size": "ssm_state_size",
