@@ -38,7 +38,14 @@ from ridge.models.loader import (
     random_model,
 )
 from ridge.models.registry import check_supported
-from ridge.models.spec import COHERE2_GLOBAL_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, SMOLLM3_NOPE_EVERY, ModelSpec
+from ridge.models.spec import (
+    COHERE2_GLOBAL_EVERY,
+    LLAMA4_CHUNK,
+    LLAMA4_TEMPERATURE,
+    SMOLLM3_NOPE_EVERY,
+    ModelSpec,
+    nemotron_h_block_kinds,
+)
 from ridge.rope_scaling import RopeScaling
 
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
@@ -56,7 +63,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
-                      "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe"}
+                      "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
+                      "nemotron_h": "nemotron_h"}
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -105,13 +113,13 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
     # two passes over the tensors, each made as it is needed: what each holds (its shape, type and size), then
     # its data, written as it is made; a model as large as memory is never held twice (stacked experts, a
     # quantized copy), only one tensor's new form at a time
-    for name, tensor in _gguf_tensors(cfg, state):
+    for name, tensor in _file_tensors(cfg, state):
         form = _stored_form(name, tensor, blocks)
         writer.add_tensor_info(name, *form.shape_type_bytes(tensor), raw_dtype=form.raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    tensors = tqdm(_gguf_tensors(cfg, state), total=len(writer.tensors[0]), desc="write gguf", unit="tensor",
+    tensors = tqdm(_file_tensors(cfg, state), total=len(writer.tensors[0]), desc="write gguf", unit="tensor",
                    leave=False)
     for name, tensor in tensors:
         writer.write_tensor_data(_stored_form(name, tensor, blocks).data(tensor))
@@ -158,8 +166,10 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch is None:
         raise ValueError(f"model: writing a GGUF of architecture {spec.architecture!r} is not supported "
                          f"({', '.join(GGUF_ARCHITECTURES)})")
-    if arch in ("mamba2", "granitehybrid"):
+    if arch in ("mamba2", "granitehybrid", "nemotron_h"):
         _check_mamba2(spec, arch)
+    if arch == "nemotron_h" and spec.is_moe:
+        raise ValueError("model: writing Nemotron-H's mixture (llama.cpp's nemotron_h_moe) is not supported")
     # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
                                                                  "ernie4_5-moe", "dots1", "exaone-moe") else ()
@@ -265,8 +275,12 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             blocks: GGMLQuantizationType | None) -> None:
     writer.add_context_length(spec.max_position_embeddings)
     writer.add_embedding_length(spec.hidden_size)
-    writer.add_block_count(spec.num_layers)
-    writer.add_feed_forward_length(spec.intermediate_size)
+    # Nemotron-H's blocks hold one sublayer each: the header says each block's (its KV heads, its FFN width; 0: none)
+    kinds = (nemotron_h_block_kinds(spec.num_layers, spec.ssm_layers, spec.mlp_free_layers) if arch == "nemotron_h"
+             else None)
+    writer.add_block_count(len(kinds) if kinds else spec.num_layers)
+    writer.add_feed_forward_length([spec.intermediate_size if kind == "mlp" else 0 for kind in kinds] if kinds
+                                   else spec.intermediate_size)
     writer.add_head_count(spec.num_heads)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_file_type(_file_type(float16, blocks))
@@ -275,7 +289,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         return
     if arch in ("granitehybrid", "lfm2", "lfm2moe"):  # attention where the per-layer KV head count is not 0
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
-    if arch == "granitehybrid":  # Mamba-2 layers beside the attention
+    if kinds:  # Nemotron-H's: Mamba-2 blocks, attention without rotary, MLPs; its norms' epsilon under this key
+        writer.add_head_count_kv([spec.num_kv_heads if kind == "attention" else 0 for kind in kinds])
+        _state_space_header(writer, spec)
+        writer.add_layer_norm_eps(spec.rms_norm_eps)
+    elif arch == "granitehybrid":  # Mamba-2 layers beside the attention
         _state_space_header(writer, spec)
         # llama.cpp's switch for rotary in this architecture: Bamba's half rotary on, Granite 4.0-H's none off
         writer.add_rope_scaling_finetuned(cfg.rotary_dim > 0)
@@ -426,6 +444,31 @@ def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
             writer.add_key_value(key, field.contents(), field.types[0])
 
 
+def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
+    """The file's tensors: _gguf_tensors', and a Nemotron-H's layers split into its blocks (models/spec.py's
+    nemotron_h_block_kinds): a layer's mixer and input norm its mixer block's (attn_norm), its MLP and post-attention
+    norm its MLP block's (attn_norm there too)."""
+    tensors = _gguf_tensors(cfg, state)
+    if cfg.architecture != "nemotron_h":
+        yield from tensors
+        return
+    mixer_block, mlp_block, block = {}, {}, 0
+    for layer in range(cfg.num_layers):
+        mixer_block[layer], block = block, block + 1
+        if layer not in cfg.mlp_free_layers:
+            mlp_block[layer], block = block, block + 1
+    for name, tensor in tensors:
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        if rest.startswith("ffn_"):
+            yield f"blk.{mlp_block[layer]}.{'attn_norm.weight' if rest == 'ffn_norm.weight' else rest}", tensor
+        else:
+            yield f"blk.{mixer_block[layer]}.{rest}", tensor
+
+
 def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """ridge's parameters -> llama.cpp's tensors: fused q/k/v and gate/up split, experts stacked."""
     yield "token_embd.weight", state["embed_tokens.weight"]
@@ -459,7 +502,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                         if name in layer)
         if cfg.architecture == "phi3":  # its q / k / v kept fused
             yield f"blk.{i}.attn_qkv.weight", layer.pop("attn.qkv.weight")
-        if cfg.architecture in ("phi3", "glm4"):  # gate / up kept fused: llama.cpp's ffn_up holds both
+        if (cfg.architecture in ("phi3", "glm4") or cfg.hidden_act == "relu2") and "mlp.gate_up.weight" in layer:
+            # gate / up kept fused: llama.cpp's ffn_up holds both (an ungated MLP's: up alone)
             yield f"blk.{i}.ffn_up.weight", layer.pop("mlp.gate_up.weight")
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:

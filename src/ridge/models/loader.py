@@ -35,7 +35,14 @@ from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_li
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
-from ridge.models.spec import ModelSpec, decoder_layers, nemotron_h_layers, spec_from_gguf, spec_from_hf_config
+from ridge.models.spec import (
+    ModelSpec,
+    decoder_layers,
+    gguf_nemotron_h_kinds,
+    nemotron_h_layers,
+    spec_from_gguf,
+    spec_from_hf_config,
+)
 from ridge.models.tensor_names import (
     DENSE_UNDER_NATIVE,
     LANGUAGE_MODEL_PREFIXES,
@@ -242,6 +249,8 @@ def load_model(
         tensors = _gguf_tensors(gguf, cfg, gguf_native, target.cpu_ops if target else None)
         if cfg.attention_output_gate:
             tensors = _split_gated_attention(tensors, cfg)
+        if cfg.architecture == "nemotron_h":
+            tensors = _nemotron_h_gguf_blocks(tensors, gguf_nemotron_h_kinds(lambda key: _header_value(gguf, key)))
         table = gguf_names(cfg)
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
@@ -661,6 +670,36 @@ def _nemotron_h_blocks(tensors: Iterator[tuple[str, _Stored]], config: dict) -> 
             yield f"model.layers.{layer}.{norm}.weight", stored
         else:
             yield f"model.layers.{layer}.{role}.{match.group(2)}", stored
+
+
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _nemotron_h_gguf_blocks(tensors: Iterator[tuple[str, _Stored]], kinds: list[str]) -> Iterator[tuple[str, _Stored]]:
+    """A nemotron_h file's blocks under the names of ridge's layers (_nemotron_h_blocks' for llama.cpp's names):
+    each block's norm is attn_norm there, an MLP block's the layer's ffn_norm here."""
+    where: dict[int, int] = {}  # block -> ridge's layer
+    mlp_blocks = set()
+    for layer, (mixer, _, ffn) in enumerate(nemotron_h_layers({"layers_block_type": kinds})):
+        where[mixer] = layer
+        if ffn is not None:
+            where[ffn] = layer
+            mlp_blocks.add(ffn)
+    for name, stored in tensors:
+        match = _GGUF_BLOCK.fullmatch(name)
+        if match is None:
+            yield name, stored
+            continue
+        block, rest = int(match.group(1)), match.group(2)
+        if rest == "attn_norm.weight" and block in mlp_blocks:
+            rest = "ffn_norm.weight"
+        yield f"blk.{where[block]}.{rest}", stored
+
+
+def _header_value(gguf: GGUFFile, key: str):
+    """A GGUF header field, a one-item list read as its item."""
+    read = gguf.fields.get(key)
+    return read[0] if isinstance(read, list) and len(read) == 1 else read
 
 
 _HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(gate_up|down)_proj")

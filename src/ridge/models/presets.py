@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from ridge.models.gguf_file import read_gguf
-from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
+from ridge.models.spec import ModelSpec, nemotron_h_layers, spec_from_gguf, spec_from_hf_config
 
 
 @cache
@@ -26,7 +26,8 @@ def model_presets() -> dict[str, ModelSpec]:
 
 def _spec_fields(preset: dict) -> dict:
     """A preset's ModelSpec fields; its state-space layers written as "all", or as the rest of the layers
-    beside attention_layer_indices (Bamba's own key); NoPE layers as nope_every."""
+    beside attention_layer_indices (Bamba's own key); NoPE layers as nope_every; Nemotron-H's blocks as its
+    pattern (nemotron_blocks)."""
     fields = dict(preset)
     layers = fields.get("num_layers", 0)
     if fields.get("ssm_layers") == "all":
@@ -37,6 +38,12 @@ def _spec_fields(preset: dict) -> dict:
         fields["nope_layers"] = tuple(i for i in range(layers) if (i + 1) % every == 0)
     if "nope_temperature" in fields:  # Llama 4's (scale, period)
         fields["nope_temperature"] = tuple(fields["nope_temperature"])
+    if (blocks := fields.pop("nemotron_blocks", None)) is not None:  # Nemotron-H's, as its hybrid_override_pattern
+        layers = nemotron_h_layers({"hybrid_override_pattern": blocks})
+        fields.update(num_layers=len(layers), ssm_layers=tuple(i for i, (_, kind, _) in enumerate(layers)
+                                                               if kind == "mamba"),
+                      mlp_free_layers=tuple(i for i, (_, _, ffn) in enumerate(layers) if ffn is None),
+                      partial_rotary_factor=0.0, gated_ffn=False, hidden_act="relu2")
     return fields
 
 

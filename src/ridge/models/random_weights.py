@@ -42,7 +42,7 @@ def random_spec(model: str) -> ModelSpec:
         kind = type(current) if current is not None else str
         changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     if "num_layers" in changes:  # fewer layers (to fit this machine): the state-space and NoPE ones among them stay so
-        for key in ("ssm_layers", "nope_layers", "dense_only_layers"):
+        for key in ("ssm_layers", "nope_layers", "dense_only_layers", "mlp_free_layers"):
             changes.setdefault(key, tuple(i for i in getattr(spec, key) if i < changes["num_layers"]))
     spec = dataclasses.replace(spec, **changes, name=model)
     if not spec.architecture:

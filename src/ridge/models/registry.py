@@ -356,6 +356,6 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     fields.update(ARCHITECTURES[arch])
     if arch in _OPTIONAL_QK_NORM:
         fields["qk_norm"] = spec.qk_norm_params > 0
-    if spec.norm_topk_prob is not None and arch not in _ALWAYS_RENORMALISED:
+    if spec.norm_topk_prob is not None and spec.is_moe and arch not in _ALWAYS_RENORMALISED:  # a router's
         fields["norm_topk_prob"] = bool(spec.norm_topk_prob)
     return ModelConfig(**fields)

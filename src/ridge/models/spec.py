@@ -674,6 +674,22 @@ COHERE2_GLOBAL_EVERY = 4  # llama.cpp's swa pattern for cohere2, fixed by the ar
 SMOLLM3_NOPE_EVERY = 4  # llama.cpp's n_no_rope_layer_step for smollm3, fixed by the architecture
 
 
+def _largest(read) -> int:
+    """A header number that may be one per block (0 where a block has none): the largest."""
+    return int(max(read)) if isinstance(read, list) else int(read)
+
+
+def nemotron_h_block_kinds(num_layers: int, ssm_layers: tuple[int, ...], mlp_free_layers: tuple[int, ...]) -> list[str]:
+    """ridge's layers of a Nemotron-H model as its blocks, in order (nemotron_h_layers' inverse): each layer's mixer
+    block ("mamba" or "attention"), then its MLP block where it has one."""
+    kinds: list[str] = []
+    for layer in range(num_layers):
+        kinds.append("mamba" if layer in ssm_layers else "attention")
+        if layer not in mlp_free_layers:
+            kinds.append("mlp")
+    return kinds
+
+
 def decoder_layers(gguf: GGUFFile) -> int:
     """A GGUF model's decoder layers: its block count, less the multi-token prediction layers (Qwen3.5's) that
     llama.cpp's converter writes as blocks after them (`nextn_predict_layers`)."""
@@ -706,7 +722,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         name=name, vocab_size=vocab, hidden_size=hidden, num_layers=decoder_layers(gguf),
         num_heads=heads, num_kv_heads=int(kv),
         head_dim=int(value(f"{arch}.attention.key_length", hidden // heads if heads else 0)),
-        intermediate_size=int(value(f"{arch}.feed_forward_length")),
+        intermediate_size=_largest(value(f"{arch}.feed_forward_length")),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         num_experts=experts, experts_per_token=int(value(f"{arch}.expert_used_count", 0)),
@@ -748,6 +764,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
             "head_dim"]
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
+    fields.update(_gguf_nemotron_h_fields(arch, value, names, source))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
         fields["moe_intermediate_size"] = fields["intermediate_size"]
     return ModelSpec(**fields).validate()
@@ -917,6 +934,35 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     # rotary switched on (Bamba: on the first rope.dimension_count dims of each head) or off (Granite 4.0-H)
     rotary = int(value(f"{arch}.rope.dimension_count", head_dim)) if value(f"{arch}.rope.scaling.finetuned") else 0
     return {"ssm_layers": _layers_without_kv(arch, value), "partial_rotary_factor": rotary / head_dim, **mixers}
+
+
+def gguf_nemotron_h_kinds(value) -> list[str]:
+    """A nemotron_h file's blocks, as llama.cpp's converter tells them: attention where the block's KV head count is
+    not 0, an MLP where its FFN width is not 0, a Mamba-2 mixer otherwise."""
+    kv, ffn = value("nemotron_h.attention.head_count_kv"), value("nemotron_h.feed_forward_length")
+    blocks = int(value("nemotron_h.block_count"))
+    kv, ffn = (read if isinstance(read, list) else [read] * blocks for read in (kv, ffn))
+    return ["attention" if heads else "mlp" if width else "mamba" for heads, width in zip(kv, ffn, strict=True)]
+
+
+def _gguf_nemotron_h_fields(arch: str, value, names: set[str], source: str) -> dict:
+    """A nemotron_h file's blocks read as ridge's layers (nemotron_h_layers), its Mamba-2 mixers' keys as
+    granitehybrid's (_gguf_state_space_fields), attention without rotary, squared-ReLU MLPs."""
+    if arch != "nemotron_h":
+        return {}
+    kinds = gguf_nemotron_h_kinds(value)
+    layers = nemotron_h_layers({"layers_block_type": kinds}, source)
+    heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
+    return {"num_layers": len(layers), "ssm_layers": tuple(i for i, (_, kind, _) in enumerate(layers)
+                                                           if kind == "mamba"),
+            "mlp_free_layers": tuple(i for i, (_, _, ffn) in enumerate(layers) if ffn is None),
+            "partial_rotary_factor": 0.0, "gated_ffn": False, "hidden_act": "relu2",
+            "rms_norm_eps": float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5)),
+            "ssm_num_heads": heads, "ssm_head_dim": inner // heads,
+            "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
+            "ssm_groups": int(value(f"{arch}.ssm.group_count", 1)),
+            "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")),
+            "ssm_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in names)}
 
 
 def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:

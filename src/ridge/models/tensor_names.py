@@ -253,12 +253,16 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
+# Nemotron-H's ungated MLP under llama.cpp's names (the loader names its blocks as ridge's layers): ffn_up alone
+GGUF_NEMOTRON_H_NAMES = [(r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
+
+
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
               "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES,
-              "glm4": GGUF_PHI3_NAMES}.get(cfg.architecture, [])
+              "glm4": GGUF_PHI3_NAMES, "nemotron_h": GGUF_NEMOTRON_H_NAMES}.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)
