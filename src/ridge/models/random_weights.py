@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ridge.models.presets import resolve_model
-from ridge.models.spec import ModelSpec
+from ridge.models.spec import ModelSpec, nemotron_h_block_kinds
 
 PREFIX = "random:"
 INIT_STD = 0.02  # HF's initializer_range: activations stay of order one through the layers
@@ -142,6 +142,15 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config.update(num_local_experts=spec.num_experts,
                       position_embedding_type="rope" if spec.partial_rotary_factor else "nope",
                       layer_types=["mamba" if i in spec.ssm_layers else "attention" for i in range(spec.num_layers)])
+    if spec.architecture == "nemotron_h":  # its blocks, its Mamba-2 keys under its own names, its squared ReLU
+        config.pop("layer_types", None)  # its config's other name for the blocks
+        config.update(layers_block_type=nemotron_h_block_kinds(spec.num_layers, spec.ssm_layers, spec.mlp_free_layers),
+                      mamba_num_heads=spec.ssm_num_heads, mamba_head_dim=spec.ssm_head_dim,
+                      ssm_state_size=spec.ssm_state_size, n_groups=spec.ssm_groups, conv_kernel=spec.ssm_conv_kernel,
+                      chunk_size=spec.ssm_chunk_size, expand=spec.ssm_inner_size // spec.hidden_size,
+                      mlp_hidden_act="relu2", layer_norm_epsilon=spec.rms_norm_eps, num_hidden_layers=None,
+                      moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size
+                      or spec.moe_intermediate_size)
     if spec.architecture == "llama4":  # its text model: the experts' width its intermediate_size, chunked windows
         step = spec.moe_layer_step
         config.update(model_type="llama4_text", intermediate_size=spec.moe_intermediate_size,
