@@ -399,24 +399,32 @@ def test_a_bamba_gguf_reads_back_as_the_same_model(layout, smollm2_path, tmp_pat
 def test_a_nemotron_h_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):
     """Nemotron-H under llama.cpp's `nemotron_h`: its blocks as the file's layers (a Mamba-2 block where the KV head
     count and the FFN width are 0, attention where the KV head count is not, an MLP where the width is not; each
-    block's norm its attn_norm, the MLP's up alone in ffn_up), loads as the model ridge draws for the config; its
-    mixture (llama.cpp's nemotron_h_moe) is refused by name rather than written."""
+    block's norm its attn_norm, the MLP's up alone in ffn_up), and Nemotron 3's under `nemotron_h_moe` (every FFN
+    block a mixture, told by its router: ungated experts, the correction bias, the shared expert), load as the
+    models ridge draws for the configs; a mixture with a dense MLP block, which llama.cpp would read as a mixture, is
+    refused by name rather than written."""
     import dataclasses
 
     from conftest import gguf_round_trip
 
-    config = {**hf_config("nemotron_h").to_dict(), "vocab_size": 49152}
-    (tmp_path / "dense").mkdir()
-    from_file, drawn = gguf_round_trip(config, tmp_path / "dense", smollm2_path, make_llm_for_test)
-    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
-    assert (ours.ssm_layers, ours.mlp_free_layers, ours.hidden_act) == ((0, 1, 2), (1,), "relu2")
-    unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings")}
-    assert dataclasses.replace(ours, **unstored) == theirs
-    ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
-    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
-    (tmp_path / "moe").mkdir()
-    with pytest.raises(ValueError, match="nemotron_h_moe"):
-        gguf_round_trip({**hf_config("nemotron_h_moe").to_dict(), "vocab_size": 49152}, tmp_path / "moe",
+    all_experts = ["mamba", "moe", "attention", "moe", "mamba", "mamba", "moe", "attention", "moe"]
+    for name, config, shape in (
+            ("dense", hf_config("nemotron_h").to_dict(), ((0, 1, 2), (1,), 0)),
+            ("moe", {**hf_config("nemotron_h_moe").to_dict(), "layers_block_type": all_experts}, ((0, 2, 3), (2,), 8))):
+        (tmp_path / name).mkdir()
+        from_file, drawn = gguf_round_trip({**config, "vocab_size": 49152}, tmp_path / name, smollm2_path,
+                                           make_llm_for_test)
+        ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+        assert (ours.ssm_layers, ours.mlp_free_layers, ours.num_experts, ours.hidden_act) == (*shape, "relu2")
+        # (the file says no dense FFN width where every FFN block is a mixture: no layer has one)
+        unstored = {f: getattr(theirs, f) for f in ("rms_norm_eps", "ssm_chunk_size", "max_position_embeddings",
+                                                    *(("intermediate_size",) if name == "moe" else ()))}
+        assert dataclasses.replace(ours, **unstored) == theirs
+        ids = random_prompts(1, 49152, 20, 21, seed=5)[0]
+        assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    (tmp_path / "mixed").mkdir()
+    with pytest.raises(ValueError, match="dense layers .* in nemotron_h_moe"):
+        gguf_round_trip({**hf_config("nemotron_h_moe").to_dict(), "vocab_size": 49152}, tmp_path / "mixed",
                         smollm2_path, make_llm_for_test)
 
 

@@ -65,6 +65,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
                       "nemotron_h": "nemotron_h"}
+# a Nemotron-H with a mixture is llama.cpp's nemotron_h_moe
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                 "attn.k_norm.weight": "attn_k_norm.weight", "mlp.down.weight": "ffn_down.weight",
@@ -168,8 +169,8 @@ def _check_writable(spec: ModelSpec) -> str:
                          f"({', '.join(GGUF_ARCHITECTURES)})")
     if arch in ("mamba2", "granitehybrid", "nemotron_h"):
         _check_mamba2(spec, arch)
-    if arch == "nemotron_h" and spec.is_moe:
-        raise ValueError("model: writing Nemotron-H's mixture (llama.cpp's nemotron_h_moe) is not supported")
+    if arch == "nemotron_h" and spec.is_moe:  # llama.cpp's nemotron_h_moe: every FFN block a mixture
+        arch = "nemotron_h_moe"
     # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
                                                                  "ernie4_5-moe", "dots1", "exaone-moe") else ()
@@ -276,11 +277,11 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     writer.add_context_length(spec.max_position_embeddings)
     writer.add_embedding_length(spec.hidden_size)
     # Nemotron-H's blocks hold one sublayer each: the header says each block's (its KV heads, its FFN width; 0: none)
-    kinds = (nemotron_h_block_kinds(spec.num_layers, spec.ssm_layers, spec.mlp_free_layers) if arch == "nemotron_h"
-             else None)
+    kinds = (nemotron_h_block_kinds(spec.num_layers, spec.ssm_layers, spec.mlp_free_layers, spec.dense_layer_indices
+                                    if spec.is_moe else None) if arch in ("nemotron_h", "nemotron_h_moe") else None)
+    widths = {"mlp": spec.intermediate_size, "moe": spec.moe_intermediate_size}
     writer.add_block_count(len(kinds) if kinds else spec.num_layers)
-    writer.add_feed_forward_length([spec.intermediate_size if kind == "mlp" else 0 for kind in kinds] if kinds
-                                   else spec.intermediate_size)
+    writer.add_feed_forward_length([widths.get(kind, 0) for kind in kinds] if kinds else spec.intermediate_size)
     writer.add_head_count(spec.num_heads)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_file_type(_file_type(float16, blocks))
@@ -384,7 +385,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1", "exaone-moe"):
+    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1", "exaone-moe", "nemotron_h_moe"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)
@@ -449,7 +450,7 @@ def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     nemotron_h_block_kinds): a layer's mixer and input norm its mixer block's (attn_norm), its MLP and post-attention
     norm its MLP block's (attn_norm there too)."""
     tensors = _gguf_tensors(cfg, state)
-    if cfg.architecture != "nemotron_h":
+    if cfg.architecture != "nemotron_h":  # (its mixture too)
         yield from tensors
         return
     mixer_block, mlp_block, block = {}, {}, 0
@@ -463,7 +464,7 @@ def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             yield name, tensor
             continue
         layer, rest = int(match.group(1)), match.group(2)
-        if rest.startswith("ffn_"):
+        if rest.startswith(("ffn_", "exp_probs_b")):  # the FFN block's (a mixture's correction bias too)
             yield f"blk.{mlp_block[layer]}.{'attn_norm.weight' if rest == 'ffn_norm.weight' else rest}", tensor
         else:
             yield f"blk.{mixer_block[layer]}.{rest}", tensor
@@ -519,7 +520,9 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)
                     yield f"blk.{i}.attn_{part}.{kind}", rows
         for prefix, suffix in (("mlp.", ""), ("mlp.shared_expert.", "_shexp")):
-            if (gate_up := layer.get(f"{prefix}gate_up.weight")) is not None:
+            if (gate_up := layer.get(f"{prefix}gate_up.weight")) is not None and cfg.hidden_act == "relu2":
+                yield f"blk.{i}.ffn_up{suffix}.weight", gate_up  # ungated: up alone
+            elif gate_up is not None:
                 gate, up = gate_up.chunk(2)
                 yield f"blk.{i}.ffn_gate{suffix}.weight", gate
                 yield f"blk.{i}.ffn_up{suffix}.weight", up
@@ -530,8 +533,11 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
             if f"mlp.experts.0.down.{kind}" not in layer:
                 continue
             gate_up = torch.stack([layer[f"mlp.experts.{e}.gate_up.{kind}"] for e in experts])
-            yield f"blk.{i}.ffn_gate_exps.{kind}", gate_up[:, :cfg.moe_intermediate_size]
-            yield f"blk.{i}.ffn_up_exps.{kind}", gate_up[:, cfg.moe_intermediate_size:]
+            if cfg.hidden_act == "relu2":  # ungated experts (Nemotron-H's): up alone
+                yield f"blk.{i}.ffn_up_exps.{kind}", gate_up
+            else:
+                yield f"blk.{i}.ffn_gate_exps.{kind}", gate_up[:, :cfg.moe_intermediate_size]
+                yield f"blk.{i}.ffn_up_exps.{kind}", gate_up[:, cfg.moe_intermediate_size:]
             yield f"blk.{i}.ffn_down_exps.{kind}", torch.stack([layer[f"mlp.experts.{e}.down.{kind}"] for e in experts])
 
 

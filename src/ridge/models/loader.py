@@ -250,7 +250,9 @@ def load_model(
         if cfg.attention_output_gate:
             tensors = _split_gated_attention(tensors, cfg)
         if cfg.architecture == "nemotron_h":
-            tensors = _nemotron_h_gguf_blocks(tensors, gguf_nemotron_h_kinds(lambda key: _header_value(gguf, key)))
+            kinds = gguf_nemotron_h_kinds(_header_value(gguf, "general.architecture"),
+                                          lambda key: _header_value(gguf, key), {t.name for t in gguf.tensors})
+            tensors = _nemotron_h_gguf_blocks(tensors, kinds)
         table = gguf_names(cfg)
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")

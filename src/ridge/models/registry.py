@@ -184,6 +184,7 @@ _HF_NAMES = {
     "Dots1ForCausalLM": "dots1",
     "ExaoneMoeForCausalLM": "exaone_moe",
     "NemotronHForCausalLM": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h",  # GGUF general.architecture (nemotron_h too): Nemotron 3's mixture
     "exaone-moe": "exaone_moe",  # GGUF general.architecture
     "dots1": "dots1",  # GGUF general.architecture too
     "Mamba2ForCausalLM": "mamba2",

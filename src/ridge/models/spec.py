@@ -679,14 +679,16 @@ def _largest(read) -> int:
     return int(max(read)) if isinstance(read, list) else int(read)
 
 
-def nemotron_h_block_kinds(num_layers: int, ssm_layers: tuple[int, ...], mlp_free_layers: tuple[int, ...]) -> list[str]:
+def nemotron_h_block_kinds(num_layers: int, ssm_layers: tuple[int, ...], mlp_free_layers: tuple[int, ...],
+                           dense_layers: tuple[int, ...] | None = None) -> list[str]:
     """ridge's layers of a Nemotron-H model as its blocks, in order (nemotron_h_layers' inverse): each layer's mixer
-    block ("mamba" or "attention"), then its MLP block where it has one."""
+    block ("mamba" or "attention"), then its FFN block where it has one: "mlp", or, in a model with experts
+    (dense_layers given: the layers whose FFN is dense), "moe" on the others."""
     kinds: list[str] = []
     for layer in range(num_layers):
         kinds.append("mamba" if layer in ssm_layers else "attention")
         if layer not in mlp_free_layers:
-            kinds.append("mlp")
+            kinds.append("mlp" if dense_layers is None or layer in dense_layers else "moe")
     return kinds
 
 
@@ -893,7 +895,7 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
 def _gguf_sigmoid_router_fields(arch: str, value, head_dim: int) -> dict:
     """A glm4moe, minimax-m2, dots1 or exaone-moe file's router (DeepSeek-V3's: sigmoid scores chosen with the
     correction bias, the chosen ones' weights scaled), leading dense layers and rotary part of each head."""
-    if arch not in ("glm4moe", "minimax-m2", "dots1", "exaone-moe"):
+    if arch not in ("glm4moe", "minimax-m2", "dots1", "exaone-moe", "nemotron_h_moe"):
         return {}
     if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
         raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
@@ -936,22 +938,26 @@ def _gguf_state_space_fields(arch: str, value, names: set[str], head_dim: int) -
     return {"ssm_layers": _layers_without_kv(arch, value), "partial_rotary_factor": rotary / head_dim, **mixers}
 
 
-def gguf_nemotron_h_kinds(value) -> list[str]:
-    """A nemotron_h file's blocks, as llama.cpp's converter tells them: attention where the block's KV head count is
-    not 0, an MLP where its FFN width is not 0, a Mamba-2 mixer otherwise."""
-    kv, ffn = value("nemotron_h.attention.head_count_kv"), value("nemotron_h.feed_forward_length")
-    blocks = int(value("nemotron_h.block_count"))
+def gguf_nemotron_h_kinds(arch: str, value, names: set[str]) -> list[str]:
+    """A nemotron_h (nemotron_h_moe) file's blocks, as llama.cpp tells them: attention where the block's KV head
+    count is not 0, a Mamba-2 mixer where it and the FFN width are 0, else an FFN: a mixture where the block has a
+    router (ffn_gate_inp), an MLP otherwise."""
+    kv, ffn = value(f"{arch}.attention.head_count_kv"), value(f"{arch}.feed_forward_length")
+    blocks = int(value(f"{arch}.block_count"))
     kv, ffn = (read if isinstance(read, list) else [read] * blocks for read in (kv, ffn))
-    return ["attention" if heads else "mlp" if width else "mamba" for heads, width in zip(kv, ffn, strict=True)]
+    return ["attention" if heads else "mamba" if not width else "moe" if f"blk.{b}.ffn_gate_inp.weight" in names
+            else "mlp" for b, (heads, width) in enumerate(zip(kv, ffn, strict=True))]
 
 
 def _gguf_nemotron_h_fields(arch: str, value, names: set[str], source: str) -> dict:
     """A nemotron_h file's blocks read as ridge's layers (nemotron_h_layers), its Mamba-2 mixers' keys as
     granitehybrid's (_gguf_state_space_fields), attention without rotary, squared-ReLU MLPs."""
-    if arch != "nemotron_h":
+    if arch not in ("nemotron_h", "nemotron_h_moe"):
         return {}
-    kinds = gguf_nemotron_h_kinds(value)
+    kinds = gguf_nemotron_h_kinds(arch, value, names)
     layers = nemotron_h_layers({"layers_block_type": kinds}, source)
+    mixture = {"dense_only_layers": tuple(i for i, (_, _, ffn) in enumerate(layers)
+                                          if ffn is not None and kinds[ffn] == "mlp")} if "moe" in kinds else {}
     heads, inner = int(value(f"{arch}.ssm.time_step_rank")), int(value(f"{arch}.ssm.inner_size"))
     return {"num_layers": len(layers), "ssm_layers": tuple(i for i, (_, kind, _) in enumerate(layers)
                                                            if kind == "mamba"),
@@ -962,7 +968,7 @@ def _gguf_nemotron_h_fields(arch: str, value, names: set[str], source: str) -> d
             "ssm_state_size": int(value(f"{arch}.ssm.state_size")),
             "ssm_groups": int(value(f"{arch}.ssm.group_count", 1)),
             "ssm_conv_kernel": int(value(f"{arch}.ssm.conv_kernel")),
-            "ssm_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in names)}
+            "ssm_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in names), **mixture}
 
 
 def _gguf_qwen3_5_fields(arch: str, value, head_dim: int) -> dict:
