@@ -607,6 +607,36 @@ def test_cohere_matches_hf_with_its_parallel_blocks(random_cohere, make_llm_for_
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
 
 
+def test_command_r_plus_s_per_head_q_k_layernorms_match_hf(tmp_path, make_llm_for_test):
+    """Command R+ (use_qk_norm): a LayerNorm over each head of q and of k before the rotary, each head its own
+    weight: HF's logits and greedy tokens, the fused decode step equal to the Python path, the same tokens over two
+    tensor-parallel ranks (each holding its heads' weights); its GGUF form is refused by name, not written."""
+    from transformers import AutoModelForCausalLM, CohereConfig
+
+    from ridge import SamplingParams
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    torch.manual_seed(0)
+    config = CohereConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          layer_norm_eps=1e-5, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          logit_scale=0.25, use_qk_norm=True)
+    path, hf = saved(with_drawn_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()), tmp_path)
+    llm = make_llm_for_test(path, dtype="float32")
+    attn = llm.engine.loaded.model.layers[0].attn
+    assert attn.q_norm.weight.shape == (4, 16) and attn.k_norm.weight.shape == (2, 16)
+    assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
+    tp.engine.close()
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        write_random_gguf(random_spec(f"random:{path}"), tmp_path / "model.gguf", path, float16=False)
+
+
 def test_a_random_cohere_written_as_gguf_reads_back_as_the_same_model(random_cohere, smollm2_path, tmp_path,
                                                                        make_llm_for_test):
     """Command R under llama.cpp's command-r, R7B's kind under its cohere2 (the windows' pattern and the rotary-free

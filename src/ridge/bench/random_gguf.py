@@ -186,6 +186,9 @@ def _check_writable(spec: ModelSpec) -> str:
         raise ValueError(f"model: llama.cpp's dots1 holds a key and value head per query head and routes without "
                          f"groups (dots.llm1's shape); this model has {spec.num_kv_heads} KV heads for "
                          f"{spec.num_heads} and {spec.router_groups} router groups")
+    if arch == "command-r" and spec.qk_norm_params:
+        raise ValueError("model: writing Command R+'s per-head q / k LayerNorms (use_qk_norm) to a GGUF is not "
+                         "supported")
     if arch == "lfm2moe" and spec.routed_scaling_factor != 1.0:
         raise ValueError(f"model: routed_scaling_factor {spec.routed_scaling_factor} has no form in an lfm2moe GGUF "
                          "(llama.cpp's graph scales LFM2-MoE's expert weights by nothing)")

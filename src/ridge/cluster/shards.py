@@ -229,6 +229,10 @@ class ShardPlan:
                 if cfg.qk_norm_full:  # norms over all heads at once: a weight per row of q and of k
                     cuts[f"layers.{i}.attn.q_norm.weight"] = (0, q_rows)
                     cuts[f"layers.{i}.attn.k_norm.weight"] = (0, kv_rows)
+                elif cfg.qk_norm and cfg.norm_kind == "layer":  # Command R+'s: a weight row for each head
+                    cuts[f"layers.{i}.attn.q_norm.weight"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
+                    cuts[f"layers.{i}.attn.k_norm.weight"] = (0, torch.arange(heads.kv_heads.start,
+                                                                              heads.kv_heads.stop))
             elif isinstance(layer.attn, LatentAttention) and heads is not None:
                 # the latent and the rotary key (kv_a, q_a) are every head's: each rank computes and caches them whole
                 q_width, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim

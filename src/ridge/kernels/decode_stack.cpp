@@ -359,7 +359,16 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   // a partial rotary (a table narrower than the head) turns each head's first dims, the rest pass through
   const int64_t rotary_dim = table.size(1) * 2;
   const auto rotated = [&](const torch::Tensor& x) { return rotary_dim < head_dim ? x.narrow(2, 0, rotary_dim) : x; };
-  if (layer.q_norm.has_value()) {
+  if (layer.q_norm.has_value() && layer_norm) {  // Command R+'s: a LayerNorm over each head, each its own weight
+    q = (at::layer_norm(q.to(torch::kFloat), {head_dim}, c10::nullopt, c10::nullopt, eps) *
+         layer.q_norm->to(torch::kFloat))
+            .to(h.scalar_type());
+    k = (at::layer_norm(k.to(torch::kFloat), {head_dim}, c10::nullopt, c10::nullopt, eps) *
+         layer.k_norm->to(torch::kFloat))
+            .to(h.scalar_type());
+    rotary_(rotated(q), positions, table, heads);
+    rotary_(rotated(k), positions, table, kv_heads);
+  } else if (layer.q_norm.has_value()) {
     if (layer.q_norm->numel() != head_dim) {  // OLMoE's: over all of q's heads at once, and all of k's
       q = at::rms_norm(q.reshape({rows, -1}), {q.size(1) * head_dim}, *layer.q_norm, eps).view({rows, heads, head_dim});
       k = at::rms_norm(k.reshape({rows, -1}), {k.size(1) * head_dim}, *layer.k_norm, eps)

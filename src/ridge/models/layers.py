@@ -59,6 +59,20 @@ class LayerNorm(RMSNorm):
         return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
 
 
+class HeadLayerNorm(nn.Module):
+    """Command R+'s q / k norm: a LayerNorm (no bias, in float32) over each head, each head its own weight."""
+
+    def __init__(self, heads: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, dim]."""
+        normed = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
 class L2Norm(nn.Module):
     """Llama 4's q / k norm: each head divided by its RMS, without a weight."""
 
@@ -193,6 +207,9 @@ class Attention(nn.Module):
         self.k_norm: nn.Module | None = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
         if cfg.qk_l2_norm and layer_index not in cfg.nope_layers:  # Llama 4's, on its rotary layers
             self.q_norm = self.k_norm = L2Norm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm and cfg.norm_kind == "layer":  # Command R+'s: LayerNorms, a weight for each head
+            self.q_norm = HeadLayerNorm(cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = HeadLayerNorm(cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.norm_full = cfg.qk_norm_full
         self.sharded_norm: ShardedFullNorm | None = None
 

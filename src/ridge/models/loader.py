@@ -341,10 +341,11 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
     """Reorder the rows that make rotary dims from interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ...,
     x1, x3, ...): MLA's query and kv_a projections (DeepSeek's checkpoints), or attention's q and k rows with their
     biases (GLM-4's), to the rotate-half layout the shared rotary code turns (the scores q . k are the same under
-    one order for both)."""
+    one order for both); a per-head norm weight's dims follow its head's rows (Command R+'s)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv_order = torch.cat([_rotary_order(q, cfg.num_heads, cfg.rotary_dim),
                            q + _rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
+    head_order = _rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
     for i in range(cfg.num_layers):
         if cfg.is_mla:
             for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
@@ -359,6 +360,10 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
                 slots[0] = slots[0].reordered(qkv_order)
             else:
                 slots[0], slots[1] = slots[0].reordered(qkv_order[:q]), slots[1].reordered(qkv_order[q:q + kv] - q)
+        for name in ("q_norm", "k_norm"):  # Command R+'s [heads, head_dim] norm weights: each head's dims likewise
+            slots = weights.get(f"layers.{i}.attn.{name}.weight")
+            if slots and len(slots[0].shape) == 2:
+                slots[0] = slots[0].mapped(lambda t: t[:, head_order])
 
 
 def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool = True) -> torch.Tensor:

@@ -49,6 +49,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Command R (cohere) and Command R7B / Command A (cohere2): LayerNorm without a bias, attention and the MLP side
     # by side on one normed input, rotary in interleaved pairs, the logits scaled; cohere2's windows on 3 of 4
     # layers, the global ones without rotary
+    # (Command R+'s use_qk_norm: a LayerNorm over each head of q and of k, each head its own weight)
     "cohere": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
     "cohere2": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
     "gemma": {"embedding_scale": True, "norm_weight_offset": 1.0},  # Gemma 1, CodeGemma: GeGLU (its config's)
@@ -119,7 +120,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
         "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h")
-_OPTIONAL_QK_NORM = ("glm4_moe",)  # per-head q / k norms where the checkpoint has them (use_qk_norm)
+_OPTIONAL_QK_NORM = ("glm4_moe", "cohere")  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}

@@ -275,8 +275,6 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if config.get("layer_types") and fields.get("sliding_window") and not fields.get("chunked_window"):
         # newer configs list each layer's kind
         fields["global_every"] = _global_every(config["layer_types"], source)
-    if config.get("use_qk_norm") and config.get("model_type") in ("cohere", "cohere2"):
-        raise ValueError(f"{source}: use_qk_norm: Command R+'s q / k LayerNorms are not supported")
     if config.get("model_type") in ("exaone4", "exaone_moe", "cohere2") and fields.get("sliding_window"):
         # the global layers: NoPE
         fields["nope_layers"] = _global_layers(fields["num_layers"], fields.get("global_every"), source)
@@ -313,6 +311,8 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         "lfm2_moe": per_head, "olmoe": all_heads, "olmo2": all_heads, "olmo3": all_heads, "exaone4": per_head,
         **dict.fromkeys(_QWEN3_5, per_head),
         "glm4_moe": per_head if config.get("use_qk_norm") else 0, "dots1": per_head, "exaone_moe": per_head,
+        # Command R+'s: a LayerNorm weight for each head of q and of k
+        "cohere": all_heads if config.get("use_qk_norm") else 0,
         "minimax_m2": all_heads}.get(config.get("model_type"), 0)
     if config.get("rotary_dim") and head_dim:  # MiniMax-M2's checkpoints say it as the rotary width
         fields.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)
