@@ -456,11 +456,10 @@ def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     if cfg.architecture != "nemotron_h":  # (its mixture too)
         yield from tensors
         return
-    mixer_block, mlp_block, block = {}, {}, 0
-    for layer in range(cfg.num_layers):
-        mixer_block[layer], block = block, block + 1
-        if layer not in cfg.mlp_free_layers:
-            mlp_block[layer], block = block, block + 1
+    kinds = nemotron_h_block_kinds(cfg.num_layers, cfg.ssm_layers, cfg.mlp_free_layers)
+    mixers = [block for block, kind in enumerate(kinds) if kind != "mlp"]  # layer i's mixer block: mixers[i]
+    mixer_block = dict(enumerate(mixers))
+    mlp_block = {layer: block + 1 for layer, block in enumerate(mixers) if layer not in cfg.mlp_free_layers}
     for name, tensor in tensors:
         match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
         if match is None:

@@ -39,6 +39,7 @@ from ridge.models.spec import (
     ModelSpec,
     decoder_layers,
     gguf_nemotron_h_kinds,
+    gguf_value,
     nemotron_h_layers,
     spec_from_gguf,
     spec_from_hf_config,
@@ -250,8 +251,8 @@ def load_model(
         if cfg.attention_output_gate:
             tensors = _split_gated_attention(tensors, cfg)
         if cfg.architecture == "nemotron_h":
-            kinds = gguf_nemotron_h_kinds(_header_value(gguf, "general.architecture"),
-                                          lambda key: _header_value(gguf, key), {t.name for t in gguf.tensors})
+            kinds = gguf_nemotron_h_kinds(gguf_value(gguf, "general.architecture"),
+                                          functools.partial(gguf_value, gguf), {t.name for t in gguf.tensors})
             tensors = _nemotron_h_gguf_blocks(tensors, kinds)
         table = gguf_names(cfg)
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
@@ -701,12 +702,6 @@ def _nemotron_h_gguf_blocks(tensors: Iterator[tuple[str, _Stored]], kinds: list[
         if rest == "attn_norm.weight" and block in mlp_blocks:
             rest = "ffn_norm.weight"
         yield f"blk.{where[block]}.{rest}", stored
-
-
-def _header_value(gguf: GGUFFile, key: str):
-    """A GGUF header field, a one-item list read as its item."""
-    read = gguf.fields.get(key)
-    return read[0] if isinstance(read, list) and len(read) == 1 else read
 
 
 _HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(gate_up|down)_proj")

@@ -700,12 +700,17 @@ def decoder_layers(gguf: GGUFFile) -> int:
     return count - int(gguf.fields.get(f"{arch}.nextn_predict_layers", 0))
 
 
+def gguf_value(gguf: GGUFFile, key: str, default=None):
+    """A GGUF header field, a one-item list read as its item."""
+    read = gguf.fields.get(key, default)
+    return read[0] if isinstance(read, list) and len(read) == 1 else read
+
+
 def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     """A GGUF file's header (its `<arch>.*` keys and tensor table), without reading the tensors."""
 
     def value(key: str, default=None):
-        v = gguf.fields.get(key, default)
-        return v[0] if isinstance(v, list) and len(v) == 1 else v
+        return gguf_value(gguf, key, default)
 
     arch = value("general.architecture")
     heads = int(value(f"{arch}.attention.head_count"))
