@@ -126,7 +126,8 @@ def test_nemotron_h_s_published_config_keys_read_as_hf_s():
     assert ours == config_from_spec(spec_from_hf_config(legacy, "legacy"))
     assert (ours.num_layers, ours.ssm_layers, ours.mlp_free_layers, ours.rotary_dim) == (5, (0, 1, 2), (1,), 0)
     for change, field in (({"layers_block_type": ["mlp", "mamba"]}, "layers_block_type"),
-                          ({"moe_latent_size": 16}, "moe_latent_size")):
+                          ({"moe_latent_size": 16}, "moe_latent_size"),
+                          ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act")):
         with pytest.raises(ValueError, match=field):
             config_from_spec(spec_from_hf_config({**config, **change}, "nemotron_h"))
 

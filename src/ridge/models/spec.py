@@ -457,6 +457,8 @@ def _nemotron_h_fields(config: dict, hidden: int, source: str) -> dict:
     Mamba-2 mixers and attention without rotary, each with the squared-ReLU MLP (or mixture) that follows it."""
     if config.get("moe_latent_size"):
         raise ValueError(f"{source}: moe_latent_size: Nemotron-H's experts in a latent space are not supported")
+    if config.get("mamba_hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: mamba_hidden_act: {config['mamba_hidden_act']!r} is not supported (silu)")
     layers = nemotron_h_layers(config, source)
     kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern"))
     ffn_kinds = {i: _NEMOTRON_H_BLOCKS[kinds[ffn]] for i, (_, _, ffn) in enumerate(layers) if ffn is not None}
