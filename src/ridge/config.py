@@ -131,6 +131,14 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rotary dims sit in interleaved pairs: reordered at load
+    # DeepSeek sparse attention (models/sparse_index.py: DeepSeek-V3.2, GLM-5): an indexer of index_heads heads of
+    # index_head_dim scores a query's context through a key of its own per token (cached beside the latent), and
+    # latent attention reads only the index_topk best; index_rope_interleave: the indexer's rotary dims sit in
+    # interleaved pairs in the checkpoint (GLM-5's; DeepSeek-V3.2's are halves)
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False
     # rotary turns the first head_dim * this dims of a head (Bamba: half; Granite 4.0-H: none, NoPE)
     partial_rotary_factor: float = 1.0
     # Mamba-2 state-space layers (models/mamba.py) in place of attention at ssm_layers: ssm_num_heads heads of
@@ -171,6 +179,11 @@ class ModelConfig:
             raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide the SSM's width ({self.ssm_inner_size})")
         if self.ssm_layers and self.ssm_num_heads % self.ssm_groups:
             raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide ssm_num_heads ({self.ssm_num_heads})")
+        if self.index_topk and not (self.is_mla and self.q_lora_rank and self.index_heads > 0
+                                    and self.qk_rope_head_dim <= self.index_head_dim and not self.sliding_window):
+            raise ValueError(f"index_topk: sparse attention's indexer needs latent attention with a query bottleneck "
+                             f"(q_lora_rank), no window, index_heads > 0 and index_head_dim >= qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}); got {self.index_heads} heads of {self.index_head_dim}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), got "
                              f"{self.num_experts_per_tok}")
@@ -252,11 +265,13 @@ class ModelConfig:
 
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
-        row a token, read as both), in dtype or in a quantized format's codes and scales."""
+        row a token, read as both, and with sparse attention the indexer's key), in dtype or in a quantized
+        format's codes and scales."""
         if kv_format is not None:
             per_head = kv_format.block_bytes(self.head_dim, block_size)
         else:
-            per_head = (1 if self.is_mla else 2) * block_size * self.head_dim * dtype.itemsize
+            row = self.head_dim + (self.index_head_dim if self.index_topk else 0)
+            per_head = (1 if self.is_mla else 2) * block_size * row * dtype.itemsize
         return self.kv_layout().num_slots * self.num_kv_heads * per_head
 
 

@@ -45,7 +45,8 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
     if cfg.is_mla:  # one latent row a token, read as keys and values
         if name != "paged":
             log.warning("ridge: latent attention runs on its own backend (attention/latent.py), not %s", name)
-        return LatentBackend(*args, scale=cfg.attention_scale, value_dim=cfg.kv_lora_rank)
+        return LatentBackend(*args, scale=cfg.attention_scale, value_dim=cfg.kv_lora_rank,
+                             index_dim=cfg.index_head_dim if cfg.index_topk else 0)
     if cfg.attn_logit_softcap and name != "reference":
         log.warning("ridge: attention logit soft-capping runs on the reference attention backend only (slow)")
         name = "reference"

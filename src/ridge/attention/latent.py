@@ -11,17 +11,30 @@ in torch one by one; softmax in float32. A chunk of EXPAND_MIN_TOKENS or more at
 
 With heavy-hitter eviction the backend reports each sequence's attention mass per block, as the paged backend
 does: the kernel sums it for decodes, torch for a chunk's observed rows.
+
+With sparse attention (models/sparse_index.py) each layer also caches an indexer key per token, in a tensor of its
+own beside the rows ([num_blocks, block_size, index_dim], the same block ids), and a step's queries may come with a
+KeySelection: a decode then gathers the rows of its chosen positions only and attends in torch, a chunk attends
+under its mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from ridge.attention.backend import AttentionBackend, AttentionMetadata, KernelRows, PrefillChunk, window_mask
+from ridge.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KernelRows,
+    PrefillChunk,
+    StepMetadata,
+    window_mask,
+)
 from ridge.kv.eviction import OBSERVED_ROWS
 from ridge.kv.layout import Window
 
@@ -34,11 +47,26 @@ from ridge.kv.layout import Window
 EXPAND_MIN_TOKENS = 128
 
 
+@dataclass
+class KeySelection:
+    """The keys sparse attention's indexer chose for a step's queries, beside the causal rule: for the decodes,
+    positions in each one's context [B, k] (those not valid: a context shorter than k); for a prompt chunk (by its
+    start row), a mask [length, context_len]. Decodes or a chunk left out read their whole context (it is no
+    longer than k)."""
+
+    decode_keys: torch.Tensor | None = None
+    decode_valid: torch.Tensor | None = None
+    chunk_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class LatentBackend(AttentionBackend):
-    def __init__(self, *args, value_dim: int, **kwargs) -> None:
-        """value_dim: the leading values of a row that attention sums (the latent); the rest only score."""
+    def __init__(self, *args, value_dim: int, index_dim: int = 0, **kwargs) -> None:
+        """value_dim: the leading values of a row that attention sums (the latent); the rest only score. index_dim:
+        the width of a sparse-attention indexer's key, cached per token and layer (0: none)."""
         super().__init__(*args, **kwargs)
         self.value_dim = value_dim
+        self.index_keys = (self._per_layer(self.layout, (self.num_blocks, self.block_size, index_dim), self.dtype,
+                                           self.device) if index_dim else {})
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -47,7 +75,8 @@ class LatentBackend(AttentionBackend):
         return (num_blocks, block_size, head_dim), (0,)  # no separate values: they are the rows' latents
 
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
-        return [(t, 0) for t in {id(t): t for t in self.k_cache.values()}.values()]
+        tensors = [*self.k_cache.values(), *self.index_keys.values()]
+        return [(t, 0) for t in {id(t): t for t in tensors}.values()]
 
     @cached_property
     def triton(self) -> ModuleType | None:
@@ -80,16 +109,37 @@ class LatentBackend(AttentionBackend):
             return
         self.k_cache[layer].view(-1, self.head_dim).index_copy_(0, slots, k[:, 0])
 
+    def write_index_keys(self, layer: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """keys [T, index_dim] -> the indexer's cache at the tokens' slots (negative slots, as write's, nowhere)."""
+        if self.triton is not None:
+            self.triton.write_rows(keys, self.index_keys[layer], slots)
+            return
+        self.index_keys[layer].view(-1, keys.shape[-1]).index_copy_(0, slots, keys)
+
+    def gather_index_keys(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        """block ids [..., n] -> the indexer's keys [..., n * block_size, index_dim]."""
+        return self.index_keys[layer][block_table].flatten(-3, -2)
+
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block ids [..., n] -> rows [..., n * block_size, dim] (as keys) and their latents (as values)."""
         rows = self.k_cache[layer][block_table].flatten(-3, -2)
         return rows, rows[..., :self.value_dim]
 
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata,
+                sinks: torch.Tensor | None = None, selection: KeySelection | None = None) -> torch.Tensor:
+        """As AttentionBackend.forward, the queries restricted to a sparse-attention selection where one is given."""
+        meta = step[self.group_of_layer[layer]]
+        self.write(layer, k, v, meta.slot_mapping)
+        return self.attend(layer, q, k, v, meta, selection)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, selection: KeySelection | None = None) -> torch.Tensor:
         """q: [T, heads, dim] -> [T, heads, value_dim]."""
         decodes, mass = meta.num_decodes, meta.attention_mass
-        decoded = self.decode(layer, q[:decodes], meta) if decodes else None
+        if decodes and selection is not None and selection.decode_keys is not None:
+            decoded = self.decode_selected(layer, q[:decodes], meta, selection)
+        else:
+            decoded = self.decode(layer, q[:decodes], meta) if decodes else None
         if not meta.prefills:
             return decoded
         out = q.new_empty(q.shape[0], q.shape[1], self.value_dim)
@@ -101,7 +151,10 @@ class LatentBackend(AttentionBackend):
             rows, latents = rows[:context].float(), latents[:context].float()
             scores = torch.einsum("nhd,cd->hnc", q[chunk.start:chunk.start + n].float(), rows) * self.scale
             visible = window_mask(torch.arange(context - n, context), torch.arange(context), meta.window)
-            probs = scores.masked_fill(~visible.to(scores.device), float("-inf")).softmax(-1)
+            visible = visible.to(scores.device)
+            if selection is not None and chunk.start in selection.chunk_masks:
+                visible = selection.chunk_masks[chunk.start]  # within the causal rule already
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[chunk.start:chunk.start + n] = torch.einsum("hnc,cv->nhv", probs, latents).to(q.dtype)
             if mass is not None:  # a chunk's last OBSERVED_ROWS queries (kv/eviction.py)
                 self._add_mass(mass[decodes + i:decodes + i + 1], probs[:, -OBSERVED_ROWS:].sum((0, 1))[None])
@@ -133,10 +186,23 @@ class LatentBackend(AttentionBackend):
             self._add_mass(mass, probs.sum(1))
         return torch.einsum("bhl,blv->bhv", probs, latents.float()).to(q.dtype)
 
+    def decode_selected(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+                        selection: KeySelection) -> torch.Tensor:
+        """The step's decodes [B, heads, dim] over the rows of their selected positions only, gathered through
+        their tables -> [B, heads, value_dim]."""
+        positions, tables = selection.decode_keys, meta.decode_block_tables
+        slots = tables.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size
+        rows = self.k_cache[layer].view(-1, self.head_dim)[slots].float()  # [B, k, dim]
+        scores = torch.einsum("bhd,bkd->bhk", q.float(), rows) * self.scale
+        probs = scores.masked_fill(~selection.decode_valid.unsqueeze(1), float("-inf")).softmax(-1)
+        return torch.einsum("bhk,bkv->bhv", probs, rows[..., :self.value_dim]).to(q.dtype)
+
     def attend_expanded(self, layer: int, chunk: PrefillChunk, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        w_uk: torch.Tensor, w_uv: torch.Tensor, window: Window | None) -> torch.Tensor:
+                        w_uk: torch.Tensor, w_uv: torch.Tensor, window: Window | None,
+                        selected: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk in the expanded form (its rows already written): q_nope [n, heads, nope], q_pe [n, heads,
-        rope] (rotated); w_uk [heads, nope, rank], w_uv [heads, v_dim, rank] -> [n, heads, v_dim]. Reports no
+        rope] (rotated); w_uk [heads, nope, rank], w_uv [heads, v_dim, rank] -> [n, heads, v_dim]; selected: the
+        chunk's sparse-attention mask [n, context_len], within the causal rule (None: all it may see). Reports no
         attention mass: with heavy-hitter eviction chunks stay absorbed (models/mla.py)."""
         n, context = chunk.length, chunk.context_len
         rows = self.gather(layer, chunk.block_table)[0][:context]  # [C, rank + rope]
@@ -146,9 +212,9 @@ class LatentBackend(AttentionBackend):
         values = torch.einsum("cr,hvr->hcv", latents, w_uv)  # [heads, C, v_dim]
         queries = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, n, nope + rope]
         # then SDPA's causal flag is the mask
-        causal = context == n and (window is None or window.first_key(context - 1) == 0)
-        mask = None if causal else window_mask(torch.arange(context - n, context, device=rows.device),
-                                               torch.arange(context, device=rows.device), window)
+        causal = selected is None and context == n and (window is None or window.first_key(context - 1) == 0)
+        mask = selected if selected is not None else None if causal else window_mask(
+            torch.arange(context - n, context, device=rows.device), torch.arange(context, device=rows.device), window)
         out = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                              attn_mask=mask, is_causal=causal, scale=self.scale)[0]
         return out.transpose(0, 1)

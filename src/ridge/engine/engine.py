@@ -154,6 +154,10 @@ class LLMEngine:
             raise ValueError(f"kv_eviction: {config.kv_eviction} on a model with "
                              f"{'sliding-window layers' if layout.groups else 'no attention layers'} is not supported "
                              "(eviction runs on full-attention caches)")
+        if config.eviction is not None and cfg.index_topk:
+            raise ValueError(f"kv_eviction: {config.kv_eviction} on a model with sparse attention (index_topk="
+                             f"{cfg.index_topk}) is not supported: its indexer already chooses the keys a query "
+                             "reads")
         self.kv = KVManager(num_blocks, config.block_size, prefix_caching, layout, num_state_slots=num_state_slots,
                             eviction=config.eviction, num_snapshots=num_snapshots)
         positions = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

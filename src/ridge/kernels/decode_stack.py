@@ -160,7 +160,8 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         ("q / k norms over all heads cut across ranks",
          any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
         ("state-space groups cut across ranks",
-         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers))) if present]
+         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers)),
+        ("sparse attention's indexer (DeepSeek-V3.2, GLM-5)", cfg.index_topk > 0)) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None

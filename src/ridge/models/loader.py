@@ -272,7 +272,7 @@ def load_model(
         if key == "lm_head.weight" and cfg.tie_word_embeddings or cuts is not None and not cuts.keeps(key):
             continue
         weights[key][slot or 0] = item
-    if cfg.rope_interleave:
+    if cfg.rope_interleave or cfg.index_rope_interleave:
         _deinterleave_rotary(cfg, weights)
 
     state: dict[str, torch.Tensor] = {}
@@ -342,16 +342,25 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
     """Reorder the rows that make rotary dims from interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ...,
     x1, x3, ...): MLA's query and kv_a projections (DeepSeek's checkpoints), or attention's q and k rows with their
     biases (GLM-4's), to the rotate-half layout the shared rotary code turns (the scores q . k are the same under
-    one order for both); a per-head norm weight's dims follow its head's rows (Command R+'s)."""
+    one order for both); a per-head norm weight's dims follow its head's rows (Command R+'s), and a sparse-attention
+    indexer's key norm its key's (GLM-5's, whose indexer interleaves where its latent attention may not)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv_order = torch.cat([_rotary_order(q, cfg.num_heads, cfg.rotary_dim),
                            q + _rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
     head_order = _rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
     for i in range(cfg.num_layers):
         if cfg.is_mla:
-            for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a"):
+            for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a") if cfg.rope_interleave else ():
                 stored = weights[f"layers.{i}.attn.{name}.weight"]
                 stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
+            if cfg.index_rope_interleave:
+                key_order = _rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim)
+                query_order = _rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
+                                            cfg.qk_rope_head_dim)
+                for name, order in (("wq_b.weight", query_order), ("wk.weight", key_order),
+                                    ("k_norm.weight", key_order), ("k_norm.bias", key_order)):
+                    stored = weights[f"layers.{i}.attn.indexer.{name}"]
+                    stored[0] = stored[0].reordered(order)
             continue
         for kind in ("weight", "bias"):
             slots = weights.get(f"layers.{i}.attn.qkv.{kind}")

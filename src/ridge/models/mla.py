@@ -11,6 +11,9 @@ head multiplied out of its context's latents: fewer operations for long chunks, 
 CPU the per-head products run in C++ (kernels/latent_attention.cpp's head_matmul): torch's bmm copied
 kv_b's non-contiguous slices on every call.
 
+With sparse attention (DeepSeek-V3.2, GLM-5) an indexer (models/sparse_index.py) first chooses the keys each query
+reads, and the backend attends over those only.
+
 DeepSeek's checkpoints lay the rotary dimensions out in interleaved pairs; the loader reorders those rows of
 the q and kv_a projections to halves (models/loader.py), so that the shared rotary code applies.
 """
@@ -27,6 +30,7 @@ from ridge.attention.backend import AttentionBackend, StepMetadata
 from ridge.attention.latent import EXPAND_MIN_TOKENS, LatentBackend
 from ridge.config import ModelConfig
 from ridge.models.layers import RMSNorm, RopeStep
+from ridge.models.sparse_index import Indexer
 
 
 class LatentAttention(nn.Module):
@@ -48,6 +52,8 @@ class LatentAttention(nn.Module):
         # ever multiplies by its per-head slices (never by the whole matrix)
         self.kv_b = nn.Parameter(torch.empty(cfg.num_heads * (self.nope + self.v_dim), self.rank))
         self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
+        # sparse attention (DeepSeek-V3.2, GLM-5): which keys each query reads
+        self.indexer = Indexer(cfg, layer_index) if cfg.index_topk else None
         self.ops: ModuleType | None = None  # the CPU kernels, set by DecoderModel.use_kernels
 
     def _per_head(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -58,7 +64,8 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeStep, backend: AttentionBackend, meta: StepMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
-        q = self.q_b(self.q_a_norm(self.q_a(x))) if hasattr(self, "q_a") else self.q_proj(x)
+        q_latent = self.q_a_norm(self.q_a(x)) if hasattr(self, "q_a") else None
+        q = self.q_b(q_latent) if q_latent is not None else self.q_proj(x)
         rope.temper_(q)  # before the rotary: both are linear in q, so they commute
         q_nope, q_pe = q.view(tokens, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a(x).split([self.rank, self.rope], dim=-1)
@@ -69,12 +76,15 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = up[:, :self.nope], up[:, self.nope:]
         row = torch.cat([self.kv_a_norm(latent), k_pe.view(tokens, self.rope)], dim=-1).unsqueeze(1)
         group = meta[backend.group_of_layer[self.layer_index]]
+        selection = self.indexer(x, q_latent, rope, backend, group) if self.indexer is not None else None
         # long chunks expanded (with heavy-hitter eviction every chunk stays absorbed: the backend sums their mass)
         long = ([c for c in group.prefills if c.length >= EXPAND_MIN_TOKENS]
                 if isinstance(backend, LatentBackend) and group.attention_mass is None else [])
         if not long:
             query = torch.cat([self._per_head(q_nope, w_uk, False), q_pe], dim=-1)
-            mixed = backend.forward(self.layer_index, query, row, row, meta)  # [T, heads, rank]: weighted latents
+            sparse = {} if selection is None else {"selection": selection}
+            mixed = backend.forward(self.layer_index, query, row, row, meta, **sparse)  # [T, heads, rank]: weighted
+            # latents
             out = self._per_head(mixed, w_uv, True)
             return self.o_proj(out.reshape(tokens, heads * self.v_dim))
         backend.write(self.layer_index, row, row, group.slot_mapping)
@@ -85,10 +95,11 @@ class LatentAttention(nn.Module):
         if len(absorbed):  # the step's decodes and short chunks, at their rows of a query the backend reads there
             query = q.new_zeros(tokens, heads, self.rank + self.rope)
             query[absorbed] = torch.cat([self._per_head(q_nope[absorbed], w_uk, False), q_pe[absorbed]], dim=-1)
-            mixed = backend.attend(self.layer_index, query, row, row, short)
+            mixed = backend.attend(self.layer_index, query, row, row, short, selection)
             out[absorbed] = self._per_head(mixed[absorbed].contiguous(), w_uv, True)
+        masks = selection.chunk_masks if selection is not None else {}
         for chunk in long:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = backend.attend_expanded(self.layer_index, chunk, q_nope[rows], q_pe[rows], w_uk, w_uv,
-                                                group.window)
+                                                group.window, masks.get(chunk.start))
         return self.o_proj(out.reshape(tokens, heads * self.v_dim))

@@ -2,13 +2,14 @@
 
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
 cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
-deepseek_v2, deepseek_v3, mistral4, llama4, glm4_moe, dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the
-state-space mamba2, bamba, nemotron_h and granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and
-qwen3_next run on one DecoderModel; what differs is a bias here, a norm there (or none before a sublayer, or a
-LayerNorm), attention and the MLP side by side (or no MLP), Granite's scalars, queries sharpened by position, a
-sliding or chunked window, a layer without rotary, Gemma's GeGLU or a squared ReLU, scaled embeddings and sandwich
-norms, an MoE block (with its router's variant) in place of the dense FFN, and a Mamba-2 mixer, LFM2's short
-convolution or Qwen3.5's gated DeltaNet in place of attention.
+deepseek_v2, deepseek_v3 (and its sparse-attention forms deepseek_v32 and glm_moe_dsa), mistral4, llama4, glm4_moe,
+dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba, nemotron_h and granitemoehybrid,
+lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a
+norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side (or no MLP), Granite's
+scalars, queries sharpened by position, a sliding or chunked window, a layer without rotary, Gemma's GeGLU or a
+squared ReLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense
+FFN, an indexer choosing the keys latent attention reads, and a Mamba-2 mixer, LFM2's short convolution or
+Qwen3.5's gated DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # interleave their rotary dims (HF's V2 rotates complex pairs), V3's say so in their config
     "deepseek_v2": {"rope_interleave": True, "router_group_rating": "max"},
     "deepseek_v3": {"router_scoring": "sigmoid", "router_choice_bias": True},
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3 with sparse attention (models/sparse_index.py), whose indexer turns its
+    # rotary in halves (V3.2's) or in interleaved pairs (GLM-5's, reordered at load)
+    "deepseek_v32": {"router_scoring": "sigmoid", "router_choice_bias": True},
+    "glm_moe_dsa": {"router_scoring": "sigmoid", "router_choice_bias": True, "index_rope_interleave": True},
     # Mistral 4 (Mistral Small 4): DeepSeek-V3's latent attention and layout, its router's groups rated by their two
     # best softmax scores (no correction bias), and Ministral 3's attention temperature
     "mistral4": {},
@@ -119,9 +124,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-        "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h")
+        "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa")
 _OPTIONAL_QK_NORM = ("glm4_moe", "cohere")  # per-head q / k norms where the checkpoint has them (use_qk_norm)
-_MLA = ("deepseek_v2", "deepseek_v3", "mistral4")
+_MLA = ("deepseek_v2", "deepseek_v3", "mistral4", "deepseek_v32", "glm_moe_dsa")
+_SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")  # an indexer picks the keys latent attention reads
 # DeepSeek-V2's topk_method -> whether its router searches within groups
 _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -179,6 +185,8 @@ _HF_NAMES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Glm4MoeLiteForCausalLM": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",  # GLM-5
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "minimax-m2": "minimax_m2",  # GGUF general.architecture
     "glm4moe": "glm4_moe",  # GGUF general.architecture
@@ -266,6 +274,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     if spec.moe_layer_freq != 1:
         raise ValueError(f"{spec.source}: moe_layer_freq: experts on every {spec.moe_layer_freq}-th layer only is "
                          "not supported (1)")
+    if spec.index_topk and arch not in _SPARSE_ATTENTION:
+        raise ValueError(f"{spec.source}: index_topk: sparse attention's indexer in architecture {arch!r} is not "
+                         f"supported ({', '.join(_SPARSE_ATTENTION)})")
     if spec.is_mla and spec.qkv_bias:
         raise ValueError(f"{spec.source}: attention_bias: biases on latent attention's projections are not supported")
     if spec.mlp_bias:
@@ -353,8 +364,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or 0,
                       qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                       v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave,
-                      partial_rotary_factor=1.0)  # the rotary part is qk_rope_head_dim (Mistral 4's config says it
-        # as a factor too)
+                      partial_rotary_factor=1.0,  # the rotary part is qk_rope_head_dim (Mistral 4's config says
+                      # it as a factor too)
+                      index_topk=spec.index_topk, index_heads=spec.index_heads, index_head_dim=spec.index_head_dim)
     fields.update(ARCHITECTURES[arch])
     if arch in _OPTIONAL_QK_NORM:
         fields["qk_norm"] = spec.qk_norm_params > 0

@@ -47,6 +47,11 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): beside the latent, an indexer key of index_head_dim per
+    # token and layer, which index_heads heads score; each query attends to its index_topk best keys
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
     # local / global attention (Gemma 3): all but every global_every-th layer see only sliding_window tokens
     sliding_window: int = 0
     global_every: int = 0
@@ -228,6 +233,9 @@ _HF_KEYS = {
     "qk_rope_head_dim": ("qk_rope_head_dim",),
     "qk_nope_head_dim": ("qk_nope_head_dim",),
     "v_head_dim": ("v_head_dim",),
+    "index_topk": ("index_topk",),
+    "index_heads": ("index_n_heads",),
+    "index_head_dim": ("index_head_dim",),
     "sliding_window": ("sliding_window",),
     "global_every": ("sliding_window_pattern",),
 }
@@ -320,6 +328,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     fields.setdefault("partial_rotary_factor", float(config.get("partial_rotary_factor", scaling.get(
         "partial_rotary_factor", 0.5 if half else 1.0))))
     _refuse_minimax_variants(config, source)
+    _refuse_shared_indexer_layers(config, source)
     _refuse_ernie_variants(config, fields, source)
     architecture = (outer.get("architectures") or [outer.get("model_type", "")])[0]
     if architecture in TEXT_MODEL_WRAPPERS:  # a vision model around a language model of any family: that family's
@@ -353,9 +362,31 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         router_groups=int(config.get("n_group") or 1), router_topk_groups=int(config.get("topk_group") or 1),
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         router_topk_method=str(config.get("topk_method") or ""), moe_layer_freq=int(config.get("moe_layer_freq") or 1),
-        rope_interleave=bool(config.get("rope_interleave", config.get("model_type") == "mistral4")),  # HF's default
+        rope_interleave=bool(config.get("rope_interleave", config.get("model_type") in _INTERLEAVED_LATENT_ROTARY)),
         **fields,
     ).validate()
+
+
+# the latent-attention families whose checkpoints interleave their rotary dims where a config does not say
+# (HF's default for them: DeepSeek-V3.2's and GLM-5's attention always does)
+_INTERLEAVED_LATENT_ROTARY = ("deepseek_v3", "kimi_k2", "glm4_moe_lite", "mistral4", "deepseek_v32", "glm_moe_dsa")
+
+
+def _refuse_shared_indexer_layers(config: dict, source: str) -> None:
+    """GLM-5's indexer_types (or the pattern and period they are made from): a "shared" layer reuses the previous
+    layer's choice of keys instead of running its own indexer, which ridge does not do: refused by name."""
+    if config.get("model_type") != "glm_moe_dsa":
+        return
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("indexer_types")
+    if kinds is None and (pattern := config.get("index_topk_pattern")) is not None:
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if kinds is None:
+        period, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
+        kinds = ["full" if max(i - offset + 1, 0) % period == 0 else "shared" for i in range(layers)]
+    if any(kind != "full" for kind in kinds):
+        raise ValueError(f"{source}: indexer_types: layers that reuse another layer's sparse-attention choice "
+                         f"({kinds.count('shared')} 'shared' of {layers}) are not supported (every layer 'full')")
 
 
 # what llama.cpp's llama4 graph fixes: the chunks of its local layers, and its NoPE layers' temperature (scale, period)

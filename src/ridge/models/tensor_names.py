@@ -137,7 +137,10 @@ HF_MLA_NAMES = [(r"model\.layers\.(\d+)\.self_attn\." + source, "layers.{0}.attn
                      (r"q_proj\.weight", "q_proj.weight"), (r"q_a_proj\.weight", "q_a.weight"),
                      (r"q_a_layernorm\.weight", "q_a_norm.weight"), (r"q_b_proj\.weight", "q_b.weight"),
                      (r"kv_a_proj_with_mqa\.weight", "kv_a.weight"), (r"kv_a_layernorm\.weight", "kv_a_norm.weight"),
-                     (r"kv_b_proj\.weight", "kv_b")]]
+                     (r"kv_b_proj\.weight", "kv_b"),
+                     # sparse attention's indexer (DeepSeek-V3.2, GLM-5)
+                     (r"indexer\.(wq_b|wk|weights_proj)\.weight", "indexer.{1}.weight"),
+                     (r"indexer\.k_norm\.(weight|bias)", "indexer.k_norm.{1}")]]
 
 # Granite's mixtures (loader.py splits their stacked experts, `.{expert}` added to the names): the router, the
 # experts' fused gate / up and down, and the shared MLP, which is the whole FFN where a model has no experts
