@@ -232,6 +232,13 @@ RANDOM = {  # shapes whose heads, widths and vocabularies do not split evenly
                         "head_dim=32,kv_lora_rank=32,q_lora_rank=48,qk_rope_head_dim=16,qk_nope_head_dim=16,"
                         "v_head_dim=16,num_experts=8,experts_per_token=2,moe_intermediate_size=32,"
                         "intermediate_size=64,first_dense_layers=1,router_groups=2,router_topk_groups=1", 2, {}),
+    # V3.2: sparse attention, the indexer replicated on each rank (its keys cached whole there), 12 of the keys
+    # chosen for prompts of up to 80 tokens
+    "deepseek-v3.2-sparse": ("random:deepseek-v3.2,num_layers=2,vocab_size=1000,hidden_size=128,num_heads=4,"
+                             "num_kv_heads=4,head_dim=32,kv_lora_rank=32,q_lora_rank=48,qk_rope_head_dim=16,"
+                             "qk_nope_head_dim=16,v_head_dim=16,num_experts=8,experts_per_token=2,"
+                             "moe_intermediate_size=32,intermediate_size=64,first_dense_layers=1,router_groups=2,"
+                             "router_topk_groups=1,index_topk=12,index_heads=4,index_head_dim=32", 2, {}),
     # state-space heads over 3 ranks: group 0 whole on rank 0, group 1 split between ranks 1 and 2, whose norm over
     # it is summed across them
     "mamba2-split-group": ("random:mamba2-2.7b,num_layers=2,vocab_size=1000,hidden_size=128,ssm_num_heads=6,"

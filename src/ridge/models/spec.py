@@ -172,7 +172,7 @@ class ModelSpec:
         if not self.num_attention_layers:
             return "no attention"
         if self.is_mla:
-            return "MLA"
+            return f"MLA, sparse: top {self.index_topk} keys" if self.index_topk else "MLA"
         if self.num_kv_heads == self.num_heads:
             return "MHA"
         return "MQA" if self.num_kv_heads == 1 else "GQA"

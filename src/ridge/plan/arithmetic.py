@@ -8,6 +8,8 @@ Conventions (stated once here, printed by `ridge plan`):
 - Decode reads every stored weight once per step, except the input embedding table of an untied model (a
   lookup reads B rows); in an MoE layer it reads the experts that the batch's tokens route to.
 - Bytes are decimal (GB = 1e9); KV "per token" is the bytes one more token of context adds to a sequence.
+- Sparse attention (DeepSeek-V3.2's indexer) holds an indexer key per token beside the latent; a decode step reads
+  every token's indexer key and index_topk latent rows, and each query attends to at most index_topk keys.
 - A state-space layer (Mamba-2) holds a fixed state per sequence instead of KV, in float32 (as ridge keeps it);
   a decode step reads and writes it whole. Its scan's FLOPs count the recurrent form, with the projections.
 """
@@ -59,7 +61,10 @@ def attention_params_per_layer(m: ModelSpec) -> int:
              else h * m.num_heads * qk)
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank  # down-projection (+ its norm)
         kv += m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)  # up-projection to K, V
-        return q + kv + m.num_heads * m.v_head_dim * h
+        # sparse attention's indexer: its query from the query's bottleneck, its key (+ LayerNorm), head weights
+        indexer = (m.q_lora_rank * m.index_heads * m.index_head_dim + h * m.index_head_dim + 2 * m.index_head_dim
+                   + h * m.index_heads) if m.index_topk else 0
+        return q + kv + m.num_heads * m.v_head_dim * h + indexer
     q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     projected = (2 if m.attention_output_gate else 1) * q_width + 2 * kv_width  # q (and its gate), k, v
     return h * projected + q_width * h + (projected if m.qkv_bias else 0)
@@ -130,7 +135,12 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
         return m.num_kv_heads * per_head * m.num_attention_layers
     rows, row_dim = (1, m.kv_lora_rank + m.qk_rope_head_dim) if m.is_mla else (2 * m.num_kv_heads, m.head_dim)
     row_bytes = quantized.row_bytes(row_dim) if quantized is not None else row_dim * dtype_bytes(kv_dtype)
-    return rows * row_bytes * m.num_attention_layers
+    return (rows * row_bytes + _index_key_bytes(m, kv_dtype)) * m.num_attention_layers
+
+
+def _index_key_bytes(m: ModelSpec, kv_dtype: str) -> float:
+    """Sparse attention's indexer key, one a token a layer, kept in the cache's dtype (0 without an indexer)."""
+    return m.index_head_dim * dtype_bytes(kv_dtype) if m.index_topk else 0.0
 
 
 def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
@@ -142,6 +152,16 @@ def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
     local = m.local_layers
     return per_layer_token * ((m.num_attention_layers - local) * tokens
                               + local * min(tokens, m.sliding_window or tokens))
+
+
+def kv_read_bytes(m: ModelSpec, kv_dtype: str, context: int) -> float:
+    """What one decode step reads of a sequence's cache at `context` tokens: all it holds, except under sparse
+    attention, whose step reads every token's indexer key but the latent rows of index_topk tokens only."""
+    if not m.index_topk:
+        return kv_bytes(m, kv_dtype, context)
+    index_key = _index_key_bytes(m, kv_dtype)
+    row = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers - index_key
+    return m.num_attention_layers * (context * index_key + min(context, m.index_topk) * row)
 
 
 def state_bytes(m: ModelSpec) -> float:
@@ -192,6 +212,19 @@ def _local_keys(m: ModelSpec, context: int) -> int:
     return (context - 1) % window + 1 if m.chunked_window else min(context, window)
 
 
+def _attended_keys(m: ModelSpec, context: int) -> int:
+    """The keys a query at `context` tokens of context attends to, summed over the attention layers."""
+    if m.index_topk:  # sparse attention: the indexer's choice
+        return m.num_attention_layers * min(context, m.index_topk)
+    local = m.local_layers
+    return (m.num_attention_layers - local) * context + local * _local_keys(m, context)
+
+
+def _indexer_flops(m: ModelSpec, keys: float) -> float:
+    """Sparse attention's indexer scoring `keys` query-key pairs in every attention layer (0 without one)."""
+    return 2.0 * m.index_heads * m.index_head_dim * keys * m.num_attention_layers if m.index_topk else 0.0
+
+
 def _attention_dims(m: ModelSpec) -> tuple[int, int]:
     """(query-key dot length, value length) per head, as the attention math runs them."""
     if m.is_mla:
@@ -220,10 +253,14 @@ def prefill(m: ModelSpec, tokens: int) -> Prefill:
     per_token = 2.0 * p.per_token_linear + ssm_flops_per_token(m)  # biases and routers: rounding, counted as weights
     qk, v = _attention_dims(m)
     local = m.local_layers
-    pairs = ((m.num_attention_layers - local) * _attended_pairs(tokens, 0)
-             + local * _attended_pairs(tokens, m.sliding_window, m.chunked_window))
+    if m.index_topk:  # each query attends to at most index_topk keys: a window's count of pairs
+        pairs = m.num_attention_layers * _attended_pairs(tokens, m.index_topk)
+    else:
+        pairs = ((m.num_attention_layers - local) * _attended_pairs(tokens, 0)
+                 + local * _attended_pairs(tokens, m.sliding_window, m.chunked_window))
     return Prefill(tokens, linear_flops=per_token * tokens + 2.0 * p.head,
-                   attention_flops=2.0 * m.num_heads * (qk + v) * pairs)
+                   attention_flops=2.0 * m.num_heads * (qk + v) * pairs
+                   + _indexer_flops(m, _attended_pairs(tokens, 0)))
 
 
 def attention_crossover(m: ModelSpec) -> int | None:
@@ -267,10 +304,8 @@ def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
     """FLOPs of one decode step: each of `batch` sequences adds a token at `context` tokens of context."""
     p = count_parameters(m)
     qk, v = _attention_dims(m)
-    local = m.local_layers
-    attended = (m.num_attention_layers - local) * context + local * _local_keys(m, context)
     per_sequence = (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)
-                    + 2.0 * m.num_heads * (qk + v) * attended)
+                    + 2.0 * m.num_heads * (qk + v) * _attended_keys(m, context) + _indexer_flops(m, context))
     return batch * per_sequence
 
 
@@ -279,12 +314,11 @@ def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float
     further token."""
     p = count_parameters(m)  # once, not once a step: a benchmark sums thousands of steps
     qk, v = _attention_dims(m)
-    local = m.local_layers
-    attended = sum((m.num_attention_layers - local) * ctx + local * _local_keys(m, ctx)
-                   for ctx in range(prompt_tokens + 1, prompt_tokens + new_tokens))
+    contexts = range(prompt_tokens + 1, prompt_tokens + new_tokens)
+    attended = sum(_attended_keys(m, ctx) for ctx in contexts)
     steps = new_tokens - 1
     return (prefill(m, prompt_tokens).flops + (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)) * steps
-            + 2.0 * m.num_heads * (qk + v) * attended)
+            + 2.0 * m.num_heads * (qk + v) * attended + _indexer_flops(m, sum(contexts)))
 
 
 @dataclass(frozen=True)
@@ -319,7 +353,8 @@ def step_bound(model: ModelSpec, hw: HardwareSpec, workload: Workload, batch: in
     read and written."""
     w = workload
     weights = decode_weight_bytes(model, w.dtype, batch * tokens)
-    kv = batch * (kv_bytes(model, w.kv_dtype, w.context) + tail_bytes(model, w.kv_dtype) + 2 * state_bytes(model))
+    kv = batch * (kv_read_bytes(model, w.kv_dtype, w.context) + tail_bytes(model, w.kv_dtype)
+                  + 2 * state_bytes(model))
     return bound(weights + kv, decode_step_flops(model, batch * tokens, w.context), hw, compute_dtype(w.dtype),
                  w.gpus)
 

@@ -148,14 +148,15 @@ def run_doctor(model: str, spec: ModelSpec, llm, hw: HardwareSpec | None = None,
     phases = [
         _phase("prefill, batch 1", prefill_s, weights + a.kv_bytes(spec, kv_dtype, prompt_len), fill.flops, hw,
                dtype_name),
-        _phase("decode, batch 1", step_s, weights + a.kv_bytes(spec, kv_dtype, context),
+        _phase("decode, batch 1", step_s, weights + a.kv_read_bytes(spec, kv_dtype, context),
                a.decode_step_flops(spec, 1, context), hw, dtype_name),
     ]
     # throughput: `batch` requests decoded together; their prefill is timed on its own first
     batch_prefill_s = _median_seconds(lambda: llm.generate(prompts(batch), greedy(1)), 1)
     batch_total_s = _median_seconds(lambda: llm.generate(prompts(batch), greedy(output_len)), 1)
     batch_step_s = (batch_total_s - batch_prefill_s) / (output_len - 1)
-    phases.append(_phase(f"decode, batch {batch}", batch_step_s, weights + batch * a.kv_bytes(spec, kv_dtype, context),
+    phases.append(_phase(f"decode, batch {batch}", batch_step_s,
+                         weights + batch * a.kv_read_bytes(spec, kv_dtype, context),
                          a.decode_step_flops(spec, batch, context), hw, dtype_name))
     phases.append(_phase(f"prefill, batch {batch}", batch_prefill_s,
                          weights + batch * a.kv_bytes(spec, kv_dtype, prompt_len), batch * fill.flops, hw, dtype_name))

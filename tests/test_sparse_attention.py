@@ -1,0 +1,180 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: models/sparse_index.py) on small random configs against HF
+transformers, with an indexer that keeps 16 keys, so that most of the prompts' queries attend to a choice of their
+context: logits, greedy tokens of a batch of 16 (decoding well past 16 tokens of context) under the runtime's checks
+(alone, 32-token chunks, a pool that preempts, prefix caching on and off, speculation), the rows a decode reads and
+the KV the engine holds against the plan's, the blocks moved to another engine, and what is refused by name."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from ridge import SamplingParams
+from test_models_random import byte_tokenizer
+
+VOCAB = 320
+TOPK = 16
+
+
+def hf_config(arch: str, **changes):
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    # DeepSeek-V3's latent attention, router (within 2 groups), shared expert and dense first layer, beside an
+    # indexer of 8 heads of 16 dims, the first 8 of them rotary (in halves for V3.2, interleaved pairs for GLM-5)
+    config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
+                  eos_token_id=2, intermediate_size=96, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                  routed_scaling_factor=2.5, index_topk=TOPK, index_head_dim=16, index_n_heads=8)
+    return {"deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig}[arch](**{**config, **changes})
+
+
+def random_hf_model(arch: str, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+    for name, param in model.named_parameters():  # HF starts norms at 1 and 0: make them matter
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(param, 1.0, 0.3)
+        elif name.endswith("norm.bias"):  # the indexer's key LayerNorm
+            torch.nn.init.normal_(param, 0.0, 0.3)
+    for name, tensor in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            torch.nn.init.normal_(tensor, 0.0, 0.1)
+    path = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def sparse_model(request, tmp_path_factory):
+    return random_hf_model(request.param, tmp_path_factory)
+
+
+def test_logits_match_hf_and_the_choice_of_keys_matters(sparse_model, make_llm_for_test):
+    """HF's logits within float32 noise on prompts of 5-80 tokens; the same model attending to every key (the
+    indexer's choice widened past the context) gives other logits, so the match is the choice's."""
+    path, hf = sparse_model
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    ids = random_prompts(1, VOCAB, 70, 71, seed=4)[0]
+    with torch.inference_mode():
+        sparse = hf(torch.tensor([ids])).logits[0]
+        indexers = [layer.self_attn.indexer for layer in hf.model.layers]
+        for indexer in indexers:
+            indexer.index_topk = 4096
+        dense = hf(torch.tensor([ids])).logits[0]
+        for indexer in indexers:
+            indexer.index_topk = TOPK
+    assert (sparse - dense).abs().max() > 0.1 * dense.abs().max()
+
+
+def test_greedy_tokens_match_hf_and_hold_under_the_runtime(sparse_model, make_llm_for_test):
+    """48 greedy tokens of 5 prompts equal HF's, decoded in a batch of 16 mixed lengths with 32-token prefill
+    chunks; alone, in a pool that preempts, without the prefix cache and with n-gram speculation (whose drafts the
+    indexer scores as a chunk's queries), the batch's tokens do not change."""
+    path, hf = sparse_model
+    llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    cfg = llm.engine.loaded.config
+    row = cfg.head_dim + cfg.index_head_dim  # a token's latent row and indexer key
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(cfg.num_layers * row * 4 * 224),
+                              enable_prefix_caching=False, max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
+    assert tight.engine.scheduler.num_preemptions > 0
+    speculating = make_llm_for_test(path, dtype="float32", speculate="ngram", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in speculating.generate(prompts[:6], params)] == batch[:6]
+
+
+def test_the_fused_decode_step_says_it_steps_aside(sparse_model, make_llm_for_test, caplog):
+    """The C++ decode step does not run the indexer: the Python path decodes, and says so at warning level."""
+    path, _ = sparse_model
+    with caplog.at_level(logging.WARNING, logger="ridge"):
+        llm = make_llm_for_test(path, dtype="float32")
+    assert llm.engine.runner.decode_stack is None
+    assert "sparse attention's indexer" in caplog.text
+
+
+@pytest.mark.parametrize("sparse_model", ["deepseek_v32"], indirect=True)
+def test_a_decode_reads_every_indexer_key_and_the_chosen_rows_only(sparse_model, make_llm_for_test, monkeypatch):
+    """A decode step's reads of the cache, counted where the backend gathers them: in every layer, the indexer keys
+    of its table's blocks and TOPK latent rows, which is the plan's kv_read_bytes at that many tokens; and the KV
+    the engine holds per token is the plan's (a latent row and an indexer key a layer)."""
+    from ridge.attention.latent import LatentBackend
+    from ridge.plan.arithmetic import kv_bytes, kv_read_bytes
+
+    path, _ = sparse_model
+    read: list[int] = []
+    gather_keys, decode_selected = LatentBackend.gather_index_keys, LatentBackend.decode_selected
+
+    def counted_keys(self, layer, block_table):
+        keys = gather_keys(self, layer, block_table)
+        if block_table.dim() == 2:  # the decodes' tables (a chunk's is one table)
+            read.append(keys[0].numel() * keys.element_size())
+        return keys
+
+    def counted_rows(self, layer, q, meta, selection):
+        read.append(int(selection.decode_valid[0].sum()) * self.head_dim * 4)
+        return decode_selected(self, layer, q, meta, selection)
+
+    monkeypatch.setattr(LatentBackend, "gather_index_keys", counted_keys)
+    monkeypatch.setattr(LatentBackend, "decode_selected", counted_rows)
+    llm = make_llm_for_test(path, dtype="float32", enable_prefix_caching=False)
+    engine = llm.engine
+    engine.add_request(random_prompts(1, VOCAB, 63, 64, seed=7)[0],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompt
+    read.clear()
+    engine.step()  # one decode at 64 tokens of context: 4 whole blocks
+    spec, layers = engine.loaded.spec, engine.loaded.config.num_layers
+    assert len(read) == 2 * layers and sum(read) == kv_read_bytes(spec, "fp32", 64)
+    assert kv_read_bytes(spec, "fp32", 64) < 0.6 * kv_bytes(spec, "fp32", 64)  # the rows not chosen: not read
+    seq = engine.sequences("0")[0]
+    per_token = engine.loaded.config.kv_bytes_per_block(torch.float32, engine.config.block_size) \
+        // engine.config.block_size
+    assert per_token * seq.num_computed == kv_bytes(spec, "fp32", seq.num_computed)
+    while engine.has_unfinished:
+        engine.step()
+
+
+@pytest.mark.parametrize("sparse_model", ["glm_moe_dsa"], indirect=True)
+def test_the_indexer_keys_move_with_the_blocks_to_another_engine(sparse_model, make_llm_for_test):
+    """A prompt's blocks, latent rows and indexer keys, exported from one engine and imported into another, give the
+    tokens the first engine decodes itself."""
+    from ridge.engine.kv_transfer import export_prefix, import_prefix
+
+    path, _ = sparse_model
+    common = {"dtype": "float32", "kv_cache_memory": "4MiB"}
+    prefill, decode = make_llm_for_test(path, **common), make_llm_for_test(path, **common)
+    (prompt,) = random_prompts(1, VOCAB, 50, 60, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (expected,) = prefill.generate(prompt, params)
+    blocks = export_prefix(prefill.engine, prompt, None)
+    assert len(blocks.data) == 2 * prefill.engine.loaded.config.num_layers  # rows and keys, per layer
+    assert import_prefix(decode.engine, blocks) == blocks.num_blocks == len(prompt) // 16
+    (out,) = decode.generate(prompt, params)
+    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_what_ridge_does_not_run_is_refused_by_name(tmp_path_factory, make_llm_for_test):
+    """GLM-5's layers that reuse another layer's choice of keys, an indexer on a family without sparse attention,
+    and KV eviction beside the indexer's own choice: refused by name."""
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    glm = hf_config("glm_moe_dsa").to_dict()
+    with pytest.raises(ValueError, match="indexer_types"):
+        spec_from_hf_config({**glm, "indexer_types": ["full", "shared", "full"]}, "glm-5")
+    with pytest.raises(ValueError, match="indexer_types"):
+        spec_from_hf_config({**glm, "indexer_types": None, "index_topk_freq": 2}, "glm-5")
+    deepseek_v3 = {**hf_config("deepseek_v32").to_dict(), "architectures": ["DeepseekV3ForCausalLM"],
+                   "model_type": "deepseek_v3"}
+    with pytest.raises(ValueError, match="index_topk"):
+        config_from_spec(spec_from_hf_config(deepseek_v3, "deepseek-v3"))
+    path, _ = random_hf_model("deepseek_v32", tmp_path_factory)
+    with pytest.raises(ValueError, match="kv_eviction"):
+        make_llm_for_test(path, dtype="float32", kv_eviction="sink-window", kv_budget=64)
