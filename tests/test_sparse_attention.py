@@ -178,3 +178,24 @@ def test_what_ridge_does_not_run_is_refused_by_name(tmp_path_factory, make_llm_f
     path, _ = random_hf_model("deepseek_v32", tmp_path_factory)
     with pytest.raises(ValueError, match="kv_eviction"):
         make_llm_for_test(path, dtype="float32", kv_eviction="sink-window", kv_budget=64)
+
+
+def test_glm_5_round_trips_through_gguf(smollm2_path, tmp_path, make_llm_for_test):
+    """GLM-5 written as llama.cpp's glm-dsa (the indexer's keys and heads in its header, its rotary rows back in
+    interleaved pairs) reads back as the model ridge draws: the same config, and the same logits over a prompt whose
+    queries attend to a choice of their keys; an indexer key llama.cpp cannot rotate is refused by name."""
+    import dataclasses
+
+    from conftest import gguf_round_trip
+
+    config = {**hf_config("glm_moe_dsa", index_head_dim=64).to_dict(), "vocab_size": 49152}
+    (tmp_path / "glm").mkdir()
+    from_file, drawn = gguf_round_trip(config, tmp_path / "glm", smollm2_path, make_llm_for_test)
+    ours, theirs = from_file.engine.loaded.config, drawn.engine.loaded.config
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs  # (a float32 in the header)
+    assert (ours.index_topk, ours.index_heads, ours.index_head_dim) == (TOPK, 8, 64)
+    ids = random_prompts(1, 49152, 60, 61, seed=5)[0]
+    assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
+    (tmp_path / "narrow").mkdir()  # indexer keys llama.cpp's glm-dsa does not run: refused, not written
+    with pytest.raises(ValueError, match="index_head_dim 16"):
+        gguf_round_trip({**config, "index_head_dim": 16}, tmp_path / "narrow", smollm2_path, make_llm_for_test)

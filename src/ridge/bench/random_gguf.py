@@ -36,6 +36,7 @@ from ridge.models.loader import (
     LoadedModel,
     latent_rotary_order,
     random_model,
+    rotary_order,
 )
 from ridge.models.registry import check_supported
 from ridge.models.spec import (
@@ -64,7 +65,10 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
-                      "nemotron_h": "nemotron_h"}
+                      "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa"}
+# the indexer key widths llama.cpp's glm-dsa runs: multiples of this (llama-cpp-python 0.3.36: 64 and 128 run, 16
+# and 32 fail its matmul shape check)
+GLM_DSA_INDEX_BLOCK = 64
 # a Nemotron-H with a mixture is llama.cpp's nemotron_h_moe
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
                 "attn.o_proj.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
@@ -173,7 +177,8 @@ def _check_writable(spec: ModelSpec) -> str:
         arch = "nemotron_h_moe"
     # deepseek2's (mistral4's), lfm2moe's, glm4moe's and ernie4_5-moe's header key; llama4's layer step
     leading = tuple(range(spec.first_dense_layers)) if arch in ("deepseek2", "mistral4", "lfm2moe", "glm4moe",
-                                                                 "ernie4_5-moe", "dots1", "exaone-moe") else ()
+                                                                 "ernie4_5-moe", "dots1", "exaone-moe",
+                                                                 "glm-dsa") else ()
     if arch == "llama4":
         leading = tuple(i for i in range(spec.num_layers) if (i + 1) % spec.moe_layer_step) if spec.is_moe else ()
         _check_llama4(spec)
@@ -186,6 +191,9 @@ def _check_writable(spec: ModelSpec) -> str:
         raise ValueError(f"model: llama.cpp's dots1 holds a key and value head per query head and routes without "
                          f"groups (dots.llm1's shape); this model has {spec.num_kv_heads} KV heads for "
                          f"{spec.num_heads} and {spec.router_groups} router groups")
+    if arch == "glm-dsa" and spec.index_head_dim % GLM_DSA_INDEX_BLOCK:
+        raise ValueError(f"model: llama.cpp's glm-dsa rotates the indexer's keys in blocks of {GLM_DSA_INDEX_BLOCK} "
+                         f"dims (a Hadamard transform); index_head_dim {spec.index_head_dim} is not a multiple")
     if arch == "command-r" and spec.qk_norm_params:
         raise ValueError("model: writing Command R+'s per-head q / k LayerNorms (use_qk_norm) to a GGUF is not "
                          "supported")
@@ -388,7 +396,12 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_interleave_moe_layer_step(1)
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1", "exaone-moe", "nemotron_h_moe"):
+    if arch == "glm-dsa":  # its sparse attention's indexer, every layer's own (llama.cpp's indexer type 1)
+        writer.add_indexer_head_count(spec.index_heads)
+        writer.add_indexer_key_length(spec.index_head_dim)
+        writer.add_indexer_top_k(spec.index_topk)
+        writer.add_array(f"{arch}.attention.indexer.types", [1] * spec.num_layers)
+    if arch in ("deepseek2", "mistral4", "glm4moe", "dots1", "exaone-moe", "nemotron_h_moe", "glm-dsa"):
         writer.add_vocab_size(spec.vocab_size)
         writer.add_leading_dense_block_count(spec.first_dense_layers)
         writer.add_expert_shared_count(spec.shared_experts)
@@ -611,3 +624,12 @@ def _latent_attention_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.T
     kv_b = layer["attn.kv_b"].view(cfg.num_heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
     yield f"blk.{i}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2)
     yield f"blk.{i}.attn_v_b.weight", kv_b[:, nope:]
+    if cfg.index_topk:  # the indexer's query and key rows (the key norm's dims with them) in interleaved pairs
+        key_order = torch.argsort(rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim))
+        query_order = torch.argsort(rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
+                                                  cfg.qk_rope_head_dim))
+        yield f"blk.{i}.indexer.attn_q_b.weight", layer["attn.indexer.wq_b.weight"][query_order]
+        yield f"blk.{i}.indexer.attn_k.weight", layer["attn.indexer.wk.weight"][key_order]
+        yield f"blk.{i}.indexer.k_norm.weight", layer["attn.indexer.k_norm.weight"][key_order]
+        yield f"blk.{i}.indexer.k_norm.bias", layer["attn.indexer.k_norm.bias"][key_order]
+        yield f"blk.{i}.indexer.proj.weight", layer["attn.indexer.weights_proj.weight"]

@@ -178,7 +178,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
             # llama.cpp's converter permutes whole heads; ridge's writer (bench/random_gguf.py) a Bamba's rotary
             # dims alone, and marks its files so
             rotary_dim = cfg.rotary_dim if gguf.fields.get(PARTIAL_ROTARY_ROWS) else None
-            stored = stored.reordered(_rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
+            stored = stored.reordered(rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
                                                     else cfg.num_kv_heads, rotary_dim))
         yield t.name, stored
 
@@ -192,7 +192,7 @@ ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3", "mini
 PARTIAL_ROTARY_ROWS = "ridge.rope.interleaved_rotary_dims_only"
 
 
-def _rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+def rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
     """The row order that undoes the permutation llama.cpp's converter applies to llama q/k (interleaved ->
     halves rotary), over each head's first rotary_dim rows (None: the whole head)."""
     per_head = rows // heads
@@ -345,17 +345,17 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
     one order for both); a per-head norm weight's dims follow its head's rows (Command R+'s), and a sparse-attention
     indexer's key norm its key's (GLM-5's, whose indexer interleaves where its latent attention may not)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv_order = torch.cat([_rotary_order(q, cfg.num_heads, cfg.rotary_dim),
-                           q + _rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
-    head_order = _rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
+    qkv_order = torch.cat([rotary_order(q, cfg.num_heads, cfg.rotary_dim),
+                           q + rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
+    head_order = rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
     for i in range(cfg.num_layers):
         if cfg.is_mla:
             for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a") if cfg.rope_interleave else ():
                 stored = weights[f"layers.{i}.attn.{name}.weight"]
                 stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
             if cfg.index_rope_interleave:
-                key_order = _rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim)
-                query_order = _rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
+                key_order = rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim)
+                query_order = rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
                                             cfg.qk_rope_head_dim)
                 for name, order in (("wq_b.weight", query_order), ("wk.weight", key_order),
                                     ("k_norm.weight", key_order), ("k_norm.bias", key_order)):

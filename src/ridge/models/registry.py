@@ -187,6 +187,7 @@ _HF_NAMES = {
     "Glm4MoeLiteForCausalLM": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and router
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",  # GLM-5
+    "glm-dsa": "glm_moe_dsa",  # GGUF general.architecture
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "minimax-m2": "minimax_m2",  # GGUF general.architecture
     "glm4moe": "glm4_moe",  # GGUF general.architecture

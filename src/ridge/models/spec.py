@@ -875,7 +875,8 @@ def _gguf_rope_scaling(gguf: GGUFFile, arch: str, value) -> dict | None:
         # rounds them outwards for every model, and so its rotary differs from the model's by a little
         scaling["truncate"] = False
     if (log_mul := value(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
-        if arch in ("deepseek2", "mistral4"):  # the converter writes 0.1 * mscale_all_dim, the graph takes mscale = it
+        if arch in ("deepseek2", "mistral4", "glm-dsa"):  # the converter writes 0.1 * mscale_all_dim, the graph
+            # takes mscale = it
             scaling["mscale"] = scaling["mscale_all_dim"] = round(float(log_mul) / 0.1, 6)
         elif arch == "mistral3":  # mscale_all_dim itself (1: no attention factor, as Ministral 3's mscale is 1 too)
             scaling["mscale"] = scaling["mscale_all_dim"] = float(log_mul)
@@ -902,6 +903,10 @@ def _gguf_architecture(arch: str, experts: int, value) -> str:
         return "deepseek_v3" if gating == 2 else "deepseek_v2"
     if arch == "mistral4" and (gating := int(value(f"{arch}.expert_gating_func", 1))) != 1:
         raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (1: softmax)")
+    if arch == "glm-dsa":  # GLM-5: DeepSeek-V3's layers with sparse attention
+        if (gating := int(value(f"{arch}.expert_gating_func", 2))) != 2:
+            raise ValueError(f"{arch}.expert_gating_func: {gating} is not supported for {arch} (2: sigmoid)")
+        return "glm_moe_dsa"
     return arch
 
 
@@ -910,15 +915,17 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
     attention as one KV head of the latent: key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank,
     and the per-head widths in key_length_mla / value_length_mla; older files have the per-head widths in
     key_length / value_length. Rotary dims stay in the checkpoint's interleaved pairs (llama.cpp's "norm" rope)."""
-    if arch not in ("deepseek2", "mistral4"):  # Mistral 4's: deepseek2's keys under its own name
+    if arch not in ("deepseek2", "mistral4", "glm-dsa"):  # Mistral 4's and GLM-5's: deepseek2's keys under their names
         return {}
     rope = int(value(f"{arch}.rope.dimension_count"))
     key, val = value(f"{arch}.attention.key_length_mla"), value(f"{arch}.attention.value_length_mla")
     if key is None:
         key, val = value(f"{arch}.attention.key_length"), value(f"{arch}.attention.value_length")
     groups = int(value(f"{arch}.expert_group_count", 1))
-    sigmoid = int(value(f"{arch}.expert_gating_func", 1)) == 2
-    return {"num_kv_heads": heads, "head_dim": rope, "kv_lora_rank": int(value(f"{arch}.attention.kv_lora_rank")),
+    sigmoid = int(value(f"{arch}.expert_gating_func", 2 if arch == "glm-dsa" else 1)) == 2
+    indexer = _gguf_indexer_fields(arch, value) if arch == "glm-dsa" else {}
+    return {**indexer, "num_kv_heads": heads, "head_dim": rope,
+            "kv_lora_rank": int(value(f"{arch}.attention.kv_lora_rank")),
             "q_lora_rank": int(value(f"{arch}.attention.q_lora_rank", 0)), "qk_rope_head_dim": rope,
             "qk_nope_head_dim": int(key) - rope, "v_head_dim": int(val),
             "first_dense_layers": int(value(f"{arch}.leading_dense_block_count", 0)),
@@ -928,6 +935,27 @@ def _gguf_deepseek_fields(arch: str, value, heads: int) -> dict:
             "router_groups": groups, "router_topk_groups": int(value(f"{arch}.expert_group_used_count", 1)),
             "router_topk_method": "" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
             "rope_interleave": True, "qkv_bias": False}
+
+
+# llama.cpp reads a glm-dsa file of this context or more without indexer types as GLM-5.2's, most of whose layers reuse
+# another layer's choice of keys
+GLM_DSA_SHARED_INDEXER_CONTEXT = 1_048_576
+
+
+def _gguf_indexer_fields(arch: str, value) -> dict:
+    """A glm-dsa file's sparse-attention indexer; layers that reuse another layer's choice (an indexer type of 0,
+    or llama.cpp's reading of a long-context file that lists none) refused by name."""
+    kinds = value(f"{arch}.attention.indexer.types")
+    if kinds is None and int(value(f"{arch}.context_length", 0)) >= GLM_DSA_SHARED_INDEXER_CONTEXT:
+        raise ValueError(f"{arch}.attention.indexer.types: none in a file of {GLM_DSA_SHARED_INDEXER_CONTEXT:,}+ "
+                         "tokens of context, which llama.cpp reads as GLM-5.2's layers that reuse another layer's "
+                         "choice of keys; those are not supported")
+    if kinds is not None and not all(kinds if isinstance(kinds, list) else [kinds]):
+        raise ValueError(f"{arch}.attention.indexer.types: layers that reuse another layer's choice of keys (0) are "
+                         "not supported (every layer 1: its own indexer)")
+    return {"index_topk": int(value(f"{arch}.attention.indexer.top_k")),
+            "index_heads": int(value(f"{arch}.attention.indexer.head_count")),
+            "index_head_dim": int(value(f"{arch}.attention.indexer.key_length"))}
 
 
 def _gguf_sigmoid_router_fields(arch: str, value, head_dim: int) -> dict:

@@ -48,7 +48,11 @@ GGUF_MLA_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.attn." + target, None) 
     (r"attn_q\.weight", "q_proj.weight"), (r"attn_q_a\.weight", "q_a.weight"),
     (r"attn_q_a_norm\.weight", "q_a_norm.weight"), (r"attn_q_b\.weight", "q_b.weight"),
     (r"attn_kv_a_mqa\.weight", "kv_a.weight"), (r"attn_kv_a_norm\.weight", "kv_a_norm.weight"),
-    (r"attn_kv_b\.weight", "kv_b")]]
+    (r"attn_kv_b\.weight", "kv_b"),
+    # sparse attention's indexer (glm-dsa)
+    (r"indexer\.attn_q_b\.weight", "indexer.wq_b.weight"), (r"indexer\.attn_k\.weight", "indexer.wk.weight"),
+    (r"indexer\.k_norm\.(weight|bias)", "indexer.k_norm.{1}"),
+    (r"indexer\.proj\.weight", "indexer.weights_proj.weight")]]
 # tensors kept dense under gguf_native: a router's few weights decide which experts run (models/moe.py's Router),
 # and latent attention's kv_b is multiplied per head by slices (models/mla.py), not as a layer
 DENSE_UNDER_NATIVE = re.compile(r"blk\.\d+\.(ffn_gate_inp|attn_kv_b|attn_k_b|attn_v_b|exp_probs_b)\.")
