@@ -50,7 +50,7 @@ def cmd_context(args: argparse.Namespace) -> int:
         for ctx in args.contexts:
             peers = [] if args.no_peers or ridge_runs[ctx].error else _run_peers(
                 args, "latency", [{"prompt_ids": prompts[ctx], "max_tokens": args.output_len}], gguf, dtype, spec)
-            step_bytes = (weights + arithmetic.kv_bytes(spec, DTYPE_NAMES.get(dtype, dtype), ctx)
+            step_bytes = (weights + arithmetic.kv_read_bytes(spec, DTYPE_NAMES.get(dtype, dtype), ctx)
                           + 2 * arithmetic.state_bytes(spec))
             for result in [ridge_runs[ctx], *peers]:
                 row = {"model": model, "context": ctx, "engine": result.engine, "error": result.error,

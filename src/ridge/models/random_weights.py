@@ -105,8 +105,9 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         config.update(kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank or None,
                       qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
                       v_head_dim=spec.v_head_dim)
-    if spec.index_topk:  # DeepSeek-V3.2's and GLM-5's indexer
-        config.update(index_topk=spec.index_topk, index_n_heads=spec.index_heads, index_head_dim=spec.index_head_dim)
+    if spec.index_topk:  # DeepSeek-V3.2's and GLM-5's indexer, on every layer (their own layer_types' kind)
+        config.update(index_topk=spec.index_topk, index_n_heads=spec.index_heads, index_head_dim=spec.index_head_dim,
+                      layer_types=None)
     ssm = {"n_heads": spec.ssm_num_heads, "d_head": spec.ssm_head_dim, "d_state": spec.ssm_state_size,
            "n_groups": spec.ssm_groups, "d_conv": spec.ssm_conv_kernel,
            "expand": spec.ssm_inner_size // spec.hidden_size, "chunk_size": spec.ssm_chunk_size}
