@@ -90,13 +90,40 @@ def test_greedy_tokens_match_hf_and_hold_under_the_runtime(sparse_model, make_ll
     assert [o.outputs[0].token_ids for o in speculating.generate(prompts[:6], params)] == batch[:6]
 
 
-def test_the_fused_decode_step_says_it_steps_aside(sparse_model, make_llm_for_test, caplog):
-    """The C++ decode step does not run the indexer: the Python path decodes, and says so at warning level."""
+@pytest.mark.threaded
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_decode_step_serves_contexts_up_to_the_top_k(sparse_model, dtype, make_llm_for_test, caplog,
+                                                                monkeypatch):
+    """The C++ decode step writes the indexer's keys and serves the decodes whose tables hold no more than top-k
+    (32 here: two blocks) tokens, where attention reads every key; past it the Python path makes the choice, as the
+    model's load says at warning level. A batch of 6 whose contexts cross 32 mid-generation gives the Python path's
+    (enforce_eager) tokens and log-probabilities to the last bit, and both kinds of step ran."""
+    import json
+
+    from conftest import assert_stack_equals_eager
+    from ridge.kernels.decode_stack import DecodeStack
+
     path, _ = sparse_model
-    with caplog.at_level(logging.WARNING, logger="ridge"):
-        llm = make_llm_for_test(path, dtype="float32")
-    assert llm.engine.runner.decode_stack is None
-    assert "sparse attention's indexer" in caplog.text
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "index_topk": 32}))
+    served = {True: 0, False: 0}
+    serves = DecodeStack.serves
+
+    def counted(self, step, states):
+        answer = serves(self, step, states)
+        served[answer] += 1
+        return answer
+
+    monkeypatch.setattr(DecodeStack, "serves", counted)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ridge"):
+            assert_stack_equals_eager(make_llm_for_test, path, random_prompts(6, VOCAB, 3, 30, seed=5), params,
+                                      dtype=dtype)
+    finally:
+        (path / "config.json").write_text(json.dumps(config))
+    assert served[True] and served[False]
+    assert "pass sparse attention's top 32 keys" in caplog.text
 
 
 @pytest.mark.parametrize("sparse_model", ["deepseek_v32"], indirect=True)

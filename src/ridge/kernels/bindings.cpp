@@ -114,17 +114,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(),
            py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0, py::arg("scale_input") = false)
       .def("__call__", &Experts::operator(), py::arg("x"));
+  py::class_<IndexerKey>(m, "IndexerKey", "sparse attention's indexer key and its cache (models/sparse_index.py)")
+      .def(py::init([](Linear wk, torch::Tensor norm_weight, torch::Tensor norm_bias, torch::Tensor cache) {
+             TORCH_CHECK(cache.dim() == 3 && cache.size(2) == norm_weight.size(0) && cache.is_contiguous(),
+                         "IndexerKey: cache [num_blocks, block_size, dim], contiguous");
+             return IndexerKey{wk, norm_weight, norm_bias, cache};
+           }),
+           py::arg("wk"), py::arg("norm_weight"), py::arg("norm_bias"), py::arg("cache"));
   py::class_<LatentProjections>(m, "LatentProjections", "latent attention's projections (models/mla.py)")
       .def(py::init([](c10::optional<Linear> q_a, c10::optional<torch::Tensor> q_a_norm, Linear q, Linear kv_a,
-                       torch::Tensor kv_a_norm, torch::Tensor w_uk, torch::Tensor w_uv, int64_t rope) {
+                       torch::Tensor kv_a_norm, torch::Tensor w_uk, torch::Tensor w_uv, int64_t rope,
+                       std::optional<IndexerKey> index_key) {
              TORCH_CHECK(q_a.has_value() == q_a_norm.has_value(), "LatentProjections: q_a comes with q_a_norm");
              TORCH_CHECK(w_uk.dim() == 3 && w_uv.dim() == 3 && w_uk.size(0) == w_uv.size(0) &&
                              w_uk.size(2) == w_uv.size(2),
                          "LatentProjections: w_uk [heads, nope, rank], w_uv [heads, v_dim, rank]");
-             return LatentProjections{q_a, q_a_norm, q, kv_a, kv_a_norm, w_uk, w_uv, rope};
+             return LatentProjections{q_a, q_a_norm, q, kv_a, kv_a_norm, w_uk, w_uv, rope, index_key};
            }),
            py::arg("q_a"), py::arg("q_a_norm"), py::arg("q"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("w_uk"),
-           py::arg("w_uv"), py::arg("rope"));
+           py::arg("w_uv"), py::arg("rope"), py::arg("index_key") = py::none());
   py::class_<Layer>(m, "Layer", "one decoder layer's weights and paged caches")
       .def(py::init([](c10::optional<torch::Tensor> input_norm, c10::optional<torch::Tensor> post_attn_norm,
                        c10::optional<torch::Tensor> q_norm,

@@ -423,6 +423,13 @@ torch::Tensor DecodeStack::latent_attention(const Layer& layer, const torch::Ten
   const auto query = torch::cat({head_matmul(q_nope, p.w_uk, false), q_pe}, -1);
   const auto row = torch::cat({at::rms_norm(latent, {rank}, p.kv_a_norm, eps), k_pe.view({rows, p.rope})}, -1);
   layer.k_cache.view({-1, rank + p.rope}).index_copy_(0, step.slots, row);
+  if (p.index_key.has_value()) {  // models/sparse_index.py's Indexer.forward, its key's part
+    const IndexerKey& index = *p.index_key;
+    const int64_t dim = index.norm_weight.size(0);
+    const auto key = at::layer_norm(index.wk(h), {dim}, index.norm_weight, index.norm_bias, 1e-6).view({rows, 1, dim});
+    rotary_(key.narrow(2, 0, p.rope), positions, rope_table, 1);
+    index.cache.view({-1, dim}).index_copy_(0, step.slots, key.view({rows, dim}));
+  }
   const auto mixed = latent_decode(query, layer.k_cache, step.block_tables, step.context_lens, scale, rank,
                                    step.window_starts, step.mass)
                          .narrow(2, 0, rank);

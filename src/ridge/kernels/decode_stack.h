@@ -93,6 +93,15 @@ struct Experts {
 // Multi-head latent attention's projections (models/mla.py's LatentAttention), run as its forward() runs them:
 // the query (through its low-rank bottleneck where q_a is given), the latent and rotary key, W_UK folded into the
 // query and W_UV applied after, both on head_matmul (kernels/latent_attention.cpp).
+// Sparse attention's indexer key (models/sparse_index.py): projected, LayerNormed, its first rope dims turned, and
+// written to the indexer's cache [num_blocks, block_size, dim]. The stack serves only steps whose contexts are no
+// longer than the indexer's top k (kernels/decode_stack.py), where attention reads every key: the key is all it
+// must keep for later steps.
+struct IndexerKey {
+  Linear wk;
+  torch::Tensor norm_weight, norm_bias, cache;
+};
+
 struct LatentProjections {
   c10::optional<Linear> q_a;               // with q_a_norm, the query's bottleneck before q (DeepSeek-V3)
   c10::optional<torch::Tensor> q_a_norm;
@@ -100,6 +109,7 @@ struct LatentProjections {
   torch::Tensor kv_a_norm;
   torch::Tensor w_uk, w_uv;                // views of kv_b: [heads, nope, rank] and [heads, v_dim, rank]
   int64_t rope;                            // qk_rope_head_dim
+  std::optional<IndexerKey> index_key;     // DeepSeek-V3.2's and GLM-5's, where the layer has an indexer
 };
 
 // A Mamba-2 mixer (models/mamba.py's Mamba2Mixer): its projections, the convolution's and the recurrence's

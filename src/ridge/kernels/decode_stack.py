@@ -30,6 +30,7 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMet
 from ridge.attention.latent import LatentBackend
 from ridge.attention.paged import PagedBackend
 from ridge.attention.quantized_kv import QuantizedKVBackend
+from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
@@ -50,12 +51,16 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 
 class DecodeStack:
     def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None,
-                 state_space: bool = False, temperature: AttentionTemperature | None = None) -> None:
+                 state_space: bool = False, temperature: AttentionTemperature | None = None,
+                 max_table_blocks: int | None = None) -> None:
         self.native = native
         self.temperature = temperature  # the model's: each row's queries scaled by its position
         self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
         self.native_ops = ops
         self.state_space = state_space  # the model has state-space layers: a step's rows come with state slots
+        # sparse attention's top k in whole blocks: the stack attends to every key, which is the indexer's choice
+        # while the decodes' tables hold no more tokens than it (models/sparse_index.py makes none then)
+        self.max_table_blocks = max_table_blocks
 
     def serves(self, step: StepMetadata, states: StateStep | None) -> bool:
         """Whether this step is the stack's: decodes only, every KV group's rows and state slots read in place."""
@@ -67,7 +72,8 @@ class DecodeStack:
         kernel = meta.kernel_rows
         return (not meta.prefills and 0 < meta.num_decodes <= self.max_rows
                 and meta.slot_mapping.shape[0] == meta.num_decodes  # no drafts scored
-                and kernel is not None and kernel.rows is None and not kernel.shared_prefixes)
+                and kernel is not None and kernel.rows is None and not kernel.shared_prefixes
+                and (self.max_table_blocks is None or meta.decode_block_tables.shape[1] <= self.max_table_blocks))
 
     def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
                  states: StateStep | None = None) -> torch.Tensor:
@@ -110,18 +116,24 @@ def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:
     return ops.Activation(mlp.activation, mlp.limit if clamped else 0.0, mlp.alpha if clamped else 1.0)
 
 
-def latent_projections(ops: ModuleType, attn: LatentAttention) -> Any:
-    """The stack's form of a latent attention's projections (ops.LatentProjections), or None where one has no
-    kernel there."""
+def latent_projections(ops: ModuleType, attn: LatentAttention, index_cache: torch.Tensor | None = None) -> Any:
+    """The stack's form of a latent attention's projections (ops.LatentProjections), with its indexer's key and
+    that key's cache where it has sparse attention's indexer; None where one has no kernel there."""
     bottleneck = hasattr(attn, "q_a")
     linears = [native_linear(ops, m) for m in ((attn.q_a, attn.q_b) if bottleneck else (attn.q_proj,))]
     kv_a = native_linear(ops, attn.kv_a)
+    index_key = None
+    if attn.indexer is not None:
+        if (wk := native_linear(ops, attn.indexer.wk)) is None:
+            return None
+        norm = attn.indexer.k_norm
+        index_key = ops.IndexerKey(wk, norm.weight, norm.bias, index_cache)
     if kv_a is None or any(linear is None for linear in linears):
         return None
     up = attn.kv_b.view(attn.num_heads, attn.nope + attn.v_dim, attn.rank)
     return ops.LatentProjections(linears[0] if bottleneck else None, attn.q_a_norm.weight if bottleneck else None,
                                  linears[-1], kv_a, attn.kv_a_norm.weight, up[:, :attn.nope], up[:, attn.nope:],
-                                 attn.rope)
+                                 attn.rope, index_key)
 
 
 def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
@@ -160,8 +172,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         ("q / k norms over all heads cut across ranks",
          any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
         ("state-space groups cut across ranks",
-         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers)),
-        ("sparse attention's indexer (DeepSeek-V3.2, GLM-5)", cfg.index_topk > 0)) if present]
+         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers))) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None
@@ -185,7 +196,7 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         # a mixture's layer, or one without an MLP (Nemotron-H's), has no dense MLP: its gate_up and down are empty
         linears += ([ops.Linear([], None)] * 2 if moe or mlp is None
                     else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)])
-        projections = latent_projections(ops, attn) if latent else None
+        projections = latent_projections(ops, attn, backend.index_keys.get(i)) if latent else None
         if any(linear is None for linear in linears) or (moe and experts is None) or (latent and projections is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
@@ -212,7 +223,18 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
                                        cfg.residual_in_fp32, cfg.norm_kind == "layer"),
-                       max_rows(model), ops, state_space=bool(mixers), temperature=cfg.attention_temperature)
+                       max_rows(model), ops, state_space=bool(mixers), temperature=cfg.attention_temperature,
+                       max_table_blocks=_sparse_attention_blocks(cfg, backend.block_size))
+
+
+def _sparse_attention_blocks(cfg: ModelConfig, block_size: int) -> int | None:
+    """The most blocks a decode's table may hold for the stack to serve it (None: any): sparse attention's top k,
+    past which its indexer chooses keys the stack does not, and the Python path decodes."""
+    if not cfg.index_topk:
+        return None
+    log.warning("ridge: decode steps whose tables pass sparse attention's top %d keys run layer by layer in Python "
+                "(the fused decode step makes no indexer choice)", cfg.index_topk)
+    return cfg.index_topk // block_size
 
 
 def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) -> Any:
