@@ -226,3 +226,34 @@ def test_glm_5_round_trips_through_gguf(smollm2_path, tmp_path, make_llm_for_tes
     (tmp_path / "narrow").mkdir()  # indexer keys llama.cpp's glm-dsa does not run: refused, not written
     with pytest.raises(ValueError, match="index_head_dim 16"):
         gguf_round_trip({**config, "index_head_dim": 16}, tmp_path / "narrow", smollm2_path, make_llm_for_test)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_the_deepseek_v3_family_interleaves_its_rotary_where_a_config_does_not_say(model_type):
+    """HF's default for these families (DeepSeek-V3's own config.json has no rope_interleave key): the rotary rows sit
+    in interleaved pairs unless the config says otherwise."""
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {**hf_config("deepseek_v32").to_dict(), "model_type": model_type}
+    config.pop("rope_interleave", None)
+    assert spec_from_hf_config(config, model_type).rope_interleave
+    assert not spec_from_hf_config({**config, "rope_interleave": False}, model_type).rope_interleave
+
+
+def test_the_plan_counts_the_indexer_s_keys_and_the_chosen_rows():
+    """DeepSeek-V3.2's preset against DeepSeek-V3's (the same layers without the indexer): a token holds an indexer
+    key of 128 beside its 576-value row in each of 61 layers; a decode reads every key and 2,048 rows, which is all it
+    holds up to 2,048 tokens; a prompt's attention scores at most 2,048 keys a query, beside the indexer's own
+    scoring of every causal pair."""
+    from ridge.models.presets import resolve_model
+    from ridge.plan import arithmetic as a
+
+    v32, v3 = resolve_model("deepseek-v3.2"), resolve_model("deepseek-v3")
+    assert a.kv_bytes_per_token(v32, "bf16") == 61 * (576 + 128) * 2 == a.kv_bytes_per_token(v3, "bf16") + 61 * 256
+    assert a.kv_read_bytes(v32, "bf16", 2048) == a.kv_bytes(v32, "bf16", 2048)
+    assert a.kv_read_bytes(v32, "bf16", 131072) == 61 * (131072 * 128 + 2048 * 576) * 2
+    assert a.kv_read_bytes(v3, "bf16", 131072) == a.kv_bytes(v3, "bf16", 131072)
+    pairs, indexer_pair = 2048 * 2049 / 2 + (8192 - 2048) * 2048, 2 * 64 * 128 * 61
+    dense, sparse = a.prefill(v3, 8192), a.prefill(v32, 8192)
+    per_pair = dense.attention_flops / (8192 * 8193 / 2)
+    assert sparse.attention_flops == pytest.approx(per_pair * pairs + indexer_pair * 8192 * 8193 / 2)

@@ -150,10 +150,9 @@ class LatentBackend(AttentionBackend):
             rows, latents = self.gather(layer, chunk.block_table)
             rows, latents = rows[:context].float(), latents[:context].float()
             scores = torch.einsum("nhd,cd->hnc", q[chunk.start:chunk.start + n].float(), rows) * self.scale
-            visible = window_mask(torch.arange(context - n, context), torch.arange(context), meta.window)
-            visible = visible.to(scores.device)
-            if selection is not None and chunk.start in selection.chunk_masks:
-                visible = selection.chunk_masks[chunk.start]  # within the causal rule already
+            chosen = selection.chunk_masks.get(chunk.start) if selection is not None else None
+            visible = chosen if chosen is not None else window_mask(  # (a choice is within the causal rule)
+                torch.arange(context - n, context), torch.arange(context), meta.window).to(scores.device)
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[chunk.start:chunk.start + n] = torch.einsum("hnc,cv->nhv", probs, latents).to(q.dtype)
             if mass is not None:  # a chunk's last OBSERVED_ROWS queries (kv/eviction.py)
@@ -211,10 +210,12 @@ class LatentBackend(AttentionBackend):
         keys = torch.cat([torch.einsum("cr,hnr->hcn", latents, w_uk), k_pe.expand(heads, -1, -1)], dim=-1)
         values = torch.einsum("cr,hvr->hcv", latents, w_uv)  # [heads, C, v_dim]
         queries = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [heads, n, nope + rope]
-        # then SDPA's causal flag is the mask
-        causal = selected is None and context == n and (window is None or window.first_key(context - 1) == 0)
-        mask = selected if selected is not None else None if causal else window_mask(
-            torch.arange(context - n, context, device=rows.device), torch.arange(context, device=rows.device), window)
+        if selected is not None:
+            causal, mask = False, selected
+        else:  # a whole prompt without a window: SDPA's causal flag is the mask
+            causal = context == n and (window is None or window.first_key(context - 1) == 0)
+            mask = None if causal else window_mask(torch.arange(context - n, context, device=rows.device),
+                                                   torch.arange(context, device=rows.device), window)
         out = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                                              attn_mask=mask, is_causal=causal, scale=self.scale)[0]
         return out.transpose(0, 1)

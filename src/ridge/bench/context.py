@@ -146,8 +146,8 @@ def plot_context(rows: list[dict], path: str) -> None:
 
 
 def _short(model: str) -> str:
-    """A legend's name for a model: a random shape's preset with its layer count and width where changed, or
-    the file's name."""
+    """A legend's name for a model: a random shape's preset with its layer count, width and sparse attention's top k
+    where changed, or the file's name."""
     name, *changes = model.removeprefix("random:").split(",")
     fields = dict(c.partition("=")[::2] for c in changes)
     label = name.rsplit("/", 1)[-1]
@@ -155,6 +155,8 @@ def _short(model: str) -> str:
         label += f", {fields.pop('num_layers')} layers"
     if "hidden_size" in fields:
         label += f", {fields.pop('hidden_size')} wide"
+    if "index_topk" in fields:  # sparse attention's choice: what tells two such models apart
+        label += f", top {fields.pop('index_topk')} keys"
     return label + (f" (+{len(fields)} changes)" if fields else "")
 
 
