@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
 #   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant kv moe throughput steps
-#                                      doctor profile (default: all)
+#                                      doctor profile (default: all of these), sparse (asked for by name)
 # TESTS: the test files of `tests` (default: both CUDA files); PEERS=0 leaves HF transformers out of `throughput`.
 # The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
 # Models are random-weight (`--model random:llama-3-8b`, $MODEL to change it). Each measurement's JSON and log
@@ -78,6 +78,14 @@ for part in $PARTS; do
         --device cuda --input-len 128 --output-len 64 --repeats 2 --no-peers --json
       run latency-mla 300 "$PY" -m ridge.cli bench latency --model "random:deepseek-v2-lite" --device cuda \
         --input-len 128 --output-len 64 --repeats 2 --no-peers --json ;;
+    sparse)  # DeepSeek sparse attention by context (GLM-5's layers, 4 of 78): its indexer's top 2,048 against every
+      # key (a top k past any context here), the same draw; decode ms per token at 4k-32k
+      echo "== sparse ($(date +%T))"
+      glm="random:glm-5,num_layers=4,num_experts=16,first_dense_layers=1,vocab_size=49152"
+      timeout 480 "$PY" -m ridge.cli bench context --models "$glm,index_topk=2048;$glm,index_topk=65536" \
+        --device cuda --contexts 4096,16384,32768 --output-len 64 --repeats 1 --no-peers --json \
+        > "$OUT/sparse.json" 2> "$OUT/sparse.log"
+      echo "   exit $?"; tail -n 3 "$OUT/sparse.log" ;;
     throughput)
       run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
         --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \

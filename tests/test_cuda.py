@@ -172,26 +172,30 @@ def test_random_preset_model_runs_on_the_gpu(make_llm_for_test):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe",
                                   "mistral4", "llama4", "dots1", "exaone_moe", "mamba2", "bamba", "granitemoehybrid",
-                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "nemotron_h_moe"])
+                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "nemotron_h_moe",
+                                  "deepseek_v32", "glm_moe_dsa"])
 def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp_path_factory, make_llm_for_test):
     """Issue 46's families on CUDA: HF's float32 logits, and its greedy tokens for prompts up to 150 tokens (latent
     attention's long chunks in the expanded form, its decodes through the Triton kernel; a mixture's experts through
-    the fused Triton experts); the mixtures' decodes, latent attention's included, in CUDA graphs, whose tokens
-    equal eager decoding's."""
+    the fused Triton experts; sparse attention's indexer choosing 16 keys); the mixtures' decodes, latent and sparse
+    attention's included, in CUDA graphs, whose tokens equal eager decoding's."""
     import test_moe
+    import test_sparse_attention
     import test_ssm
 
     from ridge import SamplingParams
 
     state_space = ("mamba2", "bamba", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h",
                    "nemotron_h_moe")
-    path, hf = (test_ssm if arch in state_space else test_moe).random_hf_model(arch, tmp_path_factory)
+    sparse = ("deepseek_v32", "glm_moe_dsa")
+    family = test_ssm if arch in state_space else test_sparse_attention if arch in sparse else test_moe
+    path, hf = family.random_hf_model(arch, tmp_path_factory)
     hf = hf.cuda()
     llm = make_llm_for_test(path, device="cuda", dtype="float32")
     prompts = random_prompts(4, VOCAB, 5, 60, seed=1) + random_prompts(1, VOCAB, 140, 150, seed=3)
     outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
     if arch in ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "mistral4",
-                "llama4", "dots1", "exaone_moe"):
+                "llama4", "dots1", "exaone_moe", *sparse):
         assert llm.engine.runner.graphs is not None
         eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
         assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
