@@ -202,6 +202,11 @@ def test_llama_4_scout_is_108b_with_17b_active_and_its_chunked_layers_attend_wit
     per_key = 2.0 * m.num_heads * (qk + v)
     assert close(at[chunk] - at[chunk + 1], per_key * (36 * (chunk - 1) - 12), 1e-9)  # a new chunk: one key
     assert at[2 * chunk] == at[chunk] + per_key * 12 * chunk
+    # a decode reads its chunk's keys on those layers (held: up to a whole chunk, the bound kv_bytes gives)
+    per_layer = a.kv_bytes_per_token(m, "bf16") / 48
+    assert a.kv_read_bytes(m, "bf16", chunk + 1) == per_layer * (12 * (chunk + 1) + 36 * 1)
+    assert a.kv_bytes(m, "bf16", chunk + 1) == per_layer * (12 * (chunk + 1) + 36 * chunk)
+    assert a.kv_read_bytes(m, "bf16", chunk) == a.kv_bytes(m, "bf16", chunk)
 
 
 def test_mamba2_2_7b_has_2_7b_parameters_and_a_172_mb_state_at_any_context():

@@ -155,10 +155,15 @@ def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
 
 
 def kv_read_bytes(m: ModelSpec, kv_dtype: str, context: int) -> float:
-    """What one decode step reads of a sequence's cache at `context` tokens: all it holds, except under sparse
-    attention, whose step reads every token's indexer key but the latent rows of index_topk tokens only."""
+    """What one decode step reads of a sequence's cache at `context` tokens: the keys its query sees in each layer
+    (a chunked layer's: its own chunk's, where kv_bytes bounds what it holds by a whole chunk); under sparse
+    attention every token's indexer key but the latent rows of index_topk tokens only."""
+    if not m.num_attention_layers:
+        return 0.0
     if not m.index_topk:
-        return kv_bytes(m, kv_dtype, context)
+        per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers
+        local = m.local_layers
+        return per_layer_token * ((m.num_attention_layers - local) * context + local * _local_keys(m, context))
     index_key = _index_key_bytes(m, kv_dtype)
     row = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers - index_key
     return m.num_attention_layers * (context * index_key + min(context, m.index_topk) * row)
