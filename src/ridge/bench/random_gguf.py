@@ -34,9 +34,9 @@ from ridge.models.loader import (
     PARTIAL_ROTARY_ROWS,
     ROTARY_PERMUTED,
     LoadedModel,
+    indexer_rotary_orders,
     latent_rotary_order,
     random_model,
-    rotary_order,
 )
 from ridge.models.registry import check_supported
 from ridge.models.spec import (
@@ -625,11 +625,8 @@ def _latent_attention_tensors(cfg: ModelConfig, i: int, layer: dict[str, torch.T
     yield f"blk.{i}.attn_k_b.weight", kv_b[:, :nope].transpose(1, 2)
     yield f"blk.{i}.attn_v_b.weight", kv_b[:, nope:]
     if cfg.index_topk:  # the indexer's query and key rows (the key norm's dims with them) in interleaved pairs
-        key_order = torch.argsort(rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim))
-        query_order = torch.argsort(rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
-                                                  cfg.qk_rope_head_dim))
-        yield f"blk.{i}.indexer.attn_q_b.weight", layer["attn.indexer.wq_b.weight"][query_order]
-        yield f"blk.{i}.indexer.attn_k.weight", layer["attn.indexer.wk.weight"][key_order]
-        yield f"blk.{i}.indexer.k_norm.weight", layer["attn.indexer.k_norm.weight"][key_order]
-        yield f"blk.{i}.indexer.k_norm.bias", layer["attn.indexer.k_norm.bias"][key_order]
+        order = indexer_rotary_orders(cfg, to_halves=False)
+        for name, gguf_name in (("wq_b.weight", "attn_q_b.weight"), ("wk.weight", "attn_k.weight"),
+                                ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias")):
+            yield f"blk.{i}.indexer.{gguf_name}", layer[f"attn.indexer.{name}"][order[name]]
         yield f"blk.{i}.indexer.proj.weight", layer["attn.indexer.weights_proj.weight"]

@@ -178,7 +178,7 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
             # llama.cpp's converter permutes whole heads; ridge's writer (bench/random_gguf.py) a Bamba's rotary
             # dims alone, and marks its files so
             rotary_dim = cfg.rotary_dim if gguf.fields.get(PARTIAL_ROTARY_ROWS) else None
-            stored = stored.reordered(rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
+            stored = stored.reordered(_rotary_order(t.shape[0], cfg.num_heads if ".attn_q." in t.name
                                                     else cfg.num_kv_heads, rotary_dim))
         yield t.name, stored
 
@@ -192,7 +192,7 @@ ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3", "mini
 PARTIAL_ROTARY_ROWS = "ridge.rope.interleaved_rotary_dims_only"
 
 
-def rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+def _rotary_order(rows: int, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
     """The row order that undoes the permutation llama.cpp's converter applies to llama q/k (interleaved ->
     halves rotary), over each head's first rotary_dim rows (None: the whole head)."""
     per_head = rows // heads
@@ -345,22 +345,18 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
     one order for both); a per-head norm weight's dims follow its head's rows (Command R+'s), and a sparse-attention
     indexer's key norm its key's (GLM-5's, whose indexer interleaves where its latent attention may not)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv_order = torch.cat([rotary_order(q, cfg.num_heads, cfg.rotary_dim),
-                           q + rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
-    head_order = rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
+    qkv_order = torch.cat([_rotary_order(q, cfg.num_heads, cfg.rotary_dim),
+                           q + _rotary_order(kv, cfg.num_kv_heads, cfg.rotary_dim), torch.arange(q + kv, q + 2 * kv)])
+    head_order = _rotary_order(cfg.head_dim, 1, cfg.rotary_dim)  # one head's dims
+    indexer_orders = indexer_rotary_orders(cfg) if cfg.index_rope_interleave else {}
     for i in range(cfg.num_layers):
         if cfg.is_mla:
             for name in ("q_b" if cfg.q_lora_rank else "q_proj", "kv_a") if cfg.rope_interleave else ():
                 stored = weights[f"layers.{i}.attn.{name}.weight"]
                 stored[0] = stored[0].reordered(latent_rotary_order(cfg, name, stored[0].shape[0]))
-            if cfg.index_rope_interleave:
-                key_order = rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim)
-                query_order = rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads,
-                                            cfg.qk_rope_head_dim)
-                for name, order in (("wq_b.weight", query_order), ("wk.weight", key_order),
-                                    ("k_norm.weight", key_order), ("k_norm.bias", key_order)):
-                    stored = weights[f"layers.{i}.attn.indexer.{name}"]
-                    stored[0] = stored[0].reordered(order)
+            for name, order in indexer_orders.items():
+                stored = weights[f"layers.{i}.attn.indexer.{name}"]
+                stored[0] = stored[0].reordered(order)
             continue
         for kind in ("weight", "bias"):
             slots = weights.get(f"layers.{i}.attn.qkv.{kind}")
@@ -374,6 +370,17 @@ def _deinterleave_rotary(cfg: ModelConfig, weights: dict[str, dict[int, _Stored]
             slots = weights.get(f"layers.{i}.attn.{name}.weight")
             if slots and len(slots[0].shape) == 2:
                 slots[0] = slots[0].mapped(lambda t: t[:, head_order])
+
+
+def indexer_rotary_orders(cfg: ModelConfig, to_halves: bool = True) -> dict[str, torch.Tensor]:
+    """The row orders that take a sparse-attention indexer's rotary rows from interleaved pairs to halves
+    (to_halves=False: back, as llama.cpp's files hold them): its query's per head, its key's and the key norm's
+    dims with them, by parameter name under the indexer."""
+    key = _rotary_order(cfg.index_head_dim, 1, cfg.qk_rope_head_dim)
+    query = _rotary_order(cfg.index_heads * cfg.index_head_dim, cfg.index_heads, cfg.qk_rope_head_dim)
+    if not to_halves:
+        key, query = torch.argsort(key), torch.argsort(query)
+    return {"wq_b.weight": query, "wk.weight": key, "k_norm.weight": key, "k_norm.bias": key}
 
 
 def latent_rotary_order(cfg: ModelConfig, name: str, rows: int, to_halves: bool = True) -> torch.Tensor:

@@ -39,25 +39,26 @@ class Indexer(nn.Module):
         """x: the layer's normed input [T, hidden]; q_latent: the query's normed bottleneck [T, q_lora_rank]. Writes
         the tokens' indexer keys to the cache, then chooses each query's keys."""
         tokens = x.shape[0]
-        q = self.wq_b(q_latent).view(tokens, self.heads, self.dim)
         k = self.k_norm(self.wk(x)).view(tokens, 1, self.dim)
-        rope.apply_(q, self.heads)  # the first qk_rope_head_dim dims of each head (a partial rotary)
-        rope.apply_(k, 1)
-        weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
+        rope.apply_(k, 1)  # its first qk_rope_head_dim dims (a partial rotary)
         backend.write_index_keys(self.layer_index, k[:, 0], meta.slot_mapping)
         selection = KeySelection()
-        decodes = meta.num_decodes
-        tables = meta.decode_block_tables
-        if decodes and tables.shape[1] * backend.block_size > self.topk:  # else every context fits: all are read
+        decodes, tables = meta.num_decodes, meta.decode_block_tables
+        decodes_choose = decodes > 0 and tables.shape[1] * backend.block_size > self.topk  # else all are read
+        choosing_chunks = [chunk for chunk in meta.prefills if chunk.context_len > self.topk]
+        if not decodes_choose and not choosing_chunks:  # no query has more keys than the top k: nothing to score
+            return selection
+        q = self.wq_b(q_latent).view(tokens, self.heads, self.dim)
+        rope.apply_(q, self.heads)
+        weights = self.weights_proj(x).float() * (self.heads * self.dim) ** -0.5
+        if decodes_choose:
             keys = backend.gather_index_keys(self.layer_index, tables)  # [B, L, dim]
             scores = _scores(q[:decodes], weights[:decodes], keys)  # [B, L]
             positions = torch.arange(keys.shape[1], device=x.device)
             scores.masked_fill_(positions >= meta.decode_context_lens.unsqueeze(1), float("-inf"))
             best = scores.topk(self.topk, dim=-1)
             selection.decode_keys, selection.decode_valid = best.indices, best.values > float("-inf")
-        for chunk in meta.prefills:
-            if chunk.context_len <= self.topk:
-                continue
+        for chunk in choosing_chunks:
             rows = slice(chunk.start, chunk.start + chunk.length)
             keys = backend.gather_index_keys(self.layer_index, chunk.block_table)[:chunk.context_len]  # [C, dim]
             scores = _scores(q[rows], weights[rows], keys)  # [n, C]
