@@ -66,8 +66,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
                       "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa"}
-# the indexer key widths llama.cpp's glm-dsa runs: multiples of this (llama-cpp-python 0.3.36: 64 and 128 run, 16
-# and 32 fail its matmul shape check)
+# the indexer key widths llama.cpp's glm-dsa runs: multiples of this, its Hadamard rotation's (docs/notes/moe-mla.md)
 GLM_DSA_INDEX_BLOCK = 64
 # a Nemotron-H with a mixture is llama.cpp's nemotron_h_moe
 _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight",
