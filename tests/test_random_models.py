@@ -68,10 +68,13 @@ def test_byte_level_tokenizer_round_trips_text_and_names_the_other_ids():
                                   "olmo-3-7b,num_layers=4,vocab_size=49152", "exaone-4.0-32b,num_layers=4",
                                   "glm-4-9b,num_layers=2,vocab_size=49152",
                                   "ernie-4.5-21b-a3b,num_layers=3,num_experts=8,vocab_size=49152",
-                                  "command-r7b,num_layers=4,vocab_size=49152"])
+                                  "command-r7b,num_layers=4,vocab_size=49152",
+                                  "gemma-4-31b,num_layers=6,vocab_size=49152",
+                                  "gemma-4-e2b,num_layers=10,kv_shared_layers=5,vocab_size=49152"])
 def test_hf_config_builds_the_same_shape(name):
     """The HF baseline of `ridge bench` is the model ridge draws: as many parameters (GLM-4.6's q / k norms and
-    biases, SmolLM3's vocabulary cut below its padding token)."""
+    biases, SmolLM3's vocabulary cut below its padding token, Gemma 4's global heads, shared KV and per-layer
+    embeddings)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = random_spec(f"random:{name}")
@@ -84,5 +87,6 @@ def test_hf_config_builds_the_same_shape(name):
 
     with torch.device("meta"):
         ours = DecoderModel(config_from_spec(spec))
-    biases = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))  # HF: buffers
+    biases = sum(b.numel() for n, b in hf.named_buffers()  # HF's buffers
+                 if n.endswith(("e_score_correction_bias", "layer_scalar")))
     assert sum(p.numel() for p in hf.parameters()) + biases == sum(p.numel() for p in ours.parameters())

@@ -167,6 +167,23 @@ class ModelConfig:
     # Mamba-2's residual_in_fp32: the residual stream adds in float32 whatever the model's dtype (each norm reads
     # it rounded to the model's dtype, as HF's Mamba-2 blocks do)
     residual_in_fp32: bool = False
+    # Gemma 4's global layers: heads of their own width and KV heads of their own number (0: the model's), their
+    # values the keys' projection where global_values_from_keys (attention_k_eq_v: no v rows; v is the raw key, normed
+    # without rotary), their rotary turning only the first global_rotary_fraction of its frequencies over the whole
+    # head ("proportional" RoPE: pairs (i, i + d/2) for the turning ones, the rest left still)
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_values_from_keys: bool = False
+    global_rotary_fraction: float = 1.0
+    value_norm: bool = False  # v RMS-normed over each head, without a weight, before it is cached (Gemma 4)
+    # KV sharing (Gemma 4): the last kv_shared_layers layers project no K / V; each attends to the cache of the last
+    # layer of its kind (windowed or global) before them, which holds no more blocks for it
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False  # those layers' MLPs twice intermediate_size wide (Gemma 4's E2B)
+    # per-layer embeddings (Gemma 4's E2B / E4B): a second table gives each token a per_layer_input_size slice per
+    # layer, which with a projection of its embedding gates a residual branch at the end of that layer
+    per_layer_input_size: int = 0
+    layer_scalars: bool = False  # each layer's output times a learned scalar (Gemma 4)
 
     def __post_init__(self) -> None:
         if self.attention_layers and self.num_heads % self.num_kv_heads:
@@ -184,6 +201,13 @@ class ModelConfig:
             raise ValueError(f"index_topk: sparse attention's indexer needs latent attention with a query bottleneck "
                              f"(q_lora_rank), no window, index_heads > 0 and index_head_dim >= qk_rope_head_dim "
                              f"({self.qk_rope_head_dim}); got {self.index_heads} heads of {self.index_head_dim}")
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of the global layers' KV heads "
+                             f"({self.global_kv_heads})")
+        if self.kv_shared_layers:
+            sources = self.kv_sources()  # raises where a shared layer has no earlier layer of its kind
+            if set(sources.values()) & set(self.ssm_layers):
+                raise ValueError("kv_shared_layers: a layer cannot share a state-space layer's cache")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok: must be in 1..num_experts ({self.num_experts}), got "
                              f"{self.num_experts_per_tok}")
@@ -200,6 +224,47 @@ class ModelConfig:
         """The dims rotary embedding turns: a head's (or its first part, with a partial rotary), or MLA's rotary
         part."""
         return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def global_rotary_dim(self) -> int:
+        """The dims the global layers' rotary turns: rotary_dim, or their own heads' (Gemma 4's)."""
+        return int(self.global_head_dim * self.partial_rotary_factor) if self.global_head_dim else self.rotary_dim
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The width of an attention layer's heads (q, k and v alike)."""
+        return self.global_head_dim if self.global_head_dim and not self.is_local(layer) else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.global_kv_heads if self.global_kv_heads and not self.is_local(layer) else self.num_kv_heads
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Every attention layer has the model's head width and KV heads."""
+        return not (self.global_head_dim or self.global_kv_heads)
+
+    def kv_sources(self) -> dict[int, int]:
+        """Each KV-shared layer's source: the last layer before the shared ones of the same kind (windowed or
+        global) as it, whose cache it attends to (HF's kv_sharing_modes)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        sources = {}
+        for layer in range(first_shared, self.num_layers):
+            earlier = [i for i in range(first_shared) if i in self.attention_layers
+                       and self.is_local(i) == self.is_local(layer)]
+            if not earlier:
+                raise ValueError(f"kv_shared_layers: layer {layer} shares the cache of an earlier layer of its kind "
+                                 f"(local: {self.is_local(layer)}), and none of layers 0..{first_shared - 1} is")
+            sources[layer] = earlier[-1]
+        return sources
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cache an attention layer reads and writes: itself, or the one it shares."""
+        return self.kv_sources().get(layer, layer) if self.kv_shared_layers else layer
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The attention layers that hold a cache of their own."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        return [i for i in self.attention_layers if i < first_shared]
 
     def is_ssm_layer(self, layer: int) -> bool:
         return layer in self.ssm_layers
@@ -255,13 +320,16 @@ class ModelConfig:
         return Window(self.sliding_window, self.chunked_window)
 
     def kv_layout(self) -> KVLayout:
-        """The attention layers' KV groups (state-space layers hold no KV: none in a pure Mamba model)."""
-        return kv_layout({i: self.layer_window(i) for i in self.attention_layers})
+        """The KV groups of the layers that hold a cache (state-space layers hold none: none in a pure Mamba model;
+        nor do KV-shared layers), with each one's (kv heads, head width) where they differ."""
+        shapes = (None if self.uniform_attention
+                  else {i: (self.layer_kv_heads(i), self.layer_head_dim(i)) for i in self.kv_layers})
+        return kv_layout({i: self.layer_window(i) for i in self.kv_layers}, shapes)
 
     def kv_tail_bytes(self, dtype: torch.dtype, block_size: int) -> int:
         """Bytes of one sequence's tail (a kv format with tails, int2): a block's K and V rows in dtype, per attention
         layer."""
-        return 2 * len(self.attention_layers) * self.num_kv_heads * block_size * self.head_dim * dtype.itemsize
+        return 2 * len(self.kv_layers) * self.num_kv_heads * block_size * self.head_dim * dtype.itemsize
 
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
@@ -272,7 +340,10 @@ class ModelConfig:
         else:
             row = self.head_dim + (self.index_head_dim if self.index_topk else 0)
             per_head = (1 if self.is_mla else 2) * block_size * row * dtype.itemsize
-        return self.kv_layout().num_slots * self.num_kv_heads * per_head
+        layout = self.kv_layout()
+        if layout.shapes is None:
+            return layout.num_slots * self.num_kv_heads * per_head
+        return layout.num_slots * 2 * block_size * layout.slot_width * dtype.itemsize  # slots of the widest layer's
 
 
 

@@ -78,6 +78,26 @@ class AttentionMetadata:
         """The first key of rows whose query sits at context_len - 1 (None without a window: key 0)."""
         return None if self.window is None else self.window.first_key(context_lens - 1)
 
+    def rows_as_decodes(self, rows: torch.Tensor) -> AttentionMetadata:
+        """Some of the step's tokens (flat indices, ascending), each a query of its own over its sequence's cache up
+        to its own position, as a decode reads it: for layers that write no KV (Gemma 4's KV-shared ones), which
+        need only the rows whose logits are read. To be prepare()d by the backend; nothing is written."""
+        tables, lens = [], []
+        for row in rows.tolist():
+            if row < self.num_decodes:
+                tables.append(self.decode_block_tables[row])
+                lens.append(int(self.decode_context_lens[row]))
+                continue
+            chunk = next(c for c in self.prefills if c.start <= row < c.start + c.length)
+            tables.append(chunk.block_table)
+            lens.append(chunk.context_len - chunk.length + row - chunk.start + 1)
+        width = max(t.shape[0] for t in tables)
+        device = self.slot_mapping.device
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows], num_decodes=len(lens),
+            decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in tables]),
+            decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device), prefills=[], window=self.window)
+
 
 # A step's attention metadata: one per KV group, in the layout's order.
 StepMetadata = Sequence[AttentionMetadata]
@@ -152,6 +172,7 @@ class AttentionBackend(ABC):
 
     storage_dtype: torch.dtype | None = None  # the caches' dtype, where not the model's (a quantized cache's codes)
     handles_sinks = False  # attends with gpt-oss's attention sinks (a model with them refuses the others)
+    per_layer_shapes = True  # layers of different head widths or KV heads (kv/layout.py's shapes)
 
     def __init__(
         self,
@@ -170,9 +191,16 @@ class AttentionBackend(ABC):
         if block_size % 2 or head_dim % 2:
             raise ValueError(f"block_size ({block_size}) and head_dim ({head_dim}) must be even: values sit in pairs")
         layout = kv_layout([None] * layers) if isinstance(layers, int) else layers
-        k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
-        self.k_cache = self._per_layer(layout, k_shape, self.storage_dtype or dtype, device)
-        self.v_cache = self._per_layer(layout, v_shape, self.storage_dtype or dtype, device)
+        if layout.shapes is not None and not self.per_layer_shapes:
+            raise ValueError(f"attention: layers of different head widths or KV heads (Gemma 4's) are not supported "
+                             f"by the {type(self).__name__}")
+        if layout.shapes is None:
+            k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
+            self.k_cache = self._per_layer(layout, k_shape, self.storage_dtype or dtype, device)
+            self.v_cache = self._per_layer(layout, v_shape, self.storage_dtype or dtype, device)
+            self.slot_rows: list[torch.Tensor] = []
+        else:
+            self._views_of_slots(layout, num_blocks, block_size, dtype, device)
         self.layout, self.num_blocks, self.group_of_layer = layout, num_blocks, layout.group_of_layer()
         self.dtype, self.device = dtype, torch.device(device)
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
@@ -183,16 +211,41 @@ class AttentionBackend(ABC):
     @staticmethod
     def _per_layer(layout: KVLayout, shape: tuple[int, ...], dtype: torch.dtype,
                    device: str | torch.device) -> dict[int, torch.Tensor]:
-        """One zeroed tensor per slot of the layout, indexed by layer number (a layer without attention, a
-        state-space layer, has none)."""
+        """One zeroed tensor per slot of the layout, indexed by layer number (a layer without a cache of its own, a
+        state-space or KV-shared layer, has none)."""
         slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         return {layer: slots[slot] for layer, slot in layout.slot_of_layer().items()}
+
+    def _views_of_slots(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: str | torch.device) -> None:
+        """Layers of different shapes (kv/layout.py): each slot's K and V rows, [num_blocks, block_size x the slot's
+        width], and each layer's cache a view of its part of them in the layer's own shape (its blocks along
+        block_dim, each head's block dense, as the kernels read them)."""
+        width = block_size * layout.slot_width
+        self.slot_rows = [torch.zeros(num_blocks, width, dtype=dtype, device=device)
+                          for _ in range(2 * layout.num_slots)]
+        parts = layout.part_of_layer()
+        self.k_cache, self.v_cache = {}, {}
+        for layer, slot in layout.slot_of_layer().items():
+            heads, dim = layout.shapes[layer]
+            used = block_size * heads * dim
+            for cache, rows, shape in zip(
+                    (self.k_cache, self.v_cache), self.slot_rows[2 * slot:2 * slot + 2],
+                    self.cache_shapes(heads, num_blocks, dim, block_size), strict=True):
+                part = rows[:, parts[layer] * used:(parts[layer] + 1) * used]
+                order = (self.block_dim, *(i for i in range(len(shape)) if i != self.block_dim))
+                cache[layer] = part.view(*(shape[i] for i in order)).permute(*sorted(range(len(shape)),
+                                                                                    key=order.__getitem__))
+
+    block_dim = 1  # the dim of a cache tensor (cache_shapes') that indexes its blocks
 
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor of the cache (each layout slot's, in layer order) with the dim that indexes its blocks: what
         a block's KV is, to copy whole blocks to another engine of the same model and layout (engine/kv_transfer.py)."""
+        if self.slot_rows:  # layers of different shapes: their slots' rows, which hold every layer's view
+            return [(rows, 0) for rows in self.slot_rows]
         tensors = {id(t): t for layer in self.k_cache for t in (self.k_cache[layer], self.v_cache[layer])}
-        return [(t, 1) for t in tensors.values()]
+        return [(t, self.block_dim) for t in tensors.values()]
 
     def read_blocks(self, blocks: torch.Tensor) -> list[torch.Tensor]:
         """Copies of these blocks of every cache tensor (block_tensors' order), on the CPU: [len(blocks), ...one
@@ -230,7 +283,7 @@ class AttentionBackend(ABC):
         blocks, offsets = slots // self.block_size, slots % self.block_size
         # permuted views of the caches, indexed by (block, offset) first
         k_slots = self.k_cache[layer].permute(1, 3, 0, 2, 4)  # [N, bs, H, d/2, 2]
-        k_slots.index_put_((blocks, offsets), k.unflatten(-1, (self.head_dim // 2, 2)))
+        k_slots.index_put_((blocks, offsets), k.unflatten(-1, (k.shape[-1] // 2, 2)))
         v_slots = self.v_cache[layer].permute(1, 2, 4, 0, 3)  # [N, bs/2, 2, H, d]
         v_slots.index_put_((blocks, offsets // 2, offsets % 2), v)
 
@@ -240,17 +293,19 @@ class AttentionBackend(ABC):
             return self.ops.cache_gather(self.k_cache[layer], self.v_cache[layer], block_table)
         k = self.k_cache[layer][:, block_table].transpose(-3, -2)  # [H, ..., n, bs, d/2, 2]
         v = self.v_cache[layer][:, block_table].transpose(-2, -1)  # [H, ..., n, bs/2, 2, d]
-        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, self.head_dim)
+        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, v.shape[-1])
         return k.reshape(shape), v.reshape(shape)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, write: bool = True,
     ) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]. sinks: [heads], the
-        layer's attention sinks, on a backend that handles_sinks."""
+        layer's attention sinks, on a backend that handles_sinks. write False: k, v are in `layer`'s cache already
+        (a KV-shared layer attends to its source's, written by it this step)."""
         meta = step[self.group_of_layer[layer]]
-        self.write(layer, k, v, meta.slot_mapping)
+        if write:
+            self.write(layer, k, v, meta.slot_mapping)
         return self.attend(layer, q, k, v, meta) if sinks is None else self.attend(layer, q, k, v, meta, sinks)
 
     @abstractmethod

@@ -59,6 +59,7 @@ class ContextPrefill:
 
 class CudaBackend(PagedBackend):
     cascade = False
+    block_dim = 0
 
     def cache_shapes(self, num_kv_heads: int, num_blocks: int, head_dim: int,
                      block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -80,7 +81,7 @@ class CudaBackend(PagedBackend):
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k_cache[layer][block_table], self.v_cache[layer][block_table]  # [..., n, bs, H, d]
-        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (*k.shape[:-4], k.shape[-4] * self.block_size, *k.shape[-2:])
         return k.reshape(shape).movedim(-2, 0), v.reshape(shape).movedim(-2, 0)  # [H, ..., n * bs, d]
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -112,7 +113,7 @@ class CudaBackend(PagedBackend):
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One query per row [B, heads, d], read in place from the blocks of its table."""
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        splits = self.triton.num_splits(q.shape[0], self.num_kv_heads, tables.shape[1] * self.block_size,
+        splits = self.triton.num_splits(q.shape[0], self.k_cache[layer].shape[2], tables.shape[1] * self.block_size,
                                         self.multiprocessors)
         return self.triton.paged_decode(q, self.k_cache[layer], self.v_cache[layer], tables, lens, self.scale,
                                         meta.window_starts(lens), splits, self._quantized(layer), sinks)
@@ -145,9 +146,10 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
         meta.backend_state = QuantizedStep(writes, meta.backend_state)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepMetadata,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, write: bool = True) -> torch.Tensor:
         meta = step[self.group_of_layer[layer]]
-        self.write(layer, k, v, meta.slot_mapping, meta.backend_state.writes)
+        if write:
+            self.write(layer, k, v, meta.slot_mapping, meta.backend_state.writes)
         return self.attend(layer, q, k, v, meta, sinks)
 
     def _context_prefill(self, meta: AttentionMetadata) -> ContextPrefill | None:

@@ -212,13 +212,14 @@ class PagedBackend(AttentionBackend):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Without the kernel. q: [B, heads, d], one new token per sequence -> [B, heads, d]."""
         b, heads, d = q.shape
-        group = heads // self.num_kv_heads
         k, v = self._context(layer, meta.decode_block_tables, meta)  # [H, B, L, d]
+        kv_heads = k.shape[0]
+        group = heads // kv_heads
         if sinks is not None:  # SDPA has no extra logit: each sequence's scores made here
             o = torch.cat([sink_attention(q[i:i + 1], k[:, i], v[:, i], meta.decode_mask[0, i], self.scale, sinks)
-                           for i in range(b)]).view(b, self.num_kv_heads, group, d).transpose(0, 1)
+                           for i in range(b)]).view(b, kv_heads, group, d).transpose(0, 1)
         else:
-            qd = q.view(b, self.num_kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
+            qd = q.view(b, kv_heads, group, d).transpose(0, 1)  # [H, B, G, d]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         if meta.attention_mass is not None:  # the decodes' rows come first
             received = block_mass(q.unsqueeze(1), k, meta.decode_mask[0], self.scale, self.block_size)

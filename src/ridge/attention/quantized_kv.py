@@ -116,6 +116,7 @@ class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
     cascade = False
     lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
+    per_layer_shapes = False  # its scales and kernels are sized by the model's one head shape
 
     def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
         """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
@@ -195,9 +196,10 @@ class QuantizedKVBackend(PagedBackend):
         meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in meta.prefills]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                step: StepMetadata, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                step: StepMetadata, sinks: torch.Tensor | None = None, write: bool = True) -> torch.Tensor:
         meta = step[self.group_of_layer[layer]]
-        self.write(layer, k, v, meta.slot_mapping, meta.backend_state)
+        if write:
+            self.write(layer, k, v, meta.slot_mapping, meta.backend_state)
         return self.attend(layer, q, k, v, meta) if sinks is None else self.attend(layer, q, k, v, meta, sinks)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -33,7 +33,7 @@ class ReferenceBackend(AttentionBackend):
              window: Window | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
         k, v = self.gather(layer, block_table)
-        group = q.shape[1] // self.num_kv_heads
+        group = q.shape[1] // k.shape[0]
         k = k[:, :context_len].repeat_interleave(group, dim=0).float()  # [heads, ctx, d]
         v = v[:, :context_len].repeat_interleave(group, dim=0).float()
         n = q.shape[0]

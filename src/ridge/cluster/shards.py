@@ -111,6 +111,12 @@ class ShardPlan:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
                              f"the {self.world} ranks" if cfg.num_experts else
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
+        gemma4 = [what for what, present in (
+            ("layers of different head widths or KV heads", not cfg.uniform_attention),
+            ("KV sharing", cfg.kv_shared_layers), ("per-layer embeddings", cfg.per_layer_input_size)) if present]
+        if gemma4:
+            raise ValueError(f"tensor_parallel_size: Gemma 4's {', '.join(gemma4)} are not cut across ranks (run it "
+                             "on one process)")
         if cfg.attention_layers:
             split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
         if cfg.ssm_layers and cfg.state_mixer == "short_conv":

@@ -172,7 +172,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         ("q / k norms over all heads cut across ranks",
          any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
         ("state-space groups cut across ranks",
-         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers))) if present]
+         any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers)),
+        # Gemma 4's
+        ("layers of different head widths", not cfg.uniform_attention), ("KV sharing", cfg.kv_shared_layers),
+        ("value norms", cfg.value_norm), ("per-layer embeddings", cfg.per_layer_input_size),
+        ("layer scalars", cfg.layer_scalars)) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None

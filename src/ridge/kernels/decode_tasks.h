@@ -31,7 +31,11 @@ constexpr int64_t kTasksPerThread = 4;
 
 struct Dims {
   int64_t heads, kv_heads, group, head_dim, num_blocks, block_size;
+  // where one head's block starts, in elements: head * head_stride + block * block_stride (paged_attention.cpp's
+  // caches, whose layers may be views of a shared slot: attention/backend.py)
+  int64_t head_stride = 0, block_stride = 0;
   int64_t block_elems() const { return block_size * head_dim; }  // one block of one head, K or V
+  int64_t block_offset(int64_t head, int64_t block) const { return head * head_stride + block * block_stride; }
 };
 
 // One task's slice of work and where its partial result goes.

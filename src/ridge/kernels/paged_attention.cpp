@@ -6,7 +6,8 @@
 // second wall of batched decode after the weights. This kernel reads each K/V row once.
 //
 // Layout (attention/backend.py): K [kv_heads, num_blocks, d / 2, bs, 2] and V [kv_heads, num_blocks,
-// bs / 2, d, 2]: each 32-bit lane holds a pair of bf16 values, two dims of one token (K) or one dim of two
+// bs / 2, d, 2], each head's block dense and the first two dims at any strides (a layer whose heads differ from
+// its slot's others views part of the slot's rows); each 32-bit lane holds a pair of bf16 values, two dims of one token (K) or one dim of two
 // tokens (V). One vector load then yields, after a shift and a mask, 16 tokens' values of two dims for
 // the scores, or 16 dims of two tokens for the weighted sum: every lane is a different token (or dim), so
 // no lane ever needs a horizontal sum. (With K rows stored whole, every score needed a 16-lane reduction;
@@ -41,7 +42,7 @@ void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int6
     std::fill(scores + g * kPartitionTokens, scores + g * kPartitionTokens + task.num_blocks * bs, 0.f);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const int64_t block = table[task.first_block + j];
-    const T* kb = k_cache + (task.head * dims.num_blocks + block) * dims.block_elems();
+    const T* kb = k_cache + dims.block_offset(task.head, block);
     for (int64_t g = 0; g < group; ++g) {
       const T* qg = q + g * d;
       float* s = scores + g * kPartitionTokens + j * bs;
@@ -59,7 +60,7 @@ void attend_partition(const T* q, const T* k_cache, const T* v_cache, const int6
   std::fill(out.acc, out.acc + group * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t block = table[task.first_block + t / bs], offset = t % bs;
-    const T* row = v_cache + (task.head * dims.num_blocks + block) * dims.block_elems() + (offset / 2) * d * 2 +
+    const T* row = v_cache + dims.block_offset(task.head, block) + (offset / 2) * d * 2 +
                    offset % 2;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * kPartitionTokens + t];
@@ -120,7 +121,7 @@ inline void sum_values(const uint16_t* v_cache, const int64_t* table, const Task
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    const uint16_t* vb = v_cache + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    const uint16_t* vb = v_cache + dims.block_offset(task.head, table[task.first_block + j]);
     const int64_t pairs = std::min<int64_t>(8, (n - j * 16 + 1) / 2);
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const uint16_t* row = vb + (pair * d + c) * 2;
@@ -149,7 +150,7 @@ void attend_partition_bf16(const float* q, const uint16_t* k_cache, const uint16
                            const Task& task, const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens;
   const auto k_block = [&](int64_t j) {
-    return k_cache + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    return k_cache + dims.block_offset(task.head, table[task.first_block + j]);
   };
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const uint16_t* kb = k_block(j);
@@ -186,7 +187,7 @@ void attend_partition_f32(const float* q, const float* k_cache, const float* v_c
                           const Task& task, const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, bs = dims.block_size, group = dims.group, n = task.num_tokens;
   const auto block_offset = [&](int64_t j) {
-    return (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    return dims.block_offset(task.head, table[task.first_block + j]);
   };
   for (int64_t j = 0; j < task.num_blocks; ++j) {
     const float* kb = k_cache + block_offset(j);
@@ -263,6 +264,16 @@ void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 
 }  // namespace
 
+// A layer's K and V caches: 5-dim, each head's block dense (its last three dims contiguous); the head and block dims
+// at any strides.
+static void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const char* op) {
+  for (const auto* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(cache->dim() == 5 && cache->stride(4) == 1 && cache->stride(3) == cache->size(4) &&
+                    cache->stride(2) == cache->size(3) * cache->size(4),
+                op, ": each head's cache block must be dense");
+  }
+}
+
 // q: [B, heads, d]; k_cache, v_cache: one layer's caches (layout above); block_tables: [B, width] int64;
 // context_lens: [B] int64 (the new token included); window_starts: [B] int64, each row's first key (a
 // sliding window), or none: every key -> (out [B, heads, d], lse [B, heads] float32), lse the natural log of
@@ -278,7 +289,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
               "paged_decode: q [B, heads, d]; K [kv_heads, N, d/2, bs, 2]; V [kv_heads, N, bs/2, d, 2]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: q and the cache must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: cache must be contiguous");
+  check_cache(k_cache, v_cache, "paged_decode");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
@@ -291,7 +302,10 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   TORCH_CHECK(k_cache.size(2) * 2 == head_dim, "paged_decode: q and cache disagree on head_dim");
   TORCH_CHECK(block_size % 2 == 0 && block_size <= kPartitionTokens, "paged_decode: block size must be even, <= ",
               kPartitionTokens);
-  const Dims dims{heads, kv_heads, heads / kv_heads, head_dim, num_blocks, block_size};
+  TORCH_CHECK(k_cache.stride(0) == v_cache.stride(0) && k_cache.stride(1) == v_cache.stride(1),
+              "paged_decode: K and V caches' heads and blocks at different strides");
+  const Dims dims{heads, kv_heads, heads / kv_heads, head_dim, num_blocks, block_size, k_cache.stride(0),
+                  k_cache.stride(1)};
   const auto mass_out = mass_rows(mass, q.size(0), block_tables.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -306,10 +320,10 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
 void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                   torch::Tensor slots) {
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "cache_write_: head rows must be dense");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache_write_: contiguous caches");
+  check_cache(k_cache, v_cache, "cache_write_");
   slots = slots.contiguous();
   const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
-  const int64_t num_blocks = k_cache.size(1), bs = k_cache.size(3), block_elems = bs * d;
+  const int64_t bs = k_cache.size(3), head_stride = k_cache.stride(0), block_stride = k_cache.stride(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "cache_write_", [&] {
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
@@ -321,8 +335,8 @@ void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k,
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* krow = ks + t * k.stride(0) + h * k.stride(1);
         const scalar_t* vrow = vs + t * v.stride(0) + h * v.stride(1);
-        scalar_t* kb = kc + (h * num_blocks + block) * block_elems + offset * 2;
-        scalar_t* vb = vc + (h * num_blocks + block) * block_elems + (offset / 2) * d * 2 + offset % 2;
+        scalar_t* kb = kc + h * head_stride + block * block_stride + offset * 2;
+        scalar_t* vb = vc + h * v_cache.stride(0) + block * v_cache.stride(1) + (offset / 2) * d * 2 + offset % 2;
         for (int64_t i = 0; i < d / 2; ++i) {
           kb[i * bs * 2] = krow[2 * i];
           kb[i * bs * 2 + 1] = krow[2 * i + 1];
@@ -339,7 +353,7 @@ void cache_write_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k,
 // the attention it fed.
 std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, torch::Tensor v_cache,
                                                      torch::Tensor block_ids) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache_gather: contiguous caches");
+  check_cache(k_cache, v_cache, "cache_gather");
   block_ids = block_ids.contiguous();
   const int64_t heads = k_cache.size(0), num_blocks = k_cache.size(1), d = k_cache.size(2) * 2;
   const int64_t bs = k_cache.size(3), n = block_ids.size(0), block_elems = bs * d;
@@ -356,8 +370,8 @@ std::tuple<torch::Tensor, torch::Tensor> cache_gather(torch::Tensor k_cache, tor
     at::parallel_for(0, heads * n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / n, j = task % n;
-        const scalar_t* kb = kc + (h * num_blocks + ids[j]) * block_elems;  // [d/2, bs, 2]
-        const scalar_t* vb = vc + (h * num_blocks + ids[j]) * block_elems;  // [bs/2, d, 2]
+        const scalar_t* kb = kc + h * k_cache.stride(0) + ids[j] * k_cache.stride(1);  // [d/2, bs, 2]
+        const scalar_t* vb = vc + h * v_cache.stride(0) + ids[j] * v_cache.stride(1);  // [bs/2, d, 2]
         scalar_t* kd = ko + (h * n + j) * block_elems;  // [bs, d]
         scalar_t* vd = vo + (h * n + j) * block_elems;
         for (int64_t t = 0; t < bs; ++t)

@@ -13,12 +13,19 @@ of one kind are cut into groups of `group_size` layers, and the j-th layer of ev
 the same K/V tensor ("slot" j) at its own group's block ids. Gemma-3's 5:1 local:global pattern over 18
 layers is 1 full group and 5 window groups of 3 layers each, over 3 slots; a model with one kind of layer
 is one group whose slots are its layers.
+
+Where layers differ in shape (Gemma 4's global layers: wider heads, fewer of them), a slot is as wide, per token,
+as the widest layer's K (kv heads x head width), and every layer views its part of the slot's rows in its own
+shape. A kind whose layers are a whole fraction of that width packs that many layers into each slot: Gemma 4 31B's
+global layers (4 KV heads of 512) are half as wide as its windowed ones (16 of 256), so its 10 global layers make
+one group over 5 slots, two to a slot, beside 10 windowed groups of 5: a block id is 5 slots wide, and every group
+fills it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -53,7 +60,11 @@ class KVGroup:
 @dataclass(frozen=True)
 class KVLayout:
     groups: tuple[KVGroup, ...]  # none in a model without attention layers (a pure state-space model)
-    num_slots: int  # K/V tensors per block id: the j-th layer of each group uses slot j
+    # K/V tensors per block id: the j-th layer of each group uses slot j % num_slots (a group holds more layers than
+    # slots where its layers pack several to a slot: the j-th is then part j // num_slots of its slot)
+    num_slots: int
+    # each layer's (kv heads, head width), where the layers differ in them; None: all the model's
+    shapes: Mapping[int, tuple[int, int]] | None = field(default=None, compare=False)
 
     @property
     def has_windows(self) -> bool:
@@ -65,23 +76,49 @@ class KVLayout:
 
     def slot_of_layer(self) -> dict[int, int]:
         """Each attention layer's slot."""
-        return {layer: slot for group in self.groups for slot, layer in enumerate(group.layers)}
+        return {layer: j % self.num_slots for group in self.groups for j, layer in enumerate(group.layers)}
+
+    def part_of_layer(self) -> dict[int, int]:
+        """Each attention layer's part of its slot: 0, or its place among the layers its group packs there."""
+        return {layer: j // self.num_slots for group in self.groups for j, layer in enumerate(group.layers)}
+
+    @property
+    def slot_width(self) -> int:
+        """A layout with shapes: a slot's K (or V) elements per token, the widest layer's kv heads x head width."""
+        assert self.shapes is not None, "a layout of uniform layers: slots of the model's shape"
+        return max(heads * dim for heads, dim in self.shapes.values())
 
 
-def kv_layout(layer_windows: Sequence[Window | None] | Mapping[int, Window | None]) -> KVLayout:
+def kv_layout(layer_windows: Sequence[Window | None] | Mapping[int, Window | None],
+              shapes: Mapping[int, tuple[int, int]] | None = None) -> KVLayout:
     """Group the attention layers by their window (None: full attention), given for every layer in order or by
     layer index (a hybrid model's attention layers); groups of the smallest kind's size, the last of a kind
-    possibly shorter (its unused slots then hold nothing)."""
+    possibly shorter (its unused slots then hold nothing). shapes: each layer's (kv heads, head width), where
+    layers differ."""
     windows = layer_windows if isinstance(layer_windows, Mapping) else dict(enumerate(layer_windows))
     kinds: dict[Window | None, list[int]] = {}
     for layer, window in sorted(windows.items()):
         kinds.setdefault(window, []).append(layer)
     if not kinds:
-        return KVLayout((), 0)
-    size = min(len(layers) for layers in kinds.values())
+        return KVLayout((), 0, shapes)
+    packed = {window: _layers_per_slot(layers, shapes) for window, layers in kinds.items()}
+    size = min(-(-len(layers) // packed[window]) for window, layers in kinds.items())
     groups = [
-        KVGroup(tuple(layers[i:i + size]), window)
+        KVGroup(tuple(layers[i:i + size * packed[window]]), window)
         for window, layers in sorted(kinds.items(), key=lambda kind: kind[0] is not None)  # full first
-        for i in range(0, len(layers), size)
+        for i in range(0, len(layers), size * packed[window])
     ]
-    return KVLayout(tuple(groups), size)
+    return KVLayout(tuple(groups), size, shapes)
+
+
+def _layers_per_slot(layers: list[int], shapes: Mapping[int, tuple[int, int]] | None) -> int:
+    """How many of a kind's layers share a slot: as many as fit whole in the widest layer's width (1 without
+    shapes, or where a kind's layers differ among themselves)."""
+    if shapes is None:
+        return 1
+    widths = {shapes[layer][0] * shapes[layer][1] for layer in layers}
+    if len(widths) != 1:
+        return 1
+    (width,) = widths
+    widest = max(heads * dim for heads, dim in shapes.values())
+    return widest // width if widest % width == 0 else 1

@@ -108,13 +108,16 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
-                 temperature: AttentionTemperature | None = None) -> None:
+                 temperature: AttentionTemperature | None = None, turning_fraction: float = 1.0) -> None:
+        """turning_fraction: only the first share of the frequencies turn, the rest are 0 (Gemma 4's proportional
+        RoPE: a rotary as wide as the head whose slow pairs stay still)."""
         super().__init__()
         self.temperature = temperature  # the queries of the layers that turn with this rotary: sharpened by position
         if scaling is None:
             inv_freq, magnitude = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
         else:  # a scaled rotary's own frequencies, and YaRN's rotation magnitude (q.k scaled by its square)
             inv_freq, magnitude = scaling.inverse_frequencies(head_dim, theta), scaling.rotation_magnitude()
+        inv_freq[int(turning_fraction * head_dim) // 2:] = 0.0
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("freqs", torch.polar(torch.full_like(angles, magnitude), angles), persistent=False)
         self.ops: ModuleType | None = None
@@ -192,24 +195,31 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        head_dim = cfg.layer_head_dim(layer_index)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.layer_kv_heads(layer_index), head_dim
+        # KV sharing (Gemma 4): the layer whose cache this one attends to, itself unless it projects no K / V
+        self.kv_layer = cfg.kv_source(layer_index)
+        self.kv_shared = self.kv_layer != layer_index
+        self.values_from_keys = cfg.global_values_from_keys and not cfg.is_local(layer_index)
+        q_size, kv_size = cfg.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv_rows = 0 if self.kv_shared else kv_size if self.values_from_keys else 2 * kv_size
         # with an output gate (Qwen3.5), its rows follow v's: one projection gives all four
         self.gated = cfg.attention_output_gate
-        self.qkv = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.qkv = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * q_size + kv_rows, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         # gpt-oss: each query head's sink logit, in the denominator of its softmax (attention/backend.py)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         # qk_norm: over each head (Qwen3, Gemma 3); qk_norm_full: over all of q's heads at once, and k's (OLMoE)
-        q_width, k_width = (q_size, kv_size) if cfg.qk_norm_full else (cfg.head_dim, cfg.head_dim)
+        q_width, k_width = (q_size, kv_size) if cfg.qk_norm_full else (head_dim, head_dim)
         normed = cfg.qk_norm or cfg.qk_norm_full
         self.q_norm: nn.Module | None = RMSNorm(q_width, cfg.rms_norm_eps) if normed else None
-        self.k_norm: nn.Module | None = RMSNorm(k_width, cfg.rms_norm_eps) if normed else None
+        self.k_norm: nn.Module | None = RMSNorm(k_width, cfg.rms_norm_eps) if normed and not self.kv_shared else None
         if cfg.qk_l2_norm and layer_index not in cfg.nope_layers:  # Llama 4's, on its rotary layers
-            self.q_norm = self.k_norm = L2Norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = self.k_norm = L2Norm(head_dim, cfg.rms_norm_eps)
         if cfg.qk_norm and cfg.norm_kind == "layer":  # Command R+'s: LayerNorms, a weight for each head
-            self.q_norm = HeadLayerNorm(cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = HeadLayerNorm(cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = HeadLayerNorm(cfg.num_heads, head_dim, cfg.rms_norm_eps)
+            self.k_norm = HeadLayerNorm(self.num_kv_heads, head_dim, cfg.rms_norm_eps)
+        self.v_norm = L2Norm(head_dim, cfg.rms_norm_eps) if cfg.value_norm and not self.kv_shared else None
         self.norm_full = cfg.qk_norm_full
         self.sharded_norm: ShardedFullNorm | None = None
 
@@ -229,7 +239,13 @@ class Attention(nn.Module):
         rope: RopeStep,
         backend: AttentionBackend,
         meta: StepMetadata,
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
+        """shared_kv: a model with KV sharing's step k, v by layer, which a layer whose cache others share puts its
+        own in, and a layer that shares one reads (the cache holds them too, but a prompt's first chunk attends to
+        them as they are)."""
+        if self.kv_shared or self.values_from_keys or self.v_norm is not None:
+            return self._forward_gemma4(x, rope, backend, meta, shared_kv)
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, -1, self.head_dim)
         # split_with_sizes: Tensor.split's Python wrapper cost as much as the split, 30 times a step
@@ -256,6 +272,26 @@ class Attention(nn.Module):
         if self.gated:
             out = out * torch.sigmoid(gate[0].reshape(tokens, -1))
         return self.o_proj(out)
+
+    def _forward_gemma4(self, x: torch.Tensor, rope: RopeStep, backend: AttentionBackend, meta: StepMetadata,
+                        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        """Gemma 4's attention: q, k and v each normed over every head (v without a weight), a global layer's
+        values its raw keys, and the KV-shared layers' k, v their source layer's."""
+        tokens = x.shape[0]
+        qkv = self.qkv(x).view(tokens, -1, self.head_dim)
+        q = self.q_norm(qkv[:, :self.num_heads])
+        if self.kv_shared:
+            k, v = shared_kv[self.kv_layer]
+        else:
+            k = qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]
+            v = k if self.values_from_keys else qkv[:, self.num_heads + self.num_kv_heads:]
+            k, v = self.k_norm(k), self.v_norm(v)
+            rope.apply_(k, self.num_kv_heads)
+            if shared_kv is not None:
+                shared_kv[self.layer_index] = (k, v)
+        rope.apply_(q, self.num_heads)
+        out = backend.forward(self.kv_layer, q, k, v, meta, write=not self.kv_shared)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _sharded_full_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.sharded_norm
@@ -327,18 +363,33 @@ class DecoderLayer(nn.Module):
         # under tensor parallelism, each rank's mixer and MLP outputs are its partial sums: summed over the ranks
         # in place, here (cluster/collectives.py)
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        # Gemma 4's end of a layer: a branch gated by the token's per-layer input (per-layer embeddings), then the
+        # whole stream times the layer's scalar
+        width = cfg.per_layer_input_size
+        self.per_layer_gate = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
+        self.per_layer_projection = nn.Linear(width, cfg.hidden_size, bias=False) if width else None
+        self.per_layer_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if width else None
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalars else None
+        self.activation = cfg.hidden_act
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta, states=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, not yet added to the residual stream (or the embeddings); states: the
-        step's StateStep, for a state-space layer."""
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta, states=None,
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the previous layer's output, not yet added to the residual stream (or the embeddings: residual None,
+        as after a layer that ends with the whole stream); states: the step's StateStep, for a state-space layer;
+        shared_kv: a KV-sharing model's step k, v (Attention.forward); per_layer_input: this layer's slice of the
+        per-layer embeddings [T, per_layer_input_size]."""
         if residual is None:
             residual, x = x.float() if self.residual_in_fp32 else x, self.input_norm(x)
         else:
             x, residual = self.input_norm(x, residual)
         h = x
-        x = self.ssm(h, states) if self.ssm is not None else self.attn(h, rope, backend, meta)
+        if self.ssm is not None:
+            x = self.ssm(h, states)
+        else:
+            x = self.attn(h, rope, backend, meta) if shared_kv is None else self.attn(h, rope, backend, meta, shared_kv)
         if self.parallel:  # the two outputs join the residual as one branch
             x = x + self.mlp(h)
         if self.all_reduce is not None:
@@ -357,4 +408,14 @@ class DecoderLayer(nn.Module):
             x = self.mlp_out_norm(x)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
-        return x, residual
+        if self.per_layer_gate is None and self.layer_scalar is None:
+            return x, residual
+        return self._gemma4_end(residual + x, per_layer_input), None
+
+    def _gemma4_end(self, stream: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        """The whole stream [T, hidden] -> plus its per-layer branch, times the layer's scalar."""
+        if self.per_layer_gate is not None:
+            gate = self.per_layer_gate(stream)
+            gate = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+            stream = stream + self.per_layer_norm(self.per_layer_projection(gate * per_layer_input))
+        return stream * self.layer_scalar if self.layer_scalar is not None else stream

@@ -163,6 +163,19 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                       attn_temperature_tuning=spec.nope_temperature is not None, layer_types=None)
         if spec.nope_temperature is not None:
             config.update(attn_scale=spec.nope_temperature[0], floor_scale=spec.nope_temperature[1])
+    if spec.architecture == "gemma4":  # its text model: the global layers' heads, KV sharing, per-layer embeddings
+        config.update(model_type="gemma4_text", global_head_dim=spec.global_head_dim or spec.head_dim,
+                      num_global_key_value_heads=spec.global_kv_heads or None,
+                      attention_k_eq_v=spec.global_values_from_keys, num_kv_shared_layers=spec.kv_shared_layers,
+                      use_double_wide_mlp=spec.double_wide_shared_mlp,
+                      hidden_size_per_layer_input=spec.per_layer_input_size,
+                      vocab_size_per_layer_input=spec.vocab_size, final_logit_softcapping=spec.final_logit_softcap,
+                      hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters={
+                          "full_attention": {"rope_type": "proportional", "rope_theta": spec.rope_theta,
+                                             "partial_rotary_factor": spec.global_rotary_fraction},
+                          "sliding_attention": {"rope_type": "default",
+                                                "rope_theta": spec.rope_local_theta or spec.rope_theta}})
     return config
 
 

@@ -1,15 +1,16 @@
 """Architecture name -> the ModelConfig fields that make it what it is.
 
 llama, mistral, ministral3, granite, qwen2, qwen3, smollm3, seed_oss, phi3, olmo2, olmo3, exaone4, glm4, ernie4_5,
-cohere, cohere2, gemma, gemma2, gemma3, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe, granitemoe,
-deepseek_v2, deepseek_v3 (and its sparse-attention forms deepseek_v32 and glm_moe_dsa), mistral4, llama4, glm4_moe,
-dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba, nemotron_h and granitemoehybrid,
-lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs is a bias here, a
-norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side (or no MLP), Granite's
-scalars, queries sharpened by position, a sliding or chunked window, a layer without rotary, Gemma's GeGLU or a
-squared ReLU, scaled embeddings and sandwich norms, an MoE block (with its router's variant) in place of the dense
-FFN, an indexer choosing the keys latent attention reads, and a Mamba-2 mixer, LFM2's short convolution or
-Qwen3.5's gated DeltaNet in place of attention.
+cohere, cohere2, gemma, gemma2, gemma3, gemma4, the mixtures of experts mixtral, qwen2_moe, qwen3_moe, olmoe,
+granitemoe, deepseek_v2, deepseek_v3 (and its sparse-attention forms deepseek_v32 and glm_moe_dsa), mistral4,
+llama4, glm4_moe, dots1, exaone_moe, minimax_m2 and ernie4_5_moe, the state-space mamba2, bamba, nemotron_h and
+granitemoehybrid, lfm2 and lfm2_moe, and qwen3_5, qwen3_5_moe and qwen3_next run on one DecoderModel; what differs
+is a bias here, a norm there (or none before a sublayer, or a LayerNorm), attention and the MLP side by side (or no
+MLP), Granite's scalars, queries sharpened by position, a sliding or chunked window, a layer without rotary, Gemma's
+GeGLU or a squared ReLU, scaled embeddings and sandwich norms, layers of their own head widths, KV shared between
+layers and per-layer embeddings (Gemma 4), an MoE block (with its router's variant) in place of the dense FFN, an
+indexer choosing the keys latent attention reads, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
+DeltaNet in place of attention.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gemma": {"embedding_scale": True, "norm_weight_offset": 1.0},  # Gemma 1, CodeGemma: GeGLU (its config's)
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
+    # Gemma 4: Gemma 3's layer with norms that multiply by w itself, v normed too (without a weight), scores unscaled
+    # and each layer's output times a scalar; its global layers' own head width and KV heads (their values the keys
+    # where attention_k_eq_v) and proportional rotary, and the E models' per-layer embeddings and KV sharing
+    # (models/spec.py's _gemma4_fields)
+    "gemma4": {"embedding_scale": True, "sandwich_norms": True, "qk_norm": True, "value_norm": True,
+               "layer_scalars": True, "attention_multiplier": 1.0},
     # mixtures of experts (models/moe.py)
     "mixtral": {"norm_topk_prob": True},  # mistral's attention; its router always renormalises the top k
     "qwen2_moe": {"qkv_bias": True},  # its shared expert gated (the spec's shared_expert_gate)
@@ -176,6 +183,9 @@ _HF_NAMES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its language model; the vision tower is not loaded
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # its language model; the vision and audio towers are not loaded
+    "gemma4_text": "gemma4",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -341,6 +351,15 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "attention_multiplier": spec.attention_multiplier,
         "logits_scaling": spec.logits_scaling,
     }
+    if arch == "gemma4":
+        fields.update(global_head_dim=spec.global_head_dim, global_kv_heads=spec.global_kv_heads,
+                      global_values_from_keys=spec.global_values_from_keys,
+                      global_rotary_fraction=spec.global_rotary_fraction, kv_shared_layers=spec.kv_shared_layers,
+                      double_wide_shared_mlp=spec.double_wide_shared_mlp,
+                      per_layer_input_size=spec.per_layer_input_size)
+    elif spec.global_head_dim or spec.kv_shared_layers or spec.per_layer_input_size:
+        raise ValueError(f"{spec.source}: global heads, KV sharing or per-layer embeddings in architecture {arch!r} "
+                         "are not supported (gemma4)")
     if spec.ssm_layers:
         fields.update(ssm_layers=spec.ssm_layers, ssm_state_size=spec.ssm_state_size, ssm_num_heads=spec.ssm_num_heads,
                       ssm_head_dim=spec.ssm_head_dim, ssm_groups=spec.ssm_groups, ssm_conv_kernel=spec.ssm_conv_kernel,

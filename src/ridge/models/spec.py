@@ -17,6 +17,18 @@ STATE_MIXERS = ("mamba2", "short_conv", "gated_delta")
 
 
 @dataclass(frozen=True)
+class AttentionLayers:
+    """A run of alike attention layers of a model (ModelSpec.attention_layer_kinds)."""
+
+    count: int
+    kv_heads: int
+    head_dim: int
+    local: bool  # windowed
+    holds_kv: bool  # else it attends to an earlier layer's cache (KV sharing)
+    projected_kv: int  # K / V projections: 2, 1 (values the keys' projection), 0 (KV-shared)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer's shape: enough to count its parameters, FLOPs and KV bytes."""
 
@@ -81,6 +93,15 @@ class ModelSpec:
     # the weights of an attention layer's q and k norms: a head's width each (Qwen3, Gemma 3, LFM2), all heads'
     # (OLMoE), or none
     qk_norm_params: int = 0
+    # Gemma 4: the global layers' own head width and KV heads (0: the model's), their values the keys' projection
+    # (attention_k_eq_v); the last kv_shared_layers layers attend to an earlier layer's cache and project no K / V
+    # (their MLPs twice as wide with double_wide_shared_mlp); per-layer embeddings of per_layer_input_size per layer
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_values_from_keys: bool = False
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
+    per_layer_input_size: int = 0
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -126,6 +147,7 @@ class ModelSpec:
     chunked_window: bool = field(default=False, compare=False)
     qk_l2_norm: bool = field(default=False, compare=False)
     nope_temperature: tuple[float, int] | None = field(default=None, compare=False)
+    global_rotary_fraction: float = field(default=1.0, compare=False)  # Gemma 4's proportional rotary (ModelConfig's)
 
     @property
     def is_moe(self) -> bool:
@@ -185,6 +207,28 @@ class ModelSpec:
         if not self.global_every:
             return self.num_attention_layers
         return self.num_layers - self.num_layers // self.global_every
+
+    def is_local(self, layer: int) -> bool:
+        """Whether an attention layer is windowed (ModelConfig.is_local's rule)."""
+        return bool(self.sliding_window) and (not self.global_every or (layer + 1) % self.global_every != 0)
+
+    def attention_layer_kinds(self) -> list[AttentionLayers]:
+        """The attention layers in runs of alike ones (not latent attention's): global and windowed, each as its
+        heads are (Gemma 4's global ones: wider, fewer KV heads) and as it caches (KV-shared layers: none)."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        counts: dict[tuple[bool, bool], int] = {}
+        for layer in range(self.num_layers):
+            if layer not in self.ssm_layers:
+                key = (self.is_local(layer), layer < first_shared)
+                counts[key] = counts.get(key, 0) + 1
+        kinds = []
+        for (local, holds_kv), count in sorted(counts.items()):
+            wide = bool(self.global_head_dim) and not local
+            kv_heads = self.global_kv_heads if self.global_kv_heads and not local else self.num_kv_heads
+            projected = 0 if not holds_kv else 1 if self.global_values_from_keys and not local else 2
+            kinds.append(AttentionLayers(count, kv_heads, self.global_head_dim if wide else self.head_dim, local,
+                                         holds_kv, projected))
+        return kinds
 
     def validate(self) -> ModelSpec:
         attention = ("num_heads", "num_kv_heads", "head_dim") if self.num_attention_layers else ()
@@ -260,6 +304,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         fields["dense_only_layers"] = tuple(config["mlp_only_layers"])
     fields.update(_granite_moe_fields(config, fields, source))
     fields.update(_llama4_fields(config, fields, source))
+    fields.update(_gemma4_fields(config, source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
@@ -300,6 +345,12 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         scaling.pop("type", None)
     if rope_type == "longrope" and config.get("original_max_position_embeddings"):  # Phi-3's: beside the dict
         scaling = {"original_max_position_embeddings": config["original_max_position_embeddings"], **scaling}
+    if rope_type == "proportional":  # Gemma 4's global layers: part of the frequencies turn, over the whole head
+        fields["global_rotary_fraction"] = float(scaling.get("partial_rotary_factor", 1.0))
+        if float(scaling.get("factor", 1.0)) != 1.0:
+            raise ValueError(f"{source}: rope_parameters: a proportional rotary's factor ({scaling['factor']}) is "
+                             "not supported (1)")
+        rope_type, scaling = "default", {"rope_theta": scaling.get("rope_theta", 10000.0)}
     local_type = local_scaling.get("rope_type", local_scaling.get("type", "default"))
     if local_type not in ("default", None):
         raise ValueError(f"{source}: rope_scaling: a scaled rotary on the sliding layers ({local_type}) is not "
@@ -387,6 +438,45 @@ def _refuse_shared_indexer_layers(config: dict, source: str) -> None:
     if any(kind != "full" for kind in kinds):
         raise ValueError(f"{source}: indexer_types: layers that reuse another layer's sparse-attention choice "
                          f"({kinds.count('shared')} 'shared' of {layers}) are not supported (every layer 'full')")
+
+
+def _gemma4_fields(config: dict, source: str) -> dict:
+    """Gemma 4's shape beyond Gemma 3's: the global layers' heads (from per_layer_config, as HF saves it, or the
+    global_head_dim / num_global_key_value_heads it is made from), KV sharing, per-layer embeddings; {} for others.
+    What ridge does not run is refused by name: the 26B-A4B's experts beside the MLP, bidirectional attention."""
+    if config.get("model_type") not in ("gemma4", "gemma4_text"):
+        return {}
+    if config.get("enable_moe_block"):
+        raise ValueError(f"{source}: enable_moe_block: Gemma 4's experts beside the dense MLP (26B-A4B) are not "
+                         "supported")
+    if config.get("use_bidirectional_attention") == "all":
+        raise ValueError(f"{source}: use_bidirectional_attention: 'all' (every token attending both ways) is not "
+                         "supported; a decoder attends causally")
+    kinds = config.get("layer_types") or []
+    overrides = config.get("per_layer_config")
+    if overrides is None:  # HF's default where neither is given: 512-wide global heads
+        global_kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v", True) else None
+        overrides = {i: {"head_dim": config.get("global_head_dim", 512),
+                         **({"num_key_value_heads": global_kv} if global_kv else {})}
+                     for i, kind in enumerate(kinds) if kind == "full_attention"}
+    overrides = {int(layer): dict(values) for layer, values in overrides.items()}
+    global_layers = {i for i, kind in enumerate(kinds) if kind == "full_attention"}
+    distinct = {tuple(sorted(values.items())) for values in overrides.values()}
+    if set(overrides) != global_layers or len(distinct) > 1 or any(
+            set(values) - {"head_dim", "num_key_value_heads"} for values in overrides.values()):
+        raise ValueError(f"{source}: per_layer_config: overrides other than one head_dim / num_key_value_heads for "
+                         f"every full_attention layer are not supported (got {config.get('per_layer_config')})")
+    shared = overrides[min(overrides)] if overrides else {}
+    per_layer = int(config.get("hidden_size_per_layer_input") or 0)
+    if per_layer and config.get("vocab_size_per_layer_input", config["vocab_size"]) != config["vocab_size"]:
+        raise ValueError(f"{source}: vocab_size_per_layer_input ({config['vocab_size_per_layer_input']}) other "
+                         f"than vocab_size ({config['vocab_size']}) is not supported")
+    return {"global_head_dim": int(shared.get("head_dim", 0)),
+            "global_kv_heads": int(shared.get("num_key_value_heads", 0)),
+            "global_values_from_keys": bool(config.get("attention_k_eq_v", False)),
+            "kv_shared_layers": int(config.get("num_kv_shared_layers") or 0),
+            "double_wide_shared_mlp": bool(config.get("use_double_wide_mlp", False)),
+            "per_layer_input_size": per_layer}
 
 
 # what llama.cpp's llama4 graph fixes: the chunks of its local layers, and its NoPE layers' temperature (scale, period)

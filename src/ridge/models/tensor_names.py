@@ -63,12 +63,23 @@ HF_SANDWICH_NAMES = [
     (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers.{0}.post_attn_norm.weight", None),
     (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers.{0}.mlp_out_norm.weight", None),
 ]
+# Gemma 4's per-layer embeddings (the model's table and projection, each layer's gated branch) and layer scalars
+HF_GEMMA4_NAMES = [
+    (r"model\.embed_tokens_per_layer\.weight", "embed_per_layer.weight", None),
+    (r"model\.per_layer_model_projection\.weight", "per_layer_model_projection.weight", None),
+    (r"model\.per_layer_projection_norm\.weight", "per_layer_projection_norm.weight", None),
+    *[(r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
+        (r"per_layer_input_gate\.weight", "per_layer_gate.weight"),
+        (r"per_layer_projection\.weight", "per_layer_projection.weight"),
+        (r"post_per_layer_input_norm\.weight", "per_layer_norm.weight"), (r"layer_scalar", "layer_scalar")]],
+]
 # a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
 LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
                             (r"language_model\.lm_head\.", "lm_head.")]
 # (Qwen3.5's: its vision tower `visual`, and `mtp`, its multi-token prediction layer, a drafter ridge does not run;
-# Llama 4's vision tower: `vision_model`)
-NOT_LANGUAGE_MODEL = re.compile(r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp)\.")
+# Llama 4's vision tower: `vision_model`; Gemma 4's vision and audio towers and their embedders)
+NOT_LANGUAGE_MODEL = re.compile(
+    r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp|audio_tower|embed_vision|embed_audio)\.")
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -254,7 +265,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_PHI3_NAMES if cfg.architecture == "phi3"
               else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4"
               else HF_LLAMA4_NAMES if cfg.architecture == "llama4"
-              else HF_NEMOTRON_H_NAMES if cfg.architecture == "nemotron_h" else [])
+              else HF_NEMOTRON_H_NAMES if cfg.architecture == "nemotron_h"
+              else HF_GEMMA4_NAMES if cfg.architecture == "gemma4" else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
     return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)

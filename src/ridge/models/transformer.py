@@ -36,6 +36,13 @@ class DecoderModel(nn.Module):
         if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
             self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # per-layer embeddings (Gemma 4's E2B / E4B): each token's slice for every layer, from a table of its own and
+        # a projection of its embedding
+        width = cfg.num_layers * cfg.per_layer_input_size
+        self.embed_per_layer = (nn.Embedding(cfg.vocab_size, width, _weight=torch.empty(cfg.vocab_size, width))
+                                if width else None)
+        self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
+        self.per_layer_projection_norm = (RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
 
     @staticmethod
@@ -49,7 +56,10 @@ class DecoderModel(nn.Module):
     def _mlp(cfg: ModelConfig, layer: int) -> nn.Module | None:
         if not cfg.has_mlp or layer in cfg.mlp_free_layers:
             return None
-        return MoEBlock(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
+        if cfg.is_moe_layer(layer):
+            return MoEBlock(cfg)
+        double_wide = cfg.double_wide_shared_mlp and cfg.kv_source(layer) != layer
+        return GatedMLP(cfg, 2 * cfg.intermediate_size if double_wide else None)
 
     def make_rotary(self) -> None:
         """The rotary tables (buffers, not weights: made when the weights replace the meta device's): one for
@@ -57,11 +67,12 @@ class DecoderModel(nn.Module):
         queries of every attention layer (Ministral 3's), or of those without rotary (Llama 4's)."""
         cfg, temperature = self.cfg, self.cfg.attention_temperature
         turning = None if temperature is not None and temperature.nope_layers_only else temperature
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling,
-                                      turning)
-        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta, cfg.max_position_embeddings,
-                                             temperature=turning)
-                             if cfg.rope_local_theta is not None else None)
+        self.rotary = RotaryEmbedding(cfg.global_rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                      cfg.rope_scaling, turning, turning_fraction=cfg.global_rotary_fraction)
+        # the local layers' own where their base differs (Gemma 3), or their heads' width or turning share (Gemma 4)
+        own = cfg.rope_local_theta is not None or cfg.global_head_dim or cfg.global_rotary_fraction != 1.0
+        self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta or cfg.rope_theta,
+                                             cfg.max_position_embeddings, temperature=turning) if own else None)
         # NoPE layers' (SmolLM3's): a rotary of no dims, whose turn leaves q and k as they are
         self.rotary_none = (RotaryEmbedding(0, cfg.rope_theta, cfg.max_position_embeddings, temperature=temperature)
                             if cfg.nope_layers else None)
@@ -148,14 +159,43 @@ class DecoderModel(nn.Module):
         x = self.embed(input_ids)
         steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it
         residual = None
-        for layer in self.layers:
+        extras = {}
+        if self.cfg.kv_shared_layers:
+            extras["shared_kv"] = {}
+        per_layer = self.per_layer_inputs(input_ids, x) if self.embed_per_layer is not None else None
+        first_shared = self.cfg.num_layers - self.cfg.kv_shared_layers
+        for i, layer in enumerate(self.layers):
+            if i == first_shared and indices is not None and len(indices) < x.shape[0]:
+                # the layers from here write no KV: only the rows whose logits are read go on, each a query over
+                # its sequence's cache (a prompt's other tokens skip them: HF's generate does the same)
+                x, residual = x[indices], None if residual is None else residual[indices]
+                if not len(indices):  # a step of prompt chunks none of which ends its prompt: nothing is read
+                    indices = None
+                    break
+                per_layer = None if per_layer is None else per_layer[indices]
+                positions, steps = positions[indices], {}
+                extras["shared_kv"] = {j: (k[indices], v[indices]) for j, (k, v) in extras["shared_kv"].items()}
+                meta = [group.rows_as_decodes(indices) for group in meta]
+                for group in meta:
+                    backend.prepare(group)
+                indices = None
             rotary = self.layer_rotary(layer)
             rope = steps.get(id(rotary)) or steps.setdefault(id(rotary), rotary.step(positions))
-            x, residual = layer(x, residual, rope, backend, meta, states)
+            if per_layer is not None:
+                extras["per_layer_input"] = per_layer[:, i]
+            x, residual = layer(x, residual, rope, backend, meta, states, **extras)
         if indices is not None:
-            x, residual = x[indices], residual[indices]
-        x, _ = self.norm(x, residual)
-        return x
+            x, residual = x[indices], None if residual is None else residual[indices]
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """Each token's per-layer inputs [T, layers, per_layer_input_size]: its rows of the per-layer table (scaled
+        by the square root of their width) and the normed projection of its embeddings, averaged in the square."""
+        width, layers = self.cfg.per_layer_input_size, self.cfg.num_layers
+        table = self.embed_per_layer(input_ids) * torch.tensor(width**0.5, dtype=embeddings.dtype)
+        projected = self.per_layer_model_projection(embeddings) * self.cfg.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.unflatten(-1, (layers, width)))
+        return (projected + table.unflatten(-1, (layers, width))) * 2**-0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output [T, hidden] -> float32 logits [T, vocab] (soft-capped: Gemma 2; divided by

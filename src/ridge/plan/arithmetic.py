@@ -16,11 +16,13 @@ Conventions (stated once here, printed by `ridge plan`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ridge.config import EngineConfig
 from ridge.engine.speculative import expected_tokens
 from ridge.kv.formats import KV_FORMATS
+from ridge.models.spec import AttentionLayers
 from ridge.plan.specs import HardwareSpec, LinkSpec, ModelSpec, Workload, dtype_bytes
 
 
@@ -33,19 +35,25 @@ class ParameterCounts:
     ffn_stored: int  # all layers' FFNs / experts as stored (MoE routers included)
     ffn_active: int  # what one token runs through
     norms: int
+    # per-layer embeddings (Gemma 4's E models): the second table (a lookup, as the input table) and the projections
+    # that make and gate each layer's input
+    per_layer_table: int = 0
+    per_layer_linear: int = 0
 
     @property
     def stored(self) -> int:
-        return self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_stored + self.norms
+        return (self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_stored + self.norms
+                + self.per_layer_table + self.per_layer_linear)
 
     @property
     def active(self) -> int:
-        return self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_active + self.norms
+        return (self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_active + self.norms
+                + self.per_layer_table + self.per_layer_linear)
 
     @property
     def per_token_linear(self) -> int:
         """The weights one token multiplies by in the decoder layers."""
-        return self.attention + self.ssm + self.ffn_active
+        return self.attention + self.ssm + self.ffn_active + self.per_layer_linear
 
     @property
     def head(self) -> int:
@@ -68,6 +76,19 @@ def attention_params_per_layer(m: ModelSpec) -> int:
     q_width, kv_width = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     projected = (2 if m.attention_output_gate else 1) * q_width + 2 * kv_width  # q (and its gate), k, v
     return h * projected + q_width * h + (projected if m.qkv_bias else 0)
+
+
+def attention_params(m: ModelSpec) -> int:
+    """Every attention layer's projections: each kind's own heads (Gemma 4's global layers' wider ones, their values
+    the keys' projection; a KV-shared layer's q and o alone)."""
+    if m.is_mla:
+        return m.num_attention_layers * attention_params_per_layer(m)
+    total = 0
+    for kind in m.attention_layer_kinds():
+        q_width, kv_width = m.num_heads * kind.head_dim, kind.kv_heads * kind.head_dim
+        projected = (2 if m.attention_output_gate else 1) * q_width + kind.projected_kv * kv_width
+        total += kind.count * (m.hidden_size * (projected + q_width) + (projected if m.qkv_bias else 0))
+    return total
 
 
 def ssm_params_per_layer(m: ModelSpec) -> int:
@@ -101,17 +122,23 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
     shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
     if m.shared_expert_gate:  # one more row
         shared += m.hidden_size
-    ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
+    # Gemma 4's KV-shared layers' MLPs, twice as wide where double_wide_shared_mlp: the second half
+    widened = m.kv_shared_layers * ffn_params(m, m.intermediate_size) if m.double_wide_shared_mlp else 0
+    ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + widened + moe_layers * (
         m.num_experts * expert + shared + router)
-    ffn_active = dense_layers * ffn_params(m, m.intermediate_size) + moe_layers * (
+    ffn_active = dense_layers * ffn_params(m, m.intermediate_size) + widened + moe_layers * (
         m.experts_per_token * expert + shared + router)
     embeddings = m.vocab_size * m.hidden_size
+    per_layer = m.num_layers * m.per_layer_input_size  # a token's per-layer inputs, all layers'
     return ParameterCounts(
         embeddings=embeddings, output_head=0 if m.tie_word_embeddings else embeddings,
-        attention=m.num_attention_layers * attention_params_per_layer(m),
+        attention=attention_params(m),
         ssm=len(m.ssm_layers) * ssm_params_per_layer(m) if m.ssm_layers else 0,
         ffn_stored=ffn_stored, ffn_active=ffn_active,
-        norms=(m.num_layers + m.num_ffn_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params)
+        norms=(m.num_layers + m.num_ffn_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params
+        + (m.num_layers * m.hidden_size + m.per_layer_input_size if per_layer else 0),
+        # the model's projection of the embeddings to them, and each layer's gate and projection back
+        per_layer_table=m.vocab_size * per_layer, per_layer_linear=3 * m.hidden_size * per_layer)
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
@@ -128,14 +155,22 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str) -> float:
     window fills): K and V per KV head, or MLA's latent plus its shared rotary key. fp8 / int8 / int4 are
     ridge's quantized caches (kv/formats.py): codes and scales, a block's per-channel key scales shared by its
     tokens (blocks of the engine's default size)."""
+    if not m.is_mla:
+        return sum(kind.count * _kind_kv_bytes_per_token(kind, kv_dtype)
+                   for kind in m.attention_layer_kinds() if kind.holds_kv)
     quantized = KV_FORMATS.get(kv_dtype)
-    if quantized is not None and not m.is_mla:
-        block_size = EngineConfig.block_size
-        per_head = quantized.block_bytes(m.head_dim, block_size) / block_size
-        return m.num_kv_heads * per_head * m.num_attention_layers
-    rows, row_dim = (1, m.kv_lora_rank + m.qk_rope_head_dim) if m.is_mla else (2 * m.num_kv_heads, m.head_dim)
+    row_dim = m.kv_lora_rank + m.qk_rope_head_dim
     row_bytes = quantized.row_bytes(row_dim) if quantized is not None else row_dim * dtype_bytes(kv_dtype)
-    return (rows * row_bytes + _index_key_bytes(m, kv_dtype)) * m.num_attention_layers
+    return (row_bytes + _index_key_bytes(m, kv_dtype)) * m.num_attention_layers
+
+
+def _kind_kv_bytes_per_token(kind: AttentionLayers, kv_dtype: str) -> float:
+    """One token's K and V in one layer of a kind (its cache's, for a KV-shared one)."""
+    quantized = KV_FORMATS.get(kv_dtype)
+    if quantized is not None:
+        block_size = EngineConfig.block_size
+        return kind.kv_heads * quantized.block_bytes(kind.head_dim, block_size) / block_size
+    return 2 * kind.kv_heads * kind.head_dim * dtype_bytes(kv_dtype)
 
 
 def _index_key_bytes(m: ModelSpec, kv_dtype: str) -> float:
@@ -148,6 +183,10 @@ def kv_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
     window at most a chunk: its bound)."""
     if not m.num_attention_layers:
         return 0.0
+    if not m.is_mla:
+        return sum(kind.count * _kind_kv_bytes_per_token(kind, kv_dtype) * (
+            min(tokens, m.sliding_window) if kind.local else tokens)
+            for kind in m.attention_layer_kinds() if kind.holds_kv)
     per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers
     local = m.local_layers
     return per_layer_token * ((m.num_attention_layers - local) * tokens
@@ -160,6 +199,9 @@ def kv_read_bytes(m: ModelSpec, kv_dtype: str, context: int) -> float:
     attention every token's indexer key but the latent rows of index_topk tokens only."""
     if not m.num_attention_layers:
         return 0.0
+    if not m.is_mla:  # a KV-shared layer reads its source's cache: as much as a layer of its kind
+        return sum(kind.count * _kind_kv_bytes_per_token(kind, kv_dtype) * (
+            _local_keys(m, context) if kind.local else context) for kind in m.attention_layer_kinds())
     if not m.index_topk:
         per_layer_token = kv_bytes_per_token(m, kv_dtype) / m.num_attention_layers
         local = m.local_layers
@@ -182,7 +224,8 @@ def tail_bytes(m: ModelSpec, kv_dtype: str) -> float:
     quantized = KV_FORMATS.get(kv_dtype)
     if quantized is None or not quantized.tail or m.is_mla:
         return 0.0
-    return 2.0 * m.num_attention_layers * m.num_kv_heads * EngineConfig.block_size * m.head_dim * 2
+    return sum(2.0 * kind.count * kind.kv_heads * EngineConfig.block_size * kind.head_dim * 2
+               for kind in m.attention_layer_kinds() if kind.holds_kv)
 
 
 def sequence_cache_bytes(m: ModelSpec, kv_dtype: str, tokens: int) -> float:
@@ -217,12 +260,11 @@ def _local_keys(m: ModelSpec, context: int) -> int:
     return (context - 1) % window + 1 if m.chunked_window else min(context, window)
 
 
-def _attended_keys(m: ModelSpec, context: int) -> int:
-    """The keys a query at `context` tokens of context attends to, summed over the attention layers."""
+def _layer_keys(m: ModelSpec, context: int, local: bool) -> int:
+    """The keys a query at `context` tokens of context attends to in one layer (windowed, or not)."""
     if m.index_topk:  # sparse attention: the indexer's choice
-        return m.num_attention_layers * min(context, m.index_topk)
-    local = m.local_layers
-    return (m.num_attention_layers - local) * context + local * _local_keys(m, context)
+        return min(context, m.index_topk)
+    return _local_keys(m, context) if local else context
 
 
 def _indexer_flops(m: ModelSpec, keys: float) -> float:
@@ -230,11 +272,15 @@ def _indexer_flops(m: ModelSpec, keys: float) -> float:
     return 2.0 * m.index_heads * m.index_head_dim * keys * m.num_attention_layers if m.index_topk else 0.0
 
 
-def _attention_dims(m: ModelSpec) -> tuple[int, int]:
-    """(query-key dot length, value length) per head, as the attention math runs them."""
-    if m.is_mla:
-        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-    return m.head_dim, m.head_dim
+def _attention_flops(m: ModelSpec, keys: Callable[[bool], float]) -> float:
+    """QK^T and PV over every attention layer, each layer's query heads over keys(local) keys (a count of pairs
+    over a prompt, or of one query's keys), in each layer's own head width."""
+    if m.is_mla:  # (query-key dot length, value length) per head, as the absorbed math runs them
+        local = m.local_layers
+        return 2.0 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * (
+            (m.num_attention_layers - local) * keys(False) + local * keys(True))
+    return sum(2.0 * m.num_heads * 2 * kind.head_dim * kind.count * keys(kind.local)
+               for kind in m.attention_layer_kinds())
 
 
 @dataclass(frozen=True)
@@ -256,16 +302,14 @@ class Prefill:
 def prefill(m: ModelSpec, tokens: int) -> Prefill:
     p = count_parameters(m)
     per_token = 2.0 * p.per_token_linear + ssm_flops_per_token(m)  # biases and routers: rounding, counted as weights
-    qk, v = _attention_dims(m)
-    local = m.local_layers
-    if m.index_topk:  # each query attends to at most index_topk keys: a window's count of pairs
-        pairs = m.num_attention_layers * _attended_pairs(tokens, m.index_topk)
-    else:
-        pairs = ((m.num_attention_layers - local) * _attended_pairs(tokens, 0)
-                 + local * _attended_pairs(tokens, m.sliding_window, m.chunked_window))
+
+    def pairs(local: bool) -> float:
+        if m.index_topk:  # each query attends to at most index_topk keys: a window's count of pairs
+            return _attended_pairs(tokens, m.index_topk)
+        return _attended_pairs(tokens, m.sliding_window, m.chunked_window) if local else _attended_pairs(tokens, 0)
+
     return Prefill(tokens, linear_flops=per_token * tokens + 2.0 * p.head,
-                   attention_flops=2.0 * m.num_heads * (qk + v) * pairs
-                   + _indexer_flops(m, _attended_pairs(tokens, 0)))
+                   attention_flops=_attention_flops(m, pairs) + _indexer_flops(m, _attended_pairs(tokens, 0)))
 
 
 def attention_crossover(m: ModelSpec) -> int | None:
@@ -297,7 +341,7 @@ def experts_touched(m: ModelSpec, batch: int) -> float:
 def decode_weight_bytes(m: ModelSpec, dtype: str, batch: int = 1) -> float:
     """Weight bytes one decode step of `batch` sequences reads."""
     p = count_parameters(m)
-    read = p.stored - p.norms - (p.embeddings if p.output_head else 0)
+    read = p.stored - p.norms - (p.embeddings if p.output_head else 0) - p.per_layer_table  # lookups: B rows each
     if m.is_moe:
         moe_layers = m.num_moe_layers
         unread = m.num_experts - experts_touched(m, batch)
@@ -308,9 +352,8 @@ def decode_weight_bytes(m: ModelSpec, dtype: str, batch: int = 1) -> float:
 def decode_step_flops(m: ModelSpec, batch: int, context: int) -> float:
     """FLOPs of one decode step: each of `batch` sequences adds a token at `context` tokens of context."""
     p = count_parameters(m)
-    qk, v = _attention_dims(m)
     per_sequence = (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)
-                    + 2.0 * m.num_heads * (qk + v) * _attended_keys(m, context) + _indexer_flops(m, context))
+                    + _attention_flops(m, lambda local: _layer_keys(m, context, local)) + _indexer_flops(m, context))
     return batch * per_sequence
 
 
@@ -318,12 +361,11 @@ def generation_flops(m: ModelSpec, prompt_tokens: int, new_tokens: int) -> float
     """FLOPs of one request: its prompt's prefill (which yields the first new token), then a decode step per
     further token."""
     p = count_parameters(m)  # once, not once a step: a benchmark sums thousands of steps
-    qk, v = _attention_dims(m)
     contexts = range(prompt_tokens + 1, prompt_tokens + new_tokens)
-    attended = sum(_attended_keys(m, ctx) for ctx in contexts)
+    attended = {local: sum(_layer_keys(m, ctx, local) for ctx in contexts) for local in (False, True)}
     steps = new_tokens - 1
     return (prefill(m, prompt_tokens).flops + (2.0 * (p.per_token_linear + p.head) + ssm_flops_per_token(m)) * steps
-            + 2.0 * m.num_heads * (qk + v) * attended + _indexer_flops(m, sum(contexts)))
+            + _attention_flops(m, attended.__getitem__) + _indexer_flops(m, sum(contexts)))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,210 @@
+"""Gemma 4 on small random configs against HF transformers: its global layers' wider heads and fewer KV heads (their
+values the keys' projection), proportional rotary, v norms and layer scalars; the E models' per-layer embeddings,
+KV sharing and double-wide MLPs. Logits in float32, greedy tokens of a batch of 16 under the runtime's checks
+(32-token chunks, a pool that preempts, prefix caching off, speculation), the KV the engine holds against the plan's,
+and what is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from ridge import SamplingParams
+from test_models_random import byte_tokenizer
+
+VOCAB = 320
+WINDOW = 8  # prompts run well past it
+
+# the dense 31B's shape: 5 windowed layers to 1 global, the global ones' heads twice as wide, one KV head, values the
+# keys' projection
+DENSE = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+             num_global_key_value_heads=1, attention_k_eq_v=True, final_logit_softcapping=30.0)
+# the E models' (E2B): per-layer embeddings, the last 2 of 6 layers sharing the cache of the last earlier one of their
+# kind, their MLPs twice as wide
+EDGE = dict(num_hidden_layers=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True)
+
+
+def hf_config(**changes):
+    from transformers import Gemma4TextConfig
+
+    config = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                  hidden_size_per_layer_input=0, sliding_window=WINDOW, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return Gemma4TextConfig(**{**config, **changes})
+
+
+def random_hf_model(name: str, changes: dict, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(**changes), dtype=torch.float32).eval()
+    for param_name, param in model.named_parameters():  # HF starts norms and layer scalars at 1: make them matter
+        if param_name.endswith("norm.weight"):
+            torch.nn.init.normal_(param, 1.0, 0.3)
+    for buffer_name, buffer in model.named_buffers():
+        if buffer_name.endswith("layer_scalar"):
+            torch.nn.init.uniform_(buffer, 0.5, 1.5)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path, model
+
+
+@pytest.fixture(scope="module", params=["dense", "edge"])
+def gemma4_model(request, tmp_path_factory):
+    return random_hf_model(request.param, {"dense": DENSE, "edge": EDGE}[request.param], tmp_path_factory)
+
+
+def test_logits_match_hf(gemma4_model, make_llm_for_test, caplog):
+    """HF's float32 logits on prompts of 5-80 tokens (past the window), on the paged and the reference backends;
+    the fused decode step says at warning level that it leaves these layers to the Python path."""
+    path, hf = gemma4_model
+    with caplog.at_level("WARNING", logger="ridge"):
+        assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    assert "the fused decode step has no layers of different head widths" in caplog.text
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB, attention_backend="reference")
+
+
+def test_greedy_tokens_match_hf_and_hold_under_the_runtime(gemma4_model, make_llm_for_test):
+    """48 greedy tokens of 5 prompts equal HF's, decoded in a batch of 16 mixed lengths with 32-token prefill
+    chunks; alone, in a pool that preempts, without the prefix cache and with n-gram speculation, the batch's
+    tokens do not change; bfloat16 decodes run."""
+    path, hf = gemma4_model
+    llm, prompts, params, batch = greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    per_block = llm.engine.loaded.config.kv_bytes_per_block(torch.float32, llm.engine.config.block_size)
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_memory=str(per_block * 48),
+                              enable_prefix_caching=False, max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == batch
+    assert tight.engine.scheduler.num_preemptions > 0
+    speculating = make_llm_for_test(path, dtype="float32", speculate="ngram", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in speculating.generate(prompts[:6], params)] == batch[:6]
+    bf16 = make_llm_for_test(path, dtype="bfloat16")
+    assert all(len(o.outputs[0].token_ids) == 48 for o in bf16.generate(prompts[:4], params))
+
+
+def test_the_cache_holds_what_each_layer_kind_needs(gemma4_model, make_llm_for_test):
+    """The cache's tensors: each windowed and global slot in its own shape (the global layers' wider heads, fewer of
+    them), none for a KV-shared layer; a block id's bytes are the plan's per-block figure."""
+    path, _ = gemma4_model
+    llm = make_llm_for_test(path, dtype="float32")
+    cfg, backend = llm.engine.loaded.config, llm.engine.runner.backend
+    shared = cfg.kv_sources()
+    for layer in cfg.attention_layers:
+        if layer in shared:
+            assert layer not in backend.k_cache
+            continue
+        heads, dim = (2, 16) if cfg.is_local(layer) else (1 if cfg.global_values_from_keys else 2, 32)
+        assert backend.k_cache[layer].shape[0] == heads and backend.k_cache[layer].shape[2] * 2 == dim
+    held = sum(rows.numel() * rows.element_size() for rows, _ in backend.block_tensors())
+    assert held == backend.num_blocks * cfg.kv_bytes_per_block(torch.float32, backend.block_size)
+
+
+def test_kv_shared_layers_read_their_source_layers_cache(tmp_path_factory, make_llm_for_test):
+    """The E config's layers 4 (windowed) and 5 (global) share the caches of layers 3 and 2, the last earlier
+    layers of their kinds (HF's kv_sharing_modes): the engine holds cache for 4 layers, and a 40-token prompt's
+    logits are HF's."""
+    path, hf = random_hf_model("edge-sharing", EDGE, tmp_path_factory)
+    llm = make_llm_for_test(path, dtype="float32")
+    cfg = llm.engine.loaded.config
+    assert cfg.kv_sources() == {4: 3, 5: 2} and cfg.kv_layers == [0, 1, 2, 3]
+    ids = random_prompts(1, VOCAB, 40, 41, seed=6)[0]
+    ours = llm.engine.prompt_logits(ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
+     "enable_moe_block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"per_layer_config": {"5": {"head_dim": 32}, "2": {"head_dim": 64}}}, "per_layer_config"),
+])
+def test_what_ridge_does_not_run_is_refused_by_name(changes, field, tmp_path):
+    from ridge.models.spec import spec_from_hf_config
+
+    config = {**hf_config(**DENSE).to_dict(), **changes}
+    if field == "per_layer_config":
+        config["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match=field):
+        spec_from_hf_config(config, "gemma4")
+
+
+def test_a_quantized_cache_and_tensor_parallelism_are_refused_by_name(gemma4_model, make_llm_for_test):
+    path, _ = gemma4_model
+    with pytest.raises(ValueError, match="kv_cache_dtype: int8 .*Gemma 4"):
+        make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
+    from ridge.cluster.shards import ShardPlan
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    cfg = config_from_spec(spec_from_hf_config(json.loads((path / "config.json").read_text()), "gemma4"))
+    with pytest.raises(ValueError, match="tensor_parallel_size: Gemma 4's"):
+        ShardPlan(cfg, rank=0, world=2)
+
+
+def test_config_json_with_global_head_keys_reads_as_hf_does(tmp_path):
+    """A config.json as Google's (global_head_dim, num_global_key_value_heads, no per_layer_config) reads as HF's
+    own saved form does."""
+    from ridge.models.spec import spec_from_hf_config
+
+    saved = hf_config(**DENSE).to_dict()
+    google = {key: value for key, value in saved.items() if key != "per_layer_config"}
+    google.update(global_head_dim=32, num_global_key_value_heads=1)
+    a, b = spec_from_hf_config(saved, "saved"), spec_from_hf_config(json.loads(json.dumps(google)), "google")
+    assert (a.global_head_dim, a.global_kv_heads) == (b.global_head_dim, b.global_kv_heads) == (32, 1)
+    assert a.global_rotary_fraction == b.global_rotary_fraction == 0.25
+
+
+def test_sampling_runs_on_every_layer_kind(gemma4_model, make_llm_for_test):
+    """Seeded sampling gives the same tokens twice (the per-layer embeddings and shared caches hold no state
+    between steps)."""
+    path, _ = gemma4_model
+    llm = make_llm_for_test(path, dtype="float32")
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
+    prompts = random_prompts(3, VOCAB, 10, 30, seed=7)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("preset, half_filled", [("gemma-4-31b", 0), ("gemma-4-e2b", 0), ("gemma-4-e4b", 1)])
+def test_each_group_fills_the_block_ids_it_holds(preset, half_filled):
+    """The published shapes' layers pack whole into the cache's slots (kv/layout.py): 31B's global layers, half as
+    wide as its windowed ones, two to a slot; the E models' windowed ones, half as wide as their global ones, two to
+    a slot. Every group fills its block ids but E4B's last windowed one (a window's worth, half full), so a token
+    in every group costs what the plan counts per token."""
+    from ridge.models.presets import model_presets
+    from ridge.models.registry import config_from_spec
+    from ridge.plan.arithmetic import kv_bytes_per_token
+
+    spec = model_presets()[preset]
+    cfg = config_from_spec(spec)
+    layout, block = cfg.kv_layout(), 16
+    per_block = cfg.kv_bytes_per_block(torch.bfloat16, block)
+    fills = [sum(2 * block * heads * dim * 2 for heads, dim in (layout.shapes[i] for i in group.layers)) / per_block
+             for group in layout.groups]
+    assert sorted(fills) == [0.5] * half_filled + [1.0] * (len(fills) - half_filled)
+    assert sum(fills) * per_block / block == kv_bytes_per_token(spec, "bf16")
+
+
+def test_kv_shared_layers_run_only_the_rows_whose_logits_are_read(tmp_path_factory, make_llm_for_test):
+    """The KV-shared layers write nothing, so a prompt's tokens whose logits nobody reads skip them (as HF's generate
+    skips them): a 40-token prompt in 16-token chunks runs 16, 16 and 8 rows through a caching layer, and the last
+    chunk's one row (then each decode's) through a shared one; the greedy tokens are HF's."""
+    from conftest import hf_greedy_disagreements
+
+    path, hf = random_hf_model("edge-rows", EDGE, tmp_path_factory)
+    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=16)
+    rows: dict[int, list[int]] = {3: [], 4: []}
+    model = llm.engine.runner.model
+    for layer in rows:
+        model.layers[layer].attn.register_forward_pre_hook(lambda m, args: rows[m.layer_index].append(len(args[0])))
+    ids = random_prompts(1, VOCAB, 40, 41, seed=8)[0]
+    (out,) = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
+    assert rows[3] == [16, 16, 8] + [1] * 7 and rows[4] == [1] * 8
