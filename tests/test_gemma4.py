@@ -120,8 +120,6 @@ def test_kv_shared_layers_read_their_source_layers_cache(tmp_path_factory, make_
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
-     "enable_moe_block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"per_layer_config": {"5": {"head_dim": 32}, "2": {"head_dim": 64}}}, "per_layer_config"),
 ])
@@ -172,12 +170,15 @@ def test_sampling_runs_on_every_layer_kind(gemma4_model, make_llm_for_test):
     assert first == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("preset, half_filled", [("gemma-4-31b", 0), ("gemma-4-e2b", 0), ("gemma-4-e4b", 1)])
-def test_each_group_fills_the_block_ids_it_holds(preset, half_filled):
-    """The published shapes' layers pack whole into the cache's slots (kv/layout.py): 31B's global layers, half as
-    wide as its windowed ones, two to a slot; the E models' windowed ones, half as wide as their global ones, two to
-    a slot. Every group fills its block ids but E4B's last windowed one (a window's worth, half full), so a token
-    in every group costs what the plan counts per token."""
+@pytest.mark.parametrize("preset, global_fill, windowed_fills", [
+    ("gemma-4-31b", 1.0, [1.0] * 10), ("gemma-4-e2b", 1.0, [1.0] * 2), ("gemma-4-e4b", 1.0, [1.0, 1.0, 0.5]),
+    ("gemma-4-26b-a4b", 5 / 6, [1.0] * 8 + [1 / 3])])
+def test_each_group_fills_the_block_ids_it_holds(preset, global_fill, windowed_fills):
+    """The published shapes' layers pack whole into the cache's slots (kv/layout.py): 31B's and 26B-A4B's global
+    layers, half as wide as their windowed ones, two to a slot; the E models' windowed ones, half as wide as their
+    global ones, two to a slot. The global groups, which hold a long context's blocks, fill their block ids (26B-A4B's
+    5 global layers 5/6 of the 3 slots they need), and a windowed group's shortfall is at most a window's worth; where
+    every group fills, a token in every group costs what the plan counts per token."""
     from ridge.models.presets import model_presets
     from ridge.models.registry import config_from_spec
     from ridge.plan.arithmetic import kv_bytes_per_token
@@ -186,10 +187,14 @@ def test_each_group_fills_the_block_ids_it_holds(preset, half_filled):
     cfg = config_from_spec(spec)
     layout, block = cfg.kv_layout(), 16
     per_block = cfg.kv_bytes_per_block(torch.bfloat16, block)
-    fills = [sum(2 * block * heads * dim * 2 for heads, dim in (layout.shapes[i] for i in group.layers)) / per_block
-             for group in layout.groups]
-    assert sorted(fills) == [0.5] * half_filled + [1.0] * (len(fills) - half_filled)
-    assert sum(fills) * per_block / block == kv_bytes_per_token(spec, "bf16")
+
+    def fill(group) -> float:
+        return sum(2 * block * heads * dim * 2 for heads, dim in (layout.shapes[i] for i in group.layers)) / per_block
+
+    assert [fill(g) for g in layout.groups if g.window is None] == [pytest.approx(global_fill)]
+    assert [fill(g) for g in layout.groups if g.window is not None] == pytest.approx(windowed_fills)
+    if global_fill == 1.0 and set(windowed_fills) == {1.0}:
+        assert len(layout.groups) * per_block / block == kv_bytes_per_token(spec, "bf16")
 
 
 def test_kv_shared_layers_run_only_the_rows_whose_logits_are_read(tmp_path_factory, make_llm_for_test):
@@ -208,3 +213,47 @@ def test_kv_shared_layers_run_only_the_rows_whose_logits_are_read(tmp_path_facto
     (out,) = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert not hf_greedy_disagreements(hf, ids, out.outputs[0].token_ids)
     assert rows[3] == [16, 16, 8] + [1] * 7 and rows[4] == [1] * 8
+
+
+MOE = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+           num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=8,
+           top_k_experts=2, moe_intermediate_size=32)
+
+
+def test_the_26b_mixture_beside_the_mlp_matches_hf(tmp_path_factory, make_llm_for_test):
+    """The 26B-A4B's layers (8 experts, top 2, beside each layer's dense MLP; its router's own input norm and per-
+    expert scales drawn away from 1): HF's float32 logits, greedy tokens of a batch under 32-token chunks, and a
+    decode reading the 2 chosen experts of a layer, not all 8."""
+    path, hf = random_hf_model("moe", MOE, tmp_path_factory)
+    with torch.no_grad():  # HF starts them at 1: make them matter
+        for layer in hf.model.layers:
+            layer.router.scale.uniform_(0.5, 1.5)
+            layer.router.per_expert_scale.uniform_(0.5, 1.5)
+    hf.save_pretrained(path)
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
+    greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
+    from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
+
+    llm = make_llm_for_test(path, dtype="float32")
+    engine = llm.engine
+    engine.add_request(random_prompts(1, VOCAB, 20, 21, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the prefill
+    touched: set[torch.nn.Module] = set()
+    hooks = [m.register_forward_hook(lambda module, *_: touched.add(module))
+             for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        engine.step()  # one decode step
+    finally:
+        for hook in hooks:
+            hook.remove()
+    while engine.has_unfinished:
+        engine.step()
+    model = engine.loaded.model
+    for layer in model.layers:
+        assert sum(expert.gate_up in touched for expert in layer.mlp.moe.experts) == 2
+    read = sum(m.weight.numel() * 4 for m in touched)
+    if model.output_projection is None:  # the head multiplies by the weight itself (no module to hook)
+        read += model.output_weight.numel() * 4
+    spec = engine.loaded.spec
+    planned = decode_weight_bytes(spec, "fp32", batch=1) - count_parameters(spec).norms * 2
+    assert abs(read - planned) / planned < 0.02, (read, planned)

@@ -90,6 +90,21 @@ def test_deepseek_v3_mla_caches_576_per_layer_2_bytes_61_layers():
     assert close(a.count_parameters(m).active, 37e9, 0.02)  # and 37B activated
 
 
+def test_gemma_4_counts_the_published_parameters_and_its_kv():
+    """Google's figures: 31B 30.7B; 26B-A4B 25.2B, 3.8B active; E2B 5.1B, 2.3B without its embedding tables. KV per
+    token: 31B's 50 windowed layers (16 KV heads of 256) and 10 global (4 of 512, keys and values both cached); E2B's
+    15 caching layers of 35 (12 windowed, 3 global, 1 KV head each)."""
+    assert close(a.count_parameters(PRESETS["gemma-4-31b"]).stored, 30.7e9, 0.002)
+    moe = a.count_parameters(PRESETS["gemma-4-26b-a4b"])
+    assert close(moe.stored, 25.2e9, 0.002) and close(moe.active, 3.8e9, 0.01)
+    e2b = a.count_parameters(PRESETS["gemma-4-e2b"])
+    assert close(e2b.stored, 5.1e9, 0.01) and close(e2b.stored - e2b.per_layer_table - e2b.embeddings, 2.3e9, 0.05)
+    assert a.kv_bytes_per_token(PRESETS["gemma-4-31b"], "bf16") == 2 * 2 * (50 * 16 * 256 + 10 * 4 * 512)
+    assert a.kv_bytes_per_token(PRESETS["gemma-4-e2b"], "bf16") == 2 * 2 * (12 * 256 + 3 * 512)
+    # a decode reads every layer's cache, the shared layers' their sources': 35 layers' worth at 512 tokens
+    assert a.kv_read_bytes(PRESETS["gemma-4-e2b"], "bf16", 512) == 2 * 2 * 512 * (28 * 256 + 7 * 512)
+
+
 def test_qwen3_30b_a3b_stores_30_5b_and_activates_3_35b():
     # per layer: attention 2048*4096*2 + 2*2048*512 = 18.9M; 128 experts * 3*2048*768 = 604M stored, 8 active
     # = 37.7M; router 2048*128; 48 layers + 2 * 151936*2048 embeddings

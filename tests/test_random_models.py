@@ -70,6 +70,7 @@ def test_byte_level_tokenizer_round_trips_text_and_names_the_other_ids():
                                   "ernie-4.5-21b-a3b,num_layers=3,num_experts=8,vocab_size=49152",
                                   "command-r7b,num_layers=4,vocab_size=49152",
                                   "gemma-4-31b,num_layers=6,vocab_size=49152",
+                                  "gemma-4-26b-a4b,num_layers=6,num_experts=8,vocab_size=49152",
                                   "gemma-4-e2b,num_layers=10,kv_shared_layers=5,vocab_size=49152"])
 def test_hf_config_builds_the_same_shape(name):
     """The HF baseline of `ridge bench` is the model ridge draws: as many parameters (GLM-4.6's q / k norms and

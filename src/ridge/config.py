@@ -116,6 +116,12 @@ class ModelConfig:
     router_choice_bias: bool = False
     # Llama 4's: a chosen expert reads its token times the token's weight for it, and its output joins unweighted
     router_scales_input: bool = False
+    # Gemma 4's (26B-A4B): the router reads the stream RMS-normed (no weight) times a learned per-channel scale and
+    # hidden_size ** -0.5, and each chosen expert's weight is times the expert's own learned scale; the mixture sits
+    # beside the layer's dense MLP (moe_beside_mlp), each output normed, their sum the layer's FFN output
+    router_normed_input: bool = False
+    router_expert_scales: bool = False
+    moe_beside_mlp: bool = False
     # sigmoid scores' renormalised top k: their sum plus this (DeepSeek-V3's 1e-20, LFM2-MoE's 1e-6)
     router_norm_eps: float = 1e-20
     router_group_rating: str = "top2"  # a group's rating: its two best scores (V3), or its best one ("max": V2)

@@ -401,7 +401,7 @@ class DecoderLayer(nn.Module):
         if self.mlp is None or self.parallel:
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
-        x = self.mlp(x)
+        x = self.mlp(x, residual) if getattr(self.mlp, "reads_stream", False) else self.mlp(x)
         if self.all_reduce is not None:
             self.all_reduce(x)
         if self.mlp_out_norm is not None:

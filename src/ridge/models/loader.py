@@ -225,8 +225,8 @@ def load_model(
             tensors = _split_experts(tensors)
         elif cfg.architecture in ("granitemoe", "granitemoehybrid"):
             tensors = _split_stacked(tensors, _GRANITE_STACKED)
-        elif cfg.architecture in ("qwen3_moe", "mistral4", "llama4", "dots1"):  # Qwen3-VL-MoE's, Mistral 4's,
-            # Llama 4's and dots.llm1's experts come stacked
+        elif cfg.architecture in ("qwen3_moe", "mistral4", "llama4", "dots1", "gemma4"):  # Qwen3-VL-MoE's, Mistral
+            # 4's, Llama 4's, dots.llm1's and Gemma 4's experts come stacked
             tensors = _split_hf_stacked_experts(tensors, cfg)
         if cfg.attention_output_gate or cfg.state_mixer == "gated_delta":
             tensors = _split_gated_attention(tensors, cfg)
@@ -720,15 +720,15 @@ def _nemotron_h_gguf_blocks(tensors: Iterator[tuple[str, _Stored]], kinds: list[
         yield f"blk.{where[block]}.{rest}", stored
 
 
-_HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:mlp|feed_forward)\.experts)\.(gate_up|down)_proj")
+_HF_STACKED = re.compile(r"(model\.layers\.\d+\.(?:(?:mlp|feed_forward)\.)?experts)\.(gate_up|down)_proj")
 
 
 def _split_hf_stacked_experts(tensors: Iterator[tuple[str, _Stored]],
                               cfg: ModelConfig) -> Iterator[tuple[str, _Stored]]:
-    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's, Mistral 4's, Llama 4's), as each expert's
-    weights as ridge holds them ([out, in], gate's rows then up's), each read on its own; every other tensor as it
-    is. Llama 4's are [experts, in, out] always; Qwen3-VL-MoE's published checkpoints stack [experts, in, out], HF
-    transformers saves [experts, out, in]: the shape tells which (as HF's loader reads it, a square one as the
+    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's, Mistral 4's, Llama 4's, Gemma 4's), as each
+    expert's weights as ridge holds them ([out, in], gate's rows then up's), each read on its own; every other tensor
+    as it is. Llama 4's are [experts, in, out] always; Qwen3-VL-MoE's published checkpoints stack [experts, in, out],
+    HF transformers saves [experts, out, in]: the shape tells which (as HF's loader reads it, a square one as the
     latter)."""
     for name, stored in tensors:
         match = _HF_STACKED.fullmatch(name)

@@ -19,7 +19,9 @@ top k chosen (by score + bias) within the router_topk_groups best groups, weight
 the bias (renormalised), times routed_scaling_factor; its shared experts run ungated. Ernie 4.5's: softmax scores,
 the top k chosen by score + bias, weighted by their scores renormalised, beside ungated shared experts. Llama 4's:
 sigmoid scores of the top k logits, each chosen expert reading its token times that score (not weighing its
-output), beside an ungated shared expert.
+output), beside an ungated shared expert. Gemma 4's (26B-A4B): softmax scores of logits of the stream RMS-normed and
+scaled per channel, the top k renormalised and each times its expert's own scale; the whole mixture beside the
+layer's dense MLP (MLPBesideExperts).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig
-from ridge.models.layers import GatedMLP
+from ridge.models.layers import GatedMLP, RMSNorm
 
 log = logging.getLogger("ridge")
 
@@ -57,11 +60,16 @@ class MoEBlock(nn.Module):
         # weights
         self.router_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_choice_bias else None
         self.scales_input = cfg.router_scales_input
+        # Gemma 4's: the router's input RMS-normed without a weight, times this per-channel scale and hidden ** -0.5;
+        # each chosen weight times its expert's own scale
+        self.router_input_scale = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.router_normed_input else None
+        self.expert_scales = nn.Parameter(torch.ones(cfg.num_experts)) if cfg.router_expert_scales else None
+        self.norm_eps_input = cfg.rms_norm_eps
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
         # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, gpt-oss's
         # clamped ones (their biases are their layers', its router's on the router's logits), or squared-ReLU ones
-        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2")
+        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2") and not cfg.router_normed_input
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)
@@ -83,11 +91,14 @@ class MoEBlock(nn.Module):
         experts = len(self.experts)
         touched = experts * (1 - (1 - self.top_k / experts) ** batch)
         always = [m for m in (self.router, self.shared_expert, self.shared_expert_gate) if m is not None]
-        bias = self.router_bias.nbytes if self.router_bias is not None else 0
+        bias = sum(p.nbytes for p in (self.router_bias, self.router_input_scale, self.expert_scales) if p is not None)
         return bias + sum(read(m) for m in always) + touched * sum(read(e) for e in self.experts) / experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's experts [T, k] and their weights [T, k] (float32)."""
+        """Each token's experts [T, k] and their weights [T, k] (float32), x the router's input."""
+        if self.router_input_scale is not None:
+            normed = F.rms_norm(x.float(), x.shape[-1:], None, self.norm_eps_input).to(x.dtype)
+            x = normed * self.router_input_scale * x.shape[-1] ** -0.5
         logits = self.router(x).float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.router_bias.float() if self.router_bias is not None else scores
@@ -101,12 +112,16 @@ class MoEBlock(nn.Module):
         weights = scores.gather(1, experts)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
+        if self.expert_scales is not None:
+            weights = weights * self.expert_scales.float()[experts]
         return experts, weights * self.scaling if self.scaling != 1.0 else weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.shape[0] <= self.native_max_rows:
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """router_input: what the router reads, where not the experts' input x (Gemma 4's: the stream, x normed)."""
+        if self.native is not None and x.shape[0] <= self.native_max_rows and router_input is None:
             return self.native(x)
-        out = self.fused(x, *self.route(x)) if self.fused is not None else self._routed(x)
+        routing = self.route(x if router_input is None else router_input)
+        out = self.fused(x, *routing) if self.fused is not None else self._routed(x, *routing)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -114,9 +129,8 @@ class MoEBlock(nn.Module):
             out += shared
         return out
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, each chosen expert one matmul over its tokens."""
-        experts, weights = self.route(x)
         choices = experts.flatten()  # choice c is token c // k's slot c % k
         order = choices.argsort(stable=True)
         counts = torch.bincount(choices, minlength=len(self.experts)).tolist()
@@ -135,6 +149,26 @@ class MoEBlock(nn.Module):
             out.index_add_(0, rows, scaled.to(out.dtype))
             start += count
         return out
+
+
+class MLPBesideExperts(nn.Module):
+    """Gemma 4 26B-A4B's FFN: a dense MLP and a mixture of experts side by side, each output normed, their sum the
+    layer's FFN output. The MLP reads the layer's normed input; the mixture reads the stream itself, its experts
+    through a norm of their own, its router through its own (MoEBlock's router_input_scale)."""
+
+    reads_stream = True  # DecoderLayer hands it the stream beside its normed input
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.mlp = GatedMLP(cfg)
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.experts_in_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.experts_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.moe = MoEBlock(cfg)
+
+    def forward(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        routed = self.moe(self.experts_in_norm(stream.to(x.dtype)), router_input=stream.to(x.dtype))
+        return self.mlp_out_norm(self.mlp(x)) + self.experts_out_norm(routed)
 
 
 def attach_fused_experts(model: nn.Module) -> bool:

@@ -170,7 +170,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                       use_double_wide_mlp=spec.double_wide_shared_mlp,
                       hidden_size_per_layer_input=spec.per_layer_input_size,
                       vocab_size_per_layer_input=spec.vocab_size, final_logit_softcapping=spec.final_logit_softcap,
-                      hidden_activation="gelu_pytorch_tanh",
+                      hidden_activation="gelu_pytorch_tanh", enable_moe_block=spec.moe_beside_mlp,
+                      top_k_experts=spec.experts_per_token or None,
                       rope_parameters={
                           "full_attention": {"rope_type": "proportional", "rope_theta": spec.rope_theta,
                                              "partial_rotary_factor": spec.global_rotary_fraction},

@@ -62,7 +62,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # where attention_k_eq_v) and proportional rotary, and the E models' per-layer embeddings and KV sharing
     # (models/spec.py's _gemma4_fields)
     "gemma4": {"embedding_scale": True, "sandwich_norms": True, "qk_norm": True, "value_norm": True,
-               "layer_scalars": True, "attention_multiplier": 1.0},
+               "layer_scalars": True, "attention_multiplier": 1.0, "norm_topk_prob": True,
+               "router_normed_input": True, "router_expert_scales": True},
     # mixtures of experts (models/moe.py)
     "mixtral": {"norm_topk_prob": True},  # mistral's attention; its router always renormalises the top k
     "qwen2_moe": {"qkv_bias": True},  # its shared expert gated (the spec's shared_expert_gate)
@@ -131,7 +132,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-        "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa")
+        "mistral4", "llama4", "dots1", "exaone_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4")
 _OPTIONAL_QK_NORM = ("glm4_moe", "cohere")  # per-head q / k norms where the checkpoint has them (use_qk_norm)
 _MLA = ("deepseek_v2", "deepseek_v3", "mistral4", "deepseek_v32", "glm_moe_dsa")
 _SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")  # an indexer picks the keys latent attention reads
@@ -140,7 +141,7 @@ _V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
 _SSM = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # routers whose top k weights always sum to 1, whatever a config's norm_topk_prob says
 _ALWAYS_RENORMALISED = ("mixtral", "gpt_oss", "granitemoe", "granitemoehybrid", "qwen3_5_moe", "minimax_m2",
-                        "ernie4_5_moe")
+                        "ernie4_5_moe", "gemma4")
 _GRANITE = ("granite", "granitemoe", "granitemoehybrid")  # Granite's scalars
 _OUT_BIAS = ("llama", *_GRANITE, "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next", "smollm3")
 
@@ -356,7 +357,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       global_values_from_keys=spec.global_values_from_keys,
                       global_rotary_fraction=spec.global_rotary_fraction, kv_shared_layers=spec.kv_shared_layers,
                       double_wide_shared_mlp=spec.double_wide_shared_mlp,
-                      per_layer_input_size=spec.per_layer_input_size)
+                      per_layer_input_size=spec.per_layer_input_size, moe_beside_mlp=spec.moe_beside_mlp)
     elif spec.global_head_dim or spec.kv_shared_layers or spec.per_layer_input_size:
         raise ValueError(f"{spec.source}: global heads, KV sharing or per-layer embeddings in architecture {arch!r} "
                          "are not supported (gemma4)")

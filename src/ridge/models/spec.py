@@ -102,6 +102,7 @@ class ModelSpec:
     kv_shared_layers: int = 0
     double_wide_shared_mlp: bool = False
     per_layer_input_size: int = 0
+    moe_beside_mlp: bool = False  # Gemma 4 26B-A4B's: each layer's experts beside a dense FFN of intermediate_size
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -195,9 +196,14 @@ class ModelSpec:
             return "no attention"
         if self.is_mla:
             return f"MLA, sparse: top {self.index_topk} keys" if self.index_topk else "MLA"
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        kind = "MHA" if self.num_kv_heads == self.num_heads else "MQA" if self.num_kv_heads == 1 else "GQA"
+        if self.global_head_dim or self.global_kv_heads:  # Gemma 4's
+            keys_as_values = ", keys as values" if self.global_values_from_keys else ""
+            kind += (f"; global layers {self.global_kv_heads or self.num_kv_heads} KV heads of "
+                     f"{self.global_head_dim or self.head_dim}{keys_as_values}")
+        if self.kv_shared_layers:
+            kind += f"; the last {self.kv_shared_layers} layers share earlier layers' KV"
+        return kind
 
     @property
     def local_layers(self) -> int:
@@ -267,7 +273,7 @@ _HF_KEYS = {
     "tie_word_embeddings": ("tie_word_embeddings", "tie_embedding"),
     "qkv_bias": ("attention_bias",),
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-    "experts_per_token": ("num_experts_per_tok", "num_experts_per_token", "moe_k"),
+    "experts_per_token": ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k_experts"),
     "moe_intermediate_size": ("moe_intermediate_size",),
     "shared_experts": ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts"),
     "shared_expert_intermediate_size": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
@@ -442,13 +448,11 @@ def _refuse_shared_indexer_layers(config: dict, source: str) -> None:
 
 def _gemma4_fields(config: dict, source: str) -> dict:
     """Gemma 4's shape beyond Gemma 3's: the global layers' heads (from per_layer_config, as HF saves it, or the
-    global_head_dim / num_global_key_value_heads it is made from), KV sharing, per-layer embeddings; {} for others.
-    What ridge does not run is refused by name: the 26B-A4B's experts beside the MLP, bidirectional attention."""
+    global_head_dim / num_global_key_value_heads it is made from), KV sharing, per-layer embeddings, the 26B-A4B's
+    experts beside the MLP; {} for others.
+    What ridge does not run is refused by name: bidirectional attention."""
     if config.get("model_type") not in ("gemma4", "gemma4_text"):
         return {}
-    if config.get("enable_moe_block"):
-        raise ValueError(f"{source}: enable_moe_block: Gemma 4's experts beside the dense MLP (26B-A4B) are not "
-                         "supported")
     if config.get("use_bidirectional_attention") == "all":
         raise ValueError(f"{source}: use_bidirectional_attention: 'all' (every token attending both ways) is not "
                          "supported; a decoder attends causally")
@@ -476,7 +480,7 @@ def _gemma4_fields(config: dict, source: str) -> dict:
             "global_values_from_keys": bool(config.get("attention_k_eq_v", False)),
             "kv_shared_layers": int(config.get("num_kv_shared_layers") or 0),
             "double_wide_shared_mlp": bool(config.get("use_double_wide_mlp", False)),
-            "per_layer_input_size": per_layer}
+            "per_layer_input_size": per_layer, "moe_beside_mlp": bool(config.get("enable_moe_block", False))}
 
 
 # what llama.cpp's llama4 graph fixes: the chunks of its local layers, and its NoPE layers' temperature (scale, period)

@@ -73,6 +73,20 @@ HF_GEMMA4_NAMES = [
         (r"per_layer_projection\.weight", "per_layer_projection.weight"),
         (r"post_per_layer_input_norm\.weight", "per_layer_norm.weight"), (r"layer_scalar", "layer_scalar")]],
 ]
+# Gemma 4 26B-A4B's layers: the dense MLP beside the mixture (MLPBesideExperts), the router's projection and scales,
+# each expert (the loader splits their stacked tensors), the norms around each
+HF_GEMMA4_MOE_NAMES = [(r"model\.layers\.(\d+)\." + source, "layers.{0}.mlp." + target, slot)
+                       for source, target, slot in [
+                           (r"mlp\.gate_proj\.weight", "mlp.gate_up.weight", 0),
+                           (r"mlp\.up_proj\.weight", "mlp.gate_up.weight", 1),
+                           (r"mlp\.down_proj\.weight", "mlp.down.weight", None),
+                           (r"router\.proj\.weight", "moe.router.weight", None),
+                           (r"router\.scale", "moe.router_input_scale", None),
+                           (r"router\.per_expert_scale", "moe.expert_scales", None),
+                           (r"experts\.(\d+)\.(gate_up|down)\.weight", "moe.experts.{1}.{2}.weight", None),
+                           (r"post_feedforward_layernorm_1\.weight", "mlp_out_norm.weight", None),
+                           (r"pre_feedforward_layernorm_2\.weight", "experts_in_norm.weight", None),
+                           (r"post_feedforward_layernorm_2\.weight", "experts_out_norm.weight", None)]]
 # a multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its prefixes, and what is skipped
 LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_model\.model\.", "model."),
                             (r"language_model\.lm_head\.", "lm_head.")]
@@ -266,7 +280,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4"
               else HF_LLAMA4_NAMES if cfg.architecture == "llama4"
               else HF_NEMOTRON_H_NAMES if cfg.architecture == "nemotron_h"
-              else HF_GEMMA4_NAMES if cfg.architecture == "gemma4" else [])
+              else HF_GEMMA4_NAMES + (HF_GEMMA4_MOE_NAMES if cfg.moe_beside_mlp else []) if cfg.architecture == "gemma4"
+              else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
     return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)

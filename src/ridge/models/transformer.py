@@ -15,7 +15,7 @@ from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RopeStep, RotaryEmbedding, make_norm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
-from ridge.models.moe import MoEBlock
+from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.models.short_conv import ShortConvMixer
 
 
@@ -57,7 +57,7 @@ class DecoderModel(nn.Module):
         if not cfg.has_mlp or layer in cfg.mlp_free_layers:
             return None
         if cfg.is_moe_layer(layer):
-            return MoEBlock(cfg)
+            return MLPBesideExperts(cfg) if cfg.moe_beside_mlp else MoEBlock(cfg)
         double_wide = cfg.double_wide_shared_mlp and cfg.kv_source(layer) != layer
         return GatedMLP(cfg, 2 * cfg.intermediate_size if double_wide else None)
 

@@ -122,8 +122,10 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
     shared = m.shared_experts * ffn_params(m, m.shared_expert_intermediate_size or m.moe_intermediate_size)
     if m.shared_expert_gate:  # one more row
         shared += m.hidden_size
-    # Gemma 4's KV-shared layers' MLPs, twice as wide where double_wide_shared_mlp: the second half
+    # Gemma 4's KV-shared layers' MLPs, twice as wide where double_wide_shared_mlp: the second half; its 26B-A4B's
+    # dense MLP beside each layer's experts
     widened = m.kv_shared_layers * ffn_params(m, m.intermediate_size) if m.double_wide_shared_mlp else 0
+    widened += moe_layers * ffn_params(m, m.intermediate_size) if m.moe_beside_mlp else 0
     ffn_stored = dense_layers * ffn_params(m, m.intermediate_size) + widened + moe_layers * (
         m.num_experts * expert + shared + router)
     ffn_active = dense_layers * ffn_params(m, m.intermediate_size) + widened + moe_layers * (

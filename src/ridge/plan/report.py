@@ -37,6 +37,8 @@ class Parameters:
     norms: int
     stored: int
     active: int
+    per_layer_table: int = 0  # per-layer embeddings (Gemma 4's E models): the table, a lookup
+    per_layer_linear: int = 0  # and the projections that make and gate each layer's input
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ def build_plan(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Plan:
     plan = Plan(
         model=model, hardware=hw, workload=workload, conventions=CONVENTIONS,
         parameters=Parameters(counts.embeddings, counts.output_head, counts.attention, counts.ssm, counts.ffn_stored,
-                              counts.ffn_active, counts.norms, counts.stored, counts.active),
+                              counts.ffn_active, counts.norms, counts.stored, counts.active,
+                              counts.per_layer_table, counts.per_layer_linear),
         memory=memory, ridge_point=hw.ridge_point(compute), prefill=prefill_phase, prefill_macs=fill.macs,
         prefill_attention_flops=fill.attention_flops, attention_overtakes_at=a.attention_crossover(model),
         decode=decode_phase, decode_bytes_per_token=step.bytes / workload.batch,
@@ -205,7 +208,9 @@ def render(plan: Plan) -> str:
         "",
         "parameters",
         f"  embeddings {_si(p.embeddings, '')}" + (f", output head {_si(p.output_head, '')}" if p.output_head
-                                                   else " (tied output head)"),
+                                                   else " (tied output head)")
+        + (f"; per-layer embeddings {_si(p.per_layer_table, '')} (a lookup) and their projections "
+           f"{_si(p.per_layer_linear, '')}" if p.per_layer_table else ""),
         f"  attention {_si(p.attention, '')}, "
         + (f"state-space mixers {_si(p.ssm, '')}, " if p.ssm else "") + f"FFN {_si(p.ffn_stored, '')}"
         + (f" stored / {_si(p.ffn_active, '')} active per token" if m.is_moe else ""),
