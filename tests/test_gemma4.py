@@ -6,6 +6,7 @@ and what is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -257,3 +258,46 @@ def test_the_26b_mixture_beside_the_mlp_matches_hf(tmp_path_factory, make_llm_fo
     spec = engine.loaded.spec
     planned = decode_weight_bytes(spec, "fp32", batch=1) - count_parameters(spec).norms * 2
     assert abs(read - planned) / planned < 0.02, (read, planned)
+
+
+# the E config as llama.cpp's gemma4 runs it: the last two caching layers windowed, then global
+EDGE_GGUF = {**EDGE, "num_kv_shared_layers": 3}
+
+
+@pytest.mark.parametrize("name, changes", [("edge", EDGE_GGUF), ("moe", MOE)])
+def test_round_trips_through_llama_cpps_gguf(name, changes, smollm2_path, tmp_path_factory, make_llm_for_test):
+    """A Gemma 4 written as llama.cpp's gemma4 GGUF (bench/random_gguf.py: the global heads under the plain keys,
+    the windowed ones' under _swa, KV heads and FFN widths per layer, the still rotary pairs as rope_freqs, the
+    experts stacked) reads back as the model HF computes: its norms, scalars and router scales drawn away from 1, so
+    that a tensor in another's place shows."""
+    from ridge.bench.random_gguf import write_gguf
+
+    big = {**changes, "vocab_size": 49152, "vocab_size_per_layer_input": 49152}  # the vocabulary's, SmolLM2's
+    path, hf = random_hf_model(f"{name}-gguf", big, tmp_path_factory)
+    if "enable_moe_block" in changes:
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.router.scale.uniform_(0.5, 1.5)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5)
+        hf.save_pretrained(path)
+    loaded = make_llm_for_test(path, dtype="float32").engine.loaded
+    gguf = write_gguf(loaded, path / "model.gguf", smollm2_path, float16=False)
+    from_file = make_llm_for_test(gguf, dtype="float32")
+    ours = from_file.engine.loaded.config
+    assert dataclasses.replace(ours, rms_norm_eps=loaded.config.rms_norm_eps) == loaded.config  # (a float32 there)
+    ids = random_prompts(1, 49152, 40, 41, seed=9)[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (from_file.engine.prompt_logits(ids) - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_a_gguf_llama_cpp_would_misread_is_refused_by_name(tmp_path):
+    """llama.cpp's gemma4 gives KV-shared layers the cache of the last layer before them (global) and the one before
+    that (windowed): a model whose last caching layers are otherwise (the E config's: 3 windowed, then 2 global) is
+    not written as a file llama.cpp would run with other caches."""
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(**EDGE).to_dict()))
+    with pytest.raises(ValueError, match="KV-shared layers the cache of the last layer before them"):
+        write_random_gguf(random_spec(f"random:{tmp_path}"), tmp_path / "model.gguf", tmp_path / "unused.gguf")

@@ -65,7 +65,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
-                      "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa"}
+                      "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa", "gemma4": "gemma4"}
 # the indexer key widths llama.cpp's glm-dsa runs: multiples of this, its Hadamard rotation's (docs/notes/moe-mla.md)
 GLM_DSA_INDEX_BLOCK = 64
 # a Nemotron-H with a mixture is llama.cpp's nemotron_h_moe
@@ -193,6 +193,13 @@ def _check_writable(spec: ModelSpec) -> str:
     if arch == "glm-dsa" and spec.index_head_dim % GLM_DSA_INDEX_BLOCK:
         raise ValueError(f"model: llama.cpp's glm-dsa rotates the indexer's keys in blocks of {GLM_DSA_INDEX_BLOCK} "
                          f"dims (a Hadamard transform); index_head_dim {spec.index_head_dim} is not a multiple")
+    first_shared = spec.num_layers - spec.kv_shared_layers
+    if arch == "gemma4" and spec.kv_shared_layers and (
+            not spec.is_local(first_shared - 2) or spec.is_local(first_shared - 1)):
+        raise ValueError("model: llama.cpp's gemma4 gives its KV-shared layers the cache of the last layer before them "
+                         "(global) and of the one before that (windowed); this model's last two layers that hold a "
+                         f"cache are {'windowed' if spec.is_local(first_shared - 2) else 'global'} and "
+                         f"{'windowed' if spec.is_local(first_shared - 1) else 'global'}")
     if arch == "command-r" and spec.qk_norm_params:
         raise ValueError("model: writing Command R+'s per-head q / k LayerNorms (use_qk_norm) to a GGUF is not "
                          "supported")
@@ -291,12 +298,16 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
                                     if spec.is_moe else None) if arch in ("nemotron_h", "nemotron_h_moe") else None)
     widths = {"mlp": spec.intermediate_size, "moe": spec.moe_intermediate_size}
     writer.add_block_count(len(kinds) if kinds else spec.num_layers)
-    writer.add_feed_forward_length([widths.get(kind, 0) for kind in kinds] if kinds else spec.intermediate_size)
+    if arch != "gemma4":  # its own: one per layer (_gemma4_header)
+        writer.add_feed_forward_length([widths.get(kind, 0) for kind in kinds] if kinds else spec.intermediate_size)
     writer.add_head_count(spec.num_heads)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
     writer.add_file_type(_file_type(float16, blocks))
     if arch == "mamba2":
         _state_space_header(writer, spec)
+        return
+    if arch == "gemma4":
+        _gemma4_header(writer, spec, cfg)
         return
     if arch in ("granitehybrid", "lfm2", "lfm2moe"):  # attention where the per-layer KV head count is not 0
         writer.add_head_count_kv([0 if i in spec.ssm_layers else spec.num_kv_heads for i in range(spec.num_layers)])
@@ -412,6 +423,78 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
             writer.add_expert_group_used_count(cfg.router_topk_groups)
 
 
+def _gemma4_header(writer: GGUFWriter, spec: ModelSpec, cfg: ModelConfig) -> None:
+    """llama.cpp's gemma4 keys: the global layers' heads under the plain keys and the windowed ones' under the _swa
+    keys, KV heads and FFN widths per layer, each layer's kind as a flag (true: windowed), the KV-shared layers'
+    count and the per-layer embeddings' width; the global rotary's still pairs are the rope_freqs tensor's."""
+    layers = range(spec.num_layers)
+    first_shared = spec.num_layers - spec.kv_shared_layers
+    writer.add_feed_forward_length([spec.intermediate_size * (2 if spec.double_wide_shared_mlp and i >= first_shared
+                                                              else 1) for i in layers])
+    writer.add_head_count_kv([cfg.layer_kv_heads(i) for i in layers])
+    writer.add_key_length(cfg.global_head_dim or spec.head_dim)
+    writer.add_value_length(cfg.global_head_dim or spec.head_dim)
+    writer.add_key_length_swa(spec.head_dim)
+    writer.add_value_length_swa(spec.head_dim)
+    writer.add_rope_dimension_count(cfg.global_head_dim or spec.head_dim)
+    writer.add_rope_dimension_count_swa(cfg.rotary_dim)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_rope_freq_base_swa(cfg.rope_local_theta or spec.rope_theta)
+    writer.add_sliding_window(spec.sliding_window)
+    writer.add_sliding_window_pattern([cfg.is_local(i) for i in layers])
+    writer.add_shared_kv_layers(spec.kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(spec.per_layer_input_size)
+    if spec.final_logit_softcap:
+        writer.add_final_logit_softcapping(spec.final_logit_softcap)
+    if spec.is_moe:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_per_token)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate_size)
+
+
+def _gemma4_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
+    """A Gemma 4 as llama.cpp's converter writes it: q / k / v apart (no k or v on a KV-shared layer, no v where the
+    keys are the values), the layer scalar as a tensor, the global rotary's still pairs as divisors of 1e30, and the
+    26B-A4B's experts stacked with gate and up fused."""
+    yield "token_embd.weight", state["embed_tokens.weight"]
+    turning = int(cfg.global_rotary_fraction * cfg.global_rotary_dim) // 2
+    yield "rope_freqs.weight", torch.tensor([1.0] * turning + [1e30] * (cfg.global_rotary_dim // 2 - turning))
+    yield "output_norm.weight", state["norm.weight"]
+    if "lm_head.weight" in state:
+        yield "output.weight", state["lm_head.weight"]
+    for name, gguf_name in (("embed_per_layer.weight", "per_layer_token_embd.weight"),
+                            ("per_layer_model_projection.weight", "per_layer_model_proj.weight"),
+                            ("per_layer_projection_norm.weight", "per_layer_proj_norm.weight")):
+        if name in state:
+            yield gguf_name, state[name]
+    names = {**_LAYER_NAMES, "per_layer_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+             "per_layer_norm.weight": "post_norm.weight", "layer_scalar": "layer_output_scale.weight",
+             "mlp.mlp_out_norm.weight": "post_ffw_norm_1.weight", "mlp.experts_in_norm.weight": "pre_ffw_norm_2.weight",
+             "mlp.experts_out_norm.weight": "post_ffw_norm_2.weight", "mlp.moe.router.weight": "ffn_gate_inp.weight",
+             "mlp.moe.router_input_scale": "ffn_gate_inp.scale", "mlp.moe.expert_scales": "ffn_down_exps.scale",
+             "mlp.mlp.down.weight": "ffn_down.weight"}
+    for i in range(cfg.num_layers):
+        layer = {name.removeprefix(f"layers.{i}."): t for name, t in state.items() if name.startswith(f"layers.{i}.")}
+        for name, gguf_name in names.items():
+            if name in layer:
+                yield f"blk.{i}.{gguf_name}", layer[name]
+        q, kv = cfg.num_heads * cfg.layer_head_dim(i), cfg.layer_kv_heads(i) * cfg.layer_head_dim(i)
+        qkv = layer["attn.qkv.weight"]
+        yield f"blk.{i}.attn_q.weight", qkv[:q]
+        for part, rows in (("k", qkv[q:q + kv]), ("v", qkv[q + kv:])):
+            if len(rows):  # none on a KV-shared layer; no v where the keys are the values
+                yield f"blk.{i}.attn_{part}.weight", rows
+        gate, up = layer.get("mlp.gate_up.weight", layer.get("mlp.mlp.gate_up.weight")).chunk(2)
+        yield f"blk.{i}.ffn_gate.weight", gate
+        yield f"blk.{i}.ffn_up.weight", up
+        experts = sorted({int(name.split(".")[3]) for name in layer if name.startswith("mlp.moe.experts.")})
+        if experts:
+            yield f"blk.{i}.ffn_gate_up_exps.weight", torch.stack(
+                [layer[f"mlp.moe.experts.{e}.gate_up.weight"] for e in experts])
+            yield f"blk.{i}.ffn_down_exps.weight", torch.stack(
+                [layer[f"mlp.moe.experts.{e}.down.weight"] for e in experts])
+
+
 def _file_type(float16: bool, blocks: GGMLQuantizationType | None) -> LlamaFileType:
     """llama.cpp's LLAMA_FTYPE_*: MOSTLY_F16, ALL_F32, or the blocks' MOSTLY_Q8_0 and the like."""
     if blocks is None:
@@ -464,7 +547,7 @@ def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
     """The file's tensors: _gguf_tensors', and a Nemotron-H's layers split into its blocks (models/spec.py's
     nemotron_h_block_kinds): a layer's mixer and input norm its mixer block's (attn_norm), its MLP and post-attention
     norm its MLP block's (attn_norm there too)."""
-    tensors = _gguf_tensors(cfg, state)
+    tensors = _gemma4_tensors(cfg, state) if cfg.architecture == "gemma4" else _gguf_tensors(cfg, state)
     if cfg.architecture != "nemotron_h":  # (its mixture too)
         yield from tensors
         return

@@ -897,6 +897,7 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if arch in ("phi3", "glm4"):  # part of each head rotary: Phi-4-mini's three quarters, GLM-4's half
         fields["partial_rotary_factor"] = int(value(f"{arch}.rope.dimension_count", fields["head_dim"])) / fields[
             "head_dim"]
+    fields.update(_gguf_gemma4_fields(gguf, arch, value, fields, names, source))
     fields.update(_gguf_state_space_fields(arch, value, names, fields["head_dim"]))
     fields.update(_gguf_nemotron_h_fields(arch, value, names, source))
     if fields["num_experts"] and not fields["moe_intermediate_size"]:  # Mixtral's, Granite's: as wide as the FFN
@@ -1174,6 +1175,41 @@ _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granite
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them
 _GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
+
+
+def _gguf_gemma4_fields(gguf: GGUFFile, arch: str, value, fields: dict, names: set[str], source: str) -> dict:
+    """A gemma4 file's (llama.cpp's converter): the windowed layers' heads under the _swa keys and the global
+    ones' under the plain keys, KV heads (and FFN widths, where the KV-shared layers' MLPs are double) per layer,
+    each layer's kind as a flag, the global rotary's unturned pairs as divisors of 1e30 in rope_freqs (not Llama
+    3.1's scaling), and a global layer's values its keys' projection where it has no attn_v."""
+    if arch != "gemma4":
+        return {}
+    layers = fields["num_layers"]
+    windowed = value(f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(windowed, list) or len(windowed) != layers:
+        raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern: one flag per layer expected")
+    every = _global_every(["sliding_attention" if w else "full_attention" for w in windowed], source)
+    local, glob = windowed.index(True), windowed.index(False)
+    kv = value(f"{arch}.attention.head_count_kv", fields["num_heads"])
+    kv_local, kv_global = (int(kv[local]), int(kv[glob])) if isinstance(kv, list) else (int(kv), int(kv))
+    widths = value(f"{arch}.feed_forward_length")
+    widths = [int(w) for w in widths] if isinstance(widths, list) else [int(widths)] * layers
+    shared = int(value(f"{arch}.attention.shared_kv_layers", 0))
+    divisors = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    turning = 1.0
+    if divisors is not None:  # 1 where a pair turns, 1e30 where it stays still (its frequency / 1e30: none)
+        values = dequantize(divisors.data, divisors.tensor_type).reshape(-1)
+        turning = float((values < 1e29).sum()) / len(values)
+    return {"head_dim": int(value(f"{arch}.attention.key_length_swa")),
+            "global_head_dim": int(value(f"{arch}.attention.key_length")),
+            "num_kv_heads": kv_local, "global_kv_heads": kv_global if kv_global != kv_local else 0,
+            "global_values_from_keys": f"blk.{glob}.attn_v.weight" not in names,
+            "global_every": every, "kv_shared_layers": shared,
+            "intermediate_size": widths[0], "double_wide_shared_mlp": widths[-1] == 2 * widths[0] and shared > 0,
+            "per_layer_input_size": int(value(f"{arch}.embedding_length_per_layer_input", 0)),
+            "moe_beside_mlp": fields["num_experts"] > 0, "rope_scaling": None, "global_rotary_fraction": turning,
+            "rope_local_theta": float(value(f"{arch}.rope.freq_base_swa", 10000.0)), "hidden_act": "gelu_tanh",
+            **({"final_logit_softcap": float(cap)} if (cap := value(f"{arch}.final_logit_softcapping")) else {})}
 
 
 def _gguf_gemma_fields(arch: str, value, hidden: int, heads: int) -> dict:

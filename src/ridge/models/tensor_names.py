@@ -287,6 +287,27 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 
+# Gemma 4 under llama.cpp's names: the per-layer embeddings, the layer scalar, and the 26B-A4B's mixture beside its
+# dense MLP (the stacked experts split by the loader, `.{expert}` added); the dense MLP's own names are GGUF_NAMES'
+# in a layer without experts
+GGUF_GEMMA4_NAMES = [
+    (r"per_layer_token_embd\.weight", "embed_per_layer.weight", None),
+    (r"per_layer_model_proj\.weight", "per_layer_model_projection.weight", None),
+    (r"per_layer_proj_norm\.weight", "per_layer_projection_norm.weight", None),
+    *[(r"blk\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
+        (r"inp_gate\.weight", "per_layer_gate.weight"), (r"proj\.weight", "per_layer_projection.weight"),
+        (r"post_norm\.weight", "per_layer_norm.weight"), (r"layer_output_scale\.weight", "layer_scalar")]]]
+GGUF_GEMMA4_MOE_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.mlp." + target, slot) for source, target, slot in [
+    (r"ffn_gate\.weight", "mlp.gate_up.weight", 0), (r"ffn_up\.weight", "mlp.gate_up.weight", 1),
+    (r"ffn_down\.weight", "mlp.down.weight", None), (r"ffn_gate_inp\.weight", "moe.router.weight", None),
+    (r"ffn_gate_inp\.scale", "moe.router_input_scale", None), (r"ffn_down_exps\.scale", "moe.expert_scales", None),
+    (r"ffn_gate_up_exps\.weight\.(\d+)", "moe.experts.{1}.gate_up.weight", None),
+    (r"ffn_down_exps\.weight\.(\d+)", "moe.experts.{1}.down.weight", None),
+    (r"post_ffw_norm_1\.weight", "mlp_out_norm.weight", None),
+    (r"pre_ffw_norm_2\.weight", "experts_in_norm.weight", None),
+    (r"post_ffw_norm_2\.weight", "experts_out_norm.weight", None)]]
+
+
 # Nemotron-H's ungated MLP under llama.cpp's names (the loader names its blocks as ridge's layers): ffn_up alone
 GGUF_NEMOTRON_H_NAMES = [(r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
 
@@ -297,6 +318,8 @@ def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
               "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES,
-              "glm4": GGUF_PHI3_NAMES, "nemotron_h": GGUF_NEMOTRON_H_NAMES}.get(cfg.architecture, [])
+              "glm4": GGUF_PHI3_NAMES, "nemotron_h": GGUF_NEMOTRON_H_NAMES,
+              "gemma4": GGUF_GEMMA4_NAMES + (GGUF_GEMMA4_MOE_NAMES if cfg.moe_beside_mlp else [])
+              }.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])
             + GGUF_NAMES)

@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ridge.attention.backend import AttentionBackend, StepMetadata
+from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMetadata
 from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateStep
 from ridge.models.gated_delta import GatedDeltaMixer
@@ -173,11 +173,8 @@ class DecoderModel(nn.Module):
                     indices = None
                     break
                 per_layer = None if per_layer is None else per_layer[indices]
-                positions, steps = positions[indices], {}
+                positions, steps, meta = positions[indices], {}, self._rows_step(indices, meta, backend)
                 extras["shared_kv"] = {j: (k[indices], v[indices]) for j, (k, v) in extras["shared_kv"].items()}
-                meta = [group.rows_as_decodes(indices) for group in meta]
-                for group in meta:
-                    backend.prepare(group)
                 indices = None
             rotary = self.layer_rotary(layer)
             rope = steps.get(id(rotary)) or steps.setdefault(id(rotary), rotary.step(positions))
@@ -187,6 +184,15 @@ class DecoderModel(nn.Module):
         if indices is not None:
             x, residual = x[indices], None if residual is None else residual[indices]
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    @staticmethod
+    def _rows_step(rows: torch.Tensor, meta: StepMetadata, backend: AttentionBackend) -> list[AttentionMetadata]:
+        """The step of these rows alone, each a query over its sequence's cache (AttentionMetadata.rows_as_decodes),
+        prepared by the backend."""
+        step = [group.rows_as_decodes(rows) for group in meta]
+        for group in step:
+            backend.prepare(group)
+        return step
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Each token's per-layer inputs [T, layers, per_layer_input_size]: its rows of the per-layer table (scaled
