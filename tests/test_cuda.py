@@ -201,6 +201,27 @@ def test_mixtures_latent_attention_and_state_space_match_hf_on_the_gpu(arch, tmp
         assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
 
 
+@pytest.mark.parametrize("kind", ["dense", "edge", "moe"])
+def test_gemma4_matches_hf_on_the_gpu(kind, tmp_path_factory, make_llm_for_test):
+    """Gemma 4 on CUDA: its global layers' own heads viewing part of their slots' rows (the Triton kernels' block
+    strides), KV-shared layers, per-layer embeddings and the 26B-A4B's experts; HF's float32 logits and greedy tokens,
+    and the same tokens with CUDA graphs as eagerly."""
+    import test_gemma4
+
+    from ridge import SamplingParams
+
+    changes = {"dense": test_gemma4.DENSE, "edge": test_gemma4.EDGE, "moe": test_gemma4.MOE}[kind]
+    path, hf = test_gemma4.random_hf_model(f"cuda-{kind}", changes, tmp_path_factory)
+    hf = hf.cuda()
+    llm = make_llm_for_test(path, device="cuda", dtype="float32", max_num_batched_tokens=32)
+    vocab = test_gemma4.VOCAB
+    prompts = random_prompts(4, vocab, 5, 60, seed=1) + random_prompts(1, vocab, 90, 100, seed=3)
+    outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
+    assert llm.engine.runner.graphs is not None
+    eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
+    assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
+
+
 def test_gpt_oss_matches_hf_on_the_gpu(tmp_path_factory, make_llm_for_test):
     """gpt-oss on CUDA: its sinks in the Triton decode kernel's merge and the prefill kernel's normalisation (a fresh
     prompt's scores made in torch), its windows and biases; HF's float32 logits and greedy tokens, and the same tokens

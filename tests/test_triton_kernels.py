@@ -217,6 +217,21 @@ def test_cache_write_places_rows_and_skips_padding():
     assert int(flat_k.abs().sum(dim=(1, 2)).gt(0).sum()) == 4  # the padding row was written nowhere
 
 
+def test_cache_write_reaches_a_layer_viewing_part_of_its_slots_rows():
+    """A layer whose heads are narrower than its slot's (Gemma 4's: attention/backend.py) caches a view of part of
+    the slot's rows, its blocks a row apart: each token lands in its block's part, and the rest of the row stays."""
+    torch.manual_seed(3)
+    rows = torch.zeros(6, 8 * 4 * 16, device=DEVICE)  # 6 blocks of 8 tokens, slots 4 heads of 16 wide
+    k_cache = rows[:, 8 * 32:8 * 64].view(6, 8, 2, 16)  # the layer's: 2 heads, the row's second half
+    v_cache = torch.zeros(6, 8 * 4 * 16, device=DEVICE)[:, 8 * 32:8 * 64].view(6, 8, 2, 16)
+    k, v = torch.randn(3, 2, 16, device=DEVICE), torch.randn(3, 2, 16, device=DEVICE)
+    slots = torch.tensor([3, 17, 46], device=DEVICE)
+    paged_attention.cache_write(k, v, k_cache, v_cache, slots)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // 8, slot % 8], k[i]) and torch.equal(v_cache[slot // 8, slot % 8], v[i])
+    assert rows[:, :8 * 32].abs().sum() == 0 and int(rows.abs().gt(0).sum()) == 3 * 32
+
+
 def _packed(qw: QuantizedWeight) -> tuple[torch.Tensor, int]:
     if qw.qweight.dtype == torch.float8_e4m3fn:
         return qw.qweight.view(torch.uint8), quant_matmul.FP8

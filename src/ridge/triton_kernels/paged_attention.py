@@ -263,16 +263,17 @@ def merge_splits(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
 
 
 @triton.jit
-def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v,
-                        ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, stride_block,
+                        block_size, ROW: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:  # a negative slot is a CUDA graph's padding row: written nowhere
         i = tl.arange(0, BLOCK)
         k = tl.load(k_ptr + token * stride_k + i, mask=i < ROW)
         v = tl.load(v_ptr + token * stride_v + i, mask=i < ROW)
-        tl.store(k_cache_ptr + slot * ROW + i, k, mask=i < ROW)
-        tl.store(v_cache_ptr + slot * ROW + i, v, mask=i < ROW)
+        row = (slot // block_size) * stride_block + (slot % block_size) * ROW
+        tl.store(k_cache_ptr + row + i, k, mask=i < ROW)
+        tl.store(v_cache_ptr + row + i, v, mask=i < ROW)
 
 
 @triton.jit(do_not_specialize=["stride_tc"])
@@ -385,14 +386,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor) -> None:
-    """k, v: [T, kv_heads, d] -> cache slots [T] (slot = block * block_size + offset; negative: skipped)."""
+    """k, v: [T, kv_heads, d] -> cache slots [T] (slot = block * block_size + offset; negative: skipped). The
+    caches [N, bs, H, d]: each block's tokens dense, the blocks at any stride (a layer viewing part of its slot's rows,
+    attention/backend.py)."""
     row = k_cache.shape[2] * k_cache.shape[3]
     if k.shape[0] == 0:
         return
     # a token's heads are one contiguous row on both sides (k, v may be views into a fused qkv output)
-    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2] and k_cache.is_contiguous()
-    _cache_write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
-                                       ROW=row, BLOCK=triton.next_power_of_2(row))
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
+    assert k_cache.stride()[1:] == (row, k_cache.shape[3], 1) and v_cache.stride() == k_cache.stride()
+    _cache_write_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), k_cache.stride(0),
+                                       k_cache.shape[1], ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 PREFILL_QUERIES = 32  # queries per program of the prefill kernel
