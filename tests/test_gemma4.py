@@ -301,3 +301,15 @@ def test_a_gguf_llama_cpp_would_misread_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config(**EDGE).to_dict()))
     with pytest.raises(ValueError, match="KV-shared layers the cache of the last layer before them"):
         write_random_gguf(random_spec(f"random:{tmp_path}"), tmp_path / "model.gguf", tmp_path / "unused.gguf")
+
+
+def test_layer_by_layer_calibration_is_refused_where_a_layer_needs_others(tmp_path_factory, make_llm_for_test):
+    """GPTQ and AWQ walk the layers one at a time; an E model's KV-shared layers read an earlier layer's k, v and
+    every layer its slice of the per-layer inputs, which such a walk does not carry: refused by name, where int8 at
+    load (one whole forward pass for its importance matrix) runs."""
+    path, hf = random_hf_model("edge-gptq", EDGE, tmp_path_factory)
+    with pytest.raises(ValueError, match="calibrating layer by layer .* KV-shared layers and per-layer embeddings"):
+        make_llm_for_test(path, dtype="float32", quantization="gptq", calibration_windows=2)
+    int8 = make_llm_for_test(path, dtype="float32", quantization="int8")
+    assert len(int8.generate(random_prompts(1, VOCAB, 10, 11)[0], SamplingParams(max_tokens=4))[0].outputs[0]
+               .token_ids) == 4

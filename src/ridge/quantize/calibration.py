@@ -210,6 +210,11 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     AWQ's reference order (its search makes each block's output match the full-precision block's; the slightly
     better of the two walks, docs/notes/bench-quantization.md), and one pass a layer instead of two. Returns
     every layer's {key: QuantizedWeight}; the model's linear weights are left at their quantized values."""
+    walked_past = [what for what, present in (("KV-shared layers", model.cfg.kv_shared_layers),
+                                              ("per-layer embeddings", model.cfg.per_layer_input_size)) if present]
+    if walked_past:  # a layer alone has neither its source layer's k, v nor its slice of the per-layer inputs
+        raise ValueError(f"quantization: calibrating layer by layer (gptq, awq) is not supported with Gemma 4's "
+                         f"{' and '.join(walked_past)}; int8, int4 or fp8 at load need no such walk")
     backend, states = first_layer_inputs(model, windows, dtype, device)
     fitted: dict[str, QuantizedWeight] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
