@@ -405,3 +405,23 @@ def gguf_round_trip(config: dict, folder: Path, vocabulary: Path, make_llm_for_t
     path = write_random_gguf(spec, folder / "model.gguf", vocabulary, seed=0, float16=False)
     return (make_llm_for_test(path, dtype="float32", kv_cache_memory="16MiB"),
             make_llm_for_test(f"random:{folder}", dtype="float32", kv_cache_memory="16MiB"))
+
+
+def linears_of_one_decode(engine, prompt: list[int]) -> set[torch.nn.Module]:
+    """The linear layers one batch-1 decode step of `prompt` runs (forward hooks over the Python path's modules),
+    the request then run to its end: what a test of a mixture's decode reads counts."""
+    from ridge import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the prefill
+    touched: set[torch.nn.Module] = set()
+    hooks = [m.register_forward_hook(lambda module, *_: touched.add(module))
+             for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        engine.step()  # one decode step
+    finally:
+        for hook in hooks:
+            hook.remove()
+    while engine.has_unfinished:
+        engine.step()
+    return touched

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, linears_of_one_decode, random_prompts
 from ridge import SamplingParams
-from test_models_random import byte_tokenizer
+from test_models_random import saved, with_drawn_norms
 
 VOCAB = 320
 WINDOW = 8  # prompts run well past it
@@ -43,17 +43,16 @@ def random_hf_model(name: str, changes: dict, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(**changes), dtype=torch.float32).eval()
-    for param_name, param in model.named_parameters():  # HF starts norms and layer scalars at 1: make them matter
-        if param_name.endswith("norm.weight"):
-            torch.nn.init.normal_(param, 1.0, 0.3)
-    for buffer_name, buffer in model.named_buffers():
-        if buffer_name.endswith("layer_scalar"):
-            torch.nn.init.uniform_(buffer, 0.5, 1.5)
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path, model
+    model = with_drawn_norms(AutoModelForCausalLM.from_config(hf_config(**changes), dtype=torch.float32).eval())
+    # HF starts layer scalars and the 26B-A4B router's scales at 1 too: make them matter
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(("router.scale", "router.per_expert_scale")):
+                param.uniform_(0.5, 1.5)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
+    return saved(model, tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module", params=["dense", "edge"])
@@ -122,6 +121,7 @@ def test_kv_shared_layers_read_their_source_layers_cache(tmp_path_factory, make_
 
 @pytest.mark.parametrize("changes, field", [
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"per_layer_config": {"5": {"head_dim": 32}, "2": {"head_dim": 64}}}, "per_layer_config"),
 ])
 def test_what_ridge_does_not_run_is_refused_by_name(changes, field, tmp_path):
@@ -226,29 +226,12 @@ def test_the_26b_mixture_beside_the_mlp_matches_hf(tmp_path_factory, make_llm_fo
     expert scales drawn away from 1): HF's float32 logits, greedy tokens of a batch under 32-token chunks, and a
     decode reading the 2 chosen experts of a layer, not all 8."""
     path, hf = random_hf_model("moe", MOE, tmp_path_factory)
-    with torch.no_grad():  # HF starts them at 1: make them matter
-        for layer in hf.model.layers:
-            layer.router.scale.uniform_(0.5, 1.5)
-            layer.router.per_expert_scale.uniform_(0.5, 1.5)
-    hf.save_pretrained(path)
     assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
     greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
     from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
 
-    llm = make_llm_for_test(path, dtype="float32")
-    engine = llm.engine
-    engine.add_request(random_prompts(1, VOCAB, 20, 21, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
-    engine.step()  # the prefill
-    touched: set[torch.nn.Module] = set()
-    hooks = [m.register_forward_hook(lambda module, *_: touched.add(module))
-             for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        engine.step()  # one decode step
-    finally:
-        for hook in hooks:
-            hook.remove()
-    while engine.has_unfinished:
-        engine.step()
+    engine = make_llm_for_test(path, dtype="float32").engine
+    touched = linears_of_one_decode(engine, random_prompts(1, VOCAB, 20, 21, seed=6)[0])
     model = engine.loaded.model
     for layer in model.layers:
         assert sum(expert.gate_up in touched for expert in layer.mlp.moe.experts) == 2
@@ -274,12 +257,6 @@ def test_round_trips_through_llama_cpps_gguf(name, changes, smollm2_path, tmp_pa
 
     big = {**changes, "vocab_size": 49152, "vocab_size_per_layer_input": 49152}  # the vocabulary's, SmolLM2's
     path, hf = random_hf_model(f"{name}-gguf", big, tmp_path_factory)
-    if "enable_moe_block" in changes:
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                layer.router.scale.uniform_(0.5, 1.5)
-                layer.router.per_expert_scale.uniform_(0.5, 1.5)
-        hf.save_pretrained(path)
     loaded = make_llm_for_test(path, dtype="float32").engine.loaded
     gguf = write_gguf(loaded, path / "model.gguf", smollm2_path, float16=False)
     from_file = make_llm_for_test(gguf, dtype="float32")

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import GRANITE_SCALARS, assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from conftest import (
+    GRANITE_SCALARS,
+    assert_logits_match_hf,
+    greedy_batch_checked_against_hf,
+    linears_of_one_decode,
+    random_prompts,
+)
 from ridge import SamplingParams
 from test_models_random import byte_tokenizer
 
@@ -309,20 +315,8 @@ def test_a_decode_step_reads_the_active_experts_only(moe_model, make_llm_for_tes
 
     path, _ = moe_model
     # hooks see the Python path's modules; the C++ stack runs the same experts' kernels (the tests above)
-    llm = make_llm_for_test(path, dtype="float32", enforce_eager=True)
-    engine = llm.engine
-    engine.add_request(random_prompts(1, VOCAB, 20, 21, seed=6)[0], SamplingParams(temperature=0, max_tokens=4))
-    engine.step()  # the prefill, which routes 20 tokens
-    touched: set[torch.nn.Module] = set()
-    hooks = [m.register_forward_hook(lambda module, *_: touched.add(module))
-             for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        engine.step()  # one decode step
-    finally:
-        for hook in hooks:
-            hook.remove()
-    while engine.has_unfinished:
-        engine.step()
+    engine = make_llm_for_test(path, dtype="float32", enforce_eager=True).engine
+    touched = linears_of_one_decode(engine, random_prompts(1, VOCAB, 20, 21, seed=6)[0])
     model = engine.loaded.model
     read = sum(m.weight.numel() * 4 for m in touched)
     read += sum(layer.attn.kv_b.nbytes for layer in model.layers if hasattr(layer.attn, "kv_b"))  # MLA's up-projection

@@ -13,7 +13,7 @@ import torch
 
 from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
 from ridge import SamplingParams
-from test_models_random import byte_tokenizer
+from test_models_random import saved
 
 VOCAB = 320
 TOPK = 16
@@ -46,10 +46,7 @@ def random_hf_model(arch: str, tmp_path_factory):
     for name, tensor in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             torch.nn.init.normal_(tensor, 0.0, 0.1)
-    path = tmp_path_factory.mktemp(arch)
-    model.save_pretrained(path)
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path, model
+    return saved(model, tmp_path_factory.mktemp(arch))
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])

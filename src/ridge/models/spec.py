@@ -456,6 +456,9 @@ def _gemma4_fields(config: dict, source: str) -> dict:
     if config.get("use_bidirectional_attention") == "all":
         raise ValueError(f"{source}: use_bidirectional_attention: 'all' (every token attending both ways) is not "
                          "supported; a decoder attends causally")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:  # HF's Gemma 4 turns its windowed heads whole
+        raise ValueError(f"{source}: partial_rotary_factor: {config['partial_rotary_factor']} is not supported for "
+                         "Gemma 4 (its global layers' share is their rope_parameters')")
     kinds = config.get("layer_types") or []
     overrides = config.get("per_layer_config")
     if overrides is None:  # HF's default where neither is given: 512-wide global heads
@@ -1200,6 +1203,11 @@ def _gguf_gemma4_fields(gguf: GGUFFile, arch: str, value, fields: dict, names: s
     if divisors is not None:  # 1 where a pair turns, 1e30 where it stays still (its frequency / 1e30: none)
         values = dequantize(divisors.data, divisors.tensor_type).reshape(-1)
         turning = float((values < 1e29).sum()) / len(values)
+    for key, width in (("rope.dimension_count", value(f"{arch}.attention.key_length")),
+                       ("rope.dimension_count_swa", value(f"{arch}.attention.key_length_swa"))):
+        if (turned := value(f"{arch}.{key}", width)) != width:  # ridge turns whole heads, the rope_freqs' share of them
+            raise ValueError(f"{source}: {arch}.{key}: {turned}, a rotary narrower than the head ({width}), is not "
+                             "supported")
     return {"head_dim": int(value(f"{arch}.attention.key_length_swa")),
             "global_head_dim": int(value(f"{arch}.attention.key_length")),
             "num_kv_heads": kv_local, "global_kv_heads": kv_global if kv_global != kv_local else 0,
