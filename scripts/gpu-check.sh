@@ -2,19 +2,31 @@
 # The CUDA path's checks and measurements (issue 44), in one run on a GPU machine with no network:
 #   scripts/gpu-check.sh [PART...]     PART: env tests kernels latency eager quant kv moe throughput steps
 #                                      doctor profile (default: all of these), sparse (asked for by name)
-# TESTS: the test files of `tests` (default: both CUDA files); PEERS=0 leaves HF transformers out of `throughput`.
-# The machine needs CUDA torch (Triton comes with it) and HF transformers; ridge runs from this checkout's src/.
+# TESTS: the test files of `tests` (default: both CUDA files), run by WORKERS pytest workers (default 8) for at most
+# TEST_LIMIT seconds (default 420); PEERS=0 leaves HF transformers out of `latency` and `throughput`.
+# TEST_FILTER: a pytest -k expression over them. The machine needs CUDA torch (Triton comes with it); what else
+# ridge needs travels as wheels in .whl (scripts/gpu-wheels.sh makes them), installed here before anything runs;
+# ridge runs from this checkout's src/.
 # Models are random-weight (`--model random:llama-3-8b`, $MODEL to change it). Each measurement's JSON and log
 # land in $OUT (default ./gpu-results); a summary line per measurement is printed.
 set -u
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ridge-site \
+    .whl/*.whl || exit 1
+  PYTHONPATH=/tmp/ridge-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 MODEL=${MODEL:-random:llama-3-8b}
 PARTS=${*:-env tests kernels latency eager quant kv moe throughput steps doctor profile}
 TESTS=${TESTS:-tests/test_triton_kernels.py tests/test_cuda.py}
 PEERS=${PEERS:-1}
+WORKERS=${WORKERS:-8}
+TEST_LIMIT=${TEST_LIMIT:-420}
+TEST_FILTER=${TEST_FILTER:-}
+NO_PEERS=$( [ "$PEERS" = 0 ] && echo --no-peers )
 
 # run NAME LIMIT_S COMMAND...: stdout to NAME.json, stderr to NAME.log, a summary of the JSON printed
 run() {
@@ -48,15 +60,17 @@ for part in $PARTS; do
 'transformers', transformers.__version__, torch.cuda.get_device_name())" ;;
     tests)
       echo "== tests ($(date +%T))"
+      # workers share the GPU; Triton's compiles and the CPU engines the quantized checks compare with run beside
       # shellcheck disable=SC2086
-      timeout 420 "$PY" -m pytest -q -x -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 25 ;;
+      OMP_NUM_THREADS=2 timeout "$TEST_LIMIT" "$PY" -m pytest -q -rf -p no:cacheprovider -n "$WORKERS" --timeout 200 \
+        ${TEST_FILTER:+-k "$TEST_FILTER"} $TESTS 2>&1 | tee "$OUT/tests.log" | tail -n 40 ;;
     kernels)  # the quantized matmuls alone at one row: every tuning candidate, cuBLAS bf16 and tinygemm
       echo "== kernels ($(date +%T))"
       OUT="$OUT" timeout 240 "$PY" scripts/quant_kernels.py 2>"$OUT/kernels.log" | tee "$OUT/kernels.txt"
       echo "   exit $?"; tail -n 3 "$OUT/kernels.log" ;;
     latency)
       run latency-bf16 300 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
-        --output-len 128 --repeats 3 --json ;;
+        --output-len 128 --repeats 3 $NO_PEERS --json ;;
     eager)
       run latency-bf16-eager 200 "$PY" -m ridge.cli bench latency --model "$MODEL" --device cuda --input-len 128 \
         --output-len 64 --repeats 2 --no-peers --enforce-eager --json ;;
@@ -74,9 +88,9 @@ for part in $PARTS; do
       echo "   exit $?"; tail -n 3 "$OUT/kv.log" ;;
     moe)  # issue 46: batch-1 decode of a mixture (Qwen3-30B-A3B's layers, 24 of 48) and of latent attention
       # (DeepSeek-V2-Lite whole): the printed roofline fraction is of the active bytes a step reads
-      run latency-moe 300 "$PY" -m ridge.cli bench latency --model "random:qwen3-30b-a3b,num_layers=24" \
+      run latency-moe 150 "$PY" -m ridge.cli bench latency --model "random:qwen3-30b-a3b,num_layers=24" \
         --device cuda --input-len 128 --output-len 64 --repeats 2 --no-peers --json
-      run latency-mla 300 "$PY" -m ridge.cli bench latency --model "random:deepseek-v2-lite" --device cuda \
+      run latency-mla 150 "$PY" -m ridge.cli bench latency --model "random:deepseek-v2-lite" --device cuda \
         --input-len 128 --output-len 64 --repeats 2 --no-peers --json ;;
     sparse)  # DeepSeek sparse attention by context (GLM-5's layers, 4 of 78): its indexer's top 2,048 against every
       # key (a top k past any context here), the same draw; decode ms per token at 4k-32k
@@ -89,7 +103,7 @@ for part in $PARTS; do
     throughput)
       run throughput 480 "$PY" -m ridge.cli bench throughput --model "$MODEL" --device cuda --workload random \
         --num-prompts 256 --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --kv-cache-memory 24GiB --hf-batch-size 64 --json $( [ "$PEERS" = 0 ] && echo --no-peers ) ;;
+        --kv-cache-memory 24GiB --hf-batch-size 64 --json $NO_PEERS ;;
     steps)  # the throughput workload step by step, twice (the first run compiles what the warm-up did not): time in
       # steps with prefill chunks and in pure decode steps; then the top GPU kernels of a profiled quarter of it
       echo "== steps ($(date +%T))"

@@ -100,13 +100,16 @@ def test_quantized_weights_run_on_the_triton_kernel(random_model, make_llm_for_t
 
 
 @pytest.mark.parametrize("cache", ["fp8", "int8", "int4"])
-def test_a_quantized_kv_cache_gives_the_cpu_engine_s_tokens(random_model, make_llm_for_test, cache):
+def test_a_quantized_kv_cache_gives_the_cpu_engine_s_tokens(random_model, make_llm_for_test, cache, tmp_path):
     """The Triton kernels over a quantized cache (decodes, and chunks continuing a cached context) give the greedy
-    tokens of the CPU engine over the same format, whose writes store the same bytes (test_kv_quant.py)."""
+    tokens of the CPU engine over the same format, whose writes store the same bytes (test_kv_quant.py); int4 on
+    the fixture's model redrawn with heads 32 wide, the values its scales group (the fixture's are 16 and 24)."""
     from ridge import SamplingParams
     from ridge.attention import CudaQuantizedKVBackend
 
-    path, _ = random_model
+    path, hf = random_model
+    if cache == "int4":
+        path = _redrawn_with_head_dim(hf, 32, tmp_path)
     prompts = random_prompts(6, VOCAB, 5, 80, seed=6)
     params = SamplingParams(**GREEDY_ARGS)
     gpu = make_llm_for_test(path, device="cuda", dtype="float32", kv_cache_dtype=cache, max_num_batched_tokens=32)
@@ -237,6 +240,17 @@ def test_gpt_oss_matches_hf_on_the_gpu(tmp_path_factory, make_llm_for_test):
     outs = _logits_and_greedy_tokens_match_hf(llm, hf, prompts)
     eager = make_llm_for_test(path, device="cuda", dtype="float32", enforce_eager=True)
     assert tokens(eager.generate(prompts, SamplingParams(**GREEDY_ARGS))) == tokens(outs)
+
+
+def _redrawn_with_head_dim(hf, head_dim: int, directory):
+    """`hf`'s configuration with heads head_dim wide, its weights drawn afresh, saved in `directory` (its path)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf.config.__class__.from_dict({**hf.config.to_dict(), "head_dim": head_dim})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    byte_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
 
 
 def _logits_and_greedy_tokens_match_hf(llm, hf, prompts: list[list[int]]) -> list:

@@ -478,9 +478,9 @@ def test_fused_experts_match_one_matmul_per_expert(dtype, tokens, num_experts, t
 
 def test_an_moe_block_through_the_fused_experts_equals_its_own_path():
     """A Qwen3-MoE-shaped block (one with a gated shared expert, gpt-oss's: biases on the experts and the router,
-    the clamped SwiGLU at a limit the activations reach, and Llama 4's: experts reading their tokens times the
-    scores) forced onto the fused experts, on CPU tensors: the same output as its one-matmul-per-expert path;
-    quantized experts are refused with the reason."""
+    the clamped SwiGLU at a limit the activations reach, Llama 4's: experts reading their tokens times the
+    scores, and GELU-tanh-gated experts, Gemma 4's) forced onto the fused experts, on CPU tensors: the same output
+    as its one-matmul-per-expert path; quantized experts are refused with the reason."""
     from ridge.config import ModelConfig
     from ridge.models.moe import MoEBlock
     from ridge.triton_kernels import moe
@@ -490,7 +490,7 @@ def test_an_moe_block_through_the_fused_experts_equals_its_own_path():
                    swiglu_limit=0.5)
     llama4 = dict(architecture="llama4", router_scoring="sigmoid", router_scales_input=True, norm_topk_prob=False,
                   shared_expert_gate=False)
-    for shared, variant in ((0, {}), (48, {}), (0, gpt_oss), (32, llama4)):
+    for shared, variant in ((0, {}), (48, {}), (0, gpt_oss), (32, llama4), (0, {"hidden_act": "gelu_tanh"})):
         qwen = {"architecture": "qwen3_moe", "norm_topk_prob": True, "shared_expert_gate": bool(shared)}
         cfg = ModelConfig(**{**qwen, **variant}, vocab_size=64, hidden_size=64,
                           intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,

@@ -54,11 +54,12 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
         # sparse attention (DeepSeek-V3.2, GLM-5): which keys each query reads
         self.indexer = Indexer(cfg, layer_index) if cfg.index_topk else None
-        self.ops: ModuleType | None = None  # the CPU kernels, set by DecoderModel.use_kernels
+        self.ops: ModuleType | None = None  # fused kernels, set by DecoderModel.use_kernels (CUDA's have no per-head
+        # product: there torch's einsum is one batched cuBLAS call)
 
     def _per_head(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
         """x [T, heads, in] -> x[:, h] @ weight[h] (transposed: weight[h].T) for every head."""
-        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+        if self.ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             return self.ops.head_matmul(x, weight, transposed)
         return torch.einsum("thi,hoi->tho" if transposed else "thi,hio->tho", x, weight)
 

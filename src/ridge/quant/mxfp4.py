@@ -61,7 +61,7 @@ def blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % GROUP:
         raise ValueError(f"quantization: mxfp4's blocks are {GROUP} input columns; a weight has {k}")
     rows = weight.float().reshape(-1, k // GROUP, GROUP)
-    magnitudes = LEVELS[:8].float()  # 0, 1, 2, 3, 4, 6, 8, 12: ascending
+    magnitudes = LEVELS[:8].float().to(weight.device)  # 0, 1, 2, 3, 4, 6, 8, 12: ascending
     indices, exponents = [], []
     for part in rows.split(max(1, (1 << 22) // k)):
         amax = part.abs().amax(-1)

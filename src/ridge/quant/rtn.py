@@ -215,7 +215,8 @@ def with_codes_as_levels(qw: QuantizedWeight) -> QuantizedWeight:
     if qw.levels is None:
         return qw
     wide = int(qw.levels.abs().max()).bit_length() + 1  # the bits the levels span, with a sign
-    return dataclasses.replace(qw, qweight=qw.levels[qw.qweight.long()].contiguous(), bits=max(wide, 5), levels=None)
+    levels = qw.levels.to(qw.qweight.device)
+    return dataclasses.replace(qw, qweight=levels[qw.qweight.long()].contiguous(), bits=max(wide, 5), levels=None)
 
 
 def cut_quantized(key: str, weight: QuantizedWeight, dim: int, index: torch.Tensor,

@@ -11,8 +11,8 @@ block of its tokens, and at batch 1 only the chosen experts' are read at all. Th
 in torch. This is vLLM's fused-MoE design (sorted, block-aligned choices and a grouped matmul); ridge's kernels and
 layout are its own.
 
-Dense experts in the model's dtype, SwiGLU or gpt-oss's clamped SwiGLU, with or without biases (stack_experts says
-why another block cannot use it).
+Dense experts in the model's dtype, SwiGLU, gpt-oss's clamped SwiGLU or Gemma's GELU-tanh gate, with or without
+biases (stack_experts says why another block cannot use it).
 Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1), which is how the test suite checks it.
 """
 
@@ -36,7 +36,7 @@ BLOCK_K = 64
 def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choice_weights_ptr, out_ptr, top_k,
                     hidden, width, limit, alpha, stride_x, stride_we, stride_wn, stride_be, stride_o,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                    FLOAT32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GATE: tl.constexpr,
                     SCALE_INPUT: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -66,10 +66,12 @@ def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, choices_ptr, block_experts_ptr, choi
         if HAS_BIAS:  # gate's, then up's, as the gate_up layer's bias holds them
             gate += tl.load(bias_ptr + expert * stride_be + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + expert * stride_be + width + n, mask=n < width, other=0.0).to(tl.float32)[None, :]
-        if CLAMPED:  # gpt-oss's (models/layers.py's GatedMLP)
+        if GATE == "swiglu_oai":  # gpt-oss's clamped SwiGLU (models/layers.py's GatedMLP)
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             act = gate * tl.sigmoid(gate * alpha) * (up + 1)
+        elif GATE == "gelu_tanh":  # 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
         else:
             act = gate * tl.sigmoid(gate) * up
         tl.store(out_ptr + choice[:, None] * stride_o + n[None, :], act.to(out_ptr.dtype.element_ty),
@@ -131,15 +133,17 @@ def expert_blocks(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 class FusedExperts:
     """A block's experts stacked: gate_up [E, 2 * width, hidden] (gate rows, then up rows) and down [E, hidden,
     width], as the experts' GatedMLPs hold them (whose weights become views of these), with their biases [E, rows]
-    where they have them; swiglu_limit set: gpt-oss's clamped SwiGLU (its slope swiglu_alpha); scale_input: Llama
-    4's experts, which read their tokens times the choices' weights and whose outputs join unweighted."""
+    where they have them; gate: the experts' activation (GatedMLP's: silu, swiglu_oai with its swiglu_limit and
+    slope swiglu_alpha, gelu_tanh); scale_input: Llama 4's experts, which read their tokens times the choices'
+    weights and whose outputs join unweighted."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     top_k: int
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
-    swiglu_limit: float | None = None
+    gate: str = "silu"
+    swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     scale_input: bool = False
 
@@ -160,9 +164,9 @@ class FusedExperts:
         choice_weights = weights.flatten().float().contiguous()
         _gate_up_kernel[(blocks, triton.cdiv(width, BLOCK_N))](
             x, self.gate_up, gate_up_bias, choices, block_experts, choice_weights, act, self.top_k, hidden, width,
-            self.swiglu_limit or 0.0, self.swiglu_alpha, x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1),
+            self.swiglu_limit, self.swiglu_alpha, x.stride(0), self.gate_up.stride(0), self.gate_up.stride(1),
             gate_up_bias.stride(0), act.stride(0), HAS_BIAS=self.gate_up_bias is not None,
-            CLAMPED=self.swiglu_limit is not None, SCALE_INPUT=self.scale_input, **flags)
+            GATE=self.gate, SCALE_INPUT=self.scale_input, **flags)
         _down_kernel[(blocks, triton.cdiv(hidden, BLOCK_N))](
             act, self.down, down_bias, choices, block_experts, choice_weights, out, hidden,
             width, act.stride(0), self.down.stride(0), self.down.stride(1), down_bias.stride(0), out.stride(0),
@@ -172,9 +176,9 @@ class FusedExperts:
 
 def stack_experts(experts: nn.ModuleList, top_k: int, scale_input: bool = False) -> tuple[FusedExperts | None, str]:
     """The experts (GatedMLPs) stacked for the kernels, their weights (and biases) then views of the stack; or None
-    and why they cannot be (quantized layers, a GELU gate). scale_input: FusedExperts'."""
+    and why they cannot be (quantized layers, a gate the kernel has not). scale_input: FusedExperts'."""
     for expert in experts:
-        if expert.activation not in ("silu", "swiglu_oai"):
+        if expert.activation not in ("silu", "swiglu_oai", "gelu_tanh"):
             return None, f"{expert.activation}-gated experts"
         for layer in (expert.gate_up, expert.down):
             if type(layer) is not nn.Linear:
@@ -185,9 +189,10 @@ def stack_experts(experts: nn.ModuleList, top_k: int, scale_input: bool = False)
         return None if tensors[0] is None else torch.stack([t.detach() for t in tensors])
 
     first = experts[0]
+    clamped = first.activation == "swiglu_oai"
     fused = FusedExperts(stacked("gate_up", "weight"), stacked("down", "weight"), top_k, stacked("gate_up", "bias"),
-                         stacked("down", "bias"), first.limit if first.activation == "swiglu_oai" else None,
-                         first.alpha, scale_input)
+                         stacked("down", "bias"), first.activation, first.limit if clamped else 0.0, first.alpha,
+                         scale_input)
     for i, expert in enumerate(experts):  # one copy of the weights: the experts' own read the stack
         expert.gate_up.weight = nn.Parameter(fused.gate_up[i], requires_grad=False)
         expert.down.weight = nn.Parameter(fused.down[i], requires_grad=False)
