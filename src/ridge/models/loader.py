@@ -656,16 +656,24 @@ _GRANITE_STACKED = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.(input|out
 def _split_stacked(tensors: Iterator[tuple[str, _Stored]], stacked: re.Pattern) -> Iterator[tuple[str, _Stored]]:
     """Each tensor whose name `stacked` matches, [experts, rows, columns], as one tensor an expert named
     `{name}.{expert}`, each read on its own (its slab of the file); every other tensor as it is."""
-    def expert(rows: torch.Tensor | None, index: int, stored: _Stored) -> torch.Tensor:
-        slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]
-        return slab if rows is None else slab[rows]
-
     for name, stored in tensors:
         if not stacked.fullmatch(name):
             yield name, stored
             continue
         for index in range(stored.shape[0]):
-            yield f"{name}.{index}", _Stored(stored.shape[1:], functools.partial(expert, index=index, stored=stored))
+            yield f"{name}.{index}", _expert_slab(stored, index, transposed=False)
+
+
+def _expert_slab(stored: _Stored, index: int, transposed: bool) -> _Stored:
+    """Expert `index` of a stacked tensor [experts, rows, columns], read on its own (its slab of the file);
+    transposed: the slab's transpose, contiguous ([in, out] stacks held as ridge's [out, in])."""
+    def read(rows: torch.Tensor | None) -> torch.Tensor:
+        slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]
+        weight = slab.T.contiguous() if transposed else slab
+        return weight if rows is None else weight[rows]
+
+    shape = tuple(stored.shape[1:])
+    return _Stored(shape[::-1] if transposed else shape, read)
 
 
 _NEMOTRON_H_BLOCK = re.compile(r"(?:backbone|model)\.layers\.(\d+)\.(?:norm\.weight|mixer\.(.+))")
@@ -744,15 +752,8 @@ def _split_hf_stacked_experts(tensors: Iterator[tuple[str, _Stored]],
         transposed = cfg.architecture == "llama4" or tuple(stored.shape[1:]) != shape
         if transposed and tuple(stored.shape[1:]) != shape[::-1]:
             raise ValueError(f"{name}: shape {list(stored.shape)}, not [experts, {shape[1]}, {shape[0]}]")
-
-        def expert(rows: torch.Tensor | None, index: int, stored: _Stored = stored,
-                   transposed: bool = transposed) -> torch.Tensor:
-            slab = torch.as_tensor(stored.read(torch.tensor([index])))[0]
-            weight = slab.T.contiguous() if transposed else slab
-            return weight if rows is None else weight[rows]
-
         for index in range(stored.shape[0]):
-            yield f"{prefix}.{index}.{kind}.weight", _Stored(shape, functools.partial(expert, index=index))
+            yield f"{prefix}.{index}.{kind}.weight", _expert_slab(stored, index, transposed)
 
 
 _STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj(_bias|_blocks|_scales)?")
