@@ -654,6 +654,68 @@ def test_a_random_cohere_written_as_gguf_reads_back_as_the_same_model(random_coh
     assert_same_logits(from_file, drawn)
 
 
+@pytest.fixture(scope="module")
+def random_starcoder2(tmp_path_factory):
+    """A tiny random StarCoder2: biases on q, k, v, o, the MLP's c_fc and c_proj and every LayerNorm (all drawn, as
+    the norms' weights are), its ungated GELU-tanh MLP, windows of 24 over prompts of up to 100 tokens."""
+    from transformers import AutoModelForCausalLM, Starcoder2Config
+
+    torch.manual_seed(0)
+    config = Starcoder2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                              norm_epsilon=1e-5, initializer_range=0.2, sliding_window=24, use_bias=True,
+                              bos_token_id=1, eos_token_id=2)
+    model = with_drawn_norms(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(param, 0.0, 0.3)
+    return saved(model, tmp_path_factory.mktemp("starcoder2"))
+
+
+def test_starcoder2_matches_hf(random_starcoder2, make_llm_for_test):
+    """LayerNorms with biases, biased projections, an ungated MLP and sliding windows: HF's logits and greedy tokens,
+    and the fused decode step (the three there too) equal to the Python path; two tensor-parallel ranks (the MLP's
+    up rows cut alone, not as a gate's and an up's) give one process's tokens."""
+    from ridge import SamplingParams
+
+    path, hf = random_starcoder2
+    llm = make_llm_for_test(path, dtype="float32")
+    cfg = llm.engine.loaded.config
+    assert (cfg.norm_kind, cfg.norm_bias, cfg.gated_mlp, cfg.mlp_bias, cfg.attention_out_bias, cfg.sliding_window) == (
+        "layer", True, False, True, True, 24)
+    assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
+    tp.engine.close()
+
+
+def test_a_random_starcoder2_written_as_gguf_reads_back_as_the_same_model(random_starcoder2, smollm2_path, tmp_path,
+                                                                           make_llm_for_test):
+    """StarCoder2 under llama.cpp's starcoder2: its LayerNorms' biases and epsilon, the ungated MLP's ffn_up alone,
+    the biases of every projection; the file loads as the model ridge draws. A window, which llama.cpp's starcoder2
+    does not run and a GGUF cannot say, is refused by name rather than dropped."""
+    import json
+
+    from conftest import gguf_round_trip
+    from ridge.bench.random_gguf import write_random_gguf
+    from ridge.models.random_weights import random_spec
+
+    config = {**json.loads((random_starcoder2[0] / "config.json").read_text()), "vocab_size": 49152,
+              "sliding_window": None}
+    from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    fields = ("norm_bias", "gated_mlp", "mlp_bias", "attention_out_bias", "rms_norm_eps", "sliding_window")
+    ours, theirs = (tuple(getattr(llm.engine.loaded.config, f) for f in fields) for llm in (from_file, drawn))
+    assert ours == pytest.approx(theirs) == (True, False, True, True, 1e-5, 0)  # the file's epsilon: a float32
+    assert_same_logits(from_file, drawn)
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        write_random_gguf(random_spec(f"random:{random_starcoder2[0]}"), tmp_path / "windowed.gguf", smollm2_path,
+                          float16=False)
+
+
 def test_qwen3_vl_moe_reads_its_stacked_experts_in_either_layout(tmp_path, make_llm_for_test):
     """Qwen3-VL-MoE's language model: its experts stacked one tensor per projection, as HF transformers saves them
     ([experts, out, in]) and as the published checkpoints hold them ([experts, in, out]): HF's logits from both, the

@@ -124,6 +124,19 @@ def test_mixtral_stores_46_7b_and_activates_12_9b_and_reads_the_same_from_its_co
                                                                               source="config.json")
 
 
+def test_starcoder2_3b_stores_3_03b_and_reads_the_same_from_its_config():
+    # 30 layers of attention 2 * 3072^2 + 2 * 3072 * 256 and an ungated MLP 2 * 3072 * 12288 (biases left out),
+    # the embedding 49152 * 3072 tied: 3.03B
+    assert close(a.count_parameters(PRESETS["starcoder2-3b"]).stored, 3.03e9, 0.002)
+    config = {"architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "vocab_size": 49152,
+              "hidden_size": 3072, "num_hidden_layers": 30, "num_attention_heads": 24, "num_key_value_heads": 2,
+              "intermediate_size": 12288, "hidden_act": "gelu_pytorch_tanh", "use_bias": True, "norm_epsilon": 1e-5,
+              "rope_theta": 999999.4420358813, "max_position_embeddings": 16384, "sliding_window": 4096,
+              "tie_word_embeddings": True}
+    assert spec_from_hf_config(config, "starcoder2-3b") == dataclasses.replace(PRESETS["starcoder2-3b"],
+                                                                               source="config.json")
+
+
 def test_gpt_oss_stores_116_8b_and_20_9b_and_activates_5_13b_and_3_61b_past_the_embedding():
     # OpenAI's model card: 116.83B with 5.13B active, and 20.91B with 3.61B; its active count leaves out the input
     # embedding (a lookup), which ridge's counts (0.58B); ridge's count has no biases or sinks (~40M)

@@ -73,6 +73,9 @@ class ModelConfig:
     # "silu" (SwiGLU), "gelu_tanh" (GeGLU), "swiglu_oai" (gpt-oss: below), or "relu2": up and down alone, the
     # squared ReLU between (Nemotron-H's)
     hidden_act: str = "silu"
+    # False: the dense MLP's up and down alone, the activation between (StarCoder2's GELU-tanh; relu2 always is)
+    gated_mlp: bool = True
+    mlp_bias: bool = False  # biases on the dense MLP's projections (StarCoder2)
     # gpt-oss's gated activation: gate clamped to <= swiglu_limit, up to [-limit, limit];
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: float = 7.0
@@ -80,7 +83,8 @@ class ModelConfig:
     embedding_scale: bool = False
     sandwich_norms: bool = False  # the mixer's and the MLP's outputs normed before they join the residual (Gemma)
     pre_norms: bool = True  # their inputs normed; OLMo-2 norms the outputs only (sandwich_norms without these)
-    norm_kind: str = "rms"  # or "layer": Cohere's LayerNorm without a bias (mean-centred)
+    norm_kind: str = "rms"  # or "layer": LayerNorm (mean-centred), with a bias where norm_bias (StarCoder2)
+    norm_bias: bool = False
     parallel_block: bool = False  # Cohere's: attention and the MLP read one normed input, their outputs summed
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
@@ -198,6 +202,10 @@ class ModelConfig:
             )
         if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai", "relu2"):
             raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai, relu2)")
+        if not self.gated_mlp and self.hidden_act not in ("gelu_tanh", "relu2"):
+            raise ValueError(f"hidden_act: an ungated MLP takes gelu_tanh or relu2, not {self.hidden_act!r}")
+        if self.norm_bias and self.norm_kind != "layer":
+            raise ValueError("norm_bias: only LayerNorms (norm_kind 'layer') have a bias")
         if self.ssm_layers and self.ssm_inner_size % self.ssm_groups:
             raise ValueError(f"ssm_groups ({self.ssm_groups}) must divide the SSM's width ({self.ssm_inner_size})")
         if self.ssm_layers and self.ssm_num_heads % self.ssm_groups:

@@ -65,7 +65,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
                       "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
-                      "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa", "gemma4": "gemma4"}
+                      "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa", "gemma4": "gemma4",
+                      "starcoder2": "starcoder2"}
 # the indexer key widths llama.cpp's glm-dsa runs: multiples of this, its Hadamard rotation's (docs/notes/moe-mla.md)
 GLM_DSA_INDEX_BLOCK = 64
 # a Nemotron-H with a mixture is llama.cpp's nemotron_h_moe
@@ -77,7 +78,10 @@ _LAYER_NAMES = {"input_norm.weight": "attn_norm.weight", "post_attn_norm.weight"
                 "attn.q_a_norm.weight": "attn_q_a_norm.weight", "attn.kv_a_norm.weight": "attn_kv_a_norm.weight",
                 "attn.o_proj.bias": "attn_output.bias", "attn.sinks": "attn_sinks.weight",
                 "mlp.router.bias": "ffn_gate_inp.bias", "attn_out_norm.weight": "post_attention_norm.weight",
-                "mlp_out_norm.weight": "post_ffw_norm.weight"}
+                "mlp_out_norm.weight": "post_ffw_norm.weight",
+                # StarCoder2's LayerNorm and MLP biases
+                "input_norm.bias": "attn_norm.bias", "post_attn_norm.bias": "ffn_norm.bias",
+                "mlp.down.bias": "ffn_down.bias"}
 # gpt-oss's, Qwen3.5's, GLM-4.5's and Seed-OSS's MLP input norm is their post_attention_norm (Gemma's sandwich norm
 # elsewhere)
 _POST_ATTENTION_NORM_NAMES = {**_LAYER_NAMES, "post_attn_norm.weight": "post_attention_norm.weight"}
@@ -200,6 +204,9 @@ def _check_writable(spec: ModelSpec) -> str:
                          "(global) and of the one before that (windowed); this model's last two layers that hold a "
                          f"cache are {'windowed' if spec.is_local(first_shared - 2) else 'global'} and "
                          f"{'windowed' if spec.is_local(first_shared - 1) else 'global'}")
+    if arch == "starcoder2" and spec.sliding_window:
+        raise ValueError(f"model: llama.cpp's starcoder2 attends without a window (a GGUF does not say one); this "
+                         f"model's window is {spec.sliding_window} tokens (sliding_window=0 draws it without)")
     if arch == "command-r" and spec.qk_norm_params:
         raise ValueError("model: writing Command R+'s per-head q / k LayerNorms (use_qk_norm) to a GGUF is not "
                          "supported")
@@ -398,6 +405,8 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon; the logits' scale (Granite's divisor inverted)
         writer.add_layer_norm_eps(spec.rms_norm_eps)
         writer.add_logit_scale(1 / cfg.logits_scaling)
+    if arch == "starcoder2":
+        writer.add_layer_norm_eps(spec.rms_norm_eps)
     if arch == "llama4":  # its experts' layer step; a window of 0: no chunks, NoPE or temperature (_check_llama4)
         writer.add_interleave_moe_layer_step(spec.moe_layer_step)
         if not spec.sliding_window:
@@ -579,6 +588,8 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
         yield "rope_factors_short.weight", torch.tensor(cfg.rope_scaling.short_factor)
     final_norm = "token_embd_norm" if cfg.architecture in ("lfm2", "lfm2_moe") else "output_norm"
     yield f"{final_norm}.weight", state["norm.weight"]
+    if "norm.bias" in state:  # StarCoder2's LayerNorm
+        yield f"{final_norm}.bias", state["norm.bias"]
     if "lm_head.weight" in state:
         yield "output.weight", state["lm_head.weight"]
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -600,9 +611,12 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                         if name in layer)
         if cfg.architecture == "phi3":  # its q / k / v kept fused
             yield f"blk.{i}.attn_qkv.weight", layer.pop("attn.qkv.weight")
-        if (cfg.architecture in ("phi3", "glm4") or cfg.hidden_act == "relu2") and "mlp.gate_up.weight" in layer:
+        ungated = not cfg.gated_mlp or cfg.hidden_act == "relu2"
+        if (cfg.architecture in ("phi3", "glm4") or ungated) and "mlp.gate_up.weight" in layer:
             # gate / up kept fused: llama.cpp's ffn_up holds both (an ungated MLP's: up alone)
             yield f"blk.{i}.ffn_up.weight", layer.pop("mlp.gate_up.weight")
+            if "mlp.gate_up.bias" in layer:  # StarCoder2's
+                yield f"blk.{i}.ffn_up.bias", layer.pop("mlp.gate_up.bias")
         for kind in ("weight", "bias"):
             if (fused := layer.get(f"attn.qkv.{kind}")) is not None:
                 queries = fused[:q]

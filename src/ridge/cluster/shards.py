@@ -257,9 +257,11 @@ class ShardPlan:
                     mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
                 if mlp.shared_expert is not None:
                     mlps["mlp.shared_expert"] = mlp.shared_expert
-            for name, gated in mlps.items():
-                cols = self.columns(gated.intermediate_size)
-                cuts[f"layers.{i}.{name}.gate_up"] = (0, torch.cat([cols, gated.intermediate_size + cols]))
+            for name, ffn in mlps.items():
+                cols = self.columns(ffn.intermediate_size)
+                # a gated FFN's gate_up holds its gate's rows, then its up's; an ungated one's, up's alone
+                rows = torch.cat([cols, ffn.intermediate_size + cols]) if ffn.gated else cols
+                cuts[f"layers.{i}.{name}.gate_up"] = (0, rows)
                 cuts[f"layers.{i}.{name}.down"] = (1, cols)
         return cuts
 

@@ -94,8 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("parts"), py::arg("bias"))
       .def("__call__", &Linear::operator(), py::arg("x"));
   py::class_<Activation>(m, "Activation", "a gated MLP's activation (models/layers.py's GatedMLP)")
-      .def(py::init<const std::string&, double, double>(), py::arg("name"), py::arg("limit") = 0.0,
-           py::arg("alpha") = 1.0);
+      .def(py::init<const std::string&, double, double, bool>(), py::arg("name"), py::arg("limit") = 0.0,
+           py::arg("alpha") = 1.0, py::arg("gated") = true);
   py::class_<Experts>(m, "Experts", "a mixture-of-experts MLP: its router and experts (models/moe.py)")
       .def(py::init([](torch::Tensor router, c10::optional<torch::Tensor> router_bias, int64_t top_k, int64_t groups,
                        int64_t topk_groups, bool sigmoid, bool renormalize, bool group_top2, double scaling,
@@ -144,7 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
                        double residual_multiplier, std::optional<StateMixer> ssm,
                        std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate,
-                       bool parallel, bool tempered) {
+                       bool parallel, bool tempered, c10::optional<torch::Tensor> input_norm_bias,
+                       c10::optional<torch::Tensor> post_attn_norm_bias) {
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -161,6 +162,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.output_gate = output_gate;
              layer.parallel = parallel;
              layer.tempered = tempered;
+             layer.input_norm_bias = input_norm_bias;
+             layer.post_attn_norm_bias = post_attn_norm_bias;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -171,7 +174,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("sinks") = py::none(), py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(),
            py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none(),
            py::arg("gated_delta") = py::none(), py::arg("output_gate") = false, py::arg("parallel") = false,
-           py::arg("tempered") = false);
+           py::arg("tempered") = false, py::arg("input_norm_bias") = py::none(),
+           py::arg("post_attn_norm_bias") = py::none());
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
@@ -216,10 +220,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mass") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers and final norm in one call")
       .def(py::init<std::vector<Layer>, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double,
-                    py::object, bool, bool>(),
+                    py::object, bool, bool, c10::optional<torch::Tensor>>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("rope_table"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("all_reduce") = py::none(),
-           py::arg("residual_in_fp32") = false, py::arg("layer_norm") = false)
+           py::arg("residual_in_fp32") = false, py::arg("layer_norm") = false,
+           py::arg("final_norm_bias") = py::none())
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none(),

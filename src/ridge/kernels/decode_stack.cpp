@@ -130,7 +130,8 @@ std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) c
   return {experts, scaling != 1.0 ? weights * scaling : weights};
 }
 
-Activation::Activation(const std::string& name, double limit, double alpha) : limit(limit), alpha(alpha) {
+Activation::Activation(const std::string& name, double limit, double alpha, bool gated)
+    : limit(limit), alpha(alpha), gated(gated) {
   if (name == "silu") {
     kind = Kind::kSilu;
   } else if (name == "gelu_tanh") {
@@ -139,14 +140,18 @@ Activation::Activation(const std::string& name, double limit, double alpha) : li
     kind = Kind::kSwigluOai;
   } else if (name == "relu2") {
     kind = Kind::kRelu2;
+    this->gated = false;
   } else {
     TORCH_CHECK(false, "Activation: silu, gelu_tanh, swiglu_oai or relu2, not ", name);
   }
+  TORCH_CHECK(this->gated || kind == Kind::kRelu2 || kind == Kind::kGeluTanh,
+              "Activation: an ungated MLP takes relu2 or gelu_tanh, not ", name);
 }
 
 torch::Tensor Activation::operator()(const torch::Tensor& gate_up) const {
   if (kind == Kind::kSilu) return silu_mul(gate_up);
   if (kind == Kind::kRelu2) return at::relu(gate_up).square();  // up alone: no gate
+  if (!gated) return at::gelu(gate_up, "tanh");
   const auto halves = gate_up.chunk(2, -1);
   if (kind == Kind::kGeluTanh) return at::gelu(halves[0], "tanh") * halves[1];
   const auto gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);
@@ -209,12 +214,15 @@ torch::Tensor Experts::operator()(const torch::Tensor& x) const {
 
 DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-                         py::object all_reduce, bool residual_in_fp32, bool layer_norm)
-    : layers(std::move(layers)), final_norm(std::move(final_norm)), rope_table(std::move(rope_table)),
+                         py::object all_reduce, bool residual_in_fp32, bool layer_norm,
+                         c10::optional<torch::Tensor> final_norm_bias)
+    : layers(std::move(layers)), final_norm(std::move(final_norm)), final_norm_bias(std::move(final_norm_bias)),
+      rope_table(std::move(rope_table)),
       heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), scale(scale),
       residual_in_fp32(residual_in_fp32), layer_norm(layer_norm), all_reduce(std::move(all_reduce)) {
   TORCH_CHECK(this->rope_table.is_contiguous() && this->rope_table.scalar_type() == torch::kFloat,
               "DecodeStack: rope_table float32 [max_positions, head_dim / 2, 2]");
+  TORCH_CHECK(layer_norm || !this->final_norm_bias.has_value(), "DecodeStack: only LayerNorms have a bias");
 }
 
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
@@ -239,9 +247,9 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     torch::Tensor h;
     if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
       residual = residual_in_fp32 ? x.to(torch::kFloat) : x;
-      h = layer.input_norm.has_value() ? norm_(x, *layer.input_norm) : x;
+      h = layer.input_norm.has_value() ? norm_(x, *layer.input_norm, layer.input_norm_bias) : x;
     } else {
-      h = add_norm_(residual, x, layer.input_norm);
+      h = add_norm_(residual, x, layer.input_norm, layer.input_norm_bias);
     }
     if (layer.ssm.has_value() || layer.short_conv.has_value() || layer.gated_delta.has_value()) {
       TORCH_CHECK(state_slots.has_value(), "DecodeStack: a state-space layer needs the rows' state slots");
@@ -258,33 +266,36 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     reduce_(x);
     x = branch_output(layer, x, layer.attn_out_norm);
     if (layer.parallel || !layer.has_mlp()) continue;
-    h = add_norm_(residual, x, layer.post_attn_norm);
+    h = add_norm_(residual, x, layer.post_attn_norm, layer.post_attn_norm_bias);
     x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
     reduce_(x);
     x = branch_output(layer, x, layer.mlp_out_norm);
   }
-  return add_norm_(residual, x, final_norm);
+  return add_norm_(residual, x, final_norm, final_norm_bias);
 }
 
 // models/layers.py's RMSNorm.forward with a residual: a float32 stream is added to and read back rounded; without a
 // norm, ResidualAdd.forward's: the stream itself, a copy in x's dtype
 torch::Tensor DecodeStack::add_norm_(torch::Tensor& residual, const torch::Tensor& x,
-                                     const c10::optional<torch::Tensor>& weight) const {
+                                     const c10::optional<torch::Tensor>& weight,
+                                     const c10::optional<torch::Tensor>& bias) const {
   if (!weight.has_value()) {
     residual.add_(x);
     return residual.to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
   if (layer_norm || residual.scalar_type() != x.scalar_type()) {
     residual.add_(x);
-    return norm_(residual.to(x.scalar_type()), *weight);
+    return norm_(residual.to(x.scalar_type()), *weight, bias);
   }
   return add_rms_norm_(residual, x, *weight, eps);
 }
 
-// models/layers.py's RMSNorm, or its LayerNorm (Cohere's: no bias, computed in float32)
-torch::Tensor DecodeStack::norm_(const torch::Tensor& x, const torch::Tensor& weight) const {
+// models/layers.py's RMSNorm, or its LayerNorm (computed in float32; Cohere's without a bias, StarCoder2's with)
+torch::Tensor DecodeStack::norm_(const torch::Tensor& x, const torch::Tensor& weight,
+                                 const c10::optional<torch::Tensor>& bias) const {
   if (!layer_norm) return at::rms_norm(x, {x.size(1)}, weight, eps);
-  return at::layer_norm(x.to(torch::kFloat), {x.size(1)}, weight.to(torch::kFloat), c10::nullopt, eps)
+  const auto float_bias = bias.has_value() ? c10::optional<torch::Tensor>(bias->to(torch::kFloat)) : c10::nullopt;
+  return at::layer_norm(x.to(torch::kFloat), {x.size(1)}, weight.to(torch::kFloat), float_bias, eps)
       .to(x.scalar_type());
 }
 

@@ -52,14 +52,16 @@ struct Linear {
 
 // A gated MLP's activation of its gate|up halves (models/layers.py's GatedMLP), op for op: SwiGLU (silu_mul), GeGLU
 // (tanh-approximated gelu: Gemma), or gpt-oss's SwiGLU with the gate clamped above and up on both sides at `limit`,
-// gate * sigmoid(alpha * gate) * (up + 1); or, ungated, Nemotron-H's squared ReLU of up alone.
+// gate * sigmoid(alpha * gate) * (up + 1); or, ungated (gate_up holds up alone), Nemotron-H's squared ReLU or
+// StarCoder2's tanh-approximated gelu of up.
 struct Activation {
   enum class Kind { kSilu, kGeluTanh, kSwigluOai, kRelu2 };
   Kind kind = Kind::kSilu;
   double limit = 0.0, alpha = 1.0;  // swiglu_oai's
+  bool gated = true;                // false for relu2 always, and for an ungated gelu_tanh
 
   Activation() = default;
-  Activation(const std::string& name, double limit, double alpha);
+  Activation(const std::string& name, double limit, double alpha, bool gated);
   torch::Tensor operator()(const torch::Tensor& gate_up) const;
 };
 
@@ -174,6 +176,7 @@ struct Layer {
   double residual_multiplier = 1.0;  // Granite: each branch's output scaled before it joins
   bool parallel = false;  // Cohere's: the MLP reads the mixer's normed input, the two outputs join as one branch
   bool tempered = false;  // its queries times the step's query_scales (a model's attention temperature), where given
+  c10::optional<torch::Tensor> input_norm_bias, post_attn_norm_bias;  // LayerNorms' biases (StarCoder2's)
 
   // an MLP after the mixer: a dense one or a mixture (Mamba-2's own layers have none)
   bool has_mlp() const { return experts.has_value() || !down.parts.empty(); }
@@ -190,18 +193,19 @@ struct GroupStep {
 struct DecodeStack {
   std::vector<Layer> layers;
   torch::Tensor final_norm;
+  c10::optional<torch::Tensor> final_norm_bias;
   torch::Tensor rope_table;  // float32 [max_positions, head_dim / 2, 2] = (cos, sin)
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
   bool residual_in_fp32 = false;  // Mamba-2's: the residual stream adds in float32, each norm reads it rounded
-  bool layer_norm = false;  // Cohere's norms: LayerNorm without a bias (mean-centred, in float32); else RMSNorm
+  bool layer_norm = false;  // LayerNorms (mean-centred, in float32), with the biases given; else RMSNorms
   // under tensor parallelism: the group's in-place sum of a layer's partial attention and MLP outputs (a Python
   // callable, cluster/collectives.py's all_reduce_), called with the GIL taken back; None in one process
   py::object all_reduce;
 
   DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, torch::Tensor rope_table, int64_t heads,
               int64_t kv_heads, int64_t head_dim, double eps, double scale, py::object all_reduce,
-              bool residual_in_fp32, bool layer_norm);
+              bool residual_in_fp32, bool layer_norm, c10::optional<torch::Tensor> final_norm_bias);
   // x: the embeddings [B, hidden] of B decode tokens, one per sequence -> the final norm's output [B, hidden];
   // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
   // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers);
@@ -221,11 +225,12 @@ struct DecodeStack {
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor gated_delta(const GatedDelta& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor branch_output(const Layer& layer, torch::Tensor x, const c10::optional<torch::Tensor>& norm) const;
-  // the stack's norm of x (RMSNorm, or LayerNorm under layer_norm)
-  torch::Tensor norm_(const torch::Tensor& x, const torch::Tensor& weight) const;
+  // the stack's norm of x (RMSNorm, or LayerNorm under layer_norm, with its bias where it has one)
+  torch::Tensor norm_(const torch::Tensor& x, const torch::Tensor& weight,
+                      const c10::optional<torch::Tensor>& bias = c10::nullopt) const;
   // residual += x, then the norm of the sum (without a norm: a copy of the sum)
-  torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x,
-                          const c10::optional<torch::Tensor>& weight) const;
+  torch::Tensor add_norm_(torch::Tensor& residual, const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,
+                          const c10::optional<torch::Tensor>& bias = c10::nullopt) const;
   void reduce_(const torch::Tensor& x) const;
 };
 

@@ -35,7 +35,7 @@ from ridge.kv.state_cache import StateCache, StateStep
 from ridge.linear import Int4Linear, native_linear
 from ridge.linear.rows import FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS, TILED_MIN_ROWS
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP, L2Norm, RMSNorm
+from ridge.models.layers import Attention, DecoderLayer, GatedMLP, L2Norm, LayerNorm, RMSNorm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MoEBlock
@@ -111,9 +111,9 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
 
 
 def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:
-    """The stack's form of a gated MLP's activation (ops.Activation)."""
+    """The stack's form of an MLP's activation (ops.Activation), gated or not."""
     clamped = mlp.activation == "swiglu_oai"  # gpt-oss's: its limit and alpha
-    return ops.Activation(mlp.activation, mlp.limit if clamped else 0.0, mlp.alpha if clamped else 1.0)
+    return ops.Activation(mlp.activation, mlp.limit if clamped else 0.0, mlp.alpha if clamped else 1.0, mlp.gated)
 
 
 def latent_projections(ops: ModuleType, attn: LatentAttention, index_cache: torch.Tensor | None = None) -> Any:
@@ -220,13 +220,15 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 mlp_out_norm=layer.mlp_out_norm.weight if sandwich else None,
                                 residual_multiplier=layer.residual_multiplier,
                                 output_gate=isinstance(attn, Attention) and attn.gated, parallel=layer.parallel,
-                                tempered=rotary.temperature is not None))
+                                tempered=rotary.temperature is not None,
+                                input_norm_bias=_norm_bias(layer.input_norm),
+                                post_attn_norm_bias=_norm_bias(layer.post_attn_norm)))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
     return DecodeStack(ops.DecodeStack(layers, model.norm.weight, rope_table, cfg.num_heads, cfg.num_kv_heads,
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
-                                       cfg.residual_in_fp32, cfg.norm_kind == "layer"),
+                                       cfg.residual_in_fp32, cfg.norm_kind == "layer", _norm_bias(model.norm)),
                        max_rows(model), ops, state_space=bool(mixers), temperature=cfg.attention_temperature,
                        max_table_blocks=_sparse_attention_blocks(cfg, backend.block_size))
 
@@ -288,3 +290,8 @@ def _qk_norm_weights(attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor,
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
     """A pre-norm's weight; None where the layer has none there (OLMo-2's ResidualAdd, or no MLP)."""
     return norm.weight if isinstance(norm, RMSNorm) else None
+
+
+def _norm_bias(norm: nn.Module | None) -> torch.Tensor | None:
+    """A LayerNorm's bias (StarCoder2's); None for every other norm."""
+    return norm.bias if isinstance(norm, LayerNorm) else None

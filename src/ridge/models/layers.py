@@ -44,8 +44,12 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(RMSNorm):
-    """Cohere's LayerNorm: mean-centred, a weight and no bias, computed in float32; RMSNorm's (x, residual)
-    convention."""
+    """LayerNorm, mean-centred, computed in float32: a weight and no bias (Cohere's), or both (StarCoder2's);
+    RMSNorm's (x, residual) convention."""
+
+    def __init__(self, dim: int, eps: float, bias: bool = False) -> None:
+        super().__init__(dim, eps)
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -56,7 +60,8 @@ class LayerNorm(RMSNorm):
         return self._norm(residual.to(x.dtype)), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps).to(x.dtype)
 
 
 class HeadLayerNorm(nn.Module):
@@ -85,8 +90,10 @@ class L2Norm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig) -> RMSNorm:
-    """A hidden-wide norm of the model's kind (RMSNorm, or Cohere's LayerNorm)."""
-    return (LayerNorm if cfg.norm_kind == "layer" else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+    """A hidden-wide norm of the model's kind (RMSNorm, or a LayerNorm)."""
+    if cfg.norm_kind == "layer":
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_bias)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class ResidualAdd(nn.Module):
@@ -305,14 +312,16 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate) * up): SwiGLU (silu), GeGLU (tanh-approximated gelu, Gemma), or gpt-oss's clamped SwiGLU
-    (swiglu_oai, ModelConfig); or, ungated, down(relu(up)^2) (relu2, Nemotron-H's: gate_up holds up alone)."""
+    (swiglu_oai, ModelConfig); or, ungated (gate_up holds up alone), down(relu(up)^2) (relu2, Nemotron-H's) or
+    down(gelu_tanh(up)) (StarCoder2's dense MLP)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False,
+                 gated: bool = True) -> None:
         """intermediate_size: the width, where not the model's dense FFN's (an expert's); bias: on both
-        projections (gpt-oss's experts)."""
+        projections (gpt-oss's experts, StarCoder2's MLP); gated False: up and down alone (relu2 always is)."""
         super().__init__()
         self.intermediate_size = width = intermediate_size or cfg.intermediate_size
-        self.gated = cfg.hidden_act != "relu2"
+        self.gated = gated and cfg.hidden_act != "relu2"
         self.gate_up = nn.Linear(cfg.hidden_size, (2 if self.gated else 1) * width, bias=bias)
         self.down = nn.Linear(width, cfg.hidden_size, bias=bias)
         self.activation = cfg.hidden_act
@@ -322,6 +331,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if not self.gated:
+            if self.activation == "gelu_tanh":
+                return self.down(F.gelu(gate_up, approximate="tanh"))
             return self.down(torch.relu(gate_up).square())
         if self.ops is not None and self.activation == "silu":
             return self.down(self.ops.silu_mul(gate_up))

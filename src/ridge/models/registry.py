@@ -54,6 +54,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # (Command R+'s use_qk_norm: a LayerNorm over each head of q and of k, each head its own weight)
     "cohere": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
     "cohere2": {"norm_kind": "layer", "parallel_block": True, "rope_interleave": True},
+    # LayerNorms with biases, biased projections and an ungated GELU-tanh MLP (spec.py's _starcoder2_fields)
+    "starcoder2": {"norm_kind": "layer", "norm_bias": True},
     "gemma": {"embedding_scale": True, "norm_weight_offset": 1.0},  # Gemma 1, CodeGemma: GeGLU (its config's)
     "gemma2": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0},
     "gemma3": {"embedding_scale": True, "sandwich_norms": True, "norm_weight_offset": 1.0, "qk_norm": True},
@@ -172,6 +174,7 @@ _HF_NAMES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
+    "Starcoder2ForCausalLM": "starcoder2",
     "command-r": "cohere",  # GGUF general.architecture
     "cohere2": "cohere2",  # GGUF general.architecture too
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
@@ -291,7 +294,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                          f"supported ({', '.join(_SPARSE_ATTENTION)})")
     if spec.is_mla and spec.qkv_bias:
         raise ValueError(f"{spec.source}: attention_bias: biases on latent attention's projections are not supported")
-    if spec.mlp_bias:
+    if spec.mlp_bias and arch != "starcoder2":
         raise ValueError(f"{spec.source}: mlp_bias: biases on the FFN's projections are not supported")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
@@ -336,6 +339,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "rope_local_theta": spec.rope_local_theta,
         "nope_layers": spec.nope_layers,
         "hidden_act": spec.hidden_act,
+        "gated_mlp": spec.gated_ffn,
+        "mlp_bias": spec.mlp_bias,
         "query_pre_attn_scalar": spec.query_pre_attn_scalar,
         "attn_logit_softcap": spec.attn_logit_softcap,
         "final_logit_softcap": spec.final_logit_softcap,

@@ -311,6 +311,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     fields.update(_granite_moe_fields(config, fields, source))
     fields.update(_llama4_fields(config, fields, source))
     fields.update(_gemma4_fields(config, source))
+    fields.update(_starcoder2_fields(config))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
@@ -384,6 +385,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     half = config.get("model_type") == "glm4"  # HF's Glm4Config: half of each head where a config does not say
     fields.setdefault("partial_rotary_factor", float(config.get("partial_rotary_factor", scaling.get(
         "partial_rotary_factor", 0.5 if half else 1.0))))
+    fields.setdefault("mlp_bias", bool(config.get("mlp_bias", False)))
     _refuse_minimax_variants(config, source)
     _refuse_shared_indexer_layers(config, source)
     _refuse_ernie_variants(config, fields, source)
@@ -393,7 +395,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     return ModelSpec(
         name=name, source=source, architecture=architecture,
         rms_norm_eps=float(config.get("rms_norm_eps", config.get("layer_norm_epsilon", config.get(
-            "layer_norm_eps", config.get("norm_eps", 1e-6))))),
+            "layer_norm_eps", config.get("norm_eps", config.get("norm_epsilon", 1e-6)))))),
         rope_theta=float(config.get("rope_theta", scaling.get("rope_theta", 10000.0))),
         # kept for a temperature too (models/registry.py reads it), where the rotary itself is plain
         rope_scaling=None if rope_type in ("default", None) and not scaling.get("llama_4_scaling_beta")
@@ -409,7 +411,6 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
                                   else None),
         moe_layer_step=int(config.get("decoder_sparse_step") or fields.pop("moe_layer_step", 1)),
         clip_qkv=config.get("clip_qkv"),
-        mlp_bias=bool(config.get("mlp_bias", False)),
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
         attention_multiplier=config.get("attention_multiplier"),
@@ -422,6 +423,15 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rope_interleave=bool(config.get("rope_interleave", config.get("model_type") in _INTERLEAVED_LATENT_ROTARY)),
         **fields,
     ).validate()
+
+
+def _starcoder2_fields(config: dict) -> dict:
+    """StarCoder2's: one use_bias for all six projections (q, k, v, o and the MLP's two), and an ungated MLP (its
+    GELU-tanh between c_fc and c_proj); its LayerNorms always have biases (registry.py's)."""
+    if config.get("model_type") != "starcoder2":
+        return {}
+    bias = bool(config.get("use_bias", True))
+    return {"qkv_bias": bias, "attention_out_bias": bias, "mlp_bias": bias, "gated_ffn": False}
 
 
 # the latent-attention families whose checkpoints interleave their rotary dims where a config does not say
@@ -892,6 +902,10 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, and the logits' scale (Granite's divisor inverted)
         fields["rms_norm_eps"] = float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5))
         fields["logits_scaling"] = 1 / float(value(f"{arch}.logit_scale", 1.0))
+    if arch == "starcoder2":  # LayerNorm's epsilon, biases where the file has them, an ungated GELU-tanh MLP
+        fields.update(rms_norm_eps=float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5)),
+                      attention_out_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names,
+                      gated_ffn="blk.0.ffn_gate.weight" in names, hidden_act="gelu_tanh")
     if arch == "ernie4_5-moe":  # leading dense layers, then experts on every layer
         fields["first_dense_layers"] = int(value(f"{arch}.leading_dense_block_count", 0))
         if (step := int(value(f"{arch}.interleave_moe_layer_step", 1))) != 1:

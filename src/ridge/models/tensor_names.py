@@ -144,6 +144,11 @@ HF_GLM4_NAMES = [(r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "la
 # and under llama.cpp's names: attn_qkv, and ffn_up holding gate and up (Phi-3's, GLM-4's)
 GGUF_PHI3_NAMES = [(r"blk\.(\d+)\.attn_qkv\.(weight|bias)", "layers.{0}.attn.qkv.{1}", None),
                    (r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
+# StarCoder2: LayerNorms with biases, and an ungated MLP whose up projection is c_fc (gate_up holds it alone)
+HF_STARCODER2_NAMES = [(r"model\.norm\.bias", "norm.bias", None), *[
+    (r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
+        (r"input_layernorm\.bias", "input_norm.bias"), (r"post_attention_layernorm\.bias", "post_attn_norm.bias"),
+        (r"mlp\.c_fc\.(weight|bias)", "mlp.gate_up.{1}"), (r"mlp\.c_proj\.(weight|bias)", "mlp.down.{1}")]]]
 # Llama 4: its FFN's own name (feed_forward), its router, shared expert and dense FFN there (the loader splits its
 # stacked experts into these names)
 HF_LLAMA4_NAMES = [(r"model\.layers\.(\d+)\.feed_forward\." + source, "layers.{0}.mlp." + target, slot)
@@ -280,6 +285,7 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_GLM4_NAMES + HF_PHI3_NAMES if cfg.architecture == "glm4"
               else HF_LLAMA4_NAMES if cfg.architecture == "llama4"
               else HF_NEMOTRON_H_NAMES if cfg.architecture == "nemotron_h"
+              else HF_STARCODER2_NAMES if cfg.architecture == "starcoder2"
               else HF_GEMMA4_NAMES + (HF_GEMMA4_MOE_NAMES if cfg.moe_beside_mlp else []) if cfg.architecture == "gemma4"
               else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
@@ -312,13 +318,20 @@ GGUF_GEMMA4_MOE_NAMES = [(r"blk\.(\d+)\." + source, "layers.{0}.mlp." + target, 
 GGUF_NEMOTRON_H_NAMES = [(r"blk\.(\d+)\.ffn_up\.weight", "layers.{0}.mlp.gate_up.weight", None)]
 
 
+# StarCoder2 under llama.cpp's names: LayerNorms with biases, the ungated MLP's ffn_up alone, biases on both
+GGUF_STARCODER2_NAMES = [(r"output_norm\.bias", "norm.bias", None), *[
+    (r"blk\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
+        (r"attn_norm\.bias", "input_norm.bias"), (r"ffn_norm\.bias", "post_attn_norm.bias"),
+        (r"ffn_up\.(weight|bias)", "mlp.gate_up.{1}"), (r"ffn_down\.(weight|bias)", "mlp.down.{1}")]]]
+
+
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,
               "seed_oss": GGUF_MLP_INPUT_NORM, "phi3": GGUF_PHI3_NAMES,
-              "glm4": GGUF_PHI3_NAMES, "nemotron_h": GGUF_NEMOTRON_H_NAMES,
+              "glm4": GGUF_PHI3_NAMES, "nemotron_h": GGUF_NEMOTRON_H_NAMES, "starcoder2": GGUF_STARCODER2_NAMES,
               "gemma4": GGUF_GEMMA4_NAMES + (GGUF_GEMMA4_MOE_NAMES if cfg.moe_beside_mlp else [])
               }.get(cfg.architecture, [])
     return ((GGUF_MLA_NAMES if cfg.is_mla else []) + family + (GGUF_SSM_NAMES if cfg.ssm_layers else [])

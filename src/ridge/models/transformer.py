@@ -59,7 +59,7 @@ class DecoderModel(nn.Module):
         if cfg.is_moe_layer(layer):
             return MLPBesideExperts(cfg) if cfg.moe_beside_mlp else MoEBlock(cfg)
         double_wide = cfg.double_wide_shared_mlp and cfg.kv_source(layer) != layer
-        return GatedMLP(cfg, 2 * cfg.intermediate_size if double_wide else None)
+        return GatedMLP(cfg, 2 * cfg.intermediate_size if double_wide else None, cfg.mlp_bias, cfg.gated_mlp)
 
     def make_rotary(self) -> None:
         """The rotary tables (buffers, not weights: made when the weights replace the meta device's): one for

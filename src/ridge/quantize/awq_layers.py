@@ -64,7 +64,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
         return sum(float((mlp(m) - ref).double().square().sum()) for m, ref in zip(mlp_in, mlp_ref, strict=True))
 
     s = _search_block(attn.qkv.weight, _rms(attn_in), group_size, integer_zeros, attn_error)
-    layer.input_norm.weight.div_(s.to(layer.input_norm.weight.dtype))
+    _fold_into_norm(layer.input_norm, s)
     attn.qkv.weight.mul_(s.to(attn.qkv.weight.dtype))
     if scale_o_proj:
         s, _ = awq_scales(attn.o_proj.weight, _gram(inner["o_proj"]), group_size, integer_zeros)
@@ -75,11 +75,21 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
             attn.qkv.bias[v_rows].div_(s.to(attn.qkv.bias.dtype))
         attn.o_proj.weight.mul_(s.to(attn.o_proj.weight.dtype))
     s = _search_block(mlp.gate_up.weight, _rms(mlp_in), group_size, integer_zeros, mlp_error)
-    layer.post_attn_norm.weight.div_(s.to(layer.post_attn_norm.weight.dtype))
+    _fold_into_norm(layer.post_attn_norm, s)
     mlp.gate_up.weight.mul_(s.to(mlp.gate_up.weight.dtype))
+    if not mlp.gated:  # down's input is the activation of up itself, which no row scale passes through
+        return
     s, _ = awq_scales(mlp.down.weight, _gram(inner["down"]), group_size, integer_zeros)
     mlp.gate_up.weight[mlp.intermediate_size:].div_(s[:, None].to(mlp.gate_up.weight.dtype))
     mlp.down.weight.mul_(s.to(mlp.down.weight.dtype))
+
+
+def _fold_into_norm(norm: torch.nn.Module, s: torch.Tensor) -> None:
+    """The norm's output divided by s, the linears after it taking s into their columns: its weight (and a
+    LayerNorm's bias) divided."""
+    norm.weight.div_(s.to(norm.weight.dtype))
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.div_(s.to(norm.bias.dtype))
 
 
 def _gram(xs: list[torch.Tensor]) -> torch.Tensor:
