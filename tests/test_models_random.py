@@ -613,7 +613,6 @@ def test_command_r_plus_s_per_head_q_k_layernorms_match_hf(tmp_path, make_llm_fo
     tensor-parallel ranks (each holding its heads' weights); its GGUF form is refused by name, not written."""
     from transformers import AutoModelForCausalLM, CohereConfig
 
-    from ridge import SamplingParams
     from ridge.bench.random_gguf import write_random_gguf
     from ridge.models.random_weights import random_spec
 
@@ -627,14 +626,21 @@ def test_command_r_plus_s_per_head_q_k_layernorms_match_hf(tmp_path, make_llm_fo
     attn = llm.engine.loaded.model.layers[0].attn
     assert attn.q_norm.weight.shape == (4, 16) and attn.k_norm.weight.shape == (2, 16)
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
+    assert_two_ranks_give_one_process_s_tokens(make_llm_for_test, llm, path)
+    with pytest.raises(ValueError, match="use_qk_norm"):
+        write_random_gguf(random_spec(f"random:{path}"), tmp_path / "model.gguf", path, float16=False)
+
+
+def assert_two_ranks_give_one_process_s_tokens(make_llm_for_test, llm, path) -> None:
+    """`llm`'s greedy tokens for three prompts, and those of the same model over two tensor-parallel ranks: equal."""
+    from ridge import SamplingParams
+
     prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
     tp.engine.close()
-    with pytest.raises(ValueError, match="use_qk_norm"):
-        write_random_gguf(random_spec(f"random:{path}"), tmp_path / "model.gguf", path, float16=False)
 
 
 def test_a_random_cohere_written_as_gguf_reads_back_as_the_same_model(random_cohere, smollm2_path, tmp_path,
@@ -677,20 +683,13 @@ def test_starcoder2_matches_hf(random_starcoder2, make_llm_for_test):
     """LayerNorms with biases, biased projections, an ungated MLP and sliding windows: HF's logits and greedy tokens,
     and the fused decode step (the three there too) equal to the Python path; two tensor-parallel ranks (the MLP's
     up rows cut alone, not as a gate's and an up's) give one process's tokens."""
-    from ridge import SamplingParams
-
     path, hf = random_starcoder2
     llm = make_llm_for_test(path, dtype="float32")
     cfg = llm.engine.loaded.config
     assert (cfg.norm_kind, cfg.norm_bias, cfg.gated_mlp, cfg.mlp_bias, cfg.attention_out_bias, cfg.sliding_window) == (
         "layer", True, False, True, True, 24)
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
-    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    one = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
-    tp.engine.close()
+    assert_two_ranks_give_one_process_s_tokens(make_llm_for_test, llm, path)
 
 
 def test_a_random_starcoder2_written_as_gguf_reads_back_as_the_same_model(random_starcoder2, smollm2_path, tmp_path,
