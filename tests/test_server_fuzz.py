@@ -142,7 +142,7 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
     seen: dict[int, int] = {}
     http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
-    @settings(max_examples=500, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=250, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.one_of(requests(), engine_requests()))
     def one(request: tuple[str, dict]) -> None:
