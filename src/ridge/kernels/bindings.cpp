@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("parts"), py::arg("bias"))
       .def("__call__", &Linear::operator(), py::arg("x"));
-  py::class_<Activation>(m, "Activation", "a gated MLP's activation (models/layers.py's GatedMLP)")
+  py::class_<Activation>(m, "Activation", "an MLP's activation, gated or not (models/layers.py's GatedMLP)")
       .def(py::init<const std::string&, double, double, bool>(), py::arg("name"), py::arg("limit") = 0.0,
            py::arg("alpha") = 1.0, py::arg("gated") = true);
   py::class_<Experts>(m, "Experts", "a mixture-of-experts MLP: its router and experts (models/moe.py)")
