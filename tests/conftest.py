@@ -391,6 +391,24 @@ def assert_same_logits(from_file, drawn, tokens: int = 70) -> None:
     assert torch.allclose(from_file.engine.prompt_logits(ids), drawn.engine.prompt_logits(ids), atol=1e-5)
 
 
+def blocks_moved_between_engines(make_llm_for_test, path, vocab: int):
+    """A prompt of 50-60 tokens prefilled and decoded by one engine, its blocks exported and imported into a second,
+    which decodes it from them to the first's tokens: (the first engine, the prompt, the exported blocks, the
+    import's count of blocks taken)."""
+    from ridge.engine.kv_transfer import export_prefix, import_prefix
+
+    common = {"dtype": "float32", "kv_cache_memory": "4MiB"}
+    prefill, decode = make_llm_for_test(path, **common), make_llm_for_test(path, **common)
+    (prompt,) = random_prompts(1, vocab, 50, 60, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (expected,) = prefill.generate(prompt, params)
+    blocks = export_prefix(prefill.engine, prompt, None)
+    taken = import_prefix(decode.engine, blocks)
+    (out,) = decode.generate(prompt, params)
+    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == expected.outputs[0].token_ids
+    return prefill, prompt, blocks, taken
+
+
 def gguf_round_trip(config: dict, folder: Path, vocabulary: Path, make_llm_for_test):
     """A random model of HF `config` (its vocabulary that of the GGUF `vocabulary`) written under llama.cpp's names
     and header (bench/random_gguf.py, float32) into `folder`: (the engine on the file, the engine on the weights

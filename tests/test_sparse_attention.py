@@ -11,7 +11,12 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_logits_match_hf, greedy_batch_checked_against_hf, random_prompts
+from conftest import (
+    assert_logits_match_hf,
+    blocks_moved_between_engines,
+    greedy_batch_checked_against_hf,
+    random_prompts,
+)
 from ridge import SamplingParams
 from test_models_random import saved
 
@@ -169,19 +174,10 @@ def test_a_decode_reads_every_indexer_key_and_the_chosen_rows_only(sparse_model,
 def test_the_indexer_keys_move_with_the_blocks_to_another_engine(sparse_model, make_llm_for_test):
     """A prompt's blocks, latent rows and indexer keys, exported from one engine and imported into another, give the
     tokens the first engine decodes itself."""
-    from ridge.engine.kv_transfer import export_prefix, import_prefix
-
     path, _ = sparse_model
-    common = {"dtype": "float32", "kv_cache_memory": "4MiB"}
-    prefill, decode = make_llm_for_test(path, **common), make_llm_for_test(path, **common)
-    (prompt,) = random_prompts(1, VOCAB, 50, 60, seed=21)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    (expected,) = prefill.generate(prompt, params)
-    blocks = export_prefix(prefill.engine, prompt, None)
+    prefill, prompt, blocks, taken = blocks_moved_between_engines(make_llm_for_test, path, VOCAB)
     assert len(blocks.data) == 2 * prefill.engine.loaded.config.num_layers  # rows and keys, per layer
-    assert import_prefix(decode.engine, blocks) == blocks.num_blocks == len(prompt) // 16
-    (out,) = decode.generate(prompt, params)
-    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert taken == blocks.num_blocks == len(prompt) // 16
 
 
 def test_what_ridge_does_not_run_is_refused_by_name(tmp_path_factory, make_llm_for_test):
