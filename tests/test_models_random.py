@@ -693,10 +693,11 @@ def test_starcoder2_matches_hf(random_starcoder2, make_llm_for_test):
 
 
 def test_a_random_starcoder2_written_as_gguf_reads_back_as_the_same_model(random_starcoder2, smollm2_path, tmp_path,
-                                                                           make_llm_for_test):
+                                                                           make_llm_for_test, caplog):
     """StarCoder2 under llama.cpp's starcoder2: its LayerNorms' biases and epsilon, the ungated MLP's ffn_up alone,
     the biases of every projection; the file loads as the model ridge draws. A window, which llama.cpp's starcoder2
-    does not run and a GGUF cannot say, is refused by name rather than dropped."""
+    does not run and a GGUF cannot say, is refused by name rather than dropped by the writer, and loading a file whose
+    context passes the checkpoints' window says that it attends unwindowed."""
     import json
 
     from conftest import gguf_round_trip
@@ -704,8 +705,9 @@ def test_a_random_starcoder2_written_as_gguf_reads_back_as_the_same_model(random
     from ridge.models.random_weights import random_spec
 
     config = {**json.loads((random_starcoder2[0] / "config.json").read_text()), "vocab_size": 49152,
-              "sliding_window": None}
+              "sliding_window": None, "max_position_embeddings": 8192}
     from_file, drawn = gguf_round_trip(config, tmp_path, smollm2_path, make_llm_for_test)
+    assert "starcoder2 GGUF names no sliding window" in caplog.text
     fields = ("norm_bias", "gated_mlp", "mlp_bias", "attention_out_bias", "rms_norm_eps", "sliding_window")
     ours, theirs = (tuple(getattr(llm.engine.loaded.config, f) for f in fields) for llm in (from_file, drawn))
     assert ours == pytest.approx(theirs) == (True, False, True, True, 1e-5, 0)  # the file's epsilon: a float32

@@ -187,6 +187,10 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
 ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3", "ministral3")
 
 
+# the sliding window of every StarCoder2 checkpoint's config.json, which its GGUF headers do not carry
+STARCODER2_WINDOW = 4096
+
+
 # a GGUF header key ridge's writer sets where it interleaved only each head's first rotary dims (a partial rotary,
 # Bamba's), the form llama.cpp computes as HF's model does
 PARTIAL_ROTARY_ROWS = "ridge.rope.interleaved_rotary_dims_only"
@@ -247,6 +251,10 @@ def load_model(
         gguf = gguf or open_gguf(path)
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
         cfg = config_from_spec(spec)
+        if cfg.architecture == "starcoder2" and cfg.max_position_embeddings > STARCODER2_WINDOW:
+            log.warning("ridge: %s: a starcoder2 GGUF names no sliding window, so every layer attends to its whole "
+                        "history as llama.cpp's does; StarCoder2's checkpoints window at %d tokens, so outputs past "
+                        "that many positions are not the HF model's", path.name, STARCODER2_WINDOW)
         tensors = _gguf_tensors(gguf, cfg, gguf_native, target.cpu_ops if target else None)
         if cfg.attention_output_gate:
             tensors = _split_gated_attention(tensors, cfg)
