@@ -13,6 +13,7 @@ from conftest import CHAT_PROMPTS, hf_greedy_disagreements, hf_model_from_gguf
 from ridge import SamplingParams
 
 MAX_TOKENS = 48
+FILLER_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def long_text(tokens: int, tokenizer) -> str:
 
 @pytest.fixture(scope="module")
 def chat_prompts(gemma3):
-    """7 chat prompts: 4 short, 2 past the window (~700 tokens), 1 over 2,000 tokens."""
+    """7 chat prompts: 4 short, 2 past the window (~700 and ~900 tokens), 1 of ~1,400 (almost three windows)."""
     questions = list(CHAT_PROMPTS[:4])
-    for size in (700, 900, 2200):
+    for size in (700, 900, 1400):
         questions.append(long_text(size, gemma3.tokenizer) + "\n\nWhich languages appear in the text above?")
     prompts = [gemma3.render_chat([{"role": "user", "content": q}]) for q in questions]
-    assert sum(len(p) > 512 for p in prompts) == 3 and max(len(p) for p in prompts) > 2000
+    assert sum(len(p) > 512 for p in prompts) == 3 and max(len(p) for p in prompts) > 1350
     return prompts
 
 
@@ -74,10 +75,14 @@ def test_logits_match_hf(gemma3, hf_gemma3, chat_prompts):
 
 @pytest.fixture(scope="module")
 def batch_tokens(gemma3, chat_prompts):
-    """The chat prompts' greedy tokens in a batch of 32."""
+    """The chat prompts' greedy tokens in a batch of 32: 25 fillers beside them for their first FILLER_TOKENS steps
+    (each filler row costs a 262k-wide float32 head a step, which later steps would add nothing to)."""
     fillers = [gemma3.render_chat([{"role": "user", "content": q}]) for q in CHAT_PROMPTS[7:]] * 8
     batch = chat_prompts + fillers[:32 - len(chat_prompts)]
-    outs = gemma3.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(chat_prompts) + [
+        SamplingParams(temperature=0, max_tokens=FILLER_TOKENS, ignore_eos=True)] * (32 - len(chat_prompts))
+    outs = gemma3.generate(batch, params)
+    assert sum(len(o.outputs[0].token_ids) == FILLER_TOKENS for o in outs[len(chat_prompts):]) == 25
     return [o.outputs[0].token_ids for o in outs[:len(chat_prompts)]]
 
 
@@ -117,7 +122,7 @@ def test_an_int8_cache_keeps_the_answers_past_the_window(make_llm_for_test, gemm
     """Local (512-token window) and global layers on an int8 cache: the quantized decode kernel starts each local
     row at its window, the window groups give blocks back as they pass, and the answers to the prompts past the
     window stay the float32 cache's (on AVX512 the kernel, not torch, read them; no block leaks: the fixture
-    checks). The prompts of ~700 and ~900 tokens: past the window, as the 2,200-token one the batch above holds."""
+    checks). The prompts of ~700 and ~900 tokens: past the window, as the ~1,400-token one the batch above holds."""
     llm = make_llm_for_test(gemma3_path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory="64MiB")
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         assert llm.engine.runner.backend.kernels is not None
