@@ -325,15 +325,22 @@ def assert_logits_match_hf(make_llm_for_test, path, hf, vocab: int, **engine_arg
 
 
 def assert_stack_equals_eager(make_llm_for_test, path, prompts: list[list[int]], params: SamplingParams,
-                              **engine_args) -> None:
+                              serves_every_decode: bool = True, **engine_args):
     """Decode steps in the fused C++ stack give the Python path's (enforce_eager) tokens and log-probabilities to
-    the last bit."""
+    the last bit; the stack served every step after the prompts' (serves_every_decode), or some. Returns the stacked
+    engine's LLM, for checks of its state."""
     stacked = make_llm_for_test(path, **engine_args)
     eager = make_llm_for_test(path, enforce_eager=True, **engine_args)
-    assert stacked.engine.runner.decode_stack is not None
+    stack = stacked.engine.runner.decode_stack
+    assert stack is not None and eager.engine.runner.decode_stack is None
+    served = []
+    forward = stack.native.forward
+    stack.native = type("Counted", (), {"forward": lambda _, *args: served.append(1) or forward(*args)})()
     for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert len(served) >= (params.max_tokens - 1 if serves_every_decode else 1), len(served)
+    return stacked
 
 
 def greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab: int):

@@ -14,6 +14,7 @@ import torch
 
 from conftest import (
     assert_logits_match_hf,
+    assert_stack_equals_eager,
     blocks_moved_between_engines,
     greedy_batch_checked_against_hf,
     linears_of_one_decode,
@@ -66,14 +67,23 @@ def gemma4_model(request, tmp_path_factory):
     return random_hf_model(request.param, {"dense": DENSE, "edge": EDGE}[request.param], tmp_path_factory)
 
 
-def test_logits_match_hf(gemma4_model, make_llm_for_test, caplog):
-    """HF's float32 logits on prompts of 5-80 tokens (past the window), on the paged and the reference backends;
-    the fused decode step says at warning level that it leaves these layers to the Python path."""
+def test_logits_match_hf(gemma4_model, make_llm_for_test):
+    """HF's float32 logits on prompts of 5-80 tokens (past the window), on the paged and the reference backends."""
     path, hf = gemma4_model
-    with caplog.at_level("WARNING", logger="ridge"):
-        assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
-    assert "the fused decode step has no layers of different head widths" in caplog.text
+    assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
     assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB, attention_backend="reference")
+
+
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_decode_step_is_the_python_path_to_the_bit(gemma4_model, make_llm_for_test, dtype):
+    """Decode steps in one C++ call (each layer kind's head shape and rotary, values from keys, v norms, the
+    KV-shared layers reading their sources' caches, the per-layer branch and the layer scalars) against every layer
+    in Python (enforce_eager): the same tokens and log-probabilities to the last bit, prompts past the window."""
+    path, _ = gemma4_model
+    prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    assert_stack_equals_eager(make_llm_for_test, path, prompts, params, dtype=dtype)
 
 
 def test_greedy_tokens_match_hf_and_hold_under_the_runtime(gemma4_model, make_llm_for_test):
@@ -211,7 +221,8 @@ def test_kv_shared_layers_run_only_the_rows_whose_logits_are_read(tmp_path_facto
     from conftest import hf_greedy_disagreements
 
     path, hf = random_hf_model("edge-rows", EDGE, tmp_path_factory)
-    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=16)
+    # the hooks count the Python path's rows: its decode steps too, which the fused C++ step would take
+    llm = make_llm_for_test(path, dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
     rows: dict[int, list[int]] = {3: [], 4: []}
     model = llm.engine.runner.model
     for layer in rows:
@@ -227,16 +238,38 @@ MOE = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_a
            top_k_experts=2, moe_intermediate_size=32)
 
 
-def test_the_26b_mixture_beside_the_mlp_matches_hf(tmp_path_factory, make_llm_for_test):
+def test_the_fused_step_refuses_layers_of_their_own_shape_outside_gemma4_attention(gemma4_model, make_llm_for_test,
+                                                                                     caplog, monkeypatch):
+    """Only Gemma 4's form of attention reads a layer's own head shape in the fused step: a layer of another width
+    whose attention took the common form would be computed at the stack's width, so the step refuses the model."""
+    from ridge.kernels import decode_stack
+    from ridge.models.layers import Attention
+
+    llm = make_llm_for_test(gemma4_model[0], dtype="float32")
+    runner = llm.engine.runner
+    assert decode_stack.build(runner.model, runner.backend, runner.backend.ops) is not None
+    monkeypatch.setattr(Attention, "gemma4", property(lambda attn: attn.layer_index != 0))
+    with caplog.at_level("WARNING", logger="ridge"):
+        assert decode_stack.build(runner.model, runner.backend, runner.backend.ops) is None
+    assert "layers of different head widths outside Gemma 4's attention" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    return random_hf_model("moe", MOE, tmp_path_factory)
+
+
+def test_the_26b_mixture_beside_the_mlp_matches_hf(gemma4_moe, make_llm_for_test):
     """The 26B-A4B's layers (8 experts, top 2, beside each layer's dense MLP; its router's own input norm and per-
     expert scales drawn away from 1): HF's float32 logits, greedy tokens of a batch under 32-token chunks, and a
     decode reading the 2 chosen experts of a layer, not all 8."""
-    path, hf = random_hf_model("moe", MOE, tmp_path_factory)
+    path, hf = gemma4_moe
     assert_logits_match_hf(make_llm_for_test, path, hf, VOCAB)
     greedy_batch_checked_against_hf(make_llm_for_test, path, hf, VOCAB)
     from ridge.plan.arithmetic import count_parameters, decode_weight_bytes
 
-    engine = make_llm_for_test(path, dtype="float32").engine
+    # the hooks see the Python path's modules, which the fused C++ step would bypass
+    engine = make_llm_for_test(path, dtype="float32", enforce_eager=True).engine
     touched = linears_of_one_decode(engine, random_prompts(1, VOCAB, 20, 21, seed=6)[0])
     model = engine.loaded.model
     for layer in model.layers:
@@ -247,6 +280,16 @@ def test_the_26b_mixture_beside_the_mlp_matches_hf(tmp_path_factory, make_llm_fo
     spec = engine.loaded.spec
     planned = decode_weight_bytes(spec, "fp32", batch=1) - count_parameters(spec).norms * 2
     assert abs(read - planned) / planned < 0.02, (read, planned)
+
+
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_decode_step_runs_the_26b_mixture_as_the_python_path(gemma4_moe, make_llm_for_test, dtype):
+    """The 26B-A4B's layers in one C++ call (its GeGLU experts routed on the stream's own norm and scales, beside the
+    dense MLP, each output normed) against every layer in Python: the same tokens and log-probabilities to the bit."""
+    prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    assert_stack_equals_eager(make_llm_for_test, gemma4_moe[0], prompts, params, dtype=dtype)
 
 
 # the E config as llama.cpp's gemma4 runs it: the last two caching layers windowed, then global

@@ -311,20 +311,12 @@ def test_the_fused_decode_step_serves_state_space_models_to_the_bit(ssm_model, d
     bfloat16, Bamba's attention layers with their half rotary) against every layer in Python (enforce_eager): the
     same tokens and log-probabilities to the last bit, for 5 sequences at once, with the decode's state snapshots
     taken around the stack's steps; the stack serves every step after the prompts'."""
-    path, _ = ssm_model
-    stacked = make_llm_for_test(path, dtype=dtype)
-    eager = make_llm_for_test(path, dtype=dtype, enforce_eager=True)
-    stack = stacked.engine.runner.decode_stack
-    assert stack is not None and eager.engine.runner.decode_stack is None
-    served = []
-    forward = stack.native.forward
-    stack.native = type("Counted", (), {"forward": lambda _, *args: served.append(1) or forward(*args)})()
-    prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
+    from conftest import assert_stack_equals_eager
+
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    for a, b in zip(stacked.generate(prompts, params), eager.generate(prompts, params), strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
-    assert len(served) >= 39 and stacked.engine.kv.snapshots  # decodes past block boundaries left snapshots
+    stacked = assert_stack_equals_eager(make_llm_for_test, ssm_model[0], random_prompts(5, VOCAB, 3, 40, seed=21),
+                                        params, dtype=dtype)
+    assert stacked.engine.kv.snapshots  # decodes past block boundaries left snapshots
 
 
 def test_a_mamba2_written_as_gguf_reads_back_as_the_same_model(smollm2_path, tmp_path, make_llm_for_test):

@@ -158,7 +158,8 @@ class ModelRunner:
             if states.restores is not None:
                 self.states.copy_(states.restores)
         if self.decode_stack is not None and self.decode_stack.serves(meta, states):  # every row samples
-            hidden = self.decode_stack(self.model.embed(inputs.input_ids), inputs.positions, meta, states)
+            hidden = self.decode_stack(inputs.input_ids, self.model.embed(inputs.input_ids), inputs.positions, meta,
+                                       states)
             logits = StepLogits(self.model.compute_logits(hidden), inputs.samplers, [], attention_mass=mass)
         else:
             num_sampled = len(inputs.sample_rows)

@@ -102,18 +102,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<Linear> gate_up, std::vector<Linear> down, c10::optional<Linear> shared_gate_up,
                        c10::optional<Linear> shared_down, c10::optional<torch::Tensor> shared_gate,
                        c10::optional<torch::Tensor> router_logit_bias, Activation activation, double norm_eps,
-                       bool scale_input) {
+                       bool scale_input, c10::optional<torch::Tensor> router_input_scale,
+                       c10::optional<torch::Tensor> expert_scales, double router_input_eps) {
              TORCH_CHECK(gate_up.size() == down.size(), "Experts: a gate_up and a down per expert");
-             return Experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
-                            renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
-                            shared_down, shared_gate, router_logit_bias, activation, norm_eps, scale_input};
+             Experts experts{router,  router_bias,    top_k,       groups,        topk_groups,       sigmoid,
+                             renormalize, group_top2, scaling, gate_up,    down,          shared_gate_up,
+                             shared_down, shared_gate, router_logit_bias, activation, norm_eps, scale_input};
+             experts.router_input_scale = router_input_scale;
+             experts.expert_scales = expert_scales;
+             experts.router_input_eps = router_input_eps;
+             return experts;
            }),
            py::arg("router"), py::arg("router_bias"), py::arg("top_k"), py::arg("groups"), py::arg("topk_groups"),
            py::arg("sigmoid"), py::arg("renormalize"), py::arg("group_top2"), py::arg("scaling"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate_up"), py::arg("shared_down"),
            py::arg("shared_gate"), py::arg("router_logit_bias") = py::none(),
-           py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0, py::arg("scale_input") = false)
-      .def("__call__", &Experts::operator(), py::arg("x"));
+           py::arg("activation") = Activation(), py::arg("norm_eps") = 0.0, py::arg("scale_input") = false,
+           py::arg("router_input_scale") = py::none(), py::arg("expert_scales") = py::none(),
+           py::arg("router_input_eps") = 0.0)
+      .def("__call__", &Experts::operator(), py::arg("x"), py::arg("router_input") = py::none());
   py::class_<IndexerKey>(m, "IndexerKey", "sparse attention's indexer key and its cache (models/sparse_index.py)")
       .def(py::init([](Linear wk, torch::Tensor norm_weight, torch::Tensor norm_bias, torch::Tensor cache) {
              TORCH_CHECK(cache.dim() == 3 && cache.size(2) == norm_weight.size(0) && cache.is_contiguous(),
@@ -145,7 +152,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        double residual_multiplier, std::optional<StateMixer> ssm,
                        std::optional<ShortConv> short_conv, std::optional<GatedDelta> gated_delta, bool output_gate,
                        bool parallel, bool tempered, c10::optional<torch::Tensor> input_norm_bias,
-                       c10::optional<torch::Tensor> post_attn_norm_bias) {
+                       c10::optional<torch::Tensor> post_attn_norm_bias, int64_t kv_heads, int64_t head_dim,
+                       bool gemma4, bool values_from_keys, bool kv_shared, std::optional<Linear> per_layer_gate,
+                       std::optional<Linear> per_layer_projection, c10::optional<torch::Tensor> per_layer_norm,
+                       c10::optional<torch::Tensor> layer_scalar, Activation per_layer_activation,
+                       c10::optional<torch::Tensor> beside_mlp_norm, c10::optional<torch::Tensor> experts_in_norm,
+                       c10::optional<torch::Tensor> experts_out_norm) {
+             TORCH_CHECK(beside_mlp_norm.has_value() == experts_in_norm.has_value() &&
+                             experts_in_norm.has_value() == experts_out_norm.has_value() &&
+                             (!experts_in_norm.has_value() || (experts.has_value() && !down.parts.empty())),
+                         "Layer: experts beside a dense MLP come with both and three norms");
+             TORCH_CHECK(per_layer_gate.has_value() == per_layer_projection.has_value() &&
+                             per_layer_gate.has_value() == per_layer_norm.has_value(),
+                         "Layer: a per-layer branch has a gate, a projection and a norm");
+             TORCH_CHECK(!gemma4 || (q_norm.has_value() && (kv_shared || k_norm.has_value()) && !k_scales.has_value()),
+                         "Layer: Gemma 4's attention norms q (and k, where it projects one), over a cache in the "
+                         "model's dtype");
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,
@@ -164,6 +186,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              layer.tempered = tempered;
              layer.input_norm_bias = input_norm_bias;
              layer.post_attn_norm_bias = post_attn_norm_bias;
+             layer.kv_heads = kv_heads;
+             layer.head_dim = head_dim;
+             layer.gemma4 = gemma4;
+             layer.values_from_keys = values_from_keys;
+             layer.kv_shared = kv_shared;
+             layer.per_layer_gate = per_layer_gate;
+             layer.per_layer_projection = per_layer_projection;
+             layer.per_layer_norm = per_layer_norm;
+             layer.layer_scalar = layer_scalar;
+             layer.per_layer_activation = per_layer_activation;
+             layer.beside_mlp_norm = beside_mlp_norm;
+             layer.experts_in_norm = experts_in_norm;
+             layer.experts_out_norm = experts_out_norm;
              return layer;
            }),
            py::arg("input_norm"), py::arg("post_attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
@@ -175,7 +210,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("residual_multiplier") = 1.0, py::arg("ssm") = py::none(), py::arg("short_conv") = py::none(),
            py::arg("gated_delta") = py::none(), py::arg("output_gate") = false, py::arg("parallel") = false,
            py::arg("tempered") = false, py::arg("input_norm_bias") = py::none(),
-           py::arg("post_attn_norm_bias") = py::none());
+           py::arg("post_attn_norm_bias") = py::none(), py::arg("kv_heads") = 0, py::arg("head_dim") = 0,
+           py::arg("gemma4") = false, py::arg("values_from_keys") = false, py::arg("kv_shared") = false,
+           py::arg("per_layer_gate") = py::none(), py::arg("per_layer_projection") = py::none(),
+           py::arg("per_layer_norm") = py::none(), py::arg("layer_scalar") = py::none(),
+           py::arg("per_layer_activation") = Activation(), py::arg("beside_mlp_norm") = py::none(),
+           py::arg("experts_in_norm") = py::none(), py::arg("experts_out_norm") = py::none());
   py::class_<StateMixer>(m, "StateMixer", "a Mamba-2 mixer's weights and its layer's state tensors")
       .def(py::init([](Linear in_proj, Linear out_proj, torch::Tensor conv_weight,
                        c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, torch::Tensor A_log,
@@ -228,5 +268,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // the GIL released: a server's event loop keeps answering while a step runs
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            py::arg("positions"), py::arg("groups"), py::arg("state_slots") = py::none(),
-           py::arg("query_scales") = py::none());
+           py::arg("query_scales") = py::none(), py::arg("per_layer_inputs") = py::none());
 }

@@ -113,7 +113,12 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 }
 
 std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) const {
-  const auto logits = at::linear(x, router, router_logit_bias).to(torch::kFloat);
+  auto input = x;
+  if (router_input_scale.has_value()) {
+    const auto normed = at::rms_norm(x.to(torch::kFloat), {x.size(1)}, c10::nullopt, router_input_eps);
+    input = normed.to(x.scalar_type()) * *router_input_scale * std::pow(static_cast<double>(x.size(1)), -0.5);
+  }
+  const auto logits = at::linear(input, router, router_logit_bias).to(torch::kFloat);
   const auto scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
   auto choice = router_bias.has_value() ? scores + router_bias->to(torch::kFloat) : scores;
   if (groups > 1) {
@@ -127,6 +132,9 @@ std::pair<torch::Tensor, torch::Tensor> Experts::route(const torch::Tensor& x) c
   const auto experts = std::get<1>(choice.topk(top_k, -1));
   auto weights = scores.gather(1, experts);
   if (renormalize) weights = weights / (weights.sum(-1, true) + norm_eps);
+  if (expert_scales.has_value()) {
+    weights = weights * expert_scales->to(torch::kFloat).index_select(0, experts.flatten()).view_as(experts);
+  }
   return {experts, scaling != 1.0 ? weights * scaling : weights};
 }
 
@@ -149,7 +157,7 @@ Activation::Activation(const std::string& name, double limit, double alpha, bool
 }
 
 torch::Tensor Activation::operator()(const torch::Tensor& gate_up) const {
-  if (kind == Kind::kSilu) return silu_mul(gate_up);
+  if (kind == Kind::kSilu) return gated ? silu_mul(gate_up) : at::silu(gate_up);
   if (kind == Kind::kRelu2) return at::relu(gate_up).square();  // up alone: no gate
   if (!gated) return at::gelu(gate_up, "tanh");
   const auto halves = gate_up.chunk(2, -1);
@@ -158,8 +166,8 @@ torch::Tensor Activation::operator()(const torch::Tensor& gate_up) const {
   return gate * torch::sigmoid(gate * alpha) * (up + 1);
 }
 
-torch::Tensor Experts::operator()(const torch::Tensor& x) const {
-  const auto [chosen, weights] = route(x);
+torch::Tensor Experts::operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& router_input) const {
+  const auto [chosen, weights] = route(router_input.has_value() ? *router_input : x);
   // each expert's tokens and weights in the order of a stable sort of the flattened choices (the Python path's)
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
   std::vector<std::vector<int64_t>> tokens(num_experts);
@@ -228,7 +236,8 @@ DecodeStack::DecodeStack(std::vector<Layer> layers, torch::Tensor final_norm, to
 // The order of models/layers.py's DecoderLayer.forward, op for op; residual: the stream before x is added.
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
                                    c10::optional<torch::Tensor> state_slots,
-                                   c10::optional<torch::Tensor> query_scales) const {
+                                   c10::optional<torch::Tensor> query_scales,
+                                   c10::optional<torch::Tensor> per_layer_inputs) const {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [B, hidden] contiguous");
   const int64_t rows = x.size(0);
   TORCH_CHECK(positions.numel() == rows, "DecodeStack: one position per row");
@@ -242,10 +251,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
                     (!step.window_starts.has_value() || step.window_starts->numel() == rows),
                 "DecodeStack: each group's step has one slot, block table, context length (and window start) per row");
   }
+  TORCH_CHECK(!per_layer_inputs.has_value() ||
+                  (per_layer_inputs->size(0) == rows && per_layer_inputs->size(1) == static_cast<int64_t>(layers.size())),
+              "DecodeStack: per_layer_inputs [B, layers, width]");
   torch::Tensor residual;
-  for (const Layer& layer : layers) {
+  for (size_t index = 0; index < layers.size(); ++index) {
+    const Layer& layer = layers[index];
     torch::Tensor h;
-    if (!residual.defined()) {  // the first layer: the embeddings are the residual stream
+    if (!residual.defined()) {  // the first layer (the embeddings), or one after a layer that ends with the stream
       residual = residual_in_fp32 ? x.to(torch::kFloat) : x;
       h = layer.input_norm.has_value() ? norm_(x, *layer.input_norm, layer.input_norm_bias) : x;
     } else {
@@ -260,18 +273,43 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       TORCH_CHECK(layer.group < static_cast<int64_t>(groups.size()), "DecodeStack: no step for KV group ", layer.group);
       const GroupStep& step = groups[layer.group];
       x = layer.o_proj(layer.latent.has_value() ? latent_attention(layer, h, positions, step, query_scales)
-                                                : attention(layer, h, positions, step, query_scales));
+                       : layer.gemma4             ? gemma4_attention(layer, h, positions, step)
+                                                  : attention(layer, h, positions, step, query_scales));
     }
     if (layer.parallel) x = x + layer.down(layer.activation(layer.gate_up(h)));  // the MLP on the mixer's input
     reduce_(x);
     x = branch_output(layer, x, layer.attn_out_norm);
     if (layer.parallel || !layer.has_mlp()) continue;
     h = add_norm_(residual, x, layer.post_attn_norm, layer.post_attn_norm_bias);
-    x = layer.experts.has_value() ? (*layer.experts)(h) : layer.down(layer.activation(layer.gate_up(h)));
+    if (layer.experts_in_norm.has_value()) {  // MLPBesideExperts.forward
+      const auto stream = residual.to(h.scalar_type());
+      const auto routed = (*layer.experts)(at::rms_norm(stream, {stream.size(1)}, *layer.experts_in_norm, eps), stream);
+      x = at::rms_norm(layer.down(layer.activation(layer.gate_up(h))), {h.size(1)}, *layer.beside_mlp_norm, eps) +
+          at::rms_norm(routed, {h.size(1)}, *layer.experts_out_norm, eps);
+    } else {
+      x = layer.experts.has_value() ? (*layer.experts)(h, c10::nullopt)
+                                    : layer.down(layer.activation(layer.gate_up(h)));
+    }
     reduce_(x);
     x = branch_output(layer, x, layer.mlp_out_norm);
+    if (layer.ends_with_stream()) {
+      x = layer_end(layer, residual + x, per_layer_inputs, static_cast<int64_t>(index));
+      residual = torch::Tensor();
+    }
   }
-  return add_norm_(residual, x, final_norm, final_norm_bias);
+  return residual.defined() ? add_norm_(residual, x, final_norm, final_norm_bias) : norm_(x, final_norm, final_norm_bias);
+}
+
+// models/layers.py's DecoderLayer._gemma4_end
+torch::Tensor DecodeStack::layer_end(const Layer& layer, torch::Tensor stream,
+                                     const c10::optional<torch::Tensor>& per_layer_inputs, int64_t index) const {
+  if (layer.per_layer_gate.has_value()) {
+    TORCH_CHECK(per_layer_inputs.has_value(), "DecodeStack: a per-layer gate needs the rows' per_layer_inputs");
+    const auto gate = layer.per_layer_activation((*layer.per_layer_gate)(stream));
+    const auto branch = (*layer.per_layer_projection)(gate * per_layer_inputs->select(1, index));
+    stream = stream + at::rms_norm(branch, {branch.size(1)}, *layer.per_layer_norm, eps);
+  }
+  return layer.layer_scalar.has_value() ? stream * *layer.layer_scalar : stream;
 }
 
 // models/layers.py's RMSNorm.forward with a residual: a float32 stream is added to and read back rounded; without a
@@ -412,6 +450,29 @@ torch::Tensor DecodeStack::attention(const Layer& layer, const torch::Tensor& h,
   }
   if (layer.output_gate) return out.reshape({rows, heads * head_dim}) * torch::sigmoid(split[3].reshape({rows, -1}));
   return out.reshape({rows, heads * head_dim});
+}
+
+// models/layers.py's Attention._forward_gemma4, op for op
+torch::Tensor DecodeStack::gemma4_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
+                                            const GroupStep& step) const {
+  const int64_t rows = h.size(0), dim = layer.head_dim > 0 ? layer.head_dim : head_dim;
+  const int64_t kv = layer.kv_heads > 0 ? layer.kv_heads : kv_heads;
+  const torch::Tensor& table = layer.rope_table.has_value() ? *layer.rope_table : rope_table;
+  const int64_t rotary_dim = table.size(1) * 2;
+  const auto rotated = [&](const torch::Tensor& x) { return rotary_dim < dim ? x.narrow(2, 0, rotary_dim) : x; };
+  const auto qkv = layer.qkv(h).view({rows, -1, dim});
+  const auto q = at::rms_norm(qkv.narrow(1, 0, heads), {dim}, *layer.q_norm, eps);
+  if (!layer.kv_shared) {
+    const auto raw_k = qkv.narrow(1, heads, kv);
+    const auto v = at::rms_norm(layer.values_from_keys ? raw_k : qkv.narrow(1, heads + kv, kv), {dim}, c10::nullopt, eps);
+    const auto k = at::rms_norm(raw_k, {dim}, *layer.k_norm, eps);
+    rotary_(rotated(k), positions, table, kv);
+    cache_write_(layer.k_cache, layer.v_cache, k, v, step.slots);
+  }
+  rotary_(rotated(q), positions, table, heads);
+  const auto attended = paged_decode(q, layer.k_cache, layer.v_cache, step.block_tables, step.context_lens, scale,
+                                     step.window_starts, step.mass);
+  return std::get<0>(attended).reshape({rows, heads * dim});
 }
 
 // models/mla.py's LatentAttention.forward and attention/latent.py's decode, op for op

@@ -84,11 +84,16 @@ struct Experts {
   Activation activation;                   // the experts' and the shared expert's
   double norm_eps = 0.0;                   // added to the renormalised top k's sum (models/moe.py's norm_eps)
   bool scale_input = false;  // Llama 4's: an expert reads its tokens times their weights, its outputs join as they are
+  // Gemma 4's router: it reads its input RMS-normed without a weight (router_input_eps), times this per-channel scale
+  // and hidden ** -0.5; each chosen weight times its expert's own scale
+  c10::optional<torch::Tensor> router_input_scale, expert_scales;
+  double router_input_eps = 0.0;
 
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  // router_input: what the router reads, where not the experts' input x (Gemma 4's: the stream)
+  torch::Tensor operator()(const torch::Tensor& x, const c10::optional<torch::Tensor>& router_input) const;
 
  private:
-  // each token's experts [T, k] and their weights [T, k] (float32)
+  // each token's experts [T, k] and their weights [T, k] (float32), x the router's input
   std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;
 };
 
@@ -177,9 +182,23 @@ struct Layer {
   bool parallel = false;  // Cohere's: the MLP reads the mixer's normed input, the two outputs join as one branch
   bool tempered = false;  // its queries times the step's query_scales (a model's attention temperature), where given
   c10::optional<torch::Tensor> input_norm_bias, post_attn_norm_bias;  // LayerNorms' biases (StarCoder2's)
+  // Gemma 4's attention (gemma4_attention): the layer's own KV heads and head width (0: the stack's), q, k and v each
+  // RMS-normed over every head (v without a weight), a global layer's values its raw keys, and a KV-shared layer's
+  // caches its source layer's, attended to without a write (its qkv holds q alone)
+  int64_t kv_heads = 0, head_dim = 0;
+  bool gemma4 = false, values_from_keys = false, kv_shared = false;
+  // Gemma 4's end of a layer (layer_end): the whole stream plus a branch gated by the row's per-layer input, then
+  // times the layer's scalar; the next layer starts from that stream as the first starts from the embeddings
+  std::optional<Linear> per_layer_gate, per_layer_projection;
+  c10::optional<torch::Tensor> per_layer_norm, layer_scalar;
+  Activation per_layer_activation;
+  // Gemma 4 26B-A4B's FFN (models/moe.py's MLPBesideExperts): the dense MLP (gate_up, down) on the normed input and
+  // the experts on the stream normed by experts_in_norm (their router on the stream itself), each output normed
+  c10::optional<torch::Tensor> beside_mlp_norm, experts_in_norm, experts_out_norm;
 
   // an MLP after the mixer: a dense one or a mixture (Mamba-2's own layers have none)
   bool has_mlp() const { return experts.has_value() || !down.parts.empty(); }
+  bool ends_with_stream() const { return per_layer_gate.has_value() || layer_scalar.has_value(); }
 };
 
 // One KV group's part of a decode step (attention/backend.py's AttentionMetadata and KernelRows): each row's cache
@@ -210,9 +229,11 @@ struct DecodeStack {
   // each layer writes its k, v and attends as its KV group's step says (groups: one per group, the layout's order),
   // or advances its state in each row's state slot (state_slots [B], for a model with state-space layers);
   // query_scales [B] float32: each row's queries multiplied by it in the attention layers that are `tempered` (a
-  // model's attention temperature, rope_scaling.py's AttentionTemperature), absent for none.
+  // model's attention temperature, rope_scaling.py's AttentionTemperature), absent for none; per_layer_inputs
+  // [B, layers, width]: each row's per-layer embeddings, for layers with a per_layer_gate (Gemma 4's).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<GroupStep> groups,
-                        c10::optional<torch::Tensor> state_slots, c10::optional<torch::Tensor> query_scales) const;
+                        c10::optional<torch::Tensor> state_slots, c10::optional<torch::Tensor> query_scales,
+                        c10::optional<torch::Tensor> per_layer_inputs) const;
 
  private:
   // a layer's attention from its normed input h to o_proj's input [B, heads * v_dim]
@@ -220,6 +241,11 @@ struct DecodeStack {
                           const GroupStep& step, const c10::optional<torch::Tensor>& query_scales) const;
   torch::Tensor latent_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
                                  const GroupStep& step, const c10::optional<torch::Tensor>& query_scales) const;
+  torch::Tensor gemma4_attention(const Layer& layer, const torch::Tensor& h, const torch::Tensor& positions,
+                                 const GroupStep& step) const;
+  // a layer's end where it ends_with_stream(): the whole stream [B, hidden] -> the stream the next layer starts from
+  torch::Tensor layer_end(const Layer& layer, torch::Tensor stream, const c10::optional<torch::Tensor>& per_layer_inputs,
+                          int64_t index) const;
   // a state-space layer's mixer from its normed input h to its output [B, hidden]
   torch::Tensor state_mixer(const StateMixer& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;
   torch::Tensor short_conv(const ShortConv& mixer, const torch::Tensor& h, const torch::Tensor& slots) const;

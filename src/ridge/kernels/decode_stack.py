@@ -9,7 +9,9 @@ quantized cache's: int8 / fp8 / int4 codes written and read in C++, or latent at
 at most MAX_ROWS rows (fewer than TILED_MIN_ROWS where bfloat16 4-bit layers on torch's layout change kernel
 there). A mixture of experts' layers route and run their experts in C++ too (decode_stack.h's Experts), side by
 side on the threads. Each layer reads its own KV group's part of the step (its window, its blocks), so local:global
-models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks; and
+models (Gemma 3, gpt-oss) are served too, with their own rotary bases, sandwich norms and attention sinks; Gemma 4's
+layers of two head shapes, its KV-shared layers reading their source layers' caches, its per-layer embeddings'
+branch and layer scalars; and
 Mamba-2's layers, each mixer advancing the rows' states in their slots (kernels/state_space.cpp), its residual
 stream in float32 where the model keeps it so; LFM2's short convolutions and Qwen3.5's gated DeltaNet and gated
 attention likewise (torch ops in the Python form's order).
@@ -20,6 +22,7 @@ Every other step, and every model with a layer it has no kernel for, runs the Py
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -38,7 +41,7 @@ from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, DecoderLayer, GatedMLP, L2Norm, LayerNorm, RMSNorm
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
-from ridge.models.moe import MoEBlock
+from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.models.short_conv import ShortConvMixer
 from ridge.models.transformer import DecoderModel
 from ridge.rope_scaling import AttentionTemperature
@@ -52,8 +55,10 @@ MAX_ROWS = min(FEW_ROWS, INT8_ACTIVATIONS_MAX_ROWS)
 class DecodeStack:
     def __init__(self, native: Any, max_rows: int = MAX_ROWS, ops: ModuleType | None = None,
                  state_space: bool = False, temperature: AttentionTemperature | None = None,
-                 max_table_blocks: int | None = None) -> None:
+                 max_table_blocks: int | None = None,
+                 per_layer_inputs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.native = native
+        self.per_layer_inputs = per_layer_inputs  # the model's (DecoderModel.per_layer_inputs), where it has them
         self.temperature = temperature  # the model's: each row's queries scaled by its position
         self.max_rows = max_rows  # up to which the Python path keeps the kernels the stack calls
         self.native_ops = ops
@@ -75,15 +80,18 @@ class DecodeStack:
                 and kernel is not None and kernel.rows is None and not kernel.shared_prefixes
                 and (self.max_table_blocks is None or meta.decode_block_tables.shape[1] <= self.max_table_blocks))
 
-    def __call__(self, embeddings: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
-                 states: StateStep | None = None) -> torch.Tensor:
-        """Embeddings [B, hidden] of a step that serves() -> the final norm's output [B, hidden]."""
+    def __call__(self, input_ids: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+                 step: StepMetadata, states: StateStep | None = None) -> torch.Tensor:
+        """The tokens [B] of a step that serves() and their embeddings [B, hidden] -> the final norm's output
+        [B, hidden]."""
         groups = [self.native_ops.GroupStep(meta.slot_mapping, meta.kernel_rows.block_tables,
                                             meta.kernel_rows.context_lens, meta.kernel_rows.window_starts,
                                             meta.attention_mass)
                   for meta in step]
         scales = self.temperature.query_scales(positions) if self.temperature is not None else None
-        return self.native.forward(embeddings, positions, groups, states.slots if self.state_space else None, scales)
+        per_layer = self.per_layer_inputs(input_ids, embeddings) if self.per_layer_inputs is not None else None
+        return self.native.forward(embeddings, positions, groups, states.slots if self.state_space else None, scales,
+                                   per_layer)
 
 
 def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
@@ -107,7 +115,8 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
                        [e[1] for e in experts], *shared, None if gate is None else gate.weight,
                        router_logit_bias=moe.router.bias,
                        activation=native_activation(ops, mlp) if mlp is not None else ops.Activation("silu"),
-                       norm_eps=moe.norm_eps, scale_input=moe.scales_input)
+                       norm_eps=moe.norm_eps, scale_input=moe.scales_input, router_input_scale=moe.router_input_scale,
+                       expert_scales=moe.expert_scales, router_input_eps=moe.norm_eps_input)
 
 
 def native_activation(ops: ModuleType, mlp: GatedMLP) -> Any:
@@ -173,10 +182,9 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
          any(isinstance(layer.attn, Attention) and layer.attn.sharded_norm is not None for layer in model.layers)),
         ("state-space groups cut across ranks",
          any(isinstance(m, Mamba2Mixer) and m.shared_group is not None for m in mixers)),
-        # Gemma 4's
-        ("layers of different head widths", not cfg.uniform_attention), ("KV sharing", cfg.kv_shared_layers),
-        ("value norms", cfg.value_norm), ("per-layer embeddings", cfg.per_layer_input_size),
-        ("layer scalars", cfg.layer_scalars)) if present]
+        # a layer of its own head shape runs in gemma4_attention alone, which reads the layer's shape
+        ("layers of different head widths outside Gemma 4's attention", not cfg.uniform_attention and any(
+            isinstance(layer.attn, Attention) and not layer.attn.gemma4 for layer in model.layers))) if present]
     if unsupported:
         log.warning("ridge: the fused decode step has no %s; decode runs layer by layer", ", ".join(unsupported))
         return None
@@ -192,8 +200,13 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
             layers.append(native)
             continue
         attn, mlp = layer.attn, layer.mlp
-        moe = isinstance(mlp, MoEBlock)
-        experts = (mlp.native if mlp.native is not None else native_experts(ops, mlp)) if moe else None
+        beside = mlp if isinstance(mlp, MLPBesideExperts) else None  # Gemma 4 26B-A4B's: a dense MLP beside experts
+        if beside is not None:
+            mlp = beside.mlp
+        block = beside.moe if beside is not None else mlp if isinstance(mlp, MoEBlock) else None
+        moe = block is not None and beside is None  # the layer's MLP is the experts alone
+        experts = ((block.native if block.native is not None else native_experts(ops, block)) if block is not None
+                   else None)
         latent = isinstance(attn, LatentAttention)
         # a latent layer's projections are its LatentProjections; its qkv is empty
         linears = [ops.Linear([], None) if latent else native_linear(ops, attn.qkv), native_linear(ops, attn.o_proj)]
@@ -201,19 +214,23 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
         linears += ([ops.Linear([], None)] * 2 if moe or mlp is None
                     else [native_linear(ops, m) for m in (mlp.gate_up, mlp.down)])
         projections = latent_projections(ops, attn, backend.index_keys.get(i)) if latent else None
-        if any(linear is None for linear in linears) or (moe and experts is None) or (latent and projections is None):
+        end = _gemma4_end(ops, layer, cfg)
+        if (any(linear is None for linear in linears) or (block is not None and experts is None)
+                or (latent and projections is None) or end is None):
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
         norms = (None, None) if latent or attn.q_norm is None else _qk_norm_weights(attn, dtype)
         cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
                  if quantized else ())
+        source = attn.kv_layer if isinstance(attn, Attention) else i  # a KV-shared layer's: another layer's caches
         rotary = model.layer_rotary(layer)  # Gemma 3's local layers turn on their own base; NoPE layers on none
         sandwich = layer.attn_out_norm is not None
         layers.append(ops.Layer(_norm_weight(layer.input_norm), _norm_weight(layer.post_attn_norm), *norms, *linears,
-                                backend.k_cache[i], backend.v_cache[i], *cache, experts=experts, latent=projections,
+                                backend.k_cache[source], backend.v_cache[source], *cache, experts=experts,
+                                latent=projections,
                                 activation=(ops.Activation("silu") if moe or mlp is None
                                             else native_activation(ops, mlp)),
-                                group=backend.group_of_layer[i],
+                                group=backend.group_of_layer[source],
                                 rope_table=None if rotary is model.rotary else torch.view_as_real(rotary.freqs),
                                 sinks=None if latent else attn.sinks,
                                 attn_out_norm=layer.attn_out_norm.weight if sandwich else None,
@@ -222,7 +239,11 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                 output_gate=isinstance(attn, Attention) and attn.gated, parallel=layer.parallel,
                                 tempered=rotary.temperature is not None,
                                 input_norm_bias=_norm_bias(layer.input_norm),
-                                post_attn_norm_bias=_norm_bias(layer.post_attn_norm)))
+                                post_attn_norm_bias=_norm_bias(layer.post_attn_norm),
+                                **({} if latent else _gemma4_attention(attn)), **end,
+                                **({} if beside is None else dict(beside_mlp_norm=beside.mlp_out_norm.weight,
+                                                                  experts_in_norm=beside.experts_in_norm.weight,
+                                                                  experts_out_norm=beside.experts_out_norm.weight))))
     rope_table = torch.view_as_real(model.rotary.freqs)
     first = model.layers[0]
     all_reduce = (lambda x: first.all_reduce(x)) if tensor_parallel else None
@@ -230,7 +251,32 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
                                        cfg.head_dim, cfg.rms_norm_eps, backend.scale, all_reduce,
                                        cfg.residual_in_fp32, cfg.norm_kind == "layer", _norm_bias(model.norm)),
                        max_rows(model), ops, state_space=bool(mixers), temperature=cfg.attention_temperature,
-                       max_table_blocks=_sparse_attention_blocks(cfg, backend.block_size))
+                       max_table_blocks=_sparse_attention_blocks(cfg, backend.block_size),
+                       per_layer_inputs=model.per_layer_inputs if model.embed_per_layer is not None else None)
+
+
+def _gemma4_attention(attn: Attention) -> dict:
+    """The Layer fields of Gemma 4's attention (Attention._forward_gemma4's): its own head shape, values from keys,
+    v norms, a KV-shared layer's source; none for every other attention."""
+    if not attn.gemma4:
+        return {}
+    return dict(kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, gemma4=True,
+                values_from_keys=attn.values_from_keys, kv_shared=attn.kv_shared)
+
+
+def _gemma4_end(ops: ModuleType, layer: DecoderLayer, cfg: ModelConfig) -> dict | None:
+    """The Layer fields of Gemma 4's end of a layer (DecoderLayer._gemma4_end's): its per-layer branch, its scalar;
+    None where a linear of the branch has no kernel there."""
+    ends = {"layer_scalar": layer.layer_scalar} if layer.layer_scalar is not None else {}
+    if layer.per_layer_gate is None:
+        return ends
+    gate, projection = native_linear(ops, layer.per_layer_gate), native_linear(ops, layer.per_layer_projection)
+    if gate is None or projection is None:
+        return None
+    return {**ends, "per_layer_gate": gate, "per_layer_projection": projection,
+            "per_layer_norm": layer.per_layer_norm.weight,
+            "per_layer_activation": ops.Activation("gelu_tanh" if cfg.hidden_act == "gelu_tanh" else "silu", 0.0, 1.0,
+                                                   False)}
 
 
 def _sparse_attention_blocks(cfg: ModelConfig, block_size: int) -> int | None:
@@ -279,8 +325,11 @@ def state_space_layer(ops: ModuleType, layer: DecoderLayer, states: StateCache) 
                      **{kind: native})
 
 
-def _qk_norm_weights(attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """An attention layer's q and k norms' weights; Llama 4's norms have none, they multiply by ones."""
+def _qk_norm_weights(attn: Attention, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An attention layer's q and k norms' weights; Llama 4's norms have none, they multiply by ones; a KV-shared
+    layer (Gemma 4's) norms no k."""
+    if attn.kv_shared:
+        return attn.q_norm.weight, None
     if isinstance(attn.q_norm, L2Norm):
         ones = torch.ones(attn.head_dim, dtype=dtype)
         return ones, ones

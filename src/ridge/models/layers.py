@@ -230,6 +230,11 @@ class Attention(nn.Module):
         self.norm_full = cfg.qk_norm_full
         self.sharded_norm: ShardedFullNorm | None = None
 
+    @property
+    def gemma4(self) -> bool:
+        """Whether the layer runs Gemma 4's form of attention (_forward_gemma4)."""
+        return self.kv_shared or self.values_from_keys or self.v_norm is not None
+
     def key_center(self, rotary: RotaryEmbedding, positions: int) -> torch.Tensor | None:
         """The key bias as rotary turns it, averaged over positions 0..positions-1: [kv_heads, head_dim] float32,
         the constant a quantized cache takes off every key before rounding it (attention/quantized_kv.py); None
@@ -251,7 +256,7 @@ class Attention(nn.Module):
         """shared_kv: a model with KV sharing's step k, v by layer, which a layer whose cache others share puts its
         own in, and a layer that shares one reads (the cache holds them too, but a prompt's first chunk attends to
         them as they are)."""
-        if self.kv_shared or self.values_from_keys or self.v_norm is not None:
+        if self.gemma4:
             return self._forward_gemma4(x, rope, backend, meta, shared_kv)
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, -1, self.head_dim)

@@ -68,8 +68,9 @@ class MoEBlock(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
         # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, gpt-oss's
-        # clamped ones (their biases are their layers', its router's on the router's logits), or squared-ReLU ones
-        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2") and not cfg.router_normed_input
+        # clamped ones (their biases are their layers', its router's on the router's logits), squared-ReLU ones, or
+        # Gemma 4's GeGLU ones (its router's normed input and per-expert scales)
+        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2", "gelu_tanh")
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)
@@ -118,8 +119,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """router_input: what the router reads, where not the experts' input x (Gemma 4's: the stream, x normed)."""
-        if self.native is not None and x.shape[0] <= self.native_max_rows and router_input is None:
-            return self.native(x)
+        if self.native is not None and x.shape[0] <= self.native_max_rows:
+            return self.native(x, router_input)
         routing = self.route(x if router_input is None else router_input)
         out = self.fused(x, *routing) if self.fused is not None else self._routed(x, *routing)
         if self.shared_expert is not None:
