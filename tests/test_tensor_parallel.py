@@ -4,9 +4,9 @@ prefix cache; the splits themselves; and the configurations it refuses."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -333,14 +333,9 @@ def test_torchrun_starts_the_ranks(smollm2, smollm2_path):
 
 
 def _my_ranks() -> list[int]:
-    """The pids of this process's children that are tensor-parallel ranks."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid() and \
-                    b"ridge.engine.tensor_parallel" in (stat.parent / "cmdline").read_bytes():
-                pids.append(int(stat.parent.name))
-    return pids
+    """The pids of the tensor-parallel ranks this process started (engine/processes.py) whose processes still run."""
+    return [p.pid for p in multiprocessing.active_children()
+            if p.name.startswith("ridge-rank") and Path(f"/proc/{p.pid}").exists()]
 
 
 def test_a_rank_0_that_fails_after_the_others_started_stops_them(smollm2_path, monkeypatch):

@@ -168,6 +168,8 @@ def _shared_memory(store: dist.Store, rank: int, size: int) -> SharedMemoryReduc
         store.set("local/segment", local.name if local is not None else "")
     store.set(f"local/ok/{rank}", "1" if local is not None else "0")
     if all(store.get(f"local/ok/{r}") == b"1" for r in range(size)):
+        if rank == 0:
+            local.track()
         return local
     if local is not None:
         local.close()

@@ -67,6 +67,13 @@ class SharedMemoryReducer:
         resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - Python 3.11 has no track=False
         return cls(segment, rank, size, pids, owner=False, timeout_s=timeout_s)
 
+    def track(self) -> None:
+        """Rank 0's, once every rank has attached: register the segment with this process's resource tracker again
+        (a set of names), so that it unlinks the segment should rank 0 die. Ranks forked from this machine's fork
+        server share rank 0's tracker, and an attaching rank's unregistering (sent before its ok) removed the name
+        rank 0 had registered."""
+        resource_tracker.register(self.segment._name, "shared_memory")  # noqa: SLF001
+
     @property
     def name(self) -> str:
         return self.segment.name

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from ridge.config import EngineConfig
-from ridge.engine import kv_transfer
+from ridge.engine import kv_transfer, processes
 from ridge.engine.engine import LLMEngine
 from ridge.engine.kv_transfer import PrefixBlocks
 from ridge.engine.limits import RequestLimits
@@ -136,11 +136,8 @@ class CoreProcess:
     @classmethod
     def launch(cls, config: EngineConfig, generation: int, progress: bool, grace_s: float) -> tuple[CoreProcess, Ready]:
         """A new core process, its model loaded (RuntimeError naming why it failed to start)."""
-        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and locks
-        conn, core_end = context.Pipe()
-        process = context.Process(target=run_engine_core, args=(config, core_end, progress, grace_s),
-                                  name="ridge-engine-core", daemon=True)
-        process.start()
+        conn, core_end = multiprocessing.Pipe()
+        process = processes.start(run_engine_core, (config, core_end, progress, grace_s), "ridge-engine-core")
         core_end.close()
         try:
             ready = conn.recv()

@@ -6,9 +6,9 @@ on its shard of the weights and of the KV cache (cluster/shards.py): the layers'
 and the logits gather on rank 0 (cluster/collectives.py). Each rank holds the same number of KV blocks (rank 0
 counts them, for the rank with the most KV heads), so rank 0's block tables index every rank's cache.
 
-Ridge starts ranks 1..N-1 itself, as processes on this machine (tensor_parallel.main, reading its rank and config
-on stdin), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then
-rank 0 is the one that serves, and the others run `serve` from the command line (cli.py). A rank that exits
+Ridge starts ranks 1..N-1 itself, as processes on this machine (`serve`, forked from engine/processes.py's fork
+server), or torchrun starts every rank (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): then rank 0 is the one that
+serves, and the others run `serve` from the command line (cli.py). A rank that exits
 breaks the group: the others' next collective fails, and their engine reports it.
 """
 
@@ -17,13 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import multiprocessing.process
+import multiprocessing.util
 import os
-import pickle
 import socket
-import subprocess
-import sys
 import traceback
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +29,7 @@ import torch
 from ridge.cluster.collectives import TPGroup, install_collectives
 from ridge.cluster.shards import ShardPlan, cut_heads
 from ridge.config import EngineConfig
-from ridge.engine import prompt_logprobs
+from ridge.engine import processes, prompt_logprobs
 from ridge.engine.runner import ModelRunner, StepInputs, StepLogits
 from ridge.engine.scheduler import ScheduledStep
 
@@ -112,7 +110,7 @@ class Ranks:
     """The group met, before any rank loads its shard: ranks load side by side, then rank 0 starts them running."""
 
     group: TPGroup
-    workers: list[subprocess.Popen]  # the ranks ridge started (none under torchrun)
+    workers: list[multiprocessing.process.BaseProcess]  # the ranks ridge started (none under torchrun)
 
     @classmethod
     def meet(cls, config: EngineConfig) -> Ranks:
@@ -123,8 +121,8 @@ class Ranks:
             group = TPGroup.join(url, *((0, config.tensor_parallel_size) if workers else ()))
         except Exception as exc:
             _end(workers, kill=True)
-            exited = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)
-                      if w.poll() is not None]
+            exited = [f"rank {i + 1} exited with code {w.exitcode}" for i, w in enumerate(workers)
+                      if w.exitcode is not None]
             raise RuntimeError(f"tensor_parallel_size: the ranks did not meet at {url} "
                                f"({'; '.join(exited) or exc})") from exc
         ranks = cls(group, workers)
@@ -153,11 +151,13 @@ class Ranks:
 class TensorParallelRunner:
     """Rank 0's model runner: each step broadcast to the other ranks, then run here on rank 0's shard."""
 
-    def __init__(self, local: ModelRunner, group: TPGroup, workers: list[subprocess.Popen]) -> None:
+    def __init__(self, local: ModelRunner, group: TPGroup, workers: list[multiprocessing.process.BaseProcess]) -> None:
         self.local, self.group, self.workers = local, group, workers
         self.broken: str | None = None
-        # at close(), when the engine is collected, or when the interpreter exits
-        self._finalizer = weakref.finalize(self, _stop_ranks, group, workers)
+        # at close(), when the engine is collected, or when the interpreter exits (before processes.py kills what
+        # is left: a rank asked to stop exits cleanly)
+        self._finalizer = multiprocessing.util.Finalize(self, _stop_ranks, (group, workers),
+                                                        exitpriority=processes.EXIT_PRIORITY + 1)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -214,31 +214,31 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         """Stop the other ranks (torchrun's end their `serve`)."""
-        if self.broken is not None and self._finalizer.detach() is not None:  # no command reaches a broken group
+        if self.broken is not None and self._finalizer.still_active():  # no command reaches a broken group
+            self._finalizer.cancel()
             _end(self.workers)
             self.group.close()
         self._finalizer()
         self.broken = "closed"
 
 
-def _stop_ranks(group: TPGroup, workers: list[subprocess.Popen]) -> None:
+def _stop_ranks(group: TPGroup, workers: list[multiprocessing.process.BaseProcess]) -> None:
     with contextlib.suppress(Exception):  # a rank already gone: nothing left to stop there
         group.broadcast_command(Stop())
     _end(workers)
     group.close()
 
 
-def _end(workers: list[subprocess.Popen], kill: bool = False) -> None:
+def _end(workers: list[multiprocessing.process.BaseProcess], kill: bool = False) -> None:
     """Wait for the ranks ridge started to exit (a load in progress finishes first), or kill them."""
     for worker in workers:
-        try:
-            worker.wait(timeout=0 if kill else 300)
-        except subprocess.TimeoutExpired:
+        worker.join(timeout=0 if kill else 300)
+        if worker.is_alive():
             worker.kill()
-            worker.wait()
+            worker.join()
 
 
-def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
+def _launch(config: EngineConfig) -> tuple[str, list[multiprocessing.process.BaseProcess]]:
     """The rendezvous URL, and ranks 1..N-1 started as processes here (none where torchrun started them)."""
     rank = torchrun_rank()
     if rank is not None:
@@ -250,14 +250,8 @@ def _launch(config: EngineConfig) -> tuple[str, list[subprocess.Popen]]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"tcp://127.0.0.1:{port}"
-    workers = []
-    for rank in range(1, config.tensor_parallel_size):
-        # -c, not -m: run as __main__, this module's classes would not be the ones rank 0 pickles
-        worker = subprocess.Popen([sys.executable, "-c", "from ridge.engine.tensor_parallel import main; main()"],
-                                  stdin=subprocess.PIPE)
-        worker.stdin.write(pickle.dumps((config, rank, url)))
-        worker.stdin.close()
-        workers.append(worker)
+    workers = [processes.start(serve, (config, rank, url), f"ridge-rank-{rank}")
+               for rank in range(1, config.tensor_parallel_size)]
     return url, workers
 
 
@@ -326,8 +320,3 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
             for begin, n in prompt_logprobs.slices(count):
                 runner.model.compute_logits(out.prompt_hidden[offset + begin: offset + begin + n])
             offset += count
-
-
-def main() -> None:
-    """A rank ridge started: its config, rank and rendezvous URL arrive pickled on stdin."""
-    serve(*pickle.loads(sys.stdin.buffer.read()))
