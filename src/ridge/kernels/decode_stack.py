@@ -101,7 +101,7 @@ def native_experts(ops: ModuleType, moe: MoEBlock) -> Any:
         gate_up, down = native_linear(ops, mlp.gate_up), native_linear(ops, mlp.down)
         return None if gate_up is None or down is None else (gate_up, down)
 
-    if not moe.plain:
+    if not moe.native_activation:
         return None
     empty = ops.Linear([], None)
     experts = [pair(e) if i in moe.held else (empty, empty) for i, e in enumerate(moe.experts)]
@@ -152,7 +152,7 @@ def attach_native_experts(model: DecoderModel, ops: ModuleType) -> None:
     for block in model.modules():
         if isinstance(block, MoEBlock):
             block.native, block.native_max_rows = native_experts(ops, block), max_rows(model)
-    if any(isinstance(b, MoEBlock) and not b.plain for b in model.modules()):
+    if any(isinstance(b, MoEBlock) and not b.native_activation for b in model.modules()):
         log.warning("ridge: the C++ experts have no %s activation; the mixture's experts run in Python",
                     model.cfg.hidden_act)
 

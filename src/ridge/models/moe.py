@@ -67,10 +67,10 @@ class MoEBlock(nn.Module):
         self.norm_eps_input = cfg.rms_norm_eps
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_intermediate_size, bias=cfg.expert_bias)
                                      for _ in range(cfg.num_experts))
-        # what the C++ form of the block (kernels/decode_stack.h's Experts) computes: SwiGLU experts, gpt-oss's
-        # clamped ones (their biases are their layers', its router's on the router's logits), squared-ReLU ones, or
-        # Gemma 4's GeGLU ones (its router's normed input and per-expert scales)
-        self.plain = cfg.hidden_act in ("silu", "swiglu_oai", "relu2", "gelu_tanh")
+        # whether the C++ form of the block (kernels/decode_stack.h's Experts) computes these experts: SwiGLU ones,
+        # gpt-oss's clamped ones (their biases are their layers', its router's on the router's logits), squared-ReLU
+        # ones, or Gemma 4's GeGLU ones (its router's normed input and per-expert scales)
+        self.native_activation = cfg.hidden_act in ("silu", "swiglu_oai", "relu2", "gelu_tanh")
         # the experts this process runs: all, or under expert parallelism its rank's (cluster/shards.py; the others'
         # places hold an empty module, and their tokens' share of the output is summed in from the other ranks)
         self.held = range(cfg.num_experts)
