@@ -150,17 +150,48 @@ def test_what_ridge_does_not_run_is_refused_by_name(changes, field, tmp_path):
         spec_from_hf_config(config, "gemma4")
 
 
-def test_a_quantized_cache_and_tensor_parallelism_are_refused_by_name(gemma4_model, make_llm_for_test):
+def test_a_quantized_cache_is_refused_by_name(gemma4_model, make_llm_for_test):
     path, _ = gemma4_model
     with pytest.raises(ValueError, match="kv_cache_dtype: int8 .*Gemma 4"):
         make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
+
+
+def test_two_ranks_give_one_process_s_tokens(gemma4_model, make_llm_for_test):
+    """Each layer kind's heads split on their own (the dense model's one global KV head on both ranks, its heads
+    twice as wide; values the keys' projection), each rank's slots packing its share of both kinds, the KV-shared
+    layers reading their source's share, the per-layer table cut by rows of the vocabulary as the embedding is:
+    greedy tokens of three prompts past the window over two ranks equal one process's. Moving those packed slots
+    to another engine is refused by name."""
+    path, _ = gemma4_model
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in make_llm_for_test(path, dtype="float32").generate(prompts, params)]
+    tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
+    from ridge.engine.kv_transfer import export_prefix
+
+    with pytest.raises(ValueError, match="moving its blocks between engines is supported on one process only"):
+        export_prefix(tp.engine, prompts[0], None)
+    tp.engine.close()
+
+
+def test_tensor_parallelism_refuses_what_it_cannot_cut_by_name(gemma4_model):
+    """The 26B-A4B's experts beside the dense MLP (each output normed before the two are summed), and rank counts
+    that would give a rank other query heads in the global layers than in the windowed ones."""
+    import dataclasses
+
     from ridge.cluster.shards import ShardPlan
     from ridge.models.registry import config_from_spec
     from ridge.models.spec import spec_from_hf_config
 
-    cfg = config_from_spec(spec_from_hf_config(json.loads((path / "config.json").read_text()), "gemma4"))
-    with pytest.raises(ValueError, match="tensor_parallel_size: Gemma 4's"):
-        ShardPlan(cfg, rank=0, world=2)
+    cfg = config_from_spec(spec_from_hf_config(json.loads((gemma4_model[0] / "config.json").read_text()), "gemma4"))
+    ShardPlan(cfg, rank=0, world=2)  # cuts
+    with pytest.raises(ValueError, match="moe_beside_mlp"):
+        ShardPlan(dataclasses.replace(cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      moe_beside_mlp=True), rank=0, world=2)
+    uneven = dataclasses.replace(cfg, num_heads=6, num_kv_heads=3, global_kv_heads=2)  # q 2 | 4 against 3 | 3
+    with pytest.raises(ValueError, match="split the query heads of the windowed layers .* differently"):
+        ShardPlan(uneven, rank=0, world=2)
 
 
 def test_config_json_with_global_head_keys_reads_as_hf_does(tmp_path):
@@ -301,7 +332,7 @@ def test_round_trips_through_llama_cpps_gguf(name, changes, smollm2_path, tmp_pa
     """A Gemma 4 written as llama.cpp's gemma4 GGUF (bench/random_gguf.py: the global heads under the plain keys,
     the windowed ones' under _swa, KV heads and FFN widths per layer, the still rotary pairs as rope_freqs, the
     experts stacked) reads back as the model HF computes: its norms, scalars and router scales drawn away from 1, so
-    that a tensor in another's place shows."""
+    that a tensor in another's place shows; the E model's file decodes the same tokens over two ranks."""
     from ridge.bench.random_gguf import write_gguf
 
     big = {**changes, "vocab_size": 49152, "vocab_size_per_layer_input": 49152}  # the vocabulary's, SmolLM2's
@@ -315,6 +346,12 @@ def test_round_trips_through_llama_cpps_gguf(name, changes, smollm2_path, tmp_pa
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (from_file.engine.prompt_logits(ids) - ref).abs().max() < 1e-4 * ref.abs().max()
+    if name == "edge":  # each rank reading its rows of the file's per-layer table, padded as the embedding's
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        one = from_file.generate([ids], params)[0].outputs[0].token_ids
+        tp = make_llm_for_test(gguf, dtype="float32", tensor_parallel_size=2)
+        assert tp.generate([ids], params)[0].outputs[0].token_ids == one
+        tp.engine.close()
 
 
 def test_a_gguf_llama_cpp_would_misread_is_refused_by_name(tmp_path):

@@ -218,6 +218,9 @@ def install_collectives(model: nn.Module, plan: ShardPlan, group: TPGroup) -> No
             layer.attn.sharded_norm.all_reduce = group.all_reduce_  # q's and k's squares over all heads
     table = model.embed_tokens.weight
     model.embed_tokens = VocabParallelEmbedding(table.data, plan.rank * plan.vocab_shard, plan.cfg.vocab_size, group)
+    if getattr(model, "embed_per_layer", None) is not None:  # Gemma 4's per-layer table, cut as the embedding
+        model.embed_per_layer = VocabParallelEmbedding(model.embed_per_layer.weight.data, plan.rank * plan.vocab_shard,
+                                                       plan.cfg.vocab_size, group)
     if model.output_projection is None:  # torch's own nn.Linear was the pick: the (tied or own) weight as it is
         head = nn.Linear(table.shape[1], table.shape[0], bias=False)
         head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -22,6 +22,8 @@ quantized columns only on the boundaries of their scale groups.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import re
 from dataclasses import dataclass
 
@@ -38,6 +40,7 @@ from ridge.models.moe import MoEBlock
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, pad_rows
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
+VOCABULARY_TABLES = ("embed_tokens", "lm_head", "embed_per_layer")  # cut by rows of the vocabulary, padded
 _EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
@@ -111,14 +114,18 @@ class ShardPlan:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
                              f"the {self.world} ranks" if cfg.num_experts else
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
-        gemma4 = [what for what, present in (
-            ("layers of different head widths or KV heads", not cfg.uniform_attention),
-            ("KV sharing", cfg.kv_shared_layers), ("per-layer embeddings", cfg.per_layer_input_size)) if present]
-        if gemma4:
-            raise ValueError(f"tensor_parallel_size: Gemma 4's {', '.join(gemma4)} are not cut across ranks (run it "
-                             "on one process)")
+        if cfg.moe_beside_mlp:  # each of the two outputs is normed before they are summed: two all-reduces
+            raise ValueError("tensor_parallel_size: Gemma 4's experts beside a dense MLP (moe_beside_mlp) are not cut "
+                             "across ranks (run it on one process)")
         if cfg.attention_layers:
-            split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
+            windowed = split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
+            if cfg.global_kv_heads:
+                other = split_heads(cfg.num_heads, cfg.global_kv_heads, self.world, "global layers' heads")
+                if [s.q_heads for s in windowed] != [s.q_heads for s in other]:
+                    raise ValueError(
+                        f"tensor_parallel_size: {self.world} ranks split the query heads of the windowed layers "
+                        f"({cfg.num_kv_heads} KV heads) and the global layers ({cfg.global_kv_heads}) differently; use "
+                        "a tensor_parallel_size that divides both KV head counts, or a divisor of the smaller")
         if cfg.ssm_layers and cfg.state_mixer == "short_conv":
             raise ValueError("tensor_parallel_size: LFM2's short-convolution layers are not cut across ranks (run "
                              "it on one process)")
@@ -134,8 +141,10 @@ class ShardPlan:
                 raise ValueError(f"tensor_parallel_size: {name} {width} cannot give each of {self.world} ranks "
                                  f"a multiple of {self.granule} columns")
         if cfg.attention_layers and self.granule > 1:
-            value_dim = cfg.v_head_dim if cfg.is_mla else cfg.head_dim  # o_proj's input: the heads' values
-            for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world):
+            # o_proj's input: the heads' values (Gemma 4's global layers: heads of their own width)
+            value_dims = {cfg.v_head_dim} if cfg.is_mla else {cfg.head_dim, cfg.global_head_dim or cfg.head_dim}
+            for shard, value_dim in itertools.product(split_heads(cfg.num_heads, cfg.num_kv_heads, self.world),
+                                                      sorted(value_dims)):
                 if (shard.q_heads.start * value_dim) % self.granule:
                     raise ValueError(
                         f"tensor_parallel_size: {self.world} splits o_proj's input at column "
@@ -147,6 +156,12 @@ class ShardPlan:
     def heads(self) -> HeadShard:
         return split_heads(self.cfg.num_heads, self.cfg.num_kv_heads, self.world)[self.rank]
 
+    def layer_heads(self, layer: int) -> HeadShard:
+        """This rank's heads in an attention layer: the model's, or those of the global layers' own KV heads
+        (Gemma 4's; the same query heads, __post_init__ checks)."""
+        cfg = self.cfg
+        return split_heads(cfg.num_heads, cfg.layer_kv_heads(layer), self.world)[self.rank]
+
     @property
     def ssm_heads(self) -> HeadShard:
         """This rank's state-space heads (q_heads) and groups (kv_heads)."""
@@ -157,8 +172,11 @@ class ShardPlan:
         plan's elsewhere: a window ignored at load) or the plan's."""
         cfg = cfg or self.cfg
         if cfg.attention_layers:
-            heads = self.heads
-            cfg = dataclasses.replace(cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads))
+            heads, own = self.heads, {}
+            if cfg.global_kv_heads:  # Gemma 4's global layers' own
+                own = {"global_kv_heads": len(split_heads(cfg.num_heads, cfg.global_kv_heads, self.world)[self.rank]
+                                              .kv_heads)}
+            cfg = dataclasses.replace(cfg, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads), **own)
         if cfg.ssm_layers:
             ssm = self.ssm_heads
             cfg = dataclasses.replace(cfg, ssm_num_heads=len(ssm.q_heads), ssm_groups=len(ssm.kv_heads))
@@ -171,7 +189,14 @@ class ShardPlan:
         cfg = cfg or self.cfg
         if cfg.attention_layers:
             most = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.num_kv_heads, self.world))
-            cfg = dataclasses.replace(cfg, num_heads=most * (cfg.num_heads // cfg.num_kv_heads), num_kv_heads=most)
+            heads = most * (cfg.num_heads // cfg.num_kv_heads)
+            own = {}
+            if cfg.global_kv_heads:  # Gemma 4's slots: as wide as the widest rank's windowed or global layer
+                most_global = max(len(s.kv_heads) for s in split_heads(cfg.num_heads, cfg.global_kv_heads, self.world))
+                # a head count both divide (a block's bytes count KV heads alone)
+                heads = math.lcm(heads, most_global * (cfg.num_heads // cfg.global_kv_heads))
+                own = {"global_kv_heads": most_global}
+            cfg = dataclasses.replace(cfg, num_heads=heads, num_kv_heads=most, **own)
         if cfg.ssm_layers:
             shards = split_heads(cfg.ssm_num_heads, cfg.ssm_groups, self.world, "state-space heads")
             # every rank holds whole groups, or a part of one (split_heads): heads a multiple of groups either way
@@ -222,13 +247,20 @@ class ShardPlan:
         cfg, heads = self.cfg, self.heads if self.cfg.attention_layers else None
         cuts: dict[str, tuple[int, torch.Tensor]] = {"embed_tokens": (0, self.vocab_rows()),
                                                      "lm_head": (0, self.vocab_rows()), HEAD: (0, self.vocab_rows())}
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer table: vocabulary parallel, as the embedding
+            cuts["embed_per_layer"] = (0, self.vocab_rows())
         for i, layer in enumerate(model.layers):
             if isinstance(layer.attn, Attention) and heads is not None:
-                d, q, kv = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+                heads = self.layer_heads(i)
+                d = cfg.layer_head_dim(i)
+                q, kv = cfg.num_heads * d, cfg.layer_kv_heads(i) * d
                 q_rows = torch.arange(heads.q_heads.start * d, heads.q_heads.stop * d)
                 kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
                 gate_rows = [q + 2 * kv + q_rows] if cfg.attention_output_gate else []  # the output gate's
-                cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, q + kv_rows, q + kv + kv_rows, *gate_rows]))
+                # a KV-shared layer projects q alone; a global layer whose values are its keys, q and k
+                kv_parts = ([] if layer.attn.kv_shared else [q + kv_rows] if layer.attn.values_from_keys
+                            else [q + kv_rows, q + kv + kv_rows])
+                cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, *kv_parts, *gate_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
                 if cfg.attention_sinks:  # a logit per query head
                     cuts[f"layers.{i}.attn.sinks"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
@@ -326,7 +358,7 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
             setattr(model.get_submodule(parent), name, nn.Parameter(module.data.index_select(dim, index),
                                                                     requires_grad=False))
             continue
-        _cut_module(module, dim, index, plan.vocab_shard if path in ("embed_tokens", "lm_head") else None,
+        _cut_module(module, dim, index, plan.vocab_shard if path in VOCABULARY_TABLES else None,
                     keeps_bias=plan.rank == 0)
     local = plan.local_config(model.cfg)
     for layer in model.layers:
@@ -336,7 +368,8 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
                 if e not in plan.held_experts:
                     layer.mlp.experts[e] = nn.Module()  # another rank's expert: its weights freed here
         if isinstance(layer.attn, Attention):
-            layer.attn.num_heads, layer.attn.num_kv_heads = local.num_heads, local.num_kv_heads
+            layer.attn.num_heads = local.num_heads
+            layer.attn.num_kv_heads = local.layer_kv_heads(layer.attn.layer_index)
             if plan.cfg.qk_norm_full:
                 heads, group = plan.heads, plan.cfg.num_heads // plan.cfg.num_kv_heads
                 layer.attn.sharded_norm = ShardedFullNorm(

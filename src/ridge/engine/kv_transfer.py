@@ -78,6 +78,9 @@ def kv_head_shards(engine: LLMEngine) -> list[range] | None:
     cfg, world = engine.loaded.config, engine.config.tensor_parallel_size
     if world == 1 or cfg.is_mla:
         return None
+    if not cfg.uniform_attention:
+        raise ValueError("tensor_parallel_size: a model whose layers' KV heads differ (Gemma 4's) packs its slots per "
+                         "rank; moving its blocks between engines is supported on one process only")
     return [shard.kv_heads for shard in split_heads(cfg.num_heads, cfg.num_kv_heads, world)]
 
 

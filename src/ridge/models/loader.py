@@ -86,7 +86,7 @@ class ShardCuts:
         return None if cut is not None and cut[0] == 1 and key.endswith(".bias") else cut
 
     def pad_to(self, key: str) -> int | None:
-        return self.vocab_rows if key in ("embed_tokens.weight", "lm_head.weight") else None
+        return self.vocab_rows if key in ("embed_tokens.weight", "lm_head.weight", "embed_per_layer.weight") else None
 
 
 @dataclass(frozen=True)
