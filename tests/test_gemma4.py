@@ -175,9 +175,8 @@ def test_two_ranks_give_one_process_s_tokens(gemma4_model, make_llm_for_test):
     tp.engine.close()
 
 
-def test_tensor_parallelism_refuses_what_it_cannot_cut_by_name(gemma4_model):
-    """The 26B-A4B's experts beside the dense MLP (each output normed before the two are summed), and rank counts
-    that would give a rank other query heads in the global layers than in the windowed ones."""
+def test_tensor_parallelism_refuses_uneven_query_splits_by_name(gemma4_model):
+    """Rank counts that would give a rank other query heads in the global layers than in the windowed ones."""
     import dataclasses
 
     from ridge.cluster.shards import ShardPlan
@@ -186,9 +185,6 @@ def test_tensor_parallelism_refuses_what_it_cannot_cut_by_name(gemma4_model):
 
     cfg = config_from_spec(spec_from_hf_config(json.loads((gemma4_model[0] / "config.json").read_text()), "gemma4"))
     ShardPlan(cfg, rank=0, world=2)  # cuts
-    with pytest.raises(ValueError, match="moe_beside_mlp"):
-        ShardPlan(dataclasses.replace(cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                      moe_beside_mlp=True), rank=0, world=2)
     uneven = dataclasses.replace(cfg, num_heads=6, num_kv_heads=3, global_kv_heads=2)  # q 2 | 4 against 3 | 3
     with pytest.raises(ValueError, match="split the query heads of the windowed layers .* differently"):
         ShardPlan(uneven, rank=0, world=2)
@@ -321,6 +317,21 @@ def test_the_fused_decode_step_runs_the_26b_mixture_as_the_python_path(gemma4_mo
     prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     assert_stack_equals_eager(make_llm_for_test, gemma4_moe[0], prompts, params, dtype=dtype)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-cut", "experts-whole"])
+def test_the_26b_mixture_over_two_ranks_gives_one_process_s_tokens(gemma4_moe, make_llm_for_test, expert_parallel):
+    """The dense MLP cut by width beside the experts, each expert cut by width or each rank holding half of them
+    whole: each branch summed over the ranks before its own norm (the fused C++ step's and the Python path's), the
+    same greedy tokens as one process."""
+    path = gemma4_moe[0]
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in make_llm_for_test(path, dtype="float32").generate(prompts, params)]
+    tp = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    assert tp.engine.runner.local.decode_stack is not None  # decode steps in C++, its all-reduces between
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == one
+    tp.engine.close()
 
 
 # the E config as llama.cpp's gemma4 runs it: the last two caching layers windowed, then global

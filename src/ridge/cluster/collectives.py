@@ -214,6 +214,8 @@ def install_collectives(model: nn.Module, plan: ShardPlan, group: TPGroup) -> No
         layer.all_reduce = group.all_reduce_
         if getattr(layer.ssm, "shared_group", None) is not None:  # Mamba-2's (a gated DeltaNet norms per head)
             layer.ssm.all_reduce = group.all_reduce_  # its norm's squares, a group split between ranks
+        if getattr(layer.mlp, "reduces_its_output", False):  # Gemma 4's experts beside its MLP: each branch
+            layer.mlp.all_reduce = group.all_reduce_
         if getattr(layer.attn, "sharded_norm", None) is not None:
             layer.attn.sharded_norm.all_reduce = group.all_reduce_  # q's and k's squares over all heads
     table = model.embed_tokens.weight

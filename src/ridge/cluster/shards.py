@@ -36,12 +36,12 @@ from ridge.models.layers import Attention, GatedMLP, ShardedFullNorm
 from ridge.models.loader import ShardCuts
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
-from ridge.models.moe import MoEBlock
+from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, pad_rows
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
 VOCABULARY_TABLES = ("embed_tokens", "lm_head", "embed_per_layer")  # cut by rows of the vocabulary, padded
-_EXPERT = re.compile(r"layers\.\d+\.mlp\.experts\.(\d+)\.")
+_EXPERT = re.compile(r"layers\.\d+\.mlp\.(?:moe\.)?experts\.(\d+)\.")
 
 
 def even_ranges(n: int, parts: int) -> list[range]:
@@ -114,9 +114,6 @@ class ShardPlan:
             raise ValueError(f"enable_expert_parallel: {cfg.architecture} has {cfg.num_experts} experts, fewer than "
                              f"the {self.world} ranks" if cfg.num_experts else
                              f"enable_expert_parallel: {cfg.architecture} has no experts")
-        if cfg.moe_beside_mlp:  # each of the two outputs is normed before they are summed: two all-reduces
-            raise ValueError("tensor_parallel_size: Gemma 4's experts beside a dense MLP (moe_beside_mlp) are not cut "
-                             "across ranks (run it on one process)")
         if cfg.attention_layers:
             windowed = split_heads(cfg.num_heads, cfg.num_kv_heads, self.world)  # raises where heads cannot be split
             if cfg.global_kv_heads:
@@ -251,11 +248,11 @@ class ShardPlan:
             cuts["embed_per_layer"] = (0, self.vocab_rows())
         for i, layer in enumerate(model.layers):
             if isinstance(layer.attn, Attention) and heads is not None:
-                heads = self.layer_heads(i)
+                shard = self.layer_heads(i)
                 d = cfg.layer_head_dim(i)
                 q, kv = cfg.num_heads * d, cfg.layer_kv_heads(i) * d
-                q_rows = torch.arange(heads.q_heads.start * d, heads.q_heads.stop * d)
-                kv_rows = torch.arange(heads.kv_heads.start * d, heads.kv_heads.stop * d)
+                q_rows = torch.arange(shard.q_heads.start * d, shard.q_heads.stop * d)
+                kv_rows = torch.arange(shard.kv_heads.start * d, shard.kv_heads.stop * d)
                 gate_rows = [q + 2 * kv + q_rows] if cfg.attention_output_gate else []  # the output gate's
                 # a KV-shared layer projects q alone; a global layer whose values are its keys, q and k
                 kv_parts = ([] if layer.attn.kv_shared else [q + kv_rows] if layer.attn.values_from_keys
@@ -263,14 +260,14 @@ class ShardPlan:
                 cuts[f"layers.{i}.attn.qkv"] = (0, torch.cat([q_rows, *kv_parts, *gate_rows]))
                 cuts[f"layers.{i}.attn.o_proj"] = (1, q_rows)
                 if cfg.attention_sinks:  # a logit per query head
-                    cuts[f"layers.{i}.attn.sinks"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
+                    cuts[f"layers.{i}.attn.sinks"] = (0, torch.arange(shard.q_heads.start, shard.q_heads.stop))
                 if cfg.qk_norm_full:  # norms over all heads at once: a weight per row of q and of k
                     cuts[f"layers.{i}.attn.q_norm.weight"] = (0, q_rows)
                     cuts[f"layers.{i}.attn.k_norm.weight"] = (0, kv_rows)
                 elif cfg.qk_norm and cfg.norm_kind == "layer":  # Command R+'s: a weight row for each head
-                    cuts[f"layers.{i}.attn.q_norm.weight"] = (0, torch.arange(heads.q_heads.start, heads.q_heads.stop))
-                    cuts[f"layers.{i}.attn.k_norm.weight"] = (0, torch.arange(heads.kv_heads.start,
-                                                                              heads.kv_heads.stop))
+                    cuts[f"layers.{i}.attn.q_norm.weight"] = (0, torch.arange(shard.q_heads.start, shard.q_heads.stop))
+                    cuts[f"layers.{i}.attn.k_norm.weight"] = (0, torch.arange(shard.kv_heads.start,
+                                                                              shard.kv_heads.stop))
             elif isinstance(layer.attn, LatentAttention) and heads is not None:
                 # the latent and the rotary key (kv_a, q_a) are every head's: each rank computes and caches them whole
                 q_width, kv_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
@@ -282,13 +279,15 @@ class ShardPlan:
                 cuts.update(self._ssm_cuts(f"layers.{i}.ssm"))
             elif isinstance(layer.ssm, GatedDeltaMixer):
                 cuts.update(self._gated_delta_cuts(f"layers.{i}.ssm"))
-            mlp = layer.mlp
-            mlps = {"mlp": mlp} if isinstance(mlp, GatedMLP) else {}
-            if isinstance(mlp, MoEBlock):
+            mlps = {"mlp": layer.mlp} if isinstance(layer.mlp, GatedMLP) else {}
+            if isinstance(layer.mlp, MLPBesideExperts):
+                mlps = {"mlp.mlp": layer.mlp.mlp}
+            if (moe := mixture_of(layer)) is not None:
+                path = "mlp.moe" if isinstance(layer.mlp, MLPBesideExperts) else "mlp"
                 if not self.expert_parallel:  # under expert parallelism, a rank's experts stay whole
-                    mlps = {f"mlp.experts.{e}": expert for e, expert in enumerate(mlp.experts)}
-                if mlp.shared_expert is not None:
-                    mlps["mlp.shared_expert"] = mlp.shared_expert
+                    mlps.update({f"{path}.experts.{e}": expert for e, expert in enumerate(moe.experts)})
+                if moe.shared_expert is not None:
+                    mlps[f"{path}.shared_expert"] = moe.shared_expert
             for name, ffn in mlps.items():
                 cols = self.columns(ffn.intermediate_size)
                 # a gated FFN's gate_up holds its gate's rows, then its up's; an ungated one's, up's alone
@@ -340,6 +339,12 @@ class ShardPlan:
         return tiled.sort().values
 
 
+def mixture_of(layer: nn.Module) -> MoEBlock | None:
+    """A layer's mixture of experts: its MLP, or the one beside its dense MLP (Gemma 4's 26B-A4B)."""
+    mlp = layer.mlp
+    return mlp if isinstance(mlp, MoEBlock) else mlp.moe if isinstance(mlp, MLPBesideExperts) else None
+
+
 def _head_rows(heads: range, width: int) -> torch.Tensor:
     return torch.arange(heads.start * width, heads.stop * width)
 
@@ -362,11 +367,11 @@ def shard_model(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, torch
                     keeps_bias=plan.rank == 0)
     local = plan.local_config(model.cfg)
     for layer in model.layers:
-        if isinstance(layer.mlp, MoEBlock) and plan.expert_parallel:
-            layer.mlp.held = plan.held_experts
-            for e in range(len(layer.mlp.experts)):
+        if (moe := mixture_of(layer)) is not None and plan.expert_parallel:
+            moe.held = plan.held_experts
+            for e in range(len(moe.experts)):
                 if e not in plan.held_experts:
-                    layer.mlp.experts[e] = nn.Module()  # another rank's expert: its weights freed here
+                    moe.experts[e] = nn.Module()  # another rank's expert: its weights freed here
         if isinstance(layer.attn, Attention):
             layer.attn.num_heads = local.num_heads
             layer.attn.num_kv_heads = local.layer_kv_heads(layer.attn.layer_index)

@@ -281,16 +281,19 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     x = branch_output(layer, x, layer.attn_out_norm);
     if (layer.parallel || !layer.has_mlp()) continue;
     h = add_norm_(residual, x, layer.post_attn_norm, layer.post_attn_norm_bias);
-    if (layer.experts_in_norm.has_value()) {  // MLPBesideExperts.forward
+    if (layer.experts_in_norm.has_value()) {  // MLPBesideExperts.forward: each branch whole before its norm
       const auto stream = residual.to(h.scalar_type());
-      const auto routed = (*layer.experts)(at::rms_norm(stream, {stream.size(1)}, *layer.experts_in_norm, eps), stream);
-      x = at::rms_norm(layer.down(layer.activation(layer.gate_up(h))), {h.size(1)}, *layer.beside_mlp_norm, eps) +
+      auto dense = layer.down(layer.activation(layer.gate_up(h)));
+      auto routed = (*layer.experts)(at::rms_norm(stream, {stream.size(1)}, *layer.experts_in_norm, eps), stream);
+      reduce_(dense);
+      reduce_(routed);
+      x = at::rms_norm(dense, {h.size(1)}, *layer.beside_mlp_norm, eps) +
           at::rms_norm(routed, {h.size(1)}, *layer.experts_out_norm, eps);
     } else {
       x = layer.experts.has_value() ? (*layer.experts)(h, c10::nullopt)
                                     : layer.down(layer.activation(layer.gate_up(h)));
+      reduce_(x);
     }
-    reduce_(x);
     x = branch_output(layer, x, layer.mlp_out_norm);
     if (layer.ends_with_stream()) {
       x = layer_end(layer, residual + x, per_layer_inputs, static_cast<int64_t>(index));

@@ -418,7 +418,7 @@ class DecoderLayer(nn.Module):
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
         x = self.mlp(x, residual) if getattr(self.mlp, "reads_stream", False) else self.mlp(x)
-        if self.all_reduce is not None:
+        if self.all_reduce is not None and not getattr(self.mlp, "reduces_its_output", False):
             self.all_reduce(x)
         if self.mlp_out_norm is not None:
             x = self.mlp_out_norm(x)

@@ -158,6 +158,9 @@ class MLPBesideExperts(nn.Module):
     through a norm of their own, its router through its own (MoEBlock's router_input_scale)."""
 
     reads_stream = True  # DecoderLayer hands it the stream beside its normed input
+    # under tensor parallelism each branch's output is a partial sum, made whole here before its norm, so the
+    # layer does not sum the block's output again (DecoderLayer.forward)
+    reduces_its_output = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -166,10 +169,15 @@ class MLPBesideExperts(nn.Module):
         self.experts_in_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.experts_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.moe = MoEBlock(cfg)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None  # cluster/collectives.py's, over ranks
 
     def forward(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        dense = self.mlp(x)
         routed = self.moe(self.experts_in_norm(stream.to(x.dtype)), router_input=stream.to(x.dtype))
-        return self.mlp_out_norm(self.mlp(x)) + self.experts_out_norm(routed)
+        if self.all_reduce is not None:
+            self.all_reduce(dense)
+            self.all_reduce(routed)
+        return self.mlp_out_norm(dense) + self.experts_out_norm(routed)
 
 
 def attach_fused_experts(model: nn.Module) -> bool:
