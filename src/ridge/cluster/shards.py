@@ -9,7 +9,8 @@ along its intermediate width: gate and up by rows (column parallel), down by col
 vocabulary by rows of the embedding table and the output projection. With expert parallelism, each rank holds
 whole experts instead, its share of them; every rank routes every token, and runs the experts it holds. A
 Mamba-2 mixer splits by heads as attention does, its groups of B and C in the place of KV heads, and a gated
-DeltaNet by value heads, its query / key heads in that place. Each rank's
+DeltaNet by value heads, its query / key heads in that place. Gemma 4's global layers split their own KV heads (and
+heads of their own width) as the windowed layers split theirs, every rank's query heads the same in both. Each rank's
 attention and MLP outputs are then partial sums that one all-reduce each completes (cluster/collectives.py); norms
 over a whole group or all heads (Mamba-2's where a group is split, OLMoE's q/k norms) sum their squares likewise.
 
@@ -122,7 +123,7 @@ class ShardPlan:
                     raise ValueError(
                         f"tensor_parallel_size: {self.world} ranks split the query heads of the windowed layers "
                         f"({cfg.num_kv_heads} KV heads) and the global layers ({cfg.global_kv_heads}) differently; use "
-                        "a tensor_parallel_size that divides both KV head counts, or a divisor of the smaller")
+                        "a tensor_parallel_size that divides both KV head counts")
         if cfg.ssm_layers and cfg.state_mixer == "short_conv":
             raise ValueError("tensor_parallel_size: LFM2's short-convolution layers are not cut across ranks (run "
                              "it on one process)")
