@@ -34,14 +34,13 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.models.gated_delta import GatedDeltaMixer
 from ridge.models.layers import Attention, GatedMLP, ShardedFullNorm
-from ridge.models.loader import ShardCuts
+from ridge.models.loader import VOCABULARY_TABLES, ShardCuts
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, pad_rows
 
 HEAD = "output_projection"  # quantize_weights' key of the output projection (quant/methods.py)
-VOCABULARY_TABLES = ("embed_tokens", "lm_head", "embed_per_layer")  # cut by rows of the vocabulary, padded
 _EXPERT = re.compile(r"layers\.\d+\.mlp\.(?:moe\.)?experts\.(\d+)\.")
 
 

@@ -68,6 +68,10 @@ class LoadedModel:
     weight_format: str  # e.g. "gguf Q4_1 (dequantized to bfloat16)" or "safetensors float32"
 
 
+# the tables a tensor-parallel rank holds by rows of the vocabulary, the last rank's padded to as many rows
+VOCABULARY_TABLES = ("embed_tokens", "lm_head", "embed_per_layer")
+
+
 @dataclass(frozen=True)
 class ShardCuts:
     """A tensor-parallel rank's part of the weights (cluster/shards.py), read as the file is: by module path, or a
@@ -86,7 +90,7 @@ class ShardCuts:
         return None if cut is not None and cut[0] == 1 and key.endswith(".bias") else cut
 
     def pad_to(self, key: str) -> int | None:
-        return self.vocab_rows if key in ("embed_tokens.weight", "lm_head.weight", "embed_per_layer.weight") else None
+        return self.vocab_rows if key.removesuffix(".weight") in VOCABULARY_TABLES else None
 
 
 @dataclass(frozen=True)
