@@ -150,10 +150,66 @@ def test_what_ridge_does_not_run_is_refused_by_name(changes, field, tmp_path):
         spec_from_hf_config(config, "gemma4")
 
 
-def test_a_quantized_cache_is_refused_by_name(gemma4_model, make_llm_for_test):
-    path, _ = gemma4_model
-    with pytest.raises(ValueError, match="kv_cache_dtype: int8 .*Gemma 4"):
-        make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8")
+# head dims the quantized cache's decode kernel reads (multiples of 64)
+WIDE = dict(head_dim=64, global_head_dim=128)
+
+
+@pytest.fixture(scope="module", params=["dense", "edge"])
+def gemma4_wide(request, tmp_path_factory):
+    return random_hf_model(f"{request.param}-wide", {**{"dense": DENSE, "edge": EDGE}[request.param], **WIDE},
+                           tmp_path_factory)
+
+
+@pytest.mark.threaded  # the kernels split their work across threads: on every core
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4"])
+def test_a_quantized_cache_s_fused_decode_step_is_the_python_path_to_the_bit(gemma4_wide, make_llm_for_test,
+                                                                             kv_cache_dtype):
+    """Each layer kind's codes and scales are views of its slots' bytes: decode steps in one C++ call (the writes
+    and the decode kernel over the views' strides, a KV-shared layer reading its source's codes and scales) give
+    the Python path's tokens and log-probabilities to the last bit."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        pytest.skip("the quantized cache's kernels need AVX512 (the torch path serves elsewhere, without the stack)")
+    path, _ = gemma4_wide
+    prompts = random_prompts(5, VOCAB, 3, 40, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    assert_stack_equals_eager(make_llm_for_test, path, prompts, params, dtype="bfloat16",
+                              kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int2"])
+def test_a_quantized_cache_holds_the_bytes_it_counts_and_batches_as_alone(gemma4_wide, make_llm_for_test,
+                                                                          kv_cache_dtype):
+    """The engine holds the bytes it counted (every layer's codes and scales in its slots' rows; int2's tails of
+    each layer's own shape), and 12 prompts' greedy tokens in one batch are each prompt's alone (prefilled whole: a
+    chunk that continues a cached context reads it rounded, and int8's block scales grow with the chunks, so
+    chunked prompts may part at near-ties)."""
+    path, _ = gemma4_wide
+    llm = make_llm_for_test(path, dtype="float32", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False,
+                            max_num_batched_tokens=1024)
+    cfg, backend, fmt = llm.engine.loaded.config, llm.engine.runner.backend, llm.engine.config.kv_format
+    per_block = cfg.kv_bytes_per_block(torch.float32, backend.block_size, fmt)
+    assert sum(rows.nbytes for rows in backend.slot_rows) == backend.num_blocks * per_block
+    tails = sum(t.nbytes for caches in (backend.k_tails, backend.v_tails) for t in caches.values())
+    assert tails == (llm.engine.kv.states.num_slots * cfg.kv_tail_bytes(torch.float32, backend.block_size)
+                     if fmt.tail else 0)
+    prompts = random_prompts(12, VOCAB, 3, 60, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:4]] == batch[:4]
+
+
+def test_a_quantized_cache_preempts_and_gives_every_block_back(gemma4_wide, make_llm_for_test):
+    """An int8 cache of 32 blocks for 12 prompts in 32-token chunks: sequences are preempted and recomputed, each
+    finishes its 32 tokens, and every block comes back (make_llm_for_test's accounting)."""
+    path, _ = gemma4_wide
+    probe = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory="1MiB")
+    per_block = probe.engine.loaded.config.kv_bytes_per_block(torch.float32, 16, probe.engine.config.kv_format)
+    tight = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8", enable_prefix_caching=False,
+                              max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=str(per_block * 32))
+    outs = tight.generate(random_prompts(12, VOCAB, 3, 60, seed=4),
+                          SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
 
 
 def test_two_ranks_give_one_process_s_tokens(gemma4_model, make_llm_for_test):
@@ -172,6 +228,18 @@ def test_two_ranks_give_one_process_s_tokens(gemma4_model, make_llm_for_test):
 
     with pytest.raises(ValueError, match="moving its blocks between engines is supported on one process only"):
         export_prefix(tp.engine, prompts[0], None)
+    tp.engine.close()
+
+
+def test_a_quantized_cache_over_two_ranks_gives_one_process_s_tokens(gemma4_wide, make_llm_for_test):
+    """An int8 cache over two ranks: each rank carves its share of both layer kinds' codes and scales from its own
+    slots; greedy tokens of three prompts equal one process's."""
+    path, _ = gemma4_wide
+    prompts = random_prompts(3, VOCAB, 5, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8").generate(prompts, params)
+    tp = make_llm_for_test(path, dtype="float32", kv_cache_dtype="int8", tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == [o.outputs[0].token_ids for o in one]
     tp.engine.close()
 
 

@@ -1,5 +1,6 @@
 """Quantized KV caches (--kv-cache-dtype fp8 / int8 / int4 / int2): the formats' rounding, the backend's attention
-against dequantize-then-attend at several block sizes and context lengths, int2's tails, greedy tokens of
+against dequantize-then-attend at several block sizes and context lengths, layers of different shapes (Gemma 4's)
+in shared slots, int2's tails, greedy tokens of
 Qwen2.5-Coder-0.5B against its bf16 cache, the tokens a fixed kv_cache_memory holds, the plan's bytes against the
 engine's, and refusals."""
 
@@ -13,7 +14,7 @@ from ridge import SamplingParams
 from ridge.attention import AttentionMetadata, PrefillChunk
 from ridge.attention.quantized_kv import QuantizedKVBackend
 from ridge.kv.formats import KV_FORMATS, decode_channel_scales, encode_channel_scales, kv_format
-from ridge.kv.layout import Window
+from ridge.kv.layout import Window, kv_layout
 
 FORMATS = list(KV_FORMATS)
 
@@ -81,7 +82,7 @@ def _decodes(tables: list[torch.Tensor], lengths: list[int]) -> AttentionMetadat
         decode_context_lens=torch.tensor(lengths), prefills=[], tail_slots=torch.arange(len(lengths)))
 
 
-def _write(backend, k, v, table, slot=0):
+def _write(backend, k, v, table, slot=0, layer=0):
     """One sequence's rows [n, kv_heads, d] from position 0 into its blocks, as a step writing its prompt does."""
     n, bs = k.shape[0], backend.block_size
     pos = torch.arange(n)
@@ -90,7 +91,7 @@ def _write(backend, k, v, table, slot=0):
                              decode_context_lens=torch.zeros(0, dtype=torch.long),
                              prefills=[PrefillChunk(0, n, n, table[:-(-n // bs)])], tail_slots=torch.tensor([slot]))
     backend.prepare(meta)
-    backend.write(0, k, v, meta.slot_mapping, meta.backend_state)
+    backend.write(layer, k, v, meta.slot_mapping, meta.backend_state)
 
 
 def _attention(q, k, v, scale):
@@ -214,6 +215,56 @@ def test_the_kernel_reads_the_cache_as_the_torch_path_does(name, heads, kv_heads
         outs.append(backend.attend(0, q, None, None, meta))
     assert backend.kernels is not None
     assert torch.allclose(outs[1], outs[0], atol=1e-5), (outs[1] - outs[0]).abs().max()
+
+
+@pytest.mark.threaded
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("kernel", [False, True])
+def test_layers_of_different_shapes_hold_and_read_what_caches_of_their_own_shape_do(name, kernel, ops):
+    """Gemma 4's layout: windowed layers of 4 KV heads of 64 dims, global ones of 1 head of 128 (half as wide, so two
+    share a slot), every layer's codes and scales views of its slot's bytes. Each layer written with its own rows
+    (each group at its own block ids; the two global layers at the same ones) holds the bytes a cache of its own
+    shape holds, and decodes of 3 sequences over it (torch's, or the kernel over the views' strides) equal that
+    cache's."""
+    fmt = kv_format(name)
+    torch.manual_seed(2)
+    shapes = {layer: (1, 128) if layer in (2, 5) else (4, 64) for layer in range(6)}
+    layout = kv_layout({layer: None if layer in (2, 5) else Window(64) for layer in range(6)}, shapes)
+    assert layout.num_slots == 1 and layout.groups[0].layers == (2, 5)  # the global layers: parts 0 and 1 of slot 0
+    lengths, bs = [5, 40, 130], 16
+    blocks = [-(-n // bs) for n in lengths]
+    per_group = sum(blocks)
+    args = dict(kv_format=fmt, num_tail_slots=len(lengths), scale=0.1)  # one scale for every layer, as the model's
+    backend = QuantizedKVBackend(layout, 4, 64, per_group * len(layout.groups), bs, torch.float32, "cpu", **args)
+    owns = {heads_dim: QuantizedKVBackend(1, *heads_dim, per_group * len(layout.groups), bs, torch.float32, "cpu",
+                                          **args)
+            for heads_dim in set(shapes.values())}
+    if kernel:
+        for cache in (backend, *owns.values()):
+            cache.ops = ops
+    group_of_layer = layout.group_of_layer()
+    order = torch.randperm(per_group * len(layout.groups))
+    tables = {layer: list(order[group_of_layer[layer] * per_group:][:per_group].split(blocks)) for layer in shapes}
+    written = {}
+    for layer, (heads, dim) in shapes.items():  # every layer before any is read: none may overwrite another
+        written[layer] = [(torch.randn(n, heads, dim) * 3, torch.randn(n, heads, dim)) for n in lengths]
+        for i, (k, v) in enumerate(written[layer]):
+            _write(backend, k, v, tables[layer][i], slot=i, layer=layer)
+    for layer, (heads, dim) in shapes.items():
+        own = owns[heads, dim]
+        for i, (k, v) in enumerate(written[layer]):
+            _write(own, k, v, tables[layer][i], slot=i)
+        meta = _decodes(tables[layer], lengths)
+        for cache in (backend, own):
+            cache.prepare(meta)
+        for i, table in enumerate(tables[layer]):
+            for held, expected in zip(backend._context(layer, table, meta), own._context(0, table, meta), strict=True):
+                assert torch.equal(held, expected), (layer, i)
+        q = torch.randn(len(lengths), 4, dim)
+        out, expected = backend.attend(layer, q, None, None, meta), own.attend(0, q, None, None, meta)
+        assert torch.equal(out, expected), (layer, (out - expected).abs().max())
+    assert (backend.kernels is not None) == (kernel and name != "int2"
+                                             and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 @pytest.mark.threaded

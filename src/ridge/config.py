@@ -342,23 +342,24 @@ class ModelConfig:
 
     def kv_tail_bytes(self, dtype: torch.dtype, block_size: int) -> int:
         """Bytes of one sequence's tail (a kv format with tails, int2): a block's K and V rows in dtype, per attention
-        layer."""
-        return 2 * len(self.kv_layers) * self.num_kv_heads * block_size * self.head_dim * dtype.itemsize
+        layer with a cache of its own."""
+        widths = sum(self.layer_kv_heads(i) * self.layer_head_dim(i) for i in self.kv_layers)
+        return 2 * widths * block_size * dtype.itemsize
 
     def kv_bytes_per_block(self, dtype: torch.dtype, block_size: int, kv_format: KVFormat | None = None) -> int:
         """Bytes one block id holds: K and V of block_size tokens in every slot of the KV layout (MLA: one latent
         row a token, read as both, and with sparse attention the indexer's key), in dtype or in a quantized
-        format's codes and scales."""
-        if kv_format is not None:
-            per_head = kv_format.block_bytes(self.head_dim, block_size)
-        else:
-            row = self.head_dim + (self.index_head_dim if self.index_topk else 0)
-            per_head = (1 if self.is_mla else 2) * block_size * row * dtype.itemsize
+        format's codes and scales; layers of different shapes in slots carved as the backend carves them."""
+        def per_head(head_dim: int) -> int:
+            if kv_format is not None:
+                return kv_format.block_bytes(head_dim, block_size)
+            row = head_dim + (self.index_head_dim if self.index_topk else 0)
+            return (1 if self.is_mla else 2) * block_size * row * dtype.itemsize
+
         layout = self.kv_layout()
         if layout.shapes is None:
-            return layout.num_slots * self.num_kv_heads * per_head
-        return layout.num_slots * 2 * block_size * layout.slot_width * dtype.itemsize  # slots of the widest layer's
-
+            return layout.num_slots * self.num_kv_heads * per_head(self.head_dim)
+        return layout.carve(lambda heads, head_dim: heads * per_head(head_dim)).block_bytes
 
 
 QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4", "gguf")

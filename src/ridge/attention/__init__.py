@@ -36,7 +36,6 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
     args = (cfg.kv_layout(), cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
     if kv_format is not None:
         for refused, what in ((cfg.is_mla, "latent attention (MLA)"),
-                              (not cfg.uniform_attention, "layers of different head widths or KV heads (Gemma 4)"),
                               (cfg.attn_logit_softcap, "attention logit soft-capping (Gemma 2)")):
             if refused:
                 raise ValueError(f"kv_cache_dtype: {kv_format.name} is not supported with {what}; use auto")

@@ -12,6 +12,7 @@ plain [kv_heads, tokens, head_dim] rows for every other path. The CUDA backend k
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,21 +83,24 @@ class AttentionMetadata:
         """Some of the step's tokens (flat indices, ascending), each a query of its own over its sequence's cache up
         to its own position, as a decode reads it: for layers that write no KV (Gemma 4's KV-shared ones), which
         need only the rows whose logits are read. To be prepare()d by the backend; nothing is written."""
-        tables, lens = [], []
+        tables, lens, sequences = [], [], []  # each row's, and its sequence's place in the step
         for row in rows.tolist():
             if row < self.num_decodes:
                 tables.append(self.decode_block_tables[row])
                 lens.append(int(self.decode_context_lens[row]))
+                sequences.append(row)
                 continue
-            chunk = next(c for c in self.prefills if c.start <= row < c.start + c.length)
+            i, chunk = next((i, c) for i, c in enumerate(self.prefills) if c.start <= row < c.start + c.length)
             tables.append(chunk.block_table)
             lens.append(chunk.context_len - chunk.length + row - chunk.start + 1)
+            sequences.append(self.num_decodes + i)
         width = max(t.shape[0] for t in tables)
         device = self.slot_mapping.device
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[rows], num_decodes=len(lens),
             decode_block_tables=torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in tables]),
-            decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device), prefills=[], window=self.window)
+            decode_context_lens=torch.tensor(lens, dtype=torch.long, device=device), prefills=[], window=self.window,
+            tail_slots=None if self.tail_slots is None else self.tail_slots[torch.tensor(sequences, device=device)])
 
 
 # A step's attention metadata: one per KV group, in the layout's order.
@@ -163,6 +167,27 @@ class KernelRows:
     window_starts: torch.Tensor | None = None  # [R] each row's first key, with a window (no cascade then)
 
 
+@dataclass(frozen=True)
+class CachePart:
+    """One of a layer's cache tensors: its shape over every block, dtype, and the dim that indexes its blocks."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per block."""
+        return math.prod(self.shape) // self.shape[self.block_dim] * self.dtype.itemsize
+
+    def view(self, rows: torch.Tensor) -> torch.Tensor:
+        """This part in its shape over rows of bytes [num_blocks, nbytes], each block's row holding the other dims
+        in order."""
+        order = (self.block_dim, *(i for i in range(len(self.shape)) if i != self.block_dim))
+        part = rows.view(self.dtype).view(*(self.shape[i] for i in order))
+        return part.permute(*sorted(range(len(self.shape)), key=order.__getitem__))
+
+
 class AttentionBackend(ABC):
     """Owns the paged K/V tensors of every layer; stateless otherwise.
 
@@ -194,19 +219,24 @@ class AttentionBackend(ABC):
         if layout.shapes is not None and not self.per_layer_shapes:
             raise ValueError(f"attention: layers of different head widths or KV heads (Gemma 4's) are not supported "
                              f"by the {type(self).__name__}")
-        if layout.shapes is None:
-            k_shape, v_shape = self.cache_shapes(num_kv_heads, num_blocks, head_dim, block_size)
-            self.k_cache = self._per_layer(layout, k_shape, self.storage_dtype or dtype, device)
-            self.v_cache = self._per_layer(layout, v_shape, self.storage_dtype or dtype, device)
-            self.slot_rows: list[torch.Tensor] = []
-        else:
-            self._views_of_slots(layout, num_blocks, block_size, dtype, device)
         self.layout, self.num_blocks, self.group_of_layer = layout, num_blocks, layout.group_of_layer()
         self.dtype, self.device = dtype, torch.device(device)
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.slot_rows: list[torch.Tensor] = []  # a layout with shapes: each slot's bytes, which every part views
+        if layout.shapes is None:
+            for name, part in self.block_parts(num_kv_heads, head_dim).items():
+                setattr(self, name, self._per_layer(layout, part.shape, part.dtype, device))
+        else:
+            self._carve_slots(layout, device)
         self.scale = scale or head_dim**-0.5
         self.softcap = softcap
         self.ops: ModuleType | None = None  # kernels/cpu_ops.py: C++ cache writes (and decode, if the backend uses it)
+
+    @property
+    def layer_shapes(self) -> dict[int, tuple[int, int]]:
+        """Each layer with a cache of its own: its (kv heads, head width)."""
+        return {layer: self.layout.shapes[layer] if self.layout.shapes is not None
+                else (self.num_kv_heads, self.head_dim) for layer in self.layout.slot_of_layer()}
 
     @staticmethod
     def _per_layer(layout: KVLayout, shape: tuple[int, ...], dtype: torch.dtype,
@@ -216,26 +246,33 @@ class AttentionBackend(ABC):
         slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_slots)]
         return {layer: slots[slot] for layer, slot in layout.slot_of_layer().items()}
 
-    def _views_of_slots(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
-                        device: str | torch.device) -> None:
-        """Layers of different shapes (kv/layout.py): each slot's K and V rows, [num_blocks, block_size x the slot's
-        width], and each layer's cache a view of its part of them in the layer's own shape (its blocks along
-        block_dim, each head's block dense, as the kernels read them)."""
-        width = block_size * layout.slot_width
-        self.slot_rows = [torch.zeros(num_blocks, width, dtype=dtype, device=device)
-                          for _ in range(2 * layout.num_slots)]
-        parts = layout.part_of_layer()
-        self.k_cache, self.v_cache = {}, {}
-        for layer, slot in layout.slot_of_layer().items():
-            heads, dim = layout.shapes[layer]
-            used = block_size * heads * dim
-            for cache, rows, shape in zip(
-                    (self.k_cache, self.v_cache), self.slot_rows[2 * slot:2 * slot + 2],
-                    self.cache_shapes(heads, num_blocks, dim, block_size), strict=True):
-                part = rows[:, parts[layer] * used:(parts[layer] + 1) * used]
-                order = (self.block_dim, *(i for i in range(len(shape)) if i != self.block_dim))
-                cache[layer] = part.view(*(shape[i] for i in order)).permute(*sorted(range(len(shape)),
-                                                                                    key=order.__getitem__))
+    def _carve_slots(self, layout: KVLayout, device: str | torch.device) -> None:
+        """Layers of different shapes (kv/layout.py): one row of bytes per slot and block id, and each layer's parts
+        (block_parts') views of its bytes there in their own shapes: blocks along each part's block dim, each head's
+        block dense, as the kernels read them."""
+        def parts(heads: int, dim: int) -> list[tuple[str, CachePart]]:
+            # the widest elements first, so that every part starts aligned to its dtype
+            return sorted(self.block_parts(heads, dim).items(), key=lambda part: -part[1].dtype.itemsize)
+
+        carving = layout.carve(lambda heads, dim: sum(part.nbytes for _, part in parts(heads, dim)))
+        self.slot_rows = [torch.zeros(self.num_blocks, width, dtype=torch.uint8, device=device)
+                          for width in carving.slot_bytes]
+        slot_of_layer = layout.slot_of_layer()
+        for name in self.block_parts(self.num_kv_heads, self.head_dim):
+            setattr(self, name, {})
+        for layer, offset in carving.offsets.items():
+            rows = self.slot_rows[slot_of_layer[layer]]
+            for name, part in parts(*layout.shapes[layer]):
+                getattr(self, name)[layer] = part.view(rows[:, offset:offset + part.nbytes])
+                offset += part.nbytes
+
+    def block_parts(self, num_kv_heads: int, head_dim: int) -> dict[str, CachePart]:
+        """The tensors a layer of this shape keeps over the blocks, by the attribute that holds them by layer: its K
+        and V (cache_shapes'), and a quantized cache's scales."""
+        dtype = self.storage_dtype or self.dtype
+        k_shape, v_shape = self.cache_shapes(num_kv_heads, self.num_blocks, head_dim, self.block_size)
+        return {"k_cache": CachePart(k_shape, dtype, self.block_dim),
+                "v_cache": CachePart(v_shape, dtype, self.block_dim)}
 
     block_dim = 1  # the dim of a cache tensor (cache_shapes') that indexes its blocks
 

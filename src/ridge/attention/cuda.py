@@ -139,6 +139,7 @@ class CudaQuantizedKVBackend(QuantizedKVBackend, CudaBackend):
     read the codes in place."""
 
     lane_layout = False
+    per_layer_shapes = False  # slot views (Gemma 4's) of codes and scales: not yet run on a GPU, so refused
 
     def prepare(self, meta: AttentionMetadata) -> None:
         CudaBackend.prepare(self, meta)

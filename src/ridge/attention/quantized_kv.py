@@ -43,7 +43,7 @@ from types import ModuleType
 
 import torch
 
-from ridge.attention.backend import AttentionMetadata, KernelRows, StepMetadata, sink_correction_
+from ridge.attention.backend import AttentionMetadata, CachePart, KernelRows, StepMetadata, sink_correction_
 from ridge.attention.paged import PagedBackend
 from ridge.kv.formats import (
     CHANNEL_SCALE_STEPS,
@@ -116,8 +116,7 @@ class QuantizedKVBackend(PagedBackend):
     storage_dtype = torch.uint8
     cascade = False
     lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
-    per_layer_shapes = False  # its scales and kernels are sized by the model's one head shape
-
+    block_dim = 1  # codes and scales alike [kv_heads, num_blocks, ...], whichever backend attends
     def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
         """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
         self.format = kv_format
@@ -125,27 +124,33 @@ class QuantizedKVBackend(PagedBackend):
         self.value_lanes = kv_format.bits == 8 and self.lane_layout
         self.kernels: ModuleType | None = None
         self.key_centers: dict[int, torch.Tensor] = {}  # by layer: [kv_heads, head_dim] float32
+        self.k_mids: dict[int, torch.Tensor] = {}  # a format without midranges has none
+        self.v_mids: dict[int, torch.Tensor] = {}
         super().__init__(*args, **kwargs)
-        kv_format.check(self.head_dim)
+        for _, dim in self.layer_shapes.values():
+            kv_format.check(dim)
         if kv_format.tail and num_tail_slots < 1:
             raise ValueError(f"kv_cache_dtype: {kv_format.name} keeps each running sequence's last block in a tail "
                              "slot; num_tail_slots must be at least 1")
         # a layer's own (layers of two KV groups share a cache tensor at their own block ids, but a slot is a
         # sequence's in every layer): [slots, block_size, kv_heads, head_dim] in the model's dtype, as computed
-        tail_shape = (num_tail_slots, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_tails, self.v_tails = (
-            {layer: torch.zeros(tail_shape, dtype=self.dtype, device=self.device) for layer in self.k_cache}
-            if kv_format.tail else {} for _ in range(2))
-        scale_shape = (self.num_kv_heads, self.num_blocks, self.block_size, kv_format.groups(self.head_dim))
-        self.k_scales = (self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
-                                         torch.uint8, self.device) if kv_format.key_channels else
-                         self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device))
-        self.v_scales = self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device)
-        # midranges (kv/formats.py mids): keys' per channel of a block, values' as their scales
-        self.k_mids, self.v_mids = ((self._per_layer(self.layout, (self.num_kv_heads, self.num_blocks, self.head_dim),
-                                                     SCALE_DTYPE, self.device),
-                                     self._per_layer(self.layout, scale_shape, SCALE_DTYPE, self.device))
-                                    if kv_format.mids else ({}, {}))
+            {layer: torch.zeros(num_tail_slots, self.block_size, heads, dim, dtype=self.dtype, device=self.device)
+             for layer, (heads, dim) in self.layer_shapes.items()} if kv_format.tail else {} for _ in range(2))
+
+    def block_parts(self, num_kv_heads: int, head_dim: int) -> dict[str, CachePart]:
+        """The codes (cache_shapes'), their float16 scales [kv_heads, num_blocks, block_size, groups] (keys per
+        channel: a byte each, [kv_heads, num_blocks, head_dim]), and the midranges of a format with them (keys' per
+        channel of a block, values' as their scales)."""
+        rows = (num_kv_heads, self.num_blocks, self.block_size, self.format.groups(head_dim))
+        channels = (num_kv_heads, self.num_blocks, head_dim)
+        parts = {**super().block_parts(num_kv_heads, head_dim),
+                 "k_scales": (CachePart(channels, torch.uint8, 1) if self.format.key_channels
+                              else CachePart(rows, SCALE_DTYPE, 1)),
+                 "v_scales": CachePart(rows, SCALE_DTYPE, 1)}
+        if self.format.mids:
+            parts |= {"k_mids": CachePart(channels, SCALE_DTYPE, 1), "v_mids": CachePart(rows, SCALE_DTYPE, 1)}
+        return parts
 
     def set_key_centers(self, centers: dict[int, torch.Tensor]) -> None:
         """The constant taken off each layer's keys before they are rounded (above); a layer without one stores its
@@ -153,6 +158,8 @@ class QuantizedKVBackend(PagedBackend):
         self.key_centers = {layer: c.to(self.device, torch.float32) for layer, c in centers.items()}
 
     def block_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        if self.slot_rows:  # the scales are views of the slots' rows too
+            return super().block_tensors()
         scales = {id(t): t for caches in (self.k_scales, self.v_scales, self.k_mids, self.v_mids)
                   for t in caches.values()}
         return super().block_tensors() + [(t, 1) for t in scales.values()]
@@ -165,7 +172,8 @@ class QuantizedKVBackend(PagedBackend):
 
     @ops.setter
     def ops(self, kernels: ModuleType | None) -> None:
-        fast = (kernels is not None and self.key_lanes and self.block_size == 16 and self.head_dim % 64 == 0
+        fast = (kernels is not None and self.key_lanes and self.block_size == 16
+                and all(dim % 64 == 0 for _, dim in self.layer_shapes.values())
                 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
         self.kernels = kernels if fast else None
         if kernels is not None and not fast:
@@ -255,7 +263,7 @@ class QuantizedKVBackend(PagedBackend):
         k = k.float() if center is None else k.float() - center
         if self.format.mids:
             self._write_key_blocks(layer, k, blocks[::self.block_size])
-            grouped = v.float().unflatten(-1, (self.format.groups(self.head_dim), -1))
+            grouped = v.float().unflatten(-1, (self.format.groups(v.shape[-1]), -1))
             mids = ((grouped.amax(-1) + grouped.amin(-1)) / 2).to(SCALE_DTYPE)
             self.v_mids[layer].permute(1, 2, 0, 3).index_put_((blocks, offsets), mids)
             v = (grouped - mids.float().unsqueeze(-1)).flatten(-2)
@@ -354,6 +362,10 @@ class QuantizedKVBackend(PagedBackend):
             v = (v + self.v_mids[layer][:, block_table].float().unsqueeze(-1)).flatten(-2).to(self.dtype)
         else:
             v = self.format.dequantize(v_codes, v_scales, self.dtype)
+        if self.slot_rows:
+            # a block's rows past its sequence's tokens may hold bytes this layer never wrote (a block last held by
+            # a layer of another shape), as floats an infinity or a NaN, which a zero weight would not silence
+            k, v = torch.nan_to_num_(k, 0.0, 0.0, 0.0), torch.nan_to_num_(v, 0.0, 0.0, 0.0)
         return k.flatten(-3, -2), v.flatten(-3, -2)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,

@@ -165,9 +165,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              TORCH_CHECK(per_layer_gate.has_value() == per_layer_projection.has_value() &&
                              per_layer_gate.has_value() == per_layer_norm.has_value(),
                          "Layer: a per-layer branch has a gate, a projection and a norm");
-             TORCH_CHECK(!gemma4 || (q_norm.has_value() && (kv_shared || k_norm.has_value()) && !k_scales.has_value()),
-                         "Layer: Gemma 4's attention norms q (and k, where it projects one), over a cache in the "
-                         "model's dtype");
+             TORCH_CHECK(!gemma4 || (q_norm.has_value() && (kv_shared || k_norm.has_value())),
+                         "Layer: Gemma 4's attention norms q (and k, where it projects one)");
              TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(),
                          "Layer: sandwich norms come in pairs (attn_out_norm, mlp_out_norm)");
              Layer layer{input_norm, post_attn_norm, q_norm,     k_norm, qkv,    o_proj, gate_up, down,

@@ -470,11 +470,19 @@ torch::Tensor DecodeStack::gemma4_attention(const Layer& layer, const torch::Ten
     const auto v = at::rms_norm(layer.values_from_keys ? raw_k : qkv.narrow(1, heads + kv, kv), {dim}, c10::nullopt, eps);
     const auto k = at::rms_norm(raw_k, {dim}, *layer.k_norm, eps);
     rotary_(rotated(k), positions, table, kv);
-    cache_write_(layer.k_cache, layer.v_cache, k, v, step.slots);
+    if (layer.k_scales.has_value())
+      quantized_cache_write_(layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales, k, v, step.slots,
+                             layer.key_center, layer.fp8);
+    else
+      cache_write_(layer.k_cache, layer.v_cache, k, v, step.slots);
   }
   rotary_(rotated(q), positions, table, heads);
-  const auto attended = paged_decode(q, layer.k_cache, layer.v_cache, step.block_tables, step.context_lens, scale,
-                                     step.window_starts, step.mass);
+  const auto attended =
+      layer.k_scales.has_value()
+          ? quantized_paged_decode(q, layer.k_cache, layer.v_cache, *layer.k_scales, *layer.v_scales,
+                                   step.block_tables, step.context_lens, scale, step.window_starts, layer.fp8, step.mass)
+          : paged_decode(q, layer.k_cache, layer.v_cache, step.block_tables, step.context_lens, scale,
+                         step.window_starts, step.mass);
   return std::get<0>(attended).reshape({rows, heads * dim});
 }
 

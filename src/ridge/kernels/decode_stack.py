@@ -220,9 +220,9 @@ def build(model: DecoderModel, backend: AttentionBackend, ops: ModuleType | None
             log.debug("ridge: decode stack off: layer %d has a linear without a kernel there", i)
             return None
         norms = (None, None) if latent or attn.q_norm is None else _qk_norm_weights(attn, dtype)
-        cache = ((backend.k_scales[i], backend.v_scales[i], backend.key_centers.get(i), backend.format.name == "fp8")
-                 if quantized else ())
         source = attn.kv_layer if isinstance(attn, Attention) else i  # a KV-shared layer's: another layer's caches
+        cache = ((backend.k_scales[source], backend.v_scales[source], backend.key_centers.get(source),
+                  backend.format.name == "fp8") if quantized else ())
         rotary = model.layer_rotary(layer)  # Gemma 3's local layers turn on their own base; NoPE layers on none
         sandwich = layer.attn_out_norm is not None
         layers.append(ops.Layer(_norm_weight(layer.input_norm), _norm_weight(layer.post_attn_norm), *norms, *linears,

@@ -18,6 +18,9 @@
 // load holds two tokens' and a lane's eight nibbles are eight dims 8i + k: eight accumulators per query head, one
 // for each k, whose lanes are put back in dim order once a task.
 //
+// Each tensor's heads and blocks may sit at any strides (its first two dims), each head's block dense: a layer of
+// Gemma 4 views its part of a slot's rows of bytes (attention/backend.py's carving of layers of different shapes).
+//
 // AVX512, block size 16, head_dim a multiple of 64; the backend takes its torch path elsewhere. The task split
 // and the merge are decode_tasks.h's.
 #include <torch/extension.h>
@@ -33,6 +36,28 @@
 namespace {
 
 using namespace ridge_decode;
+
+// Where a cache tensor [kv_heads, N, ...] holds one head's block, in its elements.
+struct BlockAt {
+  int64_t head, block;
+  explicit BlockAt(const torch::Tensor& t) : head(t.stride(0)), block(t.stride(1)) {}
+  int64_t operator()(int64_t h, int64_t b) const { return h * head + b * block; }
+};
+
+// Whether t's dims after its heads and blocks are dense: each head's block in one run.
+bool dense_blocks(const torch::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t i = t.dim() - 1; i >= 2; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expected) return false;
+    expected *= t.size(i);
+  }
+  return true;
+}
+
+// A layer's four cache tensors' block positions.
+struct CacheAt {
+  BlockAt k_codes, v_codes, k_scales, v_scales;
+};
 
 #if defined(__AVX512F__)
 enum class Codes { kInt8, kFp8, kInt4 };
@@ -121,14 +146,14 @@ inline void score_block(const float* q, const uint8_t* kb, const uint16_t* k_sca
 // acc[g][c:c+64] = sum over the task's tokens of w[g][t] * codes[t][c:c+64], w the probability times the V
 // scale. A load holds 16 dims of four tokens.
 template <Codes C, int G>
-inline void sum_values(const uint8_t* v_codes, const int64_t* table, const Task& task, const Dims& dims,
-                       const float* weights, int64_t c, float* acc_out) {
+inline void sum_values(const uint8_t* v_codes, const BlockAt& v_at, const int64_t* table, const Task& task,
+                       const Dims& dims, const float* weights, int64_t c, float* acc_out) {
   const int64_t d = dims.head_dim, n = task.num_tokens;
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < 4; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    const uint8_t* vb = v_codes + (task.head * dims.num_blocks + table[task.first_block + j]) * dims.block_elems();
+    const uint8_t* vb = v_codes + v_at(task.head, table[task.first_block + j]);
     const int64_t quads = std::min<int64_t>(4, (n - j * 16 + 3) / 4);
     for (int64_t quad = 0; quad < quads; ++quad) {
       const uint8_t* row = vb + (quad * d + c) * 4;
@@ -184,8 +209,9 @@ inline void score_block_int4(const float* q, const uint8_t* kb, int64_t d, const
 // acc_out[g][c + 8i + k] = sum over the task's tokens of w * code, w the probability times the row's scale of the
 // dim's 32. `weights`: w per head, token and 32 dims of the row ([g][t * groups + group], groups = d / 32).
 template <int G>
-inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const Task& task, const Dims& dims,
-                            const float* weights, int64_t weights_stride, int64_t c, float* acc_out) {
+inline void sum_values_int4(const uint8_t* v_codes, const BlockAt& v_at, const int64_t* table, const Task& task,
+                            const Dims& dims, const float* weights, int64_t weights_stride, int64_t c,
+                            float* acc_out) {
   const int64_t d = dims.head_dim, n = task.num_tokens, groups = d / 32, row = d / 2;
   // lanes 0-3 and 8-11 hold dims of the first 32, 4-7 and 12-15 of the second; 0-7 one token, 8-15 the next
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -193,7 +219,7 @@ inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const 
   for (int g = 0; g < G; ++g)
     for (int k = 0; k < 8; ++k) acc[g][k] = _mm512_setzero_ps();
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    const uint8_t* vb = v_codes + (task.head * dims.num_blocks + table[task.first_block + j]) * (dims.block_size * row);
+    const uint8_t* vb = v_codes + v_at(task.head, table[task.first_block + j]);
     const int64_t pairs = std::min<int64_t>(8, (n - j * 16 + 1) / 2);
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t t = j * 16 + 2 * pair;
@@ -230,13 +256,28 @@ inline void sum_values_int4(const uint8_t* v_codes, const int64_t* table, const 
     }
 }
 
+// The first `count` of a block's 16 rows. A final block's rows past the task's weigh nothing, whatever their V
+// scales: masked, not multiplied by a zero probability, because those rows may hold bytes this layer never wrote (a
+// block last held by a layer of another shape: attention/backend.py's slots), as floats an infinity or a NaN.
+inline __mmask16 rows_below(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
 // k_scales: a float16 per row, or (k_channels) a byte per channel of each block.
 template <Codes C>
 void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_codes, const void* k_scales,
-                      bool k_channels, const uint16_t* v_scales, const int64_t* table, const Task& task,
-                      const Dims& dims, float* scores, Partial out) {
+                      bool k_channels, const uint16_t* v_scales, const CacheAt& blocks, const int64_t* table,
+                      const Task& task, const Dims& dims, float* scores, Partial out) {
   const int64_t d = dims.head_dim, group = dims.group, n = task.num_tokens, bytes = block_bytes<C>(dims);
-  const auto block = [&](int64_t j) { return task.head * dims.num_blocks + table[task.first_block + j]; };
+  const auto block = [&](int64_t j) { return table[task.first_block + j]; };  // the task's j-th block's id
+  const auto k_block = [&](int64_t j) { return k_codes + blocks.k_codes(task.head, block(j)); };
+  const auto v_block_scales = [&](int64_t j) { return v_scales + blocks.v_scales(task.head, block(j)); };
+  // a float16 a row, or a byte a channel
+  const auto k_block_scales = [&](int64_t j) {
+    const int64_t at_block = blocks.k_scales(task.head, block(j));
+    return k_channels ? static_cast<const uint8_t*>(k_scales) + at_block
+                      : reinterpret_cast<const uint8_t*>(static_cast<const uint16_t*>(k_scales) + at_block);
+  };
   // keys per channel: each block's query is q times the block's channel scales, made just before the block is
   // scored, into a buffer of one block's query that each thread keeps, so that it stays in L1 (a whole task's
   // blocks' queries do not fit there: docs/notes/kv-compression.md)
@@ -245,19 +286,18 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
   // Blocks sit at random addresses, out of the hardware prefetcher's sight: the task's first two blocks of K
   // (score_block prefetches each later one two blocks ahead) and every block's scales, a line or two each, are
   // asked for at once here, so that their misses overlap instead of stalling one after another as they are read.
-  const int64_t v_scales_per_row = C == Codes::kInt4 ? d / 32 : 1;
   for (int64_t j = 0; j < std::min<int64_t>(2, task.num_blocks); ++j)
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k_codes + block(j) * bytes + line, 0, 2);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k_block(j) + line, 0, 2);
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    __builtin_prefetch(static_cast<const uint8_t*>(k_scales) + block(j) * (k_channels ? d : 32), 0, 3);
-    __builtin_prefetch(v_scales + block(j) * 16 * v_scales_per_row, 0, 3);
+    __builtin_prefetch(k_block_scales(j), 0, 3);
+    __builtin_prefetch(v_block_scales(j), 0, 3);
   }
   for (int64_t j = 0; j < task.num_blocks; ++j) {
-    const uint8_t* kb = k_codes + block(j) * bytes;
-    const uint8_t* ahead = j + 2 < task.num_blocks ? k_codes + block(j + 2) * bytes : kb;
-    const uint8_t* v_here = v_codes + block(j) * bytes;
-    const uint16_t* ks = k_channels ? nullptr : static_cast<const uint16_t*>(k_scales) + block(j) * 16;
-    if (k_channels) scale_query(q, static_cast<const uint8_t*>(k_scales) + block(j) * d, group, d, q_block.data());
+    const uint8_t* kb = k_block(j);
+    const uint8_t* ahead = j + 2 < task.num_blocks ? k_block(j + 2) : kb;
+    const uint8_t* v_here = v_codes + blocks.v_codes(task.head, block(j));
+    const uint16_t* ks = k_channels ? nullptr : reinterpret_cast<const uint16_t*>(k_block_scales(j));
+    if (k_channels) scale_query(q, k_block_scales(j), group, d, q_block.data());
     const float* qj = k_channels ? q_block.data() : q;
     for (int64_t g0 = 0; g0 < group; g0 += 4)
       by_heads(group - g0, [&](auto heads) {
@@ -279,15 +319,17 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
     token_of.resize(16 * groups);
     for (int64_t e = 0; e < 16 * groups; ++e) token_of[e] = static_cast<int32_t>(e / groups);
     for (int64_t g = 0; g < group; ++g) {
-      float* p = scores + g * kPartitionTokens;
-      std::fill(p + n, p + task.num_blocks * 16, 0.f);  // a final block's tokens past the task's weigh nothing
+      const float* p = scores + g * kPartitionTokens;
       float* w = weights.data() + g * stride;
       for (int64_t j = 0; j < task.num_blocks; ++j) {
         const __m512 pj = _mm512_loadu_ps(p + j * 16);
-        const uint16_t* s = v_scales + block(j) * 16 * groups;
+        const uint16_t* s = v_block_scales(j);
+        const __m512i live = _mm512_set1_epi32(static_cast<int32_t>(n - j * 16));
         for (int64_t e = 0; e < 16 * groups; e += 16) {
           const __m512i token = _mm512_loadu_si512(token_of.data() + e);
-          _mm512_storeu_ps(w + j * 16 * groups + e, _mm512_mul_ps(_mm512_permutexvar_ps(token, pj), scales16(s + e)));
+          _mm512_storeu_ps(w + j * 16 * groups + e,
+                           _mm512_maskz_mul_ps(_mm512_cmplt_epi32_mask(token, live),
+                                               _mm512_permutexvar_ps(token, pj), scales16(s + e)));
         }
       }
     }
@@ -296,31 +338,32 @@ void attend_partition(const float* q, const uint8_t* k_codes, const uint8_t* v_c
         const float* w = weights.data() + g0 * stride;
         float* into = out.acc + g0 * d;
         switch (std::min<int64_t>(3, group - g0)) {
-          case 1: sum_values_int4<1>(v_codes, table, task, dims, w, stride, c, into); break;
-          case 2: sum_values_int4<2>(v_codes, table, task, dims, w, stride, c, into); break;
-          default: sum_values_int4<3>(v_codes, table, task, dims, w, stride, c, into); break;
+          case 1: sum_values_int4<1>(v_codes, blocks.v_codes, table, task, dims, w, stride, c, into); break;
+          case 2: sum_values_int4<2>(v_codes, blocks.v_codes, table, task, dims, w, stride, c, into); break;
+          default: sum_values_int4<3>(v_codes, blocks.v_codes, table, task, dims, w, stride, c, into); break;
         }
       }
     return;
   }
-  for (int64_t g = 0; g < group; ++g) {  // the unused tokens of a final quad must add nothing
+  for (int64_t g = 0; g < group; ++g) {
     float* p = scores + g * kPartitionTokens;
-    std::fill(p + n, p + task.num_blocks * 16, 0.f);
     for (int64_t j = 0; j < task.num_blocks; ++j)  // probabilities (the softmax's, summed above) x V scales
-      _mm512_storeu_ps(p + j * 16, _mm512_mul_ps(_mm512_loadu_ps(p + j * 16), scales16(v_scales + block(j) * 16)));
+      _mm512_storeu_ps(p + j * 16, _mm512_maskz_mul_ps(rows_below(n - j * 16), _mm512_loadu_ps(p + j * 16),
+                                                       scales16(v_block_scales(j))));
   }
   for (int64_t c = 0; c < d; c += 64)
     for (int64_t g0 = 0; g0 < group; g0 += 4)
       by_heads(group - g0, [&](auto heads) {
-        sum_values<C, decltype(heads)::value>(v_codes, table, task, dims, scores + g0 * kPartitionTokens, c,
-                                              out.acc + g0 * d);
+        sum_values<C, decltype(heads)::value>(v_codes, blocks.v_codes, table, task, dims,
+                                              scores + g0 * kPartitionTokens, c, out.acc + g0 * d);
       });
 }
 #endif
 
 }  // namespace
 
-// q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above);
+// q: [B, heads, d] (float32, bfloat16 or float16); k_codes, v_codes: one layer's codes (uint8, layout above; every
+// tensor's heads and blocks at any strides);
 // k_scales: [kv_heads, N, bs] float16, or [kv_heads, N, d] uint8 (keys per channel); v_scales: [kv_heads, N,
 // bs] float16 (int4: [kv_heads, N, bs, d / 32]); block_tables [B, width], context_lens [B], window_starts [B]
 // (int64) as paged_decode's -> (out [B, heads, d] in q's dtype, lse [B, heads] float32). fp8: the codes are e4m3;
@@ -335,13 +378,14 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "quantized_paged_decode: q [B, heads, d] on the CPU");
   const bool int4 = v_codes.dim() == 4 && !fp8;
   TORCH_CHECK(k_codes.dim() == 5 && (v_codes.dim() == 5 || int4) && k_codes.scalar_type() == torch::kUInt8 &&
-                  v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
+                  v_codes.scalar_type() == torch::kUInt8 && dense_blocks(k_codes) && dense_blocks(v_codes),
               "quantized_paged_decode: codes uint8, K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4] (int4: "
               "K [kv_heads, N, d/8, bs, 4], V [kv_heads, N, bs, d/2])");
   const bool k_channels = k_scales.scalar_type() == torch::kUInt8;
   TORCH_CHECK((k_channels || k_scales.scalar_type() == torch::kHalf) && v_scales.scalar_type() == torch::kHalf &&
-                  k_scales.is_contiguous() && v_scales.is_contiguous(),
-              "quantized_paged_decode: scales float16 [kv_heads, N, bs] (K: or uint8 [kv_heads, N, d]), contiguous");
+                  dense_blocks(k_scales) && dense_blocks(v_scales),
+              "quantized_paged_decode: scales float16 [kv_heads, N, bs] (K: or uint8 [kv_heads, N, d]), each head's "
+              "block dense");
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_codes.size(0), num_blocks = k_codes.size(1), bs = k_codes.size(3);
   TORCH_CHECK(bs == 16 && d % 64 == 0 && k_codes.size(2) * (int4 ? 8 : 4) == d && heads % kv_heads == 0 &&
@@ -358,6 +402,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
   auto out = torch::empty_like(q);
   auto lse = torch::empty({batch, heads}, q.options().dtype(torch::kFloat32));
   const Dims dims{heads, kv_heads, heads / kv_heads, d, num_blocks, bs};
+  const CacheAt blocks{BlockAt(k_codes), BlockAt(v_codes), BlockAt(k_scales), BlockAt(v_scales)};
   const auto* kc = k_codes.data_ptr<uint8_t>();
   const auto* vc = v_codes.data_ptr<uint8_t>();
   const void* ks = k_scales.data_ptr();
@@ -373,11 +418,14 @@ std::tuple<torch::Tensor, torch::Tensor> quantized_paged_decode(
                          Partial partial) {
       for (int64_t x = 0; x < dims.group * d; ++x) q_scaled[x] = static_cast<float>(qh[x]) * softmax_scale;
       if (fp8)
-        attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
+        attend_partition<Codes::kFp8>(q_scaled, kc, vc, ks, k_channels, vs, blocks, table, task, dims, scores,
+                                      partial);
       else if (int4)
-        attend_partition<Codes::kInt4>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
+        attend_partition<Codes::kInt4>(q_scaled, kc, vc, ks, k_channels, vs, blocks, table, task, dims, scores,
+                                      partial);
       else
-        attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, k_channels, vs, table, task, dims, scores, partial);
+        attend_partition<Codes::kInt8>(q_scaled, kc, vc, ks, k_channels, vs, blocks, table, task, dims, scores,
+                                      partial);
     }, mass_out.first, mass_out.second);
   });
   return {out, lse};
@@ -445,9 +493,9 @@ inline uint8_t fp8_code(float scaled) {
 void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch::Tensor k_scales,
                             torch::Tensor v_scales, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
                             std::optional<torch::Tensor> center, bool fp8) {
-  TORCH_CHECK(k_codes.is_contiguous() && v_codes.is_contiguous() && k_scales.is_contiguous() &&
-                  v_scales.is_contiguous() && v_scales.scalar_type() == torch::kHalf,
-              "quantized_cache_write_: contiguous codes and scales (values' float16)");
+  TORCH_CHECK(dense_blocks(k_codes) && dense_blocks(v_codes) && dense_blocks(k_scales) && dense_blocks(v_scales) &&
+                  v_scales.scalar_type() == torch::kHalf,
+              "quantized_cache_write_: codes and scales with each head's block dense (values' scales float16)");
   const bool channels = k_scales.scalar_type() == torch::kUInt8;
   TORCH_CHECK(!(channels && fp8), "quantized_cache_write_: fp8 keys have a scale a row");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
@@ -455,8 +503,9 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
               "quantized_cache_write_: k, v [T, kv_heads, d] of one dtype, rows dense");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == torch::kInt64, "quantized_cache_write_: slots int64");
   const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
-  const int64_t num_blocks = k_codes.size(1), bs = k_codes.size(3);
+  const int64_t bs = k_codes.size(3);
   const bool int4 = v_codes.dim() == 4 && !fp8;
+  const CacheAt blocks{BlockAt(k_codes), BlockAt(v_codes), BlockAt(k_scales), BlockAt(v_scales)};
   TORCH_CHECK(k_codes.size(0) == heads && k_codes.size(2) * (int4 ? 8 : 4) == d && bs % 4 == 0 &&
                   slots.numel() == tokens && (!int4 || (channels && v_codes.size(3) * 2 == d && d % 32 == 0)),
               "quantized_cache_write_: codes K [kv_heads, N, d/4, bs, 4], V [kv_heads, N, bs/4, d, 4] (int4: K "
@@ -475,8 +524,8 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
   at::Half* vs = v_scales.data_ptr<at::Half>();
   // key code c of row o of block b, head h: int8's byte, or int4's nibble (the code plus 8) of its lane's byte
   const auto key_byte = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> uint8_t& {
-    return int4 ? kc[((h * num_blocks + b) * (d / 8) + c / 8) * bs * 4 + o * 4 + c % 8 / 2]
-                : kc[((h * num_blocks + b) * (d / 4) + c / 4) * bs * 4 + o * 4 + c % 4];
+    return int4 ? kc[blocks.k_codes(h, b) + (c / 8) * bs * 4 + o * 4 + c % 8 / 2]
+                : kc[blocks.k_codes(h, b) + (c / 4) * bs * 4 + o * 4 + c % 4];
   };
   const auto key_code = [&](int64_t h, int64_t b, int64_t o, int64_t c) -> float {
     const uint8_t byte = key_byte(h, b, o, c);
@@ -523,9 +572,9 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           const int64_t b = slot[t] / bs, o = slot[t] % bs;
           load(vx, v, t, h, nullptr, row.data());
           for (int64_t first = 0; first < d; first += value_group) {
-            uint8_t* dst = int4 ? vc + ((h * num_blocks + b) * bs + o) * (d / 2)
-                                : vc + ((h * num_blocks + b) * (bs / 4) + o / 4) * d * 4 + o % 4;
-            vs[((h * num_blocks + b) * bs + o) * (d / value_group) + first / value_group] =
+            uint8_t* dst = int4 ? vc + blocks.v_codes(h, b) + o * (d / 2)
+                                : vc + blocks.v_codes(h, b) + (o / 4) * d * 4 + o % 4;
+            vs[blocks.v_scales(h, b) + o * (d / value_group) + first / value_group] =
                 span_codes(row.data() + first, value_group, [&](int64_t c, uint8_t code) {
                   if (!int4) {
                     dst[(first + c) * 4] = code;
@@ -538,7 +587,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           }
           if (channels) continue;
           load(kx, k, t, h, ch, row.data());
-          k_scales.data_ptr<at::Half>()[(h * num_blocks + b) * bs + o] =
+          k_scales.data_ptr<at::Half>()[blocks.k_scales(h, b) + o] =
               span_codes(row.data(), d, [&](int64_t c, uint8_t code) { key_byte(h, b, o, c) = code; });
         }
         if (!channels) continue;
@@ -547,7 +596,7 @@ void quantized_cache_write_(torch::Tensor k_codes, torch::Tensor v_codes, torch:
           const int64_t b = slot[first] / bs, first_offset = slot[first] % bs;
           last = first + 1;
           while (last < tokens && slot[last] / bs == b) ++last;
-          uint8_t* block_scales = scale_bytes + (h * num_blocks + b) * d;
+          uint8_t* block_scales = scale_bytes + blocks.k_scales(h, b);
           // a block written from offset 0 starts afresh, whatever scales its last holder left
           for (int64_t c = 0; c < d; ++c) held[c] = first_offset > 0 ? block_scales[c] : 0;
           std::fill(amax.begin(), amax.end(), 0.f);

@@ -14,17 +14,17 @@ the same K/V tensor ("slot" j) at its own group's block ids. Gemma-3's 5:1 local
 layers is 1 full group and 5 window groups of 3 layers each, over 3 slots; a model with one kind of layer
 is one group whose slots are its layers.
 
-Where layers differ in shape (Gemma 4's global layers: wider heads, fewer of them), a slot is as wide, per token,
-as the widest layer's K (kv heads x head width), and every layer views its part of the slot's rows in its own
-shape. A kind whose layers are a whole fraction of that width packs that many layers into each slot: Gemma 4 31B's
-global layers (4 KV heads of 512) are half as wide as its windowed ones (16 of 256), so its 10 global layers make
-one group over 5 slots, two to a slot, beside 10 windowed groups of 5: a block id is 5 slots wide, and every group
-fills it.
+Where layers differ in shape (Gemma 4's global layers: wider heads, fewer of them), a slot is a row of bytes per
+block id, as wide as its widest group's layers there, and every layer views its part of the slot's rows in its own
+shapes (KVLayout.carve). A kind whose layers are a whole fraction of the widest layer's width (kv heads x head
+width) packs that many layers into each slot: Gemma 4 31B's global layers (4 KV heads of 512) are half as wide as
+its windowed ones (16 of 256), so its 10 global layers make one group over 5 slots, two to a slot, beside 10
+windowed groups of 5: a block id is 5 slots wide, and every group fills it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -82,11 +82,34 @@ class KVLayout:
         """Each attention layer's part of its slot: 0, or its place among the layers its group packs there."""
         return {layer: j // self.num_slots for group in self.groups for j, layer in enumerate(group.layers)}
 
+    def carve(self, layer_bytes: Callable[[int, int], int]) -> SlotCarving:
+        """A layout with shapes, in bytes: each layer's bytes per block id from its (kv heads, head width), a group's
+        layers in one slot side by side, each slot as wide as its widest group's."""
+        assert self.shapes is not None, "a layout of uniform layers: one tensor per slot in the model's shape"
+        offsets: dict[int, int] = {}
+        slot_bytes = [0] * self.num_slots
+        for group in self.groups:
+            used = [0] * self.num_slots
+            for j, layer in enumerate(group.layers):  # part j // num_slots of slot j % num_slots
+                offsets[layer] = used[j % self.num_slots]
+                used[j % self.num_slots] += layer_bytes(*self.shapes[layer])
+            slot_bytes = [max(a, b) for a, b in zip(slot_bytes, used, strict=True)]
+        return SlotCarving(slot_bytes, offsets)
+
+
+@dataclass(frozen=True)
+class SlotCarving:
+    """Where each layer's cache sits in its slot's rows of bytes (a layout with shapes): a slot is one row of
+    slot_bytes[slot] bytes per block id, and a layer's K and V (and a quantized cache's scales) are its bytes from
+    offsets[layer] on, in every block's row."""
+
+    slot_bytes: list[int]
+    offsets: dict[int, int]
+
     @property
-    def slot_width(self) -> int:
-        """A layout with shapes: a slot's K (or V) elements per token, the widest layer's kv heads x head width."""
-        assert self.shapes is not None, "a layout of uniform layers: slots of the model's shape"
-        return max(heads * dim for heads, dim in self.shapes.values())
+    def block_bytes(self) -> int:
+        """What one block id holds over every slot."""
+        return sum(self.slot_bytes)
 
 
 def kv_layout(layer_windows: Sequence[Window | None] | Mapping[int, Window | None],
