@@ -464,3 +464,24 @@ def test_the_slots_rows_move_with_the_blocks_to_another_engine(tmp_path_factory,
     prefill, _, blocks, taken = blocks_moved_between_engines(make_llm_for_test, path, VOCAB)
     assert len(blocks.data) == len(prefill.engine.runner.backend.slot_rows)
     assert taken == sum(len(group) for group in blocks.groups) > 0  # every group's
+
+
+def test_a_quantized_cache_s_blocks_move_to_another_engine(gemma4_wide, make_llm_for_test):
+    """int8 blocks (the slots' bytes: every layer's codes and scales) exported from one engine and imported into
+    another decode to the tokens of the first engine's own run over its cached prefix (a prefix hit reads the
+    prompt's K and V as codes, where a cold prefill attends to them whole)."""
+    from ridge.engine.kv_transfer import export_prefix, import_prefix
+
+    path, _ = gemma4_wide
+    common = {"dtype": "float32", "kv_cache_memory": "8MiB", "kv_cache_dtype": "int8"}
+    prefill, decode = make_llm_for_test(path, **common), make_llm_for_test(path, **common)
+    (prompt,) = random_prompts(1, VOCAB, 50, 60, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prefill.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    blocks = export_prefix(prefill.engine, prompt, None)
+    assert len(blocks.data) == len(prefill.engine.runner.backend.slot_rows)
+    assert import_prefix(decode.engine, blocks) == sum(len(group) for group in blocks.groups) > 0
+    (out,) = decode.generate(prompt, params)
+    (warm,) = prefill.generate(prompt, params)
+    assert out.num_cached_tokens == warm.num_cached_tokens > 0
+    assert out.outputs[0].token_ids == warm.outputs[0].token_ids

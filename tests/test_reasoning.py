@@ -109,3 +109,17 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=1, reasoning_effort="low")
     assert caught.value.body["param"] == "reasoning_effort" and "does not read it" in caught.value.body["message"]
+
+
+def test_documents_reach_a_template_that_reads_them(client):
+    """vLLM's documents (retrieved passages, a variable of HF's apply_chat_template): rendered where a template reads
+    them (here a request's own, looping over them as Command R's does); refused by name where the model's does not
+    (tests/test_server.py)."""
+    template = ("{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}\n{{ m.content }}{% endfor %}\n")
+    documents = [{"title": "Moon", "text": "The Moon orbits Earth."}, {"title": "Sun", "text": "A star."}]
+    out = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=1, extra_body={
+        "chat_template": template, "return_token_ids": True, "documents": documents})
+    server = str(client.base_url).removesuffix("/v1/")
+    text = HTTP.post(f"{server}/detokenize", json={"tokens": out.model_extra["prompt_token_ids"]}).json()["prompt"]
+    assert text.startswith("[Moon: The Moon orbits Earth.][Sun: A star.]") and "Think, then answer." in text

@@ -545,7 +545,12 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),  # no usage
+    ({"documents": [{"title": "a", "text": "b"}]}, "documents"),  # SmolLM2's template does not read them
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),  # past the context
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),  # no JSON constraint to shape
+    ({"guided_whitespace_pattern": " *", "guided_regex": "a+"}, "guided_whitespace_pattern"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"include_reasoning": False}, "include_reasoning"),  # no --reasoning-parser: the reply is all content
 ])
@@ -554,6 +559,89 @@ def test_fields_not_implemented_are_refused_by_name(client, extra, param):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(client, smollm2):
+    """vLLM's truncate_prompt_tokens: the reply to a prompt cut to its last 12 tokens is the reply to those 12
+    tokens (usage and echo count and show what the model read); -1 keeps what the context holds; a chat's rendered
+    conversation is cut the same way. Refused with a fill-in-the-middle suffix."""
+    text = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do"
+    ids = smollm2.tokenizer.encode(text)
+    assert len(ids) > 12
+    cut = client.completions.create(model="smollm2", prompt=text, temperature=0, max_tokens=8, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 12, "ignore_eos": True})
+    alone = client.completions.create(model="smollm2", prompt=ids[-12:], temperature=0, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    echoed = smollm2.tokenizer.decode(ids[-12:])
+    assert cut.choices[0].text == echoed + alone.choices[0].text and cut.usage.prompt_tokens == 12
+    whole = client.completions.create(model="smollm2", prompt=text, temperature=0, max_tokens=8,
+                                      extra_body={"truncate_prompt_tokens": -1, "ignore_eos": True})
+    assert whole.usage.prompt_tokens == len(ids)
+    messages = [{"role": "user", "content": text}]
+    chat = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=8,
+                                          extra_body={"truncate_prompt_tokens": 9, "ignore_eos": True})
+    rendered = smollm2.tokenizer.encode_chat(messages)
+    plain = client.completions.create(model="smollm2", prompt=rendered[-9:], temperature=0, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == 9 and chat.choices[0].message.content == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="smollm2", prompt="def f(", suffix="return 1", max_tokens=4,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert caught.value.body["param"] in ("truncate_prompt_tokens", "suffix"), caught.value.body
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs, chosen and alternative, is "token_id:<id>",
+    the chosen ones the reply's own ids; a chat logprob's bytes stay its token's text's."""
+    out = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=6,
+                                    logprobs=2, extra_body={"return_tokens_as_token_ids": True,
+                                                            "return_token_ids": True, "ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in choice.logprobs.top_logprobs for k in top)
+    plain = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                      max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})
+    assert choice.logprobs.text_offset == plain.choices[0].logprobs.text_offset
+    assert choice.logprobs.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                          temperature=0, max_tokens=5, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    content, ids = chat.choices[0].logprobs.content, chat.choices[0].token_ids
+    texts = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                           temperature=0, max_tokens=5, logprobs=True).choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in ids]
+    assert [c.bytes for c in content] == [c.bytes for c in texts]
+    assert all(re.fullmatch(r"token_id:\d+", alt.token) for c in content for alt in c.top_logprobs)
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens generated up to it; the
+    last of them is the final usage (both endpoints)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                            temperature=0, max_tokens=12, stream=True, stream_options=options)
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == chunks[-1].usage.completion_tokens
+    assert len(counts) > 1 and all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    stream = client.completions.create(model="smollm2", prompt="Once upon a time", temperature=0, max_tokens=10,
+                                       stream=True, stream_options=options, extra_body={"ignore_eos": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices]
+    assert counts == list(range(1, 11))
+
+
+def test_guided_whitespace_pattern_shapes_a_json_constraint_s_whitespace(client):
+    """vLLM's guided_whitespace_pattern: a JSON reply's whitespace between tokens held to the pattern (none here),
+    where without it the model spaces its JSON out."""
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    spaced = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
+                                            extra_body=body).choices[0].message.content
+    tight = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
+                                           extra_body={**body, "guided_whitespace_pattern": ""})
+    text = tight.choices[0].message.content
+    assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    assert json.dumps(json.loads(spaced), separators=(",", ":"), ensure_ascii=False) != spaced  # the check can fail
 
 
 def test_fields_that_ask_nothing_pass(client):

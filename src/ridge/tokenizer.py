@@ -210,12 +210,15 @@ class RidgeTokenizer:
         variables = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                      "bos_token": self.token_text(bos) if bos is not None else "",
                      "eos_token": self.token_text(eos) if eos is not None else "", "tools": tools}
-        if options.reasoning_effort is not None:
-            source = options.template if options.template is not None else self.info.chat_template or ""
-            if "reasoning_effort" not in source:
-                raise ValueError("reasoning_effort: this model's chat template does not read it (gpt-oss's does); "
-                                 "the model would not see it")
-            variables["reasoning_effort"] = options.reasoning_effort
+        source = options.template if options.template is not None else self.info.chat_template or ""
+        for name, value, reader in (("reasoning_effort", options.reasoning_effort, "gpt-oss's does"),
+                                    ("documents", options.documents, "Command R's and Granite's do")):
+            if value is None:
+                continue
+            if name not in source:
+                raise ValueError(f"{name}: this model's chat template does not read it ({reader}); the model would "
+                                 "not see it")
+            variables[name] = value
         clash = sorted(set(options.template_kwargs) & set(variables))
         if clash:
             raise ValueError(f"chat_template_kwargs: {', '.join(clash)} are set by the request's own fields")
@@ -242,6 +245,7 @@ class ChatOptions:
     template: str | None = None  # a template of the request's own, in place of the model's
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables (enable_thinking)
     reasoning_effort: str | None = None  # OpenAI's field, a variable of templates that read it (gpt-oss's)
+    documents: list[dict[str, str]] | None = None  # retrieved documents, a variable of templates that read it
 
 
 def _cut_after_final_message(text: str, final: Any) -> str:

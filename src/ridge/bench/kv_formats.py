@@ -1,7 +1,8 @@
 """`ridge bench kv`: KV cache formats side by side (--kv-cache-dtype auto, fp8, int8, int4), in one run.
 
-For each format, on the same model: the bytes a token of context takes in the cache (the engine's, and `ridge
-plan`'s), how many sequences of --context tokens the pool of --kv-cache-memory holds (filled through the
+For each format, on the same model: the bytes a token of context takes in the cache, a sequence of --context
+tokens' cache over its tokens (windowed layers hold their window only; the engine's blocks, and `ridge plan`'s
+count), how many sequences of --context tokens the pool of --kv-cache-memory holds (filled through the
 engine's KV manager, as `ridge bench capacity` does), and the decode time per step of --batch sequences at that
 context (the prompts prefilled first, untimed; then --steps decode steps timed), with the bytes a step must read
 (weights and every sequence's cache) as a fraction of the machine's measured read bandwidth; with --agreement N,
@@ -85,7 +86,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         llm = LLM(args.model, progress=not args.json, **{**kwargs, "kv_cache_dtype": name})
         engine = llm.engine
         spec, kv_dtype = engine.loaded.spec, plain if name == "auto" else name
-        row = {"kv_cache_dtype": name, "plan_kv_bytes_per_token": arithmetic.kv_bytes_per_token(spec, kv_dtype)}
+        row = {"kv_cache_dtype": name,
+               "plan_kv_bytes_per_token": arithmetic.kv_bytes(spec, kv_dtype, args.context) / args.context}
         if args.agreement:  # the first turns of ShareGPT conversations, as chats
             if chats is None:
                 questions = [engine.tokenizer.decode(r.prompt_ids)
@@ -98,7 +100,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
         ms = decode_step_ms(engine, args.context, args.batch, args.steps)
         step_bytes = model_weight_bytes(engine.loaded.model, args.batch) + args.batch * arithmetic.kv_bytes(
             spec, kv_dtype, args.context)
-        row.update(kv_bytes_per_token=capacity["block_bytes"] / engine.config.block_size,
+        row.update(kv_bytes_per_token=capacity["kv_bytes_per_sequence"] / args.context,
                    sequences=capacity["sequences"], step_ms=ms, tok_s=args.batch * 1e3 / ms, step_bytes=step_bytes)
         rows.append(row)
         del llm, engine

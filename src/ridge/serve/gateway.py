@@ -127,7 +127,7 @@ class Gateway:
             message = str(exc)
             field = message.split(":")[0]
             raise RequestError(message, field if field in ("chat_template", "chat_template_kwargs",
-                                                           "continue_final_message", "reasoning_effort")
+                                                           "continue_final_message", "reasoning_effort", "documents")
                                else "messages") from exc
 
     def admit(self, prompts: list[list[int]], fields: SamplingFields, requested: int | None,
@@ -224,12 +224,17 @@ class Gateway:
         return finals  # type: ignore[return-value]
 
     @staticmethod
+    def usage_so_far(prompts: list[list[int]], completion: int) -> dict[str, int]:
+        """A stream chunk's usage (continuous_usage_stats): the request's prompt tokens and its tokens so far."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
+    @staticmethod
     def usage(prompts: list[list[int]], completion: int, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The usage block: completion tokens counted by the caller (a stream's outputs carry only news)."""
-        prompt_tokens = sum(len(p) for p in prompts)
-        result = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": prompt_tokens + completion,
-                  "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+        result: dict[str, Any] = {**Gateway.usage_so_far(prompts, completion), "prompt_tokens_details": {
+            "cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
         if any("kv_evicted_tokens" in o.metrics for o in outputs):  # an evicting engine: what it let go of
             result["kv_evicted_tokens"] = sum(int(o.metrics["kv_evicted_tokens"]) for o in outputs)
         drafts = sum(o.metrics.get("spec_drafts") or 0 for o in outputs)

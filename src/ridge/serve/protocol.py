@@ -8,6 +8,7 @@ escapes can spell a lone surrogate, which no tokenizer can encode).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -70,14 +71,14 @@ class Body(BaseModel):
 
 
 class StreamOptions(Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = False  # the usage in a last chunk of its own
+    continuous_usage_stats: bool = False  # vLLM's: and in every chunk, the tokens so far
 
     @model_validator(mode="after")
-    def _refused(self) -> StreamOptions:
-        if self.continuous_usage_stats:
-            raise ValueError("stream_options.continuous_usage_stats: usage in every chunk is not supported; it "
-                             "comes in the last chunk with include_usage")
+    def _usage_asked(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats: needs include_usage: true (the usage in every "
+                             "chunk comes with the usage at the end)")
         return self
 
 
@@ -92,15 +93,11 @@ def _asks(value: Any) -> bool:
 UNSUPPORTED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "documents": "not supported",
     "logits_processors": "not supported",
-    "return_tokens_as_token_ids": "not supported",
-    "guided_whitespace_pattern": "not supported; llguidance's JSON whitespace is used",
     "structural_tag": "not supported",
     "mm_processor_kwargs": "this server reads text only",
     "audio": "this server reads and writes text only",
     "prediction": "predicted outputs are not supported",
-    "truncate_prompt_tokens": "not supported; a prompt past the context is refused",
     "store": "this server stores nothing",
     "web_search_options": "not supported",
 }
@@ -218,6 +215,10 @@ class SamplingFields(Body):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None
+    guided_whitespace_pattern: Text | None = None  # vLLM's: the whitespace a JSON constraint allows between tokens
+    # vLLM's: the prompt's last k tokens only (-1: as many as the context holds), cut before anything is checked
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>", not its text
     # how the model's replies hold a constraint (a harmony reply's: on its final channel), set by the route
     _constraint_form: Callable[[StructuredOutputsParams], StructuredOutputsParams] | None = PrivateAttr(default=None)
 
@@ -230,6 +231,18 @@ class SamplingFields(Body):
     def num_samples(self) -> int:
         """Samples generated per prompt (best_of draws more than the n returned)."""
         return self.n
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the context's length), or all of it when not asked."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = max_model_len
+        if keep < 1 or keep > max_model_len:
+            raise RequestError(f"truncate_prompt_tokens: {self.truncate_prompt_tokens} is not -1 (the context's "
+                               f"length) or 1 to the context's {max_model_len} tokens", "truncate_prompt_tokens")
+        return ids[-keep:]
 
     @property
     def structured_field(self) -> str | None:
@@ -245,12 +258,17 @@ class SamplingFields(Body):
             raise RequestError(f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available; this "
                                "server constrains outputs with llguidance (auto, guidance)", "guided_decoding_backend")
         if not given:
+            if self.guided_whitespace_pattern is not None:
+                raise RequestError("guided_whitespace_pattern: shapes the whitespace of a JSON constraint, and the "
+                                   "request has none", "guided_whitespace_pattern")
             return None
         if len(given) > 1:
             names = ", ".join(name for name, _ in given)
             raise RequestError(f"{given[1][0]}: conflicts with {given[0][0]}; give one output constraint ({names} "
                                "were given)", given[1][0])
         name, fields = given[0]
+        if self.guided_whitespace_pattern is not None:
+            fields = self._with_whitespace(name, fields, self.guided_whitespace_pattern)
         try:
             params = StructuredOutputsParams(**fields)
         except ValueError as exc:  # "structured_outputs[.field]: ..." -> the request's own field name
@@ -263,6 +281,27 @@ class SamplingFields(Body):
         except ValueError as exc:  # the grammar's error, named as the engine's are (Gateway.admit)
             message = str(exc) if name == "structured_outputs" else f"{name}:{str(exc).split(':', 1)[1]}"
             raise RequestError(message, message.split(":")[0]) from exc
+
+    @staticmethod
+    def _with_whitespace(name: str, fields: dict[str, Any], pattern: str) -> dict[str, Any]:
+        """A JSON constraint's fields with the whitespace between its tokens held to `pattern` (a regex: llguidance's
+        whitespace_pattern option, in the schema's x-guidance)."""
+        if fields.get("json_object"):
+            schema: Any = {"type": "object"}
+        elif "json" in fields:
+            schema = fields["json"]
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise RequestError(f"{name}: not valid JSON: {exc}", name) from exc
+        else:
+            raise RequestError(f"guided_whitespace_pattern: shapes the whitespace of a JSON constraint; {name} "
+                               "gives another kind", "guided_whitespace_pattern")
+        if not isinstance(schema, dict):
+            raise RequestError(f"{name}: a JSON schema must be an object", name)
+        options = {**schema.get("x-guidance", {}), "whitespace_pattern": pattern}
+        return {"json": {**schema, "x-guidance": options}}
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(request field, StructuredOutputsParams fields) of every field that constrains the output."""
@@ -337,6 +376,11 @@ class SamplingFields(Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """A stream's every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
@@ -447,6 +491,8 @@ class ChatRendering(Body):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: a template variable where the model's template reads it (gpt-oss's), refused elsewhere
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's (HF's apply_chat_template's): retrieved documents, a variable of templates that read it (Command R's)
+    documents: list[dict[Text, Text]] | None = None
 
     @model_validator(mode="after")
     def _template_kwargs_unicode(self) -> ChatRendering:
@@ -455,7 +501,7 @@ class ChatRendering(Body):
 
     def chat_options(self) -> ChatOptions:
         return ChatOptions(self.continue_final_message, self.chat_template, self.chat_template_kwargs or {},
-                           self.reasoning_effort)
+                           self.reasoning_effort, self.documents)
 
 
 class ChatCompletionRequest(SamplingFields, ChatRendering):

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -107,19 +107,25 @@ class Routes:
         check_push(self.config.role, req.kv_transfer_params, req.stream)
         prompts = _prompt_list(req.prompt)
         if req.suffix:
+            if req.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens: not supported with suffix (cutting a fill-in-the-middle "
+                                   "prompt's start would cut its prefix marker)", "truncate_prompt_tokens")
             try:
                 ids_list = [self.tokenizer.encode_infill(p, req.suffix) for p in prompts]
             except ValueError as exc:
                 raise RequestError(str(exc), "suffix") from exc
         else:
-            ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+            ids_list = [req.truncated(self.tokenizer.encode(p) if isinstance(p, str) else p, self.engine.max_model_len)
+                        for p in prompts]
         # ranking best_of's samples needs each one's cumulative logprob: logprobs are kept (shown if asked)
         logprobs = req.logprobs if req.logprobs is not None or not req.ranks_samples else 0
         params = self.gateway.admit(ids_list, req, req.generated_max_tokens(), logprobs, "prompt")
         beams = req.beam_search_params(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        echoes = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+        # the prompt as given, or, where it was cut or given as ids, the text of the ids the model read
+        echoes = [(p if isinstance(p, str) and req.truncate_prompt_tokens is None else self.tokenizer.decode(ids))
+                  if req.echo else "" for p, ids in zip(prompts, ids_list, strict=True)]
         scored: dict[int, list[dict[int, float] | None]] = {}  # prompt -> its prompt logprobs, once they came
 
         def choice(i: int, c: CompletionOutput, opens: bool, offset: int) -> dict[str, Any]:
@@ -131,7 +137,8 @@ class Routes:
                 ids, entries = prompt + ids, [_top(e, req.logprobs, t) for e, t in zip(scored[i], prompt, strict=True)]
                 entries += c.logprobs or []
             out = {"index": i * req.n + c.index, "text": echoes[i] + c.text if opens else c.text,
-                   "logprobs": _completion_logprobs(self.tokenizer, ids, entries, 0 if opens else offset)
+                   "logprobs": _completion_logprobs(self.tokenizer, ids, entries, 0 if opens else offset,
+                                                    req.return_tokens_as_token_ids)
                    if req.logprobs is not None else None,
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if opens and req.prompt_logprobs is not None:
@@ -171,11 +178,12 @@ class Routes:
                 completion += 0 if req.echo_only else _num_tokens([out])
                 if out.prompt_logprobs is not None:
                     scored[i] = out.prompt_logprobs
+                so_far = {"usage": self.gateway.usage_so_far(ids_list, completion)} if req.continuous_usage else {}
                 for c in out.outputs:
                     offset = sent.get((i, c.index))
                     item = choice(i, c, offset is None, offset or 0)  # the echo opens a choice
                     sent[(i, c.index)] = (offset or 0) + len(item["text"])
-                    yield sse({**head, "choices": [item]})
+                    yield sse({**head, "choices": [item], **so_far})
             if req.include_usage and len(finals) == len(ids_list):
                 usage = self.gateway.usage(ids_list, completion, list(finals.values()))
                 yield sse({**head, "choices": [], "usage": usage})
@@ -199,7 +207,8 @@ class Routes:
         elif not req.include_reasoning and thinks is None:
             raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
                                "returns the reply whole in content", "include_reasoning")
-        ids = self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options())
+        ids = req.truncated(self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options()),
+                            self.engine.max_model_len)
         form = self.gateway.call_format
         token_id = self.tokenizer.tokenizer.token_to_id
         req.use_call_format(form, call_markers(form, token_id))
@@ -235,7 +244,8 @@ class Routes:
             return "tool_calls" if called and reason == "stop" else reason
 
         def logprobs(new_ids: list[int], new_lps) -> dict[str, Any] | None:
-            return _chat_logprobs(self.tokenizer, new_ids, new_lps, top) if top is not None else None
+            return (_chat_logprobs(self.tokenizer, new_ids, new_lps, top, req.return_tokens_as_token_ids)
+                    if top is not None else None)
 
         if not req.stream:
             outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams))
@@ -320,7 +330,8 @@ class Routes:
                             "finish_reason": finish(c.finish_reason, num_calls.get(c.index, 0) > 0)}
                     if req.return_token_ids:  # what came since this choice's last chunk (tools hold some back)
                         item["token_ids"] = held_ids.pop(c.index)
-                    yield sse({**head, "choices": [item]})
+                    so_far = {"usage": self.gateway.usage_so_far([ids], completion)} if req.continuous_usage else {}
+                    yield sse({**head, "choices": [item], **so_far})
             if req.include_usage and final is not None:
                 yield sse({**head, "choices": [], "usage": self.gateway.usage([ids], completion, [final])})
             yield "data: [DONE]\n\n"
@@ -374,20 +385,26 @@ def _top(entry: dict[int, float] | None, n: int, token: int) -> dict[int, float]
     return kept
 
 
+def _token_names(tokenizer: RidgeTokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or (return_tokens_as_token_ids) "token_id:<id>", which stays apart
+    from every other token where texts collide or a token is part of a character."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else tokenizer.token_text
+
+
 def _completion_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float] | None] | None,
-                         offset: int) -> dict[str, Any]:
+                         offset: int, as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset (an echoed
-    prompt's first token has no logprob: null in both lists, as OpenAI's)."""
-    tokens = [tokenizer.token_text(t) for t in ids]
+    prompt's first token has no logprob: null in both lists, as OpenAI's); as_ids: tokens named by their ids, the
+    offsets still those of their text."""
+    name = _token_names(tokenizer, as_ids)
     entries = logprobs or [{} for _ in ids]
     offsets, position = [], offset
-    for token in tokens:
+    for token_id in ids:
         offsets.append(position)
-        position += len(token)
-    return {"tokens": tokens,
+        position += len(tokenizer.token_text(token_id))
+    return {"tokens": [name(t) for t in ids],
             "token_logprobs": [None if e is None else e.get(t) for t, e in zip(ids, entries, strict=True)],
-            "top_logprobs": [None if e is None else {tokenizer.token_text(k): v for k, v in e.items()}
-                             for e in entries],
+            "top_logprobs": [None if e is None else {name(k): v for k, v in e.items()} for e in entries],
             "text_offset": offsets}
 
 
@@ -399,10 +416,12 @@ def _prompt_logprobs(tokenizer: RidgeTokenizer, ids: list[int], entries: list[di
 
 
 def _chat_logprobs(tokenizer: RidgeTokenizer, ids: list[int], logprobs: list[dict[int, float]] | None,
-                   top: int) -> dict[str, Any]:
+                   top: int, as_ids: bool = False) -> dict[str, Any]:
+    """as_ids: tokens named by their ids; their bytes are still their text's."""
+    name = _token_names(tokenizer, as_ids)
+
     def item(token_id: int, value: float) -> dict[str, Any]:
-        text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": name(token_id), "logprob": value, "bytes": list(tokenizer.token_text(token_id).encode())}
 
     content = []
     for token_id, entry in zip(ids, logprobs or [{} for _ in ids], strict=True):
