@@ -445,15 +445,47 @@ def test_a_gguf_llama_cpp_would_misread_is_refused_by_name(tmp_path):
         write_random_gguf(random_spec(f"random:{tmp_path}"), tmp_path / "model.gguf", tmp_path / "unused.gguf")
 
 
-def test_layer_by_layer_calibration_is_refused_where_a_layer_needs_others(tmp_path_factory, make_llm_for_test):
-    """GPTQ and AWQ walk the layers one at a time; an E model's KV-shared layers read an earlier layer's k, v and
-    every layer its slice of the per-layer inputs, which such a walk does not carry: refused by name, where int8 at
-    load (one whole forward pass for its importance matrix) runs."""
-    path, hf = random_hf_model("edge-gptq", EDGE, tmp_path_factory)
-    with pytest.raises(ValueError, match="calibrating layer by layer .* KV-shared layers and per-layer embeddings"):
-        make_llm_for_test(path, dtype="float32", quantization="gptq", calibration_windows=2)
-    int8 = make_llm_for_test(path, dtype="float32", quantization="int8")
-    assert len(int8.generate(random_prompts(1, VOCAB, 10, 11)[0], SamplingParams(max_tokens=4))[0].outputs[0]
+@pytest.mark.parametrize("carry_quantized", [True, False], ids=["gptq-order", "awq-order"])
+def test_layer_by_layer_calibration_carries_per_layer_inputs_and_shared_kv(tmp_path_factory, make_llm_for_test,
+                                                                         carry_quantized):
+    """GPTQ's walk over an E model, a layer at a time: each layer takes its slice of the per-layer inputs, and the
+    KV-shared layers their source layer's k, v (as quantized, where the walk carries the quantized layers on): every
+    layer's X^T X is that of one whole pass of the model, quantized in GPTQ's order, in full precision in AWQ's.
+    GPTQ at load then serves the model."""
+    from ridge.quant.rtn import dequantize, quantize_int4
+    from ridge.quantize.calibration import input_hessians, quantize_layerwise
+
+    # per-layer inputs 32 wide (E2B's 256), which int4's groups divide
+    path, _ = random_hf_model("edge-gptq", {**EDGE, "hidden_size_per_layer_input": 32}, tmp_path_factory)
+    llm = make_llm_for_test(path, dtype="float32")
+    model = llm.engine.loaded.model
+    windows = random_prompts(2, VOCAB, 64, 65, seed=3)
+    float_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
+    seen: dict[str, torch.Tensor] = {}
+
+    def rtn(key: str, weight: torch.Tensor, hessian: torch.Tensor):
+        seen[key] = hessian
+        return quantize_int4(weight, 32)
+
+    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False,
+                                carry_quantized=carry_quantized)
+    assert set(fitted) == set(seen) == {key for key in float_hessians if key.startswith("layers.")}
+    for key, qw in fitted.items():
+        assert torch.equal(model.get_submodule(key).weight, dequantize(qw))
+    quantized_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
+    # a layer's linears are fitted on that layer in full precision: in GPTQ's order each later layer's first one
+    # (qkv) sees the quantized layers before it; in AWQ's every linear sees the float model's inputs
+    expected = {key: quantized_hessians[key] if carry_quantized and key.endswith("attn.qkv")
+                and not key.startswith("layers.0.") else float_hessians[key]
+                for key in seen if not carry_quantized or key.startswith("layers.0.") or key.endswith("attn.qkv")}
+    bad = [key for key in expected if not torch.allclose(seen[key], expected[key], rtol=1e-5, atol=1e-5)]
+    assert not bad, bad
+    # the check can fail: the KV-shared layers' attention outputs differ between the two passes
+    shared = [f"layers.{i}.attn.o_proj" for i in llm.engine.loaded.config.kv_sources()]
+    assert shared and all(not torch.allclose(float_hessians[key], quantized_hessians[key], rtol=1e-3)
+                          for key in shared)
+    gptq = make_llm_for_test(path, dtype="float32", quantization="gptq", calibration_windows=2)
+    assert len(gptq.generate(random_prompts(1, VOCAB, 10, 11)[0], SamplingParams(max_tokens=4))[0].outputs[0]
                .token_ids) == 4
 
 

@@ -95,19 +95,23 @@ def _accumulate(hessians: dict[str, torch.Tensor], name: str, x: torch.Tensor) -
 _SCRATCH_BLOCK = 16
 
 
-def _scratch(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
-             device: str) -> tuple[AttentionBackend, list[tuple[torch.Tensor, StepMetadata]]]:
+def _scratch(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype, device: str,
+             blocks_each: bool = False) -> tuple[AttentionBackend, list[tuple[torch.Tensor, StepMetadata]]]:
     """A reference-attention cache that holds the longest window, and each window's tokens and metadata
-    (they take turns on the same blocks: each window is scored from scratch)."""
+    (they take turns on the same blocks: each window is scored from scratch); blocks_each: each window its own
+    blocks instead, so that a cache written for a window stays its own until the walk is done."""
     cfg = model.cfg
     layout = cfg.kv_layout()
     blocks = -(-max(len(w) for w in windows) // _SCRATCH_BLOCK)
-    groups = len(layout.groups)
+    groups = len(layout.groups) * (len(windows) if blocks_each else 1)
     backend = make_backend(cfg, "reference", blocks * groups, _SCRATCH_BLOCK, dtype, device)
     tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]  # each group its own blocks
-    prompts = [(torch.tensor(ids, dtype=torch.long, device=device),
-                [AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, group.window, device)
-                 for table, group in zip(tables, layout.groups, strict=True)]) for ids in windows]
+    prompts = []
+    for i, ids in enumerate(windows):
+        own = tables[i * len(layout.groups):][:len(layout.groups)] if blocks_each else tables
+        prompts.append((torch.tensor(ids, dtype=torch.long, device=device),
+                        [AttentionMetadata.whole_prompt(len(ids), table, _SCRATCH_BLOCK, group.window, device)
+                         for table, group in zip(own, layout.groups, strict=True)]))
     return backend, prompts
 
 
@@ -165,17 +169,35 @@ class LayerInput:
     residual: torch.Tensor | None  # None before the first layer
     ropes: dict[int, RopeStep]  # the rotary step each layer turns with (DecoderModel.layer_rotary), by id(layer)
     meta: StepMetadata  # one per KV group
+    # Gemma 4's E models: the window's per-layer inputs [T, layers, width], and the k, v of the layers whose caches
+    # later layers share, by layer (filled as the walk passes them)
+    per_layer: torch.Tensor | None = None
+    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rope_for(self, layer: DecoderLayer) -> RopeStep:
         return self.ropes[id(layer)]
+
+    def through(self, layer: DecoderLayer, index: int, backend: AttentionBackend, x: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index` (the model's layer `layer`) on this window: on x and residual where given (copies the
+        caller made), else on the window's own."""
+        extras: dict = {}
+        if self.per_layer is not None:
+            extras["per_layer_input"] = self.per_layer[:, index]
+        if self.shared_kv is not None:
+            extras["shared_kv"] = self.shared_kv
+        return layer(self.x if x is None else x, self.residual if x is None else residual, self.rope_for(layer),
+                     backend, self.meta, None, **extras)
 
 
 @torch.inference_mode()
 def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: torch.dtype,
                        device: str) -> tuple[AttentionBackend, list[LayerInput]]:
     """What the first decoder layer takes for each window, and the attention backend whose cache holds them
-    (the windows take turns on its blocks): a layer-by-layer walk's starting point."""
-    backend, prompts = _scratch(model, windows, dtype, device)
+    (the windows take turns on its blocks, or, where a later layer reads an earlier one's cache, hold their own):
+    a layer-by-layer walk's starting point."""
+    shares = bool(model.cfg.kv_shared_layers)
+    backend, prompts = _scratch(model, windows, dtype, device, blocks_each=shares)
     states = []
     for ids, meta in prompts:
         for group_meta in meta:
@@ -186,7 +208,9 @@ def first_layer_inputs(model: DecoderModel, windows: list[list[int]], dtype: tor
         for layer in model.layers:
             rotary = model.layer_rotary(layer)
             ropes[id(layer)] = steps.get(id(rotary)) or steps.setdefault(id(rotary), rotary.step(positions))
-        states.append(LayerInput(model.embed(ids), None, ropes, meta))
+        x = model.embed(ids)
+        per_layer = model.per_layer_inputs(ids, x) if model.embed_per_layer is not None else None
+        states.append(LayerInput(x, None, ropes, meta, per_layer, {} if shares else None))
     return backend, states
 
 
@@ -210,11 +234,6 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
     AWQ's reference order (its search makes each block's output match the full-precision block's; the slightly
     better of the two walks, docs/notes/bench-quantization.md), and one pass a layer instead of two. Returns
     every layer's {key: QuantizedWeight}; the model's linear weights are left at their quantized values."""
-    walked_past = [what for what, present in (("KV-shared layers", model.cfg.kv_shared_layers),
-                                              ("per-layer embeddings", model.cfg.per_layer_input_size)) if present]
-    if walked_past:  # a layer alone has neither its source layer's k, v nor its slice of the per-layer inputs
-        raise ValueError(f"quantization: calibrating layer by layer (gptq, awq) is not supported with Gemma 4's "
-                         f"{' and '.join(walked_past)}; int8, int4 or fp8 at load need no such walk")
     backend, states = first_layer_inputs(model, windows, dtype, device)
     fitted: dict[str, QuantizedWeight] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="calibrate+quantize", unit="layer", disable=not progress)):
@@ -228,7 +247,7 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
         try:
             for w in states:  # the norms add into the residual stream in place (the first layer's is x): copies
                 residual = None if w.residual is None else w.residual.clone()
-                out = layer(w.x.clone(), residual, w.rope_for(layer), backend, w.meta)
+                out = w.through(layer, i, backend, w.x.clone(), residual)
                 if not carry_quantized:
                     full_precision.append(out)
         finally:
@@ -237,9 +256,9 @@ def quantize_layerwise(model: DecoderModel, windows: list[list[int]],
         for key, linear in linears.items():
             fitted[key] = quantize(key, linear.weight.detach().float(), hessians.pop(key))
             linear.weight.copy_(dequantize(fitted[key]).to(linear.weight.dtype))
-        if carry_quantized:
+        if carry_quantized:  # a layer whose cache later layers share leaves them its quantized k, v
             for w in states:
-                w.x, w.residual = layer(w.x, w.residual, w.rope_for(layer), backend, w.meta)
+                w.x, w.residual = w.through(layer, i, backend)
         else:
             for w, (x, residual) in zip(states, full_precision, strict=True):
                 w.x, w.residual = x, residual
