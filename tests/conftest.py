@@ -359,6 +359,28 @@ def greedy_batch_checked_against_hf(make_llm_for_test, path, hf, vocab: int):
     return llm, prompts, params, batch
 
 
+def layerwise_walk(model, windows: list[list[int]], carry_quantized: bool):
+    """quantize_layerwise over `windows` with int4 RTN in groups of 32, checked to leave the model holding the
+    quantized weights: (the X^T X the walk gave each linear, one pass's of the float model, one pass's of the
+    quantized model)."""
+    from ridge.quant.rtn import dequantize, quantize_int4
+    from ridge.quantize.calibration import input_hessians, quantize_layerwise
+
+    float_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
+    seen: dict[str, torch.Tensor] = {}
+
+    def rtn(key: str, weight: torch.Tensor, hessian: torch.Tensor):
+        seen[key] = hessian
+        return quantize_int4(weight, 32)
+
+    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False,
+                                carry_quantized=carry_quantized)
+    assert set(fitted) == set(seen) == {key for key in float_hessians if key.startswith("layers.")}
+    for key, qw in fitted.items():
+        assert torch.equal(model.get_submodule(key).weight, dequantize(qw))
+    return seen, float_hessians, input_hessians(model, windows, torch.float32, "cpu", progress=False)
+
+
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import random_prompts
+from conftest import layerwise_walk, random_prompts
 from ridge.quant import checkpoint
 from ridge.quant.rtn import (
     QuantizedWeight,
@@ -248,24 +248,12 @@ def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama
     linear (qkv) sees what the layers before it produce once quantized, the X^T X that one pass of the
     quantized model takes, and not the float model's; in AWQ's (carry_quantized=False) it sees the float
     model's. Either way the model is left holding the quantized weights."""
-    from ridge.quantize.calibration import calibration_windows, input_hessians, quantize_layerwise
+    from ridge.quantize.calibration import calibration_windows
 
     llm = make_llm_for_test(random_llama, dtype="float32")
     model = llm.engine.loaded.model
-    windows = calibration_windows(llm.tokenizer, 2, 256)
-    float_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
-    seen: dict[str, torch.Tensor] = {}
-
-    def rtn(key: str, weight: torch.Tensor, hessian: torch.Tensor):
-        seen[key] = hessian
-        return quantize_int4(weight, 32)
-
-    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False,
-                                carry_quantized=carry_quantized)
-    assert set(fitted) == set(seen) == {key for key in float_hessians if key.startswith("layers.")}
-    for key, qw in fitted.items():
-        assert torch.equal(model.get_submodule(key).weight, dequantize(qw))
-    quantized_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
+    seen, float_hessians, quantized_hessians = layerwise_walk(model, calibration_windows(llm.tokenizer, 2, 256),
+                                                              carry_quantized)
     for key in (k for k in seen if k.startswith("layers.0.")):
         torch.testing.assert_close(seen[key], float_hessians[key], rtol=1e-6, atol=0)
     for i in range(1, len(model.layers)):

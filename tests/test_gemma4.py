@@ -17,6 +17,7 @@ from conftest import (
     assert_stack_equals_eager,
     blocks_moved_between_engines,
     greedy_batch_checked_against_hf,
+    layerwise_walk,
     linears_of_one_decode,
     random_prompts,
 )
@@ -452,27 +453,11 @@ def test_layer_by_layer_calibration_carries_per_layer_inputs_and_shared_kv(tmp_p
     KV-shared layers their source layer's k, v (as quantized, where the walk carries the quantized layers on): every
     layer's X^T X is that of one whole pass of the model, quantized in GPTQ's order, in full precision in AWQ's.
     GPTQ at load then serves the model."""
-    from ridge.quant.rtn import dequantize, quantize_int4
-    from ridge.quantize.calibration import input_hessians, quantize_layerwise
-
     # per-layer inputs 32 wide (E2B's 256), which int4's groups divide
     path, _ = random_hf_model("edge-gptq", {**EDGE, "hidden_size_per_layer_input": 32}, tmp_path_factory)
     llm = make_llm_for_test(path, dtype="float32")
-    model = llm.engine.loaded.model
-    windows = random_prompts(2, VOCAB, 64, 65, seed=3)
-    float_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
-    seen: dict[str, torch.Tensor] = {}
-
-    def rtn(key: str, weight: torch.Tensor, hessian: torch.Tensor):
-        seen[key] = hessian
-        return quantize_int4(weight, 32)
-
-    fitted = quantize_layerwise(model, windows, rtn, torch.float32, "cpu", progress=False,
-                                carry_quantized=carry_quantized)
-    assert set(fitted) == set(seen) == {key for key in float_hessians if key.startswith("layers.")}
-    for key, qw in fitted.items():
-        assert torch.equal(model.get_submodule(key).weight, dequantize(qw))
-    quantized_hessians = input_hessians(model, windows, torch.float32, "cpu", progress=False)
+    seen, float_hessians, quantized_hessians = layerwise_walk(llm.engine.loaded.model,
+                                                              random_prompts(2, VOCAB, 64, 65, seed=3), carry_quantized)
     # a layer's linears are fitted on that layer in full precision: in GPTQ's order each later layer's first one
     # (qkv) sees the quantized layers before it; in AWQ's every linear sees the float model's inputs
     expected = {key: quantized_hessians[key] if carry_quantized and key.endswith("attn.qkv")
