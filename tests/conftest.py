@@ -381,6 +381,27 @@ def layerwise_walk(model, windows: list[list[int]], carry_quantized: bool):
     return seen, float_hessians, input_hessians(model, windows, torch.float32, "cpu", progress=False)
 
 
+def assert_awq_folding_keeps_the_model(llm, windows: list[list[int]], prompt: list[int]) -> None:
+    """AWQ's scales searched on each layer over `windows` (in the walk's order, in full precision) and folded into
+    the norms and rows before the linears leave the float model's logits on `prompt` as they were; some layer's
+    input norm changed (the scales are not all ones)."""
+    from ridge.quantize.awq_layers import scale_layer
+    from ridge.quantize.calibration import first_layer_inputs
+
+    before = llm.engine.prompt_logits(prompt)
+    model = llm.engine.loaded.model
+    backend, inputs = first_layer_inputs(model, windows, torch.float32, "cpu")
+    norms_before = [layer.input_norm.weight.clone() for layer in model.layers]
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            scale_layer(layer, inputs, backend, 32, integer_zeros=False)
+            for w in inputs:
+                w.x, w.residual = w.through(layer, i, backend)
+    assert any(not torch.equal(layer.input_norm.weight, norm)
+               for layer, norm in zip(model.layers, norms_before, strict=True))
+    torch.testing.assert_close(llm.engine.prompt_logits(prompt), before, rtol=1e-4, atol=1e-4)
+
+
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

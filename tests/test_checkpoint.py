@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import layerwise_walk, random_prompts
+from conftest import assert_awq_folding_keeps_the_model, layerwise_walk, random_prompts
 from ridge.quant import checkpoint
 from ridge.quant.rtn import (
     QuantizedWeight,
@@ -267,24 +267,12 @@ def test_layerwise_calibration_sees_the_layers_before_it_as_carried(random_llama
 def test_awq_folding_keeps_the_float_model(random_llama, make_llm_for_test):
     """Scaling columns up and folding the inverse into norms / v / up rows leaves the float function as it
     was, before any rounding; some layer's scales are not all ones."""
-    from ridge.quantize.awq_layers import scale_layer
-    from ridge.quantize.calibration import calibration_windows, first_layer_inputs
+    from ridge.quantize.calibration import calibration_windows
 
     llm = make_llm_for_test(random_llama, dtype="float32")
-    ids = random_prompts(1, VOCAB, 30, 31, seed=4)[0]
-    before = llm.engine.prompt_logits(ids)
-    model = llm.engine.loaded.model
-    assert model.cfg.num_heads == model.cfg.num_kv_heads  # o_proj's scales folded into v's rows too
-    backend, inputs = first_layer_inputs(model, calibration_windows(llm.tokenizer, 2, 256), torch.float32, "cpu")
-    norms_before = [layer.input_norm.weight.clone() for layer in model.layers]
-    with torch.inference_mode():
-        for layer in model.layers:
-            scale_layer(layer, inputs, backend, 32, integer_zeros=False)
-            for w in inputs:
-                w.x, w.residual = layer(w.x, w.residual, w.rope_for(layer), backend, w.meta)
-    assert any(not torch.equal(layer.input_norm.weight, norm)
-               for layer, norm in zip(model.layers, norms_before, strict=True))
-    torch.testing.assert_close(llm.engine.prompt_logits(ids), before, rtol=1e-4, atol=1e-4)
+    assert llm.engine.loaded.config.num_heads == llm.engine.loaded.config.num_kv_heads  # o_proj's scales into v too
+    assert_awq_folding_keeps_the_model(llm, calibration_windows(llm.tokenizer, 2, 256),
+                                       random_prompts(1, VOCAB, 30, 31, seed=4)[0])
 
 
 def test_quantize_bad_arguments(random_llama, tmp_path):

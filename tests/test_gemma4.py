@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import (
+    assert_awq_folding_keeps_the_model,
     assert_logits_match_hf,
     assert_stack_equals_eager,
     blocks_moved_between_engines,
@@ -471,6 +472,20 @@ def test_layer_by_layer_calibration_carries_per_layer_inputs_and_shared_kv(tmp_p
                           for key in shared)
     gptq = make_llm_for_test(path, dtype="float32", quantization="gptq", calibration_windows=2)
     assert len(gptq.generate(random_prompts(1, VOCAB, 10, 11)[0], SamplingParams(max_tokens=4))[0].outputs[0]
+               .token_ids) == 4
+
+
+def test_awq_s_folded_scales_keep_the_model_and_awq_serves_it(tmp_path_factory, make_llm_for_test):
+    """AWQ on an E model: each layer's scales searched (its sandwich norms in the search as in the layer: the MLP's
+    input is attention's output normed; the KV-shared layers' attention on their source's k, v; o_proj's scales
+    kept out of the v rows, which are normed or are the keys) and folded into the norms and rows before the linears
+    leave the float model's logits as they were. AWQ at load then serves the model."""
+    path, _ = random_hf_model("edge-awq", {**EDGE, "hidden_size_per_layer_input": 32}, tmp_path_factory)
+    llm = make_llm_for_test(path, dtype="float32")
+    assert_awq_folding_keeps_the_model(llm, random_prompts(2, VOCAB, 64, 65, seed=3),
+                                       random_prompts(1, VOCAB, 30, 31, seed=4)[0])
+    awq = make_llm_for_test(path, dtype="float32", quantization="awq", calibration_windows=2)
+    assert len(awq.generate(random_prompts(1, VOCAB, 10, 11)[0], SamplingParams(max_tokens=4))[0].outputs[0]
                .token_ids) == 4
 
 

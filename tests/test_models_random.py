@@ -399,6 +399,8 @@ def test_olmo_matches_hf_without_pre_norms(random_olmo, make_llm_for_test):
         assert [model.cfg.layer_window(i) for i in range(4)] == [Window(24)] * 3 + [None]
         assert not torch.allclose(model.rotary_local.freqs, model.rotary.freqs)
     assert_family_matches_hf(make_llm_for_test, path, hf, VOCAB)
+    with pytest.raises(ValueError, match="awq does not support layers without input norms"):
+        make_llm_for_test(path, dtype="float32", quantization="awq", calibration_windows=1)
 
 
 def test_a_random_olmo_written_as_gguf_reads_back_as_the_same_model(random_olmo, smollm2_path, tmp_path,

@@ -28,6 +28,7 @@ from ridge.quant import mxfp4
 from ridge.quant.gguf_blocks import GROUP_SIZES as GGUF_GROUPS
 from ridge.quant.methods import CALIBRATED, METHODS, quantize_weight, quantize_weights
 from ridge.quant.rtn import QuantizedWeight
+from ridge.quantize.awq_layers import check_model as check_awq_layers
 from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
     awq_layerwise,
@@ -199,6 +200,8 @@ def _quantized_weights(model: DecoderModel, tokenizer: RidgeTokenizer, config: E
     if num_windows and model.cfg.ssm_layers:
         raise ValueError(f"quantization: {method} calibrates on text run layer by layer, which state-space layers "
                          "do not support yet; int4, or int8 / fp8 with calibration_windows=0, quantize them without")
+    if method == "awq":
+        check_awq_layers(model.layers)
     # windows no longer than the model's context (its rotary table's length)
     window = min(CALIBRATION_WINDOW, model.cfg.max_position_embeddings)
     windows = calibration_windows(tokenizer, num_windows, window, progress) if num_windows else []

@@ -410,23 +410,24 @@ class DecoderLayer(nn.Module):
             x = x + self.mlp(h)
         if self.all_reduce is not None:
             self.all_reduce(x)
-        if self.attn_out_norm is not None:
-            x = self.attn_out_norm(x)
-        if self.residual_multiplier != 1.0:
-            x = x * self.residual_multiplier
+        x = self.joining(x, self.attn_out_norm)
         if self.mlp is None or self.parallel:
             return x, residual
         x, residual = self.post_attn_norm(x, residual)
         x = self.mlp(x, residual) if getattr(self.mlp, "reads_stream", False) else self.mlp(x)
         if self.all_reduce is not None and not getattr(self.mlp, "reduces_its_output", False):
             self.all_reduce(x)
-        if self.mlp_out_norm is not None:
-            x = self.mlp_out_norm(x)
-        if self.residual_multiplier != 1.0:
-            x = x * self.residual_multiplier
+        x = self.joining(x, self.mlp_out_norm)
         if self.per_layer_gate is None and self.layer_scalar is None:
             return x, residual
         return self._gemma4_end(residual + x, per_layer_input), None
+
+    def joining(self, x: torch.Tensor, out_norm: RMSNorm | None) -> torch.Tensor:
+        """A mixer's or an MLP's output as it joins the residual stream: normed (sandwich norms), scaled (Granite's
+        residual multiplier)."""
+        if out_norm is not None:
+            x = out_norm(x)
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x
 
     def _gemma4_end(self, stream: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
         """The whole stream [T, hidden] -> plus its per-layer branch, times the layer's scalar."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ridge.attention.backend import AttentionBackend
-from ridge.models.layers import DecoderLayer
+from ridge.models.layers import DecoderLayer, GatedMLP, ResidualAdd
 from ridge.quant.awq import ALPHA_GRID, _candidates, awq_scales
 from ridge.quant.rtn import dequantize, quantize_int4
 
@@ -21,6 +21,24 @@ if TYPE_CHECKING:  # calibration imports this module
 SEARCH_WINDOWS = 8  # calibration windows a block-output search runs the block over, 20 times a layer
 
 
+def check_model(layers: list[DecoderLayer] | torch.nn.ModuleList) -> None:
+    """check_layer over a model's layers: before its calibration text is cut, which takes a while."""
+    for layer in layers:
+        check_layer(layer)
+
+
+def check_layer(layer: DecoderLayer) -> None:
+    """ValueError naming what of the layer AWQ's search does not handle."""
+    if layer.parallel:  # its MLP has no input norm to fold the scales into
+        raise ValueError("quantization: awq does not support parallel blocks (Cohere) yet; use gptq or int4")
+    if isinstance(layer.input_norm, ResidualAdd):  # the scales fold into the norms before qkv and gate|up
+        raise ValueError("quantization: awq does not support layers without input norms (OLMo-2's) yet; use gptq "
+                         "or int4")
+    if not isinstance(layer.mlp, GatedMLP):  # its scales are searched for one dense MLP's gate|up and down
+        raise ValueError("quantization: awq does not support mixtures of experts (or layers without an MLP) yet; "
+                         "use gptq or int4")
+
+
 @torch.no_grad()
 def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: AttentionBackend, group_size: int,
                 integer_zeros: bool) -> None:
@@ -28,14 +46,13 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
     by the attention block's output, gate|up's by the MLP's output (the error after softmax, SiLU and the
     product, not the linear's own), o_proj's and down's by their own outputs; over the layer's inputs as
     quantize/calibration.py's awq_layerwise, which calls this, carries them."""
-    if layer.parallel:  # its MLP has no input norm to fold the scales into
-        raise ValueError("quantization: awq does not support parallel blocks (Cohere) yet; use gptq or int4")
-    if layer.attn_out_norm is not None:  # the search below feeds attention's output straight to the MLP's norm
-        raise ValueError("quantization: awq does not support sandwich norms (Gemma, OLMo-2) yet; use gptq or int4")
+    check_layer(layer)
     attn, mlp = layer.attn, layer.mlp
     windows = inputs[:SEARCH_WINDOWS]
     attn_in, attn_ref, mlp_in, mlp_ref = [], [], [], []
-    scale_o_proj = attn.num_heads == attn.num_kv_heads  # with GQA a v row feeds several heads' o_proj columns
+    # o_proj's scales go into the v rows: not where a v row feeds several heads' o_proj columns (GQA), nor where
+    # the values are normed after their projection, or are the keys (Gemma 4's)
+    scale_o_proj = attn.num_heads == attn.num_kv_heads and not attn.gemma4
     inner: dict[str, list[torch.Tensor]] = {"o_proj": [], "down": []}  # those linears' inputs
     hooks = [mlp.down.register_forward_pre_hook(lambda _m, args: inner["down"].append(args[0]))]
     if scale_o_proj:
@@ -46,8 +63,8 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
                 residual, x = w.x.clone(), layer.input_norm(w.x)
             else:
                 x, residual = layer.input_norm(w.x.clone(), w.residual.clone())
-            a = attn(x, w.rope_for(layer), backend, w.meta)
-            m, _ = layer.post_attn_norm(a.clone(), residual)
+            a = w.attention(layer, x, backend)
+            m, _ = layer.post_attn_norm(layer.joining(a.clone(), layer.attn_out_norm), residual)
             attn_in.append(x)
             attn_ref.append(a)
             mlp_in.append(m)
@@ -57,7 +74,7 @@ def scale_layer(layer: DecoderLayer, inputs: list[LayerInput], backend: Attentio
             hook.remove()
 
     def attn_error() -> float:
-        return sum(float((attn(x, w.rope_for(layer), backend, w.meta) - ref).double().square().sum())
+        return sum(float((w.attention(layer, x, backend) - ref).double().square().sum())
                    for x, w, ref in zip(attn_in, windows, attn_ref, strict=True))
 
     def mlp_error() -> float:

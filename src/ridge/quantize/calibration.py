@@ -177,6 +177,12 @@ class LayerInput:
     def rope_for(self, layer: DecoderLayer) -> RopeStep:
         return self.ropes[id(layer)]
 
+    def attention(self, layer: DecoderLayer, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """The layer's attention on x, its normed input for this window."""
+        if self.shared_kv is None:
+            return layer.attn(x, self.rope_for(layer), backend, self.meta)
+        return layer.attn(x, self.rope_for(layer), backend, self.meta, self.shared_kv)
+
     def through(self, layer: DecoderLayer, index: int, backend: AttentionBackend, x: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index` (the model's layer `layer`) on this window: on x and residual where given (copies the

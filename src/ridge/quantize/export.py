@@ -30,6 +30,7 @@ from ridge.models.transformer import DecoderModel
 from ridge.quant import checkpoint
 from ridge.quant.gptq import gptq_quantize
 from ridge.quant.rtn import QuantizedWeight, check_group_size, quantize_fp8, quantize_int4, quantize_int8
+from ridge.quantize.awq_layers import check_model as check_awq_layers
 from ridge.quantize.calibration import (
     CALIBRATION_WINDOW,
     awq_layerwise,
@@ -97,6 +98,8 @@ def quantize_to_dir(model_path: Path, method: str, bits: int, group_size: int | 
                 check_group_size(module.in_features, group_size, f" of {name}")
     tokenizer = RidgeTokenizer.from_path(model_path)
     fitted: dict[str, QuantizedWeight] = {}
+    if method == "awq":
+        check_awq_layers(model.layers)
     if method in ("gptq", "awq"):
         windows = calibration_windows(tokenizer, windows_for(method, num_windows), CALIBRATION_WINDOW, progress)
     if method == "gptq":
