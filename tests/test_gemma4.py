@@ -200,6 +200,19 @@ def test_a_quantized_cache_holds_the_bytes_it_counts_and_batches_as_alone(gemma4
     assert [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts[:4]] == batch[:4]
 
 
+def test_a_quantized_cache_on_cuda_is_refused_by_name(gemma4_wide):
+    """Its Triton kernels take strides, but no GPU has run them over the slots' views: refused before anything is
+    allocated."""
+    from ridge.attention import make_backend
+    from ridge.kv.formats import kv_format
+    from ridge.models.registry import config_from_spec
+    from ridge.models.spec import spec_from_hf_config
+
+    cfg = config_from_spec(spec_from_hf_config(json.loads((gemma4_wide[0] / "config.json").read_text()), "gemma4"))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: int8 is not supported with .*\(Gemma 4\) on CUDA"):
+        make_backend(cfg, "paged", 4, 16, torch.bfloat16, "cuda", kv_format("int8"))
+
+
 def test_a_quantized_cache_preempts_and_gives_every_block_back(gemma4_wide, make_llm_for_test):
     """An int8 cache of 32 blocks for 12 prompts in 32-token chunks: sequences are preempted and recomputed, each
     finishes its 32 tokens, and every block comes back (make_llm_for_test's accounting)."""

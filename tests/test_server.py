@@ -540,7 +540,8 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"chat_template": "{{ messages }}"}, "chat_template"),  # this server does not trust a request's template
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),  # a variable the request's fields set
     ({"best_of": 3}, "best_of"),  # chat completions do not rank samples
-    ({"suffix": "x"}, "suffix"), ({"echo": True}, "echo"),  # completions' fields
+    ({"suffix": "x"}, "suffix"),  # a completions field
+    ({"echo": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, "echo"),
     ({"logits_processors": ["x"]}, "logits_processors"),
     ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),
@@ -642,6 +643,23 @@ def test_guided_whitespace_pattern_shapes_a_json_constraint_s_whitespace(client)
     text = tight.choices[0].message.content
     assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
     assert json.dumps(json.loads(spaced), separators=(",", ":"), ensure_ascii=False) != spaced  # the check can fail
+
+
+def test_chat_echo_opens_the_reply_with_the_assistant_message_it_continues(client):
+    """vLLM's chat echo: where the last message is the assistant's (a reply continued), the reply's content opens
+    with it, streamed or not; after a user's message there is nothing to echo."""
+    messages = [{"role": "user", "content": "Name a city."},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    ask = dict(model="smollm2", messages=messages, temperature=0, max_tokens=8)
+    plain = client.chat.completions.create(**ask, extra_body=body).choices[0].message.content
+    echoed = client.chat.completions.create(**ask, extra_body={**body, "echo": True}).choices[0].message.content
+    assert plain and echoed == "The capital of France is" + plain
+    chunks = client.chat.completions.create(**ask, stream=True, extra_body={**body, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    user_last = dict(ask, messages=messages[:1])
+    assert (client.chat.completions.create(**user_last, extra_body={"echo": True}).choices[0].message.content
+            == client.chat.completions.create(**user_last).choices[0].message.content)
 
 
 def test_fields_that_ask_nothing_pass(client):

@@ -35,11 +35,14 @@ def make_backend(cfg: ModelConfig, name: str, num_blocks: int, block_size: int, 
     them."""
     args = (cfg.kv_layout(), cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
     if kv_format is not None:
+        cuda = torch.device(device).type == "cuda"
         for refused, what in ((cfg.is_mla, "latent attention (MLA)"),
+                              (cuda and not cfg.uniform_attention,
+                               "layers of different head widths or KV heads (Gemma 4) on CUDA yet"),
                               (cfg.attn_logit_softcap, "attention logit soft-capping (Gemma 2)")):
             if refused:
                 raise ValueError(f"kv_cache_dtype: {kv_format.name} is not supported with {what}; use auto")
-        quantized = CudaQuantizedKVBackend if torch.device(device).type == "cuda" else QuantizedKVBackend
+        quantized = CudaQuantizedKVBackend if cuda else QuantizedKVBackend
         return quantized(*args, scale=cfg.attention_scale, kv_format=kv_format,
                          num_tail_slots=num_slots if kv_format.tail else 0)
     if cfg.is_mla:  # one latent row a token, read as keys and values

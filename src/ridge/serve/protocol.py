@@ -104,7 +104,6 @@ UNSUPPORTED = {
 # Fields one endpoint honours and the other has not: refused by name where the request's body lacks them.
 ONE_ENDPOINT = {
     "suffix": "fill-in-the-middle is a completions field (a prompt and its suffix)",
-    "echo": "a completions field; chat completions do not echo the conversation",
 }
 # Fields that only label or prioritise a request: accepted, and said in the log when they ask for something.
 LABELS = ("user", "metadata", "service_tier", "priority", "request_id")
@@ -514,6 +513,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: with a --reasoning-parser, whether reasoning_content is returned
+    echo: bool = False  # vLLM's: the reply's content opens with the last message's, where that is the assistant's
     # the model's call format and its tags' grammar terms (serve/tool_grammars.py), set by the route
     _call_format: tuple[str, dict[str, str]] = PrivateAttr(default=("hermes", {}))
 
@@ -558,6 +558,18 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed(self) -> str:
+        """The text echo puts before the reply's content: the last message's, where it is the assistant's (the
+        reply continues it: continue_final_message), else nothing, as vLLM's echo."""
+        if not self.echo:
+            return ""
+        if self.calling_tools:
+            raise RequestError("echo: not supported with tools (a reply's content may give way to calls)", "echo")
+        last = self.messages[-1]
+        if last.role != "assistant" or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
 
     def logprobs_asked(self) -> int | None:
         """Top alternatives per token, or None without logprobs; top_logprobs alone is refused, as vLLM does."""

@@ -201,7 +201,10 @@ class Routes:
                                "logprobs")
         markers = self.gateway.harmony  # a harmony model's replies are read off their token ids
         thinks = self.config.reasoning_parser if markers is None else None
+        echo = req.echoed()
         if markers is not None:
+            if echo:  # its reply is read off its channels' token ids, not continued text
+                raise RequestError("echo: not supported on a gpt-oss (harmony) model", "echo")
             harmony.check_request(req)
             req.constrain_as(harmony.final_channel_constraint)
         elif not req.include_reasoning and thinks is None:
@@ -236,7 +239,7 @@ class Routes:
                     said["reasoning_content"] = split.reasoning
             reply = parse_reply(text, form, tools) if tools else None
             if reply is None or not reply.tool_calls:
-                return {**said, "content": text if thinks is None else text or None}, False
+                return {**said, "content": echo + text if thinks is None else echo + text or None}, False
             calls = reply.tool_calls if req.parallel_tool_calls else reply.tool_calls[:1]  # at most one, as asked
             return {**said, "content": reply.content, "tool_calls": calls}, True
 
@@ -322,9 +325,11 @@ class Routes:
                     if calls:
                         delta["tool_calls"] = [{"index": sent + k, **call} for k, call in enumerate(calls)]
                         num_calls[c.index] = sent + len(calls)
-                    if c.index not in opened:  # OpenAI opens every choice with the role
+                    if c.index not in opened:  # OpenAI opens every choice with the role (and echo's text)
                         opened.add(c.index)
                         delta = {"role": "assistant", "content": None if tools else "", **delta}
+                        if echo:
+                            delta["content"] = echo + (delta["content"] or "")
                     item = {"index": c.index, "delta": delta,
                             "logprobs": None if tools else logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish(c.finish_reason, num_calls.get(c.index, 0) > 0)}
