@@ -598,13 +598,13 @@ def test_a_head_dim_off_the_int4_groups_and_latent_attention_are_refused():
 
 
 def test_bench_kv_compares_the_formats_side_by_side(smollm2_path, capsys):
-    """`ridge bench kv`: per format, the bytes a token (the engine's and the plan's), the sequences that fit, and
-    a timed decode step at a context, in one run."""
+    """`ridge bench kv`: per format, the bytes a token (the engine's and the plan's: equal at a context of whole
+    blocks), the sequences that fit, and a timed decode step at a context, in one run."""
     import json
 
     from ridge.cli import main
 
-    assert main(["bench", "kv", "-m", str(smollm2_path), "--context", "200", "--batch", "2", "--steps", "2",
+    assert main(["bench", "kv", "-m", str(smollm2_path), "--context", "192", "--batch", "2", "--steps", "2",
                  "--kv-cache-memory", "256MiB", "--kv-cache-dtypes", "auto,int8", "--json"]) == 0
     plain, int8 = json.loads(capsys.readouterr().out)["rows"]
     for row in (plain, int8):

@@ -552,6 +552,12 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),  # past the context
     ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),  # no JSON constraint to shape
     ({"guided_whitespace_pattern": " *", "guided_regex": "a+"}, "guided_whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"guided_whitespace_pattern": " ", "structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": ""}},
+     "structured_outputs.whitespace_pattern"),  # two whitespace rules
+    ({"structured_outputs": {"json": {"type": "object"}, "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": "a+", "whitespace": "x"}}, "structured_outputs.whitespace"),  # no such key
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"include_reasoning": False}, "include_reasoning"),  # no --reasoning-parser: the reply is all content
 ])
@@ -631,18 +637,51 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client):
     assert counts == list(range(1, 11))
 
 
-def test_guided_whitespace_pattern_shapes_a_json_constraint_s_whitespace(client):
-    """vLLM's guided_whitespace_pattern: a JSON reply's whitespace between tokens held to the pattern (none here),
-    where without it the model spaces its JSON out."""
-    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+def test_whitespace_rules_shape_a_json_constraint_s_whitespace(client):
+    """vLLM's guided_whitespace_pattern, and structured_outputs' whitespace_pattern and disable_any_whitespace: a
+    JSON reply's whitespace between tokens held to the pattern (none here), where without one the model spaces its
+    JSON out."""
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    spaced = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
-                                            extra_body=body).choices[0].message.content
-    tight = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
-                                           extra_body={**body, "guided_whitespace_pattern": ""})
-    text = tight.choices[0].message.content
-    assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
-    assert json.dumps(json.loads(spaced), separators=(",", ":"), ensure_ascii=False) != spaced  # the check can fail
+
+    def reply(body):
+        return client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
+                                              extra_body=body).choices[0].message.content
+
+    def compact(text):
+        return json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+
+    assert not compact(reply(schema))  # the check can fail
+    assert compact(reply({**schema, "guided_whitespace_pattern": ""}))
+    for option in ({"whitespace_pattern": ""}, {"disable_any_whitespace": True}):
+        assert compact(reply({"structured_outputs": {"json": PERSON, **option}}))
+
+
+def test_disable_additional_properties_closes_every_object_of_the_schema(client):
+    """structured_outputs.disable_additional_properties: each object of the schema, nested ones too, takes only the
+    keys it names (additionalProperties false where the schema does not say), where without it the model adds its
+    own; a property that is itself named "properties" stays a property."""
+    from ridge.serve.protocol import _closed_objects
+
+    nested = {"type": "object", "properties": {"properties": {"type": "string"}, "pet": {
+        "type": "object", "properties": {"name": {"type": "string"}}}}, "$defs": {"x": {"properties": {}}},
+        "additionalProperties": True}
+    closed = _closed_objects(nested)
+    assert closed["additionalProperties"] is True and closed["properties"]["properties"] == {"type": "string"}
+    assert closed["properties"]["pet"]["additionalProperties"] is False
+    assert closed["$defs"]["x"]["additionalProperties"] is False
+    only_name = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}}
+    messages = [{"role": "user", "content": "Describe a person as JSON with their name, age and city."}]
+
+    def keys(disable):
+        text = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=60,
+                                              extra_body={"structured_outputs": {
+                                                  "json": only_name, "disable_additional_properties": disable,
+                                                  "whitespace_pattern": " ?"}}).choices[0].message.content
+        return set(json.loads(text))
+
+    assert keys(False) - {"name"}  # the check can fail
+    assert keys(True) <= {"name"}
 
 
 def test_chat_echo_opens_the_reply_with_the_assistant_message_it_continues(client):

@@ -117,6 +117,7 @@ class QuantizedKVBackend(PagedBackend):
     cascade = False
     lane_layout = True  # codes in the CPU kernel's lanes (above); a subclass read by other kernels keeps rows
     block_dim = 1  # codes and scales alike [kv_heads, num_blocks, ...], whichever backend attends
+
     def __init__(self, *args, kv_format: KVFormat, num_tail_slots: int = 0, **kwargs) -> None:
         """num_tail_slots: sequences that can hold a tail at once (a format with tails: the most that run)."""
         self.format = kv_format

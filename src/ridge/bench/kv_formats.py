@@ -1,8 +1,8 @@
 """`ridge bench kv`: KV cache formats side by side (--kv-cache-dtype auto, fp8, int8, int4), in one run.
 
 For each format, on the same model: the bytes a token of context takes in the cache, a sequence of --context
-tokens' cache over its tokens (windowed layers hold their window only; the engine's blocks, and `ridge plan`'s
-count), how many sequences of --context tokens the pool of --kv-cache-memory holds (filled through the
+tokens' cache over its tokens (windowed layers hold their window only; the engine's whole blocks, and `ridge
+plan`'s count), how many sequences of --context tokens the pool of --kv-cache-memory holds (filled through the
 engine's KV manager, as `ridge bench capacity` does), and the decode time per step of --batch sequences at that
 context (the prompts prefilled first, untimed; then --steps decode steps timed), with the bytes a step must read
 (weights and every sequence's cache) as a fraction of the machine's measured read bandwidth; with --agreement N,

@@ -78,10 +78,6 @@ class KVLayout:
         """Each attention layer's slot."""
         return {layer: j % self.num_slots for group in self.groups for j, layer in enumerate(group.layers)}
 
-    def part_of_layer(self) -> dict[int, int]:
-        """Each attention layer's part of its slot: 0, or its place among the layers its group packs there."""
-        return {layer: j // self.num_slots for group in self.groups for j, layer in enumerate(group.layers)}
-
     def carve(self, layer_bytes: Callable[[int, int], int]) -> SlotCarving:
         """A layout with shapes, in bytes: each layer's bytes per block id from its (kv heads, head width), a group's
         layers in one slot side by side, each slot as wide as its widest group's."""

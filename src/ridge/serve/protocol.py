@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, StrictStr, model_validator
 
@@ -129,13 +129,29 @@ class ResponseFormat(Body):
 
 
 class StructuredOutputsField(Body):
-    """vLLM's structured_outputs: exactly one of its fields."""
+    """vLLM's structured_outputs: exactly one constraint, and the options vLLM's StructuredOutputsParams gives it. A
+    key it does not know is refused (a 400 naming it), never dropped."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
 
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
+    whitespace_pattern: Text | None = None  # a JSON constraint's whitespace between tokens (a regex)
+    disable_any_whitespace: bool = False  # a JSON constraint with none
+    disable_additional_properties: bool = False  # a JSON schema's objects without keys it does not name
+    disable_fallback: bool = False  # honoured as it stands: llguidance serves every constraint, with no fallback
+    structural_tag: Text | None = None  # refused below: not implemented
+
+    @model_validator(mode="after")
+    def _refused(self) -> StructuredOutputsField:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag: not supported; constrain tool calls with tools and "
+                             "tool_choice, or the whole reply with a grammar")
+        return self
 
     @model_validator(mode="after")
     def _unicode(self) -> StructuredOutputsField:
@@ -256,18 +272,18 @@ class SamplingFields(Body):
         if self.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
             raise RequestError(f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available; this "
                                "server constrains outputs with llguidance (auto, guidance)", "guided_decoding_backend")
+        shaping = self._json_shaping()
         if not given:
-            if self.guided_whitespace_pattern is not None:
-                raise RequestError("guided_whitespace_pattern: shapes the whitespace of a JSON constraint, and the "
-                                   "request has none", "guided_whitespace_pattern")
+            if shaping:
+                raise RequestError(f"{shaping[0]}: shapes a JSON constraint, and the request has none", shaping[0])
             return None
         if len(given) > 1:
             names = ", ".join(name for name, _ in given)
             raise RequestError(f"{given[1][0]}: conflicts with {given[0][0]}; give one output constraint ({names} "
                                "were given)", given[1][0])
         name, fields = given[0]
-        if self.guided_whitespace_pattern is not None:
-            fields = self._with_whitespace(name, fields, self.guided_whitespace_pattern)
+        if shaping:
+            fields = self._shaped_json(name, fields, *shaping)
         try:
             params = StructuredOutputsParams(**fields)
         except ValueError as exc:  # "structured_outputs[.field]: ..." -> the request's own field name
@@ -281,10 +297,30 @@ class SamplingFields(Body):
             message = str(exc) if name == "structured_outputs" else f"{name}:{str(exc).split(':', 1)[1]}"
             raise RequestError(message, message.split(":")[0]) from exc
 
+    def _json_shaping(self) -> tuple[str, str | None, bool] | None:
+        """(the field that asks, the whitespace pattern, whether objects take no keys their schema does not name)
+        where the request shapes its JSON constraint: guided_whitespace_pattern, or structured_outputs'
+        whitespace_pattern, disable_any_whitespace (no whitespace) and disable_additional_properties."""
+        given = self.structured_outputs
+        asked = [(name, value) for name, value in (
+            ("guided_whitespace_pattern", self.guided_whitespace_pattern),
+            ("structured_outputs.whitespace_pattern", given and given.whitespace_pattern),
+            ("structured_outputs.disable_any_whitespace", "" if given and given.disable_any_whitespace else None))
+            if value is not None]
+        if len({value for _, value in asked}) > 1:
+            raise RequestError(f"{asked[1][0]}: conflicts with {asked[0][0]}; give one whitespace rule", asked[1][0])
+        closed = bool(given and given.disable_additional_properties)
+        if not asked and not closed:
+            return None
+        return (asked[0][0] if asked else "structured_outputs.disable_additional_properties",
+                asked[0][1] if asked else None, closed)
+
     @staticmethod
-    def _with_whitespace(name: str, fields: dict[str, Any], pattern: str) -> dict[str, Any]:
+    def _shaped_json(name: str, fields: dict[str, Any], asked_by: str, pattern: str | None,
+                     closed: bool) -> dict[str, Any]:
         """A JSON constraint's fields with the whitespace between its tokens held to `pattern` (a regex: llguidance's
-        whitespace_pattern option, in the schema's x-guidance)."""
+        whitespace_pattern option, in the schema's x-guidance), and, closed, every object of its schema without
+        additional properties where it does not say."""
         if fields.get("json_object"):
             schema: Any = {"type": "object"}
         elif "json" in fields:
@@ -295,12 +331,14 @@ class SamplingFields(Body):
                 except json.JSONDecodeError as exc:
                     raise RequestError(f"{name}: not valid JSON: {exc}", name) from exc
         else:
-            raise RequestError(f"guided_whitespace_pattern: shapes the whitespace of a JSON constraint; {name} "
-                               "gives another kind", "guided_whitespace_pattern")
+            raise RequestError(f"{asked_by}: shapes a JSON constraint; {name} gives another kind", asked_by)
         if not isinstance(schema, dict):
             raise RequestError(f"{name}: a JSON schema must be an object", name)
-        options = {**schema.get("x-guidance", {}), "whitespace_pattern": pattern}
-        return {"json": {**schema, "x-guidance": options}}
+        if closed:
+            schema = _closed_objects(schema)
+        if pattern is not None:
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_pattern": pattern}}
+        return {"json": schema}
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(request field, StructuredOutputsParams fields) of every field that constrains the output."""
@@ -315,7 +353,8 @@ class SamplingFields(Body):
                                        "schema", "response_format.json_schema.schema")
                 given.append(("response_format", {"json": spec.json_schema}))
         if self.structured_outputs is not None:
-            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True,
+                                                        include=set(StructuredOutputsField.CONSTRAINTS) | {"json_"})
             given.append(("structured_outputs", fields))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar")):
@@ -576,6 +615,32 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs: needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# where a JSON schema holds subschemas: a map of them by name, a list of them, or one
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with additionalProperties false in every object schema that does not set it (vLLM's
+    disable_additional_properties), its subschemas included."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: _closed_objects(sub) for name, sub in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            closed[key] = [_closed_objects(sub) for sub in schema[key]]
+    for key in _SCHEMA_ONE:
+        if key in schema:
+            closed[key] = _closed_objects(schema[key])
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
