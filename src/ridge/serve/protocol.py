@@ -608,7 +608,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
         last = self.messages[-1]
         if last.role != "assistant" or last.content is None:
             return ""
-        return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
+        return content_text(last.content)
 
     def logprobs_asked(self) -> int | None:
         """Top alternatives per token, or None without logprobs; top_logprobs alone is refused, as vLLM does."""
@@ -653,9 +653,14 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 if part.type != "text":
                     raise RequestError(f"messages.{i}.content.{j}.type: {part.type!r} parts are not supported; "
                                        "this server reads text parts only", f"messages.{i}.content.{j}.type")
-            message["content"] = "".join(part.text or "" for part in m.content)
+            message["content"] = content_text(m.content)
         out.append(message)
     return out
+
+
+def content_text(content: str | list[ContentPart]) -> str:
+    """A message's content as text: a string as it is, parts as their text joined."""
+    return content if isinstance(content, str) else "".join(part.text or "" for part in content)
 
 
 class TokenizeRequest(ChatRendering):
