@@ -14,6 +14,7 @@ import torch
 from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, Window, kv_layout
+from ridge.lora.request import LoRARequest
 from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
@@ -508,6 +509,15 @@ class EngineConfig:
     enable_expert_parallel: bool = knob(
         False, "with --tensor-parallel-size: each rank holds whole experts, its share of them (vLLM's flag), instead "
         "of a slice of every expert's width; the router and shared experts as before", group="cluster")
+    enable_lora: bool = knob(
+        False, "serve LoRA adapters (PEFT directories) over the base model: a request names one (LLM's "
+        "lora_request, or a server's `model`); steps with adapters run the layer-by-layer path", group="lora")
+    lora_modules: tuple[str, ...] = knob(
+        (), "adapters loaded at start, as name=path (the server's clients ask for them by name as `model`); sets "
+        "--enable-lora", group="lora")
+    max_loras: int = knob(4, "adapters one step may mix; requests of others wait (default %(default)s)",
+                          group="lora")
+    max_lora_rank: int = knob(64, "largest adapter rank accepted (default %(default)s)", group="lora")
     # not flags: the random seed of samples that set none of their own (the commands' --seed is a request's);
     # ways to take ridge's own kernels out, for tests and benchmarks that compare against them
     seed: int = 0
@@ -548,6 +558,11 @@ class EngineConfig:
                       batch_invariant=False)
         self._require("kv_eviction: h2o", why.format("the reference backend"), attention_backend="paged")
         return HeavyHitters.from_config(self.kv_recent_tokens, self.kv_budget, self.block_size)
+
+    @property
+    def lora_requests(self) -> list[LoRARequest]:
+        """lora_modules' adapters, their ids counted from 1 in order."""
+        return [LoRARequest.parse(module, i + 1) for i, module in enumerate(self.lora_modules)]
 
     def threads_per_process(self) -> int:
         """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""
@@ -636,6 +651,18 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} with a draft model is not "
                                  "supported yet (the drafter would need ranks of its own); use speculate='ngram' or "
                                  "no speculation")
+        if self.lora_modules:
+            derive(self, "enable_lora", True)
+            derive(self, "lora_modules", tuple(self.lora_modules))
+            names = [request.lora_name for request in self.lora_requests]  # each name=path, or a ValueError
+            if len(set(names)) < len(names):
+                raise ValueError(f"lora_modules: a name given twice among {', '.join(names)}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.enable_lora:
+            self._require("enable_lora", "adapters are added to one process's projections so far",
+                          tensor_parallel_size=1)
         if self.batch_invariant:
             self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
                           attention_backend="paged", cpu_kernels=True)

@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
         if f.type == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif f.type.startswith("tuple"):  # a list of strings, as vLLM's --lora-modules takes them
+            kwargs.update(nargs="+", type=str)
         else:
             kwargs["type"] = int if f.type.startswith("int") and f.type != "int | str" else str
             if meta["choices"] is not None:
@@ -36,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig arguments of add_engine_args' flags (all but --model)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
+    return {f.name: tuple(value) if isinstance(value := getattr(args, f.name), list) else value
+            for f in dataclasses.fields(EngineConfig) if "help" in f.metadata}
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

@@ -54,6 +54,7 @@ from ridge.engine.supervision import (
     ShuttingDown,
     Supervision,
 )
+from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 
 log = logging.getLogger("ridge")
@@ -244,10 +245,11 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request: its whole output once it finishes (FINAL), or each step's news, the last
-        with finished=True (DELTA).
+        with finished=True (DELTA); lora_request: the adapter it runs with (one of config.lora_modules').
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
@@ -268,7 +270,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                self._send(AddRequest(request_id, prompt_ids, params, tracker.arrival_time), core)
+                self._send(AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request), core)
             except (OSError, ValueError) as exc:  # the core died as this request arrived
                 raise EngineDead(f"the engine stopped: {exc}") from exc
             while not finished:

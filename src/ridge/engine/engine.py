@@ -32,6 +32,8 @@ from ridge.engine.tensor_parallel import Build, Ranks, TensorParallelRunner
 from ridge.kernels import cpu_ops
 from ridge.kv.block_pool import BlockPool
 from ridge.kv.manager import KVManager
+from ridge.lora.apply import AdapterSet
+from ridge.lora.request import LoRARequest
 from ridge.models.loader import LoadedModel
 from ridge.sampling_params import SamplingParams
 
@@ -170,9 +172,12 @@ class LLMEngine:
         self.max_model_len = min(positions, pool_tokens)
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
-                                   StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len))
+                                   StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len),
+                                   config.max_loras if config.enable_lora else None)
+        self.adapters = self._load_adapters(cfg) if config.enable_lora else None
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
-            config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots)
+            config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots,
+            self.adapters)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -194,6 +199,16 @@ class LLMEngine:
             log.info("ridge: prefix caching keeps up to %d snapshots of a sequence's recurrent state (%.1f MiB each)",
                      num_snapshots, kv_cfg.ssm_state_bytes() / 2**20)
         return Build(num_blocks, num_state_slots, self.max_model_len, num_snapshots)
+
+    def _load_adapters(self, cfg: ModelConfig) -> AdapterSet:
+        """The LoRA adapters' set over the model, lora_modules' loaded now (a bad one stops the start)."""
+        adapters = AdapterSet(self.loaded.model, cfg, self.config.torch_dtype, self.config.max_lora_rank)
+        for request in self.config.lora_requests:
+            adapters.index(request)
+        if not self.config.enforce_eager:
+            log.warning("ridge: steps whose sequences use a LoRA adapter run layer by layer, without the fused decode "
+                        "step%s", " or CUDA graphs" if self.config.device.startswith("cuda") else "")
+        return adapters
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
@@ -253,13 +268,16 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         validated: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request (a text, or its token ids) after validating it against self.limits, unless the
-        caller did (the server, in its own process, with the same limits); return its id."""
+        caller did (the server, in its own process, with the same limits); return its id. lora_request: the
+        adapter it runs with (loaded on first use)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
         if not validated:
             self.validate(ids, params)
+        adapter = self._adapter(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -273,13 +291,22 @@ class LLMEngine:
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
                            token_ids=list(ids), params=params, generator=generator, grammar=grammar,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else [],
-                           bad_word_ids=banned)
+                           bad_word_ids=banned, adapter=adapter)
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)
         self._requests[request_id] = _Request(request_id, seqs)
         self.scheduler.add(seqs)
         return request_id
+
+    def _adapter(self, lora_request: LoRARequest | None) -> int | None:
+        """The adapter's index in self.adapters (loaded on first use); None for the base model."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"lora_request: {lora_request.lora_name!r} asked for, but this engine was started "
+                             "without enable_lora")
+        return self.adapters.index(lora_request)
 
     def sequences(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request (one per sample)."""
@@ -434,15 +461,17 @@ class LLMEngine:
             self.speculation.observe_verification(drafted, accepted)
         return emitted
 
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Float32 logits [T, V] at every position of token_ids (row i predicts token i + 1).
+    def prompt_logits(self, token_ids: list[int], lora_request: LoRARequest | None = None) -> torch.Tensor:
+        """Float32 logits [T, V] at every position of token_ids (row i predicts token i + 1), with lora_request's
+        adapter where given.
 
         Runs as one prefill on scratch blocks of the pool; no request state changes. For reference
         checks and perplexity.
         """
         self.validate(token_ids)
+        adapter = self._adapter(lora_request)
         with self.kv.scratch(len(token_ids)) as (blocks, state_slot):
-            return self.runner.score(token_ids, blocks, state_slot)
+            return self.runner.score(token_ids, blocks, state_slot, adapter)
 
     # ---- outputs --------------------------------------------------------------------------------
     def _report(self, progressed: list[Sequence]) -> list[RequestDelta]:

@@ -25,6 +25,7 @@ from ridge.engine.kv_transfer import PrefixBlocks
 from ridge.engine.limits import RequestLimits
 from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from ridge.engine.outputs import RequestDelta, StepError, StepStats
+from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 
 
@@ -35,6 +36,7 @@ class AddRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -219,7 +221,7 @@ def _apply(engine: LLMEngine, conn: Connection,
         try:
             # the server checked the request against the limits this engine sent it (Ready.limits)
             engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time,
-                               validated=True)
+                               validated=True, lora_request=command.lora_request)
         except ValueError as exc:
             conn.send(Rejected(command.request_id, str(exc)))
     elif isinstance(command, AbortRequest):

@@ -59,6 +59,9 @@ def check_config(config: EngineConfig, role: str) -> None:
         raise ValueError(f"role: {role} moves prefix-cache blocks; enable_prefix_caching must be on")
     if config.device != "cpu":
         raise ValueError(f"role: {role} runs on the CPU so far (device=cpu)")
+    if config.enable_lora:
+        raise ValueError(f"role: {role} moves the base model's blocks; an adapter's KV does not move yet (serve "
+                         "LoRA adapters colocated, without --enable-lora on this role)")
 
 
 def check_transferable(engine: LLMEngine) -> None:

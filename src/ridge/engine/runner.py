@@ -28,6 +28,7 @@ from ridge.kernels import decode_stack
 from ridge.kv.formats import KVFormat
 from ridge.kv.layout import Window
 from ridge.kv.state_cache import StateCache, StateStep
+from ridge.lora.apply import NO_ADAPTER, AdapterSet, AdapterStep
 from ridge.models.moe import attach_fused_experts
 from ridge.models.transformer import DecoderModel
 
@@ -46,6 +47,7 @@ class StepInputs:
     prompt_rows: list[int]  # rows that score prompt tokens (prompt logprobs), in the order of `scored`
     scored: list[PromptRows]
     states: StateStep | None = None  # the sequences' state slots, for a model with state-space layers
+    adapters: AdapterStep | None = None  # each row's LoRA adapter, where a sequence of the step has one
 
 
 @dataclass
@@ -65,7 +67,7 @@ class ModelRunner:
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
         kv_format: KVFormat | None = None, tensor_parallel: bool = False, attention_mass: bool = False,
-        num_snapshots: int = 0,
+        num_snapshots: int = 0, adapters: AdapterSet | None = None,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
@@ -73,8 +75,10 @@ class ModelRunner:
         recurrent state) or a kv_format with tails (their last block's rows), and num_snapshots state snapshots'
         slots after them (kv/state_snapshots.py); tensor_parallel: the model is one rank's shard, its layers
         all-reducing between them (cluster/); attention_mass: each step reports the attention its sequences' blocks
-        received (h2o eviction)."""
+        received (h2o eviction); adapters: the LoRA adapters over the model's projections, which steps whose sequences
+        use them add (lora/apply.py)."""
         cfg = model.cfg
+        self.adapters = adapters
         self.scores_prompts = scores_prompts
         self.attention_mass = attention_mass
         self.model = model
@@ -123,14 +127,15 @@ class ModelRunner:
 
     @classmethod
     def for_engine(cls, config: EngineConfig, model: DecoderModel, cpu_ops: ModuleType | None, num_blocks: int,
-                   max_model_len: int, num_state_slots: int, num_snapshots: int = 0) -> ModelRunner:
+                   max_model_len: int, num_state_slots: int, num_snapshots: int = 0,
+                   adapters: AdapterSet | None = None) -> ModelRunner:
         """The engine's runner of its (target) model, as config asks for it."""
         return cls(model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype, config.device,
                    cpu_ops=cpu_ops, enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
                    max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
                    kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1,
                    attention_mass=config.eviction is not None and config.eviction.needs_attention_mass,
-                   num_snapshots=num_snapshots)
+                   num_snapshots=num_snapshots, adapters=adapters)
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
@@ -141,7 +146,8 @@ class ModelRunner:
         each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
         draft tokens follow its own in the step, so row i scores draft i); and the hidden states of the
         rows that score prompt tokens."""
-        if self.graphs is not None and self.graphs.serves(step):
+        adapted = any(seq.adapter is not None for seq in step.seqs)  # CUDA graphs hold no adapter's products
+        if self.graphs is not None and not adapted and self.graphs.serves(step):
             return StepLogits(self.graphs.run(step), list(step.seqs), [])
         return self.run(self.prepare(step))
 
@@ -157,7 +163,18 @@ class ModelRunner:
                 self.states.zero_(states.fresh)
             if states.restores is not None:
                 self.states.copy_(states.restores)
-        if self.decode_stack is not None and self.decode_stack.serves(meta, states):  # every row samples
+        if self.adapters is not None:
+            self.adapters.run_with(inputs.adapters)
+        try:
+            return self._forward(inputs, meta, states, mass)
+        finally:
+            if self.adapters is not None:
+                self.adapters.run_with(None)
+
+    def _forward(self, inputs: StepInputs, meta: list[AttentionMetadata], states: StateStep | None,
+                 mass: torch.Tensor | None) -> StepLogits:
+        # the fused decode stack has no adapter path: a step with adapters runs layer by layer
+        if self.decode_stack is not None and inputs.adapters is None and self.decode_stack.serves(meta, states):
             hidden = self.decode_stack(inputs.input_ids, self.model.embed(inputs.input_ids), inputs.positions, meta,
                                        states)
             logits = StepLogits(self.model.compute_logits(hidden), inputs.samplers, [], attention_mass=mass)
@@ -172,10 +189,11 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None,
+              adapter: int | None = None) -> torch.Tensor:
         """Float32 logits [T, V] at every position of token_ids, run as one prefill into `tables` (scratch
         blocks of every KV group) and `state_slot` (a scratch slot, for state-space layers or KV tails), which the
-        caller holds: no sequence's state is read or changed."""
+        caller holds: no sequence's state is read or changed. adapter: the LoRA adapter's index in self.adapters."""
         meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device)
                 for table, window in zip(tables, self.windows, strict=True)]
         for m in meta:
@@ -188,8 +206,14 @@ class ModelRunner:
             self.states.zero_(slots)
             states = StateStep(self.states, slots, 0, [(0, len(token_ids))])
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta,
-                          states=states)
+        if adapter is not None:
+            self.adapters.run_with(AdapterStep.of(torch.full_like(input_ids, adapter)))
+        try:
+            return self.model(input_ids, torch.arange(len(token_ids), device=self.device), self.backend, meta,
+                              states=states)
+        finally:
+            if adapter is not None:
+                self.adapters.run_with(None)
 
     # blocks moved between engines (engine/kv_transfer.py): one rank's cache, a list of one (TensorParallelRunner's
     # hold a list per rank)
@@ -238,7 +262,19 @@ class ModelRunner:
         meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
         as_long = {"dtype": torch.long, "device": self.device}
         return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
-                          sample_rows, samplers, prompt_rows, scored, self._state_step(step))
+                          sample_rows, samplers, prompt_rows, scored, self._state_step(step),
+                          self._adapter_step(step, sample_rows + prompt_rows))
+
+    def _adapter_step(self, step: ScheduledStep, read_rows: list[int]) -> AdapterStep | None:
+        """Each row's adapter (a sequence's drafts are its rows too), where a sequence of the step has one."""
+        if self.adapters is None or all(seq.adapter is None for seq in step.seqs):
+            return None
+        as_long = {"dtype": torch.long, "device": self.device}
+        row_adapters = torch.tensor([NO_ADAPTER if seq.adapter is None else seq.adapter
+                                     for seq, n in zip(step.seqs, step.num_tokens, strict=True) for _ in range(n)],
+                                    **as_long)
+        kept = torch.tensor(read_rows, **as_long) if self.model.cfg.kv_shared_layers else None
+        return AdapterStep.of(row_adapters, kept)
 
     def _state_step(self, step: ScheduledStep) -> StateStep | None:
         """The step's state slots; those of sequences computing their first token to be zeroed (a new past), and the

@@ -27,6 +27,9 @@ cached prefix first: their prefill is short, and the blocks they would reuse are
 Sequences being recomputed after a preemption keep their place at the front, a sequence passed over
 STARVATION_LIMIT times is served next regardless, and FCFS applies when the cache is off or more than
 LPM_MAX_QUEUE sequences wait (ranking them every step would cost more than it saves).
+
+With LoRA adapters, the running sequences use at most max_loras adapters between them (vLLM's rule): a waiting
+sequence of one more adapter is passed over, keeping its place, and later arrivals may go first.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ class StopRule:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fcfs", stops: StopRule = StopRule()) -> None:
+                 policy: str = "fcfs", stops: StopRule = StopRule(), max_loras: int | None = None) -> None:
+        """max_loras: the LoRA adapters the running sequences may use between them (None: no adapters)."""
         if policy not in POLICIES:
             raise ValueError(f"schedule_policy: {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -106,6 +110,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.stops = stops
+        self.max_loras = max_loras
         self.held: dict[int, list[Sequence]] = {}  # a request's first sample's seq_id -> its held siblings
         self.num_preemptions = 0
         self.cache = kv.cache
@@ -168,8 +173,13 @@ class Scheduler:
         if self.policy == "lpm" and self.cache is not None and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._rank_waiting()
         admitted_up_to = -1  # the latest arrival admitted this step
+        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        passed_over: list[Sequence] = []  # of an adapter that would be one too many: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.adapter is not None and seq.adapter not in adapters and len(adapters) == self.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             if seq.num_preemptions and self.running and (
                     self.kv.num_free < self.kv.blocks_to_hold(len(seq.token_ids), self.max_num_batched_tokens)):
                 break  # see the module's note on readmission
@@ -189,8 +199,11 @@ class Scheduler:
                     self.cache.stats.queries += len(seq.token_ids)
                     self.cache.stats.hits += seq.num_computed
             self.running.append(seq)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             (decodes if seq.num_pending == 1 else prefills).append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))
         for seq in self.waiting:  # earlier arrivals passed over by a later one (lpm only reorders)
             if seq.seq_id < admitted_up_to:
                 seq.times_passed += 1

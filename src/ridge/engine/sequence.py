@@ -60,6 +60,7 @@ class Sequence:
     generator: torch.Generator | None = None
     grammar: Grammar | None = None  # with structured outputs: where the output stands in its grammar
     bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (sampler.py)
+    adapter: int | None = None  # its LoRA adapter's index in the engine's AdapterSet (lora/apply.py); None: the base
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
@@ -115,6 +116,13 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens whose K/V still has to be computed (1 for a decode, more while prefilling)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What its prefix-cache keys chain from: its cache_salt, and its adapter (whose KV is not the base's)."""
+        if self.adapter is None:
+            return self.params.cache_salt
+        return f"{self.params.cache_salt or ''}\0adapter {self.adapter}"
 
     @property
     def scores_prompt(self) -> bool:

@@ -172,7 +172,9 @@ class TensorParallelRunner:
         shared = dataclasses.replace(inputs, samplers=[], scored=[])
         return self._together(RunStep(shared, [r.count for r in inputs.scored]), self.local.run, inputs)
 
-    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None,
+              adapter: int | None = None) -> torch.Tensor:
+        assert adapter is None, "LoRA adapters run in one process (EngineConfig refuses them with tensor parallelism)"
         return self._together(Score(token_ids, tables, state_slot), self.local.score, token_ids, tables, state_slot)
 
     def time_all_reduce(self, sizes: list[int], repeats: int = 50) -> list[float]:

@@ -16,6 +16,7 @@ from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
+from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve import harmony
 from ridge.serve.harmony import HarmonyTokens
@@ -81,6 +82,8 @@ class Gateway:
         # a model that writes harmony (gpt-oss): its chat replies are read off their token ids (serve/harmony.py)
         self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
         config.check_parsers(self.harmony)
+        # the LoRA adapters the engine loaded at start, which clients ask for by name as `model`
+        self.adapters = {request.lora_name: request for request in engine.config.lora_requests}
 
     @property
     def call_format(self) -> str:
@@ -88,10 +91,19 @@ class Gateway:
         none: such a model's tools are refused before this is asked)."""
         return call_format(self.tokenizer.info.chat_template, self.config.tool_call_parser) or "hermes"
 
+    def adapter_for(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names; None for the base model (or no name); 404 for another."""
+        if name is None or name == self.config.model_name:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            served = ", ".join(f"`{n}`" for n in [self.config.model_name, *self.adapters])
+            raise RequestError(f"The model `{name}` does not exist; this server serves {served}.", "model", 404,
+                               "NotFoundError")
+        return adapter
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.model_name:
-            raise RequestError(f"The model `{name}` does not exist; this server serves `{self.config.model_name}`.",
-                               "model", 404, "NotFoundError")
+        self.adapter_for(name)
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:
@@ -168,12 +180,12 @@ class Gateway:
         return params
 
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                  beams: BeamSearchParams | None = None,
-                  kind: OutputKind = OutputKind.FINAL) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  beams: BeamSearchParams | None = None, kind: OutputKind = OutputKind.FINAL,
+                  adapter: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
         A beam search yields each prompt's final output only, its params.n best beams as the choices."""
         if beams is not None:
-            results = await beam_search_async(self.engine, prompts, beams, request_id)
+            results = await beam_search_async(self.engine, prompts, beams, request_id, adapter)
             for i, result in enumerate(results):
                 choices = [CompletionOutput(j, h.text, h.token_ids, "stop" if h.finished else "length",
                                             cumulative_logprob=h.cumulative_logprob)
@@ -181,7 +193,7 @@ class Gateway:
                 yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
             return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
-            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind)
+            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
                     yield 0, _unless_aborted(out)
@@ -190,7 +202,7 @@ class Gateway:
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind):
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind, adapter):
                     merged.put_nowait((i, out))
             except (Exception, asyncio.CancelledError) as exc:
                 merged.put_nowait(exc)
@@ -214,10 +226,11 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      beams: BeamSearchParams | None = None) -> list[RequestOutput]:
+                      beams: BeamSearchParams | None = None, adapter: LoRARequest | None = None
+                      ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async for i, out in self.run(prompts, params, request_id, beams):
+            async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter):
                 finals[i] = out
         except ENGINE_ERRORS as exc:
             raise engine_errors(exc) from exc

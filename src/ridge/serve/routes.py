@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.lora.request import LoRARequest
 from ridge.serve import harmony
 from ridge.serve.gateway import Gateway, guard, until_disconnected
 from ridge.serve.harmony import HarmonyStream
@@ -61,15 +62,19 @@ class Routes:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(None),
+                                           *(self._model_card(a) for a in self.gateway.adapters.values())]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        self.gateway.check_model(model_id)
-        return self._model_card()
+        return self._model_card(self.gateway.adapter_for(model_id))
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.config.model_name, "object": "model", "created": int(time.time()), "owned_by": "ridge",
-                "max_model_len": self.engine.max_model_len}
+    def _model_card(self, adapter: LoRARequest | None) -> dict[str, Any]:
+        """The base model's card, or a LoRA adapter's (vLLM's: its path as root, the base model as parent)."""
+        card = {"id": self.config.model_name if adapter is None else adapter.lora_name, "object": "model",
+                "created": int(time.time()), "owned_by": "ridge", "max_model_len": self.engine.max_model_len}
+        if adapter is not None:
+            card.update(root=adapter.lora_path, parent=self.config.model_name)
+        return card
 
     async def tokenizer_info(self) -> dict[str, Any]:
         """The tokenizer's special tokens and chat template, as vLLM's endpoint gives them (lm-eval's remote
@@ -103,7 +108,8 @@ class Routes:
         return await import_route(self.engine, request)
 
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
-        self.gateway.check_model(req.model)
+        adapter = self.gateway.adapter_for(req.model)
+        model_name = self.config.model_name if adapter is None else adapter.lora_name
         check_push(self.config.role, req.kv_transfer_params, req.stream)
         prompts = _prompt_list(req.prompt)
         if req.suffix:
@@ -150,7 +156,8 @@ class Routes:
             return out
 
         if not req.stream:
-            outputs = await until_disconnected(request, self.gateway.collect(ids_list, params, request_id, beams))
+            outputs = await until_disconnected(request, self.gateway.collect(ids_list, params, request_id, beams,
+                                                                             adapter))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             scored.update((i, o.prompt_logprobs) for i, o in enumerate(outputs))
@@ -158,7 +165,7 @@ class Routes:
             choices = [choice(i, c, True, 0) for i, o in enumerate(outputs)
                        for c in (_best(o.outputs, req.n) if req.ranks_samples else o.outputs)]
             reply = {"id": request_id, "object": "text_completion", "created": created,
-                     "model": self.config.model_name, "choices": choices,
+                     "model": model_name, "choices": choices,
                      "usage": self.gateway.usage(ids_list, completion, outputs)}
             if req.kv_transfer_params is not None:  # the first prompt's (a router sends one)
                 reply["kv_transfer_params"] = await self.pusher.push(ids_list[0], req.cache_salt,
@@ -166,11 +173,12 @@ class Routes:
             return reply
 
         async def events() -> AsyncIterator[str]:
-            head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.model_name}
+            head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
             sent: dict[tuple[int, int], int] = {}  # (prompt, choice) -> characters sent: the logprobs' text offset
             finals: dict[int, RequestOutput] = {}
             completion = 0
-            async for i, out in guard(self.gateway.run(ids_list, params, request_id, beams, OutputKind.DELTA)):
+            async for i, out in guard(self.gateway.run(ids_list, params, request_id, beams, OutputKind.DELTA,
+                                                       adapter)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
@@ -192,7 +200,8 @@ class Routes:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
-        self.gateway.check_model(req.model)
+        adapter = self.gateway.adapter_for(req.model)
+        model_name = self.config.model_name if adapter is None else adapter.lora_name
         check_push(self.config.role, req.kv_transfer_params, req.stream)
         top = req.logprobs_asked()
         tools = req.tool_dicts()
@@ -251,7 +260,8 @@ class Routes:
                     if top is not None else None)
 
         if not req.stream:
-            outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams))
+            outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams,
+                                                                             adapter))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             (output,) = outputs
@@ -262,7 +272,7 @@ class Routes:
                                 "finish_reason": finish(c.finish_reason, called), "stop_reason": c.stop_reason,
                                 **({"token_ids": c.token_ids} if req.return_token_ids else {})})
             reply = {"id": request_id, "object": "chat.completion", "created": created,
-                     "model": self.config.model_name, "choices": choices,
+                     "model": model_name, "choices": choices,
                      "usage": self.gateway.usage([ids], _num_tokens(outputs), outputs)}
             if req.return_token_ids:
                 reply["prompt_token_ids"] = ids
@@ -275,7 +285,7 @@ class Routes:
 
         async def events() -> AsyncIterator[str]:
             head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.config.model_name}
+                    "model": model_name}
             opened: set[int] = set()  # choices whose role went out: with their first token, not before the prefill
             parsers: dict[int, CallStream] = {}  # with tools: each choice's calls, parsed as its text comes
             thinking: dict[int, ReasoningStream] = {}  # with a reasoning parser: each choice's thinking, split off
@@ -302,7 +312,7 @@ class Routes:
 
             if req.return_token_ids:  # once, before any choice
                 yield sse({**head, "choices": [], "prompt_token_ids": ids})
-            async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA)):
+            async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA, adapter)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break

@@ -1,0 +1,29 @@
+"""A request's adapter, named as vLLM names it (vllm.lora.request.LoRARequest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter a request runs with: its name (what a server's clients pass as `model`), a positive id, and
+    its PEFT directory (adapter_config.json and adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise ValueError("lora_name: an adapter needs a name")
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id: must be at least 1 (0 is the base model), got {self.lora_int_id}")
+
+    @classmethod
+    def parse(cls, module: str, lora_int_id: int) -> LoRARequest:
+        """`name=path` (a --lora-modules entry) as a request."""
+        name, sep, path = module.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: {module!r} is not name=path")
+        return cls(name, lora_int_id, path)

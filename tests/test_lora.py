@@ -1,0 +1,209 @@
+"""LoRA adapters (lora/): PEFT's own adapters over a random Qwen2 and over the real SmolLM2 file, checked against
+PEFT's model in HF transformers (logits and greedy tokens, float32); a batch that mixes adapters against each
+prompt alone; max_loras, the prefix cache's separation, refusals by name, and the server's `model` field."""
+
+import copy
+import json
+
+import httpx
+import pytest
+import torch
+
+from conftest import random_prompts, running_server
+from ridge import LoRARequest, SamplingParams
+from ridge.config import EngineConfig
+from ridge.serve.gateway import ServerConfig
+from test_models_random import VOCAB, byte_tokenizer, hf_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(base, folder, seed: int, **lora_args):
+    """PEFT's adapter over a copy of `base`, drawn (not PEFT's zero B), saved to `folder`: (folder, PEFT's model)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **lora_args)).eval()
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def hf_greedy(model, ids: list[int], tokens: int = 12) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen2_adapters(tmp_path_factory):
+    """A random Qwen2 (biased q / k / v) and two adapters: every projection at rank 8 with a per-module alpha, and
+    q / v alone at rank 4 with rsLoRA's scaling."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(hf_config("qwen2", False), dtype=torch.float32).eval()
+    for layer in base.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    root = tmp_path_factory.mktemp("lora")
+    base.save_pretrained(root / "base")
+    byte_tokenizer().save(str(root / "base" / "tokenizer.json"))
+    every = peft_adapter(base, root / "every", 1, r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS,
+                         alpha_pattern={"down_proj": 4})
+    qv = peft_adapter(base, root / "qv", 2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True)
+    return root / "base", base, {"every": every, "qv": qv}
+
+
+def test_logits_and_tokens_match_peft(qwen2_adapters, make_llm_for_test):
+    path, base, adapters = qwen2_adapters
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True, max_num_batched_tokens=16)
+    for i, (name, (folder, peft)) in enumerate(adapters.items()):
+        request = LoRARequest(name, i + 1, str(folder))
+        for ids in random_prompts(2, VOCAB, 5, 50, seed=i):
+            ours = llm.engine.prompt_logits(ids, request)
+            with torch.inference_mode():
+                ref = peft(input_ids=torch.tensor([ids])).logits[0]
+                plain = base(torch.tensor([ids])).logits[0]
+            assert (ref - plain).abs().max() > 1e-2, "the adapter changes nothing: the check would be empty"
+            assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+            # chunked prefill (16-token chunks) and decode steps
+            out = llm.generate([ids], GREEDY, lora_request=request)[0].outputs[0].token_ids
+            assert out == hf_greedy(peft, ids)
+
+
+def test_a_batch_mixing_adapters_gives_each_prompt_its_own_tokens(qwen2_adapters, make_llm_for_test):
+    path, base, adapters = qwen2_adapters
+    requests = [LoRARequest(name, i + 1, str(folder)) for i, (name, (folder, _)) in enumerate(adapters.items())]
+    prompts = random_prompts(6, VOCAB, 5, 40, seed=7)
+    chosen = [requests[0], None, requests[1], requests[0], requests[1], None]
+    references = [hf_greedy(base if r is None else adapters[r.lora_name][1], ids)
+                  for ids, r in zip(prompts, chosen, strict=True)]
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True)
+    outs = llm.generate(prompts, GREEDY, lora_request=chosen)
+    assert [o.outputs[0].token_ids for o in outs] == references
+    # one adapter at a time: the scheduler passes over the other adapter's prompts until the first's are done
+    one = make_llm_for_test(path, dtype="float32", lora_modules=(f"every={adapters['every'][0]}",
+                                                                 f"qv={adapters['qv'][0]}"), max_loras=1)
+    engine = one.engine
+    ids = [engine.add_request(p, GREEDY, lora_request=r) for p, r in zip(prompts, chosen, strict=True)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    mixed = 0
+    while engine.has_unfinished:
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.samples[0].token_ids)
+        running = {s.adapter for s in engine.scheduler.running if s.adapter is not None}
+        assert len(running) <= 1, f"{running}: more adapters running than max_loras=1"
+        mixed += bool(running) and any(s.adapter is None for s in engine.scheduler.running)
+    assert [tokens[i] for i in ids] == references
+    assert mixed, "no step ran an adapter beside the base model: max_loras would count the base"
+
+
+def test_prefix_cache_keeps_adapters_apart(qwen2_adapters, make_llm_for_test):
+    path, base, adapters = qwen2_adapters
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True)
+    every = LoRARequest("every", 1, str(adapters["every"][0]))
+    prompt = random_prompts(1, VOCAB, 70, 71, seed=3)[0]
+    first = llm.generate([prompt], GREEDY)[0]
+    adapted = llm.generate([prompt], GREEDY, lora_request=every)[0]
+    again = llm.generate([prompt], GREEDY, lora_request=every)[0]
+    assert adapted.num_cached_tokens == 0, "the adapter's request read the base model's cached KV"
+    assert again.num_cached_tokens == 64, "the adapter's own prefix was not cached"
+    assert adapted.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(adapters["every"][1], prompt)
+    assert first.outputs[0].token_ids == hf_greedy(base, prompt)
+
+
+def test_an_adapter_over_the_real_smollm2_file_matches_peft(smollm2_path, hf_smollm2, make_llm_for_test, tmp_path):
+    """The GGUF file's q / k rows are permuted back at load: an adapter's rows must land on the same ones. The fused
+    decode step still runs the base model's steps."""
+    folder, peft = peft_adapter(hf_smollm2, tmp_path / "smol", 4, r=16, lora_alpha=32,
+                                target_modules=ALL_PROJECTIONS)
+    with torch.no_grad():  # PEFT draws B small: enough to move every token, as a fine-tune does
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4)
+    peft.save_pretrained(folder)
+    llm = make_llm_for_test(smollm2_path, dtype="float32", enable_lora=True)
+    assert llm.engine.runner.decode_stack is not None
+    request = LoRARequest("smol", 1, str(folder))
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    outs = llm.generate(prompts + prompts, SamplingParams(temperature=0, max_tokens=16),
+                        lora_request=[request, request, None, None])
+    for ids, out in zip(prompts, outs[:2], strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(peft, ids, len(out.outputs[0].token_ids))
+    for ids, out in zip(prompts, outs[2:], strict=True):
+        with peft.disable_adapter():
+            assert out.outputs[0].token_ids == hf_greedy(peft, ids, len(out.outputs[0].token_ids))
+    assert [o.outputs[0].token_ids for o in outs[:2]] != [o.outputs[0].token_ids for o in outs[2:]]
+
+
+def _edited(folder, target, **settings):
+    """A copy of an adapter's directory with its adapter_config.json's settings changed."""
+    import shutil
+
+    shutil.copytree(folder, target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps({**config, **settings}))
+    return target
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(qwen2_adapters, make_llm_for_test, tmp_path):
+    path, base, adapters = qwen2_adapters
+    every = adapters["every"][0]
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True, max_lora_rank=4)
+    cases = [
+        (LoRARequest("none", 1, str(tmp_path / "missing")), "lora_path"),
+        (LoRARequest("big", 2, str(every)), "max_lora_rank"),  # rank 8 over max_lora_rank 4
+        (LoRARequest("dora", 3, str(_edited(adapters["qv"][0], tmp_path / "dora", use_dora=True))), "use_dora"),
+        (LoRARequest("saved", 4, str(_edited(adapters["qv"][0], tmp_path / "saved", modules_to_save=["lm_head"]))),
+         "modules_to_save"),
+    ]
+    for request, field in cases:
+        with pytest.raises(ValueError, match=field):
+            llm.generate([[5, 6, 7]], GREEDY, lora_request=request)
+    qv = LoRARequest("qv", 5, str(adapters["qv"][0]))
+    with pytest.raises(ValueError, match="lora_name"):  # a loaded name, another directory
+        llm.generate([[5, 6, 7], [5, 6, 7]], GREEDY, lora_request=[qv, LoRARequest("qv", 6, str(every))])
+    assert llm.generate([[5, 6, 7, 8]], GREEDY, lora_request=qv)[0].outputs[0].token_ids == \
+        hf_greedy(adapters["qv"][1], [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="enable_lora"):
+        make_llm_for_test(path, dtype="float32").generate([[5, 6]], GREEDY, lora_request=qv)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model=str(path), enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lora_modules"):
+        EngineConfig(model=str(path), lora_modules=("qv",))
+
+
+def test_an_adapter_of_another_model_is_refused(qwen2_adapters, make_llm_for_test, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, _, _ = qwen2_adapters
+    config = hf_config("qwen2", False)
+    config.intermediate_size = 80
+    other = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder, _ = peft_adapter(other, tmp_path / "other", 5, r=4, lora_alpha=4, target_modules=["up_proj"])
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True)
+    with pytest.raises(ValueError, match="another model"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("other", 1, str(folder)))
+    head, _ = peft_adapter(other, tmp_path / "head", 6, r=4, lora_alpha=4, target_modules=["lm_head"])
+    with pytest.raises(ValueError, match="vocabulary projection"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("head", 2, str(head)))
+
+
+def test_the_server_serves_adapters_by_model_name(qwen2_adapters):
+    path, base, adapters = qwen2_adapters
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB",
+                          lora_modules=(f"every={adapters['every'][0]}",))
+    prompt = random_prompts(1, VOCAB, 20, 21, seed=9)[0]
+    with running_server(config, ServerConfig("base")) as srv:
+        listed = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [("base", None), ("every", "base")]
+        for model, reference in (("every", adapters["every"][1]), ("base", base)):
+            reply = httpx.post(srv.url + "/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}, timeout=60).json()
+            assert reply["model"] == model
+            assert reply["choices"][0]["token_ids"] == hf_greedy(reference, prompt)
+        missing = httpx.post(srv.url + "/v1/completions", json={"model": "qv", "prompt": "x", "max_tokens": 2})
+        assert missing.status_code == 404 and "`every`" in missing.json()["error"]["message"]
