@@ -207,3 +207,38 @@ def test_the_server_serves_adapters_by_model_name(qwen2_adapters):
             assert reply["choices"][0]["token_ids"] == hf_greedy(reference, prompt)
         missing = httpx.post(srv.url + "/v1/completions", json={"model": "qv", "prompt": "x", "max_tokens": 2})
         assert missing.status_code == 404 and "`every`" in missing.json()["error"]["message"]
+
+
+def test_an_adapter_over_quantized_weights_moves_the_logits_as_peft_s(qwen2_adapters, make_llm_for_test):
+    """The products are added to whatever kernel made the base output: over int4 weights, the logits land near
+    PEFT's float model with the adapter, far from the base model's."""
+    path, base, adapters = qwen2_adapters
+    folder, peft = adapters["every"]
+    llm = make_llm_for_test(path, dtype="float32", quantization="int4", enable_lora=True)
+    ids = random_prompts(1, VOCAB, 40, 41, seed=11)[0]
+    ours = llm.engine.prompt_logits(ids, LoRARequest("every", 1, str(folder)))
+    with torch.inference_mode():
+        adapted, plain = peft(input_ids=torch.tensor([ids])).logits[0], base(torch.tensor([ids])).logits[0]
+    assert (ours - adapted).norm() < 0.5 * (ours - plain).norm()
+
+
+def test_gemma4_s_kv_shared_layers_take_an_adapter_as_peft_does(tmp_path_factory, make_llm_for_test):
+    """Gemma 4's E models: the KV-shared layers run only the rows whose logits are read (the adapters' rows kept
+    with them), and their k / v factors change nothing, in HF's model as in ridge's."""
+    from test_gemma4 import EDGE, random_hf_model
+
+    path, base = random_hf_model("edge-lora", EDGE, tmp_path_factory)
+    folder, peft = peft_adapter(base, path.parent / "edge-adapter", 3, r=8, lora_alpha=16,
+                                target_modules=ALL_PROJECTIONS)
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True, max_num_batched_tokens=32)
+    request = LoRARequest("edge", 1, str(folder))
+    prompts = random_prompts(4, VOCAB, 20, 60, seed=5)
+    ours = llm.engine.prompt_logits(prompts[0], request)
+    with torch.inference_mode():
+        ref = peft(input_ids=torch.tensor([prompts[0]])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+    chosen = [request, None, request, None]
+    outs = llm.generate(prompts, GREEDY, lora_request=chosen)
+    for ids, adapter, out in zip(prompts, chosen, outs, strict=True):
+        reference = peft if adapter is not None else base
+        assert out.outputs[0].token_ids == hf_greedy(reference, ids), "a mixed batch's prompt parted from HF's"

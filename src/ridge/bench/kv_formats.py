@@ -27,16 +27,17 @@ from ridge.bench.capacity import fill
 from ridge.plan import arithmetic, roofline
 
 
-def decode_step_ms(engine, context: int, batch: int, steps: int) -> float:
+def decode_step_ms(engine, context: int, batch: int, steps: int, adapters: list | None = None) -> float:
     """Median ms of a decode step of `batch` sequences of `context` tokens (prompts of random tokens): the prompts
     prefilled first (the first ones decode meanwhile), then `steps` steps of all of them decoding timed, then all
-    aborted."""
+    aborted. adapters: each sequence's LoRARequest (or None), where the engine serves LoRA adapters."""
     from ridge.sampling_params import SamplingParams
 
     rng = random.Random(context)
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=batch + steps + 2, ignore_eos=True)  # none ends while timed
-    ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(context)], params) for _ in range(batch)]
+    ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(context)], params,
+                              lora_request=adapters[i] if adapters else None) for i in range(batch)]
     with tqdm(desc="prefill", total=batch, unit="seq", leave=False) as bar:
         while (done := sum(bool(engine.sequences(i)[0].num_outputs) for i in ids)) < batch:
             bar.update(done - bar.n)

@@ -13,6 +13,7 @@ embedding or the vocabulary projection, a mixture's experts, GPT-2's transposed 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from torch import nn
 
 from ridge.config import ModelConfig
 from ridge.lora.request import LoRARequest
-from ridge.models.tensor_names import hf_names, map_name
+from ridge.models.tensor_names import LANGUAGE_MODEL_PREFIXES, hf_names, map_name
+
+log = logging.getLogger("ridge")
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -88,6 +91,13 @@ def read_adapter(request: LoRARequest, model: nn.Module, cfg: ModelConfig, dtype
             raise ValueError(f"max_lora_rank: {request.lora_name}'s {module} has rank {rank}, over the engine's "
                              f"max_lora_rank={max_rank}; start it with a larger one")
         path, slot = _ridge_module(module, cfg)
+        layer = int(path.split(".")[1])
+        if slot in (1, 2) and path.endswith(".qkv") and cfg.kv_source(layer) != layer:
+            # a KV-shared layer (Gemma 4's) attends to an earlier layer's cache: its k / v projections never run, in
+            # HF's model as in ridge's, and neither do their factors
+            log.info("ridge: %s's %s: layer %d reads layer %d's cache; its factors have nothing to change",
+                     request.lora_name, module, layer, cfg.kv_source(layer))
+            continue
         alpha = _pattern_value(settings.get("alpha_pattern") or {}, module, settings["lora_alpha"])
         scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
         parts.setdefault(path, []).append((slot, a, b * scaling))
@@ -126,8 +136,11 @@ def _check_settings(settings: dict[str, Any], cfg: ModelConfig) -> None:
 
 def _ridge_module(module: str, cfg: ModelConfig) -> tuple[str, int | None]:
     """Where HF's `module` is in ridge's model: a module path, and its slot in a fused projection (None: whole)."""
+    name = module
+    for prefix, plain in LANGUAGE_MODEL_PREFIXES:  # a multimodal checkpoint's language model
+        name = re.sub("^" + prefix, plain, name)
     try:
-        target, slot = map_name(module + ".weight", hf_names(cfg))
+        target, slot = map_name(name + ".weight", hf_names(cfg))
     except ValueError:
         raise ValueError(f"lora_path: {module} has no place in a {cfg.architecture} model") from None
     if not target.startswith("layers.") or not target.endswith(".weight"):

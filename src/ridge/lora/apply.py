@@ -1,9 +1,7 @@
 """The adapters an engine serves, and their products added to a step's projections.
 
-Each adapted projection gets a forward hook: its base output (whatever kernel and weight format made it) plus, for
-each adapter in the step, that adapter's rows' x @ A.T @ B.T. The rows are grouped by adapter once a step
-(AdapterStep), so a projection costs its base matmul and two thin matmuls per adapter in the step, whatever the
-mix (punica's grouped form, on the CPU's matmuls). Hooks, not wrapper modules: the projections keep their types,
+Each adapted projection gets a forward hook: its base output (whatever kernel and weight format made it) plus each
+row's adapter's x @ A.T @ B.T (_Product). Hooks, not wrapper modules: the projections keep their types,
 so the fused decode stack, which has no adapter path, still runs every step without one (the runner sends steps
 with adapters down the layer-by-layer path).
 """
@@ -14,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ridge.config import ModelConfig
@@ -27,24 +26,20 @@ NO_ADAPTER = -1  # a row of the base model
 
 @dataclass(frozen=True)
 class AdapterStep:
-    """Which adapter each row of a step runs with (NO_ADAPTER: none), grouped: (adapter, its rows, or None where
-    they are all the step's rows)."""
+    """Which adapter each row of a step runs with (NO_ADAPTER: none), and the adapters in the step."""
 
     row_adapters: torch.Tensor  # [T] long
-    groups: list[tuple[int, torch.Tensor | None]]
+    adapters: tuple[int, ...]  # those in the step, ascending
+    uniform: bool  # every row runs with the one adapter
     # the rows whose logits are read, where the model goes on with those alone (Gemma 4's KV-shared layers)
     kept: AdapterStep | None = None
 
     @classmethod
     def of(cls, row_adapters: torch.Tensor, kept_rows: torch.Tensor | None = None) -> AdapterStep:
         kept = None if kept_rows is None else cls.of(row_adapters[kept_rows])
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        for adapter in row_adapters.unique().tolist():
-            if adapter == NO_ADAPTER:
-                continue
-            rows = (row_adapters == adapter).nonzero().squeeze(1)
-            groups.append((adapter, None if len(rows) == len(row_adapters) else rows))
-        return cls(row_adapters, groups, kept)
+        present = row_adapters.unique().tolist()
+        adapters = tuple(a for a in present if a != NO_ADAPTER)
+        return cls(row_adapters, adapters, present == list(adapters) and len(adapters) == 1, kept)
 
     def serving(self, rows: int) -> AdapterStep:
         """The step of a projection's `rows` input rows: all the step's, or the kept ones."""
@@ -54,29 +49,60 @@ class AdapterStep:
         return self.kept
 
 
+@dataclass(frozen=True)
+class _Stacked:
+    """Some adapters' factors of one projection side by side."""
+
+    adapters: tuple[int, ...]
+    a: torch.Tensor  # [sum of ranks, in]
+    b: torch.Tensor  # [sum of ranks, out]: B transposed, the layout addmm reads fastest
+    owners: torch.Tensor  # [sum of ranks]: each rank's adapter
+
+
 class _Product:
-    """One projection's hook: the adapters' products added to its output in the step that runs."""
+    """One projection's hook: the adapters' products added to its output in the step that runs.
+
+    The step's adapters' factors side by side (kept while the step's set of adapters stays the same, as it does from
+    one decode step to the next): x @ A.T gives every row every adapter's low-rank activations, a mask zeroes those
+    of the other adapters (and all of a base row's), and one addmm adds the rest through B. Three ops whatever the
+    mix, where one pair of matmuls per adapter would cost 4 ops each: a CPU step of a small model is bound by its op
+    count (docs/notes/lora.md)."""
 
     def __init__(self, owner: AdapterSet) -> None:
         self.owner = owner
         self.weights: dict[int, LoRAWeights] = {}  # by adapter index
+        self._stacked: _Stacked | None = None  # the last step's
+
+    def _factors(self, adapters: tuple[int, ...]) -> _Stacked | None:
+        """The factors of `adapters` that adapt this projection, side by side (None: none do)."""
+        mine = tuple(a for a in adapters if a in self.weights)
+        if not mine:
+            return None
+        if self._stacked is None or self._stacked.adapters != mine:
+            pairs = [self.weights[a] for a in mine]
+            owners = torch.cat([torch.full((p.a.shape[0],), a, dtype=torch.long, device=p.a.device)
+                                for a, p in zip(mine, pairs, strict=True)])
+            self._stacked = _Stacked(mine, torch.cat([p.a for p in pairs]),
+                                     torch.cat([p.b for p in pairs], dim=1).T.contiguous(), owners)
+        return self._stacked
 
     def __call__(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         step = self.owner.step
         if step is None:
             return
         x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        step = step.serving(len(x))
+        factors = self._factors(step.adapters)
+        if factors is None:  # no adapter of the step adapts this projection
+            return
+        low = F.linear(x.to(factors.a.dtype), factors.a)
+        if not step.uniform:
+            low *= step.row_adapters[:, None] == factors.owners
         out = output.view(-1, output.shape[-1])  # the projection's fresh output, added to in place
-        for adapter, rows in step.serving(len(x)).groups:
-            pair = self.weights.get(adapter)
-            if pair is None:  # this adapter leaves this projection alone
-                continue
-            rows_x = (x if rows is None else x[rows]).to(pair.a.dtype)
-            delta = ((rows_x @ pair.a.T) @ pair.b.T).to(out.dtype)
-            if rows is None:
-                out += delta
-            else:
-                out.index_add_(0, rows, delta)
+        if out.dtype == factors.b.dtype:
+            out.addmm_(low, factors.b)
+        else:
+            out += (low @ factors.b).to(out.dtype)
 
 
 class AdapterSet:
