@@ -59,6 +59,8 @@ def test_generate_json_schema(smollm2_path, tmp_path, capsys):
 def test_generate_bad_value_is_a_clear_error(smollm2_path):
     result = run("generate", "--prompt", "hi", "--top-p", "1.5", check=False)
     assert result.returncode == 2 and "top_p" in result.stderr and "(0, 1]" in result.stderr
+    result = run("generate", "--prompt", "hi", "--lora-modules", "a=/x", "--lora", "b", check=False)
+    assert result.returncode == 2 and "lora: 'b' is not among --lora-modules (a)" in result.stderr
 
 
 def test_quantize_and_bench_quant(smollm2_path, tmp_path, capsys):
@@ -120,5 +122,8 @@ def test_engine_flags_are_the_config_fields():
     config = EngineConfig(model="m", **engine_kwargs(args))
     assert (config.num_threads, config.enable_prefix_caching, config.quantization) == (3, False, "int4")
     assert config.speculate == "draft" and config.kv_cache_bytes == 64 * 2**20
+    adapters = EngineConfig(model="m", **engine_kwargs(parser.parse_args(["--lora-modules", "a=/x", "b=/y"])))
+    assert adapters.enable_lora and [(r.lora_name, r.lora_int_id, r.lora_path) for r in adapters.lora_requests] == [
+        ("a", 1, "/x"), ("b", 2, "/y")]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.block_size = 8

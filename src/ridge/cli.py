@@ -13,6 +13,7 @@ from typing import Any
 
 from ridge import hub
 from ridge.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from ridge.lora import LoRARequest
 from ridge.sampling_params import StructuredOutputsParams
 from ridge.serve import harmony
 from ridge.serve.reasoning import PARSERS as REASONING_PARSERS
@@ -88,12 +89,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params(args)
     params.structured_outputs = _structured_outputs(args)
+    adapter = _adapter(args)
     llm = LLM(args.model, progress=not args.json, **engine_kwargs(args))
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.render_chat([{"role": "user", "content": args.prompt}])
     if args.json or params.n > 1:
-        out = llm.generate(prompt, params)[0]
+        out = llm.generate(prompt, params, lora_request=adapter)[0]
         record = asdict(out)
         if args.json:
             print(json.dumps(record))
@@ -101,10 +103,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             for c in out.outputs:
                 print(f"--- sample {c.index} ({c.finish_reason})\n{c.text}")
         return 0
-    for delta in llm.stream(prompt, params):
+    for delta in llm.stream(prompt, params, adapter):
         print(delta, end="", flush=True)
     print()
     return 0
+
+
+def _adapter(args: argparse.Namespace) -> LoRARequest | None:
+    """--lora's adapter, one of --lora-modules'."""
+    if args.lora is None:
+        return None
+    found = {r.lora_name: r for r in LoRARequest.from_modules(args.lora_modules)}
+    if args.lora not in found:
+        raise ValueError(f"lora: {args.lora!r} is not among --lora-modules ({', '.join(found) or 'none given'})")
+    return found[args.lora]
 
 
 def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | None:
@@ -125,6 +137,7 @@ def _structured_outputs(args: argparse.Namespace) -> StructuredOutputsParams | N
 def cmd_chat(args: argparse.Namespace) -> int:
     from ridge import LLM
 
+    adapter = _adapter(args)
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
     markers = harmony.HarmonyTokens.of(llm.tokenizer.tokenizer.token_to_id)  # gpt-oss: its channels read apart
@@ -147,7 +160,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = ""
         channels = harmony.HarmonyStream(markers, llm.tokenizer, calls_offered=False) if markers else None
         try:
-            for delta in llm.stream_outputs(llm.render_chat(history), params):
+            for delta in llm.stream_outputs(llm.render_chat(history), params, adapter):
                 if channels is None:
                     answer = delta.text
                 else:  # the thinking to stderr, dimmed; the answer alone to stdout and the history
@@ -316,6 +329,7 @@ def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", "-p", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print the whole RequestOutput as JSON")
+    p.add_argument("--lora", metavar="NAME", help="run the prompt with this LoRA adapter, one of --lora-modules'")
     constraint = p.add_argument_group("structured output (one of these)")
     constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
     constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
@@ -328,6 +342,7 @@ def _add_offline_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("chat", help="interactive chat, streamed")
     p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--lora", metavar="NAME", help="chat with this LoRA adapter, one of --lora-modules'")
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)

@@ -561,8 +561,8 @@ class EngineConfig:
 
     @property
     def lora_requests(self) -> list[LoRARequest]:
-        """lora_modules' adapters, their ids counted from 1 in order."""
-        return [LoRARequest.parse(module, i + 1) for i, module in enumerate(self.lora_modules)]
+        """lora_modules' adapters."""
+        return LoRARequest.from_modules(self.lora_modules)
 
     def threads_per_process(self) -> int:
         """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""

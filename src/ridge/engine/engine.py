@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -21,7 +22,7 @@ from ridge.engine import prompt_logprobs
 from ridge.engine.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from ridge.engine.limits import RequestLimits
 from ridge.engine.loading import ModelFile, load_weights, reads_its_part, shard_plan
-from ridge.engine.outputs import RequestDelta, SampleDelta, StepError, StepStats
+from ridge.engine.outputs import AdapterUse, RequestDelta, SampleDelta, StepError, StepStats
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler, bad_word_ids
 from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
@@ -298,6 +299,17 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, seqs)
         self.scheduler.add(seqs)
         return request_id
+
+    def adapter_use(self) -> AdapterUse | None:
+        """The adapters running and waiting sequences use (None without enable_lora)."""
+        if self.adapters is None:
+            return None
+
+        def names(seqs: Iterable[Sequence]) -> list[str]:
+            used = sorted({seq.adapter for seq in seqs if seq.adapter is not None})
+            return [self.adapters.adapters[i].request.lora_name for i in used]
+
+        return AdapterUse(names(self.scheduler.running), names(self.scheduler.waiting), self.config.max_loras)
 
     def _adapter(self, lora_request: LoRARequest | None) -> int | None:
         """The adapter's index in self.adapters (loaded on first use); None for the base model."""

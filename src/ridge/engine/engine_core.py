@@ -24,7 +24,7 @@ from ridge.engine.engine import LLMEngine
 from ridge.engine.kv_transfer import PrefixBlocks
 from ridge.engine.limits import RequestLimits
 from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
-from ridge.engine.outputs import RequestDelta, StepError, StepStats
+from ridge.engine.outputs import AdapterUse, RequestDelta, StepError, StepStats
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 
@@ -109,6 +109,7 @@ class StepReport:
     num_waiting: int
     num_free_blocks: int
     num_blocks: int
+    adapters: AdapterUse | None = None
     time: float = field(default_factory=time.perf_counter)
 
 
@@ -205,7 +206,7 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
             engine.check_integrity()  # if the failed step broke the KV accounting, the server restarts the core
             continue
         conn.send(StepReport(deltas, engine.last_step, len(engine.scheduler.running), len(engine.scheduler.waiting),
-                             engine.kv.num_free, engine.kv.num_blocks))
+                             engine.kv.num_free, engine.kv.num_blocks, engine.adapter_use()))
         heap.after_step(idle=not engine.has_unfinished)
 
 

@@ -82,6 +82,15 @@ class StepStats:
     spec_accepted_tokens: int = 0
 
 
+@dataclass
+class AdapterUse:
+    """The LoRA adapters the scheduler's sequences use, by name (vLLM's lora_requests_info)."""
+
+    running: list[str]
+    waiting: list[str]
+    max_loras: int
+
+
 class StepError(RuntimeError):
     """A step raised; the requests it was running (`request_ids`) have ended, the engine can go on."""
 

@@ -21,6 +21,11 @@ class LoRARequest:
             raise ValueError(f"lora_int_id: must be at least 1 (0 is the base model), got {self.lora_int_id}")
 
     @classmethod
+    def from_modules(cls, modules: tuple[str, ...] | list[str]) -> list[LoRARequest]:
+        """--lora-modules' adapters (`name=path` each), their ids counted from 1 in order."""
+        return [cls.parse(module, i + 1) for i, module in enumerate(modules)]
+
+    @classmethod
     def parse(cls, module: str, lora_int_id: int) -> LoRARequest:
         """`name=path` (a --lora-modules entry) as a request."""
         name, sep, path = module.partition("=")

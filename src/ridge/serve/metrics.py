@@ -5,6 +5,8 @@ Each server owns its registry (no process-global state), so tests can run severa
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ridge.engine.engine_core import StepReport
@@ -55,6 +57,9 @@ class EngineMetrics:
         self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_BUCKETS)
         self.output_len = histogram("request_generation_tokens", "Tokens generated per finished request.",
                                     TOKEN_BUCKETS)
+        # vLLM's: an info gauge (its value the time) whose labels name the adapters in use
+        self.lora_info = Gauge("ridge:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry)
         self._model = model_name
         self._queries = self._hits = 0
         self._spec = [0, 0, 0]  # drafts, drafted tokens, accepted tokens
@@ -88,6 +93,10 @@ class EngineMetrics:
         self._hits += stats.prefix_cache_hits
         if self._queries:
             self.cache_hit_rate.labels(m).set(self._hits / self._queries)
+        if report.adapters is not None:
+            use = report.adapters
+            self.lora_info.clear()  # one series: the adapters in use now
+            self.lora_info.labels(str(use.max_loras), ",".join(use.running), ",".join(use.waiting)).set(time.time())
         for delta in report.requests:  # token arrival, as the engine produced them
             for sample in delta.samples:
                 key = (delta.request_id, sample.index)
