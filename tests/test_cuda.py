@@ -118,6 +118,27 @@ def test_a_quantized_kv_cache_gives_the_cpu_engine_s_tokens(random_model, make_l
     assert tokens(gpu.generate(prompts, params)) == tokens(cpu.generate(prompts, params))
 
 
+def test_lora_adapters_give_the_cpu_engine_s_tokens(random_model, make_llm_for_test, tmp_path):
+    """Two adapters and the base model mixed in one batch on the GPU (their steps outside CUDA graphs, the base
+    model's inside) give the CPU engine's tokens."""
+    from ridge import LoRARequest, SamplingParams
+    from ridge.bench.lora import write_random_adapter
+
+    path, _ = random_model
+    gpu = make_llm_for_test(path, device="cuda", dtype="float32", enable_lora=True)
+    assert gpu.engine.runner.graphs is not None
+    cfg = gpu.engine.loaded.config
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_random_adapter(cfg, tmp_path / f"a{i}", 8, i, scale=0.3)))
+                for i in range(2)]
+    prompts = random_prompts(6, VOCAB, 5, 60, seed=8)
+    chosen = [adapters[0], None, adapters[1], None, adapters[0], adapters[1]]
+    params = SamplingParams(**GREEDY_ARGS)
+    cpu = make_llm_for_test(path, dtype="float32", enable_lora=True)
+    on_gpu = tokens(gpu.generate(prompts, params, lora_request=chosen))
+    assert on_gpu == tokens(cpu.generate(prompts, params, lora_request=chosen))
+    assert on_gpu != tokens(gpu.generate(prompts, params)), "the adapters change no token: the check is empty"
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each

@@ -31,9 +31,10 @@ from ridge.plan import arithmetic, roofline
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_random_adapter(cfg, folder: Path, rank: int, seed: int) -> Path:
+def write_random_adapter(cfg, folder: Path, rank: int, seed: int, scale: float = 0.02) -> Path:
     """A PEFT LoRA directory of `rank` over every projection of every layer of a dense attention model (`cfg`, a
-    ModelConfig), its factors drawn (B small, as a fine-tune's): adapter_config.json and adapter_model.safetensors."""
+    ModelConfig), its factors drawn (B's entries of deviation `scale`: small, as a fine-tune's):
+    adapter_config.json and adapter_model.safetensors."""
     from safetensors.torch import save_file
 
     if cfg.num_experts or cfg.ssm_layers or cfg.is_mla or cfg.kv_shared_layers or not cfg.gated_mlp:
@@ -51,7 +52,7 @@ def write_random_adapter(cfg, folder: Path, rank: int, seed: int) -> Path:
         for module, (fan_in, fan_out) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * fan_in**-0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,

@@ -203,7 +203,8 @@ class LLMEngine:
 
     def _load_adapters(self, cfg: ModelConfig) -> AdapterSet:
         """The LoRA adapters' set over the model, lora_modules' loaded now (a bad one stops the start)."""
-        adapters = AdapterSet(self.loaded.model, cfg, self.config.torch_dtype, self.config.max_lora_rank)
+        adapters = AdapterSet(self.loaded.model, cfg, self.config.torch_dtype, self.config.device,
+                              self.config.max_lora_rank)
         for request in self.config.lora_requests:
             adapters.index(request)
         if not self.config.enforce_eager:

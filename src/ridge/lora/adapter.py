@@ -55,10 +55,10 @@ class Adapter:
         return sum(w.a.nbytes + w.b.nbytes for w in self.modules.values())
 
 
-def read_adapter(request: LoRARequest, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+def read_adapter(request: LoRARequest, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  max_rank: int) -> Adapter:
-    """The adapter at request.lora_path over `model` (cfg's), its factors in `dtype`; ValueError naming what does
-    not fit: a missing file, a setting ridge does not run, a module the model lacks, a shape, a rank over
+    """The adapter at request.lora_path over `model` (cfg's), its factors in `dtype` on `device`; ValueError naming
+    what does not fit: a missing file, a setting ridge does not run, a module the model lacks, a shape, a rank over
     max_rank."""
     folder = Path(request.lora_path).expanduser()
     if not (folder / CONFIG_FILE).is_file():
@@ -103,7 +103,7 @@ def read_adapter(request: LoRARequest, model: nn.Module, cfg: ModelConfig, dtype
         parts.setdefault(path, []).append((slot, a, b * scaling))
     if not parts:
         raise ValueError(f"lora_path: {folder / WEIGHTS_FILE} holds no LoRA factors")
-    modules = {path: _join(path, slots, model, dtype) for path, slots in parts.items()}
+    modules = {path: _join(path, slots, model, dtype, device) for path, slots in parts.items()}
     return Adapter(request, modules, max(a.shape[0] for slots in parts.values() for _, a, _ in slots))
 
 
@@ -163,7 +163,7 @@ def _slot_rows(path: str, model: nn.Module) -> list[int]:
 
 
 def _join(path: str, slots: list[tuple[int | None, torch.Tensor, torch.Tensor]], model: nn.Module,
-          dtype: torch.dtype) -> LoRAWeights:
+          dtype: torch.dtype, device: torch.device) -> LoRAWeights:
     """One projection's parts as one pair (see the module's note)."""
     try:
         projection = model.get_submodule(path)
@@ -175,8 +175,8 @@ def _join(path: str, slots: list[tuple[int | None, torch.Tensor, torch.Tensor]],
         raise ValueError(f"lora_path: {path} is adapted whole and in parts")
     starts = [sum(rows[:i]) for i in range(len(rows))]
     rank = sum(a.shape[0] for _, a, _ in slots)
-    a_all = torch.zeros(rank, in_features, dtype=dtype)
-    b_all = torch.zeros(out_features, rank, dtype=dtype)
+    a_all = torch.zeros(rank, in_features, dtype=dtype, device=device)
+    b_all = torch.zeros(out_features, rank, dtype=dtype, device=device)
     column = 0
     for slot, a, b in sorted(slots, key=lambda part: part[0] or 0):
         width = rows[slot or 0]

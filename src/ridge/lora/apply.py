@@ -109,8 +109,8 @@ class AdapterSet:
     """The adapters loaded over one model, by index (a sequence's `adapter`); loaded once, kept while the engine
     runs (an adapter is a few MB: rank x (in + out) per projection)."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, max_rank: int) -> None:
-        self.model, self.cfg, self.dtype, self.max_rank = model, cfg, dtype, max_rank
+    def __init__(self, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: str, max_rank: int) -> None:
+        self.model, self.cfg, self.dtype, self.device, self.max_rank = model, cfg, dtype, torch.device(device), max_rank
         self.adapters: list[Adapter] = []
         self._by_name: dict[str, int] = {}
         self._products: dict[str, _Product] = {}  # by module path
@@ -125,7 +125,7 @@ class AdapterSet:
                 raise ValueError(f"lora_name: {request.lora_name!r} already names the adapter at {loaded.lora_path} "
                                  f"(id {loaded.lora_int_id}); give this one another name")
             return known
-        adapter = read_adapter(request, self.model, self.cfg, self.dtype, self.max_rank)
+        adapter = read_adapter(request, self.model, self.cfg, self.dtype, self.device, self.max_rank)
         index = len(self.adapters)
         for path, pair in adapter.modules.items():
             product = self._products.get(path)
