@@ -3,6 +3,7 @@ PEFT's model in HF transformers (logits and greedy tokens, float32); a batch tha
 prompt alone; max_loras, the prefix cache's separation, refusals by name, and the server's `model` field."""
 
 import copy
+import dataclasses
 import json
 
 import httpx
@@ -242,3 +243,34 @@ def test_gemma4_s_kv_shared_layers_take_an_adapter_as_peft_does(tmp_path_factory
     for ids, adapter, out in zip(prompts, chosen, outs, strict=True):
         reference = peft if adapter is not None else base
         assert out.outputs[0].token_ids == hf_greedy(reference, ids), "a mixed batch's prompt parted from HF's"
+
+
+def test_adapters_load_and_unload_at_run_time(qwen2_adapters, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on a server that allows them: a loaded adapter
+    serves by name, a bad one gets a 400 naming what does not fit, an unloaded one 404s and its slot is freed."""
+    path, base, adapters = qwen2_adapters
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
+    prompt = random_prompts(1, VOCAB, 20, 21, seed=10)[0]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with running_server(config, ServerConfig("base", allow_runtime_lora_updating=True)) as srv:
+        def post(route, json):
+            return httpx.post(srv.url + route, json=json, timeout=60)
+
+        assert post("/v1/completions", {**body, "model": "qv"}).status_code == 404
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])})
+        assert loaded.status_code == 200, loaded.text
+        reply = post("/v1/completions", {**body, "model": "qv"}).json()
+        assert reply["choices"][0]["token_ids"] == hf_greedy(adapters["qv"][1], prompt)
+        assert "qv" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+        again = post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+        missing = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 200
+        assert post("/v1/completions", {**body, "model": "qv"}).status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 404
+        assert srv.engine.state().idle
+    plain = dataclasses.replace(config, enable_lora=False)
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating"), running_server(
+            plain, ServerConfig("base", allow_runtime_lora_updating=True)):
+        pass

@@ -27,18 +27,21 @@ from functools import cached_property
 from ridge.config import EngineConfig
 from ridge.engine.engine_core import (
     AbortRequest,
+    AdapterReply,
     AddRequest,
     CoreProcess,
     EngineState,
     ExportPrefix,
     Failed,
     ImportPrefix,
+    LoadAdapter,
     PrefixReply,
     QueryState,
     Rejected,
     Shutdown,
     StepFailed,
     StepReport,
+    UnloadAdapter,
 )
 from ridge.engine.limits import RequestLimits
 from ridge.engine.loading import ModelFile
@@ -88,6 +91,8 @@ class AsyncEngine:
         self._states: queue.SimpleQueue[EngineState] = queue.SimpleQueue()
         self._prefix_replies: queue.SimpleQueue[PrefixReply] = queue.SimpleQueue()
         self._transfer_lock = threading.Lock()
+        self._adapter_replies: queue.SimpleQueue[AdapterReply] = queue.SimpleQueue()
+        self._adapter_lock = threading.Lock()
         self._died = threading.Event()  # a reader saw its core die (or the supervisor found it stuck)
         self._restarts: collections.deque[float] = collections.deque()
         self.error: BaseException | None = None
@@ -305,6 +310,18 @@ class AsyncEngine:
                 raise EngineDead(f"the engine stopped: {exc}") from exc
             return self._prefix_replies.get(timeout=timeout_s)
 
+    def update_adapters(self, command: LoadAdapter | UnloadAdapter, timeout_s: float = 120.0) -> None:
+        """Load or unload a LoRA adapter in the core (blocking: call it from a thread); ValueError naming what did
+        not fit."""
+        with self._adapter_lock:
+            try:
+                self._send(command)
+            except (OSError, ValueError) as exc:
+                raise EngineDead(f"the engine stopped: {exc}") from exc
+            reply = self._adapter_replies.get(timeout=timeout_s)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+
     def state(self, timeout_s: float = 30.0) -> EngineState:
         """The core's KV pool and integrity check, as of now (blocking; for tests and diagnostics)."""
         try:
@@ -336,6 +353,8 @@ class AsyncEngine:
                 self._states.put(message)
             elif isinstance(message, PrefixReply):
                 self._prefix_replies.put(message)
+            elif isinstance(message, AdapterReply):
+                self._adapter_replies.put(message)
             elif isinstance(message, Rejected):
                 self._deliver(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):

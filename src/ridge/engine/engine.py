@@ -308,9 +308,20 @@ class LLMEngine:
 
         def names(seqs: Iterable[Sequence]) -> list[str]:
             used = sorted({seq.adapter for seq in seqs if seq.adapter is not None})
-            return [self.adapters.adapters[i].request.lora_name for i in used]
+            return [adapter.request.lora_name for i in used if (adapter := self.adapters.adapters[i]) is not None]
 
         return AdapterUse(names(self.scheduler.running), names(self.scheduler.waiting), self.config.max_loras)
+
+    def load_adapter(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter now (a server's runtime loading), or ValueError naming what does not fit."""
+        self._adapter(lora_request)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload a LoRA adapter no request uses, or ValueError naming why not."""
+        if self.adapters is None:
+            raise ValueError("lora_name: this engine was started without enable_lora")
+        in_use = {seq.adapter for request in self._requests.values() for seq in request.seqs if not seq.finished}
+        self.adapters.unload(name, in_use)
 
     def _adapter(self, lora_request: LoRARequest | None) -> int | None:
         """The adapter's index in self.adapters (loaded on first use); None for the base model."""

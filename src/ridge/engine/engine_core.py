@@ -66,6 +66,20 @@ class ImportPrefix:
 
 
 @dataclass
+class LoadAdapter:
+    """Load a LoRA adapter now (a server's runtime loading): answered by an AdapterReply."""
+
+    request: LoRARequest
+
+
+@dataclass
+class UnloadAdapter:
+    """Unload a LoRA adapter no request uses: answered by an AdapterReply."""
+
+    name: str
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -117,6 +131,11 @@ class StepReport:
 class PrefixReply:
     blocks: PrefixBlocks | None = None  # an export's
     adopted: int = 0  # an import's
+    error: str | None = None  # why it could not be done (a ValueError's message)
+
+
+@dataclass
+class AdapterReply:
     error: str | None = None  # why it could not be done (a ValueError's message)
 
 
@@ -217,7 +236,8 @@ def _exit_after(delay_s: float) -> None:
 
 
 def _apply(engine: LLMEngine, conn: Connection,
-           command: AddRequest | AbortRequest | QueryState | ExportPrefix | ImportPrefix) -> None:
+           command: AddRequest | AbortRequest | QueryState | ExportPrefix | ImportPrefix | LoadAdapter | UnloadAdapter
+           ) -> None:
     if isinstance(command, AddRequest):
         try:
             # the server checked the request against the limits this engine sent it (Ready.limits)
@@ -237,6 +257,15 @@ def _apply(engine: LLMEngine, conn: Connection,
         except ValueError as exc:
             reply = PrefixReply(error=str(exc))
         conn.send(reply)
+    elif isinstance(command, LoadAdapter | UnloadAdapter):
+        try:
+            if isinstance(command, LoadAdapter):
+                engine.load_adapter(command.request)
+            else:
+                engine.unload_adapter(command.name)
+            conn.send(AdapterReply())
+        except ValueError as exc:
+            conn.send(AdapterReply(str(exc)))
     elif isinstance(command, QueryState):
         try:
             engine.check_integrity()

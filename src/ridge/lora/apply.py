@@ -73,6 +73,11 @@ class _Product:
         self.weights: dict[int, LoRAWeights] = {}  # by adapter index
         self._stacked: _Stacked | None = None  # the last step's
 
+    def forget(self, adapter: int) -> None:
+        """Drop the stacked factors that hold `adapter`'s (unloaded)."""
+        if self._stacked is not None and adapter in self._stacked.adapters:
+            self._stacked = None
+
     def _factors(self, adapters: tuple[int, ...]) -> _Stacked | None:
         """The factors of `adapters` that adapt this projection, side by side (None: none do)."""
         mine = tuple(a for a in adapters if a in self.weights)
@@ -106,12 +111,13 @@ class _Product:
 
 
 class AdapterSet:
-    """The adapters loaded over one model, by index (a sequence's `adapter`); loaded once, kept while the engine
-    runs (an adapter is a few MB: rank x (in + out) per projection)."""
+    """The adapters loaded over one model, by index (a sequence's `adapter`); loaded once, kept until unloaded (an
+    adapter is a few MB: rank x (in + out) per projection). An index is never reused: an unloaded adapter's slot
+    stays empty."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: str, max_rank: int) -> None:
         self.model, self.cfg, self.dtype, self.device, self.max_rank = model, cfg, dtype, torch.device(device), max_rank
-        self.adapters: list[Adapter] = []
+        self.adapters: list[Adapter | None] = []
         self._by_name: dict[str, int] = {}
         self._products: dict[str, _Product] = {}  # by module path
         self.step: AdapterStep | None = None  # set for the forward pass of a step with adapters (run())
@@ -138,6 +144,22 @@ class AdapterSet:
         log.info("ridge: LoRA adapter %r loaded from %s: rank %d over %d projections (%.1f MiB)", request.lora_name,
                  request.lora_path, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20)
         return index
+
+    def unload(self, name: str, in_use: set[int]) -> None:
+        """Drop the adapter called `name`, its factors freed; ValueError where it is not loaded or in use (in_use: the
+        indices of the adapters of live sequences)."""
+        index = self._by_name.get(name)
+        if index is None:
+            raise ValueError(f"lora_name: no adapter {name!r} is loaded")
+        if index in in_use:
+            raise ValueError(f"lora_name: {name!r} is in use by requests still running or waiting; unload it after "
+                             "they finish")
+        del self._by_name[name]
+        self.adapters[index] = None
+        for product in self._products.values():
+            product.weights.pop(index, None)
+            product.forget(index)
+        log.info("ridge: LoRA adapter %r unloaded", name)
 
     def run_with(self, step: AdapterStep | None) -> None:
         """Set (or, with None, clear) the step the hooks add products for."""

@@ -43,4 +43,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.post("/v1/chat/completions")(routes.chat_completions)
     if config.role == "decode":
         app.post(IMPORT_PATH)(routes.kv_import)
+    if config.allow_runtime_lora_updating:
+        app.post("/v1/load_lora_adapter")(routes.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(routes.unload_lora_adapter)
     return app

@@ -11,8 +11,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from ridge.config import EngineConfig
 from ridge.engine.async_engine import AsyncEngine
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
+from ridge.engine.engine_core import LoadAdapter, UnloadAdapter
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
@@ -52,11 +54,20 @@ class ServerConfig:
     # disaggregated prefill: "prefill" pushes a prompt's KV where a request's kv_transfer_params say, "decode" takes
     # it in (POST /kv/import); "both" (the default) does neither (serve/kv_transfer.py)
     role: str = "both"
+    # vLLM's runtime LoRA updating (its VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter, which load a directory of the server's filesystem into the engine
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         parsers = (*REASONING_PARSERS, harmony.REASONING_PARSER)
         if self.reasoning_parser is not None and self.reasoning_parser not in parsers:
             raise ValueError(f"reasoning_parser: {self.reasoning_parser!r} is not one of {', '.join(parsers)}")
+
+    def check_engine(self, engine: EngineConfig) -> None:
+        """Refuse, before the engine loads, what asks for an engine feature that is off."""
+        if self.allow_runtime_lora_updating and not engine.enable_lora:
+            raise ValueError("allow_runtime_lora_updating: loads LoRA adapters into an engine started with "
+                             "--enable-lora; add it")
 
     def check_parsers(self, harmony_tokens: HarmonyTokens | None) -> None:
         """Refuse, at start, parsers that do not read the model's replies: harmony's on a model without its
@@ -82,7 +93,7 @@ class Gateway:
         # a model that writes harmony (gpt-oss): its chat replies are read off their token ids (serve/harmony.py)
         self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
         config.check_parsers(self.harmony)
-        # the LoRA adapters the engine loaded at start, which clients ask for by name as `model`
+        # the LoRA adapters the engine loaded at start (and at run time), which clients ask for by name as `model`
         self.adapters = {request.lora_name: request for request in engine.config.lora_requests}
 
     @property
@@ -104,6 +115,33 @@ class Gateway:
 
     def check_model(self, name: str | None) -> None:
         self.adapter_for(name)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into the engine and serve it as `name` (a 400 naming what does not fit)."""
+        if name == self.config.model_name or name in self.adapters:
+            raise RequestError(f"lora_name: {name!r} is already served; unload it first", "lora_name")
+        request = LoRARequest(name, max((a.lora_int_id for a in self.adapters.values()), default=0) + 1, path)
+        try:
+            await asyncio.to_thread(self.engine.update_adapters, LoadAdapter(request))
+        except ValueError as exc:  # its message opens with the field it names (lora_path, max_lora_rank, ...)
+            raise RequestError(str(exc), str(exc).partition(":")[0]) from exc
+        except (EngineDead, ShuttingDown) as exc:
+            raise engine_errors(exc) from exc
+        self.adapters[name] = request
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter and free it in the engine (404 for a name not served; 400 while in use)."""
+        if name not in self.adapters:
+            raise RequestError(f"lora_name: no adapter {name!r} is served", "lora_name", 404, "NotFoundError")
+        request = self.adapters.pop(name)  # no new request reaches it from here on
+        try:
+            await asyncio.to_thread(self.engine.update_adapters, UnloadAdapter(name))
+        except ValueError as exc:
+            self.adapters[name] = request
+            raise RequestError(str(exc), "lora_name") from exc
+        except (EngineDead, ShuttingDown) as exc:
+            self.adapters[name] = request
+            raise engine_errors(exc) from exc
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:

@@ -671,6 +671,21 @@ class TokenizeRequest(ChatRendering):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(Body):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: Text = Field(min_length=1)
+    lora_path: Text = Field(min_length=1)
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name; refused (unload it first)
+
+
+class UnloadLoRAAdapterRequest(Body):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: Text = Field(min_length=1)
+    lora_int_id: StrictInt | None = None  # vLLM's; the name alone says which here
+
+
 class DetokenizeRequest(Body):
     model: Text | None = None
     tokens: list[StrictInt]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
@@ -26,8 +26,10 @@ from ridge.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     RequestError,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
 from ridge.serve.reasoning import tags as reasoning_tags
@@ -103,6 +105,21 @@ class Routes:
             raise RequestError(f"tokens: token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
                                "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def load_lora_adapter(self, req: LoadLoRAAdapterRequest) -> Response:
+        if req.load_inplace:
+            raise RequestError("load_inplace: replacing a served adapter is not supported; unload it first",
+                               "load_inplace")
+        await self.gateway.load_adapter(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> Response:
+        served = self.gateway.adapters.get(req.lora_name)
+        if served is not None and req.lora_int_id not in (None, served.lora_int_id):
+            raise RequestError(f"lora_int_id: {req.lora_name!r} is served with id {served.lora_int_id}, not "
+                               f"{req.lora_int_id}", "lora_int_id")
+        await self.gateway.unload_adapter(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def kv_import(self, request: Request) -> Any:
         return await import_route(self.engine, request)

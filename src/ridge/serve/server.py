@@ -68,6 +68,7 @@ def make_server(engine_config: EngineConfig, server_config: ServerConfig, host: 
                 supervision: Supervision | None = None) -> Server:
     """Start the engine core (loading the model) and build the server around it; run() serves."""
     check_role(server_config.role, engine_config)
+    server_config.check_engine(engine_config)
     metrics = EngineMetrics(server_config.model_name)
     server: Server | None = None
 
@@ -81,7 +82,11 @@ def make_server(engine_config: EngineConfig, server_config: ServerConfig, host: 
                                max_queued_tokens=max_queued_tokens,
                                on_give_up=give_up, grace_s=grace_s)
     async_engine.start()
-    app = build_app(async_engine, metrics, server_config)
+    try:
+        app = build_app(async_engine, metrics, server_config)
+    except BaseException:  # a setting refused against the loaded model (its parsers): the core stops with it
+        async_engine.stop()
+        raise
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(grace_s), access_log=log_level == "debug")
     server = Server(async_engine, _Uvicorn(config, async_engine, grace_s), host, port)
