@@ -274,3 +274,22 @@ def test_adapters_load_and_unload_at_run_time(qwen2_adapters, tmp_path):
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"), running_server(
             plain, ServerConfig("base", allow_runtime_lora_updating=True)):
         pass
+
+
+def test_an_adapter_over_a_mixture_s_attention_and_shared_expert_matches_peft(tmp_path_factory, make_llm_for_test):
+    """Qwen2-MoE: attention, the shared expert and the one dense layer's MLP adapted (PEFT's names reach them all;
+    the mixture then runs in Python, whose shared expert calls its hooked projections); greedy tokens against PEFT's
+    with speculation on the prompt's n-grams (the drafts' rows take the adapter too)."""
+    from test_moe import random_hf_model
+
+    path, base = random_hf_model("qwen2_moe", tmp_path_factory)
+    folder, peft = peft_adapter(base, path.parent / "moe-adapter", 6, r=8, lora_alpha=16,
+                                target_modules=ALL_PROJECTIONS)
+    llm = make_llm_for_test(path, dtype="float32", enable_lora=True, speculate="ngram")
+    request = LoRARequest("moe", 1, str(folder))
+    adapted = {p for p in llm.engine.adapters.adapters[llm.engine.adapters.index(request)].modules}
+    assert {"layers.0.mlp.shared_expert.gate_up", "layers.1.mlp.gate_up", "layers.2.attn.qkv"} <= adapted
+    prompts = [ids * 3 for ids in random_prompts(3, VOCAB, 8, 16, seed=12)]  # repeats for the n-gram drafter
+    outs = llm.generate(prompts, GREEDY, lora_request=request)
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(peft, ids)

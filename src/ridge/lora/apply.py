@@ -18,6 +18,7 @@ from torch import nn
 from ridge.config import ModelConfig
 from ridge.lora.adapter import Adapter, LoRAWeights, read_adapter
 from ridge.lora.request import LoRARequest
+from ridge.models.moe import MoEBlock
 
 log = logging.getLogger("ridge")
 
@@ -134,6 +135,10 @@ class AdapterSet:
         adapter = read_adapter(request, self.model, self.cfg, self.dtype, self.device, self.max_rank)
         index = len(self.adapters)
         for path, pair in adapter.modules.items():
+            parts = path.split(".")
+            for depth in range(1, len(parts)):  # a mixture whose C++ form would pass by this projection's hook
+                if isinstance(block := self.model.get_submodule(".".join(parts[:depth])), MoEBlock):
+                    block.adapted = True
             product = self._products.get(path)
             if product is None:
                 product = self._products[path] = _Product(self)

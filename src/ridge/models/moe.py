@@ -81,6 +81,9 @@ class MoEBlock(nn.Module):
         # rows: its kernel calls are the Python path's up to there (the stack's limit)
         self.native: Any = None
         self.native_max_rows = 0
+        # set where a LoRA adapter adapts the shared expert (lora/apply.py): the C++ block would pass by that
+        # projection's hook, so the block runs in Python (the fused decode step's base-model steps keep it)
+        self.adapted = False
         # on CUDA, the routed experts stacked for Triton's grouped matmuls (triton_kernels/moe.py), where the runner
         # made them: no host synchronisation, so a CUDA graph captures the block
         self.fused: Any = None
@@ -119,7 +122,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """router_input: what the router reads, where not the experts' input x (Gemma 4's: the stream, x normed)."""
-        if self.native is not None and x.shape[0] <= self.native_max_rows:
+        if self.native is not None and not self.adapted and x.shape[0] <= self.native_max_rows:
             return self.native(x, router_input)
         routing = self.route(x if router_input is None else router_input)
         out = self.fused(x, *routing) if self.fused is not None else self._routed(x, *routing)
