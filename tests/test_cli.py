@@ -127,3 +127,16 @@ def test_engine_flags_are_the_config_fields():
         ("a", 1, "/x"), ("b", 2, "/y")]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.block_size = 8
+
+
+def test_bench_lora_reports_each_variant(capsys):
+    """`ridge bench lora --json`: the base model without and with --enable-lora, one adapter, the adapters mixed, each
+    with its step time and the bytes a step reads (the adapters' among them)."""
+    assert in_process(capsys, "bench", "lora", "--model", RANDOM_SMOLLM2, "--skip-peer", "--batch", "2",
+                      "--context", "16", "--steps", "2", "--adapters", "2", "--rank", "4", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert list(rows) == ["base model, no --enable-lora", "base model, --enable-lora", "1 adapter", "2 adapters"]
+    assert all(r["step_ms"] > 0 and 0 < r["read_fraction"] for r in rows.values())
+    assert rows["2 adapters"]["step_bytes"] > rows["1 adapter"]["step_bytes"] > rows["base model, --enable-lora"][
+        "step_bytes"] == rows["base model, no --enable-lora"]["step_bytes"]
