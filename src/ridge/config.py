@@ -660,9 +660,6 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.enable_lora:
-            self._require("enable_lora", "adapters are added to one process's projections so far",
-                          tensor_parallel_size=1)
         if self.batch_invariant:
             self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
                           attention_backend="paged", cpu_kernels=True)

@@ -41,6 +41,18 @@ from ridge.sampling_params import SamplingParams
 log = logging.getLogger("ridge")
 
 
+def load_adapters(config: EngineConfig, loaded: LoadedModel, plan: ShardPlan | None) -> AdapterSet:
+    """The LoRA adapters' set over a loaded model (a rank's shard, under `plan`), lora_modules' loaded now in their
+    order, which every rank follows (a bad one stops the start)."""
+    adapters = AdapterSet(loaded.model, loaded.config, config.torch_dtype, config.device, config.max_lora_rank, plan)
+    for request in config.lora_requests:
+        adapters.index(request)
+    if not config.enforce_eager and (plan is None or plan.rank == 0):
+        log.warning("ridge: steps whose sequences use a LoRA adapter run layer by layer, without the fused decode "
+                    "step%s", " or CUDA graphs" if config.device.startswith("cuda") else "")
+    return adapters
+
+
 def sequence_slot_bytes(cfg: ModelConfig, config: EngineConfig) -> int:
     """What a running sequence holds outside the KV blocks: its recurrent state and its KV tail (int2)."""
     tails = config.kv_format is not None and config.kv_format.tail and cfg.attention_layers
@@ -175,7 +187,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len),
                                    config.max_loras if config.enable_lora else None)
-        self.adapters = self._load_adapters(cfg) if config.enable_lora else None
+        self.adapters = load_adapters(config, self.loaded, plan) if config.enable_lora else None
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots,
             self.adapters)
@@ -200,17 +212,6 @@ class LLMEngine:
             log.info("ridge: prefix caching keeps up to %d snapshots of a sequence's recurrent state (%.1f MiB each)",
                      num_snapshots, kv_cfg.ssm_state_bytes() / 2**20)
         return Build(num_blocks, num_state_slots, self.max_model_len, num_snapshots)
-
-    def _load_adapters(self, cfg: ModelConfig) -> AdapterSet:
-        """The LoRA adapters' set over the model, lora_modules' loaded now (a bad one stops the start)."""
-        adapters = AdapterSet(self.loaded.model, cfg, self.config.torch_dtype, self.config.device,
-                              self.config.max_lora_rank)
-        for request in self.config.lora_requests:
-            adapters.index(request)
-        if not self.config.enforce_eager:
-            log.warning("ridge: steps whose sequences use a LoRA adapter run layer by layer, without the fused decode "
-                        "step%s", " or CUDA graphs" if self.config.device.startswith("cuda") else "")
-        return adapters
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
@@ -321,7 +322,7 @@ class LLMEngine:
         if self.adapters is None:
             raise ValueError("lora_name: this engine was started without enable_lora")
         in_use = {seq.adapter for request in self._requests.values() for seq in request.seqs if not seq.finished}
-        self.adapters.unload(name, in_use)
+        self.runner.unload_adapter(name, in_use)
 
     def _adapter(self, lora_request: LoRARequest | None) -> int | None:
         """The adapter's index in self.adapters (loaded on first use); None for the base model."""
@@ -330,7 +331,8 @@ class LLMEngine:
         if self.adapters is None:
             raise ValueError(f"lora_request: {lora_request.lora_name!r} asked for, but this engine was started "
                              "without enable_lora")
-        return self.adapters.index(lora_request)
+        known = self.adapters.known(lora_request)
+        return known if known is not None else self.runner.load_adapter(lora_request)  # on every rank
 
     def sequences(self, request_id: str) -> list[Sequence]:
         """The live sequences of a request (one per sample)."""

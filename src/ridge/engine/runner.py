@@ -29,6 +29,7 @@ from ridge.kv.formats import KVFormat
 from ridge.kv.layout import Window
 from ridge.kv.state_cache import StateCache, StateStep
 from ridge.lora.apply import NO_ADAPTER, AdapterSet, AdapterStep
+from ridge.lora.request import LoRARequest
 from ridge.models.moe import attach_fused_experts
 from ridge.models.transformer import DecoderModel
 
@@ -139,6 +140,13 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
+
+    # LoRA adapters (lora/apply.py): here, one process's; a tensor-parallel runner has every rank follow
+    def load_adapter(self, request: LoRARequest) -> int:
+        return self.adapters.index(request)
+
+    def unload_adapter(self, name: str, in_use: set[int]) -> None:
+        self.adapters.unload(name, in_use)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepLogits:

@@ -32,6 +32,7 @@ from ridge.config import EngineConfig
 from ridge.engine import processes, prompt_logprobs
 from ridge.engine.runner import ModelRunner, StepInputs, StepLogits
 from ridge.engine.scheduler import ScheduledStep
+from ridge.lora.request import LoRARequest
 
 log = logging.getLogger("ridge")
 
@@ -58,6 +59,21 @@ class Score:
     token_ids: list[int]
     tables: list[list[int]]
     state_slot: int | None
+    adapter: int | None = None
+
+
+@dataclass
+class AddAdapter:
+    """Load a LoRA adapter rank 0 has loaded (so it reads and fits): each rank keeps its part, at the same index."""
+
+    request: LoRARequest
+
+
+@dataclass
+class DropAdapter:
+    """Unload a LoRA adapter rank 0 has unloaded."""
+
+    name: str
 
 
 @dataclass
@@ -174,8 +190,18 @@ class TensorParallelRunner:
 
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None,
               adapter: int | None = None) -> torch.Tensor:
-        assert adapter is None, "LoRA adapters run in one process (EngineConfig refuses them with tensor parallelism)"
-        return self._together(Score(token_ids, tables, state_slot), self.local.score, token_ids, tables, state_slot)
+        return self._together(Score(token_ids, tables, state_slot, adapter), self.local.score, token_ids, tables,
+                              state_slot, adapter)
+
+    def load_adapter(self, request: LoRARequest) -> int:
+        """Load on rank 0 first (a ValueError leaves the group as it was), then on every other rank."""
+        index = self.local.load_adapter(request)
+        self._together(AddAdapter(request), lambda: None)
+        return index
+
+    def unload_adapter(self, name: str, in_use: set[int]) -> None:
+        self.local.unload_adapter(name, in_use)
+        self._together(DropAdapter(name), lambda: None)
 
     def time_all_reduce(self, sizes: list[int], repeats: int = 50) -> list[float]:
         """Median seconds of an all-reduce of each size (float32 values) over the group."""
@@ -199,8 +225,8 @@ class TensorParallelRunner:
         command = WriteBlocks(blocks, data, shards)
         self._together(command, lambda: self.local.backend.write_blocks(blocks, command.part(0)))
 
-    def _together(self, command: RunStep | Score | TimeAllReduce | ReadBlocks | CheckBlocks | WriteBlocks, run,
-                  *args):  # noqa: ANN001, ANN202 - the local runner's call
+    def _together(self, command: RunStep | Score | TimeAllReduce | ReadBlocks | CheckBlocks | WriteBlocks | AddAdapter
+                  | DropAdapter, run, *args):  # noqa: ANN001, ANN202 - the local runner's call
         """Broadcast the command, then run it here. A rank that failed mid-step leaves the group's collectives out
         of step with each other: the group is broken from then on, and says so."""
         if self.broken is not None:
@@ -272,25 +298,28 @@ def serve(config: EngineConfig, rank: int | None = None, url: str = "env://") ->
 
 
 def _serve(config: EngineConfig, group: TPGroup) -> None:
+    from ridge.engine.engine import load_adapters
     from ridge.engine.loading import ModelFile, load_weights, shard_plan
     from ridge.kernels import cpu_ops
 
-    runner, kernels, loaded = None, None, None
+    runner, kernels, loaded, adapters = None, None, None, None
     try:
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
         model = ModelFile.open(config.model)
         plan = shard_plan(config, model, group.rank)
         loaded = load_weights(model, config, kernels, progress=False, plan=plan)
         install_collectives(loaded.model, plan, group)
+        adapters = load_adapters(config, loaded, plan) if config.enable_lora else None
     except Exception:  # noqa: BLE001 - reported to rank 0 below, printed here
         traceback.print_exc()
+        loaded = None
     build = group.broadcast_command()
     if isinstance(build, Stop):
         return
     if loaded is not None:
         try:
             runner = ModelRunner.for_engine(config, loaded.model, kernels, build.num_blocks, build.max_model_len,
-                                            build.num_state_slots, build.num_snapshots)
+                                            build.num_state_slots, build.num_snapshots, adapters)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     if not all(group.all_ok(runner is not None)):
@@ -300,7 +329,13 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
         if isinstance(command, Stop):
             return
         if isinstance(command, Score):
-            runner.score(command.token_ids, command.tables, command.state_slot)
+            runner.score(command.token_ids, command.tables, command.state_slot, command.adapter)
+            continue
+        if isinstance(command, AddAdapter):  # rank 0 read it: the same file fits here too
+            runner.load_adapter(command.request)
+            continue
+        if isinstance(command, DropAdapter):  # rank 0 checked that no request uses it
+            runner.unload_adapter(command.name, set())
             continue
         if isinstance(command, TimeAllReduce):
             for n in command.sizes:

@@ -2,7 +2,7 @@
 
 A step reads the base weights once for every sequence in it; each sequence's rows add their own adapter's low-rank
 product. request.py names an adapter, adapter.py reads a PEFT directory into ridge's projections, apply.py adds
-the products in a step.
+the products in a step (a tensor-parallel rank its part of them).
 """
 
 from ridge.lora.request import LoRARequest

@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ridge.cluster.shards import ShardPlan
 from ridge.config import ModelConfig
 from ridge.lora.adapter import Adapter, LoRAWeights, read_adapter
 from ridge.lora.request import LoRARequest
 from ridge.models.moe import MoEBlock
+from ridge.models.transformer import DecoderModel
 
 log = logging.getLogger("ridge")
 
@@ -116,8 +118,19 @@ class AdapterSet:
     adapter is a few MB: rank x (in + out) per projection). An index is never reused: an unloaded adapter's slot
     stays empty."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: str, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: str, max_rank: int,
+                 plan: ShardPlan | None = None) -> None:
+        """plan: where `model` is a tensor-parallel rank's shard, the split (cluster/shards.py): an adapter is read
+        against the whole model's shapes (a model on the meta device) and each projection keeps the rows or columns
+        of its factors that its weight keeps; a row-parallel projection's products are partial sums then, which the
+        layer's all-reduce adds up with its own."""
         self.model, self.cfg, self.dtype, self.device, self.max_rank = model, cfg, dtype, torch.device(device), max_rank
+        self.shapes = model
+        self.cuts: dict[str, tuple[int, torch.Tensor]] = {}
+        if plan is not None:
+            with torch.device("meta"):
+                self.shapes = DecoderModel(plan.cfg)
+            self.cuts = plan.weight_cuts(self.shapes)
         self.adapters: list[Adapter | None] = []
         self._by_name: dict[str, int] = {}
         self._products: dict[str, _Product] = {}  # by module path
@@ -125,14 +138,11 @@ class AdapterSet:
 
     def index(self, request: LoRARequest) -> int:
         """The adapter's index, loading it on first use; ValueError naming what does not fit (nothing is kept)."""
-        known = self._by_name.get(request.lora_name)
+        known = self.known(request)
         if known is not None:
-            loaded = self.adapters[known].request
-            if (loaded.lora_path, loaded.lora_int_id) != (request.lora_path, request.lora_int_id):
-                raise ValueError(f"lora_name: {request.lora_name!r} already names the adapter at {loaded.lora_path} "
-                                 f"(id {loaded.lora_int_id}); give this one another name")
             return known
-        adapter = read_adapter(request, self.model, self.cfg, self.dtype, self.device, self.max_rank)
+        adapter = read_adapter(request, self.shapes, self.cfg, self.dtype, self.device, self.max_rank)
+        adapter.modules = {path: self._cut(path, pair) for path, pair in adapter.modules.items()}
         index = len(self.adapters)
         for path, pair in adapter.modules.items():
             parts = path.split(".")
@@ -149,6 +159,27 @@ class AdapterSet:
         log.info("ridge: LoRA adapter %r loaded from %s: rank %d over %d projections (%.1f MiB)", request.lora_name,
                  request.lora_path, adapter.rank, len(adapter.modules), adapter.nbytes / 2**20)
         return index
+
+    def known(self, request: LoRARequest) -> int | None:
+        """The loaded adapter's index, or None; ValueError where its name is another adapter's."""
+        known = self._by_name.get(request.lora_name)
+        if known is not None:
+            loaded = self.adapters[known].request
+            if (loaded.lora_path, loaded.lora_int_id) != (request.lora_path, request.lora_int_id):
+                raise ValueError(f"lora_name: {request.lora_name!r} already names the adapter at {loaded.lora_path} "
+                                 f"(id {loaded.lora_int_id}); give this one another name")
+        return known
+
+    def _cut(self, path: str, pair: LoRAWeights) -> LoRAWeights:
+        """This rank's part of a projection's factors: B's rows where its weight keeps rows, A's columns where it
+        keeps columns (the whole pair in one process)."""
+        if path not in self.cuts:
+            return pair
+        dim, index = self.cuts[path]
+        index = index.to(self.device)
+        if dim == 0:
+            return LoRAWeights(pair.a, pair.b.index_select(0, index))
+        return LoRAWeights(pair.a.index_select(1, index), pair.b)
 
     def unload(self, name: str, in_use: set[int]) -> None:
         """Drop the adapter called `name`, its factors freed; ValueError where it is not loaded or in use (in_use: the
