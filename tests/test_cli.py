@@ -123,7 +123,10 @@ def test_engine_flags_are_the_config_fields():
     assert (config.num_threads, config.enable_prefix_caching, config.quantization) == (3, False, "int4")
     assert config.speculate == "draft" and config.kv_cache_bytes == 64 * 2**20
     adapters = EngineConfig(model="m", **engine_kwargs(parser.parse_args(["--lora-modules", "a=/x", "b=/y"])))
-    assert adapters.enable_lora and [(r.lora_name, r.lora_int_id, r.lora_path) for r in adapters.lora_requests] == [
+    from ridge.lora import LoRARequest
+
+    requests = LoRARequest.from_modules(adapters.lora_modules)
+    assert adapters.enable_lora and [(r.lora_name, r.lora_int_id, r.lora_path) for r in requests] == [
         ("a", 1, "/x"), ("b", 2, "/y")]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.block_size = 8

@@ -14,7 +14,6 @@ import torch
 from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, Window, kv_layout
-from ridge.lora.request import LoRARequest
 from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
@@ -403,6 +402,14 @@ def check_device(device: str) -> None:
             raise ValueError(f"device: {device!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
 
 
+def lora_module(module: str) -> tuple[str, str]:
+    """A --lora-modules entry, `name=path`, as (name, path)."""
+    name, sep, path = module.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules: {module!r} is not name=path")
+    return name, path
+
+
 def knob(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, flag: str | None = None,
          group: str = "engine") -> Any:
     """An EngineConfig field that is also a command-line flag (flags.py builds the flags from these): its
@@ -559,11 +566,6 @@ class EngineConfig:
         self._require("kv_eviction: h2o", why.format("the reference backend"), attention_backend="paged")
         return HeavyHitters.from_config(self.kv_recent_tokens, self.kv_budget, self.block_size)
 
-    @property
-    def lora_requests(self) -> list[LoRARequest]:
-        """lora_modules' adapters."""
-        return LoRARequest.from_modules(self.lora_modules)
-
     def threads_per_process(self) -> int:
         """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""
         env = int(os.environ.get("OMP_NUM_THREADS") or 0)
@@ -654,7 +656,7 @@ class EngineConfig:
         if self.lora_modules:
             derive(self, "enable_lora", True)
             derive(self, "lora_modules", tuple(self.lora_modules))
-            names = [request.lora_name for request in self.lora_requests]  # each name=path, or a ValueError
+            names = [lora_module(module)[0] for module in self.lora_modules]  # each name=path, or a ValueError
             if len(set(names)) < len(names):
                 raise ValueError(f"lora_modules: a name given twice among {', '.join(names)}")
         for name in ("max_loras", "max_lora_rank"):

@@ -45,7 +45,7 @@ def load_adapters(config: EngineConfig, loaded: LoadedModel, plan: ShardPlan | N
     """The LoRA adapters' set over a loaded model (a rank's shard, under `plan`), lora_modules' loaded now in their
     order, which every rank follows (a bad one stops the start)."""
     adapters = AdapterSet(loaded.model, loaded.config, config.torch_dtype, config.device, config.max_lora_rank, plan)
-    for request in config.lora_requests:
+    for request in LoRARequest.from_modules(config.lora_modules):
         adapters.index(request)
     if not config.enforce_eager and (plan is None or plan.rank == 0):
         log.warning("ridge: steps whose sequences use a LoRA adapter run layer by layer, without the fused decode "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ridge.config import lora_module
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -23,12 +25,5 @@ class LoRARequest:
     @classmethod
     def from_modules(cls, modules: tuple[str, ...] | list[str]) -> list[LoRARequest]:
         """--lora-modules' adapters (`name=path` each), their ids counted from 1 in order."""
-        return [cls.parse(module, i + 1) for i, module in enumerate(modules)]
-
-    @classmethod
-    def parse(cls, module: str, lora_int_id: int) -> LoRARequest:
-        """`name=path` (a --lora-modules entry) as a request."""
-        name, sep, path = module.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"lora_modules: {module!r} is not name=path")
-        return cls(name, lora_int_id, path)
+        pairs = [lora_module(module) for module in modules]
+        return [cls(name, i + 1, path) for i, (name, path) in enumerate(pairs)]

@@ -94,7 +94,7 @@ class Gateway:
         self.harmony = HarmonyTokens.of(self.tokenizer.tokenizer.token_to_id)
         config.check_parsers(self.harmony)
         # the LoRA adapters the engine loaded at start (and at run time), which clients ask for by name as `model`
-        self.adapters = {request.lora_name: request for request in engine.config.lora_requests}
+        self.adapters = {r.lora_name: r for r in LoRARequest.from_modules(engine.config.lora_modules)}
 
     @property
     def call_format(self) -> str:
