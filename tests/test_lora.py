@@ -1,9 +1,10 @@
-"""LoRA adapters (lora/): PEFT's own adapters over a random Qwen2 and over the real SmolLM2 file, checked against
-PEFT's model in HF transformers (logits and greedy tokens, float32); a batch that mixes adapters against each
-prompt alone; max_loras, the prefix cache's separation, refusals by name, and the server's `model` field."""
+"""LoRA adapters (lora/): PEFT's own adapters over random Qwen2, Gemma 4 and Qwen2-MoE models, checked against PEFT's
+model in HF transformers (logits and greedy tokens, float32; the real SmolLM2 file's check is in
+tests/test_real_models.py); a batch that mixes adapters against each prompt alone; max_loras, the prefix cache's
+separation, quantized weights, tensor parallelism, refusals by name, and the server's `model` field and runtime
+loading."""
 
 import copy
-import dataclasses
 import json
 
 import httpx
@@ -115,30 +116,6 @@ def test_prefix_cache_keeps_adapters_apart(qwen2_adapters, make_llm_for_test):
     assert first.outputs[0].token_ids == hf_greedy(base, prompt)
 
 
-def test_an_adapter_over_the_real_smollm2_file_matches_peft(smollm2_path, hf_smollm2, make_llm_for_test, tmp_path):
-    """The GGUF file's q / k rows are permuted back at load: an adapter's rows must land on the same ones. The fused
-    decode step still runs the base model's steps."""
-    folder, peft = peft_adapter(hf_smollm2, tmp_path / "smol", 4, r=16, lora_alpha=32,
-                                target_modules=ALL_PROJECTIONS)
-    with torch.no_grad():  # PEFT draws B small: enough to move every token, as a fine-tune does
-        for name, param in peft.named_parameters():
-            if "lora_B" in name:
-                param.mul_(4)
-    peft.save_pretrained(folder)
-    llm = make_llm_for_test(smollm2_path, dtype="float32", enable_lora=True)
-    assert llm.engine.runner.decode_stack is not None
-    request = LoRARequest("smol", 1, str(folder))
-    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
-    outs = llm.generate(prompts + prompts, SamplingParams(temperature=0, max_tokens=16),
-                        lora_request=[request, request, None, None])
-    for ids, out in zip(prompts, outs[:2], strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(peft, ids, len(out.outputs[0].token_ids))
-    for ids, out in zip(prompts, outs[2:], strict=True):
-        with peft.disable_adapter():
-            assert out.outputs[0].token_ids == hf_greedy(peft, ids, len(out.outputs[0].token_ids))
-    assert [o.outputs[0].token_ids for o in outs[:2]] != [o.outputs[0].token_ids for o in outs[2:]]
-
-
 def _edited(folder, target, **settings):
     """A copy of an adapter's directory with its adapter_config.json's settings changed."""
     import shutil
@@ -170,8 +147,6 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(qwen2_adapter
         hf_greedy(adapters["qv"][1], [5, 6, 7, 8])
     with pytest.raises(ValueError, match="enable_lora"):
         make_llm_for_test(path, dtype="float32").generate([[5, 6]], GREEDY, lora_request=qv)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model=str(path), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_modules"):
         EngineConfig(model=str(path), lora_modules=("qv",))
 
@@ -190,24 +165,6 @@ def test_an_adapter_of_another_model_is_refused(qwen2_adapters, make_llm_for_tes
     head, _ = peft_adapter(other, tmp_path / "head", 6, r=4, lora_alpha=4, target_modules=["lm_head"])
     with pytest.raises(ValueError, match="vocabulary projection"):
         llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("head", 2, str(head)))
-
-
-def test_the_server_serves_adapters_by_model_name(qwen2_adapters):
-    path, base, adapters = qwen2_adapters
-    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB",
-                          lora_modules=(f"every={adapters['every'][0]}",))
-    prompt = random_prompts(1, VOCAB, 20, 21, seed=9)[0]
-    with running_server(config, ServerConfig("base")) as srv:
-        listed = httpx.get(srv.url + "/v1/models").json()["data"]
-        assert [(m["id"], m.get("parent")) for m in listed] == [("base", None), ("every", "base")]
-        for model, reference in (("every", adapters["every"][1]), ("base", base)):
-            reply = httpx.post(srv.url + "/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}, timeout=60).json()
-            assert reply["model"] == model
-            assert reply["choices"][0]["token_ids"] == hf_greedy(reference, prompt)
-        missing = httpx.post(srv.url + "/v1/completions", json={"model": "qv", "prompt": "x", "max_tokens": 2})
-        assert missing.status_code == 404 and "`every`" in missing.json()["error"]["message"]
 
 
 def test_an_adapter_over_quantized_weights_moves_the_logits_as_peft_s(qwen2_adapters, make_llm_for_test):
@@ -245,18 +202,30 @@ def test_gemma4_s_kv_shared_layers_take_an_adapter_as_peft_does(tmp_path_factory
         assert out.outputs[0].token_ids == hf_greedy(reference, ids), "a mixed batch's prompt parted from HF's"
 
 
-def test_adapters_load_and_unload_at_run_time(qwen2_adapters, tmp_path):
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on a server that allows them: a loaded adapter
-    serves by name, a bad one gets a 400 naming what does not fit, an unloaded one 404s and its slot is freed."""
+def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(qwen2_adapters, tmp_path):
+    """A request's `model` picks an adapter of --lora-modules (its reply says so), /v1/models lists it with the base
+    model as parent, another name gets a 404 listing those served; vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter, on a server that allows them: a bad adapter gets a 400 naming what does not fit, an
+    unloaded one 404s."""
     path, base, adapters = qwen2_adapters
-    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
-    prompt = random_prompts(1, VOCAB, 20, 21, seed=10)[0]
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB",
+                          lora_modules=(f"every={adapters['every'][0]}",))
+    prompt = random_prompts(1, VOCAB, 20, 21, seed=9)[0]
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     with running_server(config, ServerConfig("base", allow_runtime_lora_updating=True)) as srv:
         def post(route, json):
             return httpx.post(srv.url + route, json=json, timeout=60)
 
-        assert post("/v1/completions", {**body, "model": "qv"}).status_code == 404
+        listed = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [("base", None), ("every", "base")]
+        for model, reference in (("every", adapters["every"][1]), ("base", base)):
+            reply = post("/v1/completions", {**body, "model": model}).json()
+            assert reply["model"] == model
+            assert reply["choices"][0]["token_ids"] == hf_greedy(reference, prompt)
+        missing = post("/v1/completions", {**body, "model": "qv"})
+        assert missing.status_code == 404 and "`every`" in missing.json()["error"]["message"]
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'ridge:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
         loaded = post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])})
         assert loaded.status_code == 200, loaded.text
         reply = post("/v1/completions", {**body, "model": "qv"}).json()
@@ -264,13 +233,13 @@ def test_adapters_load_and_unload_at_run_time(qwen2_adapters, tmp_path):
         assert "qv" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
         again = post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])})
         assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
-        missing = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")})
-        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
         assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 200
         assert post("/v1/completions", {**body, "model": "qv"}).status_code == 404
         assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 404
         assert srv.engine.state().idle
-    plain = dataclasses.replace(config, enable_lora=False)
+    plain = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB")
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"), running_server(
             plain, ServerConfig("base", allow_runtime_lora_updating=True)):
         pass

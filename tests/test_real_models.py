@@ -72,3 +72,36 @@ def test_a_loaded_model_holds_its_weights_and_little_more(smollm2_path):
                          check=True).stdout
     weights, resident = map(int, out.split())
     assert resident < 1.3 * weights, f"{resident / 2**20:.0f} MiB resident for {weights / 2**20:.0f} MiB of weights"
+
+
+def test_a_lora_adapter_over_the_smollm2_file_matches_peft(smollm2, smollm2_path, hf_smollm2, make_llm_for_test,
+                                                           tmp_path):
+    """PEFT's adapter (rank 16 on every projection) over HF's SmolLM2 against ridge's LoRA over the GGUF file, whose
+    q / k rows are permuted back at load: an adapter's rows must land on the same ones (tests/test_lora.py has the
+    rest). Adapter and base rows in one batch; the fused decode step still runs the base model's steps."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from ridge import LoRARequest
+
+    torch.manual_seed(4)
+    config = LoraConfig(r=16, lora_alpha=32, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft = get_peft_model(copy.deepcopy(hf_smollm2), config).eval()
+    with torch.no_grad():  # PEFT draws B small: enough to move every token, as a fine-tune does
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4)
+    peft.save_pretrained(tmp_path / "smol")
+    llm = make_llm_for_test(smollm2_path, dtype="float32", enable_lora=True)
+    assert llm.engine.runner.decode_stack is not None
+    request = LoRARequest("smol", 1, str(tmp_path / "smol"))
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts, params,
+                                                           lora_request=[request, request, None, None])]
+    for ids, tokens in zip(prompts, outs[:2], strict=True):
+        assert not hf_greedy_disagreements(peft, ids, tokens)
+    assert outs[2:] == [o.outputs[0].token_ids for o in smollm2.generate(prompts, params)]
+    assert outs[:2] != outs[2:]

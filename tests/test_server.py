@@ -517,6 +517,12 @@ def test_openai_parse_and_vllm_fields(client):
     out = client.completions.create(model="smollm2", prompt="The year was", temperature=0, max_tokens=8,
                                     extra_body={"structured_outputs": {"regex": " [12][0-9]{3}"}})
     assert re.fullmatch(r" [12][0-9]{3}", out.choices[0].text)
+    # vLLM's structural tag: free text until the trigger (which the model writes here), then its structure
+    tag = {"type": "structural_tag", "triggers": [" Paris"],
+           "structures": [{"begin": " Paris", "schema": {"enum": [1, 2, 3]}, "end": "!"}]}
+    out = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=12,
+                                    extra_body={"response_format": tag})
+    assert re.match(r" Paris *[123] *!", out.choices[0].text), out.choices[0].text
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -526,6 +532,10 @@ def test_openai_parse_and_vllm_fields(client):
     ({"guided_json": PERSON, "guided_regex": "a+"}, "guided_regex"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f>"],
+                          "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}}, "response_format"),
+    ({"structural_tag": "[]"}, "structural_tag"),
 ])
 def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -556,7 +566,6 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
      "structured_outputs.disable_any_whitespace"),
     ({"guided_whitespace_pattern": " ", "structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": ""}},
      "structured_outputs.whitespace_pattern"),  # two whitespace rules
-    ({"structured_outputs": {"json": {"type": "object"}, "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a+", "whitespace": "x"}}, "structured_outputs.whitespace"),  # no such key
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"include_reasoning": False}, "include_reasoning"),  # no --reasoning-parser: the reply is all content

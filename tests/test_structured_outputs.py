@@ -131,3 +131,57 @@ def test_a_refused_token_ends_only_its_own_sequence():
                    params=SamplingParams(max_tokens=8), grammar=grammar)
     grammar.accept([5])
     assert grammar.failed and StopRule(frozenset({2})).check(seq, 5) == ("error", None)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+
+
+def structural_tag(*structures: tuple[str, dict, str], triggers: tuple[str, ...] = ("<tool_call>",)) -> str:
+    return json.dumps({"structures": [{"begin": b, "schema": s, "end": e} for b, s, e in structures],
+                       "triggers": list(triggers)})
+
+
+def test_a_structural_tag_holds_what_follows_each_trigger(qwen):
+    """vLLM's structural tag: text is free until a trigger, which opens only one of its structures (begin, JSON of
+    the schema, end), Qwen's added tokens `<tool_call>` and `</tool_call>` among their strings. Qwen asked for the
+    weather with a tool in its prompt calls it in the tag's form."""
+    from ridge.engine.structured import GrammarCompiler
+
+    begin, end = '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"
+    tag = structural_tag((begin, WEATHER, end))
+    compiler = GrammarCompiler(qwen.tokenizer, qwen.engine.loaded.config.vocab_size)
+
+    def takes(text: str) -> bool:
+        grammar = compiler.matcher(StructuredOutputsParams(structural_tag=tag))
+        ids = qwen.tokenizer.encode(text, add_special_tokens=False)
+        return grammar.valid_prefix(ids) == len(ids)
+
+    assert takes("Let me check. " + begin + '{"city": "Paris"}' + end + " Done.")
+    assert takes("No tool needed here.")
+    assert not takes("Let me check. " + begin + '{"city": 3}' + end)  # the schema holds after the trigger
+    assert not takes('<tool_call>\n{"name": "other"')  # the trigger opens its structures only
+    # Qwen-Coder 0.5B calls the tool as bare JSON: a tag triggered there makes its arguments take a unit they lack
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    prompt = qwen.tokenizer.encode_chat([{"role": "user", "content": "What is the weather in Paris?"}], True, tools)
+    with_unit = {**WEATHER, "properties": {**WEATHER["properties"], "unit": {"enum": ["celsius", "fahrenheit"]}},
+                 "required": ["city", "unit"]}
+    call = '{"name": "get_weather", "arguments": '
+    (plain,) = qwen.generate(prompt, greedy(48))
+    assert plain.outputs[0].text.startswith(call) and '"unit"' not in plain.outputs[0].text, plain.outputs[0].text
+    (out,) = qwen.generate(prompt, greedy(48, structural_tag=structural_tag((call, with_unit, "}"),
+                                                                             triggers=('{"name": ',))))
+    text = out.outputs[0].text
+    arguments = json.loads(text[text.index(call) + len(call):text.rindex("}")])
+    jsonschema.validate(arguments, with_unit)
+
+
+@pytest.mark.parametrize("tag,message", [
+    ('{"format": {"type": "triggered_tags"}}', "needs vLLM's form"),
+    (structural_tag(("<fn>", WEATHER, "</fn>")), "structures[0].begin: '<fn>' starts with none of the triggers"),
+    (json.dumps({"structures": [{"begin": "<tool_call>", "end": "</tool_call>"}], "triggers": ["<tool_call>"]}),
+     "structures[0]: needs begin, schema and end"),
+])
+def test_bad_structural_tags_are_refused_by_name(qwen, tag, message):
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs.structural_tag: {message}")):
+        qwen.generate("Hello", greedy(4, structural_tag=tag))

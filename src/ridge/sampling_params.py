@@ -18,7 +18,9 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # sample i is seeded with seed + i: within t
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must match: exactly one of a JSON schema (a dict, or its text), any JSON object, a regex
-    (matched whole), one of some strings, or a grammar (llguidance's Lark, or GBNF / EBNF with `::=` rules).
+    (matched whole), one of some strings, a grammar (llguidance's Lark, or GBNF / EBNF with `::=` rules), or a
+    structural tag (free text where each trigger opens a tag whose content follows its JSON schema: vLLM's JSON text
+    of {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}).
     vLLM's names; checked against the tokenizer when the request is added (engine/structured.py)."""
 
     json: dict | str | None = None
@@ -26,17 +28,19 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, choice, grammar; got "
-                             + (", ".join(given) or "none"))
+            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, choice, grammar, "
+                             "structural_tag; got " + (", ".join(given) or "none"))
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
@@ -47,7 +51,8 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         if self.json_object:
             return "json_object"
-        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+        return next(name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                    if getattr(self, name) is not None)
 
 
 @dataclass

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from functools import cached_property
 
 import llguidance
@@ -83,17 +85,23 @@ class GrammarCompiler:
                                       eos_token=sorted(self._source.stop_token_ids) or None)
 
     @cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The texts of the vocabulary's added tokens, which llguidance matches as tokens only."""
+        return frozenset(t.content for t in self._source.tokenizer.get_added_tokens_decoder().values())
+
+    @cached_property
     def executor(self) -> llguidance.LLExecutor:
         return llguidance.LLExecutor()
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         """The llguidance grammar of a request's spec, checked; ValueError naming the field otherwise."""
-        key = json.dumps([spec.kind, spec.json, spec.regex, spec.choice, spec.grammar], sort_keys=True)
+        key = json.dumps([spec.kind, spec.json, spec.regex, spec.choice, spec.grammar, spec.structural_tag],
+                         sort_keys=True)
         if key in self._grammars:
             self._grammars.move_to_end(key)
             return self._grammars[key]
         field = f"structured_outputs.{spec.kind}"
-        text = grammar_text(spec)
+        text = grammar_text(spec, self.added_tokens)
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise ValueError(f"{field}: {error}")
@@ -137,16 +145,72 @@ class GrammarCompiler:
         return torch.from_numpy(allowed.view(np.bool_))
 
 
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a spec, not yet checked against a vocabulary: Lark text, or llguidance's JSON
-    form of its grammars (TopLevelGrammar); ValueError naming the field where the spec is not one."""
+def structural_tag_lark(text: str, added_tokens: Collection[str] = ()) -> str:
+    """vLLM's structural tag (JSON text of {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}) as a
+    Lark grammar: free text, where a trigger may open only the structures whose begin starts with it (the longest
+    trigger that does), each JSON of its schema between its begin and end, then free text again. ValueError naming
+    the part that is not one.
+
+    Written here rather than by llguidance's StructTag.to_grammar, which writes a begin's rest and an end as text:
+    llguidance matches a vocabulary's added tokens (Qwen's `<tool_call>`, `</tool_call>`) only as token references,
+    never as the text they spell, so every added token's text in a trigger, begin or end is written as one."""
     try:
-        return _grammar_text(spec)
+        tag = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from exc
+    if not isinstance(tag, dict) or set(tag) - {"type"} != {"structures", "triggers"}:
+        raise ValueError('needs vLLM\'s form {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} '
+                         "and nothing else (xgrammar's `format` form is not supported)")
+    triggers, structures = tag["triggers"], tag["structures"]
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers: must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures: must be a non-empty list")
+    opened: dict[str, list[str]] = {}  # trigger -> what may follow it: each structure's rest
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or set(structure) != {"begin", "schema", "end"}:
+            raise ValueError(f"structures[{i}]: needs begin, schema and end, and nothing else")
+        begin, schema, end = structure["begin"], structure["schema"], structure["end"]
+        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(schema, dict):
+            raise ValueError(f"structures[{i}]: begin and end are strings, schema a JSON schema (an object)")
+        starting = [t for t in triggers if begin.startswith(t)]
+        if not starting:
+            raise ValueError(f"structures[{i}].begin: {begin!r} starts with none of the triggers {triggers}")
+        trigger = max(starting, key=len)
+        rest = " ".join(_lark_text(begin[len(trigger):], added_tokens) + ["%json " + json.dumps(schema)]
+                        + _lark_text(end, added_tokens))
+        opened.setdefault(trigger, []).append(rest)
+    lines = ["%llguidance {}", "start: (" + " | ".join(f"tag_{i}" for i in range(len(opened))) + ")* TAG_TEXT",
+             r"TAG_TEXT: /(.|\n)*/"]
+    for i, (trigger, rests) in enumerate(opened.items()):
+        pieces = " ".join(_lark_text(trigger, added_tokens))
+        if trigger in added_tokens:  # free text cannot hold the token: it ends where the token comes
+            lines.append(f"tag_{i}: TAG_TEXT {pieces} ({' | '.join(rests)})")
+        else:  # the shortest text up to the trigger's first appearance
+            lines += [f"tag_{i}_trigger[lazy]: TAG_TEXT {pieces}", f"tag_{i}: tag_{i}_trigger ({' | '.join(rests)})"]
+    return "\n".join(lines)
+
+
+def _lark_text(text: str, added_tokens: Collection[str]) -> list[str]:
+    """`text` as Lark pieces: string literals, and token references for the added tokens it spells."""
+    if not text:
+        return []
+    pattern = "|".join(re.escape(t) for t in sorted(added_tokens, key=len, reverse=True) if t in text)
+    pieces = re.split(f"({pattern})", text) if pattern else [text]
+    return [piece if piece in added_tokens else json.dumps(piece) for piece in pieces if piece]
+
+
+def grammar_text(spec: StructuredOutputsParams, added_tokens: Collection[str] = ()) -> str:
+    """The llguidance grammar of a spec, not yet checked against a vocabulary: Lark text, or llguidance's JSON
+    form of its grammars (TopLevelGrammar); ValueError naming the field where the spec is not one. added_tokens: the
+    vocabulary's added tokens, which a structural tag's strings match as tokens."""
+    try:
+        return _grammar_text(spec, added_tokens)
     except ValueError as exc:
         raise ValueError(f"structured_outputs.{spec.kind}: {exc}") from exc
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(spec: StructuredOutputsParams, added_tokens: Collection[str]) -> str:
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     if spec.json is not None:
@@ -163,6 +227,8 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:  # Lark string literals are JSON strings
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    if spec.structural_tag is not None:
+        return llguidance.LLMatcher.grammar_from_lark(structural_tag_lark(spec.structural_tag, added_tokens))
     text = spec.grammar
     if text.lstrip().startswith('{"grammars"'):  # llguidance's own JSON form (a harmony reply's: serve/harmony.py)
         return text

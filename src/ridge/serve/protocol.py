@@ -94,7 +94,6 @@ UNSUPPORTED = {
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "logits_processors": "not supported",
-    "structural_tag": "not supported",
     "mm_processor_kwargs": "this server reads text only",
     "audio": "this server reads and writes text only",
     "prediction": "predicted outputs are not supported",
@@ -121,11 +120,31 @@ class JsonSchemaFormat(Body):
         return self
 
 
-class ResponseFormat(Body):
-    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+class StructureFormat(Body):
+    """One structure of a structural_tag response format (vLLM's): a trigger opens `begin`, JSON of `schema` follows,
+    then `end`."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: Text
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: Text
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema; or vLLM's structural_tag
+    (free text whose triggers open structures)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[StructureFormat] | None = None
+    triggers: list[Text] | None = None
+
+    def structural_tag(self) -> str:
+        """A structural_tag format as StructuredOutputsParams' JSON text (its parts checked when it compiles)."""
+        if self.structures is None or self.triggers is None:
+            raise RequestError("response_format: a structural_tag format needs structures and triggers",
+                               "response_format")
+        return json.dumps({"structures": [s.model_dump(by_alias=True) for s in self.structures],
+                           "triggers": self.triggers})
 
 
 class StructuredOutputsField(Body):
@@ -133,7 +152,7 @@ class StructuredOutputsField(Body):
     key it does not know is refused (a 400 naming it), never dropped."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar")
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -144,14 +163,7 @@ class StructuredOutputsField(Body):
     disable_any_whitespace: bool = False  # a JSON constraint with none
     disable_additional_properties: bool = False  # a JSON schema's objects without keys it does not name
     disable_fallback: bool = False  # honoured as it stands: llguidance serves every constraint, with no fallback
-    structural_tag: Text | None = None  # refused below: not implemented
-
-    @model_validator(mode="after")
-    def _refused(self) -> StructuredOutputsField:
-        if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag: not supported; constrain tool calls with tools and "
-                             "tool_choice, or the whole reply with a grammar")
-        return self
+    structural_tag: Text | None = None  # vLLM's: the JSON text of {"structures": [...], "triggers": [...]}
 
     @model_validator(mode="after")
     def _unicode(self) -> StructuredOutputsField:
@@ -229,6 +241,7 @@ class SamplingFields(Body):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    structural_tag: Text | None = None  # vLLM's older field, as structured_outputs.structural_tag
     guided_decoding_backend: Text | None = None
     guided_whitespace_pattern: Text | None = None  # vLLM's: the whitespace a JSON constraint allows between tokens
     # vLLM's: the prompt's last k tokens only (-1: as many as the context holds), cut before anything is checked
@@ -346,6 +359,8 @@ class SamplingFields(Body):
         if self.response_format is not None and self.response_format.type != "text":
             if self.response_format.type == "json_object":
                 given.append(("response_format", {"json_object": True}))
+            elif self.response_format.type == "structural_tag":
+                given.append(("response_format", {"structural_tag": self.response_format.structural_tag()}))
             else:
                 spec = self.response_format.json_schema
                 if spec is None or spec.json_schema is None:
@@ -357,7 +372,7 @@ class SamplingFields(Body):
                                                         include=set(StructuredOutputsField.CONSTRAINTS) | {"json_"})
             given.append(("structured_outputs", fields))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+                          ("guided_grammar", "grammar"), ("structural_tag", "structural_tag")):
             if getattr(self, name) is not None:
                 given.append((name, {key: getattr(self, name)}))
         return given
