@@ -24,7 +24,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Mapping
 from functools import cached_property
 
 import llguidance
@@ -85,9 +85,9 @@ class GrammarCompiler:
                                       eos_token=sorted(self._source.stop_token_ids) or None)
 
     @cached_property
-    def added_tokens(self) -> frozenset[str]:
-        """The texts of the vocabulary's added tokens, which llguidance matches as tokens only."""
-        return frozenset(t.content for t in self._source.tokenizer.get_added_tokens_decoder().values())
+    def added_tokens(self) -> dict[str, int]:
+        """The vocabulary's added tokens (text -> id), which llguidance matches as tokens only."""
+        return {t.content: i for i, t in self._source.tokenizer.get_added_tokens_decoder().items()}
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:
@@ -145,7 +145,7 @@ class GrammarCompiler:
         return torch.from_numpy(allowed.view(np.bool_))
 
 
-def structural_tag_lark(text: str, added_tokens: Collection[str] = ()) -> str:
+def structural_tag_lark(text: str, added_tokens: Mapping[str, int] | None = None) -> str:
     """vLLM's structural tag (JSON text of {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}) as a
     Lark grammar: free text, where a trigger may open only the structures whose begin starts with it (the longest
     trigger that does), each JSON of its schema between its begin and end, then free text again. ValueError naming
@@ -153,7 +153,9 @@ def structural_tag_lark(text: str, added_tokens: Collection[str] = ()) -> str:
 
     Written here rather than by llguidance's StructTag.to_grammar, which writes a begin's rest and an end as text:
     llguidance matches a vocabulary's added tokens (Qwen's `<tool_call>`, `</tool_call>`) only as token references,
-    never as the text they spell, so every added token's text in a trigger, begin or end is written as one."""
+    never as the text they spell, so every added token's text in a trigger, begin or end is written as one (by id:
+    added_tokens maps each one's text to it)."""
+    added_tokens = added_tokens or {}
     try:
         tag = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -191,26 +193,26 @@ def structural_tag_lark(text: str, added_tokens: Collection[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def _lark_text(text: str, added_tokens: Collection[str]) -> list[str]:
+def _lark_text(text: str, added_tokens: Mapping[str, int]) -> list[str]:
     """`text` as Lark pieces: string literals, and token references for the added tokens it spells."""
     if not text:
         return []
     pattern = "|".join(re.escape(t) for t in sorted(added_tokens, key=len, reverse=True) if t in text)
     pieces = re.split(f"({pattern})", text) if pattern else [text]
-    return [piece if piece in added_tokens else json.dumps(piece) for piece in pieces if piece]
+    return [f"<[{added_tokens[piece]}]>" if piece in added_tokens else json.dumps(piece) for piece in pieces if piece]
 
 
-def grammar_text(spec: StructuredOutputsParams, added_tokens: Collection[str] = ()) -> str:
+def grammar_text(spec: StructuredOutputsParams, added_tokens: Mapping[str, int] | None = None) -> str:
     """The llguidance grammar of a spec, not yet checked against a vocabulary: Lark text, or llguidance's JSON
     form of its grammars (TopLevelGrammar); ValueError naming the field where the spec is not one. added_tokens: the
-    vocabulary's added tokens, which a structural tag's strings match as tokens."""
+    vocabulary's added tokens (text -> id), which a structural tag's strings match as tokens."""
     try:
         return _grammar_text(spec, added_tokens)
     except ValueError as exc:
         raise ValueError(f"structured_outputs.{spec.kind}: {exc}") from exc
 
 
-def _grammar_text(spec: StructuredOutputsParams, added_tokens: Collection[str]) -> str:
+def _grammar_text(spec: StructuredOutputsParams, added_tokens: Mapping[str, int] | None) -> str:
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
     if spec.json is not None:
