@@ -149,6 +149,9 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(qwen2_adapter
         make_llm_for_test(path, dtype="float32").generate([[5, 6]], GREEDY, lora_request=qv)
     with pytest.raises(ValueError, match="lora_modules"):
         EngineConfig(model=str(path), lora_modules=("qv",))
+    for unsafe in ({"quantization": "awq"}, {"batch_invariant": True}):  # each would change what an adapter sees
+        with pytest.raises(ValueError, match="enable_lora"):
+            EngineConfig(model=str(path), enable_lora=True, **unsafe)
 
 
 def test_an_adapter_of_another_model_is_refused(qwen2_adapters, make_llm_for_test, tmp_path):

@@ -662,6 +662,13 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.enable_lora and self.quantization == "awq":
+            raise ValueError("enable_lora: AWQ at load folds its scales into each projection's input (the norm before "
+                             "it), which an adapter trained on the model as published does not see; quantize with "
+                             "gptq, int4 or int8 instead")
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError("enable_lora: an adapter's products are torch matmuls over the step's rows, not "
+                             "batch_invariant's kernels; turn one off")
         if self.batch_invariant:
             self._require("batch_invariant:", "its rows are computed by ridge's CPU kernels", device="cpu",
                           attention_backend="paged", cpu_kernels=True)
