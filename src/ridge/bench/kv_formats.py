@@ -54,6 +54,18 @@ def decode_step_ms(engine, context: int, batch: int, steps: int, adapters: list 
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def add_decode_step_args(p: argparse.ArgumentParser, context: int) -> None:
+    """decode_step_ms's settings as flags: --context, --batch, --steps."""
+    p.add_argument("--context", type=int, default=context, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--batch", type=int, default=16, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed (default %(default)s)")
+
+
+def decode_step_len(args: argparse.Namespace) -> int:
+    """The max_model_len decode_step_ms's sequences need: the prompt, and tokens enough that none ends while timed."""
+    return args.context + args.batch + args.steps + 4
+
+
 def agreement(answers: list, reference: list) -> dict:
     """How many answers equal the reference's token for token; for each other, where it parts and the
     reference's margin there (its best logprob minus its second: a near-tie when small)."""
@@ -78,7 +90,7 @@ def cmd_kv(args: argparse.Namespace) -> int:
     print(f"[bench] measuring the read bandwidth of {args.device} ...", file=sys.stderr)
     roof = roofline.measure(dtypes=(), device=args.device)
     kwargs = {**engine_kwargs(args), "enable_prefix_caching": False,
-              "max_model_len": args.context + args.batch + args.steps + 4}  # room for decode_step_ms's tokens
+              "max_model_len": decode_step_len(args)}
     base = EngineConfig(args.model, **kwargs)
     plain = "bf16" if base.torch_dtype.itemsize == 2 else "fp32"
     greedy = SamplingParams(temperature=0, max_tokens=args.agreement_tokens, logprobs=2)
@@ -149,9 +161,7 @@ def add_kv_parser(bsub, add_engine_args) -> None:
     add_engine_args(p)
     p.add_argument("--kv-cache-dtypes", type=lambda s: s.split(","), default=["auto", "fp8", "int8", "int4"],
                    help="formats to compare, the first the baseline (default auto,fp8,int8,int4)")
-    p.add_argument("--context", type=int, default=8192, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--batch", type=int, default=16, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed (default %(default)s)")
+    add_decode_step_args(p, context=8192)
     p.add_argument("--agreement", type=int, default=0, metavar="N",
                    help="also answer N ShareGPT questions greedily in each format, and count the answers equal to the "
                         "first format's token for token (with the first's logprob margin where one parts)")

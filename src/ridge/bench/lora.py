@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ridge.bench.kv_formats import decode_step_ms
+from ridge.bench.kv_formats import add_decode_step_args, decode_step_len, decode_step_ms
 from ridge.plan import arithmetic, roofline
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,7 +69,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
     print(f"[bench] measuring the read bandwidth of {args.device} ...", file=sys.stderr)
     roof = roofline.measure(dtypes=(), device=args.device)
     kwargs = {**engine_kwargs(args), "enable_prefix_caching": False, "enable_lora": False, "lora_modules": (),
-              "max_model_len": args.context + args.batch + args.steps + 4}  # room for decode_step_ms's tokens
+              "max_model_len": decode_step_len(args)}
     scratch = Path(tempfile.mkdtemp(prefix="ridge-bench-lora-"))
     rows = []
     llm = LLM(args.model, progress=not args.json, **kwargs)
@@ -190,9 +190,7 @@ def add_lora_parser(bsub, add_engine_args) -> None:
     add_engine_args(p)
     p.add_argument("--adapters", type=int, default=4, help="adapters written and mixed (default %(default)s)")
     p.add_argument("--rank", type=int, default=16, help="each adapter's rank (default %(default)s)")
-    p.add_argument("--context", type=int, default=256, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--batch", type=int, default=16, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed (default %(default)s)")
+    add_decode_step_args(p, context=256)
     p.add_argument("--skip-peer", action="store_true", help="leave HF PEFT out")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_lora)

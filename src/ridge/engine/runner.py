@@ -154,7 +154,8 @@ class ModelRunner:
         each, or 1 + len(draft_ids) rows for a sequence whose drafts are checked in this pass (a sequence's
         draft tokens follow its own in the step, so row i scores draft i); and the hidden states of the
         rows that score prompt tokens."""
-        adapted = any(seq.adapter is not None for seq in step.seqs)  # CUDA graphs hold no adapter's products
+        # CUDA graphs hold no adapter's products
+        adapted = self.adapters is not None and any(seq.adapter is not None for seq in step.seqs)
         if self.graphs is not None and not adapted and self.graphs.serves(step):
             return StepLogits(self.graphs.run(step), list(step.seqs), [])
         return self.run(self.prepare(step))

@@ -173,7 +173,7 @@ class Scheduler:
         if self.policy == "lpm" and self.cache is not None and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._rank_waiting()
         admitted_up_to = -1  # the latest arrival admitted this step
-        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        adapters = {s.adapter for s in self.running if s.adapter is not None} if self.max_loras else set()
         passed_over: list[Sequence] = []  # of an adapter that would be one too many: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -136,12 +136,9 @@ class Gateway:
         request = self.adapters.pop(name)  # no new request reaches it from here on
         try:
             await asyncio.to_thread(self.engine.update_adapters, UnloadAdapter(name))
-        except ValueError as exc:
+        except (ValueError, EngineDead, ShuttingDown) as exc:  # still loaded: served again
             self.adapters[name] = request
-            raise RequestError(str(exc), "lora_name") from exc
-        except (EngineDead, ShuttingDown) as exc:
-            self.adapters[name] = request
-            raise engine_errors(exc) from exc
+            raise (RequestError(str(exc), "lora_name") if isinstance(exc, ValueError) else engine_errors(exc)) from exc
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:

@@ -152,7 +152,9 @@ class StructuredOutputsField(Body):
     key it does not know is refused (a 400 naming it), never dropped."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+    # the fields that are constraints (field names: json's is json_), the rest options that shape them
+    CONSTRAINTS: ClassVar[frozenset[str]] = frozenset(
+        {"json_", "json_object", "regex", "choice", "grammar", "structural_tag"})
 
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -369,7 +371,7 @@ class SamplingFields(Body):
                 given.append(("response_format", {"json": spec.json_schema}))
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True,
-                                                        include=set(StructuredOutputsField.CONSTRAINTS) | {"json_"})
+                                                        include=StructuredOutputsField.CONSTRAINTS)
             given.append(("structured_outputs", fields))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar"), ("structural_tag", "structural_tag")):
