@@ -536,6 +536,10 @@ def test_openai_parse_and_vllm_fields(client):
     ({"response_format": {"type": "structural_tag", "triggers": ["<f>"],
                           "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}}, "response_format"),
     ({"structural_tag": "[]"}, "structural_tag"),
+    ({"response_format": {"type": "json_object", "triggers": ["<f>"]}}, "response_format.triggers"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f>"],
+                          "structures": [{"begin": "<f>", "schema": {}, "end": "", "tag": "x"}]}},
+     "response_format.structures.0.tag"),
 ])
 def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:

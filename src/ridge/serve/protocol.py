@@ -124,6 +124,7 @@ class StructureFormat(Body):
     """One structure of a structural_tag response format (vLLM's): a trigger opens `begin`, JSON of `schema` follows,
     then `end`."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
     begin: Text
     schema_: dict[str, Any] = Field(alias="schema")
     end: Text
@@ -137,6 +138,17 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
     structures: list[StructureFormat] | None = None
     triggers: list[Text] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ResponseFormat:
+        """A field of another type's format would be dropped: refused by name."""
+        others = {"json_schema": self.json_schema} if self.type != "json_schema" else {}
+        if self.type != "structural_tag":
+            others.update(structures=self.structures, triggers=self.triggers)
+        for name, value in others.items():
+            if value is not None:
+                raise ValueError(f"response_format.{name}: not a field of a {self.type} response format")
+        return self
 
     def structural_tag(self) -> str:
         """A structural_tag format as StructuredOutputsParams' JSON text (its parts checked when it compiles)."""
