@@ -78,6 +78,19 @@ def test_bad_prompts_change_nothing(smollm2, prompt, params, message):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_a_priority_the_engine_would_not_honour_is_refused(smollm2):
+    """Under lpm (the default) every request is equal: a priority is refused by name, not ignored."""
+    engine = smollm2.engine
+    free, waiting = engine.pool.num_free, len(engine.scheduler.waiting)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match="priority: 1 asked for, but this engine schedules by lpm"):
+        smollm2.generate([[5, 6, 7], [8, 9]], params, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority: got 1 priorities for 2 prompts"):
+        smollm2.generate([[5, 6, 7], [8, 9]], params, priority=[0])
+    assert engine.pool.num_free == free and len(engine.scheduler.waiting) == waiting
+    assert len(smollm2.generate([5, 6, 7], params, priority=0)[0].outputs[0].token_ids) == 2
+
+
 def test_bad_sampling_values_reach_the_user_as_value_errors():
     for kwargs, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p")]:

@@ -132,6 +132,23 @@ def test_engine_flags_are_the_config_fields():
         config.block_size = 8
 
 
+def test_bench_priority_serves_the_urgent_sooner_under_the_priority_policy(capsys):
+    """`ridge bench priority --json`: the same workload under fcfs and priority; under priority the urgent arrivals
+    displace background requests (preemptions, their tokens recomputed) and wait fewer steps for a first token."""
+    assert in_process(capsys, "bench", "priority", "--model", RANDOM_SMOLLM2, "--max-num-seqs", "2", "--background",
+                      "3", "--input-len", "16", "--output-len", "24", "--urgent", "2", "--urgent-input-len", "8",
+                      "--urgent-output-len", "4", "--every", "6", "--warmup", "4", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    fcfs, ranked = report["rows"]
+    assert (fcfs["policy"], ranked["policy"]) == ("fcfs", "priority")
+    assert fcfs["preemptions"] == fcfs["recomputed_tokens"] == 0
+    assert ranked["preemptions"] >= 2 and ranked["recomputed_tokens"] > 0
+    assert ranked["urgent_ttft_steps_mean"] < fcfs["urgent_ttft_steps_mean"]  # steps, not seconds: no timing
+    assert all(r["output_tok_s"] > 0 and r["weight_read_fraction"] > 0 for r in report["rows"])
+    assert in_process(capsys, "bench", "priority", "--model", RANDOM_SMOLLM2, "--schedule-policy", "fcfs") != 0
+    assert "--schedule-policy: bench priority runs fcfs and priority itself" in capsys.readouterr().err
+
+
 def test_bench_lora_reports_each_variant(capsys):
     """`ridge bench lora --json`: the base model without and with --enable-lora, one adapter, the adapters mixed, each
     with its step time and the bytes a step reads (the adapters' among them)."""

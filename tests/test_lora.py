@@ -4,6 +4,7 @@ tests/test_real_models.py); a batch that mixes adapters against each prompt alon
 separation, quantized weights, tensor parallelism, refusals by name, and the server's `model` field and runtime
 loading."""
 
+import asyncio
 import copy
 import json
 
@@ -15,6 +16,7 @@ from conftest import random_prompts, running_server
 from ridge import LoRARequest, SamplingParams
 from ridge.config import EngineConfig
 from ridge.serve.gateway import ServerConfig
+from ridge.serve.protocol import RequestError
 from test_models_random import VOCAB, byte_tokenizer, hf_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -238,9 +240,18 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(qwe
         assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
         bad = post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        gateway = srv.uvicorn.config.app.state.gateway
+        resolved = gateway.adapter_for("qv")  # a request that named qv before the unload, and reaches the engine after
         assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 200
         assert post("/v1/completions", {**body, "model": "qv"}).status_code == 404
         assert post("/v1/unload_lora_adapter", {"lora_name": "qv"}).status_code == 404
+        with pytest.raises(RequestError) as late:  # not loaded again behind the unload's back
+            asyncio.run(gateway.collect([prompt], SamplingParams(max_tokens=2), "late", adapter=resolved))
+        assert late.value.status == 404 and "unloaded" in late.value.message
+        assert post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])}).is_success
+        assert gateway.adapters["qv"].lora_int_id > resolved.lora_int_id  # the engine tells them apart
+        reply = post("/v1/completions", {**body, "model": "qv"}).json()
+        assert reply["choices"][0]["token_ids"] == hf_greedy(adapters["qv"][1], prompt)
         assert srv.engine.state().idle
     plain = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB")
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"), running_server(

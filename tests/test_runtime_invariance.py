@@ -77,3 +77,33 @@ def test_bf16_packed_linears_are_as_accurate_as_torch_bf16(smollm2, make_llm_for
         err_packed = (packed.engine.prompt_logits(ids) - exact).abs().mean().item()
         err_plain = (plain.engine.prompt_logits(ids) - exact).abs().mean().item()
         assert err_packed < 1.5 * err_plain, (err_packed, err_plain)
+
+
+def test_priority_scheduling_serves_urgent_arrivals_first_and_keeps_every_token(make_llm_for_test, smollm2_path,
+                                                                                prompts, alone):
+    """Under the priority policy, with room for 4 sequences: urgent requests arriving while 8 less important ones run
+    displace some of those (recomputed later) and finish first; every request's greedy tokens are its own alone."""
+    llm = make_llm_for_test(smollm2_path, dtype="float32", schedule_policy="priority", max_num_seqs=4)
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+    finished: list[str] = []
+    preempted = 0
+
+    def step() -> None:
+        nonlocal preempted
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.samples[0].token_ids)
+            if delta.finished:
+                finished.append(delta.request_id)
+                preempted += delta.metrics["num_preemptions"]
+
+    chosen = prompts[::2]
+    low = [engine.add_request(p, GREEDY, priority=1) for p in chosen[:8]]
+    for _ in range(3):
+        step()
+    urgent = [engine.add_request(p, GREEDY, priority=-1) for p in chosen[8:12]]
+    while engine.has_unfinished:
+        step()
+    assert set(finished[:4]) == set(urgent), "an urgent request finished after a less important one"
+    assert preempted >= 4, "the urgent arrivals were meant to displace running requests"
+    assert [tokens[r] for r in low + urgent] == alone[:12]

@@ -1,5 +1,7 @@
 """The scheduler on its own: budget, decode-first order, chunking, preemption and requeueing."""
 
+import pytest
+
 from ridge.engine.scheduler import Scheduler
 from ridge.engine.sequence import Sequence, Status
 from ridge.kv.manager import KVManager
@@ -146,3 +148,71 @@ def test_held_siblings_wait_for_the_first_sample_and_never_strand():
     assert not sched.has_work and not sched.held
     sched.check_integrity()
     kv.check_idle()
+
+
+def ranked(i: int, prompt_len: int, priority: int) -> Sequence:
+    s = seq(i, prompt_len)
+    s.priority = priority
+    return s
+
+
+def test_priority_orders_the_queue_by_priority_then_arrival():
+    sched = Scheduler(KVManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2, policy="priority")
+    late_urgent, early_low, early_urgent = ranked(2, 4, 0), ranked(0, 4, 5), ranked(1, 4, 0)
+    for s in (early_low, early_urgent, late_urgent):
+        sched.add([s])
+    step = sched.schedule()
+    assert step.seqs == [early_urgent, late_urgent] and list(sched.waiting) == [early_low]
+    sched.check_integrity()
+
+
+def test_priority_preempts_the_least_important_not_the_newest():
+    """Out of blocks, fcfs preempts the newest running sequence; priority the one of the largest priority value,
+    here the oldest."""
+    kv = KVManager(4, 4)  # 16 tokens
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, policy="priority")
+    low, urgent = ranked(0, 8, 3), ranked(1, 8, 1)
+    sched.add([low])
+    sched.add([urgent])
+    run(sched, sched.schedule())
+    step = sched.schedule()  # each decode needs a fifth block
+    assert step.num_preempted == 1 and step.seqs == [urgent]
+    assert low.status is Status.WAITING and not any(low.block_tables) and sched.waiting[0] is low
+    sched.check_integrity()
+
+
+def test_an_urgent_arrival_displaces_a_less_important_running_sequence():
+    """max_num_seqs full of less important work: an arrival of a smaller priority value preempts the least
+    important one at admission; that one's decode, scheduled earlier in the same step, leaves the step (and its
+    tokens go back to the budget). One of equal priority waits its turn."""
+    kv = KVManager(64, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=2, policy="priority")
+    a, b = ranked(0, 6, 1), ranked(1, 6, 2)
+    sched.add([a])
+    sched.add([b])
+    run(sched, sched.schedule())
+    same = ranked(2, 6, 2)
+    sched.add([same])
+    step = sched.schedule()
+    assert step.seqs == [a, b] and step.num_preempted == 0  # as important as b: it waits
+    run(sched, step)
+    urgent = ranked(3, 6, 0)
+    sched.add([urgent])
+    step = sched.schedule()
+    # the urgent one displaces b (priority 2), whose decode was scheduled first; `same` waits behind b
+    assert step.seqs == [a, urgent] and step.num_tokens == [1, 6] and step.num_preempted == 1
+    assert b.status is Status.WAITING and list(sched.waiting) == [b, same]
+    assert not any(b.block_tables) and b.num_computed == 0
+    sched.check_integrity()
+
+
+def test_priority_policy_refuses_nothing_else_and_other_policies_refuse_priorities():
+    from ridge.engine.scheduler import check_priority
+
+    check_priority("priority", -3)
+    check_priority("fcfs", 0)
+    for policy in ("fcfs", "lpm"):
+        with pytest.raises(ValueError, match=f"priority: 2 asked for, but this engine schedules by {policy}"):
+            check_priority(policy, 2)
+    with pytest.raises(ValueError, match="priority: must be an integer"):
+        check_priority("priority", 1.5)

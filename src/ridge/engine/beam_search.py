@@ -125,15 +125,16 @@ def check_engine(config: EngineConfig) -> None:
 
 
 def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchParams,
-                lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
-    """Beam search for every prompt at once (with a LoRA adapter: lora_request's); every round batches all live
-    beams of all prompts."""
+                lora_request: LoRARequest | None = None, priority: int = 0) -> list[BeamSearchOutput]:
+    """Beam search for every prompt at once (with a LoRA adapter: lora_request's; every beam at `priority`); every
+    round batches all live beams of all prompts."""
     check_engine(engine.config)
     for ids in prompts:
         engine.validate(ids)
     search = BeamSearch(prompts, params, engine.tokenizer.stop_token_ids, engine.max_model_len)
     while batch := search.next_round():
-        order = [engine.add_request(ids, search.step_params, lora_request=lora_request) for ids in batch]
+        order = [engine.add_request(ids, search.step_params, lora_request=lora_request, priority=priority)
+                 for ids in batch]
         got: dict[str, dict[int, float]] = {}
         while engine.has_unfinished:
             for delta in engine.step():  # max_tokens=1: the one delta of a request carries its one token
@@ -144,7 +145,8 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchP
 
 
 async def beam_search_async(engine: AsyncEngine, prompts: list[list[int]], params: BeamSearchParams,
-                            request_id: str, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+                            request_id: str, lora_request: LoRARequest | None = None, priority: int = 0
+                            ) -> list[BeamSearchOutput]:
     """The same search through the server's engine client; a round's beams run as concurrent requests, and
     cancelling the search (a client gone) aborts them all."""
     check_engine(engine.config)
@@ -154,7 +156,8 @@ async def beam_search_async(engine: AsyncEngine, prompts: list[list[int]], param
 
     async def next_token(ids: list[int], beam_id: str) -> dict[int, float]:
         final = None
-        async for out in engine.generate(ids, search.step_params, beam_id, lora_request=lora_request):
+        async for out in engine.generate(ids, search.step_params, beam_id, lora_request=lora_request,
+                                         priority=priority):
             final = out
         return final.outputs[0].logprobs[0]
 

@@ -25,7 +25,7 @@ from ridge.engine.loading import ModelFile, load_weights, reads_its_part, shard_
 from ridge.engine.outputs import AdapterUse, RequestDelta, SampleDelta, StepError, StepStats
 from ridge.engine.runner import ModelRunner
 from ridge.engine.sampler import Sampler, bad_word_ids
-from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule
+from ridge.engine.scheduler import Sampled, ScheduledStep, Scheduler, StopRule, check_priority
 from ridge.engine.sequence import Sequence
 from ridge.engine.speculative import SpeculationPolicy, speculable, verify
 from ridge.engine.structured import GrammarCompiler
@@ -272,14 +272,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         validated: bool = False,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request (a text, or its token ids) after validating it against self.limits, unless the
         caller did (the server, in its own process, with the same limits); return its id. lora_request: the
-        adapter it runs with (loaded on first use)."""
+        adapter it runs with (loaded on first use); priority: under schedule_policy priority, lower goes first."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
         if not validated:
             self.validate(ids, params)
+        check_priority(self.config.schedule_policy, priority)
         adapter = self._adapter(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         if request_id in self._requests:
@@ -294,7 +296,7 @@ class LLMEngine:
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, prompt_len=len(ids),
                            token_ids=list(ids), params=params, generator=generator, grammar=grammar,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else [],
-                           bad_word_ids=banned, adapter=adapter)
+                           bad_word_ids=banned, adapter=adapter, priority=priority)
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)

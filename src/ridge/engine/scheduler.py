@@ -28,22 +28,44 @@ Sequences being recomputed after a preemption keep their place at the front, a s
 STARVATION_LIMIT times is served next regardless, and FCFS applies when the cache is off or more than
 LPM_MAX_QUEUE sequences wait (ranking them every step would cost more than it saves).
 
+Policy `priority` (vLLM's): each request carries a priority, lower first. The queue is ordered by (priority,
+arrival); when blocks run out the least important running sequence (the latest arrival among the largest priority
+value) is preempted rather than the newest; and a waiting sequence that finds no room (blocks, or max_num_seqs)
+preempts running ones of a larger priority value until it fits. The most important sequence therefore always
+progresses; equal priorities are served as fcfs serves them, and a less important request waits as long as more
+important ones keep coming (vLLM's rule too: there is no aging).
+
 With LoRA adapters, the running sequences use at most max_loras adapters between them (vLLM's rule): a waiting
 sequence of one more adapter is passed over, keeping its place, and later arrivals may go first.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ridge.config import SCHEDULE_POLICIES
 from ridge.engine.sequence import Sequence, Status
 from ridge.kv.manager import KVManager
 
-POLICIES = ("fcfs", "lpm")
 STARVATION_LIMIT = 64  # steps a waiting sequence may see later arrivals admitted before it
 LPM_MAX_QUEUE = 128
+
+
+def check_priority(policy: str, priority: int) -> None:
+    """Refuse a priority the policy would not honour (all requests are equal under fcfs and lpm)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority: {priority} asked for, but this engine schedules by {policy}; start it with "
+                         "--schedule-policy priority to order requests by priority")
+
+
+def importance(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order, most important first: priority, then arrival."""
+    return seq.priority, seq.seq_id
 
 
 @dataclass
@@ -101,8 +123,8 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
                  policy: str = "fcfs", stops: StopRule = StopRule(), max_loras: int | None = None) -> None:
         """max_loras: the LoRA adapters the running sequences may use between them (None: no adapters)."""
-        if policy not in POLICIES:
-            raise ValueError(f"schedule_policy: {policy!r} is not one of {', '.join(POLICIES)}")
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy: {policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
         self.policy = policy
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -132,7 +154,7 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         budget, preempted = self._schedule_running(self.max_num_batched_tokens, decodes, prefills)
         if not preempted:  # none are admitted in a step that preempted
-            self._admit(budget, decodes, prefills)
+            preempted += self._admit(budget, decodes, prefills)
         chosen = decodes + prefills
         self.num_preemptions += preempted
         return ScheduledStep(
@@ -145,7 +167,8 @@ class Scheduler:
     def _schedule_running(self, budget: int, decodes: list[tuple[Sequence, int]],
                           prefills: list[tuple[Sequence, int]]) -> tuple[int, int]:
         """Running sequences, decodes before prefill chunks, oldest first within each, preempting the newest
-        when blocks run out; returns the budget left and the number preempted."""
+        (under priority: the least important) when blocks run out; returns the budget left and the number
+        preempted."""
         preempted = 0
         order = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
         for seq in order:
@@ -157,9 +180,10 @@ class Scheduler:
             n -= seq.num_computed
             del seq.draft_ids[max(n - seq.num_pending, 0):]  # drafts beyond the budget are dropped
             while not self.kv.reserve(seq, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = max(self.running, key=importance) if self.policy == "priority" else self.running[-1]
                 self._preempt(victim)
                 preempted += 1
+                budget += self._unschedule(victim, decodes, prefills)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
@@ -168,27 +192,38 @@ class Scheduler:
                 budget -= n
         return budget, preempted
 
-    def _admit(self, budget: int, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]]) -> None:
-        """New (or preempted) sequences, in queue order, while the budget, the pool and max_num_seqs allow."""
+    def _admit(self, budget: int, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]]) -> int:
+        """New (or preempted) sequences, in queue order, while the budget, the pool and max_num_seqs allow (under
+        priority, room is made by preempting less important running sequences); returns the number preempted."""
         if self.policy == "lpm" and self.cache is not None and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._rank_waiting()
+        elif self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=importance))
         admitted_up_to = -1  # the latest arrival admitted this step
         adapters = {s.adapter for s in self.running if s.adapter is not None} if self.max_loras else set()
         passed_over: list[Sequence] = []  # of an adapter that would be one too many: they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        displaced = 0
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.adapter is not None and seq.adapter not in adapters and len(adapters) == self.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue
-            if seq.num_preemptions and self.running and (
-                    self.kv.num_free < self.kv.blocks_to_hold(len(seq.token_ids), self.max_num_batched_tokens)):
-                break  # see the module's note on readmission
-            if seq.num_computed == 0:
-                self.kv.take_cached_prefix(seq)
-            n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
-            if not self.kv.reserve(seq, seq.num_computed + n):
-                self.kv.free(seq)  # the cached blocks go back; it tries again next step
-                break
+            room = len(self.running) < self.max_num_seqs and not (seq.num_preemptions and self.running and (
+                self.kv.num_free < self.kv.blocks_to_hold(len(seq.token_ids), self.max_num_batched_tokens)))
+            if room:  # (a preempted sequence's readmission: see the module's note)
+                if seq.num_computed == 0:
+                    self.kv.take_cached_prefix(seq)
+                n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
+                room = self.kv.reserve(seq, seq.num_computed + n)
+                if not room:
+                    self.kv.free(seq)  # the cached blocks go back; it tries again (next step, or after a displacement)
+            if not room:
+                freed = self._displace(seq, decodes, prefills)
+                if freed is None:
+                    break
+                displaced += 1
+                budget += freed
+                continue
             self.waiting.popleft()
             admitted_up_to = max(admitted_up_to, seq.seq_id)
             seq.status = Status.RUNNING
@@ -207,6 +242,29 @@ class Scheduler:
         for seq in self.waiting:  # earlier arrivals passed over by a later one (lpm only reorders)
             if seq.seq_id < admitted_up_to:
                 seq.times_passed += 1
+        return displaced
+
+    def _displace(self, seq: Sequence, decodes: list[tuple[Sequence, int]],
+                  prefills: list[tuple[Sequence, int]]) -> int | None:
+        """Under priority, preempt the least important running sequence where it is less important than the waiting
+        `seq` (a larger priority value); return the step's budget it gave back, or None where there is none."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running, key=importance)
+        if victim.priority <= seq.priority:
+            return None
+        self._preempt(victim)
+        return self._unschedule(victim, decodes, prefills)
+
+    @staticmethod
+    def _unschedule(seq: Sequence, decodes: list[tuple[Sequence, int]], prefills: list[tuple[Sequence, int]]) -> int:
+        """Take a sequence preempted in this step out of the step, if it was scheduled before; return its tokens."""
+        for chosen in (decodes, prefills):
+            for i, (s, n) in enumerate(chosen):
+                if s is seq:
+                    del chosen[i]
+                    return n
+        return 0
 
     def _rank_waiting(self) -> None:
         """Order the queue for lpm: starved and preempted sequences first (in arrival order), then by the
@@ -219,13 +277,18 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=rank))
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and requeue it at the front; its tokens so far will be recomputed."""
+        """Free seq's blocks and requeue it at the front (under priority: at its place in the queue's order); its
+        tokens so far will be recomputed."""
         self.running.remove(seq)
         self.kv.free(seq)
         seq.draft_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":  # the queue is in order while sequences are admitted (_admit sorts it first)
+            keys = [importance(s) for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, importance(seq)), seq)
+        else:
+            self.waiting.appendleft(seq)
 
     # ---- after the model ran -----------------------------------------------------------------------
     def update(self, step: ScheduledStep, sampled: list[Sampled]) -> int:

@@ -31,6 +31,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     answer_errors_in_the_envelope(app)
     document_errors(app)
     routes = Routes(Gateway(engine, config), metrics)
+    app.state.gateway = routes.gateway  # for tests and diagnostics in the server's process
     app.get("/health")(routes.health)
     app.get("/version")(routes.version)
     app.get("/metrics")(routes.prometheus)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ from ridge.engine.async_engine import AsyncEngine
 from ridge.engine.beam_search import BeamSearchParams, beam_search_async
 from ridge.engine.engine_core import LoadAdapter, UnloadAdapter
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.engine.scheduler import check_priority
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
 from ridge.lora.request import LoRARequest
@@ -95,6 +97,9 @@ class Gateway:
         config.check_parsers(self.harmony)
         # the LoRA adapters the engine loaded at start (and at run time), which clients ask for by name as `model`
         self.adapters = {r.lora_name: r for r in LoRARequest.from_modules(engine.config.lora_modules)}
+        # the requests running on each adapter, from their submission to their end: one is not unloaded under them
+        self._adapter_users: Counter[str] = Counter()
+        self._adapter_ids = max((a.lora_int_id for a in self.adapters.values()), default=0)  # the last given
 
     @property
     def call_format(self) -> str:
@@ -120,7 +125,8 @@ class Gateway:
         """Load a LoRA adapter into the engine and serve it as `name` (a 400 naming what does not fit)."""
         if name == self.config.model_name or name in self.adapters:
             raise RequestError(f"lora_name: {name!r} is already served; unload it first", "lora_name")
-        request = LoRARequest(name, max((a.lora_int_id for a in self.adapters.values()), default=0) + 1, path)
+        self._adapter_ids += 1  # never reused: the engine knows an adapter by its name and id
+        request = LoRARequest(name, self._adapter_ids, path)
         try:
             await asyncio.to_thread(self.engine.update_adapters, LoadAdapter(request))
         except ValueError as exc:  # its message opens with the field it names (lora_path, max_lora_rank, ...)
@@ -133,6 +139,9 @@ class Gateway:
         """Stop serving a LoRA adapter and free it in the engine (404 for a name not served; 400 while in use)."""
         if name not in self.adapters:
             raise RequestError(f"lora_name: no adapter {name!r} is served", "lora_name", 404, "NotFoundError")
+        if self._adapter_users[name]:  # some may not have reached the engine yet, which would load it again
+            raise RequestError(f"lora_name: {name!r} is in use by {self._adapter_users[name]} requests still "
+                               "running or waiting; unload it after they finish", "lora_name")
         request = self.adapters.pop(name)  # no new request reaches it from here on
         try:
             await asyncio.to_thread(self.engine.update_adapters, UnloadAdapter(name))
@@ -193,6 +202,10 @@ class Gateway:
                 "Please reduce the length of the prompt or completion.", what)
         max_tokens = requested if requested is not None else max(1, max_model_len - longest)
         params = fields.sampling_params(max_tokens, logprobs)
+        try:
+            check_priority(self.engine.config.schedule_policy, fields.priority)
+        except ValueError as exc:
+            raise RequestError(str(exc), "priority") from exc
         for ids in prompts:
             try:
                 self.engine.validate(ids, params)
@@ -214,13 +227,37 @@ class Gateway:
             raise engine_errors(exc) from exc
         return params
 
+    @contextlib.contextmanager
+    def _using(self, adapter: LoRARequest | None) -> Iterator[None]:
+        """Hold `adapter` while a request runs on it; a 404 where it was unloaded since the request named it.
+        Checked and counted with no await between (the event loop's one thread): unload_adapter sees every request
+        that will reach the engine with it."""
+        if adapter is None:
+            yield
+            return
+        if self.adapters.get(adapter.lora_name) is not adapter:
+            raise RequestError(f"The model `{adapter.lora_name}` does not exist; it was unloaded.", "model", 404,
+                               "NotFoundError")
+        self._adapter_users[adapter.lora_name] += 1
+        try:
+            yield
+        finally:
+            self._adapter_users[adapter.lora_name] -= 1
+
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                   beams: BeamSearchParams | None = None, kind: OutputKind = OutputKind.FINAL,
-                  adapter: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  adapter: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
         A beam search yields each prompt's final output only, its params.n best beams as the choices."""
+        with self._using(adapter):
+            async for item in self._run(prompts, params, request_id, beams, kind, adapter, priority):
+                yield item
+
+    async def _run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                   beams: BeamSearchParams | None, kind: OutputKind, adapter: LoRARequest | None,
+                   priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         if beams is not None:
-            results = await beam_search_async(self.engine, prompts, beams, request_id, adapter)
+            results = await beam_search_async(self.engine, prompts, beams, request_id, adapter, priority)
             for i, result in enumerate(results):
                 choices = [CompletionOutput(j, h.text, h.token_ids, "stop" if h.finished else "length",
                                             cumulative_logprob=h.cumulative_logprob)
@@ -228,7 +265,7 @@ class Gateway:
                 yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
             return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
-            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter)
+            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter, priority)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
                     yield 0, _unless_aborted(out)
@@ -237,7 +274,7 @@ class Gateway:
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind, adapter):
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind, adapter, priority):
                     merged.put_nowait((i, out))
             except (Exception, asyncio.CancelledError) as exc:
                 merged.put_nowait(exc)
@@ -261,11 +298,11 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                      beams: BeamSearchParams | None = None, adapter: LoRARequest | None = None
-                      ) -> list[RequestOutput]:
+                      beams: BeamSearchParams | None = None, adapter: LoRARequest | None = None,
+                      priority: int = 0) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter):
+            async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter, priority=priority):
                 finals[i] = out
         except ENGINE_ERRORS as exc:
             raise engine_errors(exc) from exc

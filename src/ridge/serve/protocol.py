@@ -105,7 +105,7 @@ ONE_ENDPOINT = {
     "suffix": "fill-in-the-middle is a completions field (a prompt and its suffix)",
 }
 # Fields that only label or prioritise a request: accepted, and said in the log when they ask for something.
-LABELS = ("user", "metadata", "service_tier", "priority", "request_id")
+LABELS = ("user", "metadata", "service_tier", "request_id")
 
 
 class JsonSchemaFormat(Body):
@@ -236,6 +236,7 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: Text | None = None
+    priority: int = 0  # vLLM's: lower goes first, on a server started with --schedule-policy priority
     # disaggregated prefill (serve/kv_transfer.py): on a --role prefill server, push the prompt's KV to a decode server
     kv_transfer_params: KVTransferParams | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-n alternatives per prompt token, with the prompt's own

@@ -174,7 +174,7 @@ class Routes:
 
         if not req.stream:
             outputs = await until_disconnected(request, self.gateway.collect(ids_list, params, request_id, beams,
-                                                                             adapter))
+                                                                             adapter, req.priority))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             scored.update((i, o.prompt_logprobs) for i, o in enumerate(outputs))
@@ -195,7 +195,7 @@ class Routes:
             finals: dict[int, RequestOutput] = {}
             completion = 0
             async for i, out in guard(self.gateway.run(ids_list, params, request_id, beams, OutputKind.DELTA,
-                                                       adapter)):
+                                                       adapter, req.priority)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
@@ -278,7 +278,7 @@ class Routes:
 
         if not req.stream:
             outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams,
-                                                                             adapter))
+                                                                             adapter, req.priority))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             (output,) = outputs
@@ -329,7 +329,8 @@ class Routes:
 
             if req.return_token_ids:  # once, before any choice
                 yield sse({**head, "choices": [], "prompt_token_ids": ids})
-            async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA, adapter)):
+            async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA, adapter,
+                                                       req.priority)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break
