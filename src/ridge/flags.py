@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             kwargs["type"] = int if f.type.startswith("int") and f.type != "int | str" else str
             if meta["choices"] is not None:
                 kwargs["choices"] = list(meta["choices"])
-        group.add_argument(name, **kwargs)
+        group.add_argument(name, *meta["aliases"], **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
