@@ -593,3 +593,140 @@ def test_suffix_fills_in_the_middle_with_the_model_s_tokens(client, server):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="qwen", prompt=prefix, suffix=suffix, echo=True, max_tokens=4)
     assert caught.value.body["param"] == "echo"
+
+
+# ---- OpenAI's Responses API (serve/responses.py): the same requests through /v1/responses ------------------------
+
+def responses_tool(tool: dict) -> dict:
+    """A chat tool in the Responses API's flat form."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_give_the_chat_reply_as_output_items(client):
+    """Text in, text out: the Response's message is the chat completion's, its usage the same tokens; instructions
+    are the system message; a reply cut by max_output_tokens is incomplete."""
+    system, question = "Answer in one short sentence.", "Say hello in French."
+    chat = client.chat.completions.create(model="qwen", temperature=0, max_tokens=24, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": question}])
+    got = client.responses.create(model="qwen", instructions=system, temperature=0, max_output_tokens=24,
+                                  input=[{"role": "user", "content": [{"type": "input_text", "text": question}]}])
+    assert got.object == "response" and got.id.startswith("resp_") and got.model == "qwen"
+    assert got.output_text == chat.choices[0].message.content and [o.type for o in got.output] == ["message"]
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                 chat.usage.completion_tokens)
+    assert got.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    cut = client.responses.create(model="qwen", input=question, temperature=0, max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2
+
+
+def test_responses_call_functions_and_read_their_outputs_back(client):
+    """A required call comes as a function_call item valid against its schema; the call and its output sent back
+    as input items give the chat round trip's reply."""
+    tools = [responses_tool(WEATHER)]
+    first = client.responses.create(model="qwen", input=ASK[0]["content"], tools=tools, tool_choice="required",
+                                    parallel_tool_calls=False, temperature=0, max_output_tokens=96)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    weather = json.dumps({"temperature": 18, "sky": "clear"})
+    reply = client.responses.create(model="qwen", tools=tools, temperature=0, max_output_tokens=48, input=[
+        *ASK, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": weather}])
+    chat = client.chat.completions.create(model="qwen", tools=[WEATHER], temperature=0, max_tokens=48, messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": weather}])
+    message = chat.choices[0].message
+    assert reply.output_text == (message.content or "")
+    assert [(o.name, o.arguments) for o in reply.output if o.type == "function_call"] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "none"])
+def test_a_responses_stream_builds_the_same_response(client, tool_choice):
+    """The stream's events, in order: created, each item added / its deltas / done, completed; the deltas add up to
+    the items, and the completed response is the non-streamed one (but for its ids and the calls' ids)."""
+    kwargs = dict(model="qwen", input="What is the weather like in Paris? Answer briefly.",
+                  tools=[responses_tool(WEATHER)], tool_choice=tool_choice, parallel_tool_calls=False,
+                  temperature=0, max_output_tokens=64)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text and (text != "") == (tool_choice == "none")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    final = events[-1].response
+    for items in (done, final.output):
+        assert [i.model_dump(exclude={"id", "call_id"}) for i in items] == [
+            i.model_dump(exclude={"id", "call_id"}) for i in whole.output]
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x " * 40000}, "input"),
+    ({"tools": [{"type": "function", "name": "f", "strict": True, "parameters": {"type": "object"}}]},
+     "tools.0.strict"),
+])
+def test_responses_refuse_what_they_cannot_do_by_name(client, extra, param):
+    body = {"model": "qwen", "input": "Hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/responses", body=body, cast_to=object)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_a_reply_s_reasoning_becomes_a_reasoning_item_before_the_message():
+    """Under a reasoning parser (or gpt-oss's channels) the chat reply's reasoning_content: a reasoning item first,
+    whole or streamed as reasoning_text deltas, its tokens counted in the usage."""
+    import asyncio
+
+    from ridge.serve.responses import ResponseBuilder, ResponsesRequest
+
+    builder = ResponseBuilder(ResponsesRequest(input="Hi"), "m", 0, lambda text: len(text.split()))
+    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    whole = builder.from_chat({"choices": [{"finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "one two three", "content": "Hello."}}], "usage": usage})
+    assert [(o["type"], o.get("content")) for o in whole["output"]] == [
+        ("reasoning", [{"type": "reasoning_text", "text": "one two three"}]),
+        ("message", [{"type": "output_text", "text": "Hello.", "annotations": [], "logprobs": []}])]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 3} and whole["status"] == "completed"
+
+    def chunk(**delta) -> str:
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}) + "\n\n"
+
+    async def events() -> list[dict]:
+        chunks = [chunk(role="assistant", reasoning_content="one two"), chunk(reasoning_content=" three"),
+                  chunk(content="Hel"), chunk(content="lo."), "data: " + json.dumps({"choices": [], "usage": usage})
+                  + "\n\n", "data: [DONE]\n\n"]
+
+        async def feed():
+            for c in chunks:
+                yield c
+
+        return [json.loads(e.split("data: ", 1)[1]) async for e in builder.events(feed())]
+
+    streamed = asyncio.run(events())
+    assert [e["type"] for e in streamed] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    final = streamed[-1]["response"]
+    strip = [{k: v for k, v in o.items() if k != "id"} for o in final["output"]]
+    assert strip == [{k: v for k, v in o.items() if k != "id"} for o in whole["output"]]
+    assert final["usage"] == whole["usage"]

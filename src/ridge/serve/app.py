@@ -42,6 +42,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.post("/detokenize")(routes.detokenize)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
+    app.post("/v1/responses")(routes.responses)
     if config.role == "decode":
         app.post(IMPORT_PATH)(routes.kv_import)
     if config.allow_runtime_lora_updating:

@@ -82,7 +82,7 @@ class StreamOptions(Body):
         return self
 
 
-def _asks(value: Any) -> bool:
+def asks(value: Any) -> bool:
     """Whether a field's value asks for something (None, False, 0, "" and empty collections do not)."""
     return value is not None and value is not False and value != 0 and value != "" and value != [] and value != {}
 
@@ -202,18 +202,18 @@ class SamplingFields(Body):
                 value = data.get(name)
                 if name == "function_call" and value in ("none", "auto"):
                     continue  # with no functions (refused when given), these choose nothing
-                if _asks(value):
+                if asks(value):
                     raise ValueError(f"{name}: {why}")
             for name, why in ONE_ENDPOINT.items():
-                if name not in cls.model_fields and _asks(data.get(name)):
+                if name not in cls.model_fields and asks(data.get(name)):
                     raise ValueError(f"{name}: {why}")
             best_of = data.get("best_of")
-            if "best_of" not in cls.model_fields and _asks(best_of) and best_of != data.get("n", 1):
+            if "best_of" not in cls.model_fields and asks(best_of) and best_of != data.get("n", 1):
                 raise ValueError("best_of: only completions rank samples; here, ask for n samples")
             if data.get("modalities") not in (None, ["text"]):
                 raise ValueError("modalities: this server reads and writes text only")
             for name in LABELS:
-                if _asks(data.get(name)):
+                if asks(data.get(name)):
                     log.warning("ridge: request field %s=%r accepted and not acted on (a label)", name, data[name])
         return data
 

@@ -33,6 +33,7 @@ from ridge.serve.protocol import (
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
 from ridge.serve.reasoning import tags as reasoning_tags
+from ridge.serve.responses import ResponseBuilder, ResponsesRequest, responses_error, to_chat
 from ridge.serve.tool_grammars import are_control_tokens, call_markers, tags
 from ridge.serve.tools import CallStream, parse_reply
 from ridge.tokenizer import RidgeTokenizer
@@ -215,6 +216,22 @@ class Routes:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def responses(self, req: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API, run as a chat completion (serve/responses.py)."""
+        try:
+            adapter = self.gateway.adapter_for(req.model)
+            result = await self.chat_completions(to_chat(req), request)
+        except RequestError as exc:
+            raise responses_error(exc) from exc
+        model = self.config.model_name if adapter is None else adapter.lora_name
+        builder = ResponseBuilder(req, model, int(time.time()),
+                                  lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
+        if isinstance(result, StreamingResponse):
+            return StreamingResponse(builder.events(result.body_iterator), media_type="text/event-stream")
+        if isinstance(result, Response):  # the client left
+            return result
+        return builder.from_chat(result)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Any:
         adapter = self.gateway.adapter_for(req.model)
