@@ -248,6 +248,35 @@ def test_the_server_reads_the_reply_s_channels_whole_and_streamed(client):
         assert plain.choices[0].message.content == '{"city": "Paris"}' and not plain.choices[0].message.tool_calls
 
 
+def test_the_responses_api_reads_the_channels_as_output_items(client):
+    """/v1/responses on a harmony reply: the final channel as a message item, a commentary call as a function_call
+    item; streamed, the completed response holds the same items."""
+    kind, api = client
+    tools = [{"type": "function", **TOOLS[0]["function"]}] if kind == "call" else openai.NOT_GIVEN
+    kwargs = dict(model="gpt-oss", input=ASK[0]["content"], max_output_tokens=20, temperature=0, tools=tools)
+    whole = api.responses.create(**kwargs)
+    if kind == "answer":
+        assert [o.type for o in whole.output] == ["message"] and whole.output_text == "Hello there"
+    else:
+        (call,) = whole.output
+        assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    final = list(api.responses.create(stream=True, **kwargs))[-1]
+    assert final.type == "response.completed"
+    assert [o.model_dump(exclude={"id", "call_id"}) for o in final.response.output] == [
+        o.model_dump(exclude={"id", "call_id"}) for o in whole.output]
+
+
+def test_the_analysis_channel_is_a_reasoning_item(chained):
+    """A reply that only thinks: its analysis channel as the Response's reasoning item, counted in the usage."""
+    config = EngineConfig(model=str(chained["thought"]), dtype="float32", kv_cache_memory="16MiB")
+    with running_server(config, ServerConfig("gpt-oss")) as srv:
+        api = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = api.responses.create(model="gpt-oss", input=ASK[0]["content"], max_output_tokens=20, temperature=0)
+    (item,) = got.output
+    assert item.type == "reasoning" and [c.text for c in item.content] == ["Hello there"]
+    assert got.output_text == "" and got.usage.output_tokens_details.reasoning_tokens > 0
+
+
 @pytest.mark.parametrize(("field", "body"), [
     ("response_format", {"tools": TOOLS, "response_format": {"type": "json_object"}}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": "required"}),
@@ -278,6 +307,10 @@ def test_the_server_constrains_the_final_channel(chained):
         chunks = list(api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=30, temperature=0,
                                                   response_format=schema, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+        text_format = {"type": "json_schema", "name": "city", "schema": schema["json_schema"]["schema"]}
+        answer = api.responses.create(model="gpt-oss", input=ASK[0]["content"], max_output_tokens=30, temperature=0,
+                                      text={"format": text_format})
+        assert json.loads(answer.output_text) == {"city": "Paris"}
         with pytest.raises(openai.BadRequestError) as caught:
             api.chat.completions.create(model="gpt-oss", messages=ASK, max_tokens=5,
                                         extra_body={"guided_json": "{not json"})
