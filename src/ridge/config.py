@@ -364,6 +364,7 @@ class ModelConfig:
 
 QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4", "gguf")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")  # engine/scheduler.py
+RUNNERS = ("generate", "pooling")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -479,6 +480,11 @@ class EngineConfig:
         "prefix's end to keep, each the size of one sequence's state (kv/state_snapshots.py; default: as many as "
         "sequences run at once, within a quarter of the KV memory left after their slots where there are attention "
         "layers)")
+    runner: str = knob(
+        "generate", "generate: text (default); pooling: embeddings of prompts (LLM.embed, /v1/embeddings), each the "
+        "final hidden state of its last token, L2-normalized: last-token pooling, as decoder embedding models "
+        "(Qwen3-Embedding, e5-mistral, gte-Qwen2) are trained. As vLLM's --runner pooling, it does not generate",
+        choices=RUNNERS)
     schedule_policy: str = knob(
         "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
         "arrival order, priority = each request's priority, lower first (vLLM's; a less important running "
@@ -599,6 +605,14 @@ class EngineConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("state_snapshots: keeps states for prefix caching, which is off; turn it on or "
                                  "leave state_snapshots out")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
+        if self.runner == "pooling":
+            for name, given in (("speculate", self.speculate or self.draft_model), ("kv_eviction",
+                                self.kv_eviction != "none")):
+                if given:  # drafts need generation; eviction would embed a prompt over the tokens it kept
+                    raise ValueError(f"{name}: not with runner='pooling', which embeds whole prompts and generates "
+                                     "nothing")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy: {self.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):

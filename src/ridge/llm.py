@@ -11,7 +11,13 @@ from ridge.config import EngineConfig
 from ridge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from ridge.engine.engine import LLMEngine
 from ridge.engine.output_processor import OutputProcessor
-from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    OutputKind,
+    RequestOutput,
+)
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
@@ -90,6 +96,35 @@ class LLM:
         for request_id in request_ids:
             self.engine.abort(request_id)
             self.processor.trackers.pop(request_id, None)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              priority: int | Sequence[int] = 0) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in prompt order, as vLLM's LLM.embed: its last token's final hidden state,
+        L2-normalized (an engine started with runner="pooling"). The prompts batch as generate's do."""
+        batch = _as_batch(prompts)
+        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(batch)
+        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(batch)
+        if len(adapters) != len(batch) or len(priorities) != len(batch):
+            raise ValueError(f"lora_request, priority: one each, or one per prompt ({len(batch)})")
+        order: list[str] = []
+        ids: dict[str, list[int]] = {}
+        done: dict[str, list[float]] = {}
+        try:
+            for prompt, adapter, rank in zip(batch, adapters, priorities, strict=True):
+                encoded = self.tokenizer.encode_prompt(prompt)
+                order.append(self.engine.add_request(encoded, lora_request=adapter, priority=rank, embed=True))
+                ids[order[-1]] = encoded
+            with tqdm(total=len(order), desc="embed", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished:
+                    for delta in self.engine.step():
+                        if delta.embedding is not None:
+                            done[delta.request_id] = delta.embedding
+                            bar.update(1)
+        except BaseException:  # a bad prompt, a failed step, Ctrl-C: the batch's other requests give their blocks back
+            self._abandon(order)
+            raise
+        return [EmbeddingRequestOutput(i, ids[i], EmbeddingOutput(done[i])) for i in order]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0) -> list[BeamSearchOutput]:

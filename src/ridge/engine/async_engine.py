@@ -252,11 +252,12 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------------------
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL,
-        lora_request: LoRARequest | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None, priority: int = 0, embed: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request: its whole output once it finishes (FINAL), or each step's news, the last
         with finished=True (DELTA); lora_request: the adapter it runs with (one of config.lora_modules');
-        priority: under schedule_policy priority, lower goes first.
+        priority: under schedule_policy priority, lower goes first; embed: the prompt's embedding (output.embedding,
+        on a pooling runner) rather than a generation.
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
@@ -266,6 +267,10 @@ class AsyncEngine:
         self.check_admission(params.n, work)
         self.validate(prompt_ids, params)
         check_priority(self.config.schedule_policy, priority)
+        if embed != (self.config.runner == "pooling"):  # the engine's own refusal, before anything is queued
+            raise ValueError("embed: this server generates; embeddings need one started with --runner pooling" if
+                             embed else "runner: this server runs --runner pooling: it embeds prompts "
+                             "(/v1/embeddings) and generates nothing")
         tracker = RequestTracker(request_id, None, prompt_ids, params, self.tokenizer, kind)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
@@ -278,7 +283,8 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                command = AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request, priority)
+                command = AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request, priority,
+                                     embed)
                 self._send(command, core)
             except (OSError, ValueError) as exc:  # the core died as this request arrived
                 raise EngineDead(f"the engine stopped: {exc}") from exc

@@ -273,11 +273,18 @@ class LLMEngine:
         validated: bool = False,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        embed: bool = False,
     ) -> str:
         """Queue a request (a text, or its token ids) after validating it against self.limits, unless the
         caller did (the server, in its own process, with the same limits); return its id. lora_request: the
-        adapter it runs with (loaded on first use); priority: under schedule_policy priority, lower goes first."""
-        params = params or SamplingParams()
+        adapter it runs with (loaded on first use); priority: under schedule_policy priority, lower goes first;
+        embed: the prompt's embedding rather than a generation (runner pooling; params are not read)."""
+        pooling = self.config.runner == "pooling"
+        if embed != pooling:
+            raise ValueError("embed: this engine generates; embeddings need one started with runner='pooling' "
+                             "(--runner pooling)" if embed else "runner: this engine runs runner='pooling': it "
+                             "embeds prompts (LLM.embed, /v1/embeddings) and generates nothing")
+        params = SamplingParams(max_tokens=1) if embed else params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
         if not validated:
             self.validate(ids, params)
@@ -408,12 +415,26 @@ class LLMEngine:
         if out.scored:
             prompt_logprobs.record(out.scored, out.prompt_hidden, self.loaded.model.compute_logits)
         samplers = out.samplers
-        stats.sampled_tokens = self.scheduler.update(step, self._sample(out.logits, samplers))
+        if out.hidden is not None:  # a pooling runner: each sampler's prompt is whole, its embedding the last row
+            self.scheduler.update(step, [])
+            self._embed(samplers, out.hidden)
+        else:
+            stats.sampled_tokens = self.scheduler.update(step, self._sample(out.logits, samplers))
         if self.drafter is not None:
             self.drafter.release_finished()
         if cache:
             stats.prefix_cache_evictions = cache.evictions - before[2]
         return self._report(samplers)
+
+    def _embed(self, samplers: list[Sequence], hidden: torch.Tensor) -> None:
+        """End each sequence that computed its prompt's last token with its embedding: that token's final hidden
+        state, L2-normalized in float32."""
+        embeddings = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu()
+        now = time.perf_counter()
+        for seq, embedding in zip(samplers, embeddings, strict=True):
+            seq.embedding = embedding.tolist()
+            seq.timings.first_token = now
+            self.scheduler.finish(seq, "stop")
 
     def _sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> list[Sampled]:
         """The next token of each sequence that computed its last token; a row block per sequence with drafts."""
@@ -532,7 +553,8 @@ class LLMEngine:
         scored = None  # the prompt's logprobs, in the first delta after its last token was scored
         if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.scores_prompt:
             scored, request.prompt_logprobs_sent = first.prompt_logprobs, True
-        return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens, scored)
+        return RequestDelta(request.request_id, samples, request.finished, metrics, first.num_cached_tokens, scored,
+                            first.embedding)
 
     def close(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel ranks); the engine cannot step after."""

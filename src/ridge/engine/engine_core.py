@@ -38,6 +38,7 @@ class AddRequest:
     arrival_time: float
     lora_request: LoRARequest | None = None
     priority: int = 0
+    embed: bool = False
 
 
 @dataclass
@@ -243,7 +244,8 @@ def _apply(engine: LLMEngine, conn: Connection,
         try:
             # the server checked the request against the limits this engine sent it (Ready.limits)
             engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time,
-                               validated=True, lora_request=command.lora_request, priority=command.priority)
+                               validated=True, lora_request=command.lora_request, priority=command.priority,
+                               embed=command.embed)
         except ValueError as exc:
             conn.send(Rejected(command.request_id, str(exc)))
     elif isinstance(command, AbortRequest):

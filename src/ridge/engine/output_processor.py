@@ -78,6 +78,7 @@ class RequestTracker:
         self._num_cached_tokens = 0
         self._prompt_logprobs: list[dict[int, float] | None] | None = None
         self._prompt_logprobs_sent = False  # a stream hands them out once
+        self._embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +97,8 @@ class RequestTracker:
         self._num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self._prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self._embedding = delta.embedding
         if self.finished and not delta.finished:  # finished here, by stop strings: the engine's clock never stopped
             self._metrics["e2e_s"] = time.perf_counter() - self.arrival_time
         return self.output(), stopped
@@ -116,7 +119,8 @@ class RequestTracker:
     def whole_output(self) -> RequestOutput:
         """Every sample's whole output so far (its lists, not copies: take it once the request is done)."""
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.whole() for s in self._samples],
-                             self.finished, self._metrics, self._num_cached_tokens, self._prompt_logprobs)
+                             self.finished, self._metrics, self._num_cached_tokens, self._prompt_logprobs,
+                             self._embedding)
 
     def _extend(self, sample: _Sample, delta: SampleDelta) -> bool:
         """Append delta's tokens to sample; True when a stop string finished it."""

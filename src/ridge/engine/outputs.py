@@ -44,6 +44,22 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: an entry per prompt token (None for the first); a stream carries
     # it in its first output only
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # a pooling runner's: the prompt's, L2-normalized (outputs stay empty)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A prompt's embedding (LLM.embed), as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 @dataclass
@@ -65,6 +81,7 @@ class RequestDelta:
     metrics: dict[str, float | None]
     num_cached_tokens: int
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, when the prompt has been scored
+    embedding: list[float] | None = None  # a pooling runner's, in the request's last delta
 
 
 @dataclass

@@ -55,11 +55,12 @@ class StepInputs:
 class StepLogits:
     """What a step's forward pass hands to sampling."""
 
-    logits: torch.Tensor  # float32 [rows, V]: each sampler's row (1 + its drafts' rows), in order
+    logits: torch.Tensor | None  # float32 [rows, V]: each sampler's row (1 + its drafts' rows), in order
     samplers: list[Sequence]
     scored: list[PromptRows]  # prompt rows to score, and their final hidden states (prompt_hidden) in order
     prompt_hidden: torch.Tensor | None = None
     attention_mass: torch.Tensor | None = None  # with h2o eviction: AttentionMetadata.attention_mass, a row a sequence
+    hidden: torch.Tensor | None = None  # a pooling runner's, in place of logits: the samplers' final hidden states
 
 
 class ModelRunner:
@@ -68,7 +69,7 @@ class ModelRunner:
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
         kv_format: KVFormat | None = None, tensor_parallel: bool = False, attention_mass: bool = False,
-        num_snapshots: int = 0, adapters: AdapterSet | None = None,
+        num_snapshots: int = 0, adapters: AdapterSet | None = None, pools: bool = False,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
@@ -77,10 +78,12 @@ class ModelRunner:
         slots after them (kv/state_snapshots.py); tensor_parallel: the model is one rank's shard, its layers
         all-reducing between them (cluster/); attention_mass: each step reports the attention its sequences' blocks
         received (h2o eviction); adapters: the LoRA adapters over the model's projections, which steps whose sequences
-        use them add (lora/apply.py)."""
+        use them add (lora/apply.py); pools: a step hands over its samplers' final hidden states, not logits (a
+        pooling runner: embeddings; no CUDA graphs, which end in logits)."""
         cfg = model.cfg
         self.adapters = adapters
         self.scores_prompts = scores_prompts
+        self.pools = pools
         self.attention_mass = attention_mass
         self.model = model
         self.device = torch.device(device)
@@ -112,7 +115,7 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.num_experts and not tensor_parallel:
             fused_experts = attach_fused_experts(model)
         graphs = (self.device.type == "cuda" and isinstance(self.backend, (CudaBackend, LatentBackend))
-                  and not enforce_eager and not tensor_parallel)
+                  and not enforce_eager and not tensor_parallel and not pools)
         if graphs and cfg.num_experts and not fused_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts whose experts run one matmul each (their "
                         "routing is read on the host each step); decode runs eagerly")
@@ -136,7 +139,7 @@ class ModelRunner:
                    max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
                    kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1,
                    attention_mass=config.eviction is not None and config.eviction.needs_attention_mass,
-                   num_snapshots=num_snapshots, adapters=adapters)
+                   num_snapshots=num_snapshots, adapters=adapters, pools=config.runner == "pooling")
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
@@ -184,15 +187,19 @@ class ModelRunner:
                  mass: torch.Tensor | None) -> StepLogits:
         # the fused decode stack has no adapter path: a step with adapters runs layer by layer
         if self.decode_stack is not None and inputs.adapters is None and self.decode_stack.serves(meta, states):
-            hidden = self.decode_stack(inputs.input_ids, self.model.embed(inputs.input_ids), inputs.positions, meta,
-                                       states)
-            logits = StepLogits(self.model.compute_logits(hidden), inputs.samplers, [], attention_mass=mass)
+            sampled = self.decode_stack(inputs.input_ids, self.model.embed(inputs.input_ids), inputs.positions, meta,
+                                        states)
+            scored, prompt_hidden = [], None
         else:
             num_sampled = len(inputs.sample_rows)
             rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
             hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
-            logits = StepLogits(self.model.compute_logits(hidden[:num_sampled]), inputs.samplers, inputs.scored,
-                                hidden[num_sampled:] if inputs.prompt_rows else None, mass)
+            sampled = hidden[:num_sampled]
+            scored, prompt_hidden = inputs.scored, hidden[num_sampled:] if inputs.prompt_rows else None
+        if self.pools:
+            logits = StepLogits(None, inputs.samplers, scored, prompt_hidden, mass, hidden=sampled)
+        else:
+            logits = StepLogits(self.model.compute_logits(sampled), inputs.samplers, scored, prompt_hidden, mass)
         if states is not None and states.saves is not None:
             self.states.copy_(states.saves)
         return logits

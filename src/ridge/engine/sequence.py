@@ -62,6 +62,7 @@ class Sequence:
     bad_word_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized (sampler.py)
     adapter: int | None = None  # its LoRA adapter's index in the engine's AdapterSet (lora/apply.py); None: the base
     priority: int = 0  # under the priority policy, lower goes first (engine/scheduler.py)
+    embedding: list[float] | None = None  # a pooling runner's: set when its last prompt token is computed
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager

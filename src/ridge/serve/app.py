@@ -43,6 +43,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
     app.post("/v1/responses")(routes.responses)
+    app.post("/v1/embeddings")(routes.embeddings)
     if config.role == "decode":
         app.post(IMPORT_PATH)(routes.kv_import)
     if config.allow_runtime_lora_updating:

@@ -187,7 +187,7 @@ def answer_errors_in_the_envelope(app: FastAPI) -> None:
                              if route.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
                              for method in getattr(route, "methods", ()) - {"HEAD"}})
             message = (f"{request.method} {request.url.path}: no such endpoint on this server (it serves text "
-                       f"generation; no embeddings, images or audio); it answers {', '.join(served)}")
+                       f"and embeddings; no images or audio); it answers {', '.join(served)}")
         return JSONResponse(RequestError(str(message), None, exc.status_code,
                                          names.get(exc.status_code, "HTTPError")).body(),
                             status_code=exc.status_code, headers=exc.headers)

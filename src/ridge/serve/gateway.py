@@ -246,16 +246,18 @@ class Gateway:
 
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                   beams: BeamSearchParams | None = None, kind: OutputKind = OutputKind.FINAL,
-                  adapter: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  adapter: LoRARequest | None = None, priority: int = 0, embed: bool = False
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
-        A beam search yields each prompt's final output only, its params.n best beams as the choices."""
+        A beam search yields each prompt's final output only, its params.n best beams as the choices; embed: each
+        prompt's embedding (a pooling runner), params unread."""
         with self._using(adapter):
-            async for item in self._run(prompts, params, request_id, beams, kind, adapter, priority):
+            async for item in self._run(prompts, params, request_id, beams, kind, adapter, priority, embed):
                 yield item
 
     async def _run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                    beams: BeamSearchParams | None, kind: OutputKind, adapter: LoRARequest | None,
-                   priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   priority: int, embed: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
         if beams is not None:
             results = await beam_search_async(self.engine, prompts, beams, request_id, adapter, priority)
             for i, result in enumerate(results):
@@ -265,7 +267,7 @@ class Gateway:
                 yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
             return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
-            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter, priority)
+            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter, priority, embed)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
                     yield 0, _unless_aborted(out)
@@ -274,7 +276,8 @@ class Gateway:
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind, adapter, priority):
+                async for out in self.engine.generate(ids, params, f"{request_id}-{i}", kind, adapter, priority,
+                                                      embed):
                     merged.put_nowait((i, out))
             except (Exception, asyncio.CancelledError) as exc:
                 merged.put_nowait(exc)
@@ -299,10 +302,11 @@ class Gateway:
 
     async def collect(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                       beams: BeamSearchParams | None = None, adapter: LoRARequest | None = None,
-                      priority: int = 0) -> list[RequestOutput]:
+                      priority: int = 0, embed: bool = False) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter, priority=priority):
+            async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter, priority=priority,
+                                         embed=embed):
                 finals[i] = out
         except ENGINE_ERRORS as exc:
             raise engine_errors(exc) from exc

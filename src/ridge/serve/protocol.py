@@ -693,6 +693,36 @@ def content_text(content: str | list[ContentPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text or "" for part in content)
 
 
+class EmbeddingRequest(Body):
+    """OpenAI's /v1/embeddings body (a pooling runner's)."""
+
+    model: Text | None = None
+    input: Text | list[Text] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # refused: cutting an embedding short is right only for models trained to allow it
+    user: Text | None = None
+    priority: int = 0  # vLLM's: lower goes first, on a server started with --schedule-policy priority
+
+    @model_validator(mode="after")
+    def _refusals(self) -> EmbeddingRequest:
+        if self.dimensions is not None:
+            raise ValueError("dimensions: not supported; this server returns each embedding whole (cutting it short "
+                             "is right only for models trained for it)")
+        check_unicode(self.input, "input")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs, each a text or token ids."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            prompts: list[Any] = [given]
+        else:
+            prompts = list(given)
+        if not prompts or any(not p for p in prompts):
+            raise RequestError("input: must not be empty", "input")
+        return prompts
+
+
 class TokenizeRequest(ChatRendering):
     model: Text | None = None
     prompt: Text | None = None

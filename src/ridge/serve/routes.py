@@ -4,8 +4,10 @@ each step's new text (the output processor's deltas) as server-sent events."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
+from ridge.engine.scheduler import check_priority
 from ridge.lora.request import LoRARequest
+from ridge.sampling_params import SamplingParams
 from ridge.serve import harmony
 from ridge.serve.gateway import Gateway, guard, until_disconnected
 from ridge.serve.harmony import HarmonyStream
@@ -26,6 +30,7 @@ from ridge.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     RequestError,
     TokenizeRequest,
@@ -217,6 +222,33 @@ class Routes:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def embeddings(self, req: EmbeddingRequest, request: Request) -> Any:
+        """OpenAI's /v1/embeddings, on a server started with --runner pooling: each input's last-token embedding."""
+        if self.engine.config.runner != "pooling":
+            raise RequestError("model: this server generates; embeddings need one started with --runner pooling",
+                               "model")
+        adapter = self.gateway.adapter_for(req.model)
+        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        params = SamplingParams(max_tokens=1)
+        for i, ids in enumerate(ids_list):
+            try:
+                self.engine.validate(ids, params)
+            except ValueError as exc:
+                raise RequestError(f"input.{i}: {exc}", "input") from exc
+        try:
+            check_priority(self.engine.config.schedule_policy, req.priority)
+        except ValueError as exc:
+            raise RequestError(str(exc), "priority") from exc
+        outputs = await until_disconnected(request, self.gateway.collect(
+            ids_list, params, f"embd-{uuid.uuid4().hex}", adapter=adapter, priority=req.priority, embed=True))
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
+                for i, o in enumerate(outputs)]
+        tokens = sum(len(ids) for ids in ids_list)
+        return {"object": "list", "data": data, "model": req.model or self.config.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     async def responses(self, req: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API, run as a chat completion (serve/responses.py)."""
         try:
@@ -397,6 +429,13 @@ _LINE_BREAKS = {ord(c): f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event, on one line whatever the text holds."""
     return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
+def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: floats, or their float32 little-endian bytes in base64 (its SDK's default)."""
+    if encoding_format == "float":
+        return embedding
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode()
 
 
 def _num_tokens(outputs: list[RequestOutput]) -> int:

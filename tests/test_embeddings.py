@@ -1,0 +1,104 @@
+"""Embeddings (--runner pooling): a prompt's last-token final hidden state, L2-normalized, against HF transformers'
+base model in float32 on a random Qwen3 (Qwen3-Embedding's architecture, tied as it is); through LLM.embed, under
+chunked prefill and the prefix cache, and through the server's /v1/embeddings with OpenAI's client."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts, running_server
+from ridge import SamplingParams
+from ridge.config import EngineConfig
+from ridge.serve.gateway import ServerConfig
+from test_models_random import VOCAB, hf_config, saved, with_drawn_norms
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = with_drawn_norms(AutoModelForCausalLM.from_config(hf_config("qwen3", True), dtype=torch.float32).eval())
+    return saved(model, tmp_path_factory.mktemp("qwen3-embedding"))
+
+
+def hf_embedding(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=-1)
+
+
+def test_embeddings_are_hf_s_last_hidden_state_normalized(qwen3, make_llm_for_test):
+    """A batch of prompts of 1 to 60 tokens (a one-token prompt runs as a decode row, the fused step's), chunked
+    at 16 tokens a step, and again once cached: each embedding HF's to float32's last bits."""
+    path, hf = qwen3
+    llm = make_llm_for_test(path, dtype="float32", runner="pooling", max_num_batched_tokens=16)
+    prompts = [[7], *random_prompts(5, VOCAB, 2, 60, seed=3)]
+    for attempt in range(2):  # the second finds every full prompt block in the prefix cache
+        outs = llm.embed(prompts)
+        assert [o.prompt_token_ids for o in outs] == prompts
+        for ids, out in zip(prompts, outs, strict=True):
+            ours = torch.tensor(out.outputs.embedding)
+            assert ours.shape == (64,) and abs(ours.norm().item() - 1) < 1e-5
+            assert (ours - hf_embedding(hf, ids)).abs().max().item() < 1e-5, (attempt, len(ids))
+    assert llm.engine.kv.cache.stats.hits > 0
+
+
+def test_two_tensor_parallel_ranks_embed_as_one_process(qwen3, make_llm_for_test):
+    """Every rank's runner pools (none computes logits); rank 0's final hidden states are the whole model's."""
+    path, hf = qwen3
+    two = make_llm_for_test(path, dtype="float32", runner="pooling", kv_cache_memory="16MiB", tensor_parallel_size=2)
+    prompts = random_prompts(3, VOCAB, 2, 40, seed=4)
+    for ids, out in zip(prompts, two.embed(prompts), strict=True):
+        assert (torch.tensor(out.outputs.embedding) - hf_embedding(hf, ids)).abs().max().item() < 1e-5
+
+
+def test_a_pooling_engine_embeds_only_and_a_generating_one_generates_only(qwen3, make_llm_for_test):
+    path, _ = qwen3
+    pooling = make_llm_for_test(path, dtype="float32", runner="pooling")
+    with pytest.raises(ValueError, match="runner: this engine runs runner='pooling'"):
+        pooling.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    generating = make_llm_for_test(path, dtype="float32")
+    with pytest.raises(ValueError, match="embed: this engine generates"):
+        generating.embed([5, 6, 7])
+    assert len(pooling.embed([[5, 6, 7]])[0].outputs.embedding) == 64  # both still serve
+    with pytest.raises(ValueError, match="speculate: not with runner='pooling'"):
+        EngineConfig(model=str(path), runner="pooling", speculate="ngram")
+
+
+def test_the_server_s_embeddings_are_llm_embed_s(qwen3, make_llm_for_test):
+    """OpenAI's client (base64 by default) and float JSON alike; texts and token ids; the usage counts the inputs'
+    tokens; a generation request on a pooling server, and an embedding on a generating one, get a 400."""
+    import openai
+
+    path, _ = qwen3
+    llm = make_llm_for_test(path, dtype="float32", runner="pooling")
+    texts = ["the cat sat", "on the mat, and then it slept"]
+    expected = [o.outputs.embedding for o in llm.embed(texts)]
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="16MiB", runner="pooling")
+    with running_server(config, ServerConfig("embedder")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        got = client.embeddings.create(model="embedder", input=texts)  # the SDK asks for base64 and decodes it
+        assert [d.index for d in got.data] == [0, 1]
+        for ours, theirs in zip(got.data, expected, strict=True):
+            assert torch.allclose(torch.tensor(ours.embedding), torch.tensor(theirs), atol=1e-6)
+        ids = [llm.tokenizer.encode(t) for t in texts]
+        assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+        floats = client.embeddings.create(model="embedder", input=ids[1], encoding_format="float")
+        assert floats.data[0].embedding == pytest.approx(expected[1], abs=1e-6)
+        for call, param in ((lambda: client.embeddings.create(model="embedder", input="x", dimensions=8),
+                             "dimensions"),
+                            (lambda: client.embeddings.create(model="embedder", input=[]), "input"),
+                            (lambda: client.completions.create(model="embedder", prompt="x", max_tokens=2),
+                             "runner")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                call()
+            assert caught.value.body["param"] == param, caught.value.body
+        assert srv.engine.state().idle
+    with running_server(EngineConfig(model=str(path), dtype="float32", kv_cache_memory="16MiB"),
+                        ServerConfig("generator")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.embeddings.create(model="generator", input="x")
+        assert caught.value.body["param"] == "model" and "--runner pooling" in caught.value.body["message"]
