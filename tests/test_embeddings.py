@@ -102,3 +102,18 @@ def test_the_server_s_embeddings_are_llm_embed_s(qwen3, make_llm_for_test):
         with pytest.raises(openai.BadRequestError) as caught:
             client.embeddings.create(model="generator", input="x")
         assert caught.value.body["param"] == "model" and "--runner pooling" in caught.value.body["message"]
+
+
+def test_bench_embed_runs_ridge_beside_hf_on_the_same_prompts(qwen3, capsys):
+    """`ridge bench embed --json`: both engines' rates and roofline fractions, and their embeddings the same."""
+    import json
+
+    from ridge.cli import main
+
+    path, _ = qwen3
+    assert main(["bench", "embed", "--model", str(path), "--dtype", "float32", "--num-prompts", "4", "--input-len",
+                 "16", "--hf-batch-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
+    assert all(r["tok_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
+    assert report["max_cosine_distance"] < 1e-6

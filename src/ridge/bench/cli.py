@@ -19,6 +19,7 @@ from typing import Any
 from ridge.bench import workloads
 from ridge.bench.capacity import add_capacity_parser
 from ridge.bench.context import add_context_parser
+from ridge.bench.embed import add_embed_parser
 from ridge.bench.eviction import add_eviction_parser
 from ridge.bench.invariance import add_invariance_parser
 from ridge.bench.kv_formats import add_kv_parser
@@ -489,6 +490,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_kv_parser(bsub, add_engine_args)
     add_lora_parser(bsub, add_engine_args)
     add_priority_parser(bsub, add_engine_args)
+    add_embed_parser(bsub, add_engine_args)
     add_eviction_parser(bsub, add_engine_args)
     add_tp_parser(bsub, add_engine_args)
     add_router_parser(bsub)

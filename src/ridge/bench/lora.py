@@ -130,20 +130,15 @@ def hf_peft_rows(args: argparse.Namespace, folders: list[Path], dtype: torch.dty
     (PEFT's adapter_names); a decode step's time from two generate calls' difference. A reason where it cannot."""
     try:
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
     except ImportError:
         return "peft is not installed (pip install peft); left out"
+    from ridge.bench.hf_models import hf_causal_lm
     from ridge.engine.loading import ModelFile
 
-    model_file = ModelFile.open(args.model)
-    path = model_file.path
     print("[bench] HF PEFT: loading the model", file=sys.stderr)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    elif path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    else:
-        return f"{args.model} is neither a GGUF file nor an HF directory; left out"
+    model = hf_causal_lm(ModelFile.open(args.model).path)
+    if isinstance(model, str):
+        return model
     model = model.to(dtype).eval()
     model = PeftModel.from_pretrained(model, str(folders[0]), adapter_name="adapter0")
     for i, folder in enumerate(folders[1:], start=1):

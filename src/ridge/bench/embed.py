@@ -1,0 +1,128 @@
+"""`ridge bench embed`: embeddings per second under --runner pooling, beside HF transformers' batched forward.
+
+--num-prompts random prompts of --input-len tokens (the same ids for both engines) are embedded by ridge's
+LLM.embed (--runner pooling, the prefix cache off, so that every token of every prompt is computed) and by HF
+transformers' base model in batches of --hf-batch-size (the last token's final hidden state, normalized), both in
+the engine's dtype on the same weights. Per engine: prompts and tokens per second, the decoder's matmul FLOP/s on
+those tokens (2 x its linear parameters a token) as a fraction of the machine's measured matmul peak, and the
+largest cosine distance between the two engines' embeddings of a prompt. The question it answers: how fast does
+ridge turn prompts into embeddings, and how near is it to the compute roofline that prefill runs against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from ridge.bench.hf_models import hf_causal_lm
+from ridge.plan import arithmetic, roofline
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
+
+
+def hf_embeddings(model_path, dtype: torch.dtype, prompts: list[list[int]], batch: int) -> tuple[list, float] | str:
+    """HF transformers' base model on the same prompts (equal lengths: no padding), `batch` at a time: the
+    embeddings and the seconds they took; a reason where it cannot run."""
+    model = hf_causal_lm(model_path)
+    if isinstance(model, str):
+        return model
+    base = model.model.to(dtype).eval()
+    out = []
+    with torch.inference_mode():
+        base(input_ids=torch.tensor(prompts[:1]))  # warm-up: the first call's one-off costs
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            hidden = base(input_ids=torch.tensor(prompts[i:i + batch])).last_hidden_state[:, -1]
+            out += list(torch.nn.functional.normalize(hidden.float(), dim=-1))
+        seconds = time.perf_counter() - start
+    return out, seconds
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from ridge import LLM
+    from ridge.flags import engine_kwargs
+
+    if args.runner != "generate":  # its default: the flag was given
+        raise ValueError("--runner: bench embed runs --runner pooling itself; leave the flag out")
+    kwargs = {**engine_kwargs(args), "runner": "pooling", "enable_prefix_caching": False}
+    kwargs["max_model_len"] = args.input_len + 1
+    llm = LLM(args.model, progress=not args.json, **kwargs)
+    engine = llm.engine
+    dtype = engine.config.torch_dtype
+    print(f"[bench] measuring the {dtype} matmul peak ...", file=sys.stderr)
+    peak = roofline.measure_matmul(dtype)
+    prompts = random_prompts(engine.loaded.config.vocab_size, args.num_prompts, args.input_len)
+    counts = arithmetic.count_parameters(engine.loaded.spec)
+    # the decoder's linears: no vocabulary projection (a pooling runner skips it, as HF's base model does)
+    flops_per_token = 2 * (counts.active - counts.embeddings - counts.output_head - counts.norms
+                           - counts.per_layer_table)
+    llm.embed(prompts[:1])  # warm-up
+    start = time.perf_counter()
+    ours = [torch.tensor(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=not args.json)]
+    rows = [_row("ridge", time.perf_counter() - start, args, flops_per_token, peak)]
+    model_path, loaded_name = engine.loaded.path, engine.config.model
+    del llm, engine
+    reference = None
+    if not args.skip_peer:
+        print("[bench] HF transformers ...", file=sys.stderr)
+        got = hf_embeddings(model_path, dtype, prompts, args.hf_batch_size)
+        if isinstance(got, str):
+            print(f"[bench] HF transformers: {got}", file=sys.stderr)
+        else:
+            reference, seconds = got
+            rows.append(_row("HF transformers", seconds, args, flops_per_token, peak))
+    report = {"benchmark": "embed", "model": loaded_name, "dtype": str(dtype).removeprefix("torch."),
+              "num_prompts": args.num_prompts, "input_len": args.input_len, "hf_batch_size": args.hf_batch_size,
+              "matmul_peak_gflop_s": peak, "rows": rows}
+    if reference is not None:
+        report["max_cosine_distance"] = max(1 - float(a @ b) for a, b in zip(ours, reference, strict=True))
+        report["speedup"] = rows[0]["tok_s"] / rows[1]["tok_s"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"\n{loaded_name}: {args.num_prompts} prompts of {args.input_len} tokens embedded, {report['dtype']}; "
+          f"matmul peak {peak:.0f} GFLOP/s")
+    for line in embed_table(report):
+        print(line)
+    if reference is not None:
+        print(f"\nridge / HF: {report['speedup']:.2f}x the tokens per second; largest cosine distance between their "
+              f"embeddings {report['max_cosine_distance']:.1e}")
+    return 0
+
+
+def _row(engine: str, seconds: float, args: argparse.Namespace, flops_per_token: float, peak: float) -> dict:
+    tokens = args.num_prompts * args.input_len
+    gflop_s = flops_per_token * tokens / seconds / 1e9
+    return {"engine": engine, "seconds": seconds, "prompts_s": args.num_prompts / seconds, "tok_s": tokens / seconds,
+            "gflop_s": gflop_s, "roofline_fraction": gflop_s / peak}
+
+
+def embed_table(report: dict) -> list[str]:
+    lines = ["| engine | prompts/s | tokens/s | GFLOP/s (decoder matmuls) | of matmul peak |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['engine']} | {r['prompts_s']:.1f} | {r['tok_s']:,.0f} | {r['gflop_s']:.0f} | "
+              f"{r['roofline_fraction']:.0%} |" for r in report["rows"]]
+    return lines
+
+
+def add_embed_parser(bsub, add_engine_args) -> None:
+    p = bsub.add_parser("embed", help="embeddings per second under --runner pooling, beside HF transformers",
+                        description=__doc__.split("\n\n", 1)[1],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=64, help="(default %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="tokens a prompt (default %(default)s)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="prompts a forward pass of HF's (default "
+                   "%(default)s)")
+    p.add_argument("--skip-peer", action="store_true", help="ridge alone")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_embed)
+
