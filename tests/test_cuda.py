@@ -139,6 +139,19 @@ def test_lora_adapters_give_the_cpu_engine_s_tokens(random_model, make_llm_for_t
     assert on_gpu != tokens(gpu.generate(prompts, params)), "the adapters change no token: the check is empty"
 
 
+def test_embeddings_match_hf_on_the_gpu(random_model, make_llm_for_test):
+    """--runner pooling on CUDA (no graphs: they end in logits): each prompt's last-token embedding, HF's."""
+    path, hf = random_model
+    llm = make_llm_for_test(path, device="cuda", dtype="float32", runner="pooling")
+    assert llm.engine.runner.graphs is None
+    prompts = [[7], *random_prompts(4, VOCAB, 5, 60, seed=9)]
+    for ids, out in zip(prompts, llm.embed(prompts), strict=True):
+        with torch.inference_mode():
+            ref = torch.nn.functional.normalize(hf.model(torch.tensor([ids], device="cuda")).last_hidden_state[0, -1],
+                                                dim=-1)
+        assert (torch.tensor(out.outputs.embedding, device="cuda") - ref).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each
