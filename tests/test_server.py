@@ -317,7 +317,7 @@ def test_speculative_server_reports_its_drafts(smollm2_path, smollm2):
 
 def test_a_priority_server_serves_an_urgent_request_before_a_running_one(smollm2_path, smollm2):
     """--schedule-policy priority with room for one sequence: a request of priority -1 displaces the running one of
-    priority 0 and is answered while that one still streams (under fcfs it would wait for all 300 of its tokens);
+    priority 0 and is answered while that one still streams (under fcfs it would wait for all 40 of its tokens);
     the displaced one then finishes with its own greedy tokens."""
     config = EngineConfig(model=str(smollm2_path), dtype="float32", kv_cache_memory="64MiB",
                           schedule_policy="priority", max_num_seqs=1)
@@ -330,7 +330,7 @@ def test_a_priority_server_serves_an_urgent_request_before_a_running_one(smollm2
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
                 async def background() -> None:
                     async with http.stream("POST", "/v1/completions",
-                                           json={**body, "max_tokens": 300, "stream": True}) as response:
+                                           json={**body, "max_tokens": 40, "stream": True}) as response:
                         async for line in response.aiter_lines():
                             if line.startswith("data: {"):
                                 streamed.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
@@ -345,7 +345,7 @@ def test_a_priority_server_serves_an_urgent_request_before_a_running_one(smollm2
 
         urgent, streamed, still_streaming = asyncio.run(both())
         assert still_streaming, "the urgent request waited for the running one"
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=300)
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40)
         assert streamed == smollm2.generate("Once upon a time", params)[0].outputs[0].token_ids
         assert urgent == streamed[:4]
         metrics = HTTP.get(srv.url + "/metrics").text
@@ -859,7 +859,7 @@ def test_tokenizer_info_one_model_and_unknown_routes(server):
     card = HTTP.get(server.url + "/v1/models/smollm2", headers=AUTH).json()
     assert card["id"] == "smollm2" and card["object"] == "model"
     _assert_error(HTTP.get(server.url + "/v1/models/gpt-4", headers=AUTH), 404, "model")
-    missing = HTTP.post(server.url + "/v1/embeddings", headers=AUTH, json={"input": "hi"})
+    missing = HTTP.post(server.url + "/v1/images/generations", headers=AUTH, json={"prompt": "hi"})
     _assert_error(missing, 404, text="POST /v1/completions")  # the envelope lists what the server answers
     _assert_error(HTTP.get(server.url + "/v1/completions", headers=AUTH), 405)
 
