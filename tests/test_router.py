@@ -47,6 +47,11 @@ def test_prefix_keys_come_from_the_prompt_or_the_messages():
     assert prefix_key(parts, 100) == "user:ab\n"
     assert prefix_key({"prompt": ["first", "second"]}, 3) == "fir"
     assert prefix_key({"prompt": list(range(10))}, 16) == "0,1,2,3"
+    # the Responses API's instructions and input items read as a chat's messages; an embedding's input as a prompt
+    response = {"instructions": "S" * 50, "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                                    {"type": "function_call_output", "output": "x"}]}
+    assert prefix_key(response, 1024) == "system:" + "S" * 50 + "\nuser:hi\n:\n"
+    assert prefix_key({"input": "hi there"}, 2) == "hi" == prefix_key({"input": ["hi there", "no"]}, 2)
 
 
 def test_the_prefix_owner_yields_only_to_a_much_less_busy_replica():
@@ -96,6 +101,8 @@ def test_the_router_keeps_a_prefix_on_one_replica_and_passes_streams(replicas, s
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         expected = smollm2.generate("Count: 1, 2,", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert text == expected[0].outputs[0].text
+        answer = client.responses.create(model="smollm2", input=messages, temperature=0, max_output_tokens=12)
+        assert answer.output_text == got.choices[0].message.content  # the last question's, by the Responses API
         assert {r["in_flight"] for r in HTTP.get(url + "/replicas").json()["replicas"]} == {0}
 
 

@@ -55,17 +55,24 @@ class HashRing:
 
 
 def prefix_key(body: dict[str, Any], chars: int) -> str:
-    """The leading `chars` characters of a completion's prompt or a chat's messages (role and text, in order), or
-    the leading chars // 4 token ids of a tokenized prompt: the part requests of one tenant or conversation share."""
-    if "messages" in body:
+    """The leading `chars` characters of a completion's prompt, a chat's messages (role and text, in order), a
+    response's instructions and input items, or an embedding's input; or the leading chars // 4 token ids of a
+    tokenized prompt: the part requests of one tenant or conversation share."""
+    messages = body.get("messages")
+    if messages is None and ("instructions" in body or isinstance(body.get("input"), list)
+                             and any(isinstance(item, dict) for item in body["input"])):  # a Responses request
+        given = body.get("input")
+        items = given if isinstance(given, list) else [{"role": "user", "content": given}]
+        messages = ([{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []) + items
+    if messages is not None:
         parts = []
-        for message in body.get("messages") or []:
+        for message in messages or []:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):  # content parts: their text
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             parts.append(f"{message.get('role', '') if isinstance(message, dict) else ''}:{content or ''}\n")
         return "".join(parts)[:chars]
-    prompt = body.get("prompt", "")
+    prompt = body.get("prompt", body.get("input", ""))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch: its first prompt
         prompt = prompt[0]
     if isinstance(prompt, list):

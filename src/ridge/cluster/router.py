@@ -176,7 +176,9 @@ class Router:
             return least, "load"
         return owner, "prefix"
 
-    async def forward(self, request: Request, path: str) -> Response:
+    async def forward(self, request: Request, path: str, disaggregates: bool = True) -> Response:
+        """Send the request to the replica its prompt's prefix hashes to (retrying another where one never took
+        it); with prefill servers and `disaggregates`, through one of them first."""
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -195,7 +197,8 @@ class Router:
             if tried:
                 how = "retry"
             try:
-                if self.prefills and (failed := await self._prefill(body, path, headers, replica)) is not None:
+                if (disaggregates and self.prefills
+                        and (failed := await self._prefill(body, path, headers, replica)) is not None):
                     return failed
             except LookupError as exc:
                 self.metrics.failures.labels("no_prefill").inc()
@@ -347,6 +350,16 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        if router.prefills:  # a prefill server's push rides on completions and chat bodies only
+            log.warning("ridge router: /v1/responses is served whole by the decode replica, without a prefill server")
+        return await router.forward(request, "/v1/responses", disaggregates=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:  # a prompt and no decode: nothing to disaggregate
+        return await router.forward(request, "/v1/embeddings", disaggregates=False)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -33,6 +33,8 @@ UNSUPPORTED = {
     "top_logprobs": "not supported on /v1/responses; use /v1/chat/completions",
     "context_management": "not supported",
     "truncation": "only 'disabled' is supported: a conversation past the context is refused",
+    "kv_transfer_params": "disaggregated prefill reads completions and chat bodies; send this one to the decode "
+                          "server whole",
 }
 ROLES = ("user", "system", "developer", "assistant")
 # the chat field an error names -> the Responses field the client sent
