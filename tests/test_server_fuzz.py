@@ -67,10 +67,30 @@ endpoints = {
     "/v1/chat/completions": {**sampling, **chat_options, "messages": st.lists(ok_message, min_size=1, max_size=3),
                              "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
                              "max_completion_tokens": st.integers(1, 4)},
+    "/v1/responses": {
+        "model": st.just("smollm2"), "max_output_tokens": st.integers(1, 4), "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1), "stream": st.booleans(), "instructions": ok_text,
+        "input": st.one_of(ok_text, st.lists(st.one_of(
+            ok_message, st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+                st.fixed_dictionaries({"type": st.just("input_text"), "text": ok_text}), min_size=1, max_size=2)}),
+            st.fixed_dictionaries({"type": st.just("function_call"), "call_id": ok_text, "name": st.just("f"),
+                                   "arguments": st.just("{}")}),
+            st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": ok_text,
+                                   "output": ok_text})), min_size=1, max_size=3)),
+        "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": st.just("f"),
+                                                 "parameters": st.just({"type": "object"})}), max_size=1),
+        "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                 {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}]),
+        "reasoning": st.sampled_from([{"effort": "low"}, {}]), "parallel_tool_calls": st.booleans(),
+        "metadata": st.dictionaries(st.sampled_from(["a", "b"]), ok_text, max_size=2)},
+    "/v1/embeddings": {"input": st.one_of(ok_text, ok_ids, st.lists(ok_text, min_size=1, max_size=2)),
+                       "encoding_format": st.sampled_from(["float", "base64"]), "model": st.just("smollm2")},
     "/tokenize": {"prompt": ok_text, "add_special_tokens": st.booleans()},
     "/detokenize": {"tokens": ok_ids},
 }
-required = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/detokenize": "tokens"}
+required = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/detokenize": "tokens",
+            "/v1/responses": "input", "/v1/embeddings": "input"}
 
 
 @st.composite
@@ -78,7 +98,8 @@ def requests(draw) -> tuple[str, dict]:
     """An endpoint and a body: its required field and some others, with accepted values, then one to all of
     them (and unknown fields) made hostile. A body with one hostile value is otherwise valid: it carries
     that value past the first checks into the sampling parameters, the engine and its step."""
-    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"] * 3 + ["/tokenize", "/detokenize"]))
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"] * 4
+                                + ["/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"]))
     fields = endpoints[path]
     chosen = set(draw(st.lists(st.sampled_from(sorted(fields)), unique=True, max_size=len(fields))))
     if path in required and draw(st.integers(0, 9)):
@@ -155,6 +176,10 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}, response.text
             assert error["code"] == response.status_code and error["message"]
+        elif body.get("stream") is True and path == "/v1/responses":  # its events end with the response, no [DONE]
+            events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), response.text
+            assert all(e["type"] != "error" for e in events), (path, body, response.text)
         elif body.get("stream") is True and path.startswith("/v1/"):
             events = [line for line in response.text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]", response.text

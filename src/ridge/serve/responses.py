@@ -97,8 +97,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise RequestError(f"{where}: {error['msg']}", FIELD_NAMES.get(where.split(".")[0], where)) from exc
+        head, *rest = [str(part) for part in error["loc"]]
+        where = ".".join([FIELD_NAMES.get(head, head), *rest])
+        raise RequestError(f"{where}: {error['msg']}", where) from exc
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -148,9 +149,11 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+        if kind not in ("input_text", "output_text"):
             raise RequestError(f"{where}.{j}.type: {kind!r} parts are not supported; this server reads text parts "
                                "only", f"{where}.{j}.type")
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.{j}.text: must be a string", f"{where}.{j}.text")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -179,6 +182,8 @@ def _text_format(text: dict[str, Any]) -> dict[str, Any]:
     if extra:
         raise RequestError(f"text.{sorted(extra)[0]}: not a field of text", f"text.{sorted(extra)[0]}")
     form = text.get("format") or {"type": "text"}
+    if not isinstance(form, dict):
+        raise RequestError("text.format: must be an object with a type", "text.format")
     kind = form.get("type")
     if kind == "text":
         return {}
