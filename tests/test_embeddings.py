@@ -117,3 +117,36 @@ def test_bench_embed_runs_ridge_beside_hf_on_the_same_prompts(qwen3, capsys):
     assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
     assert all(r["tok_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
     assert report["max_cosine_distance"] < 1e-6
+
+
+def test_a_model_that_pools_otherwise_is_refused_and_one_that_pools_by_the_last_token_runs(qwen3, make_llm_for_test,
+                                                                                            tmp_path, caplog):
+    """The pooling a model declares (a sentence-transformers folder's Pooling module, a GGUF's pooling_type): a mean
+    or CLS model is refused by the pooling runner (its vectors would be another model's), a last-token one runs, and
+    an embedding model loaded to generate is said at warning level."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ridge.engine.loading import ModelFile
+    from ridge.models.gguf_file import GGUFFile
+
+    path, _ = qwen3
+    folder = tmp_path / "st"
+    shutil.copytree(path, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    for mode, runs in (("pooling_mode_mean_tokens", False), ("pooling_mode_lasttoken", True)):
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
+        if runs:
+            assert len(make_llm_for_test(folder, dtype="float32", runner="pooling").embed([[5, 6]])) == 1
+        else:
+            with pytest.raises(ValueError, match=r"runner: this model's embeddings pool by mean \(1_Pooling/config"):
+                make_llm_for_test(folder, dtype="float32", runner="pooling")
+    with caplog.at_level("WARNING", logger="ridge"):
+        make_llm_for_test(folder, dtype="float32")
+    assert "declares last pooling (1_Pooling/config.json): an embedding model" in caplog.text
+    header = GGUFFile({"general.architecture": "qwen3", "qwen3.pooling_type": 2}, [])
+    assert ModelFile(Path("e.gguf"), header).pooling == ("cls", "qwen3.pooling_type in e.gguf")

@@ -109,6 +109,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
+        target.check_runner(config.runner)
         plan = shard_plan(config, target, rank=0)  # the split checked before any weight is read
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load

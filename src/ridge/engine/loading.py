@@ -41,6 +41,11 @@ from ridge.tokenizer import RidgeTokenizer, byte_level_tokenizer
 
 log = logging.getLogger("ridge")
 
+# a sentence-transformers Pooling module's flags, and the pooling each asks for
+ST_POOLING = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+              "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+              "pooling_mode_weightedmean_tokens": "weightedmean"}
+
 
 @dataclass
 class ModelFile:
@@ -71,6 +76,37 @@ class ModelFile:
         if method == "mxfp4":
             return mxfp4.GROUP
         return max(int(quantization.get("group_size") or 1), 1) if method in ("gptq", "awq") else 1
+
+    @functools.cached_property
+    def pooling(self) -> tuple[str, str] | None:
+        """How the model says its embeddings pool ("last", "mean", "cls"...) and where it says so: a GGUF's
+        {arch}.pooling_type, or a sentence-transformers folder's Pooling module; None where it says nothing."""
+        if self.random is not None:
+            return None
+        if self.gguf is not None:
+            key = f"{self.gguf.fields.get('general.architecture')}.pooling_type"
+            kind = {1: "mean", 2: "cls", 3: "last", 4: "rank"}.get(self.gguf.fields.get(key))  # llama.cpp's enum
+            return (kind, f"{key} in {self.path.name}") if kind else None
+        modules = self.path / "modules.json"
+        for module in json.loads(modules.read_text()) if modules.exists() else []:
+            if str(module.get("type", "")).endswith(".Pooling"):
+                where = Path(module.get("path", "")) / "config.json"
+                modes = json.loads((self.path / where).read_text())
+                return "+".join(name for flag, name in ST_POOLING.items() if modes.get(flag)) or "none", str(where)
+        return None
+
+    def check_runner(self, runner: str) -> None:
+        """Refuse to pool a model whose embeddings pool otherwise than by the last token (its vectors would be
+        another model's); say so where an embedding model is loaded to generate."""
+        if self.pooling is None:
+            return
+        kind, where = self.pooling
+        if runner == "pooling" and kind != "last":
+            raise ValueError(f"runner: this model's embeddings pool by {kind} ({where}); ridge's pooling runner takes "
+                             "the last token's state only")
+        if runner == "generate":
+            log.warning("ridge: %s declares %s pooling (%s): an embedding model; serve it with --runner pooling",
+                        self.path.name, kind, where)
 
     def config(self) -> ModelConfig:
         """The model's config from its header alone, no weight read (to check what it asks for before loading)."""
