@@ -87,9 +87,15 @@ def test_the_server_s_embeddings_are_llm_embed_s(qwen3, make_llm_for_test):
         assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
         floats = client.embeddings.create(model="embedder", input=ids[1], encoding_format="float")
         assert floats.data[0].embedding == pytest.approx(expected[1], abs=1e-6)
+        cut = client.embeddings.create(model="embedder", input=texts[1], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": 3})  # vLLM's: the last 3 tokens
+        assert cut.data[0].embedding == pytest.approx(llm.embed([ids[1][-3:]])[0].outputs.embedding, abs=1e-6)
+        assert cut.usage.prompt_tokens == 3
         for call, param in ((lambda: client.embeddings.create(model="embedder", input="x", dimensions=8),
                              "dimensions"),
                             (lambda: client.embeddings.create(model="embedder", input=[]), "input"),
+                            (lambda: client.embeddings.create(model="embedder", input="x",
+                                                              extra_body={"normalize": False}), "normalize"),
                             (lambda: client.completions.create(model="embedder", prompt="x", max_tokens=2),
                              "runner")):
             with pytest.raises(openai.BadRequestError) as caught:

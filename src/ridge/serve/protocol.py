@@ -276,16 +276,7 @@ class SamplingFields(Body):
         return self.n
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last truncate_prompt_tokens tokens (-1: the context's length), or all of it when not asked."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        if keep == -1:
-            keep = max_model_len
-        if keep < 1 or keep > max_model_len:
-            raise RequestError(f"truncate_prompt_tokens: {self.truncate_prompt_tokens} is not -1 (the context's "
-                               f"length) or 1 to the context's {max_model_len} tokens", "truncate_prompt_tokens")
-        return ids[-keep:]
+        return last_tokens(ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def structured_field(self) -> str | None:
@@ -693,8 +684,20 @@ def content_text(content: str | list[ContentPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text or "" for part in content)
 
 
+def last_tokens(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the context's length), or all of it (None)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1 or keep > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens: {keep} is not -1 (the context's length) or 1 to the context's "
+                           f"{max_model_len} tokens", "truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 class EmbeddingRequest(Body):
-    """OpenAI's /v1/embeddings body (a pooling runner's)."""
+    """OpenAI's /v1/embeddings body (a pooling runner's), with vLLM's fields."""
 
     model: Text | None = None
     input: Text | list[Text] | list[int] | list[list[int]]
@@ -702,12 +705,17 @@ class EmbeddingRequest(Body):
     dimensions: int | None = None  # refused: cutting an embedding short is right only for models trained to allow it
     user: Text | None = None
     priority: int = 0  # vLLM's: lower goes first, on a server started with --schedule-policy priority
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens embedded
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS / EOS around a text input
+    normalize: bool = True  # vLLM's; false refused: the engine hands embeddings over normalized
 
     @model_validator(mode="after")
     def _refusals(self) -> EmbeddingRequest:
         if self.dimensions is not None:
             raise ValueError("dimensions: not supported; this server returns each embedding whole (cutting it short "
                              "is right only for models trained for it)")
+        if not self.normalize:
+            raise ValueError("normalize: false is not supported; embeddings are returned L2-normalized")
         check_unicode(self.input, "input")
         return self
 

@@ -35,6 +35,7 @@ from ridge.serve.protocol import (
     RequestError,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    last_tokens,
 )
 from ridge.serve.reasoning import ReasoningStream, constrained_parser, split_reply
 from ridge.serve.reasoning import tags as reasoning_tags
@@ -228,7 +229,9 @@ class Routes:
             raise RequestError("model: this server generates; embeddings need one started with --runner pooling",
                                "model")
         adapter = self.gateway.adapter_for(req.model)
-        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        encoded = [self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
+                   else list(p) for p in req.prompts()]
+        ids_list = [last_tokens(ids, req.truncate_prompt_tokens, self.engine.max_model_len) for ids in encoded]
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(ids_list):
             try:
