@@ -15,7 +15,8 @@ import torch
 from conftest import random_prompts, running_server
 from ridge import LoRARequest, SamplingParams
 from ridge.config import EngineConfig
-from ridge.serve.gateway import ServerConfig
+from ridge.engine.outputs import OutputKind
+from ridge.serve.gateway import ServerConfig, guard
 from ridge.serve.protocol import RequestError
 from test_models_random import VOCAB, byte_tokenizer, hf_config
 
@@ -248,6 +249,13 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_at_run_time(qwe
         with pytest.raises(RequestError) as late:  # not loaded again behind the unload's back
             asyncio.run(gateway.collect([prompt], SamplingParams(max_tokens=2), "late", adapter=resolved))
         assert late.value.status == 404 and "unloaded" in late.value.message
+
+        async def late_stream() -> list:  # a stream's: an error event (its status has gone out), not a crash
+            return [item async for item in guard(gateway.run([prompt], SamplingParams(max_tokens=2), "late-stream",
+                                                             kind=OutputKind.DELTA, adapter=resolved))]
+
+        ((_, error),) = asyncio.run(late_stream())
+        assert isinstance(error, RequestError) and error.status == 404
         assert post("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(adapters["qv"][0])}).is_success
         assert gateway.adapters["qv"].lora_int_id > resolved.lora_int_id  # the engine tells them apart
         reply = post("/v1/completions", {**body, "model": "qv"}).json()

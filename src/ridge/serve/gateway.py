@@ -354,12 +354,15 @@ def engine_errors(exc: Exception) -> RequestError:
 
 
 async def guard(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
-    """A stream's engine-side failure becomes an error event: its HTTP status has already been sent."""
+    """A stream's failure becomes an error event: its HTTP status has already been sent (the engine's errors, and
+    the gateway's own, such as an adapter unloaded between the request's checks and its start)."""
     try:
         async for item in outputs:
             yield item
     except ENGINE_ERRORS as exc:
         yield -1, engine_errors(exc)
+    except RequestError as exc:
+        yield -1, exc
 
 
 def _unless_aborted(out: RequestOutput) -> RequestOutput:
