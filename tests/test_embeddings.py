@@ -77,7 +77,7 @@ def test_the_server_s_embeddings_are_llm_embed_s(qwen3, make_llm_for_test):
     texts = ["the cat sat", "on the mat, and then it slept"]
     expected = [o.outputs.embedding for o in llm.embed(texts)]
     config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="16MiB", runner="pooling")
-    with running_server(config, ServerConfig("embedder")) as srv:
+    with running_server(config, ServerConfig("embedder", max_request_tokens=64)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = client.embeddings.create(model="embedder", input=texts)  # the SDK asks for base64 and decodes it
         assert [d.index for d in got.data] == [0, 1]
@@ -94,6 +94,7 @@ def test_the_server_s_embeddings_are_llm_embed_s(qwen3, make_llm_for_test):
         for call, param in ((lambda: client.embeddings.create(model="embedder", input="x", dimensions=8),
                              "dimensions"),
                             (lambda: client.embeddings.create(model="embedder", input=[]), "input"),
+                            (lambda: client.embeddings.create(model="embedder", input=["x " * 40] * 2), "input"),
                             (lambda: client.embeddings.create(model="embedder", input="x",
                                                               extra_body={"normalize": False}), "normalize"),
                             (lambda: client.completions.create(model="embedder", prompt="x", max_tokens=2),

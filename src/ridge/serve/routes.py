@@ -238,6 +238,10 @@ class Routes:
                 self.engine.validate(ids, params)
             except ValueError as exc:
                 raise RequestError(f"input.{i}: {exc}", "input") from exc
+        tokens = sum(len(ids) for ids in ids_list)
+        if tokens > self.config.max_request_tokens:
+            raise RequestError(f"input: this request's inputs hold {tokens} tokens; the limit is "
+                               f"{self.config.max_request_tokens} (--max-request-tokens)", "input")
         try:
             check_priority(self.engine.config.schedule_policy, req.priority)
         except ValueError as exc:
@@ -248,7 +252,6 @@ class Routes:
             return Response(status_code=CLIENT_CLOSED)
         data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
                 for i, o in enumerate(outputs)]
-        tokens = sum(len(ids) for ids in ids_list)
         return {"object": "list", "data": data, "model": req.model or self.config.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
