@@ -576,6 +576,16 @@ class EngineConfig:
         self._require("kv_eviction: h2o", why.format("the reference backend"), attention_backend="paged")
         return HeavyHitters.from_config(self.kv_recent_tokens, self.kv_budget, self.block_size)
 
+    def check_request_kind(self, embed: bool) -> None:
+        """Refuse a request the runner does not serve: an embedding on a generating engine, a generation on a
+        pooling one (vLLM's rule)."""
+        if embed and self.runner != "pooling":
+            raise ValueError("embed: this engine generates; embeddings need one started with runner='pooling' "
+                             "(--runner pooling)")
+        if not embed and self.runner == "pooling":
+            raise ValueError("runner: this engine runs runner='pooling': it embeds prompts (LLM.embed, "
+                             "/v1/embeddings) and generates nothing")
+
     def threads_per_process(self) -> int:
         """num_threads, or OMP_NUM_THREADS, or this machine's cores shared between the tensor-parallel ranks."""
         env = int(os.environ.get("OMP_NUM_THREADS") or 0)

@@ -56,12 +56,8 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(param_list) != len(batch):
             raise ValueError(f"params: got {len(param_list)} SamplingParams for {len(batch)} prompts")
-        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(batch)
-        if len(adapters) != len(batch):
-            raise ValueError(f"lora_request: got {len(adapters)} adapters for {len(batch)} prompts")
-        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(batch)
-        if len(priorities) != len(batch):
-            raise ValueError(f"priority: got {len(priorities)} priorities for {len(batch)} prompts")
+        adapters = _per_prompt(lora_request, len(batch), "lora_request", "adapters")
+        priorities = _per_prompt(priority, len(batch), "priority", "priorities")
         order: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
@@ -103,10 +99,8 @@ class LLM:
         """Each prompt's embedding, in prompt order, as vLLM's LLM.embed: its last token's final hidden state,
         L2-normalized (an engine started with runner="pooling"). The prompts batch as generate's do."""
         batch = _as_batch(prompts)
-        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(batch)
-        priorities = list(priority) if isinstance(priority, Sequence) else [priority] * len(batch)
-        if len(adapters) != len(batch) or len(priorities) != len(batch):
-            raise ValueError(f"lora_request, priority: one each, or one per prompt ({len(batch)})")
+        adapters = _per_prompt(lora_request, len(batch), "lora_request", "adapters")
+        priorities = _per_prompt(priority, len(batch), "priority", "priorities")
         order: list[str] = []
         ids: dict[str, list[int]] = {}
         done: dict[str, list[float]] = {}
@@ -185,6 +179,14 @@ class LLM:
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """A conversation's token ids, opening the assistant's turn."""
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
+def _per_prompt(value: Any, count: int, field: str, what: str) -> list[Any]:
+    """An argument given once for all `count` prompts, or one per prompt (a sequence of exactly that many)."""
+    each = list(value) if isinstance(value, Sequence) else [value] * count
+    if len(each) != count:
+        raise ValueError(f"{field}: got {len(each)} {what} for {count} prompts")
+    return each
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -267,10 +267,7 @@ class AsyncEngine:
         self.check_admission(params.n, work)
         self.validate(prompt_ids, params)
         check_priority(self.config.schedule_policy, priority)
-        if embed != (self.config.runner == "pooling"):  # the engine's own refusal, before anything is queued
-            raise ValueError("embed: this server generates; embeddings need one started with --runner pooling" if
-                             embed else "runner: this server runs --runner pooling: it embeds prompts "
-                             "(/v1/embeddings) and generates nothing")
+        self.config.check_request_kind(embed)  # the engine's own refusal, before anything is queued
         tracker = RequestTracker(request_id, None, prompt_ids, params, self.tokenizer, kind)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:

@@ -280,11 +280,7 @@ class LLMEngine:
         caller did (the server, in its own process, with the same limits); return its id. lora_request: the
         adapter it runs with (loaded on first use); priority: under schedule_policy priority, lower goes first;
         embed: the prompt's embedding rather than a generation (runner pooling; params are not read)."""
-        pooling = self.config.runner == "pooling"
-        if embed != pooling:
-            raise ValueError("embed: this engine generates; embeddings need one started with runner='pooling' "
-                             "(--runner pooling)" if embed else "runner: this engine runs runner='pooling': it "
-                             "embeds prompts (LLM.embed, /v1/embeddings) and generates nothing")
+        self.config.check_request_kind(embed)
         params = SamplingParams(max_tokens=1) if embed else params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
         if not validated:
