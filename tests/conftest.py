@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import random
 import time
@@ -405,6 +406,16 @@ def assert_awq_folding_keeps_the_model(llm, windows: list[list[int]], prompt: li
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def declare_pooling(folder: Path, mode: str, width: int = 64) -> None:
+    """Make an HF model folder a sentence-transformers one whose Pooling module sets `mode` (its config's flag,
+    e.g. "pooling_mode_mean_tokens")."""
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": width, mode: True}))
 
 
 @contextlib.contextmanager

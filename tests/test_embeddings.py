@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts, running_server
+from conftest import declare_pooling, random_prompts, running_server
 from ridge import SamplingParams
 from ridge.config import EngineConfig
 from ridge.serve.gateway import ServerConfig
@@ -126,32 +126,34 @@ def test_bench_embed_runs_ridge_beside_hf_on_the_same_prompts(qwen3, capsys):
     assert report["max_cosine_distance"] < 1e-6
 
 
-def test_a_model_that_pools_otherwise_is_refused_and_one_that_pools_by_the_last_token_runs(qwen3, make_llm_for_test,
-                                                                                            tmp_path, caplog):
-    """The pooling a model declares (a sentence-transformers folder's Pooling module, a GGUF's pooling_type): a mean
-    or CLS model is refused by the pooling runner (its vectors would be another model's), a last-token one runs, and
-    an embedding model loaded to generate is said at warning level."""
-    import json
+def test_a_model_s_declared_pooling_runs_and_one_ridge_lacks_is_refused(qwen3, make_llm_for_test, tmp_path, caplog):
+    """The pooling a model declares (a sentence-transformers folder's Pooling module, a GGUF's pooling_type): max
+    pooling is refused by the pooling runner (its vectors would be another model's); mean pooling runs, over whole
+    prompts without the prefix cache, as HF's mean of the final hidden states; a last-token one runs; an embedding
+    model loaded to generate is said at warning level."""
     import shutil
     from pathlib import Path
 
     from ridge.engine.loading import ModelFile
     from ridge.models.gguf_file import GGUFFile
 
-    path, _ = qwen3
+    path, hf = qwen3
     folder = tmp_path / "st"
     shutil.copytree(path, folder)
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    (folder / "1_Pooling").mkdir()
-    for mode, runs in (("pooling_mode_mean_tokens", False), ("pooling_mode_lasttoken", True)):
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
-        if runs:
-            assert len(make_llm_for_test(folder, dtype="float32", runner="pooling").embed([[5, 6]])) == 1
-        else:
-            with pytest.raises(ValueError, match=r"runner: this model's embeddings pool by mean \(1_Pooling/config"):
-                make_llm_for_test(folder, dtype="float32", runner="pooling")
+    declare_pooling(folder, "pooling_mode_max_tokens")
+    with pytest.raises(ValueError, match=r"runner: this model's embeddings pool by max \(1_Pooling/config"):
+        make_llm_for_test(folder, dtype="float32", runner="pooling")
+    declare_pooling(folder, "pooling_mode_mean_tokens")
+    mean = make_llm_for_test(folder, dtype="float32", runner="pooling", max_num_batched_tokens=48)
+    assert mean.engine.kv.cache is None and mean.engine.max_model_len == 48
+    prompts = random_prompts(4, VOCAB, 2, 48, seed=6)  # more tokens than a step holds: each prompt waits whole
+    for ids, out in zip(prompts, mean.embed(prompts), strict=True):
+        with torch.inference_mode():
+            expected = torch.nn.functional.normalize(hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+                                                     .mean(0), dim=-1)
+        assert (torch.tensor(out.outputs.embedding) - expected).abs().max().item() < 1e-5
+    declare_pooling(folder, "pooling_mode_lasttoken")
+    assert len(make_llm_for_test(folder, dtype="float32", runner="pooling").embed([[5, 6]])) == 1
     with caplog.at_level("WARNING", logger="ridge"):
         make_llm_for_test(folder, dtype="float32")
     assert "declares last pooling (1_Pooling/config.json): an embedding model" in caplog.text

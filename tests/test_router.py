@@ -52,6 +52,9 @@ def test_prefix_keys_come_from_the_prompt_or_the_messages():
                                                     {"type": "function_call_output", "output": "x"}]}
     assert prefix_key(response, 1024) == "system:" + "S" * 50 + "\nuser:hi\n:\n"
     assert prefix_key({"input": "hi there"}, 2) == "hi" == prefix_key({"input": ["hi there", "no"]}, 2)
+    # OpenAI's prompt_cache_key: requests that set one go where it hashes, whatever their texts
+    keyed = [{**chat, "prompt_cache_key": "tenant-7"}, {"prompt": "other", "prompt_cache_key": "tenant-7"}]
+    assert prefix_key(keyed[0], 1024) == prefix_key(keyed[1], 8) != prefix_key({"prompt": "tenant-7"}, 1024)
 
 
 def test_the_prefix_owner_yields_only_to_a_much_less_busy_replica():

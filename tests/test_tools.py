@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 
 import openai
 import pytest
@@ -718,6 +719,7 @@ def test_a_reply_s_reasoning_becomes_a_reasoning_item_before_the_message():
         return [json.loads(e.split("data: ", 1)[1]) async for e in builder.events(feed())]
 
     streamed = asyncio.run(events())
+    assert not any("obfuscation" in e for e in streamed)  # padded only where asked (below)
     assert [e["type"] for e in streamed] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
@@ -730,3 +732,25 @@ def test_a_reply_s_reasoning_becomes_a_reasoning_item_before_the_message():
     strip = [{k: v for k, v in o.items() if k != "id"} for o in final["output"]]
     assert strip == [{k: v for k, v in o.items() if k != "id"} for o in whole["output"]]
     assert final["usage"] == whole["usage"]
+
+    # stream_options.include_obfuscation: every delta event padded with random characters of random length (the
+    # padding's lengths differ between events: 20 draws of 1..48 are all equal with odds of 48^-19); others not
+    builder = ResponseBuilder(ResponsesRequest(input="Hi", stream_options={"include_obfuscation": True}), "m", 0,
+                              lambda text: len(text.split()))  # events() reads it
+    streamed = [asyncio.run(events()) for _ in range(5)]
+    deltas = [e for run in streamed for e in run if e["type"].endswith(".delta")]
+    assert len(deltas) == 20 and all(isinstance(e["obfuscation"], str) for e in deltas)
+    assert len({len(e["obfuscation"]) for e in deltas}) > 1
+    assert not any("obfuscation" in e for run in streamed for e in run if not e["type"].endswith(".delta"))
+
+
+def test_responses_labels_are_logged_and_a_day_s_cache_retention_refused(caplog):
+    from ridge.serve.responses import ResponsesRequest
+
+    with caplog.at_level(logging.WARNING, logger="ridge"):
+        ResponsesRequest.model_validate({"input": "Hi", "user": "u1", "safety_identifier": "s1",
+                                         "prompt_cache_key": "tenant-7", "prompt_cache_retention": "in_memory"})
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "user='u1'" in logged and "safety_identifier='s1'" in logged and "prompt_cache_key" not in logged
+    with pytest.raises(ValueError, match="prompt_cache_retention"):
+        ResponsesRequest.model_validate({"input": "Hi", "prompt_cache_retention": "24h"})

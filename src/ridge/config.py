@@ -86,6 +86,18 @@ class ModelConfig:
     norm_kind: str = "rms"  # or "layer": LayerNorm (mean-centred), with a bias where norm_bias (StarCoder2)
     norm_bias: bool = False
     parallel_block: bool = False  # Cohere's: attention and the MLP read one normed input, their outputs summed
+    # an encoder's (BERT's): every token attends to its whole sequence, the tokens after it too. It embeds prompts
+    # and generates nothing; each prompt is computed in one chunk over an empty cache (engine/scheduler.py's
+    # whole_prompts), as attending to later tokens needs them all at once
+    causal: bool = True
+    # BERT's post-norms: each sublayer reads the stream, and the stream plus its output is normed (the next
+    # sublayer's input and stream); no final norm
+    post_norms: bool = False
+    # BERT's embeddings: each token's row plus a learned row for its position (RoBERTa's table starts at
+    # position_offset: its padding index + 1) and token type 0's row, LayerNormed
+    learned_positions: bool = False
+    position_offset: int = 0
+    type_vocab_size: int = 0
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -200,10 +212,16 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai", "relu2"):
-            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, swiglu_oai, relu2)")
-        if not self.gated_mlp and self.hidden_act not in ("gelu_tanh", "relu2"):
-            raise ValueError(f"hidden_act: an ungated MLP takes gelu_tanh or relu2, not {self.hidden_act!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh", "gelu", "swiglu_oai", "relu2"):
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (silu, gelu_tanh, gelu, swiglu_oai, "
+                             "relu2)")
+        if not self.gated_mlp and self.hidden_act not in ("gelu_tanh", "gelu", "relu2"):
+            raise ValueError(f"hidden_act: an ungated MLP takes gelu_tanh, gelu or relu2, not {self.hidden_act!r}")
+        if self.gated_mlp and self.hidden_act == "gelu":
+            raise ValueError("hidden_act: a gated MLP's exact (erf) gelu is not supported (gelu_tanh)")
+        if not self.causal and (self.sliding_window or self.ssm_layers or self.is_mla or self.attention_sinks):
+            raise ValueError("causal: attention to later tokens with windows, state-space layers, latent attention or "
+                             "sinks is not supported")
         if self.norm_bias and self.norm_kind != "layer":
             raise ValueError("norm_bias: only LayerNorms (norm_kind 'layer') have a bias")
         if self.ssm_layers and self.ssm_inner_size % self.ssm_groups:
@@ -365,6 +383,9 @@ class ModelConfig:
 QUANTIZATION_CHOICES = ("int8", "int4", "gptq", "awq", "fp8", "mxfp4", "gguf")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "priority")  # engine/scheduler.py
 RUNNERS = ("generate", "pooling")
+# how a pooling runner makes a prompt's embedding from its tokens' final hidden states: the last token's, their
+# mean, or the first token's (CLS)
+POOLING_TYPES = ("last", "mean", "cls")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -481,10 +502,15 @@ class EngineConfig:
         "sequences run at once, within a quarter of the KV memory left after their slots where there are attention "
         "layers)")
     runner: str = knob(
-        "generate", "generate: text (default); pooling: embeddings of prompts (LLM.embed, /v1/embeddings), each the "
-        "final hidden state of its last token, L2-normalized: last-token pooling, as decoder embedding models "
-        "(Qwen3-Embedding, e5-mistral, gte-Qwen2) are trained. As vLLM's --runner pooling, it does not generate",
-        choices=RUNNERS)
+        "generate", "generate: text (default); pooling: embeddings of prompts (LLM.embed, /v1/embeddings), each its "
+        "tokens' final hidden states pooled (--pooling-type) and L2-normalized. As vLLM's --runner pooling, it does "
+        "not generate; an encoder (BERT, RoBERTa, XLM-RoBERTa) runs only so", choices=RUNNERS)
+    pooling_type: str | None = knob(
+        None, "with --runner pooling: last (the last token's state: decoder embedding models such as Qwen3-Embedding "
+        "or e5-mistral), mean (the mean over the prompt's tokens: most sentence-transformers models), or cls (the "
+        "first token's: BERT's [CLS]); default: what the model declares (a sentence-transformers Pooling module, a "
+        "GGUF's pooling_type), else cls for an encoder and last for a decoder (vLLM's defaults)",
+        choices=POOLING_TYPES)
     schedule_policy: str = knob(
         "lpm", "which waiting request goes first: lpm = longest cached prefix (with a bounded wait), fcfs = "
         "arrival order, priority = each request's priority, lower first (vLLM's; a less important running "
@@ -617,6 +643,10 @@ class EngineConfig:
                                  "leave state_snapshots out")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type: {self.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}")
+        if self.pooling_type is not None and self.runner != "pooling":
+            raise ValueError("pooling_type: pools embeddings, which need runner='pooling' (--runner pooling)")
         if self.runner == "pooling":
             for name, given in (("speculate", self.speculate or self.draft_model), ("kv_eviction",
                                 self.kv_eviction != "none")):

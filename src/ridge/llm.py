@@ -22,7 +22,7 @@ from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # a text, token ids, or vLLM's TextPrompt / TokensPrompt
 
 
 class LLM:
@@ -78,7 +78,8 @@ class LLM:
         """Validate and queue one prompt (the engine checks it); its outputs come from the processor."""
         ids = self.tokenizer.encode_prompt(prompt)
         request_id = self.engine.add_request(ids, params, lora_request=lora_request, priority=priority)
-        self.processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params, kind)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        self.processor.add(request_id, text if isinstance(text, str) else None, ids, params, kind)
         return request_id
 
     def _step(self) -> list[RequestOutput]:
@@ -123,8 +124,7 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt, best first (see engine/beam_search.py)."""
-        batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
-        encoded = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        encoded = [self.tokenizer.encode_prompt(p) for p in _as_batch(prompts)]
         return beam_search(self.engine, encoded, params or BeamSearchParams(), lora_request, priority)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -190,7 +190,7 @@ def _per_prompt(value: Any, count: int, field: str, what: str) -> list[Any]:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):  # a text, or vLLM's TextPrompt / TokensPrompt
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]

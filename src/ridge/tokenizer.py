@@ -43,6 +43,9 @@ class TokenizerInfo:
     chat_template: str | None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     fim_token_ids: tuple[int, int, int] | None = None  # (prefix, suffix, middle): None when it cannot infill
+    # the tokenizer's post-processor closes a text with a special token (BERT's [CLS] text [SEP], RoBERTa's
+    # <s> text </s>): its template is then the text's special tokens, not add_bos
+    wraps: bool = False
 
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
@@ -91,7 +94,23 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
     info.fim_token_ids = _fim_ids(tok.get_vocab())
+    info.wraps = _closes_text(json.loads((path / "tokenizer.json").read_text()).get("post_processor"))
     return tok, info
+
+
+def _closes_text(processor: dict[str, Any] | None) -> bool:
+    """Whether an HF tokenizer.json's post-processor puts a special token after a single text."""
+    if not processor:
+        return False
+    kind = processor.get("type")
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return True
+    if kind == "Sequence":
+        return any(_closes_text(p) for p in processor.get("processors") or [])
+    if kind == "TemplateProcessing":
+        pieces = [next(iter(piece)) for piece in processor.get("single") or [] if isinstance(piece, dict)]
+        return "Sequence" in pieces and "SpecialToken" in pieces[pieces.index("Sequence"):]
+    return False
 
 
 def hf_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
@@ -160,6 +179,8 @@ class RidgeTokenizer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens and self.info.wraps:
+            return self.tokenizer.encode(text).ids  # the post-processor's template: [CLS] text [SEP] (BERT's)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         bos = self.info.bos_token_id
         # A template that already starts with BOS must not get a second one (llama.cpp warns about that).
@@ -167,13 +188,22 @@ class RidgeTokenizer:
             ids = [bos, *ids]
         return ids
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's token ids: a text encoded (an empty one refused, BOS or not), or ids as given."""
+    def encode_prompt(self, prompt: str | list[int] | dict[str, Any]) -> list[int]:
+        """A prompt's token ids: a text encoded (an empty one refused, BOS or not), or ids as given; vLLM's
+        TextPrompt ({"prompt": text}) and TokensPrompt ({"prompt_token_ids": ids}) as the text or ids they hold."""
+        if isinstance(prompt, dict):
+            if len(prompt) != 1 or not set(prompt) <= {"prompt", "prompt_token_ids"}:
+                raise ValueError(f"prompt: a dict prompt is {{'prompt': text}} or {{'prompt_token_ids': ids}} (vLLM's "
+                                 f"TextPrompt, TokensPrompt); got the keys {sorted(prompt)}")
+            prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty (0 characters)")
             return self.encode(prompt)
-        return list(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt: token ids must be integers")
+        return ids
 
     def encode_infill(self, prefix: str | list[int], suffix: str) -> list[int]:
         """A fill-in-the-middle prompt: the model writes what goes between prefix and suffix (prefix, suffix,

@@ -46,6 +46,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [num_decodes], the new token included
     prefills: list[PrefillChunk]
     window: Window | None = None
+    # False (an encoder's): a query sees every key of its sequence, the later ones too; then each chunk is its
+    # sequence's whole prompt over an empty cache (the scheduler's whole_prompts), and the step has no decodes
+    causal: bool = True
     # Where the runner asks for it (h2o eviction, kv/eviction.py): [sequences of the step, width] float32, zeros,
     # decodes' rows first, then each chunk's; the backend adds, in every layer, each sequence's attention
     # probabilities over the blocks of its table (summed over query heads and the tokens of each block) for every
@@ -62,7 +65,7 @@ class AttentionMetadata:
 
     @classmethod
     def whole_prompt(cls, num_tokens: int, block_table: list[int], block_size: int, window: Window | None = None,
-                     device: torch.device | str = "cpu") -> AttentionMetadata:
+                     device: torch.device | str = "cpu", causal: bool = True) -> AttentionMetadata:
         """One sequence's tokens 0..num_tokens-1 in one chunk over an empty cache: scoring a text."""
         table = torch.tensor(block_table, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
@@ -72,7 +75,7 @@ class AttentionMetadata:
             decode_block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
             decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
             prefills=[PrefillChunk(0, num_tokens, num_tokens, table[: -(-num_tokens // block_size)])],
-            window=window,
+            window=window, causal=causal,
         )
 
     def window_starts(self, context_lens: torch.Tensor) -> torch.Tensor | None:

@@ -13,6 +13,9 @@ kernel call per chunk and layer cost more than the attention itself. Kernel rows
 prefix (a prefix-cache hit's decodes, samples, a chunk's tokens) attend to it once, together, through
 torch's flash attention, and only their own suffixes through the kernel (attention/cascade.py).
 
+An encoder's step (AttentionMetadata.causal False) holds whole prompts only, each attended by SDPA without a
+mask: every query sees its whole sequence.
+
 A KV group with a sliding window reads only the window: the kernel starts each row at its window's first
 key, and SDPA gathers a chunk's context from the block its first query's window starts in.
 """
@@ -60,6 +63,11 @@ class PagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
+        if not meta.causal:  # an encoder's whole prompts, each attended at once with SDPA
+            assert not meta.num_decodes and all(c.context_len == c.length for c in meta.prefills), \
+                "attention to later tokens needs whole prompts (the scheduler's whole_prompts)"
+            meta.sdpa_chunks = [SdpaChunk(chunk) for chunk in meta.prefills]
+            return
         if self.batch_invariant:
             self._all_kernel_rows(meta)
             return
@@ -174,7 +182,7 @@ class PagedBackend(AttentionBackend):
             else:
                 o = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                    attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
+                    attn_mask=mask, is_causal=mask is None and meta.causal, scale=self.scale, enable_gqa=True,
                 )
                 out[rows] = o[0].transpose(0, 1)
             if mass is not None:

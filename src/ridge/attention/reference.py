@@ -26,12 +26,13 @@ class ReferenceBackend(AttentionBackend):
             out[i : i + 1] = self._one(layer, q[i : i + 1], meta.decode_block_tables[i], ctx, meta.window, sinks)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
-            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window, sinks)
+            out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window, sinks,
+                                  meta.causal)
         return out
 
     def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
-             window: Window | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]."""
+             window: Window | None, sinks: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
+        """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]; causal False: each sees them all."""
         k, v = self.gather(layer, block_table)
         group = q.shape[1] // k.shape[0]
         k = k[:, :context_len].repeat_interleave(group, dim=0).float()  # [heads, ctx, d]
@@ -40,7 +41,8 @@ class ReferenceBackend(AttentionBackend):
         scores = torch.einsum("nhd,hcd->hnc", q.float(), k) * self.scale
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        if causal:
+            visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
+            scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         weights = scores.softmax(-1) if sinks is None else sink_softmax(scores, sinks)
         return torch.einsum("hnc,hcd->nhd", weights, v).to(q.dtype)

@@ -2,11 +2,13 @@
 
 --num-prompts random prompts of --input-len tokens (the same ids for both engines) are embedded by ridge's
 LLM.embed (--runner pooling, the prefix cache off, so that every token of every prompt is computed) and by HF
-transformers' base model in batches of --hf-batch-size (the last token's final hidden state, normalized), both in
-the engine's dtype on the same weights. Per engine: prompts and tokens per second, the decoder's matmul FLOP/s on
-those tokens (2 x its linear parameters a token) as a fraction of the machine's measured matmul peak, and the
-largest cosine distance between the two engines' embeddings of a prompt. The question it answers: how fast does
-ridge turn prompts into embeddings, and how near is it to the compute roofline that prefill runs against.
+transformers' base model in batches of --hf-batch-size (the final hidden states pooled as ridge pools them: the
+model's declared pooling or --pooling-type; normalized), both in the engine's dtype on the same weights. A decoder
+(Qwen3-Embedding's shape) or an encoder (BERT, RoBERTa, XLM-RoBERTa: bge, e5, MiniLM). Per engine: prompts and
+tokens per second, the model's matmul FLOP/s on those tokens (2 x its linear parameters a token) as a fraction of
+the machine's measured matmul peak, and the largest cosine distance between the two engines' embeddings of a
+prompt. The question it answers: how fast does ridge turn prompts into embeddings, and how near is it to the
+compute roofline that prefill runs against.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from ridge.bench.hf_models import hf_causal_lm
+from ridge.bench.hf_models import hf_causal_lm, hf_encoder, saved_random_model
 from ridge.plan import arithmetic, roofline
 
 
@@ -28,58 +32,79 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
 
 
-def hf_embeddings(model_path, dtype: torch.dtype, prompts: list[list[int]], batch: int) -> tuple[list, float] | str:
-    """HF transformers' base model on the same prompts (equal lengths: no padding), `batch` at a time: the
-    embeddings and the seconds they took; a reason where it cannot run."""
-    model = hf_causal_lm(model_path)
+def hf_embeddings(model_path, dtype: torch.dtype, prompts: list[list[int]], batch: int, pooling: str,
+                  encoder: bool) -> tuple[list, float] | str:
+    """HF transformers' base model on the same prompts (equal lengths: no padding), `batch` at a time, pooled by
+    `pooling` (config.POOLING_TYPES): the embeddings and the seconds they took; a reason where it cannot run."""
+    model = hf_encoder(model_path) if encoder else hf_causal_lm(model_path)
     if isinstance(model, str):
         return model
-    base = model.model.to(dtype).eval()
+    base = (model if encoder else model.model).to(dtype).eval()
     out = []
     with torch.inference_mode():
         base(input_ids=torch.tensor(prompts[:1]))  # warm-up: the first call's one-off costs
         start = time.perf_counter()
         for i in range(0, len(prompts), batch):
-            hidden = base(input_ids=torch.tensor(prompts[i:i + batch])).last_hidden_state[:, -1]
-            out += list(torch.nn.functional.normalize(hidden.float(), dim=-1))
+            hidden = base(input_ids=torch.tensor(prompts[i:i + batch])).last_hidden_state.float()
+            pooled = hidden.mean(1) if pooling == "mean" else hidden[:, 0] if pooling == "cls" else hidden[:, -1]
+            out += list(torch.nn.functional.normalize(pooled, dim=-1))
         seconds = time.perf_counter() - start
     return out, seconds
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from ridge import LLM
-    from ridge.flags import engine_kwargs
+    from ridge.models.random_weights import is_random
 
     if args.runner != "generate":  # its default: the flag was given
         raise ValueError("--runner: bench embed runs --runner pooling itself; leave the flag out")
+    if not is_random(args.model) or args.skip_peer:
+        return _bench(args, args.model)
+    # a random-weight model: drawn once, by HF's initialiser, into a folder both engines load (the same weights)
+    with tempfile.TemporaryDirectory(prefix="ridge-bench-embed-") as folder:
+        print(f"[bench] drawing {args.model}'s weights for both engines ...", file=sys.stderr)
+        saved = saved_random_model(args.model, Path(folder))
+        if isinstance(saved, str):
+            print(f"[bench] HF transformers: {saved}", file=sys.stderr)
+            args.skip_peer = True
+            return _bench(args, args.model)
+        return _bench(args, str(saved), shown=args.model)
+
+
+def _bench(args: argparse.Namespace, model: str, shown: str | None = None) -> int:
+    """The benchmark on `model` (`shown` under that name)."""
+    from ridge import LLM
+    from ridge.flags import engine_kwargs
+
     kwargs = {**engine_kwargs(args), "runner": "pooling", "enable_prefix_caching": False}
     kwargs["max_model_len"] = args.input_len + 1
-    llm = LLM(args.model, progress=not args.json, **kwargs)
+    llm = LLM(model, progress=not args.json, **kwargs)
     engine = llm.engine
     dtype = engine.config.torch_dtype
     print(f"[bench] measuring the {dtype} matmul peak ...", file=sys.stderr)
     peak = roofline.measure_matmul(dtype)
     prompts = random_prompts(engine.loaded.config.vocab_size, args.num_prompts, args.input_len)
     counts = arithmetic.count_parameters(engine.loaded.spec)
-    # the decoder's linears: no vocabulary projection (a pooling runner skips it, as HF's base model does)
+    # the layers' linears: no vocabulary projection (a pooling runner skips it, as HF's base model does)
     flops_per_token = 2 * (counts.active - counts.embeddings - counts.output_head - counts.norms
                            - counts.per_layer_table)
     llm.embed(prompts[:1])  # warm-up
     start = time.perf_counter()
     ours = [torch.tensor(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=not args.json)]
     rows = [_row("ridge", time.perf_counter() - start, args, flops_per_token, peak)]
-    model_path, loaded_name = engine.loaded.path, engine.config.model
+    model_path, loaded_name = engine.loaded.path, shown or engine.config.model
+    pooling, encoder = engine.pooling, not engine.loaded.config.causal
     del llm, engine
     reference = None
     if not args.skip_peer:
         print("[bench] HF transformers ...", file=sys.stderr)
-        got = hf_embeddings(model_path, dtype, prompts, args.hf_batch_size)
+        got = hf_embeddings(model_path, dtype, prompts, args.hf_batch_size, pooling, encoder)
         if isinstance(got, str):
             print(f"[bench] HF transformers: {got}", file=sys.stderr)
         else:
             reference, seconds = got
             rows.append(_row("HF transformers", seconds, args, flops_per_token, peak))
-    report = {"benchmark": "embed", "model": loaded_name, "dtype": str(dtype).removeprefix("torch."),
+    report = {"benchmark": "embed", "model": loaded_name, "pooling": pooling,
+              "dtype": str(dtype).removeprefix("torch."),
               "num_prompts": args.num_prompts, "input_len": args.input_len, "hf_batch_size": args.hf_batch_size,
               "matmul_peak_gflop_s": peak, "rows": rows}
     if reference is not None:
@@ -88,8 +113,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"\n{loaded_name}: {args.num_prompts} prompts of {args.input_len} tokens embedded, {report['dtype']}; "
-          f"matmul peak {peak:.0f} GFLOP/s")
+    print(f"\n{loaded_name}: {args.num_prompts} prompts of {args.input_len} tokens embedded ({pooling} pooling), "
+          f"{report['dtype']}; matmul peak {peak:.0f} GFLOP/s")
     for line in embed_table(report):
         print(line)
     if reference is not None:
@@ -106,7 +131,7 @@ def _row(engine: str, seconds: float, args: argparse.Namespace, flops_per_token:
 
 
 def embed_table(report: dict) -> list[str]:
-    lines = ["| engine | prompts/s | tokens/s | GFLOP/s (decoder matmuls) | of matmul peak |",
+    lines = ["| engine | prompts/s | tokens/s | GFLOP/s (layer matmuls) | of matmul peak |",
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['engine']} | {r['prompts_s']:.1f} | {r['tok_s']:,.0f} | {r['gflop_s']:.0f} | "
               f"{r['roofline_fraction']:.0%} |" for r in report["rows"]]

@@ -224,8 +224,8 @@ class AsyncEngine:
             return Health("stuck", f"the engine has reported no step for {time.monotonic() - self.last_progress:.0f} s")
         return Health("ok")
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.limits.validate(prompt_ids, params)
+    def validate(self, prompt_ids: list[int], params: SamplingParams, embed: bool = False) -> None:
+        self.limits.validate(prompt_ids, params, embed)
         if params.structured_outputs is not None:  # a bad grammar is the request's error, found here
             self.grammars.grammar(params.structured_outputs)
 
@@ -265,7 +265,7 @@ class AsyncEngine:
         """
         work = len(prompt_ids) + params.n * params.max_tokens
         self.check_admission(params.n, work)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, embed)
         check_priority(self.config.schedule_policy, priority)
         self.config.check_request_kind(embed)  # the engine's own refusal, before anything is queued
         tracker = RequestTracker(request_id, None, prompt_ids, params, self.tokenizer, kind)

@@ -109,7 +109,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
         target = ModelFile.open(config.model)
-        target.check_runner(config.runner)
+        self.pooling = target.pooling_for(config)  # None: it generates
         plan = shard_plan(config, target, rank=0)  # the split checked before any weight is read
         self.tokenizer = target.tokenizer
         draft_file = self._open_draft_model() if config.speculate == "draft" else None  # before any load
@@ -140,6 +140,14 @@ class LLMEngine:
             raise ValueError("speculate: state-space layers cannot take back rejected draft tokens (their state has "
                              "no earlier versions); run this model without speculative decoding")
         prefix_caching = config.enable_prefix_caching
+        # mean and CLS pooling read every token of a prompt, and an encoder's tokens attend to the later ones: its
+        # prompts are computed whole (the scheduler's whole_prompts), and none from a cached prefix, whose states
+        # would be skipped (an encoder's: computed without the tokens after it)
+        whole_prompts = self.pooling in ("mean", "cls") or not cfg.causal
+        if whole_prompts and prefix_caching:
+            log.warning("ridge: prefix caching is off: %s computes every prompt whole (%s)", target.path.name,
+                        "an encoder" if not cfg.causal else f"{self.pooling} pooling")
+            prefix_caching = False
         if config.state_snapshots is not None and not cfg.ssm_layers:
             raise ValueError("state_snapshots: keeps states of state-space layers, which this model has none of; "
                              "leave it out")
@@ -184,14 +192,19 @@ class LLMEngine:
                              "sliding-window layer group holds its window and a chunk, an evicting cache its "
                              "kv_budget and a chunk); give it more memory")
         self.max_model_len = min(positions, pool_tokens)
+        if whole_prompts and config.max_num_batched_tokens < self.max_model_len:
+            log.warning("ridge: max_model_len %d cut to max_num_batched_tokens (%d): a pooled prompt is computed in "
+                        "one step; raise --max-num-batched-tokens for longer ones", self.max_model_len,
+                        config.max_num_batched_tokens)
+            self.max_model_len = config.max_num_batched_tokens
         self.limits = RequestLimits(self.max_model_len, cfg.vocab_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.schedule_policy,
                                    StopRule(frozenset(self.tokenizer.stop_token_ids), self.max_model_len),
-                                   config.max_loras if config.enable_lora else None)
+                                   config.max_loras if config.enable_lora else None, whole_prompts)
         self.adapters = load_adapters(config, self.loaded, plan) if config.enable_lora else None
         self.runner: ModelRunner | TensorParallelRunner = ModelRunner.for_engine(
             config, self.loaded.model, kernels, num_blocks, self.max_model_len, num_state_slots, num_snapshots,
-            self.adapters)
+            self.adapters, self.pooling)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.sampler = Sampler(cfg.vocab_size, self.tokenizer.stop_token_ids, self.grammars)
         self.drafter = self._make_drafter(draft_file, num_blocks, kernels, progress)
@@ -212,7 +225,7 @@ class LLMEngine:
         if num_snapshots:
             log.info("ridge: prefix caching keeps up to %d snapshots of a sequence's recurrent state (%.1f MiB each)",
                      num_snapshots, kv_cfg.ssm_state_bytes() / 2**20)
-        return Build(num_blocks, num_state_slots, self.max_model_len, num_snapshots)
+        return Build(num_blocks, num_state_slots, self.max_model_len, num_snapshots, self.pooling)
 
     def _open_draft_model(self) -> ModelFile:
         """The draft model's file, refused before any weights load when its vocabulary is not the target's."""
@@ -260,8 +273,9 @@ class LLMEngine:
         return self.kv.pool
 
     # ---- requests -------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        self.limits.validate(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 embed: bool = False) -> None:
+        self.limits.validate(prompt_token_ids, params, embed)
         if params is not None and params.structured_outputs is not None:
             self.grammars.grammar(params.structured_outputs)  # compiled and cached, or a ValueError naming it
 
@@ -284,7 +298,7 @@ class LLMEngine:
         params = SamplingParams(max_tokens=1) if embed else params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
         if not validated:
-            self.validate(ids, params)
+            self.validate(ids, params, embed)
         check_priority(self.config.schedule_policy, priority)
         adapter = self._adapter(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
@@ -412,7 +426,7 @@ class LLMEngine:
         if out.scored:
             prompt_logprobs.record(out.scored, out.prompt_hidden, self.loaded.model.compute_logits)
         samplers = out.samplers
-        if out.hidden is not None:  # a pooling runner: each sampler's prompt is whole, its embedding the last row
+        if out.hidden is not None:  # a pooling runner: each sampler's prompt is whole, its embedding pooled
             self.scheduler.update(step, [])
             self._embed(samplers, out.hidden)
         else:
@@ -424,8 +438,8 @@ class LLMEngine:
         return self._report(samplers)
 
     def _embed(self, samplers: list[Sequence], hidden: torch.Tensor) -> None:
-        """End each sequence that computed its prompt's last token with its embedding: that token's final hidden
-        state, L2-normalized in float32."""
+        """End each sequence that computed its prompt's last token with its embedding: its prompt's final hidden
+        states pooled (the runner's pooling), L2-normalized in float32."""
         embeddings = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu()
         now = time.perf_counter()
         for seq, embedding in zip(samplers, embeddings, strict=True):

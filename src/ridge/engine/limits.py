@@ -15,11 +15,16 @@ class RequestLimits:
     max_model_len: int
     vocab_size: int
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Raise ValueError, naming the field and the limit, for a request the engine cannot serve."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 embed: bool = False) -> None:
+        """Raise ValueError, naming the field and the limit, for a request the engine cannot serve; embed: the
+        prompt is embedded, not continued (it may fill the context)."""
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty (0 tokens)")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if embed and len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens is more than the maximum context length, "
+                             f"{self.max_model_len} tokens")
+        if not embed and len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leaves no room to generate; the maximum context "
                 f"length is {self.max_model_len} tokens (prompt + at least 1 new token)"

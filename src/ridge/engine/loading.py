@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ridge.cluster.shards import ShardPlan, shard_model, shard_quantized
-from ridge.config import EngineConfig, ModelConfig
+from ridge.config import POOLING_TYPES, EngineConfig, ModelConfig
 from ridge.engine.native_memory import trim_heap
 from ridge.hub import resolve
 from ridge.kernels import batch_invariance
@@ -95,18 +95,33 @@ class ModelFile:
                 return "+".join(name for flag, name in ST_POOLING.items() if modes.get(flag)) or "none", str(where)
         return None
 
-    def check_runner(self, runner: str) -> None:
-        """Refuse to pool a model whose embeddings pool otherwise than by the last token (its vectors would be
-        another model's); say so where an embedding model is loaded to generate."""
-        if self.pooling is None:
-            return
-        kind, where = self.pooling
-        if runner == "pooling" and kind != "last":
-            raise ValueError(f"runner: this model's embeddings pool by {kind} ({where}); ridge's pooling runner takes "
-                             "the last token's state only")
-        if runner == "generate":
-            log.warning("ridge: %s declares %s pooling (%s): an embedding model; serve it with --runner pooling",
-                        self.path.name, kind, where)
+    def pooling_for(self, config: EngineConfig) -> str | None:
+        """How the engine pools embeddings (POOLING_TYPES; None: it generates): config.pooling_type where given,
+        else the pooling the model declares, else cls for an encoder and last for a decoder (vLLM's defaults).
+        ValueError for a pooling ridge does not run, or an encoder asked to generate; a warning where an embedding
+        model is loaded to generate, or pools otherwise than it declares (its vectors are not the trained ones)."""
+        declared, encoder = self.pooling, not self.config().causal
+        if config.runner == "generate":
+            if encoder:
+                raise ValueError(f"runner: {self.path.name} is an encoder (each token attends to the later ones too): "
+                                 "it embeds prompts and generates nothing; start it with runner='pooling' (--runner "
+                                 "pooling)")
+            if declared is not None:
+                log.warning("ridge: %s declares %s pooling (%s): an embedding model; serve it with --runner pooling",
+                            self.path.name, *declared)
+            return None
+        if config.pooling_type is not None:
+            if declared is not None and declared[0] != config.pooling_type:
+                log.warning("ridge: pooling_type=%s, where %s declares %s pooling (%s): these embeddings are not the "
+                            "ones the model was trained to give", config.pooling_type, self.path.name, *declared)
+            return config.pooling_type
+        if declared is None:
+            return "cls" if encoder else "last"
+        kind, where = declared
+        if kind not in POOLING_TYPES:
+            raise ValueError(f"runner: this model's embeddings pool by {kind} ({where}); ridge's pooling runner pools "
+                             f"by {', '.join(POOLING_TYPES)}")
+        return kind
 
     def config(self) -> ModelConfig:
         """The model's config from its header alone, no weight read (to check what it asks for before loading)."""
@@ -129,8 +144,10 @@ class ModelFile:
             return cls(Path(spec.name), None, random=spec, random_source=folder)
         path = resolve(model)
         gguf = open_gguf(path) if path.is_file() else None
-        if gguf is not None:  # before the tokenizer or any weight is read
-            check_supported(str(gguf.fields.get("general.architecture")))
+        if gguf is not None and check_supported(str(gguf.fields.get("general.architecture"))) == "bert":
+            # (checked before the tokenizer or any weight is read)
+            raise ValueError(f"{path.name}: BERT-family GGUF files are not supported yet (llama.cpp's tensor names "
+                             "and WordPiece vocabulary); load the model's HF folder")
         return cls(path, gguf)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -49,6 +49,8 @@ class StepInputs:
     scored: list[PromptRows]
     states: StateStep | None = None  # the sequences' state slots, for a model with state-space layers
     adapters: AdapterStep | None = None  # each row's LoRA adapter, where a sequence of the step has one
+    # each sampler whose whole prompt is in the step: (its first row, its rows), for mean and CLS pooling
+    prompt_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -69,7 +71,7 @@ class ModelRunner:
         device: str, cpu_ops: ModuleType | None = None, enforce_eager: bool = False, batch_invariant: bool = False,
         max_batch: int = 1, max_model_len: int | None = None, scores_prompts: bool = True, num_state_slots: int = 0,
         kv_format: KVFormat | None = None, tensor_parallel: bool = False, attention_mass: bool = False,
-        num_snapshots: int = 0, adapters: AdapterSet | None = None, pools: bool = False,
+        num_snapshots: int = 0, adapters: AdapterSet | None = None, pooling: str | None = None,
     ) -> None:
         """max_batch, max_model_len: the decode steps CUDA graphs are captured for (not with enforce_eager);
         scores_prompts: whether sequences asking for prompt logprobs get their prompt rows (a drafter's not);
@@ -78,12 +80,14 @@ class ModelRunner:
         slots after them (kv/state_snapshots.py); tensor_parallel: the model is one rank's shard, its layers
         all-reducing between them (cluster/); attention_mass: each step reports the attention its sequences' blocks
         received (h2o eviction); adapters: the LoRA adapters over the model's projections, which steps whose sequences
-        use them add (lora/apply.py); pools: a step hands over its samplers' final hidden states, not logits (a
-        pooling runner: embeddings; no CUDA graphs, which end in logits)."""
+        use them add (lora/apply.py); pooling: a step hands over each sampler's prompt pooled ("last": its last
+        token's final hidden state; "mean": their mean over its tokens; "cls": its first token's), not logits (a
+        pooling runner: embeddings; no CUDA graphs, which end in logits; mean and CLS pool whole prompts, which the
+        scheduler's whole_prompts gives them)."""
         cfg = model.cfg
         self.adapters = adapters
         self.scores_prompts = scores_prompts
-        self.pools = pools
+        self.pooling = pooling
         self.attention_mass = attention_mass
         self.model = model
         self.device = torch.device(device)
@@ -108,14 +112,15 @@ class ModelRunner:
         # rank's calling the group's all-reduces between them)
         if not enforce_eager and cpu_ops is not None and self.device.type == "cpu" and cfg.num_experts:
             decode_stack.attach_native_experts(model, cpu_ops)  # the stack takes the same ones
-        self.decode_stack = None if enforce_eager else decode_stack.build(model, self.backend, cpu_ops,
-                                                                          tensor_parallel, self.states)
+        # (a pooling runner's steps are prompts: no decode step to fuse)
+        self.decode_stack = None if enforce_eager or pooling is not None else decode_stack.build(
+            model, self.backend, cpu_ops, tensor_parallel, self.states)
         self.graphs: DecodeGraphs | None = None
         fused_experts = False
         if self.device.type == "cuda" and cfg.num_experts and not tensor_parallel:
             fused_experts = attach_fused_experts(model)
         graphs = (self.device.type == "cuda" and isinstance(self.backend, (CudaBackend, LatentBackend))
-                  and not enforce_eager and not tensor_parallel and not pools)
+                  and not enforce_eager and not tensor_parallel and pooling is None)
         if graphs and cfg.num_experts and not fused_experts:
             log.warning("ridge: no CUDA graphs for a mixture of experts whose experts run one matmul each (their "
                         "routing is read on the host each step); decode runs eagerly")
@@ -132,14 +137,15 @@ class ModelRunner:
     @classmethod
     def for_engine(cls, config: EngineConfig, model: DecoderModel, cpu_ops: ModuleType | None, num_blocks: int,
                    max_model_len: int, num_state_slots: int, num_snapshots: int = 0,
-                   adapters: AdapterSet | None = None) -> ModelRunner:
-        """The engine's runner of its (target) model, as config asks for it."""
+                   adapters: AdapterSet | None = None, pooling: str | None = None) -> ModelRunner:
+        """The engine's runner of its (target) model, as config asks for it; pooling: a pooling runner's (the
+        engine's pooling_type for the model)."""
         return cls(model, config.attention_backend, num_blocks, config.block_size, config.torch_dtype, config.device,
                    cpu_ops=cpu_ops, enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
                    max_batch=config.max_num_seqs, max_model_len=max_model_len, num_state_slots=num_state_slots,
                    kv_format=config.kv_format, tensor_parallel=config.tensor_parallel_size > 1,
                    attention_mass=config.eviction is not None and config.eviction.needs_attention_mass,
-                   num_snapshots=num_snapshots, adapters=adapters, pools=config.runner == "pooling")
+                   num_snapshots=num_snapshots, adapters=adapters, pooling=pooling)
 
     def close(self) -> None:
         """Nothing to release: the runner's tensors go with it (a tensor-parallel runner stops its ranks)."""
@@ -192,17 +198,35 @@ class ModelRunner:
             scored, prompt_hidden = [], None
         else:
             num_sampled = len(inputs.sample_rows)
-            rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long, device=self.device)
+            read = inputs.sample_rows + inputs.prompt_rows + self._pooled_rows(inputs.prompt_spans)
+            rows = torch.tensor(read, dtype=torch.long, device=self.device)
             hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
             sampled = hidden[:num_sampled]
-            scored, prompt_hidden = inputs.scored, hidden[num_sampled:] if inputs.prompt_rows else None
-        if self.pools:
-            logits = StepLogits(None, inputs.samplers, scored, prompt_hidden, mass, hidden=sampled)
+            prompts = num_sampled + len(inputs.prompt_rows)
+            scored = inputs.scored
+            prompt_hidden = hidden[num_sampled:prompts] if inputs.prompt_rows else None
+        if self.pooling is not None:
+            pooled = sampled if self.pooling == "last" else self._pool(inputs, hidden[prompts:])
+            logits = StepLogits(None, inputs.samplers, scored, prompt_hidden, mass, hidden=pooled)
         else:
             logits = StepLogits(self.model.compute_logits(sampled), inputs.samplers, scored, prompt_hidden, mass)
         if states is not None and states.saves is not None:
             self.states.copy_(states.saves)
         return logits
+
+    def _pooled_rows(self, prompt_spans: list[tuple[int, int]]) -> list[int]:
+        """The rows mean or CLS pooling reads beyond the sampled ones: every row of each sampler's prompt (mean), or
+        its first (cls); each sampler's prompt is whole in the step (the scheduler's whole_prompts)."""
+        if self.pooling == "mean":
+            return [row for first, count in prompt_spans for row in range(first, first + count)]
+        return [first for first, _ in prompt_spans] if self.pooling == "cls" else []
+
+    def _pool(self, inputs: StepInputs, pooled_rows: torch.Tensor) -> torch.Tensor:
+        """Each sampler's pooled state [samplers, hidden] from its _pooled_rows' final hidden states."""
+        if self.pooling == "cls":
+            return pooled_rows
+        counts = [count for _, count in inputs.prompt_spans]
+        return torch.stack([rows.float().mean(0) for rows in pooled_rows.split(counts)])
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], tables: list[list[int]], state_slot: int | None = None,
@@ -210,7 +234,8 @@ class ModelRunner:
         """Float32 logits [T, V] at every position of token_ids, run as one prefill into `tables` (scratch
         blocks of every KV group) and `state_slot` (a scratch slot, for state-space layers or KV tails), which the
         caller holds: no sequence's state is read or changed. adapter: the LoRA adapter's index in self.adapters."""
-        meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device)
+        meta = [AttentionMetadata.whole_prompt(len(token_ids), table, self.block_size, window, self.device,
+                                               self.model.cfg.causal)
                 for table, window in zip(tables, self.windows, strict=True)]
         for m in meta:
             if self.tails:
@@ -262,6 +287,7 @@ class ModelRunner:
         samplers: list[Sequence] = []
         prompt_rows: list[int] = []
         scored: list[PromptRows] = []
+        prompt_spans: list[tuple[int, int]] = []
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             start, end = seq.num_computed, seq.num_computed + n
             tokens = seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids
@@ -275,11 +301,16 @@ class ModelRunner:
                 rows = 1 + len(seq.draft_ids)
                 sample_rows.extend(range(len(input_ids) - rows, len(input_ids)))
                 samplers.append(seq)
+                if start == 0:
+                    prompt_spans.append((len(input_ids) - n, n))
+        if self.pooling in ("mean", "cls") and len(prompt_spans) != len(samplers):
+            raise AssertionError(f"{self.pooling} pooling reads whole prompts (the scheduler's whole_prompts)")
         meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
         as_long = {"dtype": torch.long, "device": self.device}
         return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
                           sample_rows, samplers, prompt_rows, scored, self._state_step(step),
-                          self._adapter_step(step, sample_rows + prompt_rows))
+                          self._adapter_step(step, sample_rows + prompt_rows + self._pooled_rows(prompt_spans)),
+                          prompt_spans)
 
     def _adapter_step(self, step: ScheduledStep, read_rows: list[int]) -> AdapterStep | None:
         """Each row's adapter (a sequence's drafts are its rows too), where a sequence of the step has one."""
@@ -343,4 +374,5 @@ class ModelRunner:
             window=window,
             attention_mass=mass,
             tail_slots=torch.tensor([s.state_slot for s in step.seqs], **as_long) if self.tails else None,
+            causal=self.model.cfg.causal,
         )

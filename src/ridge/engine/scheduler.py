@@ -35,6 +35,10 @@ preempts running ones of a larger priority value until it fits. The most importa
 progresses; equal priorities are served as fcfs serves them, and a less important request waits as long as more
 important ones keep coming (vLLM's rule too: there is no aging).
 
+With whole_prompts (a pooling runner that reads every token of a prompt: mean or CLS pooling, or an encoder, whose
+tokens attend to the later ones too), a prompt is admitted only where the step's budget holds all of it, and is
+never chunked; the engine keeps such prompts within max_num_batched_tokens and runs no prefix cache for them.
+
 With LoRA adapters, the running sequences use at most max_loras adapters between them (vLLM's rule): a waiting
 sequence of one more adapter is passed over, keeping its place, and later arrivals may go first.
 """
@@ -121,8 +125,10 @@ class StopRule:
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fcfs", stops: StopRule = StopRule(), max_loras: int | None = None) -> None:
-        """max_loras: the LoRA adapters the running sequences may use between them (None: no adapters)."""
+                 policy: str = "fcfs", stops: StopRule = StopRule(), max_loras: int | None = None,
+                 whole_prompts: bool = False) -> None:
+        """max_loras: the LoRA adapters the running sequences may use between them (None: no adapters);
+        whole_prompts: every prompt computed in one chunk (see the module's note)."""
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy: {policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
         self.policy = policy
@@ -133,6 +139,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.stops = stops
         self.max_loras = max_loras
+        self.whole_prompts = whole_prompts
         self.held: dict[int, list[Sequence]] = {}  # a request's first sample's seq_id -> its held siblings
         self.num_preemptions = 0
         self.cache = kv.cache
@@ -205,6 +212,8 @@ class Scheduler:
         displaced = 0
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self.whole_prompts and seq.num_pending > budget:
+                break  # it waits for a step with room for all of it (one always comes: prompts fit the budget)
             if seq.adapter is not None and seq.adapter not in adapters and len(adapters) == self.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -236,7 +245,8 @@ class Scheduler:
             self.running.append(seq)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
-            (decodes if seq.num_pending == 1 else prefills).append((seq, n))
+            # (a one-token prompt computed whole is a prompt still: an encoder's attends as a prompt does)
+            (decodes if seq.num_pending == 1 and not self.whole_prompts else prefills).append((seq, n))
             budget -= n
         self.waiting.extendleft(reversed(passed_over))
         for seq in self.waiting:  # earlier arrivals passed over by a later one (lpm only reorders)

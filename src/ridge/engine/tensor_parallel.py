@@ -46,6 +46,7 @@ class Build:
     num_state_slots: int
     max_model_len: int
     num_snapshots: int = 0
+    pooling: str | None = None  # a pooling runner's (the engine's pooling_type for the model)
 
 
 @dataclass
@@ -319,7 +320,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     if loaded is not None:
         try:
             runner = ModelRunner.for_engine(config, loaded.model, kernels, build.num_blocks, build.max_model_len,
-                                            build.num_state_slots, build.num_snapshots, adapters)
+                                            build.num_state_slots, build.num_snapshots, adapters, build.pooling)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     if not all(group.all_ok(runner is not None)):

@@ -317,8 +317,8 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate) * up): SwiGLU (silu), GeGLU (tanh-approximated gelu, Gemma), or gpt-oss's clamped SwiGLU
-    (swiglu_oai, ModelConfig); or, ungated (gate_up holds up alone), down(relu(up)^2) (relu2, Nemotron-H's) or
-    down(gelu_tanh(up)) (StarCoder2's dense MLP)."""
+    (swiglu_oai, ModelConfig); or, ungated (gate_up holds up alone), down(relu(up)^2) (relu2, Nemotron-H's),
+    down(gelu_tanh(up)) (StarCoder2's dense MLP) or down(gelu(up)) (BERT's)."""
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False,
                  gated: bool = True) -> None:
@@ -336,8 +336,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         if not self.gated:
-            if self.activation == "gelu_tanh":
-                return self.down(F.gelu(gate_up, approximate="tanh"))
+            if self.activation in ("gelu_tanh", "gelu"):  # StarCoder2's; BERT's exact (erf) GELU
+                return self.down(F.gelu(gate_up, approximate="tanh" if self.activation == "gelu_tanh" else "none"))
             return self.down(torch.relu(gate_up).square())
         if self.ops is not None and self.activation == "silu":
             return self.down(self.ops.silu_mul(gate_up))
@@ -363,16 +363,19 @@ class DecoderLayer(nn.Module):
         """local: a layer of the model's local kind, whose rotary turns on the local base where it has one; nope: a
         layer whose attention takes no rotary (NoPE)."""
         super().__init__()
-        self.input_norm = make_norm(cfg) if cfg.pre_norms else ResidualAdd()
+        self.post_norms = cfg.post_norms  # BERT's: only the two output norms below, each over the stream plus output
+        self.input_norm = None if cfg.post_norms else make_norm(cfg) if cfg.pre_norms else ResidualAdd()
         self.attn = None if ssm else mixer
         self.ssm = mixer if ssm else None
         # Cohere's parallel block: the MLP reads the mixer's normed input, so has no norm of its own
         self.parallel = cfg.parallel_block
-        self.post_attn_norm = (None if mlp is None or self.parallel else make_norm(cfg) if cfg.pre_norms
-                               else ResidualAdd())
+        self.post_attn_norm = (None if mlp is None or self.parallel or cfg.post_norms else make_norm(cfg)
+                               if cfg.pre_norms else ResidualAdd())
         self.mlp = mlp
-        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.attn_out_norm = (make_norm(cfg) if cfg.post_norms
+                              else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None)
+        self.mlp_out_norm = (make_norm(cfg) if cfg.post_norms
+                             else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None)
         self.local, self.nope = local, nope
         self.residual_in_fp32 = cfg.residual_in_fp32
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch's output scaled before it joins
@@ -397,6 +400,8 @@ class DecoderLayer(nn.Module):
         as after a layer that ends with the whole stream); states: the step's StateStep, for a state-space layer;
         shared_kv: a KV-sharing model's step k, v (Attention.forward); per_layer_input: this layer's slice of the
         per-layer embeddings [T, per_layer_input_size]."""
+        if self.post_norms:
+            return self._post_norm_layer(x, rope, backend, meta), None
         if residual is None:
             residual, x = x.float() if self.residual_in_fp32 else x, self.input_norm(x)
         else:
@@ -421,6 +426,17 @@ class DecoderLayer(nn.Module):
         if self.per_layer_gate is None and self.layer_scalar is None:
             return x, residual
         return self._gemma4_end(residual + x, per_layer_input), None
+
+    def _post_norm_layer(self, stream: torch.Tensor, rope, backend, meta) -> torch.Tensor:
+        """BERT's layer: the stream [T, hidden] plus attention's output, normed; that plus the MLP's, normed."""
+        x = self.attn(stream, rope, backend, meta)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        stream = self.attn_out_norm(stream + x)
+        x = self.mlp(stream)
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        return self.mlp_out_norm(stream + x)
 
     def joining(self, x: torch.Tensor, out_norm: RMSNorm | None) -> torch.Tensor:
         """A mixer's or an MLP's output as it joins the residual stream: normed (sandwich norms), scaled (Granite's

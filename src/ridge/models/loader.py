@@ -46,7 +46,9 @@ from ridge.models.spec import (
 )
 from ridge.models.tensor_names import (
     DENSE_UNDER_NATIVE,
+    ENCODER_PREFIX,
     LANGUAGE_MODEL_PREFIXES,
+    NOT_ENCODER,
     NOT_LANGUAGE_MODEL,
     gguf_names,
     hf_names,
@@ -594,6 +596,11 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
     does not run."""
     drafter = range(cfg.num_layers, cfg.num_layers + predicting)
     for name, stored in tensors:
+        if cfg.architecture == "bert":  # an encoder's: its masked LM head and pooler are not the encoder's
+            name = ENCODER_PREFIX.sub("", name)
+            if not NOT_ENCODER.match(name):
+                yield name, stored
+            continue
         if NOT_LANGUAGE_MODEL.match(name):
             continue
         for prefix, plain in LANGUAGE_MODEL_PREFIXES:

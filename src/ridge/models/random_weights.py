@@ -95,6 +95,8 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
                                      **spec.rope_scaling}
     if spec.architecture in ("cohere", "cohere2"):  # its LayerNorms' epsilon; its logit_scale multiplies
         config.update(layer_norm_eps=spec.rms_norm_eps, logit_scale=1 / spec.logits_scaling)
+    if spec.architecture == "bert":  # its LayerNorms' epsilon, token types, exact GELU
+        config.update(layer_norm_eps=spec.rms_norm_eps, type_vocab_size=spec.type_vocab_size, hidden_act="gelu")
     if spec.architecture == "starcoder2":  # one use_bias, its LayerNorms' epsilon, its ungated MLP's GELU-tanh
         config.update(use_bias=spec.mlp_bias, norm_epsilon=spec.rms_norm_eps, hidden_act="gelu_pytorch_tanh")
     if spec.architecture == "ernie4_5_moe":  # its own names for the shared experts and the leading dense layers

@@ -10,7 +10,8 @@ MLP), Granite's scalars, queries sharpened by position, a sliding or chunked win
 GeGLU or a squared ReLU, scaled embeddings and sandwich norms, layers of their own head widths, KV shared between
 layers and per-layer embeddings (Gemma 4), an MoE block (with its router's variant) in place of the dense FFN, an
 indexer choosing the keys latent attention reads, and a Mamba-2 mixer, LFM2's short convolution or Qwen3.5's gated
-DeltaNet in place of attention.
+DeltaNet in place of attention; and the encoders bert (RoBERTa's and XLM-RoBERTa's too): attention to the whole
+sequence, post-norms and learned positions.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3_5": _QWEN3_5,
     "qwen3_5_moe": {**_QWEN3_5, "norm_topk_prob": True},
     "qwen3_next": _QWEN3_5,
+    # BERT, RoBERTa, XLM-RoBERTa (the encoders of bge, e5, MiniLM, gte-base...): every token attends to the whole
+    # sequence; LayerNorms with biases after each sublayer joins the stream (post-norms), learned absolute positions
+    # and token types under a LayerNorm, biased projections, an ungated GELU MLP (spec.py's _encoder_fields)
+    "bert": {"causal": False, "post_norms": True, "norm_kind": "layer", "norm_bias": True, "learned_positions": True},
 }
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss", "granitemoe",
         "granitemoehybrid", "lfm2_moe", "qwen3_5_moe", "qwen3_next", "glm4_moe", "minimax_m2", "ernie4_5_moe",
@@ -190,6 +195,8 @@ _HF_NAMES = {
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",  # its language model; the vision and audio towers are not loaded
     "gemma4_text": "gemma4",
+    **dict.fromkeys(("BertModel", "BertForMaskedLM", "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel",
+                     "XLMRobertaForMaskedLM", "bert", "roberta", "xlm-roberta"), "bert"),  # the masked LM head unread
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -294,7 +301,7 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                          f"supported ({', '.join(_SPARSE_ATTENTION)})")
     if spec.is_mla and spec.qkv_bias:
         raise ValueError(f"{spec.source}: attention_bias: biases on latent attention's projections are not supported")
-    if spec.mlp_bias and arch != "starcoder2":
+    if spec.mlp_bias and arch not in ("starcoder2", "bert"):
         raise ValueError(f"{spec.source}: mlp_bias: biases on the FFN's projections are not supported")
     if spec.clip_qkv is not None:
         raise ValueError(f"{spec.source}: clip_qkv: clamping q, k and v ({spec.clip_qkv}) is not supported")
@@ -357,6 +364,9 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
         "attention_multiplier": spec.attention_multiplier,
         "logits_scaling": spec.logits_scaling,
     }
+    if arch == "bert":  # its position table's first rows before position_offset are never read
+        fields.update(type_vocab_size=spec.type_vocab_size, position_offset=spec.position_offset,
+                      max_position_embeddings=spec.max_position_embeddings - spec.position_offset)
     if arch == "gemma4":
         fields.update(global_head_dim=spec.global_head_dim, global_kv_heads=spec.global_kv_heads,
                       global_values_from_keys=spec.global_values_from_keys,

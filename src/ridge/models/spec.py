@@ -103,6 +103,8 @@ class ModelSpec:
     double_wide_shared_mlp: bool = False
     per_layer_input_size: int = 0
     moe_beside_mlp: bool = False  # Gemma 4 26B-A4B's: each layer's experts beside a dense FFN of intermediate_size
+    # an encoder's (BERT's) token type table (0: none); its position table's rows are max_position_embeddings
+    type_vocab_size: int = 0
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -122,6 +124,8 @@ class ModelSpec:
     dense_only_layers: tuple[int, ...] = field(default=(), compare=False)  # Qwen's mlp_only_layers
     clip_qkv: float | None = field(default=None, compare=False)  # OLMo's clamp of q, k, v
     mlp_bias: bool = field(default=False, compare=False)  # biases on the FFN's projections (llama's mlp_bias)
+    # RoBERTa's: the first learned position's row in its table (its padding index + 1), the rows before unused
+    position_offset: int = field(default=0, compare=False)
     # DeepSeek-V3's router (group-limited, sigmoid) and its checkpoints' interleaved rotary dims
     router_groups: int = field(default=1, compare=False)
     router_topk_groups: int = field(default=1, compare=False)
@@ -312,6 +316,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     fields.update(_llama4_fields(config, fields, source))
     fields.update(_gemma4_fields(config, source))
     fields.update(_starcoder2_fields(config))
+    fields.update(_encoder_fields(config, source))
     for required in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
         if required not in fields:
             raise ValueError(f"{source}: no {required} ({' / '.join(_HF_KEYS[required])})")
@@ -423,6 +428,29 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
         rope_interleave=bool(config.get("rope_interleave", config.get("model_type") in _INTERLEAVED_LATENT_ROTARY)),
         **fields,
     ).validate()
+
+
+# BERT's encoders (their HF model_type): RoBERTa and XLM-RoBERTa are BERT's layers with positions counted from
+# their padding index + 1
+ENCODERS = ("bert", "roberta", "xlm-roberta")
+
+
+def _encoder_fields(config: dict, source: str) -> dict:
+    """BERT's: biases on all six projections, an ungated GELU MLP, no rotary (learned absolute positions instead),
+    token types, no output head (the embedding table stands in: an encoder generates nothing)."""
+    kind = config.get("model_type")
+    if kind not in ENCODERS:
+        return {}
+    if config.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"{source}: position_embedding_type: {config['position_embedding_type']!r} is not "
+                         "supported (absolute)")
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        raise ValueError(f"{source}: is_decoder / add_cross_attention: BERT as a decoder is not supported; ridge runs "
+                         "BERT models as encoders (embeddings)")
+    offset = int(config.get("pad_token_id") or 0) + 1 if kind != "bert" else 0
+    return {"qkv_bias": True, "attention_out_bias": True, "mlp_bias": True, "gated_ffn": False,
+            "partial_rotary_factor": 0.0, "tie_word_embeddings": True,
+            "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset}
 
 
 def _starcoder2_fields(config: dict) -> dict:

@@ -149,6 +149,24 @@ HF_STARCODER2_NAMES = [(r"model\.norm\.bias", "norm.bias", None), *[
     (r"model\.layers\.(\d+)\." + source, "layers.{0}." + target, None) for source, target in [
         (r"input_layernorm\.bias", "input_norm.bias"), (r"post_attention_layernorm\.bias", "post_attn_norm.bias"),
         (r"mlp\.c_fc\.(weight|bias)", "mlp.gate_up.{1}"), (r"mlp\.c_proj\.(weight|bias)", "mlp.down.{1}")]]]
+# BERT's encoders (BertModel, RobertaModel, XLMRobertaModel; a masked LM's under its `bert.` / `roberta.` prefix,
+# which ENCODER_PREFIX strips, its head and the pooler left out: NOT_ENCODER)
+HF_ENCODER_NAMES = [
+    (r"embeddings\.word_embeddings\.weight", "embed_tokens.weight", None),
+    (r"embeddings\.position_embeddings\.weight", "embed_positions.weight", None),
+    (r"embeddings\.token_type_embeddings\.weight", "embed_token_types.weight", None),
+    (r"embeddings\.LayerNorm\.(weight|bias)", "embed_norm.{0}", None),
+    *[(r"encoder\.layer\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
+        (r"attention\.self\.query\.(weight|bias)", "attn.qkv.{1}", 0),
+        (r"attention\.self\.key\.(weight|bias)", "attn.qkv.{1}", 1),
+        (r"attention\.self\.value\.(weight|bias)", "attn.qkv.{1}", 2),
+        (r"attention\.output\.dense\.(weight|bias)", "attn.o_proj.{1}", None),
+        (r"attention\.output\.LayerNorm\.(weight|bias)", "attn_out_norm.{1}", None),
+        (r"intermediate\.dense\.(weight|bias)", "mlp.gate_up.{1}", None),
+        (r"output\.dense\.(weight|bias)", "mlp.down.{1}", None),
+        (r"output\.LayerNorm\.(weight|bias)", "mlp_out_norm.{1}", None)]]]
+ENCODER_PREFIX = re.compile(r"^(bert|roberta)\.")
+NOT_ENCODER = re.compile(r"(pooler|cls|lm_head)\.|embeddings\.position_ids$")
 # Llama 4: its FFN's own name (feed_forward), its router, shared expert and dense FFN there (the loader splits its
 # stacked experts into these names)
 HF_LLAMA4_NAMES = [(r"model\.layers\.(\d+)\.feed_forward\." + source, "layers.{0}.mlp." + target, slot)
@@ -278,6 +296,8 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
+    if cfg.architecture == "bert":
+        return HF_ENCODER_NAMES
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
               else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
               else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"

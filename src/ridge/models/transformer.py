@@ -32,7 +32,17 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, self._mixer(cfg, i), self._mlp(cfg, i), cfg.is_local(i), ssm=cfg.is_ssm_layer(i),
                          nope=i in cfg.nope_layers)
             for i in range(cfg.num_layers))
-        self.norm = make_norm(cfg)
+        # post-norms end each layer with a norm of its own: no final one
+        self.norm = nn.Identity() if cfg.post_norms else make_norm(cfg)
+        # an encoder's learned positions and token types, and the norm over the sum (BERT's)
+        positions = cfg.max_position_embeddings + cfg.position_offset
+        self.embed_positions = (nn.Embedding(positions, cfg.hidden_size,
+                                             _weight=torch.empty(positions, cfg.hidden_size))
+                                if cfg.learned_positions else None)
+        self.embed_token_types = (nn.Embedding(cfg.type_vocab_size, cfg.hidden_size,
+                                               _weight=torch.empty(cfg.type_vocab_size, cfg.hidden_size))
+                                  if cfg.learned_positions and cfg.type_vocab_size else None)
+        self.embed_norm = make_norm(cfg) if cfg.learned_positions else None
         if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
             self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -157,6 +167,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
         x = self.embed(input_ids)
+        if self.embed_positions is not None:
+            x = self.encoder_embeddings(x, positions)
         steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it
         residual = None
         extras = {}
@@ -193,6 +205,14 @@ class DecoderModel(nn.Module):
         for group in step:
             backend.prepare(group)
         return step
+
+    def encoder_embeddings(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """An encoder's input [T, hidden]: the tokens' rows plus their positions' and token type 0's (one segment:
+        an embedding model reads one text), LayerNormed."""
+        x = tokens + self.embed_positions(positions + self.cfg.position_offset)
+        if self.embed_token_types is not None:
+            x = x + self.embed_token_types.weight[0]
+        return self.embed_norm(x)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Each token's per-layer inputs [T, layers, per_layer_input_size]: its rows of the per-layer table (scaled

@@ -82,6 +82,13 @@ class StreamOptions(Body):
         return self
 
 
+def log_labels(data: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Say in the log which of these label fields a body sets: accepted, nothing to act on."""
+    for name in names:
+        if asks(data.get(name)):
+            log.warning("ridge: request field %s=%r accepted and not acted on (a label)", name, data[name])
+
+
 def asks(value: Any) -> bool:
     """Whether a field's value asks for something (None, False, 0, "" and empty collections do not)."""
     return value is not None and value is not False and value != 0 and value != "" and value != [] and value != {}
@@ -105,7 +112,9 @@ ONE_ENDPOINT = {
     "suffix": "fill-in-the-middle is a completions field (a prompt and its suffix)",
 }
 # Fields that only label or prioritise a request: accepted, and said in the log when they ask for something.
-LABELS = ("user", "metadata", "service_tier", "request_id")
+LABELS = ("user", "metadata", "service_tier", "request_id", "safety_identifier")
+# OpenAI's prompt_cache_key, a routing hint (requests that share it share a cache) is not among them: this server's
+# prefix cache holds every prompt's blocks whatever the key, and `ridge router` routes by it (cluster/hash_ring.py).
 
 
 class JsonSchemaFormat(Body):
@@ -212,9 +221,7 @@ class SamplingFields(Body):
                 raise ValueError("best_of: only completions rank samples; here, ask for n samples")
             if data.get("modalities") not in (None, ["text"]):
                 raise ValueError("modalities: this server reads and writes text only")
-            for name in LABELS:
-                if asks(data.get(name)):
-                    log.warning("ridge: request field %s=%r accepted and not acted on (a label)", name, data[name])
+            log_labels(data, LABELS)
         return data
 
     model: Text | None = None

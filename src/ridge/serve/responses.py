@@ -13,13 +13,14 @@ the hosted tools (web search, file search, code interpreter...), inputs other th
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from pydantic import ValidationError, model_validator
 
-from ridge.serve.protocol import Body, ChatCompletionRequest, RequestError, Text, asks, check_unicode
+from ridge.serve.protocol import Body, ChatCompletionRequest, RequestError, Text, asks, check_unicode, log_labels
 
 # Fields of OpenAI's Responses API that ask for what this server does not do: refused when they ask for anything.
 UNSUPPORTED = {
@@ -36,10 +37,19 @@ UNSUPPORTED = {
     "kv_transfer_params": "disaggregated prefill reads completions and chat bodies; send this one to the decode "
                           "server whole",
 }
+OBFUSCATION_BYTES = 48  # a padded delta event's padding: 1 to this many random bytes, base64url
+# Responses' label fields (protocol.py's LABELS: logged when set); metadata is echoed in the response
+LABELS = ("user", "service_tier", "safety_identifier", "request_id")
 ROLES = ("user", "system", "developer", "assistant")
 # the chat field an error names -> the Responses field the client sent
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
+
+
+class ResponseStreamOptions(Body):
+    # OpenAI's padding of each delta event with random characters of random length (its `obfuscation` field), against
+    # a network observer reading token lengths from event sizes; OpenAI pads by default, ridge where asked
+    include_obfuscation: bool = False
 
 
 class ResponsesRequest(Body):
@@ -57,6 +67,11 @@ class ResponsesRequest(Body):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     priority: int = 0  # vLLM's: lower goes first, on a server started with --schedule-policy priority
+    stream_options: ResponseStreamOptions | None = None
+    # a routing hint (protocol.py's LABELS says why it is not logged); its retention: in memory is what this server
+    # does, "24h" refused in _unsupported
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +80,10 @@ class ResponsesRequest(Body):
             for name, why in UNSUPPORTED.items():
                 if asks(data.get(name)) and not (name == "truncation" and data[name] == "disabled"):
                     raise ValueError(f"{name}: {why}")
+            if data.get("prompt_cache_retention") == "24h":
+                raise ValueError("prompt_cache_retention: '24h' is not supported; the prefix cache keeps a prompt's "
+                                 "blocks in memory until the KV pool needs them")
+            log_labels(data, LABELS)
         return data
 
     @model_validator(mode="after")
@@ -348,8 +367,15 @@ class _EventStream:
         texts.append(delta)
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {} if kind == "reasoning" else {"logprobs": []}
-        return [*events, self._event(name, item_id=item_id, output_index=len(self.output), content_index=0,
+        return [*events, self._delta(name, item_id=item_id, output_index=len(self.output), content_index=0,
                                      delta=delta, **extra)]
+
+    def _delta(self, kind: str, **fields: Any) -> str:
+        """A delta event, padded where the request asked for obfuscation: its size then says little of its text's."""
+        options = self.builder.req.stream_options
+        if options is not None and options.include_obfuscation:
+            fields["obfuscation"] = secrets.token_urlsafe(secrets.randbelow(OBFUSCATION_BYTES) + 1)
+        return self._event(kind, **fields)
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         events, item_id, index = self._close(), _item_id("fc"), len(self.output)
@@ -358,7 +384,7 @@ class _EventStream:
         self.output.append(item)
         return [*events, self._event("response.output_item.added", output_index=index,
                                      item=b.call_item(item_id, call, "in_progress")),
-                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                self._delta("response.function_call_arguments.delta", item_id=item_id, output_index=index,
                             delta=arguments),
                 self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                             arguments=arguments),

@@ -235,7 +235,7 @@ class Routes:
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(ids_list):
             try:
-                self.engine.validate(ids, params)
+                self.engine.validate(ids, params, embed=True)
             except ValueError as exc:
                 raise RequestError(f"input.{i}: {exc}", "input") from exc
         tokens = sum(len(ids) for ids in ids_list)
