@@ -119,7 +119,7 @@ def test_bench_embed_runs_ridge_beside_hf_on_the_same_prompts(qwen3, capsys):
 
     path, _ = qwen3
     assert main(["bench", "embed", "--model", str(path), "--dtype", "float32", "--num-prompts", "4", "--input-len",
-                 "16", "--hf-batch-size", "2", "--json"]) == 0
+                 "16", "--hf-batch-size", "2", "--repeats", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
     assert all(r["tok_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])

@@ -173,9 +173,9 @@ def test_bench_embed_draws_a_random_encoder_s_weights_for_both_engines(capsys):
     model = ("random:bge-base-en-v1.5,num_layers=2,hidden_size=64,num_heads=4,num_kv_heads=4,head_dim=16,"
              "intermediate_size=128,vocab_size=512")
     assert main(["bench", "embed", "--model", model, "--dtype", "float32", "--num-prompts", "4", "--input-len", "16",
-                 "--hf-batch-size", "2", "--json"]) == 0
+                 "--hf-batch-size", "2", "--repeats", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model"] == model and report["pooling"] == "cls"
+    assert report["model"] == model and report["pooling"] == "cls" and report["repeats"] == 2
     assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
     assert all(r["tok_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
     assert report["max_cosine_distance"] < 1e-6

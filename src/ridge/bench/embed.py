@@ -3,12 +3,13 @@
 --num-prompts random prompts of --input-len tokens (the same ids for both engines) are embedded by ridge's
 LLM.embed (--runner pooling, the prefix cache off, so that every token of every prompt is computed) and by HF
 transformers' base model in batches of --hf-batch-size (the final hidden states pooled as ridge pools them: the
-model's declared pooling or --pooling-type; normalized), both in the engine's dtype on the same weights. A decoder
-(Qwen3-Embedding's shape) or an encoder (BERT, RoBERTa, XLM-RoBERTa: bge, e5, MiniLM). Per engine: prompts and
-tokens per second, the model's matmul FLOP/s on those tokens (2 x its linear parameters a token) as a fraction of
-the machine's measured matmul peak, and the largest cosine distance between the two engines' embeddings of a
-prompt. The question it answers: how fast does ridge turn prompts into embeddings, and how near is it to the
-compute roofline that prefill runs against.
+model's declared pooling or --pooling-type; normalized), both in the engine's dtype on the same weights, the two in
+turn for --repeats rounds (each one's median: the machine's drift weighs on both alike). A decoder (Qwen3-Embedding's
+shape) or an encoder (BERT, RoBERTa, XLM-RoBERTa: bge, e5, MiniLM); a random-weight model's weights are drawn once by
+HF's initialiser for both. Per engine: prompts and tokens per second, the model's matmul FLOP/s on those tokens (2 x
+its linear parameters a token) as a fraction of the machine's measured matmul peak, and the largest cosine distance
+between the two engines' embeddings of a prompt. The question it answers: how fast does ridge turn prompts into
+embeddings, and how near is it to the compute roofline that prefill runs against.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ridge.bench.hf_models import hf_causal_lm, hf_encoder, saved_random_model
 from ridge.plan import arithmetic, roofline
@@ -32,24 +35,32 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
 
 
-def hf_embeddings(model_path, dtype: torch.dtype, prompts: list[list[int]], batch: int, pooling: str,
-                  encoder: bool) -> tuple[list, float] | str:
-    """HF transformers' base model on the same prompts (equal lengths: no padding), `batch` at a time, pooled by
-    `pooling` (config.POOLING_TYPES): the embeddings and the seconds they took; a reason where it cannot run."""
-    model = hf_encoder(model_path) if encoder else hf_causal_lm(model_path)
-    if isinstance(model, str):
-        return model
-    base = (model if encoder else model.model).to(dtype).eval()
-    out = []
-    with torch.inference_mode():
-        base(input_ids=torch.tensor(prompts[:1]))  # warm-up: the first call's one-off costs
-        start = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            hidden = base(input_ids=torch.tensor(prompts[i:i + batch])).last_hidden_state.float()
-            pooled = hidden.mean(1) if pooling == "mean" else hidden[:, 0] if pooling == "cls" else hidden[:, -1]
+class HFEmbedder:
+    """HF transformers' base model of the same file, embedding prompts of equal lengths (no padding) `batch` at a
+    time, pooled by `pooling` (config.POOLING_TYPES) and normalized."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, pooling: str) -> None:
+        self.model, self.batch, self.pooling = model, batch, pooling
+
+    @classmethod
+    def load(cls, model_path, dtype: torch.dtype, batch: int, pooling: str, encoder: bool) -> HFEmbedder | str:
+        """The embedder, warmed up; or the reason it cannot run."""
+        model = hf_encoder(model_path) if encoder else hf_causal_lm(model_path)
+        if isinstance(model, str):
+            return model
+        embedder = cls((model if encoder else model.model).to(dtype).eval(), batch, pooling)
+        embedder([[10, 11]])  # the first call's one-off costs
+        return embedder
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        out = []
+        for i in range(0, len(prompts), self.batch):
+            hidden = self.model(input_ids=torch.tensor(prompts[i:i + self.batch])).last_hidden_state.float()
+            pooled = (hidden.mean(1) if self.pooling == "mean" else hidden[:, 0] if self.pooling == "cls"
+                      else hidden[:, -1])
             out += list(torch.nn.functional.normalize(pooled, dim=-1))
-        seconds = time.perf_counter() - start
-    return out, seconds
+        return out
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -88,25 +99,32 @@ def _bench(args: argparse.Namespace, model: str, shown: str | None = None) -> in
     flops_per_token = 2 * (counts.active - counts.embeddings - counts.output_head - counts.norms
                            - counts.per_layer_table)
     llm.embed(prompts[:1])  # warm-up
-    start = time.perf_counter()
-    ours = [torch.tensor(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=not args.json)]
-    rows = [_row("ridge", time.perf_counter() - start, args, flops_per_token, peak)]
     model_path, loaded_name = engine.loaded.path, shown or engine.config.model
     pooling, encoder = engine.pooling, not engine.loaded.config.causal
-    del llm, engine
-    reference = None
+    hf = None
     if not args.skip_peer:
-        print("[bench] HF transformers ...", file=sys.stderr)
-        got = hf_embeddings(model_path, dtype, prompts, args.hf_batch_size, pooling, encoder)
-        if isinstance(got, str):
-            print(f"[bench] HF transformers: {got}", file=sys.stderr)
-        else:
-            reference, seconds = got
-            rows.append(_row("HF transformers", seconds, args, flops_per_token, peak))
+        print("[bench] loading HF transformers' model ...", file=sys.stderr)
+        hf = HFEmbedder.load(model_path, dtype, args.hf_batch_size, pooling, encoder)
+        if isinstance(hf, str):
+            print(f"[bench] HF transformers: {hf}", file=sys.stderr)
+            hf = None
+    # the engines in turn, round after round: the machine's drift over a run weighs on both alike
+    seconds: dict[str, list[float]] = {"ridge": [], "HF transformers": []}
+    reference = None
+    for _ in tqdm(range(args.repeats), desc="rounds", disable=args.json):
+        start = time.perf_counter()
+        ours = [torch.tensor(o.outputs.embedding) for o in llm.embed(prompts)]
+        seconds["ridge"].append(time.perf_counter() - start)
+        if hf is not None:
+            start = time.perf_counter()
+            reference = hf(prompts)
+            seconds["HF transformers"].append(time.perf_counter() - start)
+    rows = [_row(name, statistics.median(times), args, flops_per_token, peak) for name, times in seconds.items()
+            if times]
     report = {"benchmark": "embed", "model": loaded_name, "pooling": pooling,
               "dtype": str(dtype).removeprefix("torch."),
               "num_prompts": args.num_prompts, "input_len": args.input_len, "hf_batch_size": args.hf_batch_size,
-              "matmul_peak_gflop_s": peak, "rows": rows}
+              "repeats": args.repeats, "matmul_peak_gflop_s": peak, "rows": rows}
     if reference is not None:
         report["max_cosine_distance"] = max(1 - float(a @ b) for a, b in zip(ours, reference, strict=True))
         report["speedup"] = rows[0]["tok_s"] / rows[1]["tok_s"]
@@ -147,6 +165,8 @@ def add_embed_parser(bsub, add_engine_args) -> None:
     p.add_argument("--input-len", type=int, default=256, help="tokens a prompt (default %(default)s)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="prompts a forward pass of HF's (default "
                    "%(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the engines in turn; each one's median "
+                   "(default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="ridge alone")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_embed)
