@@ -135,12 +135,12 @@ def test_bench_report_server_and_variant_tables():
 
 
 def test_bench_eviction_runs_the_policy_asked_for(smollm2_path, capsys):
-    """`ridge bench eviction --kv-eviction h2o`: the evicting run holds its budget's blocks (128 tokens, 8 blocks of
-    16) at every reading however long it grows, where the plain cache at 256 tokens holds twice that."""
+    """`ridge bench eviction --kv-eviction h2o`: the evicting run holds its budget's blocks (64 tokens, 4 blocks of
+    16) at every reading however long it grows, where the plain cache at 128 tokens holds twice that."""
     report = run_json(capsys, "bench", "eviction", "--model", str(smollm2_path), *TINY, "--kv-eviction", "h2o",
-                      "--kv-budget", "128", "--tokens", "300", "--every", "100", "--plain-at", "256",
-                      "--steps", "2", "--max-num-batched-tokens", "256", "--json")
-    assert report["kv_eviction"] == "h2o" and report["kv_recent_tokens"] == 64 and report["kv_sink_tokens"] is None
+                      "--kv-budget", "64", "--tokens", "150", "--every", "50", "--plain-at", "128",
+                      "--steps", "2", "--max-num-batched-tokens", "128", "--json")
+    assert report["kv_eviction"] == "h2o" and report["kv_recent_tokens"] == 32 and report["kv_sink_tokens"] is None
     held = [row["kv_bytes"] for row in report["rows"]["h2o"]]
     assert len(held) == 3 and max(held) == held[-1] == report["rows"]["none"][0]["kv_bytes"] // 2
 

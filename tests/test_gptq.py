@@ -142,12 +142,16 @@ SMOLLM2_LAYERS = [f"layers.{i}.{name}" for i in (0, 15, 29) for name in ("attn.q
                                                                           "mlp.down")]
 
 
+# the first and last blocks: the middle one's outlier columns are what int8's scales below are tested on
+GPTQ_LAYERS = [key for key in SMOLLM2_LAYERS if not key.startswith("layers.15.")]
+
+
 def test_gptq_and_awq_beat_rtn_on_smollm2_layers_over_held_out_text(smollm2):
-    """Real weights and real activations: four linear layers (qkv, o, gate|up, down) of SmolLM2's first,
-    middle and last blocks, int4 g64, calibrated on 2 windows of the calibration text and scored on the
+    """Real weights and real activations: four linear layers (qkv, o, gate|up, down) of SmolLM2's first and last
+    blocks, int4 g64, calibrated on 2 windows of the calibration text and scored on the
     inputs of held-out text (256 tokens each of Hamlet and ShareGPT replies from the end of the file): the output
     error ||(W - Q) X||^2 that both methods minimise, summed over the layers, under 0.8x RTN's (measured: GPTQ
-    0.32x, AWQ 0.23x). At g32 there is nothing to win: the file is Q4_1 and RTN at 32 finds its grid again.
+    0.31x, AWQ 0.23x). At g32 there is nothing to win: the file is Q4_1 and RTN at 32 finds its grid again.
     The whole model's perplexity, every layer quantized, is `ridge eval ppl`'s, in docs/benchmarks.md."""
     from ridge.eval.perplexity import held_out_text
     from ridge.quant.awq import awq_scales, clipped_int4, output_error
@@ -155,12 +159,12 @@ def test_gptq_and_awq_beat_rtn_on_smollm2_layers_over_held_out_text(smollm2):
 
     model = smollm2.engine.loaded.model
     calibration = input_hessians(model, calibration_windows(smollm2.tokenizer, 2, CALIBRATION_WINDOW),
-                                 torch.float32, "cpu", progress=False, only=SMOLLM2_LAYERS)
+                                 torch.float32, "cpu", progress=False, only=GPTQ_LAYERS)
     held_out_ids = [smollm2.tokenizer.encode(held_out_text(source))[:CALIBRATION_WINDOW // 2]
                     for source in ("shakespeare", "sharegpt")]
-    held_out = input_hessians(model, held_out_ids, torch.float32, "cpu", progress=False, only=SMOLLM2_LAYERS)
+    held_out = input_hessians(model, held_out_ids, torch.float32, "cpu", progress=False, only=GPTQ_LAYERS)
     errors = {"rtn": 0.0, "gptq": 0.0, "awq": 0.0}
-    for key in SMOLLM2_LAYERS:
+    for key in GPTQ_LAYERS:
         weight, h = model.get_submodule(key).weight.detach().float(), calibration[key]
         errors["rtn"] += output_error(weight, dequantize(quantize_int4(weight, 64)), held_out[key])
         gptq = gptq_quantize(weight, h, 4, 64, act_order=True)
