@@ -39,24 +39,28 @@ def _bert_tokenizer(folder) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast"}))
 
 
-@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta"])
-def encoder(request, tmp_path_factory):
-    """(its folder, HF's base model) of a 2-layer random encoder of the family, with BERT's tokenizer."""
+def random_encoder(family: str, folder):
+    """A 2-layer random encoder of the family saved in `folder` with BERT's tokenizer, and HF's base model of it."""
     from transformers import AutoConfig, AutoModel
 
     torch.manual_seed(0)
-    positions = 64 if request.param == "bert" else 66  # RoBERTa's count its two rows before the first position
-    config = AutoConfig.for_model(request.param, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+    positions = 64 if family == "bert" else 66  # RoBERTa's count its two rows before the first position
+    config = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=128, max_position_embeddings=positions,
-                                  pad_token_id=0 if request.param == "bert" else 1)
+                                  pad_token_id=0 if family == "bert" else 1)
     model = AutoModel.from_config(config, dtype=torch.float32).eval()
     for name, param in model.named_parameters():  # LayerNorms drawn too: an unread bias or weight would show
         if "LayerNorm" in name:
             torch.nn.init.normal_(param, mean=1.0 if name.endswith("weight") else 0.0, std=0.2)
-    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     _bert_tokenizer(folder)
     return folder, model
+
+
+@pytest.fixture(scope="module", params=["bert", "roberta", "xlm-roberta"])
+def encoder(request, tmp_path_factory):
+    """(its folder, HF's base model) of each family's random encoder."""
+    return random_encoder(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_pooled(model, ids: list[int], pooling: str) -> torch.Tensor:
@@ -179,3 +183,175 @@ def test_bench_embed_draws_a_random_encoder_s_weights_for_both_engines(capsys):
     assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
     assert all(r["tok_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
     assert report["max_cosine_distance"] < 1e-6
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def cross_encoder(request, tmp_path_factory):
+    """(its folder, HF's model, HF's tokenizer) of a random cross-encoder (a sequence classifier of one label: BERT's
+    ms-marco-MiniLM, XLM-RoBERTa's bge-reranker) with BERT's tokenizer; its weights drawn wider than HF's
+    initialiser draws them (std 0.2, the head's 0.3), so that the documents' scores spread over 0.25 to 0.65 and a
+    misread token type or head would show."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    torch.manual_seed(1)
+    config = AutoConfig.for_model(request.param, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128, num_labels=1,
+                                  max_position_embeddings=64 if request.param == "bert" else 66,
+                                  pad_token_id=0 if request.param == "bert" else 1)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    for name, param in model.named_parameters():
+        if "LayerNorm" not in name:
+            torch.nn.init.normal_(param, std=0.3 if name.startswith(("classifier", "bert.pooler")) else 0.2)
+    folder = tmp_path_factory.mktemp(f"{request.param}-reranker")
+    model.save_pretrained(folder)
+    _bert_tokenizer(folder)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                        model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    return folder, model, tokenizer
+
+
+QUERY = "the cat"
+DOCUMENTS = ["the cat sat on the mat", "a dog ran far away", "then it slept", "cat and dog"]
+
+
+def hf_scores(model, tokenizer, query: str, documents: list[str]) -> torch.Tensor:
+    """HF's relevance of each document to the query: the sigmoid of the pair's logit (token types included)."""
+    with torch.inference_mode():
+        return torch.cat([model(**tokenizer(query, d, return_tensors="pt")).logits[:, 0] for d in documents]).sigmoid()
+
+
+def test_a_cross_encoder_scores_pairs_as_hf_does(cross_encoder, make_llm_for_test):
+    """LLM.score: each pair read as one input ([CLS] query [SEP] document [SEP], the second text's tokens of type 1
+    where the model has token types), the sigmoid of its logit; classify gives the same probability; one query
+    against many documents, and pairs of equal lists."""
+    path, hf, tokenizer = cross_encoder
+    llm = make_llm_for_test(path, dtype="float32", runner="pooling")
+    expected = hf_scores(hf, tokenizer, QUERY, DOCUMENTS)
+    assert expected.max() - expected.min() > 0.05  # the documents are told apart
+    scored = llm.score(QUERY, DOCUMENTS)
+    assert [o.prompt_token_ids for o in scored] == [tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS]
+    assert (torch.tensor([o.outputs.score for o in scored]) - expected).abs().max() < 1e-5
+    pairwise = llm.score([QUERY, "dog"], DOCUMENTS[:2])
+    assert abs(pairwise[0].outputs.score - expected[0].item()) < 1e-5
+    assert abs(pairwise[1].outputs.score - hf_scores(hf, tokenizer, "dog", DOCUMENTS[1:2]).item()) < 1e-5
+    probs = llm.classify([tokenizer(QUERY, d)["input_ids"] for d in DOCUMENTS])
+    assert (torch.tensor([o.outputs.probs[0] for o in probs]) - expected).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="text_2: 3 texts against 2 in text_1"):
+        llm.score(["a", "b"], ["c", "d", "e"])
+    with pytest.raises(ValueError, match="embed: this model is a classifier"):
+        llm.embed("the cat")
+    with pytest.raises(ValueError, match="pooling_type: .* is a classifier"):
+        make_llm_for_test(path, dtype="float32", runner="pooling", pooling_type="mean")
+
+
+def test_an_embedding_model_scores_by_cosine_similarity(encoder, make_llm_for_test):
+    """LLM.score on an embedding model: the two texts' embeddings' cosine similarity; classify is refused."""
+    path, _ = encoder
+    llm = make_llm_for_test(path, dtype="float32", runner="pooling", pooling_type="mean")
+    vectors = {t: torch.tensor(o.outputs.embedding) for t, o in zip([QUERY, *DOCUMENTS], llm.embed([QUERY, *DOCUMENTS]),
+                                                                    strict=True)}
+    for out, doc in zip(llm.score(QUERY, DOCUMENTS), DOCUMENTS, strict=True):
+        assert abs(out.outputs.score - float(vectors[QUERY] @ vectors[doc])) < 1e-6
+    with pytest.raises(ValueError, match="classify: this model has no classification head"):
+        llm.classify("the cat")
+
+
+def test_the_server_scores_reranks_and_classifies(cross_encoder):
+    """/v1/score, /v1/rerank (and /rerank, /v2/rerank: Jina's and Cohere's) and /classify: the scores LLM.score gives,
+    the documents by score with top_n, refusals by name; an embeddings request on a classifier is refused."""
+    import httpx
+
+    path, hf, tokenizer = cross_encoder
+    expected = hf_scores(hf, tokenizer, QUERY, DOCUMENTS).tolist()
+    config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="16MiB", runner="pooling")
+    with running_server(config, ServerConfig("reranker")) as srv:
+        score = httpx.post(f"{srv.url}/v1/score", json={"model": "reranker", "text_1": QUERY, "text_2": DOCUMENTS},
+                           timeout=60).json()
+        assert [d["index"] for d in score["data"]] == [0, 1, 2, 3] and score["object"] == "list"
+        assert max(abs(d["score"] - e) for d, e in zip(score["data"], expected, strict=True)) < 1e-5
+        order = sorted(range(4), key=lambda i: -expected[i])
+        for path_ in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            reply = httpx.post(srv.url + path_, json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2},
+                               timeout=60).json()
+            assert [r["index"] for r in reply["results"]] == order[:2]
+            assert [r["document"]["text"] for r in reply["results"]] == [DOCUMENTS[i] for i in order[:2]]
+            assert abs(reply["results"][0]["relevance_score"] - expected[order[0]]) < 1e-5
+        bare = httpx.post(f"{srv.url}/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCUMENTS],
+                                                        "return_documents": False}, timeout=60).json()
+        assert [r["index"] for r in bare["results"]] == order and "document" not in bare["results"][0]
+        classes = httpx.post(f"{srv.url}/classify", json={"input": [tokenizer(QUERY, DOCUMENTS[0])["input_ids"]]},
+                             timeout=60).json()
+        assert abs(classes["data"][0]["probs"][0] - expected[0]) < 1e-5 and classes["data"][0]["num_classes"] == 1
+        for route, body, param in (
+                ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                ("/v1/score", {"text_1": QUERY, "text_2": []}, "text_2"),
+                ("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
+                ("/v1/rerank", {"query": QUERY, "documents": ["x"], "max_tokens_per_doc": 8}, "max_tokens_per_doc"),
+                ("/v1/rerank", {"query": QUERY, "documents": ["x " * 70]}, "documents"),  # past the 64-token context
+                ("/v1/score", {"text_1": QUERY, "text_2": "x", "use_activation": False}, "use_activation"),
+                ("/v1/embeddings", {"input": "the cat"}, "model")):
+            got = httpx.post(srv.url + route, json=body, timeout=60)
+            assert got.status_code == 400 and got.json()["error"]["param"] == param, got.json()
+        assert srv.engine.state().idle
+
+
+def llama_cpp_gguf(folder, out, pooling: int | None = None):
+    """The BERT in `folder` written as llama.cpp's convert_hf_to_gguf.py writes one: gguf-py's tensor names for its
+    bert architecture, float32, its WordPiece vocabulary in phantom-space form (a word's first piece behind a ▁, a
+    continuation bare, a bracketed special as it is), [CLS] as BOS, [SEP] as the separator; `pooling`: gguf-py's
+    PoolingType, where the model declares one."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), "bert")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling))
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    specials = [t.startswith("[") and t.endswith("]") for t in tokens]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list([t if special else t[2:] if t.startswith("##") else "\u2581" + t
+                           for t, special in zip(tokens, specials, strict=True)])
+    writer.add_token_types([gguf.TokenType.CONTROL if special else gguf.TokenType.NORMAL for special in specials])
+    writer.add_token_type_count(config["type_vocab_size"])
+    writer.add_bos_token_id(vocab["[CLS]"])
+    writer.add_sep_token_id(vocab["[SEP]"])
+    writer.add_unk_token_id(vocab["[UNK]"])
+    writer.add_pad_token_id(vocab["[PAD]"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if name.startswith("pooler.") or name.endswith("position_ids"):  # llama.cpp leaves them out
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_gguf_of_a_bert_embeds_as_its_hf_folder(tmp_path, make_llm_for_test):
+    """llama.cpp's form of a BERT (its bert GGUF: WordPiece in phantom-space form, gguf-py's names): the same tokens
+    of a text as HF's tokenizer gives, the same embeddings as HF's model, and the file's declared pooling honoured."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    folder, hf = random_encoder("bert", tmp_path / "hf")
+    path = llama_cpp_gguf(folder, tmp_path / "bert.gguf", pooling=gguf.PoolingType.MEAN)
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    llm = make_llm_for_test(path, dtype="float32", runner="pooling")
+    assert llm.engine.pooling == "mean"
+    texts = ["The cat sat on the mat.", "then the dog ran far, far away", "zzz unknownword!"]
+    for text, out in zip(texts, llm.embed(texts), strict=True):
+        ids = theirs(text)["input_ids"]
+        assert out.prompt_token_ids == ids
+        assert (torch.tensor(out.outputs.embedding) - hf_pooled(hf, ids, "mean")).abs().max().item() < 1e-5

@@ -55,6 +55,7 @@ def test_prefix_keys_come_from_the_prompt_or_the_messages():
     # OpenAI's prompt_cache_key: requests that set one go where it hashes, whatever their texts
     keyed = [{**chat, "prompt_cache_key": "tenant-7"}, {"prompt": "other", "prompt_cache_key": "tenant-7"}]
     assert prefix_key(keyed[0], 1024) == prefix_key(keyed[1], 8) != prefix_key({"prompt": "tenant-7"}, 1024)
+    assert prefix_key({"query": "a lamp", "documents": ["x"]}, 3) == "a l" == prefix_key({"text_1": "a lamp"}, 3)
 
 
 def test_the_prefix_owner_yields_only_to_a_much_less_busy_replica():
@@ -106,6 +107,9 @@ def test_the_router_keeps_a_prefix_on_one_replica_and_passes_streams(replicas, s
         assert text == expected[0].outputs[0].text
         answer = client.responses.create(model="smollm2", input=messages, temperature=0, max_output_tokens=12)
         assert answer.output_text == got.choices[0].message.content  # the last question's, by the Responses API
+        # a pooling runner's routes pass through too (these replicas generate: their refusal comes back whole)
+        refused = HTTP.post(url + "/v1/rerank", json={"query": "a lamp", "documents": ["a lens"]}, timeout=30)
+        assert refused.status_code == 400 and "--runner pooling" in refused.json()["error"]["message"]
         assert {r["in_flight"] for r in HTTP.get(url + "/replicas").json()["replicas"]} == {0}
 
 

@@ -98,6 +98,9 @@ class ModelConfig:
     learned_positions: bool = False
     position_offset: int = 0
     type_vocab_size: int = 0
+    # a sequence classifier's (a cross-encoder's: BertForSequenceClassification...): a head of num_labels on the
+    # first token's final state, whose logits are the pooling runner's output
+    num_labels: int = 0
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from ridge.models.gguf_file import GGUFFile
 
@@ -67,14 +67,45 @@ def vocabulary_tokenizer(gguf: GGUFFile) -> Tokenizer:
         tok = _byte_level_bpe(gguf, tokens)
     elif kind == "llama":  # a token of spaces alone is stored as spaces: the model sees ▁s
         tok = _sentencepiece_bpe(gguf, [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens])
+    elif kind == "bert":
+        tok = _wordpiece(gguf, tokens)
     else:
-        raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported (supported: gpt2, llama)")
+        raise ValueError(f"tokenizer.ggml.model: {kind!r} is not supported (supported: gpt2, llama, bert)")
     vocab = tok.get_vocab()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types, strict=True) if ty == CONTROL])
     # user-defined tokens (`<think>`, Gemma's "\n\n") are matched whole in the text, as llama.cpp does
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED and t in vocab])
+    return tok
+
+
+def _wordpiece(gguf: GGUFFile, tokens: list[str]) -> Tokenizer:
+    """llama.cpp's bert vocabulary (its WPM tokenizer's) as BERT's WordPiece: its converter stores a word's first
+    piece behind a ▁ (a phantom space), a continuation bare and a bracketed special ([CLS]) as it is, which is
+    WordPiece's `##` form written the other way. BERT's uncased normalizer and word split (llama.cpp lower-cases
+    too); [CLS] text [SEP] around a text, [CLS] a [SEP] b [SEP] around a pair (its post-processor)."""
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if token.startswith(_SPACE):
+            piece = token[1:]
+        elif token.startswith("[") and token.endswith("]"):
+            piece = token
+        else:
+            piece = "##" + token
+        vocab.setdefault(piece, i)
+    fields = gguf.fields
+    unknown = tokens[fields.get("tokenizer.ggml.unknown_token_id", vocab.get("[UNK]", 0))]
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unknown))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    cls = fields.get("tokenizer.ggml.cls_token_id", fields.get("tokenizer.ggml.bos_token_id"))
+    sep = fields.get("tokenizer.ggml.seperator_token_id", fields.get("tokenizer.ggml.eos_token_id"))
+    if cls is None or sep is None:
+        raise ValueError("tokenizer.ggml.cls_token_id / seperator_token_id: a bert vocabulary needs both (the [CLS] "
+                         "and [SEP] around a text)")
+    tok.post_processor = processors.BertProcessing((tokens[sep], sep), (tokens[cls], cls))
     return tok
 
 

@@ -12,12 +12,17 @@ from ridge.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_se
 from ridge.engine.engine import LLMEngine
 from ridge.engine.output_processor import OutputProcessor
 from ridge.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     OutputKind,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
+from ridge.engine.scoring import ScorePlan, check_classifier, probabilities, score_pairs
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
@@ -97,20 +102,50 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
               priority: int | Sequence[int] = 0) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding, in prompt order, as vLLM's LLM.embed: its last token's final hidden state,
-        L2-normalized (an engine started with runner="pooling"). The prompts batch as generate's do."""
-        batch = _as_batch(prompts)
+        """Each prompt's embedding, in prompt order, as vLLM's LLM.embed: its final hidden states pooled as the
+        engine pools (--pooling-type), L2-normalized (an engine started with runner="pooling"). The prompts batch
+        as generate's do."""
+        if self.engine.loaded.config.num_labels:
+            raise ValueError("embed: this model is a classifier, whose outputs are its labels' logits; classify or "
+                             "score with it")
+        batch = [self.tokenizer.encode_prompt(p) for p in _as_batch(prompts)]
+        return [EmbeddingRequestOutput(i, ids, EmbeddingOutput(vector))
+                for i, ids, vector in self._pooled(batch, use_tqdm, lora_request, priority, "embed")]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] = 0) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities, as vLLM's LLM.classify: a sequence classifier's softmax over its labels
+        (the sigmoid of a single label's logit)."""
+        check_classifier(self.engine.loaded.config.num_labels, "classify")
+        batch = [self.tokenizer.encode_prompt(p) for p in _as_batch(prompts)]
+        return [ClassificationRequestOutput(i, ids, ClassificationOutput(probabilities(logits)))
+                for i, ids, logits in self._pooled(batch, use_tqdm, lora_request, priority, "classify")]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None, priority: int = 0) -> list[ScoringRequestOutput]:
+        """How well each pair of texts goes together, as vLLM's LLM.score: text_1 against each of text_2 (or
+        text_1[i] against text_2[i], lists of one length). A cross-encoder's score is the sigmoid of its logit for
+        the pair read as one input; an embedding model's, the cosine similarity of the two texts' embeddings
+        (engine/scoring.py)."""
+        plan = ScorePlan.of(score_pairs(text_1, text_2), self.tokenizer, self.engine.loaded.config.num_labels)
+        pooled = self._pooled(plan.prompts, use_tqdm, lora_request, priority, "score")
+        scores = plan.scores([vector for _, _, vector in pooled])
+        return [ScoringRequestOutput(str(i), plan.pair_ids(i), ScoringOutput(score)) for i, score in enumerate(scores)]
+
+    def _pooled(self, batch: list[list[int]], use_tqdm: bool,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None, priority: int | Sequence[int],
+                desc: str) -> list[tuple[str, list[int], list[float]]]:
+        """Each prompt's pooled output (request id, its ids, the vector), in prompt order; the prompts batch as
+        generate's do."""
         adapters = _per_prompt(lora_request, len(batch), "lora_request", "adapters")
         priorities = _per_prompt(priority, len(batch), "priority", "priorities")
         order: list[str] = []
-        ids: dict[str, list[int]] = {}
         done: dict[str, list[float]] = {}
         try:
-            for prompt, adapter, rank in zip(batch, adapters, priorities, strict=True):
-                encoded = self.tokenizer.encode_prompt(prompt)
+            for encoded, adapter, rank in zip(batch, adapters, priorities, strict=True):
                 order.append(self.engine.add_request(encoded, lora_request=adapter, priority=rank, embed=True))
-                ids[order[-1]] = encoded
-            with tqdm(total=len(order), desc="embed", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(order), desc=desc, unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished:
                     for delta in self.engine.step():
                         if delta.embedding is not None:
@@ -119,7 +154,7 @@ class LLM:
         except BaseException:  # a bad prompt, a failed step, Ctrl-C: the batch's other requests give their blocks back
             self._abandon(order)
             raise
-        return [EmbeddingRequestOutput(i, ids[i], EmbeddingOutput(done[i])) for i in order]
+        return [(i, ids, done[i]) for i, ids in zip(order, batch, strict=True)]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams | None = None,
                     lora_request: LoRARequest | None = None, priority: int = 0) -> list[BeamSearchOutput]:
@@ -197,3 +232,4 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if not prompts:
         raise ValueError("prompts: got an empty batch")
     return list(prompts)
+

@@ -46,6 +46,9 @@ class TokenizerInfo:
     # the tokenizer's post-processor closes a text with a special token (BERT's [CLS] text [SEP], RoBERTa's
     # <s> text </s>): its template is then the text's special tokens, not add_bos
     wraps: bool = False
+    # the special token a pair template puts between its two texts (BERT's [SEP], RoBERTa's </s>): a cross-encoder's
+    # token types count them
+    pair_separator: int | None = None
 
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
@@ -66,6 +69,9 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
     )
     eot = gguf.fields.get("tokenizer.ggml.eot_token_id")
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, eot)
+    if gguf.fields.get("tokenizer.ggml.model") == "bert":  # its post-processor wraps a text (gguf_vocab.py)
+        info.wraps = True
+        info.pair_separator = gguf.fields.get("tokenizer.ggml.seperator_token_id", eos)
     fim = tuple(gguf.fields.get(f"tokenizer.ggml.fim_{part}_token_id") for part in ("pre", "suf", "mid"))
     info.fim_token_ids = fim if None not in fim else _fim_ids(tok.get_vocab())
     return tok, info
@@ -94,8 +100,28 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
     info.fim_token_ids = _fim_ids(tok.get_vocab())
-    info.wraps = _closes_text(json.loads((path / "tokenizer.json").read_text()).get("post_processor"))
+    processor = json.loads((path / "tokenizer.json").read_text()).get("post_processor")
+    info.wraps = _closes_text(processor)
+    info.pair_separator = _pair_separator(processor)
     return tok, info
+
+
+def _pair_separator(processor: dict[str, Any] | None) -> int | None:
+    """The id of the special token an HF tokenizer.json's post-processor puts right after a pair's first text."""
+    if not processor:
+        return None
+    kind = processor.get("type")
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return int(processor["sep"][1])
+    if kind == "Sequence":
+        return next((sep for p in processor.get("processors") or [] if (sep := _pair_separator(p)) is not None), None)
+    if kind != "TemplateProcessing":
+        return None
+    pieces = [piece for piece in processor.get("pair") or [] if isinstance(piece, dict)]
+    first = next((i for i, piece in enumerate(pieces) if piece.get("Sequence", {}).get("id") == "A"), None)
+    after = pieces[first + 1] if first is not None and first + 1 < len(pieces) else {}
+    token = (processor.get("special_tokens") or {}).get(after.get("SpecialToken", {}).get("id"))
+    return int(token["ids"][0]) if token and token.get("ids") else None
 
 
 def _closes_text(processor: dict[str, Any] | None) -> bool:
@@ -187,6 +213,14 @@ class RidgeTokenizer:
         if add_special_tokens and self.info.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
         return ids
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, by the tokenizer's pair template ([CLS] first [SEP] second [SEP]: BERT's): what a
+        cross-encoder scores. ValueError where the tokenizer has no such template."""
+        if not self.info.wraps:
+            raise ValueError("text_2: this model's tokenizer has no template for a pair of texts (a cross-encoder's "
+                             "[CLS] a [SEP] b [SEP])")
+        return self.tokenizer.encode(first, second).ids
 
     def encode_prompt(self, prompt: str | list[int] | dict[str, Any]) -> list[int]:
         """A prompt's token ids: a text encoded (an empty one refused, BOS or not), or ids as given; vLLM's

@@ -56,7 +56,8 @@ class HashRing:
 
 def prefix_key(body: dict[str, Any], chars: int) -> str:
     """The leading `chars` characters of a completion's prompt, a chat's messages (role and text, in order), a
-    response's instructions and input items, or an embedding's input; or the leading chars // 4 token ids of a
+    response's instructions and input items, or an embedding's input (a score's text_1, a rerank's query); or the
+    leading chars // 4 token ids of a
     tokenized prompt: the part requests of one tenant or conversation share. A request's prompt_cache_key (OpenAI's
     hint that requests share a cache, whatever their text) is its key where it sets one."""
     if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"]:
@@ -75,7 +76,7 @@ def prefix_key(body: dict[str, Any], chars: int) -> str:
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             parts.append(f"{message.get('role', '') if isinstance(message, dict) else ''}:{content or ''}\n")
         return "".join(parts)[:chars]
-    prompt = body.get("prompt", body.get("input", ""))
+    prompt = next((body[k] for k in ("prompt", "input", "text_1", "query") if k in body), "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch: its first prompt
         prompt = prompt[0]
     if isinstance(prompt, list):

@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -357,9 +357,13 @@ def build_router_app(router: Router) -> FastAPI:
             log.warning("ridge router: /v1/responses is served whole by the decode replica, without a prefill server")
         return await router.forward(request, "/v1/responses", disaggregates=False)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:  # a prompt and no decode: nothing to disaggregate
-        return await router.forward(request, "/v1/embeddings", disaggregates=False)
+    def pooling_route(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def forward(request: Request) -> Response:  # prompts and no decode: nothing to disaggregate
+            return await router.forward(request, path, disaggregates=False)
+        return forward
+
+    for path in ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify"):
+        app.post(path)(pooling_route(path))  # a pooling runner's endpoints
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

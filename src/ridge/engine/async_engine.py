@@ -120,6 +120,7 @@ class AsyncEngine:
         self.load_time_s = time.monotonic() - started
         self.limits: RequestLimits = ready.limits
         self.num_blocks = ready.num_blocks
+        self.labels = ready.labels
         threading.Thread(target=self._read, args=(core,), name="ridge-engine-reader", daemon=True).start()
         return core
 

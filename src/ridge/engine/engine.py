@@ -268,6 +268,12 @@ class LLMEngine:
         self.speculation = SpeculationPolicy(k, adaptive=policy == "adaptive")
 
     @property
+    def labels(self) -> tuple[str, ...]:
+        """A sequence classifier's labels, by index (its pooled outputs are their logits); () for any other model."""
+        cfg = self.loaded.config
+        return (self.loaded.spec.label_names or tuple(map(str, range(cfg.num_labels)))) if cfg.num_labels else ()
+
+    @property
     def pool(self) -> BlockPool:
         """The KV manager's block pool, for metrics and checks (only the manager changes it)."""
         return self.kv.pool
@@ -439,8 +445,9 @@ class LLMEngine:
 
     def _embed(self, samplers: list[Sequence], hidden: torch.Tensor) -> None:
         """End each sequence that computed its prompt's last token with its embedding: its prompt's final hidden
-        states pooled (the runner's pooling), L2-normalized in float32."""
-        embeddings = torch.nn.functional.normalize(hidden.float(), dim=-1).cpu()
+        states pooled (the runner's pooling), L2-normalized in float32; a classifier's, its labels' logits."""
+        embeddings = (hidden.float() if self.loaded.config.num_labels
+                      else torch.nn.functional.normalize(hidden.float(), dim=-1)).cpu()
         now = time.perf_counter()
         for seq, embedding in zip(samplers, embeddings, strict=True):
             seq.embedding = embedding.tolist()

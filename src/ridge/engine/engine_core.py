@@ -92,6 +92,7 @@ class Ready:
     limits: RequestLimits
     num_blocks: int
     block_size: int
+    labels: tuple[str, ...] = ()  # a classifier's (LLMEngine.labels)
 
 
 @dataclass
@@ -196,7 +197,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
     except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(Ready(engine.limits, engine.kv.num_blocks, engine.kv.block_size))
+    conn.send(Ready(engine.limits, engine.kv.num_blocks, engine.kv.block_size, engine.labels))
     try:
         _serve(engine, conn)
     except (EOFError, OSError):  # the server is gone: nothing left to serve

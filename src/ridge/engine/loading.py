@@ -100,7 +100,13 @@ class ModelFile:
         else the pooling the model declares, else cls for an encoder and last for a decoder (vLLM's defaults).
         ValueError for a pooling ridge does not run, or an encoder asked to generate; a warning where an embedding
         model is loaded to generate, or pools otherwise than it declares (its vectors are not the trained ones)."""
-        declared, encoder = self.pooling, not self.config().causal
+        model_config = self.config()
+        declared, encoder = self.pooling, not model_config.causal
+        if model_config.num_labels:  # a classifier's head reads the first token's state, as it was trained
+            if config.runner == "pooling" and config.pooling_type not in (None, "cls"):
+                raise ValueError(f"pooling_type: {self.path.name} is a classifier, whose head reads the first "
+                                 "token's state (cls)")
+            declared = None
         if config.runner == "generate":
             if encoder:
                 raise ValueError(f"runner: {self.path.name} is an encoder (each token attends to the later ones too): "
@@ -116,7 +122,7 @@ class ModelFile:
                             "ones the model was trained to give", config.pooling_type, self.path.name, *declared)
             return config.pooling_type
         if declared is None:
-            return "cls" if encoder else "last"
+            return "cls" if encoder or model_config.num_labels else "last"
         kind, where = declared
         if kind not in POOLING_TYPES:
             raise ValueError(f"runner: this model's embeddings pool by {kind} ({where}); ridge's pooling runner pools "
@@ -144,10 +150,8 @@ class ModelFile:
             return cls(Path(spec.name), None, random=spec, random_source=folder)
         path = resolve(model)
         gguf = open_gguf(path) if path.is_file() else None
-        if gguf is not None and check_supported(str(gguf.fields.get("general.architecture"))) == "bert":
-            # (checked before the tokenizer or any weight is read)
-            raise ValueError(f"{path.name}: BERT-family GGUF files are not supported yet (llama.cpp's tensor names "
-                             "and WordPiece vocabulary); load the model's HF folder")
+        if gguf is not None:  # before the tokenizer or any weight is read
+            check_supported(str(gguf.fields.get("general.architecture")))
         return cls(path, gguf)
 
 
@@ -207,6 +211,12 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         loaded.weight_format += f" -> {config.quantization}" + (
             f" g{config.quantization_group_size}" if config.quantization not in ("int8", "fp8") else "")
     place_dense(loaded.model, target)
+    if loaded.config.num_labels and loaded.config.type_vocab_size > 1:  # a cross-encoder reads a pair's token types
+        separator = model.tokenizer.info.pair_separator
+        if separator is None:
+            raise ValueError(f"{model.path.name}: a classifier with token types needs its tokenizer's pair template "
+                             "(tokenizer.json's post_processor) to tell a pair's two texts apart")
+        loaded.model.segment_separator = separator
     if config.int8_activations:
         if not int8_activation_layers(loaded.model):
             raise ValueError("int8_activations: needs quantized weights (--quantization, or a quantized "

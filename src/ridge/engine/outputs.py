@@ -44,7 +44,8 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: an entry per prompt token (None for the first); a stream carries
     # it in its first output only
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    embedding: list[float] | None = None  # a pooling runner's: the prompt's, L2-normalized (outputs stay empty)
+    # a pooling runner's: the prompt's, L2-normalized (a classifier's: its labels' logits); outputs stay empty
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -59,6 +60,41 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's relevance (the sigmoid of its logit), or two embeddings' cosine similarity
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A pair of texts' score (LLM.score), as vLLM's: prompt_token_ids the pair's as the model read it (a
+    cross-encoder's one input, or the two texts' ids one after the other)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label: a softmax over the labels (the sigmoid of a single label's logit)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A prompt's label probabilities (LLM.classify), as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
     finished: bool = True
 
 

@@ -207,6 +207,8 @@ class ModelRunner:
             prompt_hidden = hidden[num_sampled:prompts] if inputs.prompt_rows else None
         if self.pooling is not None:
             pooled = sampled if self.pooling == "last" else self._pool(inputs, hidden[prompts:])
+            if self.model.classifier is not None:  # a classifier's pooled output: its labels' logits
+                pooled = self.model.classifier(pooled.to(hidden.dtype)).float()
             logits = StepLogits(None, inputs.samplers, scored, prompt_hidden, mass, hidden=pooled)
         else:
             logits = StepLogits(self.model.compute_logits(sampled), inputs.samplers, scored, prompt_hidden, mass)

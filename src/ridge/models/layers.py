@@ -349,6 +349,19 @@ class GatedMLP(nn.Module):
         return self.down(act * up)
 
 
+class ClassificationHead(nn.Module):
+    """A sequence classifier's head over its first token's final state: out(tanh(dense(x))) (BERT's pooler then its
+    classifier; RoBERTa's classifier, dense and out_proj)."""
+
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(x)))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm token mixer and MLP. The mixer is attention (an Attention, or latent attention: models/mla.py),
     held as `attn`, or a Mamba-2 state-space mixer (models/mamba.py), held as `ssm`. post_attn_norm is the MLP's

@@ -596,9 +596,10 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
     does not run."""
     drafter = range(cfg.num_layers, cfg.num_layers + predicting)
     for name, stored in tensors:
-        if cfg.architecture == "bert":  # an encoder's: its masked LM head and pooler are not the encoder's
+        if cfg.architecture == "bert":  # an encoder's: its masked LM head and pooler are not the encoder's (the
+            # pooler is a classifier's, though: BERT's head reads it)
             name = ENCODER_PREFIX.sub("", name)
-            if not NOT_ENCODER.match(name):
+            if not NOT_ENCODER.match(name) or cfg.num_labels and name.startswith("pooler."):
                 yield name, stored
             continue
         if NOT_LANGUAGE_MODEL.match(name):

@@ -195,8 +195,10 @@ _HF_NAMES = {
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",  # its language model; the vision and audio towers are not loaded
     "gemma4_text": "gemma4",
-    **dict.fromkeys(("BertModel", "BertForMaskedLM", "RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel",
-                     "XLMRobertaForMaskedLM", "bert", "roberta", "xlm-roberta"), "bert"),  # the masked LM head unread
+    # (a masked LM's head unread; a sequence classifier's read: a cross-encoder)
+    **dict.fromkeys([f"{family}{kind}" for family in ("Bert", "Roberta", "XLMRoberta")
+                     for kind in ("Model", "ForMaskedLM", "ForSequenceClassification")]
+                    + ["bert", "roberta", "xlm-roberta"], "bert"),
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -366,7 +368,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
     }
     if arch == "bert":  # its position table's first rows before position_offset are never read
         fields.update(type_vocab_size=spec.type_vocab_size, position_offset=spec.position_offset,
-                      max_position_embeddings=spec.max_position_embeddings - spec.position_offset)
+                      max_position_embeddings=spec.max_position_embeddings - spec.position_offset,
+                      num_labels=spec.num_labels)
     if arch == "gemma4":
         fields.update(global_head_dim=spec.global_head_dim, global_kv_heads=spec.global_kv_heads,
                       global_values_from_keys=spec.global_values_from_keys,

@@ -105,6 +105,7 @@ class ModelSpec:
     moe_beside_mlp: bool = False  # Gemma 4 26B-A4B's: each layer's experts beside a dense FFN of intermediate_size
     # an encoder's (BERT's) token type table (0: none); its position table's rows are max_position_embeddings
     type_vocab_size: int = 0
+    num_labels: int = 0  # a sequence classifier's head: its labels (a cross-encoder's one relevance logit)
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -126,6 +127,7 @@ class ModelSpec:
     mlp_bias: bool = field(default=False, compare=False)  # biases on the FFN's projections (llama's mlp_bias)
     # RoBERTa's: the first learned position's row in its table (its padding index + 1), the rows before unused
     position_offset: int = field(default=0, compare=False)
+    label_names: tuple[str, ...] = field(default=(), compare=False)  # a classifier's labels, by index (id2label)
     # DeepSeek-V3's router (group-limited, sigmoid) and its checkpoints' interleaved rotary dims
     router_groups: int = field(default=1, compare=False)
     router_topk_groups: int = field(default=1, compare=False)
@@ -437,7 +439,8 @@ ENCODERS = ("bert", "roberta", "xlm-roberta")
 
 def _encoder_fields(config: dict, source: str) -> dict:
     """BERT's: biases on all six projections, an ungated GELU MLP, no rotary (learned absolute positions instead),
-    token types, no output head (the embedding table stands in: an encoder generates nothing)."""
+    token types, no output head (the embedding table stands in: an encoder generates nothing); a sequence
+    classifier's (a cross-encoder's) labels."""
     kind = config.get("model_type")
     if kind not in ENCODERS:
         return {}
@@ -448,9 +451,16 @@ def _encoder_fields(config: dict, source: str) -> dict:
         raise ValueError(f"{source}: is_decoder / add_cross_attention: BERT as a decoder is not supported; ridge runs "
                          "BERT models as encoders (embeddings)")
     offset = int(config.get("pad_token_id") or 0) + 1 if kind != "bert" else 0
+    architecture = (config.get("architectures") or [""])[0]
+    names = config.get("id2label") or {}
+    labels = len(names) or int(config.get("num_labels") or 2)
+    if config.get("problem_type") not in (None, "regression", "single_label_classification"):
+        raise ValueError(f"{source}: problem_type: {config['problem_type']!r} is not supported (one label per text)")
     return {"qkv_bias": True, "attention_out_bias": True, "mlp_bias": True, "gated_ffn": False,
             "partial_rotary_factor": 0.0, "tie_word_embeddings": True,
-            "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset}
+            "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset,
+            "num_labels": labels if architecture.endswith("ForSequenceClassification") else 0,
+            "label_names": tuple(str(names.get(str(i), names.get(i, i))) for i in range(labels))}
 
 
 def _starcoder2_fields(config: dict) -> dict:
@@ -930,6 +940,19 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
     if arch in ("command-r", "cohere2"):  # LayerNorm's epsilon, and the logits' scale (Granite's divisor inverted)
         fields["rms_norm_eps"] = float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5))
         fields["logits_scaling"] = 1 / float(value(f"{arch}.logit_scale", 1.0))
+    if arch == "bert":  # llama.cpp's encoders: BERT's (and RoBERTa's, its position table cut to start at position 0)
+        if value(f"{arch}.attention.causal", False):
+            raise ValueError(f"{source}: bert.attention.causal: a causal BERT is not supported")
+        if value("tokenizer.ggml.model") != "bert":  # RoBERTa's BPE, XLM-RoBERTa's unigram: their <s> ... </s>
+            raise ValueError(f"{source}: tokenizer.ggml.model: a bert GGUF with a {value('tokenizer.ggml.model')!r} "
+                             "vocabulary (RoBERTa's, XLM-RoBERTa's) is not supported; load the model's HF folder")
+        fields.update(rms_norm_eps=float(value(f"{arch}.attention.layer_norm_epsilon", 1e-12)), qkv_bias=True,
+                      attention_out_bias=True, mlp_bias=True, gated_ffn=False, hidden_act="gelu",
+                      partial_rotary_factor=0.0, tie_word_embeddings=True,
+                      type_vocab_size=shapes["token_types.weight"][0] if "token_types.weight" in shapes else 0)
+        if "cls.weight" in names or "cls.output.weight" in names:
+            raise ValueError(f"{source}: a reranker's classification head in a GGUF (llama.cpp's rank pooling) is not "
+                             "supported; load the model's HF folder")
     if arch == "starcoder2":  # LayerNorm's epsilon, biases where the file has them, an ungated GELU-tanh MLP
         fields.update(rms_norm_eps=float(value(f"{arch}.attention.layer_norm_epsilon", 1e-5)),
                       attention_out_bias="blk.0.attn_output.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names,

@@ -165,8 +165,15 @@ HF_ENCODER_NAMES = [
         (r"intermediate\.dense\.(weight|bias)", "mlp.gate_up.{1}", None),
         (r"output\.dense\.(weight|bias)", "mlp.down.{1}", None),
         (r"output\.LayerNorm\.(weight|bias)", "mlp_out_norm.{1}", None)]]]
+# a sequence classifier's head: BERT's pooler and classifier, RoBERTa's classifier
+HF_CLASSIFIER_NAMES = [
+    (r"pooler\.dense\.(weight|bias)", "classifier.dense.{0}", None),
+    (r"classifier\.dense\.(weight|bias)", "classifier.dense.{0}", None),
+    (r"classifier\.out_proj\.(weight|bias)", "classifier.out.{0}", None),
+    (r"classifier\.(weight|bias)", "classifier.out.{0}", None),
+]
 ENCODER_PREFIX = re.compile(r"^(bert|roberta)\.")
-NOT_ENCODER = re.compile(r"(pooler|cls|lm_head)\.|embeddings\.position_ids$")
+NOT_ENCODER = re.compile(r"(pooler|cls|lm_head)\.|embeddings\.position_ids$")  # but a classifier's pooler
 # Llama 4: its FFN's own name (feed_forward), its router, shared expert and dense FFN there (the loader splits its
 # stacked experts into these names)
 HF_LLAMA4_NAMES = [(r"model\.layers\.(\d+)\.feed_forward\." + source, "layers.{0}.mlp." + target, slot)
@@ -297,7 +304,7 @@ def map_name(name: str, table: list[tuple[str, str, int | None]]) -> tuple[str, 
 def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of an HF checkpoint of `cfg`'s family (the first pattern that matches a name wins)."""
     if cfg.architecture == "bert":
-        return HF_ENCODER_NAMES
+        return HF_ENCODER_NAMES + (HF_CLASSIFIER_NAMES if cfg.num_labels else [])
     family = (_hf_granite_names(cfg) if cfg.architecture in ("granitemoe", "granitemoehybrid")
               else HF_LFM2_NAMES if cfg.architecture in ("lfm2", "lfm2_moe")
               else HF_GATED_DELTA_NAMES if cfg.attention_output_gate or cfg.state_mixer == "gated_delta"
@@ -345,8 +352,24 @@ GGUF_STARCODER2_NAMES = [(r"output_norm\.bias", "norm.bias", None), *[
         (r"ffn_up\.(weight|bias)", "mlp.gate_up.{1}"), (r"ffn_down\.(weight|bias)", "mlp.down.{1}")]]]
 
 
+# llama.cpp's encoders (its bert: BERT's tensors under gguf-py's names)
+GGUF_ENCODER_NAMES = [
+    (r"token_embd\.weight", "embed_tokens.weight", None),
+    (r"token_types\.weight", "embed_token_types.weight", None),
+    (r"position_embd\.weight", "embed_positions.weight", None),
+    (r"token_embd_norm\.(weight|bias)", "embed_norm.{0}", None),
+    *[(r"blk\.(\d+)\." + source, "layers.{0}." + target, slot) for source, target, slot in [
+        (r"attn_q\.(weight|bias)", "attn.qkv.{1}", 0), (r"attn_k\.(weight|bias)", "attn.qkv.{1}", 1),
+        (r"attn_v\.(weight|bias)", "attn.qkv.{1}", 2), (r"attn_output\.(weight|bias)", "attn.o_proj.{1}", None),
+        (r"attn_output_norm\.(weight|bias)", "attn_out_norm.{1}", None),
+        (r"ffn_up\.(weight|bias)", "mlp.gate_up.{1}", None), (r"ffn_down\.(weight|bias)", "mlp.down.{1}", None),
+        (r"layer_output_norm\.(weight|bias)", "mlp_out_norm.{1}", None)]]]
+
+
 def gguf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a GGUF file of `cfg`'s family."""
+    if cfg.architecture == "bert":
+        return GGUF_ENCODER_NAMES
     family = {"gpt_oss": GGUF_GPT_OSS_NAMES, "lfm2": GGUF_LFM2_NAMES, "lfm2_moe": GGUF_LFM2_NAMES,
               "qwen3_5": GGUF_QWEN3_5_NAMES, "qwen3_5_moe": GGUF_QWEN3_5_NAMES,
               "qwen3_next": GGUF_QWEN3_5_NAMES, "glm4_moe": GGUF_MLP_INPUT_NORM,

@@ -12,7 +12,16 @@ from ridge.attention.backend import AttentionBackend, AttentionMetadata, StepMet
 from ridge.config import ModelConfig
 from ridge.kv.state_cache import StateStep
 from ridge.models.gated_delta import GatedDeltaMixer
-from ridge.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, RopeStep, RotaryEmbedding, make_norm
+from ridge.models.layers import (
+    Attention,
+    ClassificationHead,
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    RopeStep,
+    RotaryEmbedding,
+    make_norm,
+)
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MLPBesideExperts, MoEBlock
@@ -43,6 +52,11 @@ class DecoderModel(nn.Module):
                                                _weight=torch.empty(cfg.type_vocab_size, cfg.hidden_size))
                                   if cfg.learned_positions and cfg.type_vocab_size else None)
         self.embed_norm = make_norm(cfg) if cfg.learned_positions else None
+        self.classifier = ClassificationHead(cfg.hidden_size, cfg.num_labels) if cfg.num_labels else None
+        # BERT's token types of a text pair ([CLS] a [SEP] b [SEP], its tokenizer's pair template): a token's type is
+        # the number of separators before it in its sequence. The separator's id is the tokenizer's, set at load
+        # (engine/loading.py) for a classifier with token types; None: every token type 0 (one text)
+        self.segment_separator: int | None = None
         if torch.get_default_device().type != "meta":  # on meta, the loader makes them with the weights
             self.make_rotary()
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -168,7 +182,7 @@ class DecoderModel(nn.Module):
         """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
         x = self.embed(input_ids)
         if self.embed_positions is not None:
-            x = self.encoder_embeddings(x, positions)
+            x = self.encoder_embeddings(x, input_ids, positions)
         steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it
         residual = None
         extras = {}
@@ -206,13 +220,26 @@ class DecoderModel(nn.Module):
             backend.prepare(group)
         return step
 
-    def encoder_embeddings(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """An encoder's input [T, hidden]: the tokens' rows plus their positions' and token type 0's (one segment:
-        an embedding model reads one text), LayerNormed."""
+    def encoder_embeddings(self, tokens: torch.Tensor, input_ids: torch.Tensor,
+                           positions: torch.Tensor) -> torch.Tensor:
+        """An encoder's input [T, hidden]: the tokens' rows plus their positions' and their token types' (type 0 for
+        one text; a pair's second text type 1, see segment_separator), LayerNormed. Each sequence of the step is
+        whole (its positions from 0)."""
         x = tokens + self.embed_positions(positions + self.cfg.position_offset)
         if self.embed_token_types is not None:
-            x = x + self.embed_token_types.weight[0]
+            if self.segment_separator is None:
+                x = x + self.embed_token_types.weight[0]
+            else:
+                x = x + self.embed_token_types(self.token_types(input_ids, positions))
         return self.embed_norm(x)
+
+    def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's type: the separators before it in its sequence, at most the last type."""
+        separators = (input_ids == self.segment_separator).long()
+        before = separators.cumsum(0) - separators  # separators before each token in the whole step
+        starts = positions == 0
+        sequence = starts.long().cumsum(0) - 1
+        return (before - before[starts][sequence]).clamp(max=self.cfg.type_vocab_size - 1)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Each token's per-layer inputs [T, layers, per_layer_input_size]: its rows of the per-layer table (scaled

@@ -44,6 +44,11 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics, config: ServerConfig)
     app.post("/v1/chat/completions")(routes.chat_completions)
     app.post("/v1/responses")(routes.responses)
     app.post("/v1/embeddings")(routes.embeddings)
+    for path in ("/score", "/v1/score"):  # vLLM's paths
+        app.post(path)(routes.score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # Jina's, Cohere's v1 and v2
+        app.post(path)(routes.rerank)
+    app.post("/classify")(routes.classify)
     if config.role == "decode":
         app.post(IMPORT_PATH)(routes.kv_import)
     if config.allow_runtime_lora_updating:

@@ -186,8 +186,8 @@ def answer_errors_in_the_envelope(app: FastAPI) -> None:
             served = sorted({f"{method} {route.path}" for route in request.app.routes
                              if route.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
                              for method in getattr(route, "methods", ()) - {"HEAD"}})
-            message = (f"{request.method} {request.url.path}: no such endpoint on this server (it serves text "
-                       f"and embeddings; no images or audio); it answers {', '.join(served)}")
+            message = (f"{request.method} {request.url.path}: no such endpoint on this server (it serves text, "
+                       f"embeddings and scores; no images or audio); it answers {', '.join(served)}")
         return JSONResponse(RequestError(str(message), None, exc.status_code,
                                          names.get(exc.status_code, "HTTPError")).body(),
                             status_code=exc.status_code, headers=exc.headers)

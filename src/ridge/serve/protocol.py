@@ -82,6 +82,17 @@ class StreamOptions(Body):
         return self
 
 
+def refuse_unsupported(data: Any, table: dict[str, str], harmless: dict[str, tuple[Any, ...]] | None = None) -> None:
+    """ValueError naming the first field of `table` (name -> why) a body sets to anything that asks for something;
+    harmless[name]: values of it that ask for nothing."""
+    if not isinstance(data, dict):
+        return
+    for name, why in table.items():
+        value = data.get(name)
+        if asks(value) and value not in (harmless or {}).get(name, ()):
+            raise ValueError(f"{name}: {why}")
+
+
 def log_labels(data: dict[str, Any], names: tuple[str, ...]) -> None:
     """Say in the log which of these label fields a body sets: accepted, nothing to act on."""
     for name in names:
@@ -207,12 +218,8 @@ class SamplingFields(Body):
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, why in UNSUPPORTED.items():
-                value = data.get(name)
-                if name == "function_call" and value in ("none", "auto"):
-                    continue  # with no functions (refused when given), these choose nothing
-                if asks(value):
-                    raise ValueError(f"{name}: {why}")
+            # (with no functions, refused when given, function_call none or auto chooses nothing)
+            refuse_unsupported(data, UNSUPPORTED, {"function_call": ("none", "auto")})
             for name, why in ONE_ENDPOINT.items():
                 if name not in cls.model_fields and asks(data.get(name)):
                     raise ValueError(f"{name}: {why}")

@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 from pydantic import ValidationError, model_validator
 
-from ridge.serve.protocol import Body, ChatCompletionRequest, RequestError, Text, asks, check_unicode, log_labels
+from ridge.serve.protocol import (
+    Body,
+    ChatCompletionRequest,
+    RequestError,
+    Text,
+    check_unicode,
+    log_labels,
+    refuse_unsupported,
+)
 
 # Fields of OpenAI's Responses API that ask for what this server does not do: refused when they ask for anything.
 UNSUPPORTED = {
@@ -77,9 +85,7 @@ class ResponsesRequest(Body):
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, why in UNSUPPORTED.items():
-                if asks(data.get(name)) and not (name == "truncation" and data[name] == "disabled"):
-                    raise ValueError(f"{name}: {why}")
+            refuse_unsupported(data, UNSUPPORTED, {"truncation": ("disabled",)})
             if data.get("prompt_cache_retention") == "24h":
                 raise ValueError("prompt_cache_retention: '24h' is not supported; the prefix cache keeps a prompt's "
                                  "blocks in memory until the KV pool needs them")

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.scheduler import check_priority
+from ridge.engine.scoring import ScorePlan, check_classifier, score_pairs
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.serve import harmony
@@ -26,6 +27,14 @@ from ridge.serve.gateway import Gateway, guard, until_disconnected
 from ridge.serve.harmony import HarmonyStream
 from ridge.serve.kv_transfer import PrefixPusher, check_push, import_route
 from ridge.serve.metrics import EngineMetrics
+from ridge.serve.pooling import (
+    ClassifyRequest,
+    RerankRequest,
+    ScoreRequest,
+    classify_reply,
+    rerank_reply,
+    score_reply,
+)
 from ridge.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -224,36 +233,93 @@ class Routes:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def embeddings(self, req: EmbeddingRequest, request: Request) -> Any:
-        """OpenAI's /v1/embeddings, on a server started with --runner pooling: each input's last-token embedding."""
-        if self.engine.config.runner != "pooling":
-            raise RequestError("model: this server generates; embeddings need one started with --runner pooling",
-                               "model")
-        adapter = self.gateway.adapter_for(req.model)
+        """OpenAI's /v1/embeddings, on a server started with --runner pooling: each input's embedding."""
+        self._check_pooling("model")
+        if len(self.engine.labels):
+            raise RequestError("model: this model is a classifier, whose outputs are its labels' logits; use "
+                               "/v1/score, /v1/rerank or /classify", "model")
         encoded = [self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str)
                    else list(p) for p in req.prompts()]
         ids_list = [last_tokens(ids, req.truncate_prompt_tokens, self.engine.max_model_len) for ids in encoded]
+        outputs = await self._pooled(ids_list, req.model, req.priority, "input", request, "embd")
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
+                for i, o in enumerate(outputs)]
+        tokens = sum(len(ids) for ids in ids_list)
+        return {"object": "list", "data": data, "model": req.model or self.config.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def score(self, req: ScoreRequest, request: Request) -> Any:
+        """vLLM's /v1/score: each pair's score (a cross-encoder's, or two embeddings' cosine: engine/scoring.py)."""
+        self._check_pooling("model")
+        plan = self._score_plan(req.text_1, req.text_2, "text_1")
+        outputs = await self._pooled(plan.prompts, req.model, req.priority, "text_1", request, "score")
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tokens = sum(len(ids) for ids in plan.prompts)
+        return score_reply(plan.scores([o.embedding for o in outputs]), req.model or self.config.model_name, tokens)
+
+    async def rerank(self, req: RerankRequest, request: Request) -> Any:
+        """Jina's and Cohere's rerank (vLLM's /v1/rerank): the documents by their score against the query."""
+        self._check_pooling("model")
+        texts = req.texts()
+        plan = self._score_plan(req.query, texts, "documents")
+        outputs = await self._pooled(plan.prompts, req.model, req.priority, "documents", request, "rerank")
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tokens = sum(len(ids) for ids in plan.prompts)
+        return rerank_reply(req, texts, plan.scores([o.embedding for o in outputs]),
+                            req.model or self.config.model_name, tokens)
+
+    async def classify(self, req: ClassifyRequest, request: Request) -> Any:
+        """vLLM's /classify: a sequence classifier's label probabilities for each input."""
+        self._check_pooling("model")
+        try:
+            check_classifier(len(self.engine.labels), "model")
+        except ValueError as exc:
+            raise RequestError(str(exc), "model") from exc
+        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts()]
+        outputs = await self._pooled(ids_list, req.model, req.priority, "input", request, "classify")
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return classify_reply([o.embedding for o in outputs], self.engine.labels,
+                              req.model or self.config.model_name, sum(len(ids) for ids in ids_list))
+
+    def _check_pooling(self, field: str) -> None:
+        if self.engine.config.runner != "pooling":
+            raise RequestError(f"{field}: this server generates; embeddings, scores and classes need one started "
+                               "with --runner pooling", field)
+
+    def _score_plan(self, text_1: str | list[str], text_2: str | list[str], field: str) -> ScorePlan:
+        try:
+            return ScorePlan.of(score_pairs(text_1, text_2), self.tokenizer, len(self.engine.labels))
+        except ValueError as exc:
+            message = str(exc)
+            named = message.split(":", 1)[0]
+            raise RequestError(message, named if named in ("text_1", "text_2", "score") else field) from exc
+
+    async def _pooled(self, ids_list: list[list[int]], model: str | None, priority: int, field: str,
+                      request: Request, prefix: str) -> list[RequestOutput] | None:
+        """The pooling runner's outputs for these inputs, each checked against the context and all of them against
+        --max-request-tokens (RequestErrors naming `field`); None where the client left."""
+        adapter = self.gateway.adapter_for(model)
         params = SamplingParams(max_tokens=1)
         for i, ids in enumerate(ids_list):
             try:
                 self.engine.validate(ids, params, embed=True)
             except ValueError as exc:
-                raise RequestError(f"input.{i}: {exc}", "input") from exc
+                raise RequestError(f"{field}.{i}: {exc}", field) from exc
         tokens = sum(len(ids) for ids in ids_list)
         if tokens > self.config.max_request_tokens:
-            raise RequestError(f"input: this request's inputs hold {tokens} tokens; the limit is "
-                               f"{self.config.max_request_tokens} (--max-request-tokens)", "input")
+            raise RequestError(f"{field}: this request's inputs hold {tokens} tokens; the limit is "
+                               f"{self.config.max_request_tokens} (--max-request-tokens)", field)
         try:
-            check_priority(self.engine.config.schedule_policy, req.priority)
+            check_priority(self.engine.config.schedule_policy, priority)
         except ValueError as exc:
             raise RequestError(str(exc), "priority") from exc
-        outputs = await until_disconnected(request, self.gateway.collect(
-            ids_list, params, f"embd-{uuid.uuid4().hex}", adapter=adapter, priority=req.priority, embed=True))
-        if outputs is None:
-            return Response(status_code=CLIENT_CLOSED)
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
-                for i, o in enumerate(outputs)]
-        return {"object": "list", "data": data, "model": req.model or self.config.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return await until_disconnected(request, self.gateway.collect(
+            ids_list, params, f"{prefix}-{uuid.uuid4().hex}", adapter=adapter, priority=priority, embed=True))
 
     async def responses(self, req: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API, run as a chat completion (serve/responses.py)."""
