@@ -441,3 +441,29 @@ def test_qwen3_5_s_sizes_and_its_fixed_state():
     assert close(a.count_parameters(m).stored, 8.95e9, 0.005)
     assert a.state_bytes(m) == 4 * 24 * (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128))
     assert a.kv_bytes_per_token(m, "bf16") == 2 * 8 * 4 * 256 * 2  # K and V, 8 attention layers, 4 KV heads of 256
+
+
+def test_an_encoder_s_plan_is_a_pass_over_a_batch_of_prompts(capsys, tmp_path):
+    """bge-base (BERT-base) on an H100: no decode and no KV; a pass's FLOPs are its linear layers' for every token and
+    attention over every pair of each prompt's tokens (4 x layers x T^2 x hidden a prompt); the prompt is cut to the
+    model's 512 positions; one prompt is launch-bound (batch more), 64 are compute-bound (8-bit matmuls)."""
+    from ridge.plan.encoder import build_encoder_plan
+
+    model, hw = resolve_model("bge-base-en-v1.5"), resolve_hardware("h100-sxm")
+    one = build_encoder_plan(model, hw, Workload(batch=1))
+    assert one.prompt_tokens == 512 and one.binding_wall == "overhead"
+    counts = a.count_parameters(model)
+    attention = 4 * model.num_layers * 512 * 512 * model.hidden_size
+    assert one.attention_flops == pytest.approx(attention)
+    assert one.embed.flops == pytest.approx(2 * counts.per_token_linear * 512 + attention)
+    assert one.advice[0].technique == "batch more prompts a pass" and one.advice[0].gain > 1
+    many = build_encoder_plan(model, hw, Workload(batch=64, prompt=256))
+    assert many.binding_wall == "compute" and many.embed.flops == pytest.approx(64 * a.prefill(model, 256, True).flops)
+    assert many.prompts_per_second == pytest.approx(64 / many.embed.seconds)
+    assert many.advice[0].technique.startswith("8-bit") and many.advice[0].gain == pytest.approx(2.0, rel=1e-3)
+    png = tmp_path / "encoder.png"
+    assert main(["plan", "--model", "bge-base-en-v1.5", "--hardware", "h100-sxm", "--batch", "64", "--json",
+                 "--plot", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["encoder"] and report["binding_wall"] == "compute" and "decode" not in report
+    assert png.stat().st_size > 0

@@ -264,6 +264,11 @@ _HF_NAMES = {
 }
 
 
+def is_encoder(architecture: str) -> bool:
+    """Whether an architecture (HF's class or model_type, a GGUF's or ridge's name) is one of BERT's encoders."""
+    return _HF_NAMES.get(architecture, architecture) == "bert"
+
+
 def check_supported(architecture: str) -> str:
     name = _HF_NAMES.get(architecture, architecture)
     if name not in ARCHITECTURES:

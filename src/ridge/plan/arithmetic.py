@@ -301,16 +301,20 @@ class Prefill:
         return self.flops / 2
 
 
-def prefill(m: ModelSpec, tokens: int) -> Prefill:
+def prefill(m: ModelSpec, tokens: int, bidirectional: bool = False) -> Prefill:
+    """A prompt's pass; bidirectional: an encoder's, every token attending to all `tokens` (T^2 pairs) and no
+    output head."""
     p = count_parameters(m)
     per_token = 2.0 * p.per_token_linear + ssm_flops_per_token(m)  # biases and routers: rounding, counted as weights
 
     def pairs(local: bool) -> float:
+        if bidirectional:
+            return float(tokens) * tokens
         if m.index_topk:  # each query attends to at most index_topk keys: a window's count of pairs
             return _attended_pairs(tokens, m.index_topk)
         return _attended_pairs(tokens, m.sliding_window, m.chunked_window) if local else _attended_pairs(tokens, 0)
 
-    return Prefill(tokens, linear_flops=per_token * tokens + 2.0 * p.head,
+    return Prefill(tokens, linear_flops=per_token * tokens + (0.0 if bidirectional else 2.0 * p.head),
                    attention_flops=_attention_flops(m, pairs) + _indexer_flops(m, _attended_pairs(tokens, 0)))
 
 

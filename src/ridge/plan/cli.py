@@ -80,12 +80,38 @@ def _plan_points(plan):
     return points, curve
 
 
+def _encoder_points(plan):
+    """An encoder plan's pass, and passes over batch sizes, at their bound's FLOP/s."""
+    from ridge.plan.encoder import pass_bound
+    from ridge.plan.plot import RooflinePoint
+
+    w, tokens = plan.workload, plan.prompt_tokens
+    points = [RooflinePoint(f"a pass of {w.batch} x {tokens:,}-token prompts ({plan.embed.wall})",
+                            plan.embed.intensity, plan.embed.flops / plan.embed.seconds)]
+    curve = [RooflinePoint(f"B={batch}", bound.intensity, bound.flops / bound.seconds)
+             for batch in (2**i for i in range(8)) if (bound := pass_bound(plan.model, plan.hardware, w, tokens,
+                                                                            batch))]
+    return points, curve
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    from ridge.models.registry import is_encoder
     from ridge.plan.arithmetic import compute_dtype
+    from ridge.plan.encoder import build_encoder_plan, render_encoder
     from ridge.plan.plot import plot_roofline
     from ridge.plan.report import build_plan, render
 
     model, hw, workload = _resolve(args)
+    if is_encoder(model.architecture):  # no decode, no KV: a pass over a batch of prompts (plan/encoder.py)
+        plan = build_encoder_plan(model, hw, workload)
+        if args.plot:
+            points, curve = _encoder_points(plan)
+            plot_roofline(hw, compute_dtype(workload.dtype), args.plot, points, curve,
+                          f"a pass of {plan.prompt_tokens:,}-token prompts, by batch size",
+                          f"{model.name} on {hw.name}: {workload.dtype} weights")
+        print(json.dumps(plan.to_json(), indent=2) if args.json else render_encoder(plan)
+              + (f"\n\nroofline plot: {args.plot}" if args.plot else ""))
+        return 0
     plan = build_plan(model, hw, workload)
     if args.plot:
         points, curve = _plan_points(plan)
