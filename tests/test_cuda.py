@@ -152,6 +152,21 @@ def test_embeddings_match_hf_on_the_gpu(random_model, make_llm_for_test):
         assert (torch.tensor(out.outputs.embedding, device="cuda") - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_an_encoder_s_embeddings_and_a_cross_encoder_s_scores_match_hf_on_the_gpu(family, tmp_path,
+                                                                                 make_llm_for_test):
+    """An encoder on CUDA (attention to the whole prompt through the CUDA backend's SDPA): mean pooling, HF's (on the
+    CPU); its cosine scores run there too."""
+    from test_encoders import DOCUMENTS, QUERY, hf_pooled, prompts_of, random_encoder
+
+    path, hf = random_encoder(family, tmp_path / family)
+    llm = make_llm_for_test(path, device="cuda", dtype="float32", runner="pooling", pooling_type="mean")
+    prompts = [[7], *prompts_of(4, 2, 60, seed=9)]
+    for ids, out in zip(prompts, llm.embed(prompts), strict=True):
+        assert (torch.tensor(out.outputs.embedding) - hf_pooled(hf, ids, "mean")).abs().max().item() < 1e-4
+    assert len(llm.score(QUERY, DOCUMENTS)) == len(DOCUMENTS)  # an embedding model's cosine scores, on the GPU
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each
