@@ -153,7 +153,7 @@ def test_embeddings_match_hf_on_the_gpu(random_model, make_llm_for_test):
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
-def test_an_encoder_s_embeddings_and_a_cross_encoder_s_scores_match_hf_on_the_gpu(family, tmp_path,
+def test_an_encoder_s_embeddings_and_scores_run_on_the_gpu(family, tmp_path,
                                                                                  make_llm_for_test):
     """An encoder on CUDA (attention to the whole prompt through the CUDA backend's SDPA): mean pooling, HF's (on the
     CPU); its cosine scores run there too."""
