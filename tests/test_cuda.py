@@ -153,8 +153,7 @@ def test_embeddings_match_hf_on_the_gpu(random_model, make_llm_for_test):
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
-def test_an_encoder_s_embeddings_and_scores_run_on_the_gpu(family, tmp_path,
-                                                                                 make_llm_for_test):
+def test_an_encoder_s_embeddings_and_scores_run_on_the_gpu(family, tmp_path, make_llm_for_test):
     """An encoder on CUDA (attention to the whole prompt through the CUDA backend's SDPA): mean pooling, HF's (on the
     CPU); its cosine scores run there too."""
     from test_encoders import DOCUMENTS, QUERY, hf_pooled, prompts_of, random_encoder
