@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import model_validator
 
 from ridge.engine.scoring import probabilities
-from ridge.serve.protocol import Body, RequestError, Text, check_unicode, refuse_unsupported
+from ridge.serve.protocol import Body, RequestError, Text, check_unicode, input_prompts, refuse_unsupported
 
 # vLLM's and Cohere's fields these endpoints do not implement: refused by name when they ask for anything
 UNSUPPORTED = {
@@ -93,11 +93,7 @@ class ClassifyRequest(PoolingBody):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        given = self.input
-        prompts: list[Any] = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
-        if not prompts or any(not p for p in prompts):
-            raise RequestError("input: must not be empty", "input")
-        return prompts
+        return input_prompts(self.input)
 
 
 def score_reply(scores: list[float], model: str, tokens: int) -> dict[str, Any]:

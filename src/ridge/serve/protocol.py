@@ -734,15 +734,15 @@ class EmbeddingRequest(Body):
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        """The inputs, each a text or token ids."""
-        given = self.input
-        if isinstance(given, str) or (given and isinstance(given[0], int)):
-            prompts: list[Any] = [given]
-        else:
-            prompts = list(given)
-        if not prompts or any(not p for p in prompts):
-            raise RequestError("input: must not be empty", "input")
-        return prompts
+        return input_prompts(self.input)
+
+
+def input_prompts(given: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A pooling request's `input` as its prompts, each a text or token ids (an empty one refused naming it)."""
+    prompts: list[Any] = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
+    if not prompts or any(not p for p in prompts):
+        raise RequestError("input: must not be empty", "input")
+    return prompts
 
 
 class TokenizeRequest(ChatRendering):
