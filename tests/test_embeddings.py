@@ -30,7 +30,7 @@ def hf_embedding(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_embeddings_are_hf_s_last_hidden_state_normalized(qwen3, make_llm_for_test):
-    """A batch of prompts of 1 to 60 tokens (a one-token prompt runs as a decode row, the fused step's), chunked
+    """A batch of prompts of 1 to 60 tokens (a one-token prompt runs as a decode row), chunked
     at 16 tokens a step, and again once cached: each embedding HF's to float32's last bits."""
     path, hf = qwen3
     llm = make_llm_for_test(path, dtype="float32", runner="pooling", max_num_batched_tokens=16)

@@ -197,8 +197,8 @@ def test_no_body_gets_a_5xx_and_the_engine_survives(server):
     one()
     http.close()
     print("statuses:", dict(sorted(seen.items())))
-    # some of each: bodies the engine served, and refusals (how many of each moves with the draws, which hypothesis
-    # derives from this test's source: 15 to 45 of 250 served, seen as the bodies grew)
+    # some of each: bodies the engine served, and refusals (how many moves with the draws, which hypothesis derives
+    # from this test; docs/notes/test-suite.md)
     assert seen.get(200, 0) >= 10 and sum(v for k, v in seen.items() if 400 <= k < 500) >= 100, seen
     assert server.engine.health().status == "ok"
     # the engine still serves after all of that (the module fixture then checks that every block is free)

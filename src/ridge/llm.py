@@ -22,7 +22,7 @@ from ridge.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from ridge.engine.scoring import ScorePlan, check_classifier, probabilities, score_pairs
+from ridge.engine.scoring import ScorePlan, check_classifier, probabilities
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
@@ -128,7 +128,7 @@ class LLM:
         text_1[i] against text_2[i], lists of one length). A cross-encoder's score is the sigmoid of its logit for
         the pair read as one input; an embedding model's, the cosine similarity of the two texts' embeddings
         (engine/scoring.py)."""
-        plan = ScorePlan.of(score_pairs(text_1, text_2), self.tokenizer, self.engine.loaded.config.num_labels)
+        plan = ScorePlan.of(text_1, text_2, self.tokenizer, self.engine.loaded.config.num_labels)
         pooled = self._pooled(plan.prompts, use_tqdm, lora_request, priority, "score")
         scores = plan.scores([vector for _, _, vector in pooled])
         return [ScoringRequestOutput(str(i), plan.pair_ids(i), ScoringOutput(score)) for i, score in enumerate(scores)]

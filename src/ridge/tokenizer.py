@@ -78,7 +78,8 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> tuple[Tokenizer, TokenizerInfo]:
 
 
 def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    text = (path / "tokenizer.json").read_text()
+    tok = Tokenizer.from_str(text)
     cfg_path = path / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     gen_path = path / "generation_config.json"
@@ -100,7 +101,7 @@ def tokenizer_from_hf_dir(path: Path) -> tuple[Tokenizer, TokenizerInfo]:
     )
     info.stop_token_ids = _stop_ids(tok.get_vocab(), eos, None) | frozenset(extra)
     info.fim_token_ids = _fim_ids(tok.get_vocab())
-    processor = json.loads((path / "tokenizer.json").read_text()).get("post_processor")
+    processor = json.loads(text).get("post_processor")
     info.wraps = _closes_text(processor)
     info.pair_separator = _pair_separator(processor)
     return tok, info

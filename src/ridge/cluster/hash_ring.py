@@ -57,9 +57,9 @@ class HashRing:
 def prefix_key(body: dict[str, Any], chars: int) -> str:
     """The leading `chars` characters of a completion's prompt, a chat's messages (role and text, in order), a
     response's instructions and input items, or an embedding's input (a score's text_1, a rerank's query); or the
-    leading chars // 4 token ids of a
-    tokenized prompt: the part requests of one tenant or conversation share. A request's prompt_cache_key (OpenAI's
-    hint that requests share a cache, whatever their text) is its key where it sets one."""
+    leading chars // 4 token ids of a tokenized prompt: the part requests of one tenant or conversation share. A
+    request's prompt_cache_key (OpenAI's hint that requests share a cache, whatever their text) is its key where it
+    sets one."""
     if isinstance(body.get("prompt_cache_key"), str) and body["prompt_cache_key"]:
         return f"prompt_cache_key:{body['prompt_cache_key']}"
     messages = body.get("messages")

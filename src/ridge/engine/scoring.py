@@ -59,7 +59,10 @@ class ScorePlan:
     pairs: list[tuple[int, int]] | None
 
     @classmethod
-    def of(cls, pairs: list[tuple[str, str]], tokenizer: RidgeTokenizer, num_labels: int) -> ScorePlan:
+    def of(cls, text_1: str | Sequence[str], text_2: str | Sequence[str], tokenizer: RidgeTokenizer,
+           num_labels: int) -> ScorePlan:
+        """The plan of a score request's pairs (score_pairs') on a model of `num_labels` (0: an embedding model)."""
+        pairs = score_pairs(text_1, text_2)
         if num_labels:
             check_classifier(num_labels, "score", one_label=True)
             return cls([tokenizer.encode_pair(a, b) for a, b in pairs], None)
@@ -73,10 +76,6 @@ class ScorePlan:
             return self.prompts[i]
         a, b = self.pairs[i]
         return self.prompts[a] + self.prompts[b]
-
-    @property
-    def num_pairs(self) -> int:
-        return len(self.prompts) if self.pairs is None else len(self.pairs)
 
     def scores(self, pooled: list[list[float]]) -> list[float]:
         """Each pair's score from the pooled outputs of `prompts`, in order."""

@@ -435,12 +435,15 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
 # BERT's encoders (their HF model_type): RoBERTa and XLM-RoBERTa are BERT's layers with positions counted from
 # their padding index + 1
 ENCODERS = ("bert", "roberta", "xlm-roberta")
+# their shape, whatever the file: biases on all six projections, an ungated MLP, no rotary (learned absolute
+# positions instead), no output head (the embedding table stands in: an encoder generates nothing)
+_ENCODER_SHAPE = {"qkv_bias": True, "attention_out_bias": True, "mlp_bias": True, "gated_ffn": False,
+                  "partial_rotary_factor": 0.0, "tie_word_embeddings": True}
 
 
 def _encoder_fields(config: dict, source: str) -> dict:
-    """BERT's: biases on all six projections, an ungated GELU MLP, no rotary (learned absolute positions instead),
-    token types, no output head (the embedding table stands in: an encoder generates nothing); a sequence
-    classifier's (a cross-encoder's) labels."""
+    """BERT's: its shape (_ENCODER_SHAPE), token types, RoBERTa's position offset; a sequence classifier's (a
+    cross-encoder's) labels."""
     kind = config.get("model_type")
     if kind not in ENCODERS:
         return {}
@@ -456,9 +459,7 @@ def _encoder_fields(config: dict, source: str) -> dict:
     labels = len(names) or int(config.get("num_labels") or 2)
     if config.get("problem_type") not in (None, "regression", "single_label_classification"):
         raise ValueError(f"{source}: problem_type: {config['problem_type']!r} is not supported (one label per text)")
-    return {"qkv_bias": True, "attention_out_bias": True, "mlp_bias": True, "gated_ffn": False,
-            "partial_rotary_factor": 0.0, "tie_word_embeddings": True,
-            "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset,
+    return {**_ENCODER_SHAPE, "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset,
             "num_labels": labels if architecture.endswith("ForSequenceClassification") else 0,
             "label_names": tuple(str(names.get(str(i), names.get(i, i))) for i in range(labels))}
 
@@ -946,9 +947,8 @@ def spec_from_gguf(gguf: GGUFFile, name: str, source: str) -> ModelSpec:
         if value("tokenizer.ggml.model") != "bert":  # RoBERTa's BPE, XLM-RoBERTa's unigram: their <s> ... </s>
             raise ValueError(f"{source}: tokenizer.ggml.model: a bert GGUF with a {value('tokenizer.ggml.model')!r} "
                              "vocabulary (RoBERTa's, XLM-RoBERTa's) is not supported; load the model's HF folder")
-        fields.update(rms_norm_eps=float(value(f"{arch}.attention.layer_norm_epsilon", 1e-12)), qkv_bias=True,
-                      attention_out_bias=True, mlp_bias=True, gated_ffn=False, hidden_act="gelu",
-                      partial_rotary_factor=0.0, tie_word_embeddings=True,
+        fields.update(_ENCODER_SHAPE, rms_norm_eps=float(value(f"{arch}.attention.layer_norm_epsilon", 1e-12)),
+                      hidden_act="gelu",
                       type_vocab_size=shapes["token_types.weight"][0] if "token_types.weight" in shapes else 0)
         if "cls.weight" in names or "cls.output.weight" in names:
             raise ValueError(f"{source}: a reranker's classification head in a GGUF (llama.cpp's rank pooling) is not "

@@ -88,10 +88,8 @@ def _encoder_points(plan):
     w, tokens = plan.workload, plan.prompt_tokens
     points = [RooflinePoint(f"a pass of {w.batch} x {tokens:,}-token prompts ({plan.embed.wall})",
                             plan.embed.intensity, plan.embed.flops / plan.embed.seconds)]
-    curve = [RooflinePoint(f"B={batch}", bound.intensity, bound.flops / bound.seconds)
-             for batch in (2**i for i in range(8)) if (bound := pass_bound(plan.model, plan.hardware, w, tokens,
-                                                                            batch))]
-    return points, curve
+    bounds = [(2**i, pass_bound(plan.model, plan.hardware, w, tokens, 2**i)) for i in range(8)]
+    return points, [RooflinePoint(f"B={b}", bound.intensity, bound.flops / bound.seconds) for b, bound in bounds]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -104,24 +102,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, hw, workload = _resolve(args)
     if is_encoder(model.architecture):  # no decode, no KV: a pass over a batch of prompts (plan/encoder.py)
         plan = build_encoder_plan(model, hw, workload)
-        if args.plot:
-            points, curve = _encoder_points(plan)
-            plot_roofline(hw, compute_dtype(workload.dtype), args.plot, points, curve,
-                          f"a pass of {plan.prompt_tokens:,}-token prompts, by batch size",
-                          f"{model.name} on {hw.name}: {workload.dtype} weights")
-        print(json.dumps(plan.to_json(), indent=2) if args.json else render_encoder(plan)
-              + (f"\n\nroofline plot: {args.plot}" if args.plot else ""))
-        return 0
-    plan = build_plan(model, hw, workload)
+        text, points_of = render_encoder, _encoder_points
+        curve_label = f"a pass of {plan.prompt_tokens:,}-token prompts, by batch size"
+        title = f"{model.name} on {hw.name}: {workload.dtype} weights"
+    else:
+        plan = build_plan(model, hw, workload)
+        text, points_of = render, _plan_points
+        curve_label = f"decode at {workload.context:,} tokens of context, by batch size"
+        title = f"{model.name} on {hw.name}: {workload.dtype} weights, {workload.kv_dtype} KV"
     if args.plot:
-        points, curve = _plan_points(plan)
-        plot_roofline(hw, compute_dtype(workload.dtype), args.plot, points, curve,
-                      f"decode at {workload.context:,} tokens of context, by batch size",
-                      f"{model.name} on {hw.name}: {workload.dtype} weights, {workload.kv_dtype} KV")
+        points, curve = points_of(plan)
+        plot_roofline(hw, compute_dtype(workload.dtype), args.plot, points, curve, curve_label, title)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
-        print(render(plan))
+        print(text(plan))
         if args.plot:
             print(f"\nroofline plot: {args.plot}")
     return 0

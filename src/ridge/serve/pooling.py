@@ -11,7 +11,15 @@ from typing import Any
 from pydantic import model_validator
 
 from ridge.engine.scoring import probabilities
-from ridge.serve.protocol import Body, RequestError, Text, check_unicode, input_prompts, refuse_unsupported
+from ridge.serve.protocol import (
+    Body,
+    RequestError,
+    Text,
+    check_unicode,
+    input_prompts,
+    log_labels,
+    refuse_unsupported,
+)
 
 # vLLM's and Cohere's fields these endpoints do not implement: refused by name when they ask for anything
 UNSUPPORTED = {
@@ -33,6 +41,8 @@ class PoolingBody(Body):
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         refuse_unsupported(data, UNSUPPORTED)
+        if isinstance(data, dict):
+            log_labels(data, ("user",))
         for name in ACTIVATION_FIELDS:
             if isinstance(data, dict) and data.get(name) is False:
                 raise ValueError(f"{name}: false is not supported; the activated score (a cross-encoder's sigmoid, "

@@ -731,6 +731,7 @@ class EmbeddingRequest(Body):
         if not self.normalize:
             raise ValueError("normalize: false is not supported; embeddings are returned L2-normalized")
         check_unicode(self.input, "input")
+        log_labels({"user": self.user}, ("user",))
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import ridge
 from ridge.engine.outputs import CompletionOutput, OutputKind, RequestOutput
 from ridge.engine.scheduler import check_priority
-from ridge.engine.scoring import ScorePlan, check_classifier, score_pairs
+from ridge.engine.scoring import ScorePlan, check_classifier
 from ridge.lora.request import LoRARequest
 from ridge.sampling_params import SamplingParams
 from ridge.serve import harmony
@@ -293,7 +293,7 @@ class Routes:
 
     def _score_plan(self, text_1: str | list[str], text_2: str | list[str], field: str) -> ScorePlan:
         try:
-            return ScorePlan.of(score_pairs(text_1, text_2), self.tokenizer, len(self.engine.labels))
+            return ScorePlan.of(text_1, text_2, self.tokenizer, len(self.engine.labels))
         except ValueError as exc:
             message = str(exc)
             named = message.split(":", 1)[0]
