@@ -29,7 +29,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(args.served_model_name or args.model, args.api_key, args.max_body_bytes, args.max_n,
                           args.max_request_tokens, args.metrics_no_auth, args.trust_request_chat_template,
-                          args.tool_call_parser, args.reasoning_parser, args.role, args.allow_runtime_lora_updating)
+                          args.tool_call_parser, args.reasoning_parser, args.role, args.allow_runtime_lora_updating,
+                          args.allowed_local_media_path)
     supervision = Supervision(max_restarts=args.engine_restarts, stuck_after_s=args.engine_stuck_after)
     server = make_server(EngineConfig(model=args.model, **engine_kwargs(args)), config, args.host, args.port,
                          args.max_waiting, args.grace, "info" if args.verbose else "warning",
@@ -428,6 +429,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): clients load LoRA "
                         "adapters from this machine's filesystem at run time (needs --enable-lora)")
+    p.add_argument("--allowed-local-media-path", type=Path, default=None, metavar="DIR",
+                   help="image_url parts may name files of this machine under DIR (file:// or a path; vLLM's); "
+                        "without it only data: and http(s) URLs are read")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a request's own chat_template (in Jinja's sandbox); without it such a request gets "
                         "HTTP 400 and the model's template is the only one")

@@ -14,6 +14,7 @@ import torch
 from ridge.kv.eviction import EVICTION_POLICIES, Eviction, HeavyHitters, SinkWindow
 from ridge.kv.formats import KV_CACHE_DTYPES, KVFormat, kv_format
 from ridge.kv.layout import KVLayout, Window, kv_layout
+from ridge.multimodal.vision_config import VisionConfig
 from ridge.rope_scaling import AttentionTemperature, RopeScaling
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
@@ -101,6 +102,12 @@ class ModelConfig:
     # a sequence classifier's (a cross-encoder's: BertForSequenceClassification...): a head of num_labels on the
     # first token's final state, whose logits are the pooling runner's output
     num_labels: int = 0
+    # Qwen2-VL's / Qwen2.5-VL's: the vision tower whose output replaces the image placeholder tokens' embeddings
+    # (models/vision.py), the placeholder's id, and the multimodal rotary's three sections of each head's frequencies
+    # (time, row, column: multimodal/placement.py); a text token's three positions are equal, a plain rotary's
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, ...] | None = None
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

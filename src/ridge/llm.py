@@ -24,6 +24,8 @@ from ridge.engine.outputs import (
 )
 from ridge.engine.scoring import ScorePlan, check_classifier, probabilities
 from ridge.lora.request import LoRARequest
+from ridge.multimodal.messages import prompt_images, split_images
+from ridge.multimodal.placement import ImagePrompt
 from ridge.sampling_params import SamplingParams
 from ridge.tokenizer import ChatOptions
 
@@ -81,11 +83,22 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, kind: OutputKind,
              lora_request: LoRARequest | None = None, priority: int = 0) -> str:
         """Validate and queue one prompt (the engine checks it); its outputs come from the processor."""
+        prompt, sources = prompt_images(prompt)
         ids = self.tokenizer.encode_prompt(prompt)
-        request_id = self.engine.add_request(ids, params, lora_request=lora_request, priority=priority)
+        images = self._place_images(ids, sources) if sources else None
+        if images is not None:
+            ids = images.token_ids
+        request_id = self.engine.add_request(ids, params, lora_request=lora_request, priority=priority,
+                                             images=images)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         self.processor.add(request_id, text if isinstance(text, str) else None, ids, params, kind)
         return request_id
+
+    def _place_images(self, ids: list[int], sources: list[Any]) -> ImagePrompt:
+        if self.engine.images is None:
+            raise ValueError(f"multi_modal_data: this model ({self.engine.loaded.config.architecture}) reads no "
+                             "images; ridge runs the vision towers of Qwen2-VL and Qwen2.5-VL")
+        return self.engine.images.place(ids, sources)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step through the output processor; samples a stop string finished are aborted at once."""
@@ -208,7 +221,11 @@ class LLM:
         chat_template_kwargs are extra template variables, tools go to the template as HF passes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = ChatOptions(continue_final_message, chat_template, chat_template_kwargs or {})
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, tools, options) for c in conversations]
+        prompts: list[Prompt] = []
+        for conversation in conversations:  # image parts: a placeholder for the template, the image beside it
+            plain, images = split_images(conversation)
+            ids = self.tokenizer.encode_chat(plain, add_generation_prompt, tools, options)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, params, use_tqdm, lora_request, priority)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -59,6 +59,7 @@ from ridge.engine.supervision import (
     Supervision,
 )
 from ridge.lora.request import LoRARequest
+from ridge.multimodal.placement import ImagePrompt
 from ridge.sampling_params import SamplingParams
 
 log = logging.getLogger("ridge")
@@ -121,6 +122,7 @@ class AsyncEngine:
         self.limits: RequestLimits = ready.limits
         self.num_blocks = ready.num_blocks
         self.labels = ready.labels
+        self.images = ready.images
         threading.Thread(target=self._read, args=(core,), name="ridge-engine-reader", daemon=True).start()
         return core
 
@@ -254,11 +256,12 @@ class AsyncEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, kind: OutputKind = OutputKind.FINAL,
         lora_request: LoRARequest | None = None, priority: int = 0, embed: bool = False,
+        images: ImagePrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request: its whole output once it finishes (FINAL), or each step's news, the last
         with finished=True (DELTA); lora_request: the adapter it runs with (one of config.lora_modules');
         priority: under schedule_policy priority, lower goes first; embed: the prompt's embedding (output.embedding,
-        on a pooling runner) rather than a generation.
+        on a pooling runner) rather than a generation; images: the prompt's images placed in it (self.images.place).
 
         Validation errors (ValueError) are raised here, before anything is queued. Leaving the iteration
         early (a client that disconnects) aborts the request, which frees its KV blocks within one step.
@@ -282,7 +285,7 @@ class AsyncEngine:
         try:
             try:
                 command = AddRequest(request_id, prompt_ids, params, tracker.arrival_time, lora_request, priority,
-                                     embed)
+                                     embed, images)
                 self._send(command, core)
             except (OSError, ValueError) as exc:  # the core died as this request arrived
                 raise EngineDead(f"the engine stopped: {exc}") from exc

@@ -36,6 +36,8 @@ from ridge.kv.manager import KVManager
 from ridge.lora.apply import AdapterSet
 from ridge.lora.request import LoRARequest
 from ridge.models.loader import LoadedModel
+from ridge.multimodal.images import ImageProcessing
+from ridge.multimodal.placement import ImagePrompt, ImageReader
 from ridge.sampling_params import SamplingParams
 
 log = logging.getLogger("ridge")
@@ -129,6 +131,8 @@ class LLMEngine:
             if ranks is not None:  # the group met: the others stop (after their load, if still loading)
                 ranks.abort()
             raise
+        # how this engine reads a vision model's images, for the callers that prepare a request's (None: no vision)
+        self.images = self._image_reader(target)
 
     def _build(self, config: EngineConfig, target: ModelFile, plan: ShardPlan | None, draft_file: ModelFile | None,
                kernels: ModuleType | None, progress: bool) -> Build:
@@ -295,14 +299,19 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         embed: bool = False,
+        images: ImagePrompt | None = None,
     ) -> str:
         """Queue a request (a text, or its token ids) after validating it against self.limits, unless the
         caller did (the server, in its own process, with the same limits); return its id. lora_request: the
         adapter it runs with (loaded on first use); priority: under schedule_policy priority, lower goes first;
-        embed: the prompt's embedding rather than a generation (runner pooling; params are not read)."""
+        embed: the prompt's embedding rather than a generation (runner pooling; params are not read); images: the
+        prompt's images placed in it (self.images.place), whose token_ids are the prompt's."""
         self.config.check_request_kind(embed)
         params = SamplingParams(max_tokens=1) if embed else params or SamplingParams()
         ids = self.tokenizer.encode_prompt(prompt)
+        if images is not None and (embed or ids != images.token_ids):
+            raise ValueError("images: an embedding reads no images" if embed else
+                             "images: placed in another prompt (the prompt is the placed images' token_ids)")
         if not validated:
             self.validate(ids, params, embed)
         check_priority(self.config.schedule_policy, priority)
@@ -321,12 +330,24 @@ class LLMEngine:
                            token_ids=list(ids), params=params, generator=generator, grammar=grammar,
                            prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else [],
                            bad_word_ids=banned, adapter=adapter, priority=priority)
+            if images is not None:  # the samples share the images (their tower output is computed once)
+                seq.images, seq.rope_positions, seq.rope_delta = images.images, images.rope_positions, images.rope_delta
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)
         self._requests[request_id] = _Request(request_id, seqs)
         self.scheduler.add(seqs)
         return request_id
+
+    def _image_reader(self, target: ModelFile) -> ImageReader | None:
+        """How requests' images reach this engine's vision model (its preprocessor_config.json); None without one."""
+        cfg, config = self.loaded.config, self.config
+        if cfg.vision is None:
+            return None
+        refused = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                         ("a draft model", config.speculate == "draft")) if on]
+        return ImageReader(ImageProcessing.of_model(target.path), cfg.image_token_id, cfg.vision.merge_size,
+                           ", ".join(refused) or None)
 
     def adapter_use(self) -> AdapterUse | None:
         """The adapters running and waiting sequences use (None without enable_lora)."""

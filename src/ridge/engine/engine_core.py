@@ -26,6 +26,7 @@ from ridge.engine.limits import RequestLimits
 from ridge.engine.native_memory import HeapTrimmer, bound_onednn_caches
 from ridge.engine.outputs import AdapterUse, RequestDelta, StepError, StepStats
 from ridge.lora.request import LoRARequest
+from ridge.multimodal.placement import ImagePrompt, ImageReader
 from ridge.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class AddRequest:
     lora_request: LoRARequest | None = None
     priority: int = 0
     embed: bool = False
+    images: ImagePrompt | None = None  # the prompt's images placed in it (prompt_ids are its token_ids)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Ready:
     num_blocks: int
     block_size: int
     labels: tuple[str, ...] = ()  # a classifier's (LLMEngine.labels)
+    images: ImageReader | None = None  # a vision model's (LLMEngine.images): the server prepares requests' images
 
 
 @dataclass
@@ -197,7 +200,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, progress: bool, grac
     except Exception as exc:  # a bad model name, too little KV memory: the server reports it and exits
         conn.send(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(Ready(engine.limits, engine.kv.num_blocks, engine.kv.block_size, engine.labels))
+    conn.send(Ready(engine.limits, engine.kv.num_blocks, engine.kv.block_size, engine.labels, engine.images))
     try:
         _serve(engine, conn)
     except (EOFError, OSError):  # the server is gone: nothing left to serve
@@ -246,7 +249,7 @@ def _apply(engine: LLMEngine, conn: Connection,
             # the server checked the request against the limits this engine sent it (Ready.limits)
             engine.add_request(command.prompt_ids, command.params, command.request_id, command.arrival_time,
                                validated=True, lora_request=command.lora_request, priority=command.priority,
-                               embed=command.embed)
+                               embed=command.embed, images=command.images)
         except ValueError as exc:
             conn.send(Rejected(command.request_id, str(exc)))
     elif isinstance(command, AbortRequest):

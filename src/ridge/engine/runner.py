@@ -32,6 +32,8 @@ from ridge.lora.apply import NO_ADAPTER, AdapterSet, AdapterStep
 from ridge.lora.request import LoRARequest
 from ridge.models.moe import attach_fused_experts
 from ridge.models.transformer import DecoderModel
+from ridge.models.vision import ImageStep
+from ridge.multimodal.placement import PlacedImage
 
 log = logging.getLogger("ridge")
 
@@ -51,6 +53,7 @@ class StepInputs:
     adapters: AdapterStep | None = None  # each row's LoRA adapter, where a sequence of the step has one
     # each sampler whose whole prompt is in the step: (its first row, its rows), for mean and CLS pooling
     prompt_spans: list[tuple[int, int]] = field(default_factory=list)
+    images: ImageStep | None = None  # a vision model's step with image tokens: their embeddings, M-RoPE positions
 
 
 @dataclass
@@ -200,7 +203,8 @@ class ModelRunner:
             num_sampled = len(inputs.sample_rows)
             read = inputs.sample_rows + inputs.prompt_rows + self._pooled_rows(inputs.prompt_spans)
             rows = torch.tensor(read, dtype=torch.long, device=self.device)
-            hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states)
+            hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.backend, meta, rows, states,
+                                              inputs.images)
             sampled = hidden[:num_sampled]
             prompts = num_sampled + len(inputs.prompt_rows)
             scored = inputs.scored
@@ -298,7 +302,8 @@ class ModelRunner:
                 prompt_rows.extend(range(first_row, first_row + rows.count))
                 scored.append(rows)
             input_ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
+            # (a prompt's tokens after its last image, and every later one, turn at their index plus rope_delta)
+            positions.extend(range(start + seq.rope_delta, end + seq.rope_delta))
             if end == len(tokens):
                 rows = 1 + len(seq.draft_ids)
                 sample_rows.extend(range(len(input_ids) - rows, len(input_ids)))
@@ -309,10 +314,58 @@ class ModelRunner:
             raise AssertionError(f"{self.pooling} pooling reads whole prompts (the scheduler's whole_prompts)")
         meta = [self._group_metadata(step, group, window) for group, window in enumerate(self.windows)]
         as_long = {"dtype": torch.long, "device": self.device}
-        return StepInputs(torch.tensor(input_ids, **as_long), torch.tensor(positions, **as_long), meta,
+        positions_tensor = torch.tensor(positions, **as_long)
+        return StepInputs(torch.tensor(input_ids, **as_long), positions_tensor, meta,
                           sample_rows, samplers, prompt_rows, scored, self._state_step(step),
                           self._adapter_step(step, sample_rows + prompt_rows + self._pooled_rows(prompt_spans)),
-                          prompt_spans)
+                          prompt_spans, self._image_step(step, positions_tensor))
+
+    def _image_step(self, step: ScheduledStep, positions: torch.Tensor) -> ImageStep | None:
+        """The step's image tokens (embeddings from the vision tower, each image's computed when a step first
+        reaches it and dropped once its last token is computed) and every row's M-RoPE positions: None where no
+        sequence of the step computes a token of a prompt with images (the rest turn as one position)."""
+        chunks, flat = [], 0
+        for seq, n in zip(step.seqs, step.num_tokens, strict=True):
+            if seq.rope_positions is not None and seq.num_computed < seq.prompt_len:
+                chunks.append((seq, flat, seq.num_computed, seq.num_computed + n))
+            flat += n
+        if not chunks:
+            return None
+        rope = positions.expand(3, -1).clone()
+        rows: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
+        # (the samples of one request share their prompt's images: each image once)
+        reached = {id(image): image for seq, _, start, end in chunks for image in seq.images
+                   if image.embeddings is None and image.offset < end and image.end > start}
+        self._embed_images(list(reached.values()))
+        done = []
+        for seq, first, start, end in chunks:
+            in_prompt = min(end, seq.prompt_len) - start
+            rope[:, first:first + in_prompt] = seq.rope_positions[:, start:start + in_prompt]
+            for image in seq.images:
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo >= hi:
+                    continue
+                rows.append(torch.arange(first + lo - start, first + hi - start))
+                pieces.append(image.embeddings[lo - image.offset:hi - image.offset])
+                if hi == image.end:
+                    done.append(image)
+        for image in done:
+            image.embeddings = None
+        if not rows:
+            return ImageStep(torch.zeros(0, dtype=torch.long, device=self.device),
+                             torch.zeros(0, self.model.cfg.hidden_size, device=self.device), rope)
+        return ImageStep(torch.cat(rows).to(self.device), torch.cat(pieces), rope)
+
+    def _embed_images(self, images: list[PlacedImage]) -> None:
+        """Run the vision tower over these images at once, each keeping its rows of the output."""
+        if not images:
+            return
+        device, dtype = self.device, self.model.embed_tokens.weight.dtype
+        patches = torch.cat([image.image.patches for image in images]).to(device, dtype)
+        out = self.model.visual(patches, [image.image.grid for image in images])
+        for image, rows in zip(images, out.split([image.length for image in images]), strict=True):
+            image.embeddings = rows
 
     def _adapter_step(self, step: ScheduledStep, read_rows: list[int]) -> AdapterStep | None:
         """Each row's adapter (a sequence's drafts are its rows too), where a sequence of the step has one."""

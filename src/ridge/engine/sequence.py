@@ -17,6 +17,7 @@ from ridge.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # llguidance is imported by the engine, not by every user of a Sequence
     from ridge.engine.structured import Grammar
+    from ridge.multimodal.placement import PlacedImage
 
 
 class Status(Enum):
@@ -63,6 +64,11 @@ class Sequence:
     adapter: int | None = None  # its LoRA adapter's index in the engine's AdapterSet (lora/apply.py); None: the base
     priority: int = 0  # under the priority policy, lower goes first (engine/scheduler.py)
     embedding: list[float] | None = None  # a pooling runner's: set when its last prompt token is computed
+    # A prompt with images (multimodal/placement.py): the images placed in it, its tokens' M-RoPE positions [3,
+    # prompt_len], and the delta every token after its last image turns by (its index plus it)
+    images: list[PlacedImage] = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager
@@ -125,6 +131,12 @@ class Sequence:
         if self.adapter is None:
             return self.params.cache_salt
         return f"{self.params.cache_salt or ''}\0adapter {self.adapter}"
+
+    def block_images(self, block: int, block_size: int) -> bytes:
+        """The digests of the images whose tokens its block `block` holds: part of the block's prefix-cache key, as
+        every image's placeholder tokens are alike (a later block differs through its chained parent)."""
+        start, end = block * block_size, (block + 1) * block_size
+        return b"".join(image.image.digest for image in self.images if image.offset < end and image.end > start)
 
     @property
     def scores_prompt(self) -> bool:

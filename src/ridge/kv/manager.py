@@ -215,7 +215,8 @@ class KVManager:
         bs = self.block_size
         for i in range(len(seq.block_keys), count):
             parent = seq.block_keys[i - 1] if i else None
-            seq.block_keys.append(chain_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.prefix_salt))
+            seq.block_keys.append(chain_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.prefix_salt,
+                                            seq.block_images(i, bs)))
 
     # ---- cached prefixes moved between engines (disaggregated prefill: engine/kv_transfer.py) ----------------
     def prefix_keys(self, token_ids: list[int], salt: str | None) -> list[bytes]:

@@ -31,10 +31,13 @@ class CacheStats:
     evictions: int = 0  # blocks whose cached KV was dropped to make room
 
 
-def chain_key(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
-    """The key of a block holding `tokens` after the prefix whose last block's key is `parent`."""
+def chain_key(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, extra: bytes = b"") -> bytes:
+    """The key of a block holding `tokens` after the prefix whose last block's key is `parent` (the first block's
+    chains from `salt`); extra: what else its KV depends on, beside its tokens (the images its tokens stand for)."""
     h = hashlib.blake2b(parent if parent is not None else b"ridge-prefix:" + (salt or "").encode(), digest_size=16)
     h.update(array("I", tokens).tobytes())
+    if extra:
+        h.update(b"\0" + extra)
     return h.digest()
 
 

@@ -115,10 +115,15 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) rotary as a complex multiply: (x1 + i*x2) * e^(i*pos*freq) per frequency."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
-                 temperature: AttentionTemperature | None = None, turning_fraction: float = 1.0) -> None:
+                 temperature: AttentionTemperature | None = None, turning_fraction: float = 1.0,
+                 sections: tuple[int, ...] | None = None) -> None:
         """turning_fraction: only the first share of the frequencies turn, the rest are 0 (Gemma 4's proportional
-        RoPE: a rotary as wide as the head whose slow pairs stay still)."""
+        RoPE: a rotary as wide as the head whose slow pairs stay still). sections: M-RoPE's (Qwen2-VL's): the
+        frequencies in three runs, each turned by its own one of a token's three positions (step())."""
         super().__init__()
+        # each frequency's position: 0 (time), 1 (row) or 2 (column)
+        self.section_of = (None if sections is None else
+                           torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections)))
         self.temperature = temperature  # the queries of the layers that turn with this rotary: sharpened by position
         if scaling is None:
             inv_freq, magnitude = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
@@ -138,6 +143,17 @@ class RotaryEmbedding(nn.Module):
         return out
 
     def step(self, positions: torch.Tensor) -> RopeStep:
+        """The step's rotary for its tokens' positions: [T], or M-RoPE's [3, T] (each token's time, row and column)."""
+        if positions.dim() == 2:
+            # each token's own rotations, frequency by frequency from its position of that frequency's section: a
+            # table of the step's rows, which the tokens index in order
+            if self.section_of is None:
+                raise ValueError("a rotary without M-RoPE sections was given three positions a token")
+            rows = self.freqs[positions]  # [3, T, head_dim / 2]
+            section_of = self.section_of.to(rows.device).expand(1, positions.shape[1], -1)
+            table = rows.gather(0, section_of).squeeze(0)
+            return RopeStep(torch.arange(positions.shape[1], device=positions.device), table,
+                            torch.view_as_real(table), self.ops)
         # the kernel's view of the table (float pairs): made once a step, not once per layer
         scales = self.temperature.query_scales(positions) if self.temperature is not None else None
         return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops, scales)

@@ -50,6 +50,7 @@ from ridge.models.tensor_names import (
     LANGUAGE_MODEL_PREFIXES,
     NOT_ENCODER,
     NOT_LANGUAGE_MODEL,
+    VISION_TOWER,
     gguf_names,
     hf_names,
     map_name,
@@ -601,6 +602,9 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
             name = ENCODER_PREFIX.sub("", name)
             if not NOT_ENCODER.match(name) or cfg.num_labels and name.startswith("pooler."):
                 yield name, stored
+            continue
+        if cfg.vision is not None and (tower := VISION_TOWER.match(name)):  # Qwen2-VL's, run (models/vision.py)
+            yield "visual." + name[tower.end():], stored
             continue
         if NOT_LANGUAGE_MODEL.match(name):
             continue

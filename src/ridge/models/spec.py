@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from gguf.quants import dequantize
 
 from ridge.models.gguf_file import GGUFFile
+from ridge.multimodal.vision_config import VisionConfig
 
 STATE_MIXERS = ("mamba2", "short_conv", "gated_delta")
 
@@ -106,6 +107,11 @@ class ModelSpec:
     # an encoder's (BERT's) token type table (0: none); its position table's rows are max_position_embeddings
     type_vocab_size: int = 0
     num_labels: int = 0  # a sequence classifier's head: its labels (a cross-encoder's one relevance logit)
+    # a vision-language model's (Qwen2-VL's): its vision tower (not counted in the shape's parameters), its image
+    # placeholder token, its multimodal rotary's sections
+    vision: VisionConfig | None = field(default=None, compare=False)
+    image_token_id: int | None = field(default=None, compare=False)
+    mrope_section: tuple[int, ...] | None = field(default=None, compare=False)
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -353,6 +359,7 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     scaling = scaling.get("full_attention", scaling)  # Gemma 3: one rotary per kind of layer
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "mrope" or "mrope_section" in scaling:  # Qwen-VL's: a text token turns a plain rotary
+        fields.update(_vision_fields(outer, scaling, source))
         rope_type, scaling = "default", {key: value for key, value in scaling.items() if key == "rope_theta"}
     if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # HF's Phi3Config reads both as longrope
         rope_type, scaling = "longrope", {**scaling, "rope_type": "longrope"}
@@ -462,6 +469,24 @@ def _encoder_fields(config: dict, source: str) -> dict:
     return {**_ENCODER_SHAPE, "type_vocab_size": int(config.get("type_vocab_size") or 0), "position_offset": offset,
             "num_labels": labels if architecture.endswith("ForSequenceClassification") else 0,
             "label_names": tuple(str(names.get(str(i), names.get(i, i))) for i in range(labels))}
+
+
+# the vision-language models whose vision tower ridge runs (models/vision.py); the others' language models serve text
+VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _vision_fields(outer: dict, scaling: dict, source: str) -> dict:
+    """Qwen2-VL's and Qwen2.5-VL's vision tower, image placeholder and multimodal rotary sections."""
+    if outer.get("model_type") not in VISION_MODELS or "vision_config" not in outer:
+        return {}
+    sections = tuple(int(n) for n in scaling.get("mrope_section") or ())
+    if scaling.get("mrope_interleaved"):
+        raise ValueError(f"{source}: rope_scaling.mrope_interleaved is not supported (Qwen2-VL's sections)")
+    image_token = outer.get("image_token_id", (outer.get("text_config") or {}).get("image_token_id"))
+    if image_token is None or not sections:
+        raise ValueError(f"{source}: a vision model needs image_token_id and rope_scaling.mrope_section")
+    return {"vision": VisionConfig.from_hf(outer["vision_config"], f"{source}: vision_config"),
+            "image_token_id": int(image_token), "mrope_section": sections}
 
 
 def _starcoder2_fields(config: dict) -> dict:

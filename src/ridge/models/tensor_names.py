@@ -94,6 +94,9 @@ LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_m
 # Llama 4's vision tower: `vision_model`; Gemma 4's vision and audio towers and their embedders)
 NOT_LANGUAGE_MODEL = re.compile(
     r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp|audio_tower|embed_vision|embed_audio)\.")
+# a vision tower ridge runs (Qwen2-VL's: models/vision.py, whose modules carry HF's names)
+VISION_TOWER = re.compile(r"(model\.)?visual\.")
+HF_VISION_NAMES = [(r"visual\.(.+)", "visual.{0}", None)]
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),
@@ -316,7 +319,8 @@ def hf_names(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
               else HF_GEMMA4_NAMES + (HF_GEMMA4_MOE_NAMES if cfg.moe_beside_mlp else []) if cfg.architecture == "gemma4"
               else [])
     gemma_norms = cfg.sandwich_norms and cfg.architecture != "glm4"
-    return ((HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
+    return ((HF_VISION_NAMES if cfg.vision is not None else [])
+            + (HF_SANDWICH_NAMES if gemma_norms else []) + (HF_MLA_NAMES if cfg.is_mla else [])
             + (HF_SSM_NAMES if cfg.ssm_layers else []) + family + HF_NAMES)
 
 

@@ -26,6 +26,7 @@ from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.models.short_conv import ShortConvMixer
+from ridge.models.vision import ImageStep, VisionTower
 
 
 class DecoderModel(nn.Module):
@@ -68,6 +69,7 @@ class DecoderModel(nn.Module):
         self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
         self.per_layer_projection_norm = (RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
+        self.visual = VisionTower(cfg.vision) if cfg.vision is not None else None  # HF's name: its weights load by it
 
     @staticmethod
     def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -92,7 +94,8 @@ class DecoderModel(nn.Module):
         cfg, temperature = self.cfg, self.cfg.attention_temperature
         turning = None if temperature is not None and temperature.nope_layers_only else temperature
         self.rotary = RotaryEmbedding(cfg.global_rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
-                                      cfg.rope_scaling, turning, turning_fraction=cfg.global_rotary_fraction)
+                                      cfg.rope_scaling, turning, turning_fraction=cfg.global_rotary_fraction,
+                                      sections=cfg.mrope_section)
         # the local layers' own where their base differs (Gemma 3), or their heads' width or turning share (Gemma 4)
         own = cfg.rope_local_theta is not None or cfg.global_head_dim or cfg.global_rotary_fraction != 1.0
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta or cfg.rope_theta,
@@ -178,9 +181,14 @@ class DecoderModel(nn.Module):
         meta: StepMetadata,
         indices: torch.Tensor | None = None,
         states: StateStep | None = None,
+        images: ImageStep | None = None,
     ) -> torch.Tensor:
-        """The final norm's output [len(indices) or T, hidden]: what compute_logits projects."""
+        """The final norm's output [len(indices) or T, hidden]: what compute_logits projects. images: the step's image
+        tokens' embeddings and M-RoPE positions, for a vision model's step with image tokens."""
         x = self.embed(input_ids)
+        if images is not None:
+            x[images.rows] = images.embeddings.to(x.dtype)
+            positions = images.rope_positions
         if self.embed_positions is not None:
             x = self.encoder_embeddings(x, input_ids, positions)
         steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it

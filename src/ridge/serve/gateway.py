@@ -8,6 +8,7 @@ import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -21,6 +22,8 @@ from ridge.engine.scheduler import check_priority
 from ridge.engine.speculative import SpeculationStats
 from ridge.engine.supervision import EngineDead, EngineRestarting, QueueFull, RequestFailed, ShuttingDown
 from ridge.lora.request import LoRARequest
+from ridge.multimodal.messages import split_images
+from ridge.multimodal.placement import ImagePrompt
 from ridge.sampling_params import SamplingParams, StructuredOutputsParams
 from ridge.serve import harmony
 from ridge.serve.harmony import HarmonyTokens
@@ -59,6 +62,8 @@ class ServerConfig:
     # vLLM's runtime LoRA updating (its VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter and
     # /v1/unload_lora_adapter, which load a directory of the server's filesystem into the engine
     allow_runtime_lora_updating: bool = False
+    # vLLM's: image_url parts may name files of this machine under this directory (None: no local files are read)
+    allowed_local_media_path: Path | None = None
 
     def __post_init__(self) -> None:
         parsers = (*REASONING_PARSERS, harmony.REASONING_PARSER)
@@ -149,9 +154,37 @@ class Gateway:
             self.adapters[name] = request
             raise (RequestError(str(exc), "lora_name") if isinstance(exc, ValueError) else engine_errors(exc)) from exc
 
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None
+                          ) -> tuple[list[int], ImagePrompt | None]:
+        """The conversation's token ids, and its images placed in them where it has image parts (fetched, decoded
+        and preprocessed off the event loop; the ids are then the placed images' token_ids)."""
+        plain, sources = split_images(self._template_messages(messages))
+        ids = self._render(plain, add_generation_prompt, tools, options)
+        if not sources:
+            return ids, None
+        try:
+            images = await asyncio.to_thread(self.engine.images.place, ids, sources,
+                                             self.config.allowed_local_media_path or False)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        return images.token_ids, images
+
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                  tools: list[dict[str, Any]] | None = None, options: ChatOptions | None = None) -> list[int]:
-        """The conversation's token ids; with tools, rendered with them (a template with no tool-call format
+        """The conversation's token ids (an image part's placeholder where it has one: /tokenize's count is of the
+        template's text); with tools, rendered with them (a template with no tool-call format ridge parses refuses
+        them), each tool's parameters checked as a JSON schema."""
+        return self._render(split_images(self._template_messages(messages))[0], add_generation_prompt, tools,
+                            options)
+
+    def _template_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        rendered = template_messages(plain_messages(messages, images=self.engine.images is not None))
+        return harmony.template_thinking(rendered) if self.harmony is not None else rendered
+
+    def _render(self, rendered: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, options: ChatOptions | None) -> list[int]:
+        """Template messages' token ids; with tools, rendered with them (a template with no tool-call format
         ridge parses refuses them), each tool's parameters checked as a JSON schema."""
         if options is not None and options.template is not None and not self.config.trust_request_chat_template:
             raise RequestError("chat_template: a request's own chat template runs only on a server started with "
@@ -174,9 +207,6 @@ class Gateway:
                 except ValueError as exc:
                     raise RequestError(f"tools.{i}.function.parameters: {str(exc).split(': ', 1)[1]}",
                                        f"tools.{i}.function.parameters") from exc
-        rendered = template_messages(plain_messages(messages))
-        if self.harmony is not None:
-            rendered = harmony.template_thinking(rendered)
         try:
             return self.tokenizer.encode_chat(rendered, add_generation_prompt, tools, options)
         except ValueError as exc:
@@ -246,18 +276,20 @@ class Gateway:
 
     async def run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                   beams: BeamSearchParams | None = None, kind: OutputKind = OutputKind.FINAL,
-                  adapter: LoRARequest | None = None, priority: int = 0, embed: bool = False
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  adapter: LoRARequest | None = None, priority: int = 0, embed: bool = False,
+                  images: ImagePrompt | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request, interleaved as they come: (prompt index, output).
         A beam search yields each prompt's final output only, its params.n best beams as the choices; embed: each
-        prompt's embedding (a pooling runner), params unread."""
+        prompt's embedding (a pooling runner), params unread; images: the one prompt's images, placed in it."""
+        if images is not None and (beams is not None or len(prompts) != 1):
+            raise RequestError("use_beam_search: not supported with images", "use_beam_search")
         with self._using(adapter):
-            async for item in self._run(prompts, params, request_id, beams, kind, adapter, priority, embed):
+            async for item in self._run(prompts, params, request_id, beams, kind, adapter, priority, embed, images):
                 yield item
 
     async def _run(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                    beams: BeamSearchParams | None, kind: OutputKind, adapter: LoRARequest | None,
-                   priority: int, embed: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+                   priority: int, embed: bool, images: ImagePrompt | None) -> AsyncIterator[tuple[int, RequestOutput]]:
         if beams is not None:
             results = await beam_search_async(self.engine, prompts, beams, request_id, adapter, priority)
             for i, result in enumerate(results):
@@ -267,7 +299,8 @@ class Gateway:
                 yield i, RequestOutput(f"{request_id}-{i}", None, result.prompt_token_ids, choices, True)
             return
         if len(prompts) == 1:  # the common case, without a task and a queue in between
-            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter, priority, embed)
+            outputs = self.engine.generate(prompts[0], params, f"{request_id}-0", kind, adapter, priority, embed,
+                                           images)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:  # aclosing: a disconnect aborts the request now, not at garbage collection
                     yield 0, _unless_aborted(out)
@@ -302,11 +335,12 @@ class Gateway:
 
     async def collect(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                       beams: BeamSearchParams | None = None, adapter: LoRARequest | None = None,
-                      priority: int = 0, embed: bool = False) -> list[RequestOutput]:
+                      priority: int = 0, embed: bool = False, images: ImagePrompt | None = None
+                      ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
             async for i, out in self.run(prompts, params, request_id, beams, adapter=adapter, priority=priority,
-                                         embed=embed):
+                                         embed=embed, images=images):
                 finals[i] = out
         except ENGINE_ERRORS as exc:
             raise engine_errors(exc) from exc

@@ -506,8 +506,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(Body):
-    """One part of a message's content. Only text parts can be read: the others are refused by name
-    (plain_messages), never dropped."""
+    """One part of a message's content: text, or an image (image_url, for a vision model); the others are refused by
+    name (plain_messages), never dropped."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -678,17 +678,23 @@ def _closed_objects(schema: Any) -> Any:
     return closed
 
 
-def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template; content given as parts becomes the text of its parts."""
+def plain_messages(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
+    """Messages for the chat template; content given as text parts becomes their text, and content with image parts
+    (images: the model reads them) stays a list of parts (multimodal/messages.py's split_images takes the images
+    out). Other parts are refused by name."""
+    readable = ("text", "image_url") if images else ("text",)
     out = []
     for i, m in enumerate(messages):
         message = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
-                if part.type != "text":
+                if part.type not in readable:
                     raise RequestError(f"messages.{i}.content.{j}.type: {part.type!r} parts are not supported; "
-                                       "this server reads text parts only", f"messages.{i}.content.{j}.type")
-            message["content"] = content_text(m.content)
+                                       f"this server reads {' and '.join(readable)} parts"
+                                       + ("" if images else " (images need a vision model: Qwen2-VL, Qwen2.5-VL)"),
+                                       f"messages.{i}.content.{j}.type")
+            if all(part.type == "text" for part in m.content):
+                message["content"] = content_text(m.content)
         out.append(message)
     return out
 

@@ -357,8 +357,15 @@ class Routes:
         elif not req.include_reasoning and thinks is None:
             raise RequestError("include_reasoning: false needs a server started with --reasoning-parser; this one "
                                "returns the reply whole in content", "include_reasoning")
-        ids = req.truncated(self.gateway.chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_options()),
-                            self.engine.max_model_len)
+        ids, images = await self.gateway.chat_prompt(req.messages, req.add_generation_prompt, tools,
+                                                     req.chat_options())
+        if images is not None and req.truncate_prompt_tokens is not None:
+            raise RequestError("truncate_prompt_tokens: not supported with images (a cut could split an image)",
+                               "truncate_prompt_tokens")
+        if images is not None and req.kv_transfer_params is not None:
+            raise RequestError("kv_transfer_params: not supported with images (their positions do not travel with "
+                               "the KV)", "kv_transfer_params")
+        ids = req.truncated(ids, self.engine.max_model_len)
         form = self.gateway.call_format
         token_id = self.tokenizer.tokenizer.token_to_id
         req.use_call_format(form, call_markers(form, token_id))
@@ -399,7 +406,7 @@ class Routes:
 
         if not req.stream:
             outputs = await until_disconnected(request, self.gateway.collect([ids], params, request_id, beams,
-                                                                             adapter, req.priority))
+                                                                             adapter, req.priority, images=images))
             if outputs is None:
                 return Response(status_code=CLIENT_CLOSED)
             (output,) = outputs
@@ -451,7 +458,7 @@ class Routes:
             if req.return_token_ids:  # once, before any choice
                 yield sse({**head, "choices": [], "prompt_token_ids": ids})
             async for _, out in guard(self.gateway.run([ids], params, request_id, beams, OutputKind.DELTA, adapter,
-                                                       req.priority)):
+                                                       req.priority, images=images)):
                 if isinstance(out, RequestError):
                     yield sse(out.body())
                     break

@@ -1,0 +1,190 @@
+"""An image as a request gives it (a PIL image, bytes, a data: URL, a path) -> the vision tower's patches.
+
+Preprocessed as HF's Qwen2VLImageProcessor does (PIL's bicubic resize to a multiple of 28 pixels a side within the
+model's pixel budget, CLIP's mean and deviation, 14x14 patches two frames deep, each 2x2 of patches consecutive), so
+that the tower sees what it was trained on. PIL is the library: ridge decodes no image format itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+FETCH_TIMEOUT_S = 10.0
+MAX_IMAGE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """How a model's images are cut into patches: HF's preprocessor_config.json of a Qwen2-VL / Qwen2.5-VL."""
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def of_model(cls, path: Path) -> ImageProcessing:
+        """The model directory's preprocessor_config.json, or Qwen2-VL's defaults where it has none."""
+        file = path / "preprocessor_config.json"
+        if not file.exists():
+            return cls()
+        config = json.loads(file.read_text())
+        size = config.get("size") or {}
+        return cls(
+            min_pixels=config.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
+            max_pixels=config.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
+            patch_size=config.get("patch_size", cls.patch_size),
+            temporal_patch_size=config.get("temporal_patch_size", cls.temporal_patch_size),
+            merge_size=config.get("merge_size", cls.merge_size),
+            mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)))
+
+    @property
+    def factor(self) -> int:
+        """A resized side's multiple: one merged token's pixels."""
+        return self.patch_size * self.merge_size
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """The size an image is resized to: each side a multiple of `factor`, the area within [min_pixels,
+        max_pixels], the aspect ratio kept as closely as that allows."""
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise ValueError(f"image: an aspect ratio of {max(height, width) / min(height, width):.0f} is over the "
+                             f"limit of {MAX_ASPECT_RATIO}")
+        factor = self.factor
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """The language-model tokens an image of this size becomes."""
+        h, w = self.resized(height, width)
+        return h * w // self.factor**2
+
+
+@dataclass(frozen=True)
+class ImagePatches:
+    """One image ready for the vision tower: its patches [rows * columns, patch values] (float32), its grid of
+    patches (frames, rows, columns), and a digest of its pixels (what the prefix cache keys it by)."""
+
+    patches: torch.Tensor
+    grid: tuple[int, int, int]
+    digest: bytes
+
+    def num_tokens(self, merge_size: int) -> int:
+        frames, rows, columns = self.grid
+        return frames * rows * columns // merge_size**2
+
+
+def load_image(source: Any, local_files: bool | Path = True) -> Image.Image:
+    """A PIL image from a PIL image, encoded bytes, a data: URL, an http(s) URL (fetched), or a local file's path
+    (local_files: True, any; a directory, only under it: a server's --allowed-local-media-path; False, none); RGB."""
+    if isinstance(source, Image.Image):
+        image = source
+    elif isinstance(source, bytes | bytearray):
+        image = _decode(bytes(source), "image")
+    elif isinstance(source, str) and source.startswith("data:"):
+        image = _decode(data_url_bytes(source), "image_url")
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        image = _decode(fetch_image(source), "image_url")
+    elif isinstance(source, str | Path):
+        image = _decode(_local_file(Path(str(source).removeprefix("file://")), local_files), "image_url")
+    else:
+        raise ValueError(f"image: a {type(source).__name__} is not an image (a PIL image, bytes, a data: URL or a "
+                         "path)")
+    return image.convert("RGB")
+
+
+def _local_file(path: Path, local_files: bool | Path) -> bytes:
+    if local_files is False:
+        raise ValueError("image_url: a data: URL or an http(s) URL; this server reads no local files (its "
+                         "--allowed-local-media-path)")
+    if isinstance(local_files, Path) and not path.resolve().is_relative_to(local_files.resolve()):
+        raise ValueError(f"image_url: local files are read only under the server's --allowed-local-media-path "
+                         f"({local_files}); {str(path)[:200]!r} is not")
+    if not path.is_file():
+        raise ValueError(f"image_url: {str(path)[:200]!r} is not a data: URL, an http(s) URL or an image file")
+    return path.read_bytes()
+
+
+def fetch_image(url: str) -> bytes:
+    """An image's bytes from an http(s) URL: within FETCH_TIMEOUT_S and MAX_IMAGE_BYTES, or ValueError naming it."""
+    import httpx  # the server's client, imported where an image is fetched
+
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as response:
+            response.raise_for_status()
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise ValueError(f"image_url: {url[:200]} is over the limit of {MAX_IMAGE_BYTES >> 20} MiB")
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"image_url: {url[:200]} could not be fetched ({exc})") from exc
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a base64 data: URL (data:image/png;base64,...)."""
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64") or not payload:
+        raise ValueError("image_url: a data: URL must be base64 (data:image/...;base64,<data>)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"image_url: the data: URL's base64 does not decode ({exc})") from exc
+
+
+def _decode(data: bytes, field: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (OSError, Image.DecompressionBombError, ValueError) as exc:
+        raise ValueError(f"{field}: not a readable image ({exc})") from exc
+    return image
+
+
+def preprocess_image(image: Image.Image, processing: ImageProcessing) -> ImagePatches:
+    """An RGB image -> its patches: resized, scaled to [0, 1], normalized per channel, cut into patches in the
+    order the tower's merger reads them (each merge x merge unit's patches consecutive), each patch twice in time."""
+    p, merge, frames = processing.patch_size, processing.merge_size, processing.temporal_patch_size
+    height, width = processing.resized(image.height, image.width)
+    if (image.height, image.width) != (height, width):
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
+    pixels = np.asarray(image, dtype=np.float32) / 255.0  # [H, W, C]
+    pixels = (pixels - np.asarray(processing.mean, dtype=np.float32)) / np.asarray(processing.std, dtype=np.float32)
+    channels = pixels.shape[-1]
+    rows, columns = height // p, width // p
+    units = pixels.transpose(2, 0, 1).reshape(channels, rows // merge, merge, p, columns // merge, merge, p)
+    units = units.transpose(1, 4, 2, 5, 0, 3, 6)  # [unit row, unit column, row in unit, column in unit, C, p, p]
+    patches = np.broadcast_to(units[:, :, :, :, :, None], (*units.shape[:5], frames, p, p))
+    flat = torch.from_numpy(np.ascontiguousarray(patches).reshape(rows * columns, channels * frames * p * p))
+    return ImagePatches(flat, (1, rows, columns), image_digest(image))
+
+
+def image_digest(image: Image.Image) -> bytes:
+    """A digest of an image's size and pixels: the same picture sent twice keys the same cached blocks."""
+    return hashlib.blake2b(f"{image.width}x{image.height}".encode() + image.tobytes(), digest_size=16).digest()
+

@@ -1,0 +1,97 @@
+"""Images placed in a token prompt: each image's one placeholder token widened to the tokens the vision tower makes
+of it, and the prompt's multimodal rotary positions (Qwen2-VL's M-RoPE).
+
+M-RoPE turns each head's frequencies in three sections by three positions: time, row and column. A text token's
+three are equal, one past the position before it; an image's tokens sit on its grid of merged patches (time fixed,
+row and column counting from where the image starts), and the text after it resumes one past the grid's largest
+position. A prompt's positions thus run behind its token indexes by `rope_delta` after its last image, and every
+later token (a reply's) turns at its index plus that delta, all three sections alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ridge.multimodal.images import ImagePatches, ImageProcessing, load_image, preprocess_image
+
+
+@dataclass
+class PlacedImage:
+    """An image in a prompt: its first token's index, its tokens, its patches; and the tower's output for it
+    [length, hidden], computed when a step first computes one of its tokens and dropped when its prefill is done."""
+
+    offset: int
+    length: int
+    image: ImagePatches
+    embeddings: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with its images placed: token ids (the placeholders widened), the images in order, and the rotary
+    positions [3, len(token_ids)] and delta its tokens turn by."""
+
+    token_ids: list[int]
+    images: list[PlacedImage]
+    rope_positions: torch.Tensor
+    rope_delta: int
+
+
+@dataclass(frozen=True)
+class ImageReader:
+    """How an engine of a vision model reads a request's images: preprocessed by `processing`, placed at its
+    placeholder token; `refused`: why this engine takes none (its configuration), said when a request brings one.
+    Made by the engine, and sent to the server's process, which prepares a request's images before queuing it."""
+
+    processing: ImageProcessing
+    image_token_id: int
+    merge_size: int
+    refused: str | None = None
+
+    def place(self, token_ids: list[int], sources: list, local_files: bool | Path = True) -> ImagePrompt:
+        """token_ids with the images of `sources` placed (multimodal/images.py's load_image reads them, and local
+        files as local_files allows); ValueError naming what cannot be read."""
+        if self.refused is not None:
+            raise ValueError(f"images: not supported with {self.refused}")
+        images = [preprocess_image(load_image(source, local_files), self.processing) for source in sources]
+        return place_images(token_ids, images, self.image_token_id, self.merge_size)
+
+
+def place_images(token_ids: list[int], images: list[ImagePatches], image_token_id: int,
+                 merge_size: int) -> ImagePrompt:
+    """Widen the i-th placeholder (image_token_id) of token_ids to images[i]'s tokens. The placeholders must be as
+    many as the images, and single: a prompt whose template already widened them is not widened twice."""
+    marks = [i for i, token in enumerate(token_ids) if token == image_token_id]
+    if len(marks) != len(images):
+        raise ValueError(f"prompt: {len(marks)} image placeholder tokens (id {image_token_id}) for {len(images)} "
+                         "images; each image needs one where it goes (the chat template puts them)")
+    widened: list[int] = []
+    placed: list[PlacedImage] = []
+    sections: list[torch.Tensor] = []
+    position = previous = 0
+    for mark, image in zip(marks, images, strict=True):
+        text = token_ids[previous:mark]
+        widened += text
+        sections.append(torch.arange(position, position + len(text)).expand(3, -1))
+        position += len(text)
+        length = image.num_tokens(merge_size)
+        placed.append(PlacedImage(len(widened), length, image))
+        widened += [image_token_id] * length
+        frames, rows, columns = image.grid[0], image.grid[1] // merge_size, image.grid[2] // merge_size
+        t, r, c = torch.meshgrid(torch.zeros(frames, dtype=torch.long), torch.arange(rows), torch.arange(columns),
+                                 indexing="ij")
+        sections.append(torch.stack([t.flatten(), r.flatten(), c.flatten()]) + position)
+        position += max(rows, columns)
+        previous = mark + 1
+    tail = token_ids[previous:]
+    widened += tail
+    sections.append(torch.arange(position, position + len(tail)).expand(3, -1))
+    positions = torch.cat(sections, dim=1)
+    return ImagePrompt(widened, placed, positions, int(positions.max()) + 1 - len(widened))

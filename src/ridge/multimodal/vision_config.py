@@ -1,0 +1,58 @@
+"""A vision tower's shape, read from an HF config (the tower itself: models/vision.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower's shape: HF's vision_config of Qwen2-VL (LayerNorms, a plain MLP, every block over the whole
+    image) or Qwen2.5-VL (RMSNorms, a gated MLP, windows)."""
+
+    depth: int
+    width: int
+    num_heads: int
+    intermediate_size: int
+    output_size: int  # the language model's hidden size: each merged token's width
+    activation: str
+    gated_mlp: bool
+    rms_norm: bool
+    window_size: int | None = None  # pixels a side of a window; None: every block attends to the whole image
+    full_attention_blocks: tuple[int, ...] = ()
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any], source: str) -> VisionConfig:
+        windowed = "fullatt_block_indexes" in vision  # Qwen2.5-VL's
+        width = vision.get("embed_dim") if not windowed else vision["hidden_size"]
+        if width is None:
+            raise ValueError(f"{source}: vision_config: no embed_dim (a Qwen2-VL vision tower's width)")
+        activation = vision.get("hidden_act", "quick_gelu")
+        if activation not in VISION_ACTIVATIONS:
+            raise ValueError(f"{source}: vision_config.hidden_act: {activation!r} is not supported "
+                             f"({', '.join(VISION_ACTIVATIONS)})")
+        rope = vision.get("rope_parameters") or {}
+        return cls(
+            depth=vision["depth"], width=width, num_heads=vision["num_heads"],
+            intermediate_size=(vision["intermediate_size"] if windowed
+                               else int(width * vision.get("mlp_ratio", 4))),
+            output_size=vision["out_hidden_size"] if windowed else vision["hidden_size"],
+            activation=activation, gated_mlp=windowed, rms_norm=windowed,
+            window_size=vision.get("window_size") if windowed else None,
+            full_attention_blocks=tuple(vision.get("fullatt_block_indexes") or ()),
+            patch_size=vision.get("patch_size", 14), temporal_patch_size=vision.get("temporal_patch_size", 2),
+            merge_size=vision.get("spatial_merge_size", 2), in_channels=vision.get("in_channels", 3),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))))
+
+    @property
+    def patch_values(self) -> int:
+        """The numbers of one flattened patch: channels x frames x pixels."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
