@@ -166,6 +166,21 @@ def test_an_encoder_s_embeddings_and_scores_run_on_the_gpu(family, tmp_path, mak
     assert len(llm.score(QUERY, DOCUMENTS)) == len(DOCUMENTS)  # an embedding model's cosine scores, on the GPU
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_images_run_on_the_gpu(kind, tmp_path, make_llm_for_test):
+    """The vision tower and M-RoPE on CUDA, decode steps in CUDA graphs (turning at the cache index plus the prompt's
+    rope_delta): HF's greedy tokens (on the CPU)."""
+    from test_vision import GREEDY, hf_greedy, pictures, prompt_with, random_vision_model
+
+    path, hf = random_vision_model(kind, tmp_path)
+    images = pictures((60, 90), (120, 50))
+    head, parts = [5, 17, 40, 41], [[77, 78, 79], [90, 91, 92, 93, 94]]
+    llm = make_llm_for_test(path, device="cuda", dtype="float32")
+    assert llm.engine.runner.graphs is not None
+    got = llm.generate(prompt_with(head, images, parts), GREEDY)[0].outputs[0].token_ids
+    assert got == hf_greedy(hf, head, images, parts)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each

@@ -284,13 +284,13 @@ def test_beam_search_matches_a_reference_over_hf_logits(engines, hf_smollm2):
 
     on, off = engines
     prompts = ["The three most important inventions are", "def add(a, b):"]
-    params = BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=1.0)
+    params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=1.0)
     hits_before = on.engine.pool.cache.stats.hits
     outputs = on.beam_search(prompts, params)
     assert on.engine.pool.cache.stats.hits - hits_before > 0, "beams did not share their parents' blocks"
     for prompt, out in zip(prompts, outputs, strict=True):
         ids = on.tokenizer.encode(prompt)
-        expected = _reference_beam_search(hf_smollm2, ids, 4, 16, on.tokenizer.stop_token_ids, 1.0)
+        expected = _reference_beam_search(hf_smollm2, ids, 4, 12, on.tokenizer.stop_token_ids, 1.0)
         best = out.sequences[0]
         assert best.token_ids == expected, (on.tokenizer.decode(best.token_ids), on.tokenizer.decode(expected))
         assert len(out.sequences) == 4 and [h.score for h in out.sequences] == sorted(

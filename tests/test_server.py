@@ -39,7 +39,7 @@ def client(server):
 
 
 def test_chat_greedy_equals_llm_generate(client, smollm2):
-    for prompt in CHAT_PROMPTS[:4]:
+    for prompt in CHAT_PROMPTS[:2]:
         messages = [{"role": "user", "content": prompt}]
         expected = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
         got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=32)

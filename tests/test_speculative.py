@@ -176,9 +176,9 @@ def test_greedy_speculation_equals_plain_decoding(make_llm_for_test, smollm2_pat
     else:
         llm = make_llm_for_test(smollm2_path, dtype="float32", speculate="ngram", num_speculative_tokens=k,
                                 speculation_policy=policy)
-    batch = llm.generate(PROMPTS, GREEDY)  # batch 16
+    batch = llm.generate(PROMPTS[::2], GREEDY)  # batch 8: chats, and repetitive text (n-grams find drafts there)
     alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS[-1:]]  # batch 1
-    assert [o.outputs[0].token_ids for o in batch] == plain_outputs
+    assert [o.outputs[0].token_ids for o in batch] == plain_outputs[::2]
     assert [o.outputs[0].token_ids for o in alone] == plain_outputs[-1:]
     drafted = sum(o.metrics["spec_draft_tokens"] for o in batch + alone)
     accepted = sum(o.metrics["spec_accepted_tokens"] for o in batch + alone)

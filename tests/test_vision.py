@@ -47,10 +47,10 @@ def data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def vision_model(request, tmp_path_factory):
+def random_vision_model(kind: str, path):
     """A 2-layer language model beside a 2- or 3-block vision tower (Qwen2.5-VL's with windows of 2x2 merged
-    tokens and one full-attention block), its tokenizer holding the vision and chat special tokens."""
+    tokens and one full-attention block), saved with its tokenizer (the vision and chat special tokens): (its
+    folder, HF's model)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -65,7 +65,7 @@ def vision_model(request, tmp_path_factory):
     ids = dict(image_token_id=IMAGE_PAD, video_token_id=259, vision_start_token_id=VISION_START,
                vision_end_token_id=VISION_END)
     torch.manual_seed(0)
-    if request.param == "qwen2_vl":
+    if kind == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=64)
         hf = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
     else:
@@ -73,7 +73,6 @@ def vision_model(request, tmp_path_factory):
                       fullatt_block_indexes=[1])
         hf = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
     hf = with_drawn_norms(hf.float().eval())
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     hf_processor().save_pretrained(path)
     tokenizer = byte_tokenizer()
@@ -81,6 +80,11 @@ def vision_model(request, tmp_path_factory):
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     return path, hf
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vision_model(request, tmp_path_factory):
+    return random_vision_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_inputs(head: list[int], images, parts: list[list[int]], mrope: bool = True) -> dict:
