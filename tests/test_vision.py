@@ -272,3 +272,29 @@ def test_the_server_reads_image_url_parts(vision_model, tmp_path):
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
         assert again.choices[0].token_ids == reply.choices[0].token_ids
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, monkeypatch):
+    """`ridge bench vision` on a model folder (Qwen2.5-VL's): ridge's and HF's images per second, the FLOPs an image
+    costs, and their first tokens (which agree); on a random preset (Qwen2-VL's cut small here), its weights drawn
+    for both."""
+    from ridge.bench import vision
+    from ridge.cli import main
+
+    path, _ = random_vision_model("qwen2_5_vl", tmp_path)
+    args = ["--dtype", "float32", "--num-images", "2", "--image-size", "56", "--text-len", "4", "--repeats", "1",
+            "--json"]
+    assert main(["bench", "vision", "--model", str(path), *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
+    assert report["image_tokens"] == 4 and report["prompt_tokens"] == 4 + 2 + 4
+    assert report["first_tokens_agree"] == 2 and report["tower_gflop_per_image"] > 0
+    assert all(r["images_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
+    kind, text, tower = vision.PRESETS["qwen2-vl-2b"]
+    small_text = {**text, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    small_tower = {**tower, "depth": 1, "embed_dim": 32, "num_heads": 2, "hidden_size": 32}
+    monkeypatch.setitem(vision.PRESETS, "tiny", (kind, small_text, small_tower))
+    assert main(["bench", "vision", "--model", "random:tiny", "--lm-layers", "1", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "random:tiny (language model cut to 1 layers)" and report["first_tokens_agree"] == 2

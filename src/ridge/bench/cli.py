@@ -32,6 +32,7 @@ from ridge.bench.serve import add_serve_parser
 from ridge.bench.soak import add_soak_parser
 from ridge.bench.structured import add_structured_parser
 from ridge.bench.tensor_parallel import add_tp_parser
+from ridge.bench.vision import add_vision_parser
 from ridge.linear import model_weight_bytes
 from ridge.models.random_weights import hf_config, is_random
 from ridge.models.spec import ModelSpec
@@ -491,6 +492,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     add_lora_parser(bsub, add_engine_args)
     add_priority_parser(bsub, add_engine_args)
     add_embed_parser(bsub, add_engine_args)
+    add_vision_parser(bsub, add_engine_args)
     add_eviction_parser(bsub, add_engine_args)
     add_tp_parser(bsub, add_engine_args)
     add_router_parser(bsub)

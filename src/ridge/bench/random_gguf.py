@@ -10,10 +10,12 @@ package's own reference code, so that ridge (`--quantization gguf`) and llama.cp
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from gguf import (
     ExpertGatingFuncType,
     GGMLQuantizationType,
     GGUFReader,
+    GGUFValueType,
     GGUFWriter,
     LlamaFileType,
     RopeScalingType,
@@ -538,18 +541,32 @@ def _latent_attention_header(writer: GGUFWriter, cfg: ModelConfig) -> None:
 
 
 def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
-    reader = GGUFReader(str(source))
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    if len(tokens.data) != vocab_size:
-        raise ValueError(f"vocabulary: {source.name} holds {len(tokens.data)} tokens, the model {vocab_size}")
+    entries = _vocabulary(str(source), source.stat().st_mtime_ns)
+    tokens = next(value for key, value, _ in entries if key == "tokenizer.ggml.tokens")
+    if len(tokens) != vocab_size:
+        raise ValueError(f"vocabulary: {source.name} holds {len(tokens)} tokens, the model {vocab_size}")
+    for key, value, kind in entries:
+        if kind is None:  # an array: its items, decoded
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(source: str, mtime_ns: int) -> tuple[tuple[str, Any, GGUFValueType | None], ...]:
+    """A GGUF file's tokenizer.* key-values decoded (an array's kind None), once a process for a file as it is
+    (mtime_ns): gguf's reader parses a vocabulary entry by entry, seconds for 49k tokens, and a test session writes
+    dozens of files with one donor's."""
+    reader = GGUFReader(source)
+    entries = []
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
-        if len(field.types) > 1:  # an array: its items, decoded
-            items = [field.contents(i) for i in range(len(field.data))]
-            writer.add_array(key, items)
+        if len(field.types) > 1:
+            entries.append((key, [field.contents(i) for i in range(len(field.data))], None))
         else:
-            writer.add_key_value(key, field.contents(), field.types[0])
+            entries.append((key, field.contents(), field.types[0]))
+    return tuple(entries)
 
 
 def _file_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):

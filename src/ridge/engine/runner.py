@@ -361,8 +361,7 @@ class ModelRunner:
         """Run the vision tower over these images at once, each keeping its rows of the output."""
         if not images:
             return
-        device, dtype = self.device, self.model.embed_tokens.weight.dtype
-        patches = torch.cat([image.image.patches for image in images]).to(device, dtype)
+        patches = torch.cat([image.image.patches for image in images]).to(self.device)
         out = self.model.visual(patches, [image.image.grid for image in images])
         for image, rows in zip(images, out.split([image.length for image in images]), strict=True):
             image.embeddings = rows

@@ -1,0 +1,254 @@
+"""`ridge bench vision`: prompts with an image each, prefilled by ridge and by HF transformers side by side.
+
+--num-images random images of --image-size pixels a side, each in a prompt of its own (the image, then
+--text-len text tokens), run to their first token: by ridge's LLM.generate (the batch at once: the vision tower over
+the images, then the language model's prefill) and by HF transformers' Qwen2(.5)-VL in one batched forward (the same
+ids, pixels and weights, HF's processor's M-RoPE positions), in the engine's dtype, the two in turn for --repeats
+rounds (each one's median). A random-weight model (random:qwen2.5-vl-3b, random:qwen2.5-vl-7b, random:qwen2-vl-2b:
+the published shapes, weights drawn once by HF's initialiser for both engines, the language model cut to --lm-layers
+layers: the tower, where an image's cost lies, whole) or a Qwen2-VL / Qwen2.5-VL HF folder. Per engine: images per
+second, the matmul FLOP/s of the tower and the language model's layers on those images (2 x their linear parameters
+a patch or token, plus the attention's products) as a fraction of the machine's measured matmul peak; and whether
+the two engines' first tokens agree. The question it answers: what an image costs to read, and how near ridge reads
+it to the compute roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ridge.plan import roofline
+
+# the published shapes (HF's config.json of each), the vocabulary as large as theirs
+_QWEN_TEXT = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+_QWEN25_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "window_size": 112,
+                  "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "patch_size": 14,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2}
+PRESETS = {
+    "qwen2.5-vl-3b": ("qwen2_5_vl", {**_QWEN_TEXT, "hidden_size": 2048, "intermediate_size": 11008,
+                                     "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+                                     "tie_word_embeddings": True},
+                      {**_QWEN25_VISION, "out_hidden_size": 2048}),
+    "qwen2.5-vl-7b": ("qwen2_5_vl", {**_QWEN_TEXT, "vocab_size": 152064, "hidden_size": 3584,
+                                     "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                                     "num_key_value_heads": 4, "tie_word_embeddings": False},
+                      {**_QWEN25_VISION, "out_hidden_size": 3584}),
+    "qwen2-vl-2b": ("qwen2_vl", {**_QWEN_TEXT, "hidden_size": 1536, "intermediate_size": 8960,
+                                 "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+                                 "tie_word_embeddings": True},
+                    {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536,
+                     "hidden_act": "quick_gelu", "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}),
+}
+# Qwen's special tokens' ids (their tokenizer's)
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
+
+
+def saved_random_vision_model(name: str, lm_layers: int, folder: Path, seed: int = 0) -> Path:
+    """PRESETS[name] with lm_layers language-model layers, weights drawn by HF's initialiser, saved as an HF folder
+    with a byte-level tokenizer and Qwen2-VL's image processor config."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ridge.tokenizer import byte_level_tokenizer
+
+    kind, text, vision = PRESETS[name]
+    text = {**text, "num_hidden_layers": lm_layers}
+    config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
+                                  video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+                                  vision_end_token_id=VISION_END, tie_word_embeddings=text["tie_word_embeddings"])
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    byte_level_tokenizer(text["vocab_size"])[0].save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def noise_images(count: int, size: int, seed: int = 0) -> list:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class ImageWork:
+    """What one image's prompt costs in matmul FLOPs: its tower pass and the language model's prefill of its
+    prompt (vocabulary projection left out: one row)."""
+
+    tower_flops: float
+    lm_flops: float
+    image_tokens: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, grid: tuple[int, int, int], prompt_tokens: int) -> ImageWork:
+        tower = model.visual
+        cfg = tower.cfg
+        patches = grid[0] * grid[1] * grid[2]
+        block = sum(p.numel() for name, p in tower.blocks[0].named_parameters() if p.dim() == 2)
+        merger = sum(p.numel() for p in tower.merger.parameters() if p.dim() == 2)
+        linears = 2 * patches * (cfg.depth * block + tower.patch_embed.proj.weight.numel()) \
+            + 2 * patches // cfg.merge_size**2 * merger
+        whole = patches
+        window = min(patches, (cfg.window_size // cfg.patch_size) ** 2) if cfg.window_size else patches
+        spans = [whole if cfg.window_size is None or i in cfg.full_attention_blocks else window
+                 for i in range(cfg.depth)]
+        attention = sum(4 * patches * span * cfg.width for span in spans)  # q.k and p.v, each a product a pair
+        layers = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+        lm = 2 * prompt_tokens * layers + sum(4 * prompt_tokens * prompt_tokens / 2 * model.cfg.num_heads
+                                              * model.cfg.head_dim for _ in range(model.cfg.num_layers))
+        return cls(linears + attention, lm, patches // cfg.merge_size**2)
+
+
+def cmd_vision(args: argparse.Namespace) -> int:
+    name = args.model.removeprefix("random:")
+    if args.model.startswith("random:"):
+        if name not in PRESETS:
+            raise ValueError(f"--model: {args.model!r} is not random: one of {', '.join(PRESETS)} (or give a "
+                             "Qwen2-VL / Qwen2.5-VL HF folder)")
+        with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-") as folder:
+            print(f"[bench] drawing {args.model}'s weights ({args.lm_layers} language-model layers) for both "
+                  "engines ...", file=sys.stderr)
+            saved = saved_random_vision_model(name, args.lm_layers, Path(folder))
+            shown = f"{args.model} (language model cut to {args.lm_layers} layers)"
+            return _bench(args, saved, shown)
+    path = Path(args.model)
+    kind = json.loads((path / "config.json").read_text()).get("model_type") if path.is_dir() else None
+    if kind not in ("qwen2_vl", "qwen2_5_vl"):
+        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL HF folder or random: one of "
+                         f"{', '.join(PRESETS)}")
+    return _bench(args, path, args.model)
+
+
+def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
+    from ridge import LLM, SamplingParams
+    from ridge.flags import engine_kwargs
+
+    llm = LLM(str(path), progress=not args.json, **engine_kwargs(args))
+    engine = llm.engine
+    dtype = engine.config.torch_dtype
+    images = noise_images(args.num_images, args.image_size)
+    config = json.loads((path / "config.json").read_text())
+    text = [10 + i % 200 for i in range(args.text_len)]  # byte tokens: in any vocabulary
+    opening = [config["vision_start_token_id"], engine.loaded.config.image_token_id, config["vision_end_token_id"]]
+    prompts = [{"prompt_token_ids": opening + text, "multi_modal_data": {"image": image}} for image in images]
+    first = engine.images.place(prompts[0]["prompt_token_ids"], [images[0]])
+    work = ImageWork.of(engine.loaded.model, first.images[0].image.grid, len(first.token_ids))
+    print(f"[bench] measuring the {dtype} matmul peak ...", file=sys.stderr)
+    peak = roofline.measure_matmul(dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompts[:1], greedy)  # warm-up
+    hf = None if args.skip_peer else HFVision.load(path, dtype, images, [p["prompt_token_ids"] for p in prompts])
+    if isinstance(hf, str):
+        print(f"[bench] HF transformers: {hf}", file=sys.stderr)
+        hf = None
+    seconds: dict[str, list[float]] = {"ridge": [], "HF transformers": []}
+    ours = theirs = None
+    for _ in tqdm(range(args.repeats), desc="rounds", disable=args.json):
+        start = time.perf_counter()
+        ours = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, greedy)]
+        seconds["ridge"].append(time.perf_counter() - start)
+        if hf is not None:
+            start = time.perf_counter()
+            theirs = hf.first_tokens()
+            seconds["HF transformers"].append(time.perf_counter() - start)
+    rows = [_row(engine_name, statistics.median(times), args.num_images, work, peak)
+            for engine_name, times in seconds.items() if times]
+    report = {"benchmark": "vision", "model": shown, "dtype": str(dtype).removeprefix("torch."),
+              "num_images": args.num_images, "image_size": args.image_size, "image_tokens": work.image_tokens,
+              "prompt_tokens": len(first.token_ids), "tower_gflop_per_image": work.tower_flops / 1e9,
+              "lm_gflop_per_image": work.lm_flops / 1e9, "repeats": args.repeats, "matmul_peak_gflop_s": peak,
+              "rows": rows}
+    if theirs is not None:
+        report["first_tokens_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
+        report["speedup"] = rows[0]["images_s"] / rows[1]["images_s"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"\n{shown}: {args.num_images} images of {args.image_size}x{args.image_size} ({work.image_tokens} tokens "
+          f"each) in prompts of {report['prompt_tokens']} tokens, {report['dtype']}; a prompt is "
+          f"{report['tower_gflop_per_image']:.0f} GFLOP in the tower and {report['lm_gflop_per_image']:.0f} in the "
+          f"language model; matmul peak {peak:.0f} GFLOP/s")
+    for line in vision_table(report):
+        print(line)
+    if theirs is not None:
+        print(f"\nridge / HF: {report['speedup']:.2f}x the images per second; first tokens agree on "
+              f"{report['first_tokens_agree']} of {args.num_images}")
+    return 0
+
+
+class HFVision:
+    """HF transformers' model of the same folder, prefilling every prompt in one batched forward (the prompts are
+    of one length: no padding) and taking each one's greedy first token."""
+
+    def __init__(self, model: torch.nn.Module, inputs: dict) -> None:
+        self.model, self.inputs = model, inputs
+
+    @classmethod
+    def load(cls, path: Path, dtype: torch.dtype, images: list, prompts: list[list[int]]) -> HFVision | str:
+        try:
+            from transformers import AutoModelForImageTextToText
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        except ImportError:
+            return "transformers is not installed; left out"
+        print("[bench] loading HF transformers' model ...", file=sys.stderr)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
+        processor = (Qwen2VLImageProcessorPil.from_pretrained(path) if (path / "preprocessor_config.json").exists()
+                     else Qwen2VLImageProcessorPil())
+        features = processor(images=images, return_tensors="pt")
+        merge = model.config.vision_config.spatial_merge_size
+        widened = []
+        for ids, grid in zip(prompts, features["image_grid_thw"], strict=True):
+            at = ids.index(model.config.image_token_id)
+            widened.append(ids[:at] + [ids[at]] * (int(grid.prod()) // merge**2) + ids[at + 1:])
+        input_ids = torch.tensor(widened)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                  "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+                  "pixel_values": features["pixel_values"].to(dtype), "image_grid_thw": features["image_grid_thw"]}
+        hf = cls(model, inputs)
+        hf.first_tokens()  # the first call's one-off costs
+        return hf
+
+    @torch.inference_mode()
+    def first_tokens(self) -> list[int]:
+        logits = self.model(**self.inputs, logits_to_keep=1).logits
+        return logits[:, -1].argmax(-1).tolist()
+
+
+def _row(engine: str, seconds: float, images: int, work: ImageWork, peak: float) -> dict:
+    gflop_s = images * (work.tower_flops + work.lm_flops) / seconds / 1e9
+    return {"engine": engine, "seconds": seconds, "images_s": images / seconds, "gflop_s": gflop_s,
+            "roofline_fraction": gflop_s / peak}
+
+
+def vision_table(report: dict) -> list[str]:
+    lines = ["| engine | images/s | s an image | GFLOP/s (matmuls) | of matmul peak |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['engine']} | {r['images_s']:.2f} | {1 / r['images_s']:.2f} | {r['gflop_s']:.0f} | "
+              f"{r['roofline_fraction']:.0%} |" for r in report["rows"]]
+    return lines
+
+
+def add_vision_parser(bsub, add_engine_args) -> None:
+    p = bsub.add_parser("vision", help="prompts with an image each, prefilled beside HF transformers",
+                        description=__doc__.split("\n\n", 1)[1],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--num-images", type=int, default=4, help="prompts, an image each (default %(default)s)")
+    p.add_argument("--image-size", type=int, default=448, help="pixels a side (default %(default)s: 256 tokens)")
+    p.add_argument("--text-len", type=int, default=32, help="text tokens after the image (default %(default)s)")
+    p.add_argument("--lm-layers", type=int, default=4, help="a random model's language-model layers (default "
+                   "%(default)s; its tower is whole)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the engines in turn; each one's median "
+                   "(default %(default)s)")
+    p.add_argument("--skip-peer", action="store_true", help="ridge alone")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_vision)
