@@ -32,7 +32,8 @@ class VisionAttention(nn.Module):
         """x [N, width]; each of `segments` (lengths, in order) attends within itself, bidirectionally."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # [N, heads, head_dim] each
         q, k = _rotate(q, rotations), _rotate(k, rotations)
-        out = torch.cat([F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
+        # [1, heads, tokens, head_dim]: the CPU's flash kernel takes four dimensions (three fall to the math path)
+        out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs)))[0]
                          .transpose(0, 1)
                          for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments), strict=True)])
         return self.proj(out.flatten(1))
