@@ -241,8 +241,9 @@ def test_images_are_refused_by_name(vision_model, make_llm_for_test, smollm2_pat
 
 
 def test_the_server_reads_image_url_parts(vision_model, tmp_path):
-    """/v1/chat/completions with a data: URL image: HF's tokens; a local path outside --allowed-local-media-path
-    and an unreadable image are 400s naming messages, and the server serves on (the image's blocks cached)."""
+    """/v1/chat/completions with a data: URL image: HF's tokens, and /v1/responses' input_image the same reply; a
+    local path outside --allowed-local-media-path and an unreadable image are 400s naming messages, and the server
+    serves on (the image's blocks cached)."""
     import openai
 
     path, hf = vision_model
@@ -258,6 +259,10 @@ def test_the_server_reads_image_url_parts(vision_model, tmp_path):
         encode = llm_tokenizer(path)
         head, tail = encode("<|im_start|>user\nlook"), encode("<|im_end|>\n<|im_start|>assistant\n")
         assert reply.choices[0].token_ids == hf_greedy(hf, head, [image], [tail])
+        response = client.responses.create(model="vl", max_output_tokens=10, temperature=0, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "look"},
+                                         {"type": "input_image", "image_url": data_url(image)}]}])
+        assert response.output_text == reply.choices[0].message.content  # the Responses API's input_image parts
         local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(tmp_path / "cat.png")}}]}]
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model="vl", messages=local, max_tokens=2)

@@ -140,7 +140,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise RequestError(f"input.{i}.role: {role!r} is not one of {', '.join(ROLES)}", f"input.{i}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            messages.append({"role": role, "content": _content(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -165,22 +165,44 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat route: its text (_text), or, where it holds input_image parts, chat parts
+    (text, and image_url for each image: the chat route reads them on a vision model)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if part.get("file_id") is not None or not isinstance(part.get("image_url"), str):
+                raise RequestError(f"{where}.{j}.image_url: an input_image needs its image_url (a data: or http(s) "
+                                   "URL); file_id is not supported", f"{where}.{j}.image_url")
+            if part.get("detail", "auto") != "auto":
+                raise RequestError(f"{where}.{j}.detail: {part['detail']!r} is not supported (auto: the model's own "
+                                   "pixel budget sizes each image)", f"{where}.{j}.detail")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _part_text(part, f"{where}.{j}")})
+    return parts
+
+
 def _text(content: Any, where: str) -> str:
     """A content's text: a string, or its text parts (input_text, output_text) joined; other parts refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise RequestError(f"{where}: must be a string or a list of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
-            raise RequestError(f"{where}.{j}.type: {kind!r} parts are not supported; this server reads text parts "
-                               "only", f"{where}.{j}.type")
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.{j}.text: must be a string", f"{where}.{j}.text")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}.{j}") for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("input_text", "output_text"):
+        raise RequestError(f"{where}.type: {kind!r} parts are not supported; this server reads text and input_image "
+                           "parts", f"{where}.type")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text: must be a string", f"{where}.text")
+    return part["text"]
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
