@@ -171,24 +171,26 @@ def test_greedy_tokens_with_images_equal_hf(vision_model, make_llm_for_test):
             logits = hf(**hf_inputs(head, images, parts, mrope)).logits[0, :-1].log_softmax(-1)
         theirs = logits.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
         assert ((ours - theirs).abs().max().item() < 1e-4) == close
-    chunked = make_llm_for_test(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=16)
+    # a budget of 7 tokens a step: chunks end inside both images
+    chunked = make_llm_for_test(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=7)
     outs = chunked.generate([prompt, prompt], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
 
 
 def test_the_prefix_cache_tells_images_apart(vision_model, make_llm_for_test):
     """Two prompts of the same tokens with different images: each its own tokens (HF's), not the cached other's;
-    the same image again reuses the cached blocks."""
+    the same image again reuses the cached blocks, up to the middle of the image (the tower runs again, its last
+    rows read)."""
     path, hf = vision_model
     first, second = pictures((60, 90)), pictures((60, 90), seed=1)
-    head, parts = list(range(40, 80)), [[70, 71, 72]]  # the image's tokens in the third block of 16
+    head, parts = list(range(40, 84)), [[70, 71, 72]]  # the image's 6 tokens at 45-50: across blocks 2 and 3 of 16
     llm = make_llm_for_test(path, dtype="float32", block_size=16)
     outs = [llm.generate(prompt_with(head, images, parts), GREEDY)[0] for images in (first, second, first)]
     assert outs[0].outputs[0].token_ids == hf_greedy(hf, head, first, parts)
     assert outs[1].outputs[0].token_ids == hf_greedy(hf, head, second, parts)
     assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert outs[1].num_cached_tokens == 32  # the text blocks before the image
-    assert outs[2].num_cached_tokens == 48
+    assert outs[2].num_cached_tokens == 48  # and the block holding the image's first 3 tokens
 
 
 def test_chat_places_images_where_the_template_puts_them(vision_model, make_llm_for_test, tmp_path):
