@@ -45,6 +45,11 @@ def test_prefix_keys_come_from_the_prompt_or_the_messages():
     assert prefix_key(chat, 10) == "system:SSS"
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert prefix_key(parts, 100) == "user:ab\n"
+    pictured = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                           {"type": "text", "text": "what is it?"}]}]}
+                for url in ("data:image/png;base64,AAAA", "data:image/png;base64,BBBB")]
+    assert prefix_key(pictured[0], 100) != prefix_key(pictured[1], 100)  # images tell apart requests of one text
+    assert prefix_key(pictured[0], 100).endswith("what is it?\n")
     assert prefix_key({"prompt": ["first", "second"]}, 3) == "fir"
     assert prefix_key({"prompt": list(range(10))}, 16) == "0,1,2,3"
     # the Responses API's instructions and input items read as a chat's messages; an embedding's input as a prompt

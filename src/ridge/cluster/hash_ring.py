@@ -54,6 +54,17 @@ class HashRing:
         return order
 
 
+def _part_key(part: dict[str, Any]) -> str:
+    """A content part's share of the key: its text, or for an image (chat's image_url, the Responses API's
+    input_image) a digest of its URL: the replica that read an image holds the blocks it made."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if part.get("type") in ("image_url", "input_image") and isinstance(url, str):
+        return f"<image {hashlib.blake2b(url.encode(), digest_size=8).hexdigest()}>"
+    return part.get("text", "") if isinstance(part.get("text"), str) else ""
+
+
 def prefix_key(body: dict[str, Any], chars: int) -> str:
     """The leading `chars` characters of a completion's prompt, a chat's messages (role and text, in order), a
     response's instructions and input items, or an embedding's input (a score's text_1, a rerank's query); or the
@@ -72,8 +83,8 @@ def prefix_key(body: dict[str, Any], chars: int) -> str:
         parts = []
         for message in messages or []:
             content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):  # content parts: their text
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if isinstance(content, list):  # content parts: their text, and a digest of each image's URL
+                content = "".join(_part_key(p) for p in content if isinstance(p, dict))
             parts.append(f"{message.get('role', '') if isinstance(message, dict) else ''}:{content or ''}\n")
         return "".join(parts)[:chars]
     prompt = next((body[k] for k in ("prompt", "input", "text_1", "query") if k in body), "")
