@@ -305,3 +305,18 @@ def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, mon
     assert main(["bench", "vision", "--model", "random:tiny", "--lm-layers", "1", *args]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "random:tiny (language model cut to 1 layers)" and report["first_tokens_agree"] == 2
+
+
+def test_plan_counts_the_vision_tower(vision_model):
+    """`ridge plan`'s arithmetic holds the tower's parameters (HF's count of them) in memory, in 16 bits beside an
+    int4 language model, and out of what a decoded token reads."""
+    from ridge.models.spec import spec_from_hf_config
+    from ridge.plan.arithmetic import count_parameters, weight_bytes
+
+    path, hf = vision_model
+    spec = spec_from_hf_config(json.loads((path / "config.json").read_text()), path.name)
+    counts = count_parameters(spec)
+    assert counts.vision == sum(p.numel() for p in hf.model.visual.parameters()) > 0
+    assert counts.stored - counts.active == counts.vision  # a dense model: only the tower sits out of decode
+    assert weight_bytes(spec, "int4") == (counts.stored - counts.norms - counts.vision) * 0.5 + \
+        (counts.norms + counts.vision) * 2

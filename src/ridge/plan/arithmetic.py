@@ -23,6 +23,7 @@ from ridge.config import EngineConfig
 from ridge.engine.speculative import expected_tokens
 from ridge.kv.formats import KV_FORMATS
 from ridge.models.spec import AttentionLayers
+from ridge.multimodal.vision_config import VisionConfig
 from ridge.plan.specs import HardwareSpec, LinkSpec, ModelSpec, Workload, dtype_bytes
 
 
@@ -39,11 +40,14 @@ class ParameterCounts:
     # that make and gate each layer's input
     per_layer_table: int = 0
     per_layer_linear: int = 0
+    # a vision-language model's vision tower (Qwen2-VL's): held in memory, run on images at prefill, never by a
+    # decoded token (not in `active`)
+    vision: int = 0
 
     @property
     def stored(self) -> int:
         return (self.embeddings + self.output_head + self.attention + self.ssm + self.ffn_stored + self.norms
-                + self.per_layer_table + self.per_layer_linear)
+                + self.per_layer_table + self.per_layer_linear + self.vision)
 
     @property
     def active(self) -> int:
@@ -140,13 +144,27 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
         norms=(m.num_layers + m.num_ffn_layers + 1) * m.hidden_size + m.num_attention_layers * m.qk_norm_params
         + (m.num_layers * m.hidden_size + m.per_layer_input_size if per_layer else 0),
         # the model's projection of the embeddings to them, and each layer's gate and projection back
-        per_layer_table=m.vocab_size * per_layer, per_layer_linear=3 * m.hidden_size * per_layer)
+        per_layer_table=m.vocab_size * per_layer, per_layer_linear=3 * m.hidden_size * per_layer,
+        vision=vision_params(m.vision) if m.vision is not None else 0)
+
+
+def vision_params(v: VisionConfig) -> int:
+    """A Qwen2-VL / Qwen2.5-VL vision tower's parameters (models/vision.py): the patch embedding, the blocks (two
+    norms, q/k/v and the output projection, the MLP, all biased) and the merger."""
+    w, inner = v.width, v.intermediate_size
+    norm = w if v.rms_norm else 2 * w
+    mlp = (3 * w * inner + 2 * inner + w) if v.gated_mlp else (2 * w * inner + inner + w)
+    block = 2 * norm + 3 * w * w + 3 * w + w * w + w + mlp
+    joined = w * v.merge_size**2
+    merger = norm + joined * joined + joined + joined * v.output_size + v.output_size
+    return v.patch_values * w + v.depth * block + merger
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
     """Every stored parameter at `dtype` (norms at 2 bytes: no format quantizes them)."""
     p = count_parameters(m)
-    return (p.stored - p.norms) * dtype_bytes(dtype) + p.norms * 2
+    # a vision tower stays in the model's 16- or 32-bit dtype, whatever the language model's weights are stored in
+    return (p.stored - p.norms - p.vision) * dtype_bytes(dtype) + p.norms * 2 + p.vision * max(2, dtype_bytes(dtype))
 
 
 # ---- KV cache
