@@ -320,3 +320,16 @@ def test_plan_counts_the_vision_tower(vision_model):
     assert counts.stored - counts.active == counts.vision  # a dense model: only the tower sits out of decode
     assert weight_bytes(spec, "int4") == (counts.stored - counts.norms - counts.vision) * 0.5 + \
         (counts.norms + counts.vision) * 2
+
+
+def test_two_tensor_parallel_ranks_read_images_as_one_process(tmp_path, make_llm_for_test):
+    """Rank 0 runs the tower (whole on every rank) and sends the step's image rows with its inputs; each rank turns
+    its heads by M-RoPE: one process's tokens, chunked through the images, beside a text prompt."""
+    path, _ = random_vision_model("qwen2_vl", tmp_path)
+    prompts = [prompt_with([5, 17, 40, 41], pictures((60, 90), (120, 50)), [[77, 78, 79], [90, 91, 92]]),
+               prompt_with(list(range(30, 60)), pictures((90, 60), seed=3), [[70, 71]]), [5, 6, 7, 8]]
+    one = make_llm_for_test(path, dtype="float32")
+    two = make_llm_for_test(path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16)
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for llm in (one, two)]
+    assert outs[0] == outs[1]
+    two.engine.close()

@@ -344,10 +344,8 @@ class LLMEngine:
         cfg, config = self.loaded.config, self.config
         if cfg.vision is None:
             return None
-        refused = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
-                                         ("a draft model", config.speculate == "draft")) if on]
-        return ImageReader(ImageProcessing.of_model(target.path), cfg.image_token_id, cfg.vision.merge_size,
-                           ", ".join(refused) or None)
+        refused = "a draft model" if config.speculate == "draft" else None  # (the drafter's positions are its own)
+        return ImageReader(ImageProcessing.of_model(target.path), cfg.image_token_id, cfg.vision.merge_size, refused)
 
     def adapter_use(self) -> AdapterUse | None:
         """The adapters running and waiting sequences use (None without enable_lora)."""
