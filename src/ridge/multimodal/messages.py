@@ -1,8 +1,6 @@
-"""Where a request's images come: chat messages' image parts, and vLLM's prompt dicts with `multi_modal_data`.
+"""Where a request's images come from: chat messages' image parts, and vLLM's prompt dicts with `multi_modal_data`.
 
-Chat messages whose content holds image parts -> messages for the chat template and the images, in order.
-
-The parts are OpenAI's ({"type": "image_url", "image_url": {"url": ...}}), vLLM's ({"type": "image_url",
+A chat's image parts are OpenAI's ({"type": "image_url", "image_url": {"url": ...}}), vLLM's ({"type": "image_url",
 "image_url": url}, {"type": "image_pil", "image_pil": image}) and HF's ({"type": "image", "image": ...}). Each
 becomes HF's {"type": "image"} for the template, which writes the model's placeholder there (Qwen2-VL's
 <|vision_start|><|image_pad|><|vision_end|>); the engine widens each placeholder to its image's tokens.
