@@ -270,6 +270,10 @@ def test_the_server_reads_image_url_parts(vision_model, tmp_path):
             client.chat.completions.create(model="vl", messages=local, max_tokens=2)
         assert caught.value.body["param"] == "messages"
         assert "--allowed-local-media-path" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="vl", messages=messages, max_tokens=2,
+                                           extra_body={"use_beam_search": True, "n": 2})
+        assert caught.value.body["param"] == "use_beam_search"
         broken = [{"role": "user", "content": [{"type": "image_url",
                                                 "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
         with pytest.raises(openai.BadRequestError) as caught:

@@ -374,6 +374,8 @@ class Routes:
             req.skip_special_tokens = False  # as vLLM's parsers do: the tags must reach the parser
         params = self.gateway.admit([ids], req, req.requested_max_tokens(), top, "messages")
         beams = req.beam_search_params(params)
+        if images is not None and beams is not None:
+            raise RequestError("use_beam_search: not supported with images", "use_beam_search")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         thinks = constrained_parser(thinks, params.structured_outputs is not None)
