@@ -165,9 +165,14 @@ def add_embed_parser(bsub, add_engine_args) -> None:
     p.add_argument("--input-len", type=int, default=256, help="tokens a prompt (default %(default)s)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="prompts a forward pass of HF's (default "
                    "%(default)s)")
+    add_rounds_args(p)
+    p.set_defaults(func=cmd_embed)
+
+
+def add_rounds_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark that runs ridge and HF transformers in turn for rounds (embed, vision)."""
     p.add_argument("--repeats", type=int, default=3, help="rounds of the engines in turn; each one's median "
                    "(default %(default)s)")
     p.add_argument("--skip-peer", action="store_true", help="ridge alone")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_embed)
 

@@ -555,8 +555,8 @@ def _copy_vocabulary(writer: GGUFWriter, source: Path, vocab_size: int) -> None:
 @functools.lru_cache(maxsize=4)
 def _vocabulary(source: str, mtime_ns: int) -> tuple[tuple[str, Any, GGUFValueType | None], ...]:
     """A GGUF file's tokenizer.* key-values decoded (an array's kind None), once a process for a file as it is
-    (mtime_ns): gguf's reader parses a vocabulary entry by entry, seconds for 49k tokens, and a test session writes
-    dozens of files with one donor's."""
+    (mtime_ns): gguf's reader parses a vocabulary entry by entry, and a test session writes dozens of files with one
+    donor's (docs/notes/test-suite.md)."""
     reader = GGUFReader(source)
     entries = []
     for key, field in reader.fields.items():

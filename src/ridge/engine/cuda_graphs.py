@@ -90,8 +90,9 @@ class DecodeGraphs:
         positions = np.array([seq.num_computed for seq in step.seqs], dtype=np.int64)
         ids = np.array([seq.token_ids[seq.num_computed] for seq in step.seqs], dtype=np.int64)
         self.input_ids[:batch].copy_(torch.from_numpy(ids), non_blocking=True)
-        # a rotary position runs rope_delta from the cache index after a prompt's images (M-RoPE)
-        rotary = positions + np.array([seq.rope_delta for seq in step.seqs], dtype=np.int64)
+        rotary = positions
+        if self.model.visual is not None:  # after a prompt's images a token turns at its index plus rope_delta
+            rotary = positions + np.array([seq.rope_delta for seq in step.seqs], dtype=np.int64)
         self.positions[:batch].copy_(torch.from_numpy(rotary), non_blocking=True)
         for group, (slots, tables, lens) in enumerate(zip(self.slots, self.tables, self.context_lens, strict=True)):
             rows = np.zeros((bucket, tables.shape[1]), dtype=np.int64)

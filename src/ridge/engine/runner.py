@@ -324,6 +324,8 @@ class ModelRunner:
         """The step's image tokens (embeddings from the vision tower, each image's computed when a step first
         reaches it and dropped once its last token is computed) and every row's M-RoPE positions: None where no
         sequence of the step computes a token of a prompt with images (the rest turn as one position)."""
+        if self.model.visual is None:
+            return None
         chunks, flat = [], 0
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
             if seq.rope_positions is not None and seq.num_computed < seq.prompt_len:
