@@ -301,6 +301,8 @@ def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, mon
     assert report["image_tokens"] == 4 and report["prompt_tokens"] == 4 + 2 + 4
     assert report["first_tokens_agree"] == 2 and report["tower_gflop_per_image"] > 0
     assert all(r["images_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
+    assert main(["bench", "vision", "--model", str(path), "--lm-layers", "2", *args]) == 2  # a folder runs whole
+    assert "--lm-layers: cuts a random: model's language model" in capsys.readouterr().err
     kind, text, tower = vision.PRESETS["qwen2-vl-2b"]
     small_text = {**text, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
                   "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}

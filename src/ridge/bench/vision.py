@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ridge.bench.embed import add_rounds_args
 from ridge.plan import arithmetic, roofline
 
 # the published shapes (HF's config.json of each), the vocabulary as large as theirs
@@ -52,6 +53,7 @@ PRESETS = {
                     {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536,
                      "hidden_act": "quick_gelu", "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}),
 }
+DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
 
@@ -120,12 +122,15 @@ def cmd_vision(args: argparse.Namespace) -> int:
         if name not in PRESETS:
             raise ValueError(f"--model: {args.model!r} is not random: one of {', '.join(PRESETS)} (or give a "
                              "Qwen2-VL / Qwen2.5-VL HF folder)")
+        layers = args.lm_layers or DEFAULT_LM_LAYERS
         with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-") as folder:
-            print(f"[bench] drawing {args.model}'s weights ({args.lm_layers} language-model layers) for both "
-                  "engines ...", file=sys.stderr)
-            saved = saved_random_vision_model(name, args.lm_layers, Path(folder))
-            shown = f"{args.model} (language model cut to {args.lm_layers} layers)"
+            print(f"[bench] drawing {args.model}'s weights ({layers} language-model layers) for both engines ...",
+                  file=sys.stderr)
+            saved = saved_random_vision_model(name, layers, Path(folder))
+            shown = f"{args.model} (language model cut to {layers} layers)"
             return _bench(args, saved, shown)
+    if args.lm_layers is not None:
+        raise ValueError("--lm-layers: cuts a random: model's language model; a model folder runs as it is")
     path = Path(args.model)
     kind = json.loads((path / "config.json").read_text()).get("model_type") if path.is_dir() else None
     if kind not in ("qwen2_vl", "qwen2_5_vl"):
@@ -153,7 +158,8 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     peak = roofline.measure_matmul(dtype)
     greedy = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(prompts[:1], greedy)  # warm-up
-    hf = None if args.skip_peer else HFVision.load(path, dtype, images, [p["prompt_token_ids"] for p in prompts])
+    hf = None if args.skip_peer else HFVision.load(path, dtype, engine.config.device, images,
+                                                   [p["prompt_token_ids"] for p in prompts])
     if isinstance(hf, str):
         print(f"[bench] HF transformers: {hf}", file=sys.stderr)
         hf = None
@@ -201,14 +207,16 @@ class HFVision:
         self.model, self.inputs = model, inputs
 
     @classmethod
-    def load(cls, path: Path, dtype: torch.dtype, images: list, prompts: list[list[int]]) -> HFVision | str:
+    def load(cls, path: Path, dtype: torch.dtype, device: str, images: list,
+             prompts: list[list[int]]) -> HFVision | str:
+        """The model on ridge's device, its inputs prepared there; or the reason it cannot run."""
         try:
             from transformers import AutoModelForImageTextToText
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
         except ImportError:
             return "transformers is not installed; left out"
         print("[bench] loading HF transformers' model ...", file=sys.stderr)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
         processor = (Qwen2VLImageProcessorPil.from_pretrained(path) if (path / "preprocessor_config.json").exists()
                      else Qwen2VLImageProcessorPil())
         features = processor(images=images, return_tensors="pt")
@@ -221,7 +229,7 @@ class HFVision:
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
                   "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
                   "pixel_values": features["pixel_values"].to(dtype), "image_grid_thw": features["image_grid_thw"]}
-        hf = cls(model, inputs)
+        hf = cls(model, {key: value.to(device) for key, value in inputs.items()})
         hf.first_tokens()  # the first call's one-off costs
         return hf
 
@@ -252,10 +260,7 @@ def add_vision_parser(bsub, add_engine_args) -> None:
     p.add_argument("--num-images", type=int, default=4, help="prompts, an image each (default %(default)s)")
     p.add_argument("--image-size", type=int, default=448, help="pixels a side (default %(default)s: 256 tokens)")
     p.add_argument("--text-len", type=int, default=32, help="text tokens after the image (default %(default)s)")
-    p.add_argument("--lm-layers", type=int, default=4, help="a random model's language-model layers (default "
-                   "%(default)s; its tower is whole)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of the engines in turn; each one's median "
-                   "(default %(default)s)")
-    p.add_argument("--skip-peer", action="store_true", help="ridge alone")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--lm-layers", type=int, default=None, help="a random model's language-model layers (default "
+                   f"{DEFAULT_LM_LAYERS}; its tower is whole)")
+    add_rounds_args(p)
     p.set_defaults(func=cmd_vision)
