@@ -78,11 +78,6 @@ class ImageProcessing:
             h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
         return h, w
 
-    def num_tokens(self, height: int, width: int) -> int:
-        """The language-model tokens an image of this size becomes."""
-        h, w = self.resized(height, width)
-        return h * w // self.factor**2
-
 
 @dataclass(frozen=True)
 class ImagePatches:
