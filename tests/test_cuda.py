@@ -166,7 +166,7 @@ def test_an_encoder_s_embeddings_and_scores_run_on_the_gpu(family, tmp_path, mak
     assert len(llm.score(QUERY, DOCUMENTS)) == len(DOCUMENTS)  # an embedding model's cosine scores, on the GPU
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_images_run_on_the_gpu(kind, tmp_path, make_llm_for_test):
     """The vision tower and M-RoPE on CUDA, decode steps in CUDA graphs (turning at the cache index plus the prompt's
     rope_delta): HF's greedy tokens (on the CPU)."""

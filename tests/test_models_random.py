@@ -518,8 +518,7 @@ def test_a_random_glm4_written_as_gguf_reads_back_as_the_same_model(random_glm4,
 def test_a_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path, make_llm_for_test):
     """A multimodal Qwen's checkpoint (its vision tower beside the language model, Qwen3-VL's under
     model.language_model): HF's logits on text, whose three equal positions turn the multimodal rotary as one plain
-    rotary. Qwen2.5-VL's vision tower loads with it (tests/test_vision.py); Qwen3-VL's, which ridge does not run,
-    is left out and its model serves text."""
+    rotary. The vision tower loads with it (images: tests/test_vision.py)."""
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen3VLConfig
 
     from conftest import assert_logits_match_hf
@@ -527,7 +526,8 @@ def test_a_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path, make_llm
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                 initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64}
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64,
+              "deepstack_visual_indexes": [0]}  # (Qwen2.5-VL's tower has none: ignored)
     if name == "qwen2_5_vl":
         config = Qwen2_5_VLConfig(text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
                                   vision_config=vision)
@@ -541,7 +541,7 @@ def test_a_qwen_vl_checkpoint_serves_its_language_model(name, tmp_path, make_llm
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     llm = make_llm_for_test(tmp_path, dtype="float32")
     assert llm.engine.loaded.config.architecture == ("qwen2" if name == "qwen2_5_vl" else "qwen3")
-    assert any("visual" in key for key in llm.engine.loaded.model.state_dict()) == (name == "qwen2_5_vl")
+    assert any("visual" in key for key in llm.engine.loaded.model.state_dict())
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
 
 
@@ -736,7 +736,8 @@ def test_qwen3_vl_moe_reads_its_stacked_experts_in_either_layout(tmp_path, make_
                 initializer_range=0.2, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0,
                 rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64}
+    vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64, "intermediate_size": 64,
+              "deepstack_visual_indexes": [0]}
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(Qwen3VLMoeConfig(text_config=text, vision_config=vision),
                                                     dtype=torch.float32).eval()

@@ -1,8 +1,9 @@
-"""Qwen2-VL and Qwen2.5-VL with images: preprocessing, the vision tower and greedy tokens against HF transformers on
-small random configs; the engine's paths (chunked prefill across an image, the prefix cache, the server) against
-the plain one; refusals by name."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL with images: preprocessing, the vision tower and greedy tokens against HF
+transformers on small random configs; the engine's paths (chunked prefill across an image, the prefix cache, the
+server) against the plain one; refusals by name."""
 
 import base64
+import dataclasses
 import io
 import json
 
@@ -30,9 +31,13 @@ PIXELS = {"min_pixels": 28 * 28 * 2, "max_pixels": 28 * 28 * 20}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def hf_processor():
+def hf_processor(kind: str = "qwen2_vl"):
+    """HF's image processor of a model of this kind (Qwen3-VL's: 16-pixel patches, its own mean and deviation)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if kind.startswith("qwen3_vl"):
+        return Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                        min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 20)
     return Qwen2VLImageProcessorPil(**PIXELS)
 
 
@@ -49,14 +54,10 @@ def data_url(image) -> str:
 
 def random_vision_model(kind: str, path):
     """A 2-layer language model beside a 2- or 3-block vision tower (Qwen2.5-VL's with windows of 2x2 merged
-    tokens and one full-attention block), saved with its tokenizer (the vision and chat special tokens): (its
-    folder, HF's model)."""
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
+    tokens and one full-attention block; Qwen3-VL's with its position table and two DeepStack mergers, and
+    interleaved M-RoPE; Qwen3-VL-MoE's language model of 4 experts), saved with its tokenizer (the vision and chat
+    special tokens) and image processor: (its folder, HF's model)."""
+    import transformers
 
     text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -64,17 +65,26 @@ def random_vision_model(kind: str, path):
                 initializer_range=0.2)  # logits far from uniform: a token's rotary positions show in them
     ids = dict(image_token_id=IMAGE_PAD, video_token_id=259, vision_start_token_id=VISION_START,
                vision_end_token_id=VISION_END)
-    torch.manual_seed(0)
     if kind == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=64)
-        hf = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
-    else:
+    elif kind == "qwen2_5_vl":
         vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=56,
                       fullatt_block_indexes=[1])
-        hf = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=16,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+        del text["rope_theta"], text["rope_scaling"]
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+        if kind == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}
+    config = getattr(transformers, names[kind] + "Config")(text_config=text, vision_config=vision, **ids)
+    torch.manual_seed(0)
+    hf = getattr(transformers, names[kind] + "ForConditionalGeneration")(config)
     hf = with_drawn_norms(hf.float().eval())
     hf.save_pretrained(path)
-    hf_processor().save_pretrained(path)
+    hf_processor(kind).save_pretrained(path)
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
     tokenizer.save(str(path / "tokenizer.json"))
@@ -82,15 +92,15 @@ def random_vision_model(kind: str, path):
     return path, hf
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def vision_model(request, tmp_path_factory):
     return random_vision_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def hf_inputs(head: list[int], images, parts: list[list[int]], mrope: bool = True) -> dict:
+def hf_inputs(hf, head: list[int], images, parts: list[list[int]], mrope: bool = True) -> dict:
     """HF's inputs: head, then each image (widened by HF's processor) followed by its part of text. mrope False:
     every token turned at its index, as a plain rotary would (HF's positions given, the image tokens' types not)."""
-    features = hf_processor()(images=images, return_tensors="pt")
+    features = hf_processor(hf.config.model_type)(images=images, return_tensors="pt")
     ids = list(head)
     for grid, text in zip(features["image_grid_thw"], parts, strict=True):
         ids += [VISION_START] + [IMAGE_PAD] * (int(grid.prod()) // 4) + [VISION_END] + text
@@ -102,7 +112,7 @@ def hf_inputs(head: list[int], images, parts: list[list[int]], mrope: bool = Tru
 
 
 def hf_greedy(hf, head: list[int], images, parts: list[list[int]], max_new_tokens: int = 10) -> list[int]:
-    inputs = hf_inputs(head, images, parts)
+    inputs = hf_inputs(hf, head, images, parts)
     out = hf.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
@@ -122,31 +132,46 @@ def prompt_with(head: list[int], images, parts: list[list[int]]) -> dict:
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
 
-def test_images_are_cut_into_the_patches_hf_makes():
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_images_are_cut_into_the_patches_hf_makes(kind, tmp_path):
     """Resized within the pixel budget (one image grown to it, one shrunk to it), normalized, laid out in merge
-    units: the patches and grids of HF's Qwen2VLImageProcessor, exactly; an extreme aspect ratio refused."""
+    units: the patches and grids of HF's Qwen2VLImageProcessor (Qwen3-VL's settings too, read from its saved
+    preprocessor_config.json), exactly; an extreme aspect ratio refused."""
+    from ridge.multimodal.vision_config import VisionConfig
+
     images = pictures((60, 90), (20, 30), (300, 400))
-    features = hf_processor()(images=images, return_tensors="pt")
-    ours = [preprocess_image(image, ImageProcessing(**PIXELS)) for image in images]
+    processor = hf_processor(kind)
+    features = processor(images=images, return_tensors="pt")
+    processor.save_pretrained(tmp_path)
+    tower = VisionConfig(depth=1, width=32, num_heads=2, intermediate_size=64, output_size=64, activation="silu",
+                         gated_mlp=False, rms_norm=False, patch_size=processor.patch_size)
+    processing = ImageProcessing.of_model(tmp_path, tower)
+    ours = [preprocess_image(image, processing) for image in images]
     assert [list(o.grid) for o in ours] == features["image_grid_thw"].tolist()
     assert torch.equal(torch.cat([o.patches for o in ours]), features["pixel_values"])
+    other = dataclasses.replace(tower, patch_size=30 - processor.patch_size)  # 14 <-> 16
+    with pytest.raises(ValueError, match=rf"merge_size \({processor.patch_size}, 2, 2\) are not the vision tower's"):
+        ImageProcessing.of_model(tmp_path, other)
     with pytest.raises(ValueError, match="aspect ratio of 250 is over the limit of 200"):
         preprocess_image(pictures((2, 500))[0], ImageProcessing(**PIXELS))
 
 
 def test_the_vision_tower_equals_hf(vision_model):
-    """Two images of different shapes in one pass (Qwen2.5-VL: its windows, one cut short at an edge)."""
+    """Two images of different shapes in one pass (Qwen2.5-VL: its windows, one cut short at an edge; Qwen3-VL: its
+    position table resampled to each, and DeepStack's rows)."""
     from ridge.models.loader import load_model
 
     path, hf = vision_model
     images = pictures((60, 90), (120, 50))
-    features = hf_processor()(images=images, return_tensors="pt")
+    features = hf_processor(hf.config.model_type)(images=images, return_tensors="pt")
     model = load_model(path, torch.float32, progress=False).model
     with torch.no_grad():
-        expected = torch.cat(list(hf.model.get_image_features(features["pixel_values"], features["image_grid_thw"])
-                                  .pooler_output))
+        output = hf.model.get_image_features(features["pixel_values"], features["image_grid_thw"])
+        levels = [output.pooler_output, *getattr(output, "deepstack_features", [])]
+        expected = torch.stack([torch.cat(list(level)) for level in levels], dim=1)
         got = model.visual(features["pixel_values"], [tuple(g) for g in features["image_grid_thw"].tolist()])
     assert got.shape == expected.shape
+    assert got.shape[1] == (3 if hf.config.model_type == "qwen3_vl" else 1)
     assert (got - expected).abs().max().item() < 1e-5
 
 
@@ -163,18 +188,29 @@ def test_greedy_tokens_with_images_equal_hf(vision_model, make_llm_for_test):
     assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
     scored = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     ids = scored.prompt_token_ids
-    assert ids == hf_inputs(head, images, parts)["input_ids"][0].tolist()
+    assert ids == hf_inputs(hf, head, images, parts)["input_ids"][0].tolist()
     ours = torch.tensor([entry[token] for entry, token in zip(scored.prompt_logprobs[1:], ids[1:],
                                                                            strict=True)])
     for mrope, close in ((True, True), (False, False)):
         with torch.no_grad():
-            logits = hf(**hf_inputs(head, images, parts, mrope)).logits[0, :-1].log_softmax(-1)
+            logits = hf(**hf_inputs(hf, head, images, parts, mrope)).logits[0, :-1].log_softmax(-1)
         theirs = logits.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
         assert ((ours - theirs).abs().max().item() < 1e-4) == close
     # a budget of 7 tokens a step: chunks end inside both images
     chunked = make_llm_for_test(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=7)
     outs = chunked.generate([prompt, prompt], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
+
+
+def test_qwen3_vl_moe_reads_images_as_hf(make_llm_for_test, tmp_path):
+    """Qwen3-VL-MoE: Qwen3-VL's tower, DeepStack and interleaved M-RoPE beside a mixture-of-experts language model:
+    HF's greedy tokens."""
+    path, hf = random_vision_model("qwen3_vl_moe", tmp_path)
+    images = pictures((60, 90), (120, 50))
+    head, parts = [5, 17, 40, 41], [[77, 78, 79], [90, 91, 92, 93, 94]]
+    llm = make_llm_for_test(path, dtype="float32")
+    expected = hf_greedy(hf, head, images, parts)
+    assert llm.generate(prompt_with(head, images, parts), GREEDY)[0].outputs[0].token_ids == expected
 
 
 def test_the_prefix_cache_tells_images_apart(vision_model, make_llm_for_test):
@@ -287,7 +323,7 @@ def test_the_server_reads_image_url_parts(vision_model, tmp_path):
 
 def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, monkeypatch):
     """`ridge bench vision` on a model folder (Qwen2.5-VL's): ridge's and HF's images per second, the FLOPs an image
-    costs, and their first tokens (which agree); on a random preset (Qwen2-VL's cut small here), its weights drawn
+    costs, and their first tokens (which agree); on a random preset (Qwen3-VL's cut small here), its weights drawn
     for both."""
     from ridge.bench import vision
     from ridge.cli import main
@@ -303,10 +339,12 @@ def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, mon
     assert all(r["images_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
     assert main(["bench", "vision", "--model", str(path), "--lm-layers", "2", *args]) == 2  # a folder runs whole
     assert "--lm-layers: cuts a random: model's language model" in capsys.readouterr().err
-    kind, text, tower = vision.PRESETS["qwen2-vl-2b"]
+    kind, text, tower = vision.PRESETS["qwen3-vl-2b"]
     small_text = {**text, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
-                  "num_key_value_heads": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-    small_tower = {**tower, "depth": 1, "embed_dim": 32, "num_heads": 2, "hidden_size": 32}
+                  "num_key_value_heads": 1, "head_dim": 16,
+                  "rope_parameters": {**text["rope_parameters"], "mrope_section": [2, 3, 3]}}
+    small_tower = {**tower, "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                   "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}
     monkeypatch.setitem(vision.PRESETS, "tiny", (kind, small_text, small_tower))
     assert main(["bench", "vision", "--model", "random:tiny", "--lm-layers", "1", *args]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -329,9 +367,10 @@ def test_plan_counts_the_vision_tower(vision_model):
 
 
 def test_two_tensor_parallel_ranks_read_images_as_one_process(tmp_path, make_llm_for_test):
-    """Rank 0 runs the tower (whole on every rank) and sends the step's image rows with its inputs; each rank turns
-    its heads by M-RoPE: one process's tokens, chunked through the images, beside a text prompt."""
-    path, _ = random_vision_model("qwen2_vl", tmp_path)
+    """Rank 0 runs the tower (whole on every rank) and sends the step's image rows (Qwen3-VL's: with DeepStack's)
+    with its inputs; each rank turns its heads by M-RoPE: one process's tokens, chunked through the images, beside a
+    text prompt."""
+    path, _ = random_vision_model("qwen3_vl", tmp_path)
     prompts = [prompt_with([5, 17, 40, 41], pictures((60, 90), (120, 50)), [[77, 78, 79], [90, 91, 92]]),
                prompt_with(list(range(30, 60)), pictures((90, 60), seed=3), [[70, 71]]), [5, 6, 7, 8]]
     one = make_llm_for_test(path, dtype="float32")

@@ -108,6 +108,7 @@ class ModelConfig:
     vision: VisionConfig | None = None
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (layers.RotaryEmbedding)
     query_pre_attn_scalar: float | None = None  # None: head_dim
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None

@@ -3,15 +3,15 @@
 --num-images random images of --image-size pixels a side, each in a prompt of its own (the image, then
 --text-len text tokens), run to their first token: by ridge's LLM.generate (the batch at once: the vision tower over
 the images, then the language model's prefill; the prefix cache off, so that every round runs the tower) and by HF
-transformers' Qwen2(.5)-VL in one batched forward (the same ids, pixels and weights, HF's processor's M-RoPE
-positions), in the engine's dtype, the two in turn for --repeats rounds (each one's median). A random-weight model
-(random:qwen2.5-vl-3b, random:qwen2.5-vl-7b, random:qwen2-vl-2b: the published shapes, weights drawn once by HF's
-initialiser for both engines, the language model cut to --lm-layers layers: the tower, where an image's cost lies,
-whole) or a Qwen2-VL / Qwen2.5-VL HF folder. Per engine: images per second, the matmul FLOP/s of the tower and the
-language model's layers on those images (2 x their linear parameters a patch or token, plus the attention's
-products) as a fraction of the machine's measured matmul peak (the better of a measure before the rounds and one
-after them); and whether the two engines' first tokens agree. The question it answers: what an image costs to
-read, and how near ridge reads it to the compute roofline.
+transformers' model in one batched forward (the same ids, pixels and weights, HF's processor's M-RoPE positions),
+in the engine's dtype, the two in turn for --repeats rounds (each one's median). A random-weight model
+(random:qwen3-vl-2b, -4b, -8b, random:qwen2.5-vl-3b, -7b, random:qwen2-vl-2b: the published shapes, weights drawn
+once by HF's initialiser for both engines, the language model cut to --lm-layers layers: the tower, where an image's
+cost lies, whole) or a Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder. Per engine: images per second, the matmul
+FLOP/s of the tower and the language model's layers on those images (2 x their linear parameters a patch or token,
+plus the attention's products) as a fraction of the machine's measured matmul peak (the better of a measure before
+the rounds and one after them); and whether the two engines' first tokens agree. The question it answers: what an
+image costs to read, and how near ridge reads it to the compute roofline.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ridge.bench.embed import add_rounds_args
+from ridge.multimodal.images import ImageProcessing
 from ridge.plan import arithmetic, roofline
 
 # the published shapes (HF's config.json of each), the vocabulary as large as theirs
@@ -38,6 +39,14 @@ _QWEN_TEXT = {"vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_
 _QWEN25_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "window_size": 112,
                   "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "patch_size": 14,
                   "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2}
+_QWEN3_TEXT = {"vocab_size": 151936, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "head_dim": 128,
+               "num_key_value_heads": 8,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}}
+_QWEN3_SMALL_VISION = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                       "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 2304,
+                       "deepstack_visual_indexes": [5, 11, 17]}
 PRESETS = {
     "qwen2.5-vl-3b": ("qwen2_5_vl", {**_QWEN_TEXT, "hidden_size": 2048, "intermediate_size": 11008,
                                      "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
@@ -52,7 +61,18 @@ PRESETS = {
                                  "tie_word_embeddings": True},
                     {"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 1536,
                      "hidden_act": "quick_gelu", "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}),
+    "qwen3-vl-2b": ("qwen3_vl", {**_QWEN3_TEXT, "hidden_size": 2048, "intermediate_size": 6144,
+                                 "num_hidden_layers": 28, "num_attention_heads": 16, "tie_word_embeddings": True},
+                    {**_QWEN3_SMALL_VISION, "out_hidden_size": 2048}),
+    "qwen3-vl-4b": ("qwen3_vl", {**_QWEN3_TEXT, "hidden_size": 2560, "intermediate_size": 9728,
+                                 "num_hidden_layers": 36, "num_attention_heads": 32, "tie_word_embeddings": True},
+                    {**_QWEN3_SMALL_VISION, "out_hidden_size": 2560}),
+    "qwen3-vl-8b": ("qwen3_vl", {**_QWEN3_TEXT, "hidden_size": 4096, "intermediate_size": 12288,
+                                 "num_hidden_layers": 36, "num_attention_heads": 32, "tie_word_embeddings": False},
+                    {**_QWEN3_SMALL_VISION, "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                     "deepstack_visual_indexes": [8, 16, 24], "out_hidden_size": 4096}),
 }
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
@@ -60,7 +80,7 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
 
 def saved_random_vision_model(name: str, lm_layers: int, folder: Path, seed: int = 0) -> Path:
     """PRESETS[name] with lm_layers language-model layers, weights drawn by HF's initialiser, saved as an HF folder
-    with a byte-level tokenizer and Qwen2-VL's image processor config."""
+    with a byte-level tokenizer (and no preprocessor config: its family's defaults)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ridge.tokenizer import byte_level_tokenizer
@@ -101,7 +121,8 @@ class ImageWork:
         cfg = tower.cfg
         patches = grid[0] * grid[1] * grid[2]
         block = sum(p.numel() for name, p in tower.blocks[0].named_parameters() if p.dim() == 2)
-        merger = sum(p.numel() for p in tower.merger.parameters() if p.dim() == 2)
+        mergers = [tower.merger, *tower.deepstack_merger_list]  # DeepStack's (Qwen3-VL's) read every patch too
+        merger = sum(p.numel() for m in mergers for p in m.parameters() if p.dim() == 2)
         linears = 2 * patches * (cfg.depth * block + tower.patch_embed.proj.weight.numel()) \
             + 2 * patches // cfg.merge_size**2 * merger
         whole = patches
@@ -121,7 +142,7 @@ def cmd_vision(args: argparse.Namespace) -> int:
     if args.model.startswith("random:"):
         if name not in PRESETS:
             raise ValueError(f"--model: {args.model!r} is not random: one of {', '.join(PRESETS)} (or give a "
-                             "Qwen2-VL / Qwen2.5-VL HF folder)")
+                             "Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder)")
         layers = args.lm_layers or DEFAULT_LM_LAYERS
         with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-") as folder:
             print(f"[bench] drawing {args.model}'s weights ({layers} language-model layers) for both engines ...",
@@ -133,9 +154,9 @@ def cmd_vision(args: argparse.Namespace) -> int:
         raise ValueError("--lm-layers: cuts a random: model's language model; a model folder runs as it is")
     path = Path(args.model)
     kind = json.loads((path / "config.json").read_text()).get("model_type") if path.is_dir() else None
-    if kind not in ("qwen2_vl", "qwen2_5_vl"):
-        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL HF folder or random: one of "
-                         f"{', '.join(PRESETS)}")
+    if kind not in VISION_KINDS:
+        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder or random: "
+                         f"one of {', '.join(PRESETS)}")
     return _bench(args, path, args.model)
 
 
@@ -158,8 +179,8 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     peak = roofline.measure_matmul(dtype)
     greedy = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(prompts[:1], greedy)  # warm-up
-    hf = None if args.skip_peer else HFVision.load(path, dtype, engine.config.device, images,
-                                                   [p["prompt_token_ids"] for p in prompts])
+    hf = None if args.skip_peer else HFVision.load(path, dtype, engine.config.device, engine.images.processing,
+                                                   images, [p["prompt_token_ids"] for p in prompts])
     if isinstance(hf, str):
         print(f"[bench] HF transformers: {hf}", file=sys.stderr)
         hf = None
@@ -207,9 +228,10 @@ class HFVision:
         self.model, self.inputs = model, inputs
 
     @classmethod
-    def load(cls, path: Path, dtype: torch.dtype, device: str, images: list,
+    def load(cls, path: Path, dtype: torch.dtype, device: str, processing: ImageProcessing, images: list,
              prompts: list[list[int]]) -> HFVision | str:
-        """The model on ridge's device, its inputs prepared there; or the reason it cannot run."""
+        """The model on ridge's device, its inputs prepared there by HF's processor under ridge's settings (the
+        folder's preprocessor_config.json, or its family's defaults); or the reason it cannot run."""
         try:
             from transformers import AutoModelForImageTextToText
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -217,8 +239,10 @@ class HFVision:
             return "transformers is not installed; left out"
         print("[bench] loading HF transformers' model ...", file=sys.stderr)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-        processor = (Qwen2VLImageProcessorPil.from_pretrained(path) if (path / "preprocessor_config.json").exists()
-                     else Qwen2VLImageProcessorPil())
+        processor = Qwen2VLImageProcessorPil(
+            patch_size=processing.patch_size, temporal_patch_size=processing.temporal_patch_size,
+            merge_size=processing.merge_size, image_mean=list(processing.mean), image_std=list(processing.std),
+            min_pixels=processing.min_pixels, max_pixels=processing.max_pixels)
         features = processor(images=images, return_tensors="pt")
         merge = model.config.vision_config.spatial_merge_size
         widened = []

@@ -345,7 +345,8 @@ class LLMEngine:
         if cfg.vision is None:
             return None
         refused = "a draft model" if config.speculate == "draft" else None  # (the drafter's positions are its own)
-        return ImageReader(ImageProcessing.of_model(target.path), cfg.image_token_id, cfg.vision.merge_size, refused)
+        return ImageReader(ImageProcessing.of_model(target.path, cfg.vision), cfg.image_token_id, cfg.vision.merge_size,
+                           refused)
 
     def adapter_use(self) -> AdapterUse | None:
         """The adapters running and waiting sequences use (None without enable_lora)."""

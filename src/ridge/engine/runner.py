@@ -355,8 +355,9 @@ class ModelRunner:
         for image in done:
             image.embeddings = None
         if not rows:
+            levels = 1 + len(self.model.cfg.vision.deepstack_blocks)
             return ImageStep(torch.zeros(0, dtype=torch.long, device=self.device),
-                             torch.zeros(0, self.model.cfg.hidden_size, device=self.device), rope)
+                             torch.zeros(0, levels, self.model.cfg.hidden_size, device=self.device), rope)
         return ImageStep(torch.cat(rows).to(self.device), torch.cat(pieces), rope)
 
     def _embed_images(self, images: list[PlacedImage]) -> None:

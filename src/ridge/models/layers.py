@@ -116,14 +116,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None,
                  temperature: AttentionTemperature | None = None, turning_fraction: float = 1.0,
-                 sections: tuple[int, ...] | None = None) -> None:
+                 sections: tuple[int, ...] | None = None, interleaved_sections: bool = False) -> None:
         """turning_fraction: only the first share of the frequencies turn, the rest are 0 (Gemma 4's proportional
         RoPE: a rotary as wide as the head whose slow pairs stay still). sections: M-RoPE's (Qwen2-VL's): the
-        frequencies in three runs, each turned by its own one of a token's three positions (step())."""
+        frequencies in three runs, each turned by its own one of a token's three positions (step());
+        interleaved_sections (Qwen3-VL's): the row's and the column's frequencies taken in turn with the time's
+        (time, row, column, time, ...) until each has its count, the rest the time's."""
         super().__init__()
         # each frequency's position: 0 (time), 1 (row) or 2 (column)
-        self.section_of = (None if sections is None else
-                           torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections)))
+        self.section_of = None if sections is None else _section_of(sections, interleaved_sections)
         self.temperature = temperature  # the queries of the layers that turn with this rotary: sharpened by position
         if scaling is None:
             inv_freq, magnitude = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
@@ -157,6 +158,16 @@ class RotaryEmbedding(nn.Module):
         # the kernel's view of the table (float pairs): made once a step, not once per layer
         scales = self.temperature.query_scales(positions) if self.temperature is not None else None
         return RopeStep(positions, self.freqs, torch.view_as_real(self.freqs), self.ops, scales)
+
+
+def _section_of(sections: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """Each frequency's M-RoPE section (0, 1, 2) under `sections` (the count of each), runs or interleaved."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))
+    of = torch.zeros(sum(sections), dtype=torch.long)
+    for section in range(1, len(sections)):
+        of[section:len(sections) * sections[section]:len(sections)] = section
+    return of
 
 
 @dataclass

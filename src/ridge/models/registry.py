@@ -376,7 +376,8 @@ def config_from_spec(spec: ModelSpec) -> ModelConfig:
                       max_position_embeddings=spec.max_position_embeddings - spec.position_offset,
                       num_labels=spec.num_labels)
     if spec.vision is not None:
-        fields.update(vision=spec.vision, image_token_id=spec.image_token_id, mrope_section=spec.mrope_section)
+        fields.update(vision=spec.vision, image_token_id=spec.image_token_id, mrope_section=spec.mrope_section,
+                      mrope_interleaved=spec.mrope_interleaved)
     if arch == "gemma4":
         fields.update(global_head_dim=spec.global_head_dim, global_kv_heads=spec.global_kv_heads,
                       global_values_from_keys=spec.global_values_from_keys,

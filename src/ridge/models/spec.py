@@ -112,6 +112,7 @@ class ModelSpec:
     vision: VisionConfig | None = field(default=None, compare=False)
     image_token_id: int | None = field(default=None, compare=False)
     mrope_section: tuple[int, ...] | None = field(default=None, compare=False)
+    mrope_interleaved: bool = field(default=False, compare=False)
     source: str = ""
     # what the engine needs beyond the shape, read by the same readers; not compared (a preset has none)
     architecture: str = field(default="", compare=False)  # HF model_type / GGUF general.architecture
@@ -472,21 +473,25 @@ def _encoder_fields(config: dict, source: str) -> dict:
 
 
 # the vision-language models whose vision tower ridge runs (models/vision.py); the others' language models serve text
-VISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def _vision_fields(outer: dict, scaling: dict, source: str) -> dict:
-    """Qwen2-VL's and Qwen2.5-VL's vision tower, image placeholder and multimodal rotary sections."""
-    if outer.get("model_type") not in VISION_MODELS or "vision_config" not in outer:
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision tower, image placeholder and multimodal rotary sections (Qwen3-VL
+    interleaves them, whatever its config says: HF's does)."""
+    kind = outer.get("model_type")
+    if kind not in VISION_MODELS or "vision_config" not in outer:
         return {}
     sections = tuple(int(n) for n in scaling.get("mrope_section") or ())
-    if scaling.get("mrope_interleaved"):
-        raise ValueError(f"{source}: rope_scaling.mrope_interleaved is not supported (Qwen2-VL's sections)")
+    interleaved = kind.startswith("qwen3_vl")
+    if scaling.get("mrope_interleaved") and not interleaved:
+        raise ValueError(f"{source}: rope_scaling.mrope_interleaved is not supported on {kind} (Qwen2-VL's sections "
+                         "in runs)")
     image_token = outer.get("image_token_id", (outer.get("text_config") or {}).get("image_token_id"))
     if image_token is None or not sections:
         raise ValueError(f"{source}: a vision model needs image_token_id and rope_scaling.mrope_section")
-    return {"vision": VisionConfig.from_hf(outer["vision_config"], f"{source}: vision_config"),
-            "image_token_id": int(image_token), "mrope_section": sections}
+    return {"vision": VisionConfig.from_hf(outer["vision_config"], kind, f"{source}: vision_config"),
+            "image_token_id": int(image_token), "mrope_section": sections, "mrope_interleaved": interleaved}
 
 
 def _starcoder2_fields(config: dict) -> dict:

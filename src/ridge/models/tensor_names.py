@@ -94,9 +94,16 @@ LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_m
 # Llama 4's vision tower: `vision_model`; Gemma 4's vision and audio towers and their embedders)
 NOT_LANGUAGE_MODEL = re.compile(
     r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp|audio_tower|embed_vision|embed_audio)\.")
-# a vision tower ridge runs (Qwen2-VL's: models/vision.py, whose modules carry HF's names)
+# a vision tower ridge runs (Qwen2-VL's: models/vision.py, whose modules carry HF's names; Qwen3-VL's MLPs and
+# mergers, named anew, are renamed to them)
 VISION_TOWER = re.compile(r"(model\.)?visual\.")
-HF_VISION_NAMES = [(r"visual\.(.+)", "visual.{0}", None)]
+_MERGERS = r"visual\.(merger|deepstack_merger_list\.\d+)\."
+HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)", "visual.blocks.{0}.mlp.fc{1}.{2}",
+                    None),
+                   (_MERGERS + r"norm\.(weight|bias)", "visual.{0}.ln_q.{1}", None),
+                   (_MERGERS + r"linear_fc1\.(weight|bias)", "visual.{0}.mlp.0.{1}", None),
+                   (_MERGERS + r"linear_fc2\.(weight|bias)", "visual.{0}.mlp.2.{1}", None),
+                   (r"visual\.(.+)", "visual.{0}", None)]
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),

@@ -95,7 +95,7 @@ class DecoderModel(nn.Module):
         turning = None if temperature is not None and temperature.nope_layers_only else temperature
         self.rotary = RotaryEmbedding(cfg.global_rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                       cfg.rope_scaling, turning, turning_fraction=cfg.global_rotary_fraction,
-                                      sections=cfg.mrope_section)
+                                      sections=cfg.mrope_section, interleaved_sections=cfg.mrope_interleaved)
         # the local layers' own where their base differs (Gemma 3), or their heads' width or turning share (Gemma 4)
         own = cfg.rope_local_theta is not None or cfg.global_head_dim or cfg.global_rotary_fraction != 1.0
         self.rotary_local = (RotaryEmbedding(cfg.rotary_dim, cfg.rope_local_theta or cfg.rope_theta,
@@ -184,11 +184,14 @@ class DecoderModel(nn.Module):
         images: ImageStep | None = None,
     ) -> torch.Tensor:
         """The final norm's output [len(indices) or T, hidden]: what compute_logits projects. images: the step's image
-        tokens' embeddings and M-RoPE positions, for a vision model's step with image tokens."""
+        tokens' embeddings (and DeepStack's additions) and M-RoPE positions, for a vision model's step with image
+        tokens."""
         x = self.embed(input_ids)
+        deepstack = 0
         if images is not None:
-            x[images.rows] = images.embeddings.to(x.dtype)
+            x[images.rows] = images.embeddings[:, 0].to(x.dtype)
             positions = images.rope_positions
+            deepstack = images.embeddings.shape[1] - 1
         if self.embed_positions is not None:
             x = self.encoder_embeddings(x, input_ids, positions)
         steps: dict[int, RopeStep] = {}  # each rotary's step, made once for all the layers that turn with it
@@ -215,6 +218,9 @@ class DecoderModel(nn.Module):
             if per_layer is not None:
                 extras["per_layer_input"] = per_layer[:, i]
             x, residual = layer(x, residual, rope, backend, meta, states, **extras)
+            if i < deepstack:  # the hidden state is x + residual (or x alone): one of them takes DeepStack's rows
+                stream = x if residual is None else residual
+                stream.index_add_(0, images.rows, images.embeddings[:, i + 1].to(stream.dtype))
         if indices is not None:
             x, residual = x[indices], None if residual is None else residual[indices]
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -1,13 +1,16 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision tower: image patches -> rows of the language model's embeddings.
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision tower: image patches -> rows of the language model's embeddings.
 
-A ViT over 14x14 patches (two frames deep: an image is its frame twice) with a 2D rotary over each patch's row and
-column, bidirectional attention within each image (Qwen2.5-VL: within windows of 112 pixels, but for a few
-full-attention blocks), and a merger that joins each 2x2 of patches into one token of the language model. The
-modules carry HF's names, so a checkpoint's `visual.*` tensors load by name.
+A ViT over 14x14 patches (Qwen3-VL's: 16x16; two frames deep: an image is its frame twice) with a 2D rotary over each
+patch's row and column, bidirectional attention within each image (Qwen2.5-VL: within windows of 112 pixels, but for
+a few full-attention blocks), and a merger that joins each 2x2 of patches into one token of the language model.
+Qwen3-VL adds a learned position table resampled to each image's grid, and DeepStack: mergers after a few middle
+blocks whose rows the language model adds to the image tokens' hidden states after its first layers. The modules
+carry HF's names (Qwen3-VL's few renamed ones: tensor_names.HF_VISION_NAMES), so `visual.*` tensors load by name.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +86,20 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """Each run of merge_size^2 neighbouring patches (the preprocessor lays them out consecutively) -> one token."""
+    """Each run of merge_size^2 neighbouring patches (the preprocessor lays them out consecutively) -> one token.
+    norm_joined: the norm over the joined patches rather than over each (DeepStack's mergers)."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, norm_joined: bool = False) -> None:
         super().__init__()
         self.joined = cfg.width * cfg.merge_size**2
-        self.ln_q = _norm(cfg, cfg.width)
+        self.norm_joined = norm_joined
+        self.ln_q = _norm(cfg, self.joined if norm_joined else cfg.width)
         self.mlp = nn.Sequential(nn.Linear(self.joined, self.joined), nn.GELU(),
                                  nn.Linear(self.joined, cfg.output_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_joined:
+            return self.mlp(self.ln_q(x.view(-1, self.joined)))
         return self.mlp(self.ln_q(x).view(-1, self.joined))
 
 
@@ -101,10 +108,10 @@ class PatchEmbed(nn.Module):
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         # a convolution whose stride is its kernel over one patch each: a matmul (HF's name and layout kept)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel, stride=kernel, bias=cfg.patch_bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
 
 
 class VisionTower(nn.Module):
@@ -112,15 +119,22 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.position_embeddings, cfg.width) if cfg.position_embeddings else None
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, norm_joined=True) for _ in cfg.deepstack_blocks)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches [N, patch_values] of images with grids (frames, rows, columns of patches), in order, as
-        preprocess_image lays them out -> [N / merge_size^2, output_size]: each image's tokens in order."""
+        preprocess_image lays them out -> [N / merge_size^2, 1 + len(deepstack_blocks), output_size]: each image's
+        tokens in order, each token's rows the language model's input embedding, then what DeepStack adds to its
+        hidden state after the language model's first, second, ... layer."""
         cfg = self.cfg
         x = self.patch_embed(patches)
-        rotations = self._rotations(grids, x.device)
+        coordinates = torch.cat([_patch_coordinates(grid, cfg.merge_size, x.device) for grid in grids])  # [N, 2]
+        if self.pos_embed is not None:
+            x = x + self._learned_positions(grids, coordinates).to(x.dtype)
+        rotations = self._rotations(coordinates)
         whole = [rows * columns for frames, rows, columns in grids for _ in range(frames)]
         order = None
         if cfg.window_size is not None:  # Qwen2.5-VL: patches regrouped window by window (each merge unit whole)
@@ -128,20 +142,36 @@ class VisionTower(nn.Module):
             unit = cfg.merge_size**2
             x = x.unflatten(0, (-1, unit))[order].flatten(0, 1)
             rotations = rotations.unflatten(0, (-1, unit))[order].flatten(0, 1)
+        deepstack = []
         for i, block in enumerate(self.blocks):
             windowed = cfg.window_size is not None and i not in cfg.full_attention_blocks
             x = block(x, rotations, windows if windowed else whole)
-        merged = self.merger(x)
+            if i in cfg.deepstack_blocks:
+                deepstack.append(self.deepstack_merger_list[cfg.deepstack_blocks.index(i)](x))
+        merged = torch.stack([self.merger(x), *deepstack], dim=1)
         return merged if order is None else merged[torch.argsort(order)]
 
-    def _rotations(self, grids: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
-        """Each patch's turn (complex [N, head_dim / 2]): its row's frequencies, then its column's, from one table
-        of head_dim / 4 frequencies."""
+    def _learned_positions(self, grids: list[tuple[int, int, int]], coordinates: torch.Tensor) -> torch.Tensor:
+        """Each patch's row of the learned position table [N, width] (float32): the square table resampled
+        bilinearly (corners aligned) to its image's grid, read at the patch's row and column."""
+        side = math.isqrt(self.cfg.position_embeddings)
+        table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)
+        rows, first = [], 0
+        for frames, height, width in grids:
+            resampled = F.interpolate(table, size=(height, width), mode="bilinear", align_corners=True)[0]
+            at = coordinates[first:first + frames * height * width]
+            rows.append(resampled[:, at[:, 0], at[:, 1]].T)
+            first += len(at)
+        return torch.cat(rows)
+
+    def _rotations(self, coordinates: torch.Tensor) -> torch.Tensor:
+        """Each patch's turn (complex [N, head_dim / 2]) from its (row, column) [N, 2]: its row's frequencies, then
+        its column's, from one table of head_dim / 4 frequencies."""
         cfg = self.cfg
         head_dim = cfg.width // cfg.num_heads
         spatial = head_dim // 2
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial)
-        coordinates = torch.cat([_patch_coordinates(grid, cfg.merge_size, device) for grid in grids])  # [N, 2]
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32,
+                                                         device=coordinates.device) / spatial)
         angles = (coordinates.unsqueeze(-1).float() * inv_freq).flatten(1)  # [N, 2 * len(inv_freq)]
         return torch.polar(torch.ones_like(angles), angles)
 
@@ -176,8 +206,9 @@ def _patch_coordinates(grid: tuple[int, int, int], merge: int, device: torch.dev
 
 @dataclass
 class ImageStep:
-    """A step's image tokens: the rows of the step that are image tokens, the tower's embeddings for them (what the
-    language model reads there in place of the placeholder's row), and every row's three M-RoPE positions [3, T]."""
+    """A step's image tokens: the rows of the step that are image tokens, the tower's output for them [rows,
+    levels, hidden] (what the language model reads there in place of the placeholder's row, then DeepStack's
+    additions after its first layers), and every row's three M-RoPE positions [3, T]."""
 
     rows: torch.Tensor
     embeddings: torch.Tensor

@@ -1,8 +1,9 @@
 """An image as a request gives it (a PIL image, bytes, a data: URL, a path) -> the vision tower's patches.
 
 Preprocessed as HF's Qwen2VLImageProcessor does (PIL's bicubic resize to a multiple of 28 pixels a side within the
-model's pixel budget, CLIP's mean and deviation, 14x14 patches two frames deep, each 2x2 of patches consecutive), so
-that the tower sees what it was trained on. PIL is the library: ridge decodes no image format itself.
+model's pixel budget, CLIP's mean and deviation, 14x14 patches two frames deep, each 2x2 of patches consecutive;
+Qwen3-VL's: 16x16 patches, sides multiples of 32, a mean and a deviation of 0.5), so that the tower sees what it was
+trained on. PIL is the library: ridge decodes no image format itself.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ridge.multimodal.vision_config import VisionConfig
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
@@ -30,7 +33,8 @@ MAX_IMAGE_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class ImageProcessing:
-    """How a model's images are cut into patches: HF's preprocessor_config.json of a Qwen2-VL / Qwen2.5-VL."""
+    """How a model's images are cut into patches: HF's preprocessor_config.json of a Qwen2-VL, Qwen2.5-VL or
+    Qwen3-VL."""
 
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -41,20 +45,27 @@ class ImageProcessing:
     std: tuple[float, ...] = CLIP_STD
 
     @classmethod
-    def of_model(cls, path: Path) -> ImageProcessing:
-        """The model directory's preprocessor_config.json, or Qwen2-VL's defaults where it has none."""
+    def of_model(cls, path: Path, tower: VisionConfig) -> ImageProcessing:
+        """The model directory's preprocessor_config.json, or HF's defaults for the tower's patches where it has none
+        (Qwen2-VL's processor for 14-pixel patches, Qwen3-VL's for 16). Its patches must be the tower's."""
         file = path / "preprocessor_config.json"
+        defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else cls()
         if not file.exists():
-            return cls()
+            return defaults
         config = json.loads(file.read_text())
         size = config.get("size") or {}
-        return cls(
-            min_pixels=config.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
-            max_pixels=config.get("max_pixels", size.get("longest_edge", cls.max_pixels)),
-            patch_size=config.get("patch_size", cls.patch_size),
-            temporal_patch_size=config.get("temporal_patch_size", cls.temporal_patch_size),
-            merge_size=config.get("merge_size", cls.merge_size),
-            mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)))
+        processing = cls(
+            min_pixels=config.get("min_pixels", size.get("shortest_edge", defaults.min_pixels)),
+            max_pixels=config.get("max_pixels", size.get("longest_edge", defaults.max_pixels)),
+            patch_size=config.get("patch_size", defaults.patch_size),
+            temporal_patch_size=config.get("temporal_patch_size", defaults.temporal_patch_size),
+            merge_size=config.get("merge_size", defaults.merge_size),
+            mean=tuple(config.get("image_mean", defaults.mean)), std=tuple(config.get("image_std", defaults.std)))
+        shape = (processing.patch_size, processing.temporal_patch_size, processing.merge_size)
+        if shape != (tower.patch_size, tower.temporal_patch_size, tower.merge_size):
+            raise ValueError(f"{file}: patch_size, temporal_patch_size, merge_size {shape} are not the vision "
+                             f"tower's {(tower.patch_size, tower.temporal_patch_size, tower.merge_size)}")
+        return processing
 
     @property
     def factor(self) -> int:
@@ -77,6 +88,11 @@ class ImageProcessing:
             beta = math.sqrt(self.min_pixels / (height * width))
             h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
         return h, w
+
+
+# HF's preprocessor_config.json of the Qwen3-VL models (Qwen2VLImageProcessor's under other defaults)
+QWEN3_VL_PROCESSING = ImageProcessing(min_pixels=65536, max_pixels=16777216, patch_size=16, mean=(0.5, 0.5, 0.5),
+                                      std=(0.5, 0.5, 0.5))
 
 
 @dataclass(frozen=True)

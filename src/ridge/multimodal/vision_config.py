@@ -11,7 +11,8 @@ VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class VisionConfig:
     """A vision tower's shape: HF's vision_config of Qwen2-VL (LayerNorms, a plain MLP, every block over the whole
-    image) or Qwen2.5-VL (RMSNorms, a gated MLP, windows)."""
+    image), Qwen2.5-VL (RMSNorms, a gated MLP, windows) or Qwen3-VL (Qwen2-VL's blocks over 16-pixel patches, a
+    learned position table, DeepStack's mergers)."""
 
     depth: int
     width: int
@@ -28,29 +29,45 @@ class VisionConfig:
     merge_size: int = 2
     in_channels: int = 3
     rope_theta: float = 10000.0
+    patch_bias: bool = False  # the patch embedding's (Qwen3-VL's)
+    # a learned table of this many positions (a square grid), resampled to each image's grid of patches and added to
+    # the patches' embeddings (Qwen3-VL's); 0: none
+    position_embeddings: int = 0
+    # DeepStack (Qwen3-VL's): after each of these blocks a merger of its own makes rows that the language model adds
+    # to the image tokens' hidden states after its first, second, ... layer
+    deepstack_blocks: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, vision: dict[str, Any], source: str) -> VisionConfig:
-        windowed = "fullatt_block_indexes" in vision  # Qwen2.5-VL's
-        width = vision.get("embed_dim") if not windowed else vision["hidden_size"]
+    def from_hf(cls, vision: dict[str, Any], kind: str, source: str) -> VisionConfig:
+        """kind: the model's HF model_type (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe)."""
+        windowed, qwen3 = kind == "qwen2_5_vl", kind.startswith("qwen3_vl")
+        later = windowed or qwen3  # the tower's width as hidden_size, the output's beside it (Qwen2-VL's: embed_dim)
+        width = vision.get("embed_dim") if not later else vision["hidden_size"]
         if width is None:
             raise ValueError(f"{source}: vision_config: no embed_dim (a Qwen2-VL vision tower's width)")
-        activation = vision.get("hidden_act", "quick_gelu")
+        activation = vision.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "quick_gelu")
         if activation not in VISION_ACTIVATIONS:
             raise ValueError(f"{source}: vision_config.hidden_act: {activation!r} is not supported "
                              f"({', '.join(VISION_ACTIVATIONS)})")
         rope = vision.get("rope_parameters") or {}
+        deepstack = tuple(vision.get("deepstack_visual_indexes") or ()) if qwen3 else ()
+        if any(not 0 <= block < vision["depth"] for block in deepstack):
+            raise ValueError(f"{source}: vision_config.deepstack_visual_indexes: {list(deepstack)} are not all blocks "
+                             f"of a tower of {vision['depth']} (depth)")
         return cls(
             depth=vision["depth"], width=width, num_heads=vision["num_heads"],
-            intermediate_size=(vision["intermediate_size"] if windowed
+            intermediate_size=(vision["intermediate_size"] if later
                                else int(width * vision.get("mlp_ratio", 4))),
-            output_size=vision["out_hidden_size"] if windowed else vision["hidden_size"],
+            output_size=vision["out_hidden_size"] if later else vision["hidden_size"],
             activation=activation, gated_mlp=windowed, rms_norm=windowed,
             window_size=vision.get("window_size") if windowed else None,
             full_attention_blocks=tuple(vision.get("fullatt_block_indexes") or ()),
-            patch_size=vision.get("patch_size", 14), temporal_patch_size=vision.get("temporal_patch_size", 2),
+            patch_size=vision.get("patch_size", 16 if qwen3 else 14),
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
             merge_size=vision.get("spatial_merge_size", 2), in_channels=vision.get("in_channels", 3),
-            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))))
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
+            patch_bias=qwen3, position_embeddings=int(vision.get("num_position_embeddings") or 0) if qwen3 else 0,
+            deepstack_blocks=deepstack)
 
     @property
     def patch_values(self) -> int:

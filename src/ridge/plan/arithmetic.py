@@ -149,15 +149,18 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
 
 
 def vision_params(v: VisionConfig) -> int:
-    """A Qwen2-VL / Qwen2.5-VL vision tower's parameters (models/vision.py): the patch embedding, the blocks (two
-    norms, q/k/v and the output projection, the MLP, all biased) and the merger."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower's parameters (models/vision.py): the patch embedding (and
+    Qwen3-VL's position table), the blocks (two norms, q/k/v and the output projection, the MLP, all biased) and the
+    mergers (Qwen3-VL's DeepStack ones norm the joined patches)."""
     w, inner = v.width, v.intermediate_size
     norm = w if v.rms_norm else 2 * w
     mlp = (3 * w * inner + 2 * inner + w) if v.gated_mlp else (2 * w * inner + inner + w)
     block = 2 * norm + 3 * w * w + 3 * w + w * w + w + mlp
     joined = w * v.merge_size**2
-    merger = norm + joined * joined + joined + joined * v.output_size + v.output_size
-    return v.patch_values * w + v.depth * block + merger
+    merger_linears = joined * joined + joined + joined * v.output_size + v.output_size
+    mergers = norm + merger_linears + len(v.deepstack_blocks) * (norm * v.merge_size**2 + merger_linears)
+    embedding = v.patch_values * w + (w if v.patch_bias else 0) + v.position_embeddings * w
+    return embedding + v.depth * block + mergers
 
 
 def weight_bytes(m: ModelSpec, dtype: str) -> float:
