@@ -345,8 +345,17 @@ class LLMEngine:
         if cfg.vision is None:
             return None
         refused = "a draft model" if config.speculate == "draft" else None  # (the drafter's positions are its own)
-        return ImageReader(ImageProcessing.of_model(target.path, cfg.vision), cfg.image_token_id, cfg.vision.merge_size,
-                           refused)
+        processing = ImageProcessing.of_model(target.path, cfg.vision)
+        if cfg.vision.family != "pixtral":
+            return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused)
+        # Mistral 3's rows of image tokens end in these (its tokenizer's special tokens, as HF's processor names them)
+        marks = {name: self.tokenizer.tokenizer.token_to_id(name) for name in ("[IMG_BREAK]", "[IMG_END]")}
+        if None in marks.values():
+            missing = [name for name, token in marks.items() if token is None]
+            raise ValueError(f"{target.path}: the tokenizer has no {' / '.join(missing)} token, which Mistral 3's "
+                             "image layout needs")
+        return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused, marks["[IMG_BREAK]"],
+                           marks["[IMG_END]"])
 
     def adapter_use(self) -> AdapterUse | None:
         """The adapters running and waiting sequences use (None without enable_lora)."""

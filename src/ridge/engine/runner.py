@@ -322,18 +322,19 @@ class ModelRunner:
 
     def _image_step(self, step: ScheduledStep, positions: torch.Tensor) -> ImageStep | None:
         """The step's image tokens (embeddings from the vision tower, each image's computed when a step first
-        reaches it and dropped once its last token is computed) and every row's M-RoPE positions: None where no
-        sequence of the step computes a token of a prompt with images (the rest turn as one position)."""
+        reaches it and dropped once its last token is computed) and every row's M-RoPE positions (where a prompt of
+        the step has them): None where no sequence of the step computes a token of a prompt with images."""
         if self.model.visual is None:
             return None
         chunks, flat = [], 0
         for seq, n in zip(step.seqs, step.num_tokens, strict=True):
-            if seq.rope_positions is not None and seq.num_computed < seq.prompt_len:
+            if seq.images and seq.num_computed < seq.prompt_len:
                 chunks.append((seq, flat, seq.num_computed, seq.num_computed + n))
             flat += n
         if not chunks:
             return None
-        rope = positions.expand(3, -1).clone()
+        rope = (positions.expand(3, -1).clone() if any(seq.rope_positions is not None for seq, *_ in chunks)
+                else None)
         rows: list[torch.Tensor] = []
         pieces: list[torch.Tensor] = []
         # (the samples of one request share their prompt's images: each image once)
@@ -342,14 +343,18 @@ class ModelRunner:
         self._embed_images(list(reached.values()))
         done = []
         for seq, first, start, end in chunks:
-            in_prompt = min(end, seq.prompt_len) - start
-            rope[:, first:first + in_prompt] = seq.rope_positions[:, start:start + in_prompt]
+            if seq.rope_positions is not None:
+                in_prompt = min(end, seq.prompt_len) - start
+                rope[:, first:first + in_prompt] = seq.rope_positions[:, start:start + in_prompt]
             for image in seq.images:
                 lo, hi = max(start, image.offset), min(end, image.end)
                 if lo >= hi:
                     continue
-                rows.append(torch.arange(first + lo - start, first + hi - start))
-                pieces.append(image.embeddings[lo - image.offset:hi - image.offset])
+                # the places of the span this chunk holds that read the tower's rows, and which rows they read
+                places = image.places()
+                held = (places >= lo - image.offset) & (places < hi - image.offset)
+                rows.append(first + image.offset - start + places[held])
+                pieces.append(image.embeddings[held.to(image.embeddings.device)])
                 if hi == image.end:
                     done.append(image)
         for image in done:
@@ -366,7 +371,7 @@ class ModelRunner:
             return
         patches = torch.cat([image.image.patches for image in images]).to(self.device)
         out = self.model.visual(patches, [image.image.grid for image in images])
-        for image, rows in zip(images, out.split([image.length for image in images]), strict=True):
+        for image, rows in zip(images, out.split([len(image.places()) for image in images]), strict=True):
             image.embeddings = rows
 
     def _adapter_step(self, step: ScheduledStep, read_rows: list[int]) -> AdapterStep | None:

@@ -603,7 +603,7 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
             if not NOT_ENCODER.match(name) or cfg.num_labels and name.startswith("pooler."):
                 yield name, stored
             continue
-        if cfg.vision is not None and (tower := VISION_TOWER.match(name)):  # Qwen2-VL's, run (models/vision.py)
+        if cfg.vision is not None and (tower := VISION_TOWER.match(name)):  # a tower ridge runs: under `visual.`
             yield "visual." + name[tower.end():], stored
             continue
         if NOT_LANGUAGE_MODEL.match(name):

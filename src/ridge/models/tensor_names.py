@@ -95,8 +95,8 @@ LANGUAGE_MODEL_PREFIXES = [(r"model\.language_model\.", "model."), (r"language_m
 NOT_LANGUAGE_MODEL = re.compile(
     r"(model\.)?(vision_tower|vision_model|multi_modal_projector|visual|mtp|audio_tower|embed_vision|embed_audio)\.")
 # a vision tower ridge runs (Qwen2-VL's: models/vision.py, whose modules carry HF's names; Qwen3-VL's MLPs and
-# mergers, named anew, are renamed to them)
-VISION_TOWER = re.compile(r"(model\.)?visual\.")
+# mergers, named anew, are renamed to them), held as the model's `visual` (Mistral 3's two modules under it)
+VISION_TOWER = re.compile(r"(model\.)?(visual\.|(?=(vision_tower|multi_modal_projector)\.))")
 _MERGERS = r"visual\.(merger|deepstack_merger_list\.\d+)\."
 HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)", "visual.blocks.{0}.mlp.fc{1}.{2}",
                     None),

@@ -25,6 +25,7 @@ from ridge.models.layers import (
 from ridge.models.mamba import Mamba2Mixer
 from ridge.models.mla import LatentAttention
 from ridge.models.moe import MLPBesideExperts, MoEBlock
+from ridge.models.pixtral import PixtralVision
 from ridge.models.short_conv import ShortConvMixer
 from ridge.models.vision import ImageStep, VisionTower
 
@@ -69,7 +70,9 @@ class DecoderModel(nn.Module):
         self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
         self.per_layer_projection_norm = (RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
-        self.visual = VisionTower(cfg.vision) if cfg.vision is not None else None  # HF's name: its weights load by it
+        # a vision model's tower (Qwen-VL's: HF's name, its weights load by it; Mistral 3's under it)
+        self.visual = (None if cfg.vision is None else PixtralVision(cfg.vision) if cfg.vision.family == "pixtral"
+                       else VisionTower(cfg.vision))
 
     @staticmethod
     def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:
@@ -190,7 +193,7 @@ class DecoderModel(nn.Module):
         deepstack = 0
         if images is not None:
             x[images.rows] = images.embeddings[:, 0].to(x.dtype)
-            positions = images.rope_positions
+            positions = images.rope_positions if images.rope_positions is not None else positions
             deepstack = images.embeddings.shape[1] - 1
         if self.embed_positions is not None:
             x = self.encoder_embeddings(x, input_ids, positions)

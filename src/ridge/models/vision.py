@@ -208,8 +208,9 @@ def _patch_coordinates(grid: tuple[int, int, int], merge: int, device: torch.dev
 class ImageStep:
     """A step's image tokens: the rows of the step that are image tokens, the tower's output for them [rows,
     levels, hidden] (what the language model reads there in place of the placeholder's row, then DeepStack's
-    additions after its first layers), and every row's three M-RoPE positions [3, T]."""
+    additions after its first layers), and every row's three M-RoPE positions [3, T] (None: a model whose image
+    tokens turn at their index, Mistral 3's)."""
 
     rows: torch.Tensor
     embeddings: torch.Tensor
-    rope_positions: torch.Tensor
+    rope_positions: torch.Tensor | None

@@ -34,7 +34,7 @@ MAX_IMAGE_BYTES = 32 << 20
 @dataclass(frozen=True)
 class ImageProcessing:
     """How a model's images are cut into patches: HF's preprocessor_config.json of a Qwen2-VL, Qwen2.5-VL or
-    Qwen3-VL."""
+    Qwen3-VL, or of a Mistral 3 (Pixtral's processor: longest_edge set)."""
 
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -43,12 +43,17 @@ class ImageProcessing:
     merge_size: int = 2
     mean: tuple[float, ...] = CLIP_MEAN
     std: tuple[float, ...] = CLIP_STD
+    # Pixtral's rule: an image larger than this a side shrunk to fit it, each side then rounded up to `factor`
+    longest_edge: int | None = None
 
     @classmethod
     def of_model(cls, path: Path, tower: VisionConfig) -> ImageProcessing:
         """The model directory's preprocessor_config.json, or HF's defaults for the tower's patches where it has none
-        (Qwen2-VL's processor for 14-pixel patches, Qwen3-VL's for 16). Its patches must be the tower's."""
+        (Qwen2-VL's processor for 14-pixel patches, Qwen3-VL's for 16; Pixtral's). Its patches must be the
+        tower's."""
         file = path / "preprocessor_config.json"
+        if tower.family == "pixtral":
+            return cls._pixtral(file, tower)
         defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else cls()
         if not file.exists():
             return defaults
@@ -67,6 +72,18 @@ class ImageProcessing:
                              f"tower's {(tower.patch_size, tower.temporal_patch_size, tower.merge_size)}")
         return processing
 
+    @classmethod
+    def _pixtral(cls, file: Path, tower: VisionConfig) -> ImageProcessing:
+        config = json.loads(file.read_text()) if file.exists() else {}
+        patch = config.get("patch_size", tower.patch_size)
+        if isinstance(patch, dict):
+            patch = patch["height"] if patch.get("height") == patch.get("width") else patch
+        if patch != tower.patch_size:
+            raise ValueError(f"{file}: patch_size {patch} is not the vision tower's {tower.patch_size}")
+        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
+                   mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)),
+                   longest_edge=int((config.get("size") or {}).get("longest_edge", tower.longest_edge)))
+
     @property
     def factor(self) -> int:
         """A resized side's multiple: one merged token's pixels."""
@@ -74,11 +91,16 @@ class ImageProcessing:
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """The size an image is resized to: each side a multiple of `factor`, the area within [min_pixels,
-        max_pixels], the aspect ratio kept as closely as that allows."""
+        max_pixels], the aspect ratio kept as closely as that allows (Pixtral's: within longest_edge a side)."""
         if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
             raise ValueError(f"image: an aspect ratio of {max(height, width) / min(height, width):.0f} is over the "
                              f"limit of {MAX_ASPECT_RATIO}")
         factor = self.factor
+        if self.longest_edge is not None:
+            ratio = max(height, width) / self.longest_edge
+            if ratio > 1:
+                height, width = math.floor(height / ratio), math.floor(width / ratio)
+            return math.ceil(height / factor) * factor, math.ceil(width / factor) * factor
         h, w = round(height / factor) * factor, round(width / factor) * factor
         if h * w > self.max_pixels:
             beta = math.sqrt(height * width / self.max_pixels)

@@ -36,6 +36,41 @@ class VisionConfig:
     # DeepStack (Qwen3-VL's): after each of these blocks a merger of its own makes rows that the language model adds
     # to the image tokens' hidden states after its first, second, ... layer
     deepstack_blocks: tuple[int, ...] = ()
+    # "qwen" (models/vision.py) or "pixtral" (Mistral 3's: models/pixtral.py: Pixtral's blocks without biases, a
+    # rotary of its own frequency split, and Mistral 3's projector, which merges after a norm and projects twice)
+    family: str = "qwen"
+    norm_eps: float = 1e-6
+    projector_norm_eps: float = 1e-6
+    projector_activation: str = "gelu"
+    projector_bias: bool = False
+    longest_edge: int = 1024  # Pixtral's: the largest side an image is resized to (its config's image_size)
+
+    @classmethod
+    def from_pixtral(cls, outer: dict[str, Any], source: str) -> VisionConfig:
+        """Mistral 3's (Mistral3ForConditionalGeneration's) vision_config (Pixtral's) and its projector's settings."""
+        vision, text = outer["vision_config"], outer.get("text_config") or {}
+        layer = outer.get("vision_feature_layer", -1)
+        if layer != -1:
+            raise ValueError(f"{source}: vision_feature_layer: {layer!r} is not supported (-1: the last block's "
+                             "output)")
+        activation = vision.get("hidden_act", "silu")
+        if activation not in VISION_ACTIVATIONS:
+            raise ValueError(f"{source}: vision_config.hidden_act: {activation!r} is not supported "
+                             f"({', '.join(VISION_ACTIVATIONS)})")
+        projector = outer.get("projector_hidden_act", "gelu")
+        if projector not in VISION_ACTIVATIONS:
+            raise ValueError(f"{source}: projector_hidden_act: {projector!r} is not supported "
+                             f"({', '.join(VISION_ACTIVATIONS)})")
+        rope = vision.get("rope_parameters") or {}
+        return cls(
+            depth=vision["num_hidden_layers"], width=vision["hidden_size"], num_heads=vision["num_attention_heads"],
+            intermediate_size=vision["intermediate_size"], output_size=text["hidden_size"], activation=activation,
+            gated_mlp=True, rms_norm=True, patch_size=vision.get("patch_size", 16), temporal_patch_size=1,
+            merge_size=outer.get("spatial_merge_size", 2), in_channels=vision.get("num_channels", 3),
+            rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))), family="pixtral",
+            norm_eps=1e-5, projector_norm_eps=float(text.get("rms_norm_eps", 1e-5)), projector_activation=projector,
+            projector_bias=bool(outer.get("multimodal_projector_bias", False)),
+            longest_edge=int(vision.get("image_size", 1024)))
 
     @classmethod
     def from_hf(cls, vision: dict[str, Any], kind: str, source: str) -> VisionConfig:

@@ -151,8 +151,13 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
 def vision_params(v: VisionConfig) -> int:
     """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower's parameters (models/vision.py): the patch embedding (and
     Qwen3-VL's position table), the blocks (two norms, q/k/v and the output projection, the MLP, all biased) and the
-    mergers (Qwen3-VL's DeepStack ones norm the joined patches)."""
+    mergers (Qwen3-VL's DeepStack ones norm the joined patches); Mistral 3's Pixtral encoder and projector."""
     w, inner = v.width, v.intermediate_size
+    if v.family == "pixtral":  # no biases in the encoder; the projector's norm, join and two projections
+        layer = 2 * w + 4 * w * w + 3 * w * inner
+        bias = 2 * v.output_size if v.projector_bias else 0
+        projector = w + w * v.merge_size**2 * w + w * v.output_size + v.output_size**2 + bias
+        return v.patch_values * w + w + v.depth * layer + projector
     norm = w if v.rms_norm else 2 * w
     mlp = (3 * w * inner + 2 * inner + w) if v.gated_mlp else (2 * w * inner + inner + w)
     block = 2 * norm + 3 * w * w + 3 * w + w * w + w + mlp
