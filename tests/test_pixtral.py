@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
+from test_vision import GREEDY, data_url, hf_prompt_logprobs, pictures, prompt_logprobs
 from tokenizers import AddedToken
 
-from ridge import SamplingParams
 from test_models_random import byte_tokenizer, with_drawn_norms
-from test_vision import GREEDY, data_url, pictures
 
 SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
 IMG, IMG_BREAK, IMG_END = 256, 257, 258
@@ -145,14 +144,9 @@ def test_greedy_tokens_with_images_equal_hf(mistral3, make_llm_for_test):
     prompt = prompt_with(head, images, parts)
     llm = make_llm_for_test(path, dtype="float32")
     assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
-    scored = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = scored.prompt_token_ids
+    ids, ours = prompt_logprobs(llm, prompt)
     assert ids == laid_out(head, images, parts)
-    ours = torch.tensor([entry[token] for entry, token in zip(scored.prompt_logprobs[1:], ids[1:], strict=True)])
-    with torch.no_grad():
-        logits = hf(**hf_inputs(head, images, parts)).logits[0, :-1].log_softmax(-1)
-    theirs = logits.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
-    assert (ours - theirs).abs().max().item() < 1e-4
+    assert (ours - hf_prompt_logprobs(hf, hf_inputs(head, images, parts))).abs().max().item() < 1e-4
     chunked = make_llm_for_test(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=7)
     outs = chunked.generate([prompt, prompt], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [expected, expected]

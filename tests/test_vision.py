@@ -117,6 +117,20 @@ def hf_greedy(hf, head: list[int], images, parts: list[list[int]], max_new_token
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def prompt_logprobs(llm, prompt) -> tuple[list[int], torch.Tensor]:
+    """The prompt's tokens (its images widened) and ridge's log-probability of each after the first."""
+    scored = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    ids = scored.prompt_token_ids
+    return ids, torch.tensor([entry[token] for entry, token in zip(scored.prompt_logprobs[1:], ids[1:], strict=True)])
+
+
+def hf_prompt_logprobs(hf, inputs: dict) -> torch.Tensor:
+    """HF's log-probability of each prompt token after the first."""
+    with torch.no_grad():
+        logits = hf(**inputs).logits[0, :-1].log_softmax(-1)
+    return logits.gather(1, inputs["input_ids"][0, 1:].unsqueeze(1)).squeeze(1)
+
+
 def llm_tokenizer(path):
     from tokenizers import Tokenizer
 
@@ -186,15 +200,10 @@ def test_greedy_tokens_with_images_equal_hf(vision_model, make_llm_for_test):
     prompt = prompt_with(head, images, parts)
     llm = make_llm_for_test(path, dtype="float32")
     assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
-    scored = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = scored.prompt_token_ids
+    ids, ours = prompt_logprobs(llm, prompt)
     assert ids == hf_inputs(hf, head, images, parts)["input_ids"][0].tolist()
-    ours = torch.tensor([entry[token] for entry, token in zip(scored.prompt_logprobs[1:], ids[1:],
-                                                                           strict=True)])
     for mrope, close in ((True, True), (False, False)):
-        with torch.no_grad():
-            logits = hf(**hf_inputs(hf, head, images, parts, mrope)).logits[0, :-1].log_softmax(-1)
-        theirs = logits.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+        theirs = hf_prompt_logprobs(hf, hf_inputs(hf, head, images, parts, mrope))
         assert ((ours - theirs).abs().max().item() < 1e-4) == close
     # a budget of 7 tokens a step: chunks end inside both images
     chunked = make_llm_for_test(path, dtype="float32", enforce_eager=True, max_num_batched_tokens=7)
