@@ -180,3 +180,26 @@ def test_plan_counts_the_tower(mistral3):
     spec = spec_from_hf_config(json.loads((path / "config.json").read_text()), path.name)
     towers = (hf.model.vision_tower, hf.model.multi_modal_projector)
     assert count_parameters(spec).vision == sum(p.numel() for tower in towers for p in tower.parameters())
+
+
+def test_bench_vision_runs_mistral3_beside_hf(mistral3, capsys, monkeypatch):
+    """`ridge bench vision` on a Mistral 3 folder and on its random preset (cut small here): both engines' images
+    per second, and their first tokens, which agree."""
+    from ridge.bench import vision
+    from ridge.cli import main
+
+    path, _ = mistral3
+    args = ["--dtype", "float32", "--num-images", "2", "--image-size", "56", "--text-len", "4", "--repeats", "1",
+            "--json"]
+    assert main(["bench", "vision", "--model", str(path), *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["image_tokens"] == 4 and report["prompt_tokens"] == 2 * 3 + 4  # two rows of two tokens and a break
+    assert report["first_tokens_agree"] == 2 and all(r["images_s"] > 0 for r in report["rows"])
+    kind, text, tower = vision.PRESETS["mistral-small-3.1"]
+    small_text = {**text, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "head_dim": 16}
+    small_tower = {**tower, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                   "num_attention_heads": 2, "head_dim": 16}
+    monkeypatch.setitem(vision.PRESETS, "tiny", (kind, small_text, small_tower))
+    assert main(["bench", "vision", "--model", "random:tiny", "--lm-layers", "1", *args]) == 0
+    assert json.loads(capsys.readouterr().out)["first_tokens_agree"] == 2

@@ -7,10 +7,11 @@ transformers' model in one batched forward (the same ids, pixels and weights, HF
 in the engine's dtype, the two in turn for --repeats rounds (each one's median). A random-weight model
 (random:qwen3-vl-2b, -4b, -8b, random:qwen2.5-vl-3b, -7b, random:qwen2-vl-2b: the published shapes, weights drawn
 once by HF's initialiser for both engines, the language model cut to --lm-layers layers: the tower, where an image's
-cost lies, whole) or a Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder. Per engine: images per second, the matmul
-FLOP/s of the tower and the language model's layers on those images (2 x their linear parameters a patch or token,
-plus the attention's products) as a fraction of the machine's measured matmul peak (the better of a measure before
-the rounds and one after them); and whether the two engines' first tokens agree. The question it answers: what an
+cost lies, whole; random:mistral-small-3.1, Mistral 3's Pixtral encoder) or a Qwen2-VL / Qwen2.5-VL / Qwen3-VL /
+Mistral 3 HF folder. Per engine: images per second, the matmul FLOP/s of the tower and the language model's layers
+on those images (2 x their linear parameters a patch or token, plus the attention's products) as a fraction of the
+machine's measured matmul peak (the better of a measure before the rounds and one after them); and whether the two
+engines' first tokens agree. The question it answers: what an
 image costs to read, and how near ridge reads it to the compute roofline.
 """
 
@@ -72,27 +73,50 @@ PRESETS = {
                     {**_QWEN3_SMALL_VISION, "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                      "deepstack_visual_indexes": [8, 16, 24], "out_hidden_size": 4096}),
 }
-VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+PRESETS["mistral-small-3.1"] = (
+    "mistral3", {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                 "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e9,
+                 "tie_word_embeddings": False},
+    {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+     "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540, "hidden_act": "silu"})
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3")
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
+# Mistral 3's image tokens, named in the tokenizer (the engine finds the row break and end by name): the random
+# models' last ids, past the bench's byte tokens
+MISTRAL_IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 
 
 def saved_random_vision_model(name: str, lm_layers: int, folder: Path, seed: int = 0) -> Path:
     """PRESETS[name] with lm_layers language-model layers, weights drawn by HF's initialiser, saved as an HF folder
-    with a byte-level tokenizer (and no preprocessor config: its family's defaults)."""
+    with a byte-level tokenizer (Mistral 3's image tokens named in it) and no preprocessor config (its family's
+    defaults)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ridge.tokenizer import byte_level_tokenizer
 
     kind, text, vision = PRESETS[name]
     text = {**text, "num_hidden_layers": lm_layers}
-    config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
-                                  video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-                                  vision_end_token_id=VISION_END, tie_word_embeddings=text["tie_word_embeddings"])
+    vocab = text["vocab_size"]
+    if kind == "mistral3":
+        config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_index=vocab - 3,
+                                      tie_word_embeddings=text["tie_word_embeddings"])
+    else:
+        config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
+                                      video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+                                      vision_end_token_id=VISION_END, tie_word_embeddings=text["tie_word_embeddings"])
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    byte_level_tokenizer(text["vocab_size"])[0].save(str(folder / "tokenizer.json"))
+    tokenizer = json.loads(byte_level_tokenizer(vocab)[0].to_str())
+    if kind == "mistral3":  # the last three placeholder ids renamed, and special
+        names = dict(zip(range(vocab - 3, vocab), MISTRAL_IMAGE_TOKENS, strict=True))
+        tokenizer["model"]["vocab"] = {names.get(i, token): i for token, i in tokenizer["model"]["vocab"].items()}
+        tokenizer["added_tokens"] = [{"id": i, "content": token, "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True}
+                                     for i, token in names.items()]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     return folder
 
 
@@ -120,11 +144,14 @@ class ImageWork:
         tower = model.visual
         cfg = tower.cfg
         patches = grid[0] * grid[1] * grid[2]
-        block = sum(p.numel() for name, p in tower.blocks[0].named_parameters() if p.dim() == 2)
-        mergers = [tower.merger, *tower.deepstack_merger_list]  # DeepStack's (Qwen3-VL's) read every patch too
-        merger = sum(p.numel() for m in mergers for p in m.parameters() if p.dim() == 2)
-        linears = 2 * patches * (cfg.depth * block + tower.patch_embed.proj.weight.numel()) \
-            + 2 * patches // cfg.merge_size**2 * merger
+        if cfg.family == "pixtral":  # the encoder's matrices read each patch, the projector's each merged token
+            encoder = tower.vision_tower
+            per_patch = _matrices(encoder.patch_conv, *encoder.transformer.layers)
+            per_token = _matrices(tower.multi_modal_projector)
+        else:  # DeepStack's mergers (Qwen3-VL's) read every merged token too
+            per_patch = _matrices(tower.patch_embed, *tower.blocks)
+            per_token = _matrices(tower.merger, *tower.deepstack_merger_list)
+        linears = 2 * patches * per_patch + 2 * patches // cfg.merge_size**2 * per_token
         whole = patches
         window = min(patches, (cfg.window_size // cfg.patch_size) ** 2) if cfg.window_size else patches
         spans = [whole if cfg.window_size is None or i in cfg.full_attention_blocks else window
@@ -137,12 +164,17 @@ class ImageWork:
         return cls(linears + attention, lm, patches // cfg.merge_size**2)
 
 
+def _matrices(*modules: torch.nn.Module) -> int:
+    """The weights of these modules' matmuls (a patch convolution's among them), their norms and biases left out."""
+    return sum(p.numel() for module in modules for p in module.parameters() if p.dim() >= 2)
+
+
 def cmd_vision(args: argparse.Namespace) -> int:
     name = args.model.removeprefix("random:")
     if args.model.startswith("random:"):
         if name not in PRESETS:
             raise ValueError(f"--model: {args.model!r} is not random: one of {', '.join(PRESETS)} (or give a "
-                             "Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder)")
+                             "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 HF folder)")
         layers = args.lm_layers or DEFAULT_LM_LAYERS
         with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-") as folder:
             print(f"[bench] drawing {args.model}'s weights ({layers} language-model layers) for both engines ...",
@@ -155,8 +187,8 @@ def cmd_vision(args: argparse.Namespace) -> int:
     path = Path(args.model)
     kind = json.loads((path / "config.json").read_text()).get("model_type") if path.is_dir() else None
     if kind not in VISION_KINDS:
-        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL HF folder or random: "
-                         f"one of {', '.join(PRESETS)}")
+        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 HF folder or "
+                         f"random: one of {', '.join(PRESETS)}")
     return _bench(args, path, args.model)
 
 
@@ -171,7 +203,9 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     images = noise_images(args.num_images, args.image_size)
     config = json.loads((path / "config.json").read_text())
     text = [10 + i % 200 for i in range(args.text_len)]  # byte tokens: in any vocabulary
-    opening = [config["vision_start_token_id"], engine.loaded.config.image_token_id, config["vision_end_token_id"]]
+    image = engine.loaded.config.image_token_id
+    opening = ([config["vision_start_token_id"], image, config["vision_end_token_id"]]
+               if "vision_start_token_id" in config else [image])
     prompts = [{"prompt_token_ids": opening + text, "multi_modal_data": {"image": image}} for image in images]
     first = engine.images.place(prompts[0]["prompt_token_ids"], [images[0]])
     work = ImageWork.of(engine.loaded, first.images[0].image.grid, len(first.token_ids))
@@ -179,8 +213,10 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     peak = roofline.measure_matmul(dtype)
     greedy = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(prompts[:1], greedy)  # warm-up
+    widened = [engine.images.place(p["prompt_token_ids"], [image]).token_ids
+               for p, image in zip(prompts, images, strict=True)]
     hf = None if args.skip_peer else HFVision.load(path, dtype, engine.config.device, engine.images.processing,
-                                                   images, [p["prompt_token_ids"] for p in prompts])
+                                                   images, widened)
     if isinstance(hf, str):
         print(f"[bench] HF transformers: {hf}", file=sys.stderr)
         hf = None
@@ -230,29 +266,32 @@ class HFVision:
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype, device: str, processing: ImageProcessing, images: list,
              prompts: list[list[int]]) -> HFVision | str:
-        """The model on ridge's device, its inputs prepared there by HF's processor under ridge's settings (the
-        folder's preprocessor_config.json, or its family's defaults); or the reason it cannot run."""
+        """The model on ridge's device, its inputs prepared there: the prompts' ids with their images widened
+        (ridge's placement, which the tests hold to HF's processors) and the pixels of HF's image processor under
+        ridge's settings (the folder's preprocessor_config.json, or its family's defaults); or the reason it cannot
+        run."""
         try:
             from transformers import AutoModelForImageTextToText
+            from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
         except ImportError:
             return "transformers is not installed; left out"
         print("[bench] loading HF transformers' model ...", file=sys.stderr)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(device).eval()
-        processor = Qwen2VLImageProcessorPil(
-            patch_size=processing.patch_size, temporal_patch_size=processing.temporal_patch_size,
-            merge_size=processing.merge_size, image_mean=list(processing.mean), image_std=list(processing.std),
-            min_pixels=processing.min_pixels, max_pixels=processing.max_pixels)
-        features = processor(images=images, return_tensors="pt")
-        merge = model.config.vision_config.spatial_merge_size
-        widened = []
-        for ids, grid in zip(prompts, features["image_grid_thw"], strict=True):
-            at = ids.index(model.config.image_token_id)
-            widened.append(ids[:at] + [ids[at]] * (int(grid.prod()) // merge**2) + ids[at + 1:])
-        input_ids = torch.tensor(widened)
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                  "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
-                  "pixel_values": features["pixel_values"].to(dtype), "image_grid_thw": features["image_grid_thw"]}
+        input_ids = torch.tensor(prompts)
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        common = {"image_mean": list(processing.mean), "image_std": list(processing.std)}
+        if processing.longest_edge is not None:  # Mistral 3's: Pixtral's processor, sides of a merged token
+            features = PixtralImageProcessorPil(size={"longest_edge": processing.longest_edge}, **common)(
+                images=images, return_tensors="pt", patch_size=processing.factor)
+            inputs.update(pixel_values=features["pixel_values"].to(dtype), image_sizes=features["image_sizes"])
+        else:
+            features = Qwen2VLImageProcessorPil(
+                patch_size=processing.patch_size, temporal_patch_size=processing.temporal_patch_size,
+                merge_size=processing.merge_size, min_pixels=processing.min_pixels,
+                max_pixels=processing.max_pixels, **common)(images=images, return_tensors="pt")
+            inputs.update(mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+                          pixel_values=features["pixel_values"].to(dtype), image_grid_thw=features["image_grid_thw"])
         hf = cls(model, {key: value.to(device) for key, value in inputs.items()})
         hf.first_tokens()  # the first call's one-off costs
         return hf
