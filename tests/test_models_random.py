@@ -826,8 +826,9 @@ def test_a_random_ministral3_written_as_gguf_reads_back_as_the_same_model(random
 @pytest.mark.parametrize("wrapper", ["mistral3", "llava"])
 def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapper, tmp_path, make_llm_for_test):
     """Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2) and LlavaForConditionalGeneration (Pixtral) hold a
-    language model of whichever family their text_config names: served as that family for text (HF's logits), the
-    vision tower not loaded; a family ridge does not run is refused by its name."""
+    language model of whichever family their text_config names: served as that family for text (HF's logits), with
+    Mistral 3's vision tower (images: tests/test_pixtral.py; refused by name here, the tokenizer lacking Pixtral's
+    row tokens), without LLaVA's; a family ridge does not run is refused by its name."""
     import json
 
     from transformers import AutoModelForImageTextToText, LlavaConfig, Mistral3Config
@@ -850,7 +851,11 @@ def test_a_vision_wrapper_serves_its_language_model_of_the_family_it_names(wrapp
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     llm = make_llm_for_test(tmp_path, dtype="float32")
     assert llm.engine.loaded.config.architecture == "mistral"
-    assert not any("vision" in key or "projector" in key for key in llm.engine.loaded.model.state_dict())
+    towers = any("vision" in key or "projector" in key for key in llm.engine.loaded.model.state_dict())
+    assert towers == (wrapper == "mistral3")
+    if towers:
+        with pytest.raises(ValueError, match=r"images: not supported with this tokenizer: it has no \[IMG_BREAK\]"):
+            llm.generate({"prompt_token_ids": [5, 10], "multi_modal_data": {"image": b"unread"}})
     assert_logits_match_hf(make_llm_for_test, tmp_path, model, VOCAB)
     config = json.loads((tmp_path / "config.json").read_text())
     config["text_config"]["model_type"] = "jamba"

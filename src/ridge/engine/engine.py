@@ -350,10 +350,9 @@ class LLMEngine:
             return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused)
         # Mistral 3's rows of image tokens end in these (its tokenizer's special tokens, as HF's processor names them)
         marks = {name: self.tokenizer.tokenizer.token_to_id(name) for name in ("[IMG_BREAK]", "[IMG_END]")}
-        if None in marks.values():
-            missing = [name for name, token in marks.items() if token is None]
-            raise ValueError(f"{target.path}: the tokenizer has no {' / '.join(missing)} token, which Mistral 3's "
-                             "image layout needs")
+        missing = [name for name, token in marks.items() if token is None]
+        if missing and refused is None:  # the model serves text; a request's images are refused, saying why
+            refused = f"this tokenizer: it has no {' / '.join(missing)} token (Mistral 3's image layout)"
         return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused, marks["[IMG_BREAK]"],
                            marks["[IMG_END]"])
 

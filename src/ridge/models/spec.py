@@ -361,10 +361,10 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "mrope" or "mrope_section" in scaling:  # Qwen-VL's: a text token turns a plain rotary
         fields.update(_vision_fields(outer, scaling, source))
-    if outer.get("model_type") == "mistral3" and "vision_config" in outer:
+        rope_type, scaling = "default", {key: value for key, value in scaling.items() if key == "rope_theta"}
+    if outer.get("model_type") == "mistral3" and "vision_config" in outer:  # its images turn at their indexes
         fields.update(vision=VisionConfig.from_pixtral(outer, f"{source}: mistral3"),
                       image_token_id=int(outer.get("image_token_index", outer.get("image_token_id", 10))))
-        rope_type, scaling = "default", {key: value for key, value in scaling.items() if key == "rope_theta"}
     if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # HF's Phi3Config reads both as longrope
         rope_type, scaling = "longrope", {**scaling, "rope_type": "longrope"}
         scaling.pop("type", None)
