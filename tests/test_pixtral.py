@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from test_vision import GREEDY, data_url, hf_prompt_logprobs, pictures, prompt_logprobs
-from tokenizers import AddedToken
+from test_vision import GREEDY, data_url, hf_prompt_logprobs, pictures, prompt_logprobs, saved_with_tokenizer
 
-from test_models_random import byte_tokenizer, with_drawn_norms
+from test_models_random import with_drawn_norms
 
 SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"]
 IMG, IMG_BREAK, IMG_END = 256, 257, 258
@@ -51,13 +50,7 @@ def mistral3(tmp_path_factory):
                                                          image_token_index=IMG, spatial_merge_size=MERGE,
                                                          tie_word_embeddings=False))
     hf = with_drawn_norms(hf.float().eval())
-    hf.save_pretrained(path)
-    hf_processor().save_pretrained(path)
-    tokenizer = byte_tokenizer()
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path, hf
+    return saved_with_tokenizer(hf, path, hf_processor(), SPECIALS, TEMPLATE), hf
 
 
 def laid_out(head: list[int], images, parts: list[list[int]]) -> list[int]:

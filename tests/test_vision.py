@@ -83,13 +83,19 @@ def random_vision_model(kind: str, path):
     torch.manual_seed(0)
     hf = getattr(transformers, names[kind] + "ForConditionalGeneration")(config)
     hf = with_drawn_norms(hf.float().eval())
+    return saved_with_tokenizer(hf, path, hf_processor(kind), SPECIALS, TEMPLATE), hf
+
+
+def saved_with_tokenizer(hf, path, processor, specials: list[str], template: str):
+    """HF's model saved with its image processor and a byte-level tokenizer of these special tokens (ids 256 on)
+    and this chat template: the folder."""
     hf.save_pretrained(path)
-    hf_processor(kind).save_pretrained(path)
+    processor.save_pretrained(path)
     tokenizer = byte_tokenizer()
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path, hf
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return path
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])

@@ -32,6 +32,9 @@ class PrefillChunk:
     length: int
     context_len: int  # tokens in the cache once this chunk is written (cached prefix + chunk)
     block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
+    # each query's last visible key (cache index) where some query sees past itself: Gemma 3's image tokens see
+    # their whole image, which the scheduler keeps within one chunk (never cut); None: every query its own prefix
+    last_keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -140,9 +143,12 @@ def sink_correction_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) 
     out.mul_(torch.sigmoid(lse - sinks.float()).to(out.dtype).unsqueeze(-1))
 
 
-def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: Window | None) -> torch.Tensor:
-    """[n, L] True where a query at query_pos may see the key at key_pos: causal, within the window."""
-    visible = key_pos[None, :] <= query_pos[:, None]
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: Window | None,
+                last_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, L] True where a query at query_pos may see the key at key_pos: causal (up to its last_keys where given),
+    within the window."""
+    last = query_pos if last_keys is None else last_keys.to(query_pos.device)
+    visible = key_pos[None, :] <= last[:, None]
     if window is not None:
         visible &= key_pos[None, :] >= window.first_key(query_pos)[:, None]
     return visible

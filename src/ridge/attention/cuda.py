@@ -85,9 +85,10 @@ class CudaBackend(PagedBackend):
         return k.reshape(shape).movedim(-2, 0), v.reshape(shape).movedim(-2, 0)  # [H, ..., n * bs, d]
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        fresh = [chunk for chunk in meta.prefills if chunk.context_len == chunk.length]
+        # (the context kernel reads each row's own prefix: a chunk whose queries see past themselves goes to SDPA)
+        fresh = [chunk for chunk in meta.prefills if chunk.context_len == chunk.length or chunk.last_keys is not None]
         meta.sdpa_chunks = [self._sdpa_chunk(chunk, meta.window) for chunk in fresh]
-        continued = [chunk for chunk in meta.prefills if chunk.context_len > chunk.length]
+        continued = [chunk for chunk in meta.prefills if chunk.context_len > chunk.length and chunk.last_keys is None]
         meta.backend_state = ContextPrefill.of(continued, self.triton) if continued else None
 
     def attend(

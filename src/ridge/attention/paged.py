@@ -88,7 +88,8 @@ class PagedBackend(AttentionBackend):
         tables, lens = [meta.decode_block_tables], [meta.decode_context_lens]
         meta.sdpa_chunks = []
         for chunk in meta.prefills:
-            if in_place and chunk.context_len > chunk.length and chunk.length <= IN_PLACE_MAX_CHUNK:
+            if (in_place and chunk.context_len > chunk.length and chunk.length <= IN_PLACE_MAX_CHUNK
+                    and chunk.last_keys is None):  # (the kernel reads each row's own prefix)
                 n = chunk.length
                 rows.append(torch.arange(chunk.start, chunk.start + n, device=device))
                 tables.append(chunk.block_table.unsqueeze(0).expand(n, -1))
@@ -126,13 +127,14 @@ class PagedBackend(AttentionBackend):
         if chunk.context_len == chunk.length:
             within = window is None or window.first_key(chunk.length - 1) == 0  # then causal is the whole mask
             pos = torch.arange(chunk.length, device=device)
-            return SdpaChunk(chunk, None if within else window_mask(pos, pos, window))
+            plain = within and chunk.last_keys is None
+            return SdpaChunk(chunk, None if plain else window_mask(pos, pos, window, chunk.last_keys))
         query_pos = torch.arange(chunk.context_len - chunk.length, chunk.context_len, device=device)
         first_key = 0 if window is None else window.first_key(chunk.context_len - chunk.length)
         first_block = first_key // self.block_size
         width = (chunk.block_table.shape[0] - first_block) * self.block_size
         key_pos = torch.arange(first_block * self.block_size, first_block * self.block_size + width, device=device)
-        return SdpaChunk(chunk, window_mask(query_pos, key_pos, window), first_block)
+        return SdpaChunk(chunk, window_mask(query_pos, key_pos, window, chunk.last_keys), first_block)
 
     def _set_kernel_rows(self, meta: AttentionMetadata, rows: torch.Tensor | None, tables: torch.Tensor,
                          lens: torch.Tensor) -> None:

@@ -27,12 +27,14 @@ class ReferenceBackend(AttentionBackend):
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.length)
             out[rows] = self._one(layer, q[rows], chunk.block_table, chunk.context_len, meta.window, sinks,
-                                  meta.causal)
+                                  meta.causal, chunk.last_keys)
         return out
 
     def _one(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_len: int,
-             window: Window | None, sinks: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
-        """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]; causal False: each sees them all."""
+             window: Window | None, sinks: torch.Tensor | None, causal: bool = True,
+             last_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [n, heads, d], the last n of context_len tokens -> [n, heads, d]; causal False: each sees them all;
+        last_keys: each query's last visible key where it sees past itself (PrefillChunk)."""
         k, v = self.gather(layer, block_table)
         group = q.shape[1] // k.shape[0]
         k = k[:, :context_len].repeat_interleave(group, dim=0).float()  # [heads, ctx, d]
@@ -42,7 +44,8 @@ class ReferenceBackend(AttentionBackend):
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         if causal:
-            visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window)
+            visible = window_mask(torch.arange(context_len - n, context_len), torch.arange(context_len), window,
+                                  last_keys)
             scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         weights = scores.softmax(-1) if sinks is None else sink_softmax(scores, sinks)
         return torch.einsum("hnc,hcd->nhd", weights, v).to(q.dtype)

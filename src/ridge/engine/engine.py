@@ -314,6 +314,7 @@ class LLMEngine:
                              "images: placed in another prompt (the prompt is the placed images' token_ids)")
         if not validated:
             self.validate(ids, params, embed)
+        spans = self._bidirectional_spans(images)
         check_priority(self.config.schedule_policy, priority)
         adapter = self._adapter(lora_request)
         request_id = request_id if request_id is not None else str(next(self._request_ids))
@@ -332,12 +333,29 @@ class LLMEngine:
                            bad_word_ids=banned, adapter=adapter, priority=priority)
             if images is not None:  # the samples share the images (their tower output is computed once)
                 seq.images, seq.rope_positions, seq.rope_delta = images.images, images.rope_positions, images.rope_delta
+                seq.bidirectional_spans = spans
             if arrival_time is not None:  # the time the caller received it, before any queue in between
                 seq.timings.arrival = arrival_time
             seqs.append(seq)
         self._requests[request_id] = _Request(request_id, seqs)
         self.scheduler.add(seqs)
         return request_id
+
+    def _bidirectional_spans(self, images: ImagePrompt | None) -> list[tuple[int, int]]:
+        """A prompt's spans whose tokens attend both ways (Gemma 3's images: each image's tokens); each must fit one
+        step, which computes it whole."""
+        vision = self.loaded.config.vision
+        if images is None or vision is None or not vision.bidirectional:
+            return []
+        spans = []
+        for image in images.images:
+            places = image.places()
+            spans.append((image.offset + int(places[0]), image.offset + int(places[-1]) + 1))
+        budget = self.config.max_num_batched_tokens
+        if spans and max(end - start for start, end in spans) > budget:
+            raise ValueError(f"images: an image's {max(end - start for start, end in spans)} tokens, computed in one "
+                             f"step, are over max_num_batched_tokens ({budget})")
+        return spans
 
     def _image_reader(self, target: ModelFile) -> ImageReader | None:
         """How requests' images reach this engine's vision model (its preprocessor_config.json); None without one."""
@@ -346,6 +364,14 @@ class LLMEngine:
             return None
         refused = "a draft model" if config.speculate == "draft" else None  # (the drafter's positions are its own)
         processing = ImageProcessing.of_model(target.path, cfg.vision)
+        if cfg.vision.bidirectional and config.batch_invariant and refused is None:
+            refused = "batch_invariant (its kernel reads each token's own prefix; an image's tokens see all of it)"
+        if cfg.vision.family == "siglip":  # Gemma 3's: "\n\n<start_of_image>", the image, "<end_of_image>\n\n"
+            newlines = tuple(self.tokenizer.encode("\n\n", add_special_tokens=False))
+            return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused,
+                               placeholder_id=cfg.vision.start_token_id,
+                               before=(*newlines, cfg.vision.start_token_id),
+                               after=(cfg.vision.end_token_id, *newlines))
         if cfg.vision.family != "pixtral":
             return ImageReader(processing, cfg.image_token_id, cfg.vision.merge_size, refused)
         # Mistral 3's rows of image tokens end in these (its tokenizer's special tokens, as HF's processor names them)

@@ -404,6 +404,19 @@ class ModelRunner:
                          torch.tensor(restores, **as_long) if restores else None,
                          torch.tensor(saves, **as_long) if saves else None)
 
+    def _last_keys(self, seq: Sequence, n: int) -> torch.Tensor | None:
+        """The last key (cache index) each of seq's next n tokens sees where one of them sees past itself: a token
+        of a span that attends both ways sees to the span's end (which the chunk holds: KVManager.chunk_end)."""
+        start = seq.num_computed
+        overlapping = [(max(lo, start), min(hi, start + n), hi) for lo, hi in seq.bidirectional_spans
+                       if lo < start + n and hi > start]
+        if not overlapping:
+            return None
+        last = torch.arange(start, start + n)
+        for lo, hi, stop in overlapping:
+            last[lo - start:hi - start] = stop - 1
+        return (last - seq.num_evicted).to(self.device)
+
     def _group_metadata(self, step: ScheduledStep, group: int, window: Window | None) -> AttentionMetadata:
         """One KV group's slots and block tables for the step."""
         bs = self.block_size
@@ -415,9 +428,8 @@ class ModelRunner:
             start, end = seq.num_computed - seq.num_evicted, seq.num_computed - seq.num_evicted + n
             table = seq.block_tables[group]
             if i >= step.num_decodes:
-                prefills.append(
-                    PrefillChunk(flat, n, end, torch.tensor(table[: -(-end // bs)], device=self.device))
-                )
+                prefills.append(PrefillChunk(flat, n, end, torch.tensor(table[: -(-end // bs)], device=self.device),
+                                             self._last_keys(seq, n)))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             flat += n
         decodes = step.seqs[: step.num_decodes]

@@ -185,6 +185,8 @@ class Scheduler:
                 continue
             n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending + len(seq.draft_ids), budget))
             n -= seq.num_computed
+            if n == 0:  # its next tokens attend both ways and are over the budget left: a later step takes them
+                continue
             del seq.draft_ids[max(n - seq.num_pending, 0):]  # drafts beyond the budget are dropped
             while not self.kv.reserve(seq, seq.num_computed + n):
                 victim = max(self.running, key=importance) if self.policy == "priority" else self.running[-1]
@@ -223,6 +225,9 @@ class Scheduler:
                 if seq.num_computed == 0:
                     self.kv.take_cached_prefix(seq)
                 n = self.kv.chunk_end(seq, seq.num_computed + min(seq.num_pending, budget)) - seq.num_computed
+                if n == 0:  # its next tokens attend both ways and are over the budget left: it waits its turn
+                    self.kv.free(seq)
+                    break
                 room = self.kv.reserve(seq, seq.num_computed + n)
                 if not room:
                     self.kv.free(seq)  # the cached blocks go back; it tries again (next step, or after a displacement)

@@ -69,6 +69,9 @@ class Sequence:
     images: list[PlacedImage] = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # spans of the prompt [start, end) whose tokens attend to each other both ways (Gemma 3's images): a prefill
+    # chunk never ends inside one (KVManager.chunk_end), and its queries there see to the span's end
+    bidirectional_spans: list[tuple[int, int]] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group, set by the KV manager

@@ -155,8 +155,14 @@ class KVManager:
         return [blocks * self.block_size for blocks in sorted({branch, usable}) if blocks > hit]
 
     def chunk_end(self, seq: Sequence, end: int) -> int:
-        """Where a step computing seq's tokens up to `end` must stop: at the first of its snapshot points before."""
-        return next((p for p in seq.snapshot_points if seq.num_computed < p < end), end)
+        """Where a step computing seq's tokens up to `end` must stop: at the first of its snapshot points before; and
+        not inside a span of tokens that attend both ways (before it, or where the chunk starts in it, nowhere:
+        the sequence waits for a step with room for the rest of it)."""
+        end = next((p for p in seq.snapshot_points if seq.num_computed < p < end), end)
+        for start, stop in seq.bidirectional_spans:
+            if start < end < stop:
+                return max(start, seq.num_computed)
+        return end
 
     def _lookup(self, seq: Sequence) -> tuple[int, list[list[int]]]:
         """The longest hit every group can serve, in blocks, and each group's table for it."""

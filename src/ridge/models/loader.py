@@ -50,6 +50,7 @@ from ridge.models.tensor_names import (
     LANGUAGE_MODEL_PREFIXES,
     NOT_ENCODER,
     NOT_LANGUAGE_MODEL,
+    UNREAD_VISION,
     VISION_TOWER,
     gguf_names,
     hf_names,
@@ -604,7 +605,8 @@ def _hf_language_model(tensors: Iterator[tuple[str, _Stored]], cfg: ModelConfig,
                 yield name, stored
             continue
         if cfg.vision is not None and (tower := VISION_TOWER.match(name)):  # a tower ridge runs: under `visual.`
-            yield "visual." + name[tower.end():], stored
+            if not UNREAD_VISION.match(name, tower.end()):
+                yield "visual." + name[tower.end():], stored
             continue
         if NOT_LANGUAGE_MODEL.match(name):
             continue

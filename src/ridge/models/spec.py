@@ -365,6 +365,9 @@ def spec_from_hf_config(config: dict, name: str, source: str = "config.json") ->
     if outer.get("model_type") == "mistral3" and "vision_config" in outer:  # its images turn at their indexes
         fields.update(vision=VisionConfig.from_pixtral(outer, f"{source}: mistral3"),
                       image_token_id=int(outer.get("image_token_index", outer.get("image_token_id", 10))))
+    if outer.get("model_type") == "gemma3" and "vision_config" in outer:
+        fields.update(vision=VisionConfig.from_gemma3(outer, f"{source}: gemma3"),
+                      image_token_id=int(outer.get("image_token_index", outer.get("image_token_id", 262144))))
     if config.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # HF's Phi3Config reads both as longrope
         rope_type, scaling = "longrope", {**scaling, "rope_type": "longrope"}
         scaling.pop("type", None)

@@ -97,12 +97,16 @@ NOT_LANGUAGE_MODEL = re.compile(
 # a vision tower ridge runs (Qwen2-VL's: models/vision.py, whose modules carry HF's names; Qwen3-VL's MLPs and
 # mergers, named anew, are renamed to them), held as the model's `visual` (Mistral 3's two modules under it)
 VISION_TOWER = re.compile(r"(model\.)?(visual\.|(?=(vision_tower|multi_modal_projector)\.))")
+# SigLIP's pooling head, which Gemma 3 does not read (it reads every patch's state)
+UNREAD_VISION = re.compile(r"vision_tower\.(vision_model\.)?head\.")
 _MERGERS = r"visual\.(merger|deepstack_merger_list\.\d+)\."
 HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)", "visual.blocks.{0}.mlp.fc{1}.{2}",
                     None),
                    (_MERGERS + r"norm\.(weight|bias)", "visual.{0}.ln_q.{1}", None),
                    (_MERGERS + r"linear_fc1\.(weight|bias)", "visual.{0}.mlp.0.{1}", None),
                    (_MERGERS + r"linear_fc2\.(weight|bias)", "visual.{0}.mlp.2.{1}", None),
+                   # SigLIP's as Gemma 3's published checkpoints nest it (HF transformers 5 saves it unnested)
+                   (r"visual\.vision_tower\.vision_model\.(.+)", "visual.vision_tower.{0}", None),
                    (r"visual\.(.+)", "visual.{0}", None)]
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),

@@ -27,6 +27,7 @@ from ridge.models.mla import LatentAttention
 from ridge.models.moe import MLPBesideExperts, MoEBlock
 from ridge.models.pixtral import PixtralVision
 from ridge.models.short_conv import ShortConvMixer
+from ridge.models.siglip import SiglipVision
 from ridge.models.vision import ImageStep, VisionTower
 
 
@@ -71,8 +72,8 @@ class DecoderModel(nn.Module):
         self.per_layer_projection_norm = (RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
         # a vision model's tower (Qwen-VL's: HF's name, its weights load by it; Mistral 3's under it)
-        self.visual = (None if cfg.vision is None else PixtralVision(cfg.vision) if cfg.vision.family == "pixtral"
-                       else VisionTower(cfg.vision))
+        towers = {"pixtral": PixtralVision, "siglip": SiglipVision}
+        self.visual = None if cfg.vision is None else towers.get(cfg.vision.family, VisionTower)(cfg.vision)
 
     @staticmethod
     def _mixer(cfg: ModelConfig, layer: int) -> nn.Module:

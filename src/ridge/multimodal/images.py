@@ -45,6 +45,8 @@ class ImageProcessing:
     std: tuple[float, ...] = CLIP_STD
     # Pixtral's rule: an image larger than this a side shrunk to fit it, each side then rounded up to `factor`
     longest_edge: int | None = None
+    square: int | None = None  # SigLIP's (Gemma 3's): every image resized to this side, its aspect ratio not kept
+    bilinear: bool = False  # PIL's bilinear resize (Gemma 3's processor) rather than bicubic
 
     @classmethod
     def of_model(cls, path: Path, tower: VisionConfig) -> ImageProcessing:
@@ -54,6 +56,8 @@ class ImageProcessing:
         file = path / "preprocessor_config.json"
         if tower.family == "pixtral":
             return cls._pixtral(file, tower)
+        if tower.family == "siglip":
+            return cls._siglip(file, tower)
         defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else cls()
         if not file.exists():
             return defaults
@@ -84,6 +88,20 @@ class ImageProcessing:
                    mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)),
                    longest_edge=int((config.get("size") or {}).get("longest_edge", tower.longest_edge)))
 
+    @classmethod
+    def _siglip(cls, file: Path, tower: VisionConfig) -> ImageProcessing:
+        config = json.loads(file.read_text()) if file.exists() else {}
+        if config.get("do_pan_and_scan"):
+            raise ValueError(f"{file}: do_pan_and_scan: Gemma 3's pan and scan (crops of an image as more images) is "
+                             "not supported")
+        size = config.get("size") or {"height": tower.longest_edge, "width": tower.longest_edge}
+        if (size.get("height"), size.get("width")) != (tower.longest_edge, tower.longest_edge):
+            raise ValueError(f"{file}: size {size} is not the vision tower's {tower.longest_edge}x{tower.longest_edge}")
+        half = (0.5, 0.5, 0.5)  # HF's Gemma 3 processor's defaults (ImageNet's standard mean and deviation)
+        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
+                   mean=tuple(config.get("image_mean", half)), std=tuple(config.get("image_std", half)),
+                   square=tower.longest_edge, bilinear=config.get("resample", 2) == 2)
+
     @property
     def factor(self) -> int:
         """A resized side's multiple: one merged token's pixels."""
@@ -96,6 +114,8 @@ class ImageProcessing:
             raise ValueError(f"image: an aspect ratio of {max(height, width) / min(height, width):.0f} is over the "
                              f"limit of {MAX_ASPECT_RATIO}")
         factor = self.factor
+        if self.square is not None:
+            return self.square, self.square
         if self.longest_edge is not None:
             ratio = max(height, width) / self.longest_edge
             if ratio > 1:
@@ -205,7 +225,8 @@ def preprocess_image(image: Image.Image, processing: ImageProcessing) -> ImagePa
     p, merge, frames = processing.patch_size, processing.merge_size, processing.temporal_patch_size
     height, width = processing.resized(image.height, image.width)
     if (image.height, image.width) != (height, width):
-        image = image.resize((width, height), Image.Resampling.BICUBIC)
+        image = image.resize((width, height), Image.Resampling.BILINEAR if processing.bilinear
+                             else Image.Resampling.BICUBIC)
     pixels = np.asarray(image, dtype=np.float32) / 255.0  # [H, W, C]
     pixels = (pixels - np.asarray(processing.mean, dtype=np.float32)) / np.asarray(processing.std, dtype=np.float32)
     channels = pixels.shape[-1]

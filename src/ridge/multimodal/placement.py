@@ -1,6 +1,7 @@
 """Images placed in a token prompt: each image's one placeholder token widened to the tokens the vision tower makes
 of it, and the prompt's multimodal rotary positions (Qwen2-VL's M-RoPE). Mistral 3's images are laid out row by row,
-a break token after each row and an end token after the last, and turn at their indexes as text does.
+a break token after each row and an end token after the last, Gemma 3's between newlines and a start and an end
+token; both turn at their indexes as text does.
 
 M-RoPE turns each head's frequencies in three sections by three positions: time, row and column. A text token's
 three are equal, one past the position before it; an image's tokens sit on its grid of merged patches (time fixed,
@@ -57,7 +58,8 @@ class ImageReader:
     """How an engine of a vision model reads a request's images: preprocessed by `processing`, placed at its
     placeholder token; `refused`: why this engine takes none (its configuration), said when a request brings one.
     Made by the engine, and sent to the server's process, which prepares a request's images before queuing it.
-    row_break_id, image_end_id: Mistral 3's layout (place_rows) where set."""
+    row_break_id, image_end_id: Mistral 3's layout (place_rows) where set; placeholder_id, before, after: Gemma 3's
+    (place_framed) where placeholder_id is set."""
 
     processing: ImageProcessing
     image_token_id: int
@@ -65,6 +67,9 @@ class ImageReader:
     refused: str | None = None
     row_break_id: int | None = None
     image_end_id: int | None = None
+    placeholder_id: int | None = None
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
 
     def place(self, token_ids: list[int], sources: list, local_files: bool | Path = True) -> ImagePrompt:
         """token_ids with the images of `sources` placed (multimodal/images.py's load_image reads them, and local
@@ -72,6 +77,9 @@ class ImageReader:
         if self.refused is not None:
             raise ValueError(f"images: not supported with {self.refused}")
         images = [preprocess_image(load_image(source, local_files), self.processing) for source in sources]
+        if self.placeholder_id is not None:
+            return place_framed(token_ids, images, self.placeholder_id, self.image_token_id, self.merge_size,
+                                self.before, self.after)
         if self.row_break_id is not None and self.image_end_id is not None:
             return place_rows(token_ids, images, self.image_token_id, self.merge_size, self.row_break_id,
                               self.image_end_id)
@@ -103,6 +111,23 @@ def place_rows(token_ids: list[int], images: list[ImagePatches], image_token_id:
         read = torch.arange(len(span)).view(rows, columns + 1)[:, :columns].flatten()
         placed.append(PlacedImage(len(widened), len(span), image, rows=read))
         widened += span
+        previous = mark + 1
+    return ImagePrompt(widened + token_ids[previous:], placed, None, 0)
+
+
+def place_framed(token_ids: list[int], images: list[ImagePatches], placeholder_id: int, image_token_id: int,
+                 merge_size: int, before: tuple[int, ...], after: tuple[int, ...]) -> ImagePrompt:
+    """Replace the i-th placeholder with `before`, images[i]'s tokens, `after` (Gemma 3's: the newlines and its
+    start token, then its end token and the newlines); the tokens turn at their indexes."""
+    widened: list[int] = []
+    placed: list[PlacedImage] = []
+    previous = 0
+    for mark, image in zip(_placeholders(token_ids, images, placeholder_id), images, strict=True):
+        widened += token_ids[previous:mark]
+        tokens = image.num_tokens(merge_size)
+        rows = torch.arange(len(before), len(before) + tokens)
+        placed.append(PlacedImage(len(widened), len(before) + tokens + len(after), image, rows=rows))
+        widened += [*before, *[image_token_id] * tokens, *after]
         previous = mark + 1
     return ImagePrompt(widened + token_ids[previous:], placed, None, 0)
 

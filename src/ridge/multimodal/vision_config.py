@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")
+
+
+def _activation(name: str, field: str, source: str) -> str:
+    if name not in VISION_ACTIVATIONS:
+        raise ValueError(f"{source}: {field}: {name!r} is not supported ({', '.join(VISION_ACTIVATIONS)})")
+    return name
 
 
 @dataclass(frozen=True)
@@ -36,14 +43,44 @@ class VisionConfig:
     # DeepStack (Qwen3-VL's): after each of these blocks a merger of its own makes rows that the language model adds
     # to the image tokens' hidden states after its first, second, ... layer
     deepstack_blocks: tuple[int, ...] = ()
-    # "qwen" (models/vision.py) or "pixtral" (Mistral 3's: models/pixtral.py: Pixtral's blocks without biases, a
-    # rotary of its own frequency split, and Mistral 3's projector, which merges after a norm and projects twice)
+    # "qwen" (models/vision.py), "pixtral" (Mistral 3's: models/pixtral.py: Pixtral's blocks without biases, a
+    # rotary of its own frequency split, and Mistral 3's projector, which merges after a norm and projects twice) or
+    # "siglip" (Gemma 3's: models/siglip.py: SigLIP over a fixed square image, its patches pooled merge_size x
+    # merge_size into tokens)
     family: str = "qwen"
     norm_eps: float = 1e-6
     projector_norm_eps: float = 1e-6
     projector_activation: str = "gelu"
     projector_bias: bool = False
-    longest_edge: int = 1024  # Pixtral's: the largest side an image is resized to (its config's image_size)
+    # Pixtral's: the largest side an image is resized to; SigLIP's: the side of the square every image is resized to
+    # (each its config's image_size)
+    longest_edge: int = 1024
+    # Gemma 3's: an image's tokens attend to each other both ways in the language model (the rest causally), between
+    # a start and an end token of their own (its chat template writes the start token where an image goes)
+    bidirectional: bool = False
+    start_token_id: int | None = None
+    end_token_id: int | None = None
+
+    @classmethod
+    def from_gemma3(cls, outer: dict[str, Any], source: str) -> VisionConfig:
+        """Gemma 3's (Gemma3ForConditionalGeneration's) vision_config (SigLIP's) and its projector's pooling."""
+        vision, text = outer["vision_config"], outer.get("text_config") or {}
+        side = vision.get("image_size", 224) // vision.get("patch_size", 14)  # patches a side
+        tokens_side = math.isqrt(outer.get("mm_tokens_per_image", 256))
+        if tokens_side**2 != outer.get("mm_tokens_per_image", 256) or side % tokens_side:
+            raise ValueError(f"{source}: mm_tokens_per_image: {outer.get('mm_tokens_per_image')} is not a square "
+                             f"that divides the {side}x{side} patches")
+        activation = _activation(vision.get("hidden_act", "gelu_pytorch_tanh"), "vision_config.hidden_act", source)
+        eps = float(vision.get("layer_norm_eps", 1e-6))
+        return cls(
+            depth=vision["num_hidden_layers"], width=vision["hidden_size"], num_heads=vision["num_attention_heads"],
+            intermediate_size=vision["intermediate_size"], output_size=text["hidden_size"], activation=activation,
+            gated_mlp=False, rms_norm=False, patch_size=vision.get("patch_size", 14), temporal_patch_size=1,
+            merge_size=side // tokens_side, in_channels=vision.get("num_channels", 3), family="siglip",
+            norm_eps=eps, projector_norm_eps=eps, position_embeddings=side * side,
+            longest_edge=vision.get("image_size", 224), bidirectional=True,
+            start_token_id=int(outer.get("boi_token_index", 255999)),
+            end_token_id=int(outer.get("eoi_token_index", 256000)))
 
     @classmethod
     def from_pixtral(cls, outer: dict[str, Any], source: str) -> VisionConfig:
@@ -53,14 +90,8 @@ class VisionConfig:
         if layer != -1:
             raise ValueError(f"{source}: vision_feature_layer: {layer!r} is not supported (-1: the last block's "
                              "output)")
-        activation = vision.get("hidden_act", "silu")
-        if activation not in VISION_ACTIVATIONS:
-            raise ValueError(f"{source}: vision_config.hidden_act: {activation!r} is not supported "
-                             f"({', '.join(VISION_ACTIVATIONS)})")
-        projector = outer.get("projector_hidden_act", "gelu")
-        if projector not in VISION_ACTIVATIONS:
-            raise ValueError(f"{source}: projector_hidden_act: {projector!r} is not supported "
-                             f"({', '.join(VISION_ACTIVATIONS)})")
+        activation = _activation(vision.get("hidden_act", "silu"), "vision_config.hidden_act", source)
+        projector = _activation(outer.get("projector_hidden_act", "gelu"), "projector_hidden_act", source)
         rope = vision.get("rope_parameters") or {}
         return cls(
             depth=vision["num_hidden_layers"], width=vision["hidden_size"], num_heads=vision["num_attention_heads"],
@@ -80,10 +111,8 @@ class VisionConfig:
         width = vision.get("embed_dim") if not later else vision["hidden_size"]
         if width is None:
             raise ValueError(f"{source}: vision_config: no embed_dim (a Qwen2-VL vision tower's width)")
-        activation = vision.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "quick_gelu")
-        if activation not in VISION_ACTIVATIONS:
-            raise ValueError(f"{source}: vision_config.hidden_act: {activation!r} is not supported "
-                             f"({', '.join(VISION_ACTIVATIONS)})")
+        activation = _activation(vision.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "quick_gelu"),
+                                 "vision_config.hidden_act", source)
         rope = vision.get("rope_parameters") or {}
         deepstack = tuple(vision.get("deepstack_visual_indexes") or ()) if qwen3 else ()
         if any(not 0 <= block < vision["depth"] for block in deepstack):

@@ -151,8 +151,12 @@ def count_parameters(m: ModelSpec) -> ParameterCounts:
 def vision_params(v: VisionConfig) -> int:
     """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower's parameters (models/vision.py): the patch embedding (and
     Qwen3-VL's position table), the blocks (two norms, q/k/v and the output projection, the MLP, all biased) and the
-    mergers (Qwen3-VL's DeepStack ones norm the joined patches); Mistral 3's Pixtral encoder and projector."""
+    mergers (Qwen3-VL's DeepStack ones norm the joined patches); Mistral 3's Pixtral encoder and projector; Gemma 3's
+    SigLIP encoder and projector."""
     w, inner = v.width, v.intermediate_size
+    if v.family == "siglip":  # biases everywhere, a position table, a final norm; the projector's norm and matrix
+        layer = 2 * 2 * w + 4 * (w * w + w) + 2 * w * inner + inner + w
+        return v.patch_values * w + w + v.position_embeddings * w + v.depth * layer + 2 * w + w + w * v.output_size
     if v.family == "pixtral":  # no biases in the encoder; the projector's norm, join and two projections
         layer = 2 * w + 4 * w * w + 3 * w * inner
         bias = 2 * v.output_size if v.projector_bias else 0
