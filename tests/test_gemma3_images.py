@@ -199,3 +199,16 @@ def test_plan_counts_the_tower(gemma3):
     towers = (hf.model.vision_tower, hf.model.multi_modal_projector)
     heads = sum(p.numel() for name, p in hf.model.vision_tower.named_parameters() if ".head." in f".{name}")
     assert count_parameters(spec).vision == sum(p.numel() for t in towers for p in t.parameters()) - heads
+
+
+def test_bench_vision_runs_gemma3_beside_hf(gemma3, capsys):
+    """`ridge bench vision` on a Gemma 3 folder: both engines' images per second (HF's image tokens typed, so that
+    they attend both ways there too), and their first tokens, which agree."""
+    from ridge.cli import main
+
+    path, _ = gemma3
+    assert main(["bench", "vision", "--model", str(path), "--dtype", "float32", "--num-images", "2", "--image-size",
+                 "56", "--text-len", "4", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["image_tokens"] == TOKENS and report["prompt_tokens"] == 2 * len(NEWLINES) + 2 + TOKENS + 4
+    assert report["first_tokens_agree"] == 2 and all(r["images_s"] > 0 for r in report["rows"])

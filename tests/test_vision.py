@@ -266,6 +266,7 @@ def test_chat_places_images_where_the_template_puts_them(vision_model, make_llm_
     assert pil.outputs[0].token_ids == chat.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("vision_model", ["qwen2_5_vl"], indirect=True)  # the plumbing: one model
 def test_images_are_refused_by_name(vision_model, make_llm_for_test, smollm2_path):
     """Placeholders and images miscounted, video, a detail level, an unreadable image, images under a draft model,
     images to a text model: ValueErrors naming the field; the engine serves on."""
@@ -293,6 +294,7 @@ def test_images_are_refused_by_name(vision_model, make_llm_for_test, smollm2_pat
         text.generate({"prompt": "hi", "multi_modal_data": {"image": image}}, GREEDY)
 
 
+@pytest.mark.parametrize("vision_model", ["qwen2_5_vl"], indirect=True)  # the plumbing: one model
 def test_the_server_reads_image_url_parts(vision_model, tmp_path):
     """/v1/chat/completions with a data: URL image: HF's tokens, and /v1/responses' input_image the same reply; a
     local path outside --allowed-local-media-path and an unreadable image are 400s naming messages, and the server

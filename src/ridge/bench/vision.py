@@ -1,18 +1,18 @@
 """`ridge bench vision`: prompts with an image each, prefilled by ridge and by HF transformers side by side.
 
---num-images random images of --image-size pixels a side, each in a prompt of its own (the image, then
---text-len text tokens), run to their first token: by ridge's LLM.generate (the batch at once: the vision tower over
-the images, then the language model's prefill; the prefix cache off, so that every round runs the tower) and by HF
-transformers' model in one batched forward (the same ids, pixels and weights, HF's processor's M-RoPE positions),
-in the engine's dtype, the two in turn for --repeats rounds (each one's median). A random-weight model
-(random:qwen3-vl-2b, -4b, -8b, random:qwen2.5-vl-3b, -7b, random:qwen2-vl-2b: the published shapes, weights drawn
-once by HF's initialiser for both engines, the language model cut to --lm-layers layers: the tower, where an image's
-cost lies, whole; random:mistral-small-3.1, Mistral 3's Pixtral encoder) or a Qwen2-VL / Qwen2.5-VL / Qwen3-VL /
-Mistral 3 HF folder. Per engine: images per second, the matmul FLOP/s of the tower and the language model's layers
-on those images (2 x their linear parameters a patch or token, plus the attention's products) as a fraction of the
-machine's measured matmul peak (the better of a measure before the rounds and one after them); and whether the two
-engines' first tokens agree. The question it answers: what an
-image costs to read, and how near ridge reads it to the compute roofline.
+--num-images random images of --image-size pixels a side, each in a prompt of its own (the image, then --text-len text
+tokens), run to their first token: by ridge's LLM.generate (the batch at once: the vision tower over the images, then
+the language model's prefill; the prefix cache off, so that every round runs the tower) and by HF transformers' model in
+one batched forward (the same ids, pixels and weights, HF's processor's M-RoPE positions), in the engine's dtype, the
+two in turn for --repeats rounds (each one's median). A random-weight model (random:qwen3-vl-2b, -4b, -8b,
+random:qwen2.5-vl-3b, -7b, random:qwen2-vl-2b: the published shapes, weights drawn once by HF's initialiser for both
+engines, the language model cut to --lm-layers layers: the tower, where an image's cost lies, whole;
+random:mistral-small-3.1, Mistral 3's Pixtral encoder; random:gemma-3-4b, Gemma 3's SigLIP) or a Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL / Mistral 3 / Gemma 3 HF folder. Per engine: images per second, the matmul FLOP/s of the tower and the language
+model's layers on those images (2 x their linear parameters a patch or token, plus the attention's products) as a
+fraction of the machine's measured matmul peak (the better of a measure before the rounds and one after them); and
+whether the two engines' first tokens agree. The question it answers: what an image costs to read, and how near ridge
+reads it to the compute roofline.
 """
 
 from __future__ import annotations
@@ -80,7 +80,15 @@ PRESETS["mistral-small-3.1"] = (
                  "tie_word_embeddings": False},
     {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
      "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540, "hidden_act": "silu"})
-VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3")
+PRESETS["gemma-3-4b"] = (
+    "gemma3", {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+               "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 1024,
+               "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "tie_word_embeddings": True},
+    {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+     "num_attention_heads": 16, "patch_size": 14, "image_size": 896, "vision_use_head": False})
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "gemma3")
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
@@ -103,12 +111,17 @@ def saved_random_vision_model(name: str, lm_layers: int, folder: Path, seed: int
     if kind == "mistral3":
         config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_index=vocab - 3,
                                       tie_word_embeddings=text["tie_word_embeddings"])
+    elif kind == "gemma3":  # its image tokens' ids are its config's (the engine frames an image by them)
+        config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, mm_tokens_per_image=256)
     else:
         config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
                                       video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
                                       vision_end_token_id=VISION_END, tie_word_embeddings=text["tie_word_embeddings"])
     torch.manual_seed(seed)
-    AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    if kind == "gemma3":  # HF's initialiser leaves the projector's matrix at zero: every image would read alike
+        model.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0, 0.02)
+    model.save_pretrained(folder)
     tokenizer = json.loads(byte_level_tokenizer(vocab)[0].to_str())
     if kind == "mistral3":  # the last three placeholder ids renamed, and special
         names = dict(zip(range(vocab - 3, vocab), MISTRAL_IMAGE_TOKENS, strict=True))
@@ -148,6 +161,9 @@ class ImageWork:
             encoder = tower.vision_tower
             per_patch = _matrices(encoder.patch_conv, *encoder.transformer.layers)
             per_token = _matrices(tower.multi_modal_projector)
+        elif cfg.family == "siglip":
+            per_patch = _matrices(tower.vision_tower.embeddings.patch_embedding, *tower.vision_tower.encoder.layers)
+            per_token = _matrices(tower.multi_modal_projector)
         else:  # DeepStack's mergers (Qwen3-VL's) read every merged token too
             per_patch = _matrices(tower.patch_embed, *tower.blocks)
             per_token = _matrices(tower.merger, *tower.deepstack_merger_list)
@@ -174,7 +190,7 @@ def cmd_vision(args: argparse.Namespace) -> int:
     if args.model.startswith("random:"):
         if name not in PRESETS:
             raise ValueError(f"--model: {args.model!r} is not random: one of {', '.join(PRESETS)} (or give a "
-                             "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 HF folder)")
+                             "Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 / Gemma 3 HF folder)")
         layers = args.lm_layers or DEFAULT_LM_LAYERS
         with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-") as folder:
             print(f"[bench] drawing {args.model}'s weights ({layers} language-model layers) for both engines ...",
@@ -187,8 +203,8 @@ def cmd_vision(args: argparse.Namespace) -> int:
     path = Path(args.model)
     kind = json.loads((path / "config.json").read_text()).get("model_type") if path.is_dir() else None
     if kind not in VISION_KINDS:
-        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 HF folder or "
-                         f"random: one of {', '.join(PRESETS)}")
+        raise ValueError(f"--model: {args.model!r} is not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Mistral 3 / Gemma 3 HF "
+                         f"folder or random: one of {', '.join(PRESETS)}")
     return _bench(args, path, args.model)
 
 
@@ -203,7 +219,8 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     images = noise_images(args.num_images, args.image_size)
     config = json.loads((path / "config.json").read_text())
     text = [10 + i % 200 for i in range(args.text_len)]  # byte tokens: in any vocabulary
-    image = engine.loaded.config.image_token_id
+    vision = engine.loaded.config.vision
+    image = vision.start_token_id or engine.loaded.config.image_token_id  # (Gemma 3's placeholder: its start token)
     opening = ([config["vision_start_token_id"], image, config["vision_end_token_id"]]
                if "vision_start_token_id" in config else [image])
     prompts = [{"prompt_token_ids": opening + text, "multi_modal_data": {"image": image}} for image in images]
@@ -272,6 +289,7 @@ class HFVision:
         run."""
         try:
             from transformers import AutoModelForImageTextToText
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
             from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
         except ImportError:
@@ -281,7 +299,12 @@ class HFVision:
         input_ids = torch.tensor(prompts)
         inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
         common = {"image_mean": list(processing.mean), "image_std": list(processing.std)}
-        if processing.longest_edge is not None:  # Mistral 3's: Pixtral's processor, sides of a merged token
+        if processing.square is not None:  # Gemma 3's: the square, the image tokens typed (they attend both ways)
+            features = Gemma3ImageProcessorPil(size={"height": processing.square, "width": processing.square},
+                                               **common)(images=images, return_tensors="pt")
+            inputs.update(pixel_values=features["pixel_values"].to(dtype),
+                          token_type_ids=(input_ids == model.config.image_token_id).long())
+        elif processing.longest_edge is not None:  # Mistral 3's: Pixtral's processor, sides of a merged token
             features = PixtralImageProcessorPil(size={"longest_edge": processing.longest_edge}, **common)(
                 images=images, return_tensors="pt", patch_size=processing.factor)
             inputs.update(pixel_values=features["pixel_values"].to(dtype), image_sizes=features["image_sizes"])
