@@ -71,7 +71,7 @@ class DecoderModel(nn.Module):
         self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False) if width else None
         self.per_layer_projection_norm = (RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps) if width else None)
         self.output_projection: nn.Module | None = None  # a faster kernel for the vocabulary projection
-        # a vision model's tower (Qwen-VL's: HF's name, its weights load by it; Mistral 3's under it)
+        # a vision model's tower (Qwen-VL's: HF's name, its weights load by it; Mistral 3's and Gemma 3's under it)
         towers = {"pixtral": PixtralVision, "siglip": SiglipVision}
         self.visual = None if cfg.vision is None else towers.get(cfg.vision.family, VisionTower)(cfg.vision)
 

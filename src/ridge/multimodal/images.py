@@ -2,7 +2,8 @@
 
 Preprocessed as HF's Qwen2VLImageProcessor does (PIL's bicubic resize to a multiple of 28 pixels a side within the
 model's pixel budget, CLIP's mean and deviation, 14x14 patches two frames deep, each 2x2 of patches consecutive;
-Qwen3-VL's: 16x16 patches, sides multiples of 32, a mean and a deviation of 0.5), so that the tower sees what it was
+Qwen3-VL's: 16x16 patches, sides multiples of 32, a mean and a deviation of 0.5), or as Pixtral's processor does
+(Mistral 3: within a longest edge) or Gemma 3's (a fixed square, bilinear), so that the tower sees what it was
 trained on. PIL is the library: ridge decodes no image format itself.
 """
 
@@ -34,7 +35,7 @@ MAX_IMAGE_BYTES = 32 << 20
 @dataclass(frozen=True)
 class ImageProcessing:
     """How a model's images are cut into patches: HF's preprocessor_config.json of a Qwen2-VL, Qwen2.5-VL or
-    Qwen3-VL, or of a Mistral 3 (Pixtral's processor: longest_edge set)."""
+    Qwen3-VL, of a Mistral 3 (Pixtral's processor: longest_edge set) or of a Gemma 3 (square set)."""
 
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -51,8 +52,8 @@ class ImageProcessing:
     @classmethod
     def of_model(cls, path: Path, tower: VisionConfig) -> ImageProcessing:
         """The model directory's preprocessor_config.json, or HF's defaults for the tower's patches where it has none
-        (Qwen2-VL's processor for 14-pixel patches, Qwen3-VL's for 16; Pixtral's). Its patches must be the
-        tower's."""
+        (Qwen2-VL's processor for 14-pixel patches, Qwen3-VL's for 16; Pixtral's; Gemma 3's). Its patches must be
+        the tower's."""
         file = path / "preprocessor_config.json"
         if tower.family == "pixtral":
             return cls._pixtral(file, tower)

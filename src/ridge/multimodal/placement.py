@@ -25,7 +25,8 @@ class PlacedImage:
     """An image in a prompt: its first token's index, its tokens, its patches; and the tower's output for it
     [tokens, levels, hidden], computed when a step first computes one of its tokens and dropped when its prefill is
     done. rows: the places in its span that read the tower's rows, in order (Mistral 3's: all but the row breaks
-    and the end token); None: every token of the span."""
+    and the end token; Gemma 3's: all but the newlines and the start and end tokens); None: every token of the
+    span."""
 
     offset: int
     length: int
