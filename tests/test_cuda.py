@@ -181,6 +181,24 @@ def test_images_run_on_the_gpu(kind, tmp_path, make_llm_for_test):
     assert got == hf_greedy(hf, head, images, parts)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_gemma3_and_mistral3_images_run_on_the_gpu(family, tmp_path, make_llm_for_test):
+    """Gemma 3's image tokens attending both ways through the CUDA backend's SDPA route (a prefix-cache hit that
+    ends inside the image continuing it), Mistral 3's rows between breaks: HF's greedy tokens (on the CPU)."""
+    import test_gemma3_images
+    import test_pixtral
+
+    module = test_gemma3_images if family == "gemma3" else test_pixtral
+    path, hf = (module.random_gemma3 if family == "gemma3" else module.random_mistral3)(tmp_path)
+    images = test_gemma3_images.pictures((60, 90))
+    head, parts = list(range(40, 60)), [[70]]
+    llm = make_llm_for_test(path, device="cuda", dtype="float32", block_size=16)
+    expected = module.hf_greedy(hf, head, images, parts)
+    outs = [llm.generate(module.prompt_with(head, images, parts), module.GREEDY)[0] for _ in range(2)]
+    assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
+    assert outs[1].num_cached_tokens > 0
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4-g32", "int4-g128"])
 def test_bfloat16_quantized_layers_match_dequantized_math(fmt):
     """In bfloat16, the GPU's serving dtype: int4 on torch's int4 kernel (tinygemm), and every format on each

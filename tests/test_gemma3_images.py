@@ -28,12 +28,15 @@ def hf_processor():
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
+    return random_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def random_gemma3(path):
     """A 2-layer Gemma 3 (a window of 8 on its first layer) beside a 2-layer SigLIP (224-pixel images, 16 tokens
     each), its projector's matrix drawn (HF starts it at zero), saved with its tokenizer and image processor: (its
     folder, HF's model)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    path = tmp_path_factory.mktemp("gemma3")
     text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                 sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)

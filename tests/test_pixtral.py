@@ -33,12 +33,15 @@ def hf_features(images) -> dict:
 
 @pytest.fixture(scope="module")
 def mistral3(tmp_path_factory):
+    return random_mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+def random_mistral3(path):
     """A 2-layer Mistral language model beside a 2-layer Pixtral encoder (14-pixel patches, images of at most 140
     pixels a side) and Mistral 3's projector, saved with its tokenizer and image processor: (its folder, HF's
     model)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    path = tmp_path_factory.mktemp("mistral3")
     text = dict(model_type="mistral", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2)
