@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridge.models.layers import RMSNorm
-from ridge.models.vision import ACTIVATIONS, _patch_coordinates, _rotate
+from ridge.models.vision import ACTIVATIONS, patch_coordinates, rotate_pairs
 from ridge.multimodal.vision_config import VisionConfig
 
 
@@ -31,7 +31,7 @@ class PixtralAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, segments: list[int]) -> torch.Tensor:
         """x [N, width]; each of `segments` (an image's patches, in order) attends within itself."""
         q, k, v = (proj(x).unflatten(-1, (self.num_heads, -1)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = _rotate(q, rotations), _rotate(k, rotations)
+        q, k = rotate_pairs(q, rotations), rotate_pairs(k, rotations)
         out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs)))[0]
                          .transpose(0, 1)
                          for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments), strict=True)])
@@ -81,7 +81,7 @@ class PixtralEncoder(nn.Module):
         """patches [N, patch_values] of images with grids (1, rows, columns) -> [N, width]."""
         # a convolution whose stride is its kernel over one patch each: a matmul (HF's name and layout kept)
         x = self.ln_pre(F.linear(patches.to(self.patch_conv.weight.dtype), self.patch_conv.weight.flatten(1)))
-        coordinates = torch.cat([_patch_coordinates(grid, self.cfg.merge_size, x.device) for grid in grids])
+        coordinates = torch.cat([patch_coordinates(grid, self.cfg.merge_size, x.device) for grid in grids])
         rotations = self._rotations(coordinates)
         segments = [frames * rows * columns for frames, rows, columns in grids]
         for layer in self.transformer.layers:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridge.models.vision import ACTIVATIONS, _patch_coordinates
+from ridge.models.vision import ACTIVATIONS, patch_coordinates
 from ridge.multimodal.vision_config import VisionConfig
 
 
@@ -86,7 +86,7 @@ class SiglipVisionModel(nn.Module):
         # a convolution whose stride is its kernel over one patch each: a matmul (HF's name and layout kept)
         x = F.linear(patches.to(embedding.weight.dtype), embedding.weight.flatten(1), embedding.bias)
         side = self.cfg.longest_edge // self.cfg.patch_size
-        at = torch.cat([_patch_coordinates(grid, self.cfg.merge_size, x.device) for grid in grids])
+        at = torch.cat([patch_coordinates(grid, self.cfg.merge_size, x.device) for grid in grids])
         x = x + self.embeddings.position_embedding(at[:, 0] * side + at[:, 1])
         segments = [frames * rows * columns for frames, rows, columns in grids]
         for layer in self.encoder.layers:
@@ -106,8 +106,8 @@ class MultiModalProjector(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, width], each pooled unit's patches consecutive -> [N / pool, output_size]."""
         pooled = x.unflatten(0, (-1, self.pool)).mean(1)
-        normed = F.rms_norm(pooled.float(), (pooled.shape[-1],), eps=self.eps) * (1 + self.mm_soft_emb_norm.weight
-                                                                                  .float())
+        scale = 1 + self.mm_soft_emb_norm.weight.float()  # Gemma's norm multiplies by 1 + w
+        normed = F.rms_norm(pooled.float(), (pooled.shape[-1],), eps=self.eps) * scale
         return (normed.to(x.dtype) @ self.mm_input_projection_weight).to(x.dtype)
 
 

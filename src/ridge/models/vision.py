@@ -34,7 +34,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotations: torch.Tensor, segments: list[int]) -> torch.Tensor:
         """x [N, width]; each of `segments` (lengths, in order) attends within itself, bidirectionally."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(1)  # [N, heads, head_dim] each
-        q, k = _rotate(q, rotations), _rotate(k, rotations)
+        q, k = rotate_pairs(q, rotations), rotate_pairs(k, rotations)
         # [1, heads, tokens, head_dim]: the CPU's flash kernel takes four dimensions (three fall to the math path)
         out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs)))[0]
                          .transpose(0, 1)
@@ -42,7 +42,7 @@ class VisionAttention(nn.Module):
         return self.proj(out.flatten(1))
 
 
-def _rotate(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """x [N, heads, head_dim] turned by rotations (complex [N, head_dim / 2]) in rotate-half pairs, in float32 as
     HF turns the tower's q and k."""
     half = x.shape[-1] // 2
@@ -131,7 +131,7 @@ class VisionTower(nn.Module):
         hidden state after the language model's first, second, ... layer."""
         cfg = self.cfg
         x = self.patch_embed(patches)
-        coordinates = torch.cat([_patch_coordinates(grid, cfg.merge_size, x.device) for grid in grids])  # [N, 2]
+        coordinates = torch.cat([patch_coordinates(grid, cfg.merge_size, x.device) for grid in grids])  # [N, 2]
         if self.pos_embed is not None:
             x = x + self._learned_positions(grids, coordinates).to(x.dtype)
         rotations = self._rotations(coordinates)
@@ -194,7 +194,7 @@ class VisionTower(nn.Module):
         return torch.cat(order), lengths
 
 
-def _patch_coordinates(grid: tuple[int, int, int], merge: int, device: torch.device) -> torch.Tensor:
+def patch_coordinates(grid: tuple[int, int, int], merge: int, device: torch.device) -> torch.Tensor:
     """(row, column) of each patch [frames * rows * columns, 2], in the preprocessor's order: merge units row by row,
     the merge x merge patches of each unit row by row."""
     frames, rows, columns = grid
