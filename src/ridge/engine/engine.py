@@ -351,10 +351,10 @@ class LLMEngine:
         for image in images.images:
             places = image.places()
             spans.append((image.offset + int(places[0]), image.offset + int(places[-1]) + 1))
-        budget = self.config.max_num_batched_tokens
-        if spans and max(end - start for start, end in spans) > budget:
-            raise ValueError(f"images: an image's {max(end - start for start, end in spans)} tokens, computed in one "
-                             f"step, are over max_num_batched_tokens ({budget})")
+        longest, budget = max((end - start for start, end in spans), default=0), self.config.max_num_batched_tokens
+        if longest > budget:
+            raise ValueError(f"images: an image's {longest} tokens, computed in one step, are over "
+                             f"max_num_batched_tokens ({budget})")
         return spans
 
     def _image_reader(self, target: ModelFile) -> ImageReader | None:

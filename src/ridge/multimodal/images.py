@@ -47,7 +47,7 @@ class ImageProcessing:
     # Pixtral's rule: an image larger than this a side shrunk to fit it, each side then rounded up to `factor`
     longest_edge: int | None = None
     square: int | None = None  # SigLIP's (Gemma 3's): every image resized to this side, its aspect ratio not kept
-    bilinear: bool = False  # PIL's bilinear resize (Gemma 3's processor) rather than bicubic
+    resample: int = Image.Resampling.BICUBIC  # the config's PIL filter (Gemma 3's: bilinear)
 
     @classmethod
     def of_model(cls, path: Path, tower: VisionConfig) -> ImageProcessing:
@@ -70,7 +70,8 @@ class ImageProcessing:
             patch_size=config.get("patch_size", defaults.patch_size),
             temporal_patch_size=config.get("temporal_patch_size", defaults.temporal_patch_size),
             merge_size=config.get("merge_size", defaults.merge_size),
-            mean=tuple(config.get("image_mean", defaults.mean)), std=tuple(config.get("image_std", defaults.std)))
+            mean=tuple(config.get("image_mean", defaults.mean)), std=tuple(config.get("image_std", defaults.std)),
+            resample=_resample(config, defaults.resample, file))
         shape = (processing.patch_size, processing.temporal_patch_size, processing.merge_size)
         if shape != (tower.patch_size, tower.temporal_patch_size, tower.merge_size):
             raise ValueError(f"{file}: patch_size, temporal_patch_size, merge_size {shape} are not the vision "
@@ -87,7 +88,8 @@ class ImageProcessing:
             raise ValueError(f"{file}: patch_size {patch} is not the vision tower's {tower.patch_size}")
         return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
                    mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)),
-                   longest_edge=int((config.get("size") or {}).get("longest_edge", tower.longest_edge)))
+                   longest_edge=int((config.get("size") or {}).get("longest_edge", tower.longest_edge)),
+                   resample=_resample(config, Image.Resampling.BICUBIC, file))
 
     @classmethod
     def _siglip(cls, file: Path, tower: VisionConfig) -> ImageProcessing:
@@ -101,7 +103,7 @@ class ImageProcessing:
         half = (0.5, 0.5, 0.5)  # HF's Gemma 3 processor's defaults (ImageNet's standard mean and deviation)
         return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
                    mean=tuple(config.get("image_mean", half)), std=tuple(config.get("image_std", half)),
-                   square=tower.longest_edge, bilinear=config.get("resample", 2) == 2)
+                   square=tower.longest_edge, resample=_resample(config, Image.Resampling.BILINEAR, file))
 
     @property
     def factor(self) -> int:
@@ -131,6 +133,19 @@ class ImageProcessing:
             beta = math.sqrt(self.min_pixels / (height * width))
             h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
         return h, w
+
+
+def _resample(config: dict[str, Any], default: int, file: Path) -> int:
+    """The config's resize filter (PIL's codes); its other steps checked to be the ones preprocess_image takes."""
+    for step in ("do_resize", "do_rescale", "do_normalize"):
+        if config.get(step) is False:
+            raise ValueError(f"{file}: {step}: false is not supported (ridge's preprocessing always takes this step)")
+    if abs(config.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-9:
+        raise ValueError(f"{file}: rescale_factor: {config['rescale_factor']} is not supported (1/255)")
+    resample = config.get("resample", default)
+    if resample not in set(Image.Resampling):
+        raise ValueError(f"{file}: resample: {resample!r} is not one of PIL's filters")
+    return int(resample)
 
 
 # HF's preprocessor_config.json of the Qwen3-VL models (Qwen2VLImageProcessor's under other defaults)
@@ -226,8 +241,7 @@ def preprocess_image(image: Image.Image, processing: ImageProcessing) -> ImagePa
     p, merge, frames = processing.patch_size, processing.merge_size, processing.temporal_patch_size
     height, width = processing.resized(image.height, image.width)
     if (image.height, image.width) != (height, width):
-        image = image.resize((width, height), Image.Resampling.BILINEAR if processing.bilinear
-                             else Image.Resampling.BICUBIC)
+        image = image.resize((width, height), Image.Resampling(processing.resample))
     pixels = np.asarray(image, dtype=np.float32) / 255.0  # [H, W, C]
     pixels = (pixels - np.asarray(processing.mean, dtype=np.float32)) / np.asarray(processing.std, dtype=np.float32)
     channels = pixels.shape[-1]
