@@ -461,6 +461,10 @@ class EngineConfig:
     """Runtime knobs, named as in vLLM where vLLM has the same knob; validated once, then read-only."""
 
     model: str
+    mmproj: str | None = knob(
+        None, "a GGUF language model's vision tower: llama.cpp's multimodal projector file (mmproj-*.gguf) of "
+        "Qwen2-VL, Qwen2.5-VL or Gemma 3, so that prompts take images (as llama.cpp's --mmproj; default: none, text "
+        "only)")
     dtype: str = knob("auto", "weight/activation dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = knob("cpu", "cpu or cuda[:N] (CUDA: Triton attention and quantized kernels, CUDA graphs)")

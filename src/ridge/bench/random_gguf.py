@@ -44,6 +44,7 @@ from ridge.models.loader import (
 from ridge.models.registry import check_supported
 from ridge.models.spec import (
     COHERE2_GLOBAL_EVERY,
+    GEMMA3_GLOBAL_EVERY,
     LLAMA4_CHUNK,
     LLAMA4_TEMPERATURE,
     SMOLLM3_NOPE_EVERY,
@@ -66,7 +67,8 @@ GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite"
                       "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "smollm3": "smollm3", "seed_oss": "seed_oss",
                       "phi3": "phi3", "olmo2": "olmo2", "olmo3": "olmo2", "exaone4": "exaone4",
                       "glm4": "glm4", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "ministral3": "mistral3",
+                      "cohere": "command-r", "cohere2": "cohere2", "gemma": "gemma", "gemma3": "gemma3",
+                      "ministral3": "mistral3",
                       "mistral4": "mistral4", "llama4": "llama4", "dots1": "dots1", "exaone_moe": "exaone-moe",
                       "nemotron_h": "nemotron_h", "glm_moe_dsa": "glm-dsa", "gemma4": "gemma4",
                       "starcoder2": "starcoder2"}
@@ -117,6 +119,8 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
     blocks = _block_type(block_type)
     spec, cfg = loaded.spec, loaded.config
     arch = _check_writable(spec)
+    if arch == "qwen2" and spec.mrope_section:  # Qwen2-VL's and Qwen2.5-VL's language model (its M-RoPE sections)
+        arch = "qwen2vl"
     writer = GGUFWriter(str(path), arch)
     _header(writer, arch, spec, cfg, float16, blocks)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
@@ -238,6 +242,8 @@ def _check_writable(spec: ModelSpec) -> str:
             64, 4096, 4):
         raise ValueError("model: llama.cpp's exaone4 windows EXAONE-4.0-32B's shape only (64 layers, 4,096-token "
                          "windows on 3 of 4): another windowed shape would run unwindowed there")
+    if arch == "gemma3":
+        _check_gemma3(spec)
     if (spec.rope_scaling or {}).get("llama_4_scaling_beta") and arch not in ("mistral3", "mistral4"):
         raise ValueError(f"model: llama.cpp's {arch} has no attention temperature (llama_4_scaling_beta)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
@@ -247,6 +253,21 @@ def _check_writable(spec: ModelSpec) -> str:
 
 
 _GATED_DELTA = ("qwen35", "qwen35moe", "qwen3next")  # llama.cpp's architectures of gated DeltaNet layers
+
+
+def _check_gemma3(spec: ModelSpec) -> None:
+    """What llama.cpp's gemma3 graph assumes and its header does not say: every 6th layer global, the windowed ones'
+    rotary base 10,000, the attention scaled by the head's width (the 27B's by hidden / heads), no softcaps."""
+    scale = spec.hidden_size / spec.num_heads if spec.num_layers == 62 else spec.head_dim
+    if spec.sliding_window and spec.global_every != GEMMA3_GLOBAL_EVERY:
+        raise ValueError(f"model: llama.cpp's gemma3 windows all but every {GEMMA3_GLOBAL_EVERY}th layer (a GGUF does "
+                         f"not say it); this model's global layers are every {spec.global_every}th")
+    if (spec.rope_local_theta or 10000.0) != 10000.0 or (spec.query_pre_attn_scalar or scale) != scale:
+        raise ValueError(f"model: llama.cpp's gemma3 turns its windowed layers at base 10000 and scales attention by "
+                         f"1 / sqrt({scale:g}); this model's rope_local_base_freq is {spec.rope_local_theta} and "
+                         f"query_pre_attn_scalar {spec.query_pre_attn_scalar}")
+    if spec.attn_logit_softcap or spec.final_logit_softcap:
+        raise ValueError("model: llama.cpp's gemma3 caps no logits (Gemma 2's softcaps)")
 
 
 def _full_attention_interval(spec: ModelSpec) -> int:
@@ -357,6 +378,8 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
+    if arch == "qwen2vl":
+        writer.add_rope_dimension_sections([*spec.mrope_section, 0])
     if (scaling := cfg.rope_scaling) is not None and scaling.kind == "longrope":
         # as llama.cpp's converter writes Phi-3's: no scaling type, the factors as tensors (_gguf_tensors)
         writer.add_rope_scaling_orig_ctx_len(scaling.original_max_positions)
@@ -377,7 +400,7 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
     if (temperature := cfg.attention_temperature) is not None and arch != "llama4":  # mistral3's, mistral4's
         writer.add_attn_temperature_scale(temperature.scale)
         writer.add_attn_temperature_length(temperature.length)
-    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2", "exaone-moe"):
+    if spec.sliding_window and arch in ("gpt-oss", "olmo2", "exaone4", "cohere2", "exaone-moe", "gemma3"):
         writer.add_sliding_window(spec.sliding_window)
     if spec.sliding_window and arch == "exaone-moe":
         writer.add_sliding_window_pattern(spec.global_every)

@@ -36,6 +36,7 @@ from ridge.kv.manager import KVManager
 from ridge.lora.apply import AdapterSet
 from ridge.lora.request import LoRARequest
 from ridge.models.loader import LoadedModel
+from ridge.models.mmproj import projector_processing
 from ridge.multimodal.images import ImageProcessing
 from ridge.multimodal.placement import ImagePrompt, ImageReader
 from ridge.sampling_params import SamplingParams
@@ -110,7 +111,7 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.threads_per_process())
         torch.manual_seed(config.seed)  # the generator of samples without a seed of their own
-        target = ModelFile.open(config.model)
+        target = ModelFile.open(config.model, config.mmproj)
         self.pooling = target.pooling_for(config)  # None: it generates
         plan = shard_plan(config, target, rank=0)  # the split checked before any weight is read
         self.tokenizer = target.tokenizer
@@ -358,12 +359,14 @@ class LLMEngine:
         return spans
 
     def _image_reader(self, target: ModelFile) -> ImageReader | None:
-        """How requests' images reach this engine's vision model (its preprocessor_config.json); None without one."""
+        """How requests' images reach this engine's vision model (its preprocessor_config.json, or its projector
+        file's header); None without one."""
         cfg, config = self.loaded.config, self.config
         if cfg.vision is None:
             return None
         refused = "a draft model" if config.speculate == "draft" else None  # (the drafter's positions are its own)
-        processing = ImageProcessing.of_model(target.path, cfg.vision)
+        processing = (projector_processing(target.projector.gguf, cfg.vision) if target.projector is not None
+                      else ImageProcessing.of_model(target.path, cfg.vision))
         if cfg.vision.bidirectional and config.batch_invariant and refused is None:
             refused = "batch_invariant (its kernel reads each token's own prefix; an image's tokens see all of it)"
         if cfg.vision.family == "siglip":  # Gemma 3's: "\n\n<start_of_image>", the image, "<end_of_image>\n\n"

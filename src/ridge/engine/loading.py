@@ -20,6 +20,7 @@ from ridge.linear.dense import onednn_packs
 from ridge.linear.select import int8_activation_layers, place_dense, place_quantized, share_prompt_scratch
 from ridge.models.gguf_file import GGUFFile
 from ridge.models.loader import DrawnQuantization, LoadedModel, load_model, open_gguf, random_model
+from ridge.models.mmproj import Projector, with_projector
 from ridge.models.random_weights import PREFIX, is_random, random_spec
 from ridge.models.registry import check_supported, config_from_spec
 from ridge.models.spec import ModelSpec, spec_from_gguf, spec_from_hf_config
@@ -56,6 +57,7 @@ class ModelFile:
     gguf: GGUFFile | None
     random: ModelSpec | None = None  # `random:NAME`: a model of that shape with random weights, no file
     random_source: Path | None = None  # the folder of a random model's config.json: its tokenizer, if it has one
+    projector: Projector | None = None  # a GGUF language model's vision tower (llama.cpp's mmproj file)
 
     @functools.cached_property
     def tokenizer(self) -> RidgeTokenizer:
@@ -135,13 +137,19 @@ class ModelFile:
             spec = self.random
         elif self.gguf is not None:
             spec = spec_from_gguf(self.gguf, self.path.stem, f"GGUF header of {self.path.name}")
+            if self.projector is not None:
+                spec = with_projector(spec, self.gguf, self.projector.gguf, self.projector.path.name)
         else:
             spec = spec_from_hf_config(json.loads((self.path / "config.json").read_text()), self.path.name,
                                        str(self.path / "config.json"))
         return config_from_spec(spec)
 
     @classmethod
-    def open(cls, model: str) -> ModelFile:
+    def open(cls, model: str, mmproj: str | None = None) -> ModelFile:
+        """`model` (a path, an alias, `random:NAME`), with `mmproj`, a projector file for a GGUF one."""
+        if mmproj is not None and (is_random(model) or not resolve(model).is_file()):
+            raise ValueError(f"mmproj: a projector file goes with a GGUF language model (llama.cpp's layout); {model} "
+                             "is not one (an HF folder holds its vision tower in its own checkpoint)")
         if is_random(model):
             spec = random_spec(model)
             check_supported(spec.architecture)
@@ -152,7 +160,7 @@ class ModelFile:
         gguf = open_gguf(path) if path.is_file() else None
         if gguf is not None:  # before the tokenizer or any weight is read
             check_supported(str(gguf.fields.get("general.architecture")))
-        return cls(path, gguf)
+        return cls(path, gguf, projector=Projector.open(mmproj) if mmproj is not None else None)
 
 
 def shard_plan(config: EngineConfig, model: ModelFile, rank: int) -> ShardPlan | None:
@@ -197,7 +205,7 @@ def load_weights(model: ModelFile, config: EngineConfig, kernels: ModuleType | N
         loaded = load_model(model.path, config.torch_dtype, config.device, progress, model.gguf,
                             gguf_native=config.quantization == "gguf", target=target,
                             ignore_sliding_window=config.ignore_sliding_window, shard=shard,
-                            max_model_len=config.max_model_len)
+                            max_model_len=config.max_model_len, projector=model.projector)
     quantized = _quantized_weights(loaded.model, model.tokenizer, config, progress) \
         if config.quantization in METHODS else iter(())
     if cut_after:

@@ -306,7 +306,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     runner, kernels, loaded, adapters = None, None, None, None
     try:
         kernels = cpu_ops.load() if config.cpu_kernels and config.device == "cpu" else None
-        model = ModelFile.open(config.model)
+        model = ModelFile.open(config.model, config.mmproj)
         plan = shard_plan(config, model, group.rank)
         loaded = load_weights(model, config, kernels, progress=False, plan=plan)
         install_collectives(loaded.model, plan, group)

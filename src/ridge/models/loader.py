@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from ridge.config import ModelConfig
 from ridge.linear import LinearTarget, QuantizedEmbedding, fused_linear, make_linear
 from ridge.models.gguf_file import GGUFFile, read_gguf
+from ridge.models.mmproj import Projector, with_projector
 from ridge.models.random_weights import random_tensors
 from ridge.models.registry import config_from_spec
 from ridge.models.spec import (
@@ -55,8 +57,10 @@ from ridge.models.tensor_names import (
     gguf_names,
     hf_names,
     map_name,
+    mmproj_names,
 )
 from ridge.models.transformer import DecoderModel
+from ridge.multimodal.vision_config import VisionConfig
 from ridge.quant import checkpoint, gguf_blocks, mxfp4
 from ridge.quant.methods import quantizable
 from ridge.quant.rtn import QuantizedWeight, cut_quantized, dequantize, pad_rows
@@ -191,6 +195,25 @@ def _gguf_tensors(gguf: GGUFFile, cfg: ModelConfig, native: bool,
         yield t.name, stored
 
 
+def _mmproj_tensors(projector: GGUFFile, tower: VisionConfig,
+                    ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
+    """A projector file's tensors, dequantized as read (the tower runs dense), in the checkpoint's form: Qwen2-VL's
+    patch kernel, which the converter cut into its two frames, joined again; Gemma 3's projector norm, stored as the
+    1 + w it multiplies by, back to w."""
+    frames: dict[str, np.ndarray] = {}
+    for t in projector.tensors:
+        if tower.family == "qwen" and t.name in _PATCH_FRAMES:
+            frames[t.name] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
+            if len(frames) == len(_PATCH_FRAMES):  # [width, channels, frames, pixels, pixels]
+                yield "visual.patch_embed.proj.weight", _Stored.of(np.stack([frames[n] for n in _PATCH_FRAMES], 2))
+            continue
+        stored = _gguf_stored(t.data, t.tensor_type, t.shape, ops, False, t.name)
+        yield t.name, stored.mapped(lambda w: w - 1) if t.name == "mm.soft_emb_norm.weight" else stored
+
+
+_PATCH_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+
+
 # the architectures whose q / k rows llama.cpp's converter permutes (LlamaModel's and its subclasses')
 ROTARY_PERMUTED = ("llama", "mixtral", "granite", "granitemoe", "smollm3", "ministral3")
 
@@ -218,13 +241,15 @@ def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", progress: bool = True, gguf: GGUFFile | None = None,
     gguf_native: bool = False, target: LinearTarget | None = None, ignore_sliding_window: bool = False,
     shard: Callable[[DecoderModel], ShardCuts] | None = None, max_model_len: int | None = None,
+    projector: Projector | None = None,
 ) -> LoadedModel:
     """gguf_native: keep a GGUF file's quantized tensors as they are. Layers kept quantized (those, and a
     quantized checkpoint's) get their kernels for `target` (default: dtype and device, no ridge kernels).
     ignore_sliding_window: every layer attends to all (a benchmark baseline; not the model's outputs).
     max_model_len: the context the model will serve (None: its own), which picks a LongRoPE rotary's factors.
     shard: a tensor-parallel rank's cut of the model (given the meta-device model, cuts it and says how its
-    weights are cut): only that part of each weight is read and held."""
+    weights are cut): only that part of each weight is read and held. projector: a GGUF language model's vision
+    tower, in llama.cpp's projector file (models/mmproj.py)."""
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
@@ -258,6 +283,8 @@ def load_model(
     else:
         gguf = gguf or open_gguf(path)
         spec = spec_from_gguf(gguf, path.stem, f"GGUF header of {path.name}")
+        if projector is not None:
+            spec = with_projector(spec, gguf, projector.gguf, projector.path.name)
         cfg = config_from_spec(spec)
         if cfg.architecture == "starcoder2" and cfg.max_position_embeddings > STARCODER2_WINDOW:
             log.warning("ridge: %s: a starcoder2 GGUF names no sliding window, so every layer attends to its whole "
@@ -271,6 +298,10 @@ def load_model(
                                           functools.partial(gguf_value, gguf), {t.name for t in gguf.tensors})
             tensors = _nemotron_h_gguf_blocks(tensors, kinds)
         table = gguf_names(cfg)
+        if projector is not None and cfg.vision is not None:
+            tensors = itertools.chain(tensors, _mmproj_tensors(projector.gguf, cfg.vision,
+                                                               target.cpu_ops if target else None))
+            table = mmproj_names(cfg.vision) + table
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
         fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
 

@@ -260,6 +260,7 @@ _HF_NAMES = {
     "mistral": "mistral",
     "granite": "granite",
     "qwen2": "qwen2",
+    "qwen2vl": "qwen2",  # Qwen2-VL's and Qwen2.5-VL's language model (GGUF): M-RoPE, plain for text
     "qwen3": "qwen3",
 }
 

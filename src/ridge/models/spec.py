@@ -1279,7 +1279,8 @@ _GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granite
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them
-_GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
+GEMMA3_GLOBAL_EVERY = 6  # llama.cpp's gemma3 graph's (its files do not say it)
+_GGUF_GLOBAL_EVERY = {"gemma2": 2, "gemma3": GEMMA3_GLOBAL_EVERY, "gpt-oss": 2}
 
 
 def _gguf_gemma4_fields(gguf: GGUFFile, arch: str, value, fields: dict, names: set[str], source: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from ridge.config import ModelConfig
+from ridge.multimodal.vision_config import VisionConfig
 
 # (source-name pattern, ridge name template, slot in a fused parameter or None)
 GGUF_NAMES = [
@@ -108,6 +109,45 @@ HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)"
                    # SigLIP's as Gemma 3's published checkpoints nest it (HF transformers 5 saves it unnested)
                    (r"visual\.vision_tower\.vision_model\.(.+)", "visual.vision_tower.{0}", None),
                    (r"visual\.(.+)", "visual.{0}", None)]
+# llama.cpp's multimodal projector files (models/mmproj.py): Qwen2-VL's and Qwen2.5-VL's tower, whose q / k / v the
+# converter splits (slots of qkv here) and whose two-frame patch kernel it writes as two (joined by the loader:
+# `visual.patch_embed.proj.weight` arrives whole)
+_MMPROJ_BLOCKS = [(r"v\.blk\.(\d+)\.attn_q\.(weight|bias)", 0), (r"v\.blk\.(\d+)\.attn_k\.(weight|bias)", 1),
+                  (r"v\.blk\.(\d+)\.attn_v\.(weight|bias)", 2)]
+MMPROJ_QWEN_NAMES = [
+    *[(pattern, "visual.blocks.{0}.attn.qkv.{1}", slot) for pattern, slot in _MMPROJ_BLOCKS],
+    *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.blocks.{0}." + target + ".{1}", None)
+      for source, target in [("attn_out", "attn.proj"), ("ln1", "norm1"), ("ln2", "norm2"),
+                             ("ffn_gate", "mlp.gate_proj"), ("ffn_down", "mlp.{down}")]],
+    (r"v\.blk\.(\d+)\.ffn_up\.(weight|bias)", "visual.blocks.{0}.mlp.{up}.{1}", None),
+    (r"v\.post_ln\.(weight|bias)", "visual.merger.ln_q.{0}", None),
+    (r"mm\.(0|2)\.(weight|bias)", "visual.merger.mlp.{0}.{1}", None),
+    (r"visual\.patch_embed\.proj\.weight", "visual.patch_embed.proj.weight", None),
+]
+# Gemma 3's: SigLIP's layers and Gemma 3's projector (its norm's weight stored as 1 + w, read back by the loader)
+MMPROJ_SIGLIP_NAMES = [
+    (r"v\.patch_embd\.(weight|bias)", "visual.vision_tower.embeddings.patch_embedding.{0}", None),
+    (r"v\.position_embd\.weight", "visual.vision_tower.embeddings.position_embedding.weight", None),
+    *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.vision_tower.encoder.layers.{0}." + target + ".{1}",
+       None) for source, target in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                                    ("attn_v", "self_attn.v_proj"), ("attn_out", "self_attn.out_proj"),
+                                    ("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("ffn_up", "mlp.fc1"),
+                                    ("ffn_down", "mlp.fc2")]],
+    (r"v\.post_ln\.(weight|bias)", "visual.vision_tower.post_layernorm.{0}", None),
+    (r"mm\.input_projection\.weight", "visual.multi_modal_projector.mm_input_projection_weight", None),
+    (r"mm\.soft_emb_norm\.weight", "visual.multi_modal_projector.mm_soft_emb_norm.weight", None),
+]
+
+
+def mmproj_names(tower: VisionConfig) -> list[tuple[str, str, int | None]]:
+    """The name table of a projector file of `tower`'s family (Qwen2.5-VL's gated MLP under its own names)."""
+    if tower.family == "siglip":
+        return MMPROJ_SIGLIP_NAMES
+    up, down = ("up_proj", "down_proj") if tower.gated_mlp else ("fc1", "fc2")
+    return [(pattern, template.replace("{up}", up).replace("{down}", down), slot)
+            for pattern, template, slot in MMPROJ_QWEN_NAMES]
+
+
 HF_NAMES = [
     (r"model\.embed_tokens\.weight", "embed_tokens.weight", None),
     (r"model\.norm\.weight", "norm.weight", None),

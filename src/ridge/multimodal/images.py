@@ -59,7 +59,7 @@ class ImageProcessing:
             return cls._pixtral(file, tower)
         if tower.family == "siglip":
             return cls._siglip(file, tower)
-        defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else cls()
+        defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else QWEN2_VL_PROCESSING
         if not file.exists():
             return defaults
         config = json.loads(file.read_text())
@@ -101,9 +101,15 @@ class ImageProcessing:
         if (size.get("height"), size.get("width")) != (tower.longest_edge, tower.longest_edge):
             raise ValueError(f"{file}: size {size} is not the vision tower's {tower.longest_edge}x{tower.longest_edge}")
         half = (0.5, 0.5, 0.5)  # HF's Gemma 3 processor's defaults (ImageNet's standard mean and deviation)
-        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
-                   mean=tuple(config.get("image_mean", half)), std=tuple(config.get("image_std", half)),
-                   square=tower.longest_edge, resample=_resample(config, Image.Resampling.BILINEAR, file))
+        return cls.square_of(tower, tuple(config.get("image_mean", half)), tuple(config.get("image_std", half)),
+                             _resample(config, Image.Resampling.BILINEAR, file))
+
+    @classmethod
+    def square_of(cls, tower: VisionConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                  resample: int = Image.Resampling.BILINEAR) -> ImageProcessing:
+        """SigLIP's (Gemma 3's): every image resized to the tower's square, its patches pooled merge_size a side."""
+        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size, mean=mean,
+                   std=std, square=tower.longest_edge, resample=resample)
 
     @property
     def factor(self) -> int:
@@ -148,6 +154,8 @@ def _resample(config: dict[str, Any], default: int, file: Path) -> int:
     return int(resample)
 
 
+# HF's Qwen2VLImageProcessor's defaults (Qwen2-VL's and Qwen2.5-VL's)
+QWEN2_VL_PROCESSING = ImageProcessing()
 # HF's preprocessor_config.json of the Qwen3-VL models (Qwen2VLImageProcessor's under other defaults)
 QWEN3_VL_PROCESSING = ImageProcessing(min_pixels=65536, max_pixels=16777216, patch_size=16, mean=(0.5, 0.5, 0.5),
                                       std=(0.5, 0.5, 0.5))

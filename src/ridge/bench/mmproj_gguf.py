@@ -1,0 +1,122 @@
+"""An HF vision-language checkpoint's vision tower written as llama.cpp's multimodal projector file (mmproj GGUF).
+
+What llama.cpp's converter (convert_hf_to_gguf.py --mmproj) writes for Qwen2-VL, Qwen2.5-VL and Gemma 3, so that a
+tower with no published GGUF here (a random one of a test, a benchmark's shape) runs from the files a llama.cpp user
+has: the header keys under `clip.vision.*`, the processor's mean and deviation, and the tensors under the names of
+the gguf package's own table (TensorNameMap of MODEL_ARCH.MMPROJ), with the converter's changes: Qwen's fused q / k /
+v cut in three and its two-frame patch kernel in two, Gemma 3's projector norm stored as the 1 + w it multiplies by.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from gguf import MODEL_ARCH, GGUFType, GGUFWriter, VisionProjectorType, get_tensor_name_map
+from safetensors import safe_open
+
+from ridge.models.mmproj import QWEN2_5_VL_WINDOW
+from ridge.multimodal.images import CLIP_MEAN, CLIP_STD
+
+# an HF model_type -> its projector type
+PROJECTOR_TYPES = {"qwen2_vl": VisionProjectorType.QWEN2VL, "qwen2_5_vl": VisionProjectorType.QWEN25VL,
+                   "gemma3": VisionProjectorType.GEMMA3}
+_TOWER_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.")
+
+
+def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
+    """The tower of the HF folder `folder` (config.json, safetensors, preprocessor_config.json) as a projector file
+    at `path`, in float32 (or float16: the converter's default for matrices)."""
+    config = json.loads((folder / "config.json").read_text())
+    kind = config.get("model_type")
+    if kind not in PROJECTOR_TYPES:
+        raise ValueError(f"model: writing an mmproj of {kind!r} is not supported ({', '.join(PROJECTOR_TYPES)})")
+    vision, text = config["vision_config"], config.get("text_config") or config
+    processor_file = folder / "preprocessor_config.json"
+    processor = json.loads(processor_file.read_text()) if processor_file.exists() else {}
+    depth = vision.get("depth", vision.get("num_hidden_layers"))
+    writer = GGUFWriter(str(path), "clip")
+    writer.add_type(GGUFType.MMPROJ)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(PROJECTOR_TYPES[kind])
+    writer.add_vision_projection_dim(text["hidden_size"])
+    writer.add_vision_block_count(depth)
+    writer.add_vision_head_count(vision.get("num_heads", vision.get("num_attention_heads")))
+    writer.add_vision_patch_size(vision.get("patch_size", 14))
+    writer.add_vision_image_mean(processor.get("image_mean", CLIP_MEAN))
+    writer.add_vision_image_std(processor.get("image_std", CLIP_STD))
+    if kind == "gemma3":
+        writer.add_vision_embedding_length(vision["hidden_size"])
+        writer.add_vision_feed_forward_length(vision["intermediate_size"])
+        writer.add_vision_image_size(vision["image_size"])
+        writer.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-6))
+        writer.add_vision_use_gelu(True)
+        pooling = (vision["image_size"] // vision["patch_size"]) // int(config.get("mm_tokens_per_image", 256) ** 0.5)
+        if pooling != 4:  # the converter writes it only where it is not llama.cpp's default
+            writer.add_vision_projector_scale_factor(pooling)
+    else:
+        # the converter's renames: Qwen2-VL's embed_dim is the tower's width, and its hidden_size (the merger's
+        # output) lands in feed_forward_length
+        writer.add_vision_embedding_length(vision.get("embed_dim", vision.get("hidden_size")))
+        writer.add_vision_feed_forward_length(vision["hidden_size"] if "embed_dim" in vision
+                                              else vision["intermediate_size"])
+        writer.add_vision_image_size(vision.get("image_size", 560))
+        writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
+    if kind == "qwen2_5_vl":
+        writer.add_vision_use_silu(True)
+        full = vision["fullatt_block_indexes"]
+        pattern = full[0] + 1
+        if any(b - a != pattern for a, b in zip(full, full[1:], strict=False)):
+            raise ValueError(f"vision_config.fullatt_block_indexes {full}: not every n-th block (llama.cpp's "
+                             "n_wa_pattern)")
+        writer.add_vision_n_wa_pattern(pattern)
+        if vision.get("window_size", QWEN2_5_VL_WINDOW) != QWEN2_5_VL_WINDOW:
+            # the converter writes none: llama.cpp assumes every published checkpoint's; a test's smaller tower
+            # says its own under the gguf package's key for it
+            writer.add_vision_window_size(vision["window_size"])
+    # (the table's numbered names run to its block count: the merger's mm.2 needs three, whatever the depth)
+    names = get_tensor_name_map(MODEL_ARCH.MMPROJ, max(depth, 3))
+    for name, tensor in _tower_tensors(folder, kind):
+        data = tensor.float()
+        if name != "v.position_embd.weight" and float16 and data.ndim >= 2:
+            data = data.half()
+        writer.add_tensor(name if name.startswith("v.patch_embd") else
+                          names.get_name(name, try_suffixes=(".weight", ".bias")) or _unmapped(name),
+                          data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tower_tensors(folder: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tower tensors under the converter's HF names (HF transformers 5's `model.` prefix dropped),
+    changed as the converter changes them."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for stored in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                name = stored.removeprefix("model.")
+                if not name.startswith(_TOWER_PREFIXES):
+                    continue
+                if kind == "gemma3" and name.startswith("vision_tower.") and ".vision_model." not in name:
+                    name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # as published
+                if name.startswith("vision_tower.vision_model.head."):  # SigLIP's pooling head, which Gemma 3 skips
+                    continue
+                tensor = handle.get_tensor(stored)
+                if ".qkv." in name:  # q, k, v as three tensors
+                    for part, rows in zip("qkv", tensor.chunk(3), strict=True):
+                        yield name.replace(".qkv.", f".{part}."), rows
+                elif name.endswith("patch_embed.proj.weight"):  # a 2-frame Conv3d as two Conv2d kernels
+                    yield "v.patch_embd.weight", tensor[:, :, 0]
+                    yield "v.patch_embd.weight.1", tensor[:, :, 1]
+                elif name.endswith("mm_soft_emb_norm.weight"):  # Gemma's norm multiplies by 1 + w
+                    yield name, tensor.float() + 1
+                else:
+                    yield name.replace("_weight", ".weight"), tensor
+
+
+def _unmapped(name: str) -> str:
+    raise ValueError(f"{name}: no name for it in the gguf package's projector table")

@@ -1,0 +1,153 @@
+"""llama.cpp's multimodal projector files (`--mmproj`): a GGUF language model (qwen2vl, gemma3) and its vision tower in
+an mmproj GGUF, written as llama.cpp's converter writes them from small random Qwen2-VL, Qwen2.5-VL and Gemma 3
+checkpoints (the tower's names from the gguf package's own table: bench/mmproj_gguf.py), against HF transformers
+on the checkpoint; the text-only language model; refusals by name."""
+
+import json
+
+import pytest
+import test_gemma3_images as gemma3_images
+import test_vision as qwen_images
+import torch
+from gguf import GGUFWriter
+from tokenizers import pre_tokenizers
+
+from ridge import SamplingParams
+from ridge.bench.mmproj_gguf import write_mmproj
+from ridge.bench.random_gguf import write_gguf
+from ridge.models.loader import load_model
+
+
+def vocabulary_file(path, specials: list[str], size: int):
+    """A GGUF holding only a vocabulary (for bench/random_gguf.py's writer to copy): the byte-level tokenizer's 256
+    symbols, these special tokens (ids 256 on), then padding to `size`."""
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + specials
+    tokens += [f"<|pad_{i}|>" for i in range(size - len(tokens))]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] * (size - 256))
+    writer.add_eos_token_id(size - 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_pair(folder, specials: list[str]):
+    """The HF folder's language model as a GGUF (float32) and its tower as a projector file: (model, mmproj)."""
+    loaded = load_model(folder, torch.float32, progress=False)
+    vocabulary = vocabulary_file(folder / "vocabulary.gguf", specials, loaded.spec.vocab_size)
+    return (write_gguf(loaded, folder / "model.gguf", vocabulary, float16=False),
+            write_mmproj(folder, folder / "mmproj.gguf"))
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_files(request, tmp_path_factory):
+    folder, hf = qwen_images.random_vision_model(request.param, tmp_path_factory.mktemp(request.param))
+    return (*gguf_pair(folder, qwen_images.SPECIALS), folder, hf)
+
+
+def test_a_qwen_vl_gguf_with_its_mmproj_reads_images_as_hf(qwen_files, make_llm_for_test):
+    """Prompt log-probabilities with two images of different shapes: the GGUF pair's equal the HF folder's in ridge
+    and HF transformers' on the checkpoint; greedy tokens equal HF's."""
+    model, mmproj, folder, hf = qwen_files
+    images = qwen_images.pictures((56, 84), (84, 56))
+    head, parts = [1, 2, 3], [[4, 5], [6, 7, 8]]
+    prompt = qwen_images.prompt_with(head, images, parts)
+    llm = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.engine.loaded.config.vision.family == "qwen"
+    ids, ours = qwen_images.prompt_logprobs(llm, prompt)
+    folder_ids, from_folder = qwen_images.prompt_logprobs(
+        make_llm_for_test(folder, dtype="float32", kv_cache_memory="16MiB"), prompt)
+    assert ids == folder_ids
+    assert (ours - from_folder).abs().max().item() < 1e-5
+    expected = qwen_images.hf_prompt_logprobs(hf, qwen_images.hf_inputs(hf, head, images, parts))
+    assert (ours - expected).abs().max().item() < 1e-4
+    assert (llm.generate(prompt, qwen_images.GREEDY)[0].outputs[0].token_ids
+            == qwen_images.hf_greedy(hf, head, images, parts))
+
+
+def test_the_language_model_alone_serves_text_and_refuses_images(qwen_files, make_llm_for_test):
+    """Without its projector a qwen2vl file is a text model (M-RoPE's three positions are equal on text): the same
+    greedy tokens as with it; an image is refused by name, and the engine serves on."""
+    model, mmproj, _, _ = qwen_files
+    text = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = make_llm_for_test(model, dtype="float32", kv_cache_memory="16MiB")
+    paired = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
+    prompt = {"prompt_token_ids": [1, 2, 3, 40, 41]}
+    assert alone.generate(prompt, text)[0].outputs[0].token_ids == paired.generate(prompt, text)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="image"):
+        alone.generate(qwen_images.prompt_with([1], qwen_images.pictures((56, 56)), [[4]]), text)
+    assert len(alone.generate(prompt, text)[0].outputs[0].token_ids) == 8
+
+
+def random_gemma3_for_gguf(path):
+    """test_gemma3_images' Gemma 3 in a shape llama.cpp's gemma3 graph runs (which its files cannot describe
+    otherwise): six layers, the sixth global; attention scaled by the head's width."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+                initializer_range=0.2)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                  image_size=gemma3_images.SIDE, initializer_range=0.2)
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=gemma3_images.TOKENS,
+                          boi_token_index=gemma3_images.BOI, eoi_token_index=gemma3_images.EOI,
+                          image_token_index=gemma3_images.IMAGE)
+    hf = qwen_images.with_drawn_norms(Gemma3ForConditionalGeneration(config).float().eval())
+    hf.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0, 0.2)
+    folder = qwen_images.saved_with_tokenizer(hf, path, gemma3_images.hf_processor(), gemma3_images.SPECIALS,
+                                              gemma3_images.TEMPLATE)
+    return folder, hf
+
+
+def test_a_gemma3_gguf_with_its_mmproj_reads_images_as_hf(tmp_path, make_llm_for_test):
+    """Two images, each's tokens attending to each other both ways, on windowed and global layers (a prompt past the
+    window): HF transformers' prompt log-probabilities and greedy tokens."""
+    folder, hf = random_gemma3_for_gguf(tmp_path)
+    model, mmproj = gguf_pair(folder, gemma3_images.SPECIALS)
+    llm = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.engine.loaded.config.vision.family == "siglip"
+    images = qwen_images.pictures((60, 90), (300, 120))
+    head, parts = [5, 17, 40, 41], [[77, 78, 79], [90, 91, 92, 93, 94]]
+    prompt = gemma3_images.prompt_with(head, images, parts)
+    ids, ours = qwen_images.prompt_logprobs(llm, prompt)
+    assert ids == gemma3_images.laid_out(head, parts)
+    expected = qwen_images.hf_prompt_logprobs(hf, gemma3_images.hf_inputs(head, images, parts))
+    assert (ours - expected).abs().max().item() < 1e-4
+    assert llm.generate(prompt, qwen_images.GREEDY)[0].outputs[0].token_ids == gemma3_images.hf_greedy(
+        hf, head, images, parts)
+
+
+def test_projector_files_that_do_not_fit_are_refused_by_name(qwen_files, tmp_path, make_llm_for_test):
+    from ridge import LLM
+
+    model, mmproj, folder, _ = qwen_files
+    with pytest.raises(ValueError, match="mmproj: a projector file goes with a GGUF language model"):
+        LLM(str(folder), mmproj=str(mmproj))
+    with pytest.raises(ValueError, match="mmproj: .*model.gguf is not a multimodal projector"):
+        LLM(str(model), mmproj=str(model))
+    with pytest.raises(ValueError, match="mmproj: .* is not a file"):
+        LLM(str(model), mmproj=str(tmp_path / "missing.gguf"))
+    other = tmp_path / "pixtral.gguf"
+    writer = GGUFWriter(str(other), "clip")
+    writer.add_clip_projector_type("pixtral")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="clip.projector_type 'pixtral' is not supported"):
+        LLM(str(model), mmproj=str(other))
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["hidden_size"] = 128
+    (wide / "config.json").write_text(json.dumps(config))
+    for name in ("preprocessor_config.json", *[p.name for p in folder.glob("*.safetensors")]):
+        (wide / name).symlink_to(folder / name)
+    with pytest.raises(ValueError, match="projection_dim 128 is not the language model's width \\(64\\)"):
+        LLM(str(model), mmproj=str(write_mmproj(wide, tmp_path / "wide.gguf")))
