@@ -10,35 +10,18 @@ import test_gemma3_images as gemma3_images
 import test_vision as qwen_images
 import torch
 from gguf import GGUFWriter
-from tokenizers import pre_tokenizers
 
 from ridge import SamplingParams
 from ridge.bench.mmproj_gguf import write_mmproj
-from ridge.bench.random_gguf import write_gguf
+from ridge.bench.random_gguf import write_gguf, write_vocabulary
 from ridge.models.loader import load_model
 
 
-def vocabulary_file(path, specials: list[str], size: int):
-    """A GGUF holding only a vocabulary (for bench/random_gguf.py's writer to copy): the byte-level tokenizer's 256
-    symbols, these special tokens (ids 256 on), then padding to `size`."""
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + specials
-    tokens += [f"<|pad_{i}|>" for i in range(size - len(tokens))]
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * 256 + [3] * (size - 256))
-    writer.add_eos_token_id(size - 1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def gguf_pair(folder, specials: list[str]):
-    """The HF folder's language model as a GGUF (float32) and its tower as a projector file: (model, mmproj)."""
+def gguf_pair(folder):
+    """The HF folder's language model as a GGUF (float32, its tokenizer.json's vocabulary) and its tower as a
+    projector file: (model, mmproj)."""
     loaded = load_model(folder, torch.float32, progress=False)
-    vocabulary = vocabulary_file(folder / "vocabulary.gguf", specials, loaded.spec.vocab_size)
+    vocabulary = write_vocabulary(folder / "tokenizer.json", folder / "vocabulary.gguf", loaded.spec.vocab_size)
     return (write_gguf(loaded, folder / "model.gguf", vocabulary, float16=False),
             write_mmproj(folder, folder / "mmproj.gguf"))
 
@@ -46,7 +29,7 @@ def gguf_pair(folder, specials: list[str]):
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen_files(request, tmp_path_factory):
     folder, hf = qwen_images.random_vision_model(request.param, tmp_path_factory.mktemp(request.param))
-    return (*gguf_pair(folder, qwen_images.SPECIALS), folder, hf)
+    return (*gguf_pair(folder), folder, hf)
 
 
 def test_a_qwen_vl_gguf_with_its_mmproj_reads_images_as_hf(qwen_files, make_llm_for_test):
@@ -109,7 +92,7 @@ def test_a_gemma3_gguf_with_its_mmproj_reads_images_as_hf(tmp_path, make_llm_for
     """Two images, each's tokens attending to each other both ways, on windowed and global layers (a prompt past the
     window): HF transformers' prompt log-probabilities and greedy tokens."""
     folder, hf = random_gemma3_for_gguf(tmp_path)
-    model, mmproj = gguf_pair(folder, gemma3_images.SPECIALS)
+    model, mmproj = gguf_pair(folder)
     llm = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
     assert llm.engine.loaded.config.vision.family == "siglip"
     images = qwen_images.pictures((60, 90), (300, 120))

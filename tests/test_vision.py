@@ -339,8 +339,9 @@ def test_the_server_reads_image_url_parts(vision_model, tmp_path):
 
 
 def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, monkeypatch):
-    """`ridge bench vision` on a model folder (Qwen2.5-VL's): ridge's and HF's images per second, the FLOPs an image
-    costs, and their first tokens (which agree); on a random preset (Qwen3-VL's cut small here), its weights drawn
+    """`ridge bench vision` on a model folder (Qwen2.5-VL's): ridge's (also on the folder written as llama.cpp's
+    files, --gguf) and HF's images per second, the FLOPs an image costs, and their first tokens (which agree); on a
+    random preset (Qwen3-VL's cut small here), its weights drawn
     for both."""
     from ridge.bench import vision
     from ridge.cli import main
@@ -348,11 +349,13 @@ def test_bench_vision_runs_both_engines_on_the_same_images(tmp_path, capsys, mon
     path, _ = random_vision_model("qwen2_5_vl", tmp_path)
     args = ["--dtype", "float32", "--num-images", "2", "--image-size", "56", "--text-len", "4", "--repeats", "1",
             "--json"]
-    assert main(["bench", "vision", "--model", str(path), *args]) == 0
+    assert main(["bench", "vision", "--model", str(path), "--gguf", *args]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [r["engine"] for r in report["rows"]] == ["ridge", "HF transformers"]
+    # (llama.cpp's row where its peer is installed: not in the suite's environment)
+    assert [r["engine"] for r in report["rows"]][:3] == ["ridge", "ridge (GGUF + mmproj)", "HF transformers"]
     assert report["image_tokens"] == 4 and report["prompt_tokens"] == 4 + 2 + 4
     assert report["first_tokens_agree"] == 2 and report["tower_gflop_per_image"] > 0
+    assert report["rows"][1]["first_tokens_agree_with_ridge"] == 2
     assert all(r["images_s"] > 0 and r["roofline_fraction"] > 0 for r in report["rows"])
     assert main(["bench", "vision", "--model", str(path), "--lm-layers", "2", *args]) == 2  # a folder runs whole
     assert "--lm-layers: cuts a random: model's language model" in capsys.readouterr().err

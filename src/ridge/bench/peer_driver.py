@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def measure_latency(run_one, job) -> dict:
@@ -205,12 +206,81 @@ def llamacpp(job) -> dict:
     return {"elapsed_s": time.perf_counter() - start, "note": note}
 
 
+def llamacpp_vision(job) -> dict:
+    """Prompts of an image each, run to their first token by llama.cpp's mtmd (the mmproj file beside the GGUF):
+    the text before the image tokenized by mtmd (which adds the image's own begin and end tokens), the image encoded
+    and decoded by its helper, then the prompt's text by its ids; the greedy first token of each, and each round's
+    seconds."""
+    import ctypes
+
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+    from llama_cpp import Llama
+
+    threads = job.get("threads") or os.cpu_count()
+    llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_batch=job["n_ctx"], n_ubatch=job["n_ctx"],
+                n_threads=threads, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.print_timings = False, threads, False
+    ctx = mtmd.mtmd_init_from_file(job["mmproj"].encode(), llm.model, params)
+    if ctx is None:
+        raise RuntimeError(f"mtmd could not load {job['mmproj']}")
+    marker = mtmd.mtmd_default_marker()
+    images = [Path(p["image"]).read_bytes() for p in job["prompts"]]
+
+    def first_token(prompt: dict, image: bytes) -> tuple[int, int]:
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(ctx, (ctypes.c_uint8 * len(image)).from_buffer(
+            bytearray(image)), len(image), False)
+        text = prompt["before"].encode() + marker
+        given = mtmd.mtmd_input_text()
+        given.text, given.text_len, given.add_special, given.parse_special = text, len(text), False, True
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(given), bitmaps, 1) != 0:
+                raise RuntimeError("mtmd_tokenize failed")
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+            image_tokens = 0
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    count = ctypes.c_size_t()
+                    ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                    llm.eval([ids[j] for j in range(count.value)])
+                    continue
+                image_tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                past = llama_cpp.llama_pos(0)
+                if mtmd.mtmd_helper_eval_chunk_single(ctx, llm._ctx.ctx, chunk, llama_cpp.llama_pos(llm.n_tokens),
+                                                      llama_cpp.llama_seq_id(0), llm.n_batch, False,
+                                                      ctypes.byref(past)) != 0:
+                    raise RuntimeError("mtmd_helper_eval_chunk_single failed")
+                llm.n_tokens = past.value
+            llm.eval(prompt["after_ids"])
+            return int(llm.scores[llm.n_tokens - 1].argmax()), image_tokens
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)
+
+    first_token(job["prompts"][0], images[0])  # warm-up
+    seconds, tokens, counts = [], [], []
+    for _ in range(job["repeats"]):
+        start = time.perf_counter()
+        results = [first_token(p, image) for p, image in zip(job["prompts"], images, strict=True)]
+        seconds.append(time.perf_counter() - start)
+        tokens, counts = [t for t, _ in results], [n for _, n in results]
+    mtmd.mtmd_free(ctx)
+    return {"seconds": seconds, "first_tokens": tokens, "image_tokens": counts,
+            "note": "mtmd, one prompt at a time; the GGUF and mmproj as written (float16)"}
+
+
 ENGINES = {"hf": hf, "vllm": vllm, "llamacpp": llamacpp}
 
 if __name__ == "__main__":
     engine, job_path, out_path = sys.argv[1:4]
     with open(job_path) as f:
         job = json.load(f)
-    result = export(job) if job["mode"] == "export" else ENGINES[engine](job)
+    result = (export(job) if job["mode"] == "export" else llamacpp_vision(job) if job["mode"] == "vision"
+              else ENGINES[engine](job))
     with open(out_path, "w") as f:
         json.dump(result, f)

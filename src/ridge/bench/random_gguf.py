@@ -11,6 +11,7 @@ package's own reference code, so that ridge (`--quantization gguf`) and llama.cp
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -111,6 +112,36 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
     _check_writable(spec)
     return write_gguf(random_model(spec, torch.float16 if float16 else torch.float32, "cpu", seed), path, vocabulary,
                       float16, block_type)
+
+
+def write_vocabulary(tokenizer_file: Path, path: Path, size: int, named: dict[int, str] | None = None) -> Path:
+    """A GGUF holding only the byte-level BPE vocabulary of an HF tokenizer.json (llama.cpp's gpt2 model, no BOS
+    added), for write_gguf to copy: its tokens by id (an added token a control token), then placeholders to `size`
+    tokens; `named`: ids renamed (a random model's image tokens, which llama.cpp and ridge find by name)."""
+    config = json.loads(tokenizer_file.read_text())
+    vocab = {**config["model"]["vocab"], **{t["content"]: t["id"] for t in config.get("added_tokens", [])}}
+    tokens = [f"<|placeholder_{i}|>" for i in range(size)]
+    for token, i in vocab.items():
+        if i < size:
+            tokens[i] = token
+    control = {t["id"] for t in config.get("added_tokens", [])} | set(named or {})
+    for i, token in (named or {}).items():
+        tokens[i] = token
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    known = set(vocab.values())
+    writer.add_token_types([3 if i in control else 1 if i in known else 5 for i in range(size)])
+    if merges := config["model"].get("merges"):
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_add_bos_token(False)
+    writer.add_eos_token_id(size - 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool = True,

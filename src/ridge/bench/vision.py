@@ -89,6 +89,9 @@ PRESETS["gemma-3-4b"] = (
     {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
      "num_attention_heads": 16, "patch_size": 14, "image_size": 896, "vision_use_head": False})
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "gemma3")
+# the kinds whose llama.cpp files ridge writes and reads (--gguf: models/mmproj.py), and their rows
+LLAMA_CPP_KINDS = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+GGUF_ROW, LLAMA_CPP_ROW = "ridge (GGUF + mmproj)", "llama.cpp (GGUF + mmproj)"
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
@@ -209,11 +212,47 @@ def cmd_vision(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
+    if not args.gguf:
+        return _run(args, path, shown, None)
+    kind = json.loads((path / "config.json").read_text()).get("model_type")
+    if kind not in LLAMA_CPP_KINDS:
+        raise ValueError(f"--gguf: llama.cpp's files of {kind} are not written here ({', '.join(LLAMA_CPP_KINDS)})")
+    with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-gguf-") as scratch:
+        print("[bench] writing the model as llama.cpp's files (a GGUF and its mmproj, float16) ...", file=sys.stderr)
+        return _run(args, path, shown, llama_cpp_files(path, Path(scratch)))
+
+
+def llama_cpp_files(path: Path, folder: Path) -> tuple[Path, Path]:
+    """The HF folder's model as llama.cpp's files in `folder`: its language model a GGUF and its tower an mmproj,
+    float16 (as llama.cpp's converter writes them by default), the vocabulary its tokenizer.json's with the image
+    tokens named (a random model's byte tokenizer has placeholders there; llama.cpp and ridge find them by name)."""
+    from ridge.bench.mmproj_gguf import write_mmproj
+    from ridge.bench.random_gguf import write_gguf, write_vocabulary
+    from ridge.models.loader import load_model
+
+    config = json.loads((path / "config.json").read_text())
+    names = (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
+             ("image_token_index", "<image_soft_token>")) if config["model_type"] == "gemma3" else (
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+        ("image_token_id", "<|image_pad|>"))
+    named = {int(config[key]): name for key, name in names if key in config}
+    loaded = load_model(path, torch.float16, progress=False)  # the file's form, held once
+    vocabulary = write_vocabulary(path / "tokenizer.json", folder / "vocabulary.gguf", loaded.spec.vocab_size, named)
+    model = write_gguf(loaded, folder / "model.gguf", vocabulary)
+    del loaded
+    return model, write_mmproj(path, folder / "mmproj.gguf", float16=True)
+
+
+def _run(args: argparse.Namespace, path: Path, shown: str, files: tuple[Path, Path] | None) -> int:
     from ridge import LLM, SamplingParams
     from ridge.flags import engine_kwargs
 
     # the prefix cache off: each round's prompts (the same images) would be found in it, their towers not run
-    llm = LLM(str(path), progress=not args.json, **{**engine_kwargs(args), "enable_prefix_caching": False})
+    kwargs = {**engine_kwargs(args), "enable_prefix_caching": False}
+    llm = LLM(str(path), progress=not args.json, **kwargs)
+    engines = {"ridge": llm}
+    if files is not None:
+        engines[GGUF_ROW] = LLM(str(files[0]), progress=not args.json, **{**kwargs, "mmproj": str(files[1])})
     engine = llm.engine
     dtype = engine.config.torch_dtype
     images = noise_images(args.num_images, args.image_size)
@@ -237,27 +276,46 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     if isinstance(hf, str):
         print(f"[bench] HF transformers: {hf}", file=sys.stderr)
         hf = None
-    seconds: dict[str, list[float]] = {"ridge": [], "HF transformers": []}
-    ours = theirs = None
+    for other in list(engines.values())[1:]:
+        other.generate(prompts[:1], greedy)  # warm-up
+    seconds: dict[str, list[float]] = {**{name: [] for name in engines}, "HF transformers": []}
+    firsts: dict[str, list[int]] = {}
+    theirs = None
     for _ in tqdm(range(args.repeats), desc="rounds", disable=args.json):
-        start = time.perf_counter()
-        ours = [o.outputs[0].token_ids[0] for o in llm.generate(prompts, greedy)]
-        seconds["ridge"].append(time.perf_counter() - start)
+        for name, runner in engines.items():
+            start = time.perf_counter()
+            firsts[name] = [o.outputs[0].token_ids[0] for o in runner.generate(prompts, greedy)]
+            seconds[name].append(time.perf_counter() - start)
         if hf is not None:
             start = time.perf_counter()
             theirs = hf.first_tokens()
             seconds["HF transformers"].append(time.perf_counter() - start)
+    ours = firsts["ridge"]
+    if files is not None:
+        llama = _llama_cpp(args, files, prompts, images, widened, engine, work.image_tokens)
+        if isinstance(llama, str):
+            print(f"[bench] llama.cpp: {llama}", file=sys.stderr)
+        else:
+            seconds[LLAMA_CPP_ROW], firsts[LLAMA_CPP_ROW] = llama
     peak = max(peak, roofline.measure_matmul(dtype))  # again after the rounds: the shared machine's drift
     rows = [_row(engine_name, statistics.median(times), args.num_images, work, peak)
             for engine_name, times in seconds.items() if times]
+    for row in rows:  # each engine's first tokens against ridge's on the HF folder
+        got = theirs if row["engine"] == "HF transformers" else firsts.get(row["engine"])
+        if got is not None and row["engine"] != "ridge":
+            row["first_tokens_agree_with_ridge"] = sum(a == b for a, b in zip(ours, got, strict=True))
     report = {"benchmark": "vision", "model": shown, "dtype": str(dtype).removeprefix("torch."),
               "num_images": args.num_images, "image_size": args.image_size, "image_tokens": work.image_tokens,
               "prompt_tokens": len(first.token_ids), "tower_gflop_per_image": work.tower_flops / 1e9,
               "lm_gflop_per_image": work.lm_flops / 1e9, "repeats": args.repeats, "matmul_peak_gflop_s": peak,
               "rows": rows}
+    by_engine = {row["engine"]: row for row in rows}
     if theirs is not None:
         report["first_tokens_agree"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
-        report["speedup"] = rows[0]["images_s"] / rows[1]["images_s"]
+        report["speedup"] = rows[0]["images_s"] / by_engine["HF transformers"]["images_s"]
+    if GGUF_ROW in by_engine and LLAMA_CPP_ROW in by_engine:
+        report["gguf_speedup_over_llama_cpp"] = (by_engine[GGUF_ROW]["images_s"]
+                                                 / by_engine[LLAMA_CPP_ROW]["images_s"])
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -270,7 +328,43 @@ def _bench(args: argparse.Namespace, path: Path, shown: str) -> int:
     if theirs is not None:
         print(f"\nridge / HF: {report['speedup']:.2f}x the images per second; first tokens agree on "
               f"{report['first_tokens_agree']} of {args.num_images}")
+    if "gguf_speedup_over_llama_cpp" in report:
+        print(f"ridge / llama.cpp on the same GGUF and mmproj: {report['gguf_speedup_over_llama_cpp']:.2f}x the images "
+              "per second")
     return 0
+
+
+def _llama_cpp(args: argparse.Namespace, files: tuple[Path, Path], prompts: list[dict], images: list,
+               widened: list[list[int]], engine, image_tokens: int) -> tuple[list[float], list[int]] | str:
+    """llama.cpp (llama-cpp-python's mtmd, in its peer's interpreter) on the same files and prompts: each round's
+    seconds and its first tokens; or why it did not run. mtmd writes an image's own begin and end tokens, so it is
+    given the text before them and the prompt's ids after them (Gemma 3's framing newlines as text)."""
+    from ridge.bench.cli import find_peers, run_peer
+
+    python = find_peers([], all_installed=True).get("llamacpp")
+    if python is None:
+        return "not installed (../shared/peers/install.sh llamacpp); left out"
+    vision = engine.loaded.config.vision
+    with tempfile.TemporaryDirectory(prefix="ridge-bench-vision-images-") as folder:
+        jobs = []
+        for i, (prompt, image) in enumerate(zip(prompts, images, strict=True)):
+            image.save(Path(folder) / f"{i}.png")
+            ids = prompt["prompt_token_ids"]
+            if vision.family == "siglip":  # ridge's "\n\n<start_of_image>" ... "<end_of_image>\n\n", then the text
+                newlines = list(engine.tokenizer.encode("\n\n", add_special_tokens=False))
+                before, after = "\n\n", newlines + ids[1:]
+            else:  # <|vision_start|> <|image_pad|> <|vision_end|>, then the text
+                before, after = "", ids[3:]
+            jobs.append({"before": before, "after_ids": after, "image": str(Path(folder) / f"{i}.png")})
+        job = {"mode": "vision", "gguf": str(files[0]), "mmproj": str(files[1]), "prompts": jobs,
+               "repeats": args.repeats, "n_ctx": max(len(ids) for ids in widened) + 64}
+        result = run_peer("llamacpp", python, job, timeout=3600)
+    if result.error:
+        return f"failed: {result.error}"
+    if set(counts := result.figures["image_tokens"]) != {image_tokens}:
+        print(f"[bench] llama.cpp made {counts} tokens of the images where ridge made {image_tokens}: its own sizing",
+              file=sys.stderr)
+    return result.figures["seconds"], result.figures["first_tokens"]
 
 
 class HFVision:
@@ -348,5 +442,9 @@ def add_vision_parser(bsub, add_engine_args) -> None:
     p.add_argument("--text-len", type=int, default=32, help="text tokens after the image (default %(default)s)")
     p.add_argument("--lm-layers", type=int, default=None, help="a random model's language-model layers (default "
                    f"{DEFAULT_LM_LAYERS}; its tower is whole)")
+    p.add_argument("--gguf", action="store_true",
+                   help="also run the model from llama.cpp's files (its language model a GGUF, its tower an mmproj, "
+                   "written float16 as llama.cpp's converter writes them): ridge with --mmproj, and llama.cpp's mtmd "
+                   "where its peer is installed (Qwen2-VL, Qwen2.5-VL, Gemma 3)")
     add_rounds_args(p)
     p.set_defaults(func=cmd_vision)
