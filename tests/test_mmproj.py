@@ -134,3 +134,12 @@ def test_projector_files_that_do_not_fit_are_refused_by_name(qwen_files, tmp_pat
         (wide / name).symlink_to(folder / name)
     with pytest.raises(ValueError, match="projection_dim 128 is not the language model's width \\(64\\)"):
         LLM(str(model), mmproj=str(write_mmproj(wide, tmp_path / "wide.gguf")))
+
+
+def test_gemma3_shapes_llama_cpp_would_run_otherwise_are_not_written(tmp_path):
+    """A gemma3 GGUF cannot say which layers are global (llama.cpp's graph: every 6th): test_gemma3_images' model,
+    global on its second layer, is refused by name rather than written as another model."""
+    folder, _ = gemma3_images.random_gemma3(tmp_path)
+    loaded = load_model(folder, torch.float32, progress=False)
+    with pytest.raises(ValueError, match=r"gemma3 windows all but every 6th layer .* this model windows layers \[0\]"):
+        write_gguf(loaded, tmp_path / "model.gguf", tmp_path / "unread.gguf", float16=False)

@@ -257,7 +257,9 @@ def llamacpp_vision(job) -> dict:
                     raise RuntimeError("mtmd_helper_eval_chunk_single failed")
                 llm.n_tokens = past.value
             llm.eval(prompt["after_ids"])
-            return int(llm.scores[llm.n_tokens - 1].argmax()), image_tokens
+            # the last token's logits (llama-cpp-python keeps them in .scores only with logits_all)
+            logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+            return max(range(llm.n_vocab()), key=lambda i: logits[i]), image_tokens
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)

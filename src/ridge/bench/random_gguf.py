@@ -127,14 +127,18 @@ def write_vocabulary(tokenizer_file: Path, path: Path, size: int, named: dict[in
     control = {t["id"] for t in config.get("added_tokens", [])} | set(named or {})
     for i, token in (named or {}).items():
         tokens[i] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in config["model"].get("merges") or []]
+    if not merges:  # llama.cpp refuses a gpt2 vocabulary without merges: one that joins the bytes 0 and 1 (a token
+        # no text here holds) into a slot that is neither a byte, a named token nor the end token
+        slot = max(i for i in range(size - 1) if i not in control and len(tokens[i]) != 1)
+        tokens[slot], merges = "Āā", ["Ā ā"]
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     known = set(vocab.values())
     writer.add_token_types([3 if i in control else 1 if i in known else 5 for i in range(size)])
-    if merges := config["model"].get("merges"):
-        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_token_merges(merges)
     writer.add_add_bos_token(False)
     writer.add_eos_token_id(size - 1)
     writer.write_header_to_file()
@@ -290,9 +294,10 @@ def _check_gemma3(spec: ModelSpec) -> None:
     """What llama.cpp's gemma3 graph assumes and its header does not say: every 6th layer global, the windowed ones'
     rotary base 10,000, the attention scaled by the head's width (the 27B's by hidden / heads), no softcaps."""
     scale = spec.hidden_size / spec.num_heads if spec.num_layers == 62 else spec.head_dim
-    if spec.sliding_window and spec.global_every != GEMMA3_GLOBAL_EVERY:
+    windowed = [i for i in range(spec.num_layers) if spec.is_local(i)]
+    if spec.sliding_window and windowed != [i for i in range(spec.num_layers) if (i + 1) % GEMMA3_GLOBAL_EVERY]:
         raise ValueError(f"model: llama.cpp's gemma3 windows all but every {GEMMA3_GLOBAL_EVERY}th layer (a GGUF does "
-                         f"not say it); this model's global layers are every {spec.global_every}th")
+                         f"not say it); this model windows layers {windowed}")
     if (spec.rope_local_theta or 10000.0) != 10000.0 or (spec.query_pre_attn_scalar or scale) != scale:
         raise ValueError(f"model: llama.cpp's gemma3 turns its windowed layers at base 10000 and scales attention by "
                          f"1 / sqrt({scale:g}); this model's rope_local_base_freq is {spec.rope_local_theta} and "

@@ -426,10 +426,16 @@ def _row(engine: str, seconds: float, images: int, work: ImageWork, peak: float)
 
 
 def vision_table(report: dict) -> list[str]:
-    lines = ["| engine | images/s | s an image | GFLOP/s (matmuls) | of matmul peak |", "|---|---:|---:|---:|---:|"]
+    lines = ["| engine | images/s | s an image | GFLOP/s (matmuls) | of matmul peak | first tokens as ridge's |",
+             "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['engine']} | {r['images_s']:.2f} | {1 / r['images_s']:.2f} | {r['gflop_s']:.0f} | "
-              f"{r['roofline_fraction']:.0%} |" for r in report["rows"]]
+              f"{r['roofline_fraction']:.0%} | {_agreement(r, report['num_images'])} |" for r in report["rows"]]
     return lines
+
+
+def _agreement(row: dict, images: int) -> str:
+    agree = row.get("first_tokens_agree_with_ridge")
+    return "-" if agree is None else f"{agree} of {images}"
 
 
 def add_vision_parser(bsub, add_engine_args) -> None:

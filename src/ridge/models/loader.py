@@ -303,7 +303,8 @@ def load_model(
                                                                target.cpu_ops if target else None))
             table = mmproj_names(cfg.vision) + table
         kinds = sorted({t.tensor_type.name for t in gguf.tensors} - _FLOAT_TYPES)
-        fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "")
+        fmt = f"gguf {'+'.join(kinds) or 'float'}" + (" native" if gguf_native else "") + (
+            f", vision tower from {projector.path.name}" if projector is not None else "")
 
     cfg = _served_context(_windows(cfg, ignore_sliding_window), max_model_len)
     with torch.device("meta"):
