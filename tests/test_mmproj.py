@@ -7,6 +7,7 @@ import json
 
 import pytest
 import test_gemma3_images as gemma3_images
+import test_pixtral as pixtral_images
 import test_vision as qwen_images
 import torch
 from gguf import GGUFWriter
@@ -88,21 +89,24 @@ def random_gemma3_for_gguf(path):
     return folder, hf
 
 
-def test_a_gemma3_gguf_with_its_mmproj_reads_images_as_hf(tmp_path, make_llm_for_test):
-    """Two images, each's tokens attending to each other both ways, on windowed and global layers (a prompt past the
-    window): HF transformers' prompt log-probabilities and greedy tokens."""
-    folder, hf = random_gemma3_for_gguf(tmp_path)
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_gemma3_and_mistral3_ggufs_with_their_mmproj_read_images_as_hf(family, tmp_path, make_llm_for_test):
+    """Two images of different shapes: Gemma 3's (each's tokens attending to each other both ways, on windowed and
+    global layers, a prompt past the window) and Mistral 3's (rows of tokens between breaks; a llama GGUF, Pixtral's
+    q / k rows permuted in the mmproj): HF transformers' prompt log-probabilities and greedy tokens."""
+    module = gemma3_images if family == "gemma3" else pixtral_images
+    folder, hf = random_gemma3_for_gguf(tmp_path) if family == "gemma3" else pixtral_images.random_mistral3(tmp_path)
     model, mmproj = gguf_pair(folder)
     llm = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
-    assert llm.engine.loaded.config.vision.family == "siglip"
+    assert llm.engine.loaded.config.vision.family == ("siglip" if family == "gemma3" else "pixtral")
     images = qwen_images.pictures((60, 90), (300, 120))
     head, parts = [5, 17, 40, 41], [[77, 78, 79], [90, 91, 92, 93, 94]]
-    prompt = gemma3_images.prompt_with(head, images, parts)
+    prompt = module.prompt_with(head, images, parts)
     ids, ours = qwen_images.prompt_logprobs(llm, prompt)
-    assert ids == gemma3_images.laid_out(head, parts)
-    expected = qwen_images.hf_prompt_logprobs(hf, gemma3_images.hf_inputs(head, images, parts))
+    assert ids == (module.laid_out(head, parts) if family == "gemma3" else module.laid_out(head, images, parts))
+    expected = qwen_images.hf_prompt_logprobs(hf, module.hf_inputs(head, images, parts))
     assert (ours - expected).abs().max().item() < 1e-4
-    assert llm.generate(prompt, qwen_images.GREEDY)[0].outputs[0].token_ids == gemma3_images.hf_greedy(
+    assert llm.generate(prompt, qwen_images.GREEDY)[0].outputs[0].token_ids == module.hf_greedy(
         hf, head, images, parts)
 
 
@@ -116,15 +120,18 @@ def test_projector_files_that_do_not_fit_are_refused_by_name(qwen_files, tmp_pat
         LLM(str(model), mmproj=str(model))
     with pytest.raises(ValueError, match="mmproj: .* is not a file"):
         LLM(str(model), mmproj=str(tmp_path / "missing.gguf"))
-    other = tmp_path / "pixtral.gguf"
-    writer = GGUFWriter(str(other), "clip")
-    writer.add_clip_projector_type("pixtral")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="clip.projector_type 'pixtral' is not supported"):
-        LLM(str(model), mmproj=str(other))
+    for kind, refusal in [("qwen3vl_merger", "clip.projector_type 'qwen3vl_merger' is not supported"),
+                          ("pixtral", "a pixtral projector goes with a llama / mistral3 language model; model is "
+                                      "qwen2vl")]:
+        other = tmp_path / f"{kind}.gguf"
+        writer = GGUFWriter(str(other), "clip")
+        writer.add_clip_projector_type(kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ValueError, match=refusal):
+            LLM(str(model), mmproj=str(other))
     wide = tmp_path / "wide"
     wide.mkdir()
     config = json.loads((folder / "config.json").read_text())

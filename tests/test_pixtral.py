@@ -44,7 +44,8 @@ def random_mistral3(path):
 
     text = dict(model_type="mistral", vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2)
+                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+                sliding_window=None)  # (Mistral Small 3.1's, without windows)
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, head_dim=16, patch_size=PATCH, image_size=LONGEST_EDGE,
                   initializer_range=0.2)  # attention far from uniform: the rotary shows in the output

@@ -1,10 +1,11 @@
 """An HF vision-language checkpoint's vision tower written as llama.cpp's multimodal projector file (mmproj GGUF).
 
-What llama.cpp's converter (convert_hf_to_gguf.py --mmproj) writes for Qwen2-VL, Qwen2.5-VL and Gemma 3, so that a
-tower with no published GGUF here (a random one of a test, a benchmark's shape) runs from the files a llama.cpp user
-has: the header keys under `clip.vision.*`, the processor's mean and deviation, and the tensors under the names of
-the gguf package's own table (TensorNameMap of MODEL_ARCH.MMPROJ), with the converter's changes: Qwen's fused q / k /
-v cut in three and its two-frame patch kernel in two, Gemma 3's projector norm stored as the 1 + w it multiplies by.
+What llama.cpp's converter (convert_hf_to_gguf.py --mmproj) writes for Qwen2-VL, Qwen2.5-VL, Gemma 3 and Mistral 3,
+so that a tower with no published GGUF here (a random one of a test, a benchmark's shape) runs from the files a
+llama.cpp user has: the header keys under `clip.vision.*`, the processor's mean and deviation, and the tensors under
+the names of the gguf package's own table (TensorNameMap of MODEL_ARCH.MMPROJ), with the converter's changes: Qwen's
+fused q / k / v cut in three and its two-frame patch kernel in two, Gemma 3's projector norm stored as the 1 + w it
+multiplies by, Pixtral's q / k rows permuted as llama's and its [IMG_BREAK] embedding copied in.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ridge.multimodal.images import CLIP_MEAN, CLIP_STD
 
 # an HF model_type -> its projector type
 PROJECTOR_TYPES = {"qwen2_vl": VisionProjectorType.QWEN2VL, "qwen2_5_vl": VisionProjectorType.QWEN25VL,
-                   "gemma3": VisionProjectorType.GEMMA3}
+                   "gemma3": VisionProjectorType.GEMMA3, "mistral3": VisionProjectorType.PIXTRAL}
 _TOWER_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.")
 
 
@@ -47,7 +48,17 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
     writer.add_vision_patch_size(vision.get("patch_size", 14))
     writer.add_vision_image_mean(processor.get("image_mean", CLIP_MEAN))
     writer.add_vision_image_std(processor.get("image_std", CLIP_STD))
-    if kind == "gemma3":
+    if kind == "mistral3":
+        writer.add_vision_embedding_length(vision["hidden_size"])
+        writer.add_vision_feed_forward_length(vision["intermediate_size"])
+        writer.add_vision_image_size(vision["image_size"])
+        writer.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-5))
+        if vision.get("hidden_act", "silu") == "silu":
+            writer.add_vision_use_silu(True)
+        else:
+            writer.add_vision_use_gelu(True)
+        writer.add_vision_spatial_merge_size(config.get("spatial_merge_size", 2))
+    elif kind == "gemma3":
         writer.add_vision_embedding_length(vision["hidden_size"])
         writer.add_vision_feed_forward_length(vision["intermediate_size"])
         writer.add_vision_image_size(vision["image_size"])
@@ -78,13 +89,13 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
             writer.add_vision_window_size(vision["window_size"])
     # (the table's numbered names run to its block count: the merger's mm.2 needs three, whatever the depth)
     names = get_tensor_name_map(MODEL_ARCH.MMPROJ, max(depth, 3))
-    for name, tensor in _tower_tensors(folder, kind):
+    for name, tensor in _tower_tensors(folder, config):
+        name = name if name.startswith("v.") else names.get_name(name, try_suffixes=(".weight", ".bias")) or _unmapped(
+            name)
         data = tensor.float()
-        if name != "v.position_embd.weight" and float16 and data.ndim >= 2:
+        if float16 and data.ndim >= 2 and not name.startswith("v.position_embd"):  # (llama.cpp adds it in float32)
             data = data.half()
-        writer.add_tensor(name if name.startswith("v.patch_embd") else
-                          names.get_name(name, try_suffixes=(".weight", ".bias")) or _unmapped(name),
-                          data.numpy())
+        writer.add_tensor(name, data.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -92,13 +103,18 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
     return path
 
 
-def _tower_tensors(folder: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _tower_tensors(folder: Path, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tower tensors under the converter's HF names (HF transformers 5's `model.` prefix dropped),
-    changed as the converter changes them."""
+    changed as the converter changes them (Pixtral's q / k rows permuted as llama's, its [IMG_BREAK] embedding
+    copied from the language model's)."""
+    kind, heads = config["model_type"], config["vision_config"].get("num_attention_heads")
+    img_break = _token_id(folder, "[IMG_BREAK]") if kind == "mistral3" else None
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as handle:
             for stored in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 name = stored.removeprefix("model.")
+                if img_break is not None and name.endswith("embed_tokens.weight"):
+                    yield "v.token_embd.img_break", handle.get_tensor(stored)[img_break]  # (llama.cpp: no suffix)
                 if not name.startswith(_TOWER_PREFIXES):
                     continue
                 if kind == "gemma3" and name.startswith("vision_tower.") and ".vision_model." not in name:
@@ -106,6 +122,9 @@ def _tower_tensors(folder: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]
                 if name.startswith("vision_tower.vision_model.head."):  # SigLIP's pooling head, which Gemma 3 skips
                     continue
                 tensor = handle.get_tensor(stored)
+                if kind == "mistral3" and name.endswith(("attention.q_proj.weight", "attention.k_proj.weight")):
+                    # each head's rotary halves interleaved, as llama.cpp's converter permutes llama's
+                    tensor = tensor.reshape(heads, 2, -1, tensor.shape[-1]).transpose(1, 2).reshape(tensor.shape)
                 if ".qkv." in name:  # q, k, v as three tensors
                     for part, rows in zip("qkv", tensor.chunk(3), strict=True):
                         yield name.replace(".qkv.", f".{part}."), rows
@@ -116,6 +135,15 @@ def _tower_tensors(folder: Path, kind: str) -> Iterator[tuple[str, torch.Tensor]
                     yield name, tensor.float() + 1
                 else:
                     yield name.replace("_weight", ".weight"), tensor
+
+
+def _token_id(folder: Path, token: str) -> int:
+    """A special token's id in the folder's tokenizer.json."""
+    added = json.loads((folder / "tokenizer.json").read_text()).get("added_tokens", [])
+    found = next((t["id"] for t in added if t["content"] == token), None)
+    if found is None:
+        raise ValueError(f"{folder}: tokenizer.json has no {token} token")
+    return int(found)
 
 
 def _unmapped(name: str) -> str:

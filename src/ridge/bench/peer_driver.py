@@ -241,15 +241,16 @@ def llamacpp_vision(job) -> dict:
                 raise RuntimeError("mtmd_tokenize failed")
             llm.reset()
             llm._ctx.kv_cache_clear()
-            image_tokens = 0
+            tokens = len(prompt["after_ids"])  # the prompt's, counted (an image's positions may be fewer: M-RoPE)
             for i in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
                 if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
                     count = ctypes.c_size_t()
                     ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
                     llm.eval([ids[j] for j in range(count.value)])
+                    tokens += count.value
                     continue
-                image_tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+                tokens += mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                 past = llama_cpp.llama_pos(0)
                 if mtmd.mtmd_helper_eval_chunk_single(ctx, llm._ctx.ctx, chunk, llama_cpp.llama_pos(llm.n_tokens),
                                                       llama_cpp.llama_seq_id(0), llm.n_batch, False,
@@ -259,7 +260,7 @@ def llamacpp_vision(job) -> dict:
             llm.eval(prompt["after_ids"])
             # the last token's logits (llama-cpp-python keeps them in .scores only with logits_all)
             logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-            return max(range(llm.n_vocab()), key=lambda i: logits[i]), image_tokens
+            return max(range(llm.n_vocab()), key=lambda i: logits[i]), tokens
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
@@ -272,7 +273,7 @@ def llamacpp_vision(job) -> dict:
         seconds.append(time.perf_counter() - start)
         tokens, counts = [t for t, _ in results], [n for _, n in results]
     mtmd.mtmd_free(ctx)
-    return {"seconds": seconds, "first_tokens": tokens, "image_tokens": counts,
+    return {"seconds": seconds, "first_tokens": tokens, "prompt_tokens": counts,
             "note": "mtmd, one prompt at a time; the GGUF and mmproj as written (float16)"}
 
 

@@ -57,9 +57,10 @@ from ridge.rope_scaling import RopeScaling
 # the layout this module writes; bumped when it changes, so that a cached file of an older one is written again
 WRITER_VERSION = 5
 
-# ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there; DeepSeek-V2 and V3 are deepseek2,
-# told apart by their gating function)
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "granite": "granite", "qwen2": "qwen2", "qwen3": "qwen3",
+# ridge's architecture -> llama.cpp's (a Mixtral is llama with experts there, a Mistral without windows llama;
+# DeepSeek-V2 and V3 are deepseek2, told apart by their gating function)
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "granite": "granite",
+                      "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
                       "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
                       "mamba2": "mamba2", "bamba": "granitehybrid", "granitemoe": "granitemoe",
@@ -279,6 +280,9 @@ def _check_writable(spec: ModelSpec) -> str:
                          "windows on 3 of 4): another windowed shape would run unwindowed there")
     if arch == "gemma3":
         _check_gemma3(spec)
+    if arch == "llama" and spec.sliding_window:  # (Mistral 7B's windows: llama.cpp's llama graph has none)
+        raise ValueError(f"model: llama.cpp's llama attends without a window; this model's is {spec.sliding_window} "
+                         "tokens")
     if (spec.rope_scaling or {}).get("llama_4_scaling_beta") and arch not in ("mistral3", "mistral4"):
         raise ValueError(f"model: llama.cpp's {arch} has no attention temperature (llama_4_scaling_beta)")
     if arch == "gpt-oss" and (spec.global_every != 2 or (spec.rope_scaling or {}).get("truncate", True)):
@@ -701,7 +705,7 @@ def _gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]):
                                            fused[q + 2 * kv:].unflatten(0, (cfg.num_heads, -1))], 1).flatten(0, 2)
                 for part, rows, heads in (("q", queries, cfg.num_heads), ("k", fused[q:q + kv], cfg.num_kv_heads),
                                           ("v", fused[q + kv:q + 2 * kv], None)):
-                    if heads and (cfg.architecture in (*ROTARY_PERMUTED, "bamba") or cfg.rope_interleave):
+                    if heads and (cfg.architecture in (*ROTARY_PERMUTED, "bamba", "mistral") or cfg.rope_interleave):
                         # llama's and Bamba's rows as llama.cpp's converter permutes them; GLM-4's, Ernie's and
                         # Cohere's as their checkpoints pair them (llama.cpp turns pairs there)
                         rows = _permute_rotary(rows, heads, cfg.rotary_dim)

@@ -76,7 +76,7 @@ PRESETS = {
 PRESETS["mistral-small-3.1"] = (
     "mistral3", {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
                  "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e9,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e9, "sliding_window": None,
                  "tie_word_embeddings": False},
     {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
      "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540, "hidden_act": "silu"})
@@ -90,7 +90,7 @@ PRESETS["gemma-3-4b"] = (
      "num_attention_heads": 16, "patch_size": 14, "image_size": 896, "vision_use_head": False})
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "gemma3")
 # the kinds whose llama.cpp files ridge writes and reads (--gguf: models/mmproj.py), and their rows
-LLAMA_CPP_KINDS = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+LLAMA_CPP_KINDS = ("qwen2_vl", "qwen2_5_vl", "gemma3", "mistral3")
 GGUF_ROW, LLAMA_CPP_ROW = "ridge (GGUF + mmproj)", "llama.cpp (GGUF + mmproj)"
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
@@ -231,10 +231,11 @@ def llama_cpp_files(path: Path, folder: Path) -> tuple[Path, Path]:
     from ridge.models.loader import load_model
 
     config = json.loads((path / "config.json").read_text())
-    names = (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
-             ("image_token_index", "<image_soft_token>")) if config["model_type"] == "gemma3" else (
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-        ("image_token_id", "<|image_pad|>"))
+    qwen = (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"))
+    names = {"gemma3": (("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
+                        ("image_token_index", "<image_soft_token>")),
+             "mistral3": ()}.get(config["model_type"], qwen)  # (Mistral 3's random tokenizers name its tokens)
     named = {int(config[key]): name for key, name in names if key in config}
     loaded = load_model(path, torch.float16, progress=False)  # the file's form, held once
     vocabulary = write_vocabulary(path / "tokenizer.json", folder / "vocabulary.gguf", loaded.spec.vocab_size, named)
@@ -292,7 +293,7 @@ def _run(args: argparse.Namespace, path: Path, shown: str, files: tuple[Path, Pa
             seconds["HF transformers"].append(time.perf_counter() - start)
     ours = firsts["ridge"]
     if files is not None:
-        llama = _llama_cpp(args, files, prompts, images, widened, engine, work.image_tokens)
+        llama = _llama_cpp(args, files, prompts, images, widened, engine)
         if isinstance(llama, str):
             print(f"[bench] llama.cpp: {llama}", file=sys.stderr)
         else:
@@ -335,7 +336,7 @@ def _run(args: argparse.Namespace, path: Path, shown: str, files: tuple[Path, Pa
 
 
 def _llama_cpp(args: argparse.Namespace, files: tuple[Path, Path], prompts: list[dict], images: list,
-               widened: list[list[int]], engine, image_tokens: int) -> tuple[list[float], list[int]] | str:
+               widened: list[list[int]], engine) -> tuple[list[float], list[int]] | str:
     """llama.cpp (llama-cpp-python's mtmd, in its peer's interpreter) on the same files and prompts: each round's
     seconds and its first tokens; or why it did not run. mtmd writes an image's own begin and end tokens, so it is
     given the text before them and the prompt's ids after them (Gemma 3's framing newlines as text)."""
@@ -353,6 +354,8 @@ def _llama_cpp(args: argparse.Namespace, files: tuple[Path, Path], prompts: list
             if vision.family == "siglip":  # ridge's "\n\n<start_of_image>" ... "<end_of_image>\n\n", then the text
                 newlines = list(engine.tokenizer.encode("\n\n", add_special_tokens=False))
                 before, after = "\n\n", newlines + ids[1:]
+            elif vision.family == "pixtral":  # [IMG], then the text (mtmd's rows end in [IMG_END] as ridge's do)
+                before, after = "", ids[1:]
             else:  # <|vision_start|> <|image_pad|> <|vision_end|>, then the text
                 before, after = "", ids[3:]
             jobs.append({"before": before, "after_ids": after, "image": str(Path(folder) / f"{i}.png")})
@@ -361,9 +364,9 @@ def _llama_cpp(args: argparse.Namespace, files: tuple[Path, Path], prompts: list
         result = run_peer("llamacpp", python, job, timeout=3600)
     if result.error:
         return f"failed: {result.error}"
-    if set(counts := result.figures["image_tokens"]) != {image_tokens}:
-        print(f"[bench] llama.cpp made {counts} tokens of the images where ridge made {image_tokens}: its own sizing",
-              file=sys.stderr)
+    if (counts := result.figures["prompt_tokens"]) != [len(ids) for ids in widened]:
+        print(f"[bench] llama.cpp's prompts were {counts} tokens long where ridge's were {[len(i) for i in widened]}: "
+              "its own image sizing or layout", file=sys.stderr)
     return result.figures["seconds"], result.figures["first_tokens"]
 
 
@@ -451,6 +454,6 @@ def add_vision_parser(bsub, add_engine_args) -> None:
     p.add_argument("--gguf", action="store_true",
                    help="also run the model from llama.cpp's files (its language model a GGUF, its tower an mmproj, "
                    "written float16 as llama.cpp's converter writes them): ridge with --mmproj, and llama.cpp's mtmd "
-                   "where its peer is installed (Qwen2-VL, Qwen2.5-VL, Gemma 3)")
+                   "where its peer is installed (Qwen2-VL, Qwen2.5-VL, Gemma 3, Mistral 3)")
     add_rounds_args(p)
     p.set_defaults(func=cmd_vision)

@@ -199,9 +199,17 @@ def _mmproj_tensors(projector: GGUFFile, tower: VisionConfig,
                     ops: ModuleType | None) -> Iterator[tuple[str, _Stored]]:
     """A projector file's tensors, dequantized as read (the tower runs dense), in the checkpoint's form: Qwen2-VL's
     patch kernel, which the converter cut into its two frames, joined again; Gemma 3's projector norm, stored as the
-    1 + w it multiplies by, back to w."""
+    1 + w it multiplies by, back to w; Pixtral's q / k rows, permuted by the converter as llama's are, put back.
+    Pixtral's `v.token_embd.img_break` is a copy of the language model's [IMG_BREAK] embedding, which ridge reads
+    there (its layout places the token)."""
     frames: dict[str, np.ndarray] = {}
     for t in projector.tensors:
+        if t.name.startswith("v.token_embd.img_break"):
+            continue
+        if tower.family == "pixtral" and re.fullmatch(r"v\.blk\.\d+\.attn_[qk]\.weight", t.name):
+            stored = _gguf_stored(t.data, t.tensor_type, t.shape, ops, False, t.name)
+            yield t.name, stored.reordered(_rotary_order(t.shape[0], tower.num_heads))
+            continue
         if tower.family == "qwen" and t.name in _PATCH_FRAMES:
             frames[t.name] = gguf_blocks.dequantize(t.data, t.tensor_type, t.shape, ops)
             if len(frames) == len(_PATCH_FRAMES):  # [width, channels, frames, pixels, pixels]

@@ -21,7 +21,8 @@ from ridge.multimodal.images import QWEN2_VL_PROCESSING, ImageProcessing
 from ridge.multimodal.vision_config import VisionConfig
 
 # clip.projector_type -> the language models' GGUF architectures it goes with
-PROJECTORS = {"qwen2vl_merger": ("qwen2vl",), "qwen2.5vl_merger": ("qwen2vl",), "gemma3": ("gemma3",)}
+PROJECTORS = {"qwen2vl_merger": ("qwen2vl",), "qwen2.5vl_merger": ("qwen2vl",), "gemma3": ("gemma3",),
+              "pixtral": ("llama", "mistral3")}  # (Mistral Small 3.1's files are llama's, Ministral 3's mistral3's)
 # Qwen2.5-VL's windows (pixels a side): every published checkpoint's, which its mmproj files do not carry
 QWEN2_5_VL_WINDOW = 112
 # the projector's pooling of Gemma 3's patches, a side: what llama.cpp assumes where clip.vision.projector.scale_factor
@@ -81,6 +82,10 @@ def with_projector(spec: ModelSpec, language: GGUFFile, projector: GGUFFile, sou
         raise ValueError(f"mmproj: {source}: clip.vision.projection_dim {output_size} is not the language model's "
                          f"width ({spec.hidden_size}): the projector is another model's")
     tokens = gguf_value(language, "tokenizer.ggml.tokens") or []
+    shapes = {t.name: t.shape for t in projector.tensors}
+    if kind == "pixtral":
+        vision = _pixtral_tower(value, output_size, shapes, spec.rms_norm_eps, source)
+        return dataclasses.replace(spec, vision=vision, image_token_id=_token(tokens, "[IMG]", spec.name))
     if kind == "gemma3":
         vision = _gemma3_tower(value, output_size, tokens, spec.name)
         return dataclasses.replace(spec, vision=vision, image_token_id=_token(tokens, "<image_soft_token>", spec.name))
@@ -88,7 +93,6 @@ def with_projector(spec: ModelSpec, language: GGUFFile, projector: GGUFFile, sou
     if not sections or sum(sections[:3]) * 2 != spec.head_dim:
         raise ValueError(f"mmproj: {spec.name}: {arch}.rope.dimension_sections {sections} do not split its "
                          f"{spec.head_dim // 2} rotary pairs in three (M-RoPE's time, height, width)")
-    shapes = {t.name: t.shape for t in projector.tensors}
     return dataclasses.replace(spec, vision=_qwen_tower(kind, value, output_size, shapes, source),
                                image_token_id=_token(tokens, "<|image_pad|>", spec.name),
                                mrope_section=tuple(int(n) for n in sections[:3]))
@@ -101,6 +105,8 @@ def projector_processing(projector: GGUFFile, tower: VisionConfig) -> ImageProce
     std = tuple(gguf_value(projector, "clip.vision.image_std"))
     if tower.family == "siglip":  # Gemma 3's fixed square, bilinear
         return ImageProcessing.square_of(tower, mean, std)
+    if tower.family == "pixtral":  # within the tower's image size a side
+        return ImageProcessing.longest_edge_of(tower, mean, std, tower.longest_edge)
     defaults = QWEN2_VL_PROCESSING
     return dataclasses.replace(
         defaults, mean=mean, std=std,
@@ -126,6 +132,25 @@ def _qwen_tower(kind: str, value, output_size: int, shapes: dict[str, tuple[int,
         full_attention_blocks=tuple(i for i in range(depth) if (i + 1) % pattern == 0) if windowed else (),
         patch_size=int(value("clip.vision.patch_size")), temporal_patch_size=2,
         merge_size=int(value("clip.vision.spatial_merge_size", 2)))
+
+
+def _pixtral_tower(value, output_size: int, shapes: dict[str, tuple[int, ...]], text_eps: float,
+                   source: str) -> VisionConfig:
+    """Mistral 3's Pixtral encoder and projector. Pixtral-12B's LLaVA projector (no patch merger) is another model's
+    and refused; the projector's norm is the language model's (its epsilon: the file has none of its own)."""
+    if "mm.patch_merger.weight" not in shapes:
+        raise ValueError(f"mmproj: {source}: a pixtral projector without mm.patch_merger (Pixtral-12B's LLaVA "
+                         "projector) is not supported (Mistral 3's)")
+    silu, gelu = bool(value("clip.use_silu", False)), bool(value("clip.use_gelu", False))
+    return VisionConfig(
+        depth=int(value("clip.vision.block_count")), width=int(value("clip.vision.embedding_length")),
+        num_heads=int(value("clip.vision.attention.head_count")),
+        intermediate_size=int(shapes["v.blk.0.ffn_up.weight"][0]), output_size=output_size,
+        activation="gelu" if gelu and not silu else "silu", gated_mlp=True, rms_norm=True,
+        patch_size=int(value("clip.vision.patch_size")), temporal_patch_size=1,
+        merge_size=int(value("clip.vision.spatial_merge_size", 2)), family="pixtral",
+        norm_eps=float(value("clip.vision.attention.layer_norm_epsilon", 1e-5)), projector_norm_eps=text_eps,
+        projector_bias="mm.1.bias" in shapes, longest_edge=int(value("clip.vision.image_size")))
 
 
 def _gemma3_tower(value, output_size: int, tokens: list[str], name: str) -> VisionConfig:

@@ -138,11 +138,29 @@ MMPROJ_SIGLIP_NAMES = [
     (r"mm\.soft_emb_norm\.weight", "visual.multi_modal_projector.mm_soft_emb_norm.weight", None),
 ]
 
+# Mistral 3's: Pixtral's layers (q / k rows as llama.cpp's converter permutes them, undone by the loader) and its
+# projector
+MMPROJ_PIXTRAL_NAMES = [
+    (r"v\.patch_embd\.weight", "visual.vision_tower.patch_conv.weight", None),
+    (r"v\.pre_ln\.weight", "visual.vision_tower.ln_pre.weight", None),
+    *[(r"v\.blk\.(\d+)\." + source + r"\.weight", "visual.vision_tower.transformer.layers.{0}." + target + ".weight",
+       None) for source, target in [("attn_q", "attention.q_proj"), ("attn_k", "attention.k_proj"),
+                                    ("attn_v", "attention.v_proj"), ("attn_out", "attention.o_proj"),
+                                    ("ln1", "attention_norm"), ("ln2", "ffn_norm"),
+                                    ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"),
+                                    ("ffn_down", "feed_forward.down_proj")]],
+    (r"mm\.input_norm\.weight", "visual.multi_modal_projector.norm.weight", None),
+    (r"mm\.patch_merger\.weight", "visual.multi_modal_projector.patch_merger.merging_layer.weight", None),
+    (r"mm\.(1|2)\.(weight|bias)", "visual.multi_modal_projector.linear_{0}.{1}", None),
+]
+
 
 def mmproj_names(tower: VisionConfig) -> list[tuple[str, str, int | None]]:
     """The name table of a projector file of `tower`'s family (Qwen2.5-VL's gated MLP under its own names)."""
     if tower.family == "siglip":
         return MMPROJ_SIGLIP_NAMES
+    if tower.family == "pixtral":
+        return MMPROJ_PIXTRAL_NAMES
     up, down = ("up_proj", "down_proj") if tower.gated_mlp else ("fc1", "fc2")
     return [(pattern, template.replace("{up}", up).replace("{down}", down), slot)
             for pattern, template, slot in MMPROJ_QWEN_NAMES]

@@ -86,10 +86,17 @@ class ImageProcessing:
             patch = patch["height"] if patch.get("height") == patch.get("width") else patch
         if patch != tower.patch_size:
             raise ValueError(f"{file}: patch_size {patch} is not the vision tower's {tower.patch_size}")
-        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size,
-                   mean=tuple(config.get("image_mean", CLIP_MEAN)), std=tuple(config.get("image_std", CLIP_STD)),
-                   longest_edge=int((config.get("size") or {}).get("longest_edge", tower.longest_edge)),
-                   resample=_resample(config, Image.Resampling.BICUBIC, file))
+        return cls.longest_edge_of(tower, tuple(config.get("image_mean", CLIP_MEAN)),
+                                   tuple(config.get("image_std", CLIP_STD)),
+                                   int((config.get("size") or {}).get("longest_edge", tower.longest_edge)),
+                                   _resample(config, Image.Resampling.BICUBIC, file))
+
+    @classmethod
+    def longest_edge_of(cls, tower: VisionConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                        longest_edge: int, resample: int = Image.Resampling.BICUBIC) -> ImageProcessing:
+        """Pixtral's (Mistral 3's): an image within longest_edge a side, each side rounded up to a merged token."""
+        return cls(patch_size=tower.patch_size, temporal_patch_size=1, merge_size=tower.merge_size, mean=mean,
+                   std=std, longest_edge=longest_edge, resample=resample)
 
     @classmethod
     def _siglip(cls, file: Path, tower: VisionConfig) -> ImageProcessing:
