@@ -35,7 +35,7 @@ def qwen_files(request, tmp_path_factory):
 
 def test_a_qwen_vl_gguf_with_its_mmproj_reads_images_as_hf(qwen_files, make_llm_for_test):
     """Prompt log-probabilities with two images of different shapes: the GGUF pair's equal the HF folder's in ridge
-    and HF transformers' on the checkpoint; greedy tokens equal HF's."""
+    and HF transformers' on the checkpoint; greedy tokens equal HF's; a chat with an image the folder's."""
     model, mmproj, folder, hf = qwen_files
     images = qwen_images.pictures((56, 84), (84, 56))
     head, parts = [1, 2, 3], [[4, 5], [6, 7, 8]]
@@ -43,14 +43,20 @@ def test_a_qwen_vl_gguf_with_its_mmproj_reads_images_as_hf(qwen_files, make_llm_
     llm = make_llm_for_test(model, mmproj=mmproj, dtype="float32", kv_cache_memory="16MiB")
     assert llm.engine.loaded.config.vision.family == "qwen"
     ids, ours = qwen_images.prompt_logprobs(llm, prompt)
-    folder_ids, from_folder = qwen_images.prompt_logprobs(
-        make_llm_for_test(folder, dtype="float32", kv_cache_memory="16MiB"), prompt)
+    from_folder_llm = make_llm_for_test(folder, dtype="float32", kv_cache_memory="16MiB")
+    folder_ids, from_folder = qwen_images.prompt_logprobs(from_folder_llm, prompt)
     assert ids == folder_ids
     assert (ours - from_folder).abs().max().item() < 1e-5
     expected = qwen_images.hf_prompt_logprobs(hf, qwen_images.hf_inputs(hf, head, images, parts))
     assert (ours - expected).abs().max().item() < 1e-4
     assert (llm.generate(prompt, qwen_images.GREEDY)[0].outputs[0].token_ids
             == qwen_images.hf_greedy(hf, head, images, parts))
+    # chat: the GGUF's template (copied from the folder's) places an OpenAI image_url part as the folder's does
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": qwen_images.data_url(
+        images[0])}}, {"type": "text", "text": "what is it"}]}]
+    chats = [engine.chat(messages, qwen_images.GREEDY)[0] for engine in (llm, from_folder_llm)]
+    assert chats[0].prompt_token_ids == chats[1].prompt_token_ids
+    assert chats[0].outputs[0].token_ids == chats[1].outputs[0].token_ids
 
 
 def test_the_language_model_alone_serves_text_and_refuses_images(qwen_files, make_llm_for_test):

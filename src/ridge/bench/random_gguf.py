@@ -117,8 +117,9 @@ def write_random_gguf(spec: ModelSpec, path: Path, vocabulary: Path, seed: int =
 
 def write_vocabulary(tokenizer_file: Path, path: Path, size: int, named: dict[int, str] | None = None) -> Path:
     """A GGUF holding only the byte-level BPE vocabulary of an HF tokenizer.json (llama.cpp's gpt2 model, no BOS
-    added), for write_gguf to copy: its tokens by id (an added token a control token), then placeholders to `size`
-    tokens; `named`: ids renamed (a random model's image tokens, which llama.cpp and ridge find by name)."""
+    added) and the chat template of the tokenizer_config.json beside it, for write_gguf to copy: its tokens by id (an
+    added token a control token), then placeholders to `size` tokens; `named`: ids renamed (a random model's image
+    tokens, which llama.cpp and ridge find by name)."""
     config = json.loads(tokenizer_file.read_text())
     vocab = {**config["model"]["vocab"], **{t["content"]: t["id"] for t in config.get("added_tokens", [])}}
     tokens = [f"<|placeholder_{i}|>" for i in range(size)]
@@ -142,6 +143,9 @@ def write_vocabulary(tokenizer_file: Path, path: Path, size: int, named: dict[in
     writer.add_token_merges(merges)
     writer.add_add_bos_token(False)
     writer.add_eos_token_id(size - 1)
+    settings = tokenizer_file.parent / "tokenizer_config.json"
+    if settings.exists() and isinstance(template := json.loads(settings.read_text()).get("chat_template"), str):
+        writer.add_chat_template(template)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -200,8 +200,8 @@ def _mmproj_tensors(projector: GGUFFile, tower: VisionConfig,
     """A projector file's tensors, dequantized as read (the tower runs dense), in the checkpoint's form: Qwen2-VL's
     patch kernel, which the converter cut into its two frames, joined again; Gemma 3's projector norm, stored as the
     1 + w it multiplies by, back to w; Pixtral's q / k rows, permuted by the converter as llama's are, put back.
-    Pixtral's `v.token_embd.img_break` is a copy of the language model's [IMG_BREAK] embedding, which ridge reads
-    there (its layout places the token)."""
+    Pixtral's `v.token_embd.img_break`, a copy of the language model's [IMG_BREAK] embedding, is not read: ridge's
+    layout places the token, which the language model embeds."""
     frames: dict[str, np.ndarray] = {}
     for t in projector.tensors:
         if t.name.startswith("v.token_embd.img_break"):
@@ -261,6 +261,8 @@ def load_model(
     if path.is_dir():
         if gguf_native:
             raise ValueError(f"quantization: gguf needs a .gguf model file; {path} is a directory")
+        if projector is not None:
+            raise ValueError(f"mmproj: a projector file goes with a GGUF language model; {path} is a directory")
         hf_config = json.loads((path / "config.json").read_text())
         spec = spec_from_hf_config(hf_config, path.name, str(path / "config.json"))
         cfg = config_from_spec(spec)

@@ -3,9 +3,10 @@
 llama.cpp keeps a vision-language model's tower in a GGUF of its own (general.architecture `clip`), written by its
 converter from the HF checkpoint: the tower's shape under `clip.vision.*`, the processor's mean and deviation, and
 the tensors under its `v.*` / `mm.*` names. This module reads the header into the VisionConfig ridge's towers run
-(models/vision.py, models/siglip.py) and the language model's fields that go with it: its image token, read from the
-language model's own vocabulary by name, and Qwen2-VL's M-RoPE sections, from the language model's header. The loader
-reads the tensors under the towers' names (tensor_names.MMPROJ_*, models/loader.py's _mmproj_tensors).
+(models/vision.py, models/siglip.py, models/pixtral.py) and the language model's fields that go with it: its image
+token, read from the language model's own vocabulary by name, and Qwen2-VL's M-RoPE sections, from the language
+model's header. The loader reads the tensors under the towers' names (tensor_names.MMPROJ_*, models/loader.py's
+_mmproj_tensors).
 """
 
 from __future__ import annotations

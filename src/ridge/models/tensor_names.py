@@ -111,19 +111,21 @@ HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)"
                    (r"visual\.(.+)", "visual.{0}", None)]
 # llama.cpp's multimodal projector files (models/mmproj.py): Qwen2-VL's and Qwen2.5-VL's tower, whose q / k / v the
 # converter splits (slots of qkv here) and whose two-frame patch kernel it writes as two (joined by the loader:
-# `visual.patch_embed.proj.weight` arrives whole)
-_MMPROJ_BLOCKS = [(r"v\.blk\.(\d+)\.attn_q\.(weight|bias)", 0), (r"v\.blk\.(\d+)\.attn_k\.(weight|bias)", 1),
-                  (r"v\.blk\.(\d+)\.attn_v\.(weight|bias)", 2)]
-MMPROJ_QWEN_NAMES = [
-    *[(pattern, "visual.blocks.{0}.attn.qkv.{1}", slot) for pattern, slot in _MMPROJ_BLOCKS],
-    *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.blocks.{0}." + target + ".{1}", None)
-      for source, target in [("attn_out", "attn.proj"), ("ln1", "norm1"), ("ln2", "norm2"),
-                             ("ffn_gate", "mlp.gate_proj"), ("ffn_down", "mlp.{down}")]],
-    (r"v\.blk\.(\d+)\.ffn_up\.(weight|bias)", "visual.blocks.{0}.mlp.{up}.{1}", None),
-    (r"v\.post_ln\.(weight|bias)", "visual.merger.ln_q.{0}", None),
-    (r"mm\.(0|2)\.(weight|bias)", "visual.merger.mlp.{0}.{1}", None),
-    (r"visual\.patch_embed\.proj\.weight", "visual.patch_embed.proj.weight", None),
-]
+# `visual.patch_embed.proj.weight` arrives whole); the MLP's up / down are Qwen2-VL's fc1 / fc2, Qwen2.5-VL's gated
+# MLP's up_proj / down_proj
+def _mmproj_qwen_names(up: str, down: str) -> list[tuple[str, str, int | None]]:
+    return [
+        *[(r"v\.blk\.(\d+)\.attn_" + part + r"\.(weight|bias)", "visual.blocks.{0}.attn.qkv.{1}", slot)
+          for slot, part in enumerate("qkv")],
+        *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.blocks.{0}." + target + ".{1}", None)
+          for source, target in [("attn_out", "attn.proj"), ("ln1", "norm1"), ("ln2", "norm2"),
+                                 ("ffn_gate", "mlp.gate_proj"), ("ffn_up", f"mlp.{up}"), ("ffn_down", f"mlp.{down}")]],
+        (r"v\.post_ln\.(weight|bias)", "visual.merger.ln_q.{0}", None),
+        (r"mm\.(0|2)\.(weight|bias)", "visual.merger.mlp.{0}.{1}", None),
+        (r"visual\.patch_embed\.proj\.weight", "visual.patch_embed.proj.weight", None),
+    ]
+
+
 # Gemma 3's: SigLIP's layers and Gemma 3's projector (its norm's weight stored as 1 + w, read back by the loader)
 MMPROJ_SIGLIP_NAMES = [
     (r"v\.patch_embd\.(weight|bias)", "visual.vision_tower.embeddings.patch_embedding.{0}", None),
@@ -161,9 +163,7 @@ def mmproj_names(tower: VisionConfig) -> list[tuple[str, str, int | None]]:
         return MMPROJ_SIGLIP_NAMES
     if tower.family == "pixtral":
         return MMPROJ_PIXTRAL_NAMES
-    up, down = ("up_proj", "down_proj") if tower.gated_mlp else ("fc1", "fc2")
-    return [(pattern, template.replace("{up}", up).replace("{down}", down), slot)
-            for pattern, template, slot in MMPROJ_QWEN_NAMES]
+    return _mmproj_qwen_names("up_proj", "down_proj") if tower.gated_mlp else _mmproj_qwen_names("fc1", "fc2")
 
 
 HF_NAMES = [
