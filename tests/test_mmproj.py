@@ -27,7 +27,7 @@ def gguf_pair(folder):
             write_mmproj(folder, folder / "mmproj.gguf"))
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen_files(request, tmp_path_factory):
     folder, hf = qwen_images.random_vision_model(request.param, tmp_path_factory.mktemp(request.param))
     return (*gguf_pair(folder), folder, hf)
@@ -126,9 +126,9 @@ def test_projector_files_that_do_not_fit_are_refused_by_name(qwen_files, tmp_pat
         LLM(str(model), mmproj=str(model))
     with pytest.raises(ValueError, match="mmproj: .* is not a file"):
         LLM(str(model), mmproj=str(tmp_path / "missing.gguf"))
-    for kind, refusal in [("qwen3vl_merger", "clip.projector_type 'qwen3vl_merger' is not supported"),
+    for kind, refusal in [("llama4", "clip.projector_type 'llama4' is not supported"),
                           ("pixtral", "a pixtral projector goes with a llama / mistral3 language model; model is "
-                                      "qwen2vl")]:
+                                      "qwen[23]vl")]:
         other = tmp_path / f"{kind}.gguf"
         writer = GGUFWriter(str(other), "clip")
         writer.add_clip_projector_type(kind)

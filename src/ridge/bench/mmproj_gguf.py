@@ -11,6 +11,7 @@ multiplies by, Pixtral's q / k rows permuted as llama's and its [IMG_BREAK] embe
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ridge.multimodal.images import CLIP_MEAN, CLIP_STD
 
 # an HF model_type -> its projector type
 PROJECTOR_TYPES = {"qwen2_vl": VisionProjectorType.QWEN2VL, "qwen2_5_vl": VisionProjectorType.QWEN25VL,
+                   "qwen3_vl": VisionProjectorType.QWEN3VL, "qwen3_vl_moe": VisionProjectorType.QWEN3VL,
                    "gemma3": VisionProjectorType.GEMMA3, "mistral3": VisionProjectorType.PIXTRAL}
 _TOWER_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.")
 
@@ -48,7 +50,17 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
     writer.add_vision_patch_size(vision.get("patch_size", 14))
     writer.add_vision_image_mean(processor.get("image_mean", CLIP_MEAN))
     writer.add_vision_image_std(processor.get("image_std", CLIP_STD))
-    if kind == "mistral3":
+    if kind.startswith("qwen3_vl"):
+        writer.add_vision_embedding_length(vision["hidden_size"])
+        writer.add_vision_feed_forward_length(vision["intermediate_size"])
+        side = int(vision.get("num_position_embeddings", 2304) ** 0.5)  # the converter's image size: the table's
+        writer.add_vision_image_size(side * vision.get("patch_size", 16))
+        writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
+        writer.add_vision_use_gelu(True)
+        writer.add_vision_spatial_merge_size(vision.get("spatial_merge_size", 2))
+        deep = vision.get("deepstack_visual_indexes") or []
+        writer.add_vision_is_deepstack_layers([i in deep for i in range(depth)])
+    elif kind == "mistral3":
         writer.add_vision_embedding_length(vision["hidden_size"])
         writer.add_vision_feed_forward_length(vision["intermediate_size"])
         writer.add_vision_image_size(vision["image_size"])
@@ -75,6 +87,11 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
                                               else vision["intermediate_size"])
         writer.add_vision_image_size(vision.get("image_size", 560))
         writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
+    budget = (processor.get("min_pixels", (processor.get("size") or {}).get("shortest_edge")),
+              processor.get("max_pixels", (processor.get("size") or {}).get("longest_edge")))
+    if kind.startswith("qwen") and None not in budget:  # the processor's pixel budget, under the gguf package's keys
+        writer.add_vision_min_pixels(int(budget[0]))
+        writer.add_vision_max_pixels(int(budget[1]))
     if kind == "qwen2_5_vl":
         writer.add_vision_use_silu(True)
         full = vision["fullatt_block_indexes"]
@@ -108,6 +125,7 @@ def _tower_tensors(folder: Path, config: dict) -> Iterator[tuple[str, torch.Tens
     changed as the converter changes them (Pixtral's q / k rows permuted as llama's, its [IMG_BREAK] embedding
     copied from the language model's)."""
     kind, heads = config["model_type"], config["vision_config"].get("num_attention_heads")
+    deepstack = config["vision_config"].get("deepstack_visual_indexes") or []
     img_break = _token_id(folder, "[IMG_BREAK]") if kind == "mistral3" else None
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as handle:
@@ -122,10 +140,13 @@ def _tower_tensors(folder: Path, config: dict) -> Iterator[tuple[str, torch.Tens
                 if name.startswith("vision_tower.vision_model.head."):  # SigLIP's pooling head, which Gemma 3 skips
                     continue
                 tensor = handle.get_tensor(stored)
+                if kind.startswith("qwen3_vl") and (renamed := _qwen3_name(name, deepstack)):
+                    yield renamed, tensor  # its mergers and patch bias, named by the converter itself
+                    continue
                 if kind == "mistral3" and name.endswith(("attention.q_proj.weight", "attention.k_proj.weight")):
                     # each head's rotary halves interleaved, as llama.cpp's converter permutes llama's
                     tensor = tensor.reshape(heads, 2, -1, tensor.shape[-1]).transpose(1, 2).reshape(tensor.shape)
-                if ".qkv." in name:  # q, k, v as three tensors
+                if ".qkv." in name and not kind.startswith("qwen3_vl"):  # q, k, v as three (Qwen3-VL's fused)
                     for part, rows in zip("qkv", tensor.chunk(3), strict=True):
                         yield name.replace(".qkv.", f".{part}."), rows
                 elif name.endswith("patch_embed.proj.weight"):  # a 2-frame Conv3d as two Conv2d kernels
@@ -135,6 +156,20 @@ def _tower_tensors(folder: Path, config: dict) -> Iterator[tuple[str, torch.Tens
                     yield name, tensor.float() + 1
                 else:
                     yield name.replace("_weight", ".weight"), tensor
+
+
+def _qwen3_name(name: str, deepstack: list[int]) -> str | None:
+    """Qwen3-VL's tensors the converter names itself: the merger (norm -> v.post_ln, linear_fc1 / 2 -> mm.0 / 2), each
+    DeepStack merger under the index of the block it follows, the patch embedding's bias; None for the others."""
+    parts = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+    if match := re.fullmatch(r"visual\.merger\.(norm|linear_fc1|linear_fc2)\.(weight|bias)", name):
+        part, kind = match.groups()
+        return f"v.post_ln.{kind}" if part == "norm" else f"mm.{0 if part == 'linear_fc1' else 2}.{kind}"
+    deep = r"visual\.deepstack_merger_list\.(\d+)\.(norm|linear_fc1|linear_fc2)\.(weight|bias)"
+    if match := re.fullmatch(deep, name):
+        k, part, kind = match.groups()
+        return f"v.deepstack.{deepstack[int(k)]}.{parts[part]}.{kind}"
+    return "v.patch_embd.bias" if name == "visual.patch_embed.proj.bias" else None
 
 
 def _token_id(folder: Path, token: str) -> int:

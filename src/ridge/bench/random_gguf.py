@@ -159,8 +159,8 @@ def write_gguf(loaded: LoadedModel, path: Path, vocabulary: Path, float16: bool 
     blocks = _block_type(block_type)
     spec, cfg = loaded.spec, loaded.config
     arch = _check_writable(spec)
-    if arch == "qwen2" and spec.mrope_section:  # Qwen2-VL's and Qwen2.5-VL's language model (its M-RoPE sections)
-        arch = "qwen2vl"
+    if spec.mrope_section:  # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models (their M-RoPE sections)
+        arch = {"qwen2": "qwen2vl", "qwen3": "qwen3vl", "qwen3moe": "qwen3vlmoe"}[arch]
     writer = GGUFWriter(str(path), arch)
     _header(writer, arch, spec, cfg, float16, blocks)
     _copy_vocabulary(writer, vocabulary, spec.vocab_size)
@@ -422,8 +422,10 @@ def _header(writer: GGUFWriter, arch: str, spec: ModelSpec, cfg: ModelConfig, fl
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_theta)
-    if arch == "qwen2vl":
+    if spec.mrope_section:
         writer.add_rope_dimension_sections([*spec.mrope_section, 0])
+    if arch.startswith("qwen3vl"):  # the image tokens' DeepStack levels (llama.cpp widens their embeddings by them)
+        writer.add_num_deepstack_layers(len(spec.vision.deepstack_blocks) if spec.vision else 0)
     if (scaling := cfg.rope_scaling) is not None and scaling.kind == "longrope":
         # as llama.cpp's converter writes Phi-3's: no scaling type, the factors as tensors (_gguf_tensors)
         writer.add_rope_scaling_orig_ctx_len(scaling.original_max_positions)

@@ -90,7 +90,7 @@ PRESETS["gemma-3-4b"] = (
      "num_attention_heads": 16, "patch_size": 14, "image_size": 896, "vision_use_head": False})
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "gemma3")
 # the kinds whose llama.cpp files ridge writes and reads (--gguf: models/mmproj.py), and their rows
-LLAMA_CPP_KINDS = ("qwen2_vl", "qwen2_5_vl", "gemma3", "mistral3")
+LLAMA_CPP_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "mistral3")
 GGUF_ROW, LLAMA_CPP_ROW = "ridge (GGUF + mmproj)", "llama.cpp (GGUF + mmproj)"
 DEFAULT_LM_LAYERS = 4
 # Qwen's special tokens' ids (their tokenizer's)
@@ -454,6 +454,6 @@ def add_vision_parser(bsub, add_engine_args) -> None:
     p.add_argument("--gguf", action="store_true",
                    help="also run the model from llama.cpp's files (its language model a GGUF, its tower an mmproj, "
                    "written float16 as llama.cpp's converter writes them): ridge with --mmproj, and llama.cpp's mtmd "
-                   "where its peer is installed (Qwen2-VL, Qwen2.5-VL, Gemma 3, Mistral 3)")
+                   "where its peer is installed (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3)")
     add_rounds_args(p)
     p.set_defaults(func=cmd_vision)

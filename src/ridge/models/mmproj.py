@@ -18,11 +18,12 @@ from typing import Any
 
 from ridge.models.gguf_file import GGUFFile, read_gguf
 from ridge.models.spec import ModelSpec, gguf_value
-from ridge.multimodal.images import QWEN2_VL_PROCESSING, ImageProcessing
+from ridge.multimodal.images import QWEN2_VL_PROCESSING, QWEN3_VL_PROCESSING, ImageProcessing
 from ridge.multimodal.vision_config import VisionConfig
 
 # clip.projector_type -> the language models' GGUF architectures it goes with
-PROJECTORS = {"qwen2vl_merger": ("qwen2vl",), "qwen2.5vl_merger": ("qwen2vl",), "gemma3": ("gemma3",),
+PROJECTORS = {"qwen2vl_merger": ("qwen2vl",), "qwen2.5vl_merger": ("qwen2vl",),
+              "qwen3vl_merger": ("qwen3vl", "qwen3vlmoe"), "gemma3": ("gemma3",),
               "pixtral": ("llama", "mistral3")}  # (Mistral Small 3.1's files are llama's, Ministral 3's mistral3's)
 # Qwen2.5-VL's windows (pixels a side): every published checkpoint's, which its mmproj files do not carry
 QWEN2_5_VL_WINDOW = 112
@@ -94,9 +95,17 @@ def with_projector(spec: ModelSpec, language: GGUFFile, projector: GGUFFile, sou
     if not sections or sum(sections[:3]) * 2 != spec.head_dim:
         raise ValueError(f"mmproj: {spec.name}: {arch}.rope.dimension_sections {sections} do not split its "
                          f"{spec.head_dim // 2} rotary pairs in three (M-RoPE's time, height, width)")
-    return dataclasses.replace(spec, vision=_qwen_tower(kind, value, output_size, shapes, source),
-                               image_token_id=_token(tokens, "<|image_pad|>", spec.name),
-                               mrope_section=tuple(int(n) for n in sections[:3]))
+    if kind == "qwen3vl_merger":
+        vision = _qwen3_tower(value, output_size, shapes, source)
+        levels = int(gguf_value(language, f"{arch}.n_deepstack_layers", len(vision.deepstack_blocks)))
+        if levels != len(vision.deepstack_blocks):
+            raise ValueError(f"mmproj: {spec.name}: {arch}.n_deepstack_layers {levels} is not the projector's "
+                             f"{len(vision.deepstack_blocks)} DeepStack mergers (clip.vision.is_deepstack_layers)")
+    else:
+        vision = _qwen_tower(kind, value, output_size, shapes, source)
+    return dataclasses.replace(spec, vision=vision, image_token_id=_token(tokens, "<|image_pad|>", spec.name),
+                               mrope_section=tuple(int(n) for n in sections[:3]),
+                               mrope_interleaved=kind == "qwen3vl_merger")
 
 
 def projector_processing(projector: GGUFFile, tower: VisionConfig) -> ImageProcessing:
@@ -108,7 +117,7 @@ def projector_processing(projector: GGUFFile, tower: VisionConfig) -> ImageProce
         return ImageProcessing.square_of(tower, mean, std)
     if tower.family == "pixtral":  # within the tower's image size a side
         return ImageProcessing.longest_edge_of(tower, mean, std, tower.longest_edge)
-    defaults = QWEN2_VL_PROCESSING
+    defaults = QWEN3_VL_PROCESSING if tower.patch_size == QWEN3_VL_PROCESSING.patch_size else QWEN2_VL_PROCESSING
     return dataclasses.replace(
         defaults, mean=mean, std=std,
         min_pixels=int(gguf_value(projector, "clip.vision.image_min_pixels", defaults.min_pixels)),
@@ -133,6 +142,30 @@ def _qwen_tower(kind: str, value, output_size: int, shapes: dict[str, tuple[int,
         full_attention_blocks=tuple(i for i in range(depth) if (i + 1) % pattern == 0) if windowed else (),
         patch_size=int(value("clip.vision.patch_size")), temporal_patch_size=2,
         merge_size=int(value("clip.vision.spatial_merge_size", 2)))
+
+
+def _qwen3_tower(value, output_size: int, shapes: dict[str, tuple[int, ...]], source: str) -> VisionConfig:
+    """Qwen3-VL's tower: Qwen2-VL's blocks over 16-pixel patches with a biased patch embedding, a learned position
+    table (its rows read off its tensor) and DeepStack's mergers after the blocks clip.vision.is_deepstack_layers
+    marks."""
+    if "v.patch_embd.weight.1" not in shapes or "v.position_embd.weight" not in shapes:
+        raise ValueError(f"mmproj: {source}: a qwen3vl_merger projector without v.patch_embd.weight.1 or "
+                         "v.position_embd.weight")
+    marked = gguf_list(value("clip.vision.is_deepstack_layers", []))
+    return VisionConfig(
+        depth=int(value("clip.vision.block_count")), width=int(value("clip.vision.embedding_length")),
+        num_heads=int(value("clip.vision.attention.head_count")),
+        intermediate_size=int(shapes["v.blk.0.ffn_up.weight"][0]), output_size=output_size,
+        activation="gelu_pytorch_tanh", gated_mlp=False, rms_norm=False,
+        patch_size=int(value("clip.vision.patch_size")), temporal_patch_size=2,
+        merge_size=int(value("clip.vision.spatial_merge_size", 2)), patch_bias="v.patch_embd.bias" in shapes,
+        position_embeddings=int(shapes["v.position_embd.weight"][0]),
+        deepstack_blocks=tuple(i for i, deep in enumerate(marked) if deep))
+
+
+def gguf_list(read: Any) -> list:
+    """A header array as a list (gguf_value reads a one-item array as its item)."""
+    return read if isinstance(read, list) else [read]
 
 
 def _pixtral_tower(value, output_size: int, shapes: dict[str, tuple[int, ...]], text_eps: float,

@@ -262,6 +262,8 @@ _HF_NAMES = {
     "qwen2": "qwen2",
     "qwen2vl": "qwen2",  # Qwen2-VL's and Qwen2.5-VL's language model (GGUF): M-RoPE, plain for text
     "qwen3": "qwen3",
+    "qwen3vl": "qwen3",  # Qwen3-VL's language model (GGUF): interleaved M-RoPE, plain for text
+    "qwen3vlmoe": "qwen3_moe",
 }
 
 

@@ -1274,8 +1274,9 @@ def _gguf_granite_fields(arch: str, value) -> dict:
 
 
 # whether a GGUF mixture renormalises its top-k routing weights, where the file does not say (llama.cpp's graphs)
-_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True, "granitehybrid": True,
-                   "lfm2moe": True, "qwen35moe": True, "qwen3next": True, "glm4moe": False, "minimax-m2": True}
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen3vlmoe": True, "qwen2moe": False, "olmoe": False, "granitemoe": True,
+                   "granitehybrid": True, "lfm2moe": True, "qwen35moe": True, "qwen3next": True, "glm4moe": False,
+                   "minimax-m2": True}
 
 # the local:global pattern of a GGUF architecture, fixed by it and not stored (as llama.cpp has it): gpt-oss's
 # windowed layers are the even ones, as its configs' layer_types list them

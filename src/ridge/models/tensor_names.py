@@ -163,7 +163,23 @@ def mmproj_names(tower: VisionConfig) -> list[tuple[str, str, int | None]]:
         return MMPROJ_SIGLIP_NAMES
     if tower.family == "pixtral":
         return MMPROJ_PIXTRAL_NAMES
+    if tower.position_embeddings:  # Qwen3-VL's
+        return _mmproj_qwen3_names(tower.deepstack_blocks)
     return _mmproj_qwen_names("up_proj", "down_proj") if tower.gated_mlp else _mmproj_qwen_names("fc1", "fc2")
+
+
+def _mmproj_qwen3_names(deepstack_blocks: tuple[int, ...]) -> list[tuple[str, str, int | None]]:
+    """Qwen3-VL's: its q / k / v kept fused (attn_qkv), the patch embedding's bias, the position table, and each
+    DeepStack merger under the index of the block it follows (v.deepstack.{block}.*)."""
+    return [
+        (r"v\.blk\.(\d+)\.attn_qkv\.(weight|bias)", "visual.blocks.{0}.attn.qkv.{1}", None),
+        *_mmproj_qwen_names("fc1", "fc2"),
+        (r"v\.patch_embd\.bias", "visual.patch_embed.proj.bias", None),
+        (r"v\.position_embd\.weight", "visual.pos_embed.weight", None),
+        *[(rf"v\.deepstack\.{block}\.{source}\.(weight|bias)", f"visual.deepstack_merger_list.{k}.{target}.{{0}}",
+           None) for k, block in enumerate(deepstack_blocks)
+          for source, target in (("norm", "ln_q"), ("fc1", "mlp.0"), ("fc2", "mlp.2"))],
+    ]
 
 
 HF_NAMES = [
