@@ -20,7 +20,8 @@ from gguf import MODEL_ARCH, GGUFType, GGUFWriter, VisionProjectorType, get_tens
 from safetensors import safe_open
 
 from ridge.models.mmproj import QWEN2_5_VL_WINDOW
-from ridge.multimodal.images import CLIP_MEAN, CLIP_STD
+from ridge.models.spec import spec_from_hf_config
+from ridge.multimodal.images import ImageProcessing
 
 # an HF model_type -> its projector type
 PROJECTOR_TYPES = {"qwen2_vl": VisionProjectorType.QWEN2VL, "qwen2_5_vl": VisionProjectorType.QWEN25VL,
@@ -37,8 +38,9 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
     if kind not in PROJECTOR_TYPES:
         raise ValueError(f"model: writing an mmproj of {kind!r} is not supported ({', '.join(PROJECTOR_TYPES)})")
     vision, text = config["vision_config"], config.get("text_config") or config
-    processor_file = folder / "preprocessor_config.json"
-    processor = json.loads(processor_file.read_text()) if processor_file.exists() else {}
+    # the processor as ridge reads the folder (its preprocessor_config.json, or the family's HF defaults where it has
+    # none): what the converter copies from a checkpoint's preprocessor_config.json, which the published ones all have
+    processing = ImageProcessing.of_model(folder, spec_from_hf_config(config, folder.name).vision)
     depth = vision.get("depth", vision.get("num_hidden_layers"))
     writer = GGUFWriter(str(path), "clip")
     writer.add_type(GGUFType.MMPROJ)
@@ -48,8 +50,8 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
     writer.add_vision_block_count(depth)
     writer.add_vision_head_count(vision.get("num_heads", vision.get("num_attention_heads")))
     writer.add_vision_patch_size(vision.get("patch_size", 14))
-    writer.add_vision_image_mean(processor.get("image_mean", CLIP_MEAN))
-    writer.add_vision_image_std(processor.get("image_std", CLIP_STD))
+    writer.add_vision_image_mean(list(processing.mean))
+    writer.add_vision_image_std(list(processing.std))
     if kind.startswith("qwen3_vl"):
         writer.add_vision_embedding_length(vision["hidden_size"])
         writer.add_vision_feed_forward_length(vision["intermediate_size"])
@@ -87,11 +89,9 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
                                               else vision["intermediate_size"])
         writer.add_vision_image_size(vision.get("image_size", 560))
         writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
-    budget = (processor.get("min_pixels", (processor.get("size") or {}).get("shortest_edge")),
-              processor.get("max_pixels", (processor.get("size") or {}).get("longest_edge")))
-    if kind.startswith("qwen") and None not in budget:  # the processor's pixel budget, under the gguf package's keys
-        writer.add_vision_min_pixels(int(budget[0]))
-        writer.add_vision_max_pixels(int(budget[1]))
+    if kind.startswith("qwen"):  # the processor's pixel budget, under the gguf package's keys
+        writer.add_vision_min_pixels(processing.min_pixels)
+        writer.add_vision_max_pixels(processing.max_pixels)
     if kind == "qwen2_5_vl":
         writer.add_vision_use_silu(True)
         full = vision["fullatt_block_indexes"]
