@@ -31,15 +31,16 @@ def gemma3(tmp_path_factory):
     return random_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
-def random_gemma3(path):
-    """A 2-layer Gemma 3 (a window of 8 on its first layer) beside a 2-layer SigLIP (224-pixel images, 16 tokens
-    each), its projector's matrix drawn (HF starts it at zero), saved with its tokenizer and image processor: (its
-    folder, HF's model)."""
+def random_gemma3(path, **text_fields):
+    """A 2-layer Gemma 3 (a window of 8 on its first layer; `text_fields` override its text config) beside a 2-layer
+    SigLIP (224-pixel images, 16 tokens each), its projector's matrix drawn (HF starts it at zero), saved with its
+    tokenizer and image processor: (its folder, HF's model)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                 sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)
+    text.update(text_fields)
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
                   image_size=SIDE, initializer_range=0.2)
     torch.manual_seed(0)

@@ -76,23 +76,8 @@ def test_the_language_model_alone_serves_text_and_refuses_images(qwen_files, mak
 def random_gemma3_for_gguf(path):
     """test_gemma3_images' Gemma 3 in a shape llama.cpp's gemma3 graph runs (which its files cannot describe
     otherwise): six layers, the sixth global; attention scaled by the head's width."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
-                layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
-                initializer_range=0.2)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
-                  image_size=gemma3_images.SIDE, initializer_range=0.2)
-    torch.manual_seed(0)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=gemma3_images.TOKENS,
-                          boi_token_index=gemma3_images.BOI, eoi_token_index=gemma3_images.EOI,
-                          image_token_index=gemma3_images.IMAGE)
-    hf = qwen_images.with_drawn_norms(Gemma3ForConditionalGeneration(config).float().eval())
-    hf.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0, 0.2)
-    folder = qwen_images.saved_with_tokenizer(hf, path, gemma3_images.hf_processor(), gemma3_images.SPECIALS,
-                                              gemma3_images.TEMPLATE)
-    return folder, hf
+    return gemma3_images.random_gemma3(path, num_hidden_layers=6, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention"] * 5 + ["full_attention"])
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral3"])

@@ -215,6 +215,7 @@ def llamacpp_vision(job) -> dict:
 
     import llama_cpp
     import llama_cpp.mtmd_cpp as mtmd
+    import numpy as np
     from llama_cpp import Llama
 
     threads = job.get("threads") or os.cpu_count()
@@ -259,8 +260,8 @@ def llamacpp_vision(job) -> dict:
                 llm.n_tokens = past.value
             llm.eval(prompt["after_ids"])
             # the last token's logits (llama-cpp-python keeps them in .scores only with logits_all)
-            logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-            return max(range(llm.n_vocab()), key=lambda i: logits[i]), tokens
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+            return int(logits.argmax()), tokens
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)

@@ -151,7 +151,7 @@ def _qwen3_tower(value, output_size: int, shapes: dict[str, tuple[int, ...]], so
     if "v.patch_embd.weight.1" not in shapes or "v.position_embd.weight" not in shapes:
         raise ValueError(f"mmproj: {source}: a qwen3vl_merger projector without v.patch_embd.weight.1 or "
                          "v.position_embd.weight")
-    marked = gguf_list(value("clip.vision.is_deepstack_layers", []))
+    marked = _gguf_list(value("clip.vision.is_deepstack_layers", []))
     return VisionConfig(
         depth=int(value("clip.vision.block_count")), width=int(value("clip.vision.embedding_length")),
         num_heads=int(value("clip.vision.attention.head_count")),
@@ -163,7 +163,7 @@ def _qwen3_tower(value, output_size: int, shapes: dict[str, tuple[int, ...]], so
         deepstack_blocks=tuple(i for i, deep in enumerate(marked) if deep))
 
 
-def gguf_list(read: Any) -> list:
+def _gguf_list(read: Any) -> list:
     """A header array as a list (gguf_value reads a one-item array as its item)."""
     return read if isinstance(read, list) else [read]
 

@@ -109,6 +109,12 @@ HF_VISION_NAMES = [(r"visual\.blocks\.(\d+)\.mlp\.linear_fc(1|2)\.(weight|bias)"
                    # SigLIP's as Gemma 3's published checkpoints nest it (HF transformers 5 saves it unnested)
                    (r"visual\.vision_tower\.vision_model\.(.+)", "visual.vision_tower.{0}", None),
                    (r"visual\.(.+)", "visual.{0}", None)]
+def _mmproj_blocks(layers: str, parts: list[tuple[str, str]]) -> list[tuple[str, str, int | None]]:
+    """A projector file's block tensors (`v.blk.N.<part>.weight / .bias`) under a tower's `<layers>.N.<module>`."""
+    return [(r"v\.blk\.(\d+)\." + part + r"\.(weight|bias)", layers + ".{0}." + module + ".{1}", None)
+            for part, module in parts]
+
+
 # llama.cpp's multimodal projector files (models/mmproj.py): Qwen2-VL's and Qwen2.5-VL's tower, whose q / k / v the
 # converter splits (slots of qkv here) and whose two-frame patch kernel it writes as two (joined by the loader:
 # `visual.patch_embed.proj.weight` arrives whole); the MLP's up / down are Qwen2-VL's fc1 / fc2, Qwen2.5-VL's gated
@@ -117,9 +123,9 @@ def _mmproj_qwen_names(up: str, down: str) -> list[tuple[str, str, int | None]]:
     return [
         *[(r"v\.blk\.(\d+)\.attn_" + part + r"\.(weight|bias)", "visual.blocks.{0}.attn.qkv.{1}", slot)
           for slot, part in enumerate("qkv")],
-        *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.blocks.{0}." + target + ".{1}", None)
-          for source, target in [("attn_out", "attn.proj"), ("ln1", "norm1"), ("ln2", "norm2"),
-                                 ("ffn_gate", "mlp.gate_proj"), ("ffn_up", f"mlp.{up}"), ("ffn_down", f"mlp.{down}")]],
+        *_mmproj_blocks("visual.blocks", [("attn_out", "attn.proj"), ("ln1", "norm1"), ("ln2", "norm2"),
+                                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", f"mlp.{up}"),
+                                          ("ffn_down", f"mlp.{down}")]),
         (r"v\.post_ln\.(weight|bias)", "visual.merger.ln_q.{0}", None),
         (r"mm\.(0|2)\.(weight|bias)", "visual.merger.mlp.{0}.{1}", None),
         (r"visual\.patch_embed\.proj\.weight", "visual.patch_embed.proj.weight", None),
@@ -130,11 +136,10 @@ def _mmproj_qwen_names(up: str, down: str) -> list[tuple[str, str, int | None]]:
 MMPROJ_SIGLIP_NAMES = [
     (r"v\.patch_embd\.(weight|bias)", "visual.vision_tower.embeddings.patch_embedding.{0}", None),
     (r"v\.position_embd\.weight", "visual.vision_tower.embeddings.position_embedding.weight", None),
-    *[(r"v\.blk\.(\d+)\." + source + r"\.(weight|bias)", "visual.vision_tower.encoder.layers.{0}." + target + ".{1}",
-       None) for source, target in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                                    ("attn_v", "self_attn.v_proj"), ("attn_out", "self_attn.out_proj"),
-                                    ("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("ffn_up", "mlp.fc1"),
-                                    ("ffn_down", "mlp.fc2")]],
+    *_mmproj_blocks("visual.vision_tower.encoder.layers", [
+        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+        ("attn_out", "self_attn.out_proj"), ("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("ffn_up", "mlp.fc1"),
+        ("ffn_down", "mlp.fc2")]),
     (r"v\.post_ln\.(weight|bias)", "visual.vision_tower.post_layernorm.{0}", None),
     (r"mm\.input_projection\.weight", "visual.multi_modal_projector.mm_input_projection_weight", None),
     (r"mm\.soft_emb_norm\.weight", "visual.multi_modal_projector.mm_soft_emb_norm.weight", None),
@@ -145,12 +150,11 @@ MMPROJ_SIGLIP_NAMES = [
 MMPROJ_PIXTRAL_NAMES = [
     (r"v\.patch_embd\.weight", "visual.vision_tower.patch_conv.weight", None),
     (r"v\.pre_ln\.weight", "visual.vision_tower.ln_pre.weight", None),
-    *[(r"v\.blk\.(\d+)\." + source + r"\.weight", "visual.vision_tower.transformer.layers.{0}." + target + ".weight",
-       None) for source, target in [("attn_q", "attention.q_proj"), ("attn_k", "attention.k_proj"),
-                                    ("attn_v", "attention.v_proj"), ("attn_out", "attention.o_proj"),
-                                    ("ln1", "attention_norm"), ("ln2", "ffn_norm"),
-                                    ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"),
-                                    ("ffn_down", "feed_forward.down_proj")]],
+    *_mmproj_blocks("visual.vision_tower.transformer.layers", [
+        ("attn_q", "attention.q_proj"), ("attn_k", "attention.k_proj"), ("attn_v", "attention.v_proj"),
+        ("attn_out", "attention.o_proj"), ("ln1", "attention_norm"), ("ln2", "ffn_norm"),
+        ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"),
+        ("ffn_down", "feed_forward.down_proj")]),
     (r"mm\.input_norm\.weight", "visual.multi_modal_projector.norm.weight", None),
     (r"mm\.patch_merger\.weight", "visual.multi_modal_projector.patch_merger.merging_layer.weight", None),
     (r"mm\.(1|2)\.(weight|bias)", "visual.multi_modal_projector.linear_{0}.{1}", None),
