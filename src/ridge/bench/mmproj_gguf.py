@@ -67,10 +67,10 @@ def write_mmproj(folder: Path, path: Path, float16: bool = False) -> Path:
         writer.add_vision_feed_forward_length(vision["intermediate_size"])
         writer.add_vision_image_size(vision["image_size"])
         writer.add_vision_attention_layernorm_eps(vision.get("layer_norm_eps", 1e-5))
-        if vision.get("hidden_act", "silu") == "silu":
-            writer.add_vision_use_silu(True)
-        else:
-            writer.add_vision_use_gelu(True)
+        act = vision.get("hidden_act", "silu")
+        if act not in ("silu", "gelu"):  # the two the converter writes (and llama.cpp runs)
+            raise ValueError(f"vision_config.hidden_act: {act!r} has no form in a pixtral mmproj (silu, gelu)")
+        writer.add_vision_use_silu(True) if act == "silu" else writer.add_vision_use_gelu(True)
         writer.add_vision_spatial_merge_size(config.get("spatial_merge_size", 2))
     elif kind == "gemma3":
         writer.add_vision_embedding_length(vision["hidden_size"])
